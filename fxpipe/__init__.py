@@ -1,0 +1,28 @@
+"""fxpipe: pipeline parallelism for any PyTorch model.
+
+``fxpipe.compile(model, n_stages)`` traces the model with torch.fx, cuts the graph into
+balanced stages, routes every value that skips stages straight from its producer to its
+consumers, and runs the stages over micro-batches with a generated GPipe executor.
+"""
+
+from fxpipe.checkpoint import is_checkpointing, is_recomputing
+from fxpipe.errors import PipelineInputError, PlanMismatchError, TraceError
+from fxpipe.pipe import Pipe, compile
+from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
+from fxpipe.tracing import trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Pipe",
+    "PipelineInputError",
+    "PipelinePlan",
+    "PlanMismatchError",
+    "SkipRoute",
+    "StagePlan",
+    "TraceError",
+    "compile",
+    "is_checkpointing",
+    "is_recomputing",
+    "trace",
+]

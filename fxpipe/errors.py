@@ -1,0 +1,24 @@
+"""Errors fxpipe raises for input it cannot pipeline, each naming the cause and the fix."""
+
+from __future__ import annotations
+
+__all__ = ["TraceError", "PlanMismatchError", "PipelineInputError"]
+
+
+class TraceError(TypeError):
+    """A model could not be traced by torch.fx; names the module and source line."""
+
+    def __init__(self, message: str, *, module: str | None = None, filename: str | None = None,
+                 lineno: int | None = None) -> None:
+        super().__init__(message)
+        self.module = module
+        self.filename = filename
+        self.lineno = lineno
+
+
+class PlanMismatchError(ValueError):
+    """A saved plan does not match the model's graph; says what differs."""
+
+
+class PipelineInputError(ValueError):
+    """A runtime input does not fit the pipeline (batch sizes, shapes); names the argument."""

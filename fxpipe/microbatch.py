@@ -1,0 +1,88 @@
+"""Split inputs into micro-batches and gather outputs back into the model's structure.
+
+Every tensor with at least one dimension is split on dim 0; tuples, lists, dicts and nesting
+are followed; ``None``, non-tensor values and 0-dim tensors go to every micro-batch. A batch
+of B rows with ``chunks`` > B gives B micro-batches; uneven batches give sizes that differ by
+at most one row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten, keystr, tree_flatten_with_path
+
+from fxpipe.errors import PipelineInputError
+
+__all__ = ["batch_size", "scatter", "gather", "micro_sizes"]
+
+
+def _batched(x: Any) -> bool:
+    """Tell whether ``x`` is a tensor that is split on dim 0."""
+    return isinstance(x, torch.Tensor) and x.dim() > 0
+
+
+def batch_size(values: Sequence[Any], names: Sequence[str]) -> int | None:
+    """Return the common dim-0 size of the batched tensors in ``values``, or None if there are none.
+
+    Raises :class:`PipelineInputError` naming the argument whose batch size disagrees.
+    """
+    first: tuple[str, int] | None = None
+    for value, name in zip(values, names):
+        for path, leaf in tree_flatten_with_path(value)[0]:
+            if not _batched(leaf):
+                continue
+            where = name + keystr(path)
+            if first is None:
+                first = (where, leaf.shape[0])
+            elif leaf.shape[0] != first[1]:
+                raise PipelineInputError(
+                    f"batch sizes disagree: '{first[0]}' has {first[1]} rows on dim 0 but "
+                    f"'{where}' has {leaf.shape[0]}; every tensor input is split into micro-batches "
+                    "on dim 0, so give them the same batch size")
+    if first is not None and first[1] == 0:
+        raise PipelineInputError(f"'{first[0]}' has batch size 0; a pipeline needs at least one row")
+    return None if first is None else first[1]
+
+
+def micro_sizes(batch: int | None, chunks: int) -> list[int]:
+    """Return the number of rows of each micro-batch for a batch of ``batch`` rows."""
+    if batch is None:
+        return [0]
+    m = min(chunks, batch)
+    base, extra = divmod(batch, m)
+    return [base + (1 if i < extra else 0) for i in range(m)]
+
+
+def scatter(values: Sequence[Any], names: Sequence[str], chunks: int) -> list[list[Any]]:
+    """Split each value into micro-batches; return one list of values per micro-batch."""
+    batch = batch_size(values, names)
+    m = len(micro_sizes(batch, chunks))
+    leaves, spec = tree_flatten(list(values))
+    columns = [torch.tensor_split(leaf, m) if _batched(leaf) else [leaf] * m for leaf in leaves]
+    return [tree_unflatten([col[i] for col in columns], spec) for i in range(m)]
+
+
+def gather(outputs: Sequence[Any]) -> Any:
+    """Concatenate per-micro-batch outputs on dim 0 into one output of the same structure."""
+    if len(outputs) == 1:
+        return outputs[0]
+    flat = [tree_flatten(out) for out in outputs]
+    spec = flat[0][1]
+    for _, other in flat[1:]:
+        if other != spec:
+            raise ValueError("micro-batches returned outputs of different structures; the model's "
+                             "output structure must not depend on the batch")
+    merged = []
+    for k, leaf in enumerate(flat[0][0]):
+        column = [leaves[k] for leaves, _ in flat]
+        if isinstance(leaf, torch.Tensor):
+            if leaf.dim() == 0:
+                raise ValueError("the model returns a 0-dim tensor, which cannot be gathered across "
+                                 "micro-batches; return per-sample values (reduce after the "
+                                 "pipeline) or use chunks=1")
+            merged.append(torch.cat(column))
+        else:
+            merged.append(leaf)
+    return tree_unflatten(merged, spec)

@@ -1,0 +1,125 @@
+"""Choose devices, give each parameter and buffer one owning stage, and move them there.
+
+A tensor is owned by the first stage that reads it and lives on that stage's device. A later
+stage on another device that reads it too (tied embeddings) gets a differentiable copy made
+at each call, so its gradient flows back into the one real ``Parameter`` and equals eager.
+Tensors are moved in place (``param.data``; buffers re-registered on their own module), so
+the model's own ``Parameter`` objects stay the ones that receive gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["resolve_devices", "Ownership", "ownership", "move_owned", "stage_callable"]
+
+log = logging.getLogger(__name__)
+
+
+def resolve_devices(devices: Sequence[Any] | None, n_stages: int) -> list[torch.device]:
+    """Return one existing device per stage, defaulting to CUDA when present, else CPU."""
+    if devices is None:
+        if torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            return [torch.device("cuda", j % count) for j in range(n_stages)]
+        return [torch.device("cpu")] * n_stages
+    if isinstance(devices, (str, torch.device)):
+        raise TypeError(f"devices must be a list with one device per stage, got {devices!r}; "
+                        f"for example devices=[{str(devices)!r}] * {n_stages}")
+    devices = list(devices)
+    if len(devices) != n_stages:
+        raise ValueError(f"devices has {len(devices)} entries but n_stages={n_stages}; give one "
+                         "device per stage")
+    out = []
+    for d in devices:
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"devices holds {d!r}, which is not a device: {exc}") from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"devices holds {d!r} but CUDA is not available; use 'cpu'")
+            index = torch.cuda.current_device() if dev.index is None else dev.index
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"devices holds {d!r} but only {torch.cuda.device_count()} CUDA "
+                                 f"device(s) exist")
+            dev = torch.device("cuda", index)
+        elif dev.type not in ("cpu", "meta"):
+            if not hasattr(torch, dev.type) or not getattr(torch, dev.type).is_available():
+                raise ValueError(f"devices holds {d!r} but that backend is not available")
+        out.append(dev)
+    return out
+
+
+@dataclass
+class Ownership:
+    """Which stage owns each tensor, and which stages read tensors owned elsewhere."""
+
+    owner: dict[int, int] = field(default_factory=dict)  # id(tensor) -> stage
+    tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # id(tensor) -> tensor
+    foreign: list[list[str]] = field(default_factory=list)  # per stage: names read from another device
+
+
+def ownership(stages: Sequence[torch.fx.GraphModule], devices: Sequence[torch.device]) -> Ownership:
+    """Assign each parameter and buffer to the first stage that reads it."""
+    own = Ownership()
+    for j, gm in enumerate(stages):
+        for _, t in _named_state(gm):
+            if id(t) not in own.owner:
+                own.owner[id(t)] = j
+                own.tensors[id(t)] = t
+    for j, gm in enumerate(stages):
+        names = [name for name, t in _named_state(gm) if devices[own.owner[id(t)]] != devices[j]]
+        own.foreign.append(names)
+        if names:
+            log.info("stage %d reads %d tensor(s) owned by a stage on another device: %s",
+                     j, len(names), ", ".join(names[:5]))
+    return own
+
+
+def _named_state(gm: nn.Module):
+    """Yield (name, tensor) for every parameter and buffer, duplicates included."""
+    yield from gm.named_parameters(remove_duplicate=False)
+    yield from gm.named_buffers(remove_duplicate=False)
+
+
+def move_owned(roots: Sequence[nn.Module], own: Ownership, devices: Sequence[torch.device]) -> None:
+    """Move every owned tensor to its owner's device in every module of ``roots``.
+
+    Parameters move in place (``param.data``), so their identity is kept; a buffer is moved
+    once and the copy is registered wherever the old one was.
+    """
+    targets = {i: devices[j] for i, j in own.owner.items() if own.tensors[i].device != devices[j]}
+    if not targets:
+        return
+    moved: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for root in roots:
+            for module in root.modules():
+                for p in module._parameters.values():
+                    if p is not None and id(p) in targets and id(p) not in moved:
+                        p.data = p.data.to(targets[id(p)])
+                        moved[id(p)] = p
+                for name, b in list(module._buffers.items()):
+                    if b is not None and id(b) in targets:
+                        if id(b) not in moved:
+                            moved[id(b)] = b.to(targets[id(b)])
+                        module._buffers[name] = moved[id(b)]
+
+
+def stage_callable(gm: torch.fx.GraphModule, foreign: list[str], device: torch.device) -> Callable:
+    """Return a function running ``gm``, with foreign tensors copied to ``device`` per call."""
+    if not foreign:
+        return gm
+    state = dict(_named_state(gm))
+
+    def run(*args: Any) -> Any:
+        replicas = {name: state[name].to(device) for name in foreign}
+        return torch.func.functional_call(gm, replicas, args)
+
+    return run

@@ -1,0 +1,161 @@
+"""The pipeline plan: stages, devices, boundary values, skip routes and costs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tabulate import tabulate
+
+__all__ = ["StagePlan", "SkipRoute", "PipelinePlan"]
+
+
+@dataclass
+class StagePlan:
+    """One stage: where it runs, which nodes it holds, what it takes and gives."""
+
+    index: int
+    device: str
+    nodes: list[str]
+    inputs: list[str]
+    outputs: list[str]
+    flops: int = 0
+    params: int = 0
+    activation_bytes: int = 0
+    time_ms: float | None = None
+
+
+@dataclass
+class SkipRoute:
+    """A value stashed by stage ``src`` and popped by stage ``dst``, skipping the stages between."""
+
+    name: str
+    src: int
+    dst: int
+    bytes: int = 0
+
+
+@dataclass
+class PipelinePlan:
+    """Everything a runtime needs to run a partitioned model: serialisable and printable."""
+
+    stages: list[StagePlan]
+    skips: list[SkipRoute]
+    chunks: int = 1
+    checkpoint: str = "except_last"
+    schedule: str = "gpipe"
+    balance_by: str = "auto"
+    graph_nodes: list[str] = field(default_factory=list)
+
+    @property
+    def n_stages(self) -> int:
+        """Return the number of stages."""
+        return len(self.stages)
+
+    def producer(self) -> dict[str, int]:
+        """Map each value that leaves a stage to the stage that makes it."""
+        return {v: s.index for s in self.stages for v in s.outputs}
+
+    def consumers(self) -> dict[str, list[int]]:
+        """Map each value that enters a stage to the stages that read it, in order."""
+        out: dict[str, list[int]] = {}
+        for s in self.stages[1:]:
+            for v in s.inputs:
+                out.setdefault(v, []).append(s.index)
+        return out
+
+    def stashes(self, j: int) -> list[SkipRoute]:
+        """Return the skip routes that stage ``j`` stashes."""
+        return [r for r in self.skips if r.src == j]
+
+    def pops(self, j: int) -> list[SkipRoute]:
+        """Return the skip routes that stage ``j`` pops."""
+        return [r for r in self.skips if r.dst == j]
+
+    def bottleneck(self) -> float:
+        """Return the largest stage FLOPs over the mean (1.0 is perfectly balanced)."""
+        flops = [s.flops for s in self.stages]
+        mean = sum(flops) / len(flops)
+        return max(flops) / mean if mean else 1.0
+
+    def efficiency(self, chunks: int | None = None) -> float:
+        """Estimate pipeline efficiency m / (m + n - 1) * mean / max for ``chunks`` micro-batches."""
+        m = chunks or self.chunks
+        n = self.n_stages
+        return m / (m + n - 1) / self.bottleneck()
+
+    def table(self) -> str:
+        """Render the stage table, the balance summary and the skip routes as text."""
+        rows = []
+        for s in self.stages:
+            rows.append([
+                s.index, s.device, len(s.nodes), _short(s.nodes[0] if s.nodes else ""),
+                _short(s.nodes[-1] if s.nodes else ""), _human(s.flops), _human(s.params, "B"),
+                _human(s.activation_bytes, "B"),
+                len(self.stashes(s.index)), len(self.pops(s.index)),
+            ] + ([f"{s.time_ms:.2f}"] if any(t.time_ms is not None for t in self.stages) else []))
+        headers = ["stage", "device", "nodes", "first", "last", "FLOPs", "params", "act. out",
+                   "stash", "pop"]
+        if any(t.time_ms is not None for t in self.stages):
+            headers.append("ms")
+        lines = [tabulate(rows, headers=headers, tablefmt="simple")]
+        lines.append(f"bottleneck (max/mean FLOPs): {self.bottleneck():.3f}   "
+                     f"estimated efficiency at chunks={self.chunks}: {self.efficiency():.1%}")
+        if self.skips:
+            lines.append("skip routes:")
+            lines += [f"  {r.name}: stage {r.src} -> stage {r.dst} ({_human(r.bytes, 'B')})"
+                      for r in self.skips]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the plan as plain JSON-compatible data."""
+        return {"format": "fxpipe.plan/1", **asdict(self)}
+
+    def to_json(self, **kwargs: Any) -> str:
+        """Serialise the plan to a JSON string."""
+        return json.dumps(self.to_dict(), **({"indent": 1} | kwargs))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PipelinePlan":
+        """Rebuild a plan from :meth:`to_dict` output."""
+        data = dict(data)
+        fmt = data.pop("format", None)
+        if fmt != "fxpipe.plan/1":
+            raise ValueError(f"not an fxpipe plan (format={fmt!r}); save plans with plan.save(path)")
+        data["stages"] = [StagePlan(**s) for s in data["stages"]]
+        data["skips"] = [SkipRoute(**r) for r in data["skips"]]
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "PipelinePlan":
+        """Rebuild a plan from :meth:`to_json` output."""
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str) -> None:
+        """Write the plan to ``path`` as JSON."""
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "PipelinePlan":
+        """Read a plan written by :meth:`save`."""
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+
+def _short(name: str, width: int = 24) -> str:
+    """Shorten a node name for the table."""
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def _human(x: float, unit: str = "") -> str:
+    """Format a count with a k/M/G/T suffix."""
+    for suffix in ("", "k", "M", "G", "T"):
+        if abs(x) < 1000:
+            return f"{x:.0f}{suffix}{unit}" if suffix == "" else f"{x:.1f}{suffix}{unit}"
+        x /= 1000
+    return f"{x:.1f}P{unit}"

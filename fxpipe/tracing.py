@@ -1,0 +1,107 @@
+"""Trace a model into a ``torch.fx`` GraphModule, explaining failures."""
+
+from __future__ import annotations
+
+import linecache
+import logging
+import os
+import traceback
+from typing import Any, Iterable
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxpipe.errors import TraceError
+
+__all__ = ["trace"]
+
+log = logging.getLogger(__name__)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FXPIPE_DIR = os.path.dirname(__file__)
+
+
+class _Tracer(torch.fx.Tracer):
+    """A symbolic tracer that also treats the user's ``leaf_modules`` as opaque calls."""
+
+    def __init__(self, leaf_types: tuple[type, ...], leaf_names: frozenset[str]) -> None:
+        super().__init__()
+        self.leaf_types = leaf_types
+        self.leaf_names = leaf_names
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """Treat torch.nn's own modules and the user's leaf modules as single calls."""
+        if isinstance(m, self.leaf_types) or module_qualified_name in self.leaf_names:
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
+          concrete_args: dict[str, Any] | None = None) -> torch.fx.GraphModule:
+    """Trace ``model`` symbolically into the GraphModule whose node names a plan uses.
+
+    ``leaf_modules`` lists module classes or qualified names (``"encoder.block3"``) to keep
+    as single ``call_module`` nodes, for example because their forward has data-dependent
+    control flow. ``concrete_args`` fixes inputs to constants, as in
+    :func:`torch.fx.symbolic_trace`. The model is not modified. Raises :class:`TraceError`
+    naming the module and source line where tracing failed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxpipe.trace expects an nn.Module, got {type(model).__name__}")
+    leaf_modules = list(leaf_modules)
+    bad = [m for m in leaf_modules if not (isinstance(m, str) or (isinstance(m, type) and issubclass(m, nn.Module)))]
+    if bad:
+        raise TypeError(f"leaf_modules must hold nn.Module classes or qualified module names, got {bad!r}")
+    leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
+    leaf_names = frozenset(m for m in leaf_modules if isinstance(m, str))
+    unknown = sorted(leaf_names - {name for name, _ in model.named_modules()})
+    if unknown:
+        raise ValueError(f"leaf_modules names {unknown} that are not submodules of "
+                         f"{type(model).__name__}; use names from model.named_modules()")
+    tracer = _Tracer(leaf_types, leaf_names)
+    try:
+        graph = tracer.trace(model, concrete_args=concrete_args)
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        raise _explain(model, tracer, exc) from exc
+    name = model.__class__.__name__
+    gm = torch.fx.GraphModule(tracer.root, graph, name)
+    log.debug("traced %s: %d nodes", name, len(gm.graph.nodes))
+    return gm
+
+
+def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceError:
+    """Build a TraceError that names the failing module, its source line and the fix."""
+    module_path, module_type = "", type(model)
+    if tracer.module_stack:
+        module_path, module_type = list(tracer.module_stack.values())[-1]
+    frame = _user_frame(exc)
+    where = ""
+    if frame is not None:
+        line = linecache.getline(frame.filename, frame.lineno).strip()
+        where = f'\n  File "{frame.filename}", line {frame.lineno}, in {frame.name}\n    {line}'
+    type_name = getattr(module_type, "__name__", str(module_type))
+    if module_path:
+        fix = (f"Mark it as a leaf so it runs as one opaque call: "
+               f"fxpipe.trace(model, leaf_modules=[{type_name}]) or leaf_modules=[{module_path!r}] "
+               f"(fxpipe.compile takes the same leaf_modules=), or make its control flow "
+               f"independent of tensor values.")
+        what = f"module '{module_path}' ({type_name})"
+    else:
+        fix = ("The failure is in the top-level forward, which cannot be a leaf: move the "
+               "data-dependent part into a submodule and list it in leaf_modules=, or fix the "
+               "input with concrete_args=.")
+        what = f"the top-level module ({type_name})"
+    return TraceError(f"cannot trace {type(model).__name__}: {exc}\n"
+                      f"Tracing failed in {what}:{where}\n{fix}",
+                      module=module_path or None,
+                      filename=frame.filename if frame else None,
+                      lineno=frame.lineno if frame else None)
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """Return the innermost traceback frame outside torch and fxpipe."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _FXPIPE_DIR))
+            and not f.filename.startswith("<")]
+    return user[-1] if user else None
