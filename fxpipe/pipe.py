@@ -8,6 +8,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx
 from torch import nn
+from torch._subclasses import fake_tensor
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_map
 
 import passes
@@ -23,6 +25,8 @@ __all__ = ["Pipe", "compile"]
 log = logging.getLogger(__name__)
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
+_DATA_DEPENDENT = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+                   GuardOnDataDependentSymNode)
 SCHEDULES = ("gpipe", "1f1b")
 BALANCE_BY = ("auto", "flops", "params", "memory", "time")
 
@@ -143,10 +147,10 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     if example_inputs is not None or example_kwargs:
         args = example_inputs if isinstance(example_inputs, tuple) else (
             () if example_inputs is None else (example_inputs,))
+        names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        batch = batch_size(passes.bind_placeholders(gm, args, example_kwargs or {}), names)
+        micro = len(micro_sizes(batch, chunks))
         _annotate(gm, args, example_kwargs or {})
-        micro = len(micro_sizes(batch_size(passes.bind_placeholders(gm, args, example_kwargs or {}),
-                                           [n.target for n in gm.graph.nodes if n.op == "placeholder"]),
-                                chunks))
     else:
         passes.annotate_params(gm)
         micro = chunks
@@ -202,13 +206,12 @@ def _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split
 
 
 def _annotate(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
-    """Annotate on fake tensors; fall back to real kernels on buffer copies if that fails."""
+    """Annotate on fake tensors; for data-dependent ops, on real kernels with buffer copies."""
     try:
         passes.annotate(gm, args, kwargs)
-    except (TypeError, PipelineInputError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - data-dependent ops fake tensors cannot follow
-        log.warning("fake-tensor shape propagation failed (%s); annotating with real kernels", exc)
+    except _DATA_DEPENDENT as exc:
+        log.warning("fake tensors cannot follow a data-dependent op (%s); annotating with real "
+                    "kernels on copies of the buffers", type(exc).__name__)
         passes.annotate(gm, args, kwargs, real=True)
 
 

@@ -210,7 +210,7 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
     if info is not None and info.in_spec is not None:
         return _bind_pytree(gm, info.in_spec, args, kwargs)
     values: list = []
-    args = list(args)
+    args, kwargs = list(args), dict(kwargs)
     for node in placeholders:
         name = node.target
         if name.startswith("*"):
@@ -243,7 +243,9 @@ def _bind_pytree(gm: torch.fx.GraphModule, in_spec, args: tuple, kwargs: dict) -
         raise TypeError(f"the inputs do not match the model's signature {sig}: {exc}") from None
     bound.apply_defaults()
     names = list(sig.parameters)
-    n_args = in_spec.children_specs[0].num_children
-    kw_keys = in_spec.children_specs[1].context
+    args_spec, kwargs_spec = (in_spec.children() if hasattr(in_spec, "children")
+                              else in_spec.children_specs)
+    n_args = args_spec.num_children
+    kw_keys = kwargs_spec.context
     call = (tuple(bound.arguments[p] for p in names[:n_args]), {k: bound.arguments[k] for k in kw_keys})
     return list(fx_pytree.tree_flatten_spec(call, in_spec))

@@ -79,9 +79,10 @@ def split(gm: torch.fx.GraphModule, n_stages: int) -> tuple[list[StageGraph], li
         if j == 0:
             inputs = [n for n in own if n.op == "placeholder"]
         module = _build_stage(gm, j, own, inputs, outputs, last=(j == n_stages - 1))
-        attrs = sorted({a.name for n in own for a in n.all_input_nodes if a.op == "get_attr"})
+        attrs = {a for n in own for a in n.all_input_nodes if a.op == "get_attr"}
+        held = sorted(set(own) | attrs, key=order.get)
         stages.append(StageGraph(module, [v.name for v in inputs], [v.name for v in outputs],
-                                 [n.name for n in own] + attrs))
+                                 [n.name for n in held]))
     return stages, routes
 
 
@@ -91,7 +92,7 @@ def _build_stage(gm: torch.fx.GraphModule, j: int, own: list[torch.fx.Node],
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for v in inputs:
-        if v.op == "placeholder":
+        if j == 0:
             env[v] = graph.node_copy(v)
         else:
             env[v] = graph.placeholder(v.name)

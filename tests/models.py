@@ -1,0 +1,161 @@
+"""Small models for the tests, each with a factory returning (model, args, kwargs)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unet import UNet  # examples/unet.py, put on sys.path by conftest
+
+
+class MLP(nn.Module):
+    """Six linear layers with ReLU."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(6)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = F.relu(layer(x))
+        return x
+
+
+class CNN(nn.Module):
+    """Three conv-BN-ReLU blocks, pooling and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv2d(c, 8, 3, padding=1) for c in (3, 8, 8)])
+        self.bns = nn.ModuleList([nn.BatchNorm2d(8) for _ in range(3)])
+        self.fc = nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):
+        for conv, bn in zip(self.convs, self.bns):
+            x = F.relu(bn(conv(x)))
+        x = F.adaptive_avg_pool2d(x, 4)
+        return self.fc(torch.flatten(x, 1))
+
+
+class Inception(nn.Module):
+    """Four parallel branches merged by concatenation."""
+
+    def __init__(self, cin: int) -> None:
+        super().__init__()
+        self.b1 = nn.Conv2d(cin, 4, 1)
+        self.b3 = nn.Sequential(nn.Conv2d(cin, 4, 1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
+        self.b5 = nn.Sequential(nn.Conv2d(cin, 2, 1), nn.ReLU(), nn.Conv2d(2, 4, 5, padding=2))
+        self.pool = nn.Conv2d(cin, 4, 1)
+
+    def forward(self, x):
+        pooled = self.pool(F.max_pool2d(x, 3, stride=1, padding=1))
+        return F.relu(torch.cat([self.b1(x), self.b3(x), self.b5(x), pooled], dim=1))
+
+
+class InceptionNet(nn.Module):
+    """A stem, two inception blocks and a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.ModuleList([Inception(8), Inception(16)])
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        for block in self.blocks:
+            x = block(x)
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+class Attention(nn.Module):
+    """Causal self-attention with a residual connection and layer norm."""
+
+    def __init__(self, d: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.norm2 = nn.LayerNorm(d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class TiedTransformer(nn.Module):
+    """A small decoder whose output projection shares the input embedding's weight."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, layers: int = 3, seq: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList([Attention(d) for _ in range(layers)])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class MultiIO(nn.Module):
+    """Two positional tensors, a keyword tensor, a float argument; returns a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(4, 8)
+        self.c = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 3)
+        self.e = nn.Linear(8, 2)
+
+    def forward(self, x, y, *, mask, scale: float = 1.0):
+        h = torch.tanh(self.a(x)) + torch.tanh(self.b(y))
+        h = torch.relu(self.c(h)) * mask
+        main = self.d(h) * scale
+        return {"main": main, "aux": (self.e(h), x.sum(dim=1) * scale)}
+
+
+def mlp():
+    """Return an MLP and its inputs."""
+    return MLP(), (torch.randn(7, 16),), {}
+
+
+def cnn():
+    """Return a CNN with batch norm (eval mode) and its inputs."""
+    return CNN().eval(), (torch.randn(7, 3, 8, 8),), {}
+
+
+def unet():
+    """Return a U-Net (eval mode for batch norm) and its inputs."""
+    return UNet(depth=3, base=4).eval(), (torch.randn(7, 3, 16, 16),), {}
+
+
+def inception():
+    """Return an Inception-style model and its inputs."""
+    return InceptionNet(), (torch.randn(7, 3, 8, 8),), {}
+
+
+def transformer():
+    """Return a transformer with tied embeddings and its inputs."""
+    return TiedTransformer(), (torch.randint(0, 32, (7, 8)),), {}
+
+
+def multi_io():
+    """Return a several-input, dict-output model and its inputs."""
+    return MultiIO(), (torch.randn(7, 6), torch.randn(7, 4)), {"mask": torch.rand(7, 8), "scale": 0.5}
+
+
+FACTORIES = {"mlp": mlp, "cnn": cnn, "unet": unet, "inception": inception,
+             "transformer": transformer, "multi_io": multi_io}

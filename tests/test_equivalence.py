@@ -1,0 +1,17 @@
+"""Outputs and every gradient equal eager for every model, stage count, chunks and checkpoint mode."""
+
+import pytest
+
+from fxpipe.testing import assert_pipeline_equivalent
+from models import FACTORIES
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("chunks", [1, 3, 4])
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_equal_to_eager(name, n_stages, chunks, checkpoint):
+    model, args, kwargs = FACTORIES[name]()
+    pipe = assert_pipeline_equivalent(model, args, example_kwargs=kwargs, n_stages=n_stages,
+                                      chunks=chunks, checkpoint=checkpoint, devices=["cpu"] * n_stages)
+    assert len(pipe.stages) == n_stages

@@ -1,0 +1,56 @@
+"""Micro-batching: nested structures, None and non-tensors, uneven and small batches, gathering."""
+
+import pytest
+import torch
+
+from fxpipe.errors import PipelineInputError
+from fxpipe.microbatch import batch_size, gather, micro_sizes, scatter
+
+
+def test_scatter_follows_nesting_and_broadcasts_non_tensors():
+    x = torch.arange(10).reshape(5, 2)
+    values = [x, {"a": (x * 2, None), "b": [x + 1, "mode"]}, 3.5, torch.tensor(7.0)]
+    mbs = scatter(values, ["x", "d", "s", "t"], 2)
+    assert len(mbs) == 2
+    assert torch.equal(mbs[0][0], x[:3]) and torch.equal(mbs[1][0], x[3:])
+    assert torch.equal(mbs[1][1]["a"][0], x[3:] * 2) and mbs[1][1]["a"][1] is None
+    assert mbs[0][1]["b"][1] == "mode" and mbs[1][2] == 3.5
+    assert mbs[0][3].item() == 7.0 and mbs[1][3].item() == 7.0  # 0-dim tensors go to every micro-batch
+
+
+@pytest.mark.parametrize("batch, chunks, sizes", [
+    (8, 4, [2, 2, 2, 2]), (7, 4, [2, 2, 2, 1]), (5, 4, [2, 1, 1, 1]), (2, 4, [1, 1]), (1, 3, [1]),
+])
+def test_uneven_and_small_batches(batch, chunks, sizes):
+    assert micro_sizes(batch, chunks) == sizes
+    mbs = scatter([torch.randn(batch, 3)], ["x"], chunks)
+    assert [mb[0].shape[0] for mb in mbs] == sizes
+
+
+def test_no_batched_tensor_gives_one_micro_batch():
+    assert micro_sizes(None, 4) == [0]
+    assert len(scatter([3, None], ["a", "b"], 4)) == 1
+
+
+def test_disagreeing_batch_sizes_name_the_path():
+    with pytest.raises(PipelineInputError, match=r"'x' has 4 rows on dim 0 but 'extra\['k'\]\[1\]' has 3"):
+        batch_size([torch.randn(4, 2), {"k": (torch.randn(4), torch.randn(3))}], ["x", "extra"])
+
+
+def test_batch_size_zero_is_refused():
+    with pytest.raises(PipelineInputError, match="batch size 0"):
+        batch_size([torch.randn(0, 3)], ["x"])
+
+
+def test_gather_rebuilds_structure():
+    outs = [{"y": (torch.ones(2, 1) * i, i * 10), "z": [torch.full((2,), float(i))]} for i in range(3)]
+    merged = gather(outs)
+    assert merged["y"][0].flatten().tolist() == [0, 0, 1, 1, 2, 2]
+    assert merged["y"][1] == 0
+    assert merged["z"][0].tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_gather_refuses_scalar_outputs():
+    with pytest.raises(ValueError, match="0-dim tensor"):
+        gather([torch.tensor(1.0), torch.tensor(2.0)])
+    assert gather([torch.tensor(1.0)]).item() == 1.0

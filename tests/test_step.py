@@ -1,0 +1,52 @@
+"""pipe.step: one training step with a loss per micro-batch equals eager's loss and gradients."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpipe
+from fxpipe.testing import max_relative_error
+from models import TiedTransformer
+from unet import UNet
+
+
+def _compare(model, x, target, loss_fn, **kw):
+    eager = copy.deepcopy(model)
+    expected = loss_fn(eager(x), target)
+    expected.backward()
+    pipe = fxpipe.compile(model, example_inputs=(x,), **kw)
+    loss = pipe.step(x, target=target, loss_fn=loss_fn)
+    assert loss.requires_grad is False
+    assert max_relative_error(loss, expected) < 1e-5
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 4])
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_step_cross_entropy_transformer(chunks, checkpoint):
+    model = TiedTransformer()
+    tokens = torch.randint(0, 32, (7, 8))
+    target = torch.randint(0, 32, (7, 8))
+
+    def loss_fn(logits, tgt):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+    _compare(model, tokens, target, loss_fn, n_stages=3, chunks=chunks, checkpoint=checkpoint,
+             devices=["cpu"] * 3)
+
+
+def test_step_mse_unet_uneven_micro_batches():
+    model = UNet(depth=2, base=4).eval()
+    x, target = torch.randn(5, 3, 8, 8), torch.randn(5, 2, 8, 8)
+    _compare(model, x, target, F.mse_loss, n_stages=4, chunks=4, devices=["cpu"] * 4)
+
+
+def test_step_rejects_a_target_of_another_batch_size():
+    model = UNet(depth=2, base=4).eval()
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 3, 8, 8),), chunks=2, devices=["cpu"] * 2)
+    with pytest.raises(fxpipe.PipelineInputError, match="target has 3 rows on dim 0 but the inputs have 4"):
+        pipe.step(torch.randn(4, 3, 8, 8), target=torch.randn(3, 2, 8, 8), loss_fn=F.mse_loss)
