@@ -7,7 +7,8 @@ consumers, and runs the stages over micro-batches with a generated GPipe executo
 
 from fxpipe.checkpoint import is_checkpointing, is_recomputing
 from fxpipe.errors import PipelineInputError, PlanMismatchError, TraceError
-from fxpipe.pipe import Pipe, compile
+from fxpipe.compiler import compile
+from fxpipe.pipe import Pipe
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.tracing import trace
 

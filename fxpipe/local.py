@@ -28,12 +28,11 @@ log = logging.getLogger(__name__)
 class LocalRuntime:
     """Execute a plan's stages over micro-batches in this process."""
 
-    def __init__(self, plan: PipelinePlan, stage_fns: Sequence[Callable], devices: Sequence[torch.device],
-                 is_training: Callable[[], bool]) -> None:
+    def __init__(self, plan: PipelinePlan, stage_fns: Sequence[Callable], devices: Sequence[torch.device]) -> None:
         self.plan = plan
         self.stage_fns = list(stage_fns)
         self.devices = list(devices)
-        self.is_training = is_training
+        self.checkpointing = False
         self._programs: dict[int, tuple[str, Callable]] = {}
         self._copy_streams: list[list] = [[] for _ in devices]
 
@@ -46,9 +45,13 @@ class LocalRuntime:
             self._programs[m] = (source, compile_source(source, name, f"<fxpipe {name}>"))
         return self._programs[m]
 
-    def run(self, micro_batches: list[list[Any]]) -> list[Any]:
-        """Run every micro-batch through every stage; return the last stage's outputs."""
+    def run(self, micro_batches: list[list[Any]], training: bool) -> list[Any]:
+        """Run every micro-batch through every stage; return the last stage's outputs.
+
+        Checkpointing applies only when ``training`` and autograd is enabled.
+        """
         _, fn = self.program(len(micro_batches))
+        self.checkpointing = training and torch.is_grad_enabled()
         return fn(self, micro_batches)
 
     # -- what the program calls ----------------------------------------------------------
@@ -67,7 +70,7 @@ class LocalRuntime:
             compute_stream = current_stream(device)
             inputs = wait(inputs, self.copy_stream(j, i), compute_stream)
         with on_device(device):
-            if checkpoint and torch.is_grad_enabled() and self.is_training():
+            if checkpoint and self.checkpointing:
                 out = checkpointed(fn, inputs, device)
             else:
                 out = fn(*inputs)

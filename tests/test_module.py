@@ -3,7 +3,6 @@
 import copy
 
 import torch
-from torch import nn
 
 import fxpipe
 from models import CNN, TiedTransformer

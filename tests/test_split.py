@@ -1,7 +1,6 @@
 """Split: boundary values, skip routes straight from producer to consumer, tied parameters."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
