@@ -10,11 +10,13 @@ import torch.fx
 from torch import nn
 from torch._subclasses import fake_tensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils._pytree import tree_flatten
 
 import passes
 from fxpipe.local import LocalRuntime
 from fxpipe.microbatch import batch_size, micro_sizes
 from fxpipe.pipe import Pipe
+from fxpipe.signature import CallSignature
 from fxpipe.placement import move_owned, ownership, resolve_devices, stage_callable
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.tracing import trace
@@ -81,7 +83,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     own = ownership(stages, devices)
     move_owned([model, gm, *stages], own, devices)
     fns = [stage_callable(gm_j, own.foreign[j], devices[j]) for j, gm_j in enumerate(stages)]
-    runtime = LocalRuntime(plan, fns, devices)
+    runtime = LocalRuntime(plan, fns, devices, CallSignature(gm))
     pipe = Pipe(model, gm, plan, stages, devices, runtime)
     log.info("compiled %s into %d stages\n%s", type(model).__name__, n_stages, plan)
     return pipe
@@ -102,9 +104,6 @@ def _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split
         raise ValueError(f"balance_by={balance_by!r}; use one of {', '.join(map(repr, BALANCE_BY))}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}")
-    if schedule != "gpipe":
-        raise ValueError(f"schedule={schedule!r} is not available in the single-process runtime yet; "
-                         "use schedule='gpipe'")
     if split_points is not None and (isinstance(split_points, str)
                                      or not all(isinstance(p, str) for p in split_points)):
         raise TypeError(f"split_points must be a list of module or node names, got {split_points!r}")
@@ -132,9 +131,19 @@ def _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, sch
             flops=int(sum(nodes[v].meta.get("fxpipe.flops", 0) for v in sg.nodes)),
             params=int(sum(t.numel() * t.element_size() for t in tensors.values())),
             activation_bytes=int(sum(nodes[v].meta.get("fxpipe.bytes", 0) for v in sg.outputs) // max(micro, 1)),
+            grad_inputs=[v for v in sg.inputs if j > 0 and _carries_grad(nodes[v])],
         ))
     skips = [SkipRoute(r.name, r.src, r.dst, int(nodes[r.name].meta.get("fxpipe.bytes", 0) // max(micro, 1)))
              for r in routes]
     return PipelinePlan(stages=stage_plans, skips=skips, chunks=chunks, checkpoint=checkpoint,
                         schedule=schedule, balance_by=balance_by,
                         graph_nodes=[n.name for n in gm.graph.nodes])
+
+
+def _carries_grad(node: torch.fx.Node) -> bool:
+    """Tell whether a value crossing a boundary carries a gradient back to its producer."""
+    spec = node.meta.get("fxpipe.value")
+    if spec is None:  # not annotated: assume computed floating values do
+        return node.op != "placeholder"
+    return any(isinstance(t, passes.TensorSpec) and t.requires_grad and t.dtype.is_floating_point
+               for t in tree_flatten(spec)[0])

@@ -1,9 +1,11 @@
-"""Run a plan in one process, one device per stage, with the generated GPipe schedule.
+"""Run a plan in one process, one device per stage.
 
-The schedule itself is generated code (:mod:`fxpipe.codegen`); this module provides what it
-calls: ``compute`` (a stage on one micro-batch, checkpointed or not, between stream waits),
-``copy`` (to another stage's device on copy streams) and ``depend`` (fork/join ordering of
-backward). Backward is autograd's: the user calls ``backward`` on the gathered output.
+``pipe(x)`` runs the generated GPipe schedule (:mod:`fxpipe.codegen`) with autograd connected
+across stages, so the user's ``backward`` flows through every stage; this module provides
+what that code calls: ``compute`` (a stage on one micro-batch, checkpointed or not, between
+stream waits), ``copy`` (to another stage's device on copy streams) and ``depend`` (fork/join
+ordering of backward). ``pipe.step`` runs GPipe the same way, and 1F1B through the action
+engine (:mod:`fxpipe.actions`) with explicit per-stage backward.
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fxpipe.actions import ActionRunner, LocalTransport, compile_actions
 from fxpipe.checkpoint import checkpointed
 from fxpipe.codegen import compile_source, gpipe_source
 from fxpipe.copy import copy, wait
 from fxpipe.dependency import depend
+from fxpipe.microbatch import gather, micro_losses
 from fxpipe.plan import PipelinePlan
+from fxpipe.signature import CallSignature
 from fxpipe.stream import current_stream, new_stream, on_device
+from fxpipe.worker import StageWorker
 
 __all__ = ["LocalRuntime"]
 
@@ -28,22 +34,65 @@ log = logging.getLogger(__name__)
 class LocalRuntime:
     """Execute a plan's stages over micro-batches in this process."""
 
-    def __init__(self, plan: PipelinePlan, stage_fns: Sequence[Callable], devices: Sequence[torch.device]) -> None:
+    def __init__(self, plan: PipelinePlan, stage_fns: Sequence[Callable], devices: Sequence[torch.device],
+                 signature: CallSignature) -> None:
         self.plan = plan
         self.stage_fns = list(stage_fns)
         self.devices = list(devices)
+        self.signature = signature
         self.checkpointing = False
-        self._programs: dict[int, tuple[str, Callable]] = {}
+        self._programs: dict[tuple[str, int], tuple[str, Callable]] = {}
         self._copy_streams: list[list] = [[] for _ in devices]
+        n = plan.n_stages
+        self.workers = {j: StageWorker(j, fn, self.devices[j], [v in plan.stages[j].grad_inputs
+                                                                 for v in plan.stages[j].inputs], j == n - 1)
+                        for j, fn in enumerate(self.stage_fns)}
 
-    # -- the generated program -------------------------------------------------------
-    def program(self, m: int) -> tuple[str, Callable]:
-        """Return the source and function of the schedule for ``m`` micro-batches, compiled once."""
-        if m not in self._programs:
-            name = f"gpipe_{self.plan.n_stages}x{m}"
-            source = gpipe_source(self.plan, m, name)
-            self._programs[m] = (source, compile_source(source, name, f"<fxpipe {name}>"))
-        return self._programs[m]
+    # -- the generated programs ------------------------------------------------------
+    def program(self, m: int, kind: str = "gpipe") -> tuple[str, Callable]:
+        """Return the source and function of a schedule for ``m`` micro-batches, compiled once.
+
+        ``kind`` is ``"gpipe"`` (the autograd-connected forward) or ``"actions"`` (the plan's
+        schedule as forward and backward actions, for ``step``).
+        """
+        key = (kind, m)
+        if key not in self._programs:
+            if kind == "gpipe":
+                name = f"gpipe_{self.plan.n_stages}x{m}"
+                source = gpipe_source(self.plan, m, name)
+                self._programs[key] = (source, compile_source(source, name, f"<fxpipe {name}>"))
+            else:
+                self._programs[key] = compile_actions(self.plan, m, list(range(self.plan.n_stages)))
+        return self._programs[key]
+
+    def code(self) -> str:
+        """Return the source of the program ``step`` runs for ``plan.chunks`` micro-batches."""
+        kind = "gpipe" if self.plan.schedule == "gpipe" else "actions"
+        return self.program(self.plan.chunks, kind)[0]
+
+    def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
+        """Run the model's forward over micro-batches; return the model's output structure."""
+        mbs, _ = self.signature.split(args, kwargs, self.plan.chunks, self.devices[0])
+        return self.signature.finish(gather(self.run(mbs, training)))
+
+    def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
+        """Run forward and backward of one mini-batch with a loss per micro-batch; return the loss."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
+        mbs, batch = self.signature.split(args, kwargs, self.plan.chunks, self.devices[0])
+        losses = micro_losses(loss_fn, target, batch, len(mbs), self.devices[-1], self.signature.finish)
+        if self.plan.schedule == "gpipe":
+            outputs = self.run(mbs, training)
+            total = sum((losses[i](out) for i, out in enumerate(outputs[1:], 1)), losses[0](outputs[0]))
+            total.backward()
+            return total.detach()
+        transport = LocalTransport(self.plan, self.devices)
+        transport.inputs = mbs
+        runner = ActionRunner(self.plan, self.workers, transport)
+        runner.begin(len(mbs), losses, checkpointing=training)
+        self.program(len(mbs), "actions")[1](runner)
+        assert runner.total is not None
+        return runner.total
 
     def run(self, micro_batches: list[list[Any]], training: bool) -> list[Any]:
         """Run every micro-batch through every stage; return the last stage's outputs.

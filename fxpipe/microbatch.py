@@ -8,14 +8,14 @@ at most one row.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten, keystr, tree_flatten_with_path
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from fxpipe.errors import PipelineInputError
 
-__all__ = ["batch_size", "scatter", "gather", "micro_sizes"]
+__all__ = ["batch_size", "scatter", "gather", "micro_sizes", "micro_losses"]
 
 
 def _batched(x: Any) -> bool:
@@ -86,3 +86,29 @@ def gather(outputs: Sequence[Any]) -> Any:
         else:
             merged.append(leaf)
     return tree_unflatten(merged, spec)
+
+
+def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch: int | None,
+                 m: int, device: torch.device, finish: Callable[[Any], Any] = lambda out: out
+                 ) -> dict[int, Callable[[Any], torch.Tensor]]:
+    """Return, per micro-batch, a function from its output to its share of the batch loss.
+
+    Micro-batch ``i`` of ``rows_i`` rows contributes ``loss_fn(out_i, target_i) * rows_i / B``,
+    so for a mean-reduced loss the sum equals ``loss_fn`` on the whole batch.
+    """
+    target_batch = batch_size([target], ["target"])
+    if batch is not None and target_batch is not None and target_batch != batch:
+        raise PipelineInputError(f"target has {target_batch} rows on dim 0 but the inputs have "
+                                 f"{batch}; give the target the inputs' batch size")
+    sizes = micro_sizes(batch, m) if batch is not None else [0]
+    targets = scatter([target], ["target"], m)
+    losses = {}
+    for i, (tgt, rows) in enumerate(zip(targets, sizes)):
+        tgt = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tgt[0])
+        weight = rows / batch if batch else 1.0
+
+        def loss(out: Any, tgt: Any = tgt, weight: float = weight) -> torch.Tensor:
+            return loss_fn(finish(out), tgt) * weight
+
+        losses[i] = loss
+    return losses

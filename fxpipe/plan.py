@@ -24,6 +24,7 @@ class StagePlan:
     params: int = 0
     activation_bytes: int = 0
     time_ms: float | None = None
+    grad_inputs: list[str] = field(default_factory=list)  # inputs whose gradient flows back
 
 
 @dataclass

@@ -1,0 +1,166 @@
+"""Execute a schedule's action lists: forward and backward per stage with explicit boundaries.
+
+This is the engine of 1F1B in one process and of every schedule across ranks. Each action
+receives its inputs (or gradients) through a *transport*, runs a :class:`StageWorker`, and
+sends its outputs (or input gradients) on: the next stage gets boundary values, a later
+stage gets its skips directly, and every gradient goes straight back to the stage that
+made the value. The order of actions is generated code (:func:`action_source`), readable as
+``pipe.code``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from fxpipe.codegen import checkpoint_stop, compile_source
+from fxpipe.plan import PipelinePlan
+from fxpipe.schedule import SCHEDULES, Action, clocks, in_flight
+from fxpipe.worker import StageWorker
+
+__all__ = ["Transport", "LocalTransport", "ActionRunner", "action_source", "compile_actions"]
+
+
+class Transport(Protocol):
+    """Moves values and gradients between stages for micro-batch ``i``."""
+
+    def recv_forward(self, j: int, i: int) -> list[Any]:
+        """Return stage ``j``'s input values for micro-batch ``i``."""
+
+    def send_forward(self, j: int, i: int, outputs: Sequence[Any]) -> None:
+        """Deliver stage ``j``'s outputs to every stage that reads them."""
+
+    def recv_backward(self, j: int, i: int) -> list[Any]:
+        """Return the summed gradient of each of stage ``j``'s outputs."""
+
+    def send_backward(self, j: int, i: int, grads: Sequence[Any]) -> None:
+        """Send the gradients of stage ``j``'s inputs back to the stages that made them."""
+
+
+class LocalTransport:
+    """Hand values between stages of one process through a mailbox, on the right device."""
+
+    def __init__(self, plan: PipelinePlan, devices: Sequence[torch.device]) -> None:
+        self.plan = plan
+        self.devices = list(devices)
+        self.producer = plan.producer()
+        self.consumers = plan.consumers()
+        self.box: dict[tuple, Any] = {}
+        self.inputs: list[list[Any]] = []
+
+    def recv_forward(self, j: int, i: int) -> list[Any]:
+        """Take stage ``j``'s inputs from the mailbox (stage 0: the micro-batch)."""
+        if j == 0:
+            return self.inputs[i]
+        return [self.box.pop(("F", v, i, j)) for v in self.plan.stages[j].inputs]
+
+    def send_forward(self, j: int, i: int, outputs: Sequence[Any]) -> None:
+        """Put each output in the mailbox of each stage that reads it."""
+        if j == self.plan.n_stages - 1:
+            return
+        for v, value in zip(self.plan.stages[j].outputs, outputs):
+            for c in self.consumers.get(v, ()):
+                self.box[("F", v, i, c)] = _to(value, self.devices[c])
+
+    def recv_backward(self, j: int, i: int) -> list[Any]:
+        """Sum the gradients each output received from its consumers."""
+        grads = []
+        for v in self.plan.stages[j].outputs:
+            parts = self.box.pop(("B", v, i), [])
+            grads.append(sum(parts[1:], parts[0]) if parts else None)
+        return grads
+
+    def send_backward(self, j: int, i: int, grads: Sequence[Any]) -> None:
+        """Post each input's gradient to the stage that made the input."""
+        if j == 0:
+            return
+        for v, g in zip(self.plan.stages[j].inputs, grads):
+            if g is not None:
+                self.box.setdefault(("B", v, i), []).append(_to(g, self.devices[self.producer[v]]))
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """Move a tensor value to ``device`` (other values pass through)."""
+    if isinstance(value, torch.Tensor) and value.device != device:
+        return value.to(device)
+    return value
+
+
+class ActionRunner:
+    """Run stages' forward and backward actions over a transport; what generated code calls."""
+
+    def __init__(self, plan: PipelinePlan, workers: dict[int, StageWorker], transport: Any) -> None:
+        self.plan = plan
+        self.workers = workers
+        self.transport = transport
+        self.stop = 0
+        self.losses: dict[int, Callable[[Any], torch.Tensor]] = {}
+        self.total: torch.Tensor | None = None
+
+    def begin(self, m: int, losses: dict[int, Callable[[Any], torch.Tensor]], checkpointing: bool) -> None:
+        """Prepare a step of ``m`` micro-batches with a loss function per micro-batch."""
+        self.stop = checkpoint_stop(self.plan.checkpoint, m) if checkpointing else 0
+        self.losses = losses
+        self.total = None
+
+    def forward(self, j: int, i: int) -> None:
+        """Run F(i) on stage ``j``: receive, compute, send."""
+        inputs = self.transport.recv_forward(j, i)
+        last = j == self.plan.n_stages - 1
+        out = self.workers[j].forward(i, inputs, checkpoint=i < self.stop,
+                                      loss=self.losses.get(i) if last else None)
+        if last:
+            self.total = out if self.total is None else self.total + out
+        else:
+            self.transport.send_forward(j, i, out)
+
+    def backward(self, j: int, i: int) -> None:
+        """Run B(i) on stage ``j``: receive output gradients, backpropagate, send input gradients."""
+        grads = None if j == self.plan.n_stages - 1 else self.transport.recv_backward(j, i)
+        self.transport.send_backward(j, i, self.workers[j].backward(i, grads))
+
+
+def action_source(plan: PipelinePlan, m: int, stages: Sequence[int], name: str) -> str:
+    """Return the source of a function running ``stages``' actions for ``m`` micro-batches.
+
+    With several stages (one process) the actions interleave in clock order; with one stage
+    (one rank) they run in that stage's order, and communication orders the ranks.
+    """
+    schedule = plan.schedule
+    actions = SCHEDULES[schedule](plan.n_stages, m)
+    at = clocks(actions)
+    mine = sorted((a for j in stages for a in actions[j]), key=lambda a: (at[a], a.stage))
+    held = max(in_flight(actions[j]) for j in stages)
+    where = f"stage {stages[0]} of {plan.n_stages}" if len(stages) == 1 else f"{plan.n_stages} stages"
+    lines = [f"def {name}(rt):",
+             f'    """{schedule}: {where}, {m} micro-batches, at most {held} in flight per stage."""',
+             "    F, B = rt.forward, rt.backward"]
+    clock = None
+    for a in mine:
+        if at[a] != clock:
+            clock = at[a]
+            lines.append(f"    # clock {clock}")
+        lines.append(f"    {a.kind}({a.stage}, {a.mb})" + _comment(plan, a))
+    return "\n".join(lines) + "\n"
+
+
+def _comment(plan: PipelinePlan, a: Action) -> str:
+    """Describe what an action receives and sends, for the generated code."""
+    stage = plan.stages[a.stage]
+    producer, consumers = plan.producer(), plan.consumers()
+    if a.kind == "F":
+        src = sorted({producer[v] for v in stage.inputs if v in producer}) if a.stage else []
+        dst = sorted({c for v in stage.outputs for c in consumers.get(v, ())})
+        return f"  # recv {src or 'inputs'} -> send {dst or 'loss'}"
+    dst = sorted({producer[v] for v in stage.inputs if v in producer}) if a.stage else []
+    src = sorted({c for v in stage.outputs for c in consumers.get(v, ())})
+    return f"  # grads from {src or 'loss'} -> to {dst or 'none'}"
+
+
+def compile_actions(plan: PipelinePlan, m: int, stages: Sequence[int]) -> tuple[str, Callable]:
+    """Generate and compile the action program for ``stages``."""
+    tag = "all" if len(stages) > 1 else f"stage{stages[0]}"
+    name = f"{plan.schedule.replace('1f1b', 'one_f_one_b')}_{tag}_{plan.n_stages}x{m}"
+    source = action_source(plan, m, stages, name)
+    return source, compile_source(source, name, f"<fxpipe {name}>")

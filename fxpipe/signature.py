@@ -1,0 +1,50 @@
+"""The call signature of a traced model: bind inputs to placeholders, rebuild outputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_map
+
+import passes
+from fxpipe.microbatch import batch_size, scatter
+
+__all__ = ["CallSignature"]
+
+
+class CallSignature:
+    """Bind ``model(*args, **kwargs)`` to a GraphModule's placeholders and split it into micro-batches."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self.names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        info = getattr(gm.graph._codegen, "pytree_info", None)
+        self.flattens_outputs = info is not None and info.out_spec is not None
+
+    def bind(self, args: tuple, kwargs: dict) -> list[Any]:
+        """Return one value per placeholder for a call with ``args`` and ``kwargs``."""
+        return passes.bind_placeholders(self.gm, args, kwargs)
+
+    def split(self, args: tuple, kwargs: dict, chunks: int,
+              device: torch.device | None = None) -> tuple[list[list[Any]], int | None]:
+        """Bind and split the inputs; return the micro-batches (on ``device``) and the batch size."""
+        values = self.bind(args, kwargs)
+        batch = batch_size(values, self.names)
+        mbs = scatter(values, self.names, chunks)
+        if device is not None:
+            mbs = [[_to(v, device) for v in mb] for mb in mbs]
+        return mbs, batch
+
+    def finish(self, output: Any) -> Any:
+        """Rebuild the model's output structure where the graph returns flat outputs."""
+        if self.flattens_outputs:
+            return self.gm.graph._codegen.process_outputs(output)
+        return output
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """Move every tensor in ``value`` to ``device``."""
+    return tree_map(lambda t: t.to(device, non_blocking=True)
+                    if isinstance(t, torch.Tensor) and t.device != device else t, value)

@@ -1,0 +1,131 @@
+"""One stage's forward and backward on explicit, detached boundaries.
+
+The action-list runtimes (1F1B in one process, every schedule across ranks) cut autograd at
+each stage boundary. A forward takes detached inputs, marks the floating ones that carry a
+gradient as leaves that require grad, and keeps what backward needs; a backward receives
+the gradients of the stage's outputs, runs autograd through the stage, and returns the
+gradients of its inputs, to be sent back to the stages that made them::
+
+      inputs (leaves) ──▶ stage j ──▶ outputs ────send───▶ consumers
+      input grads ◀──── autograd ◀── output grads ◀─recv── consumers
+
+With checkpointing, the forward runs under ``no_grad`` and keeps only the inputs and the RNG
+state; the backward first replays the forward with the same random numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.checkpoint import _flag, _restore_rng, _save_rng
+from fxpipe.stream import on_device
+
+__all__ = ["StageWorker"]
+
+
+class StageWorker:
+    """Run forwards and backwards of one stage, keeping per-micro-batch state in between."""
+
+    def __init__(self, index: int, fn: Callable, device: torch.device, input_grads: Sequence[bool],
+                 last: bool) -> None:
+        self.index = index
+        self.fn = fn
+        self.device = device
+        self.input_grads = list(input_grads)  # per input value: does it carry a gradient?
+        self.last = last
+        self._saved: dict[int, tuple] = {}
+
+    def forward(self, i: int, inputs: Sequence[Any], *, checkpoint: bool,
+                loss: Callable[[Any], torch.Tensor] | None = None, grad: bool = True) -> Any:
+        """Run micro-batch ``i``; return the outputs (the weighted loss on the last stage with ``loss``)."""
+        leaves = [_leaf(v, g and grad) for v, g in zip(inputs, self.input_grads)]
+        with on_device(self.device):
+            if not grad:
+                with torch.no_grad():
+                    out = self.fn(*leaves)
+                return loss(out) if loss is not None else out
+            if checkpoint:
+                rng = _save_rng(self.device)
+                with torch.no_grad(), _flag("checkpointing"):
+                    out = self.fn(*leaves)
+                    result = loss(out) if loss is not None else out
+                self._saved[i] = ("recompute", leaves, rng, loss)
+                return result.detach() if loss is not None else out
+            out = self.fn(*leaves)
+            result = loss(out) if loss is not None else out
+        self._saved[i] = ("keep", leaves, result)
+        return result.detach() if loss is not None else _detached(out)
+
+    def backward(self, i: int, grads: Sequence[Any] | None) -> list[Any]:
+        """Backpropagate micro-batch ``i`` given its outputs' gradients; return input gradients.
+
+        ``grads`` aligns with the stage's outputs (None on the last stage, whose output is
+        the loss). The result aligns with the inputs: a tensor (or structure) for each input
+        that carries a gradient, None for the others.
+        """
+        saved = self._saved.pop(i)
+        with on_device(self.device):
+            if saved[0] == "recompute":
+                _, leaves, rng, loss = saved
+                with _restore_rng(self.device, rng), torch.enable_grad(), _flag("recomputing"):
+                    out = self.fn(*leaves)
+                    result = loss(out) if loss is not None else out
+            else:
+                _, leaves, result = saved
+            tensors, grad_tensors = _pairs(result, grads)
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors)
+        return [_grad_of(leaf) if g else None for leaf, g in zip(leaves, self.input_grads)]
+
+    def pending(self) -> int:
+        """Return how many micro-batches hold activations awaiting backward."""
+        return len(self._saved)
+
+
+def _leaf(value: Any, grad: bool) -> Any:
+    """Detach a received value; make its floating tensors require grad if it carries one."""
+    if isinstance(value, torch.Tensor):
+        leaf = value.detach()
+        if grad and leaf.is_floating_point():
+            leaf.requires_grad_(True)
+        return leaf
+    if grad:
+        leaves, spec = tree_flatten(value)
+        return spec.unflatten([_leaf(v, True) for v in leaves]) if leaves else value
+    return value
+
+
+def _detached(out: Any) -> Any:
+    """Return the outputs with every tensor detached, for sending."""
+    leaves, spec = tree_flatten(out)
+    return spec.unflatten([v.detach() if isinstance(v, torch.Tensor) else v for v in leaves])
+
+
+def _grad_of(leaf: Any) -> Any:
+    """Return the gradient of a leaf (zeros where autograd produced none)."""
+    if isinstance(leaf, torch.Tensor):
+        if not leaf.requires_grad:
+            return None
+        return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+    leaves, spec = tree_flatten(leaf)
+    return spec.unflatten([_grad_of(v) for v in leaves])
+
+
+def _pairs(result: Any, grads: Sequence[Any] | None) -> tuple[list[torch.Tensor], list[Any]]:
+    """Match output tensors that require grad with their incoming gradients, value by value."""
+    if grads is None:  # the last stage: result is the loss
+        return ([result], [None]) if isinstance(result, torch.Tensor) and result.requires_grad else ([], [])
+    tensors, grad_tensors = [], []
+    for out, grad in zip(result, grads):
+        if grad is None:
+            continue
+        outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+        gs = [grad] if isinstance(grad, torch.Tensor) else tree_flatten(grad)[0]
+        for t, g in zip(outs, gs):
+            if isinstance(t, torch.Tensor) and t.requires_grad and isinstance(g, torch.Tensor):
+                tensors.append(t)
+                grad_tensors.append(g)
+    return tensors, grad_tensors
