@@ -95,23 +95,30 @@ class ActionRunner:
         self.workers = workers
         self.transport = transport
         self.stop = 0
+        self.grad = True
         self.losses: dict[int, Callable[[Any], torch.Tensor]] = {}
         self.total: torch.Tensor | None = None
+        self.outputs: dict[int, Any] = {}
 
-    def begin(self, m: int, losses: dict[int, Callable[[Any], torch.Tensor]], checkpointing: bool) -> None:
-        """Prepare a step of ``m`` micro-batches with a loss function per micro-batch."""
-        self.stop = checkpoint_stop(self.plan.checkpoint, m) if checkpointing else 0
+    def begin(self, m: int, losses: dict[int, Callable[[Any], torch.Tensor]], checkpointing: bool,
+              grad: bool = True) -> None:
+        """Prepare a step of ``m`` micro-batches: a loss per micro-batch, or outputs kept without grad."""
+        self.stop = checkpoint_stop(self.plan.checkpoint, m) if checkpointing and grad else 0
+        self.grad = grad
         self.losses = losses
         self.total = None
+        self.outputs = {}
 
     def forward(self, j: int, i: int) -> None:
         """Run F(i) on stage ``j``: receive, compute, send."""
         inputs = self.transport.recv_forward(j, i)
         last = j == self.plan.n_stages - 1
         out = self.workers[j].forward(i, inputs, checkpoint=i < self.stop,
-                                      loss=self.losses.get(i) if last else None)
-        if last:
+                                      loss=self.losses.get(i) if last else None, grad=self.grad)
+        if last and i in self.losses:
             self.total = out if self.total is None else self.total + out
+        elif last:
+            self.outputs[i] = out
         else:
             self.transport.send_forward(j, i, out)
 
@@ -121,13 +128,12 @@ class ActionRunner:
         self.transport.send_backward(j, i, self.workers[j].backward(i, grads))
 
 
-def action_source(plan: PipelinePlan, m: int, stages: Sequence[int], name: str) -> str:
+def action_source(plan: PipelinePlan, m: int, stages: Sequence[int], name: str, schedule: str) -> str:
     """Return the source of a function running ``stages``' actions for ``m`` micro-batches.
 
     With several stages (one process) the actions interleave in clock order; with one stage
     (one rank) they run in that stage's order, and communication orders the ranks.
     """
-    schedule = plan.schedule
     actions = SCHEDULES[schedule](plan.n_stages, m)
     at = clocks(actions)
     mine = sorted((a for j in stages for a in actions[j]), key=lambda a: (at[a], a.stage))
@@ -158,9 +164,9 @@ def _comment(plan: PipelinePlan, a: Action) -> str:
     return f"  # grads from {src or 'loss'} -> to {dst or 'none'}"
 
 
-def compile_actions(plan: PipelinePlan, m: int, stages: Sequence[int]) -> tuple[str, Callable]:
-    """Generate and compile the action program for ``stages``."""
+def compile_actions(plan: PipelinePlan, m: int, stages: Sequence[int], schedule: str) -> tuple[str, Callable]:
+    """Generate and compile the program running ``stages``' actions of ``schedule``."""
     tag = "all" if len(stages) > 1 else f"stage{stages[0]}"
-    name = f"{plan.schedule.replace('1f1b', 'one_f_one_b')}_{tag}_{plan.n_stages}x{m}"
-    source = action_source(plan, m, stages, name)
+    name = f"{schedule.replace('1f1b', 'one_f_one_b')}_{tag}_{plan.n_stages}x{m}"
+    source = action_source(plan, m, stages, name, schedule)
     return source, compile_source(source, name, f"<fxpipe {name}>")

@@ -13,6 +13,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_flatten
 
 import passes
+from fxpipe.comm import Comm
+from fxpipe.distributed import DistributedRuntime, setup_distributed, tied_groups
 from fxpipe.local import LocalRuntime
 from fxpipe.microbatch import batch_size, micro_sizes
 from fxpipe.pipe import Pipe
@@ -37,7 +39,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             example_kwargs: dict[str, Any] | None = None, devices: Sequence[Any] | None = None,
             chunks: int = 1, checkpoint: str = "except_last", balance_by: str = "auto",
             split_points: Sequence[str] | None = None, schedule: str = "gpipe",
-            leaf_modules: Iterable[type | str] = ()) -> Pipe:
+            leaf_modules: Iterable[type | str] = (), runtime: str = "local",
+            timeout: float = 300.0) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -46,11 +49,25 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     device per stage. ``chunks`` is the number of micro-batches; ``checkpoint`` is
     ``"always"``, ``"except_last"`` or ``"never"``; ``balance_by`` picks the cost that stages
     balance; ``split_points`` names the modules or nodes where stages begin instead.
+    ``schedule`` is ``"gpipe"`` or ``"1f1b"`` (what :meth:`Pipe.step` runs).
+
+    ``runtime="distributed"`` runs one stage per ``torch.distributed`` rank (launch the script
+    with ``torchrun --nproc-per-node n_stages``); it needs ``example_inputs`` to size its
+    receive buffers, and ``timeout`` (seconds) bounds every wait for another rank.
 
     If compile fails, the model is left unmoved and unmodified.
     """
     _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split_points)
-    devices = resolve_devices(devices, n_stages)
+    if runtime not in ("local", "distributed"):
+        raise ValueError(f"runtime={runtime!r}; use 'local' (one process) or 'distributed' (one stage per rank)")
+    if runtime == "distributed":
+        if example_inputs is None and not example_kwargs:
+            raise ValueError("runtime='distributed' needs example_inputs= (the same on every rank) to "
+                             "size the buffers it receives into")
+        rank, device, group = setup_distributed(n_stages, timeout)
+        devices = [device if j == rank else torch.device("meta") for j in range(n_stages)]
+    else:
+        devices = resolve_devices(devices, n_stages)
     gm = model if isinstance(model, torch.fx.GraphModule) else trace(model, leaf_modules=leaf_modules)
 
     if example_inputs is not None or example_kwargs:
@@ -80,11 +97,19 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
 
     plan = _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, schedule, balance_by)
     stages = [s.module for s in stage_graphs]
-    own = ownership(stages, devices)
-    move_owned([model, gm, *stages], own, devices)
-    fns = [stage_callable(gm_j, own.foreign[j], devices[j]) for j, gm_j in enumerate(stages)]
-    runtime = LocalRuntime(plan, fns, devices, CallSignature(gm))
-    pipe = Pipe(model, gm, plan, stages, devices, runtime)
+    if runtime == "distributed":
+        for s in plan.stages:
+            s.device = str(device) if s.index == rank else f"rank {s.index}"
+        move_owned([model, gm, *stages], ownership(stages[rank:rank + 1], [device]), [device])
+        tied = tied_groups(stages, rank, timeout)
+        engine: Any = DistributedRuntime(plan, gm, stages[rank], rank, device, Comm(rank, timeout, group),
+                                         CallSignature(gm), tied)
+    else:
+        own = ownership(stages, devices)
+        move_owned([model, gm, *stages], own, devices)
+        fns = [stage_callable(gm_j, own.foreign[j], devices[j]) for j, gm_j in enumerate(stages)]
+        engine = LocalRuntime(plan, fns, devices, CallSignature(gm))
+    pipe = Pipe(model, gm, plan, stages, devices, engine)
     log.info("compiled %s into %d stages\n%s", type(model).__name__, n_stages, plan)
     return pipe
 

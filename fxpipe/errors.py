@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TraceError", "PlanMismatchError", "PipelineInputError"]
+__all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "PeerFailure"]
 
 
 class TraceError(TypeError):
@@ -22,3 +22,7 @@ class PlanMismatchError(ValueError):
 
 class PipelineInputError(ValueError):
     """A runtime input does not fit the pipeline (batch sizes, shapes); names the argument."""
+
+
+class PeerFailure(RuntimeError):
+    """Another rank of a distributed pipeline failed, died or fell silent past the timeout."""

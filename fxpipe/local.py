@@ -62,7 +62,8 @@ class LocalRuntime:
                 source = gpipe_source(self.plan, m, name)
                 self._programs[key] = (source, compile_source(source, name, f"<fxpipe {name}>"))
             else:
-                self._programs[key] = compile_actions(self.plan, m, list(range(self.plan.n_stages)))
+                self._programs[key] = compile_actions(self.plan, m, list(range(self.plan.n_stages)),
+                                                      self.plan.schedule)
         return self._programs[key]
 
     def code(self) -> str:

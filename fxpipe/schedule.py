@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["Action", "gpipe", "one_f_one_b", "SCHEDULES", "clocks", "in_flight"]
+__all__ = ["Action", "gpipe", "one_f_one_b", "forward_only", "SCHEDULES", "clocks", "in_flight"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,13 @@ def one_f_one_b(n: int, m: int) -> list[list[Action]]:
     return out
 
 
-SCHEDULES: dict[str, Callable[[int, int], list[list[Action]]]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def forward_only(n: int, m: int) -> list[list[Action]]:
+    """Return the forwards alone, for inference."""
+    return [[Action("F", i, j) for i in range(m)] for j in range(n)]
+
+
+SCHEDULES: dict[str, Callable[[int, int], list[list[Action]]]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "forward": forward_only}
 
 
 def clocks(actions: list[list[Action]]) -> dict[Action, int]:

@@ -7,6 +7,7 @@ and writes. The passes import torch, torch.fx and networkx, never fxpipe's runti
 from passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
 from passes.partition import (balanced_cut, compute_nodes, node_cost, partition, partition_at,
                               stage_costs)
+from passes.specs import value_specs
 from passes.split import Route, StageGraph, split
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "split",
     "stage_costs",
     "value_bytes",
+    "value_specs",
 ]

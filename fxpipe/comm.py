@@ -1,0 +1,112 @@
+"""Point-to-point messages between ranks that never hang: every wait is bounded and explained.
+
+The pipeline talks over its own process group whose timeout is fxpipe's ``timeout=``, so a
+receive waits at most that long. A rank that raises posts its error under one key of the
+rendezvous store before it re-raises; when its process ends, its connections close and the
+peers' pending receives fail at once. A rank whose receive fails reads that key and raises
+:class:`PeerFailure` naming the rank that failed first and why. Small per-step facts (the
+batch layout, the loss) travel through the store, polled with the same bound, so no rank
+blocks in a collective that a dead peer will not join.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.errors import PeerFailure
+
+__all__ = ["Comm"]
+
+_ERROR_KEY = "fxpipe/error"
+_POLL_S = 0.002
+
+
+class Comm:
+    """Send, receive and wait for one rank, failing fast when a peer fails."""
+
+    def __init__(self, rank: int, timeout: float, group: Any, tag: str = "fxpipe") -> None:
+        self.rank = rank
+        self.timeout = timeout
+        self.group = group
+        self.tag = tag
+        self.store = dist.distributed_c10d._get_default_store()
+        self.pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive until sent)
+
+    # -- failure signalling ----------------------------------------------------------
+    def fail(self, message: str) -> None:
+        """Tell every rank that this one failed (best effort: the store may be gone too)."""
+        try:
+            if not self.store.check([_ERROR_KEY]):
+                self.store.set(_ERROR_KEY, message)
+        except Exception:  # noqa: BLE001 - the store itself may be down; we are failing anyway
+            pass
+
+    def check(self, what: str) -> None:
+        """Raise :class:`PeerFailure` if a peer has posted an error."""
+        try:
+            failed = self.store.check([_ERROR_KEY])
+        except Exception as exc:  # noqa: BLE001
+            raise PeerFailure(f"rank {self.rank}: lost the rendezvous store while {what} "
+                              f"(the rank hosting it, usually rank 0, probably died): {exc}") from None
+        if failed:
+            message = self.store.get(_ERROR_KEY).decode()
+            raise PeerFailure(f"rank {self.rank} stopped while {what} because {message}")
+
+    def wait(self, works: Sequence[Any], what: str) -> None:
+        """Wait for ``works``; turn a failure or the timeout into :class:`PeerFailure`."""
+        for work in works:
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001 - closed connection or timeout
+                raise self._explain(exc, what) from None
+
+    def _explain(self, exc: Exception, what: str) -> PeerFailure:
+        """Name the cause of a failed operation: a peer's posted error, the timeout, or a death."""
+        self.check(what)
+        if "imed out" in str(exc):
+            return PeerFailure(f"rank {self.rank}: nothing arrived for {self.timeout:.0f} s while {what}; "
+                               "a peer is stuck or dead (raise fxpipe.compile(..., timeout=) if a stage "
+                               "is this slow)")
+        return PeerFailure(f"rank {self.rank}: communication failed while {what} "
+                           f"(a peer probably died): {exc}")
+
+    # -- tensors -----------------------------------------------------------------------
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int, int]],
+                 recvs: Sequence[tuple[torch.Tensor, int, int]], what: str) -> None:
+        """Post sends and receives ``(tensor, peer, tag)`` as one batch; wait for the receives."""
+        ops = [dist.P2POp(dist.isend, t, peer, self.group, tag) for t, peer, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, self.group, tag) for t, peer, tag in recvs]
+        if not ops:
+            return
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as exc:  # noqa: BLE001 - a send to a closed connection fails at once
+            raise self._explain(exc, what) from None
+        self.pending += list(zip(works[: len(sends)], [t for t, _, _ in sends]))
+        self.wait(works[len(sends):], what)
+
+    def flush(self, what: str = "finishing sends") -> None:
+        """Wait until every posted send has left."""
+        pending, self.pending = self.pending, []
+        self.wait([w for w, _ in pending], what)
+
+    # -- small facts through the store ----------------------------------------------------
+    def publish(self, key: str, value: Any) -> None:
+        """Make a small Python value readable by every rank under ``key``."""
+        self.store.set(f"{self.tag}/{key}", pickle.dumps(value))
+
+    def read(self, key: str, what: str) -> Any:
+        """Wait for a value published under ``key`` and return it."""
+        full = f"{self.tag}/{key}"
+        deadline = time.monotonic() + self.timeout
+        while not self.store.check([full]):
+            self.check(what)
+            if time.monotonic() > deadline:
+                raise PeerFailure(f"rank {self.rank}: no '{key}' after {self.timeout:.0f} s while {what}")
+            time.sleep(_POLL_S)
+        return pickle.loads(self.store.get(full))

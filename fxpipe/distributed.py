@@ -1,0 +1,225 @@
+"""Run a plan with one stage per ``torch.distributed`` rank, launched by ``torchrun``.
+
+Every rank traces and plans the whole model (the same plan everywhere), keeps only its own
+stage on its device, and runs its part of the schedule's action list as generated code.
+Rank 0 splits the inputs and publishes the micro-batch layout; every rank sizes its receive
+buffers from it; the last rank computes the loss, which every rank returns. Parameters used
+by several stages (tied embeddings) live on each rank that reads them, start equal, and get
+their gradients summed over those ranks after each step, like DeepSpeed's tied layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch.utils._pytree import tree_flatten
+
+import passes
+from fxpipe.actions import ActionRunner, compile_actions
+from fxpipe.comm import Comm
+from fxpipe.errors import PeerFailure, PipelineInputError
+from fxpipe.microbatch import gather, micro_losses
+from fxpipe.plan import PipelinePlan
+from fxpipe.signature import CallSignature
+from fxpipe.transport import DistTransport
+from fxpipe.worker import StageWorker
+from passes.annotate import TensorSpec, spec_of
+
+__all__ = ["setup_distributed", "tied_groups", "DistributedRuntime"]
+
+log = logging.getLogger(__name__)
+
+
+def setup_distributed(n_stages: int, timeout: float) -> tuple[int, torch.device, Any]:
+    """Join (or start) the default process group; return this rank, its device, fxpipe's group."""
+    if not dist.is_available():
+        raise ValueError("runtime='distributed' needs torch.distributed, which this PyTorch build lacks")
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise ValueError(f"runtime='distributed' needs a process group: launch with "
+                             f"`torchrun --nproc-per-node {n_stages} script.py` (missing {missing}) "
+                             "or call torch.distributed.init_process_group first")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != n_stages:
+        raise ValueError(f"n_stages={n_stages} but {world} ranks are running; one stage runs per rank, "
+                         f"so launch with --nproc-per-node {n_stages} (or compile with n_stages={world})")
+    backend = dist.get_backend()
+    if backend == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout), backend=backend)
+    return rank, device, group
+
+
+def tied_groups(stages: list[torch.fx.GraphModule], rank: int, timeout: float) -> list[tuple[Any, list]]:
+    """Create a group per set of stages sharing tensors; return this rank's (group, tensors) pairs.
+
+    Every rank calls this with the same stages, so groups are created in the same order. The
+    shared tensors are made equal to those of the lowest rank that holds them.
+    """
+    holders: dict[int, list[int]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for j, gm in enumerate(stages):
+        named = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
+        for _, t in named:
+            if j not in holders.setdefault(id(t), []):
+                holders[id(t)].append(j)
+                tensors[id(t)] = t
+    by_ranks: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for key, ranks in holders.items():
+        if len(ranks) > 1:
+            by_ranks.setdefault(tuple(ranks), []).append(tensors[key])
+    mine = []
+    for ranks in sorted(by_ranks):
+        group = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout))
+        if rank in ranks:
+            for t in by_ranks[ranks]:
+                dist.broadcast(t.data, src=ranks[0], group=group)
+            mine.append((group, [t for t in by_ranks[ranks] if isinstance(t, torch.nn.Parameter)]))
+    return mine
+
+
+class DistributedRuntime:
+    """This rank's share of a distributed pipeline: its stage, its program, its messages."""
+
+    def __init__(self, plan: PipelinePlan, gm: torch.fx.GraphModule, fn: Callable, rank: int,
+                 device: torch.device, comm: Comm, signature: CallSignature,
+                 tied: list[tuple[Any, list]]) -> None:
+        self.plan = plan
+        self.gm = gm
+        self.rank = rank
+        self.device = device
+        self.comm = comm
+        self.signature = signature
+        self.tied = tied
+        stage = plan.stages[rank]
+        self.last = rank == plan.n_stages - 1
+        self.worker = StageWorker(rank, fn, device, [v in stage.grad_inputs for v in stage.inputs], self.last)
+        self.example = [n.meta.get("fxpipe.value") for n in gm.graph.nodes if n.op == "placeholder"]
+        self.crossing = sorted({v for s in plan.stages for v in s.outputs})
+        self._layouts: dict[str, dict[str, Any]] = {}
+        self._programs: dict[tuple[str, int], tuple[str, Callable]] = {}
+        self.steps = 0
+
+    def code(self) -> str:
+        """Return this rank's program for ``plan.chunks`` micro-batches."""
+        return self._program(self.plan.schedule, self.plan.chunks)[0]
+
+    def _program(self, schedule: str, m: int) -> tuple[str, Callable]:
+        """Compile this rank's action program for ``schedule`` and ``m`` micro-batches, once."""
+        if (schedule, m) not in self._programs:
+            self._programs[(schedule, m)] = compile_actions(self.plan, m, [self.rank], schedule)
+        return self._programs[(schedule, m)]
+
+    # -- the per-step layout, published by rank 0 ------------------------------------------
+    def _layout(self, args: tuple, kwargs: dict) -> tuple[dict, list[list[Any]]]:
+        """On rank 0, split the inputs and publish their layout; elsewhere, read it."""
+        key = f"step{self.steps}"
+        if self.rank != 0:
+            header = self.comm.read(key, "waiting for rank 0's inputs")
+            if header.get("error"):
+                kind, message = header["error"]
+                raise (TypeError if kind == "TypeError" else PipelineInputError)(message)
+            return header, []
+        try:
+            self._check(spec_of(self.signature.bind(args, kwargs)))
+            mbs, batch = self.signature.split(args, kwargs, self.plan.chunks, self.device)
+            specs = [spec_of(mb) for mb in mbs]
+        except (TypeError, ValueError) as exc:
+            self.comm.publish(key, {"error": (type(exc).__name__, str(exc))})
+            raise
+        header = {"batch": batch, "specs": specs}
+        self.comm.publish(key, header)
+        return header, mbs
+
+    def _check(self, spec: list[Any]) -> None:
+        """Refuse inputs whose non-batch shape or dtype differs from the example's."""
+        for name, got, want in zip(self.signature.names, spec, self.example):
+            got_leaves, want_leaves = tree_flatten(got)[0], tree_flatten(want)[0]
+            for g, w in zip(got_leaves, want_leaves):
+                if isinstance(w, TensorSpec) and isinstance(g, TensorSpec) and (
+                        g.shape[1:] != w.shape[1:] or g.dtype != w.dtype or len(g.shape) != len(w.shape)):
+                    raise PipelineInputError(
+                        f"input '{name}' has shape {tuple(g.shape)} and dtype {g.dtype}, but the plan was "
+                        f"built for shape (batch, {', '.join(map(str, w.shape[1:]))}) and dtype {w.dtype}; "
+                        "the distributed runtime sizes its receive buffers from the plan, so compile with "
+                        "example inputs of the shape you run")
+
+    def _specs(self, header: dict) -> Callable[[int], dict[str, Any]]:
+        """Return micro-batch index -> spec of every crossing value, propagated once per layout."""
+        def specs(i: int) -> dict[str, Any]:
+            layout = header["specs"][i]
+            key = repr(layout)
+            if key not in self._layouts:
+                self._layouts[key] = passes.value_specs(self.gm, list(layout), self.crossing)
+            return self._layouts[key]
+        return specs
+
+    # -- running ----------------------------------------------------------------------------
+    def _run(self, args: tuple, kwargs: dict, losses_for: Callable | None, training: bool, grad: bool):
+        """Run one step's actions on this rank; return the runner."""
+        header, mbs = self._layout(args, kwargs)
+        m = len(header["specs"])
+        transport = DistTransport(self.plan, self.rank, self.device, self.comm, self._specs(header))
+        transport.inputs = mbs
+        runner = ActionRunner(self.plan, {self.rank: self.worker}, transport)
+        losses = losses_for(header["batch"], m) if (self.last and losses_for) else {}
+        runner.begin(m, losses, checkpointing=training, grad=grad)
+        self._program(self.plan.schedule if grad else "forward", m)[1](runner)
+        self.comm.flush()
+        return runner
+
+    def _guarded(self, body: Callable[[], Any]) -> Any:
+        """Run ``body``; on any failure here, tell the other ranks before re-raising."""
+        try:
+            return body()
+        except PeerFailure:
+            raise
+        except BaseException as exc:
+            self.comm.fail(f"rank {self.rank} (stage {self.rank}) raised {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self.steps += 1
+
+    def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
+        """Run one training step; return the mini-batch loss on every rank."""
+        def body() -> torch.Tensor:
+            if not torch.is_grad_enabled():
+                raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
+            runner = self._run(args, kwargs, lambda batch, m: micro_losses(
+                loss_fn, target, batch, m, self.device, self.signature.finish), training, grad=True)
+            for group, params in self.tied:
+                works = []
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    works.append(dist.all_reduce(p.grad, group=group, async_op=True))
+                self.comm.wait(works, "summing the gradients of tied parameters")
+            key = f"loss{self.steps}"
+            if self.last:
+                assert runner.total is not None
+                self.comm.publish(key, runner.total.item())
+                return runner.total
+            return torch.tensor(self.comm.read(key, "waiting for the loss from the last rank"))
+        return self._guarded(body)
+
+    def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
+        """Run inference over micro-batches; return the output on the last rank, None elsewhere."""
+        def body() -> Any:
+            runner = self._run(args, kwargs, None, training, grad=False)
+            if self.last:
+                return self.signature.finish(gather([runner.outputs[i] for i in sorted(runner.outputs)]))
+            return None
+        return self._guarded(body)

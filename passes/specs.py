@@ -1,0 +1,76 @@
+"""Infer the value of chosen nodes for given input shapes, on fake tensors.
+
+Reads:  the graph, the module's parameter and buffer shapes.
+Writes: nothing; returns ``{node name: value}`` with tensors as :class:`TensorSpec`.
+
+A runtime that must size receive buffers for a micro-batch of ``b`` rows (the distributed
+runtime) calls this with inputs of ``b`` rows; ``annotate`` keeps its per-node metadata for
+the example batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from passes.annotate import TensorSpec, spec_of
+
+__all__ = ["SpecProp", "value_specs"]
+
+
+class SpecProp(torch.fx.Interpreter):
+    """Run a GraphModule and keep the spec of the values of the nodes named in ``wanted``."""
+
+    def __init__(self, gm: torch.fx.GraphModule, wanted: set[str]) -> None:
+        super().__init__(gm)
+        self.wanted = wanted
+        self.specs: dict[str, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        """Run one node; record its value's spec if it is wanted."""
+        result = super().run_node(n)
+        if n.name in self.wanted:
+            self.specs[n.name] = spec_of(result)
+        return result
+
+
+class _Holder(torch.nn.Module):
+    """Let ``functional_call`` swap a GraphModule's state while an interpreter runs it."""
+
+    def __init__(self, gm: torch.fx.GraphModule, prop: SpecProp) -> None:
+        super().__init__()
+        self.gm = gm
+        self.prop = prop
+
+    def forward(self, *args: Any) -> Any:
+        return self.prop.run(*args)
+
+
+def value_specs(gm: torch.fx.GraphModule, inputs: list[Any], wanted: Iterable[str]) -> dict[str, Any]:
+    """Return the spec of each wanted node's value for placeholder values ``inputs``.
+
+    ``inputs`` holds one value per placeholder; tensors may be real tensors or
+    :class:`TensorSpec` (made into fake tensors of that shape and dtype).
+    """
+    prop = SpecProp(gm, set(wanted))
+    holder = _Holder(gm, prop)
+    state = dict(holder.named_parameters(remove_duplicate=False))
+    state.update(holder.named_buffers(remove_duplicate=False))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake_state = {k: mode.from_tensor(v) for k, v in state.items()}
+
+        def fake(v: Any) -> Any:
+            if isinstance(v, TensorSpec):
+                return torch.empty(v.shape, dtype=v.dtype).requires_grad_(v.requires_grad)
+            if isinstance(v, torch.Tensor):
+                return mode.from_tensor(v)
+            return v
+
+        fake_inputs = tree_map(fake, inputs, is_leaf=lambda v: isinstance(v, TensorSpec))
+        torch.func.functional_call(holder, fake_state, tuple(fake_inputs))
+    return prop.specs
