@@ -159,12 +159,12 @@ class DistributedRuntime:
 
     def _specs(self, header: dict) -> Callable[[int], dict[str, Any]]:
         """Return micro-batch index -> spec of every crossing value, propagated once per layout."""
+        keys = [repr(layout) for layout in header["specs"]]
+
         def specs(i: int) -> dict[str, Any]:
-            layout = header["specs"][i]
-            key = repr(layout)
-            if key not in self._layouts:
-                self._layouts[key] = passes.value_specs(self.gm, list(layout), self.crossing)
-            return self._layouts[key]
+            if keys[i] not in self._layouts:
+                self._layouts[keys[i]] = passes.value_specs(self.gm, list(header["specs"][i]), self.crossing)
+            return self._layouts[keys[i]]
         return specs
 
     # -- running ----------------------------------------------------------------------------

@@ -1,0 +1,208 @@
+"""fxpipe's distributed runtime against eager and torch.distributed.pipelining, side by side.
+
+    python benchmarks/distributed.py            # 2 ranks x 1 thread, residual MLP, m = 8
+
+Two spawned ranks (gloo, one thread each) run, in alternation, one training step of:
+fxpipe GPipe, torch.distributed.pipelining ScheduleGPipe, fxpipe 1F1B, its Schedule1F1B,
+all on the same model and the same 2-stage split, and eager PyTorch on rank 0 alone (one
+process, one thread) on the whole batch and over the micro-batches one by one. Each time is
+barrier to barrier on rank 0; each ratio is of medians measured in this one run. Then fresh
+processes measure the peak memory growth of one step per rank, 1F1B against GPipe, at m = 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import multiprocessing as mp
+import os
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import fxpipe  # noqa: E402
+
+
+class Block(nn.Module):
+    """A residual MLP block."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class ResidualMLP(nn.Module):
+    """A stack of residual MLP blocks."""
+
+    def __init__(self, d: int, hidden: int, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(d, hidden) for _ in range(blocks)])
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+
+
+def _timed(fn) -> float:
+    """Time ``fn`` barrier to barrier."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _speed_rank(rank: int, port: int, args, out: str) -> None:
+    """One rank of the speed comparison."""
+    _env(rank, port)
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.manual_seed(0)
+    base = ResidualMLP(args.dim, args.hidden, args.blocks)
+    x = torch.randn(args.batch, args.dim)
+    y = torch.randn(args.batch, args.dim)
+    half = args.blocks // 2
+    pipes = {s: fxpipe.compile(copy.deepcopy(base), 2, example_inputs=(x,), chunks=args.chunks,
+                               schedule=s, checkpoint="never", runtime="distributed",
+                               split_points=[f"blocks.{half}"]) for s in ("gpipe", "1f1b")}
+    part = copy.deepcopy(base).blocks[:half] if rank == 0 else copy.deepcopy(base).blocks[half:]
+    rows = args.batch // args.chunks  # shapes of a stage's input and output, both needing grads but x
+    inp, outp = torch.empty(rows, args.dim).requires_grad_(rank > 0), torch.empty(rows, args.dim, requires_grad=True)
+    stage = PipelineStage(part, rank, 2, torch.device("cpu"), input_args=(inp,), output_args=(outp,))
+    schedules = {"gpipe": ScheduleGPipe(stage, args.chunks, loss_fn=F.mse_loss),
+                 "1f1b": Schedule1F1B(stage, args.chunks, loss_fn=F.mse_loss)}
+    eager = copy.deepcopy(base)
+
+    def fx_step(s):
+        pipes[s].step(x if rank == 0 else None, target=y if rank == 1 else None, loss_fn=F.mse_loss)
+
+    def pp_step(s):
+        if rank == 0:
+            schedules[s].step(x)
+        else:
+            schedules[s].step(target=y, losses=[])
+
+    def eager_full():
+        if rank == 0:
+            F.mse_loss(eager(x), y).backward()
+
+    def eager_micro():
+        if rank == 0:
+            for xs, ys in zip(x.chunk(args.chunks), y.chunk(args.chunks)):
+                (F.mse_loss(eager(xs), ys) / args.chunks).backward()
+
+    runs = {"eager": eager_full, "eager, micro-batches one by one": eager_micro,
+            "fxpipe gpipe": lambda: fx_step("gpipe"), "pipelining gpipe": lambda: pp_step("gpipe"),
+            "fxpipe 1f1b": lambda: fx_step("1f1b"), "pipelining 1f1b": lambda: pp_step("1f1b")}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for name, fn in runs.items():  # warm up each
+        _timed(fn)
+    for _ in range(args.reps):
+        for name, fn in runs.items():
+            times[name].append(_timed(fn))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def _memory_rank(rank: int, port: int, args, schedule: str, out: str) -> None:
+    """One rank of the memory comparison: peak RSS growth over one step."""
+    _env(rank, port)
+    torch.manual_seed(0)
+    model = ResidualMLP(args.dim, args.hidden, args.blocks)
+    x, y = torch.randn(args.mem_batch, args.dim), torch.randn(args.mem_batch, args.dim)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=args.mem_chunks, schedule=schedule,
+                          checkpoint="never", runtime="distributed", split_points=[f"blocks.{args.blocks // 2}"])
+    dist.barrier()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    pipe.step(x if rank == 0 else None, target=y if rank == 1 else None, loss_fn=F.mse_loss)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump((after - before) * 1024, f)
+    dist.destroy_process_group()
+
+
+def _spawn(target, *extra) -> None:
+    """Run ``target`` on two spawned ranks and wait for both."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, port, *extra)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise SystemExit(f"a rank failed with exit code {p.exitcode}")
+
+
+def main() -> None:
+    """Parse arguments, run both comparisons, print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--mem-batch", type=int, default=4096)
+    parser.add_argument("--mem-chunks", type=int, default=16)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        _spawn(_speed_rank, args, out)
+        with open(out) as f:
+            times = json.load(f)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"residual MLP d={args.dim} hidden={args.hidden} blocks={args.blocks} batch={args.batch} "
+              f"m={args.chunks}, 2 ranks x 1 thread, {args.reps} alternating runs, median step time")
+        print(f"{'run':34} {'median s':>9} {'vs eager':>9}")
+        for k, v in med.items():
+            print(f"{k:34} {v:9.3f} {med['eager'] / v:8.2f}x")
+        bound = 2 * args.chunks / (args.chunks + 1)
+        print(f"speedup bound 2m/(m+1) = {bound:.2f}x; eager micro-batched / eager = "
+              f"{med['eager, micro-batches one by one'] / med['eager']:.3f}")
+        for s in ("gpipe", "1f1b"):
+            print(f"fxpipe {s} / torch.distributed.pipelining {s}: "
+                  f"{med[f'fxpipe {s}'] / med[f'pipelining {s}']:.3f}")
+
+        peaks = {}
+        for s in ("gpipe", "1f1b"):
+            base = os.path.join(tmp, f"mem-{s}")
+            _spawn(_memory_rank, args, s, base)
+            peaks[s] = [json.load(open(f"{base}.{r}")) for r in range(2)]
+        print(f"\npeak memory growth over one step, m={args.mem_chunks}, batch={args.mem_batch}, "
+              "checkpoint='never' (MiB, per rank)")
+        for r in range(2):
+            g, o = peaks["gpipe"][r] / 2**20, peaks["1f1b"][r] / 2**20
+            print(f"rank {r}: gpipe {g:8.1f}   1f1b {o:8.1f}   1f1b/gpipe {o / g if g else float('nan'):.2f}")
+
+
+if __name__ == "__main__":
+    main()
