@@ -13,6 +13,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_flatten
 
 import passes
+from fxpipe.batchnorm import defer_batch_norm
 from fxpipe.comm import Comm
 from fxpipe.distributed import DistributedRuntime, setup_distributed, tied_groups
 from fxpipe.local import LocalRuntime
@@ -40,7 +41,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             chunks: int = 1, checkpoint: str = "except_last", balance_by: str = "auto",
             split_points: Sequence[str] | None = None, schedule: str = "gpipe",
             leaf_modules: Iterable[type | str] = (), runtime: str = "local",
-            timeout: float = 300.0) -> Pipe:
+            timeout: float = 300.0, deferred_batch_norm: bool = False) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -50,6 +51,9 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     ``"always"``, ``"except_last"`` or ``"never"``; ``balance_by`` picks the cost that stages
     balance; ``split_points`` names the modules or nodes where stages begin instead.
     ``schedule`` is ``"gpipe"`` or ``"1f1b"`` (what :meth:`Pipe.step` runs).
+
+    ``deferred_batch_norm=True`` updates batch norm running statistics once per mini-batch,
+    as eager training on the whole batch would, instead of once per micro-batch.
 
     ``runtime="distributed"`` runs one stage per ``torch.distributed`` rank (launch the script
     with ``torchrun --nproc-per-node n_stages``); it needs ``example_inputs`` to size its
@@ -109,6 +113,9 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         move_owned([model, gm, *stages], own, devices)
         fns = [stage_callable(gm_j, own.foreign[j], devices[j]) for j, gm_j in enumerate(stages)]
         engine = LocalRuntime(plan, fns, devices, CallSignature(gm))
+    if deferred_batch_norm:
+        held = stages[rank:rank + 1] if runtime == "distributed" else stages
+        engine.deferred = defer_batch_norm({id(m): m for st in held for m in st.modules()}.values())
     pipe = Pipe(model, gm, plan, stages, devices, engine)
     log.info("compiled %s into %d stages\n%s", type(model).__name__, n_stages, plan)
     return pipe

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 import passes
 from fxpipe.actions import ActionRunner, compile_actions
+from fxpipe.batchnorm import commit_batch_norm
 from fxpipe.comm import Comm
 from fxpipe.errors import PeerFailure, PipelineInputError
 from fxpipe.microbatch import gather, micro_losses
@@ -112,6 +113,7 @@ class DistributedRuntime:
         self._layouts: dict[str, dict[str, Any]] = {}
         self._programs: dict[tuple[str, int], tuple[str, Callable]] = {}
         self.steps = 0
+        self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
 
     def code(self) -> str:
         """Return this rank's program for ``plan.chunks`` micro-batches."""
@@ -179,6 +181,8 @@ class DistributedRuntime:
         runner.begin(m, losses, checkpointing=training, grad=grad)
         self._program(self.plan.schedule if grad else "forward", m)[1](runner)
         self.comm.flush()
+        if training:
+            commit_batch_norm(self.deferred)
         return runner
 
     def _guarded(self, body: Callable[[], Any]) -> Any:

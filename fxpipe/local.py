@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fxpipe.actions import ActionRunner, LocalTransport, compile_actions
+from fxpipe.batchnorm import commit_batch_norm
 from fxpipe.checkpoint import checkpointed
 from fxpipe.codegen import compile_source, gpipe_source
 from fxpipe.copy import copy, wait
@@ -41,6 +42,7 @@ class LocalRuntime:
         self.devices = list(devices)
         self.signature = signature
         self.checkpointing = False
+        self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
         self._programs: dict[tuple[str, int], tuple[str, Callable]] = {}
         self._copy_streams: list[list] = [[] for _ in devices]
         n = plan.n_stages
@@ -74,7 +76,10 @@ class LocalRuntime:
     def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
         """Run the model's forward over micro-batches; return the model's output structure."""
         mbs, _ = self.signature.split(args, kwargs, self.plan.chunks, self.devices[0])
-        return self.signature.finish(gather(self.run(mbs, training)))
+        output = gather(self.run(mbs, training))
+        if training:
+            commit_batch_norm(self.deferred)
+        return self.signature.finish(output)
 
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
         """Run forward and backward of one mini-batch with a loss per micro-batch; return the loss."""
@@ -84,6 +89,8 @@ class LocalRuntime:
         losses = micro_losses(loss_fn, target, batch, len(mbs), self.devices[-1], self.signature.finish)
         if self.plan.schedule == "gpipe":
             outputs = self.run(mbs, training)
+            if training:
+                commit_batch_norm(self.deferred)
             total = sum((losses[i](out) for i, out in enumerate(outputs[1:], 1)), losses[0](outputs[0]))
             total.backward()
             return total.detach()
@@ -92,6 +99,8 @@ class LocalRuntime:
         runner = ActionRunner(self.plan, self.workers, transport)
         runner.begin(len(mbs), losses, checkpointing=training)
         self.program(len(mbs), "actions")[1](runner)
+        if training:
+            commit_batch_norm(self.deferred)
         assert runner.total is not None
         return runner.total
 

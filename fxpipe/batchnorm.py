@@ -1,0 +1,83 @@
+"""Deferred batch norm: running statistics updated once per mini-batch, not per micro-batch.
+
+In training, batch norm normalizes each micro-batch by that micro-batch's statistics, and by
+default also updates its running mean and variance once per micro-batch, which weights them
+differently from eager training on the whole batch. With ``deferred_batch_norm=True`` each
+batch norm keeps normalizing per micro-batch but only accumulates ``sum(x)`` and
+``sum(x * x)`` per channel; after the mini-batch the pipeline commits them once, so the
+running statistics equal eager's on the full batch (torchgpipe, section 3.4). Recomputation
+for checkpointing does not count twice.
+
+The modules keep their class, their identity and their state_dict keys: the deferred forward
+is an instance attribute, and the sums are plain attributes.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from fxpipe.checkpoint import is_recomputing
+
+__all__ = ["defer_batch_norm", "commit_batch_norm"]
+
+
+def defer_batch_norm(modules: Iterable[nn.Module]) -> list[_BatchNorm]:
+    """Make every batch norm among ``modules`` defer its running-statistics update; return them."""
+    deferred = []
+    for bn in modules:
+        if isinstance(bn, _BatchNorm) and bn.track_running_stats and "forward" not in bn.__dict__:
+            bn.forward = types.MethodType(_deferred_forward, bn)
+            _reset(bn)
+            deferred.append(bn)
+    return deferred
+
+
+def _reset(bn: _BatchNorm) -> None:
+    """Clear a batch norm's accumulated sums."""
+    bn._fxpipe_sum = None
+    bn._fxpipe_sum_squares = None
+    bn._fxpipe_count = 0
+
+
+def _deferred_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """Normalize by the micro-batch's statistics; accumulate them instead of updating."""
+    self._check_input_dim(x)
+    if not self.training:
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                            False, 0.0, self.eps)
+    if not is_recomputing():
+        with torch.no_grad():
+            dims = [d for d in range(x.dim()) if d != 1]
+            total = x.sum(dims, dtype=torch.float64)  # float64 sums: no cancellation in the variance
+            squares = (x * x).sum(dims, dtype=torch.float64)
+            if self._fxpipe_sum is None:
+                self._fxpipe_sum, self._fxpipe_sum_squares = total, squares
+            else:
+                self._fxpipe_sum += total
+                self._fxpipe_sum_squares += squares
+            self._fxpipe_count += x.numel() // x.shape[1]
+    return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+
+def commit_batch_norm(modules: Iterable[_BatchNorm]) -> None:
+    """Update each deferred batch norm's running statistics once from its accumulated sums."""
+    with torch.no_grad():
+        for bn in modules:
+            n = bn._fxpipe_count
+            if n == 0:
+                continue
+            mean = bn._fxpipe_sum / n
+            var = (bn._fxpipe_sum_squares / n - mean ** 2) * (n / max(n - 1, 1))  # unbiased, as eager
+            bn.num_batches_tracked += 1
+            momentum = bn.momentum
+            if momentum is None:  # cumulative moving average
+                momentum = 1.0 / float(bn.num_batches_tracked)
+            bn.running_mean.mul_(1 - momentum).add_(mean.to(bn.running_mean.dtype), alpha=momentum)
+            bn.running_var.mul_(1 - momentum).add_(var.to(bn.running_var.dtype), alpha=momentum)
+            _reset(bn)
