@@ -43,8 +43,12 @@ def _tuple(items: list[str]) -> str:
     return "(" + "".join(f"{x}, " for x in items).rstrip() + ")" if len(items) != 1 else f"({items[0]},)"
 
 
-def gpipe_source(plan: PipelinePlan, m: int, name: str = "gpipe") -> str:
-    """Return the source of a function running ``plan`` over ``m`` micro-batches, GPipe order."""
+def gpipe_source(plan: PipelinePlan, m: int, name: str = "gpipe", threaded: bool = False) -> str:
+    """Return the source of a function running ``plan`` over ``m`` micro-batches, GPipe order.
+
+    With ``threaded``, the stages of a clock compute together through ``rt.clock`` (one
+    worker thread per device) instead of one after another.
+    """
     n = plan.n_stages
     stop = checkpoint_stop(plan.checkpoint, m)
     producer = plan.producer()
@@ -78,14 +82,22 @@ def gpipe_source(plan: PipelinePlan, m: int, name: str = "gpipe") -> str:
             if i > 0 and j > 0:
                 before = _outputs(plan, j, i - 1)
                 lines.append(f"    {_tuple(before)}, in{j} = depend({_tuple(before)}, in{j})")
-        for i, j in pairs:  # compute
-            stage = plan.stages[j]
+        targets = []
+        for i, j in pairs:
             if j == n - 1:
-                target = f"{_var('output', i)} = "
+                targets.append(f"{_var('output', i)} = ")
             else:
                 outs = _outputs(plan, j, i)
-                target = f"{_tuple(outs)[1:-1]} = " if outs else ""
-            lines.append(f"    {target}compute({j}, {i}, in{j}, {i < stop})")
+                targets.append(f"{_tuple(outs)[1:-1]} = " if outs else "")
+        if threaded and len(pairs) > 1:  # compute the clock's stages together, one thread per device
+            tasks = ", ".join(f"({j}, {i}, in{j}, {i < stop})" for i, j in pairs)
+            lines.append(f"    done = rt.clock(({tasks}))")
+            lines += [f"    {t}done[{k}]" for k, t in enumerate(targets) if t]
+            lines.append("    del done")
+        for k, (i, j) in enumerate(pairs):  # compute (or, threaded, free what the clock used)
+            stage = plan.stages[j]
+            if not (threaded and len(pairs) > 1):
+                lines.append(f"    {targets[k]}compute({j}, {i}, in{j}, {i < stop})")
             dead = [f"in{j}"] + copies.get(j, []) + [_var(v, i) for v in stage.inputs
                                                     if last_use.get(v, 0) <= j]
             lines.append(f"    del {', '.join(dead)}")

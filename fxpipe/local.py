@@ -25,6 +25,7 @@ from fxpipe.microbatch import gather, micro_losses
 from fxpipe.plan import PipelinePlan
 from fxpipe.signature import CallSignature
 from fxpipe.stream import current_stream, new_stream, on_device
+from fxpipe.threads import DeviceThreads
 from fxpipe.worker import StageWorker
 
 __all__ = ["LocalRuntime"]
@@ -45,10 +46,19 @@ class LocalRuntime:
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
         self._programs: dict[tuple[str, int], tuple[str, Callable]] = {}
         self._copy_streams: list[list] = [[] for _ in devices]
+        self.threads: DeviceThreads | None = None
+        self.use_threads(len({d for d in self.devices if d.type == "cuda"}) > 1)
         n = plan.n_stages
         self.workers = {j: StageWorker(j, fn, self.devices[j], [v in plan.stages[j].grad_inputs
                                                                  for v in plan.stages[j].inputs], j == n - 1)
                         for j, fn in enumerate(self.stage_fns)}
+
+    def use_threads(self, on: bool) -> None:
+        """Compute each clock's stages on one worker thread per device (the CUDA default)."""
+        if self.threads is not None:
+            self.threads.close()
+        self.threads = DeviceThreads(self.devices) if on else None
+        self._programs.clear()
 
     # -- the generated programs ------------------------------------------------------
     def program(self, m: int, kind: str = "gpipe") -> tuple[str, Callable]:
@@ -61,7 +71,7 @@ class LocalRuntime:
         if key not in self._programs:
             if kind == "gpipe":
                 name = f"gpipe_{self.plan.n_stages}x{m}"
-                source = gpipe_source(self.plan, m, name)
+                source = gpipe_source(self.plan, m, name, threaded=self.threads is not None)
                 self._programs[key] = (source, compile_source(source, name, f"<fxpipe {name}>"))
             else:
                 self._programs[key] = compile_actions(self.plan, m, list(range(self.plan.n_stages)),
@@ -136,6 +146,12 @@ class LocalRuntime:
         if device.type == "cuda" and j < self.plan.n_stages - 1:
             out = wait(out, compute_stream, self.copy_stream(j, i))
         return out
+
+    def clock(self, tasks: tuple) -> list[Any]:
+        """Compute ``(stage, micro-batch, inputs, checkpoint)`` tasks together, a thread per device."""
+        assert self.threads is not None
+        return self.threads.run([(self.devices[j], self.compute, task) for task in tasks
+                                 for j in (task[0],)])
 
     def copy(self, src: int, dst: int, i: int, values: tuple) -> tuple:
         """Copy micro-batch ``i``'s values from stage ``src``'s device to stage ``dst``'s."""

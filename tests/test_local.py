@@ -66,3 +66,25 @@ def test_same_device_stages_get_no_copies():
     pipe = fxpipe.compile(SkipNet(), 3, example_inputs=(torch.randn(4, 64),), chunks=4,
                           devices=["cpu"] * 3)
     assert "copy(" not in pipe.code.split('"""', 2)[2].replace("compute, copy, depend", "")
+
+
+def test_worker_threads_compute_a_clock_together_and_equal_eager(monkeypatch):
+    # "cpu" and "cpu:0" count as two devices, so two worker threads run each clock's stages
+    # concurrently, as they do on CUDA by default.
+    from fxpipe.local import LocalRuntime
+    from fxpipe.testing import assert_pipeline_equivalent
+    from models import transformer, unet
+
+    init = LocalRuntime.__init__
+
+    def threaded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.use_threads(True)
+
+    monkeypatch.setattr(LocalRuntime, "__init__", threaded)
+    for factory in (unet, transformer):
+        model, args, _ = factory()
+        pipe = assert_pipeline_equivalent(model, args, n_stages=4, chunks=4,
+                                          devices=["cpu", "cpu:0", "cpu", "cpu:0"])
+        assert "rt.clock((" in pipe.code
+        assert len(pipe._runtime.threads.pools) == 2
