@@ -1,0 +1,264 @@
+"""fxpipe's single-process executor against eager PyTorch and torchgpipe 0.0.7, side by side.
+
+    pip install torchgpipe==0.0.7 --no-deps
+    python benchmarks/local.py                 # speed (MLP and U-Net), then memory
+
+Speed: one training step (forward + backward) of the same ``nn.Sequential`` with the same
+4-stage split, chunks and checkpoint mode, run by eager PyTorch, fxpipe and torchgpipe in
+alternation; then the torchgpipe paper's U-Net written with torchgpipe's ``@skippable``
+stash/pop API against the same U-Net (the same modules) handed to fxpipe as a plain module.
+Each ratio is of medians measured in this run. Memory: peak RSS growth over one step for each
+checkpoint mode at m = 8, each mode in a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
+import fxpipe  # noqa: E402
+from unet import UNet  # noqa: E402
+
+
+def mlp(d: int, depth: int) -> nn.Sequential:
+    """Return a stack of ``depth`` Linear + ReLU pairs."""
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(d, d), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def skippable_unet(model: UNet) -> nn.Sequential:
+    """Rewrite a U-Net as torchgpipe wants it: a Sequential with @skippable stash and pop layers."""
+    from torchgpipe.skip import pop, skippable, stash
+
+    def stasher(name):
+        @skippable(stash=[name])
+        class Stash(nn.Module):
+            def forward(self, x):
+                yield stash(name, x)
+                return x
+        return Stash()
+
+    def popper(name):
+        @skippable(pop=[name])
+        class PopCat(nn.Module):
+            def forward(self, x):
+                skip = yield pop(name)
+                return torch.cat([x, skip], dim=1)
+        return PopCat()
+
+    class Pool(nn.Module):
+        def forward(self, x):
+            return F.max_pool2d(x, 2)
+
+    depth = len(model.down)
+    layers: list[nn.Module] = []
+    for k, block in enumerate(model.down):
+        layers += [block, stasher(f"skip{k}"), Pool()]
+    layers.append(model.middle)
+    for k, (up, dec) in enumerate(zip(model.up, model.dec)):
+        layers += [up, popper(f"skip{depth - 1 - k}"), dec]
+    layers.append(model.head)
+    return nn.Sequential(*layers)
+
+
+def split_points_for(seq: nn.Sequential, balance: list[int], names: list[str] | None = None) -> list[str]:
+    """Return fxpipe split points that start stages where torchgpipe's balance does."""
+    starts = [sum(balance[:k]) for k in range(1, len(balance))]
+    names = names or [str(i) for i in range(len(seq))]
+    return [names[s] for s in starts]
+
+
+def timed(fn, reps: int) -> float:
+    """Return the time of one call of ``fn``."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def race(runs: dict, reps: int) -> dict[str, float]:
+    """Run every entry once to warm up, then ``reps`` times in alternation; return medians."""
+    for fn in runs.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(reps):
+        for name, fn in runs.items():
+            times[name].append(timed(fn, reps))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def report(title: str, med: dict[str, float], base: str) -> None:
+    """Print medians and ratios against ``base``."""
+    print(f"\n{title}")
+    print(f"{'run':44} {'median s':>9} {'/ ' + base:>14}")
+    for k, v in med.items():
+        print(f"{k:44} {v:9.4f} {v / med[base]:13.3f}x")
+
+
+def train_step(module, x, y):
+    """Return a closure running forward, MSE loss and backward."""
+    def step():
+        F.mse_loss(module(x), y).backward()
+    return step
+
+
+def speed_mlp(args) -> None:
+    """Eager, fxpipe and torchgpipe on one Sequential, same split, chunks and checkpoint mode."""
+    from torchgpipe import GPipe
+
+    torch.manual_seed(0)
+    seq = mlp(args.dim, args.depth)
+    x, y = torch.randn(args.batch, args.dim), torch.randn(args.batch, args.dim)
+    balance = [len(seq) // 4] * 4
+    eager = copy.deepcopy(seq)
+    one = fxpipe.compile(copy.deepcopy(seq), 1, example_inputs=(x,), chunks=1, checkpoint="never",
+                         devices=["cpu"])
+    fx = fxpipe.compile(copy.deepcopy(seq), 4, example_inputs=(x,), chunks=args.chunks,
+                        checkpoint="except_last", devices=["cpu"] * 4,
+                        split_points=split_points_for(seq, balance, [n for n in _node_names(seq)]))
+    tg = GPipe(copy.deepcopy(seq), balance=balance, devices=["cpu"] * 4, chunks=args.chunks,
+               checkpoint="except_last")
+    mbs = list(zip(x.chunk(args.chunks), y.chunk(args.chunks)))
+
+    def eager_micro():
+        for xs, ys in mbs:
+            (F.mse_loss(eager(xs), ys) / len(mbs)).backward()
+
+    med = race({"eager": train_step(eager, x, y), "eager, micro-batches one by one": eager_micro,
+                "fxpipe 1 stage, 1 chunk, never": train_step(one, x, y),
+                f"fxpipe 4 stages, chunks {args.chunks}, except_last": train_step(fx, x, y),
+                f"torchgpipe 4 stages, chunks {args.chunks}, except_last": train_step(tg, x, y)}, args.reps)
+    report(f"MLP: nn.Sequential of {args.depth} x (Linear({args.dim}, {args.dim}) + ReLU), batch "
+           f"{args.batch}, balance {balance}; {args.reps} alternating runs", med, "eager")
+    tgk = f"torchgpipe 4 stages, chunks {args.chunks}, except_last"
+    fxk = f"fxpipe 4 stages, chunks {args.chunks}, except_last"
+    print(f"fxpipe / torchgpipe: {med[fxk] / med[tgk]:.3f}")
+
+
+def _node_names(seq: nn.Sequential) -> list[str]:
+    """Return the module names of a Sequential's layers, which fxpipe accepts as split points."""
+    return [name for name, _ in seq.named_children()]
+
+
+def speed_unet(args) -> None:
+    """The paper's U-Net: torchgpipe with @skippable against fxpipe with a plain module."""
+    from torchgpipe import GPipe
+    from torchgpipe.balance import balance_by_time
+
+    torch.manual_seed(0)
+    model = UNet(depth=args.unet_depth, base=args.unet_base).train()
+    x = torch.randn(args.unet_batch, 3, args.unet_size, args.unet_size)
+    y = torch.randn(args.unet_batch, 2, args.unet_size, args.unet_size)
+    seq = skippable_unet(copy.deepcopy(model))
+    balance = balance_by_time(4, seq, x[: max(1, args.unet_batch // args.chunks)], device="cpu")
+    tg = GPipe(seq, balance=balance, devices=["cpu"] * 4, chunks=args.chunks, checkpoint="except_last")
+    # the same split for fxpipe: the first module of each of torchgpipe's partitions
+    names = _unet_layer_names(model)
+    same = fxpipe.compile(copy.deepcopy(model), 4, example_inputs=(x,), chunks=args.chunks,
+                          checkpoint="except_last", devices=["cpu"] * 4,
+                          split_points=_first_real(names, balance))
+    auto = fxpipe.compile(copy.deepcopy(model), 4, example_inputs=(x,), chunks=args.chunks,
+                          checkpoint="except_last", devices=["cpu"] * 4)
+    eager = copy.deepcopy(model)
+    med = race({"eager": train_step(eager, x, y),
+                "torchgpipe (@skippable Sequential)": train_step(tg, x, y),
+                "fxpipe (plain module, torchgpipe's split)": train_step(same, x, y),
+                "fxpipe (plain module, its own split)": train_step(auto, x, y)}, args.reps)
+    report(f"U-Net depth {args.unet_depth}, base {args.unet_base}, batch {args.unet_batch} x 3 x "
+           f"{args.unet_size}^2, 4 stages, chunks {args.chunks}, except_last; balance {balance}",
+           med, "torchgpipe (@skippable Sequential)")
+
+
+def _unet_layer_names(model: UNet) -> list[str | None]:
+    """Name each layer of :func:`skippable_unet` by the plain U-Net's module (None: no module)."""
+    names: list[str | None] = []
+    for k in range(len(model.down)):
+        names += [f"down.{k}", None, None]
+    names.append("middle")
+    for k in range(len(model.up)):
+        names += [f"up.{k}", None, f"dec.{k}"]
+    names.append("head")
+    return names
+
+
+def _first_real(names: list[str | None], balance: list[int]) -> list[str]:
+    """Return, per partition after the first, the first layer there that is a real module."""
+    points = []
+    for k in range(1, len(balance)):
+        start = sum(balance[:k])
+        points.append(next(n for n in names[start:] if n is not None))
+    return points
+
+
+def memory_mode(args) -> None:
+    """In this fresh process, print the peak RSS growth of one step under ``--memory-mode``."""
+    torch.manual_seed(0)
+    seq = mlp(args.dim, args.depth)
+    x, y = torch.randn(args.mem_batch, args.dim), torch.randn(args.mem_batch, args.dim)
+    pipe = fxpipe.compile(seq, 4, example_inputs=(x,), chunks=8, checkpoint=args.memory_mode,
+                          devices=["cpu"] * 4, split_points=split_points_for(seq, [len(seq) // 4] * 4))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    pipe.step(x, target=y, loss_fn=F.mse_loss)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps((after - before) * 1024))
+
+
+def memory(args) -> None:
+    """Measure each checkpoint mode in a fresh process; print the growth and the ratios."""
+    growth = {}
+    for mode in ("never", "except_last", "always"):
+        out = subprocess.run([sys.executable, __file__, "--memory-mode", mode, "--dim", str(args.dim),
+                              "--depth", str(args.depth), "--mem-batch", str(args.mem_batch)],
+                             check=True, capture_output=True, text=True).stdout
+        growth[mode] = json.loads(out.strip().splitlines()[-1])
+    print(f"\nPeak RSS growth over one step, MLP {args.depth} x Linear({args.dim}), batch {args.mem_batch}, "
+          "4 stages, chunks 8, each mode in a fresh process")
+    for mode, g in growth.items():
+        ratio = f"{growth['never'] / g:.2f}" if g else "n/a (no growth measured)"
+        print(f"{mode:12} {g / 2**20:9.1f} MiB   never / {mode} = {ratio}")
+
+
+def main() -> None:
+    """Parse arguments and run the comparisons."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--unet-depth", type=int, default=3)
+    parser.add_argument("--unet-base", type=int, default=16)
+    parser.add_argument("--unet-batch", type=int, default=32)
+    parser.add_argument("--unet-size", type=int, default=64)
+    parser.add_argument("--mem-batch", type=int, default=8192)
+    parser.add_argument("--memory-mode", choices=["never", "except_last", "always"])
+    parser.add_argument("--only", choices=["mlp", "unet", "memory"])
+    args = parser.parse_args()
+    if args.memory_mode:
+        memory_mode(args)
+        return
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.only in (None, "mlp"):
+        speed_mlp(args)
+    if args.only in (None, "unet"):
+        speed_unet(args)
+    if args.only in (None, "memory"):
+        memory(args)
+
+
+if __name__ == "__main__":
+    main()
