@@ -136,13 +136,25 @@ class Recompute(torch.autograd.Function):
         return (None, None) + (None,) * len(ctx.saved_tensors)
 
 
+def _flatten(value: Any) -> tuple[list, Any]:
+    """Flatten a value into leaves; a plain tuple of tensors (the common case) skips pytree."""
+    if type(value) is tuple and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value), None
+    return tree_flatten(value)
+
+
+def _unflatten(leaves: list, spec: Any) -> Any:
+    """Invert :func:`_flatten`."""
+    return tuple(leaves) if spec is None else tree_unflatten(leaves, spec)
+
+
 def checkpointed(function: Callable[..., Any], inputs: tuple, device: torch.device) -> Any:
     """Call ``function(*inputs)`` without keeping its activations; recompute them in backward.
 
     ``inputs`` and the result may hold any structure of tensors and other values; only the
     tensors pass through autograd.
     """
-    in_leaves, in_spec = tree_flatten(inputs)
+    in_leaves, in_spec = _flatten(inputs)
     in_idx = [k for k, v in enumerate(in_leaves) if isinstance(v, torch.Tensor)]
     out_box: dict[str, Any] = {}
 
@@ -150,8 +162,8 @@ def checkpointed(function: Callable[..., Any], inputs: tuple, device: torch.devi
         leaves = list(in_leaves)
         for k, t in zip(in_idx, tensors):
             leaves[k] = t
-        result = function(*tree_unflatten(leaves, in_spec))
-        out_leaves, out_spec = tree_flatten(result)
+        result = function(*_unflatten(leaves, in_spec))
+        out_leaves, out_spec = _flatten(result)
         out_box["leaves"], out_box["spec"] = out_leaves, out_spec
         return tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
 
@@ -169,4 +181,4 @@ def checkpointed(function: Callable[..., Any], inputs: tuple, device: torch.devi
     leaves = list(out_box["leaves"])
     it = iter(outputs)
     leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in leaves]
-    return tree_unflatten(leaves, out_box["spec"])
+    return _unflatten(leaves, out_box["spec"])
