@@ -10,6 +10,7 @@ from fxpipe.errors import PipelineInputError, PlanMismatchError, TraceError
 from fxpipe.compiler import compile
 from fxpipe.pipe import Pipe
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
+from fxpipe.recorder import Timeline, timeline
 from fxpipe.tracing import trace
 
 __version__ = "0.1.0"
@@ -21,9 +22,11 @@ __all__ = [
     "PlanMismatchError",
     "SkipRoute",
     "StagePlan",
+    "Timeline",
     "TraceError",
     "compile",
     "is_checkpointing",
     "is_recomputing",
+    "timeline",
     "trace",
 ]

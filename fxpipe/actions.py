@@ -14,6 +14,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from fxpipe import recorder
 from fxpipe.codegen import checkpoint_stop, compile_source
 from fxpipe.plan import PipelinePlan
 from fxpipe.schedule import SCHEDULES, Action, clocks, in_flight
@@ -113,8 +114,10 @@ class ActionRunner:
         """Run F(i) on stage ``j``: receive, compute, send."""
         inputs = self.transport.recv_forward(j, i)
         last = j == self.plan.n_stages - 1
-        out = self.workers[j].forward(i, inputs, checkpoint=i < self.stop,
-                                      loss=self.losses.get(i) if last else None, grad=self.grad)
+        worker = self.workers[j]
+        with recorder.span("forward", j, i, worker.device):  # timeline
+            out = worker.forward(i, inputs, checkpoint=i < self.stop,
+                                 loss=self.losses.get(i) if last else None, grad=self.grad)
         if last and i in self.losses:
             self.total = out if self.total is None else self.total + out
         elif last:
@@ -125,7 +128,10 @@ class ActionRunner:
     def backward(self, j: int, i: int) -> None:
         """Run B(i) on stage ``j``: receive output gradients, backpropagate, send input gradients."""
         grads = None if j == self.plan.n_stages - 1 else self.transport.recv_backward(j, i)
-        self.transport.send_backward(j, i, self.workers[j].backward(i, grads))
+        worker = self.workers[j]
+        with recorder.span("backward", j, i, worker.device):  # timeline (recompute included)
+            input_grads = worker.backward(i, grads)
+        self.transport.send_backward(j, i, input_grads)
 
 
 def action_source(plan: PipelinePlan, m: int, stages: Sequence[int], name: str, schedule: str) -> str:

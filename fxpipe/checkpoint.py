@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fxpipe import recorder
 from fxpipe.dependency import fork, get_phony, join
 
 __all__ = ["is_checkpointing", "is_recomputing", "checkpointed"]
@@ -88,12 +89,14 @@ class _Record:
         self.device = device
         self.rng: tuple | None = None
         self.recomputed: deque = deque(maxlen=1)
+        self.where = recorder.where()  # timeline: the stage call being recorded, if any
 
     def replay(self, inputs: tuple) -> None:
         """Recompute the forward with grad and the saved RNG state; keep the result."""
         leaves = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
         assert self.rng is not None
-        with _restore_rng(self.device, self.rng), torch.enable_grad(), _flag("recomputing"):
+        with _restore_rng(self.device, self.rng), torch.enable_grad(), _flag("recomputing"), \
+                recorder.span_at("recompute", self.where):  # timeline
             outputs = self.function(*leaves)
         self.recomputed.append((outputs, leaves))
 

@@ -22,6 +22,7 @@ from fxpipe.pipe import Pipe
 from fxpipe.signature import CallSignature
 from fxpipe.placement import move_owned, ownership, resolve_devices, stage_callable
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
+from fxpipe.saved import PlanLike, apply_plan, graph_signature, load_plan
 from fxpipe.tracing import trace
 
 __all__ = ["compile"]
@@ -40,8 +41,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             example_kwargs: dict[str, Any] | None = None, devices: Sequence[Any] | None = None,
             chunks: int = 1, checkpoint: str = "except_last", balance_by: str = "auto",
             split_points: Sequence[str] | None = None, schedule: str = "gpipe",
-            leaf_modules: Iterable[type | str] = (), runtime: str = "local",
-            timeout: float = 300.0, deferred_batch_norm: bool = False) -> Pipe:
+            leaf_modules: Iterable[type | str] = (), plan: PlanLike | None = None,
+            runtime: str = "local", timeout: float = 300.0, deferred_batch_norm: bool = False) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -59,9 +60,17 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     with ``torchrun --nproc-per-node n_stages``); it needs ``example_inputs`` to size its
     receive buffers, and ``timeout`` (seconds) bounds every wait for another rank.
 
+    ``plan`` (a :class:`PipelinePlan` or the path of one saved with ``plan.save``) reuses a
+    saved stage assignment instead of partitioning; it raises :class:`PlanMismatchError`
+    saying what differs if the model's graph no longer matches it. Devices, chunks and
+    checkpointing still come from the arguments.
+
     If compile fails, the model is left unmoved and unmodified.
     """
     _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split_points)
+    saved = None if plan is None else load_plan(plan)
+    if saved is not None and split_points is not None:
+        raise ValueError("pass either plan= (a saved stage assignment) or split_points=, not both")
     if runtime not in ("local", "distributed"):
         raise ValueError(f"runtime={runtime!r}; use 'local' (one process) or 'distributed' (one stage per rank)")
     if runtime == "distributed":
@@ -84,13 +93,18 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     else:
         passes.annotate_params(gm)
         micro = chunks
-    if balance_by == "auto":
+    if saved is not None:
+        balance_by = saved.balance_by
+    elif balance_by == "auto":
         balance_by = "flops" if example_inputs is not None or example_kwargs else "params"
-    if balance_by in ("flops", "memory") and example_inputs is None and not example_kwargs:
+    if (saved is None and balance_by in ("flops", "memory") and example_inputs is None
+            and not example_kwargs):
         raise ValueError(f"balance_by={balance_by!r} needs example_inputs= to know the shapes; "
                          "pass example inputs or use balance_by='params'")
 
-    if split_points is not None:
+    if saved is not None:
+        apply_plan(gm, saved, n_stages)
+    elif split_points is not None:
         if len(split_points) + 1 != n_stages:
             raise ValueError(f"{len(split_points)} split points make {len(split_points) + 1} stages "
                              f"but n_stages={n_stages}; give n_stages - 1 split points")
@@ -99,7 +113,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         passes.partition(gm, n_stages, balance_by=balance_by)
     stage_graphs, routes = passes.split(gm, n_stages)
 
-    plan = _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, schedule, balance_by)
+    plan = _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, schedule,
+                      balance_by)  # from here on, the plan made, not the one passed in
     stages = [s.module for s in stage_graphs]
     if runtime == "distributed":
         for s in plan.stages:
@@ -167,9 +182,10 @@ def _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, sch
         ))
     skips = [SkipRoute(r.name, r.src, r.dst, int(nodes[r.name].meta.get("fxpipe.bytes", 0) // max(micro, 1)))
              for r in routes]
+    names, ops, targets = graph_signature(gm)
     return PipelinePlan(stages=stage_plans, skips=skips, chunks=chunks, checkpoint=checkpoint,
                         schedule=schedule, balance_by=balance_by,
-                        graph_nodes=[n.name for n in gm.graph.nodes])
+                        graph_nodes=names, graph_ops=ops, graph_targets=targets)
 
 
 def _carries_grad(node: torch.fx.Node) -> bool:

@@ -17,6 +17,7 @@ import torch
 
 from fxpipe.actions import ActionRunner, LocalTransport, compile_actions
 from fxpipe.batchnorm import commit_batch_norm
+from fxpipe import recorder
 from fxpipe.checkpoint import checkpointed
 from fxpipe.codegen import compile_source, gpipe_source
 from fxpipe.copy import copy, wait
@@ -138,11 +139,12 @@ class LocalRuntime:
         if device.type == "cuda":
             compute_stream = current_stream(device)
             inputs = wait(inputs, self.copy_stream(j, i), compute_stream)
-        with on_device(device):
+        with on_device(device), recorder.span("forward", j, i, device) as call:  # timeline
             if checkpoint and self.checkpointing:
                 out = checkpointed(fn, inputs, device)
             else:
                 out = fn(*inputs)
+        out = recorder.mark_backward(call, inputs, out)  # timeline: hooks only while recording
         if device.type == "cuda" and j < self.plan.n_stages - 1:
             out = wait(out, compute_stream, self.copy_stream(j, i))
         return out
@@ -155,7 +157,8 @@ class LocalRuntime:
 
     def copy(self, src: int, dst: int, i: int, values: tuple) -> tuple:
         """Copy micro-batch ``i``'s values from stage ``src``'s device to stage ``dst``'s."""
-        return copy(values, self.copy_stream(src, i), self.copy_stream(dst, i), self.devices[dst])
+        with recorder.span("copy", dst, i, self.devices[dst], self.copy_stream(dst, i)):  # timeline
+            return copy(values, self.copy_stream(src, i), self.copy_stream(dst, i), self.devices[dst])
 
     @staticmethod
     def depend(before: Any, after: Any) -> tuple[Any, Any]:

@@ -48,6 +48,8 @@ class PipelinePlan:
     schedule: str = "gpipe"
     balance_by: str = "auto"
     graph_nodes: list[str] = field(default_factory=list)
+    graph_ops: list[str] = field(default_factory=list)  # per graph node, empty in older plans
+    graph_targets: list[str] = field(default_factory=list)  # per graph node, empty in older plans
 
     @property
     def n_stages(self) -> int:
@@ -101,8 +103,13 @@ class PipelinePlan:
         if any(t.time_ms is not None for t in self.stages):
             headers.append("ms")
         lines = [tabulate(rows, headers=headers, tablefmt="simple")]
-        lines.append(f"bottleneck (max/mean FLOPs): {self.bottleneck():.3f}   "
-                     f"estimated efficiency at chunks={self.chunks}: {self.efficiency():.1%}")
+        if any(st.flops for st in self.stages):
+            lines.append(f"bottleneck (max/mean FLOPs): {self.bottleneck():.3f}   "
+                         f"estimated efficiency at chunks={self.chunks}: {self.efficiency():.1%}")
+            lines.append("(FLOPs: forward, whole example batch; act. out and skips: bytes per micro-batch)")
+        else:
+            lines.append(f"bottleneck: unknown without example inputs (no FLOPs)   "
+                         f"efficiency at chunks={self.chunks} if balanced: {self.efficiency():.1%}")
         if self.skips:
             lines.append("skip routes:")
             lines += [f"  {r.name}: stage {r.src} -> stage {r.dst} ({_human(r.bytes, 'B')})"

@@ -5,8 +5,8 @@ and writes. The passes import torch, torch.fx and networkx, never fxpipe's runti
 """
 
 from passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
-from passes.partition import (balanced_cut, compute_nodes, node_cost, partition, partition_at,
-                              stage_costs)
+from passes.partition import (assign_by_name, assign_stages, balanced_cut, compute_nodes, node_cost,
+                              partition, partition_at, stage_costs)
 from passes.specs import value_specs
 from passes.split import Route, StageGraph, split
 
@@ -16,6 +16,8 @@ __all__ = [
     "TensorSpec",
     "annotate",
     "annotate_params",
+    "assign_by_name",
+    "assign_stages",
     "balanced_cut",
     "bind_placeholders",
     "compute_nodes",

@@ -7,17 +7,19 @@ Writes: ``node.meta["fxpipe.stage"]``, the index of the stage that runs the node
 Stages are contiguous in the graph's topological order, so a stage only depends on earlier
 stages. Placeholders belong to stage 0, the output node to the last stage, and a ``get_attr``
 node to the stage of its first user (the split pass copies it into every stage that reads it).
+:func:`assign_by_name` writes a given (saved) assignment of compute nodes with the same rules
+and reads no annotations.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch.fx
 
 __all__ = ["COMPUTE_OPS", "compute_nodes", "node_cost", "partition", "partition_at",
-           "balanced_cut", "assign_stages", "stage_costs"]
+           "balanced_cut", "assign_stages", "assign_by_name", "stage_costs"]
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
@@ -91,22 +93,36 @@ def balanced_cut(costs: Sequence[float], n_parts: int) -> list[int]:
 def assign_stages(gm: torch.fx.GraphModule, starts: Sequence[int]) -> None:
     """Write ``fxpipe.stage`` on every node, given the compute-node index where each stage starts."""
     compute = compute_nodes(gm)
-    stage_of: dict[torch.fx.Node, int] = {}
+    stage_of: dict[str, int] = {}
     for j, start in enumerate(starts):
         end = starts[j + 1] if j + 1 < len(starts) else len(compute)
         for node in compute[start:end]:
-            stage_of[node] = j
-    last = len(starts) - 1
+            stage_of[node.name] = j
+    assign_by_name(gm, stage_of, len(starts))
+
+
+def assign_by_name(gm: torch.fx.GraphModule, stage_of: Mapping[str, int], n_stages: int) -> None:
+    """Write ``fxpipe.stage`` on every node from a compute-node name -> stage map.
+
+    Placeholders go to stage 0, the output node to stage ``n_stages - 1``, and a ``get_attr``
+    node to the first stage among its users. Raises ValueError naming a compute node that
+    ``stage_of`` leaves out or puts outside ``range(n_stages)``.
+    """
+    for node in compute_nodes(gm):
+        j = stage_of.get(node.name)
+        if j is None or not 0 <= j < n_stages:
+            raise ValueError(f"node {node.name!r} is assigned to stage {j}, not to one of the "
+                             f"{n_stages} stages; every compute node needs a stage")
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             node.meta["fxpipe.stage"] = 0
         elif node.op == "output":
-            node.meta["fxpipe.stage"] = last
+            node.meta["fxpipe.stage"] = n_stages - 1
         elif node.op == "get_attr":
-            users = [stage_of[u] for u in node.users if u in stage_of]
+            users = [stage_of[u.name] for u in node.users if u.op in COMPUTE_OPS]
             node.meta["fxpipe.stage"] = min(users) if users else 0
         else:
-            node.meta["fxpipe.stage"] = stage_of[node]
+            node.meta["fxpipe.stage"] = stage_of[node.name]
 
 
 def partition(gm: torch.fx.GraphModule, n_stages: int, *, balance_by: str = "flops") -> list[int]:
