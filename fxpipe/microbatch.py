@@ -100,8 +100,10 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
     if batch is not None and target_batch is not None and target_batch != batch:
         raise PipelineInputError(f"target has {target_batch} rows on dim 0 but the inputs have "
                                  f"{batch}; give the target the inputs' batch size")
-    sizes = micro_sizes(batch, m) if batch is not None else [0]
+    sizes = micro_sizes(batch, m) if batch is not None else [0] * m
     targets = scatter([target], ["target"], m)
+    if len(targets) == 1:  # no batched tensor in the target (None, a constant): every micro-batch gets it
+        targets = targets * m
     losses = {}
     for i, (tgt, rows) in enumerate(zip(targets, sizes)):
         tgt = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tgt[0])

@@ -50,3 +50,17 @@ def test_step_rejects_a_target_of_another_batch_size():
     pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 3, 8, 8),), chunks=2, devices=["cpu"] * 2)
     with pytest.raises(fxpipe.PipelineInputError, match="target has 3 rows on dim 0 but the inputs have 4"):
         pipe.step(torch.randn(4, 3, 8, 8), target=torch.randn(3, 2, 8, 8), loss_fn=F.mse_loss)
+
+
+def test_step_with_an_unbatched_target_covers_every_micro_batch():
+    model = UNet(depth=2, base=4).eval()
+    x = torch.randn(6, 3, 8, 8)
+    eager = copy.deepcopy(model)
+    expected = eager(x).mean()
+    expected.backward()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=3, devices=["cpu"] * 2)
+    loss = pipe.step(x, target=None, loss_fn=lambda out, _: out.mean())
+    assert max_relative_error(loss, expected) < 1e-5
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
