@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unet import UNet  # examples/unet.py, put on sys.path by conftest
+from transformer import GPT  # examples/, put on sys.path by conftest
+from unet import UNet
 
 
 class MLP(nn.Module):
@@ -69,44 +70,9 @@ class InceptionNet(nn.Module):
         return self.fc(x.mean(dim=(2, 3)))
 
 
-class Attention(nn.Module):
-    """Causal self-attention with a residual connection and layer norm."""
-
-    def __init__(self, d: int, heads: int = 2) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-        self.norm2 = nn.LayerNorm(d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
-        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.norm2(x))
-
-
-class TiedTransformer(nn.Module):
-    """A small decoder whose output projection shares the input embedding's weight."""
-
-    def __init__(self, vocab: int = 32, d: int = 16, layers: int = 3, seq: int = 8) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
-        self.blocks = nn.ModuleList([Attention(d) for _ in range(layers)])
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens):
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+def TiedTransformer() -> GPT:
+    """Return a small decoder whose output projection shares the input embedding's weight."""
+    return GPT(vocab=32, d=16, layers=3, heads=2, seq=8)
 
 
 class MultiIO(nn.Module):

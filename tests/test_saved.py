@@ -11,7 +11,8 @@ from torch import nn
 import fxpipe
 from fxpipe.plan import PipelinePlan
 from fxpipe.testing import assert_pipeline_equivalent
-from models import MLP, Attention, TiedTransformer
+from models import MLP, TiedTransformer
+from transformer import Block
 from unet import UNet
 
 
@@ -78,12 +79,12 @@ def test_removed_nodes_are_named():
     assert "make a new plan" in msg
 
 
-class _GeluBlock(Attention):
-    """Attention with the second layer norm's output passed through an extra GELU."""
+class _GeluBlock(Block):
+    """A block with the second layer norm's output passed through an extra GELU."""
 
     def forward(self, x):
         b, t, d = x.shape
-        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
         q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
