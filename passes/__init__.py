@@ -1,27 +1,43 @@
-"""Graph passes over ``torch.fx`` GraphModules: annotate, partition, split.
+"""Graph passes over ``torch.fx`` GraphModules: annotate, profile, partition, split.
 
 Each pass is a plain function; its module docstring says which ``node.meta`` keys it reads
 and writes. The passes import torch, torch.fx and networkx, never fxpipe's runtime.
 """
 
 from passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
-from passes.partition import (balanced_cut, compute_nodes, node_cost, partition, partition_at,
-                              stage_costs)
+from passes.cost import comm_weights, cut_widths, memory_factors, node_costs
+from passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
+from passes.order import candidate_orders
+from passes.partition import (Partition, assign_stages, balanced_cut, compute_nodes, node_cost,
+                              partition, partition_at, stage_costs, stage_memory)
+from passes.profile import profile
 from passes.split import Route, StageGraph, split
 
 __all__ = [
+    "NoFeasibleCut",
+    "Partition",
     "Route",
     "StageGraph",
     "TensorSpec",
     "annotate",
     "annotate_params",
+    "assign_stages",
     "balanced_cut",
     "bind_placeholders",
+    "candidate_orders",
+    "comm_weights",
     "compute_nodes",
+    "cut_widths",
+    "group_costs",
+    "memory_factors",
+    "min_bottleneck_cut",
     "node_cost",
+    "node_costs",
     "partition",
     "partition_at",
+    "profile",
     "split",
     "stage_costs",
+    "stage_memory",
     "value_bytes",
 ]
