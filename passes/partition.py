@@ -21,7 +21,7 @@ import torch.fx
 
 from passes.cost import (BALANCE_KINDS, COMPUTE_OPS, cut_widths, memory_factors, node_costs,
                          node_memory)
-from passes.cut import NoFeasibleCut, group_costs, least_memory, min_bottleneck_cut
+from passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from passes.order import candidate_orders
 
 __all__ = ["COMPUTE_OPS", "Partition", "compute_nodes", "node_cost", "partition", "partition_at",

@@ -31,7 +31,8 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from passes.annotate import TensorSpec, bind_placeholders
+from passes.annotate import bind_placeholders
+from passes.spec import TensorSpec
 from passes.signature import is_inplace
 
 __all__ = ["profile"]

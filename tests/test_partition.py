@@ -11,7 +11,7 @@ from torch import nn
 
 import fxpipe
 import passes
-from models import MLP, TiedTransformer
+from models import MLP
 from unet import UNet
 
 
