@@ -4,8 +4,9 @@ Reads and writes no ``node.meta``: this module works on plain cost arrays. Items
 are cut into ``k`` non-empty groups ``[a, b)``. Group ``j``'s cost is its compute plus a
 communication term for the bytes crossing its two cuts::
 
-    cost_j(a, b) = C[b] - C[a] + beta[j-1] * w[a] + beta[j] * w[b]
-                   (no incoming term for the first group, no outgoing one for the last)
+    cost_j(a, b) = C[b] - C[a] + beta[j-1] * w[a] + beta[j] * w[b] + rho * w[a]
+                   (no beta term into the first group, nor out of the last; ``rho`` prices
+                   the bytes every group keeps of its inputs, for memory as the cost)
 
     C[p] = c[0] + ... + c[p-1]      prefix sums of the item costs
     w[p] = bytes crossing the cut before item p (w[0], w[n]: the sequence's inputs, outputs)
@@ -15,7 +16,7 @@ prefix sums of per-item memory, ``phi * w[a]`` the inputs a group keeps).
 
 The search is exact: a bisection on the bottleneck ``T`` whose feasibility test is a dynamic
 program over the groups. Since ``cost_j(a, b) <= T`` reads ``V_j[a] >= U_j[b] - T`` with
-``U_j[b] = C[b] + beta[j] w[b]`` and ``V_j[a] = C[a] - beta[j-1] w[a]``, whether ``[0, b)``
+``U_j[b] = C[b] + beta[j] w[b]`` and ``V_j[a] = C[a] - (beta[j-1] + rho) w[a]``, whether ``[0, b)``
 splits into ``j`` groups within ``T`` is one running maximum of ``V_j`` over the positions
 where ``j - 1`` groups fit: O(k n) per probe, vectorized. With a memory cap, a start ``a``
 only reaches the ends ``b <= R(a)``; the running maximum becomes a range maximum, done with a
@@ -54,7 +55,7 @@ def _betas(beta: float | Sequence[float], k: int) -> list[float]:
 
 
 def group_costs(c: Sequence[float], w: Sequence[float], starts: Sequence[int],
-                beta: float | Sequence[float] = 0.0) -> list[float]:
+                beta: float | Sequence[float] = 0.0, rho: float = 0.0) -> list[float]:
     """Return each group's cost (compute plus communication) for the groups beginning at ``starts``."""
     k, n = len(starts), len(c)
     betas = _betas(beta, k)
@@ -62,7 +63,7 @@ def group_costs(c: Sequence[float], w: Sequence[float], starts: Sequence[int],
     out = []
     for j in range(k):
         a, b = bounds[j], bounds[j + 1]
-        cost = float(sum(c[a:b]))
+        cost = float(sum(c[a:b])) + rho * w[a]
         if j > 0:
             cost += betas[j - 1] * w[a]
         if j < k - 1:
@@ -74,7 +75,7 @@ def group_costs(c: Sequence[float], w: Sequence[float], starts: Sequence[int],
 class _Problem:
     """Prefix arrays of one cut problem, as float64 tensors."""
 
-    def __init__(self, c, w, k, beta, m, phi, cap) -> None:
+    def __init__(self, c, w, k, beta, m, phi, cap, rho=0.0) -> None:
         n = len(c)
         self.n, self.k = n, k
         f64 = torch.float64
@@ -82,7 +83,7 @@ class _Problem:
         self.w = torch.tensor(w, dtype=f64).clamp_min(0)
         betas = _betas(beta, k)
         self.U = [self.C + (betas[j] * self.w if j < k - 1 else 0.0) for j in range(k)]
-        self.V = [self.C - (betas[j - 1] * self.w if j > 0 else 0.0) for j in range(k)]
+        self.V = [self.C - ((betas[j - 1] if j > 0 else 0.0) + rho) * self.w for j in range(k)]
         self.reach = None  # R(a): the furthest end a group starting at a may have
         if cap is not None:
             M = torch.cat([torch.zeros(1, dtype=f64), torch.tensor(m, dtype=f64).clamp_min(0).cumsum(0)])
@@ -170,14 +171,15 @@ class _RangeMax:
 
 
 def min_bottleneck_cut(c: Sequence[float], w: Sequence[float], k: int, *,
-                       beta: float | Sequence[float] = 0.0, m: Sequence[float] | None = None,
-                       phi: float = 0.0, cap: float | None = None) -> list[int]:
+                       beta: float | Sequence[float] = 0.0, rho: float = 0.0,
+                       m: Sequence[float] | None = None, phi: float = 0.0,
+                       cap: float | None = None) -> list[int]:
     """Return the start of each of ``k`` groups minimizing the largest group cost (module docstring).
 
     ``c`` holds ``n`` item costs, ``w`` the ``n + 1`` cut widths, ``beta`` the cost per
-    crossing byte (one number, or one per boundary). With ``cap``, every group's memory
-    ``M[b] - M[a] + phi * w[a]`` (``m`` per item) stays within it, or :class:`NoFeasibleCut`
-    says the smallest cap that fits.
+    crossing byte (one number, or one per boundary), ``rho`` the cost per byte a group
+    receives. With ``cap``, every group's memory ``M[b] - M[a] + phi * w[a]`` (``m`` per item)
+    stays within it, or :class:`NoFeasibleCut` says the smallest cap that fits.
     """
     n = len(c)
     if not 1 <= k <= n:
@@ -186,15 +188,16 @@ def min_bottleneck_cut(c: Sequence[float], w: Sequence[float], k: int, *,
         raise ValueError(f"{len(w)} cut widths for {n} items; give n + 1 of them")
     if cap is not None and m is None:
         raise ValueError("a memory cap needs the per-item memory m=")
-    problem = _Problem(c, w, k, beta, m, phi, cap)
+    problem = _Problem(c, w, k, beta, m, phi, cap, rho)
     if cap is not None and not problem.feasible(math.inf):
         least = least_memory(m, w, k, phi)
         raise NoFeasibleCut(f"no cut into {k} groups keeps every group within {cap:.6g}; "
                             f"the least possible largest group needs {least:.6g}", least=least)
-    first = problem.starts(math.inf)
-    hi = max(group_costs(c, w, first, beta))
-    lo = max(max(float(x) for x in c), float(problem.C[-1]) / k, 0.0)
-    lo = min(lo, hi)
+    hi = max(group_costs(c, w, problem.starts(math.inf), beta, rho))
+    slack = 1e-12
+    while not problem.feasible(hi):  # prefix-sum rounding may put that cut a hair above its sum
+        hi, slack = hi + slack * max(abs(hi), 1e-300), slack * 2
+    lo = min(max(max(float(x) for x in c), float(problem.C[-1]) / k, 0.0), hi)
     while hi - lo > 1e-12 * max(abs(hi), 1e-300):
         mid = (lo + hi) / 2
         if mid <= lo or mid >= hi:
@@ -208,22 +211,5 @@ def min_bottleneck_cut(c: Sequence[float], w: Sequence[float], k: int, *,
 
 def least_memory(m: Sequence[float], w: Sequence[float], k: int, phi: float) -> float:
     """Return the smallest possible largest group memory ``M[b] - M[a] + phi * w[a]``."""
-    n = len(m)
-    beta = [0.0] * (k - 1)
-    # the memory of [a, b) is U[b] - V[a] with U = M and V = M - phi * w: the same problem
-    problem = _Problem(list(m), list(w), k, beta, None, 0.0, None)
-    problem.V = [problem.C - phi * problem.w for _ in range(k)]
-    problem.U = [problem.C for _ in range(k)]
-    lo, hi = 0.0, float(problem.C[-1] + phi * problem.w.max())
-    while hi - lo > 1e-12 * max(hi, 1e-300):
-        mid = (lo + hi) / 2
-        if mid <= lo or mid >= hi:
-            break
-        if problem.feasible(mid):
-            hi = mid
-        else:
-            lo = mid
-    starts = problem.starts(hi)
-    bounds = starts + [n]
-    M = problem.C
-    return max(float(M[bounds[j + 1]] - M[bounds[j]] + phi * problem.w[bounds[j]]) for j in range(k))
+    starts = min_bottleneck_cut(m, w, k, rho=phi)
+    return max(group_costs(m, w, starts, 0.0, phi))

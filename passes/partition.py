@@ -113,6 +113,7 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, *, balance_by: str = "flo
         raise ValueError(f"unknown balance_by={balance_by!r}; use one of {list(BALANCE_KINDS) + ['auto']}")
     _check_stages(gm, n_stages)
     f_act, f_in = memory_factors(checkpoint, micro_batches)
+    rho = f_in if balance_by == "memory" else 0.0  # a stage's memory includes the inputs it keeps
     best, least = None, None
     for order in candidate_orders(gm):
         costs = node_costs(order, balance_by, f_act)
@@ -121,11 +122,12 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, *, balance_by: str = "flo
         widths = cut_widths(gm, order)
         mem = [node_memory(n, f_act) for n in order] if max_memory is not None else None
         try:
-            starts = min_bottleneck_cut(costs, widths, n_stages, beta=comm, m=mem, phi=f_in, cap=max_memory)
+            starts = min_bottleneck_cut(costs, widths, n_stages, beta=comm, rho=rho, m=mem, phi=f_in,
+                                        cap=max_memory)
         except NoFeasibleCut as exc:
             least = exc.least if least is None else min(least, exc.least)
             continue
-        stage = group_costs(costs, widths, starts, comm)
+        stage = group_costs(costs, widths, starts, comm, rho)
         score = (max(stage), sum(widths[s] for s in starts[1:]))
         if best is None or _better(score, best[0]):
             best = (score, Partition(order, starts, stage, widths))
@@ -220,9 +222,11 @@ def partition_at(gm: torch.fx.GraphModule, split_points: Sequence[str], *, balan
                                 f"bytes, over max_memory={max_memory:.6g}; move the split points "
                                 "or drop them and let fxpipe find a cut that fits",
                                 least=max(mem))
-    costs = node_costs(compute, balance_by, memory_factors(checkpoint, micro_batches)[0])
+    f_act, f_in = memory_factors(checkpoint, micro_batches)
+    costs = node_costs(compute, balance_by, f_act)
     widths = cut_widths(gm, compute)
-    return Partition(compute, starts, group_costs(costs, widths, starts, comm), widths)
+    rho = f_in if balance_by == "memory" else 0.0
+    return Partition(compute, starts, group_costs(costs, widths, starts, comm, rho), widths)
 
 
 def _first_indices(gm: torch.fx.GraphModule, compute: list[torch.fx.Node]) -> dict[str, int]:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from passes.cut import NoFeasibleCut, group_costs, least_memory, min_bottleneck_cut
 
 
-def _brute(c, w, k, beta, m=None, phi=0.0, cap=None):
+def _brute(c, w, k, beta, m=None, phi=0.0, cap=None, rho=0.0):
     """Return the least largest group cost over all cuts within the cap (None if none fits)."""
     n, best = len(c), None
     for cuts in itertools.combinations(range(1, n), k - 1):
@@ -21,6 +21,7 @@ def _brute(c, w, k, beta, m=None, phi=0.0, cap=None):
         for j in range(k):
             a, b = bounds[j], bounds[j + 1]
             cost = sum(c[a:b]) + (beta[j - 1] * w[a] if j > 0 else 0) + (beta[j] * w[b] if j < k - 1 else 0)
+            cost += rho * w[a]
             worst = max(worst, cost)
         best = worst if best is None else min(best, worst)
     return best
@@ -34,7 +35,7 @@ def problems(draw, with_cap=False):
     w = draw(st.lists(st.integers(0, 60), min_size=n + 1, max_size=n + 1))
     beta = draw(st.lists(st.sampled_from([0, 0.5, 1, 2, 5]), min_size=k - 1, max_size=k - 1))
     if not with_cap:
-        return c, w, k, beta
+        return c, w, k, beta, draw(st.sampled_from([0.0, 0.0, 0.5, 1.0]))
     m = draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))
     phi = draw(st.sampled_from([0.0, 0.5, 1.0]))
     cap = draw(st.integers(0, 80))
@@ -44,10 +45,10 @@ def problems(draw, with_cap=False):
 @settings(max_examples=300, deadline=None)
 @given(problems())
 def test_matches_brute_force(problem):
-    c, w, k, beta = problem
-    starts = min_bottleneck_cut(c, w, k, beta=beta)
+    c, w, k, beta, rho = problem
+    starts = min_bottleneck_cut(c, w, k, beta=beta, rho=rho)
     assert len(starts) == k and starts[0] == 0 and all(a < b for a, b in zip(starts, starts[1:]))
-    assert max(group_costs(c, w, starts, beta)) == pytest.approx(_brute(c, w, k, beta), rel=1e-9)
+    assert max(group_costs(c, w, starts, beta, rho)) == pytest.approx(_brute(c, w, k, beta, rho=rho), rel=1e-9)
 
 
 @settings(max_examples=300, deadline=None)

@@ -156,19 +156,30 @@ def test_flop_balance_on_unet_near_the_traced_optimum():
         _check_stages(gm, k)
 
 
-def test_compile_respects_max_memory_down_to_the_least_that_fits():
-    x = torch.randn(4, 3, 16, 16)
+def _compile_unet(**kwargs):
+    return fxpipe.compile(UNet(depth=3, base=4).eval(), 3, example_inputs=(torch.randn(4, 3, 16, 16),),
+                          chunks=2, checkpoint="never", devices=["cpu"] * 3, **kwargs)
 
-    def compile_unet(**kwargs):
-        return fxpipe.compile(UNet(depth=3, base=4).eval(), 3, example_inputs=(x,), chunks=2,
-                              checkpoint="never", devices=["cpu"] * 3, **kwargs)
 
+def _least_memory():
     with pytest.raises(passes.NoFeasibleCut) as info:
-        compile_unet(max_memory=1)
-    least = info.value.least
-    free = max(s.memory for s in compile_unet().plan.stages)
-    capped = max(s.memory for s in compile_unet(max_memory=least * (1 + 1e-9)).plan.stages)
+        _compile_unet(max_memory=1)
+    return info.value.least
+
+
+def test_compile_respects_max_memory_down_to_the_least_that_fits():
+    least = _least_memory()
+    free = max(s.memory for s in _compile_unet().plan.stages)
+    capped = max(s.memory for s in _compile_unet(max_memory=least * (1 + 1e-9)).plan.stages)
     assert capped <= least * (1 + 1e-9) < free
+
+
+def test_balance_by_memory_reaches_the_least_memory():
+    least = _least_memory()
+    plan = _compile_unet(balance_by="memory").plan
+    assert max(s.cost for s in plan.stages) == pytest.approx(least, rel=1e-9)
+    assert max(s.memory for s in plan.stages) <= least * (1 + 1e-9)
+    assert "bottleneck (max/mean memory)" in str(plan)
 
 
 def test_compile_refuses_an_impossible_cap_and_leaves_the_model_alone():
