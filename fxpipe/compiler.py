@@ -90,8 +90,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         cut = passes.partition(gm, n_stages, balance_by=balance_by, comm=comm, **memory)
     stage_graphs, routes = passes.split(gm, n_stages)
 
-    plan = _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, schedule, balance_by,
-                      cut.costs)
+    plan = _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, schedule, balance_by, cut)
     stages = [s.module for s in stage_graphs]
     own = ownership(stages, devices)
     move_owned([model, gm, *stages], own, devices)
@@ -141,10 +140,9 @@ def _annotate(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
 
 
 def _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, schedule, balance_by,
-               costs) -> PipelinePlan:
+               cut) -> PipelinePlan:
     """Collect the split's stages, routes and costs into a :class:`PipelinePlan`."""
     nodes = {n.name: n for n in gm.graph.nodes}
-    f_act, f_in = passes.memory_factors(checkpoint, micro)
     per_micro = max(micro, 1)
     profiled = any("fxpipe.time" in n.meta for n in gm.graph.nodes)
     stage_plans = []
@@ -163,8 +161,8 @@ def _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, sch
             time_ms=float(sum(n.meta.get("fxpipe.time", 0.0) for n in held)) if profiled else None,
             saved_bytes=int(saved // per_micro),
             checkpoint_bytes=int(received // per_micro),
-            memory=int(2 * params + f_act * saved + f_in * received),
-            cost=float(costs[j]),
+            memory=int(cut.memory[j]),
+            cost=float(cut.costs[j]),
         ))
     skips = [SkipRoute(r.name, r.src, r.dst, int(nodes[r.name].meta.get("fxpipe.bytes", 0) // per_micro))
              for r in routes]

@@ -18,8 +18,9 @@ class StagePlan:
     ``flops`` counts forward and backward over the whole mini-batch; ``params`` the bytes of
     the parameters and buffers it holds; ``activation_bytes`` the bytes it sends on per
     micro-batch; ``saved_bytes`` the activations it keeps per micro-batch for backward without
-    checkpointing, ``checkpoint_bytes`` with it (its inputs); ``memory`` the estimated peak
-    for the plan's checkpoint mode and chunks (parameters, gradients, kept activations);
+    checkpointing, ``checkpoint_bytes`` with it (its inputs); ``memory`` the partitioner's
+    estimate of the peak for the plan's checkpoint mode and chunks (parameters and gradients,
+    kept activations, kept inputs bounded by the bytes crossing the stage's first cut);
     ``time_ms`` the measured forward + backward milliseconds when profiled; ``cost`` what the
     partitioner balanced (its ``balance_by`` unit, communication included).
     """

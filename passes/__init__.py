@@ -9,7 +9,7 @@ from passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from passes.order import candidate_orders
 from passes.partition import (Partition, assign_stages, balanced_cut, compute_nodes, node_cost,
-                              partition, partition_at, stage_costs, stage_memory)
+                              partition, partition_at, stage_costs)
 from passes.profile import profile
 from passes.split import Route, StageGraph, split
 
@@ -38,6 +38,5 @@ __all__ = [
     "profile",
     "split",
     "stage_costs",
-    "stage_memory",
     "value_bytes",
 ]

@@ -25,17 +25,18 @@ from passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from passes.order import candidate_orders
 
 __all__ = ["COMPUTE_OPS", "Partition", "compute_nodes", "node_cost", "partition", "partition_at",
-           "balanced_cut", "assign_stages", "stage_costs", "stage_memory"]
+           "balanced_cut", "assign_stages", "stage_costs"]
 
 
 @dataclass
 class Partition:
-    """A cut: the order it was made in, each stage's first position, and each stage's cost."""
+    """A cut: its order, each stage's first position, cost and memory estimate, the cut widths."""
 
     order: list[torch.fx.Node]
     starts: list[int]
     costs: list[float]
     widths: list[float]
+    memory: list[float]
 
     def stage_nodes(self, j: int) -> list[torch.fx.Node]:
         """Return the compute nodes of stage ``j`` in the cut order."""
@@ -130,7 +131,8 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, *, balance_by: str = "flo
         stage = group_costs(costs, widths, starts, comm, rho)
         score = (max(stage), sum(widths[s] for s in starts[1:]))
         if best is None or _better(score, best[0]):
-            best = (score, Partition(order, starts, stage, widths))
+            memory = group_costs([node_memory(n, f_act) for n in order], widths, starts, 0.0, f_in)
+            best = (score, Partition(order, starts, stage, widths, memory))
     if best is None:
         raise NoFeasibleCut(_memory_refusal(max_memory, least, n_stages, checkpoint, micro_batches),
                             least=least)
@@ -152,33 +154,6 @@ def _memory_refusal(cap, least, n_stages, checkpoint, micro_batches) -> str:
             f"largest stage needs {least:.6g} bytes (parameters and their gradients, plus the "
             f"activations kept with checkpoint={checkpoint!r} over {micro_batches} micro-batch(es)); "
             "raise max_memory, use more stages, more micro-batches or checkpoint='always'")
-
-
-def stage_memory(gm: torch.fx.GraphModule, n_stages: int, *, checkpoint: str = "except_last",
-                 micro_batches: int = 1) -> list[float]:
-    """Return each stage's memory estimate (:mod:`passes.cost`) from ``fxpipe.stage``."""
-    f_act, f_in = memory_factors(checkpoint, micro_batches)
-    totals = [0.0] * n_stages
-    for node in compute_nodes(gm):
-        totals[node.meta["fxpipe.stage"]] += node_memory(node, f_act)
-    for j, nbytes in enumerate(_stage_input_bytes(gm, n_stages)):
-        totals[j] += f_in * nbytes
-    return totals
-
-
-def _stage_input_bytes(gm: torch.fx.GraphModule, n_stages: int) -> list[float]:
-    """Return the bytes of the values each stage receives (the graph inputs for stage 0)."""
-    totals = [0.0] * n_stages
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            continue
-        size = float(node.meta.get("fxpipe.bytes", 0) or 0)
-        if node.op == "placeholder":
-            totals[0] += size
-        src = node.meta["fxpipe.stage"]
-        for dst in {u.meta["fxpipe.stage"] for u in node.users} - {src}:
-            totals[dst] += size
-    return totals
 
 
 def partition_at(gm: torch.fx.GraphModule, split_points: Sequence[str], *, balance_by: str = "flops",
@@ -213,8 +188,10 @@ def partition_at(gm: torch.fx.GraphModule, split_points: Sequence[str], *, balan
         starts.append(i)
         names.append(point)
     assign_stages(gm, starts)
+    f_act, f_in = memory_factors(checkpoint, micro_batches)
+    widths = cut_widths(gm, compute)
+    mem = group_costs([node_memory(n, f_act) for n in compute], widths, starts, 0.0, f_in)
     if max_memory is not None:
-        mem = stage_memory(gm, len(starts), checkpoint=checkpoint, micro_batches=micro_batches)
         over = [j for j, m in enumerate(mem) if m > max_memory]
         if over:
             j = over[0]
@@ -222,11 +199,9 @@ def partition_at(gm: torch.fx.GraphModule, split_points: Sequence[str], *, balan
                                 f"bytes, over max_memory={max_memory:.6g}; move the split points "
                                 "or drop them and let fxpipe find a cut that fits",
                                 least=max(mem))
-    f_act, f_in = memory_factors(checkpoint, micro_batches)
     costs = node_costs(compute, balance_by, f_act)
-    widths = cut_widths(gm, compute)
     rho = f_in if balance_by == "memory" else 0.0
-    return Partition(compute, starts, group_costs(costs, widths, starts, comm, rho), widths)
+    return Partition(compute, starts, group_costs(costs, widths, starts, comm, rho), widths, mem)
 
 
 def _first_indices(gm: torch.fx.GraphModule, compute: list[torch.fx.Node]) -> dict[str, int]:
