@@ -162,7 +162,7 @@ def _compile_unet(**kwargs):
 
 
 def _least_memory():
-    with pytest.raises(passes.NoFeasibleCut) as info:
+    with pytest.raises(fxpipe.NoFeasibleCut) as info:
         _compile_unet(max_memory=1)
     return info.value.least
 
