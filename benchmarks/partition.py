@@ -18,6 +18,7 @@ Every ratio is against a baseline measured in the same run. Nothing here is a te
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -194,9 +195,10 @@ class Deep(nn.Module):
 
 
 def _best_of(fn, repeats: int) -> float:
-    """Return the least wall time of ``repeats`` calls of ``fn``, in seconds."""
+    """Return the least wall time of ``repeats`` calls of ``fn``, in seconds, each from a collected heap."""
     best = float("inf")
     for _ in range(repeats):
+        gc.collect()
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)

@@ -34,6 +34,7 @@ import torch.fx._pytree as fx_pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
+from passes.gcpause import gc_paused
 from passes.propagate import Propagator, fetch
 from passes.spec import TensorSpec, spec_of, value_bytes
 
@@ -42,10 +43,10 @@ __all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "sp
 log = logging.getLogger(__name__)
 
 
-def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> int:
+def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, modules: dict) -> int:
     """Return the bytes of parameters and buffers a node reads from the module."""
     if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
+        mod = modules[node.target]
         seen = {id(t): t for t in list(mod.parameters()) + list(mod.buffers())}
         return sum(t.numel() * t.element_size() for t in seen.values())
     if node.op == "get_attr":
@@ -55,6 +56,7 @@ def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> int:
     return 0
 
 
+@gc_paused
 def annotate(gm: torch.fx.GraphModule, example_args: tuple, example_kwargs: dict | None = None,
              *, real: bool = False, memoize: bool = True) -> torch.fx.GraphModule:
     """Record ``fxpipe.value/bytes/flops/flops_bwd/saved_bytes/param_bytes`` on every node; return ``gm``.
@@ -82,8 +84,9 @@ def annotate(gm: torch.fx.GraphModule, example_args: tuple, example_kwargs: dict
 
 def annotate_params(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Record ``fxpipe.param_bytes`` on every node (needs no example inputs); return ``gm``."""
+    modules = dict(gm.named_modules())
     for node in gm.graph.nodes:
-        node.meta["fxpipe.param_bytes"] = _param_bytes(gm, node)
+        node.meta["fxpipe.param_bytes"] = _param_bytes(gm, node, modules)
     return gm
 
 

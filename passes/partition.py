@@ -22,6 +22,7 @@ import torch.fx
 from passes.cost import (BALANCE_KINDS, COMPUTE_OPS, cut_widths, memory_factors, node_costs,
                          node_memory)
 from passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
+from passes.gcpause import gc_paused
 from passes.order import candidate_orders
 
 __all__ = ["COMPUTE_OPS", "Partition", "compute_nodes", "node_cost", "partition", "partition_at",
@@ -98,6 +99,7 @@ def _check_stages(gm: torch.fx.GraphModule, n_stages: int) -> int:
     return n
 
 
+@gc_paused
 def partition(gm: torch.fx.GraphModule, n_stages: int, *, balance_by: str = "flops",
               comm: float | Sequence[float] = 0.0, max_memory: float | None = None,
               checkpoint: str = "except_last", micro_batches: int = 1) -> Partition:

@@ -12,7 +12,7 @@ signature (:mod:`passes.signature`) matches an earlier node's reuses that node's
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -166,15 +166,18 @@ class Propagator:
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 value = next(inputs)
-                result = _Result(value, spec_of(value), 0, 0, 0, 0, value_key(value))
+                spec = spec_of(value)
+                result = _Result(value, spec, value_bytes(spec), 0, 0, 0, value_key(value))
             elif node.op == "get_attr":
                 value = fetch(self.gm, node.target)
                 if isinstance(value, torch.Tensor):
                     value = self._tensor(value)
-                result = _Result(value, spec_of(value), 0, 0, 0, 0, value_key(value))
+                spec = spec_of(value)
+                result = _Result(value, spec, value_bytes(spec), 0, 0, 0, value_key(value))
             elif node.op == "output":
                 value = torch.fx.node.map_arg(node.args[0], env.__getitem__)
-                result = _Result(value, spec_of(value), 0, 0, 0, 0, None)
+                spec = spec_of(value)
+                result = _Result(value, spec, value_bytes(spec), 0, 0, 0, None)
             else:
                 key = node_key(node, keys, self.modules) if memoize else None
                 result = self.cache.get(key) if key is not None else None
@@ -184,11 +187,13 @@ class Propagator:
                         self.cache[key] = result
                 else:
                     self.hits += 1
-                    result = replace(result, value=tree_map(lambda v: v, result.value))
-            env[node] = result.value
+            value = result.value
+            if isinstance(value, (tuple, list, dict)):  # a fresh container for each node
+                value = tree_map(lambda v: v, value)
+            env[node] = value
             keys[node] = result.key
             node.meta["fxpipe.value"] = result.spec
-            node.meta["fxpipe.bytes"] = value_bytes(result.spec)
+            node.meta["fxpipe.bytes"] = result.nbytes
             node.meta["fxpipe.flops"] = result.flops
             node.meta["fxpipe.flops_bwd"] = result.flops_bwd
             node.meta["fxpipe.saved_bytes"] = result.saved

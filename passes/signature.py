@@ -67,21 +67,29 @@ def _module_key(module: nn.Module) -> Any:
     """Return the config of a ``torch.nn`` module and its submodules, or None for other modules."""
     if not type(module).__module__.startswith("torch.nn"):
         return None
+    if module._modules:
+        subs = list(module.named_modules())
+        tensors = (list(module.named_parameters(remove_duplicate=False))
+                   + list(module.named_buffers(remove_duplicate=False)))
+    else:  # a leaf (Linear, LayerNorm, ...): the same, without the generators
+        subs = [("", module)]
+        tensors = [(k, t) for k, t in module._parameters.items() if t is not None]
+        tensors += [(k, t) for k, t in module._buffers.items() if t is not None]
     parts = []
-    for name, sub in module.named_modules():
+    for name, sub in subs:
         attrs = []
-        for k, v in sorted(vars(sub).items()):
-            if k.startswith("_"):
+        for k, v in vars(sub).items():  # "training" included; the order is the class's own
+            if k[0] == "_":
+                continue
+            if isinstance(v, _PLAIN):
+                attrs.append((k, type(v), v))
                 continue
             try:
                 attrs.append((k, _freeze(v, None)))
             except _Opaque:
                 return None
         parts.append((name, type(sub), tuple(attrs)))
-    state = tuple((name, _freeze(t, None)) for name, t in
-                  list(module.named_parameters(remove_duplicate=False))
-                  + list(module.named_buffers(remove_duplicate=False)))
-    return (tuple(parts), state)
+    return (tuple(parts), tuple((name, _freeze(t, None)) for name, t in tensors))
 
 
 def is_inplace(node: torch.fx.Node) -> bool:
@@ -99,18 +107,19 @@ def is_inplace(node: torch.fx.Node) -> bool:
 def node_key(node: torch.fx.Node, keys: dict, modules: dict) -> Any:
     """Return the signature of a call node from its inputs' keys, or None when it has none.
 
-    ``modules`` memoizes module configs by module object and is filled in as a side effect.
+    ``modules`` memoizes module configs by ``call_module`` target and is filled in as a side
+    effect.
     """
     if is_inplace(node):
         return None
     if node.op == "call_module":
-        module = node.graph.owning_module.get_submodule(node.target)
-        if module not in modules:
-            modules[module] = _module_key(module)
-        mkey = modules[module]
+        if node.target not in modules:
+            module = node.graph.owning_module.get_submodule(node.target)
+            modules[node.target] = _module_key(module)
+        mkey = modules[node.target]
         if mkey is None:
             return None
-        target = ("module", mkey, module.training)
+        target = ("module", mkey)
     else:
         target = (node.op, node.target)
     try:

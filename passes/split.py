@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
+from passes.gcpause import gc_paused
+
 __all__ = ["Route", "StageGraph", "split"]
 
 
@@ -48,6 +50,7 @@ class StageGraph:
     nodes: list[str] = field(default_factory=list)
 
 
+@gc_paused
 def split(gm: torch.fx.GraphModule, n_stages: int) -> tuple[list[StageGraph], list[Route]]:
     """Build one GraphModule per stage from ``fxpipe.stage`` annotations; return stages and routes."""
     nodes = list(gm.graph.nodes)
