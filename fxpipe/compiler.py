@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 import passes
 from fxpipe.batchnorm import defer_batch_norm
 from fxpipe.comm import Comm
-from fxpipe.distributed import DistributedRuntime, setup_distributed, tied_groups
+from fxpipe.distributed import DistributedRuntime, agree_on_stages, setup_distributed, tied_groups
 from fxpipe.local import LocalRuntime
 from fxpipe.microbatch import batch_size, micro_sizes
 from fxpipe.pipe import Pipe
@@ -40,9 +40,10 @@ BALANCE_BY = ("auto", "flops", "params", "memory", "time")
 def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             example_kwargs: dict[str, Any] | None = None, devices: Sequence[Any] | None = None,
             chunks: int = 1, checkpoint: str = "except_last", balance_by: str = "auto",
-            split_points: Sequence[str] | None = None, schedule: str = "gpipe",
-            leaf_modules: Iterable[type | str] = (), plan: PlanLike | None = None,
-            runtime: str = "local", timeout: float = 300.0, deferred_batch_norm: bool = False) -> Pipe:
+            split_points: Sequence[str] | None = None, max_memory: float | None = None,
+            schedule: str = "gpipe", leaf_modules: Iterable[type | str] = (),
+            plan: PlanLike | None = None, runtime: str = "local", timeout: float = 300.0,
+            deferred_batch_norm: bool = False) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -50,8 +51,16 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     shapes for the cost model; nothing real is computed with them. ``devices`` gives one
     device per stage. ``chunks`` is the number of micro-batches; ``checkpoint`` is
     ``"always"``, ``"except_last"`` or ``"never"``; ``balance_by`` picks the cost that stages
-    balance; ``split_points`` names the modules or nodes where stages begin instead.
+    balance (``"flops"``, ``"params"``, ``"memory"``, ``"time"`` measured on ``devices[0]``, or
+    ``"auto"``: FLOPs with example inputs, else parameters); ``split_points`` names the
+    modules or nodes where stages begin instead. ``max_memory`` caps every stage's estimated
+    peak memory in bytes (parameters, gradients, activations kept for backward).
     ``schedule`` is ``"gpipe"`` or ``"1f1b"`` (what :meth:`Pipe.step` runs).
+
+    ``plan`` (a :class:`PipelinePlan` or the path of one saved with ``plan.save``) reuses a
+    saved stage assignment instead of partitioning; it raises :class:`PlanMismatchError`
+    saying what differs if the model's graph no longer matches it. Devices, chunks and
+    checkpointing still come from the arguments.
 
     ``deferred_batch_norm=True`` updates batch norm running statistics once per mini-batch,
     as eager training on the whole batch would, instead of once per micro-batch.
@@ -60,30 +69,28 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     with ``torchrun --nproc-per-node n_stages``); it needs ``example_inputs`` to size its
     receive buffers, and ``timeout`` (seconds) bounds every wait for another rank.
 
-    ``plan`` (a :class:`PipelinePlan` or the path of one saved with ``plan.save``) reuses a
-    saved stage assignment instead of partitioning; it raises :class:`PlanMismatchError`
-    saying what differs if the model's graph no longer matches it. Devices, chunks and
-    checkpointing still come from the arguments.
-
     If compile fails, the model is left unmoved and unmodified.
     """
-    _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split_points)
+    _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split_points, max_memory)
     saved = None if plan is None else load_plan(plan)
     if saved is not None and split_points is not None:
         raise ValueError("pass either plan= (a saved stage assignment) or split_points=, not both")
     if runtime not in ("local", "distributed"):
         raise ValueError(f"runtime={runtime!r}; use 'local' (one process) or 'distributed' (one stage per rank)")
+    has_inputs = example_inputs is not None or bool(example_kwargs)
     if runtime == "distributed":
-        if example_inputs is None and not example_kwargs:
+        if not has_inputs:
             raise ValueError("runtime='distributed' needs example_inputs= (the same on every rank) to "
                              "size the buffers it receives into")
         rank, device, group = setup_distributed(n_stages, timeout)
-        devices = [device if j == rank else torch.device("meta") for j in range(n_stages)]
+        # every rank plans with the same devices, so every rank makes the same plan
+        devices = [torch.device(device.type, j) for j in range(n_stages)]
     else:
         devices = resolve_devices(devices, n_stages)
     gm = model if isinstance(model, torch.fx.GraphModule) else trace(model, leaf_modules=leaf_modules)
 
-    if example_inputs is not None or example_kwargs:
+    args: tuple = ()
+    if has_inputs:
         args = example_inputs if isinstance(example_inputs, tuple) else (
             () if example_inputs is None else (example_inputs,))
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
@@ -96,29 +103,42 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     if saved is not None:
         balance_by = saved.balance_by
     elif balance_by == "auto":
-        balance_by = "flops" if example_inputs is not None or example_kwargs else "params"
-    if (saved is None and balance_by in ("flops", "memory") and example_inputs is None
-            and not example_kwargs):
+        balance_by = "flops" if has_inputs else "params"
+    if saved is None and balance_by in ("flops", "memory", "time") and not has_inputs:
         raise ValueError(f"balance_by={balance_by!r} needs example_inputs= to know the shapes; "
                          "pass example inputs or use balance_by='params'")
+    if max_memory is not None and not has_inputs:
+        raise ValueError("max_memory= needs example_inputs= to know the activation sizes; pass "
+                         "example inputs")
+    if saved is None and balance_by == "time":
+        if devices[0].type == "meta":
+            raise ValueError("balance_by='time' measures kernels and cannot run on the meta device; "
+                             "give real devices or use balance_by='flops'")
+        passes.profile(gm, args, example_kwargs or {}, device=devices[0] if runtime == "local" else device)
 
+    comm = passes.comm_weights(devices, balance_by)
+    memory = dict(max_memory=max_memory, checkpoint=checkpoint, micro_batches=micro)
+    cut = None
     if saved is not None:
         apply_plan(gm, saved, n_stages)
     elif split_points is not None:
         if len(split_points) + 1 != n_stages:
             raise ValueError(f"{len(split_points)} split points make {len(split_points) + 1} stages "
                              f"but n_stages={n_stages}; give n_stages - 1 split points")
-        passes.partition_at(gm, split_points)
+        cut = passes.partition_at(gm, split_points, balance_by=balance_by, comm=comm, **memory)
     else:
-        passes.partition(gm, n_stages, balance_by=balance_by)
+        cut = passes.partition(gm, n_stages, balance_by=balance_by, comm=comm, **memory)
+    if runtime == "distributed":
+        agree_on_stages(gm, n_stages)  # a measured cost may differ by rank: rank 0's cut wins
     stage_graphs, routes = passes.split(gm, n_stages)
 
     plan = _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, schedule,
-                      balance_by)  # from here on, the plan made, not the one passed in
+                      balance_by, cut, saved)  # from here on, the plan made, not the one passed in
     stages = [s.module for s in stage_graphs]
     if runtime == "distributed":
         for s in plan.stages:
             s.device = str(device) if s.index == rank else f"rank {s.index}"
+        devices = [device if j == rank else torch.device("meta") for j in range(n_stages)]
         move_owned([model, gm, *stages], ownership(stages[rank:rank + 1], [device]), [device])
         tied = tied_groups(stages, rank, timeout)
         engine: Any = DistributedRuntime(plan, gm, stages[rank], rank, device, Comm(rank, timeout, group),
@@ -136,7 +156,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     return pipe
 
 
-def _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split_points) -> None:
+def _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split_points, max_memory) -> None:
     """Reject bad arguments before anything is traced or moved."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.compile expects an nn.Module or a torch.fx.GraphModule, "
@@ -154,6 +174,11 @@ def _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split
     if split_points is not None and (isinstance(split_points, str)
                                      or not all(isinstance(p, str) for p in split_points)):
         raise TypeError(f"split_points must be a list of module or node names, got {split_points!r}")
+    if max_memory is not None:
+        if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)):
+            raise TypeError(f"max_memory must be a number of bytes per device, got {max_memory!r}")
+        if not max_memory > 0:
+            raise ValueError(f"max_memory={max_memory!r}; use a positive number of bytes per device")
 
 
 def _annotate(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
@@ -166,21 +191,33 @@ def _annotate(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
         passes.annotate(gm, args, kwargs, real=True)
 
 
-def _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, schedule, balance_by) -> PipelinePlan:
+def _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, schedule, balance_by,
+               cut, saved_plan) -> PipelinePlan:
     """Collect the split's stages, routes and costs into a :class:`PipelinePlan`."""
     nodes = {n.name: n for n in gm.graph.nodes}
+    per_micro = max(micro, 1)
+    profiled = any("fxpipe.time" in n.meta for n in gm.graph.nodes)
     stage_plans = []
     for j, sg in enumerate(stage_graphs):
         tensors = {id(t): t for _, t in sg.module.named_parameters(remove_duplicate=False)}
         tensors.update({id(t): t for _, t in sg.module.named_buffers(remove_duplicate=False)})
+        params = int(sum(t.numel() * t.element_size() for t in tensors.values()))
+        held = [nodes[v] for v in sg.nodes]
+        saved = sum(n.meta.get("fxpipe.saved_bytes", 0) for n in held)
+        received = sum(nodes[v].meta.get("fxpipe.bytes", 0) for v in sg.inputs)
         stage_plans.append(StagePlan(
             index=j, device=str(devices[j]), nodes=sg.nodes, inputs=sg.inputs, outputs=sg.outputs,
-            flops=int(sum(nodes[v].meta.get("fxpipe.flops", 0) for v in sg.nodes)),
-            params=int(sum(t.numel() * t.element_size() for t in tensors.values())),
-            activation_bytes=int(sum(nodes[v].meta.get("fxpipe.bytes", 0) for v in sg.outputs) // max(micro, 1)),
+            flops=int(sum(n.meta.get("fxpipe.flops", 0) + n.meta.get("fxpipe.flops_bwd", 0) for n in held)),
+            params=params,
+            activation_bytes=int(sum(nodes[v].meta.get("fxpipe.bytes", 0) for v in sg.outputs) // per_micro),
+            time_ms=float(sum(n.meta.get("fxpipe.time", 0.0) for n in held)) if profiled else None,
+            saved_bytes=int(saved // per_micro),
+            checkpoint_bytes=int(received // per_micro),
+            memory=int(cut.memory[j]) if cut is not None else saved_plan.stages[j].memory,
+            cost=float(cut.costs[j]) if cut is not None else saved_plan.stages[j].cost,
             grad_inputs=[v for v in sg.inputs if j > 0 and _carries_grad(nodes[v])],
         ))
-    skips = [SkipRoute(r.name, r.src, r.dst, int(nodes[r.name].meta.get("fxpipe.bytes", 0) // max(micro, 1)))
+    skips = [SkipRoute(r.name, r.src, r.dst, int(nodes[r.name].meta.get("fxpipe.bytes", 0) // per_micro))
              for r in routes]
     names, ops, targets = graph_signature(gm)
     return PipelinePlan(stages=stage_plans, skips=skips, chunks=chunks, checkpoint=checkpoint,

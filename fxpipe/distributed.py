@@ -32,7 +32,7 @@ from fxpipe.transport import DistTransport
 from fxpipe.worker import StageWorker
 from passes.annotate import TensorSpec, spec_of
 
-__all__ = ["setup_distributed", "tied_groups", "DistributedRuntime"]
+__all__ = ["setup_distributed", "agree_on_stages", "tied_groups", "DistributedRuntime"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,16 @@ def setup_distributed(n_stages: int, timeout: float) -> tuple[int, torch.device,
         device = torch.device("cpu")
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout), backend=backend)
     return rank, device, group
+
+
+def agree_on_stages(gm: torch.fx.GraphModule, n_stages: int) -> None:
+    """Make every rank use rank 0's stage assignment (measured costs may differ between ranks)."""
+    mine = {n.name: n.meta["fxpipe.stage"] for n in passes.compute_nodes(gm)}
+    box = [mine]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] != mine:
+        log.info("rank %d adopts rank 0's stage assignment", dist.get_rank())
+        passes.assign_by_name(gm, box[0], n_stages)
 
 
 def tied_groups(stages: list[torch.fx.GraphModule], rank: int, timeout: float) -> list[tuple[Any, list]]:

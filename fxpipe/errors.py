@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "PeerFailure"]
+from passes.cut import NoFeasibleCut
+
+__all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "PeerFailure", "NoFeasibleCut"]
 
 
 class TraceError(TypeError):

@@ -13,7 +13,17 @@ __all__ = ["StagePlan", "SkipRoute", "PipelinePlan"]
 
 @dataclass
 class StagePlan:
-    """One stage: where it runs, which nodes it holds, what it takes and gives."""
+    """One stage: where it runs, which nodes it holds, what it takes and gives, what it costs.
+
+    ``flops`` counts forward and backward over the whole mini-batch; ``params`` the bytes of
+    the parameters and buffers it holds; ``activation_bytes`` the bytes it sends on per
+    micro-batch; ``saved_bytes`` the activations it keeps per micro-batch for backward without
+    checkpointing, ``checkpoint_bytes`` with it (its inputs); ``memory`` the partitioner's
+    estimate of the peak for the plan's checkpoint mode and chunks (parameters and gradients,
+    kept activations, kept inputs bounded by the bytes crossing the stage's first cut);
+    ``time_ms`` the measured forward + backward milliseconds when profiled; ``cost`` what the
+    partitioner balanced (its ``balance_by`` unit, communication included).
+    """
 
     index: int
     device: str
@@ -25,6 +35,10 @@ class StagePlan:
     activation_bytes: int = 0
     time_ms: float | None = None
     grad_inputs: list[str] = field(default_factory=list)  # inputs whose gradient flows back
+    saved_bytes: int = 0
+    checkpoint_bytes: int = 0
+    memory: int = 0
+    cost: float = 0.0
 
 
 @dataclass
@@ -76,40 +90,58 @@ class PipelinePlan:
         """Return the skip routes that stage ``j`` pops."""
         return [r for r in self.skips if r.dst == j]
 
-    def bottleneck(self) -> float:
-        """Return the largest stage FLOPs over the mean (1.0 is perfectly balanced)."""
-        flops = [s.flops for s in self.stages]
-        mean = sum(flops) / len(flops)
-        return max(flops) / mean if mean else 1.0
+    def metric(self) -> str:
+        """Return the stage field the plan was balanced on: flops, time_ms, params or memory."""
+        if self.balance_by == "time" and all(s.time_ms is not None for s in self.stages):
+            return "time_ms"
+        return self.balance_by if self.balance_by in ("params", "memory") else "flops"
 
-    def efficiency(self, chunks: int | None = None) -> float:
+    def bottleneck(self, by: str | None = None) -> float:
+        """Return the largest stage value over the mean (1.0 is perfectly balanced).
+
+        ``by`` names a stage field (``"flops"``, ``"time_ms"``, ``"params"``, ``"memory"``,
+        ``"cost"``); the default is the one the plan was balanced on.
+        """
+        values = [float(getattr(s, by or self.metric()) or 0.0) for s in self.stages]
+        mean = sum(values) / len(values)
+        return max(values) / mean if mean else 1.0
+
+    def efficiency(self, chunks: int | None = None, by: str | None = None) -> float:
         """Estimate pipeline efficiency m / (m + n - 1) * mean / max for ``chunks`` micro-batches."""
         m = chunks or self.chunks
         n = self.n_stages
-        return m / (m + n - 1) / self.bottleneck()
+        return m / (m + n - 1) / self.bottleneck(by)
 
     def table(self) -> str:
         """Render the stage table, the balance summary and the skip routes as text."""
+        timed = any(s.time_ms is not None for s in self.stages)
         rows = []
         for s in self.stages:
             rows.append([
                 s.index, s.device, len(s.nodes), _short(s.nodes[0] if s.nodes else ""),
                 _short(s.nodes[-1] if s.nodes else ""), _human(s.flops), _human(s.params, "B"),
-                _human(s.activation_bytes, "B"),
+                _human(s.activation_bytes, "B"), _human(s.saved_bytes, "B"),
+                _human(s.checkpoint_bytes, "B"), _human(s.memory, "B"),
+            ] + ([f"{s.time_ms:.2f}" if s.time_ms is not None else "-"] if timed else []) + [
                 len(self.stashes(s.index)), len(self.pops(s.index)),
-            ] + ([f"{s.time_ms:.2f}"] if any(t.time_ms is not None for t in self.stages) else []))
-        headers = ["stage", "device", "nodes", "first", "last", "FLOPs", "params", "act. out",
-                   "stash", "pop"]
-        if any(t.time_ms is not None for t in self.stages):
-            headers.append("ms")
+            ])
+        headers = ["stage", "device", "nodes", "first", "last", "FLOPs f+b", "params", "act. out",
+                   "kept", "kept ckpt", "memory"] + (["ms"] if timed else []) + ["stash", "pop"]
         lines = [tabulate(rows, headers=headers, tablefmt="simple")]
-        if any(st.flops for st in self.stages):
-            lines.append(f"bottleneck (max/mean FLOPs): {self.bottleneck():.3f}   "
-                         f"estimated efficiency at chunks={self.chunks}: {self.efficiency():.1%}")
-            lines.append("(FLOPs: forward, whole example batch; act. out and skips: bytes per micro-batch)")
-        else:
+        metric = self.metric()
+        if metric == "flops" and not any(st.flops for st in self.stages):
             lines.append(f"bottleneck: unknown without example inputs (no FLOPs)   "
-                         f"efficiency at chunks={self.chunks} if balanced: {self.efficiency():.1%}")
+                         f"efficiency at chunks={self.chunks} if balanced: "
+                         f"{self.chunks / (self.chunks + self.n_stages - 1):.1%}")
+        else:
+            lines.append(f"bottleneck (max/mean {_METRIC_NAMES[metric]}): {self.bottleneck():.3f}   "
+                         f"estimated efficiency at chunks={self.chunks}: {self.efficiency():.1%}")
+        if timed and metric != "time_ms" and all(s.time_ms is not None for s in self.stages):
+            lines.append(f"measured bottleneck (max/mean ms): {self.bottleneck('time_ms'):.3f}   "
+                         f"estimated efficiency at chunks={self.chunks}: "
+                         f"{self.efficiency(by='time_ms'):.1%}")
+        lines.append("per micro-batch: act. out = sent on, kept = saved for backward, kept ckpt = "
+                     f"kept when checkpointed; memory = estimated peak (checkpoint={self.checkpoint!r})")
         if self.skips:
             lines.append("skip routes:")
             lines += [f"  {r.name}: stage {r.src} -> stage {r.dst} ({_human(r.bytes, 'B')})"
@@ -153,6 +185,10 @@ class PipelinePlan:
         """Read a plan written by :meth:`save`."""
         with open(path) as f:
             return cls.from_json(f.read())
+
+
+_METRIC_NAMES = {"flops": "FLOPs f+b", "time_ms": "measured ms", "params": "parameter bytes",
+                 "memory": "memory", "cost": "cost"}
 
 
 def _short(name: str, width: int = 24) -> str:

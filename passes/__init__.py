@@ -1,16 +1,22 @@
-"""Graph passes over ``torch.fx`` GraphModules: annotate, partition, split.
+"""Graph passes over ``torch.fx`` GraphModules: annotate, profile, partition, split.
 
 Each pass is a plain function; its module docstring says which ``node.meta`` keys it reads
 and writes. The passes import torch, torch.fx and networkx, never fxpipe's runtime.
 """
 
 from passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
-from passes.partition import (assign_by_name, assign_stages, balanced_cut, compute_nodes, node_cost,
+from passes.cost import comm_weights, cut_widths, memory_factors, node_costs
+from passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
+from passes.order import candidate_orders
+from passes.partition import (Partition, assign_by_name, assign_stages, balanced_cut, compute_nodes, node_cost,
                               partition, partition_at, stage_costs)
+from passes.profile import profile
 from passes.specs import value_specs
 from passes.split import Route, StageGraph, split
 
 __all__ = [
+    "NoFeasibleCut",
+    "Partition",
     "Route",
     "StageGraph",
     "TensorSpec",
@@ -20,10 +26,18 @@ __all__ = [
     "assign_stages",
     "balanced_cut",
     "bind_placeholders",
+    "candidate_orders",
+    "comm_weights",
     "compute_nodes",
+    "cut_widths",
+    "group_costs",
+    "memory_factors",
+    "min_bottleneck_cut",
     "node_cost",
+    "node_costs",
     "partition",
     "partition_at",
+    "profile",
     "split",
     "stage_costs",
     "value_bytes",

@@ -6,200 +6,87 @@ Writes: ``node.meta`` keys
     fxpipe.value        the node's value with every tensor replaced by a :class:`TensorSpec`
                         (non-tensor values are kept as they are: ints, None, ...)
     fxpipe.bytes        bytes of the tensors in the node's value
-    fxpipe.flops        forward FLOPs of the node (matmul/conv formulas from
-                        ``torch.utils.flop_counter``, one per element for other kernels)
+    fxpipe.flops        forward FLOPs of the node (matmul/conv/attention formulas from
+                        ``torch.utils.flop_counter``, one per output element for other kernels)
+    fxpipe.flops_bwd    backward FLOPs: for the formula kernels, the forward count times the
+                        number of their operands that need a gradient (at most 2: input and
+                        weight, or both sides of a matmul); one per element for the rest;
+                        0 when the node's output needs no gradient
+    fxpipe.saved_bytes  bytes the node's output keeps alive for backward (0 for views)
     fxpipe.param_bytes  bytes of the parameters and buffers the node reads directly
                         (``get_attr``) or through its module (``call_module``)
 
-Nothing real is computed and the model's parameters and buffers are never touched: the
-graph runs under :class:`~torch._subclasses.fake_tensor.FakeTensorMode` with fake copies of
-the state swapped in by :func:`torch.func.functional_call`.
+Nothing real is computed and the model's parameters and buffers are never touched: each
+node runs under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`, a module with fake
+copies of its own state swapped in by :func:`torch.func.functional_call`. Nodes with equal
+signatures (:mod:`passes.signature`) run once; the others reuse the first one's result, so a
+deep stack of identical layers costs little more than one layer.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx
 import torch.fx._pytree as fx_pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry
+from torch.utils._pytree import tree_map
 
-__all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "MetaProp", "value_bytes"]
+from passes.gcpause import gc_paused
+from passes.propagate import Propagator, fetch
+from passes.spec import TensorSpec, spec_of, value_bytes
+
+__all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "spec_of", "value_bytes"]
 
 log = logging.getLogger(__name__)
 
-_METADATA_OPS = {
-    torch.ops.aten.size.default,
-    torch.ops.aten.sym_size.default,
-    torch.ops.aten.stride.default,
-    torch.ops.aten.numel.default,
-    torch.ops.aten.dim.default,
-    torch.ops.aten.detach.default,
-    torch.ops.aten.alias.default,
-    torch.ops.aten.empty.memory_format,
-    torch.ops.aten.empty_like.default,
-    torch.ops.aten._to_copy.default,
-    torch.ops.aten.clone.default,
-    torch.ops.aten.copy_.default,
-}
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Describe one tensor by shape, dtype and whether it requires grad (a pytree leaf)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        """Return the tensor's size in bytes."""
-        numel = 1
-        for d in self.shape:
-            numel *= int(d)
-        return numel * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    """Return the bytes per element of ``dtype``."""
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.finfo(dtype).bits // 8 * (2 if dtype.is_complex else 1)
-    if dtype == torch.bool:
-        return 1
-    return torch.iinfo(dtype).bits // 8
-
-
-def spec_of(value: Any) -> Any:
-    """Replace every tensor in ``value`` by its :class:`TensorSpec`."""
-    return tree_map(
-        lambda v: TensorSpec(tuple(int(d) for d in v.shape), v.dtype, bool(v.requires_grad))
-        if isinstance(v, torch.Tensor)
-        else v,
-        value,
-    )
-
-
-def value_bytes(spec: Any) -> int:
-    """Sum the bytes of the :class:`TensorSpec` leaves in ``spec``."""
-    leaves, _ = tree_flatten(spec)
-    return sum(leaf.nbytes for leaf in leaves if isinstance(leaf, TensorSpec))
-
-
-class _FlopCount(TorchDispatchMode):
-    """Count FLOPs of the aten kernels dispatched under this mode."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _METADATA_OPS:
-            return func(*args, **kwargs)
-        packet = func._overloadpacket
-        out = func(*args, **kwargs)
-        if packet in flop_registry:
-            self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
-        elif func.namespace == "aten" and not func.is_view and not _is_view_like(func):
-            leaves, _ = tree_flatten(out)
-            self.flops += sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
-        return out
-
-
-def _is_view_like(func) -> bool:
-    """Tell whether an aten op only reshapes or indexes metadata."""
-    name = func._overloadpacket.__name__
-    return name in {"view", "reshape", "_unsafe_view", "expand", "permute", "transpose", "t",
-                    "squeeze", "unsqueeze", "slice", "select", "split", "chunk", "unbind",
-                    "as_strided", "flatten", "contiguous"}
-
-
-class MetaProp(torch.fx.Interpreter):
-    """Run a GraphModule on fake tensors and record specs, bytes and FLOPs in ``node.meta``."""
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        """Run one node under a FLOP counter and record what it produced."""
-        counter = _FlopCount()
-        with counter:
-            result = super().run_node(n)
-        n.meta["fxpipe.value"] = spec_of(result)
-        n.meta["fxpipe.bytes"] = value_bytes(n.meta["fxpipe.value"])
-        n.meta["fxpipe.flops"] = counter.flops if n.op not in ("placeholder", "get_attr", "output") else 0
-        return result
-
-
-def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> int:
+def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, modules: dict) -> int:
     """Return the bytes of parameters and buffers a node reads from the module."""
     if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
+        mod = modules[node.target]
         seen = {id(t): t for t in list(mod.parameters()) + list(mod.buffers())}
         return sum(t.numel() * t.element_size() for t in seen.values())
     if node.op == "get_attr":
-        obj = _fetch(gm, node.target)
+        obj = fetch(gm, node.target)
         if isinstance(obj, torch.Tensor):
             return obj.numel() * obj.element_size()
     return 0
 
 
-def _fetch(gm: torch.nn.Module, target: str) -> Any:
-    """Fetch a dotted attribute from a module."""
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-class _Runner(torch.nn.Module):
-    """Wrap a GraphModule so that ``functional_call`` can swap its state for fake tensors."""
-
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        super().__init__()
-        self.gm = gm
-
-    def forward(self, *args: Any) -> Any:
-        return MetaProp(self.gm).run(*args)
-
-
+@gc_paused
 def annotate(gm: torch.fx.GraphModule, example_args: tuple, example_kwargs: dict | None = None,
-             *, real: bool = False) -> torch.fx.GraphModule:
-    """Record ``fxpipe.value/bytes/flops/param_bytes`` on every node; return ``gm``.
+             *, real: bool = False, memoize: bool = True) -> torch.fx.GraphModule:
+    """Record ``fxpipe.value/bytes/flops/flops_bwd/saved_bytes/param_bytes`` on every node; return ``gm``.
 
     ``example_args`` and ``example_kwargs`` bind to the graph's placeholders as they would
     in a call of ``gm``. With ``real=False`` (the default) everything runs on fake tensors;
-    ``real=True`` runs the real kernels on copies of the buffers (for models whose
-    data-dependent ops fake tensors cannot follow).
+    ``real=True`` runs the real kernels, without autograd, on copies of the buffers (for
+    models whose data-dependent ops fake tensors cannot follow). ``memoize=False`` runs
+    every node even when an equal one ran before (for checking the memo).
     """
     flat_inputs = bind_placeholders(gm, example_args, example_kwargs or {})
-    runner = _Runner(gm)
-    state = dict(runner.named_parameters(remove_duplicate=False))
-    state.update(runner.named_buffers(remove_duplicate=False))
     if real:
-        state = {k: (v.detach().clone() if not isinstance(v, torch.nn.Parameter) else v)
-                 for k, v in state.items()}
         with torch.no_grad():
-            torch.func.functional_call(runner, state, tuple(flat_inputs))
+            Propagator(gm, None).run(flat_inputs, memoize=False)
     else:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
-            fake_state = {k: mode.from_tensor(v) for k, v in state.items()}
             fake_inputs = tree_map(
                 lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, flat_inputs)
-            torch.func.functional_call(runner, fake_state, tuple(fake_inputs))
+            propagator = Propagator(gm, mode)
+            propagator.run(fake_inputs, memoize=memoize)
+        log.debug("annotated %d nodes, %d from the memo", len(gm.graph.nodes), propagator.hits)
     return annotate_params(gm)
 
 
 def annotate_params(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Record ``fxpipe.param_bytes`` on every node (needs no example inputs); return ``gm``."""
+    modules = dict(gm.named_modules())
     for node in gm.graph.nodes:
-        node.meta["fxpipe.param_bytes"] = _param_bytes(gm, node)
+        node.meta["fxpipe.param_bytes"] = _param_bytes(gm, node, modules)
     return gm
 
 

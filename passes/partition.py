@@ -1,34 +1,49 @@
-"""Cut a GraphModule into contiguous stages.
+"""Cut a GraphModule into contiguous stages: the optimal cut for a cost model, or the user's split points.
 
-Reads:  ``fxpipe.flops``, ``fxpipe.param_bytes``, ``fxpipe.bytes`` (from :func:`passes.annotate`)
-        or ``fxpipe.time`` (from :func:`passes.profile`), depending on ``balance_by``.
-Writes: ``node.meta["fxpipe.stage"]``, the index of the stage that runs the node.
+Reads:  the cost annotations of :mod:`passes.cost` (from :func:`passes.annotate` and
+        :func:`passes.profile`), depending on ``balance_by``.
+Writes: ``node.meta["fxpipe.stage"]``, the index of the stage that runs the node, and on
+        compute nodes ``node.meta["fxpipe.position"]``, their index in the order that was cut.
 
-Stages are contiguous in the graph's topological order, so a stage only depends on earlier
-stages. Placeholders belong to stage 0, the output node to the last stage, and a ``get_attr``
-node to the stage of its first user (the split pass copies it into every stage that reads it).
-:func:`assign_by_name` writes a given (saved) assignment of compute nodes with the same rules
-and reads no annotations.
+Stages are contiguous in a topological order of the compute nodes (:mod:`passes.order`), so a
+stage only depends on earlier stages. Placeholders belong to stage 0, the output node to the
+last stage, and a ``get_attr`` node to the stage of its first user (the split pass copies it
+into every stage that reads it). The graph itself is not reordered: within a stage, the
+graph's own order is a valid order too. :func:`assign_by_name` writes a given (saved)
+assignment of compute nodes with the same rules and reads no annotations.
 """
 
 from __future__ import annotations
 
-import bisect
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch.fx
 
-__all__ = ["COMPUTE_OPS", "compute_nodes", "node_cost", "partition", "partition_at",
+from passes.cost import (BALANCE_KINDS, COMPUTE_OPS, cut_widths, memory_factors, node_costs,
+                         node_memory)
+from passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
+from passes.gcpause import gc_paused
+from passes.order import candidate_orders
+
+__all__ = ["COMPUTE_OPS", "Partition", "compute_nodes", "node_cost", "partition", "partition_at",
            "balanced_cut", "assign_stages", "assign_by_name", "stage_costs"]
 
-COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
-_BALANCE_KEYS = {
-    "flops": ("fxpipe.flops",),
-    "params": ("fxpipe.param_bytes",),
-    "memory": ("fxpipe.bytes", "fxpipe.param_bytes"),
-    "time": ("fxpipe.time",),
-}
+@dataclass
+class Partition:
+    """A cut: its order, each stage's first position, cost and memory estimate, the cut widths."""
+
+    order: list[torch.fx.Node]
+    starts: list[int]
+    costs: list[float]
+    widths: list[float]
+    memory: list[float]
+
+    def stage_nodes(self, j: int) -> list[torch.fx.Node]:
+        """Return the compute nodes of stage ``j`` in the cut order."""
+        end = self.starts[j + 1] if j + 1 < len(self.starts) else len(self.order)
+        return self.order[self.starts[j]:end]
 
 
 def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -38,66 +53,31 @@ def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 def node_cost(node: torch.fx.Node, balance_by: str) -> float:
     """Return a node's cost under ``balance_by`` from its annotations (0 when missing)."""
-    try:
-        keys = _BALANCE_KEYS[balance_by]
-    except KeyError:
-        raise ValueError(f"unknown balance_by={balance_by!r}; use one of "
-                         f"{sorted(_BALANCE_KEYS) + ['auto']}") from None
-    return float(sum(node.meta.get(k, 0) or 0 for k in keys))
+    return node_costs([node], balance_by)[0]
 
 
 def balanced_cut(costs: Sequence[float], n_parts: int) -> list[int]:
     """Return the start index of each of ``n_parts`` contiguous non-empty groups of ``costs``.
 
-    The cut minimizes the largest group sum (exact up to float rounding): a bisection on the
-    bottleneck, each probe packing greedily with prefix sums in O(n_parts log n).
+    The cut minimizes the largest group sum (:func:`passes.cut.min_bottleneck_cut` without
+    communication).
     """
-    n = len(costs)
-    if not 1 <= n_parts <= n:
-        raise ValueError(f"cannot cut {n} items into {n_parts} non-empty groups")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + max(float(c), 0.0))
-
-    def starts_for(limit: float) -> list[int] | None:
-        starts, i = [], 0
-        while i < n:
-            if len(starts) == n_parts:
-                return None
-            starts.append(i)
-            # the furthest end j with prefix[j] - prefix[i] <= limit, at least one item
-            j = bisect.bisect_right(prefix, prefix[i] + limit, lo=i + 1) - 1
-            i = max(j, i + 1)
-        return starts
-
-    lo, hi = max(prefix[i + 1] - prefix[i] for i in range(n)), prefix[-1]
-    for _ in range(100):
-        if hi - lo <= 1e-12 * max(hi, 1.0):
-            break
-        mid = (lo + hi) / 2
-        if starts_for(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    starts = starts_for(hi * (1 + 1e-12)) or starts_for(prefix[-1])
-    assert starts is not None
-    # Fewer groups than asked: split the groups with most items; a split never raises the max.
-    while len(starts) < n_parts:
-        bounds = starts + [n]
-        sizes = [bounds[k + 1] - bounds[k] for k in range(len(starts))]
-        k = max(range(len(sizes)), key=lambda g: sizes[g])
-        starts.insert(k + 1, starts[k] + sizes[k] // 2)
-    return starts
+    return min_bottleneck_cut(list(costs), [0.0] * (len(costs) + 1), n_parts)
 
 
-def assign_stages(gm: torch.fx.GraphModule, starts: Sequence[int]) -> None:
-    """Write ``fxpipe.stage`` on every node, given the compute-node index where each stage starts."""
-    compute = compute_nodes(gm)
+def assign_stages(gm: torch.fx.GraphModule, starts: Sequence[int],
+                  order: Sequence[torch.fx.Node] | None = None) -> None:
+    """Write ``fxpipe.stage`` on every node, given where each stage starts in ``order``.
+
+    ``order`` is a topological order of the compute nodes (default: the graph's order).
+    """
+    order = compute_nodes(gm) if order is None else list(order)
     stage_of: dict[str, int] = {}
     for j, start in enumerate(starts):
-        end = starts[j + 1] if j + 1 < len(starts) else len(compute)
-        for node in compute[start:end]:
-            stage_of[node.name] = j
+        end = starts[j + 1] if j + 1 < len(starts) else len(order)
+        for i in range(start, end):
+            stage_of[order[i].name] = j
+            order[i].meta["fxpipe.position"] = i
     assign_by_name(gm, stage_of, len(starts))
 
 
@@ -125,48 +105,150 @@ def assign_by_name(gm: torch.fx.GraphModule, stage_of: Mapping[str, int], n_stag
             node.meta["fxpipe.stage"] = stage_of[node.name]
 
 
-def partition(gm: torch.fx.GraphModule, n_stages: int, *, balance_by: str = "flops") -> list[int]:
-    """Cut ``gm`` into ``n_stages`` contiguous stages of balanced cost; return each stage's start."""
-    compute = compute_nodes(gm)
-    if not 1 <= n_stages <= len(compute):
-        raise ValueError(f"n_stages={n_stages} but the model has {len(compute)} compute nodes; "
-                         f"use between 1 and {len(compute)} stages")
-    costs = [node_cost(n, balance_by) for n in compute]
-    if not any(costs):
-        costs = [1.0] * len(compute)
-    starts = balanced_cut(costs, n_stages)
-    assign_stages(gm, starts)
-    return starts
+def _check_stages(gm: torch.fx.GraphModule, n_stages: int) -> int:
+    """Return the number of compute nodes, refusing more stages than nodes."""
+    n = sum(1 for node in gm.graph.nodes if node.op in COMPUTE_OPS)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"n_stages={n_stages} but the model has {n} compute nodes; "
+                         f"use between 1 and {n} stages")
+    return n
 
 
-def partition_at(gm: torch.fx.GraphModule, split_points: Sequence[str]) -> list[int]:
-    """Cut ``gm`` where each named module or node begins; return each stage's start."""
+@gc_paused
+def partition(gm: torch.fx.GraphModule, n_stages: int, *, balance_by: str = "flops",
+              comm: float | Sequence[float] = 0.0, max_memory: float | None = None,
+              checkpoint: str = "except_last", micro_batches: int = 1) -> Partition:
+    """Cut ``gm`` into ``n_stages`` stages minimizing the largest stage cost; return the cut.
+
+    A stage's cost is its nodes' cost under ``balance_by`` plus ``comm`` (per crossing byte;
+    one number or one per boundary) times the bytes crossing its two cuts (:mod:`passes.cost`).
+    The cut is exact for each candidate order (:mod:`passes.order`); the cheapest wins, ties
+    going to the narrower cuts. With ``max_memory`` every stage's memory estimate for
+    ``checkpoint`` and ``micro_batches`` stays within it, or a ``ValueError`` says how much
+    the least possible largest stage needs.
+    """
+    if balance_by not in BALANCE_KINDS:
+        raise ValueError(f"unknown balance_by={balance_by!r}; use one of {list(BALANCE_KINDS) + ['auto']}")
+    _check_stages(gm, n_stages)
+    f_act, f_in = memory_factors(checkpoint, micro_batches)
+    rho = f_in if balance_by == "memory" else 0.0  # a stage's memory includes the inputs it keeps
+    best, least = None, None
+    for order in candidate_orders(gm):
+        costs = node_costs(order, balance_by, f_act)
+        if not any(costs):
+            costs = [1.0] * len(order)  # nothing to balance: equal node counts
+        widths = cut_widths(gm, order)
+        mem = [node_memory(n, f_act) for n in order] if max_memory is not None else None
+        try:
+            starts = min_bottleneck_cut(costs, widths, n_stages, beta=comm, rho=rho, m=mem, phi=f_in,
+                                        cap=max_memory)
+        except NoFeasibleCut as exc:
+            least = exc.least if least is None else min(least, exc.least)
+            continue
+        stage = group_costs(costs, widths, starts, comm, rho)
+        score = (max(stage), sum(widths[s] for s in starts[1:]))
+        if best is None or _better(score, best[0]):
+            memory = group_costs([node_memory(n, f_act) for n in order], widths, starts, 0.0, f_in)
+            best = (score, Partition(order, starts, stage, widths, memory))
+    if best is None:
+        raise NoFeasibleCut(_memory_refusal(max_memory, least, n_stages, checkpoint, micro_batches),
+                            least=least)
+    cut = best[1]
+    assign_stages(gm, cut.starts, cut.order)
+    return cut
+
+
+def _better(score: tuple[float, float], other: tuple[float, float]) -> bool:
+    """Compare (bottleneck, width) scores, treating bottlenecks within 1e-9 as equal."""
+    if abs(score[0] - other[0]) > 1e-9 * max(abs(score[0]), abs(other[0]), 1e-300):
+        return score[0] < other[0]
+    return score[1] < other[1]
+
+
+def _memory_refusal(cap, least, n_stages, checkpoint, micro_batches) -> str:
+    """Explain that no cut fits ``max_memory`` and what would."""
+    return (f"max_memory={cap:.6g} bytes fits no cut into {n_stages} stages: the least possible "
+            f"largest stage needs {least:.6g} bytes (parameters and their gradients, plus the "
+            f"activations kept with checkpoint={checkpoint!r} over {micro_batches} micro-batch(es)); "
+            "raise max_memory, use more stages, more micro-batches or checkpoint='always'")
+
+
+def partition_at(gm: torch.fx.GraphModule, split_points: Sequence[str], *, balance_by: str = "flops",
+                 comm: float | Sequence[float] = 0.0, max_memory: float | None = None,
+                 checkpoint: str = "except_last", micro_batches: int = 1) -> Partition:
+    """Cut ``gm`` where each named module or node begins; return the cut (in graph order).
+
+    A split point names a module (its first compute node begins the stage, like PiPPy's
+    ``SplitPoint.BEGINNING``) or a node of ``gm``. Raises ``ValueError`` for an unknown name,
+    points out of graph order, a point that would leave a stage empty, or (with
+    ``max_memory``) a stage over the cap. ``balance_by`` and ``comm`` only price the stages.
+    """
     compute = compute_nodes(gm)
-    index = {n.name: i for i, n in enumerate(compute)}
-    starts = [0]
+    first = _first_indices(gm, compute)
+    starts, names = [0], [None]
     for point in split_points:
-        i = _first_compute_index(gm, compute, index, point)
-        if i <= starts[-1]:
-            where = "the first node" if i == 0 else f"before or at the previous split point ({starts[-1]})"
-            raise ValueError(f"split point {point!r} begins at compute node {i}, {where}; "
-                             "split points must be given in graph order, each starting a non-empty stage")
+        i = _locate(gm, compute, first, point)
+        prev = starts[-1]
+        if i == 0:
+            raise ValueError(f"split point {point!r} begins at the model's first compute node "
+                             f"{compute[0].name!r}, which leaves stage 0 empty; drop it or name "
+                             "a later module")
+        if i == prev:
+            raise ValueError(f"split points {names[-1]!r} and {point!r} both begin at node "
+                             f"{compute[i].name!r}, which leaves stage {len(starts) - 1} empty; "
+                             "drop one of them")
+        if i < prev:
+            raise ValueError(f"split point {point!r} (node {compute[i].name!r}, position {i}) comes "
+                             f"before the previous split point {names[-1]!r} (node "
+                             f"{compute[prev].name!r}, position {prev}); list split points in "
+                             "the order the model runs them")
         starts.append(i)
+        names.append(point)
     assign_stages(gm, starts)
-    return starts
+    f_act, f_in = memory_factors(checkpoint, micro_batches)
+    widths = cut_widths(gm, compute)
+    mem = group_costs([node_memory(n, f_act) for n in compute], widths, starts, 0.0, f_in)
+    if max_memory is not None:
+        over = [j for j, m in enumerate(mem) if m > max_memory]
+        if over:
+            j = over[0]
+            raise NoFeasibleCut(f"with these split points stage {j} needs an estimated {mem[j]:.6g} "
+                                f"bytes, over max_memory={max_memory:.6g}; move the split points "
+                                "or drop them and let fxpipe find a cut that fits",
+                                least=max(mem))
+    costs = node_costs(compute, balance_by, f_act)
+    rho = f_in if balance_by == "memory" else 0.0
+    return Partition(compute, starts, group_costs(costs, widths, starts, comm, rho), widths, mem)
 
 
-def _first_compute_index(gm, compute, index, point: str) -> int:
-    """Return the index of the first compute node of a module or node named ``point``."""
-    if point in index:
-        return index[point]
+def _first_indices(gm: torch.fx.GraphModule, compute: list[torch.fx.Node]) -> dict[str, int]:
+    """Map every node name, and every module path called in forward, to its first compute index."""
+    first: dict[str, int] = {}
     for i, node in enumerate(compute):
-        if node.op == "call_module" and (node.target == point or node.target.startswith(point + ".")):
-            return i
-        stack = node.meta.get("nn_module_stack") or {}
-        for path, _ in stack.values():
-            if path == point or path.startswith(point + "."):
-                return i
+        paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+        if node.op == "call_module":
+            paths.append(node.target)
+        for path in paths:
+            parts = path.split(".")
+            for k in range(1, len(parts) + 1):
+                first.setdefault(".".join(parts[:k]), i)
+    first.update({node.name: i for i, node in enumerate(compute)})  # node names take precedence
+    return first
+
+
+def _locate(gm: torch.fx.GraphModule, compute: list[torch.fx.Node], first: dict[str, int],
+            point: str) -> int:
+    """Return the compute index where split point ``point`` begins, or explain why none does."""
+    if point in first:
+        return first[point]
     names = [n.name for n in gm.graph.nodes]
+    if point in names:
+        raise ValueError(f"split point {point!r} is a {next(n.op for n in gm.graph.nodes if n.name == point)} "
+                         "node, which does no work; name a module or a compute node")
+    modules = dict(gm.named_modules())
+    if point in modules:
+        raise ValueError(f"split point {point!r} is a module that forward never calls; name a "
+                         "module that runs")
     hint = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
     raise ValueError(f"unknown split point {point!r}: it names no module called in forward and "
                      f"no node of the traced graph (nodes: {hint}); use fxpipe.trace(model) to "
@@ -174,8 +256,9 @@ def _first_compute_index(gm, compute, index, point: str) -> int:
 
 
 def stage_costs(gm: torch.fx.GraphModule, n_stages: int, balance_by: str) -> list[float]:
-    """Sum the cost of each stage's compute nodes under ``balance_by``."""
+    """Sum the cost of each stage's compute nodes under ``balance_by`` (no communication)."""
     totals = [0.0] * n_stages
-    for node in compute_nodes(gm):
-        totals[node.meta["fxpipe.stage"]] += node_cost(node, balance_by)
+    nodes = compute_nodes(gm)
+    for node, cost in zip(nodes, node_costs(nodes, balance_by)):
+        totals[node.meta["fxpipe.stage"]] += cost
     return totals

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
+from passes.gcpause import gc_paused
+
 __all__ = ["Route", "StageGraph", "split"]
 
 
@@ -48,6 +50,7 @@ class StageGraph:
     nodes: list[str] = field(default_factory=list)
 
 
+@gc_paused
 def split(gm: torch.fx.GraphModule, n_stages: int) -> tuple[list[StageGraph], list[Route]]:
     """Build one GraphModule per stage from ``fxpipe.stage`` annotations; return stages and routes."""
     nodes = list(gm.graph.nodes)
@@ -69,12 +72,22 @@ def split(gm: torch.fx.GraphModule, n_stages: int) -> tuple[list[StageGraph], li
     routes = [Route(v.name, stage[v], dst) for v in sorted(consumers, key=order.get)
               for dst in sorted(consumers[v]) if dst > stage[v] + 1]
 
+    # bucket once: each stage's own nodes, and the values each stage receives (in graph order)
+    own_of: list[list[torch.fx.Node]] = [[] for _ in range(n_stages)]
+    for n in nodes:
+        if n.op != "get_attr":
+            own_of[stage[n]].append(n)
+    received: list[list[torch.fx.Node]] = [[] for _ in range(n_stages)]
+    for v in sorted(consumers, key=order.get):
+        for d in consumers[v]:
+            received[d].append(v)
+
     stages = []
     for j in range(n_stages):
-        own = [n for n in nodes if stage[n] == j and n.op not in ("get_attr",)]
+        own = own_of[j]
         outputs = [v for v in own if any(d > j for d in consumers.get(v, ()))]
-        boundary = sorted((v for v, ds in consumers.items() if j in ds and stage[v] == j - 1), key=order.get)
-        pops = sorted((v for v, ds in consumers.items() if j in ds and stage[v] < j - 1), key=order.get)
+        boundary = [v for v in received[j] if stage[v] == j - 1]
+        pops = [v for v in received[j] if stage[v] < j - 1]
         inputs = boundary + pops
         if j == 0:
             inputs = [n for n in own if n.op == "placeholder"]

@@ -82,7 +82,7 @@ def test_inspect_examples_prints_one_row_per_stage(spec, stages, skips):
     done = _run("inspect", spec, "--stages", str(stages), "--chunks", "4")
     assert done.returncode == 0, done.stderr
     assert _rows(done.stdout) == list(range(stages))
-    assert "bottleneck (max/mean FLOPs)" in done.stdout and "estimated efficiency at chunks=4" in done.stdout
+    assert "bottleneck (max/mean FLOPs f+b)" in done.stdout and "estimated efficiency at chunks=4" in done.stdout
     assert ("skip routes:" in done.stdout) == skips
     if skips:
         assert "relu_1: stage 0 -> stage 3 (" in done.stdout

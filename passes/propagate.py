@@ -1,0 +1,225 @@
+"""Run a GraphModule node by node on fake (or real) tensors, recording what each node computes.
+
+Reads:  the graph and the module's parameters and buffers (through stand-ins).
+Writes: ``node.meta`` keys ``fxpipe.value``, ``fxpipe.bytes``, ``fxpipe.flops``,
+        ``fxpipe.flops_bwd`` and ``fxpipe.saved_bytes`` (described in :mod:`passes.annotate`).
+
+Each call node runs under a FLOP counter; a module runs with its parameters and buffers
+swapped for stand-ins (fake tensors, or clones of the buffers for real kernels) by
+:func:`torch.func.functional_call`, so the model's own state is never touched. A node whose
+signature (:mod:`passes.signature`) matches an earlier node's reuses that node's result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from passes.signature import node_key, value_key
+from passes.spec import TensorSpec, spec_of, value_bytes
+
+__all__ = ["Propagator", "fetch"]
+
+_METADATA_OPS = {
+    torch.ops.aten.size.default,
+    torch.ops.aten.sym_size.default,
+    torch.ops.aten.stride.default,
+    torch.ops.aten.numel.default,
+    torch.ops.aten.dim.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.copy_.default,
+}
+
+
+class _FlopCount(TorchDispatchMode):
+    """Count FLOPs of the aten kernels dispatched under this mode: formula kernels, the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heavy = 0  # kernels with a formula in torch.utils.flop_counter (matmul, conv, ...)
+        self.light = 0  # one per output element of every other computing kernel
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA_OPS:
+            return func(*args, **kwargs)
+        packet = func._overloadpacket
+        out = func(*args, **kwargs)
+        if packet in flop_registry:
+            self.heavy += int(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif func.namespace == "aten" and not func.is_view and not _is_view_like(func):
+            leaves, _ = tree_flatten(out)
+            self.light += sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
+        return out
+
+
+def _is_view_like(func) -> bool:
+    """Tell whether an aten op only reshapes or indexes metadata."""
+    name = func._overloadpacket.__name__
+    return name in {"view", "reshape", "_unsafe_view", "expand", "permute", "transpose", "t",
+                    "squeeze", "unsqueeze", "slice", "select", "split", "chunk", "unbind",
+                    "as_strided", "flatten", "contiguous"}
+
+
+_VIEWS = {"view", "reshape", "expand", "expand_as", "permute", "transpose", "t", "squeeze",
+          "unsqueeze", "flatten", "unflatten", "narrow", "select", "split", "chunk", "unbind",
+          "getitem", "contiguous", "detach", "view_as", "movedim", "swapaxes", "swapdims",
+          "as_strided", "real", "imag", "getattr", "size", "dim"}
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """Tell whether a call only reinterprets its input (its output keeps nothing new alive)."""
+    if node.op == "call_method":
+        return node.target in _VIEWS
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", "") in _VIEWS
+    return False
+
+
+@dataclass
+class _Result:
+    """What one node computed: its value and everything recorded about it."""
+
+    value: Any
+    spec: Any
+    nbytes: int
+    flops: int
+    flops_bwd: int
+    saved: int
+    key: Any
+
+
+class Propagator:
+    """Run a GraphModule node by node on fake (or real) tensors, recording ``node.meta``."""
+
+    def __init__(self, gm: torch.fx.GraphModule, mode: FakeTensorMode | None) -> None:
+        self.gm = gm
+        self.mode = mode
+        self.tensors: dict[int, torch.Tensor] = {}  # id(real tensor) -> the copy nodes read
+        self.modules: dict = {}
+        self.cache: dict = {}
+        self.hits = 0
+
+    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Return the fake (or, for buffers in real mode, cloned) stand-in of a model tensor."""
+        if id(t) not in self.tensors:
+            if self.mode is not None:
+                self.tensors[id(t)] = self.mode.from_tensor(t)
+            else:
+                self.tensors[id(t)] = t if isinstance(t, nn.Parameter) else t.detach().clone()
+        return self.tensors[id(t)]
+
+    def _call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Call a module with its state replaced by stand-ins."""
+        state = dict(module.named_parameters(remove_duplicate=False))
+        state.update(module.named_buffers(remove_duplicate=False))
+        if not state:
+            return module(*args, **kwargs)
+        stand_ins = {k: self._tensor(v) for k, v in state.items()}
+        return torch.func.functional_call(module, stand_ins, args, kwargs)
+
+    def _execute(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+        """Run one call node on concrete arguments."""
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            self_obj, *rest = args
+            return getattr(self_obj, node.target)(*rest, **kwargs)
+        return self._call_module(self.gm.get_submodule(node.target), args, kwargs)
+
+    def _compute(self, node: torch.fx.Node, env: dict) -> _Result:
+        """Run a call node under a FLOP counter."""
+        args = torch.fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+        counter = _FlopCount()
+        with counter:
+            value = self._execute(node, args, kwargs)
+        spec = spec_of(value)
+        if self.mode is None:  # real kernels run under no_grad: infer which outputs need a gradient
+            spec = _with_grad_rule(spec, node, args, kwargs, self.gm)
+        nbytes = value_bytes(spec)
+        needs_grad = any(isinstance(s, TensorSpec) and s.requires_grad for s in tree_flatten(spec)[0])
+        flops_bwd = 0
+        if needs_grad:
+            flops_bwd = counter.heavy * min(2, _grad_operands(node, args, kwargs, self.gm)) + counter.light
+        saved = 0 if _is_view(node) else nbytes
+        return _Result(value, spec, nbytes, counter.heavy + counter.light, flops_bwd, saved, value_key(value))
+
+    def run(self, flat_inputs: list, memoize: bool) -> None:
+        """Propagate ``flat_inputs`` through the graph, writing ``fxpipe.*`` on every node."""
+        env: dict[torch.fx.Node, Any] = {}
+        keys: dict[torch.fx.Node, Any] = {}
+        inputs = iter(flat_inputs)
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                value = next(inputs)
+                spec = spec_of(value)
+                result = _Result(value, spec, value_bytes(spec), 0, 0, 0, value_key(value))
+            elif node.op == "get_attr":
+                value = fetch(self.gm, node.target)
+                if isinstance(value, torch.Tensor):
+                    value = self._tensor(value)
+                spec = spec_of(value)
+                result = _Result(value, spec, value_bytes(spec), 0, 0, 0, value_key(value))
+            elif node.op == "output":
+                value = torch.fx.node.map_arg(node.args[0], env.__getitem__)
+                spec = spec_of(value)
+                result = _Result(value, spec, value_bytes(spec), 0, 0, 0, None)
+            else:
+                key = node_key(node, keys, self.modules) if memoize else None
+                result = self.cache.get(key) if key is not None else None
+                if result is None:
+                    result = self._compute(node, env)
+                    if key is not None:
+                        self.cache[key] = result
+                else:
+                    self.hits += 1
+            value = result.value
+            if isinstance(value, (tuple, list, dict)):  # a fresh container for each node
+                value = tree_map(lambda v: v, value)
+            env[node] = value
+            keys[node] = result.key
+            node.meta["fxpipe.value"] = result.spec
+            node.meta["fxpipe.bytes"] = result.nbytes
+            node.meta["fxpipe.flops"] = result.flops
+            node.meta["fxpipe.flops_bwd"] = result.flops_bwd
+            node.meta["fxpipe.saved_bytes"] = result.saved
+
+
+def _grad_operands(node: torch.fx.Node, args: tuple, kwargs: dict, gm: torch.fx.GraphModule) -> int:
+    """Count the node's tensor operands that need a gradient (its module's parameters as one)."""
+    leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    count = sum(1 for t in leaves if t.requires_grad)
+    if node.op == "call_module":
+        count += any(p.requires_grad for p in gm.get_submodule(node.target).parameters())
+    return count
+
+
+def _with_grad_rule(spec: Any, node: torch.fx.Node, args: tuple, kwargs: dict,
+                    gm: torch.fx.GraphModule) -> Any:
+    """Mark floating outputs as needing a gradient when an operand does (for real-kernel runs)."""
+    grad = _grad_operands(node, args, kwargs, gm) > 0
+    return tree_map(lambda s: TensorSpec(s.shape, s.dtype, grad and (s.dtype.is_floating_point
+                                                                     or s.dtype.is_complex))
+                    if isinstance(s, TensorSpec) else s, spec)
+
+
+def fetch(gm: torch.nn.Module, target: str) -> Any:
+    """Fetch a dotted attribute from a module."""
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
