@@ -220,10 +220,15 @@ def memory_mode(args) -> None:
 def memory(args) -> None:
     """Measure each checkpoint mode in a fresh process; print the growth and the ratios."""
     growth = {}
+    # glibc keeps freed heap blocks, so RSS would show the most memory ever touched; mapping
+    # every block over 64 KiB on its own returns freed tensors to the OS, and the RSS peak
+    # then follows the live tensors
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     for mode in ("never", "except_last", "always"):
         out = subprocess.run([sys.executable, __file__, "--memory-mode", mode, "--dim", str(args.dim),
-                              "--depth", str(args.depth), "--mem-batch", str(args.mem_batch)],
-                             check=True, capture_output=True, text=True).stdout
+                              "--depth", str(args.depth), "--mem-batch", str(args.mem_batch),
+                              "--threads", str(args.threads)],
+                             check=True, capture_output=True, text=True, env=env).stdout
         growth[mode] = json.loads(out.strip().splitlines()[-1])
     print(f"\nPeak RSS growth over one step, MLP {args.depth} x Linear({args.dim}), batch {args.mem_batch}, "
           "4 stages, chunks 8, each mode in a fresh process")
@@ -247,7 +252,11 @@ def main() -> None:
     parser.add_argument("--mem-batch", type=int, default=8192)
     parser.add_argument("--memory-mode", choices=["never", "except_last", "always"])
     parser.add_argument("--only", choices=["mlp", "unet", "memory"])
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared 2-core machine more threads make "
+                             "OpenMP contention, not the pipeline, dominate the times)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     if args.memory_mode:
         memory_mode(args)
         return

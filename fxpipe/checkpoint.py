@@ -159,19 +159,24 @@ def checkpointed(function: Callable[..., Any], inputs: tuple, device: torch.devi
     """
     in_leaves, in_spec = _flatten(inputs)
     in_idx = [k for k, v in enumerate(in_leaves) if isinstance(v, torch.Tensor)]
-    out_box: dict[str, Any] = {}
+    tensors = tuple(in_leaves[k] for k in in_idx)
+    # Keep only the structure and the non-tensor values: the tensors reach the function as
+    # arguments (saved by autograd), and holding them here would keep every micro-batch's
+    # inputs and outputs alive as long as the autograd graph.
+    frame = [None if isinstance(v, torch.Tensor) else v for v in in_leaves]
+    shape: dict[str, Any] = {}
 
-    def flat_function(*tensors: torch.Tensor) -> tuple:
-        leaves = list(in_leaves)
-        for k, t in zip(in_idx, tensors):
+    def flat_function(*args: torch.Tensor) -> tuple:
+        leaves = list(frame)
+        for k, t in zip(in_idx, args):
             leaves[k] = t
-        result = function(*_unflatten(leaves, in_spec))
-        out_leaves, out_spec = _flatten(result)
-        out_box["leaves"], out_box["spec"] = out_leaves, out_spec
+        out_leaves, out_spec = _flatten(function(*_unflatten(leaves, in_spec)))
+        shape["spec"] = out_spec
+        shape["tensor_at"] = {k for k, v in enumerate(out_leaves) if isinstance(v, torch.Tensor)}
+        shape["frame"] = [None if isinstance(v, torch.Tensor) else v for v in out_leaves]
         return tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
 
     record = _Record(flat_function, device)
-    tensors = tuple(in_leaves[k] for k in in_idx)
     phony = get_phony(device, requires_grad=True)
     outputs = list(Checkpoint.apply(phony, record, *tensors))
     # Hang the recomputation off the first output that requires grad.
@@ -181,7 +186,6 @@ def checkpointed(function: Callable[..., Any], inputs: tuple, device: torch.devi
             branch = Recompute.apply(branch, record, *tensors)
             outputs[k] = join(outputs[k], branch)
             break
-    leaves = list(out_box["leaves"])
     it = iter(outputs)
-    leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in leaves]
-    return _unflatten(leaves, out_box["spec"])
+    leaves = [next(it) if k in shape["tensor_at"] else v for k, v in enumerate(shape["frame"])]
+    return _unflatten(leaves, shape["spec"])
