@@ -99,3 +99,31 @@ def test_no_checkpointing_in_eval_or_no_grad(context):
         with torch.no_grad():
             pipe(torch.randn(4, 4))
     assert model.spy.calls == [(False, False), (False, False)]
+
+
+def test_checkpointed_values_do_not_outlive_their_use():
+    # The autograd graph holds each checkpointed call until backward (and longer while the
+    # output lives); it must hold the call's saved inputs only, not its outputs.
+    import gc
+    import weakref
+
+    model = DropNet()
+    pipe = fxpipe.compile(model, 3, example_inputs=(torch.randn(8, 16),), chunks=4,
+                          checkpoint="always", devices=["cpu"] * 3)
+    fns = pipe._runtime.stage_fns
+    refs = []
+
+    def record(fn):
+        def run(*args):
+            out = fn(*args)
+            refs.extend(weakref.ref(t) for t in out)
+            return out
+        return run
+
+    fns[0], fns[1] = record(fns[0]), record(fns[1])
+    out = pipe(torch.randn(8, 16))
+    out.sum().backward()
+    gc.collect()
+    assert len(refs) == 16  # 4 micro-batches x 2 stages, forward and recomputation
+    assert all(r() is None for r in refs), sum(r() is not None for r in refs)
+    assert out.grad_fn is not None  # the graph is still there; only the values are gone
