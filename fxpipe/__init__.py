@@ -6,7 +6,7 @@ consumers, and runs the stages over micro-batches with a generated GPipe executo
 """
 
 from fxpipe.checkpoint import is_checkpointing, is_recomputing
-from fxpipe.errors import PipelineInputError, PlanMismatchError, TraceError
+from fxpipe.errors import MutationError, PipelineInputError, PlanMismatchError, TraceError
 from fxpipe.compiler import compile
 from fxpipe.pipe import Pipe
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
@@ -15,6 +15,7 @@ from fxpipe.tracing import trace
 __version__ = "0.1.0"
 
 __all__ = [
+    "MutationError",
     "Pipe",
     "PipelineInputError",
     "PipelinePlan",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx
@@ -12,12 +12,14 @@ from torch._subclasses import fake_tensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 import passes
+from fxpipe.blame import blamed
 from fxpipe.local import LocalRuntime
 from fxpipe.microbatch import batch_size, micro_sizes
+from fxpipe.mutation import copy_mutated_inputs
 from fxpipe.pipe import Pipe
 from fxpipe.placement import move_owned, ownership, resolve_devices, stage_callable
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
-from fxpipe.tracing import trace
+from fxpipe.tracing import check_tracer, trace
 
 __all__ = ["compile"]
 
@@ -35,7 +37,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             example_kwargs: dict[str, Any] | None = None, devices: Sequence[Any] | None = None,
             chunks: int = 1, checkpoint: str = "except_last", balance_by: str = "auto",
             split_points: Sequence[str] | None = None, schedule: str = "gpipe",
-            leaf_modules: Iterable[type | str] = ()) -> Pipe:
+            leaf_modules: Iterable[type | str] = (),
+            tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx") -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -44,16 +47,26 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     device per stage. ``chunks`` is the number of micro-batches; ``checkpoint`` is
     ``"always"``, ``"except_last"`` or ``"never"``; ``balance_by`` picks the cost that stages
     balance; ``split_points`` names the modules or nodes where stages begin instead.
+    ``tracer`` is ``"fx"`` (symbolic tracing), ``"export"`` (``torch.export`` on the example
+    inputs, dim 0 dynamic) or a callable returning another tracer's GraphModule; see
+    :func:`fxpipe.trace`.
 
     If compile fails, the model is left unmoved and unmodified.
     """
     _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split_points)
+    check_tracer(tracer)
     devices = resolve_devices(devices, n_stages)
-    gm = model if isinstance(model, torch.fx.GraphModule) else trace(model, leaf_modules=leaf_modules)
+    args = example_inputs if isinstance(example_inputs, tuple) else (
+        () if example_inputs is None else (example_inputs,))
+    if tracer == "fx" and isinstance(model, torch.fx.GraphModule):
+        gm = model
+    else:
+        if tracer == "export":
+            batch_size([args, example_kwargs or {}], ["example_inputs", "example_kwargs"])
+        gm = trace(model, leaf_modules=leaf_modules, tracer=tracer, example_inputs=args,
+                   example_kwargs=example_kwargs)
 
     if example_inputs is not None or example_kwargs:
-        args = example_inputs if isinstance(example_inputs, tuple) else (
-            () if example_inputs is None else (example_inputs,))
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         batch = batch_size(passes.bind_placeholders(gm, args, example_kwargs or {}), names)
         micro = len(micro_sizes(batch, chunks))
@@ -75,12 +88,14 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     else:
         passes.partition(gm, n_stages, balance_by=balance_by)
     stage_graphs, routes = passes.split(gm, n_stages)
+    copy_mutated_inputs(gm, stage_graphs)
 
     plan = _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, schedule, balance_by)
     stages = [s.module for s in stage_graphs]
     own = ownership(stages, devices)
     move_owned([model, gm, *stages], own, devices)
-    fns = [stage_callable(gm_j, own.foreign[j], devices[j]) for j, gm_j in enumerate(stages)]
+    fns = [blamed(stage_callable(gm_j, own.foreign[j], devices[j]), gm_j, j, devices[j])
+           for j, gm_j in enumerate(stages)]
     runtime = LocalRuntime(plan, fns, devices)
     pipe = Pipe(model, gm, plan, stages, devices, runtime)
     log.info("compiled %s into %d stages\n%s", type(model).__name__, n_stages, plan)

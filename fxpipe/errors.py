@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TraceError", "PlanMismatchError", "PipelineInputError"]
+__all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "MutationError"]
 
 
 class TraceError(TypeError):
@@ -22,3 +22,7 @@ class PlanMismatchError(ValueError):
 
 class PipelineInputError(ValueError):
     """A runtime input does not fit the pipeline (batch sizes, shapes); names the argument."""
+
+
+class MutationError(ValueError):
+    """An in-place op changes a value that another stage reads afterwards; names the node and the fix."""

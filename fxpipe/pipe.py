@@ -15,6 +15,7 @@ from fxpipe.errors import PipelineInputError
 from fxpipe.local import LocalRuntime
 from fxpipe.microbatch import batch_size, gather, micro_sizes, scatter
 from fxpipe.plan import PipelinePlan
+from fxpipe.validate import check_inputs
 
 __all__ = ["Pipe"]
 
@@ -65,6 +66,7 @@ class Pipe(nn.Module):
         """Bind the inputs to the graph's placeholders and split them into micro-batches."""
         values = passes.bind_placeholders(self._gm, args, kwargs)
         batch = batch_size(values, self._input_names)
+        check_inputs(self._gm, values, self._input_names, self.training)
         mbs = scatter(values, self._input_names, self.plan.chunks)
         first = self.devices[0]
         mbs = [tree_map(lambda t: t.to(first, non_blocking=True)

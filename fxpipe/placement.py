@@ -49,7 +49,10 @@ def resolve_devices(devices: Sequence[Any] | None, n_stages: int) -> list[torch.
                 raise ValueError(f"devices holds {d!r} but only {torch.cuda.device_count()} CUDA "
                                  f"device(s) exist")
             dev = torch.device("cuda", index)
-        elif dev.type not in ("cpu", "meta"):
+        elif dev.type == "meta":
+            raise ValueError(f"devices holds {d!r}: meta tensors hold no data, so moving the model "
+                             "there would destroy its weights; use 'cpu' or a CUDA device")
+        elif dev.type != "cpu":
             if not hasattr(torch, dev.type) or not getattr(torch, dev.type).is_available():
                 raise ValueError(f"devices holds {d!r} but that backend is not available")
         out.append(dev)

@@ -5,11 +5,14 @@ and writes. The passes import torch, torch.fx and networkx, never fxpipe's runti
 """
 
 from passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
+from passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
 from passes.partition import (balanced_cut, compute_nodes, node_cost, partition, partition_at,
                               stage_costs)
 from passes.split import Route, StageGraph, split
 
 __all__ = [
+    "Conflict",
+    "MutationPlan",
     "Route",
     "StageGraph",
     "TensorSpec",
@@ -18,10 +21,13 @@ __all__ = [
     "balanced_cut",
     "bind_placeholders",
     "compute_nodes",
+    "copy_on_write",
     "node_cost",
     "partition",
     "partition_at",
+    "plan_mutations",
     "split",
     "stage_costs",
+    "static_mutations",
     "value_bytes",
 ]

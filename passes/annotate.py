@@ -10,6 +10,9 @@ Writes: ``node.meta`` keys
                         ``torch.utils.flop_counter``, one per element for other kernels)
     fxpipe.param_bytes  bytes of the parameters and buffers the node reads directly
                         (``get_attr``) or through its module (``call_module``)
+    fxpipe.mutates      names of the earlier nodes (placeholders and computed values, not
+                        ``get_attr``) whose tensor storage the node changed in place, directly
+                        or through a view; seen as a bump of an input's version counter
 
 Nothing real is computed and the model's parameters and buffers are never touched: the
 graph runs under :class:`~torch._subclasses.fake_tensor.FakeTensorMode` with fake copies of
@@ -27,6 +30,7 @@ import torch
 import torch.fx
 import torch.fx._pytree as fx_pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
@@ -123,17 +127,42 @@ def _is_view_like(func) -> bool:
 
 
 class MetaProp(torch.fx.Interpreter):
-    """Run a GraphModule on fake tensors and record specs, bytes and FLOPs in ``node.meta``."""
+    """Run a GraphModule on fake tensors and record specs, bytes, FLOPs and mutations in ``node.meta``."""
+
+    def __init__(self, module: torch.fx.GraphModule, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)
+        self._storages: list[tuple[StorageWeakRef, torch.fx.Node]] = []
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        """Run one node under a FLOP counter and record what it produced."""
+        """Run one node under a FLOP counter and record what it produced and mutated."""
+        inputs = [t for a in n.all_input_nodes if a in self.env for t in _tensors(self.env[a])]
+        versions = [(t, t._version) for t in inputs]
         counter = _FlopCount()
         with counter:
             result = super().run_node(n)
         n.meta["fxpipe.value"] = spec_of(result)
         n.meta["fxpipe.bytes"] = value_bytes(n.meta["fxpipe.value"])
         n.meta["fxpipe.flops"] = counter.flops if n.op not in ("placeholder", "get_attr", "output") else 0
+        changed = [_storage(t) for t, v in versions if t._version != v]
+        n.meta["fxpipe.mutates"] = self._aliases(changed, n) if changed else []
+        if n.op != "get_attr":
+            self._storages += [(_storage(t), n) for t in _tensors(result)]
         return result
+
+    def _aliases(self, storages: list[StorageWeakRef], n: torch.fx.Node) -> list[str]:
+        """Return the names of the earlier nodes whose values live in one of ``storages``."""
+        found = {m: None for ref, m in self._storages if m is not n and not ref.expired() and ref in storages}
+        return [m.name for m in found]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Return the tensors among the leaves of ``value``."""
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor) -> StorageWeakRef:
+    """Return a weak reference naming the storage that ``t`` and its views share."""
+    return StorageWeakRef(t.untyped_storage())
 
 
 def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> int:
