@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 import fxpipe
 
@@ -65,12 +65,13 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
     """
     kwargs = example_kwargs or {}
     reference = copy.deepcopy(model)
-    expected = reference(*example_inputs, **kwargs)
+    # each run gets its own copy of the inputs, in case the model changes them in place
+    expected = reference(*_clone(example_inputs), **_clone(kwargs))
     loss(expected).backward()
 
     pipe = fxpipe.compile(model, n_stages, example_inputs=example_inputs, example_kwargs=kwargs,
                           chunks=chunks, checkpoint=checkpoint, **compile_kwargs)
-    actual = pipe(*example_inputs, **kwargs)
+    actual = pipe(*_clone(example_inputs), **_clone(kwargs))
     loss(actual).backward()
 
     failure = _first_difference(expected, actual, reference, model, rtol, atol)
@@ -83,6 +84,12 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
                                          tol[1] if atol is None else atol, loss)
         raise AssertionError(failure)
     return pipe
+
+
+def _clone(value: Any) -> Any:
+    """Return ``value`` with every tensor in it cloned."""
+    return tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad)
+                    if isinstance(t, torch.Tensor) else t, value)
 
 
 def _dtype(output: Any) -> torch.dtype:
