@@ -85,8 +85,8 @@ def _run_stages(pipe, mb: list, values: dict[str, Any]) -> Any:
         inputs = mb if j == 0 else [store[v] for v in plan.stages[j].inputs]
         inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, list(inputs))
         runner = _Runner(stage, values)
-        state = {"gm." + k: v.to(device) for k, v in stage.named_parameters(remove_duplicate=False)}
-        state.update({"gm." + k: v.to(device) for k, v in stage.named_buffers(remove_duplicate=False)})
+        state = {"gm." + k: v.to(device) for k, v in stage.named_parameters()}
+        state.update({"gm." + k: v.to(device) for k, v in stage.named_buffers()})
         out = torch.func.functional_call(runner, state, tuple(inputs))
         if j < len(pipe.stages) - 1:
             store.update(zip(plan.stages[j].outputs, out))

@@ -120,6 +120,9 @@ def stage_callable(gm: torch.fx.GraphModule, foreign: list[str], device: torch.d
     if not foreign:
         return gm
     state = dict(_named_state(gm))
+    # one name per tensor: functional_call applies it to every name tied to that tensor
+    first = {id(state[name]): name for name in reversed(foreign)}
+    foreign = [name for name in foreign if first[id(state[name])] == name]
 
     def run(*args: Any) -> Any:
         replicas = {name: state[name].to(device) for name in foreign}
