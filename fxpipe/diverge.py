@@ -146,8 +146,10 @@ def divergence(pipe, reference: nn.Module, args: tuple, kwargs: dict, rtol: floa
         grads_s = [t.grad for t in _floats(split[name]) if t.grad is not None]
         if len(grads_t) != len(grads_s) or _error(grads_s, grads_t) > max(rtol, atol):
             err = _error(grads_s, grads_t) if len(grads_t) == len(grads_s) else float("inf")
-            lines.append(f"backward first diverges (from the output) at {where(name)}: gradient "
-                         f"relative error {err:.2e} against the traced graph on micro-batch 0")
+            users = ", ".join(repr(u.name) for u in nodes[name].users)
+            lines.append(f"backward first diverges (from the output) at {where(name)}: the gradient "
+                         f"flowing back into it from {users} has relative error {err:.2e} against "
+                         f"the traced graph on micro-batch 0")
             return "\n".join(lines)
     lines.append("the stage graphs reproduce the traced graph node by node, forward and backward, "
                  "on micro-batch 0: the difference comes from the runtime (math that depends on the "
