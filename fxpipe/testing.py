@@ -65,6 +65,8 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
     """
     kwargs = example_kwargs or {}
     reference = copy.deepcopy(model)
+    if reference.training != model.training:  # torchvision's DualGraphModule loses its mode in a copy
+        reference.train(model.training)
     # each run gets its own copy of the inputs, in case the model changes them in place
     expected = reference(*_clone(example_inputs), **_clone(kwargs))
     loss(expected).backward()
