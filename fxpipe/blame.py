@@ -83,7 +83,6 @@ def blamed(fn: Callable, gm: torch.fx.GraphModule, index: int, device: torch.dev
                 _add_note(exc, f"{_NOTE} {index} ({device}){at}, in {_pass()}")
             raise
 
-    run.stage_module = gm  # type: ignore[attr-defined]
     return run
 
 

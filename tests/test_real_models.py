@@ -212,7 +212,8 @@ def test_real_model_equals_eager(case):
     assert len(pipe.stages) == case.n_stages
     assert list(pipe.state_dict().keys()) == list(model.state_dict().keys())
     params = sum(p.numel() for p in model.parameters())
-    _ROWS.append([case.name, case.package, _front_end(case), f"{params / 1e6:.1f}M",
+    size = f"{params / 1e6:.1f}M" if params >= 1e6 else f"{params / 1e3:.0f}k"
+    _ROWS.append([case.name, case.package, _front_end(case), size,
                   str(case.n_stages), str(len(pipe._gm.graph.nodes)), str(len(pipe.plan.skips)),
                   f"{seconds:.1f}", case.note])
 
