@@ -24,6 +24,8 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fxpipe.blame import describe_node
+
 __all__ = ["divergence"]
 
 
@@ -120,7 +122,6 @@ def divergence(pipe, reference: nn.Module, args: tuple, kwargs: dict, rtol: floa
         split_out = _run_stages(pipe, mb, split)
 
     def where(name: str) -> str:
-        from fxpipe.blame import describe_node
         return f"stage {stage_of.get(name, '?')}, node {describe_node(gm, nodes[name])}"
 
     lines = []

@@ -95,3 +95,22 @@ def test_callable_tracer_and_bad_tracers():
         fxpipe.compile(CNN(), 2, tracer="jit")
     with pytest.raises(TypeError, match="returned Sequential; a tracer must return a torch.fx.GraphModule"):
         fxpipe.trace(CNN(), tracer=lambda m: nn.Sequential())
+
+
+class ShapeBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.shape[1] > 4:  # control flow on a shape: fx cannot trace it, export specialises it
+            h = torch.tanh(h)
+        return self.b(h)
+
+
+def test_export_traces_control_flow_on_shapes_that_fx_cannot():
+    with pytest.raises(fxpipe.TraceError):
+        fxpipe.trace(ShapeBranch())
+    assert_pipeline_equivalent(ShapeBranch(), (torch.randn(4, 8),), n_stages=2, chunks=2,
+                               devices=["cpu"] * 2, tracer="export")
