@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
 
 import pytest
 import torch
@@ -111,6 +110,7 @@ def test_default_tolerance_follows_dtype():
 
 
 def test_plugin_is_registered_as_an_entry_point():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
     assert project["entry-points"]["pytest11"] == {"fxpipe": "fxpipe.pytest_plugin"}
