@@ -6,7 +6,8 @@ consumers, and runs the stages over micro-batches with a generated GPipe executo
 """
 
 from fxpipe.checkpoint import is_checkpointing, is_recomputing
-from fxpipe.errors import NoFeasibleCut, PipelineInputError, PlanMismatchError, TraceError
+from fxpipe.errors import (MutationError, NoFeasibleCut, PeerFailure, PipelineInputError,
+                           PlanMismatchError, TraceError)
 from fxpipe.compiler import compile
 from fxpipe.pipe import Pipe
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
@@ -16,7 +17,9 @@ from fxpipe.tracing import trace
 __version__ = "0.1.0"
 
 __all__ = [
+    "MutationError",
     "NoFeasibleCut",
+    "PeerFailure",
     "Pipe",
     "PipelineInputError",
     "PipelinePlan",

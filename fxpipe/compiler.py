@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx
@@ -16,14 +16,16 @@ import passes
 from fxpipe.batchnorm import defer_batch_norm
 from fxpipe.comm import Comm
 from fxpipe.distributed import DistributedRuntime, agree_on_stages, setup_distributed, tied_groups
+from fxpipe.blame import blamed
 from fxpipe.local import LocalRuntime
 from fxpipe.microbatch import batch_size, micro_sizes
+from fxpipe.mutation import copy_mutated_inputs
 from fxpipe.pipe import Pipe
 from fxpipe.signature import CallSignature
 from fxpipe.placement import move_owned, ownership, resolve_devices, stage_callable
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.saved import PlanLike, apply_plan, graph_signature, load_plan
-from fxpipe.tracing import trace
+from fxpipe.tracing import check_tracer, trace
 
 __all__ = ["compile"]
 
@@ -42,6 +44,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             chunks: int = 1, checkpoint: str = "except_last", balance_by: str = "auto",
             split_points: Sequence[str] | None = None, max_memory: float | None = None,
             schedule: str = "gpipe", leaf_modules: Iterable[type | str] = (),
+            tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
             plan: PlanLike | None = None, runtime: str = "local", timeout: float = 300.0,
             deferred_batch_norm: bool = False) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
@@ -55,7 +58,9 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     ``"auto"``: FLOPs with example inputs, else parameters); ``split_points`` names the
     modules or nodes where stages begin instead. ``max_memory`` caps every stage's estimated
     peak memory in bytes (parameters, gradients, activations kept for backward).
-    ``schedule`` is ``"gpipe"`` or ``"1f1b"`` (what :meth:`Pipe.step` runs).
+    ``schedule`` is ``"gpipe"`` or ``"1f1b"`` (what :meth:`Pipe.step` runs). ``tracer`` is
+    ``"fx"`` (symbolic tracing), ``"export"`` (``torch.export`` on the example inputs, dim 0
+    dynamic) or a callable returning another tracer's GraphModule; see :func:`fxpipe.trace`.
 
     ``plan`` (a :class:`PipelinePlan` or the path of one saved with ``plan.save``) reuses a
     saved stage assignment instead of partitioning; it raises :class:`PlanMismatchError`
@@ -72,6 +77,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     If compile fails, the model is left unmoved and unmodified.
     """
     _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split_points, max_memory)
+    check_tracer(tracer)
     saved = None if plan is None else load_plan(plan)
     if saved is not None and split_points is not None:
         raise ValueError("pass either plan= (a saved stage assignment) or split_points=, not both")
@@ -87,12 +93,17 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         devices = [torch.device(device.type, j) for j in range(n_stages)]
     else:
         devices = resolve_devices(devices, n_stages)
-    gm = model if isinstance(model, torch.fx.GraphModule) else trace(model, leaf_modules=leaf_modules)
+    args = example_inputs if isinstance(example_inputs, tuple) else (
+        () if example_inputs is None else (example_inputs,))
+    if tracer == "fx" and isinstance(model, torch.fx.GraphModule):
+        gm = model
+    else:
+        if tracer == "export":
+            batch_size([args, example_kwargs or {}], ["example_inputs", "example_kwargs"])
+        gm = trace(model, leaf_modules=leaf_modules, tracer=tracer, example_inputs=args,
+                   example_kwargs=example_kwargs)
 
-    args: tuple = ()
     if has_inputs:
-        args = example_inputs if isinstance(example_inputs, tuple) else (
-            () if example_inputs is None else (example_inputs,))
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         batch = batch_size(passes.bind_placeholders(gm, args, example_kwargs or {}), names)
         micro = len(micro_sizes(batch, chunks))
@@ -131,6 +142,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     if runtime == "distributed":
         agree_on_stages(gm, n_stages)  # a measured cost may differ by rank: rank 0's cut wins
     stage_graphs, routes = passes.split(gm, n_stages)
+    copy_mutated_inputs(gm, stage_graphs)
 
     plan = _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, schedule,
                       balance_by, cut, saved)  # from here on, the plan made, not the one passed in
@@ -141,12 +153,14 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         devices = [device if j == rank else torch.device("meta") for j in range(n_stages)]
         move_owned([model, gm, *stages], ownership(stages[rank:rank + 1], [device]), [device])
         tied = tied_groups(stages, rank, timeout)
-        engine: Any = DistributedRuntime(plan, gm, stages[rank], rank, device, Comm(rank, timeout, group),
+        fn = blamed(stages[rank], stages[rank], rank, device)
+        engine: Any = DistributedRuntime(plan, gm, fn, rank, device, Comm(rank, timeout, group),
                                          CallSignature(gm), tied)
     else:
         own = ownership(stages, devices)
         move_owned([model, gm, *stages], own, devices)
-        fns = [stage_callable(gm_j, own.foreign[j], devices[j]) for j, gm_j in enumerate(stages)]
+        fns = [blamed(stage_callable(gm_j, own.foreign[j], devices[j]), gm_j, j, devices[j])
+               for j, gm_j in enumerate(stages)]
         engine = LocalRuntime(plan, fns, devices, CallSignature(gm))
     if deferred_batch_norm:
         held = stages[rank:rank + 1] if runtime == "distributed" else stages

@@ -89,13 +89,18 @@ def depend(before: Any, after: Any) -> tuple[Any, Any]:
 
     ``before`` and ``after`` are any structures of values; the first floating tensor that
     requires grad in ``before`` is forked and the phony joined into the first floating tensor
-    of ``after``. Without autograd, or without such tensors, both come back unchanged.
+    of ``after`` that requires grad (or the first floating tensor, if none does). Without autograd, or without such tensors, both come back unchanged.
     """
     if not torch.is_grad_enabled():
         return before, after
     b_leaves, b_spec = tree_flatten(before)
     a_leaves, a_spec = tree_flatten(after)
-    kb, ka = _first_grad_leaf(b_leaves, True), _first_grad_leaf(a_leaves, False)
+    # Join into a tensor that already requires grad where there is one: making a mask or
+    # another constant require grad can change which kernel runs (SDPA's flash path refuses
+    # a mask that requires grad), and with it the layout of the result.
+    kb = _first_grad_leaf(b_leaves, True)
+    ka = _first_grad_leaf(a_leaves, True)
+    ka = _first_grad_leaf(a_leaves, False) if ka is None else ka
     if kb is None or ka is None:
         return before, after
     b_leaves[kb], phony = fork(b_leaves[kb])

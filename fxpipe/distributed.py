@@ -136,7 +136,7 @@ class DistributedRuntime:
         return self._programs[(schedule, m)]
 
     # -- the per-step layout, published by rank 0 ------------------------------------------
-    def _layout(self, args: tuple, kwargs: dict) -> tuple[dict, list[list[Any]]]:
+    def _layout(self, args: tuple, kwargs: dict, training: bool) -> tuple[dict, list[list[Any]]]:
         """On rank 0, split the inputs and publish their layout; elsewhere, read it."""
         key = f"step{self.steps}"
         if self.rank != 0:
@@ -147,7 +147,7 @@ class DistributedRuntime:
             return header, []
         try:
             self._check(spec_of(self.signature.bind(args, kwargs)))
-            mbs, batch = self.signature.split(args, kwargs, self.plan.chunks, self.device)
+            mbs, batch = self.signature.split(args, kwargs, self.plan.chunks, training, self.device)
             specs = [spec_of(mb) for mb in mbs]
         except (TypeError, ValueError) as exc:
             self.comm.publish(key, {"error": (type(exc).__name__, str(exc))})
@@ -182,7 +182,7 @@ class DistributedRuntime:
     # -- running ----------------------------------------------------------------------------
     def _run(self, args: tuple, kwargs: dict, losses_for: Callable | None, training: bool, grad: bool):
         """Run one step's actions on this rank; return the runner."""
-        header, mbs = self._layout(args, kwargs)
+        header, mbs = self._layout(args, kwargs, training)
         m = len(header["specs"])
         transport = DistTransport(self.plan, self.rank, self.device, self.comm, self._specs(header))
         transport.inputs = mbs

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from passes.cut import NoFeasibleCut
 
-__all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "PeerFailure", "NoFeasibleCut"]
+__all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "PeerFailure", "NoFeasibleCut",
+           "MutationError"]
 
 
 class TraceError(TypeError):
@@ -28,3 +29,7 @@ class PipelineInputError(ValueError):
 
 class PeerFailure(RuntimeError):
     """Another rank of a distributed pipeline failed, died or fell silent past the timeout."""
+
+
+class MutationError(ValueError):
+    """An in-place op changes a value that another stage reads afterwards; names the node and the fix."""

@@ -86,7 +86,7 @@ class LocalRuntime:
 
     def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
         """Run the model's forward over micro-batches; return the model's output structure."""
-        mbs, _ = self.signature.split(args, kwargs, self.plan.chunks, self.devices[0])
+        mbs, _ = self.signature.split(args, kwargs, self.plan.chunks, training, self.devices[0])
         output = gather(self.run(mbs, training))
         if training:
             commit_batch_norm(self.deferred)
@@ -96,7 +96,7 @@ class LocalRuntime:
         """Run forward and backward of one mini-batch with a loss per micro-batch; return the loss."""
         if not torch.is_grad_enabled():
             raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
-        mbs, batch = self.signature.split(args, kwargs, self.plan.chunks, self.devices[0])
+        mbs, batch = self.signature.split(args, kwargs, self.plan.chunks, training, self.devices[0])
         losses = micro_losses(loss_fn, target, batch, len(mbs), self.devices[-1], self.signature.finish)
         if self.plan.schedule == "gpipe":
             outputs = self.run(mbs, training)

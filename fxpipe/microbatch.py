@@ -84,8 +84,22 @@ def gather(outputs: Sequence[Any]) -> Any:
                                  "pipeline) or use chunks=1")
             merged.append(torch.cat(column))
         else:
+            if any(_differs(other, leaf) for other in column[1:]):
+                raise ValueError(
+                    f"output leaf {k} is a {type(leaf).__name__} that differs between micro-batches "
+                    f"({leaf!r} in the first, {next(o for o in column if _differs(o, leaf))!r} in "
+                    "another): it depends on the batch, so it cannot be gathered; return it as a "
+                    "tensor with a batch dimension, compute it outside the model, or use chunks=1")
             merged.append(leaf)
     return tree_unflatten(merged, spec)
+
+
+def _differs(a: Any, b: Any) -> bool:
+    """Tell whether two non-tensor output leaves differ (values that cannot compare do not)."""
+    try:
+        return bool(a != b)
+    except Exception:  # noqa: BLE001 - an object without a usable comparison
+        return a is not b
 
 
 def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch: int | None,

@@ -36,9 +36,10 @@ class Pipe(nn.Module):
         self.training = model.training
         self.__dict__["_model"] = model
         self.__dict__["_gm"] = gm
-        self.plan = plan
-        self.stages = list(stages)
-        self.devices = list(devices)
+        # Through __dict__: the model may own submodules of these names (timm's ``stages``).
+        self.__dict__["plan"] = plan
+        self.__dict__["stages"] = list(stages)
+        self.__dict__["devices"] = list(devices)
         self._runtime = runtime
 
     @property

@@ -49,7 +49,10 @@ def resolve_devices(devices: Sequence[Any] | None, n_stages: int) -> list[torch.
                 raise ValueError(f"devices holds {d!r} but only {torch.cuda.device_count()} CUDA "
                                  f"device(s) exist")
             dev = torch.device("cuda", index)
-        elif dev.type not in ("cpu", "meta"):
+        elif dev.type == "meta":
+            raise ValueError(f"devices holds {d!r}: meta tensors hold no data, so moving the model "
+                             "there would destroy its weights; use 'cpu' or a CUDA device")
+        elif dev.type != "cpu":
             if not hasattr(torch, dev.type) or not getattr(torch, dev.type).is_available():
                 raise ValueError(f"devices holds {d!r} but that backend is not available")
         out.append(dev)
@@ -117,6 +120,9 @@ def stage_callable(gm: torch.fx.GraphModule, foreign: list[str], device: torch.d
     if not foreign:
         return gm
     state = dict(_named_state(gm))
+    # one name per tensor: functional_call applies it to every name tied to that tensor
+    first = {id(state[name]): name for name in reversed(foreign)}
+    foreign = [name for name in foreign if first[id(state[name])] == name]
 
     def run(*args: Any) -> Any:
         replicas = {name: state[name].to(device) for name in foreign}

@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_map
 
 import passes
 from fxpipe.microbatch import batch_size, scatter
+from fxpipe.validate import check_inputs
 
 __all__ = ["CallSignature"]
 
@@ -27,11 +28,12 @@ class CallSignature:
         """Return one value per placeholder for a call with ``args`` and ``kwargs``."""
         return passes.bind_placeholders(self.gm, args, kwargs)
 
-    def split(self, args: tuple, kwargs: dict, chunks: int,
+    def split(self, args: tuple, kwargs: dict, chunks: int, training: bool,
               device: torch.device | None = None) -> tuple[list[list[Any]], int | None]:
-        """Bind and split the inputs; return the micro-batches (on ``device``) and the batch size."""
+        """Bind, check and split the inputs; return the micro-batches (on ``device``) and the batch size."""
         values = self.bind(args, kwargs)
         batch = batch_size(values, self.names)
+        check_inputs(self.gm, values, self.names, training)
         mbs = scatter(values, self.names, chunks)
         if device is not None:
             mbs = [[_to(v, device) for v in mb] for mb in mbs]

@@ -1,17 +1,38 @@
-"""Check that pipelining a model changed nothing: outputs and gradients equal eager."""
+"""Check that pipelining a model changed nothing: outputs and gradients equal eager.
+
+``assert_pipeline_equivalent`` is meant for users' own test suites; the pytest plugin
+(:mod:`fxpipe.pytest_plugin`, registered as an entry point) offers it as a fixture. When
+the pipeline differs, the assertion message names the first stage and node where values
+diverge (:mod:`fxpipe.diverge`).
+"""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 import fxpipe
 
-__all__ = ["assert_pipeline_equivalent", "default_loss", "max_relative_error"]
+__all__ = ["assert_pipeline_equivalent", "default_loss", "default_tolerance", "max_relative_error"]
+
+# rtol (relative to each tensor's largest eager magnitude) and atol per dtype: micro-batching
+# reorders float sums, and a gradient accumulated over micro-batches rounds once per chunk.
+_TOLERANCE = {
+    torch.float64: (1e-10, 1e-12),
+    torch.float32: (1e-5, 1e-6),
+    torch.float16: (4e-3, 1e-3),
+    torch.bfloat16: (3e-2, 1e-2),
+}
+
+
+def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """Return the (rtol, atol) that ``assert_pipeline_equivalent`` uses for ``dtype``."""
+    return _TOLERANCE.get(dtype, _TOLERANCE[torch.float32])
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -25,46 +46,109 @@ def default_loss(output: Any) -> torch.Tensor:
     return total
 
 
-def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple, *, n_stages: int = 2,
+def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, n_stages: int = 2,
                                chunks: int = 1, checkpoint: str = "except_last",
-                               example_kwargs: dict | None = None, rtol: float = 1e-5,
-                               atol: float = 1e-6, loss: Callable[[Any], torch.Tensor] = default_loss,
-                               **compile_kwargs: Any) -> "fxpipe.Pipe":
+                               example_kwargs: dict | None = None, rtol: float | None = None,
+                               atol: float | None = None,
+                               loss: Callable[[Any], torch.Tensor] = default_loss,
+                               diagnose: bool = True, **compile_kwargs: Any) -> "fxpipe.Pipe":
     """Compile ``model`` and assert outputs and every parameter's gradient equal eager's.
 
     The eager reference runs on a deep copy of ``model``; ``model`` itself is compiled, so
     it is moved to the stages' devices. Each tensor is compared with ``rtol`` relative to its
     largest eager magnitude (micro-batching changes the order of float sums, so elements that
     cancel to near zero carry the rounding of their larger terms), or ``atol``, whichever is
-    larger. Returns the compiled pipe.
+    larger; by default both follow the tensor's dtype (:func:`default_tolerance`). Mappings of
+    different types with the same keys (a tracer's ``dict`` for a ``ModelOutput``) compare
+    equal. On a difference, the message names the first stage and node where values diverge
+    (``diagnose=False`` skips that). Returns the compiled pipe.
     """
     kwargs = example_kwargs or {}
     reference = copy.deepcopy(model)
-    expected = reference(*example_inputs, **kwargs)
+    if reference.training != model.training:  # torchvision's DualGraphModule loses its mode in a copy
+        reference.train(model.training)
+    # each run gets its own copy of the inputs, in case the model changes them in place
+    expected = reference(*_clone(example_inputs), **_clone(kwargs))
     loss(expected).backward()
 
     pipe = fxpipe.compile(model, n_stages, example_inputs=example_inputs, example_kwargs=kwargs,
                           chunks=chunks, checkpoint=checkpoint, **compile_kwargs)
-    actual = pipe(*example_inputs, **kwargs)
+    actual = pipe(*_clone(example_inputs), **_clone(kwargs))
     loss(actual).backward()
 
-    exp_leaves, exp_spec = tree_flatten(expected)
-    act_leaves, act_spec = tree_flatten(actual)
-    assert exp_spec == act_spec, f"output structure differs: eager {exp_spec}, pipeline {act_spec}"
-    for k, (e, a) in enumerate(zip(exp_leaves, act_leaves)):
+    failure = _first_difference(expected, actual, reference, model, rtol, atol)
+    if failure is not None:
+        if diagnose:
+            from fxpipe.diverge import divergence
+
+            tol = (rtol, atol) if rtol is not None else default_tolerance(_dtype(expected))
+            failure += "\n" + divergence(pipe, reference, example_inputs, kwargs, tol[0],
+                                         tol[1] if atol is None else atol, loss)
+        raise AssertionError(failure)
+    return pipe
+
+
+def _clone(value: Any) -> Any:
+    """Return ``value`` with every tensor in it cloned."""
+    return tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad)
+                    if isinstance(t, torch.Tensor) else t, value)
+
+
+def _dtype(output: Any) -> torch.dtype:
+    """Return the dtype of an output's first floating tensor (float32 if none)."""
+    floats = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return floats[0].dtype if floats else torch.float32
+
+
+def _first_difference(expected: Any, actual: Any, reference: nn.Module, model: nn.Module,
+                      rtol: float | None, atol: float | None) -> str | None:
+    """Return a message for the first output or gradient that differs from eager, or None."""
+    problem = _structure_difference(expected, actual)
+    if problem:
+        return problem
+    for k, (e, a) in enumerate(zip(tree_flatten(expected)[0], tree_flatten(actual)[0])):
         if isinstance(e, torch.Tensor):
-            _assert_close(a.detach(), e.detach(), rtol, atol, f"output leaf {k}")
-        else:
-            assert a == e, f"output leaf {k} differs from eager: {a!r} != {e!r}"
+            problem = _difference(a.detach(), e.detach(), rtol, atol, f"output leaf {k}")
+        elif a != e:
+            problem = f"output leaf {k} differs from eager: {a!r} != {e!r}"
+        if problem:
+            return problem
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         q = ref_params[name]
         if q.grad is None:
-            assert p.grad is None or not p.grad.any(), f"{name} has a gradient that eager lacks"
+            if p.grad is not None and p.grad.any():
+                return f"{name} has a gradient that eager lacks"
             continue
-        assert p.grad is not None, f"{name} got no gradient through the pipeline"
-        _assert_close(p.grad, q.grad, rtol, atol, f"gradient of {name}")
-    return pipe
+        if p.grad is None:
+            return f"{name} got no gradient through the pipeline"
+        problem = _difference(p.grad, q.grad, rtol, atol, f"gradient of {name}")
+        if problem:
+            return problem
+    return None
+
+
+def _structure_difference(expected: Any, actual: Any) -> str | None:
+    """Describe how two outputs' structures differ (mappings compare by keys), or None."""
+    if isinstance(expected, Mapping) and isinstance(actual, Mapping):
+        if list(expected.keys()) != list(actual.keys()):
+            return f"output keys differ: eager {list(expected.keys())}, pipeline {list(actual.keys())}"
+        for key in expected:
+            problem = _structure_difference(expected[key], actual[key])
+            if problem:
+                return f"under key {key!r}: {problem}"
+        return None
+    if isinstance(expected, (tuple, list)) and isinstance(actual, (tuple, list)) \
+            and type(expected) is type(actual) and len(expected) == len(actual):
+        for k, (e, a) in enumerate(zip(expected, actual)):
+            problem = _structure_difference(e, a)
+            if problem:
+                return f"at index {k}: {problem}"
+        return None
+    exp_spec, act_spec = tree_flatten(expected)[1], tree_flatten(actual)[1]
+    if exp_spec != act_spec:
+        return f"output structure differs: eager {exp_spec}, pipeline {act_spec}"
+    return None
 
 
 def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -75,9 +159,19 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale else diff
 
 
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float, what: str) -> None:
-    """Assert two tensors agree to ``rtol`` of the expected tensor's scale, or ``atol``."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != eager {tuple(expected.shape)}"
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=0.0, atol=max(atol, rtol * scale),
-                               msg=lambda m: f"{what} differs from eager: {m}")
+def _difference(actual: torch.Tensor, expected: torch.Tensor, rtol: float | None, atol: float | None,
+                what: str) -> str | None:
+    """Describe how two tensors differ beyond ``rtol`` of the expected scale or ``atol``, or None."""
+    if actual.shape != expected.shape:
+        return f"{what}: shape {tuple(actual.shape)} != eager {tuple(expected.shape)}"
+    if actual.dtype != expected.dtype:
+        return f"{what}: dtype {actual.dtype} != eager {expected.dtype}"
+    d_rtol, d_atol = default_tolerance(expected.dtype)
+    rtol = d_rtol if rtol is None else rtol
+    atol = d_atol if atol is None else atol
+    scale = expected.abs().max().item() if expected.numel() and expected.is_floating_point() else 0.0
+    try:
+        torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=0.0, atol=max(atol, rtol * scale))
+    except AssertionError as exc:
+        return f"{what} differs from eager: {exc}"
+    return None

@@ -6,7 +6,7 @@ import linecache
 import logging
 import os
 import traceback
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx
@@ -14,7 +14,7 @@ from torch import nn
 
 from fxpipe.errors import TraceError
 
-__all__ = ["trace"]
+__all__ = ["trace", "check_tracer", "TRACERS"]
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +37,40 @@ class _Tracer(torch.fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
 
-def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
-          concrete_args: dict[str, Any] | None = None) -> torch.fx.GraphModule:
-    """Trace ``model`` symbolically into the GraphModule whose node names a plan uses.
+TRACERS = ("fx", "export")
 
-    ``leaf_modules`` lists module classes or qualified names (``"encoder.block3"``) to keep
-    as single ``call_module`` nodes, for example because their forward has data-dependent
-    control flow. ``concrete_args`` fixes inputs to constants, as in
-    :func:`torch.fx.symbolic_trace`. The model is not modified. Raises :class:`TraceError`
-    naming the module and source line where tracing failed.
+
+def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
+          concrete_args: dict[str, Any] | None = None,
+          tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
+          example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None) -> torch.fx.GraphModule:
+    """Trace ``model`` into the GraphModule whose node names a plan uses.
+
+    ``tracer="fx"`` (the default) traces symbolically: ``leaf_modules`` lists module classes
+    or qualified names (``"encoder.block3"``) to keep as single ``call_module`` nodes, for
+    example because their forward has data-dependent control flow, and ``concrete_args``
+    fixes inputs to constants, as in :func:`torch.fx.symbolic_trace`. ``tracer="export"``
+    uses ``torch.export`` on ``example_inputs``/``example_kwargs`` with dim 0 dynamic (see
+    :mod:`fxpipe.export`). A callable ``tracer(model)`` may return the GraphModule of any
+    other tracer (Hugging Face's, timm's). Every front end keeps the model's own parameter
+    objects and names. The model is not modified. Raises :class:`TraceError` naming the
+    module and source line where tracing failed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.trace expects an nn.Module, got {type(model).__name__}")
+    check_tracer(tracer)
+    if tracer == "export":
+        from fxpipe.export import export_trace
+
+        args = example_inputs if isinstance(example_inputs, tuple) else (
+            () if example_inputs is None else (example_inputs,))
+        return export_trace(model, args, dict(example_kwargs or {}))
+    if callable(tracer):
+        gm = tracer(model)
+        if not isinstance(gm, torch.fx.GraphModule):
+            raise TypeError(f"tracer={getattr(tracer, '__name__', tracer)!r} returned "
+                            f"{type(gm).__name__}; a tracer must return a torch.fx.GraphModule")
+        return gm
     leaf_modules = list(leaf_modules)
     bad = [m for m in leaf_modules if not (isinstance(m, str) or (isinstance(m, type) and issubclass(m, nn.Module)))]
     if bad:
@@ -68,6 +90,13 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     gm = torch.fx.GraphModule(tracer.root, graph, name)
     log.debug("traced %s: %d nodes", name, len(gm.graph.nodes))
     return gm
+
+
+def check_tracer(tracer: Any) -> None:
+    """Reject a ``tracer=`` that is neither a known front end nor a callable."""
+    if not (tracer in TRACERS or (callable(tracer) and not isinstance(tracer, str))):
+        raise ValueError(f"tracer={tracer!r}; use 'fx', 'export', or a callable returning the "
+                         "torch.fx.GraphModule of another tracer")
 
 
 def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceError:

@@ -5,6 +5,7 @@ and writes. The passes import torch, torch.fx and networkx, never fxpipe's runti
 """
 
 from passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
+from passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
 from passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from passes.order import candidate_orders
@@ -15,6 +16,8 @@ from passes.specs import value_specs
 from passes.split import Route, StageGraph, split
 
 __all__ = [
+    "Conflict",
+    "MutationPlan",
     "NoFeasibleCut",
     "Partition",
     "Route",
@@ -33,13 +36,16 @@ __all__ = [
     "group_costs",
     "memory_factors",
     "min_bottleneck_cut",
+    "copy_on_write",
     "node_cost",
     "node_costs",
     "partition",
     "partition_at",
     "profile",
+    "plan_mutations",
     "split",
     "stage_costs",
+    "static_mutations",
     "value_bytes",
     "value_specs",
 ]

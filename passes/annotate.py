@@ -15,6 +15,9 @@ Writes: ``node.meta`` keys
     fxpipe.saved_bytes  bytes the node's output keeps alive for backward (0 for views)
     fxpipe.param_bytes  bytes of the parameters and buffers the node reads directly
                         (``get_attr``) or through its module (``call_module``)
+    fxpipe.mutates      names of the earlier nodes (placeholders and computed values, not
+                        ``get_attr``) whose tensor storage the node changed in place, directly
+                        or through a view; seen as a bump of an input's version counter
 
 Nothing real is computed and the model's parameters and buffers are never touched: each
 node runs under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`, a module with fake

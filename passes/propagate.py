@@ -2,12 +2,16 @@
 
 Reads:  the graph and the module's parameters and buffers (through stand-ins).
 Writes: ``node.meta`` keys ``fxpipe.value``, ``fxpipe.bytes``, ``fxpipe.flops``,
-        ``fxpipe.flops_bwd`` and ``fxpipe.saved_bytes`` (described in :mod:`passes.annotate`).
+        ``fxpipe.flops_bwd``, ``fxpipe.saved_bytes`` and ``fxpipe.mutates`` (described in
+        :mod:`passes.annotate`).
 
 Each call node runs under a FLOP counter; a module runs with its parameters and buffers
 swapped for stand-ins (fake tensors, or clones of the buffers for real kernels) by
 :func:`torch.func.functional_call`, so the model's own state is never touched. A node whose
-signature (:mod:`passes.signature`) matches an earlier node's reuses that node's result.
+signature (:mod:`passes.signature`) matches an earlier node's reuses that node's result,
+unless the graph may change a value in place: then every node runs, so that each value is
+its own tensor and an in-place change shows, through the version counters of the inputs,
+on exactly the values (and views) it touched.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import torch
 import torch.fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from passes.signature import node_key, value_key
+from passes.signature import is_inplace, node_key, value_key
 from passes.spec import TensorSpec, spec_of, value_bytes
 
 __all__ = ["Propagator", "fetch"]
@@ -162,8 +167,11 @@ class Propagator:
         """Propagate ``flat_inputs`` through the graph, writing ``fxpipe.*`` on every node."""
         env: dict[torch.fx.Node, Any] = {}
         keys: dict[torch.fx.Node, Any] = {}
+        storages: list[tuple[StorageWeakRef, torch.fx.Node]] = []  # what each value lives in
+        memoize = memoize and not any(self._may_mutate(n) for n in self.gm.graph.nodes)
         inputs = iter(flat_inputs)
         for node in self.gm.graph.nodes:
+            mutates: list[str] = []
             if node.op == "placeholder":
                 value = next(inputs)
                 spec = spec_of(value)
@@ -182,8 +190,12 @@ class Propagator:
                 key = node_key(node, keys, self.modules) if memoize else None
                 result = self.cache.get(key) if key is not None else None
                 if result is None:
+                    read = [t for a in node.all_input_nodes if a in env for t in _tensors(env[a])]
+                    versions = [(t, t._version) for t in read]
                     result = self._compute(node, env)
-                    if key is not None:
+                    changed = [_storage(t) for t, v in versions if t._version != v]
+                    mutates = _aliases(storages, changed, node) if changed else []
+                    if key is not None and not changed:
                         self.cache[key] = result
                 else:
                     self.hits += 1
@@ -197,6 +209,35 @@ class Propagator:
             node.meta["fxpipe.flops"] = result.flops
             node.meta["fxpipe.flops_bwd"] = result.flops_bwd
             node.meta["fxpipe.saved_bytes"] = result.saved
+            node.meta["fxpipe.mutates"] = mutates
+            if node.op != "get_attr":
+                storages += [(_storage(t), node) for t in _tensors(value)]
+
+    def _may_mutate(self, node: torch.fx.Node) -> bool:
+        """Tell whether a node might change a value in place (an in-place op, module or leaf)."""
+        if is_inplace(node):
+            return True
+        if node.op != "call_module":
+            return False
+        module = self.gm.get_submodule(node.target)
+        return bool(getattr(module, "inplace", False)) or not type(module).__module__.startswith("torch.nn")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Return the tensors among the leaves of ``value``."""
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor) -> StorageWeakRef:
+    """Return a weak reference naming the storage that ``t`` and its views share."""
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _aliases(storages: list[tuple[StorageWeakRef, torch.fx.Node]], changed: list[StorageWeakRef],
+             node: torch.fx.Node) -> list[str]:
+    """Return the names of the earlier nodes whose values live in one of the ``changed`` storages."""
+    found = {m: None for ref, m in storages if m is not node and not ref.expired() and ref in changed}
+    return [m.name for m in found]
 
 
 def _grad_operands(node: torch.fx.Node, args: tuple, kwargs: dict, gm: torch.fx.GraphModule) -> int:

@@ -43,10 +43,10 @@ def test_batch_size_zero_is_refused():
 
 
 def test_gather_rebuilds_structure():
-    outs = [{"y": (torch.ones(2, 1) * i, i * 10), "z": [torch.full((2,), float(i))]} for i in range(3)]
+    outs = [{"y": (torch.ones(2, 1) * i, "mode", 10), "z": [torch.full((2,), float(i))]} for i in range(3)]
     merged = gather(outs)
     assert merged["y"][0].flatten().tolist() == [0, 0, 1, 1, 2, 2]
-    assert merged["y"][1] == 0
+    assert merged["y"][1:] == ("mode", 10)
     assert merged["z"][0].tolist() == [0, 0, 1, 1, 2, 2]
 
 
@@ -54,3 +54,9 @@ def test_gather_refuses_scalar_outputs():
     with pytest.raises(ValueError, match="0-dim tensor"):
         gather([torch.tensor(1.0), torch.tensor(2.0)])
     assert gather([torch.tensor(1.0)]).item() == 1.0
+
+
+def test_gather_refuses_non_tensors_that_depend_on_the_batch():
+    with pytest.raises(ValueError, match=r"output leaf 1 is a int that differs between micro-batches "
+                                         r"\(2 in the first, 1 in another\)"):
+        gather([(torch.ones(2), 2), (torch.ones(1), 1)])

@@ -1,0 +1,94 @@
+"""Name the stage and node where a stage's forward raised, on the exception itself.
+
+A stage GraphModule runs generated code; when one of its nodes raises, the traceback shows a
+line of that code. :func:`blamed` wraps a stage's callable so that the exception, of its
+original type and with its original traceback, carries a note naming the stage, its device,
+the node (its op, target and the module it came from) and the pass (forward, checkpointed
+forward, or recomputation in backward)::
+
+    ValueError: negative input
+    fxpipe: raised in stage 1 (cpu), node 'gate' (call_module gate: Gate, module 'gate'), in forward
+
+The node is found from the traceback (the stage's generated line maps to a node), so nothing
+is re-run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from fxpipe.checkpoint import is_checkpointing, is_recomputing
+
+__all__ = ["blamed", "failing_node", "describe_node"]
+
+_NOTE = "fxpipe: raised in stage"
+
+
+def failing_node(gm: torch.fx.GraphModule, exc: BaseException) -> torch.fx.Node | None:
+    """Return the node of ``gm`` whose generated line is in ``exc``'s traceback, innermost first."""
+    forward = getattr(type(gm), "forward", None)
+    code = getattr(forward, "__code__", None)
+    lineno_map = getattr(gm, "_lineno_map", None)
+    if code is None or not lineno_map:
+        return None
+    start = getattr(gm, "_prologue_start", 0) or 0
+    nodes = list(gm.graph.nodes)
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == code.co_filename:
+            index = lineno_map.get(tb.tb_lineno - start)
+            if index is not None and index < len(nodes):
+                found = nodes[index]
+        tb = tb.tb_next
+    return found
+
+
+def describe_node(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
+    """Describe a node by name, op, target and the module it was traced from."""
+    target = node.target if isinstance(node.target, str) else getattr(
+        node.target, "__name__", str(node.target))
+    what = f"{node.op} {target}"
+    if node.op == "call_module":
+        what += f": {type(gm.get_submodule(node.target)).__name__}"
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [path for path, _ in stack.values() if path]
+    where = f", module '{paths[-1]}'" if paths else ""
+    return f"'{node.name}' ({what}{where})"
+
+
+def _pass() -> str:
+    """Name the pass a stage is running in."""
+    if is_recomputing():
+        return "recomputation in backward"
+    if is_checkpointing():
+        return "checkpointed forward"
+    return "forward"
+
+
+def blamed(fn: Callable, gm: torch.fx.GraphModule, index: int, device: torch.device) -> Callable:
+    """Wrap stage ``index``'s callable so that what it raises names the stage and the node."""
+
+    def run(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            notes = getattr(exc, "__notes__", [])
+            if not any(str(n).startswith(_NOTE) for n in notes):
+                node = failing_node(gm, exc)
+                at = f", node {describe_node(gm, node)}" if node is not None else ""
+                _add_note(exc, f"{_NOTE} {index} ({device}){at}, in {_pass()}")
+            raise
+
+    return run
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` (PEP 678; a plain attribute before Python 3.11)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]

@@ -1,0 +1,54 @@
+"""Refuse in-place changes a pipeline cannot reproduce; give stages private copies of the rest.
+
+See :mod:`passes.inplace` for the analysis: a stage that changes one of its inputs in place
+works on a copy made on entry, so its recomputation and every other stage see the values
+eager sees; a change that a later stage would have to see through the original value is
+refused at compile time with :class:`~fxpipe.errors.MutationError`, before anything moves.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.fx
+
+import passes
+from fxpipe.errors import MutationError
+
+__all__ = ["copy_mutated_inputs", "conflict_message"]
+
+log = logging.getLogger(__name__)
+
+
+def copy_mutated_inputs(gm: torch.fx.GraphModule, stage_graphs: list) -> None:
+    """Give stages that change an input in place a private copy; refuse what cannot work."""
+    found = passes.plan_mutations(gm)
+    if found.conflicts:
+        raise MutationError(conflict_message(gm, found.conflicts[0]))
+    for j, names in found.copies.items():
+        passes.copy_on_write(stage_graphs[j].module, names)
+        log.info("stage %d changes its input(s) %s in place; it works on a copy", j, names)
+    if found.mutated_model_inputs:
+        log.warning("the model changes its input(s) %s in place; fxpipe runs it on a copy, so "
+                    "outputs and gradients equal eager but the caller's tensors are left "
+                    "unchanged", found.mutated_model_inputs)
+
+
+def conflict_message(gm: torch.fx.GraphModule, c: passes.Conflict) -> str:
+    """Explain an in-place change that a pipeline cannot reproduce, and the fix."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    value = nodes[c.value]
+    made = "a model input" if value.op == "placeholder" else f"a value of stage {value.meta['fxpipe.stage']}"
+    fix = (f"Write the op out of place (x = x.mul(2) rather than x.mul_(2), nn.ReLU() rather than "
+           f"nn.ReLU(inplace=True)), or give split_points= that keep node '{c.node}' in one stage "
+           f"with every use of {c.value!r}.")
+    if c.reader is None:
+        return (f"node '{c.node}' in stage {c.stage} changes in place storage shared by the stage "
+                f"inputs {c.aliases} (views of one tensor); a stage that changes its input works "
+                f"on a copy, and separate copies would no longer share the change. {fix}")
+    return (f"node '{c.node}' in stage {c.stage} changes {c.value!r} ({made}) in place, and stage "
+            f"{c.reader_stage} reads it afterwards (node '{c.reader}'). In a pipeline each stage "
+            f"gets the value from the stage that made it (a reference, or a copy on another "
+            f"device), and stage {c.stage} must not change its input, or its recomputation in "
+            f"backward would see the changed value; so stage {c.reader_stage} would not see the "
+            f"change that it sees in eager. {fix}")

@@ -1,0 +1,56 @@
+"""Check runtime inputs against what the traced graph was fixed to, before anything runs.
+
+An fx graph is generic in shapes: inputs of other non-batch shapes than the example run
+correctly (the plan's costs were only estimated on the example). A ``torch.export`` graph is
+not: its non-batch dims and its train/eval behaviour are fixed when it is exported, so a
+mismatch is refused here with the input's name, rather than failing deep inside a stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from fxpipe.errors import PipelineInputError
+
+__all__ = ["check_inputs"]
+
+
+def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequence[str],
+                 training: bool) -> None:
+    """Raise :class:`PipelineInputError` if the inputs or the mode differ from an exported graph's."""
+    meta = getattr(gm, "meta", {})
+    exported = meta.get("fxpipe.training")
+    if exported is not None and exported != training:
+        mode, other = ("training", "eval") if training else ("eval", "training")
+        raise PipelineInputError(
+            f"the pipe is in {mode} mode but torch.export traced the model in {other} mode, and "
+            f"an exported graph keeps the mode it was traced in (dropout, batch norm); call "
+            f"model.{'train' if training else 'eval'}() before fxpipe.compile(..., tracer='export'), "
+            f"or use tracer='fx'")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value, name in zip(placeholders, values, names):
+        expected = node.meta.get("val")  # a fake tensor where torch.export or dynamo traced
+        if isinstance(expected, FakeTensor) and isinstance(value, torch.Tensor):
+            _check_static_dims(name, value, expected)
+
+
+def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Compare the dims an exported placeholder fixed (all but the dynamic ones)."""
+    if actual.dim() != expected.dim():
+        raise PipelineInputError(f"input '{where}' has {actual.dim()} dims but the exported graph "
+                                 f"takes {expected.dim()}; give it the example's shape")
+    fixed = [(k, int(d)) for k, d in enumerate(expected.shape) if isinstance(d, int)]
+    wrong = [(k, d) for k, d in fixed if actual.shape[k] != d]
+    if wrong:
+        shape = tuple("*" if not isinstance(d, int) else int(d) for d in expected.shape)
+        raise PipelineInputError(
+            f"input '{where}' has shape {tuple(actual.shape)} but the exported graph is fixed to "
+            f"{shape} (* = dynamic): torch.export keeps the example's non-batch dims. Export with "
+            f"an example of this shape, or use tracer='fx', whose graph is shape-generic")
+    if actual.dtype != expected.dtype:
+        raise PipelineInputError(f"input '{where}' has dtype {actual.dtype} but the exported graph "
+                                 f"takes {expected.dtype}")

@@ -1,0 +1,175 @@
+"""Find in-place ops on values that cross stages; plan copies for them or report conflicts.
+
+Reads:  ``node.meta["fxpipe.stage"]`` (from :func:`passes.partition`) and
+        ``node.meta["fxpipe.mutates"]`` (from :func:`passes.annotate`); without annotations,
+        in-place ops are found by name (``add_``, ``inplace=True``, ``operator.setitem``)
+        and followed through view ops (:func:`static_mutations`).
+Writes: nothing; returns a :class:`MutationPlan`.
+
+A stage that changes one of its *inputs* in place (a model input, a boundary value, a popped
+skip, or a view of one) breaks the pipeline in three ways: its recomputation in backward
+would see the changed input instead of the one its first forward saw; an earlier stage
+that read the same value and is recomputed later would see it changed too; and a copy of
+the value on another device would not change at all::
+
+    stage i ──v──▶ stage j: v.mul_(2) ...        recompute(j) reads 2v, not v
+       └───────────────────────▶ stage k > j     reads v (a stash, or a copy): eager reads 2v
+
+So the stage works on a private copy of such an input, made on entry (``copy_on_write``):
+its forward, its recomputation and every other stage see exactly the values eager sees, as
+long as no *later* stage reads the changed value through the original. That last case (the
+third arrow) cannot be pipelined: it is reported as a :class:`Conflict`.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_map
+
+__all__ = ["Conflict", "MutationPlan", "plan_mutations", "static_mutations", "copy_on_write",
+           "clone_tree"]
+
+_IOPS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+         operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
+         operator.ixor, operator.ilshift, operator.irshift, operator.setitem}
+_NOT_DATA = {"requires_grad_", "retain_grad", "share_memory_", "record_stream"}
+_VIEWS = {"view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "swapdims",
+          "permute", "t", "narrow", "select", "squeeze", "unsqueeze", "expand", "expand_as",
+          "flatten", "unflatten", "split", "split_with_sizes", "tensor_split", "chunk", "unbind",
+          "unfold", "diagonal", "as_strided", "detach", "getitem", "contiguous", "movedim",
+          "moveaxis", "real", "imag", "view_as_real", "view_as_complex", "alias", "slice",
+          "__getitem__"}
+
+
+@dataclass
+class Conflict:
+    """An in-place change in stage ``stage`` (node ``node``) of ``value``, read later by ``reader``."""
+
+    node: str
+    stage: int
+    value: str
+    reader: str | None = None
+    reader_stage: int | None = None
+    aliases: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MutationPlan:
+    """Per stage, the inputs that stage changes in place (to copy on entry); and the conflicts."""
+
+    copies: dict[int, list[str]] = field(default_factory=dict)
+    conflicts: list[Conflict] = field(default_factory=list)
+    mutated_model_inputs: list[str] = field(default_factory=list)
+
+
+def _name(target: Any) -> str:
+    """Return the bare name of a call target (method name, function or op name)."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def _mutates_first_arg(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Tell by its name or schema whether ``node`` changes its first argument in place."""
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(node.target), "inplace", False))
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if node.kwargs.get("inplace") is True or node.target in _IOPS:
+        return True
+    if isinstance(node.target, torch._ops.OpOverload):
+        args = node.target._schema.arguments
+        return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    name = _name(node.target)
+    return name.endswith("_") and not name.startswith("_") and name not in _NOT_DATA
+
+
+def static_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """Find in-place ops by name; return each with the earlier nodes that may share its storage."""
+    parent: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def root(n: torch.fx.Node) -> torch.fx.Node:
+        while parent.get(n, n) is not n:
+            n = parent[n]
+        return n
+
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    found: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        if first is None:
+            continue
+        if _name(node.target) in _VIEWS or _mutates_first_arg(gm, node):
+            parent[root(node)] = root(first)  # views and in-place results alias their input
+        if _mutates_first_arg(gm, node):
+            found[node] = first
+    out = {}
+    for node in found:
+        group = root(node)
+        out[node] = [n for n in gm.graph.nodes if order[n] < order[node] and n.op != "get_attr"
+                     and root(n) is group]
+    return out
+
+
+def _mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """Return each mutating node with the earlier nodes whose storage it changed."""
+    nodes = list(gm.graph.nodes)
+    if not all("fxpipe.mutates" in n.meta for n in nodes):
+        return static_mutations(gm)
+    by_name = {n.name: n for n in nodes}
+    return {n: [by_name[v] for v in n.meta["fxpipe.mutates"]] for n in nodes if n.meta["fxpipe.mutates"]}
+
+
+def plan_mutations(gm: torch.fx.GraphModule) -> MutationPlan:
+    """Decide, for every in-place op on a value from outside its stage, a copy or a conflict."""
+    stage = {n: n.meta["fxpipe.stage"] for n in gm.graph.nodes}
+    plan = MutationPlan()
+    for node, group in _mutations(gm).items():
+        j = stage[node]
+        outside = [u for u in group if u.op == "placeholder" or stage[u] < j]
+        if not outside:
+            continue  # a value of the stage's own: eager order, nothing crosses a boundary
+        inputs = [u for u in outside if any(stage[r] == j for r in u.users)]
+        names = [u.name for u in outside]
+        if len(inputs) > 1:  # two inputs share storage: private copies would split them
+            plan.conflicts.append(Conflict(node.name, j, inputs[0].name, aliases=names))
+            continue
+        late = [(r, stage[r]) for u in outside for r in u.users if stage[r] > j]
+        for r, k in late[:1]:
+            plan.conflicts.append(Conflict(node.name, j, inputs[0].name if inputs else names[0],
+                                           r.name, k, aliases=names))
+        if late or not inputs:
+            continue
+        copies = plan.copies.setdefault(j, [])
+        if inputs[0].name not in copies:
+            copies.append(inputs[0].name)
+        if inputs[0].op == "placeholder" and inputs[0].name not in plan.mutated_model_inputs:
+            plan.mutated_model_inputs.append(inputs[0].name)
+    return plan
+
+
+def clone_tree(value: Any) -> Any:
+    """Return ``value`` with every tensor in it cloned (autograd follows the clone)."""
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
+
+
+def copy_on_write(stage: torch.fx.GraphModule, inputs: list[str]) -> torch.fx.GraphModule:
+    """Make ``stage`` read private copies of the named placeholders, made on entry; return it."""
+    placeholders = {n.name: n for n in stage.graph.nodes if n.op == "placeholder"}
+    last = [n for n in stage.graph.nodes if n.op == "placeholder"][-1]
+    for name in inputs:
+        ph = placeholders[name]
+        with stage.graph.inserting_after(last):
+            copy = stage.graph.call_function(clone_tree, (ph,))
+        copy.meta = {k: v for k, v in ph.meta.items() if k != "fxpipe.mutates"}
+        ph.replace_all_uses_with(copy, delete_user_cb=lambda user, c=copy: user is not c)
+        last = copy
+    stage.recompile()
+    return stage

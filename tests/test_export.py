@@ -1,0 +1,116 @@
+"""Front ends: torch.export with a dynamic batch, and GraphModules from any other tracer."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.testing import assert_pipeline_equivalent
+from models import CNN, FACTORIES, TiedTransformer
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_export_equals_eager(name):
+    model, args, kwargs = FACTORIES[name]()
+    pipe = assert_pipeline_equivalent(model, args, example_kwargs=kwargs, n_stages=3, chunks=3,
+                                      devices=["cpu"] * 3, tracer="export")
+    assert pipe._gm.meta["fxpipe.tracer"] == "export"
+
+
+def test_export_keeps_the_model_s_names_and_parameters():
+    model = TiedTransformer()
+    pipe = fxpipe.compile(model, 3, example_inputs=(torch.randint(0, 32, (4, 8)),), chunks=2,
+                          devices=["cpu", "cpu:0", "cpu"], tracer="export")
+    assert list(pipe.state_dict().keys()) == list(model.state_dict().keys())
+    own = {id(p) for p in model.parameters()}
+    assert {id(p) for stage in pipe.stages for p in stage.parameters()} <= own
+    pipe(torch.randint(0, 32, (4, 8))).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())  # in the model's own Parameters
+
+
+def test_export_split_points_name_modules():
+    model = CNN().eval()
+    pipe = fxpipe.compile(model, 3, example_inputs=(torch.randn(4, 3, 8, 8),), split_points=["convs.1", "fc"],
+                          devices=["cpu"] * 3, tracer="export")
+    nodes = {n.name: n for n in pipe._gm.graph.nodes}
+    first = [nodes[v] for v in pipe.plan.stages[1].nodes if nodes[v].op == "call_function"][0]
+    assert [path for path, _ in first.meta["nn_module_stack"].values()][-1] == "convs.1"
+
+
+def test_export_with_a_batch_of_one_keeps_the_batch_dynamic():
+    model = CNN().eval()
+    reference = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(1, 3, 8, 8),), chunks=2,
+                          devices=["cpu"] * 2, tracer="export")
+    x = torch.randn(5, 3, 8, 8)
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-6)
+
+
+def test_export_fixes_the_mode():
+    model = CNN()  # training mode: batch norm uses batch statistics
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 3, 8, 8),), devices=["cpu"] * 2,
+                          tracer="export")
+    pipe(torch.randn(4, 3, 8, 8))
+    pipe.eval()
+    with pytest.raises(fxpipe.PipelineInputError, match="the pipe is in eval mode but torch.export "
+                                                        "traced the model in training mode"):
+        pipe(torch.randn(4, 3, 8, 8))
+
+
+class BatchBound(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).reshape(4, -1)  # fixes the batch size at 4
+
+
+def test_export_of_a_batch_dependent_model_is_refused_clearly():
+    with pytest.raises(fxpipe.TraceError, match="torch.export could not trace BatchBound with a dynamic "
+                                                "batch dimension") as info:
+        fxpipe.compile(BatchBound(), 2, example_inputs=(torch.randn(4, 8),), tracer="export")
+    assert "use the fx front end" in str(info.value) and info.value.__cause__ is not None
+
+
+def test_export_needs_example_inputs():
+    with pytest.raises(ValueError, match="tracer='export' needs example_inputs="):
+        fxpipe.compile(CNN(), 2, tracer="export")
+
+
+def test_callable_tracer_and_bad_tracers():
+    model = CNN().eval()
+    calls = []
+
+    def my_tracer(m):
+        calls.append(m)
+        return torch.fx.symbolic_trace(m)
+
+    pipe = assert_pipeline_equivalent(model, (torch.randn(4, 3, 8, 8),), n_stages=2, chunks=2,
+                                      devices=["cpu"] * 2, tracer=my_tracer)
+    assert calls == [model] and list(pipe.state_dict()) == list(model.state_dict())
+    with pytest.raises(ValueError, match="tracer='jit'; use 'fx', 'export', or a callable"):
+        fxpipe.compile(CNN(), 2, tracer="jit")
+    with pytest.raises(TypeError, match="returned Sequential; a tracer must return a torch.fx.GraphModule"):
+        fxpipe.trace(CNN(), tracer=lambda m: nn.Sequential())
+
+
+class ShapeBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.shape[1] > 4:  # control flow on a shape: fx cannot trace it, export specialises it
+            h = torch.tanh(h)
+        return self.b(h)
+
+
+def test_export_traces_control_flow_on_shapes_that_fx_cannot():
+    with pytest.raises(fxpipe.TraceError):
+        fxpipe.trace(ShapeBranch())
+    assert_pipeline_equivalent(ShapeBranch(), (torch.randn(4, 8),), n_stages=2, chunks=2,
+                               devices=["cpu"] * 2, tracer="export")

@@ -1,0 +1,81 @@
+"""In-place analysis: mutations seen on fake tensors or by name, copies planned, conflicts found."""
+
+import torch
+from torch import nn
+
+import fxpipe
+import passes
+
+
+class Mutations(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        x.mul_(2)
+        h = self.a(x)
+        w = h[:, :2]
+        w.add_(1)  # through a view: changes h too
+        return self.act(h)
+
+
+def test_annotate_records_what_each_node_changes_in_place():
+    gm = passes.annotate(fxpipe.trace(Mutations()), (torch.randn(3, 4),))
+    mutates = {n.name: n.meta["fxpipe.mutates"] for n in gm.graph.nodes}
+    assert mutates["mul_"] == ["x"]
+    assert mutates["add_"] == ["a", "getitem"]
+    assert mutates["act"] == ["a", "getitem", "add_"]  # an inplace module, seen by its effect
+    assert mutates["a"] == [] and mutates["getitem"] == []
+
+
+def test_static_detection_follows_views():
+    gm = fxpipe.trace(Mutations())
+    found = {n.name: [m.name for m in ms] for n, ms in passes.static_mutations(gm).items()}
+    assert found == {"mul_": ["x"], "add_": ["a", "getitem"], "act": ["a", "getitem", "add_"]}
+
+
+def _plan(model, split_points, annotate=True):
+    gm = fxpipe.trace(model)
+    if annotate:
+        passes.annotate(gm, (torch.randn(3, 4),))
+    passes.partition_at(gm, split_points)
+    return passes.plan_mutations(gm)
+
+
+def test_plan_copies_the_changed_inputs_of_each_stage():
+    for annotate in (True, False):
+        plan = _plan(Mutations(), ["getitem"], annotate)
+        assert plan.copies == {0: ["x"], 1: ["a"]} and not plan.conflicts
+        assert plan.mutated_model_inputs == ["x"]
+
+
+class ReadAfter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x) + 1
+        g = self.b(h * 1)
+        h.mul_(2)
+        return g + h
+
+
+def test_plan_reports_a_later_reader_as_a_conflict():
+    plan = _plan(ReadAfter(), ["b", "mul_", "add_1"])
+    assert plan.conflicts == [passes.Conflict("mul_", 2, "add", "add_1", 3, ["add"])]
+    assert _plan(ReadAfter(), ["b", "mul_"]).copies == {2: ["add"]}
+
+
+def test_copy_on_write_rewires_every_use_but_the_copy():
+    gm = fxpipe.trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True)))
+    passes.copy_on_write(gm, ["input_1"])
+    copy = next(n for n in gm.graph.nodes if n.target is passes.inplace.clone_tree)
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert list(x.users) == [copy]
+    inp = torch.randn(2, 4)
+    before = inp.clone()
+    gm(inp)
+    assert torch.equal(inp, before)

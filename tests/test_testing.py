@@ -1,0 +1,133 @@
+"""fxpipe.testing: a failing comparison names the first stage and node; the pytest plugin."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import passes
+from fxpipe.testing import assert_pipeline_equivalent, default_tolerance
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(6)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class _ScaledGrad(torch.autograd.Function):
+    """tanh forward, but a gradient three times too large."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return 3 * g * (1 - y * y)
+
+
+def _scaled_tanh(x):
+    return _ScaledGrad.apply(x)
+
+
+def _sabotage(monkeypatch, stage, replacement):
+    """Make ``passes.split`` swap the first tanh of ``stage`` for ``replacement``."""
+    real = passes.split
+
+    def split(gm, n):
+        stages, routes = real(gm, n)
+        module = stages[stage].module
+        node = next(n for n in module.graph.nodes if n.target is torch.tanh)
+        node.target = replacement
+        module.recompile()
+        return stages, routes
+
+    monkeypatch.setattr(passes, "split", split)
+
+
+def test_forward_divergence_names_stage_and_node(monkeypatch):
+    _sabotage(monkeypatch, 1, torch.sigmoid)
+    with pytest.raises(AssertionError) as info:
+        assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), n_stages=3, chunks=2,
+                                   split_points=["layers.2", "layers.4"], devices=["cpu"] * 3)
+    msg = str(info.value)
+    assert msg.startswith("output leaf 0 differs from eager")
+    assert "forward first diverges at stage 1, node 'tanh_2' (call_function tanh" in msg
+
+
+def test_backward_divergence_names_stage_and_node(monkeypatch):
+    _sabotage(monkeypatch, 2, _scaled_tanh)
+    with pytest.raises(AssertionError) as info:
+        assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), n_stages=3, chunks=2,
+                                   split_points=["layers.2", "layers.4"], devices=["cpu"] * 3)
+    msg = str(info.value)
+    assert msg.startswith("gradient of layers.0.weight differs from eager")  # all upstream of it
+    assert ("backward first diverges (from the output) at stage 2, node 'layers_4' (call_module "
+            "layers.4: Linear, module 'layers.4'): the gradient flowing back into it from 'tanh_4'") in msg
+
+
+def test_a_tracer_that_changes_the_model_is_blamed():
+    def wrong(model):
+        gm = torch.fx.symbolic_trace(model)
+        node = next(n for n in gm.graph.nodes if n.target is torch.tanh)
+        node.target = torch.sigmoid
+        gm.recompile()
+        return gm
+
+    with pytest.raises(AssertionError, match="the traced graph's output differs from eager on "
+                                             "micro-batch 0 .*: the tracer changed the model"):
+        assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), n_stages=2, devices=["cpu"] * 2,
+                                   tracer=wrong)
+
+
+def test_batch_dependent_math_is_blamed_on_the_runtime():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))  # training mode
+    with pytest.raises(AssertionError, match="the difference comes from the runtime"):
+        assert_pipeline_equivalent(model, (torch.randn(6, 8),), n_stages=2, chunks=2, devices=["cpu"] * 2)
+
+
+def test_default_tolerance_follows_dtype():
+    assert default_tolerance(torch.float32) == (1e-5, 1e-6)
+    assert default_tolerance(torch.float64)[0] < 1e-9
+    assert default_tolerance(torch.bfloat16)[0] > default_tolerance(torch.float16)[0] > 1e-5
+
+
+def test_plugin_is_registered_as_an_entry_point():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["entry-points"]["pytest11"] == {"fxpipe": "fxpipe.pytest_plugin"}
+
+
+def test_plugin_offers_the_fixture(tmp_path):
+    (tmp_path / "test_user.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        def test_pipelines(assert_pipeline_equivalent):
+            model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+            pipe = assert_pipeline_equivalent(model, (torch.randn(6, 4),), n_stages=2, chunks=3,
+                                              devices=["cpu"] * 2)
+            assert len(pipe.stages) == 2
+    """))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # -p no:fxpipe: the entry point may point at another checkout; load this one's module
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:fxpipe", "-p",
+                             "fxpipe.pytest_plugin", "-p", "no:cacheprovider", str(tmp_path)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert "1 passed" in result.stdout, result.stdout + result.stderr
