@@ -214,9 +214,14 @@ class Propagator:
                 storages += [(_storage(t), node) for t in _tensors(value)]
 
     def _may_mutate(self, node: torch.fx.Node) -> bool:
-        """Tell whether a node might change a value in place (an in-place op, module or leaf)."""
+        """Tell whether a node might change a value in place (an in-place op, module or leaf).
+
+        Conservative: ``inplace=True``, or any positional ``True`` (``F.relu(x, True)``), counts.
+        """
         if is_inplace(node):
             return True
+        if node.op in ("call_function", "call_method"):
+            return node.kwargs.get("inplace") is True or any(a is True for a in node.args)
         if node.op != "call_module":
             return False
         module = self.gm.get_submodule(node.target)

@@ -1,10 +1,12 @@
 """In-place analysis: mutations seen on fake tensors or by name, copies planned, conflicts found."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
 import passes
+from fxpipe.testing import assert_pipeline_equivalent
 
 
 class Mutations(nn.Module):
@@ -79,3 +81,36 @@ def test_copy_on_write_rewires_every_use_but_the_copy():
     before = inp.clone()
     gm(inp)
     assert torch.equal(inp, before)
+
+
+class _ReluInplace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return F.relu(self.conv(x), inplace=True)
+
+
+class _Branches(nn.Module):
+    """Four identical branches whose in-place ReLUs each change only their own conv's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleList([_ReluInplace() for _ in range(4)])
+
+    def forward(self, x):
+        return torch.cat([b(x) for b in self.branches], 1)
+
+
+def test_identical_nodes_do_not_share_values_when_ops_work_in_place():
+    # Annotation reuses the result of a node for later nodes of the same signature; had it
+    # done so here, the four convs would share one tensor and every in-place ReLU would seem
+    # to change all of them (and a stage reading two of them would be refused).
+    model = _Branches()
+    gm = passes.annotate(fxpipe.trace(model), (torch.randn(4, 4, 5, 5),))
+    mutated = {n.name: n.meta["fxpipe.mutates"] for n in gm.graph.nodes if n.meta.get("fxpipe.mutates")}
+    assert mutated == {"relu": ["branches_0_conv"], "relu_1": ["branches_1_conv"],
+                       "relu_2": ["branches_2_conv"], "relu_3": ["branches_3_conv"]}
+    assert_pipeline_equivalent(_Branches(), (torch.randn(4, 4, 5, 5),), n_stages=3, chunks=2,
+                               devices=["cpu"] * 3)
