@@ -12,7 +12,6 @@ blocks in a collective that a dead peer will not join.
 from __future__ import annotations
 
 import pickle
-import time
 from typing import Any, Sequence
 
 import torch
@@ -23,17 +22,17 @@ from fxpipe.errors import PeerFailure
 __all__ = ["Comm"]
 
 _ERROR_KEY = "fxpipe/error"
-_POLL_S = 0.002
+OBJECT_TAG = 3  # small Python values (the step's layout, the loss); 1 and 2 carry tensors
 
 
 class Comm:
     """Send, receive and wait for one rank, failing fast when a peer fails."""
 
-    def __init__(self, rank: int, timeout: float, group: Any, tag: str = "fxpipe") -> None:
+    def __init__(self, rank: int, timeout: float, group: Any, device: torch.device) -> None:
         self.rank = rank
         self.timeout = timeout
         self.group = group
-        self.tag = tag
+        self.device = device  # where messages live: CPU for gloo, the rank's GPU for NCCL
         self.store = dist.distributed_c10d._get_default_store()
         self.pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive until sent)
 
@@ -95,18 +94,17 @@ class Comm:
         pending, self.pending = self.pending, []
         self.wait([w for w, _ in pending], what)
 
-    # -- small facts through the store ----------------------------------------------------
-    def publish(self, key: str, value: Any) -> None:
-        """Make a small Python value readable by every rank under ``key``."""
-        self.store.set(f"{self.tag}/{key}", pickle.dumps(value))
+    # -- small Python values, point to point ---------------------------------------------
+    def send_object(self, value: Any, dst: int) -> None:
+        """Send a small picklable value to rank ``dst`` (received by :meth:`recv_object`)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        self.exchange([(size, dst, OBJECT_TAG), (data, dst, OBJECT_TAG)], [], "sending a small message")
 
-    def read(self, key: str, what: str) -> Any:
-        """Wait for a value published under ``key`` and return it."""
-        full = f"{self.tag}/{key}"
-        deadline = time.monotonic() + self.timeout
-        while not self.store.check([full]):
-            self.check(what)
-            if time.monotonic() > deadline:
-                raise PeerFailure(f"rank {self.rank}: no '{key}' after {self.timeout:.0f} s while {what}")
-            time.sleep(_POLL_S)
-        return pickle.loads(self.store.get(full))
+    def recv_object(self, src: int, what: str) -> Any:
+        """Receive a value sent by :meth:`send_object` on rank ``src``."""
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        self.exchange([], [(size, src, OBJECT_TAG)], what)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.exchange([], [(data, src, OBJECT_TAG)], what)
+        return pickle.loads(data.cpu().numpy().tobytes())

@@ -154,7 +154,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         move_owned([model, gm, *stages], ownership(stages[rank:rank + 1], [device]), [device])
         tied = tied_groups(stages, rank, timeout)
         fn = blamed(stages[rank], stages[rank], rank, device)
-        engine: Any = DistributedRuntime(plan, gm, fn, rank, device, Comm(rank, timeout, group),
+        engine: Any = DistributedRuntime(plan, gm, fn, rank, device, Comm(rank, timeout, group, device),
                                          CallSignature(gm), tied)
     else:
         own = ownership(stages, devices)

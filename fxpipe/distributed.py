@@ -122,7 +122,6 @@ class DistributedRuntime:
         self.crossing = sorted({v for s in plan.stages for v in s.outputs})
         self._layouts: dict[str, dict[str, Any]] = {}
         self._programs: dict[tuple[str, int], tuple[str, Callable]] = {}
-        self.steps = 0
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
 
     def code(self) -> str:
@@ -138,9 +137,8 @@ class DistributedRuntime:
     # -- the per-step layout, published by rank 0 ------------------------------------------
     def _layout(self, args: tuple, kwargs: dict, training: bool) -> tuple[dict, list[list[Any]]]:
         """On rank 0, split the inputs and publish their layout; elsewhere, read it."""
-        key = f"step{self.steps}"
         if self.rank != 0:
-            header = self.comm.read(key, "waiting for rank 0's inputs")
+            header = self.comm.recv_object(0, "waiting for rank 0's inputs")
             if header.get("error"):
                 kind, message = header["error"]
                 raise (TypeError if kind == "TypeError" else PipelineInputError)(message)
@@ -150,11 +148,18 @@ class DistributedRuntime:
             mbs, batch = self.signature.split(args, kwargs, self.plan.chunks, training, self.device)
             specs = [spec_of(mb) for mb in mbs]
         except (TypeError, ValueError) as exc:
-            self.comm.publish(key, {"error": (type(exc).__name__, str(exc))})
+            self._tell_all({"error": (type(exc).__name__, str(exc))})
+            self.comm.flush()  # deliver it before this rank's exception ends the process
             raise
         header = {"batch": batch, "specs": specs}
-        self.comm.publish(key, header)
+        self._tell_all(header)
         return header, mbs
+
+    def _tell_all(self, value: Any) -> None:
+        """Send a small value from this rank to every other rank."""
+        for r in range(self.plan.n_stages):
+            if r != self.rank:
+                self.comm.send_object(value, r)
 
     def _check(self, spec: list[Any]) -> None:
         """Refuse inputs whose non-batch shape or dtype differs from the example's."""
@@ -204,8 +209,6 @@ class DistributedRuntime:
         except BaseException as exc:
             self.comm.fail(f"rank {self.rank} (stage {self.rank}) raised {type(exc).__name__}: {exc}")
             raise
-        finally:
-            self.steps += 1
 
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
         """Run one training step; return the mini-batch loss on every rank."""
@@ -221,12 +224,12 @@ class DistributedRuntime:
                         p.grad = torch.zeros_like(p)
                     works.append(dist.all_reduce(p.grad, group=group, async_op=True))
                 self.comm.wait(works, "summing the gradients of tied parameters")
-            key = f"loss{self.steps}"
             if self.last:
                 assert runner.total is not None
-                self.comm.publish(key, runner.total.item())
+                self._tell_all(runner.total.item())
+                self.comm.flush()
                 return runner.total
-            return torch.tensor(self.comm.read(key, "waiting for the loss from the last rank"))
+            return torch.tensor(self.comm.recv_object(self.plan.n_stages - 1, "waiting for the loss"))
         return self._guarded(body)
 
     def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
