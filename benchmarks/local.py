@@ -17,7 +17,6 @@ import argparse
 import copy
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -28,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")]
 import fxpipe  # noqa: E402
+from rss import peak_growth  # noqa: E402
 from unet import UNet  # noqa: E402
 
 
@@ -211,10 +211,9 @@ def memory_mode(args) -> None:
     x, y = torch.randn(args.mem_batch, args.dim), torch.randn(args.mem_batch, args.dim)
     pipe = fxpipe.compile(seq, 4, example_inputs=(x,), chunks=8, checkpoint=args.memory_mode,
                           devices=["cpu"] * 4, split_points=split_points_for(seq, [len(seq) // 4] * 4))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    pipe.step(x, target=y, loss_fn=F.mse_loss)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps((after - before) * 1024))
+    with peak_growth() as growth:
+        pipe.step(x, target=y, loss_fn=F.mse_loss)
+    print(json.dumps(growth["bytes"]))
 
 
 def memory(args) -> None:
