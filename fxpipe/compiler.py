@@ -89,6 +89,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             raise ValueError("runtime='distributed' needs example_inputs= (the same on every rank) to "
                              "size the buffers it receives into")
         rank, device, group = setup_distributed(n_stages, timeout)
+        link = Comm(rank, timeout, group, device)  # messages to the other ranks
         # every rank plans with the same devices, so every rank makes the same plan
         devices = [torch.device(device.type, j) for j in range(n_stages)]
     else:
@@ -140,7 +141,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     else:
         cut = passes.partition(gm, n_stages, balance_by=balance_by, comm=comm, **memory)
     if runtime == "distributed":
-        agree_on_stages(gm, n_stages)  # a measured cost may differ by rank: rank 0's cut wins
+        agree_on_stages(gm, n_stages, link)  # a measured cost may differ by rank: rank 0's cut wins
     stage_graphs, routes = passes.split(gm, n_stages)
     copy_mutated_inputs(gm, stage_graphs)
 
@@ -154,8 +155,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         move_owned([model, gm, *stages], ownership(stages[rank:rank + 1], [device]), [device])
         tied = tied_groups(stages, rank, timeout)
         fn = blamed(stages[rank], stages[rank], rank, device)
-        engine: Any = DistributedRuntime(plan, gm, fn, rank, device, Comm(rank, timeout, group, device),
-                                         CallSignature(gm), tied)
+        engine: Any = DistributedRuntime(plan, gm, fn, rank, device, link, CallSignature(gm), tied)
     else:
         own = ownership(stages, devices)
         move_owned([model, gm, *stages], own, devices)

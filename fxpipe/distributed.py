@@ -64,14 +64,18 @@ def setup_distributed(n_stages: int, timeout: float) -> tuple[int, torch.device,
     return rank, device, group
 
 
-def agree_on_stages(gm: torch.fx.GraphModule, n_stages: int) -> None:
+def agree_on_stages(gm: torch.fx.GraphModule, n_stages: int, comm: Comm) -> None:
     """Make every rank use rank 0's stage assignment (measured costs may differ between ranks)."""
     mine = {n.name: n.meta["fxpipe.stage"] for n in passes.compute_nodes(gm)}
-    box = [mine]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] != mine:
-        log.info("rank %d adopts rank 0's stage assignment", dist.get_rank())
-        passes.assign_by_name(gm, box[0], n_stages)
+    if comm.rank == 0:
+        for r in range(1, n_stages):
+            comm.send_object(mine, r)
+        comm.flush()
+        return
+    theirs = comm.recv_object(0, "waiting for rank 0's stage assignment")
+    if theirs != mine:
+        log.info("rank %d adopts rank 0's stage assignment", comm.rank)
+        passes.assign_by_name(gm, theirs, n_stages)
 
 
 def tied_groups(stages: list[torch.fx.GraphModule], rank: int, timeout: float) -> list[tuple[Any, list]]:
