@@ -12,7 +12,7 @@ from passes.order import candidate_orders
 from passes.partition import (Partition, assign_by_name, assign_stages, balanced_cut, compute_nodes, node_cost,
                               partition, partition_at, stage_costs)
 from passes.profile import profile
-from passes.specs import value_specs
+from passes.infer import value_specs
 from passes.split import Route, StageGraph, split
 
 __all__ = [
