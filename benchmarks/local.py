@@ -204,6 +204,31 @@ def _first_real(names: list[str | None], balance: list[int]) -> list[str]:
     return points
 
 
+def cpu_threads(args) -> None:
+    """Measure whether computing a clock's stages on concurrent CPU threads pays."""
+    torch.manual_seed(0)
+    seq = mlp(args.dim, args.depth)
+    x, y = torch.randn(args.batch, args.dim), torch.randn(args.batch, args.dim)
+    points = split_points_for(seq, [len(seq) // 4] * 4)
+    runs = {}
+    # "cpu" and "cpu:0" are two devices to fxpipe, so each gets a worker thread
+    for name, devices, threads, torch_threads in [
+            ("sequential, torch 1 thread", ["cpu"] * 4, False, 1),
+            ("sequential, torch 2 threads", ["cpu"] * 4, False, 2),
+            ("2 worker threads x torch 1 thread", ["cpu", "cpu:0"] * 2, True, 1)]:
+        pipe = fxpipe.compile(copy.deepcopy(seq), 4, example_inputs=(x,), chunks=args.chunks,
+                              checkpoint="except_last", devices=devices, split_points=points)
+        pipe._runtime.use_threads(threads)
+
+        def step(pipe=pipe, n=torch_threads):
+            torch.set_num_threads(n)
+            F.mse_loss(pipe(x), y).backward()
+        runs[name] = step
+    med = race(runs, args.reps)
+    torch.set_num_threads(args.threads)
+    report("Worker threads on CPU: the same 4-stage MLP step", med, "sequential, torch 2 threads")
+
+
 def memory_mode(args) -> None:
     """In this fresh process, print the peak RSS growth of one step under ``--memory-mode``."""
     torch.manual_seed(0)
@@ -250,7 +275,7 @@ def main() -> None:
     parser.add_argument("--unet-size", type=int, default=64)
     parser.add_argument("--mem-batch", type=int, default=8192)
     parser.add_argument("--memory-mode", choices=["never", "except_last", "always"])
-    parser.add_argument("--only", choices=["mlp", "unet", "memory"])
+    parser.add_argument("--only", choices=["mlp", "unet", "memory", "cpu-threads"])
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared 2-core machine more threads make "
                              "OpenMP contention, not the pipeline, dominate the times)")
@@ -266,6 +291,8 @@ def main() -> None:
         speed_unet(args)
     if args.only in (None, "memory"):
         memory(args)
+    if args.only == "cpu-threads":
+        cpu_threads(args)
 
 
 if __name__ == "__main__":
