@@ -16,6 +16,7 @@ import torch
 
 from fxpipe import recorder
 from fxpipe.codegen import checkpoint_stop, compile_source
+from fxpipe.microbatch import to_device
 from fxpipe.plan import PipelinePlan
 from fxpipe.schedule import SCHEDULES, Action, clocks, in_flight
 from fxpipe.worker import StageWorker
@@ -62,7 +63,7 @@ class LocalTransport:
             return
         for v, value in zip(self.plan.stages[j].outputs, outputs):
             for c in self.consumers.get(v, ()):
-                self.box[("F", v, i, c)] = _to(value, self.devices[c])
+                self.box[("F", v, i, c)] = to_device(value, self.devices[c])
 
     def recv_backward(self, j: int, i: int) -> list[Any]:
         """Sum the gradients each output received from its consumers."""
@@ -78,14 +79,7 @@ class LocalTransport:
             return
         for v, g in zip(self.plan.stages[j].inputs, grads):
             if g is not None:
-                self.box.setdefault(("B", v, i), []).append(_to(g, self.devices[self.producer[v]]))
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    """Move a tensor value to ``device`` (other values pass through)."""
-    if isinstance(value, torch.Tensor) and value.device != device:
-        return value.to(device)
-    return value
+                self.box.setdefault(("B", v, i), []).append(to_device(g, self.devices[self.producer[v]]))
 
 
 class ActionRunner:

@@ -16,13 +16,23 @@ import linecache
 from typing import Callable
 
 from fxpipe.plan import PipelinePlan
+from fxpipe.schedule import clocks, gpipe
 
 __all__ = ["clock_cycles", "checkpoint_stop", "gpipe_source", "compile_source"]
 
 
 def clock_cycles(m: int, n: int) -> list[list[tuple[int, int]]]:
-    """Return, per clock, the (micro-batch, stage) pairs that run: i + j == k."""
-    return [[(k - j, j) for j in range(max(0, k - m + 1), min(k + 1, n))] for k in range(m + n - 1)]
+    """Return, per clock, the (micro-batch, stage) pairs whose forward runs: i + j == k.
+
+    Derived from GPipe's action lists (:mod:`fxpipe.schedule`), so the generated forward and
+    the action-list runtimes follow one schedule.
+    """
+    at = clocks(gpipe(n, m))
+    cycles: list[list[tuple[int, int]]] = [[] for _ in range(m + n - 1)]
+    for action, k in sorted(at.items(), key=lambda item: (item[1], item[0].stage)):
+        if action.kind == "F":
+            cycles[k].append((action.mb, action.stage))
+    return cycles
 
 
 def checkpoint_stop(mode: str, m: int) -> int:

@@ -22,7 +22,7 @@ from fxpipe.microbatch import batch_size, micro_sizes
 from fxpipe.mutation import copy_mutated_inputs
 from fxpipe.pipe import Pipe
 from fxpipe.signature import CallSignature
-from fxpipe.placement import move_owned, ownership, resolve_devices, stage_callable
+from fxpipe.placement import move_owned, named_tensors, ownership, resolve_devices, stage_callable
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.saved import PlanLike, apply_plan, graph_signature, load_plan
 from fxpipe.tracing import check_tracer, trace
@@ -213,8 +213,7 @@ def _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, sch
     profiled = any("fxpipe.time" in n.meta for n in gm.graph.nodes)
     stage_plans = []
     for j, sg in enumerate(stage_graphs):
-        tensors = {id(t): t for _, t in sg.module.named_parameters(remove_duplicate=False)}
-        tensors.update({id(t): t for _, t in sg.module.named_buffers(remove_duplicate=False)})
+        tensors = {id(t): t for _, t in named_tensors(sg.module)}
         params = int(sum(t.numel() * t.element_size() for t in tensors.values()))
         held = [nodes[v] for v in sg.nodes]
         saved = sum(n.meta.get("fxpipe.saved_bytes", 0) for n in held)

@@ -26,6 +26,7 @@ from fxpipe.batchnorm import commit_batch_norm
 from fxpipe.comm import Comm
 from fxpipe.errors import PeerFailure, PipelineInputError
 from fxpipe.microbatch import gather, micro_losses
+from fxpipe.placement import named_tensors
 from fxpipe.plan import PipelinePlan
 from fxpipe.signature import CallSignature
 from fxpipe.transport import DistTransport
@@ -87,8 +88,7 @@ def tied_groups(stages: list[torch.fx.GraphModule], rank: int, timeout: float) -
     holders: dict[int, list[int]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for j, gm in enumerate(stages):
-        named = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
-        for _, t in named:
+        for _, t in named_tensors(gm):
             if j not in holders.setdefault(id(t), []):
                 holders[id(t)].append(j)
                 tensors[id(t)] = t

@@ -22,9 +22,10 @@ from typing import Any, Callable
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from fxpipe.blame import describe_node
+from fxpipe.microbatch import to_device
 
 __all__ = ["divergence"]
 
@@ -85,7 +86,7 @@ def _run_stages(pipe, mb: list, values: dict[str, Any]) -> Any:
     for j, stage in enumerate(pipe.stages):
         device = pipe.devices[j]
         inputs = mb if j == 0 else [store[v] for v in plan.stages[j].inputs]
-        inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, list(inputs))
+        inputs = to_device(list(inputs), device)
         runner = _Runner(stage, values)
         state = {"gm." + k: v.to(device) for k, v in stage.named_parameters()}
         state.update({"gm." + k: v.to(device) for k, v in stage.named_buffers()})
@@ -168,7 +169,7 @@ def _call_eager(reference: nn.Module, gm, names: list[str], mb: list, args: tupl
     if getattr(gm.graph._codegen, "pytree_info", None) is not None:
         return None  # flattened inputs (torch.export): rebuilding the call is not worth it here
     device = next((t.device for t in reference.parameters()), torch.device("cpu"))
-    mb = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, list(mb))
+    mb = to_device(list(mb), device)
     n_args = len(args)
     call_args = mb[:n_args]
     call_kwargs = {name: value for name, value in zip(names[n_args:], mb[n_args:]) if name in kwargs}

@@ -15,7 +15,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from fxpipe.errors import PipelineInputError
 
-__all__ = ["batch_size", "scatter", "gather", "micro_sizes", "micro_losses"]
+__all__ = ["batch_size", "scatter", "gather", "micro_sizes", "micro_losses", "to_device"]
 
 
 def _batched(x: Any) -> bool:
@@ -44,6 +44,12 @@ def batch_size(values: Sequence[Any], names: Sequence[str]) -> int | None:
     if first is not None and first[1] == 0:
         raise PipelineInputError(f"'{first[0]}' has batch size 0; a pipeline needs at least one row")
     return None if first is None else first[1]
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """Move every tensor in ``value`` (any structure) to ``device``; other values stay."""
+    return tree_map(lambda t: t.to(device, non_blocking=True)
+                    if isinstance(t, torch.Tensor) and t.device != device else t, value)
 
 
 def micro_sizes(batch: int | None, chunks: int) -> list[int]:
@@ -120,7 +126,7 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
         targets = targets * m
     losses = {}
     for i, (tgt, rows) in enumerate(zip(targets, sizes)):
-        tgt = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tgt[0])
+        tgt = to_device(tgt[0], device)
         weight = rows / batch if batch else 1.0
 
         def loss(out: Any, tgt: Any = tgt, weight: float = weight) -> torch.Tensor:

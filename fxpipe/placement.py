@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["resolve_devices", "Ownership", "ownership", "move_owned", "stage_callable"]
+__all__ = ["resolve_devices", "Ownership", "ownership", "move_owned", "stage_callable", "named_tensors"]
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +72,12 @@ def ownership(stages: Sequence[torch.fx.GraphModule], devices: Sequence[torch.de
     """Assign each parameter and buffer to the first stage that reads it."""
     own = Ownership()
     for j, gm in enumerate(stages):
-        for _, t in _named_state(gm):
+        for _, t in named_tensors(gm):
             if id(t) not in own.owner:
                 own.owner[id(t)] = j
                 own.tensors[id(t)] = t
     for j, gm in enumerate(stages):
-        names = [name for name, t in _named_state(gm) if devices[own.owner[id(t)]] != devices[j]]
+        names = [name for name, t in named_tensors(gm) if devices[own.owner[id(t)]] != devices[j]]
         own.foreign.append(names)
         if names:
             log.info("stage %d reads %d tensor(s) owned by a stage on another device: %s",
@@ -85,8 +85,8 @@ def ownership(stages: Sequence[torch.fx.GraphModule], devices: Sequence[torch.de
     return own
 
 
-def _named_state(gm: nn.Module):
-    """Yield (name, tensor) for every parameter and buffer, duplicates included."""
+def named_tensors(gm: nn.Module):
+    """Yield (name, tensor) for every parameter and buffer of ``gm``, shared ones under each name."""
     yield from gm.named_parameters(remove_duplicate=False)
     yield from gm.named_buffers(remove_duplicate=False)
 
@@ -119,7 +119,7 @@ def stage_callable(gm: torch.fx.GraphModule, foreign: list[str], device: torch.d
     """Return a function running ``gm``, with foreign tensors copied to ``device`` per call."""
     if not foreign:
         return gm
-    state = dict(_named_state(gm))
+    state = dict(named_tensors(gm))
     # one name per tensor: functional_call applies it to every name tied to that tensor
     first = {id(state[name]): name for name in reversed(foreign)}
     foreign = [name for name in foreign if first[id(state[name])] == name]

@@ -6,10 +6,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_map
 
 import passes
-from fxpipe.microbatch import batch_size, scatter
+from fxpipe.microbatch import batch_size, scatter, to_device
 from fxpipe.validate import check_inputs
 
 __all__ = ["CallSignature"]
@@ -36,7 +35,7 @@ class CallSignature:
         check_inputs(self.gm, values, self.names, training)
         mbs = scatter(values, self.names, chunks)
         if device is not None:
-            mbs = [[_to(v, device) for v in mb] for mb in mbs]
+            mbs = [[to_device(v, device) for v in mb] for mb in mbs]
         return mbs, batch
 
     def finish(self, output: Any) -> Any:
@@ -45,8 +44,3 @@ class CallSignature:
             return self.gm.graph._codegen.process_outputs(output)
         return output
 
-
-def _to(value: Any, device: torch.device) -> Any:
-    """Move every tensor in ``value`` to ``device``."""
-    return tree_map(lambda t: t.to(device, non_blocking=True)
-                    if isinstance(t, torch.Tensor) and t.device != device else t, value)

@@ -8,7 +8,7 @@ from typing import Iterator, Optional
 import torch
 
 __all__ = ["AbstractStream", "new_stream", "current_stream", "use_stream", "wait_stream",
-           "record_stream", "device_of"]
+           "record_stream", "on_device"]
 
 AbstractStream = Optional[torch.cuda.Stream]
 
@@ -46,11 +46,6 @@ def record_stream(tensor: torch.Tensor, stream: AbstractStream) -> None:
     if stream is None or not tensor.is_cuda:
         return
     tensor.record_stream(stream)
-
-
-def device_of(stream: AbstractStream) -> torch.device:
-    """Return the device a stream belongs to (CPU for None)."""
-    return torch.device("cpu") if stream is None else stream.device
 
 
 @contextmanager
