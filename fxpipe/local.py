@@ -152,8 +152,7 @@ class LocalRuntime:
     def clock(self, tasks: tuple) -> list[Any]:
         """Compute ``(stage, micro-batch, inputs, checkpoint)`` tasks together, a thread per device."""
         assert self.threads is not None
-        return self.threads.run([(self.devices[j], self.compute, task) for task in tasks
-                                 for j in (task[0],)])
+        return self.threads.run([(self.devices[task[0]], self.compute, task) for task in tasks])
 
     def copy(self, src: int, dst: int, i: int, values: tuple) -> tuple:
         """Copy micro-batch ``i``'s values from stage ``src``'s device to stage ``dst``'s."""
