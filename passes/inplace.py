@@ -32,13 +32,13 @@ import torch.fx
 from torch.utils._pytree import tree_map
 
 __all__ = ["Conflict", "MutationPlan", "plan_mutations", "static_mutations", "copy_on_write",
-           "clone_tree"]
+           "clone_tree", "mutates_first_arg", "op_name", "VIEW_NAMES"]
 
 _IOPS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
          operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
          operator.ixor, operator.ilshift, operator.irshift, operator.setitem}
 _NOT_DATA = {"requires_grad_", "retain_grad", "share_memory_", "record_stream"}
-_VIEWS = {"view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "swapdims",
+VIEW_NAMES = {"view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "swapdims",
           "permute", "t", "narrow", "select", "squeeze", "unsqueeze", "expand", "expand_as",
           "flatten", "unflatten", "split", "split_with_sizes", "tensor_split", "chunk", "unbind",
           "unfold", "diagonal", "as_strided", "detach", "getitem", "contiguous", "movedim",
@@ -67,7 +67,7 @@ class MutationPlan:
     mutated_model_inputs: list[str] = field(default_factory=list)
 
 
-def _name(target: Any) -> str:
+def op_name(target: Any) -> str:
     """Return the bare name of a call target (method name, function or op name)."""
     if isinstance(target, str):
         return target
@@ -76,7 +76,7 @@ def _name(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _mutates_first_arg(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+def mutates_first_arg(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     """Tell by its name or schema whether ``node`` changes its first argument in place."""
     if node.op == "call_module":
         return bool(getattr(gm.get_submodule(node.target), "inplace", False))
@@ -87,7 +87,7 @@ def _mutates_first_arg(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     if isinstance(node.target, torch._ops.OpOverload):
         args = node.target._schema.arguments
         return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
-    name = _name(node.target)
+    name = op_name(node.target)
     return name.endswith("_") and not name.startswith("_") and name not in _NOT_DATA
 
 
@@ -106,9 +106,9 @@ def static_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch
         first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
         if first is None:
             continue
-        if _name(node.target) in _VIEWS or _mutates_first_arg(gm, node):
+        if op_name(node.target) in VIEW_NAMES or mutates_first_arg(gm, node):
             parent[root(node)] = root(first)  # views and in-place results alias their input
-        if _mutates_first_arg(gm, node):
+        if mutates_first_arg(gm, node):
             found[node] = first
     out = {}
     for node in found:

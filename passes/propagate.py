@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from passes.inplace import VIEW_NAMES, mutates_first_arg, op_name
 from passes.signature import is_inplace, node_key, value_key
 from passes.spec import TensorSpec, spec_of, value_bytes
 
@@ -79,18 +80,11 @@ def _is_view_like(func) -> bool:
                     "as_strided", "flatten", "contiguous"}
 
 
-_VIEWS = {"view", "reshape", "expand", "expand_as", "permute", "transpose", "t", "squeeze",
-          "unsqueeze", "flatten", "unflatten", "narrow", "select", "split", "chunk", "unbind",
-          "getitem", "contiguous", "detach", "view_as", "movedim", "swapaxes", "swapdims",
-          "as_strided", "real", "imag", "getattr", "size", "dim"}
-
-
 def _is_view(node: torch.fx.Node) -> bool:
     """Tell whether a call only reinterprets its input (its output keeps nothing new alive)."""
-    if node.op == "call_method":
-        return node.target in _VIEWS
-    if node.op == "call_function":
-        return getattr(node.target, "__name__", "") in _VIEWS
+    if node.op in ("call_method", "call_function"):
+        name = op_name(node.target)
+        return name in VIEW_NAMES or name in ("getattr", "size", "dim")  # aliases, or no tensor
     return False
 
 
@@ -218,14 +212,13 @@ class Propagator:
 
         Conservative: ``inplace=True``, or any positional ``True`` (``F.relu(x, True)``), counts.
         """
-        if is_inplace(node):
+        if is_inplace(node) or mutates_first_arg(self.gm, node):
             return True
         if node.op in ("call_function", "call_method"):
-            return node.kwargs.get("inplace") is True or any(a is True for a in node.args)
+            return any(a is True for a in node.args)
         if node.op != "call_module":
             return False
-        module = self.gm.get_submodule(node.target)
-        return bool(getattr(module, "inplace", False)) or not type(module).__module__.startswith("torch.nn")
+        return not type(self.gm.get_submodule(node.target)).__module__.startswith("torch.nn")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
