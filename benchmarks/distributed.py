@@ -4,10 +4,14 @@
 
 Two spawned ranks (gloo, one thread each) run, in alternation, one training step of:
 fxpipe GPipe, torch.distributed.pipelining ScheduleGPipe, fxpipe 1F1B, its Schedule1F1B,
-all on the same model and the same 2-stage split, and eager PyTorch on rank 0 alone (one
-process, one thread) on the whole batch and over the micro-batches one by one. Each time is
-barrier to barrier on rank 0; each ratio is of medians measured in this one run. Then fresh
-processes measure the peak memory growth of one step per rank, 1F1B against GPipe, at m = 16.
+fxpipe's zero-bubble schedule ("zb", ZB-H1) and its ScheduleInterleavedZeroBubble (ZB1P) with
+one stage per rank, all on the same model and the same 2-stage split, and eager PyTorch on
+rank 0 alone (one process, one thread) on the whole batch and over the micro-batches one by
+one. A last run has both ranks compute their own half over the micro-batches at the same
+time with no messages and no waiting: the busy time per rank, which no schedule of this split
+can beat on this machine. Each time is barrier to barrier on rank 0; each ratio is of
+medians measured in this one run. Then fresh processes measure the peak memory growth of one step per rank, 1F1B and
+zero bubble against GPipe, at m = 16.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                 os.path.dirname(os.path.abspath(__file__))]
 import fxpipe  # noqa: E402
 from rss import peak_growth  # noqa: E402
+
+
+SCHEDULES = ("gpipe", "1f1b", "zb")
 
 
 class Block(nn.Module):
@@ -82,6 +89,7 @@ def _speed_rank(rank: int, port: int, args, out: str) -> None:
     """One rank of the speed comparison."""
     _env(rank, port)
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
 
     torch.manual_seed(0)
     base = ResidualMLP(args.dim, args.hidden, args.blocks)
@@ -90,13 +98,15 @@ def _speed_rank(rank: int, port: int, args, out: str) -> None:
     half = args.blocks // 2
     pipes = {s: fxpipe.compile(copy.deepcopy(base), 2, example_inputs=(x,), chunks=args.chunks,
                                schedule=s, checkpoint="never", runtime="distributed",
-                               split_points=[f"blocks.{half}"]) for s in ("gpipe", "1f1b")}
+                               split_points=[f"blocks.{half}"]) for s in SCHEDULES}
     part = copy.deepcopy(base).blocks[:half] if rank == 0 else copy.deepcopy(base).blocks[half:]
     rows = args.batch // args.chunks  # shapes of a stage's input and output, both needing grads but x
     inp, outp = torch.empty(rows, args.dim).requires_grad_(rank > 0), torch.empty(rows, args.dim, requires_grad=True)
     stage = PipelineStage(part, rank, 2, torch.device("cpu"), input_args=(inp,), output_args=(outp,))
+    zb_stage = PipelineStage(part, rank, 2, torch.device("cpu"), input_args=(inp,), output_args=(outp,))
     schedules = {"gpipe": ScheduleGPipe(stage, args.chunks, loss_fn=F.mse_loss),
-                 "1f1b": Schedule1F1B(stage, args.chunks, loss_fn=F.mse_loss)}
+                 "1f1b": Schedule1F1B(stage, args.chunks, loss_fn=F.mse_loss),
+                 "zb": ScheduleInterleavedZeroBubble([zb_stage], args.chunks, loss_fn=F.mse_loss)}
     eager = copy.deepcopy(base)
 
     def fx_step(s):
@@ -117,9 +127,22 @@ def _speed_rank(rank: int, port: int, args, out: str) -> None:
             for xs, ys in zip(x.chunk(args.chunks), y.chunk(args.chunks)):
                 (F.mse_loss(eager(xs), ys) / args.chunks).backward()
 
+    alone = copy.deepcopy(part)
+    fixed = torch.randn(rows, args.dim)
+
+    def halves_alone():  # each rank its own stage's F and B, concurrently, nothing to wait for
+        for xs, ys in zip(x.chunk(args.chunks), y.chunk(args.chunks)):
+            out = alone(xs.detach().requires_grad_(rank > 0))
+            if rank == 1:
+                (F.mse_loss(out, ys) / args.chunks).backward()
+            else:
+                out.backward(fixed)
+
     runs = {"eager": eager_full, "eager, micro-batches one by one": eager_micro,
             "fxpipe gpipe": lambda: fx_step("gpipe"), "pipelining gpipe": lambda: pp_step("gpipe"),
-            "fxpipe 1f1b": lambda: fx_step("1f1b"), "pipelining 1f1b": lambda: pp_step("1f1b")}
+            "fxpipe 1f1b": lambda: fx_step("1f1b"), "pipelining 1f1b": lambda: pp_step("1f1b"),
+            "fxpipe zb": lambda: fx_step("zb"), "pipelining zb": lambda: pp_step("zb"),
+            "halves alone, concurrently": halves_alone}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for name, fn in runs.items():  # warm up each
         _timed(fn)
@@ -188,22 +211,28 @@ def main() -> None:
         bound = 2 * args.chunks / (args.chunks + 1)
         print(f"speedup bound 2m/(m+1) = {bound:.2f}x; eager micro-batched / eager = "
               f"{med['eager, micro-batches one by one'] / med['eager']:.3f}")
-        for s in ("gpipe", "1f1b"):
+        for s in SCHEDULES:
             print(f"fxpipe {s} / torch.distributed.pipelining {s}: "
                   f"{med[f'fxpipe {s}'] / med[f'pipelining {s}']:.3f}")
+        for s in ("gpipe", "1f1b"):
+            print(f"fxpipe zb / torch.distributed.pipelining {s}: {med['fxpipe zb'] / med[f'pipelining {s}']:.3f}")
+        floor = med["halves alone, concurrently"]
+        print(f"busy time per rank (halves alone) / torch.distributed.pipelining 1f1b: "
+              f"{floor / med['pipelining 1f1b']:.3f}  (no schedule of this split goes below it)")
 
         peaks = {}
         # freed tensors go back to the OS (see benchmarks/local.py), so the peak follows live memory
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        for s in ("gpipe", "1f1b"):
+        for s in SCHEDULES:
             base = os.path.join(tmp, f"mem-{s}")
             _spawn(_memory_rank, args, s, base)
             peaks[s] = [json.load(open(f"{base}.{r}")) for r in range(2)]
         print(f"\npeak memory growth over one step, m={args.mem_chunks}, batch={args.mem_batch}, "
               "checkpoint='never' (MiB, per rank)")
         for r in range(2):
-            g, o = peaks["gpipe"][r] / 2**20, peaks["1f1b"][r] / 2**20
-            print(f"rank {r}: gpipe {g:8.1f}   1f1b {o:8.1f}   1f1b/gpipe {o / g if g else float('nan'):.2f}")
+            g, o, z = (peaks[s][r] / 2**20 for s in SCHEDULES)
+            print(f"rank {r}: gpipe {g:8.1f}   1f1b {o:8.1f}   zb {z:8.1f}   "
+                  f"1f1b/gpipe {o / g:.2f}   zb/gpipe {z / g:.2f}")
 
 
 if __name__ == "__main__":

@@ -127,6 +127,12 @@ class ActionRunner:
             input_grads = worker.backward(i, grads)
         self.transport.send_backward(j, i, input_grads)
 
+    def weight(self, j: int, i: int) -> None:
+        """Run W(i) on stage ``j``: the weight gradients its backward deferred."""
+        worker = self.workers[j]
+        with recorder.span("weight", j, i, worker.device):  # timeline
+            worker.weights(i)
+
 
 def action_source(plan: PipelinePlan, m: int, stages: Sequence[int], name: str, schedule: str) -> str:
     """Return the source of a function running ``stages``' actions for ``m`` micro-batches.
@@ -141,7 +147,8 @@ def action_source(plan: PipelinePlan, m: int, stages: Sequence[int], name: str, 
     where = f"stage {stages[0]} of {plan.n_stages}" if len(stages) == 1 else f"{plan.n_stages} stages"
     lines = [f"def {name}(rt):",
              f'    """{schedule}: {where}, {m} micro-batches, at most {held} in flight per stage."""',
-             "    F, B = rt.forward, rt.backward"]
+             "    F, B, W = rt.forward, rt.backward, rt.weight" if any(a.kind == "W" for a in mine)
+             else "    F, B = rt.forward, rt.backward"]
     clock = None
     for a in mine:
         if at[a] != clock:
@@ -155,6 +162,8 @@ def _comment(plan: PipelinePlan, a: Action) -> str:
     """Describe what an action receives and sends, for the generated code."""
     stage = plan.stages[a.stage]
     producer, consumers = plan.producer(), plan.consumers()
+    if a.kind == "W":
+        return "  # weight gradients"
     if a.kind == "F":
         src = sorted({producer[v] for v in stage.inputs if v in producer}) if a.stage else []
         dst = sorted({c for v in stage.outputs for c in consumers.get(v, ())})

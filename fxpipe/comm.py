@@ -78,16 +78,21 @@ class Comm:
     def exchange(self, sends: Sequence[tuple[torch.Tensor, int, int]],
                  recvs: Sequence[tuple[torch.Tensor, int, int]], what: str) -> None:
         """Post sends and receives ``(tensor, peer, tag)`` as one batch; wait for the receives."""
+        self.wait(self.post(sends, recvs, what), what)
+
+    def post(self, sends: Sequence[tuple[torch.Tensor, int, int]],
+             recvs: Sequence[tuple[torch.Tensor, int, int]], what: str) -> list[Any]:
+        """Post sends and receives as one batch; return the receives' works, to :meth:`wait` on."""
         ops = [dist.P2POp(dist.isend, t, peer, self.group, tag) for t, peer, tag in sends]
         ops += [dist.P2POp(dist.irecv, t, peer, self.group, tag) for t, peer, tag in recvs]
         if not ops:
-            return
+            return []
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as exc:  # noqa: BLE001 - a send to a closed connection fails at once
             raise self._explain(exc, what) from None
         self.pending += list(zip(works[: len(sends)], [t for t, _, _ in sends]))
-        self.wait(works[len(sends):], what)
+        return works[len(sends):]
 
     def flush(self, what: str = "finishing sends") -> None:
         """Wait until every posted send has left."""

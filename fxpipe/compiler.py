@@ -22,6 +22,7 @@ from fxpipe.microbatch import batch_size, micro_sizes
 from fxpipe.mutation import copy_mutated_inputs
 from fxpipe.pipe import Pipe
 from fxpipe.signature import CallSignature
+from fxpipe.wgrad import defer_weight_grads
 from fxpipe.placement import move_owned, named_tensors, ownership, resolve_devices, stage_callable
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.saved import PlanLike, apply_plan, graph_signature, load_plan
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_MODES = ("always", "except_last", "never")
 _DATA_DEPENDENT = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
                    GuardOnDataDependentSymNode)
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb")
 BALANCE_BY = ("auto", "flops", "params", "memory", "time")
 
 
@@ -58,7 +59,9 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     ``"auto"``: FLOPs with example inputs, else parameters); ``split_points`` names the
     modules or nodes where stages begin instead. ``max_memory`` caps every stage's estimated
     peak memory in bytes (parameters, gradients, activations kept for backward).
-    ``schedule`` is ``"gpipe"`` or ``"1f1b"`` (what :meth:`Pipe.step` runs). ``tracer`` is
+    ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"zb"`` (zero bubble: 1F1B whose linears'
+    weight gradients fill the pipeline's idle time; see :mod:`fxpipe.schedule`), what
+    :meth:`Pipe.step` runs. ``tracer`` is
     ``"fx"`` (symbolic tracing), ``"export"`` (``torch.export`` on the example inputs, dim 0
     dynamic) or a callable returning another tracer's GraphModule; see :func:`fxpipe.trace`.
 
@@ -154,12 +157,12 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         devices = [device if j == rank else torch.device("meta") for j in range(n_stages)]
         move_owned([model, gm, *stages], ownership(stages[rank:rank + 1], [device]), [device])
         tied = tied_groups(stages, rank, timeout)
-        fn = blamed(stages[rank], stages[rank], rank, device)
+        fn = blamed(_runnable(stages[rank], schedule), stages[rank], rank, device)
         engine: Any = DistributedRuntime(plan, gm, fn, rank, device, link, CallSignature(gm), tied)
     else:
         own = ownership(stages, devices)
         move_owned([model, gm, *stages], own, devices)
-        fns = [blamed(stage_callable(gm_j, own.foreign[j], devices[j]), gm_j, j, devices[j])
+        fns = [blamed(stage_callable(_runnable(gm_j, schedule), own.foreign[j], devices[j]), gm_j, j, devices[j])
                for j, gm_j in enumerate(stages)]
         engine = LocalRuntime(plan, fns, devices, CallSignature(gm))
     if deferred_batch_norm:
@@ -168,6 +171,11 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     pipe = Pipe(model, gm, plan, stages, devices, engine)
     log.info("compiled %s into %d stages\n%s", type(model).__name__, n_stages, plan)
     return pipe
+
+
+def _runnable(gm: torch.fx.GraphModule, schedule: str) -> torch.fx.GraphModule:
+    """Return the stage module the runtime calls: with linears that defer weight gradients for zb."""
+    return defer_weight_grads(gm) if schedule == "zb" else gm
 
 
 def _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split_points, max_memory) -> None:

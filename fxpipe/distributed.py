@@ -121,7 +121,8 @@ class DistributedRuntime:
         self.tied = tied
         stage = plan.stages[rank]
         self.last = rank == plan.n_stages - 1
-        self.worker = StageWorker(rank, fn, device, [v in stage.grad_inputs for v in stage.inputs], self.last)
+        self.worker = StageWorker(rank, fn, device, [v in stage.grad_inputs for v in stage.inputs], self.last,
+                                  defer=plan.schedule == "zb")
         self.example = [n.meta.get("fxpipe.value") for n in gm.graph.nodes if n.op == "placeholder"]
         self.crossing = sorted({v for s in plan.stages for v in s.outputs})
         self._layouts: dict[str, dict[str, Any]] = {}
@@ -195,6 +196,7 @@ class DistributedRuntime:
         m = len(header["specs"])
         transport = DistTransport(self.plan, self.rank, self.device, self.comm, self._specs(header))
         transport.inputs = mbs
+        transport.m = m
         runner = ActionRunner(self.plan, {self.rank: self.worker}, transport)
         losses = losses_for(header["batch"], m) if (self.last and losses_for) else {}
         runner.begin(m, losses, checkpointing=training, grad=grad)

@@ -51,7 +51,8 @@ class LocalRuntime:
         self.use_threads(len({d for d in self.devices if d.type == "cuda"}) > 1)
         n = plan.n_stages
         self.workers = {j: StageWorker(j, fn, self.devices[j], [v in plan.stages[j].grad_inputs
-                                                                 for v in plan.stages[j].inputs], j == n - 1)
+                                                                 for v in plan.stages[j].inputs], j == n - 1,
+                                                  defer=plan.schedule == "zb")
                         for j, fn in enumerate(self.stage_fns)}
 
     def use_threads(self, on: bool) -> None:

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["Timeline", "timeline", "active", "span", "span_at", "where", "mark_backward"]
 
-KINDS = ("forward", "recompute", "backward", "copy")
+KINDS = ("forward", "recompute", "backward", "weight", "copy")
 COPY_LANE = 1000  # copy lanes are tid COPY_LANE + stage
 
 _active: "Timeline | None" = None

@@ -5,6 +5,10 @@ crossing value for a micro-batch of ``b`` rows (on fake tensors, once per size).
 from the rank that makes it to every rank that reads it, skips included, and each reader
 sends its gradient straight back; nothing is relayed through the ranks between. Messages
 between two ranks keep the order of the producer's outputs, so both sides agree on it.
+
+Every schedule receives micro-batches in order, forwards and backwards alike, so when a
+receive is taken the next micro-batch's is posted: its data moves while this one computes,
+instead of after the rank asks for it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class DistTransport:
         self.comm = comm
         self.specs = specs  # micro-batch index -> {value name: spec}
         self.inputs: list[list[Any]] = []
+        self.m = 0  # micro-batches in this step: receives are posted up to m - 1
+        self._posted: dict[tuple[str, int], tuple[list[Any], Callable[[], list[Any]]]] = {}
         stage = plan.stages[rank]
         producer = plan.producer()
         self.from_rank: dict[int, list[str]] = {}  # producer -> my inputs it sends, in its order
@@ -49,19 +55,44 @@ class DistTransport:
         self.grad_from: dict[int, list[str]] = {c: [v for v in vs if v in plan.stages[c].grad_inputs]
                                                 for c, vs in self.to_rank.items()}
 
+    # -- receiving, one micro-batch ahead ------------------------------------------------
+    def _take(self, kind: str, j: int, i: int) -> list[Any]:
+        """Wait for micro-batch ``i``'s ``kind`` receives (posting them if needed); post ``i + 1``'s."""
+        if (kind, i) not in self._posted:
+            self._post(kind, i)
+        if i + 1 < self.m and (kind, i + 1) not in self._posted:
+            self._post(kind, i + 1)
+        works, finish = self._posted.pop((kind, i))
+        what = "inputs" if kind == "F" else "gradients"
+        self.comm.wait(works, f"receiving micro-batch {i}'s {what} of stage {j}")
+        return finish()
+
+    def _post(self, kind: str, i: int) -> None:
+        """Allocate micro-batch ``i``'s receive buffers from the plan and post the receives."""
+        specs = self.specs(i)
+        recvs: list[tuple[torch.Tensor, int, int]] = []
+        built: dict[str, list[Callable[[], Any]]] = {}
+        senders = self.from_rank if kind == "F" else self.grad_from
+        for peer, names in senders.items():
+            for v in names:
+                build, bufs = _empty_like_spec(specs[v], self.device, floating_only=kind == "B")
+                built.setdefault(v, []).append(build)
+                recvs += [(b, peer, FORWARD_TAG if kind == "F" else BACKWARD_TAG) for b in bufs]
+        works = self.comm.post([], recvs, f"posting micro-batch {i}'s receives")
+        stage = self.plan.stages[self.rank]
+
+        def finish() -> list[Any]:
+            if kind == "F":
+                return [built[v][0]() for v in stage.inputs]
+            return [_sum([b() for b in built[v]]) if v in built else None for v in stage.outputs]
+        self._posted[(kind, i)] = (works, finish)
+
     # -- forward -------------------------------------------------------------------------
     def recv_forward(self, j: int, i: int) -> list[Any]:
         """Receive this stage's inputs for micro-batch ``i`` from the ranks that make them."""
         if j == 0:
             return self.inputs[i]
-        specs = self.specs(i)
-        recvs, got = [], {}
-        for p, names in self.from_rank.items():
-            for v in names:
-                got[v], bufs = _empty_like_spec(specs[v], self.device, floating_only=False)
-                recvs += [(b, p, FORWARD_TAG) for b in bufs]
-        self.comm.exchange([], recvs, f"receiving micro-batch {i}'s inputs of stage {j}")
-        return [got[v]() for v in self.plan.stages[j].inputs]
+        return self._take("F", j, i)
 
     def send_forward(self, j: int, i: int, outputs: Sequence[Any]) -> None:
         """Send each output to every rank that reads it (after the last stage: nothing)."""
@@ -75,19 +106,7 @@ class DistTransport:
     # -- backward ------------------------------------------------------------------------
     def recv_backward(self, j: int, i: int) -> list[Any]:
         """Receive and sum the gradient of each output from every rank that read it."""
-        specs = self.specs(i)
-        recvs, parts = [], {}
-        for c, names in self.grad_from.items():
-            for v in names:
-                build, bufs = _empty_like_spec(specs[v], self.device, floating_only=True)
-                parts.setdefault(v, []).append(build)
-                recvs += [(b, c, BACKWARD_TAG) for b in bufs]
-        self.comm.exchange([], recvs, f"receiving micro-batch {i}'s gradients of stage {j}")
-        grads = []
-        for v in self.plan.stages[j].outputs:
-            built = [b() for b in parts.get(v, [])]
-            grads.append(_sum(built) if built else None)
-        return grads
+        return self._take("B", j, i)
 
     def send_backward(self, j: int, i: int, grads: Sequence[Any]) -> None:
         """Send the gradient of each input back to the rank that made it."""

@@ -10,16 +10,21 @@ gradients of its inputs, to be sent back to the stages that made them::
       input grads ◀──── autograd ◀── output grads ◀─recv── consumers
 
 With checkpointing, the forward runs under ``no_grad`` and keeps only the inputs and the RNG
-state; the backward first replays the forward with the same random numbers.
+state; the backward first replays the forward with the same random numbers. For the
+zero-bubble schedule (``defer=True``) a backward leaves the linears' weight gradients in a
+store per micro-batch (:mod:`fxpipe.wgrad`), and :meth:`StageWorker.weights` computes them.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import contextlib
+
 import torch
 from torch.utils._pytree import tree_flatten
 
+from fxpipe import wgrad
 from fxpipe.checkpoint import _flag, _restore_rng, _save_rng
 from fxpipe.stream import on_device
 
@@ -30,13 +35,15 @@ class StageWorker:
     """Run forwards and backwards of one stage, keeping per-micro-batch state in between."""
 
     def __init__(self, index: int, fn: Callable, device: torch.device, input_grads: Sequence[bool],
-                 last: bool) -> None:
+                 last: bool, defer: bool = False) -> None:
         self.index = index
         self.fn = fn
         self.device = device
         self.input_grads = list(input_grads)  # per input value: does it carry a gradient?
         self.last = last
         self._saved: dict[int, tuple] = {}
+        self.defer = defer  # queue the linears' weight gradients for weights(i)
+        self._weights: dict[int, list] = {}
 
     def forward(self, i: int, inputs: Sequence[Any], *, checkpoint: bool,
                 loss: Callable[[Any], torch.Tensor] | None = None, grad: bool = True) -> Any:
@@ -54,8 +61,9 @@ class StageWorker:
                     result = loss(out) if loss is not None else out
                 self._saved[i] = ("recompute", leaves, rng, loss)
                 return result.detach() if loss is not None else out
-            out = self.fn(*leaves)
-            result = loss(out) if loss is not None else out
+            with self._collecting(i):
+                out = self.fn(*leaves)
+                result = loss(out) if loss is not None else out
         self._saved[i] = ("keep", leaves, result)
         return result.detach() if loss is not None else _detached(out)
 
@@ -70,7 +78,8 @@ class StageWorker:
         with on_device(self.device):
             if saved[0] == "recompute":
                 _, leaves, rng, loss = saved
-                with _restore_rng(self.device, rng), torch.enable_grad(), _flag("recomputing"):
+                with _restore_rng(self.device, rng), torch.enable_grad(), _flag("recomputing"), \
+                        self._collecting(i):
                     out = self.fn(*leaves)
                     result = loss(out) if loss is not None else out
             else:
@@ -79,6 +88,15 @@ class StageWorker:
             if tensors:
                 torch.autograd.backward(tensors, grad_tensors)
         return [_grad_of(leaf) if g else None for leaf, g in zip(leaves, self.input_grads)]
+
+    def weights(self, i: int) -> None:
+        """Compute micro-batch ``i``'s deferred weight gradients (after its backward)."""
+        with on_device(self.device):
+            wgrad.run(self._weights.pop(i, []))
+
+    def _collecting(self, i: int) -> contextlib.AbstractContextManager:
+        """Queue micro-batch ``i``'s weight gradients while deferring; otherwise do nothing."""
+        return wgrad.collecting(self._weights.setdefault(i, [])) if self.defer else contextlib.nullcontext()
 
     def pending(self) -> int:
         """Return how many micro-batches hold activations awaiting backward."""

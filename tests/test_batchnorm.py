@@ -34,7 +34,7 @@ class Branches(nn.Module):
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
 def test_running_statistics_equal_eager(checkpoint, schedule):
     model = Branches().train()
     eager = copy.deepcopy(model)

@@ -25,9 +25,10 @@ def _compare(model, x, target, loss_fn, **kw):
         assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
 @pytest.mark.parametrize("chunks", [1, 3, 4])
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
-def test_step_cross_entropy_transformer(chunks, checkpoint):
+def test_step_cross_entropy_transformer(chunks, checkpoint, schedule):
     model = TiedTransformer()
     tokens = torch.randint(0, 32, (7, 8))
     target = torch.randint(0, 32, (7, 8))
@@ -36,13 +37,31 @@ def test_step_cross_entropy_transformer(chunks, checkpoint):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
     _compare(model, tokens, target, loss_fn, n_stages=3, chunks=chunks, checkpoint=checkpoint,
-             devices=["cpu"] * 3)
+             devices=["cpu"] * 3, schedule=schedule)
 
 
-def test_step_mse_unet_uneven_micro_batches():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_step_mse_unet_uneven_micro_batches(schedule):
     model = UNet(depth=2, base=4).eval()
     x, target = torch.randn(5, 3, 8, 8), torch.randn(5, 2, 8, 8)
-    _compare(model, x, target, F.mse_loss, n_stages=4, chunks=4, devices=["cpu"] * 4)
+    _compare(model, x, target, F.mse_loss, n_stages=4, chunks=4, devices=["cpu"] * 4, schedule=schedule)
+
+
+def test_zero_bubble_step_runs_deferred_weight_gradients_in_w(monkeypatch):
+    from fxpipe import wgrad
+
+    model = TiedTransformer()
+    tokens = torch.randint(0, 32, (6, 8))
+    pipe = fxpipe.compile(model, 3, example_inputs=(tokens,), chunks=3, schedule="zb", devices=["cpu"] * 3)
+    assert "W(0, 2)  # weight gradients" in pipe.code
+    sizes = []
+    run = wgrad.run
+    monkeypatch.setattr(wgrad, "run", lambda store: (sizes.append(len(store)), run(store)))
+    with fxpipe.timeline() as tl:
+        pipe.step(tokens, target=tokens, loss_fn=lambda out, t: out.logsumexp(-1).mean())
+    assert len(sizes) == 9 and sum(sizes) > 0  # a W per stage and micro-batch, some with linears
+    weights = sorted((e["args"]["stage"], e["args"]["micro_batch"]) for e in tl.events if e["cat"] == "weight")
+    assert weights == [(j, i) for j in range(3) for i in range(3)]
 
 
 def test_step_rejects_a_target_of_another_batch_size():

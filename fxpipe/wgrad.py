@@ -1,0 +1,137 @@
+"""Deferred weight gradients: a backward that computes input gradients now, weights' later.
+
+The zero-bubble schedule splits each stage's backward into ``B`` (gradients of the stage's
+inputs, which the previous stage waits for) and ``W`` (gradients of its weights, which
+nobody waits for). fxpipe makes the split where nearly all of a model's weight-gradient
+work is: every ``nn.Linear`` and ``F.linear`` of a stage becomes :func:`linear`, whose
+backward computes only ``dx = dy @ W`` and queues ``dW = dyᵀ x`` (and ``db = Σ dy``) in
+the store that was active when its forward ran::
+
+    forward (store S active)           B: autograd                 W: run(S)
+    x ──▶ linear(x, W, b) ──▶ y        dy ──▶ dx = dy @ W ──▶ ...   W.grad += dyᵀ x
+                                              └─ S.append((x, dy))  b.grad += Σ dy
+
+Without an active store (``pipe(x)`` followed by ``loss.backward()``, or a forward under
+``no_grad``) :func:`linear` is ``F.linear``. Weights that are not leaves (a parameter
+copied to another device per call), autocast and other layers (convolutions, norms,
+embeddings) keep their gradients in ``B``. A deferred gradient is added to ``.grad``
+directly, so hooks registered on those parameters do not see it.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["linear", "collecting", "run", "defer_weight_grads"]
+
+_local = threading.local()
+_LINEARS = (F.linear, torch._C._nn.linear)
+
+
+@contextmanager
+def collecting(store: list) -> Iterator[list]:
+    """Queue the weight gradients of linears whose forward runs in the block into ``store``."""
+    before = getattr(_local, "store", None)
+    _local.store = store
+    try:
+        yield store
+    finally:
+        _local.store = before
+
+
+def run(store: list) -> None:
+    """Compute and accumulate every weight gradient queued in ``store``, emptying it."""
+    while store:
+        x, dy, weight, bias = store.pop(0)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        with torch.no_grad():
+            if weight is not None:
+                if _accumulates_in_place(weight, dy2):
+                    weight.grad.addmm_(dy2.t(), x2)  # one GEMM adds into .grad: no temporary, no add pass
+                else:
+                    _accumulate(weight, dy2.t().mm(x2))
+            if bias is not None:
+                _accumulate(bias, dy2.sum(0))
+
+
+def _accumulates_in_place(param: torch.Tensor, dy: torch.Tensor) -> bool:
+    """Return whether ``param.grad`` exists and can take a GEMM's result in place."""
+    g = param.grad
+    return g is not None and g.dtype == dy.dtype and g.is_contiguous() and g.device == dy.device \
+        and g.layout == torch.strided and not g.requires_grad
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` to ``param.grad`` as autograd would."""
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Return ``F.linear(x, weight, bias)``, its weight gradients deferred when a store is active."""
+    store = getattr(_local, "store", None)
+    if (store is None or not torch.is_grad_enabled() or not _deferrable(weight)
+            or (bias is not None and not _deferrable(bias)) or torch.is_autocast_enabled(x.device.type)
+            or x.dim() == 0):
+        return F.linear(x, weight, bias)
+    return _Linear.apply(x, weight, bias, store)
+
+
+def _deferrable(p: torch.Tensor) -> bool:
+    """Return whether ``p``'s gradient can be added to ``p.grad`` later: a leaf that wants one."""
+    return isinstance(p, torch.Tensor) and p.is_leaf and p.requires_grad and p.layout == torch.strided
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear`` whose backward returns ``dx`` and queues the weight gradients."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):  # type: ignore[override]
+        """Compute ``x Wᵀ + b``; keep what both halves of backward need."""
+        ctx.save_for_backward(x, weight)
+        ctx.params = (weight, bias)
+        ctx.store = store
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        """Return ``dy @ W`` for ``x``; queue ``dW`` and ``db`` for the W step."""
+        x, weight = ctx.saved_tensors
+        dx = dy.matmul(weight.to(dy.dtype)) if ctx.needs_input_grad[0] else None
+        ctx.store.append((x.detach(), dy.detach(), ctx.params[0], ctx.params[1]))
+        return dx, None, None, None
+
+
+def defer_weight_grads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Return a copy of ``gm`` calling :func:`linear` for every ``nn.Linear`` and ``F.linear``.
+
+    Reads call_module nodes of modules of exactly type ``nn.Linear`` and call_function nodes
+    of ``F.linear``; the copy shares ``gm``'s modules and parameters.
+    """
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and type(gm.get_submodule(node.target)) is nn.Linear and not node.kwargs:
+            mod = gm.get_submodule(node.target)
+            x = env[node.args[0]]
+            w = graph.get_attr(f"{node.target}.weight")
+            b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
+            env[node] = graph.call_function(linear, (x, w, b))
+        elif node.op == "call_function" and node.target in _LINEARS:
+            env[node] = graph.call_function(linear, torch.fx.map_arg(node.args, env.__getitem__),
+                                            torch.fx.map_arg(node.kwargs, env.__getitem__))
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+        env[node].meta = node.meta
+    return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)

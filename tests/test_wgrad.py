@@ -1,0 +1,96 @@
+"""Deferred weight gradients: B leaves the linears' weight gradients for W, which adds them."""
+
+import copy
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from fxpipe import wgrad
+
+
+class TwoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.w = nn.Parameter(torch.randn(5, 8))
+        self.n = nn.LayerNorm(5)
+
+    def forward(self, x):
+        return self.n(F.linear(torch.tanh(self.a(x)), self.w))
+
+
+def _autograd_grads(model, x):
+    ref = copy.deepcopy(model)
+    xr = x.clone().requires_grad_()
+    ref(xr).pow(2).sum().backward()
+    return xr.grad, {k: p.grad for k, p in ref.named_parameters()}
+
+
+def test_rewrite_calls_the_deferring_linear_for_modules_and_functions():
+    gm = torch.fx.symbolic_trace(TwoLinears())
+    deferred = wgrad.defer_weight_grads(gm)
+    targets = [n.target for n in deferred.graph.nodes if n.op in ("call_function", "call_module")]
+    assert targets.count(wgrad.linear) == 2 and "a" not in targets and F.linear not in targets
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(deferred(x), gm(x))
+    assert deferred.get_parameter("a.weight") is gm.get_parameter("a.weight")  # shared, not copied
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (2, 3, 6)])
+def test_backward_defers_weight_grads_until_run(shape):
+    model = TwoLinears()
+    x = torch.randn(*shape)
+    x_grad, grads = _autograd_grads(model, x)
+    deferred = wgrad.defer_weight_grads(torch.fx.symbolic_trace(model))
+    store: list = []
+    xd = x.clone().requires_grad_()
+    with wgrad.collecting(store):
+        out = deferred(xd)
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(xd.grad, x_grad)  # B: input gradients are complete
+    assert model.a.weight.grad is None and model.a.bias.grad is None and model.w.grad is None
+    assert model.n.weight.grad is not None  # other layers keep their gradients in B
+    assert len(store) == 2
+    wgrad.run(store)  # W
+    assert store == []
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], msg=name)
+
+
+def test_a_second_micro_batch_accumulates_in_place():
+    model = TwoLinears()
+    x = torch.randn(4, 6)
+    _, grads = _autograd_grads(model, x)
+    deferred = wgrad.defer_weight_grads(torch.fx.symbolic_trace(model))
+    for _ in range(2):
+        store: list = []
+        with wgrad.collecting(store):
+            out = deferred(x)
+        out.pow(2).sum().backward()
+        before = model.a.weight.grad
+        wgrad.run(store)
+    assert model.a.weight.grad is before  # the GEMM added into the existing tensor
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * grads[name], msg=name)
+
+
+def test_without_a_store_or_grad_it_is_plain_linear():
+    lin = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    assert wgrad.linear(x, lin.weight, lin.bias).grad_fn.name() == "AddmmBackward0"
+    store: list = []
+    with wgrad.collecting(store), torch.no_grad():
+        assert wgrad.linear(x, lin.weight, lin.bias).grad_fn is None
+    assert store == []
+
+
+def test_a_weight_that_is_not_a_leaf_keeps_its_gradient_in_backward():
+    lin = nn.Linear(3, 2)
+    store: list = []
+    with wgrad.collecting(store):
+        out = wgrad.linear(torch.randn(4, 3), lin.weight * 2, lin.bias)
+    out.sum().backward()
+    assert store == [] and lin.weight.grad is not None and lin.bias.grad is not None
