@@ -157,13 +157,15 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         devices = [device if j == rank else torch.device("meta") for j in range(n_stages)]
         move_owned([model, gm, *stages], ownership(stages[rank:rank + 1], [device]), [device])
         tied = tied_groups(stages, rank, timeout)
-        fn = blamed(_runnable(stages[rank], schedule), stages[rank], rank, device)
+        runnable = _runnable(stages[rank], schedule)
+        fn = blamed(runnable, runnable, rank, device)
         engine: Any = DistributedRuntime(plan, gm, fn, rank, device, link, CallSignature(gm), tied)
     else:
         own = ownership(stages, devices)
         move_owned([model, gm, *stages], own, devices)
-        fns = [blamed(stage_callable(_runnable(gm_j, schedule), own.foreign[j], devices[j]), gm_j, j, devices[j])
-               for j, gm_j in enumerate(stages)]
+        runnables = [_runnable(gm_j, schedule) for gm_j in stages]
+        fns = [blamed(stage_callable(r, own.foreign[j], devices[j]), r, j, devices[j])
+               for j, r in enumerate(runnables)]
         engine = LocalRuntime(plan, fns, devices, CallSignature(gm))
     if deferred_batch_norm:
         held = stages[rank:rank + 1] if runtime == "distributed" else stages

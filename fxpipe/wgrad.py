@@ -32,7 +32,7 @@ from torch import nn
 __all__ = ["linear", "collecting", "run", "defer_weight_grads"]
 
 _local = threading.local()
-_LINEARS = (F.linear, torch._C._nn.linear)
+_LINEARS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
 
 
 @contextmanager
@@ -117,7 +117,8 @@ def defer_weight_grads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Return a copy of ``gm`` calling :func:`linear` for every ``nn.Linear`` and ``F.linear``.
 
     Reads call_module nodes of modules of exactly type ``nn.Linear`` and call_function nodes
-    of ``F.linear``; the copy shares ``gm``'s modules and parameters.
+    of ``F.linear`` (``aten.linear`` from ``torch.export``); the copy keeps node names and
+    ``meta`` and shares ``gm``'s modules and parameters.
     """
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -127,10 +128,10 @@ def defer_weight_grads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             x = env[node.args[0]]
             w = graph.get_attr(f"{node.target}.weight")
             b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
-            env[node] = graph.call_function(linear, (x, w, b))
+            env[node] = graph.create_node("call_function", linear, (x, w, b), name=node.name)
         elif node.op == "call_function" and node.target in _LINEARS:
-            env[node] = graph.call_function(linear, torch.fx.map_arg(node.args, env.__getitem__),
-                                            torch.fx.map_arg(node.kwargs, env.__getitem__))
+            env[node] = graph.create_node("call_function", linear, torch.fx.map_arg(node.args, env.__getitem__),
+                                          torch.fx.map_arg(node.kwargs, env.__getitem__), name=node.name)
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
         env[node].meta = node.meta

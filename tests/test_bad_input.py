@@ -404,6 +404,14 @@ def test_forward_that_raises_names_stage_and_node():
         in "\n".join(info.value.__notes__)
 
 
+def test_zero_bubble_stages_name_the_node_too():
+    pipe = fxpipe.compile(Gated(), 3, example_inputs=(torch.randn(4, 4),), leaf_modules=[Gate],
+                          split_points=["b", "c"], chunks=2, devices=["cpu"] * 3, schedule="zb")
+    with pytest.raises(RuntimeError) as info:  # in a linear that defers its weight gradient
+        pipe.step(torch.randn(4, 5), target=torch.randn(4, 4), loss_fn=torch.nn.functional.mse_loss)
+    assert "stage 0 (cpu), node 'a' (call_function linear" in "\n".join(info.value.__notes__)
+
+
 def test_raise_in_recomputation_names_stage_node_and_pass():
     pipe = fxpipe.compile(Gated("recompute"), 3, example_inputs=(torch.randn(4, 4),),
                           leaf_modules=[Gate], split_points=["b", "c"], chunks=2,
