@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     """Build the argument parser."""
-    from fxpipe.compiler import BALANCE_BY, CHECKPOINT_MODES
+    from fxpipe.compiler import BALANCE_BY, CHECKPOINT_MODES, SCHEDULES
 
     parser = argparse.ArgumentParser(prog="fxpipe", description="Pipeline parallelism for any PyTorch model.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--balance-by", choices=BALANCE_BY, default="auto", help="the cost stages balance")
     p.add_argument("--split-points", type=_names, metavar="A,B", help="modules or nodes where stages begin")
     p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="except_last")
+    p.add_argument("--schedule", choices=SCHEDULES, default="gpipe",
+                   help="what a training step runs (the --timeline step, --code)")
     p.add_argument("--devices", type=_names, metavar="D,...", help="one device per stage, or one for all")
     p.add_argument("--leaf-modules", type=_names, metavar="A,B", help="submodules to keep as one call")
     p.add_argument("--input-shape", type=_shape, action="append", metavar="8,3,224,224",
@@ -141,7 +143,7 @@ def _inspect(args: argparse.Namespace) -> int:
         pipe = fxpipe.compile(model, n_stages, example_inputs=inputs, example_kwargs=kwargs or None,
                               devices=devices, chunks=args.chunks, checkpoint=args.checkpoint,
                               balance_by=args.balance_by, split_points=args.split_points,
-                              leaf_modules=args.leaf_modules or (), plan=saved)
+                              leaf_modules=args.leaf_modules or (), plan=saved, schedule=args.schedule)
     except fxpipe.TraceError as exc:
         hint = f"\nOn the command line: --leaf-modules {exc.module}" if exc.module else ""
         raise Failure(f"{exc}{hint}") from None
@@ -212,9 +214,7 @@ def _write_dot(args: argparse.Namespace, pipe: Any, model: Any, inputs: tuple | 
 
 def _write_timeline(args: argparse.Namespace, pipe: Any, inputs: tuple | None, kwargs: dict) -> None:
     """Run warm-up steps, then one recorded training step; write and summarise its trace."""
-    import torch
     from tabulate import tabulate
-    from torch.utils._pytree import tree_leaves
 
     import fxpipe
 
@@ -223,23 +223,35 @@ def _write_timeline(args: argparse.Namespace, pipe: Any, inputs: tuple | None, k
     tl = fxpipe.timeline(args.timeline)
     for k in range(max(args.warmup, 0) + 1):
         with tl if k == max(args.warmup, 0) else contextlib.nullcontext():
-            out = pipe(*inputs, **kwargs)
-            leaves = [t for t in tree_leaves(out)
-                      if isinstance(t, torch.Tensor) and t.requires_grad]
-            if not leaves:
-                raise Failure("the model's output does not require grad, so there is no backward to time")
-            sum(t.float().mean() for t in leaves).backward()  # a stand-in loss
+            if pipe.plan.schedule == "gpipe":
+                _stand_in_loss(pipe(*inputs, **kwargs), None).backward()
+            else:  # the schedule's own forward and backward actions
+                pipe.step(*inputs, target=None, loss_fn=_stand_in_loss, **kwargs)
         pipe.zero_grad(set_to_none=True)
-    counts = {kind: sum(e["cat"] == kind for e in tl.events) for kind in ("forward", "recompute", "backward", "copy")}
+    kinds = ["forward", "recompute", "backward"] + (["weight"] if pipe.plan.schedule == "zb" else []) + ["copy"]
+    counts = {kind: sum(e["cat"] == kind for e in tl.events) for kind in kinds}
     span = max(e["ts"] + e["dur"] for e in tl.events) - min(e["ts"] for e in tl.events)
-    print(f"timeline saved to {args.timeline}: one training step, {span / 1e3:.1f} ms, "
+    print(f"timeline saved to {args.timeline}: one training step ({pipe.plan.schedule}), {span / 1e3:.1f} ms, "
           + ", ".join(f"{n} {kind}" for kind, n in counts.items())
           + " events (open it in https://ui.perfetto.dev)")
     rows = []
     for s in pipe.plan.stages:
         ms = {kind: sum(e["dur"] for e in tl.events if e["cat"] == kind and e["args"]["stage"] == s.index) / 1e3
               for kind in counts}
-        busy = (ms["forward"] + ms["recompute"] + ms["backward"]) / (span / 1e3) if span else 0.0
+        busy = sum(v for k, v in ms.items() if k != "copy") / (span / 1e3) if span else 0.0
         rows.append([s.index, s.device] + [f"{ms[k]:.1f}" for k in counts] + [f"{busy:.0%}"])
-    print(tabulate(rows, headers=["stage", "device", "forward ms", "recompute ms", "backward ms",
-                                  "copy-in ms", "busy"], tablefmt="simple"))
+    headers = ["stage", "device"] + [f"{k}-in ms" if k == "copy" else f"{k} ms" for k in kinds] + ["busy"]
+    print(tabulate(rows, headers=headers, tablefmt="simple"))
+
+
+def _stand_in_loss(out: Any, _target: Any) -> Any:
+    """Return the sum of the means of the outputs that require grad: a loss to time backward with."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    grad = torch.is_grad_enabled()  # a checkpointed micro-batch's loss is first computed without
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()
+              and (t.requires_grad or not grad)]
+    if not leaves:
+        raise Failure("the model's output does not require grad, so there is no backward to time")
+    return sum(t.float().mean() for t in leaves)

@@ -179,6 +179,19 @@ def test_timeline_writes_a_chrome_trace(tmp_path, capsys):
         assert got == [(j, j, i) for j in range(2) for i in range(2)]
 
 
+def test_timeline_of_the_zero_bubble_schedule_shows_weight_steps(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    assert cli.main(["inspect", os.path.join(ROOT, "examples", "transformer.py:factory"), "--stages", "2",
+                     "--chunks", "2", "--warmup", "0", "--schedule", "zb",
+                     "--timeline", str(path), "--code"]) == 0
+    out = capsys.readouterr().out
+    assert "one training step (zb)" in out and "4 forward, 0 recompute, 4 backward, 4 weight, 0 copy events" in out
+    assert "weight ms" in out and "W(1, 1)  # weight gradients" in out
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert sorted((e["args"]["stage"], e["args"]["micro_batch"]) for e in events if e["cat"] == "weight") == \
+        [(j, i) for j in range(2) for i in range(2)]
+
+
 def test_dot_file_and_picture(tmp_path, capsys, monkeypatch):
     spec = os.path.join(ROOT, "examples", "unet.py:factory")
     assert cli.main(["inspect", spec, "--stages", "2", "--dot", str(tmp_path / "g.dot")]) == 0
