@@ -48,8 +48,8 @@ def collecting(store: list) -> Iterator[list]:
 
 def run(store: list) -> None:
     """Compute and accumulate every weight gradient queued in ``store``, emptying it."""
-    while store:
-        x, dy, weight, bias = store.pop(0)
+    queued, store[:] = list(store), []
+    for x, dy, weight, bias in queued:
         dy2 = dy.reshape(-1, dy.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         with torch.no_grad():
@@ -74,6 +74,8 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad
+    elif param.grad.layout != torch.strided:  # a sparse gradient (an embedding's) cannot add in place
+        param.grad = grad + param.grad
     else:
         param.grad.add_(grad)
 

@@ -109,3 +109,17 @@ def test_exported_stages_defer_too():
     pipe.step(x, target=y, loss_fn=F.mse_loss)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_a_weight_shared_with_a_sparse_embedding_gets_both_gradients():
+    emb = nn.Embedding(10, 4, sparse=True)
+    tokens = torch.tensor([[1, 2, 3], [3, 4, 1]])
+    ref = copy.deepcopy(emb)
+    F.linear(ref(tokens), ref.weight).sum().backward()
+    store: list = []
+    with wgrad.collecting(store):
+        out = wgrad.linear(emb(tokens), emb.weight)
+    out.sum().backward()
+    assert emb.weight.grad.is_sparse  # the embedding's part, from B
+    wgrad.run(store)
+    torch.testing.assert_close(emb.weight.grad.to_dense(), ref.weight.grad.to_dense())
