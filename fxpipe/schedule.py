@@ -81,7 +81,8 @@ def zero_bubble(n: int, m: int) -> list[list[Action]]:
     while any(pos[j] < len(order[j]) for j in range(n)):
         j = min((j for j in range(n) if pos[j] < len(order[j])), key=lambda j: (free[j], j))
         a = order[j][pos[j]]
-        ready = done.get(_dependency(a, n)) if _dependency(a, n) is not None else 0
+        dep = _dependency(a, n)
+        ready = 0 if dep is None else done.get(dep)  # None: not placed yet
         if pending[j] and (a.kind == "F" and held[j] >= n or ready is None or ready > free[j]):
             w = pending[j].pop(0)
         elif ready is not None:

@@ -85,7 +85,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     store = getattr(_local, "store", None)
     if (store is None or not torch.is_grad_enabled() or not _deferrable(weight)
             or (bias is not None and not _deferrable(bias)) or torch.is_autocast_enabled(x.device.type)
-            or x.dim() == 0):
+            or weight.dim() != 2):
         return F.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias, store)
 

@@ -17,9 +17,8 @@ store per micro-batch (:mod:`fxpipe.wgrad`), and :meth:`StageWorker.weights` com
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
-
 import contextlib
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -54,6 +53,8 @@ class StageWorker:
                 with torch.no_grad():
                     out = self.fn(*leaves)
                 return loss(out) if loss is not None else out
+            if self.defer:
+                self._weights[i] = []  # fresh: nothing left from a step that failed
             if checkpoint:
                 rng = _save_rng(self.device)
                 with torch.no_grad(), _flag("checkpointing"):
@@ -96,7 +97,7 @@ class StageWorker:
 
     def _collecting(self, i: int) -> contextlib.AbstractContextManager:
         """Queue micro-batch ``i``'s weight gradients while deferring; otherwise do nothing."""
-        return wgrad.collecting(self._weights.setdefault(i, [])) if self.defer else contextlib.nullcontext()
+        return wgrad.collecting(self._weights[i]) if self.defer else contextlib.nullcontext()
 
     def pending(self) -> int:
         """Return how many micro-batches hold activations awaiting backward."""

@@ -83,3 +83,28 @@ def test_step_with_an_unbatched_target_covers_every_micro_batch():
     grads = dict(eager.named_parameters())
     for name, p in model.named_parameters():
         assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
+
+
+def test_zero_bubble_step_after_a_failed_one_adds_no_stale_weight_gradients():
+    model = TiedTransformer()
+    tokens = torch.randint(0, 32, (8, 8))
+    pipe = fxpipe.compile(model, 2, example_inputs=(tokens,), chunks=4, schedule="zb", checkpoint="never",
+                          devices=["cpu"] * 2)
+    calls = []
+
+    def failing(out, t):
+        calls.append(1)
+        if len(calls) == 3:  # the last stage's third forward: micro-batch 1's W is still pending
+            raise RuntimeError("loss failed")
+        return out.logsumexp(-1).mean()
+
+    with pytest.raises(RuntimeError, match="loss failed"):
+        pipe.step(tokens, target=tokens, loss_fn=failing)
+    pipe.zero_grad(set_to_none=True)
+    loss_fn = lambda out, t: out.logsumexp(-1).mean()  # noqa: E731
+    eager = copy.deepcopy(model)
+    loss_fn(eager(tokens), tokens).backward()
+    pipe.step(tokens, target=tokens, loss_fn=loss_fn)
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
