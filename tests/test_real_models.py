@@ -3,8 +3,9 @@
 torchvision, timm and Hugging Face transformers models from small configurations, traced by
 fxpipe's fx front end, by their own tracers (Hugging Face's ``transformers.utils.fx``, timm's
 leaf modules and autowrapped functions), or by ``torch.export``. Each is compared with eager in
-eval mode, outputs and every parameter's gradient (``fxpipe.testing.assert_pipeline_equivalent``).
-Nothing downloads weights. Marked ``real_models`` and left out of the default run; run them
+eval mode, outputs and every parameter's gradient (``fxpipe.testing.assert_pipeline_equivalent``);
+the transformer-like ones also run a zero-bubble ``pipe.step`` against eager's loss and
+gradients. Nothing downloads weights. Marked ``real_models`` and left out of the default run; run them
 with (see the README for the environment)::
 
     pytest -m real_models tests/test_real_models.py
@@ -229,3 +230,45 @@ def _coverage_table():
         lines += ["| " + " | ".join(row) + " |" for row in _ROWS]
         with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
+
+
+ZB_CASES = [c for c in CASES if c.package == "transformers"
+            or c.name in ("vit (4 layers)", "mixer_s16_224", "vit_tiny_patch16_224")]
+
+
+def _mean_of_outputs(out: Any, _target: Any = None) -> torch.Tensor:
+    """Return a loss from any output structure: the sum of its floating leaves' means."""
+    from torch.utils._pytree import tree_leaves
+
+    return sum(t.float().mean() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+@pytest.mark.parametrize("case", ZB_CASES, ids=[f"{c.name}-{_front_end(c)}".replace(" ", "_") for c in ZB_CASES])
+def test_real_model_zero_bubble_step_equals_eager(case):
+    """schedule='zb': linears defer weight gradients to W steps; loss and gradients equal eager's."""
+    import copy
+
+    import fxpipe
+    from fxpipe import wgrad
+    from fxpipe.testing import max_relative_error
+
+    pytest.importorskip(case.package)
+    pytest.importorskip("torchvision" if case.package == "timm" else case.package)
+    torch.manual_seed(0)
+    model, args, kwargs = case.build()
+    model.eval()
+    eager = copy.deepcopy(model)
+    expected = _mean_of_outputs(eager(*args, **kwargs))
+    expected.backward()
+    pipe = fxpipe.compile(model, case.n_stages, example_inputs=args, example_kwargs=kwargs or None, chunks=2,
+                          devices=["cpu"] * case.n_stages, tracer=case.tracer, schedule="zb")
+    deferring = sum(n.target is wgrad.linear for st in pipe.stages for n in wgrad.defer_weight_grads(st).graph.nodes)
+    assert deferring > 0  # the model's linears really do defer their weight gradients
+    loss = pipe.step(*args, target=None, loss_fn=_mean_of_outputs, **kwargs)
+    assert max_relative_error(loss, expected) < 1e-5
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        if grads[name].grad is None:
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
