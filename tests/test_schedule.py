@@ -17,16 +17,19 @@ def test_zero_bubble_runs_every_step_once_with_w_after_b(n, m):
 
 
 @pytest.mark.parametrize("n,m", SIZES)
-def test_zero_bubble_keeps_1f1b_order_and_memory(n, m):
+def test_zero_bubble_keeps_1f1b_order_with_one_more_warm_up_forward(n, m):
     zb, base = zero_bubble(n, m), one_f_one_b(n, m)
     for j in range(n):
-        assert [a for a in zb[j] if a.kind != "W"] == base[j]  # same messages in the same order
-        assert in_flight(zb[j]) == in_flight(base[j])
+        fb = [str(a) for a in zb[j] if a.kind != "W"]
+        w = min(n - j if j < n - 1 else 0, m)  # 1F1B's warm-up is n - j - 1
+        pairs = [name for k in range(m - w) for name in (f"F{w + k}", f"B{k}")]
+        assert fb == [f"F{i}" for i in range(w)] + pairs + [f"B{i}" for i in range(m - w, m)]
+        assert in_flight(zb[j]) <= in_flight(base[j]) + 1
         held = peak = 0  # micro-batches whose W has not run
         for a in zb[j]:
             held += {"F": 1, "W": -1}.get(a.kind, 0)
             peak = max(peak, held)
-        assert peak <= n
+        assert peak <= n + 1
 
 
 @pytest.mark.parametrize("n,m", SIZES)
