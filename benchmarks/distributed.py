@@ -8,8 +8,8 @@ fxpipe's zero-bubble schedule ("zb", ZB-H1) and its ScheduleInterleavedZeroBubbl
 one stage per rank, all on the same model and the same 2-stage split, and eager PyTorch on
 rank 0 alone (one process, one thread) on the whole batch and over the micro-batches one by
 one. A last run has both ranks compute their own half over the micro-batches at the same
-time with no messages and no waiting: the busy time per rank, which no schedule of this split
-can beat on this machine. Each time is barrier to barrier on rank 0; each ratio is of
+time with no messages and no waiting: the busy time per rank, about the least any schedule
+of this split can take on this machine. Each time is barrier to barrier on rank 0; each ratio is of
 medians measured in this one run. Then fresh processes measure the peak memory growth of one step per rank, 1F1B and
 zero bubble against GPipe, at m = 16.
 """
@@ -218,7 +218,7 @@ def main() -> None:
             print(f"fxpipe zb / torch.distributed.pipelining {s}: {med['fxpipe zb'] / med[f'pipelining {s}']:.3f}")
         floor = med["halves alone, concurrently"]
         print(f"busy time per rank (halves alone) / torch.distributed.pipelining 1f1b: "
-              f"{floor / med['pipelining 1f1b']:.3f}  (no schedule of this split goes below it)")
+              f"{floor / med['pipelining 1f1b']:.3f}  (about the least any schedule of this split takes)")
 
         peaks = {}
         # freed tensors go back to the OS (see benchmarks/local.py), so the peak follows live memory
