@@ -199,13 +199,18 @@ def _front_end(case: Case) -> str:
     return "fxpipe fx"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c.name}-{_front_end(c)}".replace(" ", "_") for c in CASES])
-def test_real_model_equals_eager(case):
+def _build(case: Case) -> tuple[torch.nn.Module, tuple, dict]:
+    """Skip the case if its packages are missing; else build its model (in eval mode) and inputs."""
     pytest.importorskip(case.package)
     pytest.importorskip("torchvision" if case.package == "timm" else case.package)
     torch.manual_seed(0)
     model, args, kwargs = case.build()
-    model.eval()
+    return model.eval(), args, kwargs
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.name}-{_front_end(c)}".replace(" ", "_") for c in CASES])
+def test_real_model_equals_eager(case):
+    model, args, kwargs = _build(case)
     start = time.perf_counter()
     pipe = assert_pipeline_equivalent(model, args, example_kwargs=kwargs, n_stages=case.n_stages,
                                       chunks=2, devices=["cpu"] * case.n_stages, tracer=case.tracer)
@@ -252,11 +257,7 @@ def test_real_model_zero_bubble_step_equals_eager(case):
     from fxpipe import wgrad
     from fxpipe.testing import max_relative_error
 
-    pytest.importorskip(case.package)
-    pytest.importorskip("torchvision" if case.package == "timm" else case.package)
-    torch.manual_seed(0)
-    model, args, kwargs = case.build()
-    model.eval()
+    model, args, kwargs = _build(case)
     eager = copy.deepcopy(model)
     expected = _mean_of_outputs(eager(*args, **kwargs))
     expected.backward()
