@@ -73,8 +73,8 @@ def zero_bubble(n: int, m: int) -> list[list[Action]]:
 
     The forwards and backwards keep 1F1B's order, with one more warm-up forward on every
     stage but the last: the next stage's input is then ready before it is asked for, which
-    absorbs the jitter of real step times (1-4% faster on 2 CPU ranks) for one more
-    micro-batch of activations on those stages. Simulating every action as one unit of time,
+    absorbs the jitter of real step times, for one more micro-batch of activations on those
+    stages. Simulating every action as one unit of time,
     a stage whose next ``F`` or ``B`` waits on another stage runs a deferred ``W`` instead;
     before an ``F`` that would make it hold more than ``n`` micro-batches whose ``W`` has not
     run, it runs a ``W`` first (warm-up aside, so a stage holds at most ``n + 1``). With unit
