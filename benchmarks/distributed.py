@@ -9,9 +9,11 @@ one stage per rank, all on the same model and the same 2-stage split, and eager 
 rank 0 alone (one process, one thread) on the whole batch and over the micro-batches one by
 one. A last run has both ranks compute their own half over the micro-batches at the same
 time with no messages and no waiting: the busy time per rank, about the least any schedule
-of this split can take on this machine. Each time is barrier to barrier on rank 0; each ratio is of
-medians measured in this one run. Then fresh processes measure the peak memory growth of one step per rank, 1F1B and
-zero bubble against GPipe, at m = 16.
+of this split can take on this machine. The runs alternate in an order that rotates every
+repetition (a step right after another kind of step pays for its memory layout); each time
+is barrier to barrier on rank 0; each ratio is of medians measured in this one run. Then
+fresh processes measure the peak memory growth of one step per rank, 1F1B and zero bubble
+against GPipe, at m = 16.
 """
 
 from __future__ import annotations
@@ -146,9 +148,10 @@ def _speed_rank(rank: int, port: int, args, out: str) -> None:
     times: dict[str, list[float]] = {k: [] for k in runs}
     for name, fn in runs.items():  # warm up each
         _timed(fn)
-    for _ in range(args.reps):
-        for name, fn in runs.items():
-            times[name].append(_timed(fn))
+    names = list(runs)
+    for r in range(args.reps):  # rotate the order: a run's position in the cycle would bias it
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(_timed(runs[name]))
     if rank == 0:
         with open(out, "w") as f:
             json.dump(times, f)

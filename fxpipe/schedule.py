@@ -15,13 +15,13 @@ stage holds at most ``n_stages - stage`` micro-batches of activations instead of
 
 Zero bubble (ZB-H1, Qi et al., 2024) splits a backward in two: ``B`` computes the gradients
 of the stage's inputs, which the previous stage waits for, and ``W`` the gradients of its
-weights, which nobody waits for. Keeping 1F1B's order of ``F`` and ``B`` (with one more
-warm-up forward), a stage runs a deferred ``W`` whenever its next ``F`` or ``B`` would wait,
-which fills the warm-down bubble. 2 stages, 4 micro-batches, every action one unit::
+weights, which nobody waits for. Keeping 1F1B's order of ``F`` and ``B``, a stage runs a
+deferred ``W`` whenever its next ``F`` or ``B`` would wait, which fills the warm-down
+bubble. 2 stages, 4 micro-batches, every action one unit::
 
     1F1B:  stage 0: F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3     (B0 B0: a whole backward)
            stage 1: .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3
-    ZB-H1: stage 0: F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 .  B3 W3
+    ZB-H1: stage 0: F0 F1 .  B0 W0 F2 B1 W1 F3 B2 W2 B3 W3
            stage 1: .  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3
 """
 
@@ -68,19 +68,19 @@ def _warm_then_alternate(n: int, m: int, warmups: list[int]) -> list[list[Action
     return out
 
 
-def zero_bubble(n: int, m: int) -> list[list[Action]]:
+def zero_bubble(n: int, m: int, extra_warmup: int = 0) -> list[list[Action]]:
     """Return ZB-H1's actions per stage: 1F1B's forwards and backwards, weight steps in the gaps.
 
-    The forwards and backwards keep 1F1B's order, with one more warm-up forward on every
-    stage but the last: the next stage's input is then ready before it is asked for, which
-    absorbs the jitter of real step times, for one more micro-batch of activations on those
-    stages. Simulating every action as one unit of time,
-    a stage whose next ``F`` or ``B`` waits on another stage runs a deferred ``W`` instead;
-    before an ``F`` that would make it hold more than ``n`` micro-batches whose ``W`` has not
-    run, it runs a ``W`` first (warm-up aside, so a stage holds at most ``n + 1``). With unit
-    actions the step takes ``3m + n - 1`` units against 1F1B's ``3(m + n - 1)``.
+    The forwards and backwards keep 1F1B's order, with ``extra_warmup`` more warm-up
+    forwards on every stage but the last. The default, none, is the paper's ZB-H1; one more
+    has the next stage's input ready before it is asked for, but measured slower on 2 CPU
+    ranks (``benchmarks/zb_warmup.py``), and holds one more micro-batch. Simulating every action as one unit of time, a stage whose next ``F`` or ``B``
+    waits on another stage runs a deferred ``W`` instead; before an ``F`` that would make it
+    hold more than ``n`` micro-batches whose ``W`` has not run, it runs a ``W`` first
+    (warm-up aside: a stage holds at most ``n + extra_warmup``). With unit actions the step
+    takes ``3m + n - 1`` units against 1F1B's ``3(m + n - 1)``.
     """
-    order = _warm_then_alternate(n, m, [n - j if j < n - 1 else 0 for j in range(n)])
+    order = _warm_then_alternate(n, m, [n - j - 1 + extra_warmup if j < n - 1 else 0 for j in range(n)])
     actions: list[list[Action]] = [[] for _ in range(n)]
     done: dict[Action, int] = {}  # action -> the time it ends
     pending: list[list[Action]] = [[] for _ in range(n)]

@@ -16,26 +16,30 @@ def test_zero_bubble_runs_every_step_once_with_w_after_b(n, m):
         assert all(at[f"B{i}"] < at[f"W{i}"] for i in range(m))
 
 
+@pytest.mark.parametrize("extra", [0, 1])
 @pytest.mark.parametrize("n,m", SIZES)
-def test_zero_bubble_keeps_1f1b_order_with_one_more_warm_up_forward(n, m):
-    zb, base = zero_bubble(n, m), one_f_one_b(n, m)
+def test_zero_bubble_keeps_1f1b_order_with_extra_warm_up_forwards(n, m, extra):
+    zb, base = zero_bubble(n, m, extra_warmup=extra), one_f_one_b(n, m)
+    if extra == 0:
+        assert [[a for a in row if a.kind != "W"] for row in zb] == base  # the paper's ZB-H1
     for j in range(n):
         fb = [str(a) for a in zb[j] if a.kind != "W"]
-        w = min(n - j if j < n - 1 else 0, m)  # 1F1B's warm-up is n - j - 1
+        w = min(n - j - 1 + extra if j < n - 1 else 0, m)  # 1F1B's warm-up is n - j - 1
         pairs = [name for k in range(m - w) for name in (f"F{w + k}", f"B{k}")]
         assert fb == [f"F{i}" for i in range(w)] + pairs + [f"B{i}" for i in range(m - w, m)]
-        assert in_flight(zb[j]) <= in_flight(base[j]) + 1
+        assert in_flight(zb[j]) <= in_flight(base[j]) + extra
         held = peak = 0  # micro-batches whose W has not run
         for a in zb[j]:
             held += {"F": 1, "W": -1}.get(a.kind, 0)
             peak = max(peak, held)
-        assert peak <= n + 1
+        assert peak <= n + extra
 
 
+@pytest.mark.parametrize("extra", [0, 1])
 @pytest.mark.parametrize("n,m", SIZES)
-def test_zero_bubble_fills_the_bubble(n, m):
+def test_zero_bubble_fills_the_bubble(n, m, extra):
     """With unit F, B and W and m >= n, ZB-H1 takes 3m + n - 1 units; 1F1B (B+W as one) 3(m + n - 1)."""
-    at = clocks(zero_bubble(n, m))
+    at = clocks(zero_bubble(n, m, extra_warmup=extra))
     one_f_one_b_units = 3 * (m + n - 1)
     if m >= n:
         assert max(at.values()) + 1 == 3 * m + n - 1
