@@ -73,12 +73,14 @@ def zero_bubble(n: int, m: int, extra_warmup: int = 0) -> list[list[Action]]:
 
     The forwards and backwards keep 1F1B's order, with ``extra_warmup`` more warm-up
     forwards on every stage but the last. The default, none, is the paper's ZB-H1; one more
-    has the next stage's input ready before it is asked for, but measured slower on 2 CPU
-    ranks (``benchmarks/zb_warmup.py``), and holds one more micro-batch. Simulating every action as one unit of time, a stage whose next ``F`` or ``B``
-    waits on another stage runs a deferred ``W`` instead; before an ``F`` that would make it
-    hold more than ``n`` micro-batches whose ``W`` has not run, it runs a ``W`` first
-    (warm-up aside: a stage holds at most ``n + extra_warmup``). With unit actions the step
-    takes ``3m + n - 1`` units against 1F1B's ``3(m + n - 1)``.
+    has the next stage's input ready before it asks, but holds one more micro-batch and
+    measured no faster on 2 CPU ranks (``benchmarks/zb_warmup.py``).
+
+    Simulating every action as one unit of time, a stage whose next ``F`` or ``B`` waits on
+    another stage runs a deferred ``W`` instead; before an ``F`` that would make it hold more
+    than ``n`` micro-batches whose ``W`` has not run, it runs a ``W`` first (warm-up aside: a
+    stage holds at most ``n + extra_warmup``). With unit actions the step takes
+    ``3m + n - 1`` units against 1F1B's ``3(m + n - 1)`` (for ``m >= n``).
     """
     order = _warm_then_alternate(n, m, [n - j - 1 + extra_warmup if j < n - 1 else 0 for j in range(n)])
     actions: list[list[Action]] = [[] for _ in range(n)]
