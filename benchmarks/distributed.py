@@ -187,15 +187,20 @@ def _spawn(target, *extra) -> None:
             raise SystemExit(f"a rank failed with exit code {p.exitcode}")
 
 
-def main() -> None:
-    """Parse arguments, run both comparisons, print the tables."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def model_arguments(parser: argparse.ArgumentParser, reps: int) -> None:
+    """Add the residual MLP's size, the micro-batch count and the repetitions to ``parser``."""
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=reps)
+
+
+def main() -> None:
+    """Parse arguments, run both comparisons, print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    model_arguments(parser, reps=7)
     parser.add_argument("--mem-batch", type=int, default=4096)
     parser.add_argument("--mem-chunks", type=int, default=16)
     args = parser.parse_args()

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                 os.path.dirname(os.path.abspath(__file__))]
 import fxpipe  # noqa: E402
-from distributed import ResidualMLP, _env, _spawn, _timed  # noqa: E402
+from distributed import ResidualMLP, _env, _spawn, _timed, model_arguments  # noqa: E402
 from fxpipe.actions import compile_actions  # noqa: E402
 from fxpipe.schedule import SCHEDULES, zero_bubble  # noqa: E402
 
@@ -72,12 +72,7 @@ def _rank(rank: int, port: int, args, out: str) -> None:
 def main() -> None:
     """Parse arguments, run, print the medians and ratios."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=9)
+    model_arguments(parser, reps=9)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
