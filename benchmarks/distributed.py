@@ -145,11 +145,16 @@ def _speed_rank(rank: int, port: int, args, out: str) -> None:
             "fxpipe 1f1b": lambda: fx_step("1f1b"), "pipelining 1f1b": lambda: pp_step("1f1b"),
             "fxpipe zb": lambda: fx_step("zb"), "pipelining zb": lambda: pp_step("zb"),
             "halves alone, concurrently": halves_alone}
+    time_rotating(runs, args.reps, rank, out)
+
+
+def time_rotating(runs: dict, reps: int, rank: int, out: str) -> None:
+    """Time each run ``reps`` times, barrier to barrier, in a rotating order; rank 0 writes ``out``."""
     times: dict[str, list[float]] = {k: [] for k in runs}
-    for name, fn in runs.items():  # warm up each
+    for fn in runs.values():  # warm up each
         _timed(fn)
     names = list(runs)
-    for r in range(args.reps):  # rotate the order: a run's position in the cycle would bias it
+    for r in range(reps):  # rotate the order: a run's position in the cycle would bias it
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(_timed(runs[name]))
     if rank == 0:

@@ -23,13 +23,12 @@ import sys
 import tempfile
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                 os.path.dirname(os.path.abspath(__file__))]
 import fxpipe  # noqa: E402
-from distributed import ResidualMLP, _env, _spawn, _timed, model_arguments  # noqa: E402
+from distributed import ResidualMLP, _env, _spawn, model_arguments, time_rotating  # noqa: E402
 from fxpipe.actions import compile_actions  # noqa: E402
 from fxpipe.schedule import SCHEDULES, zero_bubble  # noqa: E402
 
@@ -56,17 +55,7 @@ def _rank(rank: int, port: int, args, out: str) -> None:
     runs = {"fxpipe 1f1b": lambda: step("1f1b", ""),
             "fxpipe zb (ZB-H1, 1F1B warm-up)": lambda: step("zb", "zb"),
             "fxpipe zb, one more warm-up forward": lambda: step("zb", "zb_extra")}
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for fn in runs.values():
-        _timed(fn)
-    names = list(runs)
-    for r in range(args.reps):  # rotate the order: a run's position in the cycle would bias it
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(_timed(runs[name]))
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(times, f)
-    dist.destroy_process_group()
+    time_rotating(runs, args.reps, rank, out)
 
 
 def main() -> None:
