@@ -22,11 +22,11 @@ from fxpipe.microbatch import batch_size, micro_sizes
 from fxpipe.mutation import copy_mutated_inputs
 from fxpipe.pipe import Pipe
 from fxpipe.signature import CallSignature
-from fxpipe.wgrad import defer_weight_grads
 from fxpipe.placement import move_owned, named_tensors, ownership, resolve_devices, stage_callable
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.saved import PlanLike, apply_plan, graph_signature, load_plan
 from fxpipe.tracing import check_tracer, trace
+from fxpipe.wgrad import defer_weight_grads
 
 __all__ = ["compile"]
 

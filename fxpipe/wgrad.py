@@ -53,11 +53,10 @@ def run(store: list) -> None:
         dy2 = dy.reshape(-1, dy.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         with torch.no_grad():
-            if weight is not None:
-                if _accumulates_in_place(weight, dy2):
-                    weight.grad.addmm_(dy2.t(), x2)  # one GEMM adds into .grad: no temporary, no add pass
-                else:
-                    _accumulate(weight, dy2.t().mm(x2))
+            if _accumulates_in_place(weight, dy2):
+                weight.grad.addmm_(dy2.t(), x2)  # one GEMM adds into .grad: no temporary, no add pass
+            else:
+                _accumulate(weight, dy2.t().mm(x2))
             if bias is not None:
                 _accumulate(bias, dy2.sum(0))
 
