@@ -9,7 +9,8 @@ one stage per rank, all on the same model and the same 2-stage split, and eager 
 rank 0 alone (one process, one thread) on the whole batch and over the micro-batches one by
 one. A last run has both ranks compute their own half over the micro-batches at the same
 time with no messages and no waiting: the busy time per rank, about the least any schedule
-of this split can take on this machine. The runs alternate in an order that rotates every
+of this split can take on this machine (``benchmarks/zb_where.py`` adds to it the wait that
+one stage per rank cannot avoid). The runs alternate in an order shuffled anew every
 repetition (a step right after another kind of step pays for its memory layout); each time
 is barrier to barrier on rank 0; each ratio is of medians measured in this one run. Then
 fresh processes measure the peak memory growth of one step per rank, 1F1B and zero bubble
@@ -23,6 +24,7 @@ import copy
 import json
 import multiprocessing as mp
 import os
+import random
 import socket
 import statistics
 import sys
@@ -145,17 +147,23 @@ def _speed_rank(rank: int, port: int, args, out: str) -> None:
             "fxpipe 1f1b": lambda: fx_step("1f1b"), "pipelining 1f1b": lambda: pp_step("1f1b"),
             "fxpipe zb": lambda: fx_step("zb"), "pipelining zb": lambda: pp_step("zb"),
             "halves alone, concurrently": halves_alone}
-    time_rotating(runs, args.reps, rank, out)
+    time_shuffled(runs, args.reps, rank, out)
 
 
-def time_rotating(runs: dict, reps: int, rank: int, out: str) -> None:
-    """Time each run ``reps`` times, barrier to barrier, in a rotating order; rank 0 writes ``out``."""
+def time_shuffled(runs: dict, reps: int, rank: int, out: str) -> None:
+    """Time each run ``reps`` times, barrier to barrier, in a new order each repetition; rank 0 writes ``out``.
+
+    The order is a shuffle seeded by the repetition, the same on every rank. A step pays for
+    the memory layout the step before it left, so a fixed cycle (even one rotated every
+    repetition) would have each run follow the same neighbour every time.
+    """
     times: dict[str, list[float]] = {k: [] for k in runs}
     for fn in runs.values():  # warm up each
         _timed(fn)
-    names = list(runs)
-    for r in range(reps):  # rotate the order: a run's position in the cycle would bias it
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    for r in range(reps):
+        order = list(runs)
+        random.Random(r).shuffle(order)
+        for name in order:
             times[name].append(_timed(runs[name]))
     if rank == 0:
         with open(out, "w") as f:
@@ -218,9 +226,9 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"residual MLP d={args.dim} hidden={args.hidden} blocks={args.blocks} batch={args.batch} "
               f"m={args.chunks}, 2 ranks x 1 thread, {args.reps} alternating runs, median step time")
-        print(f"{'run':34} {'median s':>9} {'vs eager':>9}")
+        print(f"{'run':40} {'median s':>9} {'vs eager':>9}")
         for k, v in med.items():
-            print(f"{k:34} {v:9.3f} {med['eager'] / v:8.2f}x")
+            print(f"{k:40} {v:9.3f} {med['eager'] / v:8.2f}x")
         bound = 2 * args.chunks / (args.chunks + 1)
         print(f"speedup bound 2m/(m+1) = {bound:.2f}x; eager micro-batched / eager = "
               f"{med['eager, micro-batches one by one'] / med['eager']:.3f}")

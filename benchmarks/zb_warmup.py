@@ -6,7 +6,7 @@ fxpipe's ``schedule="zb"`` is the paper's ZB-H1, with 1F1B's warm-up (``zero_bub
 One more warm-up forward on every stage but the last (``extra_warmup=1``) would have the
 next stage's input ready before it asks, for one more micro-batch held; this measures it.
 Both programs run on the same compiled pipe in the same two processes, alternating with
-fxpipe's 1F1B in an order that rotates every repetition (the run after another kind of step
+fxpipe's 1F1B in an order shuffled anew every repetition (the run after another kind of step
 pays for its memory layout), on the model and split of ``benchmarks/distributed.py``. Each time is barrier
 to barrier on rank 0; each ratio is of medians measured in this one run.
 """
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                 os.path.dirname(os.path.abspath(__file__))]
 import fxpipe  # noqa: E402
-from distributed import ResidualMLP, _env, _spawn, model_arguments, time_rotating  # noqa: E402
+from distributed import ResidualMLP, _env, _spawn, model_arguments, time_shuffled  # noqa: E402
 from fxpipe.actions import compile_actions  # noqa: E402
 from fxpipe.schedule import SCHEDULES, zero_bubble  # noqa: E402
 
@@ -55,7 +55,7 @@ def _rank(rank: int, port: int, args, out: str) -> None:
     runs = {"fxpipe 1f1b": lambda: step("1f1b", ""),
             "fxpipe zb (ZB-H1, 1F1B warm-up)": lambda: step("zb", "zb"),
             "fxpipe zb, one more warm-up forward": lambda: step("zb", "zb_extra")}
-    time_rotating(runs, args.reps, rank, out)
+    time_shuffled(runs, args.reps, rank, out)
 
 
 def main() -> None:
