@@ -135,12 +135,7 @@ def _speed_rank(rank: int, port: int, args, out: str) -> None:
     fixed = torch.randn(rows, args.dim)
 
     def halves_alone():  # each rank its own stage's F and B, concurrently, nothing to wait for
-        for xs, ys in zip(x.chunk(args.chunks), y.chunk(args.chunks)):
-            out = alone(xs.detach().requires_grad_(rank > 0))
-            if rank == 1:
-                (F.mse_loss(out, ys) / args.chunks).backward()
-            else:
-                out.backward(fixed)
+        half_alone(alone, x, y, args.chunks, rank, fixed)
 
     runs = {"eager": eager_full, "eager, micro-batches one by one": eager_micro,
             "fxpipe gpipe": lambda: fx_step("gpipe"), "pipelining gpipe": lambda: pp_step("gpipe"),
@@ -148,6 +143,19 @@ def _speed_rank(rank: int, port: int, args, out: str) -> None:
             "fxpipe zb": lambda: fx_step("zb"), "pipelining zb": lambda: pp_step("zb"),
             "halves alone, concurrently": halves_alone}
     time_shuffled(runs, args.reps, rank, out)
+
+
+def half_alone(part: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int, rank: int,
+               fixed: torch.Tensor, after_first_forward=None) -> None:
+    """Run one rank's half over the micro-batches with plain autograd, no messages (rank 1 has the loss)."""
+    for k, (xs, ys) in enumerate(zip(x.chunk(chunks), y.chunk(chunks))):
+        out = part(xs.detach().requires_grad_(rank > 0))
+        if k == 0 and after_first_forward is not None:
+            after_first_forward()
+        if rank == 1:
+            (F.mse_loss(out, ys) / chunks).backward()
+        else:
+            out.backward(fixed)
 
 
 def time_shuffled(runs: dict, reps: int, rank: int, out: str) -> None:

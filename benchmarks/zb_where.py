@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                 os.path.dirname(os.path.abspath(__file__))]
 import fxpipe  # noqa: E402
-from distributed import ResidualMLP, _env, _spawn, model_arguments  # noqa: E402
+from distributed import ResidualMLP, _env, _spawn, half_alone, model_arguments  # noqa: E402
 
 
 def _rank(rank: int, port: int, args, out: str) -> None:
@@ -57,30 +57,19 @@ def _rank(rank: int, port: int, args, out: str) -> None:
         rows["busy"].append(sum(e["dur"] for e in tl.events) / 1e6)
         rows["first"].append(min(e["ts"] for e in tl.events) / 1e6)  # on rank 1: its first input came
 
-    def bound() -> None:
-        flag, busy = torch.zeros(1), 0.0
+    def bound() -> None:  # rank 1 starts once rank 0's first forward is done
+        flag, waited = torch.zeros(1), 0.0
         dist.barrier()
         start = time.perf_counter()
-        for k, (xs, ys) in enumerate(zip(x.chunk(args.chunks), y.chunk(args.chunks))):
-            if rank == 1 and k == 0:
-                dist.recv(flag, 0)  # rank 1 starts once rank 0's first forward is done
-                rows["bound first"].append(time.perf_counter() - start)
-            began = time.perf_counter()
-            o = part(xs.detach().requires_grad_(rank > 0))
-            if rank == 0 and k == 0:
-                busy += time.perf_counter() - began
-                dist.send(flag, 1)
-                began = time.perf_counter()
-            if rank == 1:
-                (F.mse_loss(o, ys) / args.chunks).backward()
-            else:
-                o.backward(fixed)
-            busy += time.perf_counter() - began
+        if rank == 1:
+            dist.recv(flag, 0)
+            waited = time.perf_counter() - start
+        half_alone(part, x, y, args.chunks, rank, fixed, (lambda: dist.send(flag, 1)) if rank == 0 else None)
+        busy = time.perf_counter() - start - waited
         dist.barrier()
         rows["bound step"].append(time.perf_counter() - start)
         rows["bound busy"].append(busy)
-        if rank == 0:
-            rows["bound first"].append(0.0)
+        rows["bound first"].append(waited)
 
     zb()  # warm up both
     bound()
