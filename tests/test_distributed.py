@@ -71,7 +71,7 @@ def test_shape_mismatch_fails_clearly_on_every_rank(tmp_path):
         assert "built for shape (batch, 3, 16, 16)" in res["message"]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
 def test_a_rank_that_raises_stops_the_others(schedule, tmp_path):
     start = time.monotonic()
     results = _launch("raises", 3, schedule, tmp_path, limit=90)
