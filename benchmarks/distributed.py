@@ -159,7 +159,7 @@ def half_alone(part: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int, r
 
 
 def time_shuffled(runs: dict, reps: int, rank: int, out: str) -> None:
-    """Time each run ``reps`` times, barrier to barrier, in a new order each repetition; rank 0 writes ``out``.
+    """Time each run ``reps`` times, barrier to barrier, in a new order each repetition; rank 0 reports them.
 
     The order is a shuffle seeded by the repetition, the same on every rank. A step pays for
     the memory layout the step before it left, so a fixed cycle (even one rotated every
@@ -174,8 +174,7 @@ def time_shuffled(runs: dict, reps: int, rank: int, out: str) -> None:
         for name in order:
             times[name].append(_timed(runs[name]))
     if rank == 0:
-        with open(out, "w") as f:
-            json.dump(times, f)
+        report(out, rank, times)
     dist.destroy_process_group()
 
 
@@ -190,22 +189,37 @@ def _memory_rank(rank: int, port: int, args, schedule: str, out: str) -> None:
     dist.barrier()
     with peak_growth() as growth:
         pipe.step(x if rank == 0 else None, target=y if rank == 1 else None, loss_fn=F.mse_loss)
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(growth["bytes"], f)
+    report(out, rank, growth["bytes"])
     dist.destroy_process_group()
 
 
-def _spawn(target, *extra) -> None:
-    """Run ``target`` on two spawned ranks and wait for both."""
+def report(out: str, rank: int, value) -> None:
+    """Hand ``value`` (JSON) from rank ``rank`` back to :func:`_spawn`."""
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(value, f)
+
+
+def _spawn(target, *extra) -> list:
+    """Run ``target(rank, port, *extra, out)`` on two spawned ranks; return what each reported (or None)."""
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, port, *extra)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise SystemExit(f"a rank failed with exit code {p.exitcode}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "report")
+        procs = [ctx.Process(target=target, args=(r, port, *extra, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+            if p.exitcode:
+                raise SystemExit(f"a rank failed with exit code {p.exitcode}")
+        reports = []
+        for r in range(2):
+            if os.path.exists(f"{out}.{r}"):
+                with open(f"{out}.{r}") as f:
+                    reports.append(json.load(f))
+            else:
+                reports.append(None)
+        return reports
 
 
 def model_arguments(parser: argparse.ArgumentParser, reps: int) -> None:
@@ -226,42 +240,35 @@ def main() -> None:
     parser.add_argument("--mem-chunks", type=int, default=16)
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.json")
-        _spawn(_speed_rank, args, out)
-        with open(out) as f:
-            times = json.load(f)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"residual MLP d={args.dim} hidden={args.hidden} blocks={args.blocks} batch={args.batch} "
-              f"m={args.chunks}, 2 ranks x 1 thread, {args.reps} alternating runs, median step time")
-        print(f"{'run':40} {'median s':>9} {'vs eager':>9}")
-        for k, v in med.items():
-            print(f"{k:40} {v:9.3f} {med['eager'] / v:8.2f}x")
-        bound = 2 * args.chunks / (args.chunks + 1)
-        print(f"speedup bound 2m/(m+1) = {bound:.2f}x; eager micro-batched / eager = "
-              f"{med['eager, micro-batches one by one'] / med['eager']:.3f}")
-        for s in SCHEDULES:
-            print(f"fxpipe {s} / torch.distributed.pipelining {s}: "
-                  f"{med[f'fxpipe {s}'] / med[f'pipelining {s}']:.3f}")
-        for s in ("gpipe", "1f1b"):
-            print(f"fxpipe zb / torch.distributed.pipelining {s}: {med['fxpipe zb'] / med[f'pipelining {s}']:.3f}")
-        floor = med["halves alone, concurrently"]
-        print(f"busy time per rank (halves alone) / torch.distributed.pipelining 1f1b: "
-              f"{floor / med['pipelining 1f1b']:.3f}  (about the least any schedule of this split takes)")
+    med = {k: statistics.median(v) for k, v in _spawn(_speed_rank, args)[0].items()}
+    print(f"residual MLP d={args.dim} hidden={args.hidden} blocks={args.blocks} batch={args.batch} "
+          f"m={args.chunks}, 2 ranks x 1 thread, {args.reps} alternating runs, median step time")
+    print(f"{'run':40} {'median s':>9} {'vs eager':>9}")
+    for k, v in med.items():
+        print(f"{k:40} {v:9.3f} {med['eager'] / v:8.2f}x")
+    bound = 2 * args.chunks / (args.chunks + 1)
+    print(f"speedup bound 2m/(m+1) = {bound:.2f}x; eager micro-batched / eager = "
+          f"{med['eager, micro-batches one by one'] / med['eager']:.3f}")
+    for s in SCHEDULES:
+        print(f"fxpipe {s} / torch.distributed.pipelining {s}: "
+              f"{med[f'fxpipe {s}'] / med[f'pipelining {s}']:.3f}")
+    for s in ("gpipe", "1f1b"):
+        print(f"fxpipe zb / torch.distributed.pipelining {s}: {med['fxpipe zb'] / med[f'pipelining {s}']:.3f}")
+    floor = med["halves alone, concurrently"]
+    print(f"busy time per rank (halves alone) / torch.distributed.pipelining 1f1b: "
+          f"{floor / med['pipelining 1f1b']:.3f}  (about the least any schedule of this split takes)")
 
-        peaks = {}
-        # freed tensors go back to the OS (see benchmarks/local.py), so the peak follows live memory
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        for s in SCHEDULES:
-            base = os.path.join(tmp, f"mem-{s}")
-            _spawn(_memory_rank, args, s, base)
-            peaks[s] = [json.load(open(f"{base}.{r}")) for r in range(2)]
-        print(f"\npeak memory growth over one step, m={args.mem_chunks}, batch={args.mem_batch}, "
-              "checkpoint='never' (MiB, per rank)")
-        for r in range(2):
-            g, o, z = (peaks[s][r] / 2**20 for s in SCHEDULES)
-            print(f"rank {r}: gpipe {g:8.1f}   1f1b {o:8.1f}   zb {z:8.1f}   "
-                  f"1f1b/gpipe {o / g:.2f}   zb/gpipe {z / g:.2f}")
+    peaks = {}
+    # freed tensors go back to the OS (see benchmarks/local.py), so the peak follows live memory
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    for s in SCHEDULES:
+        peaks[s] = _spawn(_memory_rank, args, s)
+    print(f"\npeak memory growth over one step, m={args.mem_chunks}, batch={args.mem_batch}, "
+          "checkpoint='never' (MiB, per rank)")
+    for r in range(2):
+        g, o, z = (peaks[s][r] / 2**20 for s in SCHEDULES)
+        print(f"rank {r}: gpipe {g:8.1f}   1f1b {o:8.1f}   zb {z:8.1f}   "
+              f"1f1b/gpipe {o / g:.2f}   zb/gpipe {z / g:.2f}")
 
 
 if __name__ == "__main__":

@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -63,11 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     model_arguments(parser, reps=9)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.json")
-        _spawn(_rank, args, out)
-        with open(out) as f:
-            med = {k: statistics.median(v) for k, v in json.load(f).items()}
+    med = {k: statistics.median(v) for k, v in _spawn(_rank, args)[0].items()}
     print(f"residual MLP d={args.dim} hidden={args.hidden} blocks={args.blocks} batch={args.batch} "
           f"m={args.chunks}, 2 ranks x 1 thread, {args.reps} alternating runs, median step time")
     for k, v in med.items():

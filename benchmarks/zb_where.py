@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -30,7 +28,7 @@ import torch.nn.functional as F
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                 os.path.dirname(os.path.abspath(__file__))]
 import fxpipe  # noqa: E402
-from distributed import ResidualMLP, _env, _spawn, half_alone, model_arguments  # noqa: E402
+from distributed import ResidualMLP, _env, _spawn, half_alone, model_arguments, report  # noqa: E402
 
 
 def _rank(rank: int, port: int, args, out: str) -> None:
@@ -78,8 +76,7 @@ def _rank(rank: int, port: int, args, out: str) -> None:
     for r in range(args.reps):
         for fn in ((zb, bound) if r % 2 == 0 else (bound, zb)):
             fn()
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(rows, f)
+    report(out, rank, rows)
     dist.destroy_process_group()
 
 
@@ -88,13 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     model_arguments(parser, reps=14)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows")
-        _spawn(_rank, args, out)
-        med = []
-        for r in range(2):
-            with open(f"{out}.{r}") as f:
-                med.append({k: statistics.median(v) for k, v in json.load(f).items()})
+    med = [{k: statistics.median(v) for k, v in rows.items()} for rows in _spawn(_rank, args)]
     print(f"residual MLP d={args.dim} hidden={args.hidden} blocks={args.blocks} batch={args.batch} "
           f"m={args.chunks}, 2 ranks x 1 thread, medians of {args.reps} of each (s)")
     print(f"{'':28} {'rank':>4} {'step':>7} {'busy':>7} {'waiting':>8} {'first input':>12}")
