@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")]
 
 import fxpipe  # noqa: E402
-import passes  # noqa: E402
+from fxpipe import passes  # noqa: E402
 from models import FACTORIES  # noqa: E402
 from unet import factory as unet_factory  # noqa: E402
 

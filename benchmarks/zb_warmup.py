@@ -27,8 +27,8 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                 os.path.dirname(os.path.abspath(__file__))]
 import fxpipe  # noqa: E402
 from distributed import ResidualMLP, _env, _spawn, model_arguments, time_shuffled  # noqa: E402
-from fxpipe.actions import compile_actions  # noqa: E402
-from fxpipe.schedule import SCHEDULES, zero_bubble  # noqa: E402
+from fxpipe.runtime.actions import compile_actions  # noqa: E402
+from fxpipe.runtime.schedule import SCHEDULES, zero_bubble  # noqa: E402
 
 
 def _rank(rank: int, port: int, args, out: str) -> None:

@@ -5,13 +5,13 @@ balanced stages, routes every value that skips stages straight from its producer
 consumers, and runs the stages over micro-batches with a generated GPipe executor.
 """
 
-from fxpipe.checkpoint import is_checkpointing, is_recomputing
+from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
 from fxpipe.errors import (MutationError, NoFeasibleCut, PeerFailure, PipelineInputError,
                            PlanMismatchError, TraceError)
 from fxpipe.compiler import compile
 from fxpipe.pipe import Pipe
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
-from fxpipe.recorder import Timeline, timeline
+from fxpipe.tools.recorder import Timeline, timeline
 from fxpipe.tracing import trace
 
 __version__ = "0.1.0"

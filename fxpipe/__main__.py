@@ -1,5 +1,5 @@
 """``python -m fxpipe``: the ``fxpipe`` command line."""
 
-from fxpipe.cli import main
+from fxpipe.tools.cli import main
 
 raise SystemExit(main())

@@ -12,21 +12,21 @@ from torch._subclasses import fake_tensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_flatten
 
-import passes
-from fxpipe.batchnorm import defer_batch_norm
-from fxpipe.comm import Comm
-from fxpipe.distributed import DistributedRuntime, agree_on_stages, setup_distributed, tied_groups
-from fxpipe.blame import blamed
-from fxpipe.local import LocalRuntime
-from fxpipe.microbatch import batch_size, micro_sizes
+from fxpipe import passes
+from fxpipe.runtime.batchnorm import defer_batch_norm
+from fxpipe.runtime.comm import Comm
+from fxpipe.runtime.distributed import DistributedRuntime, agree_on_stages, setup_distributed, tied_groups
+from fxpipe.tools.blame import blamed
+from fxpipe.runtime.local import LocalRuntime
+from fxpipe.runtime.microbatch import batch_size, micro_sizes
 from fxpipe.mutation import copy_mutated_inputs
 from fxpipe.pipe import Pipe
-from fxpipe.signature import CallSignature
-from fxpipe.placement import move_owned, named_tensors, ownership, resolve_devices, stage_callable
+from fxpipe.runtime.signature import CallSignature
+from fxpipe.runtime.placement import move_owned, named_tensors, ownership, resolve_devices, stage_callable
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.saved import PlanLike, apply_plan, graph_signature, load_plan
 from fxpipe.tracing import check_tracer, trace
-from fxpipe.wgrad import defer_weight_grads
+from fxpipe.runtime.wgrad import defer_weight_grads
 
 __all__ = ["compile"]
 
@@ -60,7 +60,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     modules or nodes where stages begin instead. ``max_memory`` caps every stage's estimated
     peak memory in bytes (parameters, gradients, activations kept for backward).
     ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"zb"`` (zero bubble: 1F1B whose linears'
-    weight gradients fill the pipeline's idle time; see :mod:`fxpipe.schedule`), what
+    weight gradients fill the pipeline's idle time; see :mod:`fxpipe.runtime.schedule`), what
     :meth:`Pipe.step` runs. ``tracer`` is
     ``"fx"`` (symbolic tracing), ``"export"`` (``torch.export`` on the example inputs, dim 0
     dynamic) or a callable returning another tracer's GraphModule; see :func:`fxpipe.trace`.

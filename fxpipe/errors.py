@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from passes.cut import NoFeasibleCut
+from fxpipe.passes.cut import NoFeasibleCut
 
 __all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "PeerFailure", "NoFeasibleCut",
            "MutationError"]

@@ -1,6 +1,6 @@
 """Refuse in-place changes a pipeline cannot reproduce; give stages private copies of the rest.
 
-See :mod:`passes.inplace` for the analysis: a stage that changes one of its inputs in place
+See :mod:`fxpipe.passes.inplace` for the analysis: a stage that changes one of its inputs in place
 works on a copy made on entry, so its recomputation and every other stage see the values
 eager sees; a change that a later stage would have to see through the original value is
 refused at compile time with :class:`~fxpipe.errors.MutationError`, before anything moves.
@@ -12,7 +12,7 @@ import logging
 
 import torch.fx
 
-import passes
+from fxpipe import passes
 from fxpipe.errors import MutationError
 
 __all__ = ["copy_mutated_inputs", "conflict_message"]

@@ -16,7 +16,7 @@ from typing import Union
 import torch.fx
 from torch.fx.node import _get_qualified_name
 
-import passes
+from fxpipe import passes
 from fxpipe.errors import PlanMismatchError
 from fxpipe.plan import PipelinePlan
 
@@ -101,7 +101,7 @@ def apply_plan(gm: torch.fx.GraphModule, plan: PipelinePlan, n_stages: int) -> N
     """Write ``plan``'s stage of every node into ``gm``'s ``fxpipe.stage`` meta, after checking it fits.
 
     Reads:  the graph's nodes (names, ops, targets).
-    Writes: ``node.meta["fxpipe.stage"]``, as :func:`passes.partition` does.
+    Writes: ``node.meta["fxpipe.stage"]``, as :func:`fxpipe.passes.partition` does.
     Raises :class:`PlanMismatchError` saying what differs.
     """
     fix = ("make a new plan: call fxpipe.compile without plan= (or run `fxpipe inspect MODEL "

@@ -3,7 +3,7 @@
 ``assert_pipeline_equivalent`` is meant for users' own test suites; the pytest plugin
 (:mod:`fxpipe.pytest_plugin`, registered as an entry point) offers it as a fixture. When
 the pipeline differs, the assertion message names the first stage and node where values
-diverge (:mod:`fxpipe.diverge`).
+diverge (:mod:`fxpipe.tools.diverge`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
     failure = _first_difference(expected, actual, reference, model, rtol, atol)
     if failure is not None:
         if diagnose:
-            from fxpipe.diverge import divergence
+            from fxpipe.tools.diverge import divergence
 
             tol = (rtol, atol) if rtol is not None else default_tolerance(_dtype(expected))
             failure += "\n" + divergence(pipe, reference, example_inputs, kwargs, tol[0],

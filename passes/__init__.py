@@ -4,16 +4,16 @@ Each pass is a plain function; its module docstring says which ``node.meta`` key
 and writes. The passes import torch, torch.fx and networkx, never fxpipe's runtime.
 """
 
-from passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
-from passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
-from passes.cost import comm_weights, cut_widths, memory_factors, node_costs
-from passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
-from passes.order import candidate_orders
-from passes.partition import (Partition, assign_by_name, assign_stages, balanced_cut, compute_nodes, node_cost,
+from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
+from fxpipe.passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
+from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
+from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
+from fxpipe.passes.order import candidate_orders
+from fxpipe.passes.partition import (Partition, assign_by_name, assign_stages, balanced_cut, compute_nodes, node_cost,
                               partition, partition_at, stage_costs)
-from passes.profile import profile
-from passes.infer import value_specs
-from passes.split import Route, StageGraph, split
+from fxpipe.passes.profile import profile
+from fxpipe.passes.infer import value_specs
+from fxpipe.passes.split import Route, StageGraph, split
 
 __all__ = [
     "Conflict",

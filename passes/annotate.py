@@ -22,7 +22,7 @@ Writes: ``node.meta`` keys
 Nothing real is computed and the model's parameters and buffers are never touched: each
 node runs under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`, a module with fake
 copies of its own state swapped in by :func:`torch.func.functional_call`. Nodes with equal
-signatures (:mod:`passes.signature`) run once; the others reuse the first one's result, so a
+signatures (:mod:`fxpipe.passes.signature`) run once; the others reuse the first one's result, so a
 deep stack of identical layers costs little more than one layer.
 """
 
@@ -37,9 +37,9 @@ import torch.fx._pytree as fx_pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from passes.gcpause import gc_paused
-from passes.propagate import Propagator, fetch
-from passes.spec import TensorSpec, spec_of, value_bytes
+from fxpipe.passes.gcpause import gc_paused
+from fxpipe.passes.propagate import Propagator, fetch
+from fxpipe.passes.spec import TensorSpec, spec_of, value_bytes
 
 __all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "spec_of", "value_bytes"]
 

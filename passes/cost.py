@@ -1,8 +1,8 @@
 """Cost models for partitioning: per-node costs, cut widths, stage memory, communication weights.
 
 Reads:  ``fxpipe.flops``, ``fxpipe.flops_bwd``, ``fxpipe.bytes``, ``fxpipe.saved_bytes``,
-        ``fxpipe.param_bytes`` (from :func:`passes.annotate`) and ``fxpipe.time`` (from
-        :func:`passes.profile`).
+        ``fxpipe.param_bytes`` (from :func:`fxpipe.passes.annotate`) and ``fxpipe.time`` (from
+        :func:`fxpipe.passes.profile`).
 Writes: nothing.
 
 Each ``balance_by`` kind gives every compute node a cost, in its own unit:

@@ -17,7 +17,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from passes.annotate import TensorSpec, spec_of
+from fxpipe.passes.annotate import TensorSpec, spec_of
 
 __all__ = ["SpecProp", "value_specs"]
 

@@ -1,7 +1,7 @@
 """Find in-place ops on values that cross stages; plan copies for them or report conflicts.
 
-Reads:  ``node.meta["fxpipe.stage"]`` (from :func:`passes.partition`) and
-        ``node.meta["fxpipe.mutates"]`` (from :func:`passes.annotate`); without annotations,
+Reads:  ``node.meta["fxpipe.stage"]`` (from :func:`fxpipe.passes.partition`) and
+        ``node.meta["fxpipe.mutates"]`` (from :func:`fxpipe.passes.annotate`); without annotations,
         in-place ops are found by name (``add_``, ``inplace=True``, ``operator.setitem``)
         and followed through view ops (:func:`static_mutations`).
 Writes: nothing; returns a :class:`MutationPlan`.

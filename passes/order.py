@@ -12,7 +12,7 @@ every cut between. Besides the traced order (the program's own) the partitioner 
     just-in-time  Kahn's algorithm preferring the ready node whose value is needed soonest
                   in the traced order, so values nobody needs yet wait
 
-and keeps the order whose best cut costs least (:func:`passes.partition`).
+and keeps the order whose best cut costs least (:func:`fxpipe.passes.partition`).
 
 Reordering is only safe for pure code. A graph with an in-place op (``x.add_``, ``x += y``,
 ``y[i] = v``) is cut in its traced order only; random ops (dropout), impure nodes and calls of
@@ -27,8 +27,8 @@ from typing import Sequence
 import networkx as nx
 import torch.fx
 
-from passes.cost import COMPUTE_OPS
-from passes.signature import is_inplace
+from fxpipe.passes.cost import COMPUTE_OPS
+from fxpipe.passes.signature import is_inplace
 
 __all__ = ["candidate_orders", "is_topological"]
 

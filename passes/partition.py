@@ -1,11 +1,11 @@
 """Cut a GraphModule into contiguous stages: the optimal cut for a cost model, or the user's split points.
 
-Reads:  the cost annotations of :mod:`passes.cost` (from :func:`passes.annotate` and
-        :func:`passes.profile`), depending on ``balance_by``.
+Reads:  the cost annotations of :mod:`fxpipe.passes.cost` (from :func:`fxpipe.passes.annotate` and
+        :func:`fxpipe.passes.profile`), depending on ``balance_by``.
 Writes: ``node.meta["fxpipe.stage"]``, the index of the stage that runs the node, and on
         compute nodes ``node.meta["fxpipe.position"]``, their index in the order that was cut.
 
-Stages are contiguous in a topological order of the compute nodes (:mod:`passes.order`), so a
+Stages are contiguous in a topological order of the compute nodes (:mod:`fxpipe.passes.order`), so a
 stage only depends on earlier stages. Placeholders belong to stage 0, the output node to the
 last stage, and a ``get_attr`` node to the stage of its first user (the split pass copies it
 into every stage that reads it). The graph itself is not reordered: within a stage, the
@@ -20,11 +20,11 @@ from typing import Mapping, Sequence
 
 import torch.fx
 
-from passes.cost import (BALANCE_KINDS, COMPUTE_OPS, cut_widths, memory_factors, node_costs,
+from fxpipe.passes.cost import (BALANCE_KINDS, COMPUTE_OPS, cut_widths, memory_factors, node_costs,
                          node_memory)
-from passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
-from passes.gcpause import gc_paused
-from passes.order import candidate_orders
+from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
+from fxpipe.passes.gcpause import gc_paused
+from fxpipe.passes.order import candidate_orders
 
 __all__ = ["COMPUTE_OPS", "Partition", "compute_nodes", "node_cost", "partition", "partition_at",
            "balanced_cut", "assign_stages", "assign_by_name", "stage_costs"]
@@ -59,7 +59,7 @@ def node_cost(node: torch.fx.Node, balance_by: str) -> float:
 def balanced_cut(costs: Sequence[float], n_parts: int) -> list[int]:
     """Return the start index of each of ``n_parts`` contiguous non-empty groups of ``costs``.
 
-    The cut minimizes the largest group sum (:func:`passes.cut.min_bottleneck_cut` without
+    The cut minimizes the largest group sum (:func:`fxpipe.passes.cut.min_bottleneck_cut` without
     communication).
     """
     return min_bottleneck_cut(list(costs), [0.0] * (len(costs) + 1), n_parts)
@@ -121,8 +121,8 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, *, balance_by: str = "flo
     """Cut ``gm`` into ``n_stages`` stages minimizing the largest stage cost; return the cut.
 
     A stage's cost is its nodes' cost under ``balance_by`` plus ``comm`` (per crossing byte;
-    one number or one per boundary) times the bytes crossing its two cuts (:mod:`passes.cost`).
-    The cut is exact for each candidate order (:mod:`passes.order`); the cheapest wins, ties
+    one number or one per boundary) times the bytes crossing its two cuts (:mod:`fxpipe.passes.cost`).
+    The cut is exact for each candidate order (:mod:`fxpipe.passes.order`); the cheapest wins, ties
     going to the narrower cuts. With ``max_memory`` every stage's memory estimate for
     ``checkpoint`` and ``micro_batches`` stays within it, or a ``ValueError`` says how much
     the least possible largest stage needs.

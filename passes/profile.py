@@ -1,7 +1,7 @@
 """Measure each node's forward and backward time on a device by running the whole graph.
 
 Reads:  the graph, the module's parameters and buffers (copied, never changed), and
-        ``fxpipe.value`` (from :func:`passes.annotate`) to know which inputs need a gradient.
+        ``fxpipe.value`` (from :func:`fxpipe.passes.annotate`) to know which inputs need a gradient.
 Writes: ``node.meta`` keys
 
     fxpipe.time_fwd   median forward milliseconds of the node on ``device``
@@ -31,9 +31,9 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from passes.annotate import bind_placeholders
-from passes.spec import TensorSpec
-from passes.signature import is_inplace
+from fxpipe.passes.annotate import bind_placeholders
+from fxpipe.passes.spec import TensorSpec
+from fxpipe.passes.signature import is_inplace
 
 __all__ = ["profile"]
 

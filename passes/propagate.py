@@ -3,12 +3,12 @@
 Reads:  the graph and the module's parameters and buffers (through stand-ins).
 Writes: ``node.meta`` keys ``fxpipe.value``, ``fxpipe.bytes``, ``fxpipe.flops``,
         ``fxpipe.flops_bwd``, ``fxpipe.saved_bytes`` and ``fxpipe.mutates`` (described in
-        :mod:`passes.annotate`).
+        :mod:`fxpipe.passes.annotate`).
 
 Each call node runs under a FLOP counter; a module runs with its parameters and buffers
 swapped for stand-ins (fake tensors, or clones of the buffers for real kernels) by
 :func:`torch.func.functional_call`, so the model's own state is never touched. A node whose
-signature (:mod:`passes.signature`) matches an earlier node's reuses that node's result,
+signature (:mod:`fxpipe.passes.signature`) matches an earlier node's reuses that node's result,
 unless the graph may change a value in place: then every node runs, so that each value is
 its own tensor and an in-place change shows, through the version counters of the inputs,
 on exactly the values (and views) it touched.
@@ -28,9 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from passes.inplace import VIEW_NAMES, mutates_first_arg, op_name
-from passes.signature import is_inplace, node_key, value_key
-from passes.spec import TensorSpec, spec_of, value_bytes
+from fxpipe.passes.inplace import VIEW_NAMES, mutates_first_arg, op_name
+from fxpipe.passes.signature import is_inplace, node_key, value_key
+from fxpipe.passes.spec import TensorSpec, spec_of, value_bytes
 
 __all__ = ["Propagator", "fetch"]
 

@@ -1,4 +1,4 @@
-"""Describe tensors by shape and dtype: the values :mod:`passes.annotate` records in ``node.meta``.
+"""Describe tensors by shape and dtype: the values :mod:`fxpipe.passes.annotate` records in ``node.meta``.
 
 Reads and writes no ``node.meta``.
 """

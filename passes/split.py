@@ -1,6 +1,6 @@
 """Split a partitioned GraphModule into one GraphModule per stage, with skip routes.
 
-Reads:  ``node.meta["fxpipe.stage"]`` (from :func:`passes.partition`).
+Reads:  ``node.meta["fxpipe.stage"]`` (from :func:`fxpipe.passes.partition`).
 Writes: nothing on ``gm``; returns new stage GraphModules whose nodes keep their meta.
 
 A value made in stage ``i`` and used in stage ``i + 1`` is a *boundary* value. A value used
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from passes.gcpause import gc_paused
+from fxpipe.passes.gcpause import gc_paused
 
 __all__ = ["Route", "StageGraph", "split"]
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fxpipe
-import passes
+from fxpipe import passes
 
 
 def test_shapes_bytes_flops():
@@ -90,7 +90,7 @@ def test_memo_gives_the_same_annotations_as_running_every_node(caplog):
     keys = ["fxpipe.value", "fxpipe.bytes", "fxpipe.flops", "fxpipe.flops_bwd", "fxpipe.saved_bytes"]
     cases = [f() for f in FACTORIES.values()] + [(Stack(), (torch.randn(3, 8),), {})]
     for model, args, kwargs in cases:
-        with caplog.at_level(logging.DEBUG, logger="passes.annotate"):
+        with caplog.at_level(logging.DEBUG, logger="fxpipe.passes.annotate"):
             a = passes.annotate(fxpipe.trace(model), args, kwargs)
         b = passes.annotate(fxpipe.trace(model), args, kwargs, memoize=False)
         for na, nb in zip(a.graph.nodes, b.graph.nodes):

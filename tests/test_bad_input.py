@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fxpipe
-import passes
+from fxpipe import passes
 from fxpipe.testing import assert_pipeline_equivalent
 from models import CNN, MLP, TiedTransformer
 

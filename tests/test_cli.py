@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from fxpipe import cli, dot
+from fxpipe.tools import cli, dot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -218,4 +218,4 @@ def test_console_script_points_at_main():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
     module, _, name = scripts["fxpipe"].partition(":")
-    assert (module, name) == ("fxpipe.cli", "main") and callable(cli.main)
+    assert (module, name) == ("fxpipe.tools.cli", "main") and callable(cli.main)

@@ -3,7 +3,7 @@
 import torch
 
 import fxpipe
-from fxpipe.codegen import clock_cycles, gpipe_source
+from fxpipe.runtime.codegen import clock_cycles, gpipe_source
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
 
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import fxpipe
-import passes
+from fxpipe import passes
 
 
 class Skip(nn.Module):

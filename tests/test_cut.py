@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from passes.cut import NoFeasibleCut, group_costs, least_memory, min_bottleneck_cut
+from fxpipe.passes.cut import NoFeasibleCut, group_costs, least_memory, min_bottleneck_cut
 
 
 def _brute(c, w, k, beta, m=None, phi=0.0, cap=None, rho=0.0):

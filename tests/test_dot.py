@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fxpipe
-from fxpipe import dot
+from fxpipe.tools import dot
 from unet import UNet
 
 

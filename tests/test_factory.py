@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from fxpipe.factory import FactoryError, ModelSpecError, load_factory, make_model
+from fxpipe.tools.factory import FactoryError, ModelSpecError, load_factory, make_model
 
 
 def test_module_spec_and_the_three_return_forms(tmp_path):

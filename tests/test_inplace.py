@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-import passes
+from fxpipe import passes
 from fxpipe.testing import assert_pipeline_equivalent
 
 

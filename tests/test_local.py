@@ -71,7 +71,7 @@ def test_same_device_stages_get_no_copies():
 def test_worker_threads_compute_a_clock_together_and_equal_eager(monkeypatch):
     # "cpu" and "cpu:0" count as two devices, so two worker threads run each clock's stages
     # concurrently, as they do on CUDA by default.
-    from fxpipe.local import LocalRuntime
+    from fxpipe.runtime.local import LocalRuntime
     from fxpipe.testing import assert_pipeline_equivalent
     from models import transformer, unet
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fxpipe.errors import PipelineInputError
-from fxpipe.microbatch import batch_size, gather, micro_sizes, scatter
+from fxpipe.runtime.microbatch import batch_size, gather, micro_sizes, scatter
 
 
 def test_scatter_follows_nesting_and_broadcasts_non_tensors():

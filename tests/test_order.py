@@ -5,9 +5,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-import passes
+from fxpipe import passes
 from fxpipe.testing import assert_pipeline_equivalent
-from passes.order import candidate_orders, is_topological
+from fxpipe.passes.order import candidate_orders, is_topological
 
 
 class Hoisted(nn.Module):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
-import passes
+from fxpipe import passes
 from models import MLP
 from unet import UNet
 

@@ -3,7 +3,7 @@
 import torch
 
 import fxpipe
-import passes
+from fxpipe import passes
 from fxpipe.plan import PipelinePlan
 from unet import UNet
 

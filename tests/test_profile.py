@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fxpipe
-import passes
+from fxpipe import passes
 from fxpipe.testing import assert_pipeline_equivalent
 from models import CNN
 from unet import UNet

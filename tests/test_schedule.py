@@ -2,7 +2,7 @@
 
 import pytest
 
-from fxpipe.schedule import Action, clocks, in_flight, one_f_one_b, zero_bubble
+from fxpipe.runtime.schedule import Action, clocks, in_flight, one_f_one_b, zero_bubble
 
 SIZES = [(1, 1), (1, 4), (2, 1), (2, 8), (3, 2), (3, 8), (4, 8), (4, 16), (8, 8), (8, 32)]
 

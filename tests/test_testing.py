@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import passes
+from fxpipe import passes
 from fxpipe.testing import assert_pipeline_equivalent, default_tolerance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,7 +8,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxpipe import wgrad
+from fxpipe.runtime import wgrad
 
 
 class TwoLinears(nn.Module):

@@ -12,7 +12,7 @@ gradients of its inputs, to be sent back to the stages that made them::
 With checkpointing, the forward runs under ``no_grad`` and keeps only the inputs and the RNG
 state; the backward first replays the forward with the same random numbers. For the
 zero-bubble schedule (``defer=True``) a backward leaves the linears' weight gradients in a
-store per micro-batch (:mod:`fxpipe.wgrad`), and :meth:`StageWorker.weights` computes them.
+store per micro-batch (:mod:`fxpipe.runtime.wgrad`), and :meth:`StageWorker.weights` computes them.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from fxpipe import wgrad
-from fxpipe.checkpoint import _flag, _restore_rng, _save_rng
-from fxpipe.stream import on_device
+from fxpipe.runtime import wgrad
+from fxpipe.runtime.checkpoint import _flag, _restore_rng, _save_rng
+from fxpipe.runtime.stream import on_device
 
 __all__ = ["StageWorker"]
 

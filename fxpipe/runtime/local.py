@@ -1,11 +1,11 @@
 """Run a plan in one process, one device per stage.
 
-``pipe(x)`` runs the generated GPipe schedule (:mod:`fxpipe.codegen`) with autograd connected
+``pipe(x)`` runs the generated GPipe schedule (:mod:`fxpipe.runtime.codegen`) with autograd connected
 across stages, so the user's ``backward`` flows through every stage; this module provides
 what that code calls: ``compute`` (a stage on one micro-batch, checkpointed or not, between
 stream waits), ``copy`` (to another stage's device on copy streams) and ``depend`` (fork/join
 ordering of backward). ``pipe.step`` runs GPipe the same way, and 1F1B through the action
-engine (:mod:`fxpipe.actions`) with explicit per-stage backward.
+engine (:mod:`fxpipe.runtime.actions`) with explicit per-stage backward.
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fxpipe.actions import ActionRunner, LocalTransport, compile_actions
-from fxpipe.batchnorm import commit_batch_norm
-from fxpipe import recorder
-from fxpipe.checkpoint import checkpointed
-from fxpipe.codegen import compile_source, gpipe_source
-from fxpipe.copy import copy, wait
-from fxpipe.dependency import depend
-from fxpipe.microbatch import gather, micro_losses
+from fxpipe.runtime.actions import ActionRunner, LocalTransport, compile_actions
+from fxpipe.runtime.batchnorm import commit_batch_norm
+from fxpipe.tools import recorder
+from fxpipe.runtime.checkpoint import checkpointed
+from fxpipe.runtime.codegen import compile_source, gpipe_source
+from fxpipe.runtime.copy import copy, wait
+from fxpipe.runtime.dependency import depend
+from fxpipe.runtime.microbatch import gather, micro_losses
 from fxpipe.plan import PipelinePlan
-from fxpipe.signature import CallSignature
-from fxpipe.stream import current_stream, new_stream, on_device
-from fxpipe.threads import DeviceThreads
-from fxpipe.worker import StageWorker
+from fxpipe.runtime.signature import CallSignature
+from fxpipe.runtime.stream import current_stream, new_stream, on_device
+from fxpipe.runtime.threads import DeviceThreads
+from fxpipe.runtime.worker import StageWorker
 
 __all__ = ["LocalRuntime"]
 
@@ -162,5 +162,5 @@ class LocalRuntime:
 
     @staticmethod
     def depend(before: Any, after: Any) -> tuple[Any, Any]:
-        """Order backward: ``after``'s before ``before``'s (see :mod:`fxpipe.dependency`)."""
+        """Order backward: ``after``'s before ``before``'s (see :mod:`fxpipe.runtime.dependency`)."""
         return depend(before, after)

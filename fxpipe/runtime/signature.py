@@ -7,9 +7,9 @@ from typing import Any
 import torch
 import torch.fx
 
-import passes
-from fxpipe.microbatch import batch_size, scatter, to_device
-from fxpipe.validate import check_inputs
+from fxpipe import passes
+from fxpipe.runtime.microbatch import batch_size, scatter, to_device
+from fxpipe.runtime.validate import check_inputs
 
 __all__ = ["CallSignature"]
 

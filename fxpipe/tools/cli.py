@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from fxpipe.factory import EXAMPLE, FactoryError, ModelSpecError, make_model
+from fxpipe.tools.factory import EXAMPLE, FactoryError, ModelSpecError, make_model
 
 
 class UsageError(Exception):
@@ -185,8 +185,8 @@ def _batch(inputs: tuple) -> int | None:
 
 def _write_dot(args: argparse.Namespace, pipe: Any, model: Any, inputs: tuple | None) -> int:
     """Write the DOT graph, rendering it when the file asks for a picture; return a status."""
-    from fxpipe import dot
-    from fxpipe.microbatch import micro_sizes
+    from fxpipe.tools import dot
+    from fxpipe.runtime.microbatch import micro_sizes
 
     batch = _batch(inputs) if inputs is not None else None
     micro = len(micro_sizes(batch, pipe.plan.chunks)) if batch else pipe.plan.chunks  # as the table

@@ -14,12 +14,12 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from fxpipe import recorder
-from fxpipe.codegen import checkpoint_stop, compile_source
-from fxpipe.microbatch import to_device
+from fxpipe.tools import recorder
+from fxpipe.runtime.codegen import checkpoint_stop, compile_source
+from fxpipe.runtime.microbatch import to_device
 from fxpipe.plan import PipelinePlan
-from fxpipe.schedule import SCHEDULES, Action, clocks, in_flight
-from fxpipe.worker import StageWorker
+from fxpipe.runtime.schedule import SCHEDULES, Action, clocks, in_flight
+from fxpipe.runtime.worker import StageWorker
 
 __all__ = ["Transport", "LocalTransport", "ActionRunner", "action_source", "compile_actions"]
 

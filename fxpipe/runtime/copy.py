@@ -18,7 +18,7 @@ from collections import deque
 
 import torch
 
-from fxpipe.stream import AbstractStream, current_stream, record_stream, use_stream, wait_stream
+from fxpipe.runtime.stream import AbstractStream, current_stream, record_stream, use_stream, wait_stream
 
 __all__ = ["Copy", "Wait", "copy", "wait"]
 

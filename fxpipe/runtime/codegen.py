@@ -16,7 +16,7 @@ import linecache
 from typing import Callable
 
 from fxpipe.plan import PipelinePlan
-from fxpipe.schedule import clocks, gpipe
+from fxpipe.runtime.schedule import clocks, gpipe
 
 __all__ = ["clock_cycles", "checkpoint_stop", "gpipe_source", "compile_source"]
 
@@ -24,7 +24,7 @@ __all__ = ["clock_cycles", "checkpoint_stop", "gpipe_source", "compile_source"]
 def clock_cycles(m: int, n: int) -> list[list[tuple[int, int]]]:
     """Return, per clock, the (micro-batch, stage) pairs whose forward runs: i + j == k.
 
-    Derived from GPipe's action lists (:mod:`fxpipe.schedule`), so the generated forward and
+    Derived from GPipe's action lists (:mod:`fxpipe.runtime.schedule`), so the generated forward and
     the action-list runtimes follow one schedule.
     """
     at = clocks(gpipe(n, m))

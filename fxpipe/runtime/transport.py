@@ -1,6 +1,6 @@
 """Move stage values and gradients between ranks with batched point-to-point operations.
 
-Receive buffers are sized from the plan: :func:`passes.value_specs` gives the shape of every
+Receive buffers are sized from the plan: :func:`fxpipe.passes.value_specs` gives the shape of every
 crossing value for a micro-batch of ``b`` rows (on fake tensors, once per size). A value goes
 from the rank that makes it to every rank that reads it, skips included, and each reader
 sends its gradient straight back; nothing is relayed through the ranks between. Messages
@@ -18,9 +18,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.comm import Comm
+from fxpipe.runtime.comm import Comm
 from fxpipe.plan import PipelinePlan
-from passes import TensorSpec
+from fxpipe.passes import TensorSpec
 
 __all__ = ["DistTransport"]
 

@@ -24,8 +24,8 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.blame import describe_node
-from fxpipe.microbatch import to_device
+from fxpipe.tools.blame import describe_node
+from fxpipe.runtime.microbatch import to_device
 
 __all__ = ["divergence"]
 

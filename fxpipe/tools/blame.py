@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from fxpipe.checkpoint import is_checkpointing, is_recomputing
+from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
 
 __all__ = ["blamed", "failing_node", "describe_node"]
 

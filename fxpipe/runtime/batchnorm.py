@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fxpipe.checkpoint import is_recomputing
+from fxpipe.runtime.checkpoint import is_recomputing
 
 __all__ = ["defer_batch_norm", "commit_batch_norm"]
 

@@ -20,18 +20,18 @@ import torch.distributed as dist
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
-import passes
-from fxpipe.actions import ActionRunner, compile_actions
-from fxpipe.batchnorm import commit_batch_norm
-from fxpipe.comm import Comm
+from fxpipe import passes
+from fxpipe.runtime.actions import ActionRunner, compile_actions
+from fxpipe.runtime.batchnorm import commit_batch_norm
+from fxpipe.runtime.comm import Comm
 from fxpipe.errors import PeerFailure, PipelineInputError
-from fxpipe.microbatch import gather, micro_losses
-from fxpipe.placement import named_tensors
+from fxpipe.runtime.microbatch import gather, micro_losses
+from fxpipe.runtime.placement import named_tensors
 from fxpipe.plan import PipelinePlan
-from fxpipe.signature import CallSignature
-from fxpipe.transport import DistTransport
-from fxpipe.worker import StageWorker
-from passes.annotate import TensorSpec, spec_of
+from fxpipe.runtime.signature import CallSignature
+from fxpipe.runtime.transport import DistTransport
+from fxpipe.runtime.worker import StageWorker
+from fxpipe.passes.annotate import TensorSpec, spec_of
 
 __all__ = ["setup_distributed", "agree_on_stages", "tied_groups", "DistributedRuntime"]
 

@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe import recorder
-from fxpipe.dependency import fork, get_phony, join
+from fxpipe.tools import recorder
+from fxpipe.runtime.dependency import fork, get_phony, join
 
 __all__ = ["is_checkpointing", "is_recomputing", "checkpointed"]
 
