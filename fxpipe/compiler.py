@@ -1,4 +1,7 @@
-"""``fxpipe.compile``: trace, annotate, partition, split, plan, place, and build the runtime."""
+"""``fxpipe.compile``: check the arguments, then front end, plan, and the runtime's build.
+
+    model ─▶ front end (trace, annotate, cut) ─▶ stages + PipelinePlan ─▶ build (local | distributed) ─▶ Pipe
+"""
 
 from __future__ import annotations
 
@@ -8,43 +11,32 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx
 from torch import nn
-from torch._subclasses import fake_tensor
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from torch.utils._pytree import tree_flatten
 
-from fxpipe import passes
-from fxpipe.runtime.batchnorm import defer_batch_norm
-from fxpipe.runtime.comm import Comm
-from fxpipe.runtime.distributed import DistributedRuntime, agree_on_stages, setup_distributed, tied_groups
-from fxpipe.tools.blame import blamed
-from fxpipe.runtime.local import LocalRuntime
-from fxpipe.runtime.microbatch import batch_size, micro_sizes
-from fxpipe.mutation import copy_mutated_inputs
+from fxpipe.build import build_distributed, build_local
+from fxpipe.frontend import front_end
 from fxpipe.pipe import Pipe
-from fxpipe.runtime.signature import CallSignature
-from fxpipe.runtime.placement import move_owned, named_tensors, ownership, resolve_devices, stage_callable
-from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
-from fxpipe.saved import PlanLike, apply_plan, graph_signature, load_plan
-from fxpipe.tracing import check_tracer, trace
-from fxpipe.runtime.wgrad import defer_weight_grads
+from fxpipe.runtime.checkpoint import CHECKPOINT_MODES
+from fxpipe.runtime.comm import Comm
+from fxpipe.runtime.distributed import agree_on_stages, setup_distributed
+from fxpipe.runtime.placement import resolve_devices
+from fxpipe.runtime.schedule import resolve
+from fxpipe.saved import PlanLike, load_plan
+from fxpipe.stages import make_plan, split_stages
+from fxpipe.tracing import check_tracer
 
-__all__ = ["compile"]
+__all__ = ["compile", "SCHEDULES", "BALANCE_BY", "CHECKPOINT_MODES"]
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
-_DATA_DEPENDENT = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
-                   GuardOnDataDependentSymNode)
 SCHEDULES = ("gpipe", "1f1b", "zb")
 BALANCE_BY = ("auto", "flops", "params", "memory", "time")
-
 
 
 def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             example_kwargs: dict[str, Any] | None = None, devices: Sequence[Any] | None = None,
             chunks: int = 1, checkpoint: str = "except_last", balance_by: str = "auto",
             split_points: Sequence[str] | None = None, max_memory: float | None = None,
-            schedule: str = "gpipe", leaf_modules: Iterable[type | str] = (),
+            schedule: str | Sequence[Any] = "gpipe", leaf_modules: Iterable[type | str] = (),
             tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
             plan: PlanLike | None = None, runtime: str = "local", timeout: float = 300.0,
             deferred_batch_norm: bool = False) -> Pipe:
@@ -61,7 +53,10 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     peak memory in bytes (parameters, gradients, activations kept for backward).
     ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"zb"`` (zero bubble: 1F1B whose linears'
     weight gradients fill the pipeline's idle time; see :mod:`fxpipe.runtime.schedule`), what
-    :meth:`Pipe.step` runs. ``tracer`` is
+    :meth:`Pipe.step` runs, or your own schedule: action lists, one per stage, as lists of
+    :class:`~fxpipe.runtime.actionlist.Action` or tokens (``"0F3"``), as text (a line per
+    stage), or the path of a file of that text; it must cover ``chunks`` micro-batches, and it
+    is checked for completeness and deadlock before anything runs (:class:`ScheduleError`). ``tracer`` is
     ``"fx"`` (symbolic tracing), ``"export"`` (``torch.export`` on the example inputs, dim 0
     dynamic) or a callable returning another tracer's GraphModule; see :func:`fxpipe.trace`.
 
@@ -79,8 +74,9 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
 
     If compile fails, the model is left unmoved and unmodified.
     """
-    _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split_points, max_memory)
+    _check_args(model, n_stages, chunks, checkpoint, balance_by, split_points, max_memory)
     check_tracer(tracer)
+    schedule_name, custom = resolve(schedule, n_stages, chunks)
     saved = None if plan is None else load_plan(plan)
     if saved is not None and split_points is not None:
         raise ValueError("pass either plan= (a saved stage assignment) or split_points=, not both")
@@ -97,90 +93,36 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         devices = [torch.device(device.type, j) for j in range(n_stages)]
     else:
         devices = resolve_devices(devices, n_stages)
+        device = devices[0]
     args = example_inputs if isinstance(example_inputs, tuple) else (
         () if example_inputs is None else (example_inputs,))
-    if tracer == "fx" and isinstance(model, torch.fx.GraphModule):
-        gm = model
-    else:
-        if tracer == "export":
-            batch_size([args, example_kwargs or {}], ["example_inputs", "example_kwargs"])
-        gm = trace(model, leaf_modules=leaf_modules, tracer=tracer, example_inputs=args,
-                   example_kwargs=example_kwargs)
 
-    if has_inputs:
-        names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-        batch = batch_size(passes.bind_placeholders(gm, args, example_kwargs or {}), names)
-        micro = len(micro_sizes(batch, chunks))
-        _annotate(gm, args, example_kwargs or {})
-    else:
-        passes.annotate_params(gm)
-        micro = chunks
-    if saved is not None:
-        balance_by = saved.balance_by
-    elif balance_by == "auto":
-        balance_by = "flops" if has_inputs else "params"
-    if saved is None and balance_by in ("flops", "memory", "time") and not has_inputs:
-        raise ValueError(f"balance_by={balance_by!r} needs example_inputs= to know the shapes; "
-                         "pass example inputs or use balance_by='params'")
-    if max_memory is not None and not has_inputs:
-        raise ValueError("max_memory= needs example_inputs= to know the activation sizes; pass "
-                         "example inputs")
-    if saved is None and balance_by == "time":
-        if devices[0].type == "meta":
-            raise ValueError("balance_by='time' measures kernels and cannot run on the meta device; "
-                             "give real devices or use balance_by='flops'")
-        passes.profile(gm, args, example_kwargs or {}, device=devices[0] if runtime == "local" else device)
-
-    comm = passes.comm_weights(devices, balance_by)
-    memory = dict(max_memory=max_memory, checkpoint=checkpoint, micro_batches=micro)
-    cut = None
-    if saved is not None:
-        apply_plan(gm, saved, n_stages)
-    elif split_points is not None:
-        if len(split_points) + 1 != n_stages:
-            raise ValueError(f"{len(split_points)} split points make {len(split_points) + 1} stages "
-                             f"but n_stages={n_stages}; give n_stages - 1 split points")
-        cut = passes.partition_at(gm, split_points, balance_by=balance_by, comm=comm, **memory)
-    else:
-        cut = passes.partition(gm, n_stages, balance_by=balance_by, comm=comm, **memory)
+    front = front_end(model, n_stages, args=args, kwargs=example_kwargs, has_inputs=has_inputs,
+                      chunks=chunks, checkpoint=checkpoint, balance_by=balance_by,
+                      split_points=split_points, max_memory=max_memory, leaf_modules=leaf_modules,
+                      tracer=tracer, saved=saved, devices=devices, profile_device=device)
+    gm = front.gm
     if runtime == "distributed":
         agree_on_stages(gm, n_stages, link)  # a measured cost may differ by rank: rank 0's cut wins
-    stage_graphs, routes = passes.split(gm, n_stages)
-    copy_mutated_inputs(gm, stage_graphs)
-
-    plan = _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, schedule,
-                      balance_by, cut, saved)  # from here on, the plan made, not the one passed in
+    stage_graphs, routes = split_stages(gm, n_stages)
+    plan = make_plan(gm, stage_graphs, routes, devices, front.micro, chunks, checkpoint, schedule_name,
+                     front.balance_by, front.cut, saved)  # from here on, the plan made, not the one passed in
     stages = [s.module for s in stage_graphs]
+    engine: Any
     if runtime == "distributed":
         for s in plan.stages:
             s.device = str(device) if s.index == rank else f"rank {s.index}"
         devices = [device if j == rank else torch.device("meta") for j in range(n_stages)]
-        move_owned([model, gm, *stages], ownership(stages[rank:rank + 1], [device]), [device])
-        tied = tied_groups(stages, rank, timeout)
-        runnable = _runnable(stages[rank], schedule)
-        fn = blamed(runnable, runnable, rank, device)
-        engine: Any = DistributedRuntime(plan, gm, fn, rank, device, link, CallSignature(gm), tied)
+        engine = build_distributed(model, gm, plan, stages, rank, device, link, timeout, custom,
+                                   deferred_batch_norm)
     else:
-        own = ownership(stages, devices)
-        move_owned([model, gm, *stages], own, devices)
-        runnables = [_runnable(gm_j, schedule) for gm_j in stages]
-        fns = [blamed(stage_callable(r, own.foreign[j], devices[j]), r, j, devices[j])
-               for j, r in enumerate(runnables)]
-        engine = LocalRuntime(plan, fns, devices, CallSignature(gm))
-    if deferred_batch_norm:
-        held = stages[rank:rank + 1] if runtime == "distributed" else stages
-        engine.deferred = defer_batch_norm({id(m): m for st in held for m in st.modules()}.values())
+        engine = build_local(model, gm, plan, stages, devices, custom, deferred_batch_norm)
     pipe = Pipe(model, gm, plan, stages, devices, engine)
     log.info("compiled %s into %d stages\n%s", type(model).__name__, n_stages, plan)
     return pipe
 
 
-def _runnable(gm: torch.fx.GraphModule, schedule: str) -> torch.fx.GraphModule:
-    """Return the stage module the runtime calls: with linears that defer weight gradients for zb."""
-    return defer_weight_grads(gm) if schedule == "zb" else gm
-
-
-def _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split_points, max_memory) -> None:
+def _check_args(model, n_stages, chunks, checkpoint, balance_by, split_points, max_memory) -> None:
     """Reject bad arguments before anything is traced or moved."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.compile expects an nn.Module or a torch.fx.GraphModule, "
@@ -193,8 +135,6 @@ def _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split
         raise ValueError(f"checkpoint={checkpoint!r}; use one of {', '.join(map(repr, CHECKPOINT_MODES))}")
     if balance_by not in BALANCE_BY:
         raise ValueError(f"balance_by={balance_by!r}; use one of {', '.join(map(repr, BALANCE_BY))}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}")
     if split_points is not None and (isinstance(split_points, str)
                                      or not all(isinstance(p, str) for p in split_points)):
         raise TypeError(f"split_points must be a list of module or node names, got {split_points!r}")
@@ -203,55 +143,3 @@ def _check_args(model, n_stages, chunks, checkpoint, balance_by, schedule, split
             raise TypeError(f"max_memory must be a number of bytes per device, got {max_memory!r}")
         if not max_memory > 0:
             raise ValueError(f"max_memory={max_memory!r}; use a positive number of bytes per device")
-
-
-def _annotate(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
-    """Annotate on fake tensors; for data-dependent ops, on real kernels with buffer copies."""
-    try:
-        passes.annotate(gm, args, kwargs)
-    except _DATA_DEPENDENT as exc:
-        log.warning("fake tensors cannot follow a data-dependent op (%s); annotating with real "
-                    "kernels on copies of the buffers", type(exc).__name__)
-        passes.annotate(gm, args, kwargs, real=True)
-
-
-def _make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, schedule, balance_by,
-               cut, saved_plan) -> PipelinePlan:
-    """Collect the split's stages, routes and costs into a :class:`PipelinePlan`."""
-    nodes = {n.name: n for n in gm.graph.nodes}
-    per_micro = max(micro, 1)
-    profiled = any("fxpipe.time" in n.meta for n in gm.graph.nodes)
-    stage_plans = []
-    for j, sg in enumerate(stage_graphs):
-        tensors = {id(t): t for _, t in named_tensors(sg.module)}
-        params = int(sum(t.numel() * t.element_size() for t in tensors.values()))
-        held = [nodes[v] for v in sg.nodes]
-        saved = sum(n.meta.get("fxpipe.saved_bytes", 0) for n in held)
-        received = sum(nodes[v].meta.get("fxpipe.bytes", 0) for v in sg.inputs)
-        stage_plans.append(StagePlan(
-            index=j, device=str(devices[j]), nodes=sg.nodes, inputs=sg.inputs, outputs=sg.outputs,
-            flops=int(sum(n.meta.get("fxpipe.flops", 0) + n.meta.get("fxpipe.flops_bwd", 0) for n in held)),
-            params=params,
-            activation_bytes=int(sum(nodes[v].meta.get("fxpipe.bytes", 0) for v in sg.outputs) // per_micro),
-            time_ms=float(sum(n.meta.get("fxpipe.time", 0.0) for n in held)) if profiled else None,
-            saved_bytes=int(saved // per_micro),
-            checkpoint_bytes=int(received // per_micro),
-            memory=int(cut.memory[j]) if cut is not None else saved_plan.stages[j].memory,
-            cost=float(cut.costs[j]) if cut is not None else saved_plan.stages[j].cost,
-            grad_inputs=[v for v in sg.inputs if j > 0 and _carries_grad(nodes[v])],
-        ))
-    skips = [SkipRoute(r.name, r.src, r.dst, int(nodes[r.name].meta.get("fxpipe.bytes", 0) // per_micro))
-             for r in routes]
-    names, ops, targets = graph_signature(gm)
-    return PipelinePlan(stages=stage_plans, skips=skips, chunks=chunks, checkpoint=checkpoint,
-                        schedule=schedule, balance_by=balance_by,
-                        graph_nodes=names, graph_ops=ops, graph_targets=targets)
-
-
-def _carries_grad(node: torch.fx.Node) -> bool:
-    """Tell whether a value crossing a boundary carries a gradient back to its producer."""
-    spec = node.meta.get("fxpipe.value")
-    if spec is None:  # not annotated: assume computed floating values do
-        return node.op != "placeholder"
-    return any(isinstance(t, passes.TensorSpec) and t.requires_grad and t.dtype.is_floating_point
-               for t in tree_flatten(spec)[0])

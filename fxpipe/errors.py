@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fxpipe.passes.cut import NoFeasibleCut
 
-__all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "PeerFailure", "NoFeasibleCut",
+__all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "PeerFailure", "NoFeasibleCut", "ScheduleError",
            "MutationError"]
 
 
@@ -33,3 +33,7 @@ class PeerFailure(RuntimeError):
 
 class MutationError(ValueError):
     """An in-place op changes a value that another stage reads afterwards; names the node and the fix."""
+
+
+class ScheduleError(ValueError):
+    """A schedule given as actions is incomplete or can never finish; names the first bad action."""

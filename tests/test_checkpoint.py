@@ -110,7 +110,7 @@ def test_checkpointed_values_do_not_outlive_their_use():
     model = DropNet()
     pipe = fxpipe.compile(model, 3, example_inputs=(torch.randn(8, 16),), chunks=4,
                           checkpoint="always", devices=["cpu"] * 3)
-    fns = pipe._runtime.stage_fns
+    calls = pipe._runtime.calls
     refs = []
 
     def record(fn):
@@ -120,7 +120,7 @@ def test_checkpointed_values_do_not_outlive_their_use():
             return out
         return run
 
-    fns[0], fns[1] = record(fns[0]), record(fns[1])
+    calls[0].fn, calls[1].fn = record(calls[0].fn), record(calls[1].fn)
     out = pipe(torch.randn(8, 16))
     out.sum().backward()
     gc.collect()

@@ -30,7 +30,7 @@ def _peak_live_outputs(chunks: int) -> int:
     model = SkipNet()
     pipe = fxpipe.compile(model, 3, example_inputs=(torch.randn(4, 64),), chunks=chunks,
                           split_points=["b", "d"], devices=["cpu"] * 3)
-    fns = pipe._runtime.stage_fns
+    calls = pipe._runtime.calls
     live: list[weakref.ref] = []
     peak = 0
 
@@ -48,7 +48,7 @@ def _peak_live_outputs(chunks: int) -> int:
             return fn(*args)
         return run
 
-    fns[:] = [record(fns[0]), record(fns[1]), count(fns[2])]
+    calls[0].fn, calls[1].fn, calls[2].fn = record(calls[0].fn), record(calls[1].fn), count(calls[2].fn)
     with torch.no_grad():
         pipe(torch.randn(4 * chunks, 64))
     return peak

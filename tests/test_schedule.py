@@ -2,31 +2,33 @@
 
 import pytest
 
-from fxpipe.runtime.schedule import Action, clocks, in_flight, one_f_one_b, zero_bubble
+from fxpipe.runtime.actionlist import Action, clocks, in_flight
+from fxpipe.runtime.schedule import one_f_one_b, zero_bubble
 
 SIZES = [(1, 1), (1, 4), (2, 1), (2, 8), (3, 2), (3, 8), (4, 8), (4, 16), (8, 8), (8, 32)]
 
 
 @pytest.mark.parametrize("n,m", SIZES)
-def test_zero_bubble_runs_every_step_once_with_w_after_b(n, m):
+def test_zero_bubble_runs_every_step_once_with_w_after_i(n, m):
     for j, actions in enumerate(zero_bubble(n, m)):
-        assert sorted(map(str, actions)) == sorted(f"{k}{i}" for k in "FBW" for i in range(m))
+        assert sorted(map(str, actions)) == sorted(f"{j}{k}{i}" for k in "FIW" for i in range(m))
         assert all(a.stage == j for a in actions)
         at = {str(a): k for k, a in enumerate(actions)}
-        assert all(at[f"B{i}"] < at[f"W{i}"] for i in range(m))
+        assert all(at[f"{j}I{i}"] < at[f"{j}W{i}"] for i in range(m))
 
 
 @pytest.mark.parametrize("extra", [0, 1])
 @pytest.mark.parametrize("n,m", SIZES)
 def test_zero_bubble_keeps_1f1b_order_with_extra_warm_up_forwards(n, m, extra):
     zb, base = zero_bubble(n, m, extra_warmup=extra), one_f_one_b(n, m)
-    if extra == 0:
-        assert [[a for a in row if a.kind != "W"] for row in zb] == base  # the paper's ZB-H1
+    if extra == 0:  # the paper's ZB-H1: 1F1B's order, its backwards as input-gradient steps
+        assert [[a for a in row if a.kind != "W"] for row in zb] == \
+            [[Action("I" if a.kind == "B" else a.kind, a.mb, a.stage) for a in row] for row in base]
     for j in range(n):
-        fb = [str(a) for a in zb[j] if a.kind != "W"]
+        fb = [f"{a.kind}{a.mb}" for a in zb[j] if a.kind != "W"]
         w = min(n - j - 1 + extra if j < n - 1 else 0, m)  # 1F1B's warm-up is n - j - 1
-        pairs = [name for k in range(m - w) for name in (f"F{w + k}", f"B{k}")]
-        assert fb == [f"F{i}" for i in range(w)] + pairs + [f"B{i}" for i in range(m - w, m)]
+        pairs = [name for k in range(m - w) for name in (f"F{w + k}", f"I{k}")]
+        assert fb == [f"F{i}" for i in range(w)] + pairs + [f"I{i}" for i in range(m - w, m)]
         assert in_flight(zb[j]) <= in_flight(base[j]) + extra
         held = peak = 0  # micro-batches whose W has not run
         for a in zb[j]:
@@ -47,7 +49,7 @@ def test_zero_bubble_fills_the_bubble(n, m, extra):
         assert max(at.values()) + 1 <= one_f_one_b_units
 
 
-def test_clocks_places_w_after_its_stage_s_b():
+def test_clocks_places_w_after_its_stage_s_i():
     at = clocks(zero_bubble(2, 2))
-    assert at[Action("W", 0, 1)] > at[Action("B", 0, 1)]
-    assert at[Action("B", 0, 0)] > at[Action("B", 0, 1)]
+    assert at[Action("W", 0, 1)] > at[Action("I", 0, 1)]
+    assert at[Action("I", 0, 0)] > at[Action("I", 0, 1)]

@@ -1,11 +1,19 @@
-"""Execute a schedule's action lists: forward and backward per stage with explicit boundaries.
+"""Run a schedule's action lists: one handler per action, in a plain interpreter loop.
 
-This is the engine of 1F1B in one process and of every schedule across ranks. Each action
-receives its inputs (or gradients) through a *transport*, runs a :class:`StageWorker`, and
-sends its outputs (or input gradients) on: the next stage gets boundary values, a later
-stage gets its skips directly, and every gradient goes straight back to the stage that
-made the value. The order of actions is generated code (:func:`action_source`), readable as
-``pipe.code``.
+This is the engine of ``pipe.step`` for every schedule but GPipe in one process, and of
+every schedule across ranks. A program is a schedule's compute actions with the sends and
+receives the runtime adds (:func:`fxpipe.runtime.actionlist.lower`), grouped by clock::
+
+    clock 0:  0F0 0SEND_F0
+    clock 1:  1RECV_F0 1F0 1SEND_F0 | 0F1 0SEND_F1        (| : another stage, another device)
+    clock 2:  1RECV_B0 ...
+
+Each compute action runs a :class:`~fxpipe.runtime.worker.StageWorker`; each message moves
+values through a *transport*: a mailbox with copy streams in one process
+(:mod:`fxpipe.runtime.mailbox`), point-to-point messages across ranks
+(:mod:`fxpipe.runtime.transport`). The next stage gets boundary values, a later stage
+gets its skips directly, and every gradient goes straight back to the stage that made the
+value. With worker threads (one per CUDA device), the stages of a clock run together.
 """
 
 from __future__ import annotations
@@ -14,14 +22,13 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from fxpipe.tools import recorder
-from fxpipe.runtime.codegen import checkpoint_stop, compile_source
-from fxpipe.runtime.microbatch import to_device
 from fxpipe.plan import PipelinePlan
-from fxpipe.runtime.schedule import SCHEDULES, Action, clocks, in_flight
+from fxpipe.runtime.actionlist import COMPUTE, Action, clocks, format_schedule, in_flight, lower
+from fxpipe.runtime.checkpoint import checkpoint_stop
+from fxpipe.runtime.threads import DeviceThreads
 from fxpipe.runtime.worker import StageWorker
 
-__all__ = ["Transport", "LocalTransport", "ActionRunner", "action_source", "compile_actions"]
+__all__ = ["Transport", "ActionInterpreter", "Program", "program_for"]
 
 
 class Transport(Protocol):
@@ -40,60 +47,72 @@ class Transport(Protocol):
         """Send the gradients of stage ``j``'s inputs back to the stages that made them."""
 
 
-class LocalTransport:
-    """Hand values between stages of one process through a mailbox, on the right device."""
+class Program:
+    """A lowered action program: per clock, per stage, the actions to run in order."""
 
-    def __init__(self, plan: PipelinePlan, devices: Sequence[torch.device]) -> None:
-        self.plan = plan
-        self.devices = list(devices)
-        self.producer = plan.producer()
-        self.consumers = plan.consumers()
-        self.box: dict[tuple, Any] = {}
-        self.inputs: list[list[Any]] = []
+    def __init__(self, clocked: list[list[list[Action]]], header: str) -> None:
+        self.clocked = clocked  # clock -> groups (one per stage acting in it) -> actions
+        self.header = header
 
-    def recv_forward(self, j: int, i: int) -> list[Any]:
-        """Take stage ``j``'s inputs from the mailbox (stage 0: the micro-batch)."""
-        if j == 0:
-            return self.inputs[i]
-        return [self.box.pop(("F", v, i, j)) for v in self.plan.stages[j].inputs]
-
-    def send_forward(self, j: int, i: int, outputs: Sequence[Any]) -> None:
-        """Put each output in the mailbox of each stage that reads it."""
-        if j == self.plan.n_stages - 1:
-            return
-        for v, value in zip(self.plan.stages[j].outputs, outputs):
-            for c in self.consumers.get(v, ()):
-                self.box[("F", v, i, c)] = to_device(value, self.devices[c])
-
-    def recv_backward(self, j: int, i: int) -> list[Any]:
-        """Sum the gradients each output received from its consumers."""
-        grads = []
-        for v in self.plan.stages[j].outputs:
-            parts = self.box.pop(("B", v, i), [])
-            grads.append(sum(parts[1:], parts[0]) if parts else None)
-        return grads
-
-    def send_backward(self, j: int, i: int, grads: Sequence[Any]) -> None:
-        """Post each input's gradient to the stage that made the input."""
-        if j == 0:
-            return
-        for v, g in zip(self.plan.stages[j].inputs, grads):
-            if g is not None:
-                self.box.setdefault(("B", v, i), []).append(to_device(g, self.devices[self.producer[v]]))
+    def text(self) -> str:
+        """Return the program as text: a header, then one line of actions per clock."""
+        lines = [f"# {line}" for line in self.header.splitlines()]
+        for k, groups in enumerate(self.clocked):
+            lines.append(f"{' | '.join(' '.join(map(str, g)) for g in groups)}    # clock {k}")
+        return "\n".join(lines) + "\n"
 
 
-class ActionRunner:
-    """Run stages' forward and backward actions over a transport; what generated code calls."""
+def program_for(plan: PipelinePlan, actions: Sequence[Sequence[Action]], stages: Sequence[int],
+                remote: Callable[[int, int], bool], name: str) -> Program:
+    """Lower ``stages``' actions of a schedule into a program, in clock order.
 
-    def __init__(self, plan: PipelinePlan, workers: dict[int, StageWorker], transport: Any) -> None:
+    ``remote(a, b)`` tells whether a value from stage ``a`` to stage ``b`` is a message
+    (another rank, or another stage's mailbox in one process).
+    """
+    at = clocks(actions, plan.n_stages)
+    mine = sorted((a for row in actions for a in row if a.stage in stages), key=lambda a: (at[a], a.stage))
+    producer, consumers = plan.producer(), plan.consumers()
+    recv_f, send_f, recv_b, send_b = {}, {}, {}, {}
+    for j in stages:
+        s = plan.stages[j]
+        recv_f[j] = any(remote(producer[v], j) for v in s.inputs if v in producer)
+        send_f[j] = any(remote(j, c) for v in s.outputs for c in consumers.get(v, ()))
+        send_b[j] = any(v in s.grad_inputs and remote(producer[v], j) for v in s.inputs if v in producer)
+        recv_b[j] = any(v in plan.stages[c].grad_inputs and remote(j, c)
+                        for v in s.outputs for c in consumers.get(v, ()))
+    clocked: list[list[list[Action]]] = []
+    for a in mine:
+        while len(clocked) <= at[a]:
+            clocked.append([])
+        clocked[at[a]].append(lower([a], recv_f, send_f, recv_b, send_b))
+    held = max((in_flight(row) for row in actions if row and row[0].stage in stages), default=0)
+    where = f"stage {stages[0]} of {plan.n_stages}" if len(stages) == 1 else f"{plan.n_stages} stages"
+    m = 1 + max((a.mb for row in actions for a in row), default=-1)
+    header = (f"{name}: {where}, {m} micro-batches, at most {held} in flight per stage\n"
+              "pipe.step runs these actions, clock by clock; the schedule itself (compute actions):\n"
+              + format_schedule([[a for a in row if a.kind in COMPUTE] for row in actions]).rstrip())
+    return Program([g for g in clocked if g], header)
+
+
+class ActionInterpreter:
+    """Run a program's actions: compute on workers, messages over a transport."""
+
+    def __init__(self, plan: PipelinePlan, workers: dict[int, StageWorker], transport: Transport,
+                 threads: DeviceThreads | None = None) -> None:
         self.plan = plan
         self.workers = workers
         self.transport = transport
+        self.threads = threads
         self.stop = 0
         self.grad = True
         self.losses: dict[int, Callable[[Any], torch.Tensor]] = {}
         self.total: torch.Tensor | None = None
         self.outputs: dict[int, Any] = {}
+        self._held: dict[tuple[str, int, int], Any] = {}  # values between a message and its compute
+        self._handlers: dict[str, Callable[[int, int], None]] = {
+            "F": self.forward, "B": self.backward, "I": self.backward_input, "W": self.weight,
+            "RECV_F": self.recv_forward, "SEND_F": self.send_forward,
+            "RECV_B": self.recv_backward, "SEND_B": self.send_backward}
 
     def begin(self, m: int, losses: dict[int, Callable[[Any], torch.Tensor]], checkpointing: bool,
               grad: bool = True) -> None:
@@ -103,79 +122,66 @@ class ActionRunner:
         self.losses = losses
         self.total = None
         self.outputs = {}
+        self._held = {}
 
+    def run(self, program: Program) -> None:
+        """Run every clock of ``program``; a clock's stages together when there are worker threads."""
+        for groups in program.clocked:
+            if self.threads is not None and len(groups) > 1:
+                self.threads.run([(self.workers[g[0].stage].device, self.run_actions, (g,)) for g in groups])
+            else:
+                for g in groups:
+                    self.run_actions(g)
+        self._held.clear()  # the first stage's input gradients: nobody receives them
+
+    def run_actions(self, actions: Sequence[Action]) -> None:
+        """Run actions one after another."""
+        for a in actions:
+            self._handlers[a.kind](a.stage, a.mb)
+
+    # -- compute ---------------------------------------------------------------------------
     def forward(self, j: int, i: int) -> None:
-        """Run F(i) on stage ``j``: receive, compute, send."""
-        inputs = self.transport.recv_forward(j, i)
+        """F: run micro-batch ``i``'s forward on stage ``j``."""
+        inputs = self._held.pop(("in", j, i), None)
+        if inputs is None:  # the first stage reads the micro-batch; a stage without inputs, nothing
+            inputs = self.transport.recv_forward(j, i) if j == 0 else []
         last = j == self.plan.n_stages - 1
-        worker = self.workers[j]
-        with recorder.span("forward", j, i, worker.device):  # timeline
-            out = worker.forward(i, inputs, checkpoint=i < self.stop,
-                                 loss=self.losses.get(i) if last else None, grad=self.grad)
+        out = self.workers[j].forward(i, inputs, checkpoint=i < self.stop,
+                                      loss=self.losses.get(i) if last else None, grad=self.grad)
         if last and i in self.losses:
             self.total = out if self.total is None else self.total + out
         elif last:
             self.outputs[i] = out
         else:
-            self.transport.send_forward(j, i, out)
+            self._held[("out", j, i)] = out
 
-    def backward(self, j: int, i: int) -> None:
-        """Run B(i) on stage ``j``: receive output gradients, backpropagate, send input gradients."""
-        grads = None if j == self.plan.n_stages - 1 else self.transport.recv_backward(j, i)
-        worker = self.workers[j]
-        with recorder.span("backward", j, i, worker.device):  # timeline (recompute included)
-            input_grads = worker.backward(i, grads)
-        self.transport.send_backward(j, i, input_grads)
+    def backward(self, j: int, i: int, kind: str = "B") -> None:
+        """B: backpropagate micro-batch ``i`` through stage ``j``, weights included."""
+        default = None if j == self.plan.n_stages - 1 else [None] * len(self.plan.stages[j].outputs)
+        grads = self._held.pop(("grad_out", j, i), default)
+        self._held[("grad_in", j, i)] = self.workers[j].backward(i, grads, kind)
+
+    def backward_input(self, j: int, i: int) -> None:
+        """I: backpropagate micro-batch ``i`` through stage ``j`` to its inputs only."""
+        self.backward(j, i, "I")
 
     def weight(self, j: int, i: int) -> None:
-        """Run W(i) on stage ``j``: the weight gradients its backward deferred."""
-        worker = self.workers[j]
-        with recorder.span("weight", j, i, worker.device):  # timeline
-            worker.weights(i)
+        """W: compute the weight gradients stage ``j``'s ``I`` of micro-batch ``i`` deferred."""
+        self.workers[j].weights(i)
 
+    # -- messages ----------------------------------------------------------------------------
+    def recv_forward(self, j: int, i: int) -> None:
+        """RECV_F: take stage ``j``'s inputs of micro-batch ``i``."""
+        self._held[("in", j, i)] = self.transport.recv_forward(j, i)
 
-def action_source(plan: PipelinePlan, m: int, stages: Sequence[int], name: str, schedule: str) -> str:
-    """Return the source of a function running ``stages``' actions for ``m`` micro-batches.
+    def send_forward(self, j: int, i: int) -> None:
+        """SEND_F: send stage ``j``'s outputs of micro-batch ``i`` to the stages that read them."""
+        self.transport.send_forward(j, i, self._held.pop(("out", j, i)))
 
-    With several stages (one process) the actions interleave in clock order; with one stage
-    (one rank) they run in that stage's order, and communication orders the ranks.
-    """
-    actions = SCHEDULES[schedule](plan.n_stages, m)
-    at = clocks(actions)
-    mine = sorted((a for j in stages for a in actions[j]), key=lambda a: (at[a], a.stage))
-    held = max(in_flight(actions[j]) for j in stages)
-    where = f"stage {stages[0]} of {plan.n_stages}" if len(stages) == 1 else f"{plan.n_stages} stages"
-    lines = [f"def {name}(rt):",
-             f'    """{schedule}: {where}, {m} micro-batches, at most {held} in flight per stage."""',
-             "    F, B, W = rt.forward, rt.backward, rt.weight" if any(a.kind == "W" for a in mine)
-             else "    F, B = rt.forward, rt.backward"]
-    clock = None
-    for a in mine:
-        if at[a] != clock:
-            clock = at[a]
-            lines.append(f"    # clock {clock}")
-        lines.append(f"    {a.kind}({a.stage}, {a.mb})" + _comment(plan, a))
-    return "\n".join(lines) + "\n"
+    def recv_backward(self, j: int, i: int) -> None:
+        """RECV_B: take the gradients of stage ``j``'s outputs of micro-batch ``i``."""
+        self._held[("grad_out", j, i)] = self.transport.recv_backward(j, i)
 
-
-def _comment(plan: PipelinePlan, a: Action) -> str:
-    """Describe what an action receives and sends, for the generated code."""
-    stage = plan.stages[a.stage]
-    producer, consumers = plan.producer(), plan.consumers()
-    if a.kind == "W":
-        return "  # weight gradients"
-    if a.kind == "F":
-        src = sorted({producer[v] for v in stage.inputs if v in producer}) if a.stage else []
-        dst = sorted({c for v in stage.outputs for c in consumers.get(v, ())})
-        return f"  # recv {src or 'inputs'} -> send {dst or 'loss'}"
-    dst = sorted({producer[v] for v in stage.inputs if v in producer}) if a.stage else []
-    src = sorted({c for v in stage.outputs for c in consumers.get(v, ())})
-    return f"  # grads from {src or 'loss'} -> to {dst or 'none'}"
-
-
-def compile_actions(plan: PipelinePlan, m: int, stages: Sequence[int], schedule: str) -> tuple[str, Callable]:
-    """Generate and compile the program running ``stages``' actions of ``schedule``."""
-    tag = "all" if len(stages) > 1 else f"stage{stages[0]}"
-    name = f"{schedule.replace('1f1b', 'one_f_one_b')}_{tag}_{plan.n_stages}x{m}"
-    source = action_source(plan, m, stages, name, schedule)
-    return source, compile_source(source, name, f"<fxpipe {name}>")
+    def send_backward(self, j: int, i: int) -> None:
+        """SEND_B: send the gradients of stage ``j``'s inputs back to the stages that made them."""
+        self.transport.send_backward(j, i, self._held.pop(("grad_in", j, i)))

@@ -11,8 +11,9 @@ the checkpoint's own backward, as soon as the output's gradient is due (torchgpi
     backward: Join ─▶ Recompute (replay forward with grad, same RNG) ─▶ Fork ─▶ Checkpoint
               (backward through the recomputed graph, gradients to the inputs)
 
-Recomputation restores the CPU RNG state and that of the stage's CUDA device, so dropout
-draws the same mask. :func:`is_checkpointing` and :func:`is_recomputing` tell a module which
+Both passes run through the stage call (:class:`fxpipe.runtime.stagecall.StageCall`), which
+restores the CPU RNG state and that of the stage's CUDA device for the recomputation, so
+dropout draws the same mask. :func:`is_checkpointing` and :func:`is_recomputing` tell a module which
 pass it is in.
 """
 
@@ -26,10 +27,25 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.tools import recorder
 from fxpipe.runtime.dependency import fork, get_phony, join
 
-__all__ = ["is_checkpointing", "is_recomputing", "checkpointed"]
+__all__ = ["is_checkpointing", "is_recomputing", "in_pass", "checkpointed", "CHECKPOINT_MODES",
+           "checkpoint_stop"]
+
+# How many leading micro-batches of m each mode checkpoints (torchgpipe's three modes).
+CHECKPOINT_MODES: dict[str, Callable[[int], int]] = {
+    "always": lambda m: m,
+    "except_last": lambda m: m - 1,  # the last micro-batch's backward comes first anyway
+    "never": lambda m: 0,
+}
+
+
+def checkpoint_stop(mode: str, m: int) -> int:
+    """Return how many leading micro-batches of ``m`` are checkpointed under ``mode``."""
+    try:
+        return CHECKPOINT_MODES[mode](m)
+    except KeyError:
+        raise ValueError(f"checkpoint={mode!r}; use one of {', '.join(map(repr, CHECKPOINT_MODES))}") from None
 
 
 class _State(threading.local):
@@ -53,8 +69,8 @@ def is_recomputing() -> bool:
 
 
 @contextmanager
-def _flag(name: str) -> Iterator[None]:
-    """Set one of the per-thread pass flags for the block."""
+def in_pass(name: str) -> Iterator[None]:
+    """Set the per-thread pass flag ``name`` (``checkpointing`` or ``recomputing``) for the block."""
     previous = getattr(_state, name)
     setattr(_state, name, True)
     try:
@@ -63,41 +79,22 @@ def _flag(name: str) -> Iterator[None]:
         setattr(_state, name, previous)
 
 
-def _save_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Capture the CPU RNG state and that of ``device`` if it is a CUDA device."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextmanager
-def _restore_rng(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> Iterator[None]:
-    """Run the block with a saved RNG state, then put back the state from before."""
-    cpu, cuda = state
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-        yield
-
-
 class _Record:
     """What a checkpointed call shares between its Checkpoint and Recompute nodes."""
 
-    def __init__(self, function: Callable[..., tuple], device: torch.device) -> None:
-        self.function = function
-        self.device = device
-        self.rng: tuple | None = None
+    def __init__(self, call: Any, i: int, rebuild: Callable[[tuple], tuple],
+                 flatten: Callable[[Any], tuple]) -> None:
+        self.call = call  # the stage call (:class:`fxpipe.runtime.stagecall.StageCall`)
+        self.i = i
+        self.rebuild = rebuild  # input tensors -> the stage's arguments
+        self.flatten = flatten  # the stage's outputs -> their tensors
+        self.replay_point: Any = None
         self.recomputed: deque = deque(maxlen=1)
-        self.where = recorder.where()  # timeline: the stage call being recorded, if any
 
     def replay(self, inputs: tuple) -> None:
         """Recompute the forward with grad and the saved RNG state; keep the result."""
         leaves = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
-        assert self.rng is not None
-        with _restore_rng(self.device, self.rng), torch.enable_grad(), _flag("recomputing"), \
-                recorder.span_at("recompute", self.where):  # timeline
-            outputs = self.function(*leaves)
+        outputs = self.flatten(self.call.run(self.i, self.rebuild(leaves), "recompute", self.replay_point))
         self.recomputed.append((outputs, leaves))
 
 
@@ -108,9 +105,8 @@ class Checkpoint(torch.autograd.Function):
     def forward(ctx, phony, record: _Record, *inputs):  # type: ignore[override]
         ctx.record = record
         ctx.save_for_backward(*inputs)
-        record.rng = _save_rng(record.device)
-        with torch.no_grad(), _flag("checkpointing"):
-            return record.function(*inputs)
+        record.replay_point = record.call.replay_point()
+        return record.flatten(record.call.run(record.i, record.rebuild(inputs), "checkpoint"))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -151,33 +147,37 @@ def _unflatten(leaves: list, spec: Any) -> Any:
     return tuple(leaves) if spec is None else tree_unflatten(leaves, spec)
 
 
-def checkpointed(function: Callable[..., Any], inputs: tuple, device: torch.device) -> Any:
-    """Call ``function(*inputs)`` without keeping its activations; recompute them in backward.
+def checkpointed(call: Any, i: int, inputs: tuple) -> Any:
+    """Run stage ``call`` on micro-batch ``i`` without keeping activations; recompute them in backward.
 
-    ``inputs`` and the result may hold any structure of tensors and other values; only the
-    tensors pass through autograd.
+    ``call`` is the stage's :class:`~fxpipe.runtime.stagecall.StageCall`, which runs both
+    passes. ``inputs`` and the result may hold any structure of tensors and other values;
+    only the tensors pass through autograd.
     """
     in_leaves, in_spec = _flatten(inputs)
     in_idx = [k for k, v in enumerate(in_leaves) if isinstance(v, torch.Tensor)]
     tensors = tuple(in_leaves[k] for k in in_idx)
-    # Keep only the structure and the non-tensor values: the tensors reach the function as
+    # Keep only the structure and the non-tensor values: the tensors reach the stage as
     # arguments (saved by autograd), and holding them here would keep every micro-batch's
     # inputs and outputs alive as long as the autograd graph.
     frame = [None if isinstance(v, torch.Tensor) else v for v in in_leaves]
     shape: dict[str, Any] = {}
 
-    def flat_function(*args: torch.Tensor) -> tuple:
+    def rebuild(args: tuple) -> tuple:
         leaves = list(frame)
         for k, t in zip(in_idx, args):
             leaves[k] = t
-        out_leaves, out_spec = _flatten(function(*_unflatten(leaves, in_spec)))
+        return _unflatten(leaves, in_spec)
+
+    def flatten(out: Any) -> tuple:
+        out_leaves, out_spec = _flatten(out)
         shape["spec"] = out_spec
         shape["tensor_at"] = {k for k, v in enumerate(out_leaves) if isinstance(v, torch.Tensor)}
         shape["frame"] = [None if isinstance(v, torch.Tensor) else v for v in out_leaves]
         return tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
 
-    record = _Record(flat_function, device)
-    phony = get_phony(device, requires_grad=True)
+    record = _Record(call, i, rebuild, flatten)
+    phony = get_phony(call.device, requires_grad=True)
     outputs = list(Checkpoint.apply(phony, record, *tensors))
     # Hang the recomputation off the first output that requires grad.
     for k, y in enumerate(outputs):

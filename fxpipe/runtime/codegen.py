@@ -16,9 +16,11 @@ import linecache
 from typing import Callable
 
 from fxpipe.plan import PipelinePlan
-from fxpipe.runtime.schedule import clocks, gpipe
+from fxpipe.runtime.actionlist import clocks
+from fxpipe.runtime.checkpoint import checkpoint_stop
+from fxpipe.runtime.schedule import gpipe
 
-__all__ = ["clock_cycles", "checkpoint_stop", "gpipe_source", "compile_source"]
+__all__ = ["clock_cycles", "gpipe_source", "compile_source"]
 
 
 def clock_cycles(m: int, n: int) -> list[list[tuple[int, int]]]:
@@ -33,14 +35,6 @@ def clock_cycles(m: int, n: int) -> list[list[tuple[int, int]]]:
         if action.kind == "F":
             cycles[k].append((action.mb, action.stage))
     return cycles
-
-
-def checkpoint_stop(mode: str, m: int) -> int:
-    """Return how many leading micro-batches are checkpointed under ``mode``."""
-    try:
-        return {"always": m, "except_last": m - 1, "never": 0}[mode]
-    except KeyError:
-        raise ValueError(f"checkpoint={mode!r}; use 'always', 'except_last' or 'never'") from None
 
 
 def _var(name: str, i: int) -> str:

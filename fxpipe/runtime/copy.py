@@ -20,10 +20,10 @@ import torch
 
 from fxpipe.runtime.stream import AbstractStream, current_stream, record_stream, use_stream, wait_stream
 
-__all__ = ["Copy", "Wait", "copy", "wait"]
+__all__ = ["Copy", "Wait", "copy", "wait", "transfer"]
 
 
-def _transfer(tensors, src: AbstractStream, dst: AbstractStream, to: torch.device, reader: AbstractStream):
+def transfer(tensors, src: AbstractStream, dst: AbstractStream, to: torch.device, reader: AbstractStream):
     """Copy ``tensors`` to device ``to`` with ``src`` and ``dst`` current; return the copies."""
     out: deque = deque()
     with use_stream(src), use_stream(dst):
@@ -45,11 +45,11 @@ class Copy(torch.autograd.Function):
     def forward(ctx, src: AbstractStream, dst: AbstractStream, to: torch.device, *tensors):  # type: ignore[override]
         ctx.src, ctx.dst = src, dst
         ctx.back = tensors[0].device
-        return _transfer(tensors, src, dst, to, current_stream(to))
+        return transfer(tensors, src, dst, to, current_stream(to))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        return (None, None, None) + _transfer(grads, ctx.src, ctx.dst, ctx.back, current_stream(ctx.back))
+        return (None, None, None) + transfer(grads, ctx.src, ctx.dst, ctx.back, current_stream(ctx.back))
 
 
 class Wait(torch.autograd.Function):

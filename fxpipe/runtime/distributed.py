@@ -1,7 +1,8 @@
 """Run a plan with one stage per ``torch.distributed`` rank, launched by ``torchrun``.
 
 Every rank traces and plans the whole model (the same plan everywhere), keeps only its own
-stage on its device, and runs its part of the schedule's action list as generated code.
+stage on its device, and runs its part of the schedule's action lists, with the messages
+to and from the other ranks, through the action interpreter (:mod:`fxpipe.runtime.actions`).
 Rank 0 splits the inputs and publishes the micro-batch layout; every rank sizes its receive
 buffers from it; the last rank computes the loss, which every rank returns. Parameters used
 by several stages (tied embeddings) live on each rank that reads them, start equal, and get
@@ -21,14 +22,17 @@ import torch.fx
 from torch.utils._pytree import tree_flatten
 
 from fxpipe import passes
-from fxpipe.runtime.actions import ActionRunner, compile_actions
+from fxpipe.runtime.actionlist import Action
+from fxpipe.runtime.actions import ActionInterpreter, Program, program_for
 from fxpipe.runtime.batchnorm import commit_batch_norm
 from fxpipe.runtime.comm import Comm
 from fxpipe.errors import PeerFailure, PipelineInputError
 from fxpipe.runtime.microbatch import gather, micro_losses
 from fxpipe.runtime.placement import named_tensors
 from fxpipe.plan import PipelinePlan
+from fxpipe.runtime.schedule import actions_for, deferring
 from fxpipe.runtime.signature import CallSignature
+from fxpipe.runtime.stagecall import StageCall
 from fxpipe.runtime.transport import DistTransport
 from fxpipe.runtime.worker import StageWorker
 from fxpipe.passes.annotate import TensorSpec, spec_of
@@ -109,34 +113,38 @@ def tied_groups(stages: list[torch.fx.GraphModule], rank: int, timeout: float) -
 class DistributedRuntime:
     """This rank's share of a distributed pipeline: its stage, its program, its messages."""
 
-    def __init__(self, plan: PipelinePlan, gm: torch.fx.GraphModule, fn: Callable, rank: int,
-                 device: torch.device, comm: Comm, signature: CallSignature,
-                 tied: list[tuple[Any, list]]) -> None:
+    def __init__(self, plan: PipelinePlan, gm: torch.fx.GraphModule, call: StageCall, comm: Comm,
+                 signature: CallSignature, tied: list[tuple[Any, list]],
+                 custom: list[list[Action]] | None = None) -> None:
         self.plan = plan
         self.gm = gm
-        self.rank = rank
-        self.device = device
+        self.rank = rank = call.index
+        self.device = call.device
         self.comm = comm
         self.signature = signature
         self.tied = tied
+        self.custom = custom  # the user's own schedule, or None for plan.schedule's
         stage = plan.stages[rank]
         self.last = rank == plan.n_stages - 1
-        self.worker = StageWorker(rank, fn, device, [v in stage.grad_inputs for v in stage.inputs], self.last,
-                                  defer=plan.schedule == "zb")
+        defer = rank in deferring(actions_for(plan.schedule, custom, plan.n_stages, plan.chunks))
+        self.worker = StageWorker(call, [v in stage.grad_inputs for v in stage.inputs], defer=defer)
         self.example = [n.meta.get("fxpipe.value") for n in gm.graph.nodes if n.op == "placeholder"]
         self.crossing = sorted({v for s in plan.stages for v in s.outputs})
         self._layouts: dict[str, dict[str, Any]] = {}
-        self._programs: dict[tuple[str, int], tuple[str, Callable]] = {}
+        self._programs: dict[tuple[str, int], Program] = {}
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
 
     def code(self) -> str:
-        """Return this rank's program for ``plan.chunks`` micro-batches."""
-        return self._program(self.plan.schedule, self.plan.chunks)[0]
+        """Return the actions this rank runs in a step of ``plan.chunks`` micro-batches."""
+        return self._program(self.plan.schedule, self.plan.chunks).text()
 
-    def _program(self, schedule: str, m: int) -> tuple[str, Callable]:
-        """Compile this rank's action program for ``schedule`` and ``m`` micro-batches, once."""
+    def _program(self, schedule: str, m: int) -> Program:
+        """Lower this rank's actions of ``schedule`` for ``m`` micro-batches, once."""
         if (schedule, m) not in self._programs:
-            self._programs[(schedule, m)] = compile_actions(self.plan, m, [self.rank], schedule)
+            actions = actions_for(schedule, self.custom if schedule != "forward" else None,
+                                  self.plan.n_stages, m)
+            self._programs[(schedule, m)] = program_for(self.plan, actions, [self.rank],
+                                                        lambda a, b: a != b, schedule)
         return self._programs[(schedule, m)]
 
     # -- the per-step layout, published by rank 0 ------------------------------------------
@@ -197,10 +205,10 @@ class DistributedRuntime:
         transport = DistTransport(self.plan, self.rank, self.device, self.comm, self._specs(header))
         transport.inputs = mbs
         transport.m = m
-        runner = ActionRunner(self.plan, {self.rank: self.worker}, transport)
+        runner = ActionInterpreter(self.plan, {self.rank: self.worker}, transport)
         losses = losses_for(header["batch"], m) if (self.last and losses_for) else {}
         runner.begin(m, losses, checkpointing=training, grad=grad)
-        self._program(self.plan.schedule if grad else "forward", m)[1](runner)
+        runner.run(self._program(self.plan.schedule if grad else "forward", m))
         self.comm.flush()
         if training:
             commit_batch_norm(self.deferred)

@@ -1,11 +1,12 @@
 """Run a plan in one process, one device per stage.
 
-``pipe(x)`` runs the generated GPipe schedule (:mod:`fxpipe.runtime.codegen`) with autograd connected
-across stages, so the user's ``backward`` flows through every stage; this module provides
-what that code calls: ``compute`` (a stage on one micro-batch, checkpointed or not, between
-stream waits), ``copy`` (to another stage's device on copy streams) and ``depend`` (fork/join
-ordering of backward). ``pipe.step`` runs GPipe the same way, and 1F1B through the action
-engine (:mod:`fxpipe.runtime.actions`) with explicit per-stage backward.
+``pipe(x)`` runs the generated GPipe program (:mod:`fxpipe.runtime.codegen`) with autograd
+connected across stages, so the user's ``backward`` flows through every stage; this module
+provides what that program calls: ``compute`` (a stage's :meth:`StageCall.call` on one
+micro-batch), ``copy`` (to another stage's device on copy streams) and ``depend`` (fork/join
+ordering of backward). ``pipe.step`` runs GPipe the same way, and every other schedule as
+action lists through the interpreter (:mod:`fxpipe.runtime.actions`), with the mailbox
+transport. On CUDA both use copy streams and, with several GPUs, a worker thread per device.
 """
 
 from __future__ import annotations
@@ -15,19 +16,21 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fxpipe.runtime.actions import ActionRunner, LocalTransport, compile_actions
-from fxpipe.runtime.batchnorm import commit_batch_norm
-from fxpipe.tools import recorder
-from fxpipe.runtime.checkpoint import checkpointed
-from fxpipe.runtime.codegen import compile_source, gpipe_source
-from fxpipe.runtime.copy import copy, wait
-from fxpipe.runtime.dependency import depend
-from fxpipe.runtime.microbatch import gather, micro_losses
 from fxpipe.plan import PipelinePlan
+from fxpipe.runtime.actionlist import Action
+from fxpipe.runtime.actions import ActionInterpreter, Program, program_for
+from fxpipe.runtime.batchnorm import commit_batch_norm
+from fxpipe.runtime.codegen import compile_source, gpipe_source
+from fxpipe.runtime.copy import copy
+from fxpipe.runtime.dependency import depend
+from fxpipe.runtime.mailbox import LocalTransport
+from fxpipe.runtime.microbatch import gather, micro_losses
+from fxpipe.runtime.schedule import actions_for, deferring
 from fxpipe.runtime.signature import CallSignature
-from fxpipe.runtime.stream import current_stream, new_stream, on_device
+from fxpipe.runtime.stagecall import StageCall
 from fxpipe.runtime.threads import DeviceThreads
 from fxpipe.runtime.worker import StageWorker
+from fxpipe.tools import recorder
 
 __all__ = ["LocalRuntime"]
 
@@ -37,23 +40,22 @@ log = logging.getLogger(__name__)
 class LocalRuntime:
     """Execute a plan's stages over micro-batches in this process."""
 
-    def __init__(self, plan: PipelinePlan, stage_fns: Sequence[Callable], devices: Sequence[torch.device],
-                 signature: CallSignature) -> None:
+    def __init__(self, plan: PipelinePlan, calls: Sequence[StageCall], signature: CallSignature,
+                 custom: list[list[Action]] | None = None) -> None:
         self.plan = plan
-        self.stage_fns = list(stage_fns)
-        self.devices = list(devices)
+        self.calls = list(calls)
+        self.devices = [c.device for c in self.calls]
         self.signature = signature
+        self.custom = custom  # the user's own schedule, or None for plan.schedule's
         self.checkpointing = False
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
-        self._programs: dict[tuple[str, int], tuple[str, Callable]] = {}
-        self._copy_streams: list[list] = [[] for _ in devices]
+        self._programs: dict[tuple[str, int], tuple[str, Any]] = {}
         self.threads: DeviceThreads | None = None
         self.use_threads(len({d for d in self.devices if d.type == "cuda"}) > 1)
-        n = plan.n_stages
-        self.workers = {j: StageWorker(j, fn, self.devices[j], [v in plan.stages[j].grad_inputs
-                                                                 for v in plan.stages[j].inputs], j == n - 1,
-                                                  defer=plan.schedule == "zb")
-                        for j, fn in enumerate(self.stage_fns)}
+        defer = deferring(actions_for(plan.schedule, custom, plan.n_stages, plan.chunks))
+        self.workers = {j: StageWorker(c, [v in plan.stages[j].grad_inputs for v in plan.stages[j].inputs],
+                                       defer=j in defer)
+                        for j, c in enumerate(self.calls)}
 
     def use_threads(self, on: bool) -> None:
         """Compute each clock's stages on one worker thread per device (the CUDA default)."""
@@ -62,12 +64,12 @@ class LocalRuntime:
         self.threads = DeviceThreads(self.devices) if on else None
         self._programs.clear()
 
-    # -- the generated programs ------------------------------------------------------
-    def program(self, m: int, kind: str = "gpipe") -> tuple[str, Callable]:
-        """Return the source and function of a schedule for ``m`` micro-batches, compiled once.
+    # -- the programs --------------------------------------------------------------------
+    def program(self, m: int, kind: str = "gpipe") -> tuple[str, Any]:
+        """Return the source (or text) and runnable of a schedule for ``m`` micro-batches, made once.
 
-        ``kind`` is ``"gpipe"`` (the autograd-connected forward) or ``"actions"`` (the plan's
-        schedule as forward and backward actions, for ``step``).
+        ``kind`` is ``"gpipe"`` (the generated, autograd-connected forward) or ``"actions"``
+        (the plan's schedule as action lists, for ``step``).
         """
         key = (kind, m)
         if key not in self._programs:
@@ -76,12 +78,14 @@ class LocalRuntime:
                 source = gpipe_source(self.plan, m, name, threaded=self.threads is not None)
                 self._programs[key] = (source, compile_source(source, name, f"<fxpipe {name}>"))
             else:
-                self._programs[key] = compile_actions(self.plan, m, list(range(self.plan.n_stages)),
-                                                      self.plan.schedule)
+                actions = actions_for(self.plan.schedule, self.custom, self.plan.n_stages, m)
+                prog: Program = program_for(self.plan, actions, range(self.plan.n_stages),
+                                            lambda a, b: a != b, self.plan.schedule)
+                self._programs[key] = (prog.text(), prog)
         return self._programs[key]
 
     def code(self) -> str:
-        """Return the source of the program ``step`` runs for ``plan.chunks`` micro-batches."""
+        """Return what ``step`` runs for ``plan.chunks`` micro-batches: GPipe's source, or the actions."""
         kind = "gpipe" if self.plan.schedule == "gpipe" else "actions"
         return self.program(self.plan.chunks, kind)[0]
 
@@ -106,15 +110,15 @@ class LocalRuntime:
             total = sum((losses[i](out) for i, out in enumerate(outputs[1:], 1)), losses[0](outputs[0]))
             total.backward()
             return total.detach()
-        transport = LocalTransport(self.plan, self.devices)
+        transport = LocalTransport(self.plan, self.calls)
         transport.inputs = mbs
-        runner = ActionRunner(self.plan, self.workers, transport)
-        runner.begin(len(mbs), losses, checkpointing=training)
-        self.program(len(mbs), "actions")[1](runner)
+        interpreter = ActionInterpreter(self.plan, self.workers, transport, self.threads)
+        interpreter.begin(len(mbs), losses, checkpointing=training)
+        interpreter.run(self.program(len(mbs), "actions")[1])
         if training:
             commit_batch_norm(self.deferred)
-        assert runner.total is not None
-        return runner.total
+        assert interpreter.total is not None
+        return interpreter.total
 
     def run(self, micro_batches: list[list[Any]], training: bool) -> list[Any]:
         """Run every micro-batch through every stage; return the last stage's outputs.
@@ -125,30 +129,10 @@ class LocalRuntime:
         self.checkpointing = training and torch.is_grad_enabled()
         return fn(self, micro_batches)
 
-    # -- what the program calls ----------------------------------------------------------
-    def copy_stream(self, j: int, i: int):
-        """Return stage ``j``'s copy stream for micro-batch ``i`` (None on CPU)."""
-        streams = self._copy_streams[j]
-        while len(streams) <= i:
-            streams.append(new_stream(self.devices[j]))
-        return streams[i]
-
+    # -- what the GPipe program calls ----------------------------------------------------
     def compute(self, j: int, i: int, inputs: tuple, checkpoint: bool) -> Any:
         """Run stage ``j`` on micro-batch ``i``'s inputs, checkpointed if asked and training."""
-        device = self.devices[j]
-        fn = self.stage_fns[j]
-        if device.type == "cuda":
-            compute_stream = current_stream(device)
-            inputs = wait(inputs, self.copy_stream(j, i), compute_stream)
-        with on_device(device), recorder.span("forward", j, i, device) as call:  # timeline
-            if checkpoint and self.checkpointing:
-                out = checkpointed(fn, inputs, device)
-            else:
-                out = fn(*inputs)
-        out = recorder.mark_backward(call, inputs, out)  # timeline: hooks only while recording
-        if device.type == "cuda" and j < self.plan.n_stages - 1:
-            out = wait(out, compute_stream, self.copy_stream(j, i))
-        return out
+        return self.calls[j].call(i, inputs, checkpoint and self.checkpointing)
 
     def clock(self, tasks: tuple) -> list[Any]:
         """Compute ``(stage, micro-batch, inputs, checkpoint)`` tasks together, a thread per device."""
@@ -157,10 +141,12 @@ class LocalRuntime:
 
     def copy(self, src: int, dst: int, i: int, values: tuple) -> tuple:
         """Copy micro-batch ``i``'s values from stage ``src``'s device to stage ``dst``'s."""
-        with recorder.span("copy", dst, i, self.devices[dst], self.copy_stream(dst, i)):  # timeline
-            return copy(values, self.copy_stream(src, i), self.copy_stream(dst, i), self.devices[dst])
+        into = self.calls[dst].copy_stream(i)
+        with recorder.span("copy", dst, i, self.devices[dst], into):  # timeline
+            return copy(values, self.calls[src].copy_stream(i), into, self.devices[dst])
 
     @staticmethod
     def depend(before: Any, after: Any) -> tuple[Any, Any]:
         """Order backward: ``after``'s before ``before``'s (see :mod:`fxpipe.runtime.dependency`)."""
         return depend(before, after)
+

@@ -1,18 +1,20 @@
-"""One stage's forward and backward on explicit, detached boundaries.
+"""One stage's forward and backward on explicit, detached boundaries: what F, B, I and W do.
 
-The action-list runtimes (1F1B in one process, every schedule across ranks) cut autograd at
-each stage boundary. A forward takes detached inputs, marks the floating ones that carry a
-gradient as leaves that require grad, and keeps what backward needs; a backward receives
-the gradients of the stage's outputs, runs autograd through the stage, and returns the
+The action interpreter (:mod:`fxpipe.runtime.actions`) cuts autograd at each stage
+boundary. A forward takes detached inputs, marks the floating ones that carry a gradient
+as leaves that require grad, and keeps what backward needs; a backward receives the
+gradients of the stage's outputs, runs autograd through the stage, and returns the
 gradients of its inputs, to be sent back to the stages that made them::
 
       inputs (leaves) ──▶ stage j ──▶ outputs ────send───▶ consumers
       input grads ◀──── autograd ◀── output grads ◀─recv── consumers
 
-With checkpointing, the forward runs under ``no_grad`` and keeps only the inputs and the RNG
-state; the backward first replays the forward with the same random numbers. For the
-zero-bubble schedule (``defer=True``) a backward leaves the linears' weight gradients in a
-store per micro-batch (:mod:`fxpipe.runtime.wgrad`), and :meth:`StageWorker.weights` computes them.
+Every pass runs through the stage call (:class:`fxpipe.runtime.stagecall.StageCall`): with
+checkpointing, the forward runs under ``no_grad`` and keeps only the inputs and the replay
+point; the backward first recomputes the forward with the same random numbers. A stage whose
+schedule has ``W`` steps (``defer=True``) queues its linears' weight gradients per
+micro-batch (:mod:`fxpipe.runtime.wgrad`): ``I`` computes the input gradients only, ``W``
+the queued weight gradients, and ``B`` both at once.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.runtime import wgrad
-from fxpipe.runtime.checkpoint import _flag, _restore_rng, _save_rng
+from fxpipe.runtime.stagecall import StageCall
 from fxpipe.runtime.stream import on_device
 
 __all__ = ["StageWorker"]
@@ -33,13 +35,12 @@ __all__ = ["StageWorker"]
 class StageWorker:
     """Run forwards and backwards of one stage, keeping per-micro-batch state in between."""
 
-    def __init__(self, index: int, fn: Callable, device: torch.device, input_grads: Sequence[bool],
-                 last: bool, defer: bool = False) -> None:
-        self.index = index
-        self.fn = fn
-        self.device = device
+    def __init__(self, call: StageCall, input_grads: Sequence[bool], defer: bool = False) -> None:
+        self.call = call
+        self.index = call.index
+        self.device = call.device
         self.input_grads = list(input_grads)  # per input value: does it carry a gradient?
-        self.last = last
+        self.last = call.last
         self._saved: dict[int, tuple] = {}
         self.defer = defer  # queue the linears' weight gradients for weights(i)
         self._weights: dict[int, list] = {}
@@ -47,52 +48,56 @@ class StageWorker:
     def forward(self, i: int, inputs: Sequence[Any], *, checkpoint: bool,
                 loss: Callable[[Any], torch.Tensor] | None = None, grad: bool = True) -> Any:
         """Run micro-batch ``i``; return the outputs (the weighted loss on the last stage with ``loss``)."""
+        call = self.call
         leaves = [_leaf(v, g and grad) for v, g in zip(inputs, self.input_grads)]
-        with on_device(self.device):
+        with call.span("forward", i):
             if not grad:
                 with torch.no_grad():
-                    out = self.fn(*leaves)
+                    out = call.run(i, leaves)
                 return loss(out) if loss is not None else out
             if self.defer:
                 self._weights[i] = []  # fresh: nothing left from a step that failed
             if checkpoint:
-                rng = _save_rng(self.device)
-                with torch.no_grad(), _flag("checkpointing"):
-                    out = self.fn(*leaves)
+                replay = call.replay_point()
+                out = call.run(i, leaves, "checkpoint")
+                with torch.no_grad():
                     result = loss(out) if loss is not None else out
-                self._saved[i] = ("recompute", leaves, rng, loss)
+                self._saved[i] = ("recompute", leaves, replay, loss)
                 return result.detach() if loss is not None else out
             with self._collecting(i):
-                out = self.fn(*leaves)
+                out = call.run(i, leaves)
                 result = loss(out) if loss is not None else out
         self._saved[i] = ("keep", leaves, result)
         return result.detach() if loss is not None else _detached(out)
 
-    def backward(self, i: int, grads: Sequence[Any] | None) -> list[Any]:
+    def backward(self, i: int, grads: Sequence[Any] | None, kind: str = "B") -> list[Any]:
         """Backpropagate micro-batch ``i`` given its outputs' gradients; return input gradients.
 
-        ``grads`` aligns with the stage's outputs (None on the last stage, whose output is
-        the loss). The result aligns with the inputs: a tensor (or structure) for each input
-        that carries a gradient, None for the others.
+        ``kind`` is ``"B"`` (everything) or ``"I"`` (input gradients; the weight gradients
+        wait for :meth:`weights`). ``grads`` aligns with the stage's outputs (None on the
+        last stage, whose output is the loss). The result aligns with the inputs: a tensor
+        (or structure) for each input that carries a gradient, None for the others.
         """
         saved = self._saved.pop(i)
-        with on_device(self.device):
-            if saved[0] == "recompute":
-                _, leaves, rng, loss = saved
-                with _restore_rng(self.device, rng), torch.enable_grad(), _flag("recomputing"), \
-                        self._collecting(i):
-                    out = self.fn(*leaves)
+        if saved[0] == "recompute":
+            _, leaves, replay, loss = saved
+            with self._collecting(i):
+                out = self.call.run(i, leaves, "recompute", replay)
+                with torch.enable_grad():
                     result = loss(out) if loss is not None else out
-            else:
-                _, leaves, result = saved
+        else:
+            _, leaves, result = saved
+        with on_device(self.device), self.call.span("backward", i):
             tensors, grad_tensors = _pairs(result, grads)
             if tensors:
                 torch.autograd.backward(tensors, grad_tensors)
+            if kind == "B" and self.defer:
+                wgrad.run(self._weights.pop(i, []))
         return [_grad_of(leaf) if g else None for leaf, g in zip(leaves, self.input_grads)]
 
     def weights(self, i: int) -> None:
-        """Compute micro-batch ``i``'s deferred weight gradients (after its backward)."""
-        with on_device(self.device):
+        """Compute micro-batch ``i``'s deferred weight gradients (after its ``I``)."""
+        with on_device(self.device), self.call.span("weight", i):
             wgrad.run(self._weights.pop(i, []))
 
     def _collecting(self, i: int) -> contextlib.AbstractContextManager:

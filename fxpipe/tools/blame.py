@@ -1,8 +1,9 @@
 """Name the stage and node where a stage's forward raised, on the exception itself.
 
 A stage GraphModule runs generated code; when one of its nodes raises, the traceback shows a
-line of that code. :func:`blamed` wraps a stage's callable so that the exception, of its
-original type and with its original traceback, carries a note naming the stage, its device,
+line of that code. :func:`note_failure`, called by the stage call on any exception, leaves
+the exception of its original type and with its original traceback, and adds a note
+naming the stage, its device,
 the node (its op, target and the module it came from) and the pass (forward, checkpointed
 forward, or recomputation in backward)::
 
@@ -15,14 +16,12 @@ is re-run.
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import torch
 import torch.fx
 
 from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
 
-__all__ = ["blamed", "failing_node", "describe_node"]
+__all__ = ["note_failure", "failing_node", "describe_node"]
 
 _NOTE = "fxpipe: raised in stage"
 
@@ -69,21 +68,13 @@ def _pass() -> str:
     return "forward"
 
 
-def blamed(fn: Callable, gm: torch.fx.GraphModule, index: int, device: torch.device) -> Callable:
-    """Wrap stage ``index``'s callable so that what it raises names the stage and the node."""
-
-    def run(*args: Any) -> Any:
-        try:
-            return fn(*args)
-        except Exception as exc:
-            notes = getattr(exc, "__notes__", [])
-            if not any(str(n).startswith(_NOTE) for n in notes):
-                node = failing_node(gm, exc)
-                at = f", node {describe_node(gm, node)}" if node is not None else ""
-                _add_note(exc, f"{_NOTE} {index} ({device}){at}, in {_pass()}")
-            raise
-
-    return run
+def note_failure(exc: BaseException, gm: torch.fx.GraphModule, index: int, device: torch.device) -> None:
+    """Add a note to ``exc`` naming stage ``index``, its device, the failing node and the pass (once)."""
+    notes = getattr(exc, "__notes__", [])
+    if not any(str(n).startswith(_NOTE) for n in notes):
+        node = failing_node(gm, exc)
+        at = f", node {describe_node(gm, node)}" if node is not None else ""
+        _add_note(exc, f"{_NOTE} {index} ({device}){at}, in {_pass()}")
 
 
 def _add_note(exc: BaseException, note: str) -> None:

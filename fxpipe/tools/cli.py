@@ -228,7 +228,8 @@ def _write_timeline(args: argparse.Namespace, pipe: Any, inputs: tuple | None, k
             else:  # the schedule's own forward and backward actions
                 pipe.step(*inputs, target=None, loss_fn=_stand_in_loss, **kwargs)
         pipe.zero_grad(set_to_none=True)
-    kinds = ["forward", "recompute", "backward"] + (["weight"] if pipe.plan.schedule == "zb" else []) + ["copy"]
+    weights = any(e["cat"] == "weight" for e in tl.events)  # a schedule with W steps
+    kinds = ["forward", "recompute", "backward"] + (["weight"] if weights else []) + ["copy"]
     counts = {kind: sum(e["cat"] == kind for e in tl.events) for kind in kinds}
     span = max(e["ts"] + e["dur"] for e in tl.events) - min(e["ts"] for e in tl.events)
     print(f"timeline saved to {args.timeline}: one training step ({pipe.plan.schedule}), {span / 1e3:.1f} ms, "
