@@ -8,7 +8,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-__all__ = ["StagePlan", "SkipRoute", "PipelinePlan"]
+__all__ = ["StagePlan", "SkipRoute", "PipelinePlan", "human"]
 
 
 @dataclass
@@ -119,9 +119,9 @@ class PipelinePlan:
         for s in self.stages:
             rows.append([
                 s.index, s.device, len(s.nodes), _short(s.nodes[0] if s.nodes else ""),
-                _short(s.nodes[-1] if s.nodes else ""), _human(s.flops), _human(s.params, "B"),
-                _human(s.activation_bytes, "B"), _human(s.saved_bytes, "B"),
-                _human(s.checkpoint_bytes, "B"), _human(s.memory, "B"),
+                _short(s.nodes[-1] if s.nodes else ""), human(s.flops), human(s.params, "B"),
+                human(s.activation_bytes, "B"), human(s.saved_bytes, "B"),
+                human(s.checkpoint_bytes, "B"), human(s.memory, "B"),
             ] + ([f"{s.time_ms:.2f}" if s.time_ms is not None else "-"] if timed else []) + [
                 len(self.stashes(s.index)), len(self.pops(s.index)),
             ])
@@ -144,7 +144,7 @@ class PipelinePlan:
                      f"kept when checkpointed; memory = estimated peak (checkpoint={self.checkpoint!r})")
         if self.skips:
             lines.append("skip routes:")
-            lines += [f"  {r.name}: stage {r.src} -> stage {r.dst} ({_human(r.bytes, 'B')})"
+            lines += [f"  {r.name}: stage {r.src} -> stage {r.dst} ({human(r.bytes, 'B')})"
                       for r in self.skips]
         return "\n".join(lines)
 
@@ -196,7 +196,7 @@ def _short(name: str, width: int = 24) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def _human(x: float, unit: str = "") -> str:
+def human(x: float, unit: str = "") -> str:
     """Format a count with a k/M/G/T suffix."""
     for suffix in ("", "k", "M", "G", "T"):
         if abs(x) < 1000:

@@ -63,6 +63,18 @@ def test_tied_embeddings_first_and_last_rank(schedule, world, tmp_path):
     assert "embed.weight" in results[0]["grad_errors"] and "head.weight" in results[-1]["grad_errors"]
 
 
+def test_a_custom_schedule_from_text_runs_across_ranks(tmp_path):
+    from test_actionlist import CUSTOM  # stage 0 splits its backward into I and W, stage 1 does not
+
+    results = _launch("tied", 2, CUSTOM, tmp_path)
+    _assert_equal_to_eager(results)
+    rank0 = [line.split("#")[0].split() for line in results[0]["code"].splitlines() if not line.startswith("#")]
+    rank1 = [line.split("#")[0].split() for line in results[1]["code"].splitlines() if not line.startswith("#")]
+    assert rank0[:3] == [["0F0", "0SEND_F0"], ["0F1", "0SEND_F1"], ["0RECV_B0", "0I0"]]
+    assert rank0[-3:] == [["0W0"], ["0W1"], ["0W2"]]
+    assert rank1[:2] == [["1RECV_F0", "1F0"], ["1B0", "1SEND_B0"]]
+
+
 def test_shape_mismatch_fails_clearly_on_every_rank(tmp_path):
     results = _launch("shape", 2, "gpipe", tmp_path)
     for res in results:

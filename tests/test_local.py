@@ -1,7 +1,9 @@
 """The single-process runtime frees each activation and skip as soon as its last consumer ran."""
 
+import copy
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -88,3 +90,35 @@ def test_worker_threads_compute_a_clock_together_and_equal_eager(monkeypatch):
                                           devices=["cpu", "cpu:0", "cpu", "cpu:0"])
         assert "rt.clock((" in pipe.code
         assert len(pipe._runtime.threads.pools) == 2
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_worker_threads_run_a_clock_of_actions_together_and_equal_eager(monkeypatch, schedule):
+    from fxpipe.runtime import threads
+    from fxpipe.runtime.local import LocalRuntime
+    from fxpipe.testing import max_relative_error
+    from models import TiedTransformer
+
+    init = LocalRuntime.__init__
+
+    def threaded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.use_threads(True)
+
+    ran = []
+    run = threads.DeviceThreads.run
+    monkeypatch.setattr(LocalRuntime, "__init__", threaded)
+    monkeypatch.setattr(threads.DeviceThreads, "run", lambda self, tasks: (ran.append(len(tasks)), run(self, tasks))[1])
+    torch.manual_seed(0)
+    model = TiedTransformer()
+    tokens = torch.randint(0, 32, (8, 8))
+    eager = copy.deepcopy(model)
+    loss_fn = lambda out, _: out.float().pow(2).mean()  # noqa: E731
+    loss_fn(eager(tokens), None).backward()
+    pipe = fxpipe.compile(model, 4, example_inputs=(tokens,), chunks=4, schedule=schedule,
+                          devices=["cpu", "cpu:0", "cpu", "cpu:0"])
+    pipe.step(tokens, target=None, loss_fn=loss_fn)
+    assert ran and max(ran) >= 2  # some clocks ran two stages at once
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name

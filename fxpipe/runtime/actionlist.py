@@ -174,14 +174,30 @@ def clocks(actions: Sequence[Sequence[Action]], n: int | None = None) -> dict[Ac
             pos[r] += 1
             progressed = True
         if not progressed:
-            r = min((r for r in range(len(rows)) if pos[r] < len(rows[r])))
-            a = rows[r][pos[r]]
-            need = needs(a, n)
-            assert need is not None
-            raise ScheduleError(f"the schedule can never finish: {a} (action {pos[r]} of rank {r}) "
-                                f"waits for {_name(need)}, which cannot run before it; reorder the "
-                                "actions so every step comes after what it needs")
+            raise ScheduleError(_blocked(rows, pos, n))
     return at
+
+
+def _blocked(rows: list[list[Action]], pos: list[int], n: int) -> str:
+    """Explain a deadlock: follow the waits from a stuck action to the one that can never run."""
+    where = {a.key: (r, k) for r, row in enumerate(rows) for k, a in enumerate(row) if k >= pos[r]}
+    r = min(r for r in range(len(rows)) if pos[r] < len(rows[r]))
+    seen: list[Action] = []
+    while True:
+        a = rows[r][pos[r]]
+        need = needs(a, n)
+        assert need is not None
+        head = f"the schedule can never finish: {a} (action {pos[r]} of rank {r}) waits for {_name(need)}"
+        if need not in where:
+            return f"{head}, which is not in the schedule; add it"
+        r2, k2 = where[need]
+        if r2 == r:
+            return f"{head}, which comes after it on rank {r}; put {rows[r2][k2]} first"
+        if a in seen:
+            cycle = " -> ".join(map(str, seen[seen.index(a):] + [a]))
+            return f"{head}, and the waits go round in a circle ({cycle}); reorder the actions"
+        seen.append(a)
+        r = r2
 
 
 def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:

@@ -123,7 +123,7 @@ def _shape(text: str) -> tuple[int, ...]:
 def _inspect(args: argparse.Namespace) -> int:
     """Compile the model, print the plan, and write what the options ask for."""
     import fxpipe
-    from fxpipe.plan import _human
+    from fxpipe.plan import human
 
     saved = None
     if args.plan:
@@ -157,7 +157,7 @@ def _inspect(args: argparse.Namespace) -> int:
     params = sum(p.numel() for p in model.parameters())
     batch = "" if inputs is None or _batch(inputs) is None else f", example batch {_batch(inputs)}"
     print(f"{type(model).__name__} ({args.model}): {len(plan.graph_nodes)} graph nodes, "
-          f"{_human(params)} parameters, {plan.n_stages} stages, chunks={plan.chunks}{batch}, "
+          f"{human(params)} parameters, {plan.n_stages} stages, chunks={plan.chunks}{batch}, "
           f"balance_by={plan.balance_by}" + (f", plan from {args.plan}" if saved else ""))
     print(plan.table())
     status = 0

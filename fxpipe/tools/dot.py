@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import torch.fx
 
-from fxpipe.plan import PipelinePlan, _human
+from fxpipe.plan import PipelinePlan, human
 
 __all__ = ["to_dot", "render", "graphviz_available"]
 
@@ -73,8 +73,8 @@ def to_dot(gm: torch.fx.GraphModule, plan: PipelinePlan, *, micro_batches: int |
     ]
     for s in plan.stages:
         border, fill = _PALETTE[s.index % len(_PALETTE)]
-        label = (f"stage {s.index} ({s.device}): {_human(s.flops)} FLOPs, "
-                 f"{_human(s.params, 'B')} params")
+        label = (f"stage {s.index} ({s.device}): {human(s.flops)} FLOPs, "
+                 f"{human(s.params, 'B')} params")
         lines += [f"  subgraph cluster_{s.index} {{",
                   f'    label={_q(label)}; style="rounded"; color="{border}"; penwidth=2; fontcolor="{border}";']
         for node in gm.graph.nodes:
@@ -94,9 +94,9 @@ def to_dot(gm: torch.fx.GraphModule, plan: PipelinePlan, *, micro_batches: int |
             if node.op == "get_attr":
                 attrs = _PARAM if b != a else ""
             elif b == a + 1:
-                attrs = f"{_BOUNDARY}, label={_q(_human(node.meta.get('fxpipe.bytes', 0) // micro, 'B'))}"
+                attrs = f"{_BOUNDARY}, label={_q(human(node.meta.get('fxpipe.bytes', 0) // micro, 'B'))}"
             elif b > a + 1:
-                size = _human(node.meta.get("fxpipe.bytes", 0) // micro, "B")
+                size = human(node.meta.get("fxpipe.bytes", 0) // micro, "B")
                 attrs = f"{_SKIP}, label={_q(f'skip {a}->{b} {size}')}"
             lines.append(f"  {_q(node.name)} -> {_q(user.name)}" + (f" [{attrs}]" if attrs else "") + ";")
     lines.append("}")
