@@ -14,6 +14,8 @@ from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.tools.recorder import Timeline, timeline
 from fxpipe.tracing import trace
 
+from fxpipe import testing  # noqa: E402 - `import fxpipe` then `fxpipe.testing.assert_...` works
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "compile",
     "is_checkpointing",
     "is_recomputing",
+    "testing",
     "timeline",
     "trace",
 ]

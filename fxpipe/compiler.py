@@ -111,7 +111,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     engine: Any
     if runtime == "distributed":
         for s in plan.stages:
-            s.device = str(device) if s.index == rank else f"rank {s.index}"
+            s.device = f"rank {s.index} ({device.type})"  # the same on every rank
         devices = [device if j == rank else torch.device("meta") for j in range(n_stages)]
         engine = build_distributed(model, gm, plan, stages, rank, device, link, timeout, custom,
                                    deferred_batch_norm)

@@ -31,7 +31,7 @@ def _check_step(rank, world, model, x, target, loss_fn, **kw):
               for name, p in model.named_parameters(remove_duplicate=False) if id(p) in held}
     return {"loss_error": max_relative_error(loss, expected), "grad_errors": errors,
             "skips": [(r.name, r.src, r.dst) for r in pipe.plan.skips],
-            "code": pipe.code}
+            "code": pipe.code, "devices": [s.device for s in pipe.plan.stages]}
 
 
 def unet(rank, world, schedule):

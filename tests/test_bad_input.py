@@ -421,3 +421,25 @@ def test_raise_in_recomputation_names_stage_node_and_pass():
         out.sum().backward()
     assert "stage 1 (cpu), node 'gate' (call_module gate: Gate, module 'gate'), in recomputation " \
            "in backward" in "\n".join(info.value.__notes__)
+
+
+class CatAdd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = torch.cat([self.a(x), y], 0)
+        return self.b(h) + y.sum()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_an_op_raising_in_generated_code_names_its_call_function_node(schedule, capfd):
+    # torch.fx drops the traceback of an op that raises right in a GraphModule's code (and
+    # prints the code to stderr); the stage call keeps it, so the note names the node.
+    pipe = fxpipe.compile(CatAdd(), 2, example_inputs=(torch.randn(4, 8), torch.randn(4, 8)),
+                          split_points=["b"], devices=["cpu"] * 2, schedule=schedule)
+    with pytest.raises(RuntimeError) as info:
+        pipe.step(torch.randn(4, 8), torch.randn(4, 7), target=None, loss_fn=lambda out, _: out.sum())
+    assert "fxpipe: raised in stage 0 (cpu), node 'cat' (call_function cat)" in "\n".join(info.value.__notes__)
+    assert "<--- HERE" not in capfd.readouterr().err

@@ -167,6 +167,19 @@ def test_plan_saved_and_reused_and_a_changed_model_refused(models, tmp_path, cap
     assert "changed (1): _3: call_module 3 (ReLU) -> _3: call_module 3 (Tanh)" in err
 
 
+def test_a_reused_plan_keeps_its_chunks_and_refuses_other_stages(models, tmp_path, capsys):
+    path = str(tmp_path / "plan.json")
+    assert cli.main(["inspect", f"{models}:only_model", "--stages", "3", "--chunks", "4", "--json", path]) == 0
+    capsys.readouterr()
+    assert cli.main(["inspect", f"{models}:only_model", "--plan", path]) == 0
+    assert "3 stages, chunks=4" in capsys.readouterr().out
+    assert cli.main(["inspect", f"{models}:only_model", "--plan", path, "--chunks", "2"]) == 0
+    assert "3 stages, chunks=2" in capsys.readouterr().out
+    assert cli.main(["inspect", f"{models}:only_model", "--plan", path, "--stages", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "has 3 stages but --stages 2; drop --stages (or give --stages 3)" in err and "n_stages" not in err
+
+
 def test_timeline_writes_a_chrome_trace(tmp_path, capsys):
     path = tmp_path / "trace.json"
     assert cli.main(["inspect", os.path.join(ROOT, "examples", "unet.py:factory"), "--stages", "2",

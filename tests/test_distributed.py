@@ -61,6 +61,8 @@ def test_tied_embeddings_first_and_last_rank(schedule, world, tmp_path):
     results = _launch("tied", world, schedule, tmp_path)
     _assert_equal_to_eager(results)
     assert "embed.weight" in results[0]["grad_errors"] and "head.weight" in results[-1]["grad_errors"]
+    for res in results:  # the plan says the same of every stage on every rank
+        assert res["devices"] == [f"rank {j} (cpu)" for j in range(world)]
 
 
 def test_a_custom_schedule_from_text_runs_across_ranks(tmp_path):

@@ -5,8 +5,9 @@ receive waits at most that long. A rank that raises posts its error under one ke
 rendezvous store before it re-raises; when its process ends, its connections close and the
 peers' pending receives fail at once. A rank whose receive fails reads that key and raises
 :class:`PeerFailure` naming the rank that failed first and why. Small per-step facts (the
-batch layout, the loss) travel through the store, polled with the same bound, so no rank
-blocks in a collective that a dead peer will not join.
+batch layout rank 0 publishes, the loss the last rank returns) go point to point as pickled
+bytes (:meth:`Comm.send_object`), under the same bound; no rank blocks in a collective that
+a dead peer will not join.
 """
 
 from __future__ import annotations

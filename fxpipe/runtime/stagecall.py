@@ -29,7 +29,7 @@ from fxpipe.runtime.checkpoint import checkpointed, in_pass
 from fxpipe.runtime.copy import wait
 from fxpipe.runtime.stream import AbstractStream, current_stream, new_stream, on_device
 from fxpipe.tools import recorder
-from fxpipe.tools.blame import note_failure
+from fxpipe.tools.blame import keep_tracebacks, note_failure
 
 __all__ = ["StageCall", "Replay", "save_rng", "restore_rng"]
 
@@ -71,6 +71,7 @@ class StageCall:
         self.index = index
         self.fn = fn  # the stage GraphModule, or a wrapper reading parameters from other devices
         self.gm = gm  # what error notes look nodes up in
+        keep_tracebacks(gm)
         self.device = device
         self.last = last
         self._copy_streams: list[AbstractStream] = []

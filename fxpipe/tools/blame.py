@@ -16,14 +16,39 @@ is re-run.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx
 
 from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
 
-__all__ = ["note_failure", "failing_node", "describe_node"]
+__all__ = ["note_failure", "failing_node", "describe_node", "keep_tracebacks"]
 
 _NOTE = "fxpipe: raised in stage"
+
+
+class _Unwrapped:
+    """A GraphModule class's call that lets exceptions through with their tracebacks."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def __call__(self, obj: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return super(self.cls, obj).__call__(*args, **kwargs)
+
+
+def keep_tracebacks(gm: torch.fx.GraphModule) -> None:
+    """Make calls of ``gm`` keep the traceback of an op raising in its generated code.
+
+    torch.fx wraps a GraphModule's call so that an exception raised right in the generated
+    forward (``torch.cat``, ``+``: no deeper Python frame) loses its traceback and a copy of
+    the code goes to stderr; without the traceback no node can be named. Only ``gm``'s own
+    class changes (each GraphModule has one).
+    """
+    cls = type(gm)
+    if "_wrapped_call" in vars(cls):
+        cls._wrapped_call = _Unwrapped(cls)  # type: ignore[attr-defined]
 
 
 def failing_node(gm: torch.fx.GraphModule, exc: BaseException) -> torch.fx.Node | None:

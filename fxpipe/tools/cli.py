@@ -67,12 +67,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory; "
                    "factory() returns a model or (model, example_inputs)")
     p.add_argument("--stages", type=_positive, metavar="N", help="number of pipeline stages (default: the --plan's)")
-    p.add_argument("--chunks", type=_positive, default=1, metavar="M", help="micro-batches (default 1)")
+    p.add_argument("--chunks", type=_positive, metavar="M", help="micro-batches (default: the --plan's, else 1)")
     p.add_argument("--balance-by", choices=BALANCE_BY, default="auto", help="the cost stages balance")
     p.add_argument("--split-points", type=_names, metavar="A,B", help="modules or nodes where stages begin")
     p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="except_last")
-    p.add_argument("--schedule", choices=SCHEDULES, default="gpipe",
-                   help="what a training step runs (the --timeline step, --code)")
+    p.add_argument("--schedule", default="gpipe", metavar="NAME|FILE",
+                   help=f"what a training step runs (the --timeline step, --code): one of {', '.join(SCHEDULES)}, "
+                        "or a file of your own schedule (a line of actions per stage, e.g. '0F0 0B0')")
     p.add_argument("--devices", type=_names, metavar="D,...", help="one device per stage, or one for all")
     p.add_argument("--leaf-modules", type=_names, metavar="A,B", help="submodules to keep as one call")
     p.add_argument("--input-shape", type=_shape, action="append", metavar="8,3,224,224",
@@ -134,6 +135,10 @@ def _inspect(args: argparse.Namespace) -> int:
     n_stages = args.stages or (saved.n_stages if saved else None)
     if n_stages is None:
         raise UsageError(f"give the number of stages with --stages N; for example: {EXAMPLE}")
+    if saved is not None and n_stages != saved.n_stages:
+        raise UsageError(f"--plan {args.plan} has {saved.n_stages} stages but --stages {n_stages}; "
+                         f"drop --stages (or give --stages {saved.n_stages}) to reuse the plan")
+    chunks = args.chunks or (saved.chunks if saved else 1)
     model, inputs, kwargs = make_model(args.model, args.input_shape)
     if args.timeline and inputs is None:
         raise UsageError("--timeline runs a training step and needs example inputs: return "
@@ -141,7 +146,7 @@ def _inspect(args: argparse.Namespace) -> int:
     devices = args.devices * n_stages if args.devices and len(args.devices) == 1 else args.devices
     try:
         pipe = fxpipe.compile(model, n_stages, example_inputs=inputs, example_kwargs=kwargs or None,
-                              devices=devices, chunks=args.chunks, checkpoint=args.checkpoint,
+                              devices=devices, chunks=chunks, checkpoint=args.checkpoint,
                               balance_by=args.balance_by, split_points=args.split_points,
                               leaf_modules=args.leaf_modules or (), plan=saved, schedule=args.schedule)
     except fxpipe.TraceError as exc:
