@@ -17,9 +17,9 @@ from fxpipe.frontend import front_end
 from fxpipe.pipe import Pipe
 from fxpipe.runtime.checkpoint import CHECKPOINT_MODES
 from fxpipe.runtime.comm import Comm
-from fxpipe.runtime.distributed import agree_on_stages, setup_distributed
 from fxpipe.runtime.placement import resolve_devices
-from fxpipe.runtime.schedule import resolve
+from fxpipe.runtime.procgroup import agree_on_stages, setup_distributed
+from fxpipe.runtime.schedule import NAMES, resolve
 from fxpipe.saved import PlanLike, load_plan
 from fxpipe.stages import make_plan, split_stages
 from fxpipe.tracing import check_tracer
@@ -28,7 +28,7 @@ __all__ = ["compile", "SCHEDULES", "BALANCE_BY", "CHECKPOINT_MODES"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("gpipe", "1f1b", "zb")
+SCHEDULES = NAMES
 BALANCE_BY = ("auto", "flops", "params", "memory", "time")
 
 
@@ -39,7 +39,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             schedule: str | Sequence[Any] = "gpipe", leaf_modules: Iterable[type | str] = (),
             tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
             plan: PlanLike | None = None, runtime: str = "local", timeout: float = 300.0,
-            deferred_batch_norm: bool = False) -> Pipe:
+            deferred_batch_norm: bool = False, stages_per_rank: int = 1) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -68,15 +68,19 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     ``deferred_batch_norm=True`` updates batch norm running statistics once per mini-batch,
     as eager training on the whole batch would, instead of once per micro-batch.
 
-    ``runtime="distributed"`` runs one stage per ``torch.distributed`` rank (launch the script
-    with ``torchrun --nproc-per-node n_stages``); it needs ``example_inputs`` to size its
-    receive buffers, and ``timeout`` (seconds) bounds every wait for another rank.
+    ``runtime="distributed"`` runs the stages on ``torch.distributed`` ranks (launch the script
+    with ``torchrun --nproc-per-node n_stages // stages_per_rank``); it needs ``example_inputs``
+    to size its receive buffers, and ``timeout`` (seconds) bounds every wait for another rank.
+    ``stages_per_rank=v`` places ``v`` stages on each rank for ``schedule="interleaved"``
+    (stage ``s`` on rank ``s mod world``) or ``"zbv"`` (``v=2``; rank ``r`` holds stages ``r``
+    and ``2 world - 1 - r``); in one process the ranks are lanes of the schedule, each stage
+    on its own device from ``devices`` (two may share one).
 
     If compile fails, the model is left unmoved and unmodified.
     """
     _check_args(model, n_stages, chunks, checkpoint, balance_by, split_points, max_memory)
     check_tracer(tracer)
-    schedule_name, custom = resolve(schedule, n_stages, chunks)
+    sched = resolve(schedule, n_stages, chunks, stages_per_rank)
     saved = None if plan is None else load_plan(plan)
     if saved is not None and split_points is not None:
         raise ValueError("pass either plan= (a saved stage assignment) or split_points=, not both")
@@ -87,11 +91,14 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         if not has_inputs:
             raise ValueError("runtime='distributed' needs example_inputs= (the same on every rank) to "
                              "size the buffers it receives into")
-        rank, device, group = setup_distributed(n_stages, timeout)
+        rank, device, group = setup_distributed(n_stages, timeout, stages_per_rank)
         link = Comm(rank, timeout, group, device)  # messages to the other ranks
         # every rank plans with the same devices, so every rank makes the same plan
-        devices = [torch.device(device.type, j) for j in range(n_stages)]
+        devices = [torch.device(device.type, r) for r in sched.ranks]
     else:
+        if devices is None and sched.world < n_stages:  # a device per rank, its stages on it
+            per_rank = resolve_devices(None, sched.world)
+            devices = [per_rank[r] for r in sched.ranks]
         devices = resolve_devices(devices, n_stages)
         device = devices[0]
     args = example_inputs if isinstance(example_inputs, tuple) else (
@@ -103,20 +110,22 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
                       tracer=tracer, saved=saved, devices=devices, profile_device=device)
     gm = front.gm
     if runtime == "distributed":
-        agree_on_stages(gm, n_stages, link)  # a measured cost may differ by rank: rank 0's cut wins
+        agree_on_stages(gm, n_stages, link, sched.world)  # a measured cost may differ by rank: rank 0's cut wins
     stage_graphs, routes = split_stages(gm, n_stages)
-    plan = make_plan(gm, stage_graphs, routes, devices, front.micro, chunks, checkpoint, schedule_name,
+    plan = make_plan(gm, stage_graphs, routes, devices, front.micro, chunks, checkpoint, sched.name,
                      front.balance_by, front.cut, saved)  # from here on, the plan made, not the one passed in
+    for s in plan.stages:
+        s.rank = sched.ranks[s.index]
     stages = [s.module for s in stage_graphs]
     engine: Any
     if runtime == "distributed":
         for s in plan.stages:
-            s.device = f"rank {s.index} ({device.type})"  # the same on every rank
-        devices = [device if j == rank else torch.device("meta") for j in range(n_stages)]
-        engine = build_distributed(model, gm, plan, stages, rank, device, link, timeout, custom,
+            s.device = f"rank {s.on_rank} ({device.type})"  # the same on every rank
+        devices = [device if r == rank else torch.device("meta") for r in sched.ranks]
+        engine = build_distributed(model, gm, plan, stages, rank, device, link, timeout, sched,
                                    deferred_batch_norm)
     else:
-        engine = build_local(model, gm, plan, stages, devices, custom, deferred_batch_norm)
+        engine = build_local(model, gm, plan, stages, devices, sched, deferred_batch_norm)
     pipe = Pipe(model, gm, plan, stages, devices, engine)
     log.info("compiled %s into %d stages\n%s", type(model).__name__, n_stages, plan)
     return pipe

@@ -39,6 +39,12 @@ class StagePlan:
     checkpoint_bytes: int = 0
     memory: int = 0
     cost: float = 0.0
+    rank: int | None = None  # the rank (in one process, the schedule's lane) it runs on; None: its index
+
+    @property
+    def on_rank(self) -> int:
+        """Return the rank this stage runs on."""
+        return self.index if self.rank is None else self.rank
 
 
 @dataclass
@@ -69,6 +75,10 @@ class PipelinePlan:
     def n_stages(self) -> int:
         """Return the number of stages."""
         return len(self.stages)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """Return the stages that run on ``rank``, in order."""
+        return [s.index for s in self.stages if s.on_rank == rank]
 
     def producer(self) -> dict[str, int]:
         """Map each value that leaves a stage to the stage that makes it."""

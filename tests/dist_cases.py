@@ -17,15 +17,16 @@ from models import TiedTransformer
 from unet import UNet
 
 
-def _check_step(rank, world, model, x, target, loss_fn, **kw):
+def _check_step(rank, world, model, x, target, loss_fn, stages_per_rank=1, **kw):
     """Compare the loss and this rank's gradients with eager."""
     eager = copy.deepcopy(model)
     expected = loss_fn(eager(x), target)
     expected.backward()
-    pipe = fxpipe.compile(model, world, example_inputs=(x,), runtime="distributed", timeout=60, **kw)
-    last = rank == world - 1
+    pipe = fxpipe.compile(model, world * stages_per_rank, example_inputs=(x,), runtime="distributed", timeout=60,
+                          stages_per_rank=stages_per_rank, **kw)
+    last = rank == pipe.plan.stages[-1].on_rank
     loss = pipe.step(x if rank == 0 else None, target=target if last else None, loss_fn=loss_fn)
-    held = {id(p) for p in pipe.stages[rank].parameters()}
+    held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
     grads = dict(eager.named_parameters(remove_duplicate=False))
     errors = {name: max_relative_error(p.grad, grads[name].grad)
               for name, p in model.named_parameters(remove_duplicate=False) if id(p) in held}
@@ -51,6 +52,28 @@ def tied(rank, world, schedule):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
     return _check_step(rank, world, model, tokens, target, loss_fn, chunks=3, schedule=schedule)
+
+
+def unet4(rank, world, schedule):
+    """Two stages per rank: level 0's skip from stage 0 to 3, level 1's from stage 1 to 2."""
+    torch.manual_seed(0)
+    model = UNet(depth=2, base=4).eval()
+    x, target = torch.randn(6, 3, 16, 16), torch.randn(6, 2, 16, 16)
+    return _check_step(rank, world, model, x, target, F.mse_loss, chunks=4, schedule=schedule,
+                       split_points=["down.1", "middle", "up.1"], stages_per_rank=2)
+
+
+def tied4(rank, world, schedule):
+    """Two stages per rank, the embedding tied to the head."""
+    torch.manual_seed(0)
+    model = TiedTransformer()
+    tokens, target = torch.randint(0, 32, (7, 8)), torch.randint(0, 32, (7, 8))
+
+    def loss_fn(logits, tgt):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+    return _check_step(rank, world, model, tokens, target, loss_fn, chunks=4, schedule=schedule,
+                       stages_per_rank=2)
 
 
 def shape(rank, world, schedule):
@@ -109,7 +132,7 @@ def dies(rank, world, schedule):
     return raises(rank, world, schedule)
 
 
-CASES = {"unet": unet, "tied": tied, "shape": shape, "raises": raises, "dies": dies}
+CASES = {"unet": unet, "tied": tied, "unet4": unet4, "tied4": tied4, "shape": shape, "raises": raises, "dies": dies}
 
 
 def run(rank: int, world: int, port: int, case: str, schedule: str, outdir: str) -> None:

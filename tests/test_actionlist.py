@@ -114,8 +114,8 @@ def test_a_custom_schedule_from_a_file_and_from_lists(tmp_path):
 def test_a_custom_schedule_must_cover_chunks():
     with pytest.raises(fxpipe.ScheduleError, match="stage 0 never runs the forward of micro-batch 3: add 0F3"):
         _step_equals_eager(CUSTOM, chunks=4)
-    with pytest.raises(fxpipe.ScheduleError, match="use one of 'gpipe', '1f1b', 'zb', or your own"):
-        _step_equals_eager("interleaved")
+    with pytest.raises(fxpipe.ScheduleError, match="use one of 'gpipe', '1f1b', 'zb', 'interleaved', 'zbv', or your own"):
+        _step_equals_eager("looped-bfs")
 
 
 def test_a_custom_schedule_refuses_a_smaller_batch():

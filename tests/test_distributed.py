@@ -65,6 +65,20 @@ def test_tied_embeddings_first_and_last_rank(schedule, world, tmp_path):
         assert res["devices"] == [f"rank {j} (cpu)" for j in range(world)]
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+@pytest.mark.parametrize("case", ["unet4", "tied4"])
+def test_two_stages_per_rank(schedule, case, tmp_path):
+    results = _launch(case, 2, schedule, tmp_path)
+    _assert_equal_to_eager(results)
+    ranks = [0, 1, 0, 1] if schedule == "interleaved" else [0, 1, 1, 0]
+    for res in results:
+        assert res["devices"] == [f"rank {r} (cpu)" for r in ranks]
+    if case == "unet4":
+        assert [(src, dst) for _, src, dst in results[0]["skips"]] == [(0, 3)]
+    else:  # the head (last stage) and the embedding (first) share a weight: one rank under zbv, two otherwise
+        assert "embed.weight" in results[0]["grad_errors"]
+
+
 def test_a_custom_schedule_from_text_runs_across_ranks(tmp_path):
     from test_actionlist import CUSTOM  # stage 0 splits its backward into I and W, stage 1 does not
 

@@ -17,7 +17,6 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fxpipe.plan import PipelinePlan
-from fxpipe.runtime.actionlist import Action
 from fxpipe.runtime.actions import ActionInterpreter, Program, program_for
 from fxpipe.runtime.batchnorm import commit_batch_norm
 from fxpipe.runtime.codegen import compile_source, gpipe_source
@@ -25,7 +24,7 @@ from fxpipe.runtime.copy import copy
 from fxpipe.runtime.dependency import depend
 from fxpipe.runtime.mailbox import LocalTransport
 from fxpipe.runtime.microbatch import gather, micro_losses
-from fxpipe.runtime.schedule import actions_for, deferring
+from fxpipe.runtime.schedule import Schedule
 from fxpipe.runtime.signature import CallSignature
 from fxpipe.runtime.stagecall import StageCall
 from fxpipe.runtime.threads import DeviceThreads
@@ -41,18 +40,18 @@ class LocalRuntime:
     """Execute a plan's stages over micro-batches in this process."""
 
     def __init__(self, plan: PipelinePlan, calls: Sequence[StageCall], signature: CallSignature,
-                 custom: list[list[Action]] | None = None) -> None:
+                 schedule: Schedule) -> None:
         self.plan = plan
         self.calls = list(calls)
         self.devices = [c.device for c in self.calls]
         self.signature = signature
-        self.custom = custom  # the user's own schedule, or None for plan.schedule's
+        self.schedule = schedule  # what step runs (unless GPipe: the generated program)
         self.checkpointing = False
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
         self._programs: dict[tuple[str, int], tuple[str, Any]] = {}
         self.threads: DeviceThreads | None = None
         self.use_threads(len({d for d in self.devices if d.type == "cuda"}) > 1)
-        defer = deferring(actions_for(plan.schedule, custom, plan.n_stages, plan.chunks))
+        defer = schedule.deferring(plan.chunks)
         self.workers = {j: StageWorker(c, [v in plan.stages[j].grad_inputs for v in plan.stages[j].inputs],
                                        defer=j in defer)
                         for j, c in enumerate(self.calls)}
@@ -78,7 +77,7 @@ class LocalRuntime:
                 source = gpipe_source(self.plan, m, name, threaded=self.threads is not None)
                 self._programs[key] = (source, compile_source(source, name, f"<fxpipe {name}>"))
             else:
-                actions = actions_for(self.plan.schedule, self.custom, self.plan.n_stages, m)
+                actions = self.schedule.actions(m)
                 prog: Program = program_for(self.plan, actions, range(self.plan.n_stages),
                                             lambda a, b: a != b, self.plan.schedule)
                 self._programs[key] = (prog.text(), prog)

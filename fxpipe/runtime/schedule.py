@@ -30,14 +30,15 @@ bubble. 2 stages, 4 micro-batches, every action one unit::
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from fxpipe.errors import ScheduleError
 from fxpipe.runtime import actionlist
 from fxpipe.runtime.actionlist import Action, needs
+from fxpipe.runtime.multistage import interleaved, loop_placement, min_chunks, v_placement, zbv
 
-__all__ = ["gpipe", "one_f_one_b", "zero_bubble", "forward_only", "SCHEDULES", "resolve", "actions_for",
-           "deferring"]
+__all__ = ["gpipe", "one_f_one_b", "zero_bubble", "forward_only", "SCHEDULES", "NAMES", "Schedule", "resolve"]
 
 
 def gpipe(n: int, m: int) -> list[list[Action]]:
@@ -120,39 +121,93 @@ SCHEDULES: dict[str, Callable[[int, int], list[list[Action]]]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble, "forward": forward_only}
 
 
-def resolve(schedule: Any, n: int, chunks: int) -> tuple[str, list[list[Action]] | None]:
-    """Return a schedule argument's name and, for a user's own schedule, its checked actions.
+NAMES = ("gpipe", "1f1b", "zb", "interleaved", "zbv")
+MULTI: dict[str, Callable[[int, int, int], list[list[Action]]]] = {"interleaved": interleaved, "zbv": zbv}
+PLACEMENTS: dict[str, Callable[[int, int], list[int]]] = {"interleaved": loop_placement, "zbv": v_placement}
 
-    ``schedule`` is a name (``"gpipe"``, ``"1f1b"``, ``"zb"``), or a user's schedule: text,
-    the path of a file of text, or lists of actions (:mod:`fxpipe.runtime.actionlist`).
+
+@dataclass
+class Schedule:
+    """A schedule as the runtimes use it: its name, the user's actions if any, each stage's rank."""
+
+    name: str  # one of NAMES, or "custom"
+    custom: list[list[Action]] | None  # the user's action lists, one per rank
+    ranks: list[int]  # the rank (in one process: the lane) each stage runs on
+
+    @property
+    def world(self) -> int:
+        """Return the number of ranks the stages are placed on."""
+        return 1 + max(self.ranks)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """Return the stages on ``rank``, in order."""
+        return [s for s, r in enumerate(self.ranks) if r == rank]
+
+    def actions(self, m: int) -> list[list[Action]]:
+        """Return the action lists, one per rank, for a step of ``m`` micro-batches."""
+        n = len(self.ranks)
+        if self.custom is not None:
+            have = 1 + max(a.mb for row in self.custom for a in row)
+            if have != m:
+                raise ScheduleError(f"the schedule given has {have} micro-batches but this step has {m} (a "
+                                    f"batch smaller than chunks gives fewer); pass a batch of at least {have} rows")
+            return self.custom
+        if self.name in MULTI:
+            return MULTI[self.name](n, m, self.world)
+        return SCHEDULES[self.name](n, m)
+
+    def forward_only(self, m: int) -> list[list[Action]]:
+        """Return the forwards alone, per rank, micro-batch by micro-batch (inference)."""
+        return [[Action("F", i, s) for i in range(m) for s in self.stages_of(r)] for r in range(self.world)]
+
+    def deferring(self, m: int) -> set[int]:
+        """Return the stages whose actions include weight-gradient steps (``W``)."""
+        return {a.stage for row in self.actions(m) for a in row if a.kind == "W"}
+
+
+def resolve(schedule: Any, n: int, chunks: int, stages_per_rank: int = 1) -> Schedule:
+    """Return the :class:`Schedule` a ``schedule=`` argument names, checked for ``n`` stages.
+
+    ``schedule`` is a name (:data:`NAMES`), or a user's schedule: text, the path of a file of
+    text, or lists of actions (:mod:`fxpipe.runtime.actionlist`), one line per rank.
     """
-    if isinstance(schedule, str) and schedule in SCHEDULES and schedule != "forward":
-        return schedule, None
+    v = stages_per_rank
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"stages_per_rank={v!r}; use an integer of at least 1")
+    if n % v:
+        raise ValueError(f"n_stages={n} is not a multiple of stages_per_rank={v}; every rank holds as many "
+                         f"stages (n_stages = stages_per_rank x ranks)")
+    world = n // v
+    if isinstance(schedule, str) and schedule in NAMES:
+        if schedule in MULTI:
+            if schedule == "zbv" and v != 2:
+                raise ScheduleError(f"schedule='zbv' places two stages on each rank (rank r: stages r and "
+                                    f"2 world - 1 - r); use stages_per_rank=2, not {v}")
+            least = min_chunks(schedule, world)
+            if chunks < least:
+                raise ScheduleError(f"schedule={schedule!r} on {world} ranks needs at least {least} micro-batches; "
+                                    f"use chunks={least} or more (got {chunks})")
+            return Schedule(schedule, None, PLACEMENTS[schedule](n, world))
+        if v != 1:
+            raise ScheduleError(f"schedule={schedule!r} runs one stage per rank; with stages_per_rank={v} use "
+                                "'interleaved' or 'zbv' (or your own schedule)")
+        return Schedule(schedule, None, list(range(n)))
     if isinstance(schedule, str) and "\n" not in schedule and " " not in schedule.strip() \
             and not os.path.exists(schedule) and not actionlist.is_token(schedule.strip()):
-        names = ", ".join(repr(s) for s in SCHEDULES if s != "forward")
+        names = ", ".join(map(repr, NAMES))
         raise ScheduleError(f"schedule={schedule!r}; use one of {names}, or your own schedule: a list of "
-                            "action lists, their text ('0F0 0B0' per rank), or the path of a file of it")
+                            "action lists, their text ('0F0 0B0', a line per rank), or the path of a file of it")
     actions = actionlist.load_schedule(schedule)
     actionlist.check(actions, n, chunks)
-    if len(actions) != n or any(a.stage != r for r, row in enumerate(actions) for a in row):
-        raise ScheduleError(f"a schedule for {n} stages, one per rank, has {n} lines, line j holding "
-                            f"stage j's actions; this one has {len(actions)} lines" + (
-                                "" if len(actions) != n else " and mixes stages within a line"))
-    return "custom", actions
-
-
-def actions_for(name: str, custom: list[list[Action]] | None, n: int, m: int) -> list[list[Action]]:
-    """Return the action lists of schedule ``name`` (or the user's ``custom`` one) for ``m`` micro-batches."""
-    if custom is None:
-        return SCHEDULES[name](n, m)
-    have = 1 + max(a.mb for row in custom for a in row)
-    if have != m:
-        raise ScheduleError(f"the schedule given has {have} micro-batches but this step has {m} (a batch "
-                            f"smaller than chunks gives fewer); pass a batch of at least {have} rows")
-    return custom
-
-
-def deferring(actions: list[list[Action]]) -> set[int]:
-    """Return the stages whose actions include weight-gradient steps (``W``)."""
-    return {a.stage for row in actions for a in row if a.kind == "W"}
+    ranks = [-1] * n
+    for r, row in enumerate(actions):
+        for a in row:
+            if ranks[a.stage] not in (-1, r):
+                raise ScheduleError(f"stage {a.stage} has actions on line {ranks[a.stage] + 1} and line {r + 1}; "
+                                    "a stage runs on one rank, so keep its actions on one line")
+            ranks[a.stage] = r
+    if len(actions) != world or any(ranks.count(r) != v for r in range(len(actions))):
+        raise ScheduleError(f"with stages_per_rank={v} a schedule for {n} stages has {world} lines, each "
+                            f"holding the actions of {v} stage(s); this one has {len(actions)} lines holding "
+                            f"{[ranks.count(r) for r in range(len(actions))]} stages")
+    return Schedule("custom", actions, ranks)

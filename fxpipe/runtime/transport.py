@@ -1,14 +1,22 @@
 """Move stage values and gradients between ranks with batched point-to-point operations.
 
-Receive buffers are sized from the plan: :func:`fxpipe.passes.value_specs` gives the shape of every
-crossing value for a micro-batch of ``b`` rows (on fake tensors, once per size). A value goes
-from the rank that makes it to every rank that reads it, skips included, and each reader
-sends its gradient straight back; nothing is relayed through the ranks between. Messages
-between two ranks keep the order of the producer's outputs, so both sides agree on it.
+A rank holds one stage or several. A value goes from the stage that makes it to every stage
+that reads it, skips included, and each reader's gradient goes straight back; nothing is
+relayed through the stages between. Between two stages on one rank the value is handed
+over in memory; between ranks it is one message per (sending stage, micro-batch, receiving
+rank), holding the values that rank reads, in the sender's order of outputs.
 
-Every schedule receives micro-batches in order, forwards and backwards alike, so when a
-receive is taken the next micro-batch's is posted: its data moves while this one computes,
-instead of after the rank asks for it.
+Receive buffers are sized from the plan: :func:`fxpipe.passes.value_specs` gives the shape
+of every crossing value for a micro-batch (on fake tensors, once per layout). Every rank
+knows every rank's program, so it posts its receives from a peer in the order that peer
+sends, one message ahead of the one it waits for::
+
+    peer q's program:  ... qSEND_F3 ... qSEND_B1 ... qSEND_F4 ...
+    my receives from q, posted in that order:  F3 ─▶ B1 ─▶ F4
+
+Messages between two ranks are therefore matched in order (as NCCL requires; gloo also
+matches by tag) whatever order the receiving stages need them in, and the next message's
+data moves while this one is computed on.
 """
 
 from __future__ import annotations
@@ -18,104 +26,151 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.runtime.comm import Comm
-from fxpipe.plan import PipelinePlan
 from fxpipe.passes import TensorSpec
+from fxpipe.plan import PipelinePlan
+from fxpipe.runtime.actionlist import Action
+from fxpipe.runtime.comm import Comm
 
 __all__ = ["DistTransport"]
 
 FORWARD_TAG, BACKWARD_TAG = 1, 2
+Key = tuple[str, int, int]  # ("F" or "B", sending stage, micro-batch)
 
 
 class DistTransport:
-    """The transport of one rank (stage ``rank``): values forward, gradients backward."""
+    """The transport of one rank: its stages' values forward and gradients backward."""
 
     def __init__(self, plan: PipelinePlan, rank: int, device: torch.device, comm: Comm,
-                 specs: Callable[[int], dict[str, Any]]) -> None:
+                 specs: Callable[[int], dict[str, Any]], programs: Sequence[Sequence[Action]]) -> None:
         self.plan = plan
         self.rank = rank
         self.device = device
         self.comm = comm
         self.specs = specs  # micro-batch index -> {value name: spec}
         self.inputs: list[list[Any]] = []
-        self.m = 0  # micro-batches in this step: receives are posted up to m - 1
-        self._posted: dict[tuple[str, int], tuple[list[Any], Callable[[], list[Any]]]] = {}
-        stage = plan.stages[rank]
-        producer = plan.producer()
-        self.from_rank: dict[int, list[str]] = {}  # producer -> my inputs it sends, in its order
-        for p in sorted({producer[v] for v in stage.inputs}) if rank else []:
-            self.from_rank[p] = [v for v in plan.stages[p].outputs if v in stage.inputs]
-        self.to_rank: dict[int, list[str]] = {}  # consumer -> my outputs it reads, in my order
-        for c in plan.stages[rank + 1:]:
-            values = [v for v in stage.outputs if v in c.inputs]
-            if values:
-                self.to_rank[c.index] = values
-        self.grad_to: dict[int, list[str]] = {p: [v for v in vs if v in stage.grad_inputs]
-                                              for p, vs in self.from_rank.items()}
-        self.grad_from: dict[int, list[str]] = {c: [v for v in vs if v in plan.stages[c].grad_inputs]
-                                                for c, vs in self.to_rank.items()}
+        self.rank_of = [s.on_rank for s in plan.stages]
+        self.producer = plan.producer()
+        self.consumers = plan.consumers()
+        self.box: dict[tuple, Any] = {}  # hand-overs: ("F", value, i, stage) -> value; ("B", value, i) -> [grads]
+        # what each stage sends to each other rank: values forward, gradients backward
+        self.fwd_to: dict[int, dict[int, list[str]]] = {}
+        self.bwd_to: dict[int, dict[int, list[str]]] = {}
+        for s in plan.stages:
+            fwd: dict[int, list[str]] = {}
+            for v in s.outputs:
+                for q in dict.fromkeys(self.rank_of[c] for c in self.consumers.get(v, ())):
+                    if q != s.on_rank:
+                        fwd.setdefault(q, []).append(v)
+            bwd: dict[int, list[str]] = {}
+            for v in s.grad_inputs:
+                q = self.rank_of[self.producer[v]]
+                if q != s.on_rank:
+                    bwd.setdefault(q, []).append(v)
+            self.fwd_to[s.index], self.bwd_to[s.index] = fwd, bwd
+        # the messages each peer sends this rank, in its order
+        self.queue: dict[int, list[Key]] = {}
+        for q, program in enumerate(programs):
+            if q == rank:
+                continue
+            for a in program:
+                if a.kind == "SEND_F" and rank in self.fwd_to[a.stage] or \
+                        a.kind == "SEND_B" and rank in self.bwd_to[a.stage]:
+                    self.queue.setdefault(q, []).append((a.kind[-1], a.stage, a.mb))
+        self.index = {key: (q, k) for q, keys in self.queue.items() for k, key in enumerate(keys)}
+        self.posted = {q: 0 for q in self.queue}  # how many of each peer's messages are posted
+        self.pending: dict[Key, tuple[list[Any], Callable[[], None]]] = {}
+        self.arrived: set[Key] = set()
 
-    # -- receiving, one micro-batch ahead ------------------------------------------------
-    def _take(self, kind: str, j: int, i: int) -> list[Any]:
-        """Wait for micro-batch ``i``'s ``kind`` receives (posting them if needed); post ``i + 1``'s."""
-        if (kind, i) not in self._posted:
-            self._post(kind, i)
-        if i + 1 < self.m and (kind, i + 1) not in self._posted:
-            self._post(kind, i + 1)
-        works, finish = self._posted.pop((kind, i))
-        what = "inputs" if kind == "F" else "gradients"
-        self.comm.wait(works, f"receiving micro-batch {i}'s {what} of stage {j}")
-        return finish()
+    # -- receiving, in each peer's order ---------------------------------------------------
+    def _await(self, key: Key) -> None:
+        """Wait until message ``key`` arrived and is delivered to the box; post up to one more."""
+        if key in self.arrived:
+            return
+        q, k = self.index[key]
+        while self.posted[q] <= min(k + 1, len(self.queue[q]) - 1):
+            self._post(self.queue[q][self.posted[q]])
+            self.posted[q] += 1
+        works, deliver = self.pending.pop(key)
+        kind, j, i = key
+        what = f"stage {j}'s {'outputs' if kind == 'F' else 'input gradients'} of micro-batch {i}"
+        self.comm.wait(works, f"receiving {what} on rank {self.rank}")
+        deliver()
+        self.arrived.add(key)
 
-    def _post(self, kind: str, i: int) -> None:
-        """Allocate micro-batch ``i``'s receive buffers from the plan and post the receives."""
+    def _post(self, key: Key) -> None:
+        """Allocate message ``key``'s receive buffers from the plan and post its receives."""
+        kind, j, i = key
         specs = self.specs(i)
-        recvs: list[tuple[torch.Tensor, int, int]] = []
-        built: dict[str, list[Callable[[], Any]]] = {}
-        senders = self.from_rank if kind == "F" else self.grad_from
-        for peer, names in senders.items():
-            for v in names:
-                build, bufs = _empty_like_spec(specs[v], self.device, floating_only=kind == "B")
-                built.setdefault(v, []).append(build)
-                recvs += [(b, peer, FORWARD_TAG if kind == "F" else BACKWARD_TAG) for b in bufs]
-        works = self.comm.post([], recvs, f"posting micro-batch {i}'s receives")
-        stage = self.plan.stages[self.rank]
+        names = (self.fwd_to if kind == "F" else self.bwd_to)[j][self.rank]
+        built, bufs = [], []
+        for v in names:
+            build, tensors = _empty_like_spec(specs[v], self.device, floating_only=kind == "B")
+            built.append(build)
+            bufs += tensors
+        peer = self.rank_of[j]
+        works = self.comm.post([], [(b, peer, FORWARD_TAG if kind == "F" else BACKWARD_TAG) for b in bufs],
+                               f"posting the receives of stage {j}'s micro-batch {i}")
 
-        def finish() -> list[Any]:
-            if kind == "F":
-                return [built[v][0]() for v in stage.inputs]
-            return [_sum([b() for b in built[v]]) if v in built else None for v in stage.outputs]
-        self._posted[(kind, i)] = (works, finish)
+        def deliver() -> None:
+            for v, build in zip(names, built):
+                value = build()
+                if kind == "F":
+                    for c in self.consumers.get(v, ()):
+                        if self.rank_of[c] == self.rank:
+                            self.box[("F", v, i, c)] = value
+                else:
+                    self.box.setdefault(("B", v, i), []).append(value)
+        self.pending[key] = (works, deliver)
 
-    # -- forward -------------------------------------------------------------------------
+    # -- forward ---------------------------------------------------------------------------
     def recv_forward(self, j: int, i: int) -> list[Any]:
-        """Receive this stage's inputs for micro-batch ``i`` from the ranks that make them."""
+        """Return stage ``j``'s inputs for micro-batch ``i``, from this rank's stages and others'."""
         if j == 0:
             return self.inputs[i]
-        return self._take("F", j, i)
+        stage = self.plan.stages[j]
+        for p in dict.fromkeys(self.producer[v] for v in stage.inputs):
+            if self.rank_of[p] != self.rank:
+                self._await(("F", p, i))
+        return [self.box.pop(("F", v, i, j)) for v in stage.inputs]
 
     def send_forward(self, j: int, i: int, outputs: Sequence[Any]) -> None:
-        """Send each output to every rank that reads it (after the last stage: nothing)."""
-        if not self.to_rank:
-            return
+        """Hand each output to this rank's stages that read it; send the rest to their ranks."""
         by_name = dict(zip(self.plan.stages[j].outputs, outputs))
-        sends = [(t, c, FORWARD_TAG) for c, names in self.to_rank.items()
+        for v, value in by_name.items():
+            for c in self.consumers.get(v, ()):
+                if self.rank_of[c] == self.rank:
+                    self.box[("F", v, i, c)] = value
+        sends = [(t, q, FORWARD_TAG) for q, names in self.fwd_to[j].items()
                  for v in names for t in _tensors(by_name[v], floating_only=False)]
         self.comm.exchange(sends, [], f"sending micro-batch {i}'s outputs of stage {j}")
 
-    # -- backward ------------------------------------------------------------------------
+    # -- backward --------------------------------------------------------------------------
     def recv_backward(self, j: int, i: int) -> list[Any]:
-        """Receive and sum the gradient of each output from every rank that read it."""
-        return self._take("B", j, i)
+        """Return the summed gradient of each of stage ``j``'s outputs from every stage that read it."""
+        stage = self.plan.stages[j]
+        readers = {c for v in stage.outputs for c in self.consumers.get(v, ())
+                   if v in self.plan.stages[c].grad_inputs}
+        for c in sorted(readers):
+            if self.rank_of[c] != self.rank:
+                self._await(("B", c, i))
+        grads = []
+        for v in stage.outputs:
+            parts = self.box.pop(("B", v, i), [])
+            grads.append(_sum(parts) if parts else None)
+        return grads
 
     def send_backward(self, j: int, i: int, grads: Sequence[Any]) -> None:
-        """Send the gradient of each input back to the rank that made it."""
-        by_name = dict(zip(self.plan.stages[j].inputs, grads))
+        """Send the gradient of each input back to the stage that made it (in memory on this rank)."""
+        stage = self.plan.stages[j]
+        by_name = dict(zip(stage.inputs, grads))
+        for v in stage.grad_inputs:
+            if self.rank_of[self.producer[v]] == self.rank and by_name.get(v) is not None:
+                self.box.setdefault(("B", v, i), []).append(by_name[v])
         specs = self.specs(i)
         sends = []
-        for p, names in self.grad_to.items():
+        for q, names in self.bwd_to[j].items():
             for v in names:
-                sends += [(t, p, BACKWARD_TAG) for t in _grad_tensors(by_name[v], specs[v], self.device)]
+                sends += [(t, q, BACKWARD_TAG) for t in _grad_tensors(by_name.get(v), specs[v], self.device)]
         self.comm.exchange(sends, [], f"sending micro-batch {i}'s input gradients of stage {j}")
 
 
@@ -164,6 +219,8 @@ def _sum(values: list[Any]) -> Any:
     if len(values) == 1:
         return values[0]
     flat = [tree_flatten(v) for v in values]
-    leaves = [sum(col[1:], col[0]) if col[0] is not None else None
-              for col in zip(*[f[0] for f in flat])]
+    leaves = []
+    for column in zip(*[f[0] for f in flat]):
+        present = [x for x in column if x is not None]
+        leaves.append(sum(present[1:], present[0]) if present else None)
     return tree_unflatten(leaves, flat[0][1])
