@@ -5,15 +5,17 @@
 Two spawned ranks (gloo, one thread each) run, in alternation, one training step of:
 fxpipe GPipe, torch.distributed.pipelining ScheduleGPipe, fxpipe 1F1B, its Schedule1F1B,
 fxpipe's zero-bubble schedule ("zb", ZB-H1) and its ScheduleInterleavedZeroBubble (ZB1P) with
-one stage per rank, all on the same model and the same 2-stage split, and eager PyTorch on
-rank 0 alone (one process, one thread) on the whole batch and over the micro-batches one by
-one. A last run has both ranks compute their own half over the micro-batches at the same
+one stage per rank, all on the same model and the same 2-stage split; with two stages per
+rank, over the same 4 pieces for both libraries, fxpipe's interleaved 1F1B and ZB-V against
+its ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble; and
+eager PyTorch on rank 0 alone (one process, one thread) on the whole batch and over the
+micro-batches one by one. A last run has both ranks compute their own half over the micro-batches at the same
 time with no messages and no waiting: the busy time per rank, about the least any schedule
 of this split can take on this machine (``benchmarks/zb_where.py`` adds to it the wait that
 one stage per rank cannot avoid). The runs alternate in an order shuffled anew every
 repetition (a step right after another kind of step pays for its memory layout); each time
 is barrier to barrier on rank 0; each ratio is of medians measured in this one run. Then
-fresh processes measure the peak memory growth of one step per rank, 1F1B and zero bubble
+fresh processes measure the peak memory growth of one step per rank, every fxpipe schedule
 against GPipe, at m = 16.
 """
 
@@ -42,7 +44,9 @@ import fxpipe  # noqa: E402
 from rss import peak_growth  # noqa: E402
 
 
-SCHEDULES = ("gpipe", "1f1b", "zb")
+SCHEDULES = ("gpipe", "1f1b", "zb")  # one stage per rank
+MULTI = ("interleaved", "zbv")  # two stages per rank
+PP_MULTI = ("interleaved", "interleaved zb", "zbv")  # pipelining's schedules with two stages per rank
 
 
 class Block(nn.Module):
@@ -93,7 +97,8 @@ def _speed_rank(rank: int, port: int, args, out: str) -> None:
     """One rank of the speed comparison."""
     _env(rank, port)
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+    from torch.distributed.pipelining.schedules import (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                                        ScheduleZBVZeroBubble)
 
     torch.manual_seed(0)
     base = ResidualMLP(args.dim, args.hidden, args.blocks)
@@ -111,16 +116,36 @@ def _speed_rank(rank: int, port: int, args, out: str) -> None:
     schedules = {"gpipe": ScheduleGPipe(stage, args.chunks, loss_fn=F.mse_loss),
                  "1f1b": Schedule1F1B(stage, args.chunks, loss_fn=F.mse_loss),
                  "zb": ScheduleInterleavedZeroBubble([zb_stage], args.chunks, loss_fn=F.mse_loss)}
+    # two stages per rank, the same 4 pieces for both libraries
+    quarter = args.blocks // 4
+    points = [f"blocks.{k * quarter}" for k in (1, 2, 3)]
+    for s in MULTI:
+        pipes[s] = fxpipe.compile(copy.deepcopy(base), 4, example_inputs=(x,), chunks=args.chunks, schedule=s,
+                                  checkpoint="never", runtime="distributed", split_points=points,
+                                  stages_per_rank=2)
+    placement = {"interleaved": [0, 1, 0, 1], "interleaved zb": [0, 1, 0, 1], "zbv": [0, 1, 1, 0]}
+    make = {"interleaved": ScheduleInterleaved1F1B, "interleaved zb": ScheduleInterleavedZeroBubble,
+            "zbv": ScheduleZBVZeroBubble}
+    for s in PP_MULTI:
+        pieces = [copy.deepcopy(base).blocks[k * quarter:(k + 1) * quarter] for k in range(4)]
+        mine = [PipelineStage(pieces[k], k, 4, torch.device("cpu"),
+                              input_args=(torch.empty(rows, args.dim).requires_grad_(k > 0),),
+                              output_args=(torch.empty(rows, args.dim, requires_grad=True),))
+                for k in range(4) if placement[s][k] == rank]
+        schedules[s] = make[s](mine, args.chunks, loss_fn=F.mse_loss)
+    last_rank = {s: 1 for s in SCHEDULES} | {"interleaved": 1, "interleaved zb": 1, "zbv": 0}
     eager = copy.deepcopy(base)
 
     def fx_step(s):
-        pipes[s].step(x if rank == 0 else None, target=y if rank == 1 else None, loss_fn=F.mse_loss)
+        last = pipes[s].plan.stages[-1].on_rank == rank
+        pipes[s].step(x if rank == 0 else None, target=y if last else None, loss_fn=F.mse_loss)
 
     def pp_step(s):
-        if rank == 0:
-            schedules[s].step(x)
+        feed = (x,) if rank == 0 else ()
+        if rank == last_rank[s]:
+            schedules[s].step(*feed, target=y, losses=[])
         else:
-            schedules[s].step(target=y, losses=[])
+            schedules[s].step(*feed)
 
     def eager_full():
         if rank == 0:
@@ -141,6 +166,10 @@ def _speed_rank(rank: int, port: int, args, out: str) -> None:
             "fxpipe gpipe": lambda: fx_step("gpipe"), "pipelining gpipe": lambda: pp_step("gpipe"),
             "fxpipe 1f1b": lambda: fx_step("1f1b"), "pipelining 1f1b": lambda: pp_step("1f1b"),
             "fxpipe zb": lambda: fx_step("zb"), "pipelining zb": lambda: pp_step("zb"),
+            "fxpipe interleaved": lambda: fx_step("interleaved"),
+            "pipelining interleaved": lambda: pp_step("interleaved"),
+            "pipelining interleaved zb": lambda: pp_step("interleaved zb"),
+            "fxpipe zbv": lambda: fx_step("zbv"), "pipelining zbv": lambda: pp_step("zbv"),
             "halves alone, concurrently": halves_alone}
     time_shuffled(runs, args.reps, rank, out)
 
@@ -184,11 +213,18 @@ def _memory_rank(rank: int, port: int, args, schedule: str, out: str) -> None:
     torch.manual_seed(0)
     model = ResidualMLP(args.dim, args.hidden, args.blocks)
     x, y = torch.randn(args.mem_batch, args.dim), torch.randn(args.mem_batch, args.dim)
-    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=args.mem_chunks, schedule=schedule,
-                          checkpoint="never", runtime="distributed", split_points=[f"blocks.{args.blocks // 2}"])
+    if schedule in MULTI:
+        quarter = args.blocks // 4
+        layout = dict(split_points=[f"blocks.{k * quarter}" for k in (1, 2, 3)], stages_per_rank=2)
+    else:
+        layout = dict(split_points=[f"blocks.{args.blocks // 2}"])
+    pipe = fxpipe.compile(model, 2 * layout.get("stages_per_rank", 1), example_inputs=(x,),
+                          chunks=args.mem_chunks, schedule=schedule, checkpoint="never",
+                          runtime="distributed", **layout)
+    last = pipe.plan.stages[-1].on_rank == rank
     dist.barrier()
     with peak_growth() as growth:
-        pipe.step(x if rank == 0 else None, target=y if rank == 1 else None, loss_fn=F.mse_loss)
+        pipe.step(x if rank == 0 else None, target=y if last else None, loss_fn=F.mse_loss)
     report(out, rank, growth["bytes"])
     dist.destroy_process_group()
 
@@ -247,13 +283,18 @@ def main() -> None:
     for k, v in med.items():
         print(f"{k:40} {v:9.3f} {med['eager'] / v:8.2f}x")
     bound = 2 * args.chunks / (args.chunks + 1)
-    print(f"speedup bound 2m/(m+1) = {bound:.2f}x; eager micro-batched / eager = "
-          f"{med['eager, micro-batches one by one'] / med['eager']:.3f}")
-    for s in SCHEDULES:
+    micro = med["eager, micro-batches one by one"]
+    print(f"speedup bound of GPipe and 1F1B 2m/(m+1) = {bound:.2f}x; eager micro-batched / eager = "
+          f"{micro / med['eager']:.3f}")
+    for s in SCHEDULES + ("interleaved", "zbv"):
         print(f"fxpipe {s} / torch.distributed.pipelining {s}: "
               f"{med[f'fxpipe {s}'] / med[f'pipelining {s}']:.3f}")
-    for s in ("gpipe", "1f1b"):
-        print(f"fxpipe zb / torch.distributed.pipelining {s}: {med['fxpipe zb'] / med[f'pipelining {s}']:.3f}")
+    best = min((f"fxpipe {s}" for s in SCHEDULES + MULTI), key=med.__getitem__)
+    theirs = min((f"pipelining {s}" for s in SCHEDULES + PP_MULTI), key=med.__getitem__)
+    print(f"fxpipe's best ({best}) / pipelining 1f1b: {med[best] / med['pipelining 1f1b']:.3f}   "
+          f"/ pipelining's best ({theirs}): {med[best] / med[theirs]:.3f}")
+    print(f"speedup over one process over the same micro-batches: " + ", ".join(
+        f"{s} {micro / med[f'fxpipe {s}']:.2f}x" for s in SCHEDULES + MULTI))
     floor = med["halves alone, concurrently"]
     print(f"busy time per rank (halves alone) / torch.distributed.pipelining 1f1b: "
           f"{floor / med['pipelining 1f1b']:.3f}  (about the least any schedule of this split takes)")
@@ -261,14 +302,14 @@ def main() -> None:
     peaks = {}
     # freed tensors go back to the OS (see benchmarks/local.py), so the peak follows live memory
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    for s in SCHEDULES:
+    for s in SCHEDULES + MULTI:
         peaks[s] = _spawn(_memory_rank, args, s)
     print(f"\npeak memory growth over one step, m={args.mem_chunks}, batch={args.mem_batch}, "
           "checkpoint='never' (MiB, per rank)")
     for r in range(2):
-        g, o, z = (peaks[s][r] / 2**20 for s in SCHEDULES)
-        print(f"rank {r}: gpipe {g:8.1f}   1f1b {o:8.1f}   zb {z:8.1f}   "
-              f"1f1b/gpipe {o / g:.2f}   zb/gpipe {z / g:.2f}")
+        mib = {s: peaks[s][r] / 2**20 for s in SCHEDULES + MULTI}
+        print(f"rank {r}: " + "   ".join(f"{s} {v:7.1f}" for s, v in mib.items()) + "   " + "   ".join(
+            f"{s}/1f1b {mib[s] / mib['1f1b']:.2f}" for s in ("gpipe", "zb") + MULTI))
 
 
 if __name__ == "__main__":

@@ -125,17 +125,18 @@ class PipelinePlan:
     def table(self) -> str:
         """Render the stage table, the balance summary and the skip routes as text."""
         timed = any(s.time_ms is not None for s in self.stages)
+        ranked = any(s.on_rank != s.index for s in self.stages)  # several stages per rank
         rows = []
         for s in self.stages:
-            rows.append([
-                s.index, s.device, len(s.nodes), _short(s.nodes[0] if s.nodes else ""),
+            rows.append([s.index] + ([s.on_rank] if ranked else []) + [
+                s.device, len(s.nodes), _short(s.nodes[0] if s.nodes else ""),
                 _short(s.nodes[-1] if s.nodes else ""), human(s.flops), human(s.params, "B"),
                 human(s.activation_bytes, "B"), human(s.saved_bytes, "B"),
                 human(s.checkpoint_bytes, "B"), human(s.memory, "B"),
             ] + ([f"{s.time_ms:.2f}" if s.time_ms is not None else "-"] if timed else []) + [
                 len(self.stashes(s.index)), len(self.pops(s.index)),
             ])
-        headers = ["stage", "device", "nodes", "first", "last", "FLOPs f+b", "params", "act. out",
+        headers = ["stage"] + (["rank"] if ranked else []) + ["device", "nodes", "first", "last", "FLOPs f+b", "params", "act. out",
                    "kept", "kept ckpt", "memory"] + (["ms"] if timed else []) + ["stash", "pop"]
         lines = [tabulate(rows, headers=headers, tablefmt="simple")]
         metric = self.metric()

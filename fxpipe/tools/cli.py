@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="gpipe", metavar="NAME|FILE",
                    help=f"what a training step runs (the --timeline step, --code): one of {', '.join(SCHEDULES)}, "
                         "or a file of your own schedule (a line of actions per stage, e.g. '0F0 0B0')")
+    p.add_argument("--stages-per-rank", type=_positive, default=1, metavar="V",
+                   help="stages on each rank (lane) of the schedule: 2 for interleaved or zbv (default 1)")
     p.add_argument("--devices", type=_names, metavar="D,...", help="one device per stage, or one for all")
     p.add_argument("--leaf-modules", type=_names, metavar="A,B", help="submodules to keep as one call")
     p.add_argument("--input-shape", type=_shape, action="append", metavar="8,3,224,224",
@@ -148,7 +150,8 @@ def _inspect(args: argparse.Namespace) -> int:
         pipe = fxpipe.compile(model, n_stages, example_inputs=inputs, example_kwargs=kwargs or None,
                               devices=devices, chunks=chunks, checkpoint=args.checkpoint,
                               balance_by=args.balance_by, split_points=args.split_points,
-                              leaf_modules=args.leaf_modules or (), plan=saved, schedule=args.schedule)
+                              leaf_modules=args.leaf_modules or (), plan=saved, schedule=args.schedule,
+                              stages_per_rank=args.stages_per_rank)
     except fxpipe.TraceError as exc:
         hint = f"\nOn the command line: --leaf-modules {exc.module}" if exc.module else ""
         raise Failure(f"{exc}{hint}") from None
