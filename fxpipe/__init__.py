@@ -13,6 +13,7 @@ from fxpipe.pipe import Pipe
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.tools.recorder import Timeline, timeline
 from fxpipe.tracing import trace
+from fxpipe.training import clip_grad_norm_, grad_scaler
 
 from fxpipe import testing  # noqa: E402 - `import fxpipe` then `fxpipe.testing.assert_...` works
 
@@ -31,7 +32,9 @@ __all__ = [
     "StagePlan",
     "Timeline",
     "TraceError",
+    "clip_grad_norm_",
     "compile",
+    "grad_scaler",
     "is_checkpointing",
     "is_recomputing",
     "testing",

@@ -39,7 +39,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             schedule: str | Sequence[Any] = "gpipe", leaf_modules: Iterable[type | str] = (),
             tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
             plan: PlanLike | None = None, runtime: str = "local", timeout: float = 300.0,
-            deferred_batch_norm: bool = False, stages_per_rank: int = 1) -> Pipe:
+            deferred_batch_norm: bool = False, stages_per_rank: int = 1, data_parallel: int = 1,
+            data_parallel_shard: bool = False, mesh: Any = None) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -71,6 +72,10 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     ``runtime="distributed"`` runs the stages on ``torch.distributed`` ranks (launch the script
     with ``torchrun --nproc-per-node n_stages // stages_per_rank``); it needs ``example_inputs``
     to size its receive buffers, and ``timeout`` (seconds) bounds every wait for another rank.
+    ``data_parallel=d`` (or ``mesh=``, a 2-D ``DeviceMesh`` with dims ``("dp", "pp")``) runs
+    ``d`` replicas of the pipeline, each on its own share of the batch, averaging gradients
+    over the replicas once per step (DDP; FSDP2 sharding with ``data_parallel_shard=True``);
+    world = ``d x n_stages / stages_per_rank``; see :mod:`fxpipe.runtime.dataparallel`.
     ``stages_per_rank=v`` places ``v`` stages on each rank for ``schedule="interleaved"``
     (stage ``s`` on rank ``s mod world``) or ``"zbv"`` (``v=2``; rank ``r`` holds stages ``r``
     and ``2 world - 1 - r``); in one process the ranks are lanes of the schedule, each stage
@@ -87,12 +92,18 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     if runtime not in ("local", "distributed"):
         raise ValueError(f"runtime={runtime!r}; use 'local' (one process) or 'distributed' (one stage per rank)")
     has_inputs = example_inputs is not None or bool(example_kwargs)
+    if (data_parallel != 1 or mesh is not None or data_parallel_shard) and runtime != "distributed":
+        raise ValueError("data_parallel=, mesh= and data_parallel_shard= replicate the pipeline over processes; "
+                         "use runtime='distributed' (launched with torchrun)")
+    if not isinstance(data_parallel, int) or isinstance(data_parallel, bool) or data_parallel < 1:
+        raise ValueError(f"data_parallel={data_parallel!r}; use an integer of at least 1 (the replicas)")
     if runtime == "distributed":
         if not has_inputs:
             raise ValueError("runtime='distributed' needs example_inputs= (the same on every rank) to "
                              "size the buffers it receives into")
-        rank, device, group = setup_distributed(n_stages, timeout, stages_per_rank)
-        link = Comm(rank, timeout, group, device)  # messages to the other ranks
+        layout = setup_distributed(n_stages, timeout, stages_per_rank, data_parallel, mesh)
+        rank, device = layout.rank, layout.device
+        link = Comm(rank, timeout, layout.pp_group, device, layout.global_ranks)  # messages inside the pipeline
         # every rank plans with the same devices, so every rank makes the same plan
         devices = [torch.device(device.type, r) for r in sched.ranks]
     else:
@@ -110,7 +121,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
                       tracer=tracer, saved=saved, devices=devices, profile_device=device)
     gm = front.gm
     if runtime == "distributed":
-        agree_on_stages(gm, n_stages, link, sched.world)  # a measured cost may differ by rank: rank 0's cut wins
+        agree_on_stages(gm, n_stages)  # a measured cost may differ by rank: rank 0's cut wins
     stage_graphs, routes = split_stages(gm, n_stages)
     plan = make_plan(gm, stage_graphs, routes, devices, front.micro, chunks, checkpoint, sched.name,
                      front.balance_by, front.cut, saved)  # from here on, the plan made, not the one passed in
@@ -122,8 +133,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         for s in plan.stages:
             s.device = f"rank {s.on_rank} ({device.type})"  # the same on every rank
         devices = [device if r == rank else torch.device("meta") for r in sched.ranks]
-        engine = build_distributed(model, gm, plan, stages, rank, device, link, timeout, sched,
-                                   deferred_batch_norm)
+        engine = build_distributed(model, gm, plan, stages, layout, link, timeout, sched,
+                                   deferred_batch_norm, shard=data_parallel_shard)
     else:
         engine = build_local(model, gm, plan, stages, devices, sched, deferred_batch_norm)
     pipe = Pipe(model, gm, plan, stages, devices, engine)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -60,10 +61,34 @@ class Pipe(nn.Module):
         return self._runtime.forward(args, kwargs, self.training)
 
     def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-             **kwargs: Any) -> torch.Tensor:
+             scaler: Any = None, **kwargs: Any) -> torch.Tensor:
         """Run forward and backward of one mini-batch with a loss per micro-batch; return the loss.
 
         For a mean-reduced ``loss_fn`` the loss and the gradients equal those of
-        ``loss_fn(model(*args, **kwargs), target).backward()``.
+        ``loss_fn(model(*args, **kwargs), target).backward()``. With ``scaler`` (a
+        ``torch.amp.GradScaler``, or :func:`fxpipe.grad_scaler`'s across ranks) the loss is
+        scaled once, where it is computed, so every stage's gradients come out scaled; the
+        loss returned is not. Across replicas (``data_parallel``) it is the global batch's.
         """
+        if scaler is not None and scaler.is_enabled():
+            base = loss_fn
+
+            def loss_fn(out: Any, tgt: Any) -> torch.Tensor:
+                return scaler.scale(base(out, tgt))
+            scale = float(scaler.get_scale())
+            return self._runtime.step(args, kwargs, target, loss_fn, self.training) / scale
         return self._runtime.step(args, kwargs, target, loss_fn, self.training)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients over the steps inside without reducing them (replicas, tied ranks).
+
+        The first step after the block reduces everything accumulated, once: run all but the
+        last step of a gradient accumulation inside it. In one process it changes nothing.
+        """
+        previous = getattr(self._runtime, "sync", True)
+        self._runtime.sync = False
+        try:
+            yield
+        finally:
+            self._runtime.sync = previous

@@ -50,6 +50,13 @@ class _Holder(torch.nn.Module):
         return self.prop.run(*args)
 
 
+def _fake_state(mode: FakeTensorMode, v: torch.Tensor) -> torch.Tensor:
+    """Return a fake of a parameter or buffer; of its whole shape when it is sharded (a DTensor)."""
+    if hasattr(v, "to_local") and hasattr(v, "placements"):  # sharded by data parallel: its full shape
+        return torch.empty(v.shape, dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
+    return mode.from_tensor(v)
+
+
 def value_specs(gm: torch.fx.GraphModule, inputs: list[Any], wanted: Iterable[str]) -> dict[str, Any]:
     """Return the spec of each wanted node's value for placeholder values ``inputs``.
 
@@ -62,7 +69,8 @@ def value_specs(gm: torch.fx.GraphModule, inputs: list[Any], wanted: Iterable[st
     state.update(holder.named_buffers(remove_duplicate=False))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        fake_state = {k: mode.from_tensor(v) for k, v in state.items()}
+        fakes: dict[int, torch.Tensor] = {}  # one fake per tensor, so tied names stay tied
+        fake_state = {k: fakes.setdefault(id(v), _fake_state(mode, v)) for k, v in state.items()}
 
         def fake(v: Any) -> Any:
             if isinstance(v, TensorSpec):

@@ -119,3 +119,42 @@ def test_a_rank_that_dies_stops_the_others(tmp_path):
         assert results[r]["type"] == "PeerFailure", results[r]
         assert f"rank {r}: communication failed while" in results[r]["message"]
         assert "a peer probably died" in results[r]["message"]
+
+
+# -- pipeline x data parallel (4 gloo ranks: 2 replicas x 2 pipeline ranks) --------------------
+def _dp_equal(results, collectives=None):
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert res["loss_error"] < 1e-5, (r, res["loss_error"])
+        assert res["grad_errors"] and max(res["grad_errors"].values()) < 1e-5, (r, res["grad_errors"])
+        assert res["norm_error"] < 1e-5 and max(res["clipped_errors"].values()) < 1e-5, (r, res)
+        assert max(res["adam_loss_errors"]) < 1e-6, (r, res["adam_loss_errors"])
+        if collectives is not None:  # one all-reduce per bucket (one bucket a stage here), not per micro-batch
+            assert res["collectives"] == collectives * res["stages"], (r, res["collectives"])
+
+
+@pytest.mark.parametrize("schedule", ["tied-1f1b", "zb", "tied-interleaved"])
+def test_data_parallel_replicate_equals_eager(schedule, tmp_path):
+    _dp_equal(_launch("dp_train", 4, schedule, tmp_path, limit=180), collectives=1)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe:shard", "tied-zb:shard"])
+def test_data_parallel_fsdp2_equals_eager(schedule, tmp_path):
+    _dp_equal(_launch("dp_train", 4, schedule, tmp_path, limit=180))
+
+
+def test_data_parallel_accumulation_and_autocast(tmp_path):
+    for r, res in enumerate(_launch("dp_accumulate", 4, "1f1b", tmp_path, limit=180)):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert max(res["grad_errors"].values()) < 1e-5, (r, res["grad_errors"])
+        assert res["autocast_loss_error"] < 1e-5 and max(res["autocast_grad_errors"].values()) < 1e-5, (r, res)
+        assert res["bf16_vs_fp32"] > 1e-4  # autocast really ran (bf16 differs from float32)
+
+
+def test_data_parallel_refusals(tmp_path):
+    for r, res in enumerate(_launch("dp_refusals", 4, "gpipe", tmp_path, limit=120)):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert "world 4 cannot hold 2 pipeline ranks x 3 replicas" in res["layout"]
+        assert res["batch"].startswith("PipelineInputError"), res["batch"]
+        assert "replica 1 has a batch of 3 rows but replica 0 has 4" in res["batch"] or \
+            "replica 0 has a batch of 4 rows but replica 1 has 3" in res["batch"]

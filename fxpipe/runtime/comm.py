@@ -29,8 +29,10 @@ OBJECT_TAG = 3  # small Python values (the step's layout, the loss); 1 and 2 car
 class Comm:
     """Send, receive and wait for one rank, failing fast when a peer fails."""
 
-    def __init__(self, rank: int, timeout: float, group: Any, device: torch.device) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, timeout: float, group: Any, device: torch.device,
+                 global_ranks: Sequence[int] | None = None) -> None:
+        self.rank = rank  # the pipeline rank; peers are named by pipeline rank too
+        self.global_ranks = list(global_ranks) if global_ranks is not None else None
         self.timeout = timeout
         self.group = group
         self.device = device  # where messages live: CPU for gloo, the rank's GPU for NCCL
@@ -84,8 +86,9 @@ class Comm:
     def post(self, sends: Sequence[tuple[torch.Tensor, int, int]],
              recvs: Sequence[tuple[torch.Tensor, int, int]], what: str) -> list[Any]:
         """Post sends and receives as one batch; return the receives' works, to :meth:`wait` on."""
-        ops = [dist.P2POp(dist.isend, t, peer, self.group, tag) for t, peer, tag in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, self.group, tag) for t, peer, tag in recvs]
+        at = self.global_ranks.__getitem__ if self.global_ranks is not None else int
+        ops = [dist.P2POp(dist.isend, t, at(peer), self.group, tag) for t, peer, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, at(peer), self.group, tag) for t, peer, tag in recvs]
         if not ops:
             return []
         try:

@@ -13,21 +13,22 @@ and get their gradients summed over them after each step (:mod:`fxpipe.runtime.p
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx
-from torch.utils._pytree import tree_flatten
 
-from fxpipe import passes
-from fxpipe.errors import PeerFailure, PipelineInputError
-from fxpipe.passes.annotate import TensorSpec, spec_of
+from fxpipe.errors import PeerFailure
 from fxpipe.plan import PipelinePlan
 from fxpipe.runtime.actions import ActionInterpreter, Program, program_for
 from fxpipe.runtime.batchnorm import commit_batch_norm
+from fxpipe.runtime import steplayout
 from fxpipe.runtime.comm import Comm
+from fxpipe.runtime.dataparallel import GradSync, final_backwards
 from fxpipe.runtime.microbatch import gather, micro_losses
+from fxpipe.runtime.procgroup import Layout
 from fxpipe.runtime.schedule import Schedule
 from fxpipe.runtime.signature import CallSignature
 from fxpipe.runtime.stagecall import StageCall
@@ -42,11 +43,11 @@ log = logging.getLogger(__name__)
 class DistributedRuntime:
     """This rank's share of a distributed pipeline: its stages, its program, its messages."""
 
-    def __init__(self, plan: PipelinePlan, gm: torch.fx.GraphModule, rank: int, calls: Sequence[StageCall],
+    def __init__(self, plan: PipelinePlan, gm: torch.fx.GraphModule, layout: Layout, calls: Sequence[StageCall],
                  comm: Comm, signature: CallSignature, tied: list[tuple[Any, list]], schedule: Schedule) -> None:
         self.plan = plan
         self.gm = gm
-        self.rank = rank
+        self.rank = rank = layout.rank
         self.device = calls[0].device
         self.comm = comm
         self.signature = signature
@@ -62,8 +63,12 @@ class DistributedRuntime:
                         for c in calls}
         self.example = [n.meta.get("fxpipe.value") for n in gm.graph.nodes if n.op == "placeholder"]
         self.crossing = sorted({v for s in plan.stages for v in s.outputs})
-        self._layouts: dict[str, dict[str, Any]] = {}
+        self.layouts: dict[str, dict[str, Any]] = {}  # crossing values' specs per micro-batch layout
         self._programs: dict[tuple[str, int], list[Program]] = {}
+        self._finals: dict[tuple[str, int], dict[int, int]] = {}
+        self.layout = layout
+        self.grad_sync: GradSync | None = None  # data parallel, set by the build
+        self.sync = True  # reduce gradients over replicas and ties this step (off inside pipe.no_sync())
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
 
     def code(self) -> str:
@@ -77,70 +82,32 @@ class DistributedRuntime:
         """
         if (kind, m) not in self._programs:
             actions = self.schedule.actions(m) if kind == "train" else self.schedule.forward_only(m)
+            self._finals[(kind, m)] = {}
+            if kind == "train" and self.grad_sync is not None:
+                actions, self._finals[(kind, m)] = final_backwards(actions)
             name = self.plan.schedule if kind == "train" else "forward"
             self._programs[(kind, m)] = [program_for(self.plan, actions, self.schedule.stages_of(r),
                                                      lambda a, b: a != b, name) for r in range(self.world)]
         return self._programs[(kind, m)]
 
-    # -- the per-step layout, published by rank 0 ------------------------------------------
-    def _layout(self, args: tuple, kwargs: dict, training: bool) -> tuple[dict, list[list[Any]]]:
-        """On rank 0, split the inputs and publish their layout; elsewhere, read it."""
-        if self.rank != self.first:
-            header = self.comm.recv_object(self.first, f"waiting for rank {self.first}'s inputs")
-            if header.get("error"):
-                kind, message = header["error"]
-                raise (TypeError if kind == "TypeError" else PipelineInputError)(message)
-            return header, []
-        try:
-            self._check(spec_of(self.signature.bind(args, kwargs)))
-            mbs, batch = self.signature.split(args, kwargs, self.plan.chunks, training, self.device)
-            specs = [spec_of(mb) for mb in mbs]
-        except (TypeError, ValueError) as exc:
-            self._tell_all({"error": (type(exc).__name__, str(exc))})
-            self.comm.flush()  # deliver it before this rank's exception ends the process
-            raise
-        header = {"batch": batch, "specs": specs}
-        self._tell_all(header)
-        return header, mbs
-
-    def _tell_all(self, value: Any) -> None:
-        """Send a small value from this rank to every other rank."""
-        for r in range(self.world):
-            if r != self.rank:
-                self.comm.send_object(value, r)
-
-    def _check(self, spec: list[Any]) -> None:
-        """Refuse inputs whose non-batch shape or dtype differs from the example's."""
-        for name, got, want in zip(self.signature.names, spec, self.example):
-            got_leaves, want_leaves = tree_flatten(got)[0], tree_flatten(want)[0]
-            for g, w in zip(got_leaves, want_leaves):
-                if isinstance(w, TensorSpec) and isinstance(g, TensorSpec) and (
-                        g.shape[1:] != w.shape[1:] or g.dtype != w.dtype or len(g.shape) != len(w.shape)):
-                    raise PipelineInputError(
-                        f"input '{name}' has shape {tuple(g.shape)} and dtype {g.dtype}, but the plan was "
-                        f"built for shape (batch, {', '.join(map(str, w.shape[1:]))}) and dtype {w.dtype}; "
-                        "the distributed runtime sizes its receive buffers from the plan, so compile with "
-                        "example inputs of the shape you run")
-
-    def _specs(self, header: dict) -> Callable[[int], dict[str, Any]]:
-        """Return micro-batch index -> spec of every crossing value, propagated once per layout."""
-        keys = [repr(layout) for layout in header["specs"]]
-
-        def specs(i: int) -> dict[str, Any]:
-            if keys[i] not in self._layouts:
-                self._layouts[keys[i]] = passes.value_specs(self.gm, list(header["specs"][i]), self.crossing)
-            return self._layouts[keys[i]]
-        return specs
-
     # -- running ----------------------------------------------------------------------------
     def _run(self, args: tuple, kwargs: dict, losses_for: Callable | None, training: bool, grad: bool):
         """Run one step's actions on this rank; return the runner."""
-        header, mbs = self._layout(args, kwargs, training)
+        if self.rank == self.first:
+            header, mbs = steplayout.publish(self, args, kwargs, training)
+        else:
+            header, mbs = steplayout.receive(self), []
         m = len(header["specs"])
-        programs = self._programs_for("train" if grad else "forward", m)
-        transport = DistTransport(self.plan, self.rank, self.device, self.comm, self._specs(header),
+        kind = "train" if grad else "forward"
+        programs = self._programs_for(kind, m)
+        transport = DistTransport(self.plan, self.rank, self.device, self.comm, steplayout.specs_for(self, header),
                                   [[a for g in p.clocked for group in g for a in group] for p in programs])
         transport.inputs = mbs
+        for j, worker in self.workers.items():  # data parallel: reduce at each stage's last backward
+            worker.final = self._finals[(kind, m)].get(j) if self.grad_sync is not None else None
+            worker.before_backward = partial(self.grad_sync.before_backward, j) if self.grad_sync else None
+        if self.grad_sync is not None:
+            self.grad_sync.sync = self.sync
         runner = ActionInterpreter(self.plan, self.workers, transport)
         losses = losses_for(header["batch"], m) if (self.last and losses_for) else {}
         runner.begin(m, losses, checkpointing=training, grad=grad)
@@ -169,20 +136,31 @@ class DistributedRuntime:
                 raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
             runner = self._run(args, kwargs, lambda batch, m: micro_losses(
                 loss_fn, target, batch, m, self.device, self.signature.finish), training, grad=True)
-            for group, params in self.tied:
-                works = []
-                for p in params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    works.append(dist.all_reduce(p.grad, group=group, async_op=True))
-                self.comm.wait(works, "summing the gradients of tied parameters")
+            if self.sync:  # a tie's accumulated gradients are summed once, at the synced step
+                self._sum_tied()
             if self.last:
                 assert runner.total is not None
-                self._tell_all(runner.total.item())
+                total = runner.total
+                if self.layout.dp > 1:  # the global batch's loss: the replicas' mean
+                    total = total.clone()
+                    dist.all_reduce(total, group=self.layout.dp_group)
+                    total /= self.layout.dp
+                steplayout.tell_all(self, total.item())
                 self.comm.flush()
-                return runner.total
+                return total
             return torch.tensor(self.comm.recv_object(self.last_rank, "waiting for the loss"))
         return self._guarded(body)
+
+    def _sum_tied(self) -> None:
+        """Sum the gradients of parameters tied across ranks over the tie (each rank's part of them)."""
+        for group, params, _ in self.tied:
+            works = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                works.append(dist.all_reduce(local, group=group, async_op=True))
+            self.comm.wait(works, "summing the gradients of tied parameters")
 
     def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
         """Run inference over micro-batches; return the output on the last rank, None elsewhere."""

@@ -10,27 +10,59 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fxpipe import passes
-from fxpipe.runtime.comm import Comm
 from fxpipe.runtime.placement import named_tensors
 
-__all__ = ["setup_distributed", "agree_on_stages", "tied_groups"]
+__all__ = ["Layout", "setup_distributed", "agree_on_stages", "tied_groups"]
 
 log = logging.getLogger(__name__)
 
 
-def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1) -> tuple[int, torch.device, Any]:
-    """Join (or start) the default process group; return this rank, its device, fxpipe's group."""
-    want = n_stages // stages_per_rank
+@dataclass
+class Layout:
+    """Where this process sits: its place in a pipeline, its replica, the groups it talks over.
+
+    Ranks form a ``(dp, pp)`` grid (a :class:`~torch.distributed.device_mesh.DeviceMesh` with
+    dims ``("dp", "pp")``): global rank ``replica * pp + rank`` runs pipeline rank ``rank`` of
+    replica ``replica``. Stages talk point to point inside their pipeline (``pp_group``);
+    gradients are reduced over the ranks holding the same stages (``dp_group``).
+    """
+
+    rank: int  # pipeline rank: which stages this process holds
+    replica: int  # which data-parallel replica
+    pp: int  # ranks per pipeline
+    dp: int  # replicas
+    device: torch.device
+    pp_group: Any
+    global_ranks: list[int]  # pipeline rank -> global rank, in this replica
+    mesh: DeviceMesh | None = None  # ("dp", "pp"), when there are replicas
+    dp_group: Any = None
+
+
+def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1, data_parallel: int = 1,
+                      mesh: DeviceMesh | None = None) -> Layout:
+    """Join (or start) the default process group; return where this process sits (:class:`Layout`)."""
+    pp = n_stages // stages_per_rank
     if not dist.is_available():
         raise ValueError("runtime='distributed' needs torch.distributed, which this PyTorch build lacks")
+    if mesh is not None:
+        if tuple(mesh.mesh_dim_names or ()) != ("dp", "pp"):
+            raise ValueError(f"mesh= has dims {mesh.mesh_dim_names}; give a 2-D DeviceMesh with dims "
+                             "('dp', 'pp'), e.g. init_device_mesh('cuda', (2, 4), mesh_dim_names=('dp', 'pp'))")
+        if mesh.size(1) != pp:
+            raise ValueError(f"mesh= has {mesh.size(1)} ranks along 'pp' but {n_stages} stages x "
+                             f"{stages_per_rank} per rank need {pp}")
+        data_parallel = mesh.size(0)
+    want = pp * data_parallel
     if not dist.is_initialized():
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
@@ -41,37 +73,42 @@ def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1) -
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, me = dist.get_world_size(), dist.get_rank()
     if world != want:
         per = "one stage runs per rank" if stages_per_rank == 1 else f"{stages_per_rank} stages run per rank"
-        raise ValueError(f"n_stages={n_stages} but {world} ranks are running; {per}, so launch with "
-                         f"--nproc-per-node {want} (or compile with n_stages={world * stages_per_rank})")
+        if data_parallel == 1:
+            raise ValueError(f"n_stages={n_stages} but {world} ranks are running; {per}, so launch with "
+                             f"--nproc-per-node {want} (or compile with n_stages={world * stages_per_rank})")
+        raise ValueError(f"world {world} cannot hold {pp} pipeline ranks x {data_parallel} replicas ({per}); "
+                         f"launch {want} processes, or pass data_parallel={world // pp if world % pp == 0 else '?'}")
     backend = dist.get_backend()
-    if backend == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout), backend=backend)
-    return rank, device, group
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    if data_parallel > 1 and mesh is None:
+        mesh = init_device_mesh(device.type, (data_parallel, pp), mesh_dim_names=("dp", "pp"))
+    grid = mesh.mesh.tolist() if mesh is not None else [list(range(pp))]
+    replica = next(d for d, row in enumerate(grid) if me in row)
+    groups = [dist.new_group(row, timeout=timedelta(seconds=timeout), backend=backend) for row in grid]
+    return Layout(rank=grid[replica].index(me), replica=replica, pp=pp, dp=len(grid), device=device,
+                  pp_group=groups[replica], global_ranks=grid[replica], mesh=mesh,
+                  dp_group=mesh.get_group("dp") if mesh is not None else None)
 
 
-def agree_on_stages(gm: torch.fx.GraphModule, n_stages: int, comm: Comm, world: int) -> None:
-    """Make every rank use rank 0's stage assignment (measured costs may differ between ranks)."""
+def agree_on_stages(gm: torch.fx.GraphModule, n_stages: int) -> None:
+    """Make every process use global rank 0's stage assignment (measured costs may differ by rank)."""
     mine = {n.name: n.meta["fxpipe.stage"] for n in passes.compute_nodes(gm)}
-    if comm.rank == 0:
-        for r in range(1, world):
-            comm.send_object(mine, r)
-        comm.flush()
-        return
-    theirs = comm.recv_object(0, "waiting for rank 0's stage assignment")
-    if theirs != mine:
-        log.info("rank %d adopts rank 0's stage assignment", comm.rank)
-        passes.assign_by_name(gm, theirs, n_stages)
+    box = [mine]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] != mine:
+        log.info("rank %d adopts rank 0's stage assignment", dist.get_rank())
+        passes.assign_by_name(gm, box[0], n_stages)
 
 
-def tied_groups(stages: Sequence[torch.fx.GraphModule], rank_of: Sequence[int], rank: int,
-                timeout: float) -> list[tuple[Any, list]]:
-    """Create a group per set of ranks sharing tensors; return this rank's (group, tensors) pairs.
+def tied_groups(stages: Sequence[torch.fx.GraphModule], rank_of: Sequence[int], layout: Layout,
+                timeout: float) -> list[tuple[Any, list, bool]]:
+    """Create a group per set of ranks sharing tensors; return this rank's (group, parameters, first).
+
+    ``first`` tells whether this rank is the tie's lowest, which counts the parameters once
+    (in a gradient norm).
 
     ``rank_of`` gives each stage's rank. Every rank calls this with the same stages, so groups
     are created in the same order. The shared tensors are made equal to those of the lowest
@@ -89,10 +126,14 @@ def tied_groups(stages: Sequence[torch.fx.GraphModule], rank_of: Sequence[int], 
         if len(ranks) > 1:
             by_ranks.setdefault(tuple(sorted(ranks)), []).append(tensors[key])
     mine = []
+    rows = layout.mesh.mesh.tolist() if layout.mesh is not None else [layout.global_ranks]
     for ranks in sorted(by_ranks):
-        group = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout))
-        if rank in ranks:
-            for t in by_ranks[ranks]:
-                dist.broadcast(t.data, src=ranks[0], group=group)
-            mine.append((group, [t for t in by_ranks[ranks] if isinstance(t, torch.nn.Parameter)]))
+        for row in rows:  # every process creates every replica's group, in the same order
+            members = [row[r] for r in ranks]
+            group = dist.new_group(members, timeout=timedelta(seconds=timeout))
+            if row is rows[layout.replica] and layout.rank in ranks:
+                for t in by_ranks[ranks]:
+                    dist.broadcast(t.data, src=members[0], group=group)
+                mine.append((group, [t for t in by_ranks[ranks] if isinstance(t, torch.nn.Parameter)],
+                             layout.rank == ranks[0]))
     return mine

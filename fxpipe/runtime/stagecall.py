@@ -7,7 +7,7 @@ is the primitive; every pass of every schedule goes through it::
     run(i, inputs, "forward")            grad as the caller's; the activations are kept
     run(i, inputs, "checkpoint")         no_grad, is_checkpointing(); replay_point() before
     run(i, inputs, "recompute", replay)  grad, is_recomputing(), the saved CPU and CUDA RNG
-                                         state, a "recompute" event on the timeline
+                                         state and autocast state, a "recompute" event
 
 Around the stage it makes the stage's device current and, when the stage raises, notes on
 the exception the stage, its device, the node and the pass (:mod:`fxpipe.tools.blame`).
@@ -18,6 +18,7 @@ that time the call's backward.
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -31,7 +32,7 @@ from fxpipe.runtime.stream import AbstractStream, current_stream, new_stream, on
 from fxpipe.tools import recorder
 from fxpipe.tools.blame import keep_tracebacks, note_failure
 
-__all__ = ["StageCall", "Replay", "save_rng", "restore_rng"]
+__all__ = ["StageCall", "Replay", "save_rng", "restore_rng", "autocast_state", "autocast_as"]
 
 _GRAD = {"forward": nullcontext, "checkpoint": torch.no_grad, "recompute": torch.enable_grad}
 _FLAG = {"checkpoint": "checkpointing", "recompute": "recomputing"}
@@ -55,12 +56,28 @@ def restore_rng(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | 
         yield
 
 
+def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    """Return what autocast does now, on CPU and CUDA: ``(device type, enabled, dtype)`` each."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+
+
+@contextmanager
+def autocast_as(state: tuple[tuple[str, bool, torch.dtype], ...]) -> Iterator[None]:
+    """Run the block under a saved autocast state (another thread's, or a forward's for its recompute)."""
+    with contextlib.ExitStack() as stack:
+        for device_type, enabled, dtype in state:
+            if enabled or torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+        yield
+
+
 @dataclass
 class Replay:
-    """What a recomputation needs from its checkpointed forward: the RNG state, the timeline call."""
+    """What a recomputation needs from its checkpointed forward: RNG and autocast state, the timeline call."""
 
     rng: tuple[torch.Tensor, torch.Tensor | None]
     where: Any  # the recorder's call of the forward, or None when no timeline records
+    autocast: tuple = ()
 
 
 class StageCall:
@@ -88,7 +105,7 @@ class StageCall:
 
     def replay_point(self) -> Replay:
         """Capture what a later recomputation of the coming checkpointed forward needs."""
-        return Replay(save_rng(self.device), recorder.where())
+        return Replay(save_rng(self.device), recorder.where(), autocast_state())
 
     def run(self, i: int, inputs: Any, how: str = "forward", replay: Replay | None = None) -> Any:
         """Call the stage on micro-batch ``i``'s inputs in pass ``how``; see the module docstring."""
@@ -97,6 +114,7 @@ class StageCall:
             raise ValueError("a recomputation needs the Replay of its checkpointed forward")
         with on_device(self.device), _GRAD[how](), (in_pass(_FLAG[how]) if how in _FLAG else nullcontext()), \
                 (restore_rng(self.device, replay.rng) if recompute else nullcontext()), \
+                (autocast_as(replay.autocast) if recompute else nullcontext()), \
                 (recorder.span_at("recompute", replay.where) if recompute else nullcontext()):
             try:
                 return self.fn(*inputs)

@@ -3,8 +3,8 @@
 On CUDA, kernels run asynchronously but Python launches them one at a time: with a single
 thread, stage 1 could not start launching until stage 0 had launched its whole forward.
 Each device gets its own thread (torchgpipe, section 3.2.2); the clock waits for all of them
-before the next fence. Autograd's grad mode is thread-local, so each task carries the
-caller's.
+before the next fence. Autograd's grad mode and autocast are thread-local, so each task
+carries the caller's.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fxpipe.runtime.stagecall import autocast_as, autocast_state
+
 __all__ = ["DeviceThreads"]
 
 
-def _call(grad: bool, fn: Callable, args: tuple) -> Any:
-    """Run ``fn(*args)`` with the caller's grad mode."""
-    with torch.set_grad_enabled(grad):
+def _call(grad: bool, autocast: tuple, fn: Callable, args: tuple) -> Any:
+    """Run ``fn(*args)`` with the caller's grad mode and autocast state."""
+    with torch.set_grad_enabled(grad), autocast_as(autocast):
         return fn(*args)
 
 
@@ -31,8 +33,8 @@ class DeviceThreads:
 
     def run(self, tasks: Sequence[tuple[torch.device, Callable, tuple]]) -> list[Any]:
         """Run each ``(device, fn, args)`` on its device's thread; return the results in order."""
-        grad = torch.is_grad_enabled()
-        futures: list[Future] = [self.pools[d].submit(_call, grad, fn, args) for d, fn, args in tasks]
+        grad, autocast = torch.is_grad_enabled(), autocast_state()
+        futures: list[Future] = [self.pools[d].submit(_call, grad, autocast, fn, args) for d, fn, args in tasks]
         return [f.result() for f in futures]
 
     def close(self) -> None:

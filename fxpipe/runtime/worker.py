@@ -44,6 +44,11 @@ class StageWorker:
         self._saved: dict[int, tuple] = {}
         self.defer = defer  # queue the linears' weight gradients for weights(i)
         self._weights: dict[int, list] = {}
+        # data parallel (:mod:`fxpipe.runtime.dataparallel`): the micro-batch of the stage's last
+        # backward of the step, whose weight gradients are never deferred, and what to call
+        # before each backward (with whether it is that last one)
+        self.final: int | None = None
+        self.before_backward: Callable[[bool], None] | None = None
 
     def forward(self, i: int, inputs: Sequence[Any], *, checkpoint: bool,
                 loss: Callable[[Any], torch.Tensor] | None = None, grad: bool = True) -> Any:
@@ -79,6 +84,8 @@ class StageWorker:
         (or structure) for each input that carries a gradient, None for the others.
         """
         saved = self._saved.pop(i)
+        if self.before_backward is not None:
+            self.before_backward(i == self.final)
         if saved[0] == "recompute":
             _, leaves, replay, loss = saved
             with self._collecting(i):
@@ -102,7 +109,7 @@ class StageWorker:
 
     def _collecting(self, i: int) -> contextlib.AbstractContextManager:
         """Queue micro-batch ``i``'s weight gradients while deferring; otherwise do nothing."""
-        return wgrad.collecting(self._weights[i]) if self.defer else contextlib.nullcontext()
+        return wgrad.collecting(self._weights[i]) if self.defer and i != self.final else contextlib.nullcontext()
 
     def pending(self) -> int:
         """Return how many micro-batches hold activations awaiting backward."""

@@ -1,0 +1,115 @@
+"""Data parallel across pipeline replicas: reduce each stage's gradients once per step.
+
+Every replica runs the same stages on its own share of the batch; the ranks holding the
+same stage average its gradients over their data-parallel group, with PyTorch's own
+engines:
+
+- replicate (default): :class:`~torch.nn.parallel.DistributedDataParallel` on each stage
+  module. Its forward is never called; the micro-batches' backwards accumulate into
+  ``.grad`` with its reducer idle, and before a stage's last backward of the step the
+  reducer is armed (``prepare_for_backward``, as DDP's own forward does), so that backward
+  all-reduces the accumulated gradients in buckets as they become ready, overlapped with
+  the rest of it.
+- shard (``data_parallel_shard=True``): FSDP2 (``fully_shard``) on each stage module, its
+  parameters gathered for the step (``reshard_after_forward=False``), gradient sync off for
+  every backward but the stage's last, which reduce-scatters.
+
+Either way a stage's last backward must see every weight gradient, so a schedule with
+``W`` steps has that stage's other ``W`` run before it and computes its own weights in it
+(:func:`final_backwards`). ``pipe.no_sync()`` turns reduction off for gradient
+accumulation over several steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from fxpipe.runtime.actionlist import Action
+
+__all__ = ["GradSync", "final_backwards"]
+
+
+def final_backwards(actions: Sequence[Sequence[Action]]) -> tuple[list[list[Action]], dict[int, int]]:
+    """Make each stage's last backward a full ``B`` after all its ``W``; return the lists and its micro-batch.
+
+    Moves the ``W`` steps that come after a stage's last ``B``/``I`` to just before it, and
+    turns that last ``I`` (and its ``W``) into one ``B``.
+    """
+    out, finals = [], {}
+    for row in actions:
+        row = list(row)
+        for s in dict.fromkeys(a.stage for a in row):
+            last = max(k for k, a in enumerate(row) if a.stage == s and a.is_backward)
+            final = row[last]
+            finals[s] = final.mb
+            later_w = [a for a in row[last + 1:] if a.stage == s and a.kind == "W"]
+            if final.kind == "B" and not later_w:
+                continue
+            moved = [a for a in later_w if a.mb != final.mb]  # the final one's W goes into its B
+            rest = [a for a in row[last + 1:] if a not in later_w]
+            row = row[:last] + moved + [Action("B", final.mb, s)] + rest
+        out.append(row)
+    return out, finals
+
+
+def _register_everywhere(roots: Sequence[nn.Module], swapped: dict[int, nn.Parameter]) -> None:
+    """Put FSDP2's sharded parameters wherever the ones they replace were registered.
+
+    ``fully_shard`` registers new (DTensor) parameters on the modules it wraps; the model and
+    the other stage modules must hold the same objects, so the model's own parameters are
+    the ones trained and saved.
+    """
+    for root in roots:
+        for module in root.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and id(p) in swapped and swapped[id(p)] is not p:
+                    module._parameters[name] = swapped[id(p)]
+
+
+class GradSync:
+    """Reduce the gradients of this rank's stage modules over its data-parallel group."""
+
+    def __init__(self, modules: dict[int, nn.Module], layout: Any, shard: bool,
+                 share_with: Sequence[nn.Module] = ()) -> None:
+        self.shard = shard
+        self.sync = True  # off inside pipe.no_sync()
+        self.wrapped: dict[int, Any] = {}
+        self.swapped: dict[int, nn.Parameter] = {}  # id of a parameter FSDP2 replaced -> its replacement
+        for j, module in modules.items():
+            if not any(p.requires_grad for p in module.parameters()):
+                continue  # nothing to reduce
+            if shard:
+                from torch.distributed.fsdp import fully_shard
+
+                assert layout.mesh is not None
+                before = dict(module.named_parameters(remove_duplicate=False))
+                self.wrapped[j] = fully_shard(module, mesh=layout.mesh["dp"], reshard_after_forward=False)
+                swapped = {id(before[k]): p for k, p in module.named_parameters(remove_duplicate=False)}
+                _register_everywhere(share_with, swapped)
+                self.swapped.update(swapped)
+            else:
+                from torch.nn.parallel import DistributedDataParallel
+
+                device_ids = [layout.device.index] if layout.device.type == "cuda" else None
+                self.wrapped[j] = DistributedDataParallel(module, device_ids=device_ids,
+                                                          process_group=layout.dp_group, broadcast_buffers=False)
+
+    def before_backward(self, j: int, final: bool) -> None:
+        """Arm or hold stage ``j``'s reduction for the coming backward (``final``: its last of the step)."""
+        wrapped = self.wrapped.get(j)
+        if wrapped is None:
+            return
+        reduce = final and self.sync
+        if self.shard:
+            wrapped.set_requires_gradient_sync(reduce)
+            wrapped.set_is_last_backward(reduce)
+            wrapped.set_reshard_after_backward(reduce)
+        elif reduce:
+            wrapped.reducer.prepare_for_backward([])
+
+    def local(self, grad: torch.Tensor) -> torch.Tensor:
+        """Return the part of a gradient this process holds (a shard's, under FSDP2)."""
+        return grad.to_local() if hasattr(grad, "to_local") else grad

@@ -1,0 +1,79 @@
+"""What a training loop needs around ``pipe.step``: a global gradient norm, and loss scaling that agrees.
+
+Across ranks each process holds only some parameters, so a gradient norm computed per
+process (``torch.nn.utils.clip_grad_norm_`` on its own parameters) clips every stage by a
+different factor. :func:`clip_grad_norm_` computes the norm over all stages, replicas'
+shards and tied parameters (counted once), equal to ``clip_grad_norm_`` on the whole
+unpipelined model, and clips every rank by it. :func:`grad_scaler` returns a gradient
+scaler whose inf/NaN check agrees across all ranks, so every rank skips the same steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["clip_grad_norm_", "grad_scaler"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """Return the part of a (possibly sharded DTensor) gradient this process holds."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def clip_grad_norm_(pipe: Any, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip the gradients of every stage by their total norm over the whole model; return the norm.
+
+    The norm equals ``torch.nn.utils.clip_grad_norm_`` on the unpipelined model's
+    parameters, and every rank gets it (and clips by it). Call it on every rank, after the
+    step's gradients are complete (outside ``pipe.no_sync()``).
+    """
+    runtime = pipe._runtime
+    layout = getattr(runtime, "layout", None)
+    params = [p for p in pipe.parameters() if p.grad is not None]
+    if layout is None:  # one process holds everything
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+    norm_type = float(norm_type)
+    held = {id(p) for j in runtime.workers for p in pipe.stages[j].parameters()}
+    not_mine = {id(p) for _, tied, first in runtime.tied if not first for p in tied}  # counted on the tie's first
+    counted = [_local(p.grad) for p in params if id(p) in held and id(p) not in not_mine]
+    device = runtime.device
+    local = torch.nn.utils.get_total_norm(counted, norm_type) if counted else torch.zeros((), device=device)
+    local = local.to(device=device, dtype=torch.float32)
+    groups = [layout.pp_group] + ([layout.dp_group] if runtime.grad_sync is not None and runtime.grad_sync.shard
+                                  else [])  # replicated gradients are equal on every replica: count one
+    if norm_type == float("inf"):
+        for group in groups:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        total = local
+    else:
+        power = local ** norm_type
+        for group in groups:
+            dist.all_reduce(power, group=group)
+        total = power ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), "
+                           "so they cannot be clipped; pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+    for p in params:
+        if id(p) in held:
+            _local(p.grad).mul_(coef.to(p.grad.device))
+    return total
+
+
+def grad_scaler(pipe: Any, **kwargs: Any) -> Any:
+    """Return a gradient scaler for ``pipe``'s device whose inf/NaN check agrees across all ranks.
+
+    In one process: ``torch.amp.GradScaler``. Across ranks: FSDP's ``ShardedGradScaler``,
+    whose ``unscale_`` all-reduces what each rank found, so a step skipped on one rank is
+    skipped on all and their scales stay equal. Pass it to ``pipe.step(..., scaler=)``.
+    """
+    device = str(next((d.type for d in pipe.devices if d.type != "meta"), "cpu"))
+    if getattr(pipe._runtime, "layout", None) is None:
+        return torch.amp.GradScaler(device, **kwargs)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device=device, **kwargs)
