@@ -72,6 +72,8 @@ class Pipe(nn.Module):
         """
         if scaler is not None and scaler.is_enabled():
             base = loss_fn
+            device = next((d for d in self.devices if d.type != "meta"), torch.device("cpu"))
+            scaler.scale(torch.zeros((), device=device))  # start its scale on every rank, not just the loss's
 
             def loss_fn(out: Any, tgt: Any) -> torch.Tensor:
                 return scaler.scale(base(out, tgt))

@@ -286,3 +286,28 @@ def dp_refusals(rank, world, schedule):
 
 
 CASES.update(dp_train=dp_train, dp_accumulate=dp_accumulate, dp_refusals=dp_refusals)
+
+
+def scaler(rank, world, schedule):
+    """fp16 loss scaling across ranks: an inf on one rank makes every rank skip the step."""
+    torch.manual_seed(0)
+    model, x, y, loss_fn = _mlp_pair()
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), runtime="distributed", timeout=60, chunks=2,
+                          schedule=schedule, split_points=["2"])
+    sc = fxpipe.grad_scaler(pipe, init_scale=1024.0)
+    opt = torch.optim.SGD([p for p in pipe.stages[rank].parameters()], lr=0.1)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = pipe.step(x if rank == 0 else None, target=y if rank == world - 1 else None, loss_fn=loss_fn,
+                         scaler=sc)
+    grads_scaled = [float(p.grad.abs().max()) for p in pipe.stages[rank].parameters()]
+    if rank == 1:
+        next(iter(pipe.stages[rank].parameters())).grad[0, 0] = float("inf")
+    before = [p.detach().clone() for p in pipe.stages[rank].parameters()]
+    sc.step(opt)
+    sc.update()
+    unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, pipe.stages[rank].parameters()))
+    return {"scale": sc.get_scale(), "skipped": unchanged, "loss": float(loss), "scaled": max(grads_scaled),
+            "type": type(sc).__name__}
+
+
+CASES.update(scaler=scaler)

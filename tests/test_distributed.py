@@ -158,3 +158,11 @@ def test_data_parallel_refusals(tmp_path):
         assert res["batch"].startswith("PipelineInputError"), res["batch"]
         assert "replica 1 has a batch of 3 rows but replica 0 has 4" in res["batch"] or \
             "replica 0 has a batch of 4 rows but replica 1 has 3" in res["batch"]
+
+
+def test_loss_scaling_skips_the_same_steps_on_every_rank(tmp_path):
+    results = _launch("scaler", 2, "zb", tmp_path)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert res["type"] == "ShardedGradScaler" and res["skipped"] and res["scale"] == 512.0, (r, res)
+    assert results[0]["loss"] == results[1]["loss"] < 10  # unscaled, the same on both ranks

@@ -95,7 +95,7 @@ class GradSync:
 
                 device_ids = [layout.device.index] if layout.device.type == "cuda" else None
                 self.wrapped[j] = DistributedDataParallel(module, device_ids=device_ids,
-                                                          process_group=layout.dp_group, broadcast_buffers=False)
+                                                          process_group=layout.dp_group)
 
     def before_backward(self, j: int, final: bool) -> None:
         """Arm or hold stage ``j``'s reduction for the coming backward (``final``: its last of the step)."""
