@@ -28,8 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from fxpipe.passes.inplace import VIEW_NAMES, mutates_first_arg, op_name
-from fxpipe.passes.signature import is_inplace, node_key, value_key
+from fxpipe.passes.mutates import VIEW_NAMES, may_mutate, op_name
+from fxpipe.passes.signature import node_key, value_key
 from fxpipe.passes.spec import TensorSpec, spec_of, value_bytes
 
 __all__ = ["Propagator", "fetch"]
@@ -162,7 +162,7 @@ class Propagator:
         env: dict[torch.fx.Node, Any] = {}
         keys: dict[torch.fx.Node, Any] = {}
         storages: list[tuple[StorageWeakRef, torch.fx.Node]] = []  # what each value lives in
-        memoize = memoize and not any(self._may_mutate(n) for n in self.gm.graph.nodes)
+        memoize = memoize and not any(may_mutate(n) for n in self.gm.graph.nodes)
         inputs = iter(flat_inputs)
         for node in self.gm.graph.nodes:
             mutates: list[str] = []
@@ -206,19 +206,6 @@ class Propagator:
             node.meta["fxpipe.mutates"] = mutates
             if node.op != "get_attr":
                 storages += [(_storage(t), node) for t in _tensors(value)]
-
-    def _may_mutate(self, node: torch.fx.Node) -> bool:
-        """Tell whether a node might change a value in place (an in-place op, module or leaf).
-
-        Conservative: ``inplace=True``, or any positional ``True`` (``F.relu(x, True)``), counts.
-        """
-        if is_inplace(node) or mutates_first_arg(self.gm, node):
-            return True
-        if node.op in ("call_function", "call_method"):
-            return any(a is True for a in node.args)
-        if node.op != "call_module":
-            return False
-        return not type(self.gm.get_submodule(node.target)).__module__.startswith("torch.nn")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

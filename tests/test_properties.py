@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fxpipe.plan import PipelinePlan
-from fxpipe.testing import assert_pipeline_equivalent
+from fxpipe.testing import SCHEDULES, assert_pipeline_equivalent
 
 EXAMPLES = int(os.environ.get("FXPIPE_PROPERTY_EXAMPLES", "50"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -100,9 +100,10 @@ def test_random_dag_equals_eager(spec, data):
     devices = data.draw(st.lists(st.sampled_from(["cpu", "cpu:0"]), min_size=n_stages,
                                  max_size=n_stages), label="devices")
     batch = data.draw(st.integers(1, 6), label="batch")
+    schedule = data.draw(st.sampled_from(SCHEDULES), label="schedule")  # of pipe.step
     x = torch.randn(batch, D)
     pipe = assert_pipeline_equivalent(model, (x,), n_stages=n_stages, chunks=chunks,
-                                      checkpoint=checkpoint, devices=devices)
+                                      checkpoint=checkpoint, devices=devices, schedules=[schedule])
     assert len(pipe.stages) == n_stages
     assert PipelinePlan.from_json(pipe.plan.to_json()) == pipe.plan
     for route in pipe.plan.skips:  # a skip goes straight from its producer to its consumer
