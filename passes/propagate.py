@@ -12,6 +12,9 @@ signature (:mod:`fxpipe.passes.signature`) matches an earlier node's reuses that
 unless the graph may change a value in place: then every node runs, so that each value is
 its own tensor and an in-place change shows, through the version counters of the inputs,
 on exactly the values (and views) it touched.
+
+A node that raises (other than on a data-dependent op, which the caller may retry on real
+kernels) raises :class:`fxpipe.passes.failure.PropagationError` naming the node and its module.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from fxpipe.passes.failure import explain
 from fxpipe.passes.mutates import VIEW_NAMES, may_mutate, op_name
 from fxpipe.passes.signature import node_key, value_key
 from fxpipe.passes.spec import TensorSpec, spec_of, value_bytes
@@ -48,6 +54,8 @@ _METADATA_OPS = {
     torch.ops.aten.clone.default,
     torch.ops.aten.copy_.default,
 }
+_DATA_DEPENDENT = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+                   GuardOnDataDependentSymNode)  # the caller retries these on real kernels
 
 
 class _FlopCount(TorchDispatchMode):
@@ -186,7 +194,12 @@ class Propagator:
                 if result is None:
                     read = [t for a in node.all_input_nodes if a in env for t in _tensors(env[a])]
                     versions = [(t, t._version) for t in read]
-                    result = self._compute(node, env)
+                    try:
+                        result = self._compute(node, env)
+                    except _DATA_DEPENDENT:
+                        raise
+                    except Exception as exc:
+                        raise explain(self.gm, node, exc) from exc
                     changed = [_storage(t) for t, v in versions if t._version != v]
                     mutates = _aliases(storages, changed, node) if changed else []
                     if key is not None and not changed:
