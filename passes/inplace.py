@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 from fxpipe.passes.mutates import aliases, written_args
 
 __all__ = ["Conflict", "MutationPlan", "plan_mutations", "static_mutations", "copy_on_write",
-           "clone_tree"]
+           "clone_tree", "joined_positions"]
 
 
 @dataclass
@@ -90,6 +90,27 @@ def _mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx.No
         return static_mutations(gm)
     by_name = {n.name: n for n in nodes}
     return {n: [by_name[v] for v in n.meta["fxpipe.mutates"]] for n in nodes if n.meta["fxpipe.mutates"]}
+
+
+def joined_positions(gm: torch.fx.GraphModule, order: list[torch.fx.Node]) -> set[int]:
+    """Return the positions of ``order`` no stage may begin at, so that no cut makes a conflict.
+
+    An in-place op stays in the stage of the values it changes (no cut from the first of them
+    up to it); one that changes a model input also stays with every later reader of it, so
+    that its stage alone works on the private copy.
+    """
+    pos = {n: i for i, n in enumerate(order)}
+    joined: set[int] = set()
+    for node, group in _mutations(gm).items():
+        if node not in pos:
+            continue
+        made = [pos[u] for u in group if u in pos]
+        if made:
+            joined.update(range(min(made) + 1, pos[node] + 1))
+        if any(u.op == "placeholder" for u in group):
+            last = max((pos.get(r, -1) for u in group for r in u.users), default=-1)
+            joined.update(range(pos[node] + 1, last + 1))
+    return joined
 
 
 def plan_mutations(gm: torch.fx.GraphModule) -> MutationPlan:
