@@ -12,6 +12,7 @@ from fxpipe import passes
 from fxpipe.runtime.worker import _grad_of, _leaf
 from fxpipe.testing import assert_pipeline_equivalent
 from models import AttnBlock, Carrier, Mixed
+from torch import nn
 
 VALUES = [None, 3, 2.5, "tanh", (None, {"k": [1, None, "s"]}), torch.arange(3), torch.ones(2) > 0]
 
@@ -33,19 +34,23 @@ def test_leaf_makes_floats_in_a_structure_require_grad():
     assert _grad_of(leaf)[0].shape == (2,) and _grad_of(leaf)[2] == {"a": None, "b": None}
 
 
-# pipe(x) and pipe.step under every schedule (the fixture runs both)
+# pipe(x) and pipe.step under every schedule (the fixture runs both); exported graphs (whose
+# None, strings and floats are constants) under one schedule each
 CASES = [("fx", ["getitem"]),   # cut right after the leaf: the whole dict of mixed values crosses
          ("fx", ["b"]),         # each value crosses on its own
          ("export", ["b"]),     # exported: ints (the row count), integer and no-grad tensors cross
          ("fx", None), ("export", None)]
+ONE = {("export", ("b",)): ["1f1b"], ("export", None): ["zb"]}
 
 
 @pytest.mark.parametrize("tracer,split", CASES)
 def test_values_of_every_kind_cross_a_boundary(tracer, split):
     kwargs = dict(leaf_modules=[Mixed]) if tracer == "fx" else {}
     n = 2 if split else 3
+    schedules = ONE.get((tracer, tuple(split) if split else None))
     pipe = assert_pipeline_equivalent(Carrier().eval(), (torch.randn(7, 8),), n_stages=n, chunks=3,
-                                      split_points=split, devices=["cpu"] * n, tracer=tracer, **kwargs)
+                                      split_points=split, devices=["cpu"] * n, tracer=tracer,
+                                      schedules=schedules, **kwargs)
     kinds = _kinds_crossing(pipe)
     assert {"int tensor", "float tensor without grad", "int"} <= kinds
     if tracer == "fx" and split:
@@ -79,6 +84,35 @@ def test_attention_output_with_none_crosses_a_boundary(tracer, split):
     # nn.MultiheadAttention(need_weights=False) returns (out, None); cut right after it
     n = 2 if split else 3
     pipe = assert_pipeline_equivalent(AttnBlock().eval(), (torch.randn(4, 5, 8),), n_stages=n, chunks=2,
-                                      split_points=split, devices=["cpu"] * n, tracer=tracer)
+                                      split_points=split, devices=["cpu"] * n, tracer=tracer,
+                                      schedules=["gpipe"] if tracer == "export" else None)
     if tracer == "fx" and split:
         assert "attn" in pipe.plan.stages[1].inputs  # the tuple (out, None)
+
+
+class Pair(nn.Module):
+    def forward(self, h):
+        return h, None
+
+
+class TupleTwice(nn.Module):
+    """A tuple holding None, read by the next stage and again by the one after it (a skip)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.pair = Pair()
+
+    def forward(self, x):
+        t = self.pair(self.a(x))
+        h = self.b(t[0])
+        return self.c(h) + torch.clamp(t[0], min=t[1], max=1.0)
+
+
+def test_gradients_of_a_tuple_read_by_two_stages_add_up_leaf_by_leaf():
+    # before: the gradients of the tuple from its two readers were concatenated as tuples,
+    # and the second reader's half was dropped under 1F1B and zero bubble
+    pipe = assert_pipeline_equivalent(TupleTwice(), (torch.randn(6, 8),), n_stages=3, chunks=2,
+                                      split_points=["getitem", "c"], devices=["cpu"] * 3,
+                                      leaf_modules=[Pair])
+    assert [r.name for r in pipe.plan.skips] == ["pair"]

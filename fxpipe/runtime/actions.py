@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.tools import recorder
 from fxpipe.runtime.codegen import checkpoint_stop, compile_source
@@ -70,7 +71,7 @@ class LocalTransport:
         grads = []
         for v in self.plan.stages[j].outputs:
             parts = self.box.pop(("B", v, i), [])
-            grads.append(sum(parts[1:], parts[0]) if parts else None)
+            grads.append(_sum_grads(parts) if parts else None)
         return grads
 
     def send_backward(self, j: int, i: int, grads: Sequence[Any]) -> None:
@@ -80,6 +81,18 @@ class LocalTransport:
         for v, g in zip(self.plan.stages[j].inputs, grads):
             if g is not None:
                 self.box.setdefault(("B", v, i), []).append(to_device(g, self.devices[self.producer[v]]))
+
+
+def _sum_grads(parts: list[Any]) -> Any:
+    """Sum the gradients of one value leaf by leaf (a tuple's are not concatenated); None adds nothing."""
+    if len(parts) == 1:
+        return parts[0]
+    spec = tree_flatten(parts[0])[1]
+    summed = []
+    for column in zip(*(tree_flatten(p)[0] for p in parts)):
+        tensors = [t for t in column if isinstance(t, torch.Tensor)]
+        summed.append(sum(tensors[1:], tensors[0]) if tensors else None)
+    return tree_unflatten(summed, spec)
 
 
 class ActionRunner:
