@@ -87,6 +87,8 @@ def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int) -> torch.
     suggested = _suggested_batch(str(exc))
     if isinstance(suggested, int):  # specialised to a constant: no bound keeps the batch dynamic
         raise _refusal(model, exc) from exc
+    lo: int
+    hi: int | None
     try:
         if suggested is not None:
             lo, hi = suggested
@@ -128,7 +130,7 @@ def _suggested_batch(message: str) -> tuple[int, int] | int | None:
         refined = refine_dynamic_shapes_from_suggested_fixes(head, {"x": {0: batch}})
     except Exception:  # noqa: BLE001 - a message this version cannot read: try Dim.AUTO
         return None
-    dim = refined["x"][0]
+    dim: Any = refined["x"][0]  # type: ignore[call-overload, index]
     if isinstance(dim, int):
         return dim
     if dim is batch or getattr(dim, "__name__", None) != "batch":

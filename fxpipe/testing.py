@@ -43,7 +43,7 @@ def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
 def default_loss(output: Any) -> torch.Tensor:
     """Reduce every floating tensor of an output to one scalar with fixed random weights."""
     leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    total = 0.0
+    total: Any = 0.0
     for k, t in enumerate(leaves):
         g = torch.Generator().manual_seed(1234 + k)
         w = torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device)
@@ -59,7 +59,7 @@ def default_step_loss(output: Any, target: Any = None) -> torch.Tensor:
     """
     leaves = [t for t in tree_flatten(output)[0]
               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0]
-    total = 0.0
+    total: Any = 0.0
     for k, t in enumerate(leaves):
         g = torch.Generator().manual_seed(4321 + k)
         w = torch.randn(t.shape[1:], generator=g, dtype=t.dtype).to(t.device)

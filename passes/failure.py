@@ -40,7 +40,7 @@ def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception) -> Pr
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target)
     what = f"{node.op} {target}"
     if node.op == "call_module":
-        what += f": {type(gm.get_submodule(node.target)).__name__}"
+        what += f": {type(gm.get_submodule(str(node.target))).__name__}"
     stack = [(path, kind) for path, kind in (node.meta.get("nn_module_stack") or {}).values()
              if path and not (node.op == "call_module" and path == node.target)]
     module = stack[-1][0] if stack else None

@@ -108,8 +108,7 @@ def _writes(argument: Any) -> bool:
 def written_args(node: torch.fx.Node) -> list[Any]:
     """Return the arguments (nodes, or lists of them) that ``node`` changes in place, from the node alone."""
     if node.op == "call_module":
-        module = node.graph.owning_module.get_submodule(node.target)
-        return [node.args[0]] if node.args and getattr(module, "inplace", False) is True else []
+        return [node.args[0]] if node.args and getattr(_module(node), "inplace", False) is True else []
     if node.op not in ("call_function", "call_method"):
         return []
     schemas = _schemas(node.target)
@@ -119,7 +118,7 @@ def written_args(node: torch.fx.Node) -> list[Any]:
     if not node.args:
         return out
     if node.op == "call_method":
-        mutating = node.target in _IMETHODS or _by_name(node.target)
+        mutating = node.target in _IMETHODS or _by_name(str(node.target))
     else:
         position = _inplace_position(node.target)
         mutating = (node.target in _IOPS or _by_name(op_name(node.target))
@@ -142,9 +141,15 @@ def may_mutate(node: torch.fx.Node) -> bool:
     if is_mutating(node):
         return True
     if node.op == "call_module":
-        module = node.graph.owning_module.get_submodule(node.target)
-        return not type(module).__module__.startswith("torch.nn")
+        return not type(_module(node)).__module__.startswith("torch.nn")
     return False
+
+
+def _module(node: torch.fx.Node) -> torch.nn.Module:
+    """Return the module a ``call_module`` node calls."""
+    owner = node.graph.owning_module
+    assert owner is not None, f"node {node.name!r} belongs to no GraphModule"
+    return owner.get_submodule(str(node.target))
 
 
 def aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
