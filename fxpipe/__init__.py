@@ -7,7 +7,8 @@ consumers, and runs the stages over micro-batches with a generated GPipe executo
 
 from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
 from fxpipe.errors import (MutationError, NoFeasibleCut, PeerFailure, PipelineInputError,
-                           PlanMismatchError, ScheduleError, TraceError)
+                           PlanMismatchError, PropagationError, ScheduleError,
+                           TraceError)
 from fxpipe.compiler import compile
 from fxpipe.pipe import Pipe
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
@@ -27,6 +28,7 @@ __all__ = [
     "PipelineInputError",
     "PipelinePlan",
     "PlanMismatchError",
+    "PropagationError",
     "ScheduleError",
     "SkipRoute",
     "StagePlan",

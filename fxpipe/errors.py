@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from fxpipe.passes.cut import NoFeasibleCut
+from fxpipe.passes.failure import PropagationError
 
 __all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "PeerFailure", "NoFeasibleCut", "ScheduleError",
-           "MutationError"]
+           "MutationError", "PropagationError"]
 
 
 class TraceError(TypeError):

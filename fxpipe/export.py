@@ -14,6 +14,14 @@ the model's own tensor objects, and whose nodes keep the module they came from i
 So gradients land in the model's ``Parameter`` objects and ``pipe.state_dict()`` has the
 model's keys. The graph is fixed to the mode (train or eval) the model was in when exported,
 and to the example's non-batch shapes.
+
+A model may branch on the batch size for speed only (``if x.shape[0] >= 64: x =
+x.contiguous()``, as diffusers' ``Upsample2D`` does): torch.export then refuses an unbounded
+batch dim with a ``ConstraintViolationError`` whose message suggests a bound (``max=63``).
+fxpipe exports again with that bound (or with ``Dim.AUTO`` when the suggestion cannot be
+read), logs a warning naming it, and refuses only when no bound admits the example batch
+(the model fixes the batch to a constant). Micro-batches above the bound then fail torch's
+guard in the first stage.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ __all__ = ["export_trace"]
 
 log = logging.getLogger(__name__)
 
+_UNBOUNDED = 2 ** 63 - 2  # torch's own largest bound of a size
+
 
 def _batched(x: Any) -> bool:
     """Tell whether ``x`` is a tensor split into micro-batches on dim 0."""
@@ -47,28 +57,119 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphM
     # A batch of one would be specialised to the constant 1; export with two rows instead.
     if any(_batched(t) and t.shape[0] == 1 for t in tree_flatten((args, kwargs))[0]):
         args, kwargs = tree_map(lambda t: torch.cat([t, t]) if _batched(t) else t, (args, kwargs))
-    batch = torch.export.Dim("batch", min=1)
     try:
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"the example inputs do not match {type(model).__name__}.forward: {exc}") from None
-    dynamic = {name: tree_map(lambda t: {0: batch} if _batched(t) else None, value)
-               for name, value in bound.arguments.items()}
+    rows = next(t.shape[0] for t in tree_flatten((args, kwargs))[0] if _batched(t))
+
+    def export(batch: Any) -> torch.export.ExportedProgram:
+        dynamic = {name: tree_map(lambda t: {0: batch} if _batched(t) else None, value)
+                   for name, value in bound.arguments.items()}
+        return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
+
     try:
-        program = torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the cause and the fix
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TraceError(
-            f"torch.export could not trace {type(model).__name__} with a dynamic batch dimension: "
-            f"{first}\nfxpipe splits dim 0 of every input into micro-batches, so the model must "
-            "not depend on the batch size; otherwise use the fx front end (tracer='fx'), whose "
-            "graph is shape-generic. The full torch.export error is chained below.") from exc
+        program = export(torch.export.Dim("batch", min=1))
+    except Exception as exc:  # noqa: BLE001 - retried with a bound, or re-raised with the fix
+        program = _bounded(model, export, exc, rows)
     gm = program.module()
     _share_state(gm, model)
     gm.meta["fxpipe.tracer"] = "export"
     gm.meta["fxpipe.training"] = model.training
     log.debug("exported %s: %d nodes", type(model).__name__, len(gm.graph.nodes))
     return gm
+
+
+def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int) -> torch.export.ExportedProgram:
+    """Export again with the batch bound torch suggests (or ``Dim.AUTO``) if it admits 1 to ``rows`` rows."""
+    if "Constraints violated" not in str(exc):
+        raise _refusal(model, exc) from exc
+    suggested = _suggested_batch(str(exc))
+    if isinstance(suggested, int):  # specialised to a constant: no bound keeps the batch dynamic
+        raise _refusal(model, exc) from exc
+    lo: int
+    hi: int | None
+    try:
+        if suggested is not None:
+            lo, hi = suggested
+            _admit(model, exc, lo, hi, rows)
+            program = export(torch.export.Dim("batch", min=1, max=hi))
+        else:
+            program = export(torch.export.Dim.AUTO)
+            lo, hi = _batch_range(program)
+    except TraceError:
+        raise
+    except Exception as again:  # noqa: BLE001 - the bound did not help either
+        raise _refusal(model, again) from again
+    _admit(model, exc, lo, hi, rows)
+    log.warning("torch.export refused an unbounded batch dimension for %s (the model branches on the "
+                "batch size); exported with the batch bounded to [1, %d] as torch suggests: "
+                "micro-batches of more rows fail torch's guard in the first stage",
+                type(model).__name__, hi)
+    return program
+
+
+def _admit(model: nn.Module, exc: Exception, lo: int, hi: int | None, rows: int) -> None:
+    """Refuse a bound that leaves out the example batch or smaller micro-batches (None: a constant)."""
+    if hi is None:
+        raise _refusal(model, exc) from exc
+    if lo > 2 or rows > hi:  # torch bounds sizes below 2 apart (0/1 specialisation); 1 row still runs
+        upper = "inf" if hi >= _UNBOUNDED else str(hi)
+        raise _refusal(model, exc, f"torch.export admits only a batch in [{lo}, {upper}] for this example, "
+                                   f"but fxpipe runs micro-batches of 1 to {rows} rows. Export with "
+                                   "a smaller example batch (the bound follows the example), or ") from exc
+
+
+def _suggested_batch(message: str) -> tuple[int, int] | int | None:
+    """Read torch's suggested fix for the batch dim: a (min, max) range, a constant, or None."""
+    from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
+
+    head = message.split("\n\n")[0]  # the fixes, without the advice that follows them
+    batch = torch.export.Dim("batch", min=1)
+    try:
+        refined = refine_dynamic_shapes_from_suggested_fixes(head, {"x": {0: batch}})
+    except Exception:  # noqa: BLE001 - a message this version cannot read: try Dim.AUTO
+        return None
+    dim: Any = refined["x"][0]  # type: ignore[call-overload, index]
+    if isinstance(dim, int):
+        return dim
+    if dim is batch or getattr(dim, "__name__", None) != "batch":
+        return None  # no suggestion about the batch
+    return _size(dim.min), _size(dim.max)
+
+
+def _batch_range(program: torch.export.ExportedProgram) -> tuple[int, int | None]:
+    """Return the range of the first batched input's dim 0 in ``program`` (no max: a constant)."""
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() > 0 \
+                and node.name not in program.graph_signature.inputs_to_parameters \
+                and node.name not in program.graph_signature.inputs_to_buffers:
+            size = val.shape[0]
+            if isinstance(size, int):
+                return size, None
+            vr = program.range_constraints[size.node.expr]
+            return _size(vr.lower), _size(vr.upper)
+    return 1, None
+
+
+def _size(bound: Any) -> int:
+    """Return a bound of a size as an int (torch's and sympy's infinities as ``_UNBOUNDED``)."""
+    try:
+        return min(int(bound), _UNBOUNDED)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return _UNBOUNDED
+
+
+def _refusal(model: nn.Module, exc: BaseException, fix: str = "") -> TraceError:
+    """Explain that torch.export cannot keep the batch dim dynamic for ``model``."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    fix = fix or ("fxpipe splits dim 0 of every input into micro-batches, so the model must not "
+                  "depend on the batch size; otherwise ")
+    return TraceError(
+        f"torch.export could not trace {type(model).__name__} with a dynamic batch dimension: "
+        f"{first}\n{fix}use the fx front end (tracer='fx'), whose graph is shape-generic. "
+        "The full torch.export error is chained below.")
 
 
 def _share_state(gm: torch.fx.GraphModule, model: nn.Module) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import linecache
 import logging
+import operator
 import os
 import traceback
 from typing import Any, Callable, Iterable
@@ -22,6 +23,13 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXPIPE_DIR = os.path.dirname(__file__)
 
 
+class _Proxy(torch.fx.Proxy):
+    """A proxy that records index assignment (``y[:, :4] = 0``) as ``operator.setitem``."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
 class _Tracer(torch.fx.Tracer):
     """A symbolic tracer that also treats the user's ``leaf_modules`` as opaque calls."""
 
@@ -35,6 +43,10 @@ class _Tracer(torch.fx.Tracer):
         if isinstance(m, self.leaf_types) or module_qualified_name in self.leaf_names:
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        """Wrap a node in a proxy that also records index assignment."""
+        return _Proxy(node, self)
 
 
 TRACERS = ("fx", "export")

@@ -6,6 +6,7 @@ and writes. The passes import torch, torch.fx and networkx, never fxpipe's runti
 
 from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
 from fxpipe.passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
+from fxpipe.passes.mutates import is_mutating, written_args
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from fxpipe.passes.order import candidate_orders
@@ -37,6 +38,7 @@ __all__ = [
     "memory_factors",
     "min_bottleneck_cut",
     "copy_on_write",
+    "is_mutating",
     "node_cost",
     "node_costs",
     "partition",
@@ -48,4 +50,5 @@ __all__ = [
     "static_mutations",
     "value_bytes",
     "value_specs",
+    "written_args",
 ]

@@ -27,7 +27,7 @@ bottleneck, so the cut is optimal up to float rounding.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -173,14 +173,28 @@ class _RangeMax:
 def min_bottleneck_cut(c: Sequence[float], w: Sequence[float], k: int, *,
                        beta: float | Sequence[float] = 0.0, rho: float = 0.0,
                        m: Sequence[float] | None = None, phi: float = 0.0,
-                       cap: float | None = None) -> list[int]:
+                       cap: float | None = None, joined: Collection[int] = ()) -> list[int]:
     """Return the start of each of ``k`` groups minimizing the largest group cost (module docstring).
 
     ``c`` holds ``n`` item costs, ``w`` the ``n + 1`` cut widths, ``beta`` the cost per
     crossing byte (one number, or one per boundary), ``rho`` the cost per byte a group
     receives. With ``cap``, every group's memory ``M[b] - M[a] + phi * w[a]`` (``m`` per item)
-    stays within it, or :class:`NoFeasibleCut` says the smallest cap that fits.
+    stays within it, or :class:`NoFeasibleCut` says the smallest cap that fits. No group
+    starts at a position in ``joined`` (item ``p`` stays with item ``p - 1``): the runs of
+    joined items are cut as single items, which raises ValueError if fewer than ``k`` remain.
     """
+    if joined:
+        firsts = [p for p in range(len(c)) if p == 0 or p not in joined]
+        if len(firsts) < k:
+            raise ValueError(f"only {len(firsts)} places to start a group, for {k} groups")
+        bounds = firsts + [len(c)]
+
+        def fuse(values: Sequence[float]) -> list[float]:
+            return [float(sum(values[a:b])) for a, b in zip(bounds, bounds[1:])]
+
+        fused = min_bottleneck_cut(fuse(c), [w[p] for p in bounds], k, beta=beta, rho=rho,
+                                   m=None if m is None else fuse(m), phi=phi, cap=cap)
+        return [firsts[i] for i in fused]
     n = len(c)
     if not 1 <= k <= n:
         raise ValueError(f"cannot cut {n} items into {k} non-empty groups")

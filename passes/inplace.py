@@ -2,8 +2,8 @@
 
 Reads:  ``node.meta["fxpipe.stage"]`` (from :func:`fxpipe.passes.partition`) and
         ``node.meta["fxpipe.mutates"]`` (from :func:`fxpipe.passes.annotate`); without annotations,
-        in-place ops are found by name (``add_``, ``inplace=True``, ``operator.setitem``)
-        and followed through view ops (:func:`static_mutations`).
+        in-place ops are found from the graph by :mod:`fxpipe.passes.mutates` (schemas of ATen
+        ops, names, ``inplace=True``) and followed through views (:func:`static_mutations`).
 Writes: nothing; returns a :class:`MutationPlan`.
 
 A stage that changes one of its *inputs* in place (a model input, a boundary value, a popped
@@ -23,7 +23,6 @@ third arrow) cannot be pipelined: it is reported as a :class:`Conflict`.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,19 +30,10 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_map
 
-__all__ = ["Conflict", "MutationPlan", "plan_mutations", "static_mutations", "copy_on_write",
-           "clone_tree", "mutates_first_arg", "op_name", "VIEW_NAMES"]
+from fxpipe.passes.mutates import aliases, written_args
 
-_IOPS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-         operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
-         operator.ixor, operator.ilshift, operator.irshift, operator.setitem}
-_NOT_DATA = {"requires_grad_", "retain_grad", "share_memory_", "record_stream"}
-VIEW_NAMES = {"view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "swapdims",
-          "permute", "t", "narrow", "select", "squeeze", "unsqueeze", "expand", "expand_as",
-          "flatten", "unflatten", "split", "split_with_sizes", "tensor_split", "chunk", "unbind",
-          "unfold", "diagonal", "as_strided", "detach", "getitem", "contiguous", "movedim",
-          "moveaxis", "real", "imag", "view_as_real", "view_as_complex", "alias", "slice",
-          "__getitem__"}
+__all__ = ["Conflict", "MutationPlan", "plan_mutations", "static_mutations", "copy_on_write",
+           "clone_tree", "joined_positions"]
 
 
 @dataclass
@@ -67,32 +57,8 @@ class MutationPlan:
     mutated_model_inputs: list[str] = field(default_factory=list)
 
 
-def op_name(target: Any) -> str:
-    """Return the bare name of a call target (method name, function or op name)."""
-    if isinstance(target, str):
-        return target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.split("::")[-1]
-    return getattr(target, "__name__", str(target))
-
-
-def mutates_first_arg(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    """Tell by its name or schema whether ``node`` changes its first argument in place."""
-    if node.op == "call_module":
-        return bool(getattr(gm.get_submodule(node.target), "inplace", False))
-    if node.op not in ("call_function", "call_method"):
-        return False
-    if node.kwargs.get("inplace") is True or node.target in _IOPS:
-        return True
-    if isinstance(node.target, torch._ops.OpOverload):
-        args = node.target._schema.arguments
-        return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
-    name = op_name(node.target)
-    return name.endswith("_") and not name.startswith("_") and name not in _NOT_DATA
-
-
 def static_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx.Node]]:
-    """Find in-place ops by name; return each with the earlier nodes that may share its storage."""
+    """Find in-place ops from the graph; return each with the earlier nodes that may share its storage."""
     parent: dict[torch.fx.Node, torch.fx.Node] = {}
 
     def root(n: torch.fx.Node) -> torch.fx.Node:
@@ -101,20 +67,19 @@ def static_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch
         return n
 
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
-    found: dict[torch.fx.Node, torch.fx.Node] = {}
+    found: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
-        first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
-        if first is None:
-            continue
-        if op_name(node.target) in VIEW_NAMES or mutates_first_arg(gm, node):
-            parent[root(node)] = root(first)  # views and in-place results alias their input
-        if mutates_first_arg(gm, node):
-            found[node] = first
+        for a in aliases(node):  # views and in-place results share their input's storage
+            parent[root(node)] = root(a)
+        written = [n for v in written_args(node) for n in (v if isinstance(v, (list, tuple)) else [v])
+                   if isinstance(n, torch.fx.Node)]
+        if written:
+            found[node] = written
     out = {}
-    for node in found:
-        group = root(node)
+    for node, written in found.items():
+        groups = {root(w) for w in written}
         out[node] = [n for n in gm.graph.nodes if order[n] < order[node] and n.op != "get_attr"
-                     and root(n) is group]
+                     and root(n) in groups]
     return out
 
 
@@ -125,6 +90,27 @@ def _mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx.No
         return static_mutations(gm)
     by_name = {n.name: n for n in nodes}
     return {n: [by_name[v] for v in n.meta["fxpipe.mutates"]] for n in nodes if n.meta["fxpipe.mutates"]}
+
+
+def joined_positions(gm: torch.fx.GraphModule, order: list[torch.fx.Node]) -> set[int]:
+    """Return the positions of ``order`` no stage may begin at, so that no cut makes a conflict.
+
+    An in-place op stays in the stage of the values it changes (no cut from the first of them
+    up to it); one that changes a model input also stays with every later reader of it, so
+    that its stage alone works on the private copy.
+    """
+    pos = {n: i for i, n in enumerate(order)}
+    joined: set[int] = set()
+    for node, group in _mutations(gm).items():
+        if node not in pos:
+            continue
+        made = [pos[u] for u in group if u in pos]
+        if made:
+            joined.update(range(min(made) + 1, pos[node] + 1))
+        if any(u.op == "placeholder" for u in group):
+            last = max((pos.get(r, -1) for u in group for r in u.users), default=-1)
+            joined.update(range(pos[node] + 1, last + 1))
+    return joined
 
 
 def plan_mutations(gm: torch.fx.GraphModule) -> MutationPlan:

@@ -24,6 +24,7 @@ from fxpipe.passes.cost import (BALANCE_KINDS, COMPUTE_OPS, cut_widths, memory_f
                          node_memory)
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from fxpipe.passes.gcpause import gc_paused
+from fxpipe.passes.inplace import joined_positions
 from fxpipe.passes.order import candidate_orders
 
 __all__ = ["COMPUTE_OPS", "Partition", "compute_nodes", "node_cost", "partition", "partition_at",
@@ -123,7 +124,8 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, *, balance_by: str = "flo
     A stage's cost is its nodes' cost under ``balance_by`` plus ``comm`` (per crossing byte;
     one number or one per boundary) times the bytes crossing its two cuts (:mod:`fxpipe.passes.cost`).
     The cut is exact for each candidate order (:mod:`fxpipe.passes.order`); the cheapest wins, ties
-    going to the narrower cuts. With ``max_memory`` every stage's memory estimate for
+    going to the narrower cuts. No stage begins between an in-place op and the values it
+    changes (:func:`fxpipe.passes.inplace.joined_positions`). With ``max_memory`` every stage's memory estimate for
     ``checkpoint`` and ``micro_batches`` stays within it, or a ``ValueError`` says how much
     the least possible largest stage needs.
     """
@@ -139,9 +141,12 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, *, balance_by: str = "flo
             costs = [1.0] * len(order)  # nothing to balance: equal node counts
         widths = cut_widths(gm, order)
         mem = [node_memory(n, f_act) for n in order] if max_memory is not None else None
+        joined = joined_positions(gm, order)
+        if len(order) - len(joined) < n_stages:  # too few places: let the in-place analysis refuse
+            joined = set()
         try:
             starts = min_bottleneck_cut(costs, widths, n_stages, beta=comm, rho=rho, m=mem, phi=f_in,
-                                        cap=max_memory)
+                                        cap=max_memory, joined=joined)
         except NoFeasibleCut as exc:
             least = exc.least if least is None else min(least, exc.least)
             continue

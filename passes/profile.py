@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.passes.annotate import bind_placeholders
 from fxpipe.passes.spec import TensorSpec
-from fxpipe.passes.signature import is_inplace
+from fxpipe.passes.mutates import is_mutating
 
 __all__ = ["profile"]
 
@@ -141,9 +141,7 @@ def _backward_ms(node: torch.fx.Node, call, params: list, env: dict, device: tor
     fed = {a: leaf(a) for a in node.all_input_nodes}
     if not leaves + params:
         return 0.0
-    clone = is_inplace(node) or (node.op == "call_module" and getattr(
-        node.graph.owning_module.get_submodule(node.target), "inplace", False))
-    if clone:  # an in-place op must not write into a leaf
+    if is_mutating(node):  # an in-place op must not write into a leaf
         fed = {a: v.clone() if isinstance(v, torch.Tensor) and v.requires_grad else v for a, v in fed.items()}
     args = torch.fx.node.map_arg(node.args, fed.__getitem__)
     kwargs = torch.fx.node.map_arg(node.kwargs, fed.__getitem__)

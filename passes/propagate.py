@@ -12,6 +12,9 @@ signature (:mod:`fxpipe.passes.signature`) matches an earlier node's reuses that
 unless the graph may change a value in place: then every node runs, so that each value is
 its own tensor and an in-place change shows, through the version counters of the inputs,
 on exactly the values (and views) it touched.
+
+A node that raises (other than on a data-dependent op, which the caller may retry on real
+kernels) raises :class:`fxpipe.passes.failure.PropagationError` naming the node and its module.
 """
 
 from __future__ import annotations
@@ -22,14 +25,17 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from fxpipe.passes.inplace import VIEW_NAMES, mutates_first_arg, op_name
-from fxpipe.passes.signature import is_inplace, node_key, value_key
+from fxpipe.passes.failure import explain
+from fxpipe.passes.mutates import VIEW_NAMES, may_mutate, op_name
+from fxpipe.passes.signature import node_key, value_key
 from fxpipe.passes.spec import TensorSpec, spec_of, value_bytes
 
 __all__ = ["Propagator", "fetch"]
@@ -48,6 +54,8 @@ _METADATA_OPS = {
     torch.ops.aten.clone.default,
     torch.ops.aten.copy_.default,
 }
+_DATA_DEPENDENT = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+                   GuardOnDataDependentSymNode)  # the caller retries these on real kernels
 
 
 class _FlopCount(TorchDispatchMode):
@@ -162,7 +170,7 @@ class Propagator:
         env: dict[torch.fx.Node, Any] = {}
         keys: dict[torch.fx.Node, Any] = {}
         storages: list[tuple[StorageWeakRef, torch.fx.Node]] = []  # what each value lives in
-        memoize = memoize and not any(self._may_mutate(n) for n in self.gm.graph.nodes)
+        memoize = memoize and not any(may_mutate(n) for n in self.gm.graph.nodes)
         inputs = iter(flat_inputs)
         for node in self.gm.graph.nodes:
             mutates: list[str] = []
@@ -186,7 +194,12 @@ class Propagator:
                 if result is None:
                     read = [t for a in node.all_input_nodes if a in env for t in _tensors(env[a])]
                     versions = [(t, t._version) for t in read]
-                    result = self._compute(node, env)
+                    try:
+                        result = self._compute(node, env)
+                    except _DATA_DEPENDENT:
+                        raise
+                    except Exception as exc:
+                        raise explain(self.gm, node, exc) from exc
                     changed = [_storage(t) for t, v in versions if t._version != v]
                     mutates = _aliases(storages, changed, node) if changed else []
                     if key is not None and not changed:
@@ -206,19 +219,6 @@ class Propagator:
             node.meta["fxpipe.mutates"] = mutates
             if node.op != "get_attr":
                 storages += [(_storage(t), node) for t in _tensors(value)]
-
-    def _may_mutate(self, node: torch.fx.Node) -> bool:
-        """Tell whether a node might change a value in place (an in-place op, module or leaf).
-
-        Conservative: ``inplace=True``, or any positional ``True`` (``F.relu(x, True)``), counts.
-        """
-        if is_inplace(node) or mutates_first_arg(self.gm, node):
-            return True
-        if node.op in ("call_function", "call_method"):
-            return any(a is True for a in node.args)
-        if node.op != "call_module":
-            return False
-        return not type(self.gm.get_submodule(node.target)).__module__.startswith("torch.nn")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

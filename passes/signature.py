@@ -7,20 +7,21 @@ constants. A 48-layer transformer then runs one layer's nodes on fake tensors an
 other 47 up.
 
 A node gets no signature (``None``) when that reasoning might fail: an in-place op (it may
-change its input's metadata), a module from outside ``torch.nn`` (its forward may read any
+change its input's metadata; :mod:`fxpipe.passes.mutates` tells), a module from outside ``torch.nn`` (its forward may read any
 attribute), or an argument that is not plain data.
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["is_inplace", "node_key", "value_key"]
+from fxpipe.passes.mutates import is_mutating
+
+__all__ = ["node_key", "value_key"]
 
 
 class _Opaque(Exception):
@@ -29,11 +30,6 @@ class _Opaque(Exception):
 
 _PLAIN = (int, float, bool, str, complex, type(None), type(Ellipsis), torch.dtype, torch.device,
           torch.layout, torch.memory_format)
-_INPLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
-                      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
-                      operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                      operator.irshift}
-
 
 def _freeze(x: Any, keys: dict | None) -> Any:
     """Return a hashable form of ``x``; graph nodes become their value's key (from ``keys``)."""
@@ -92,25 +88,13 @@ def _module_key(module: nn.Module) -> Any:
     return (tuple(parts), tuple((name, _freeze(t, None)) for name, t in tensors))
 
 
-def is_inplace(node: torch.fx.Node) -> bool:
-    """Tell whether a call may mutate an argument (method or function named ``*_``, ``x += y``)."""
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.startswith("__")
-    if node.op == "call_function":
-        if node.target in _INPLACE_OPERATORS:
-            return True
-        name = getattr(node.target, "__name__", "")
-        return name.endswith("_") and not name.startswith("__")
-    return False
-
-
 def node_key(node: torch.fx.Node, keys: dict, modules: dict) -> Any:
     """Return the signature of a call node from its inputs' keys, or None when it has none.
 
     ``modules`` memoizes module configs by ``call_module`` target and is filled in as a side
     effect.
     """
-    if is_inplace(node):
+    if is_mutating(node):
         return None
     if node.op == "call_module":
         if node.target not in modules:

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.testing import max_relative_error
-from models import TiedTransformer
+from fxpipe.testing import default_step_loss, max_relative_error
+from models import AttnBlock, Carrier, Mixed, TiedTransformer
 from unet import UNet
 
 
 def _check_step(rank, world, model, x, target, loss_fn, stages_per_rank=1, **kw):
-    """Compare the loss and this rank's gradients with eager."""
+    """Compare the loss and this rank's gradients with eager; return the errors and the pipe."""
     eager = copy.deepcopy(model)
     expected = loss_fn(eager(x), target)
     expected.backward()
@@ -32,7 +32,7 @@ def _check_step(rank, world, model, x, target, loss_fn, stages_per_rank=1, **kw)
               for name, p in model.named_parameters(remove_duplicate=False) if id(p) in held}
     return {"loss_error": max_relative_error(loss, expected), "grad_errors": errors,
             "skips": [(r.name, r.src, r.dst) for r in pipe.plan.skips],
-            "code": pipe.code, "devices": [s.device for s in pipe.plan.stages]}
+            "code": pipe.code, "devices": [s.device for s in pipe.plan.stages]}, pipe
 
 
 def unet(rank, world, schedule):
@@ -40,7 +40,7 @@ def unet(rank, world, schedule):
     model = UNet(depth=2, base=4).eval()
     x, target = torch.randn(6, 3, 16, 16), torch.randn(6, 2, 16, 16)
     return _check_step(rank, world, model, x, target, F.mse_loss, chunks=4, schedule=schedule,
-                       split_points=["down.1", "up.0"])
+                       split_points=["down.1", "up.0"])[0]
 
 
 def tied(rank, world, schedule):
@@ -51,7 +51,7 @@ def tied(rank, world, schedule):
     def loss_fn(logits, tgt):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
-    return _check_step(rank, world, model, tokens, target, loss_fn, chunks=3, schedule=schedule)
+    return _check_step(rank, world, model, tokens, target, loss_fn, chunks=3, schedule=schedule)[0]
 
 
 def unet4(rank, world, schedule):
@@ -60,7 +60,7 @@ def unet4(rank, world, schedule):
     model = UNet(depth=2, base=4).eval()
     x, target = torch.randn(6, 3, 16, 16), torch.randn(6, 2, 16, 16)
     return _check_step(rank, world, model, x, target, F.mse_loss, chunks=4, schedule=schedule,
-                       split_points=["down.1", "middle", "up.1"], stages_per_rank=2)
+                       split_points=["down.1", "middle", "up.1"], stages_per_rank=2)[0]
 
 
 def tied4(rank, world, schedule):
@@ -73,7 +73,7 @@ def tied4(rank, world, schedule):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
     return _check_step(rank, world, model, tokens, target, loss_fn, chunks=4, schedule=schedule,
-                       stages_per_rank=2)
+                       stages_per_rank=2)[0]
 
 
 def shape(rank, world, schedule):
@@ -132,7 +132,35 @@ def dies(rank, world, schedule):
     return raises(rank, world, schedule)
 
 
-CASES = {"unet": unet, "tied": tied, "unet4": unet4, "tied4": tied4, "shape": shape, "raises": raises, "dies": dies}
+def values(rank, world, schedule):
+    """Values of every kind across a boundary, each model, cut and schedule: pipe(x) and pipe.step."""
+    results = {}
+    for label, make, shape, tracer, split in [
+            ("carrier fx dict", Carrier, (7, 8), "fx", ["getitem"]),
+            ("carrier fx items", Carrier, (7, 8), "fx", ["b"]),
+            ("carrier export", Carrier, (7, 8), "export", ["b"]),
+            ("attention fx", AttnBlock, (4, 5, 8), "fx", ["getitem"]),
+            ("attention export", AttnBlock, (4, 5, 8), "export", ["out"])]:
+        for schedule in ("gpipe", "1f1b", "zb"):
+            torch.manual_seed(0)
+            model, x = make().eval(), torch.randn(shape)
+            eager = copy.deepcopy(model)
+            expected = eager(x)
+            kw = dict(leaf_modules=[Mixed]) if tracer == "fx" else {}
+            res, pipe = _check_step(rank, world, model, x, None, default_step_loss, chunks=3,
+                                    schedule=schedule, tracer=tracer, split_points=split, **kw)
+            out = pipe(x if rank == 0 else None)
+            if rank == world - 1:
+                first = out[0] if isinstance(out, tuple) else out
+                want = expected[0] if isinstance(expected, tuple) else expected
+                res["out_error"] = max_relative_error(first, want)
+                res["out_rest"] = out[1:] == expected[1:] if isinstance(out, tuple) else True
+            results[f"{label} {schedule}"] = {k: res[k] for k in ("loss_error", "grad_errors", "out_error",
+                                                                   "out_rest") if k in res}
+    return {"cases": results}
+
+
+CASES = {"values": values, "unet": unet, "tied": tied, "unet4": unet4, "tied4": tied4, "shape": shape, "raises": raises, "dies": dies}
 
 
 def run(rank: int, world: int, port: int, case: str, schedule: str, outdir: str) -> None:

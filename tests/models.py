@@ -93,6 +93,55 @@ class MultiIO(nn.Module):
         return {"main": main, "aux": (self.e(h), x.sum(dim=1) * scale)}
 
 
+class Mixed(nn.Module):
+    """Return a value of every kind; as a leaf module its output is one node of the fx graph."""
+
+    def forward(self, h):
+        return {"out": h, "none": None, "scale": 2.0, "shift": 1, "approx": "tanh",
+                "nested": (None, {"idx": h.argmax(-1), "mask": (h > 0).detach(), "const": h.detach() * 2}),
+                "pair": (h * 2, 0.5)}
+
+
+class Carrier(nn.Module):
+    """Unpack every value of :class:`Mixed` before ``b`` and use it after: each may cross a cut.
+
+    Cut right after ``mixed`` (fx), the whole dict crosses; cut at ``b``, each value crosses on
+    its own: ``None``, a float, an int, a string, nested tuples and dicts, an integer tensor, a
+    bool and a float tensor without grad, the micro-batch's row count.
+    """
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.mixed = Mixed()
+
+    def forward(self, x):
+        v = self.mixed(torch.tanh(self.a(x)))
+        out, none, scale, shift, approx = v["out"], v["none"], v["scale"], v["shift"], v["approx"]
+        nested, pair = v["nested"], v["pair"]
+        idx, mask, const = nested[1]["idx"], nested[1]["mask"], nested[1]["const"]
+        rows, width = x.shape[0], x.shape[-1]
+        h = F.gelu(self.b(out) * scale, approximate=approx)
+        h = torch.roll(torch.clamp(h, min=none, max=width), shifts=shift, dims=-1)
+        h = h + F.one_hot(idx, width).to(h.dtype) + torch.where(mask, const, -const)
+        h = h.reshape(rows, -1) + pair[0] * pair[1]
+        return self.c(h), nested[0], approx
+
+
+class AttnBlock(nn.Module):
+    """``nn.MultiheadAttention(need_weights=False)`` returns ``(out, None)``: a tuple with a None."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(d, d), nn.Linear(d, d)
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.inp(x)
+        a = self.attn(h, h, h, need_weights=False)
+        return self.out(a[0] + h)
+
+
 def mlp():
     """Return an MLP and its inputs."""
     return MLP(), (torch.randn(7, 16),), {}

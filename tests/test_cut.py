@@ -93,3 +93,13 @@ def test_bad_arguments():
         min_bottleneck_cut([1, 2], [0, 0], 2)
     with pytest.raises(ValueError, match="give k - 1 of them"):
         min_bottleneck_cut([1, 2, 3], [0, 0, 0, 0], 2, beta=[1, 2])
+
+
+def test_joined_positions_start_no_group():
+    c = [1.0] * 8
+    w = [0.0] * 9
+    assert min_bottleneck_cut(c, w, 4) == [0, 2, 4, 6]
+    starts = min_bottleneck_cut(c, w, 4, joined={2, 3, 6})  # items 1-3 and 5-6 stay together
+    assert not set(starts) & {2, 3, 6} and len(starts) == 4 and starts[0] == 0
+    with pytest.raises(ValueError, match="only 3 places to start a group, for 4 groups"):
+        min_bottleneck_cut(c, w, 4, joined={1, 2, 3, 5, 6})

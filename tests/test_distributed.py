@@ -91,6 +91,20 @@ def test_a_custom_schedule_from_text_runs_across_ranks(tmp_path):
     assert rank1[:2] == [["1RECV_F0", "1F0"], ["1B0", "1SEND_B0"]]
 
 
+def test_values_of_every_kind_cross_ranks_under_every_schedule(tmp_path):
+    # None, numbers, strings, nested dicts and tuples, integer and no-grad tensors, and
+    # nn.MultiheadAttention's (out, None), cut right after them: pipe(x) and pipe.step
+    results = _launch("values", 2, "all", tmp_path)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert len(res["cases"]) == 15
+        for label, case in res["cases"].items():
+            assert case["loss_error"] < 1e-5, (r, label, case)
+            assert not case["grad_errors"] or max(case["grad_errors"].values()) < 1e-5, (r, label, case)
+            if r == 1:
+                assert case["out_error"] < 1e-5 and case["out_rest"], (label, case)
+
+
 def test_shape_mismatch_fails_clearly_on_every_rank(tmp_path):
     results = _launch("shape", 2, "gpipe", tmp_path)
     for res in results:

@@ -7,15 +7,16 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.testing import assert_pipeline_equivalent
+from fxpipe.testing import SCHEDULES, assert_pipeline_equivalent
 from models import CNN, FACTORIES, TiedTransformer
 
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_export_equals_eager(name):
     model, args, kwargs = FACTORIES[name]()
+    schedule = SCHEDULES[sorted(FACTORIES).index(name) % 3]  # each export costs; one schedule each
     pipe = assert_pipeline_equivalent(model, args, example_kwargs=kwargs, n_stages=3, chunks=3,
-                                      devices=["cpu"] * 3, tracer="export")
+                                      devices=["cpu"] * 3, tracer="export", schedules=[schedule])
     assert pipe._gm.meta["fxpipe.tracer"] == "export"
 
 
@@ -75,6 +76,44 @@ def test_export_of_a_batch_dependent_model_is_refused_clearly():
     assert "use the fx front end" in str(info.value) and info.value.__cause__ is not None
 
 
+class BranchOnBatch(nn.Module):
+    """Branch on the batch size for speed only, as diffusers' Upsample2D and ResnetBlock2D do."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if h.shape[0] >= 64:
+            h = h.contiguous()
+        return self.b(h)
+
+
+def test_export_retries_with_the_batch_bound_torch_suggests(caplog):
+    with caplog.at_level("WARNING", logger="fxpipe.export"):
+        pipe = assert_pipeline_equivalent(BranchOnBatch(), (torch.randn(8, 8),), n_stages=2, chunks=2,
+                                          devices=["cpu"] * 2, tracer="export", schedules=["1f1b"])
+    assert "exported with the batch bounded to [1, 63] as torch suggests" in caplog.text
+    assert pipe(torch.randn(100, 8)).shape == (100, 8)  # micro-batches of 50 rows: inside the bound
+    with pytest.raises(AssertionError, match="Guard failed"):
+        pipe(torch.randn(130, 8))  # micro-batches of 65 rows: past it
+
+
+def test_export_retries_with_dim_auto_when_the_suggestion_is_unreadable(monkeypatch, caplog):
+    monkeypatch.setattr(fxpipe.export, "_suggested_batch", lambda message: None)
+    with caplog.at_level("WARNING", logger="fxpipe.export"):
+        gm = fxpipe.trace(BranchOnBatch(), tracer="export", example_inputs=(torch.randn(8, 8),))
+    assert "bounded to [1, 63]" in caplog.text and gm(torch.randn(63, 8)).shape == (63, 8)
+
+
+def test_export_refuses_when_no_bound_admits_the_micro_batches():
+    # an example of 80 rows takes the branch: torch admits only batches of 64 rows or more
+    with pytest.raises(fxpipe.TraceError, match=r"admits only a batch in \[64, inf\] for this example, "
+                                                r"but fxpipe runs micro-batches of 1 to 80 rows"):
+        fxpipe.compile(BranchOnBatch(), 2, example_inputs=(torch.randn(80, 8),), tracer="export")
+
+
 def test_export_needs_example_inputs():
     with pytest.raises(ValueError, match="tracer='export' needs example_inputs="):
         fxpipe.compile(CNN(), 2, tracer="export")
@@ -90,7 +129,8 @@ def test_callable_tracer_and_bad_tracers():
 
     pipe = assert_pipeline_equivalent(model, (torch.randn(4, 3, 8, 8),), n_stages=2, chunks=2,
                                       devices=["cpu"] * 2, tracer=my_tracer)
-    assert calls == [model] and list(pipe.state_dict()) == list(model.state_dict())
+    # the model, then a fresh copy for each schedule's pipe.step check
+    assert calls[0] is model and len(calls) == 4 and list(pipe.state_dict()) == list(model.state_dict())
     with pytest.raises(ValueError, match="tracer='jit'; use 'fx', 'export', or a callable"):
         fxpipe.compile(CNN(), 2, tracer="jit")
     with pytest.raises(TypeError, match="returned Sequential; a tracer must return a torch.fx.GraphModule"):

@@ -3,9 +3,10 @@
 torchvision, timm and Hugging Face transformers models from small configurations, traced by
 fxpipe's fx front end, by their own tracers (Hugging Face's ``transformers.utils.fx``, timm's
 leaf modules and autowrapped functions), or by ``torch.export``. Each is compared with eager in
-eval mode, outputs and every parameter's gradient (``fxpipe.testing.assert_pipeline_equivalent``);
-the transformer-like ones also run a zero-bubble ``pipe.step`` against eager's loss and
-gradients. Nothing downloads weights. Marked ``real_models`` and left out of the default run; run them
+eval mode, outputs and every parameter's gradient (``fxpipe.testing.assert_pipeline_equivalent``,
+which also runs ``pipe.step``, here under one schedule per model in rotation); the
+transformer-like ones also run a zero-bubble ``pipe.step`` with a mean loss against eager's
+loss and gradients. Nothing downloads weights. Marked ``real_models`` and left out of the default run; run them
 with (see the README for the environment)::
 
     pytest -m real_models tests/test_real_models.py
@@ -24,7 +25,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from fxpipe.testing import assert_pipeline_equivalent
+from fxpipe.testing import SCHEDULES, assert_pipeline_equivalent
 
 pytestmark = pytest.mark.real_models
 
@@ -212,8 +213,10 @@ def _build(case: Case) -> tuple[torch.nn.Module, tuple, dict]:
 def test_real_model_equals_eager(case):
     model, args, kwargs = _build(case)
     start = time.perf_counter()
+    schedule = SCHEDULES[CASES.index(case) % 3]  # pipe.step too: one schedule per case, in rotation
     pipe = assert_pipeline_equivalent(model, args, example_kwargs=kwargs, n_stages=case.n_stages,
-                                      chunks=2, devices=["cpu"] * case.n_stages, tracer=case.tracer)
+                                      chunks=2, devices=["cpu"] * case.n_stages, tracer=case.tracer,
+                                      schedules=[schedule])
     seconds = time.perf_counter() - start
     assert len(pipe.stages) == case.n_stages
     assert list(pipe.state_dict().keys()) == list(model.state_dict().keys())

@@ -131,3 +131,35 @@ def test_plugin_offers_the_fixture(tmp_path):
                              "fxpipe.pytest_plugin", "-p", "no:cacheprovider", str(tmp_path)],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert "1 passed" in result.stdout, result.stdout + result.stderr
+
+
+def test_pipe_step_is_checked_under_every_schedule(monkeypatch):
+    # break the action-list runtime only: each input gradient a stage hands back is doubled,
+    # so pipe(x) (autograd across stages) and GPipe's step stay right, 1F1B's and ZB's do not
+    from fxpipe.runtime import worker
+
+    real = worker._grad_of
+    monkeypatch.setattr(worker, "_grad_of", lambda leaf: _doubled(real(leaf)))
+    kwargs = dict(n_stages=3, chunks=2, split_points=["layers.2", "layers.4"], devices=["cpu"] * 3)
+    assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), schedules=(), **kwargs)  # misses it
+    assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), schedules=["gpipe"], **kwargs)
+    with pytest.raises(AssertionError, match=r"pipe.step with schedule='1f1b': gradient of "
+                                             r"layers.0.weight differs from eager"):
+        assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), **kwargs)
+
+
+def _doubled(grad):
+    return 2 * grad if isinstance(grad, torch.Tensor) else grad
+
+
+def test_pipe_step_takes_the_caller_s_loss_and_target():
+    target = torch.randn(6, 8)
+    seen = []
+
+    def mse(out, tgt):
+        seen.append(tgt.shape[0])
+        return torch.nn.functional.mse_loss(out, tgt)
+
+    assert_pipeline_equivalent(Chain(), (torch.randn(6, 8),), n_stages=2, chunks=3, devices=["cpu"] * 2,
+                               schedules=["zb"], step_loss=mse, target=target)
+    assert seen[0] == 6 and set(seen[1:]) == {2}  # eager on the batch, then per micro-batch (recomputed too)

@@ -125,7 +125,9 @@ def _leaf(value: Any, grad: bool) -> Any:
         return leaf
     if grad:
         leaves, spec = tree_flatten(value)
-        return spec.unflatten([_leaf(v, True) for v in leaves]) if leaves else value
+        if spec.is_leaf():  # None, a number, a string: nothing to detach
+            return value
+        return spec.unflatten([_leaf(v, True) for v in leaves])
     return value
 
 
@@ -142,6 +144,8 @@ def _grad_of(leaf: Any) -> Any:
             return None
         return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
     leaves, spec = tree_flatten(leaf)
+    if spec.is_leaf():  # None, a number, a string: no gradient
+        return None
     return spec.unflatten([_grad_of(v) for v in leaves])
 
 

@@ -1,0 +1,69 @@
+"""Explain a graph node that fails on the example inputs while its values are propagated.
+
+Reads:  ``node.meta["nn_module_stack"]`` (the modules a node was traced in) and
+        ``gm.meta["fxpipe.tracer"]``.
+Writes: nothing.
+
+A model can run eagerly on its example inputs and still fail here: a symbolic tracer runs the
+model's Python on ``torch.fx`` Proxies, and a check on a traced value (``torch.jit.isinstance(x,
+torch.Tensor)``, ``isinstance(x, torch.Tensor)``, ``x is None``) is False for a Proxy, so a
+branch silently disappears from the graph (MONAI's ``BasicUNet`` loses every skip this way).
+The first node that sees wrong shapes then raises, far from the cause::
+
+    eager:  x_e is a Tensor ──▶ conv(cat([x_e, up(x)]))        16 channels
+    fx:     x_e is a Proxy  ──▶ conv(up(x))                      8 channels: conv fails
+
+So the error names the failing node and the module it came from, and suggests
+``tracer="export"``, which traces the code the model really runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx
+
+__all__ = ["PropagationError", "explain"]
+
+
+class PropagationError(RuntimeError):
+    """A node of the traced graph failed on the example inputs; names the node and its module."""
+
+    def __init__(self, message: str, node: str, module: str | None) -> None:
+        super().__init__(message)
+        self.node = node
+        self.module = module
+
+
+def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception) -> PropagationError:
+    """Name the node that raised ``exc``, its module, and the likely cause when the graph was traced."""
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target)
+    what = f"{node.op} {target}"
+    if node.op == "call_module":
+        what += f": {type(gm.get_submodule(str(node.target))).__name__}"
+    stack = [(path, kind) for path, kind in (node.meta.get("nn_module_stack") or {}).values()
+             if path and not (node.op == "call_module" and path == node.target)]
+    module = stack[-1][0] if stack else None
+    where = f"node '{node.name}' ({what})" + (f" in module '{module}' ({_name(stack[-1][1])})" if stack else "")
+    first = next((line for line in str(exc).splitlines() if line.strip()), "")
+    message = f"{where} fails on the example inputs: {type(exc).__name__}: {first}"
+    if getattr(gm, "meta", {}).get("fxpipe.tracer") != "export":
+        owners = [kind for _, kind in stack if not _from_torch_nn(kind)]
+        leaf = (f", or keep the module that holds the check whole with leaf_modules="
+                f"[{_name(owners[-1])}]") if owners else ""
+        message += (
+            "\nIf the model runs on these inputs eagerly, tracing changed its data flow: a check "
+            "on a traced value (torch.jit.isinstance(x, torch.Tensor), isinstance(x, torch.Tensor), "
+            "x is None) sees a torch.fx Proxy instead of the tensor, so a branch was dropped. Use "
+            f"tracer='export', which traces the code the model really runs{leaf}.")
+    return PropagationError(message, node.name, module)
+
+
+def _from_torch_nn(kind: Any) -> bool:
+    """Tell whether a module class (or its name, as torch.export records it) is torch.nn's own."""
+    return (kind.__module__ if isinstance(kind, type) else str(kind)).startswith("torch.nn")
+
+
+def _name(kind: Any) -> str:
+    """Return a module class's name (torch.export records a qualified name as a string)."""
+    return kind.__name__ if isinstance(kind, type) else str(kind).rsplit(".", 1)[-1]
