@@ -73,14 +73,14 @@ def annotate(gm: torch.fx.GraphModule, example_args: tuple, example_kwargs: dict
     flat_inputs = bind_placeholders(gm, example_args, example_kwargs or {})
     if real:
         with torch.no_grad():
-            Propagator(gm, None).run(flat_inputs, memoize=False)
+            Propagator(gm, None).propagate(flat_inputs, memoize=False)
     else:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             fake_inputs = tree_map(
                 lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, flat_inputs)
             propagator = Propagator(gm, mode)
-            propagator.run(fake_inputs, memoize=memoize)
+            propagator.propagate(fake_inputs, memoize=memoize)
         log.debug("annotated %d nodes, %d from the memo", len(gm.graph.nodes), propagator.hits)
     return annotate_params(gm)
 

@@ -35,7 +35,7 @@ from fxpipe.passes.annotate import bind_placeholders
 from fxpipe.passes.spec import TensorSpec
 from fxpipe.passes.mutates import is_mutating
 
-__all__ = ["profile"]
+__all__ = ["profile", "Profiler"]
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,48 @@ def _backward_or_estimate(node, call, params, env, device, repeats, warmup, fwd:
         return fwd * ratio
 
 
+class Profiler(torch.fx.Interpreter):
+    """Run a GraphModule on real values, timing each node's forward and backward (ShapeProp-style).
+
+    :meth:`run_node` runs every call node ``warmup + repeats`` times on ``device`` with its
+    state copied there, then its backward, and records the medians in ``node.meta``; values
+    are freed after their last use.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device, repeats: int, warmup: int,
+                 bar: _Progress) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.gm, self.device, self.repeats, self.warmup, self.bar = gm, device, repeats, warmup, bar
+        self.done = 0
+
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        """Fetch an attribute; a tensor as a copy on the device."""
+        obj: Any = self.gm
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return _stand_in(obj, self.device) if isinstance(obj, torch.Tensor) else obj
+
+    def run_node(self, node: torch.fx.Node) -> Any:
+        """Run a node; time a call node's forward and backward into ``node.meta``."""
+        self.done += 1
+        self.bar.update(self.done, node.name)
+        fwd = bwd = 0.0
+        if node.op in ("placeholder", "get_attr", "output"):
+            value = super().run_node(node)
+        else:
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            call, params = _runner(self.gm, node, self.device)
+            result: list = []
+            with torch.no_grad():
+                fwd = _median_ms(lambda: result.append(call(args, kwargs)), self.device, self.repeats, self.warmup)
+            bwd = _backward_or_estimate(node, call, params, self.env, self.device, self.repeats, self.warmup, fwd)
+            value = result[-1]
+        node.meta["fxpipe.time_fwd"] = fwd
+        node.meta["fxpipe.time_bwd"] = bwd
+        node.meta["fxpipe.time"] = fwd + bwd
+        return value
+
+
 def profile(gm: torch.fx.GraphModule, example_args: tuple, example_kwargs: dict | None = None, *,
             device: str | torch.device = "cpu", repeats: int = 3, warmup: int = 1,
             progress_after: float = 1.0, stream: Any = None) -> torch.fx.GraphModule:
@@ -178,41 +220,9 @@ def profile(gm: torch.fx.GraphModule, example_args: tuple, example_kwargs: dict 
     device = torch.device(device)
     flat = bind_placeholders(gm, example_args, example_kwargs or {})
     flat = tree_map(lambda v: v.detach().to(device) if isinstance(v, torch.Tensor) else v, flat)
-    nodes = list(gm.graph.nodes)
-    bar = _Progress(len(nodes), progress_after, stream)
+    bar = _Progress(len(gm.graph.nodes), progress_after, stream)
     devices = [device] if device.type == "cuda" else []
-    last_use = {}
-    for k, node in enumerate(nodes):
-        for a in node.all_input_nodes:
-            last_use[a] = k
     with torch.random.fork_rng(devices=devices):
-        env: dict[torch.fx.Node, Any] = {}
-        inputs = iter(flat)
-        for k, node in enumerate(nodes):
-            bar.update(k + 1, node.name)
-            fwd = bwd = 0.0
-            if node.op == "placeholder":
-                env[node] = next(inputs)
-            elif node.op == "get_attr":
-                obj: Any = gm
-                for part in node.target.split("."):
-                    obj = getattr(obj, part)
-                env[node] = _stand_in(obj, device) if isinstance(obj, torch.Tensor) else obj
-            elif node.op != "output":
-                args = torch.fx.node.map_arg(node.args, env.__getitem__)
-                kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-                call, params = _runner(gm, node, device)
-                result: list = []
-                with torch.no_grad():
-                    fwd = _median_ms(lambda: result.append(call(args, kwargs)), device, repeats, warmup)
-                bwd = _backward_or_estimate(node, call, params, env, device, repeats, warmup, fwd)
-                env[node] = result[-1]
-                del result
-            node.meta["fxpipe.time_fwd"] = fwd
-            node.meta["fxpipe.time_bwd"] = bwd
-            node.meta["fxpipe.time"] = fwd + bwd
-            for a in node.all_input_nodes:  # free values whose last user has run
-                if last_use.get(a) == k:
-                    env.pop(a, None)
+        Profiler(gm, device, repeats, warmup, bar).run(*flat, enable_io_processing=False)
     bar.close()
     return gm

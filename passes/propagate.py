@@ -109,16 +109,24 @@ class _Result:
     key: Any
 
 
-class Propagator:
-    """Run a GraphModule node by node on fake (or real) tensors, recording ``node.meta``."""
+class Propagator(torch.fx.Interpreter):
+    """Run a GraphModule node by node on fake (or real) tensors, recording ``node.meta``.
+
+    ShapeProp-style: :meth:`run_node` runs each node (``call_module`` and ``get_attr`` on
+    stand-ins of the module's state) and records what it computed on the node.
+    """
 
     def __init__(self, gm: torch.fx.GraphModule, mode: FakeTensorMode | None) -> None:
+        super().__init__(gm, garbage_collect_values=False)
         self.gm = gm
         self.mode = mode
         self.tensors: dict[int, torch.Tensor] = {}  # id(real tensor) -> the copy nodes read
         self.modules: dict = {}
         self.cache: dict = {}
         self.hits = 0
+        self.memoize = False
+        self.keys: dict[torch.fx.Node, Any] = {}
+        self.storages: list[tuple[StorageWeakRef, torch.fx.Node]] = []  # what each value lives in
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Return the fake (or, for buffers in real mode, cloned) stand-in of a model tensor."""
@@ -129,8 +137,9 @@ class Propagator:
                 self.tensors[id(t)] = t if isinstance(t, nn.Parameter) else t.detach().clone()
         return self.tensors[id(t)]
 
-    def _call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """Call a module with its state replaced by stand-ins."""
+        module = self.gm.get_submodule(target)
         state = dict(module.named_parameters(remove_duplicate=False))
         state.update(module.named_buffers(remove_duplicate=False))
         if not state:
@@ -138,22 +147,17 @@ class Propagator:
         stand_ins = {k: self._tensor(v) for k, v in state.items()}
         return torch.func.functional_call(module, stand_ins, args, kwargs)
 
-    def _execute(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
-        """Run one call node on concrete arguments."""
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)
-        if node.op == "call_method":
-            self_obj, *rest = args
-            return getattr(self_obj, node.target)(*rest, **kwargs)
-        return self._call_module(self.gm.get_submodule(node.target), args, kwargs)
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        """Fetch an attribute; a tensor through its stand-in."""
+        value = fetch(self.gm, target)
+        return self._tensor(value) if isinstance(value, torch.Tensor) else value
 
-    def _compute(self, node: torch.fx.Node, env: dict) -> _Result:
+    def _compute(self, node: torch.fx.Node) -> _Result:
         """Run a call node under a FLOP counter."""
-        args = torch.fx.node.map_arg(node.args, env.__getitem__)
-        kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
         counter = _FlopCount()
         with counter:
-            value = self._execute(node, args, kwargs)
+            value = getattr(self, node.op)(node.target, args, kwargs)
         spec = spec_of(value)
         if self.mode is None:  # real kernels run under no_grad: infer which outputs need a gradient
             spec = _with_grad_rule(spec, node, args, kwargs, self.gm)
@@ -165,60 +169,52 @@ class Propagator:
         saved = 0 if _is_view(node) else nbytes
         return _Result(value, spec, nbytes, counter.heavy + counter.light, flops_bwd, saved, value_key(value))
 
-    def run(self, flat_inputs: list, memoize: bool) -> None:
-        """Propagate ``flat_inputs`` through the graph, writing ``fxpipe.*`` on every node."""
-        env: dict[torch.fx.Node, Any] = {}
-        keys: dict[torch.fx.Node, Any] = {}
-        storages: list[tuple[StorageWeakRef, torch.fx.Node]] = []  # what each value lives in
-        memoize = memoize and not any(may_mutate(n) for n in self.gm.graph.nodes)
-        inputs = iter(flat_inputs)
-        for node in self.gm.graph.nodes:
-            mutates: list[str] = []
-            if node.op == "placeholder":
-                value = next(inputs)
-                spec = spec_of(value)
-                result = _Result(value, spec, value_bytes(spec), 0, 0, 0, value_key(value))
-            elif node.op == "get_attr":
-                value = fetch(self.gm, node.target)
-                if isinstance(value, torch.Tensor):
-                    value = self._tensor(value)
-                spec = spec_of(value)
-                result = _Result(value, spec, value_bytes(spec), 0, 0, 0, value_key(value))
-            elif node.op == "output":
-                value = torch.fx.node.map_arg(node.args[0], env.__getitem__)
-                spec = spec_of(value)
-                result = _Result(value, spec, value_bytes(spec), 0, 0, 0, None)
+    def propagate(self, flat_inputs: list, memoize: bool) -> None:
+        """Propagate ``flat_inputs`` (one per placeholder) through the graph, writing ``fxpipe.*``."""
+        self.memoize = memoize and not any(may_mutate(n) for n in self.gm.graph.nodes)
+        self.keys, self.storages = {}, []
+        self.run(*flat_inputs, enable_io_processing=False)
+
+    def run_node(self, node: torch.fx.Node) -> Any:
+        """Run one node (or reuse an equal earlier node's result); record it in ``node.meta``."""
+        mutates: list[str] = []
+        if node.op in ("placeholder", "get_attr", "output"):
+            value = super().run_node(node)
+            spec = spec_of(value)
+            key = value_key(value) if node.op != "output" else None
+            result = _Result(value, spec, value_bytes(spec), 0, 0, 0, key)
+        else:
+            key = node_key(node, self.keys, self.modules) if self.memoize else None
+            cached = self.cache.get(key) if key is not None else None
+            if cached is None:
+                read = [t for a in node.all_input_nodes if a in self.env for t in _tensors(self.env[a])]
+                versions = [(t, t._version) for t in read]
+                try:
+                    result = self._compute(node)
+                except _DATA_DEPENDENT:
+                    raise
+                except Exception as exc:
+                    raise explain(self.gm, node, exc) from exc
+                changed = [_storage(t) for t, v in versions if t._version != v]
+                mutates = _aliases(self.storages, changed, node) if changed else []
+                if key is not None and not changed:
+                    self.cache[key] = result
             else:
-                key = node_key(node, keys, self.modules) if memoize else None
-                result = self.cache.get(key) if key is not None else None
-                if result is None:
-                    read = [t for a in node.all_input_nodes if a in env for t in _tensors(env[a])]
-                    versions = [(t, t._version) for t in read]
-                    try:
-                        result = self._compute(node, env)
-                    except _DATA_DEPENDENT:
-                        raise
-                    except Exception as exc:
-                        raise explain(self.gm, node, exc) from exc
-                    changed = [_storage(t) for t, v in versions if t._version != v]
-                    mutates = _aliases(storages, changed, node) if changed else []
-                    if key is not None and not changed:
-                        self.cache[key] = result
-                else:
-                    self.hits += 1
-            value = result.value
-            if isinstance(value, (tuple, list, dict)):  # a fresh container for each node
-                value = tree_map(lambda v: v, value)
-            env[node] = value
-            keys[node] = result.key
-            node.meta["fxpipe.value"] = result.spec
-            node.meta["fxpipe.bytes"] = result.nbytes
-            node.meta["fxpipe.flops"] = result.flops
-            node.meta["fxpipe.flops_bwd"] = result.flops_bwd
-            node.meta["fxpipe.saved_bytes"] = result.saved
-            node.meta["fxpipe.mutates"] = mutates
-            if node.op != "get_attr":
-                storages += [(_storage(t), node) for t in _tensors(value)]
+                result = cached
+                self.hits += 1
+        value = result.value
+        if isinstance(value, (tuple, list, dict)):  # a fresh container for each node
+            value = tree_map(lambda v: v, value)
+        self.keys[node] = result.key
+        node.meta["fxpipe.value"] = result.spec
+        node.meta["fxpipe.bytes"] = result.nbytes
+        node.meta["fxpipe.flops"] = result.flops
+        node.meta["fxpipe.flops_bwd"] = result.flops_bwd
+        node.meta["fxpipe.saved_bytes"] = result.saved
+        node.meta["fxpipe.mutates"] = mutates
+        if node.op != "get_attr":
+            self.storages += [(_storage(t), node) for t in _tensors(value)]
+        return value
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
