@@ -7,8 +7,9 @@ consumers, and runs the stages over micro-batches with a generated GPipe executo
 
 from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
 from fxpipe.errors import (MutationError, NoFeasibleCut, PeerFailure, PipelineInputError,
-                           PlanMismatchError, ScheduleError, TraceError)
+                           PlanMismatchError, ScheduleError, TraceError, WeightsError)
 from fxpipe.compiler import compile
+from fxpipe.materialize import materialize
 from fxpipe.pipe import Pipe
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.tools.recorder import Timeline, timeline
@@ -31,9 +32,11 @@ __all__ = [
     "StagePlan",
     "Timeline",
     "TraceError",
+    "WeightsError",
     "compile",
     "is_checkpointing",
     "is_recomputing",
+    "materialize",
     "testing",
     "timeline",
     "trace",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fxpipe.passes.cut import NoFeasibleCut
 
 __all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "PeerFailure", "NoFeasibleCut", "ScheduleError",
-           "MutationError"]
+           "MutationError", "WeightsError"]
 
 
 class TraceError(TypeError):
@@ -37,3 +37,7 @@ class MutationError(ValueError):
 
 class ScheduleError(ValueError):
     """A schedule given as actions is incomplete or can never finish; names the first bad action."""
+
+
+class WeightsError(ValueError):
+    """Weights or init cannot fill a model's tensors (missing FQN, shape, dtype, no init); names the fix."""

@@ -1,6 +1,7 @@
 """Run a GraphModule node by node on fake (or real) tensors, recording what each node computes.
 
-Reads:  the graph and the module's parameters and buffers (through stand-ins).
+Reads:  the graph and the module's parameters and buffers (through stand-ins; those of a model
+        built on ``meta`` stand in on the inputs' device).
 Writes: ``node.meta`` keys ``fxpipe.value``, ``fxpipe.bytes``, ``fxpipe.flops``,
         ``fxpipe.flops_bwd``, ``fxpipe.saved_bytes`` and ``fxpipe.mutates`` (described in
         :mod:`fxpipe.passes.annotate`).
@@ -111,11 +112,16 @@ class Propagator:
         self.modules: dict = {}
         self.cache: dict = {}
         self.hits = 0
+        self.device = torch.device("cpu")  # where stand-ins of meta tensors live: the inputs' device
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Return the fake (or, for buffers in real mode, cloned) stand-in of a model tensor."""
         if id(t) not in self.tensors:
-            if self.mode is not None:
+            if self.mode is not None and t.is_meta:  # a model built on meta: a fake on the inputs' device
+                with self.mode:
+                    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+                self.tensors[id(t)] = fake.requires_grad_(t.requires_grad)
+            elif self.mode is not None:
                 self.tensors[id(t)] = self.mode.from_tensor(t)
             else:
                 self.tensors[id(t)] = t if isinstance(t, nn.Parameter) else t.detach().clone()
@@ -163,6 +169,8 @@ class Propagator:
         keys: dict[torch.fx.Node, Any] = {}
         storages: list[tuple[StorageWeakRef, torch.fx.Node]] = []  # what each value lives in
         memoize = memoize and not any(self._may_mutate(n) for n in self.gm.graph.nodes)
+        devices = [t.device for t in _tensors(flat_inputs) if not t.is_meta]
+        self.device = devices[0] if devices else self.device
         inputs = iter(flat_inputs)
         for node in self.gm.graph.nodes:
             mutates: list[str] = []

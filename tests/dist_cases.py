@@ -109,13 +109,86 @@ def dies(rank, world, schedule):
     return raises(rank, world, schedule)
 
 
-CASES = {"unet": unet, "tied": tied, "shape": shape, "raises": raises, "dies": dies}
+class _Recording(fxpipe.weights.WeightSource):
+    """A weights source that records the keys it reads."""
+
+    def __init__(self, path):
+        self.inner = fxpipe.weights.open_weights(path)
+        self.description = self.inner.description
+        self.keys: list[str] = []
+
+    def specs(self):
+        return self.inner.specs()
+
+    def read(self, into):
+        self.keys += list(into)
+        self.inner.read(into)
+
+
+def _meta_step(rank, world, factory, reference, x, target, loss_fn, **kw):
+    """Compile ``factory()`` built on meta; compare loss and this rank's gradients with ``reference``."""
+    with torch.device("meta"):
+        model = factory()
+    expected = loss_fn(reference(x), target)
+    expected.backward()
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), runtime="distributed", timeout=60, **kw)
+    held = {id(t) for t in (*pipe.stages[rank].parameters(), *pipe.stages[rank].buffers())}
+    tensors = dict(model.state_dict(keep_vars=True))
+    wrong = [n for n, t in tensors.items() if t.is_meta == (id(t) in held)]  # held real, the rest meta
+    loss = pipe.step(x if rank == 0 else None, target=target, loss_fn=loss_fn)
+    grads = dict(reference.named_parameters(remove_duplicate=False))
+    errors = {name: max_relative_error(p.grad, grads[name].grad)
+              for name, p in model.named_parameters(remove_duplicate=False) if id(p) in held}
+    return {"loss_error": max_relative_error(loss, expected), "grad_errors": errors, "wrong": wrong,
+            "owned": sorted(pipe.state_dict()), "all": sorted(tensors)}
+
+
+def meta(rank, world, schedule):
+    """A U-Net (seeded init) and a tied transformer (weights by FQN) built on meta, one stage per rank."""
+    torch.manual_seed(0)
+    unet_ref = fxpipe.materialize(_on_meta(lambda: UNet(depth=2, base=4).eval()), seed=5)
+    x, target = torch.randn(6, 3, 16, 16), torch.randn(6, 2, 16, 16)
+    a = _meta_step(rank, world, lambda: UNet(depth=2, base=4).eval(), unet_ref, x, target, F.mse_loss,
+                   chunks=3, schedule=schedule, seed=5)
+    path = os.path.join(os.environ["FXPIPE_TEST_DIR"], "tied.pt")
+    tied_ref = fxpipe.materialize(_on_meta(TiedTransformer), weights=path)
+    tokens, target = torch.randint(0, 32, (7, 8)), torch.randint(0, 32, (7, 8))
+
+    def loss_fn(logits, tgt):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+    source = _Recording(path)
+    b = _meta_step(rank, world, TiedTransformer, tied_ref, tokens, target, loss_fn, chunks=3,
+                   schedule=schedule, weights=source)
+    return {"unet": a, "tied": b, "read": source.keys, "missing": _refusal(path, rank, world)}
+
+
+def _refusal(path, rank, world):
+    """Compile with weights lacking a tensor of the last stage; return the error this rank raised."""
+    state = torch.load(path)
+    del state["norm.weight"]
+    with torch.device("meta"):
+        model = TiedTransformer()
+    try:
+        fxpipe.compile(model, world, example_inputs=(torch.randint(0, 32, (7, 8)),), runtime="distributed",
+                       timeout=60, weights=state)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return [type(exc).__name__, str(exc), all(t.is_meta for t in model.state_dict().values())]
+    return None
+
+
+def _on_meta(factory):
+    with torch.device("meta"):
+        return factory()
+
+
+CASES = {"unet": unet, "tied": tied, "shape": shape, "raises": raises, "dies": dies, "meta": meta}
 
 
 def run(rank: int, world: int, port: int, case: str, schedule: str, outdir: str) -> None:
     """Entry point of one spawned rank: run a case, write the result as JSON."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), FXPIPE_TEST_DIR=outdir)
     torch.set_num_threads(1)
     try:
         result = {"ok": True, **CASES[case](rank, world, schedule)}
