@@ -115,7 +115,9 @@ def _allocate(table: dict, plan: FillPlan, placement: Mapping[int, torch.device]
     """Allocate the placed meta tensors; mark the ones init must fill; return id -> version."""
     marks: dict[int, int] = {}
     for key, device in placement.items():
-        info = table[key]
+        info = table.get(key)
+        if info is None:  # not the model's (a constant of the traced graph): nothing to fill
+            continue
         if info.tensor.is_meta and (key in plan.to_init or key in plan.from_source):
             _swap_in(info.tensor, device, done)
         if key in plan.to_init:
@@ -211,7 +213,7 @@ def refuse_meta_constants(model: nn.Module, gm: torch.fx.GraphModule) -> None:
     result as a constant of the graph; from a model on meta that constant is empty.
     """
     known = set(tensor_table(model))
-    bad = []
+    bad: list[str] = []
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue

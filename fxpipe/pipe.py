@@ -25,6 +25,8 @@ class Pipe(nn.Module):
     this rank's tensors (the others are on ``meta``), and ``state_dict()`` has only their FQNs.
     """
 
+    owned: frozenset[str] | None  # the FQNs this process holds; None: all of them
+
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
                  stages: Sequence[torch.fx.GraphModule], devices: Sequence[torch.device],
                  runtime: Any, owned: Iterable[str] | None = None) -> None:
@@ -41,7 +43,6 @@ class Pipe(nn.Module):
         self.__dict__["plan"] = plan
         self.__dict__["stages"] = list(stages)
         self.__dict__["devices"] = list(devices)
-        # the FQNs this process holds; None: all of them
         self.__dict__["owned"] = None if owned is None else frozenset(owned)
         self._runtime = runtime
 

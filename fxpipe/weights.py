@@ -97,12 +97,10 @@ class _TorchFile(WeightSource):
         return {k: (tuple(v.shape), v.dtype) for k, v in self.state.items()}
 
     def read(self, into: Mapping[str, torch.Tensor]) -> None:
-        """Copy the asked tensors, then give their file pages back (they count as resident)."""
+        """Copy the asked tensors, giving their file pages back as they go (they count as resident)."""
         with torch.no_grad():
             for key, target in into.items():
-                source = self.state[key]
-                target.copy_(source)
-                _drop_pages(source)
+                _copy_dropping(target, self.state[key])
 
     def close(self) -> None:
         """Unmap the file."""
@@ -118,7 +116,7 @@ class _SafetensorsFile(WeightSource):
         except ImportError:
             raise WeightsError(f"weights={path!r} is a safetensors file; install the optional "
                                "dependency: pip install safetensors") from None
-        self.file = safe_open(path, framework="pt", device="cpu")
+        self.file: Any = safe_open(path, framework="pt", device="cpu")
         self.description = f"weights file {path!r}"
 
     def specs(self) -> dict[str, Spec]:
@@ -286,6 +284,20 @@ def _madvise() -> Callable[[int, int], None] | None:
 
 
 _DROP = _madvise()
+
+
+def _copy_dropping(target: torch.Tensor, source: torch.Tensor, chunk: int = 1 << 23) -> None:
+    """Copy a memory-mapped ``source`` into ``target`` by slices of about ``chunk`` bytes,
+    dropping each slice's file pages once copied, so at most one slice of the file is resident."""
+    row = source[0].numel() * source.element_size() if source.dim() else 0
+    if not row or not source.is_contiguous() or source.numel() * source.element_size() <= chunk:
+        target.copy_(source)
+        _drop_pages(source)
+        return
+    step = max(1, chunk // row)
+    for i in range(0, source.shape[0], step):
+        target[i:i + step].copy_(source[i:i + step])
+        _drop_pages(source[i:i + step])
 
 
 def _drop_pages(tensor: torch.Tensor) -> None:

@@ -200,10 +200,14 @@ def test_only_the_placed_fqns_are_read_and_allocated(tmp_path):
     assert torch.equal(model.head.weight, real.embed.weight)
 
 
-def test_weights_overwrite_a_real_model_too(tmp_path):
+def test_weights_overwrite_a_real_model_too():
     real = MLP()
     model = MLP()
     pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 16),), weights=real.state_dict())
+    assert_same_state(pipe, real)
+    real = RopeNet()  # its traced graph holds a constant (cos of a buffer), which no FQN names
+    model = RopeNet()
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 5, 8),), weights=real.state_dict())
     assert_same_state(pipe, real)
 
 
