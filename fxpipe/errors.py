@@ -5,7 +5,7 @@ from __future__ import annotations
 from fxpipe.passes.cut import NoFeasibleCut
 
 __all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "PeerFailure", "NoFeasibleCut", "ScheduleError",
-           "MutationError", "WeightsError"]
+           "MutationError", "WeightsError", "CheckpointError"]
 
 
 class TraceError(TypeError):
@@ -41,3 +41,7 @@ class ScheduleError(ValueError):
 
 class WeightsError(ValueError):
     """Weights or init cannot fill a model's tensors (missing FQN, shape, dtype, no init); names the fix."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be loaded here (half-written, another model, another optimizer); says why."""

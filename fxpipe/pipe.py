@@ -26,6 +26,7 @@ class Pipe(nn.Module):
     """
 
     owned: frozenset[str] | None  # the FQNs this process holds; None: all of them
+    _model: nn.Module
 
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
                  stages: Sequence[torch.fx.GraphModule], devices: Sequence[torch.device],

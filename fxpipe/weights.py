@@ -13,24 +13,24 @@ and copies only the keys asked for into tensors the caller allocated (:meth:`Wei
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
-import mmap
 import os
-import sys
 import warnings
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from fxpipe.errors import WeightsError
+from fxpipe.pages import copy_dropping
 
-__all__ = ["WeightSource", "open_weights", "check_weights", "MODEL_KEY"]
+__all__ = ["WeightSource", "open_weights", "check_weights", "refuse_partial", "MODEL_KEY", "MANIFEST", "PARTIAL"]
 
 log = logging.getLogger(__name__)
 
 MODEL_KEY = "model"  # fxpipe checkpoints keep the model's state under this key
+MANIFEST = "fxpipe.json"  # written last into an fxpipe checkpoint: it is complete
+PARTIAL = ".incomplete"  # the suffix of a checkpoint being written
 _TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -100,7 +100,7 @@ class _TorchFile(WeightSource):
         """Copy the asked tensors, giving their file pages back as they go (they count as resident)."""
         with torch.no_grad():
             for key, target in into.items():
-                _copy_dropping(target, self.state[key])
+                copy_dropping(target, self.state[key])
 
     def close(self) -> None:
         """Unmap the file."""
@@ -122,7 +122,7 @@ class _SafetensorsFile(WeightSource):
     def specs(self) -> dict[str, Spec]:
         """Return every tensor's shape and dtype from the file's header."""
         out = {}
-        for key in self.file.keys():
+        for key in self.file.keys():  # noqa: SIM118 - a safetensors handle, not a dict
             piece = self.file.get_slice(key)
             out[key] = (tuple(piece.get_shape()), _ST_DTYPES.get(piece.get_dtype(), torch.uint8))
         return out
@@ -213,12 +213,25 @@ class _DcpDirectory(WeightSource):
                      planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
 
 
+def refuse_partial(path: str, error: type[Exception] = WeightsError) -> None:
+    """Refuse a checkpoint whose save never finished (it is, or only exists as, ``<path>.incomplete``)."""
+    partial = path.rstrip(os.sep)
+    if not partial.endswith(PARTIAL):
+        if os.path.exists(partial) or not os.path.exists(partial + PARTIAL):
+            return
+        partial += PARTIAL
+    raise error(f"checkpoint {partial[:-len(PARTIAL)]!r} is half-written: its save was interrupted before "
+                f"every rank finished (what it wrote is in {partial!r}); load an earlier checkpoint, or save "
+                "again")
+
+
 def check_weights(weights: Any) -> Any:
     """Reject a ``weights=`` of the wrong type or naming no file, before anything runs; return it."""
     if weights is None or isinstance(weights, (Mapping, WeightSource)):
         return weights
     if not isinstance(weights, (str, os.PathLike)):
         raise TypeError(f"weights= must be a state dict, a file or a directory, got {type(weights).__name__}")
+    refuse_partial(os.fspath(weights))
     if not os.path.exists(weights):
         raise WeightsError(f"weights={os.fspath(weights)!r}: no such file or directory")
     return weights
@@ -233,6 +246,7 @@ def open_weights(weights: Any) -> WeightSource:
     if not isinstance(weights, (str, os.PathLike)):
         raise TypeError(f"weights= must be a state dict, a file or a directory, got {type(weights).__name__}")
     path = os.fspath(weights)
+    refuse_partial(path)
     if os.path.isdir(path):
         return _open_directory(path)
     if not os.path.exists(path):
@@ -264,49 +278,3 @@ def _open_directory(path: str) -> WeightSource:
     raise WeightsError(f"weights={path!r} is a directory that fxpipe cannot read: {why}. Give a "
                        "checkpoint saved by fxpipe.save, a directory of shards with one *.index.json "
                        "(the Hugging Face layout), or a single weights file")
-
-
-def _madvise() -> Callable[[int, int], None] | None:
-    """Return ``madvise(address, length)`` with MADV_DONTNEED on Linux, else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-    def drop(address: int, length: int) -> None:
-        fn(address, length, 4)  # MADV_DONTNEED: clean file pages are read again if touched
-
-    return drop
-
-
-_DROP = _madvise()
-
-
-def _copy_dropping(target: torch.Tensor, source: torch.Tensor, chunk: int = 1 << 23) -> None:
-    """Copy a memory-mapped ``source`` into ``target`` by slices of about ``chunk`` bytes,
-    dropping each slice's file pages once copied, so at most one slice of the file is resident."""
-    row = source[0].numel() * source.element_size() if source.dim() else 0
-    if not row or not source.is_contiguous() or source.numel() * source.element_size() <= chunk:
-        target.copy_(source)
-        _drop_pages(source)
-        return
-    step = max(1, chunk // row)
-    for i in range(0, source.shape[0], step):
-        target[i:i + step].copy_(source[i:i + step])
-        _drop_pages(source[i:i + step])
-
-
-def _drop_pages(tensor: torch.Tensor) -> None:
-    """Drop the whole pages of a memory-mapped tensor from this process's resident set."""
-    if _DROP is None or tensor.device.type != "cpu":
-        return
-    page = mmap.PAGESIZE
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first, last = -(-start // page) * page, end // page * page
-    if last > first:
-        _DROP(first, last - first)

@@ -182,7 +182,74 @@ def _on_meta(factory):
         return factory()
 
 
-CASES = {"unet": unet, "tied": tied, "shape": shape, "raises": raises, "dies": dies, "meta": meta}
+class DropNet(nn.Module):
+    """Six linear layers with ReLU and dropout (so a resumed run needs each rank's RNG state)."""
+
+    def __init__(self, d: int = 192) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(6)])
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.drop(torch.relu(layer(x)))
+        return x
+
+
+def batch(i: int, d: int = 192):
+    """Return step ``i``'s inputs and target (the same in every process)."""
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(8, d, generator=g), torch.randn(8, d, generator=g)
+
+
+def train(rank, world, steps, start=0, ckpt=None, save_at=None, load=None):
+    """Build, compile and run Adam steps ``start..steps``; save or load a checkpoint on the way."""
+    torch.manual_seed(0)
+    model = DropNet()
+    pipe = fxpipe.compile(model, world, example_inputs=(batch(0)[0],), chunks=2, runtime="distributed",
+                          timeout=60, schedule="1f1b")
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+    extra = fxpipe.load(pipe, load, optimizer=opt) if load else None
+    losses = []
+    for i in range(start, steps):
+        x, y = batch(i)
+        opt.zero_grad()
+        losses.append(pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss).item())
+        opt.step()
+        if save_at == i + 1:
+            fxpipe.save(pipe, ckpt, optimizer=opt, extra={"step": i + 1})
+    return pipe, opt, losses, extra
+
+
+def _own(pipe, opt):
+    """Return this rank's parameters and optimizer state by FQN."""
+    params = {k: v.clone() for k, v in pipe.state_dict().items()}
+    names = {id(p): n for n, p in pipe.named_parameters()}
+    state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    return {"params": params, "optim": state}
+
+
+def resume_first(rank, world, schedule):
+    """10 steps straight; then, from the same seed, 5 steps and a save."""
+    out = os.environ["FXPIPE_TEST_DIR"]
+    pipe, opt, straight, _ = train(rank, world, 10)
+    torch.save({"losses": straight, **_own(pipe, opt)}, os.path.join(out, f"straight{rank}.pt"))
+    pipe, opt, _, _ = train(rank, world, 5, ckpt=os.path.join(out, "ckpt"), save_at=5)
+    torch.save(_own(pipe, opt), os.path.join(out, f"saved{rank}.pt"))
+    own = sum(p.numel() * p.element_size() for p in pipe.stages[rank].parameters())
+    return {"own_bytes": own}
+
+
+def resume_second(rank, world, schedule):
+    """New processes: load the checkpoint and run steps 5 to 10."""
+    out = os.environ["FXPIPE_TEST_DIR"]
+    pipe, opt, losses, extra = train(rank, world, 10, start=5, load=os.path.join(out, "ckpt"))
+    torch.save({"losses": losses, **_own(pipe, opt)}, os.path.join(out, f"resumed{rank}.pt"))
+    return {"extra": extra}
+
+
+CASES = {"unet": unet, "tied": tied, "shape": shape, "raises": raises, "dies": dies, "meta": meta,
+         "resume_first": resume_first, "resume_second": resume_second}
 
 
 def run(rank: int, world: int, port: int, case: str, schedule: str, outdir: str) -> None:
