@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["peak_growth"]
+__all__ = ["peak_growth", "resident", "reset_peak", "peak"]
 
 
 def _status(field: str) -> int:
@@ -22,11 +22,26 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
+def resident() -> int:
+    """Return this process's resident set now, in bytes."""
+    return _status("VmRSS")
+
+
+def peak() -> int:
+    """Return the highest resident set since the last :func:`reset_peak`, in bytes."""
+    return _status("VmHWM")
+
+
+def reset_peak() -> None:
+    """Reset the peak (``VmHWM``) to the current resident set."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 @contextmanager
 def peak_growth() -> Iterator[dict[str, int]]:
     """Measure how far the resident set rises above its level at entry; result in ``["bytes"]``."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current resident set
+    reset_peak()
     result = {"bytes": 0}
     before = _status("VmRSS")
     try:

@@ -7,9 +7,11 @@ consumers, and runs the stages over micro-batches with a generated GPipe executo
 
 from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
 from fxpipe.errors import (MutationError, NoFeasibleCut, PeerFailure, PipelineInputError,
-                           PlanMismatchError, PropagationError, ScheduleError,
-                           TraceError)
+                           PlanMismatchError, PropagationError, ScheduleError, TraceError,
+                           WeightsError, CheckpointError)
 from fxpipe.compiler import compile
+from fxpipe.materialize import materialize
+from fxpipe.checkpointing import load, load_state_dict, save
 from fxpipe.pipe import Pipe
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.tools.recorder import Timeline, timeline
@@ -21,6 +23,7 @@ from fxpipe import testing  # noqa: E402 - `import fxpipe` then `fxpipe.testing.
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "MutationError",
     "NoFeasibleCut",
     "PeerFailure",
@@ -34,11 +37,16 @@ __all__ = [
     "StagePlan",
     "Timeline",
     "TraceError",
+    "WeightsError",
     "clip_grad_norm_",
     "compile",
     "grad_scaler",
     "is_checkpointing",
     "is_recomputing",
+    "load",
+    "load_state_dict",
+    "materialize",
+    "save",
     "testing",
     "timeline",
     "trace",

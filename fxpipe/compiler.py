@@ -12,8 +12,10 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxpipe.build import build_distributed, build_local
+from fxpipe.build import Materials, build_distributed, build_local
+from fxpipe.fillplan import tensor_table
 from fxpipe.frontend import front_end
+from fxpipe.materialize import check_init, refuse_meta_constants
 from fxpipe.pipe import Pipe
 from fxpipe.runtime.checkpoint import CHECKPOINT_MODES
 from fxpipe.runtime.comm import Comm
@@ -23,6 +25,7 @@ from fxpipe.runtime.schedule import NAMES, resolve
 from fxpipe.saved import PlanLike, load_plan
 from fxpipe.stages import make_plan, split_stages
 from fxpipe.tracing import check_tracer
+from fxpipe.weights import check_weights
 
 __all__ = ["compile", "SCHEDULES", "BALANCE_BY", "CHECKPOINT_MODES"]
 
@@ -40,7 +43,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
             plan: PlanLike | None = None, runtime: str = "local", timeout: float = 300.0,
             deferred_batch_norm: bool = False, stages_per_rank: int = 1, data_parallel: int = 1,
-            data_parallel_shard: bool = False, mesh: Any = None) -> Pipe:
+            data_parallel_shard: bool = False, mesh: Any = None, weights: Any = None,
+            init: Callable[[nn.Module], Any] | None = None, seed: int = 0) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -81,10 +85,23 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     and ``2 world - 1 - r``); in one process the ranks are lanes of the schedule, each stage
     on its own device from ``devices`` (two may share one).
 
+    A model built on the ``meta`` device (``with torch.device("meta"): model = ...``) is traced
+    and planned without allocating any of its tensors; each stage then allocates only the
+    tensors it owns, on its device (in the distributed runtime, only this rank's stage), and
+    fills them from ``weights`` (a state dict, a ``torch.save`` or safetensors file, a Hugging
+    Face shard directory, or a checkpoint saved by :func:`fxpipe.save`; only the owned FQNs
+    are read) or by ``init(module)`` (default: each module's ``reset_parameters()``), seeded
+    per module FQN from ``seed`` so the weights do not depend on the split (see
+    :func:`fxpipe.materialize`). ``weights`` also overwrites tensors that are already real.
+
     If compile fails, the model is left unmoved and unmodified.
     """
     _check_args(model, n_stages, chunks, checkpoint, balance_by, split_points, max_memory)
     check_tracer(tracer)
+    check_init(init, seed)
+    if balance_by == "time" and any(info.tensor.is_meta for info in tensor_table(model).values()):
+        raise ValueError("balance_by='time' measures the model's kernels, which a model on meta cannot "
+                         "run; use balance_by='flops'")
     sched = resolve(schedule, n_stages, chunks, stages_per_rank)
     saved = None if plan is None else load_plan(plan)
     if saved is not None and split_points is not None:
@@ -114,12 +131,14 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         device = devices[0]
     args = example_inputs if isinstance(example_inputs, tuple) else (
         () if example_inputs is None else (example_inputs,))
+    materials = Materials(check_weights(weights), init, seed)
 
     front = front_end(model, n_stages, args=args, kwargs=example_kwargs, has_inputs=has_inputs,
                       chunks=chunks, checkpoint=checkpoint, balance_by=balance_by,
                       split_points=split_points, max_memory=max_memory, leaf_modules=leaf_modules,
                       tracer=tracer, saved=saved, devices=devices, profile_device=device)
     gm = front.gm
+    refuse_meta_constants(model, gm)
     if runtime == "distributed":
         agree_on_stages(gm, n_stages)  # a measured cost may differ by rank: rank 0's cut wins
     stage_graphs, routes = split_stages(gm, n_stages)
@@ -129,15 +148,17 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         s.rank = sched.ranks[s.index]
     stages = [s.module for s in stage_graphs]
     engine: Any
+    owned = None
     if runtime == "distributed":
         for s in plan.stages:
             s.device = f"rank {s.on_rank} ({device.type})"  # the same on every rank
         devices = [device if r == rank else torch.device("meta") for r in sched.ranks]
-        engine = build_distributed(model, gm, plan, stages, layout, link, timeout, sched,
-                                   deferred_batch_norm, shard=data_parallel_shard)
+        engine, keep = build_distributed(model, gm, plan, stages, layout, link, timeout, sched,
+                                         deferred_batch_norm, shard=data_parallel_shard, materials=materials)
+        owned = {n for key, info in tensor_table(model).items() if key in keep for n in info.names}
     else:
-        engine = build_local(model, gm, plan, stages, devices, sched, deferred_batch_norm)
-    pipe = Pipe(model, gm, plan, stages, devices, engine)
+        engine = build_local(model, gm, plan, stages, devices, sched, deferred_batch_norm, materials)
+    pipe = Pipe(model, gm, plan, stages, devices, engine, owned)
     log.info("compiled %s into %d stages\n%s", type(model).__name__, n_stages, plan)
     return pipe
 

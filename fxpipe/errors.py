@@ -6,7 +6,7 @@ from fxpipe.passes.cut import NoFeasibleCut
 from fxpipe.passes.failure import PropagationError
 
 __all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "PeerFailure", "NoFeasibleCut", "ScheduleError",
-           "MutationError", "PropagationError"]
+           "MutationError", "PropagationError", "WeightsError", "CheckpointError"]
 
 
 class TraceError(TypeError):
@@ -38,3 +38,11 @@ class MutationError(ValueError):
 
 class ScheduleError(ValueError):
     """A schedule given as actions is incomplete or can never finish; names the first bad action."""
+
+
+class WeightsError(ValueError):
+    """Weights or init cannot fill a model's tensors (missing FQN, shape, dtype, no init); names the fix."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be loaded here (half-written, another model, another optimizer); says why."""

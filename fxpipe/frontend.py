@@ -101,6 +101,11 @@ def _annotate(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
     try:
         passes.annotate(gm, args, kwargs)
     except _DATA_DEPENDENT as exc:
+        if any(t.is_meta for t in (*gm.parameters(), *gm.buffers())):
+            raise ValueError(f"fake tensors cannot follow a data-dependent op of the model ({type(exc).__name__}), "
+                             "and its tensors are on meta, so fxpipe cannot run the real kernels instead; "
+                             "list the module doing it in leaf_modules=, or build the model on a real "
+                             "device") from exc
         log.warning("fake tensors cannot follow a data-dependent op (%s); annotating with real "
                     "kernels on copies of the buffers", type(exc).__name__)
         passes.annotate(gm, args, kwargs, real=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -22,12 +22,16 @@ class Pipe(nn.Module):
 
     Its parameters, buffers and submodules are the model's own, under the model's own names:
     ``pipe.state_dict().keys() == model.state_dict().keys()`` and gradients land in the
-    model's ``Parameter`` objects.
+    model's ``Parameter`` objects. On a rank of the distributed runtime the model holds only
+    this rank's tensors (the others are on ``meta``), and ``state_dict()`` has only their FQNs.
     """
+
+    owned: frozenset[str] | None  # the FQNs this process holds; None: all of them
+    _model: nn.Module
 
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
                  stages: Sequence[torch.fx.GraphModule], devices: Sequence[torch.device],
-                 runtime: Any) -> None:
+                 runtime: Any, owned: Iterable[str] | None = None) -> None:
         super().__init__()
         # Share the model's registries, so names, state_dict and train() are the model's.
         self._parameters = model._parameters
@@ -41,12 +45,35 @@ class Pipe(nn.Module):
         self.__dict__["plan"] = plan
         self.__dict__["stages"] = list(stages)
         self.__dict__["devices"] = list(devices)
+        self.__dict__["owned"] = None if owned is None else frozenset(owned)
         self._runtime = runtime
 
     @property
     def code(self) -> str:
         """Return the generated executor's source for ``plan.chunks`` micro-batches."""
         return self._runtime.code()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Return the model's state dict; on a distributed rank, only the FQNs this rank holds."""
+        state = super().state_dict(*args, **kwargs)
+        if self.owned is None:
+            return state
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        for key in [k for k in state if k.startswith(prefix) and k[len(prefix):] not in self.owned]:
+            del state[key]
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load the model's state; on a distributed rank, the FQNs it holds (others are ignored)."""
+        if self.owned is None:
+            return super().load_state_dict(state_dict, strict, assign)
+        result = super().load_state_dict({k: v for k, v in state_dict.items() if k in self.owned},
+                                         strict=False, assign=assign)
+        result.missing_keys[:] = [k for k in result.missing_keys if k in self.owned]
+        if strict and result.missing_keys:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self._model).__name__} on this rank: "
+                               f"missing keys {result.missing_keys}")
+        return result
 
     def train(self, mode: bool = True) -> "Pipe":
         """Set training mode on the pipe, the model and every stage."""

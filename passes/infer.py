@@ -1,6 +1,7 @@
 """Infer the value of chosen nodes for given input shapes, on fake tensors.
 
-Reads:  the graph, the module's parameter and buffer shapes.
+Reads:  the graph, the module's parameter and buffer shapes (those on ``meta`` stand in on the
+        inputs' device, so a rank holding one stage of a model built on meta can infer).
 Writes: nothing; returns ``{node name: value}`` with tensors as :class:`TensorSpec`.
 
 A runtime that must size receive buffers for a micro-batch of ``b`` rows (the distributed
@@ -15,7 +16,7 @@ from typing import Any, Iterable
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.passes.annotate import TensorSpec, spec_of
 
@@ -50,13 +51,6 @@ class _Holder(torch.nn.Module):
         return self.prop.run(*args)
 
 
-def _fake_state(mode: FakeTensorMode, v: torch.Tensor) -> torch.Tensor:
-    """Return a fake of a parameter or buffer; of its whole shape when it is sharded (a DTensor)."""
-    if hasattr(v, "to_local") and hasattr(v, "placements"):  # sharded by data parallel: its full shape
-        return torch.empty(v.shape, dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
-    return mode.from_tensor(v)
-
-
 def value_specs(gm: torch.fx.GraphModule, inputs: list[Any], wanted: Iterable[str]) -> dict[str, Any]:
     """Return the spec of each wanted node's value for placeholder values ``inputs``.
 
@@ -68,9 +62,24 @@ def value_specs(gm: torch.fx.GraphModule, inputs: list[Any], wanted: Iterable[st
     state = dict(holder.named_parameters(remove_duplicate=False))
     state.update(holder.named_buffers(remove_duplicate=False))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    devices = [v.device for v in tree_flatten(inputs)[0] if isinstance(v, torch.Tensor) and not v.is_meta]
+    device = devices[0] if devices else torch.device("cpu")  # of stand-ins for meta tensors (not held here)
+
+    made: dict[int, torch.Tensor] = {}  # one stand-in per tensor: tied names share it
+
+    def stand_in(v: torch.Tensor) -> torch.Tensor:
+        if id(v) not in made:
+            if hasattr(v, "to_local") and hasattr(v, "placements"):  # sharded by data parallel: whole
+                made[id(v)] = torch.empty(v.shape, dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
+            elif v.is_meta:
+                fake = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
+                made[id(v)] = fake.requires_grad_(v.requires_grad)
+            else:
+                made[id(v)] = mode.from_tensor(v)
+        return made[id(v)]
+
     with mode:
-        fakes: dict[int, torch.Tensor] = {}  # one fake per tensor, so tied names stay tied
-        fake_state = {k: fakes.setdefault(id(v), _fake_state(mode, v)) for k, v in state.items()}
+        fake_state = {k: stand_in(v) for k, v in state.items()}
 
         def fake(v: Any) -> Any:
             if isinstance(v, TensorSpec):

@@ -1,6 +1,7 @@
 """Run a GraphModule node by node on fake (or real) tensors, recording what each node computes.
 
-Reads:  the graph and the module's parameters and buffers (through stand-ins).
+Reads:  the graph and the module's parameters and buffers (through stand-ins; those of a model
+        built on ``meta`` stand in on the inputs' device).
 Writes: ``node.meta`` keys ``fxpipe.value``, ``fxpipe.bytes``, ``fxpipe.flops``,
         ``fxpipe.flops_bwd``, ``fxpipe.saved_bytes`` and ``fxpipe.mutates`` (described in
         :mod:`fxpipe.passes.annotate`).
@@ -125,13 +126,18 @@ class Propagator(torch.fx.Interpreter):
         self.cache: dict = {}
         self.hits = 0
         self.memoize = False
+        self.device = torch.device("cpu")  # where stand-ins of meta tensors live: the inputs' device
         self.keys: dict[torch.fx.Node, Any] = {}
         self.storages: list[tuple[StorageWeakRef, torch.fx.Node]] = []  # what each value lives in
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Return the fake (or, for buffers in real mode, cloned) stand-in of a model tensor."""
         if id(t) not in self.tensors:
-            if self.mode is not None:
+            if self.mode is not None and t.is_meta:  # a model built on meta: a fake on the inputs' device
+                with self.mode:
+                    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+                self.tensors[id(t)] = fake.requires_grad_(t.requires_grad)
+            elif self.mode is not None:
                 self.tensors[id(t)] = self.mode.from_tensor(t)
             else:
                 self.tensors[id(t)] = t if isinstance(t, nn.Parameter) else t.detach().clone()
@@ -173,6 +179,8 @@ class Propagator(torch.fx.Interpreter):
         """Propagate ``flat_inputs`` (one per placeholder) through the graph, writing ``fxpipe.*``."""
         self.memoize = memoize and not any(may_mutate(n) for n in self.gm.graph.nodes)
         self.keys, self.storages = {}, []
+        devices = [t.device for t in _tensors(flat_inputs) if not t.is_meta]
+        self.device = devices[0] if devices else self.device
         self.run(*flat_inputs, enable_io_processing=False)
 
     def run_node(self, node: torch.fx.Node) -> Any:

@@ -1,0 +1,294 @@
+"""Save and resume a pipeline's training state with torch.distributed.checkpoint, keyed by FQN.
+
+A checkpoint is one directory, written by every rank (or the one process) together::
+
+    ckpt/step-500/
+      .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP): each rank's own file
+      fxpipe.json                    written last: the checkpoint is complete
+
+    DCP keys   model.<fqn>                      a tensor the process holds (a tied one once,
+                                                under its first FQN; the manifest lists aliases)
+               optim.state.<fqn>.<name>         the optimizer's state of that parameter (Adam's
+               optim.param_groups.<fqn>         moments and step), and its group's hyperparameters
+               rng.<rank>.cpu, rng.<rank>.cuda.<i>   each process's generator states
+               fxpipe.<rank>.bn.<module>.*      deferred batch-norm sums in flight, if any
+               extra                            ``extra=``, torch.save'd to bytes (rank 0)
+
+Every key is an FQN of the model as written, never a stage's, so a checkpoint loads into any
+other plan, runtime or the plain module, and is a ``weights=`` source. A save writes under
+``<path>.incomplete`` and renames it to ``<path>`` once every rank has finished (a checkpoint
+it replaces is moved aside to ``<path>.old`` first and removed after): a save killed half way
+leaves the previous checkpoint as it was, and the half-written one is refused by name.
+
+Saves use DCP collectives over the pipeline's process group (one process: none); loads read
+each rank's own keys without collectives, so a refusal (made from the metadata alone, the
+same on every rank) leaves no rank waiting. The optimizer goes by FQN through
+:mod:`fxpipe.trainstate` rather than ``get/set_optimizer_state_dict``: those initialise a
+fresh optimizer's state with a zero-gradient step (Adam's step count would be off by one
+after a save at step 0) and drop the state silently when gradients are present.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from fxpipe.errors import CheckpointError
+from fxpipe.fillplan import tensor_table
+from fxpipe.materialize import fill
+from fxpipe.pipe import Pipe
+from fxpipe.trainstate import (batch_norm_state, load_optimizer_state, optimizer_state, rng_state,
+                               set_batch_norm_state, set_rng_state, split_key)
+from fxpipe.weights import MANIFEST, PARTIAL, open_weights, refuse_partial
+
+__all__ = ["save", "load", "load_state_dict"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "fxpipe.checkpoint"
+VERSION = 1
+
+
+@dataclass
+class _Where:
+    """Who is saving or loading: the model, this process's rank and how to reach the others."""
+
+    model: nn.Module
+    rank: int = 0
+    world: int = 1
+    group: Any = None  # the process group; None: one process, no collectives
+    distributed: bool = False
+    deferred: tuple = ()
+
+    def barrier(self) -> None:
+        """Wait for every rank (nothing in one process)."""
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+
+def _where(target: nn.Module) -> _Where:
+    """Describe a Pipe (local or one rank of a distributed one) or a plain module."""
+    if not isinstance(target, nn.Module):
+        raise TypeError(f"expected a fxpipe Pipe or an nn.Module, got {type(target).__name__}")
+    if not isinstance(target, Pipe):
+        return _Where(target)
+    runtime = target._runtime
+    deferred = tuple(getattr(runtime, "deferred", ()))
+    if target.owned is None:
+        return _Where(target._model, deferred=deferred)
+    comm = getattr(runtime, "comm", None)
+    group = comm.group if comm is not None else None
+    return _Where(target._model, dist.get_rank(), dist.get_world_size(), group, True, deferred)
+
+
+def _quiet(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call a DCP function without its warning that one process without a group is one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return fn(*args, **kwargs)
+
+
+def _bytes(value: Any) -> torch.Tensor:
+    """Serialize ``value`` as torch.save does, into a uint8 tensor."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    data = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - re-raised naming the argument
+        raise TypeError(f"extra= must hold what torch.load(weights_only=True) reads back (numbers, strings, "
+                        f"lists, dicts, tensors): {exc}") from None
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+         extra: Any = None) -> None:
+    """Save ``pipe``'s parameters and buffers (and ``optimizer``'s state, the RNG, ``extra``) to ``path``.
+
+    Every rank of a distributed pipe calls it; each writes only what its stage holds. The
+    checkpoint appears at ``path`` only when every rank has finished.
+    """
+    where = _where(pipe)
+    path = os.fspath(path)
+    partial = path + PARTIAL
+    table = tensor_table(where.model)
+    state: dict[str, Any] = {
+        "model": {info.names[0]: info.tensor.detach() for info in table.values()
+                  if info.persistent and not info.tensor.is_meta},
+        "rng": rng_state(where.rank),
+    }
+    if optimizer is not None:
+        state["optim"] = optimizer_state(optimizer, where.model)
+    in_flight = batch_norm_state(where.rank, where.deferred, where.model)
+    if in_flight:
+        state["fxpipe"] = in_flight
+    if extra is not None and where.rank == 0:
+        state["extra"] = _bytes(extra)
+    if where.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # what a killed save left
+        os.makedirs(partial)
+    where.barrier()
+    _quiet(dcp.save, state, storage_writer=dcp.FileSystemWriter(partial), process_group=where.group,
+           no_dist=not where.distributed)
+    where.barrier()
+    if where.rank == 0:
+        aliases = {n: info.names[0] for info in table.values() if info.persistent for n in info.names[1:]}
+        _publish(partial, path, {"format": FORMAT, "version": VERSION, "world": where.world,
+                                 "model": type(where.model).__name__, "aliases": aliases,
+                                 "optimizer": None if optimizer is None else type(optimizer).__name__})
+    where.barrier()
+    log.info("saved %s (rank %d of %d)", path, where.rank, where.world)
+
+
+def _publish(partial: str, path: str, manifest: dict) -> None:
+    """Write the manifest last, then move the finished directory to ``path`` in one rename."""
+    with open(os.path.join(partial, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    old = path + ".old"
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(partial, path)
+    shutil.rmtree(old, ignore_errors=True)
+    parent = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(parent)  # the rename itself survives a crash
+    finally:
+        os.close(parent)
+
+
+def _manifest(path: str) -> dict:
+    """Read a complete checkpoint's manifest; refuse a missing, half-written or foreign directory."""
+    refuse_partial(path, CheckpointError)
+    if not os.path.isdir(path):
+        old = " (an overwrite of it was interrupted: the previous one is in '" + path + ".old')" \
+            if os.path.isdir(path + ".old") else ""
+        raise CheckpointError(f"no checkpoint at {path!r}{old}")
+    if not os.path.exists(os.path.join(path, MANIFEST)):
+        raise CheckpointError(f"{path!r} is not a complete fxpipe checkpoint: it lacks {MANIFEST}, which "
+                              "fxpipe.save writes last (load a plain DCP directory as weights= instead)")
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT or manifest.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path!r} holds a checkpoint of format {manifest.get('format')!r} version "
+                              f"{manifest.get('version')}; this fxpipe reads {FORMAT!r} up to version {VERSION}")
+    return manifest
+
+
+def _read(path: str, wanted: dict[str, Any]) -> dict[str, Any]:
+    """Read the flat DCP keys of ``wanted`` (tensors are filled in place) in this process alone."""
+    if wanted:
+        _quiet(dcp.load, wanted, storage_reader=dcp.FileSystemReader(path),
+               planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    return wanted
+
+
+def _empty(meta: dict, keys: list[str]) -> dict[str, Any]:
+    """Return a flat dict to read ``keys`` into: tensors allocated from the metadata, others None."""
+    return {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype)
+            if isinstance(meta[k], TensorStorageMetadata) else None for k in keys}
+
+
+def _under(meta: dict, prefix: str) -> list[str]:
+    """Return the metadata keys under ``prefix.``."""
+    return [k for k in meta if k.startswith(prefix + ".")]
+
+
+def _nest(flat: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Return the part of a flat dict under ``prefix.``, with the prefix cut off."""
+    return {k[len(prefix) + 1:]: v for k, v in flat.items() if k.startswith(prefix + ".")}
+
+
+def _some(names: list[str], shown: int = 10) -> str:
+    """List at most ``shown`` names."""
+    return str(names[:shown])[:-1] + (f", ... {len(names) - shown} more]" if len(names) > shown else "]")
+
+
+def _check_model(table: dict, specs: dict, path: str) -> None:
+    """Refuse a checkpoint whose FQNs or shapes are not the model's; list every difference."""
+    known = {n for info in table.values() for n in info.names}
+    unexpected = sorted(k for k in specs if k not in known)
+    missing, mismatched = [], []
+    for info in table.values():
+        hit = next((n for n in info.names if n in specs), None)
+        if hit is None:
+            if info.persistent:
+                missing.append(info.names[0])
+        elif specs[hit] != (tuple(info.tensor.shape), info.tensor.dtype):
+            (shape, dtype) = specs[hit]
+            mismatched.append(f"'{hit}': {shape} {dtype} there, {tuple(info.tensor.shape)} {info.tensor.dtype} here")
+    if missing or unexpected or mismatched:
+        problems = [f"{len(missing)} missing FQN(s) {_some(missing)}" if missing else "",
+                    f"{len(unexpected)} unexpected FQN(s) {_some(unexpected)}" if unexpected else "",
+                    f"shape or dtype mismatches: {'; '.join(mismatched[:10])}" if mismatched else ""]
+        raise CheckpointError(f"checkpoint {path!r} is not of this model: {'; '.join(p for p in problems if p)}. "
+                              "Nothing was loaded")
+
+
+def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> Any:
+    """Load a checkpoint saved by :func:`save` (under any plan) into ``pipe`` or a plain module.
+
+    Each rank reads only what it holds; ``optimizer`` (built over the pipe's or the module's
+    parameters) gets each parameter's state by FQN; the RNG states come back when the
+    checkpoint was saved by as many ranks. Everything is checked before anything changes.
+    Returns the ``extra`` that was saved (or None).
+    """
+    where = _where(pipe)
+    path = os.fspath(path)
+    manifest = _manifest(path)
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    table = tensor_table(where.model)
+    source = open_weights(path)
+    _check_model(table, source.specs(), path)
+    if optimizer is not None:
+        if not _under(meta, "optim"):
+            raise CheckpointError(f"checkpoint {path!r} holds no optimizer state; load it without optimizer=")
+        if manifest.get("optimizer") not in (None, type(optimizer).__name__):
+            raise CheckpointError(f"checkpoint {path!r} holds the state of a {manifest['optimizer']}; the "
+                                  f"optimizer given is a {type(optimizer).__name__}")
+    held = {k: (torch.device("cpu") if info.tensor.is_meta else info.tensor.device)
+            for k, info in table.items() if not (where.distributed and info.tensor.is_meta)}
+    fill(where.model, held, source=source, init=None, seed=0)
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+        fqns = {table[id(p)].names[0] for p in where.model.parameters() if not p.is_meta}
+        keys = [k for k in _under(meta, "optim") if split_key(k[len("optim."):])[1] in fqns]
+        load_optimizer_state(optimizer, where.model, _nest(_read(path, _empty(meta, keys)), "optim"))
+    mine = _nest(_read(path, _empty(meta, _under(meta, f"rng.{where.rank}"))), "rng")
+    if manifest["world"] == where.world and mine:
+        set_rng_state(where.rank, mine)
+    else:
+        log.warning("checkpoint %s was saved by %d process(es), this is %d: random generators not restored",
+                    path, manifest["world"], where.world)
+    set_batch_norm_state(where.rank, where.deferred, where.model,
+                         _nest(_read(path, _empty(meta, _under(meta, f"fxpipe.{where.rank}"))), "fxpipe"))
+    if "extra" not in meta:
+        return None
+    raw = _read(path, _empty(meta, ["extra"]))["extra"]
+    return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
+
+
+def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Return the model's ``state_dict`` saved in a checkpoint, in this process (tied FQNs included)."""
+    path = os.fspath(path)
+    manifest = _manifest(path)
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = _nest(_read(path, _empty(meta, _under(meta, "model"))), "model")
+    for alias, name in manifest.get("aliases", {}).items():
+        state[alias] = state[name]
+    return state

@@ -1,0 +1,252 @@
+"""Give a model built on ``meta`` real tensors: only the ones asked for, filled by FQN or seeded init.
+
+    plan     every tensor to fill: from the weights source (by any of its FQNs) or by init;
+             refuse a missing FQN, a shape or dtype mismatch, a module with no init path
+    alloc    the asked tensors, empty, on their devices (swapped in: every holder sees them)
+    init     each module holding one, in the model's order, seeded from (seed, module FQN)
+    read     the asked FQNs from the source, nothing else
+    verify   every tensor init had to fill was written; else name it
+
+A failure at any point swaps every allocated tensor back to ``meta``: the model is as it was.
+Tensors keep their identity (:func:`torch.utils.swap_tensors`), so the traced graph and the
+stage GraphModules, which hold the model's own parameter objects, see the real ones.
+
+Seeding per module FQN makes the weights a function of ``seed`` alone, whatever the stages:
+a stage that owns some of a module's tensors runs the module's init with its other tensors
+allocated for the call, so the random stream is consumed as in the whole model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from contextlib import ExitStack
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxpipe.errors import WeightsError
+from fxpipe.fillplan import FillPlan, plan_fill, tensor_table
+from fxpipe.weights import WeightSource, open_weights
+
+__all__ = ["materialize", "fill", "release", "module_seed", "check_init", "refuse_meta_constants"]
+
+log = logging.getLogger(__name__)
+
+Init = Callable[[nn.Module], Any]
+
+
+def check_init(init: Any, seed: Any) -> None:
+    """Reject an ``init=`` that is not callable and a ``seed=`` that is not an integer."""
+    if init is not None and not callable(init):
+        raise TypeError(f"init= must be a function init(module) or None, got {type(init).__name__}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed= must be an integer, got {seed!r}")
+
+
+def module_seed(seed: int, fqn: str) -> int:
+    """Return the seed of module ``fqn``'s initialisation: a hash of ``seed`` and the FQN."""
+    digest = hashlib.sha256(f"{seed}/{fqn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def materialize(model: nn.Module, device: Any = "cpu", init: Init | None = None, weights: Any = None,
+                seed: int = 0) -> nn.Module:
+    """Allocate every ``meta`` tensor of ``model`` on ``device`` and fill it; return ``model``.
+
+    ``weights`` (a state dict, a ``torch.save`` or safetensors file, a Hugging Face shard
+    directory or an fxpipe checkpoint) fills tensors by FQN; the rest are initialised by
+    ``init(module)``, or by each module's ``reset_parameters()``, seeded per module FQN from
+    ``seed``, as ``fxpipe.compile(..., init=, seed=)`` does for each stage. Tensors that are
+    already real keep their place (and get the source's values if it holds them).
+    """
+    check_init(init, seed)
+    dev = torch.device(device)
+    source = None if weights is None else open_weights(weights)
+    try:
+        table = tensor_table(model)
+        fill(model, {key: dev for key in table}, source=source, init=init, seed=seed)
+    finally:
+        if source is not None:
+            source.close()
+    return model
+
+
+def fill(model: nn.Module, placement: Mapping[int, torch.device], *, source: WeightSource | None,
+         init: Init | None, seed: int) -> None:
+    """Materialize and fill the tensors ``placement`` names (``id(tensor) -> device``).
+
+    Every check covers the whole model, so each rank of a pipeline refuses the same bad input;
+    only the placed tensors are allocated and read.
+    """
+    table = tensor_table(model)
+    plan = plan_fill(model, table, source, init)
+    if not plan.from_source and not plan.to_init:
+        return
+    done: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor now real, its meta original)
+    try:
+        marks = _allocate(table, plan, placement, done)
+        _run_init(model, table, plan, placement, init, seed, marks)
+        wanted = {plan.from_source[key]: table[key].tensor for key in plan.from_source if key in placement}
+        if wanted and source is not None:
+            source.read(wanted)
+        _verify(table, marks)
+    except BaseException:
+        for tensor, original in reversed(done):
+            torch.utils.swap_tensors(tensor, original)
+        raise
+    log.info("materialized %d tensor(s): %d from %s, %d by init", len(marks) + len(wanted),
+             len(wanted), source.description if source else "no weights", len(marks))
+
+
+def _swap_in(tensor: torch.Tensor, device: torch.device, done: list) -> None:
+    """Replace a meta tensor's contents by an empty real one of its shape on ``device``."""
+    real = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+    if isinstance(tensor, nn.Parameter):
+        real = nn.Parameter(real, requires_grad=tensor.requires_grad)
+    torch.utils.swap_tensors(tensor, real)
+    done.append((tensor, real))
+
+
+def _allocate(table: dict, plan: FillPlan, placement: Mapping[int, torch.device],
+              done: list) -> dict[int, int]:
+    """Allocate the placed meta tensors; mark the ones init must fill; return id -> version."""
+    marks: dict[int, int] = {}
+    for key, device in placement.items():
+        info = table.get(key)
+        if info is None:  # not the model's (a constant of the traced graph): nothing to fill
+            continue
+        if info.tensor.is_meta and (key in plan.to_init or key in plan.from_source):
+            _swap_in(info.tensor, device, done)
+        if key in plan.to_init:
+            marks[key] = _mark(info.tensor)
+    return marks
+
+
+def _mark(tensor: torch.Tensor) -> int:
+    """Fill ``tensor`` with a value no init leaves everywhere; return its version after that."""
+    with torch.no_grad():
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+            tensor.fill_(float("nan"))
+        elif tensor.dtype != torch.bool:
+            tensor.fill_(torch.iinfo(tensor.dtype).max)
+    return tensor._version
+
+
+def _run_init(model: nn.Module, table: dict, plan: FillPlan, placement: Mapping[int, torch.device],
+              init: Init | None, seed: int, marks: dict[int, int]) -> None:
+    """Initialise each module holding a placed tensor to init, seeded by its FQN, in model order."""
+    modules = [(fqn, m, keys) for fqn, m, keys in plan.modules if any(k in marks for k in keys)]
+    if not modules:
+        return
+    cuda = sorted({d.index or 0 for d in placement.values() if d.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        for fqn, module, keys in modules:
+            device = next(placement[k] for k in keys if k in marks)
+            with ExitStack() as temporary:
+                for k in keys:  # the module's other tensors, for the call only: same random stream
+                    if table[k].tensor.is_meta:
+                        scratch: list = []
+                        _swap_in(table[k].tensor, device, scratch)
+                        temporary.callback(torch.utils.swap_tensors, *scratch[0])
+                torch.manual_seed(module_seed(seed, fqn))
+                (init or _reset)(module)
+                _keep_identity(table, keys, marks)
+
+
+def _reset(module: nn.Module) -> None:
+    """The default init: the module's own ``reset_parameters()``."""
+    module.reset_parameters()  # type: ignore[operator]
+
+
+def _keep_identity(table: dict, keys: Iterable[int], marks: dict[int, int]) -> None:
+    """Copy a tensor that init assigned anew into the original, which stays registered."""
+    for key in keys:
+        info = table[key]
+        for slot in info.slots:
+            now = slot.get()
+            if now is info.tensor or now is None:
+                continue
+            if tuple(now.shape) != tuple(info.tensor.shape):
+                raise WeightsError(f"init replaced '{slot.fqn}' by a tensor of shape {tuple(now.shape)}; "
+                                   f"the model's is {tuple(info.tensor.shape)}")
+            with torch.no_grad():
+                if not info.tensor.is_meta:
+                    info.tensor.copy_(now)
+            slot.set(info.tensor)
+            if key in marks:
+                marks[key] = -1  # written
+
+
+def _verify(table: dict, marks: dict[int, int]) -> None:
+    """Refuse tensors init was to fill but left as allocated."""
+    unset = [key for key, version in marks.items() if version != -1 and _unwritten(table[key].tensor, version)]
+    if not unset:
+        return
+    names = [table[k].names[0] for k in unset]
+    hidden = [n for k, n in zip(unset, names) if not table[k].persistent]
+    if hidden:
+        raise WeightsError(
+            f"buffer(s) {hidden} are not persistent, so no checkpoint holds them, and init left them "
+            "unset; pass init= a function init(module) that computes them (it runs on each module "
+            "a stage owns, after allocation), or make their module's reset_parameters() do it")
+    raise WeightsError(f"init left {names} unset; pass init= a function init(module) that fills every "
+                       "tensor of the modules it is given, or weights= holding them")
+
+
+def _unwritten(tensor: torch.Tensor, version: int) -> bool:
+    """Tell whether ``tensor`` still holds the mark :func:`_mark` wrote."""
+    if tensor._version != version or tensor.dtype == torch.bool:
+        return False
+    with torch.no_grad():
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+            return bool(torch.isnan(tensor).all())
+        return bool((tensor == torch.iinfo(tensor.dtype).max).all())
+
+
+def refuse_meta_constants(model: nn.Module, gm: torch.fx.GraphModule) -> None:
+    """Refuse tensors the trace computed from meta tensors: they hold no values and no FQN names them.
+
+    torch.fx runs code on buffers while tracing (``torch.cos(self.table)``) and keeps the
+    result as a constant of the graph; from a model on meta that constant is empty.
+    """
+    known = set(tensor_table(model))
+    bad: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = gm
+        for part in node.target.split("."):
+            value = getattr(value, part)
+        if isinstance(value, torch.Tensor) and value.is_meta and id(value) not in known:
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            where = f" in module '{stack[-1][0]}' ({getattr(stack[-1][1], '__name__', stack[-1][1])})" if stack else ""
+            bad.append(f"'{node.target}'{where}")
+    if bad:
+        raise WeightsError(
+            f"the traced graph holds {', '.join(bad)}: a tensor torch.fx computed while tracing from "
+            "tensors on meta (it runs code on buffers eagerly and keeps the result), so it holds no "
+            "values and no FQN names it; list that module in leaf_modules= so it runs at run time, "
+            "or build the model on a real device")
+
+
+def release(model: nn.Module, keep: set[int]) -> int:
+    """Swap every real tensor of ``model`` outside ``keep`` for a meta one; return the bytes freed."""
+    freed = 0
+    for key, info in tensor_table(model).items():
+        t = info.tensor
+        if key in keep or t.is_meta:
+            continue
+        empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        if isinstance(t, nn.Parameter):
+            empty = nn.Parameter(empty, requires_grad=t.requires_grad)
+        try:
+            torch.utils.swap_tensors(t, empty)
+        except RuntimeError as exc:  # a weak reference to it (torch.export's memo) forbids the swap: keep it
+            log.debug("keeping %s real on this rank: %s", info.names[0], exc)
+            continue
+        freed += t.numel() * t.element_size()
+    return freed
+

@@ -1,0 +1,128 @@
+"""A process's training state by FQN, as flat dicts a checkpoint stores: optimizer, RNG, fxpipe's own.
+
+    optimizer  {"state.<fqn>.<name>": value, "param_groups.<fqn>": ((hyperparameter, value), ...)}
+               for the parameters this process holds, so any other plan finds each parameter's
+               moments, step count and hyperparameters under its FQN
+    rng        {"<rank>.cpu": bytes, "<rank>.cuda.<device>": bytes} (torch's generator states)
+    fxpipe     {"<rank>.bn.<module fqn>.<sum|sum_squares|count>": tensor}: deferred batch-norm
+               statistics accumulated and not yet committed (between steps there are none)
+
+A state name never holds a dot, so a state key splits at its last dot. The hyperparameters
+of a parameter are one tuple (one item to store, not one per hyperparameter).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from fxpipe.errors import CheckpointError
+
+__all__ = ["optimizer_state", "load_optimizer_state", "rng_state", "set_rng_state", "batch_norm_state",
+           "set_batch_norm_state"]
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    """Return ``id(parameter) -> FQN`` (a tied parameter's first FQN)."""
+    return {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+    """Return the optimizer's state and hyperparameters of the real (held) parameters, by FQN."""
+    names = _names(model)
+    saved = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    unknown = [i for i, p in enumerate(params) if id(p) not in names]
+    if unknown:
+        raise CheckpointError(f"the optimizer holds {len(unknown)} parameter(s) that are not the model's; "
+                              "build it from pipe.parameters() (or the model's)")
+    out: dict[str, Any] = {}
+    for index, state in saved["state"].items():
+        p = params[index]
+        if not p.is_meta:
+            out.update({f"state.{names[id(p)]}.{k}": v for k, v in state.items()})
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        hyper = {k: v for k, v in saved_group.items() if k != "params"}
+        for p in group["params"]:
+            if not p.is_meta:
+                out[f"param_groups.{names[id(p)]}"] = tuple(hyper.items())
+    return out
+
+
+def split_key(key: str) -> tuple[str, str, str]:
+    """Split ``"state.<fqn>.<name>"`` into ("state", fqn, name), ``"param_groups.<fqn>"`` into (.., fqn, "")."""
+    kind, _, rest = key.partition(".")
+    if kind == "param_groups":
+        return kind, rest, ""
+    fqn, _, name = rest.rpartition(".")
+    return kind, fqn, name
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, flat: Mapping[str, Any]) -> None:
+    """Give the optimizer the saved state and hyperparameters of each of its parameters, by FQN."""
+    states: dict[str, dict[str, Any]] = {}
+    hypers: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        kind, fqn, name = split_key(key)
+        if kind == "state":
+            states.setdefault(fqn, {})[name] = value
+        else:
+            hypers[fqn] = dict(value)
+    names = _names(model)
+    state, groups, index = {}, [], 0
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        ids = []
+        for p in group["params"]:
+            fqn = names.get(id(p), "")
+            if fqn in states:
+                state[index] = states[fqn]
+            hyper.update(hypers.get(fqn, {}))
+            ids.append(index)
+            index += 1
+        groups.append({**hyper, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def rng_state(rank: int) -> dict[str, torch.Tensor]:
+    """Return this process's CPU and CUDA generator states under ``"<rank>."`` keys."""
+    out = {f"{rank}.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out.update({f"{rank}.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return out
+
+
+def set_rng_state(rank: int, flat: Mapping[str, torch.Tensor]) -> None:
+    """Restore this process's generators from :func:`rng_state`'s dict."""
+    torch.set_rng_state(flat[f"{rank}.cpu"])
+    for key, state in flat.items():
+        parts = key.split(".")
+        if parts[:2] == [str(rank), "cuda"] and torch.cuda.is_available() and int(parts[2]) < torch.cuda.device_count():
+            torch.cuda.set_rng_state(state, int(parts[2]))
+
+
+def batch_norm_state(rank: int, modules: Iterable[nn.Module], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Return the deferred batch norms' accumulated, uncommitted sums (none between steps)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = {}
+    for bn in modules:
+        if getattr(bn, "_fxpipe_count", 0):
+            key = f"{rank}.bn.{names[id(bn)]}"
+            sums = vars(bn)
+            out[f"{key}.sum"] = sums["_fxpipe_sum"]
+            out[f"{key}.sum_squares"] = sums["_fxpipe_sum_squares"]
+            out[f"{key}.count"] = torch.tensor(sums["_fxpipe_count"])
+    return out
+
+
+def set_batch_norm_state(rank: int, modules: Iterable[nn.Module], model: nn.Module,
+                         flat: Mapping[str, torch.Tensor]) -> None:
+    """Put back the deferred batch norms' sums saved by :func:`batch_norm_state`."""
+    names = {id(m): n for n, m in model.named_modules()}
+    for bn in modules:
+        key = f"{rank}.bn.{names[id(bn)]}"
+        if f"{key}.count" in flat:
+            vars(bn).update(_fxpipe_sum=flat[f"{key}.sum"], _fxpipe_sum_squares=flat[f"{key}.sum_squares"],
+                            _fxpipe_count=int(flat[f"{key}.count"]))

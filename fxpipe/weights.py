@@ -1,0 +1,280 @@
+"""Weight sources for ``weights=``: read chosen tensors by FQN, never the whole model.
+
+    mapping           {fqn: tensor}, as given
+    torch.save file   opened with mmap=True; pages of a tensor are dropped once it is copied
+    safetensors file  optional ``safetensors`` package, imported only when such a file is given
+    directory         Hugging Face shards (``*.index.json`` naming a file per FQN), an fxpipe
+                      checkpoint (torch.distributed.checkpoint, FQNs under ``model.``), or a
+                      directory holding one weights file
+
+Every source tells each key's shape and dtype without reading data (:meth:`WeightSource.spec`)
+and copies only the keys asked for into tensors the caller allocated (:meth:`WeightSource.read`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from typing import Any, Mapping
+
+import torch
+
+from fxpipe.errors import WeightsError
+from fxpipe.pages import copy_dropping
+
+__all__ = ["WeightSource", "open_weights", "check_weights", "refuse_partial", "MODEL_KEY", "MANIFEST", "PARTIAL"]
+
+log = logging.getLogger(__name__)
+
+MODEL_KEY = "model"  # fxpipe checkpoints keep the model's state under this key
+MANIFEST = "fxpipe.json"  # written last into an fxpipe checkpoint: it is complete
+PARTIAL = ".incomplete"  # the suffix of a checkpoint being written
+_TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+              "U8": torch.uint8, "BOOL": torch.bool}
+
+Spec = tuple[tuple[int, ...], torch.dtype]
+
+
+class WeightSource:
+    """Tensors by FQN: their shapes and dtypes up front, their data on demand."""
+
+    description = "weights"
+
+    def specs(self) -> dict[str, Spec]:
+        """Return ``{fqn: (shape, dtype)}`` for every tensor the source holds, reading no data."""
+        raise NotImplementedError
+
+    def read(self, into: Mapping[str, torch.Tensor]) -> None:
+        """Copy the source's tensor ``fqn`` into ``into[fqn]`` for every key of ``into``."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release open files."""
+
+
+class _MappingSource(WeightSource):
+    """A state dict given as a mapping."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise WeightsError(f"weights= maps {bad[:5]} to values that are not tensors; give a "
+                               "state dict {fqn: tensor}")
+        self.state = state
+        self.description = "the weights mapping"
+
+    def specs(self) -> dict[str, Spec]:
+        """Return every tensor's shape and dtype."""
+        return {k: (tuple(v.shape), v.dtype) for k, v in self.state.items()}
+
+    def read(self, into: Mapping[str, torch.Tensor]) -> None:
+        """Copy the asked tensors."""
+        with torch.no_grad():
+            for key, target in into.items():
+                target.copy_(self.state[key])
+
+
+class _TorchFile(WeightSource):
+    """A ``torch.save`` file of a state dict, memory-mapped."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - re-raised naming the file
+            raise WeightsError(f"weights={path!r} cannot be read as a torch.save file: {exc}") from None
+        if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise WeightsError(f"weights={path!r} holds a {type(state).__name__}, not a state dict "
+                               "{fqn: tensor}; save model.state_dict()")
+        self.state = state
+        self.description = f"weights file {path!r}"
+
+    def specs(self) -> dict[str, Spec]:
+        """Return every tensor's shape and dtype (from the file's index; no data read)."""
+        return {k: (tuple(v.shape), v.dtype) for k, v in self.state.items()}
+
+    def read(self, into: Mapping[str, torch.Tensor]) -> None:
+        """Copy the asked tensors, giving their file pages back as they go (they count as resident)."""
+        with torch.no_grad():
+            for key, target in into.items():
+                copy_dropping(target, self.state[key])
+
+    def close(self) -> None:
+        """Unmap the file."""
+        self.state = {}
+
+
+class _SafetensorsFile(WeightSource):
+    """A safetensors file (needs the optional ``safetensors`` package)."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise WeightsError(f"weights={path!r} is a safetensors file; install the optional "
+                               "dependency: pip install safetensors") from None
+        self.file: Any = safe_open(path, framework="pt", device="cpu")
+        self.description = f"weights file {path!r}"
+
+    def specs(self) -> dict[str, Spec]:
+        """Return every tensor's shape and dtype from the file's header."""
+        out = {}
+        for key in self.file.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+            piece = self.file.get_slice(key)
+            out[key] = (tuple(piece.get_shape()), _ST_DTYPES.get(piece.get_dtype(), torch.uint8))
+        return out
+
+    def read(self, into: Mapping[str, torch.Tensor]) -> None:
+        """Copy the asked tensors, one at a time."""
+        with torch.no_grad():
+            for key, target in into.items():
+                target.copy_(self.file.get_tensor(key))
+
+    def close(self) -> None:
+        """Close the file."""
+        self.file = None
+
+
+class _Sharded(WeightSource):
+    """A Hugging Face directory: ``*.index.json`` maps each FQN to the shard file holding it."""
+
+    def __init__(self, directory: str, index: str) -> None:
+        with open(index) as f:
+            self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+        self.directory = directory
+        self.shards: dict[str, WeightSource] = {}
+        self.description = f"weights directory {directory!r}"
+
+    def _shard(self, name: str) -> WeightSource:
+        """Open one shard file, once."""
+        if name not in self.shards:
+            self.shards[name] = _open_file(os.path.join(self.directory, name))
+        return self.shards[name]
+
+    def specs(self) -> dict[str, Spec]:
+        """Return every tensor's shape and dtype from the shards' headers."""
+        out: dict[str, Spec] = {}
+        for name in sorted(set(self.weight_map.values())):
+            specs = self._shard(name).specs()
+            out.update({k: specs[k] for k, v in self.weight_map.items() if v == name and k in specs})
+        return out
+
+    def read(self, into: Mapping[str, torch.Tensor]) -> None:
+        """Copy the asked tensors shard by shard, opening only the shards that hold them."""
+        by_shard: dict[str, dict[str, torch.Tensor]] = {}
+        for key, target in into.items():
+            by_shard.setdefault(self.weight_map[key], {})[key] = target
+        for name, part in by_shard.items():
+            self._shard(name).read(part)
+
+    def close(self) -> None:
+        """Close every opened shard."""
+        for shard in self.shards.values():
+            shard.close()
+        self.shards = {}
+
+
+class _DcpDirectory(WeightSource):
+    """A ``torch.distributed.checkpoint`` directory; an fxpipe checkpoint keeps FQNs under ``model.``."""
+
+    def __init__(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.directory = directory
+        self.description = f"checkpoint {directory!r}"
+        meta = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+        tensors = {k: v for k, v in meta.items() if isinstance(v, TensorStorageMetadata)}
+        prefix = MODEL_KEY + "."
+        self.prefix = prefix if any(k.startswith(prefix) for k in tensors) else ""
+        self._specs = {k[len(self.prefix):]: (tuple(v.size), v.properties.dtype)
+                       for k, v in tensors.items() if k.startswith(self.prefix)}
+
+    def specs(self) -> dict[str, Spec]:
+        """Return every model tensor's shape and dtype from the checkpoint's metadata."""
+        return dict(self._specs)
+
+    def read(self, into: Mapping[str, torch.Tensor]) -> None:
+        """Read the asked tensors straight into ``into`` (no process group needed)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+
+        if not into:
+            return
+        state: dict[str, Any] = dict(into)
+        if self.prefix:
+            state = {MODEL_KEY: state}
+        with warnings.catch_warnings():  # DCP warns that no_dist means one process: it does here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=dcp.FileSystemReader(self.directory),
+                     planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+
+
+def refuse_partial(path: str, error: type[Exception] = WeightsError) -> None:
+    """Refuse a checkpoint whose save never finished (it is, or only exists as, ``<path>.incomplete``)."""
+    partial = path.rstrip(os.sep)
+    if not partial.endswith(PARTIAL):
+        if os.path.exists(partial) or not os.path.exists(partial + PARTIAL):
+            return
+        partial += PARTIAL
+    raise error(f"checkpoint {partial[:-len(PARTIAL)]!r} is half-written: its save was interrupted before "
+                f"every rank finished (what it wrote is in {partial!r}); load an earlier checkpoint, or save "
+                "again")
+
+
+def check_weights(weights: Any) -> Any:
+    """Reject a ``weights=`` of the wrong type or naming no file, before anything runs; return it."""
+    if weights is None or isinstance(weights, (Mapping, WeightSource)):
+        return weights
+    if not isinstance(weights, (str, os.PathLike)):
+        raise TypeError(f"weights= must be a state dict, a file or a directory, got {type(weights).__name__}")
+    refuse_partial(os.fspath(weights))
+    if not os.path.exists(weights):
+        raise WeightsError(f"weights={os.fspath(weights)!r}: no such file or directory")
+    return weights
+
+
+def open_weights(weights: Any) -> WeightSource:
+    """Open a ``weights=`` argument: a mapping, a file, or a directory (see the module docstring)."""
+    if isinstance(weights, WeightSource):
+        return weights
+    if isinstance(weights, Mapping):
+        return _MappingSource(weights)
+    if not isinstance(weights, (str, os.PathLike)):
+        raise TypeError(f"weights= must be a state dict, a file or a directory, got {type(weights).__name__}")
+    path = os.fspath(weights)
+    refuse_partial(path)
+    if os.path.isdir(path):
+        return _open_directory(path)
+    if not os.path.exists(path):
+        raise WeightsError(f"weights={path!r}: no such file or directory")
+    return _open_file(path)
+
+
+def _open_file(path: str) -> WeightSource:
+    """Open one weights file by its suffix (safetensors) or as a torch.save file."""
+    if path.endswith(".safetensors"):
+        return _SafetensorsFile(path)
+    return _TorchFile(path)
+
+
+def _open_directory(path: str) -> WeightSource:
+    """Open a checkpoint, sharded or single-file directory."""
+    if os.path.exists(os.path.join(path, ".metadata")):
+        return _DcpDirectory(path)
+    names = sorted(os.listdir(path))
+    indexes = [n for n in names if n.endswith(".index.json")]
+    if len(indexes) == 1:
+        return _Sharded(path, os.path.join(path, indexes[0]))
+    files = [n for n in names if n.endswith((".safetensors", *_TORCH_SUFFIXES))]
+    if not indexes and len(files) == 1:
+        return _open_file(os.path.join(path, files[0]))
+    why = (f"it holds {len(indexes)} *.index.json files" if indexes else
+           f"it holds {len(files)} weights files and no *.index.json" if files else
+           "it holds no weights files")
+    raise WeightsError(f"weights={path!r} is a directory that fxpipe cannot read: {why}. Give a "
+                       "checkpoint saved by fxpipe.save, a directory of shards with one *.index.json "
+                       "(the Hugging Face layout), or a single weights file")

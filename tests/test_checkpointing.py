@@ -1,0 +1,200 @@
+"""Save and resume with torch.distributed.checkpoint: bitwise resume, reshard to any plan, all or nothing."""
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpipe
+from dist_cases import DropNet, batch
+from models import TiedTransformer
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _train(pipe_or_model, opt, start, stop, save=None):
+    """Run Adam steps ``start..stop`` in one process; return the losses."""
+    losses = []
+    for i in range(start, stop):
+        x, y = batch(i)
+        opt.zero_grad()
+        if isinstance(pipe_or_model, fxpipe.Pipe):
+            loss = pipe_or_model.step(x, target=y, loss_fn=F.mse_loss)
+        else:
+            loss = F.mse_loss(pipe_or_model(x), y)
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if save is not None and save[1] == i + 1:
+            fxpipe.save(pipe_or_model, save[0], optimizer=opt, extra={"step": i + 1})
+    return losses
+
+
+def _local(n_stages, split_points=None):
+    torch.manual_seed(0)
+    model = DropNet()
+    pipe = fxpipe.compile(model, n_stages, example_inputs=(batch(0)[0],), chunks=2, split_points=split_points)
+    return model, pipe, torch.optim.Adam(pipe.parameters(), lr=1e-3)
+
+
+def _assert_state_equal(model, opt, params, optim):
+    """The model's parameters and the optimizer's state equal the saved ones, bitwise."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for name, value in params.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    state = {names[id(p)]: s for p, s in opt.state.items()}
+    for name, saved in optim.items():
+        for key, value in saved.items():
+            assert torch.equal(state[name][key], value), (name, key)
+
+
+def test_a_resumed_run_in_one_process_continues_bitwise(tmp_path):
+    model, pipe, opt = _local(2)
+    straight = _train(pipe, opt, 0, 10)
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    model, pipe, opt = _local(2)
+    _train(pipe, opt, 0, 5, save=(tmp_path / "ckpt", 5))
+    model, pipe, opt = _local(2)
+    torch.manual_seed(123)  # another RNG state: load brings back the saved one
+    assert fxpipe.load(pipe, tmp_path / "ckpt", optimizer=opt) == {"step": 5}
+    assert _train(pipe, opt, 5, 10) == straight[5:]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, final[name]), name
+
+
+def test_two_ranks_resume_bitwise_and_reshard_to_three_stages_and_the_plain_model(tmp_path):
+    from test_distributed import _launch
+
+    for case in ("resume_first", "resume_second"):  # the second in new processes
+        results = _launch(case, 2, "1f1b", tmp_path)
+        assert all(r["ok"] for r in results), [r.get("traceback") for r in results]
+        if case == "resume_first":
+            own = [r["own_bytes"] for r in results]
+    assert all(r["extra"] == {"step": 5} for r in results)
+    for r in range(2):  # (a) the last 5 losses and the final parameters, bitwise
+        straight, resumed = torch.load(tmp_path / f"straight{r}.pt"), torch.load(tmp_path / f"resumed{r}.pt")
+        assert resumed["losses"] == straight["losses"][5:]
+        assert resumed["params"].keys() == straight["params"].keys()
+        for name, value in straight["params"].items():
+            assert torch.equal(resumed["params"][name], value), (r, name)
+    ckpt = tmp_path / "ckpt"
+    for r in range(2):  # each rank's file holds its stage's parameters and Adam's two moments
+        size = (ckpt / f"__{r}_0.distcp").stat().st_size
+        assert abs(size - 3 * own[r]) < 0.1 * 3 * own[r], (r, size, own[r])
+    saved = [torch.load(tmp_path / f"saved{r}.pt") for r in range(2)]
+    params = {**saved[0]["params"], **saved[1]["params"]}
+    optim = {**saved[0]["optim"], **saved[1]["optim"]}
+    # (b) into 3 stages split elsewhere, and into the plain model
+    model, pipe, opt = _local(3, split_points=["layers.1", "layers.5"])
+    assert fxpipe.load(pipe, ckpt, optimizer=opt) == {"step": 5}
+    _assert_state_equal(model, opt, params, optim)
+    plain = DropNet()
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-3)
+    fxpipe.load(plain, ckpt, optimizer=plain_opt)
+    _assert_state_equal(plain, plain_opt, params, optim)
+    state = fxpipe.load_state_dict(ckpt)
+    assert state.keys() == params.keys() and all(torch.equal(state[k], v) for k, v in params.items())
+    # and as weights= for a model built on meta
+    with torch.device("meta"):
+        meta = DropNet()
+    fxpipe.compile(meta, 2, example_inputs=(batch(0)[0],), weights=ckpt)
+    assert all(torch.equal(meta.state_dict()[k], v) for k, v in params.items())
+
+
+def _killed_save(out: str) -> None:
+    """Save a checkpoint, then die by SIGKILL in the middle of saving over it."""
+    torch.manual_seed(0)
+    model = DropNet()
+    pipe = fxpipe.compile(model, 2, example_inputs=(batch(0)[0],), chunks=2)
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+    _train(pipe, opt, 0, 2, save=(os.path.join(out, "ckpt"), 2))
+    torch.save(model.state_dict(), os.path.join(out, "first.pt"))
+    _train(pipe, opt, 2, 3)
+    calls = []
+    real_save = torch.save
+
+    def dying_save(*args, **kwargs):  # the checkpoint writer saves tensor by tensor
+        calls.append(1)
+        if len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(*args, **kwargs)
+
+    torch.save = dying_save
+    fxpipe.save(pipe, os.path.join(out, "ckpt"), optimizer=opt, extra={"step": 3})
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_and_is_refused(tmp_path):
+    proc = mp.get_context("spawn").Process(target=_killed_save, args=(str(tmp_path),))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == -signal.SIGKILL
+    assert (tmp_path / "ckpt.incomplete" / "__0_0.distcp").exists()  # it died writing
+    model = DropNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    assert fxpipe.load(model, tmp_path / "ckpt", optimizer=opt) == {"step": 2}  # the previous one
+    first = torch.load(tmp_path / "first.pt")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in first.items())
+    with pytest.raises(fxpipe.CheckpointError, match=r"half-written: its save was interrupted"):
+        fxpipe.load(model, tmp_path / "ckpt.incomplete")
+    shutil.move(tmp_path / "ckpt.incomplete", tmp_path / "later.incomplete")
+    with pytest.raises(fxpipe.CheckpointError, match=r"'.*later' is half-written"):
+        fxpipe.load(model, tmp_path / "later")
+    with pytest.raises(fxpipe.WeightsError, match=r"half-written"):
+        fxpipe.materialize(DropNet(), weights=tmp_path / "later")
+
+
+# -- refusals ----------------------------------------------------------------------------------------
+def test_a_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path):
+    _, pipe, opt = _local(2)
+    fxpipe.save(pipe, tmp_path / "ckpt", optimizer=opt)
+    other = TiedTransformer()
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(fxpipe.CheckpointError, match=r"not of this model: 40 missing FQN\(s\) \['pos', 'embed.weight'"
+                                                     r".*, ... 30 more\]; 12 unexpected FQN\(s\) \['layers.0.bias'"):
+        fxpipe.load(other, tmp_path / "ckpt")
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in before.items())
+    wider = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.Linear(192, 64)] + [
+        torch.nn.Linear(192, 192) for _ in range(5)])})
+    with pytest.raises(fxpipe.CheckpointError, match=r"mismatches: 'layers.0.weight': \(192, 192\) torch.float32 "
+                                                     r"there, \(64, 192\) torch.float32 here"):
+        fxpipe.load(wider, tmp_path / "ckpt")
+
+
+def test_optimizer_refusals(tmp_path):
+    _, pipe, opt = _local(2)
+    fxpipe.save(pipe, tmp_path / "plain")
+    with pytest.raises(fxpipe.CheckpointError, match="holds no optimizer state; load it without optimizer="):
+        fxpipe.load(pipe, tmp_path / "plain", optimizer=opt)
+    fxpipe.save(pipe, tmp_path / "adam", optimizer=opt)
+    sgd = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    with pytest.raises(fxpipe.CheckpointError, match="holds the state of a Adam; the optimizer given is a SGD"):
+        fxpipe.load(pipe, tmp_path / "adam", optimizer=sgd)
+
+
+def test_what_is_not_a_checkpoint_is_refused(tmp_path):
+    model, pipe, _ = _local(2)
+    with pytest.raises(fxpipe.CheckpointError, match="no checkpoint at"):
+        fxpipe.load(pipe, tmp_path / "nothing")
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=tmp_path / "bare", no_dist=True)
+    with pytest.raises(fxpipe.CheckpointError, match="lacks fxpipe.json, which fxpipe.save writes last"):
+        fxpipe.load(pipe, tmp_path / "bare")
+    with pytest.raises(TypeError, match="extra= must hold what torch.load"):
+        fxpipe.save(pipe, tmp_path / "x", extra=object())
+    assert not (tmp_path / "x").exists()
+
+
+def test_tied_weights_are_saved_once_and_come_back_under_both_names(tmp_path):
+    model = TiedTransformer()
+    fxpipe.save(model, tmp_path / "ckpt")
+    state = fxpipe.load_state_dict(tmp_path / "ckpt")
+    assert state["head.weight"] is state["embed.weight"]
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    fresh = TiedTransformer()
+    fxpipe.load(fresh, tmp_path / "ckpt")
+    assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.embed.weight, model.embed.weight)
