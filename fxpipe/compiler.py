@@ -19,6 +19,7 @@ from fxpipe.runtime.distributed import DistributedRuntime, agree_on_stages, setu
 from fxpipe.tools.blame import blamed
 from fxpipe.runtime.local import LocalRuntime
 from fxpipe.runtime.microbatch import batch_size, micro_sizes
+from fxpipe.markers import resolve_split_points
 from fxpipe.mutation import copy_mutated_inputs
 from fxpipe.pipe import Pipe
 from fxpipe.runtime.signature import CallSignature
@@ -47,7 +48,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             schedule: str = "gpipe", leaf_modules: Iterable[type | str] = (),
             tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
             plan: PlanLike | None = None, runtime: str = "local", timeout: float = 300.0,
-            deferred_batch_norm: bool = False) -> Pipe:
+            deferred_batch_norm: bool = False, split_spec: dict[str, Any] | None = None) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -57,7 +58,10 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     ``"always"``, ``"except_last"`` or ``"never"``; ``balance_by`` picks the cost that stages
     balance (``"flops"``, ``"params"``, ``"memory"``, ``"time"`` measured on ``devices[0]``, or
     ``"auto"``: FLOPs with example inputs, else parameters); ``split_points`` names the
-    modules or nodes where stages begin instead. ``max_memory`` caps every stage's estimated
+    modules or nodes where stages begin instead. Without them, the model's
+    ``torch.distributed.pipelining`` markers say where stages begin: ``pipe_split()`` calls in
+    its forward and ``split_spec={fqn: SplitPoint.BEGINNING | SplitPoint.END}``
+    (:mod:`fxpipe.markers`). ``max_memory`` caps every stage's estimated
     peak memory in bytes (parameters, gradients, activations kept for backward).
     ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"zb"`` (zero bubble: 1F1B whose linears'
     weight gradients fill the pipeline's idle time; see :mod:`fxpipe.runtime.schedule`), what
@@ -107,6 +111,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         gm = trace(model, leaf_modules=leaf_modules, tracer=tracer, example_inputs=args,
                    example_kwargs=example_kwargs)
 
+    split_points = resolve_split_points(gm, n_stages, split_points, split_spec, saved is not None)
     if has_inputs:
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         batch = batch_size(passes.bind_placeholders(gm, args, example_kwargs or {}), names)
