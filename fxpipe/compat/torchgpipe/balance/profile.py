@@ -10,7 +10,6 @@ receive the skips they pop, which profiling layer by layer on its own cannot giv
 from __future__ import annotations
 
 import copy
-import gc
 import logging
 import time
 import weakref
@@ -91,17 +90,24 @@ class _Made(TorchDispatchMode):
         return out
 
 
+# Allocation granularity: the CUDA caching allocator's smallest block, the CPU allocator's alignment.
+BLOCK_BYTES = {"cuda": 512, "cpu": 64}
+
+
 def _kept_bytes(call: Any, *args: Any) -> tuple[Any, int]:
-    """Run ``call(*args)``; return its result and the bytes of new storage still alive after it."""
+    """Run ``call(*args)``; return its result and the bytes of new storage still alive after it.
+
+    Each storage counts whole allocation blocks (:data:`BLOCK_BYTES`), as the allocator hands them out.
+    """
     with _Made() as mode:
         result = call(*args)
-    gc.collect()
     seen: dict[int, int] = {}
     for ref in mode.made:
         t = ref()
         if t is not None and t.device.type != "meta":
             storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            block = BLOCK_BYTES.get(t.device.type, 1)
+            seen[storage.data_ptr()] = -(-storage.nbytes() // block) * block
     return result, sum(seen.values())
 
 
@@ -110,9 +116,9 @@ def profile_sizes(module: nn.Sequential, input: Any, chunks: int, param_scale: f
     """Return each layer's memory in bytes: what its forward keeps alive per micro-batch, plus parameters.
 
     Each layer runs once, with grad, on the first row of ``input``; the storage it leaves
-    alive (its output and what autograd keeps for backward) is scaled to a micro-batch of
-    ``len(input) / chunks`` rows, and its parameters count ``param_scale`` times (weights,
-    gradients, optimizer state).
+    alive (its output and what autograd keeps for backward, in allocation blocks) is scaled to
+    a micro-batch of ``len(input) / chunks`` rows, and its parameters count ``param_scale``
+    times (weights, gradients, optimizer state).
     """
     gm, _ = _layer_graph(module, device)
     first = next(t for t in tree_flatten(input)[0] if isinstance(t, torch.Tensor))
