@@ -109,7 +109,32 @@ def dies(rank, world, schedule):
     return raises(rank, world, schedule)
 
 
-CASES = {"unet": unet, "tied": tied, "shape": shape, "raises": raises, "dies": dies}
+def marked(rank, world, schedule):
+    """torch.distributed.pipelining's markers: pipe_split() and split_spec cut across ranks."""
+    from torch.distributed.pipelining import SplitPoint, pipe_split
+
+    class Marked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                if i == 2:
+                    pipe_split()
+                x = torch.tanh(layer(x))
+            return x
+
+    torch.manual_seed(0)
+    x, target = torch.randn(8, 8), torch.randn(8, 8)
+    spec = {"layers.3": SplitPoint.END} if world == 3 else None
+    result = _check_step(rank, world, Marked(), x, target, F.mse_loss, chunks=4, schedule=schedule,
+                         split_spec=spec)
+    model = fxpipe.compile(Marked(), world, split_spec=spec, devices=["cpu"] * world)
+    return {**result, "firsts": [s.nodes[0] for s in model.plan.stages]}
+
+
+CASES = {"unet": unet, "tied": tied, "shape": shape, "raises": raises, "dies": dies, "marked": marked}
 
 
 def run(rank: int, world: int, port: int, case: str, schedule: str, outdir: str) -> None:
