@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -97,6 +97,8 @@ class GPipe(nn.Module):
     IndexError (fewer devices than partitions).
     """
 
+    #: The layers, grouped into one ``nn.Sequential`` per partition.
+    partitions: nn.ModuleList
     #: The number of layers in each partition.
     balance: list[int]
     #: The device of each partition; ``devices[-1]`` holds the output.
@@ -105,6 +107,7 @@ class GPipe(nn.Module):
     chunks: int = 1
     #: When to checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
     checkpoint: str = "except_last"
+    _pipe: fxpipe.Pipe | None
 
     def __init__(self, module: nn.Sequential, balance: Iterable[int] | None = None, *,
                  devices: Iterable[Device] | None = None, chunks: int = chunks,
@@ -130,10 +133,11 @@ class GPipe(nn.Module):
         self.__dict__["_pipe"] = None  # not a submodule: state_dict keys stay partitions.*
         if len(self.partitions):
             gm, names = lower(list(self.partitions), inspect_skip_layout(self.partitions))
-            self.__dict__["_pipe"] = fxpipe.compile(
-                gm, len(self.partitions), split_points=names[1:], devices=self.devices, chunks=chunks,
-                checkpoint=checkpoint, deferred_batch_norm=deferred_batch_norm)
-            self._pipe.train(self.training)
+            pipe = fxpipe.compile(gm, len(self.partitions), split_points=names[1:], devices=self.devices,
+                                  chunks=chunks, checkpoint=checkpoint,
+                                  deferred_batch_norm=deferred_batch_norm)
+            pipe.train(self.training)
+            self.__dict__["_pipe"] = pipe
 
     @property
     def pipe(self) -> fxpipe.Pipe | None:
@@ -142,7 +146,7 @@ class GPipe(nn.Module):
 
     def __len__(self) -> int:
         """Count the layers of all partitions."""
-        return sum(len(p) for p in self.partitions)
+        return sum(len(cast(nn.Sequential, p)) for p in self.partitions)
 
     def __getitem__(self, index: int) -> nn.Module:
         """Return a layer by its index in the original sequential module."""
@@ -154,7 +158,7 @@ class GPipe(nn.Module):
     def __iter__(self) -> Iterator[nn.Module]:
         """Iterate over the layers of all partitions, in order."""
         for partition in self.partitions:
-            yield from partition
+            yield from cast(nn.Sequential, partition)
 
     def cuda(self, device: Any = None) -> GPipe:
         """Refuse: GPipe places each partition on its device."""

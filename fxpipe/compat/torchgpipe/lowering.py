@@ -78,14 +78,14 @@ def lower(groups: Sequence[nn.Module], layout: SkipLayout, prefix: str = "partit
     ``j``) and the name of each group's node, ``f"{prefix}_{j}"``: the split points where
     stages begin.
     """
+    calls = [GroupCall(g, f"{prefix} {j}", layout.pops(j), layout.stashes(j)) for j, g in enumerate(groups)]
     root = nn.Module()
-    root.groups = nn.ModuleList(GroupCall(g, f"{prefix} {j}", layout.pops(j), layout.stashes(j))
-                                for j, g in enumerate(groups))
+    root.groups = nn.ModuleList(calls)
     graph = torch.fx.Graph()
     value: torch.fx.Node = graph.placeholder("input")
     skips: dict[Key, torch.fx.Node] = {}
     names = []
-    for j, call in enumerate(root.groups):
+    for j, call in enumerate(calls):
         node = graph.create_node("call_module", f"groups.{j}", (value, *(skips[k] for k in call.pops)),
                                  name=f"{prefix}_{j}")
         names.append(node.name)

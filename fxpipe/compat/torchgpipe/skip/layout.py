@@ -9,8 +9,7 @@ becomes an edge of the pipeline graph (:mod:`fxpipe.compat.torchgpipe.lowering`)
 from __future__ import annotations
 
 from collections.abc import Iterable
-
-from torch import nn
+from typing import Any
 
 from fxpipe.compat.torchgpipe.skip.namespace import Namespace, namespace_key
 from fxpipe.compat.torchgpipe.skip.skippable import Skippable
@@ -48,7 +47,7 @@ class SkipLayout:
         return [(ns, name) for _, ns, name in out]
 
 
-def inspect_skip_layout(partitions: Iterable[Iterable[nn.Module]]) -> SkipLayout:
+def inspect_skip_layout(partitions: Iterable[Any]) -> SkipLayout:
     """Return the skip routes between ``partitions`` (each an iterable of layers, e.g. nn.Sequential)."""
     stashed_at: dict[Key, int] = {}
     routes: dict[Key, tuple[int, int]] = {}
