@@ -50,6 +50,7 @@ class _Recorder(TorchFunctionMode):
         self.tracer = tracer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        """Record a ``pipe_split()`` call as a node; run any other function as is."""
         if str(func) in (_MARKER, _MARKER + ".default"):
             self.tracer.create_proxy("call_function", torch.ops.pippy._pipe_split.default, (), {})
             return None
@@ -101,6 +102,7 @@ def marked_split_points(gm: torch.fx.GraphModule,
     starts: set[int] = set()
 
     def begin_after(i: int, what: str) -> None:
+        """Begin a stage at the first compute node after position ``i``."""
         nxt = [k for k in work if k > i]
         if not nxt:
             raise ValueError(f"{what} comes after the model's last computation, which leaves the "

@@ -85,6 +85,7 @@ class _Made(TorchDispatchMode):
         self.made: list[weakref.ref] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        """Run the op; remember the tensors it returns."""
         out = func(*args, **(kwargs or {}))
         self.made += [weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         return out

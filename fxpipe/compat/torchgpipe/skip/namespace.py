@@ -17,12 +17,15 @@ class Namespace:
         self.id = uuid.uuid4()
 
     def __repr__(self) -> str:
+        """Show the namespace's id."""
         return f"<Namespace '{self.id}'>"
 
     def __hash__(self) -> int:
+        """Hash by id."""
         return hash(self.id)
 
     def __eq__(self, other: object) -> bool:
+        """Tell whether ``other`` is this namespace or a copy of it."""
         return isinstance(other, Namespace) and other.id == self.id
 
     def __lt__(self, other: Any) -> bool:

@@ -71,6 +71,7 @@ class Skippable(nn.Module):
         self.namespaces: dict[str, Namespace] = {}
 
     def __repr__(self) -> str:
+        """Show the wrapped layer, marked as skippable."""
         return f"@skippable({self.module})"
 
     def namespaced(self, name: str) -> tuple[Namespace | None, str]:
@@ -128,6 +129,7 @@ class Skippable(nn.Module):
     def _stasher(self, stashed: dict[str, Any]) -> Callable[[stash], None]:
         """Return the handler of ``yield stash(...)`` commands."""
         def handle(command: stash) -> None:
+            """Keep a stashed tensor, refusing an undeclared name."""
             if command.name not in self.stashable_names:
                 raise RuntimeError(f"'{command.name}' has not been declared as stashable; add it to "
                                    f"@skippable(stash=[...]) of {type(self.module).__name__}")
@@ -137,6 +139,7 @@ class Skippable(nn.Module):
     def _popper(self, poppable: dict[str, Any]) -> Callable[[pop], Any]:
         """Return the handler of ``yield pop(...)`` commands."""
         def handle(command: pop) -> Any:
+            """Hand out a popped tensor, refusing an undeclared name."""
             if command.name not in self.poppable_names:
                 raise RuntimeError(f"'{command.name}' has not been declared as poppable; add it to "
                                    f"@skippable(pop=[...]) of {type(self.module).__name__}")
@@ -174,6 +177,7 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[t
     stashable_names, poppable_names = frozenset(stash), frozenset(pop)
 
     def decorate(module_cls: type) -> type[Skippable]:
+        """Return the Skippable subclass wrapping ``module_cls``."""
         attrs = {"module_cls": module_cls, "stashable_names": stashable_names,
                  "poppable_names": poppable_names, "__module__": module_cls.__module__,
                  "__qualname__": module_cls.__qualname__, "__doc__": module_cls.__doc__}
