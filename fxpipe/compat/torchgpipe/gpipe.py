@@ -136,7 +136,7 @@ class GPipe(nn.Module):
             pipe = fxpipe.compile(gm, len(self.partitions), split_points=names[1:], devices=self.devices,
                                   chunks=chunks, checkpoint=checkpoint,
                                   deferred_batch_norm=deferred_batch_norm)
-            pipe.train(self.training)
+            pipe.training = self.training  # the layers keep their own modes until train()/eval()
             self.__dict__["_pipe"] = pipe
 
     @property
