@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import statistics
 import time
 import weakref
 from collections.abc import Iterator
@@ -55,10 +56,11 @@ def _to(sample: Any, device: torch.device) -> Any:
 
 
 def profile_times(module: nn.Sequential, sample: Any, timeout: float, device: torch.device) -> list[float]:
-    """Return each layer's forward + backward milliseconds, summed over profiling rounds.
+    """Return each layer's forward + backward milliseconds: the median over profiling rounds.
 
     Rounds of :func:`fxpipe.passes.profile` (the median of a few runs per layer) repeat until
-    ``timeout`` seconds have passed; there is at least one.
+    ``timeout`` seconds have passed; there is at least one. The median over rounds keeps a
+    round slowed down by other work on the machine from deciding the balance.
     """
     gm, names = _layer_graph(module, device)
     sample = _to(sample, device)
@@ -66,15 +68,15 @@ def profile_times(module: nn.Sequential, sample: Any, timeout: float, device: to
         passes.annotate(gm, (sample,))
     except Exception as exc:  # noqa: BLE001 - a layer fake tensors cannot follow: profile without
         log.debug("profiling without shapes: fake tensors cannot run a layer (%s)", exc)
-    nodes = {n.name: n for n in gm.graph.nodes}
-    totals = [0.0] * len(names)
+    nodes = [next(n for n in gm.graph.nodes if n.name == name) for name in names]
+    rounds: list[list[float]] = [[] for _ in names]
     begun = time.monotonic()
     while True:
         passes.profile(gm, (sample,), device=device, progress_after=float("inf"))
-        for k, name in enumerate(names):
-            totals[k] += nodes[name].meta["fxpipe.time"]
+        for k, node in enumerate(nodes):
+            rounds[k].append(node.meta["fxpipe.time"])
         if time.monotonic() - begun >= timeout:
-            return totals
+            return [statistics.median(times) for times in rounds]
 
 
 class _Made(TorchDispatchMode):
