@@ -7,6 +7,7 @@ Speed: one training step (forward + backward) of the same ``nn.Sequential`` with
 4-stage split, chunks and checkpoint mode, run by eager PyTorch, fxpipe and torchgpipe in
 alternation; then the torchgpipe paper's U-Net written with torchgpipe's ``@skippable``
 stash/pop API against the same U-Net (the same modules) handed to fxpipe as a plain module.
+Both also run through ``fxpipe.compat.torchgpipe.GPipe``, unchanged torchgpipe code on fxpipe.
 Each ratio is of medians measured in this run. Memory: peak RSS growth over one step for each
 checkpoint mode at m = 8, each mode in a fresh process.
 """
@@ -41,9 +42,15 @@ def mlp(d: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def skippable_unet(model: UNet) -> nn.Sequential:
-    """Rewrite a U-Net as torchgpipe wants it: a Sequential with @skippable stash and pop layers."""
-    from torchgpipe.skip import pop, skippable, stash
+def skippable_unet(model: UNet, api: str = "torchgpipe") -> nn.Sequential:
+    """Rewrite a U-Net as torchgpipe wants it: a Sequential with @skippable stash and pop layers.
+
+    ``api`` is ``"torchgpipe"`` or ``"fxpipe.compat.torchgpipe"``: whose ``skip`` module to use.
+    """
+    import importlib
+
+    skip = importlib.import_module(api + ".skip")
+    pop, skippable, stash = skip.pop, skip.skippable, skip.stash
 
     def stasher(name):
         @skippable(stash=[name])
@@ -120,6 +127,8 @@ def speed_mlp(args) -> None:
     """Eager, fxpipe and torchgpipe on one Sequential, same split, chunks and checkpoint mode."""
     from torchgpipe import GPipe
 
+    from fxpipe.compat.torchgpipe import GPipe as CompatGPipe
+
     torch.manual_seed(0)
     seq = mlp(args.dim, args.depth)
     x, y = torch.randn(args.batch, args.dim), torch.randn(args.batch, args.dim)
@@ -132,6 +141,8 @@ def speed_mlp(args) -> None:
                         split_points=split_points_for(seq, balance, [n for n in _node_names(seq)]))
     tg = GPipe(copy.deepcopy(seq), balance=balance, devices=["cpu"] * 4, chunks=args.chunks,
                checkpoint="except_last")
+    compat = CompatGPipe(copy.deepcopy(seq), balance=balance, devices=["cpu"] * 4, chunks=args.chunks,
+                         checkpoint="except_last")
     mbs = list(zip(x.chunk(args.chunks), y.chunk(args.chunks)))
 
     def eager_micro():
@@ -141,12 +152,14 @@ def speed_mlp(args) -> None:
     med = race({"eager": train_step(eager, x, y), "eager, micro-batches one by one": eager_micro,
                 "fxpipe 1 stage, 1 chunk, never": train_step(one, x, y),
                 f"fxpipe 4 stages, chunks {args.chunks}, except_last": train_step(fx, x, y),
-                f"torchgpipe 4 stages, chunks {args.chunks}, except_last": train_step(tg, x, y)}, args.reps)
+                f"torchgpipe 4 stages, chunks {args.chunks}, except_last": train_step(tg, x, y),
+                "fxpipe.compat.torchgpipe.GPipe, same": train_step(compat, x, y)}, args.reps)
     report(f"MLP: nn.Sequential of {args.depth} x (Linear({args.dim}, {args.dim}) + ReLU), batch "
            f"{args.batch}, balance {balance}; {args.reps} alternating runs", med, "eager")
     tgk = f"torchgpipe 4 stages, chunks {args.chunks}, except_last"
     fxk = f"fxpipe 4 stages, chunks {args.chunks}, except_last"
     print(f"fxpipe / torchgpipe: {med[fxk] / med[tgk]:.3f}")
+    print(f"fxpipe.compat.torchgpipe.GPipe / torchgpipe: {med['fxpipe.compat.torchgpipe.GPipe, same'] / med[tgk]:.3f}")
 
 
 def _node_names(seq: nn.Sequential) -> list[str]:
@@ -166,6 +179,10 @@ def speed_unet(args) -> None:
     seq = skippable_unet(copy.deepcopy(model))
     balance = balance_by_time(4, seq, x[: max(1, args.unet_batch // args.chunks)], device="cpu")
     tg = GPipe(seq, balance=balance, devices=["cpu"] * 4, chunks=args.chunks, checkpoint="except_last")
+    from fxpipe.compat.torchgpipe import GPipe as CompatGPipe
+
+    compat = CompatGPipe(skippable_unet(copy.deepcopy(model), "fxpipe.compat.torchgpipe"), balance=balance,
+                         devices=["cpu"] * 4, chunks=args.chunks, checkpoint="except_last")
     # the same split for fxpipe: the first module of each of torchgpipe's partitions
     names = _unet_layer_names(model)
     same = fxpipe.compile(copy.deepcopy(model), 4, example_inputs=(x,), chunks=args.chunks,
@@ -176,6 +193,7 @@ def speed_unet(args) -> None:
     eager = copy.deepcopy(model)
     med = race({"eager": train_step(eager, x, y),
                 "torchgpipe (@skippable Sequential)": train_step(tg, x, y),
+                "fxpipe.compat.torchgpipe.GPipe (same)": train_step(compat, x, y),
                 "fxpipe (plain module, torchgpipe's split)": train_step(same, x, y),
                 "fxpipe (plain module, its own split)": train_step(auto, x, y)}, args.reps)
     report(f"U-Net depth {args.unet_depth}, base {args.unet_base}, batch {args.unet_batch} x 3 x "

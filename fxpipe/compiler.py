@@ -44,7 +44,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             plan: PlanLike | None = None, runtime: str = "local", timeout: float = 300.0,
             deferred_batch_norm: bool = False, stages_per_rank: int = 1, data_parallel: int = 1,
             data_parallel_shard: bool = False, mesh: Any = None, weights: Any = None,
-            init: Callable[[nn.Module], Any] | None = None, seed: int = 0) -> Pipe:
+            init: Callable[[nn.Module], Any] | None = None, seed: int = 0,
+            split_spec: dict[str, Any] | None = None) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -54,7 +55,10 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     ``"always"``, ``"except_last"`` or ``"never"``; ``balance_by`` picks the cost that stages
     balance (``"flops"``, ``"params"``, ``"memory"``, ``"time"`` measured on ``devices[0]``, or
     ``"auto"``: FLOPs with example inputs, else parameters); ``split_points`` names the
-    modules or nodes where stages begin instead. ``max_memory`` caps every stage's estimated
+    modules or nodes where stages begin instead. Without them, the model's
+    ``torch.distributed.pipelining`` markers say where stages begin: ``pipe_split()`` calls in
+    its forward and ``split_spec={fqn: SplitPoint.BEGINNING | SplitPoint.END}``
+    (:mod:`fxpipe.markers`). ``max_memory`` caps every stage's estimated
     peak memory in bytes (parameters, gradients, activations kept for backward).
     ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"zb"`` (zero bubble: 1F1B whose linears'
     weight gradients fill the pipeline's idle time; see :mod:`fxpipe.runtime.schedule`), what
@@ -135,8 +139,9 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
 
     front = front_end(model, n_stages, args=args, kwargs=example_kwargs, has_inputs=has_inputs,
                       chunks=chunks, checkpoint=checkpoint, balance_by=balance_by,
-                      split_points=split_points, max_memory=max_memory, leaf_modules=leaf_modules,
-                      tracer=tracer, saved=saved, devices=devices, profile_device=device)
+                      split_points=split_points, split_spec=split_spec, max_memory=max_memory,
+                      leaf_modules=leaf_modules, tracer=tracer, saved=saved, devices=devices,
+                      profile_device=device)
     gm = front.gm
     refuse_meta_constants(model, gm)
     if runtime == "distributed":

@@ -19,6 +19,7 @@ from torch._subclasses import fake_tensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from fxpipe import passes
+from fxpipe.markers import resolve_split_points
 from fxpipe.runtime.microbatch import batch_size, micro_sizes
 from fxpipe.saved import apply_plan
 from fxpipe.plan import PipelinePlan
@@ -44,7 +45,7 @@ class FrontEnd:
 
 def front_end(model: nn.Module, n_stages: int, *, args: tuple, kwargs: dict | None, has_inputs: bool,
               chunks: int, checkpoint: str, balance_by: str, split_points: Sequence[str] | None,
-              max_memory: float | None, leaf_modules: Iterable[type | str],
+              max_memory: float | None, split_spec: dict[str, Any] | None, leaf_modules: Iterable[type | str],
               tracer: str | Callable[[nn.Module], torch.fx.GraphModule], saved: PipelinePlan | None,
               devices: Sequence[torch.device], profile_device: torch.device) -> FrontEnd:
     """Trace ``model``, annotate its graph and assign every node a stage (``fxpipe.stage``)."""
@@ -56,6 +57,9 @@ def front_end(model: nn.Module, n_stages: int, *, args: tuple, kwargs: dict | No
             batch_size([args, kwargs], ["example_inputs", "example_kwargs"])
         gm = trace(model, leaf_modules=leaf_modules, tracer=tracer, example_inputs=args,
                    example_kwargs=kwargs)
+
+    # torch.distributed.pipelining's markers (pipe_split(), split_spec=) as split points
+    split_points = resolve_split_points(gm, n_stages, split_points, split_spec, saved is not None)
 
     if has_inputs:
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]

@@ -14,6 +14,7 @@ import torch.fx
 from torch import nn
 
 from fxpipe.errors import TraceError
+from fxpipe.markers import recording_markers
 
 __all__ = ["trace", "check_tracer", "TRACERS"]
 
@@ -95,7 +96,8 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
                          f"{type(model).__name__}; use names from model.named_modules()")
     tracer = _Tracer(leaf_types, leaf_names)
     try:
-        graph = tracer.trace(model, concrete_args=concrete_args)
+        with recording_markers(tracer):  # pipe_split() calls become marker nodes
+            graph = tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         raise _explain(model, tracer, exc) from exc
     name = model.__class__.__name__

@@ -301,8 +301,35 @@ def resume_second(rank, world, schedule):
     return {"extra": extra}
 
 
+def marked(rank, world, schedule):
+    """torch.distributed.pipelining's markers: pipe_split() and split_spec cut across ranks."""
+    from torch.distributed.pipelining import SplitPoint, pipe_split
+
+    class Marked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                if i == 2:
+                    pipe_split()
+                x = torch.tanh(layer(x))
+            return x
+
+    torch.manual_seed(0)
+    x, target = torch.randn(8, 8), torch.randn(8, 8)
+    spec = {"layers.3": SplitPoint.END} if world == 3 else None
+    result, _ = _check_step(rank, world, Marked(), x, target, F.mse_loss, chunks=4, schedule=schedule,
+                         split_spec=spec)
+    model = fxpipe.compile(Marked(), world, split_spec=spec, devices=["cpu"] * world)
+    return {**result, "firsts": [s.nodes[0] for s in model.plan.stages]}
+
+
+
 CASES = {"values": values, "unet": unet, "tied": tied, "unet4": unet4, "tied4": tied4, "shape": shape,
-         "raises": raises, "dies": dies, "meta": meta, "resume_first": resume_first, "resume_second": resume_second}
+         "raises": raises, "dies": dies, "meta": meta, "resume_first": resume_first, "resume_second": resume_second,
+         "marked": marked}
 
 
 def run(rank: int, world: int, port: int, case: str, schedule: str, outdir: str) -> None:

@@ -55,6 +55,12 @@ def test_unet_skip_from_stage_0_to_2(schedule, tmp_path):
     assert any(src == 0 and dst == 2 for _, src, dst in results[0]["skips"])
 
 
+def test_pipelining_markers_cut_across_ranks(tmp_path):
+    results = _launch("marked", 3, "1f1b", tmp_path)
+    _assert_equal_to_eager(results)
+    assert results[0]["firsts"] == ["x", "layers_2", "tanh_3"]  # pipe_split(), then after layers.3
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
 def test_tied_embeddings_first_and_last_rank(schedule, world, tmp_path):
