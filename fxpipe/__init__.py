@@ -11,6 +11,7 @@ from fxpipe.errors import (MutationError, NoFeasibleCut, PeerFailure, PipelineIn
 from fxpipe.compiler import compile
 from fxpipe.pipe import Pipe
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
+from fxpipe.simulate import Simulation, simulate
 from fxpipe.tools.recorder import Timeline, timeline
 from fxpipe.tracing import trace
 
@@ -27,6 +28,7 @@ __all__ = [
     "PipelinePlan",
     "PlanMismatchError",
     "ScheduleError",
+    "Simulation",
     "SkipRoute",
     "StagePlan",
     "Timeline",
@@ -34,6 +36,7 @@ __all__ = [
     "compile",
     "is_checkpointing",
     "is_recomputing",
+    "simulate",
     "testing",
     "timeline",
     "trace",

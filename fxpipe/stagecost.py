@@ -1,0 +1,282 @@
+"""What one micro-batch costs each stage: seconds per action and bytes held, from the graph's annotations.
+
+Reads ``node.meta``: ``fxpipe.flops``, ``fxpipe.flops_bwd``, ``fxpipe.bytes``, ``fxpipe.value``
+(:func:`fxpipe.passes.annotate`), ``fxpipe.stage`` (the partition), ``fxpipe.retains``
+(:func:`fxpipe.passes.retain`, run here when missing). Annotations are for the example batch;
+a micro-batch of ``rows`` rows scales every activation by ``rows / example rows``.
+
+Seconds per node, forward and backward, come from a :class:`~fxpipe.devices.DeviceModel`
+(FLOPs over the rate of the node's kind of kernel, elements of memory-bound kernels, an
+overhead per kernel), or from measured times (:mod:`fxpipe.measure`). Zero bubble's ``W``
+takes the weight gradients of a stage's linears (:mod:`fxpipe.runtime.wgrad`): per linear, one
+GEMM as large as its forward; ``I`` takes the rest of the backward.
+
+Bytes per micro-batch (:class:`StageCost`)::
+
+    kept       what a stage holds from F to B: the values its nodes' backward saved (once each),
+               its inputs and its outputs
+    inputs     what it holds instead when checkpointed (its inputs); B recomputes ``kept``
+    wstore     what it holds from I to W: each deferred linear's input and output gradient
+    transient  the backward's own workspace: twice the largest value the stage makes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.devices import DeviceModel
+from fxpipe.passes.retain import retain
+from fxpipe.passes.spec import TensorSpec
+from fxpipe.plan import PipelinePlan
+
+__all__ = ["NodeTime", "StageCost", "example_rows", "graph_costs", "node_times", "plan_costs"]
+
+_GEMM_FUNCTIONS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product_attention",
+                   "bilinear"}
+_CONV_FUNCTIONS = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
+_LINEARS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
+
+
+@dataclass
+class NodeTime:
+    """Seconds of one node for one micro-batch: forward, whole backward, and the part W can take."""
+
+    forward: float
+    backward: float
+    weight: float = 0.0
+
+
+@dataclass
+class StageCost:
+    """One stage, one micro-batch: seconds of each action's work and bytes held (see the module)."""
+
+    forward: float
+    backward: float  # input and weight gradients (without recomputation)
+    weight: float  # the part of ``backward`` that W takes when the schedule defers it
+    loss: float = 0.0  # the loss's forward and backward, on the last stage
+    kept: float = 0.0
+    inputs: float = 0.0
+    wstore: float = 0.0
+    transient: float = 0.0
+    params: float = 0.0  # parameters and buffers
+    grads: float = 0.0  # gradients of the trainable parameters
+    sends: dict[int, float] = field(default_factory=dict)  # consumer stage -> bytes of values
+    grads_back: dict[int, float] = field(default_factory=dict)  # producer stage -> bytes of gradients
+
+
+def example_rows(gm: torch.fx.GraphModule) -> int | None:
+    """Return the dim-0 size of the first batched placeholder the annotations were made for."""
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        for leaf in tree_flatten(n.meta.get("fxpipe.value"))[0]:
+            if isinstance(leaf, TensorSpec) and leaf.shape:
+                return int(leaf.shape[0])
+    return None
+
+
+def _name(target: Any) -> str:
+    """Return a call target's short name (``conv2d``, ``matmul``, ``linear``)."""
+    return getattr(target, "__name__", str(target)).split(".")[-1].lstrip("_")
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    """Return the shape of a node's tensor value, if it is one."""
+    spec = node.meta.get("fxpipe.value") if isinstance(node, torch.fx.Node) else None
+    return tuple(spec.shape) if isinstance(spec, TensorSpec) else None
+
+
+def _kernel(gm: torch.fx.GraphModule, node: torch.fx.Node, scale: float) -> tuple[str, float | None]:
+    """Return the node's kind of kernel (``gemm``, ``conv``, ``other``) and its smallest GEMM dimension."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        if isinstance(mod, nn.Linear):
+            out = _shape(node)
+            rows = (_numel(out) / mod.out_features * scale) if out else None
+            return "gemm", min(d for d in (rows, mod.in_features, mod.out_features) if d is not None)
+        if isinstance(mod, nn.modules.conv._ConvNd):
+            k = mod.in_channels // mod.groups * _numel(tuple(mod.kernel_size))
+            return "conv", float(min(k, mod.out_channels))
+        heavy = (node.meta.get("fxpipe.flops", 0) or 0) > 16 * _numel(_shape(node) or (1,))
+        return ("gemm", None) if heavy else ("other", None)
+    if node.op not in ("call_function", "call_method"):
+        return "other", None
+    name = _name(node.target)
+    args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    if name in _CONV_FUNCTIONS and len(args) > 1 and _shape(args[1]):
+        w = _shape(args[1]) or ()
+        return "conv", float(min(_numel(w[1:]), w[0]))
+    if name in _GEMM_FUNCTIONS or (name == "matmul" or node.target is __import__("operator").matmul):
+        shapes = [s for s in (_shape(a) for a in args[:2]) if s]
+        if name == "linear" and len(shapes) == 2:
+            rows = _numel(shapes[0][:-1]) * scale
+            return "gemm", min(rows, *shapes[1])
+        if name == "scaled_dot_product_attention" and len(shapes) == 2:
+            return "gemm", float(min(shapes[0][-2], shapes[1][-2], shapes[0][-1]))
+        if len(shapes) == 2 and len(shapes[0]) >= 2 and len(shapes[1]) >= 2:
+            m = shapes[0][-2] * (scale if len(shapes[0]) == 2 else 1.0)
+            return "gemm", min(m, shapes[0][-1], shapes[1][-1])
+        return "gemm", None
+    return "other", None
+
+
+def _numel(shape: Sequence[int] | None) -> float:
+    """Return the number of elements of a shape."""
+    out = 1.0
+    for d in shape or ():
+        out *= d
+    return out
+
+
+def _deferrable(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Tell whether zero bubble defers this node's weight gradient to W (an ``nn.Linear`` or ``F.linear``)."""
+    if node.op == "call_module":
+        return type(gm.get_submodule(str(node.target))) is nn.Linear
+    return node.op == "call_function" and node.target in _LINEARS
+
+
+def node_times(gm: torch.fx.GraphModule, device: DeviceModel, scale: float, dtype: torch.dtype,
+               measured: Mapping[str, tuple[float, float]] | None = None) -> dict[str, NodeTime]:
+    """Return each compute node's seconds for a micro-batch ``scale`` times the example batch.
+
+    ``measured`` maps node names to measured ``(forward, backward)`` seconds at that size; the
+    others come from ``device``.
+    """
+    out = {}
+    element = device.seconds_per_element(torch.empty((), dtype=dtype).element_size())
+    for node in gm.graph.nodes:
+        if node.op not in ("call_module", "call_function", "call_method"):
+            continue
+        flops = float(node.meta.get("fxpipe.flops", 0) or 0) * scale
+        flops_bwd = float(node.meta.get("fxpipe.flops_bwd", 0) or 0) * scale
+        kind, d = _kernel(gm, node, scale)
+        if kind == "other":
+            fwd = device.kernel_overhead * (1.0 if flops else 0.5) + flops * element
+            bwd = (device.backward_overhead * (1.0 if flops else 0.5) + flops_bwd * element) if flops_bwd else 0.0
+            weight = 0.0
+        else:
+            rate = device.flops_per_second(dtype, kind, d)
+            fwd = device.kernel_overhead + flops / rate
+            bwd = device.backward_overhead + flops_bwd / rate if flops_bwd else 0.0
+            weight = min(flops / rate, bwd) if _deferrable(gm, node) else 0.0
+        if measured is not None and node.name in measured:
+            mf, mb = measured[node.name]
+            weight = weight / bwd * mb if bwd else 0.0
+            fwd, bwd = mf, mb
+        out[node.name] = NodeTime(fwd, bwd, weight)
+    return out
+
+
+def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceModel, rows: float,
+                dtype: torch.dtype | None = None, measured: Mapping[str, tuple[float, float]] | None = None
+                ) -> list[StageCost]:
+    """Return every stage's :class:`StageCost` for micro-batches of ``rows`` rows."""
+    base = example_rows(gm) or rows
+    scale = rows / base
+    dtype = dtype or _dtype(gm)
+    if any("fxpipe.retains" not in n.meta for n in gm.graph.nodes):
+        retain(gm)
+    times = node_times(gm, device, scale, dtype, measured)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    size = {n.name: float(n.meta.get("fxpipe.bytes", 0) or 0) * scale for n in gm.graph.nodes}
+    size[""] = sum(size[n.name] for n in gm.graph.nodes if n.op == "output")  # the model's output
+    consumers = plan.consumers()
+    costs = []
+    for s in plan.stages:
+        mine = [nodes[v] for v in s.nodes if v in nodes]
+        t = [times[n.name] for n in mine if n.name in times]
+        kept: dict[str, float] = {v: size.get(v, 0.0) for v in s.inputs + s.outputs}
+        internal = 0.0
+        for n in mine:
+            for v, nbytes in (n.meta.get("fxpipe.retains") or {}).items():
+                if v:
+                    kept[v] = max(kept.get(v, 0.0), nbytes * scale)
+                else:
+                    internal += nbytes * scale
+        deferred = [n for n in mine if _deferrable(gm, n)]
+        xs = {a.name for n in deferred for a in n.args[:1] if isinstance(a, torch.fx.Node)}
+        sends: dict[int, float] = {}
+        for v in s.outputs:
+            for c in consumers.get(v, []):
+                sends[c] = sends.get(c, 0.0) + size.get(v, 0.0)
+        grads_back: dict[int, float] = {}
+        producer = plan.producer()
+        for v in s.grad_inputs:
+            if v in producer:
+                grads_back[producer[v]] = grads_back.get(producer[v], 0.0) + size.get(v, 0.0)
+        params, grads = _state_bytes(gm, mine)
+        out_elems = size.get("", 0.0) / 4 if s.index == plan.n_stages - 1 else 0.0
+        costs.append(StageCost(
+            forward=sum(x.forward for x in t), backward=sum(x.backward for x in t),
+            weight=sum(x.weight for x in t),
+            loss=(4 * device.kernel_overhead + 6 * out_elems * device.seconds_per_element()) if out_elems else 0.0,
+            kept=sum(kept.values()) + internal, inputs=sum(size.get(v, 0.0) for v in s.inputs),
+            wstore=sum(size.get(x, 0.0) for x in xs) + sum(size[n.name] for n in deferred),
+            transient=2 * max((size[n.name] for n in mine), default=0.0),
+            params=params, grads=grads, sends=sends, grads_back=grads_back))
+    return costs
+
+
+def _state_bytes(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node]) -> tuple[float, float]:
+    """Return the bytes of the parameters and buffers ``nodes`` read, and of the trainable ones."""
+    seen: dict[int, torch.Tensor] = {}
+    for n in nodes:
+        if n.op == "call_module":
+            mod = gm.get_submodule(str(n.target))
+            seen.update({id(t): t for t in list(mod.parameters()) + list(mod.buffers())})
+        for a in n.all_input_nodes:
+            if a.op == "get_attr":
+                obj: Any = gm
+                for part in str(a.target).split("."):
+                    obj = getattr(obj, part)
+                if isinstance(obj, torch.Tensor):
+                    seen[id(obj)] = obj
+    total = sum(t.numel() * t.element_size() for t in seen.values())
+    trainable = sum(t.numel() * t.element_size() for t in seen.values() if t.requires_grad)
+    return float(total), float(trainable)
+
+
+def _dtype(gm: torch.fx.GraphModule) -> torch.dtype:
+    """Return the dtype of the model's floating parameters (float32 if none)."""
+    for p in gm.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def plan_costs(plan: PipelinePlan, device: DeviceModel, chunks: int, batch_scale: float = 1.0,
+               dtype: torch.dtype = torch.float32) -> list[StageCost]:
+    """Return coarse per-stage costs from a plan alone (a saved one: no graph to read).
+
+    Forward takes a third of a stage's FLOPs (or measured ``time_ms``) and backward two thirds,
+    half of it weight gradients, every kernel at the device's plateau rate; a micro-batch holds
+    ``saved_bytes`` and sends ``activation_bytes`` on. ``batch_scale`` is the mini-batch over
+    the example batch the plan was made for.
+    """
+    per_micro = batch_scale / chunks  # of the plan's whole-batch FLOPs and times
+    nbytes = batch_scale * plan.chunks / chunks  # of the plan's per-micro-batch bytes
+    rate = device.flops_per_second(dtype, "gemm")
+    producer = plan.producer()
+    out = []
+    for s in plan.stages:
+        if s.time_ms:
+            total = s.time_ms / 1e3 * per_micro
+        else:
+            total = s.flops * per_micro / rate + 1.5 * (device.kernel_overhead + device.backward_overhead) * len(s.nodes)
+        last = s.index == plan.n_stages - 1
+        out.append(StageCost(
+            forward=total / 3, backward=2 * total / 3, weight=total / 3,
+            kept=float(s.saved_bytes) * nbytes, inputs=float(s.checkpoint_bytes) * nbytes,
+            wstore=float(s.saved_bytes) * nbytes / 2, params=float(s.params), grads=float(s.params),
+            sends={} if last else {s.index + 1: float(s.activation_bytes) * nbytes},
+            grads_back={producer[v]: float(s.checkpoint_bytes) * nbytes / max(len(s.grad_inputs), 1)
+                        for v in s.grad_inputs if v in producer}))
+    return out
