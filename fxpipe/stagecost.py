@@ -270,7 +270,7 @@ def plan_costs(plan: PipelinePlan, device: DeviceModel, chunks: int, batch_scale
         if s.time_ms:
             total = s.time_ms / 1e3 * per_micro
         else:
-            total = s.flops * per_micro / rate + 1.5 * (device.kernel_overhead + device.backward_overhead) * len(s.nodes)
+            total = s.flops * per_micro / rate + (device.kernel_overhead + device.backward_overhead) * len(s.nodes)
         last = s.index == plan.n_stages - 1
         out.append(StageCost(
             forward=total / 3, backward=2 * total / 3, weight=total / 3,
