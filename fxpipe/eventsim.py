@@ -78,7 +78,7 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
     message from stage ``src`` to stage ``dst`` on another rank takes (default 0).
     ``feeds``/``reads`` list, per stage, the stages it receives values from / sends values
     to (default: a chain). With ``clocked=True``, ``device_of[r]`` names the device of rank
-    ``r`` (default: all on one). Raises :class:`ScheduleError` for a schedule that cannot finish.
+    ``r`` (default: all on one), and messages cross only between devices. Raises :class:`ScheduleError` for a schedule that cannot finish.
     """
     rows = [[a for a in row if a.kind in COMPUTE] for row in ranks]
     n = n_stages if n_stages is not None else 1 + max((a.stage for row in rows for a in row), default=-1)
@@ -86,6 +86,9 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
     if feeds is None or reads is None:
         feeds, reads = default_links(n)
     delay = delay or (lambda src, dst, kind, mb: 0.0)
+    devices = list(device_of) if device_of is not None else [0] * len(rows)
+    if clocked:  # one process: a value moves only between devices
+        where = [devices[r] for r in where]
 
     def ready(a: Action, done: dict[tuple[str, int, int], float]) -> float | None:
         """Return when ``a``'s inputs are in place, or None if something it waits for has not run."""
@@ -98,7 +101,7 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
         return t
 
     if clocked:
-        return _clocked(rows, n, ready, duration, device_of or [0] * len(rows))
+        return _clocked(rows, n, ready, duration, devices)
     done: dict[tuple[str, int, int], float] = {}
     spans: list[Span] = []
     pos, free = [0] * len(rows), [0.0] * len(rows)

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fxpipe import passes
 from fxpipe.passes.spec import TensorSpec
 
-__all__ = ["inputs_of_rows", "measure_nodes"]
+__all__ = ["inputs_of_rows", "measure_nodes", "node_profile", "rescale", "whole_graph"]
 
 _KEYS = ("fxpipe.time_fwd", "fxpipe.time_bwd", "fxpipe.time")
 
@@ -79,7 +79,7 @@ def whole_graph(gm: torch.fx.GraphModule, args: tuple, device: torch.device, rep
     def both() -> None:
         outs = [t for t in tree_flatten(forward())[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if outs and wrt:
-            loss = sum(t.float().mean() for t in outs)
+            loss = torch.stack([t.float().mean() for t in outs]).sum()
             torch.autograd.grad(loss, wrt, allow_unused=True)
 
     f_times, b_times = [], []
@@ -92,6 +92,33 @@ def whole_graph(gm: torch.fx.GraphModule, args: tuple, device: torch.device, rep
     return fwd, max(statistics.median(b_times) - fwd, 0.0)
 
 
+def node_profile(gm: torch.fx.GraphModule, args: tuple, device: str | torch.device = "cpu",
+                 repeats: int = 3) -> dict[str, tuple[float, float]]:
+    """Return ``{node name: (forward, backward)}`` seconds of each compute node timed alone on ``args``.
+
+    Runs :func:`fxpipe.passes.profile` and leaves the graph's earlier measured times as they were.
+    """
+    before = {n: {k: n.meta[k] for k in _KEYS if k in n.meta} for n in gm.graph.nodes}
+    try:
+        passes.profile(gm, args, device=device, repeats=repeats, progress_after=float("inf"))
+        return {n.name: (n.meta.get("fxpipe.time_fwd", 0.0) / 1e3, n.meta.get("fxpipe.time_bwd", 0.0) / 1e3)
+                for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")}
+    finally:
+        for n, saved in before.items():
+            for k in _KEYS:
+                n.meta.pop(k, None)
+            n.meta.update(saved)
+
+
+def rescale(alone: dict[str, tuple[float, float]], forward: float, backward: float) -> dict[str, tuple[float, float]]:
+    """Scale node times so that forwards sum to ``forward`` seconds and backwards to ``backward``."""
+    sum_f = sum(f for f, _ in alone.values())
+    sum_b = sum(b for _, b in alone.values())
+    kf = forward / sum_f if forward and sum_f else 1.0
+    kb = backward / sum_b if backward and sum_b else 1.0
+    return {k: (f * kf, b * kb) for k, (f, b) in alone.items()}
+
+
 def measure_nodes(gm: torch.fx.GraphModule, rows: int, example_inputs: tuple | None = None,
                   device: str | torch.device = "cpu", repeats: int = 3) -> dict[str, tuple[float, float]]:
     """Return ``{node name: (forward, backward)}`` seconds for a micro-batch of ``rows`` rows on ``device``.
@@ -99,22 +126,8 @@ def measure_nodes(gm: torch.fx.GraphModule, rows: int, example_inputs: tuple | N
     ``gm`` must be annotated (:func:`fxpipe.passes.annotate`); its measured times from an earlier
     ``balance_by="time"`` profile are left as they were.
     """
-    args = inputs_of_rows(gm, rows, example_inputs)
-    before = {n: {k: n.meta[k] for k in _KEYS if k in n.meta} for n in gm.graph.nodes}
-    try:
-        passes.profile(gm, args, device=device, repeats=repeats, progress_after=float("inf"))
-        alone = {n.name: (n.meta.get("fxpipe.time_fwd", 0.0) / 1e3, n.meta.get("fxpipe.time_bwd", 0.0) / 1e3)
-                 for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")}
-    finally:
-        for n, saved in before.items():
-            for k in _KEYS:
-                n.meta.pop(k, None)
-            n.meta.update(saved)
     dev = torch.device(device)
+    args = inputs_of_rows(gm, rows, example_inputs)
+    alone = node_profile(gm, args, dev, repeats)
     moved = tuple(tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, args))
-    fwd, bwd = whole_graph(gm, moved, dev, repeats=max(repeats, 3))
-    sum_f = sum(f for f, _ in alone.values())
-    sum_b = sum(b for _, b in alone.values())
-    kf = fwd / sum_f if fwd and sum_f else 1.0
-    kb = bwd / sum_b if bwd and sum_b else 1.0
-    return {k: (f * kf, b * kb) for k, (f, b) in alone.items()}
+    return rescale(alone, *whole_graph(gm, moved, dev, repeats=max(repeats, 3)))

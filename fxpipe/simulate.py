@@ -135,7 +135,8 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     device model: ``"a100"``, ``"h100"``, ``"h200"`` (nominal), ``"cpu"`` (this machine,
     calibrated on first use) or a :class:`~fxpipe.devices.DeviceModel`. ``runtime`` is
     ``"local"`` (one process: stages on one device take turns) or ``"distributed"`` (a rank
-    per stage, or per ``placement``); the default follows the plan. ``batch`` is the
+    per stage, or per ``placement``); the default follows the plan, and a plan made on CPUs
+    simulated on an accelerator model runs a rank per stage. ``batch`` is the
     mini-batch in rows (default: the example batch). ``optimizer`` (``"sgd"``, ``"momentum"``,
     ``"adam"``) adds its state to the memory. ``measured`` maps node names to measured
     ``(forward, backward)`` seconds per micro-batch (:func:`fxpipe.measure.measure_nodes`);
@@ -145,7 +146,7 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     n = plan.n_stages
     chunks = chunks or plan.chunks
     model = device_model(device if device is not None else _default_device(plan))
-    runtime = runtime or ("distributed" if plan.stages[0].device.startswith("rank") else "local")
+    runtime = runtime or _default_runtime(plan, model)
     if runtime not in ("local", "distributed"):
         raise ValueError(f"runtime={runtime!r}; use 'local' (one process) or 'distributed' (a rank per stage)")
     base = (example_rows(gm) if gm is not None else None) or batch or chunks
@@ -157,6 +158,8 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
         costs = plan_costs(plan, model, m, batch / base, dtype or torch.float32)
     name, actions, rank_of = _actions(schedule if schedule is not None else plan.schedule, n, m, placement, ranks)
     device_of = _local_devices(plan, model, rank_of) if runtime == "local" else rank_of
+    if runtime == "local" and name == "gpipe":  # one process: autograd's backward, last micro-batch first
+        actions = [[a for a in row if a.kind == "F"] + [a for a in reversed(row) if a.kind != "F"] for row in actions]
     return run(costs, actions, rank_of, device_of, model, name=name, checkpoint=checkpoint or plan.checkpoint,
                runtime=runtime, batch=batch, optimizer=optimizer)
 
@@ -245,11 +248,17 @@ def _actions(schedule: Any, n: int, m: int, placement: Any, ranks: int | None
     return "custom", rows, [owner[j] for j in range(n)]
 
 
+def _default_runtime(plan: PipelinePlan, model: DeviceModel) -> str:
+    """Return the plan's runtime: ranks for a distributed plan, and for a CPU plan simulated on accelerators."""
+    names = [s.device for s in plan.stages]
+    if names[0].startswith("rank") or (model.name != "cpu" and all(d.startswith("cpu") for d in names)):
+        return "distributed"
+    return "local"
+
+
 def _local_devices(plan: PipelinePlan, model: DeviceModel, rank_of: list[int]) -> list[int]:
     """Return the device of each stage in one process: stages on the same device share it."""
     names = [s.device for s in plan.stages]
-    if model.name != "cpu" and all(d.startswith("cpu") for d in names):
-        return list(rank_of)  # a CPU plan simulated on accelerators: one device per rank
     index = {d: k for k, d in enumerate(dict.fromkeys(names))}
     return [index[d] for d in names]
 

@@ -34,7 +34,7 @@ from fxpipe.stagecost import example_rows, graph_costs
 from fxpipe.stages import make_plan, split_stages
 from fxpipe.tracing import trace
 
-__all__ = ["Candidate", "Search", "search", "CHECKPOINTS", "SCHEDULE_NAMES"]
+__all__ = ["CHECKPOINTS", "SCHEDULE_NAMES", "Candidate", "Search", "search"]
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,8 @@ def search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, ranks: int,
     stage_counts = list(stages) if stages else [d for d in range(1, ranks + 1) if ranks % d == 0]
     chunk_counts = list(chunks) if chunks else [c for c in (1, 2, 4, 8, 16, 32, 64) if c <= batch]
     measured: dict[int, dict[str, tuple[float, float]]] = {}
-    ranked, rejected = [], []
+    ranked: list[Candidate] = []
+    rejected: list[Candidate] = []
     for n in stage_counts:
         if n > len(passes.compute_nodes(gm)):
             continue
@@ -149,7 +150,7 @@ def search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, ranks: int,
                     fits = all(mem.peak <= budget for mem in sim.devices.values())
                     (ranked if fits else rejected).append(Candidate(n, m, schedule, ckpt, sim, fits))
     order = {"never": 0, "except_last": 1, "always": 2}
-    key = lambda c: (-c.sim.throughput, max(c.peaks), c.stages, order.get(c.checkpoint, 3))  # noqa: E731
+    key = lambda c: (-c.sim.throughput, max(c.peaks), c.stages, order.get(c.checkpoint, 3))
     ranked.sort(key=key)
     rejected.sort(key=key)
     return Search(ranked, rejected, gm, model_, batch, budget)
