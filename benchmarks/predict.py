@@ -24,6 +24,7 @@ five are measured on the ranks: its first choice against the fastest measured.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -65,14 +66,19 @@ def _ce(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def build(name: str):
-    """Return ``(model, x, y, loss_fn)`` of a benchmark model, seeded."""
+BATCH = {"mlp": 512, "unet": 32, "gpt": 16}
+MEMORY_SCALE = 8  # memory runs take 8x the batch: every activation well above glibc's mmap threshold
+
+
+def build(name: str, scale: int = 1):
+    """Return ``(model, x, y, loss_fn)`` of a benchmark model (``scale`` x its batch), seeded."""
     torch.manual_seed(0)
+    b = BATCH[name] * scale
     if name == "mlp":
-        return nn.Sequential(*[Block(256, 1024) for _ in range(4)]), torch.randn(512, 256), torch.randn(512, 256), F.mse_loss
+        return nn.Sequential(*[Block(256, 1024) for _ in range(4)]), torch.randn(b, 256), torch.randn(b, 256), F.mse_loss
     if name == "unet":
-        return UNet(), torch.randn(32, 3, 32, 32), torch.randn(32, 2, 32, 32), F.mse_loss
-    return GPT(d=128, layers=4, seq=64), torch.randint(0, 256, (16, 64)), torch.randint(0, 256, (16, 64)), _ce
+        return UNet(), torch.randn(b, 3, 32, 32), torch.randn(b, 2, 32, 32), F.mse_loss
+    return GPT(d=128, layers=4, seq=64), torch.randint(0, 256, (b, 64)), torch.randint(0, 256, (b, 64)), _ce
 
 
 def compile_local(name: str, m: int, schedule: str, plan=None, checkpoint="never"):
@@ -163,11 +169,12 @@ def _memory_rank(rank: int, port: int, args, plans, out: str) -> None:
     for name in args.models:
         for m in args.chunks:
             for s in SCHEDULES:
-                model, x, y, loss = build(name)
+                model, x, y, loss = build(name, MEMORY_SCALE)
                 kw: dict = {"runtime": "distributed"} if port else {"devices": ["cpu", "cpu"]}
                 pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=m, schedule=s, checkpoint="never",
                                       plan=plans[name], **kw)
                 _step(pipe, x, y, loss, rank if port else None)
+                gc.collect()
                 if port:
                     dist.barrier()
                 with peak_growth() as growth:
@@ -286,7 +293,7 @@ def main() -> None:
         mem_local = _spawn_one(_memory_rank, args, plans)
         mem_dist = _spawn(_memory_rank, args, plans)
         del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        print("\npeak memory growth over one step, MiB: measured | predicted (error)")
+        print(f"\npeak memory growth over one step ({MEMORY_SCALE}x the batch), MiB: measured | predicted (error)")
         print(f"{'model':6} {'m':>3} {'schedule':8} {'where':14} {'measured':>9} {'pred.':>8} {'err':>7}")
         merr = []
         for name in args.models:
@@ -294,8 +301,9 @@ def main() -> None:
                 for s in SCHEDULES:
                     pipe = local[(name, m)][1][s][0]
                     key = f"{name} {m} {s}"
-                    sims = {"local": fxpipe.simulate(pipe, device=cpu, runtime="local"),
-                            "distributed": fxpipe.simulate(pipe, device=cpu, runtime="distributed")}
+                    batch = BATCH[name] * MEMORY_SCALE
+                    sims = {rt: fxpipe.simulate(pipe, device=cpu, runtime=rt, batch=batch)
+                            for rt in ("local", "distributed")}
                     cases = [("1 proc", mem_local[key], sims["local"].devices[0].growth)]
                     cases += [(f"2 ranks, rank {r}", mem_dist[r][key], sims["distributed"].devices[r].growth)
                               for r in range(2)]

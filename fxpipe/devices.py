@@ -50,6 +50,7 @@ class DeviceModel:
     kernel_overhead: float = 5e-6  # seconds per graph node in forward (launch, dispatch)
     backward_overhead: float = 10e-6  # seconds per graph node in backward
     action_overhead: float = 30e-6  # seconds of the runtime's own work per F, B, I or W action
+    message_overhead: float = 5e-6  # seconds of a rank's own work per message it posts (send or receive)
     step_overhead: float = 0.0  # seconds per training step (splitting inputs, the loss)
     nominal: bool = True
     source: str = ""
@@ -141,8 +142,9 @@ def calibrate_cpu(reps: int = 15) -> DeviceModel:
     """Measure this CPU at torch's current thread count: GEMM and convolution rates, memory-bound
     kernels, per-kernel overheads; about a second.
 
-    The link is gloo over loopback between two processes on this machine (measured once: about
-    60 us and 1.5 GB/s; see ``benchmarks/predict.py``).
+    The link is gloo over loopback between two processes on this machine (measured once with a
+    ping-pong: about 50 us one way and 2-4 GB/s; taken as 60 us and 1.5 GB/s, and 60 us of the
+    rank's own time to post each message).
     """
     with torch.no_grad():
         a, b = torch.randn(256, 512), torch.randn(512, 512)
@@ -167,7 +169,7 @@ def calibrate_cpu(reps: int = 15) -> DeviceModel:
         memory_bandwidth=8 / element, memory=_ram(), link_bandwidth=1.5e9, link_latency=60e-6,
         efficiency={"gemm": 1.0, "conv": conv / gemm}, d_half={"gemm": gemm_half, "conv": conv_half},
         element_seconds=element, kernel_overhead=forward, backward_overhead=max(both - forward, 0.0),
-        action_overhead=40e-6, step_overhead=200e-6, nominal=False,
+        action_overhead=40e-6, message_overhead=60e-6, step_overhead=200e-6, nominal=False,
         source=f"calibrated on this CPU with {torch.get_num_threads()} thread(s): GEMM {gemm / 1e9:.0f} "
                f"GFLOP/s, convolution {conv / 1e9:.0f} GFLOP/s, {element * 1e9:.2f} ns per element, "
                f"{forward * 1e6:.1f}/{max(both - forward, 0.0) * 1e6:.1f} us per kernel forward/backward")

@@ -9,6 +9,10 @@ Per micro-batch ``i`` of stage ``j`` (bytes from :class:`~fxpipe.stagecost.Stage
     after W     - wstore
     first backward of the stage: + grads, held to the end of the step
 
+Across ranks messages hold memory too: the values a stage sends (``pinned_f``) and the
+gradients it sends back (``pinned_b``) stay until the step's sends are flushed at its end,
+and each receive is posted one micro-batch ahead (``ahead_f``, ``ahead_b`` during F and B).
+
 A device holding several stages (one process on one CPU, or several stages per rank) adds
 theirs up in the order the actions run, so its peak is the most that is live at once, not the
 sum of each stage's peak. Parameters, gradients and optimizer state sit on top (:class:`Memory`).
@@ -84,13 +88,14 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int, device_of
         j, i = a.stage, a.mb
         ckpt = i < stop
         if a.kind == "F":
-            held[(j, i)] = c.inputs if ckpt else c.kept
-            add(j, held[(j, i)])
+            note(j, c.ahead_f + (c.inputs if ckpt else 0.0))
+            held[(j, i)] = c.inputs if ckpt else c.kept - c.pinned_f  # sent outputs stay pinned
+            add(j, held[(j, i)] + c.pinned_f)
             note(j, 0.0)
         elif a.kind in ("B", "I"):
             grads_on[j] = True
-            note(j, (c.kept if ckpt else 0.0) + c.transient)
-            add(j, -held.pop((j, i), 0.0) + (c.wstore if a.kind == "I" else 0.0))
+            note(j, (c.kept if ckpt else 0.0) + c.transient + c.ahead_b)
+            add(j, -held.pop((j, i), 0.0) + (c.wstore if a.kind == "I" else 0.0) + c.pinned_b)
             note(j, 0.0)
         elif a.kind == "W":
             note(j, c.transient / 2)

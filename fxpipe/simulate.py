@@ -13,6 +13,7 @@ soon as its inputs have arrived over the link.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -176,15 +177,21 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
     m = 1 + max(a.mb for row in actions for a in row)
     stop = checkpoint_stop(checkpoint, m)
     feeds, reads = _links(costs)
+    post = model.message_overhead if runtime == "distributed" else 0.0
+    messages = {"F": [post * (len([p for p in feeds[j] if rank_of[p] != rank_of[j]])
+                              + len([c for c in costs[j].sends if rank_of[c] != rank_of[j]])) for j in range(n)],
+                "G": [post * (len([c for c in reads[j] if rank_of[c] != rank_of[j] and j in costs[c].grads_back])
+                              + len([p for p in costs[j].grads_back if rank_of[p] != rank_of[j]])) for j in range(n)]}
 
     def duration(a: Action) -> float:
-        """Return the seconds action ``a`` takes."""
+        """Return the seconds action ``a`` takes: its work, the runtime's and the messages it posts."""
         c = costs[a.stage]
         last = 0.5 * c.loss if a.stage == n - 1 else 0.0
         redo = c.forward if a.kind in ("B", "I") and a.mb < stop else 0.0
         work = {"F": c.forward + last, "B": c.backward + redo + last,
                 "I": c.backward - c.weight + redo + last, "W": c.weight}[a.kind]
-        return work + model.action_overhead
+        talk = messages["F"][a.stage] if a.kind == "F" else messages["G"][a.stage] if a.is_backward else 0.0
+        return work + model.action_overhead + talk
 
     def delay(src: int, dst: int, kind: str, mb: int) -> float:
         """Return the seconds a message from stage ``src`` to stage ``dst`` takes."""
@@ -196,7 +203,17 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
                          device_of=[device_of[_first_stage(row, r)] for r, row in enumerate(actions)])
     spans = [Span(s.action, s.rank, s.start + model.step_overhead, s.end + model.step_overhead) for s in spans]
     step = max((s.end for s in spans), default=0.0)
-    stage_mem, dev_mem = memsim.walk(spans, costs, stop, device_of, optimizer)
+    if runtime == "distributed":  # what messages between ranks hold
+        held = [dataclasses.replace(
+            c, pinned_f=sum(b for k, b in c.sends.items() if rank_of[k] != rank_of[j]),
+            pinned_b=sum(b for k, b in c.grads_back.items() if rank_of[k] != rank_of[j]),
+            ahead_f=sum(costs[p].sends.get(j, 0.0) for p in feeds[j] if rank_of[p] != rank_of[j]),
+            ahead_b=sum(costs[k].grads_back.get(j, 0.0) for k in reads[j] if rank_of[k] != rank_of[j]))
+            for j, c in enumerate(costs)]
+    else:  # one process: a value handed to a stage on the same device is the same tensor
+        held = [dataclasses.replace(c, kept=c.kept - sum(
+            costs[p].sends.get(j, 0.0) for p in feeds[j] if device_of[p] == device_of[j])) for j, c in enumerate(costs)]
+    stage_mem, dev_mem = memsim.walk(spans, held, stop, device_of, optimizer)  # a value shared on a device once
     busy_dev = {d: sum(s.end - s.start for s in spans if device_of[s.action.stage] == d) for d in set(device_of)}
     results = [StageResult(j, device_of[j], sum(s.end - s.start for s in spans if s.action.stage == j),
                            step - busy_dev[device_of[j]], stage_mem[j]) for j in range(n)]

@@ -17,7 +17,10 @@ Bytes per micro-batch (:class:`StageCost`)::
                its inputs and its outputs
     inputs     what it holds instead when checkpointed (its inputs); B recomputes ``kept``
     wstore     what it holds from I to W: each deferred linear's input and output gradient
-    transient  the backward's own workspace: twice the largest value the stage makes
+    transient  the backward's own workspace: the largest value the stage makes (a gradient
+               as large is made while the saved values behind it are not yet freed)
+
+The model's inputs are the caller's tensors, there before the step: neither counts them.
 """
 
 from __future__ import annotations
@@ -70,6 +73,11 @@ class StageCost:
     grads: float = 0.0  # gradients of the trainable parameters
     sends: dict[int, float] = field(default_factory=dict)  # consumer stage -> bytes of values
     grads_back: dict[int, float] = field(default_factory=dict)  # producer stage -> bytes of gradients
+    # across ranks (set by the simulator): what messages hold per micro-batch
+    pinned_f: float = 0.0  # values sent to other ranks, held until the step's sends are flushed
+    pinned_b: float = 0.0  # gradients sent back to other ranks, likewise
+    ahead_f: float = 0.0  # the next micro-batch's receive buffers, posted while this one computes
+    ahead_b: float = 0.0
 
 
 def example_rows(gm: torch.fx.GraphModule) -> int | None:
@@ -189,20 +197,25 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
     size = {n.name: float(n.meta.get("fxpipe.bytes", 0) or 0) * scale for n in gm.graph.nodes}
     size[""] = sum(size[n.name] for n in gm.graph.nodes if n.op == "output")  # the model's output
     consumers = plan.consumers()
+    placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     costs = []
     for s in plan.stages:
         mine = [nodes[v] for v in s.nodes if v in nodes]
         t = [times[n.name] for n in mine if n.name in times]
         kept: dict[str, float] = {v: size.get(v, 0.0) for v in s.inputs + s.outputs}
+        for v in placeholders:  # the caller's batch: there before the step, not the stage's to hold
+            kept[v] = 0.0
         internal = 0.0
         for n in mine:
             for v, nbytes in (n.meta.get("fxpipe.retains") or {}).items():
+                if v in placeholders:
+                    continue
                 if v:
                     kept[v] = max(kept.get(v, 0.0), nbytes * scale)
                 else:
                     internal += nbytes * scale
         deferred = [n for n in mine if _deferrable(gm, n)]
-        xs = {a.name for n in deferred for a in n.args[:1] if isinstance(a, torch.fx.Node)}
+        xs = {a.name for n in deferred for a in n.args[:1] if isinstance(a, torch.fx.Node)} - placeholders
         sends: dict[int, float] = {}
         for v in s.outputs:
             for c in consumers.get(v, []):
@@ -218,9 +231,10 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
             forward=sum(x.forward for x in t), backward=sum(x.backward for x in t),
             weight=sum(x.weight for x in t),
             loss=(4 * device.kernel_overhead + 6 * out_elems * device.seconds_per_element()) if out_elems else 0.0,
-            kept=sum(kept.values()) + internal, inputs=sum(size.get(v, 0.0) for v in s.inputs),
+            kept=sum(kept.values()) + internal,
+            inputs=sum(size.get(v, 0.0) for v in s.inputs if v not in placeholders),
             wstore=sum(size.get(x, 0.0) for x in xs) + sum(size[n.name] for n in deferred),
-            transient=2 * max((size[n.name] for n in mine), default=0.0),
+            transient=max((size[n.name] for n in mine), default=0.0),
             params=params, grads=grads, sends=sends, grads_back=grads_back))
     return costs
 

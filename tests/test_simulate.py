@@ -56,23 +56,29 @@ def test_zero_bubble_moves_linear_weight_gradients_into_w():
 
 def test_checkpointing_adds_the_recomputation_and_cuts_memory():
     x = torch.randn(32, 64)
-    pipe = _pipe(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)), x, chunks=4)
+    wide = [nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64)]
+    pipe = _pipe(nn.Sequential(*wide, *wide), x, chunks=4)
     never = fxpipe.simulate(pipe, device=UNIT, checkpoint="never", runtime="distributed")
     always = fxpipe.simulate(pipe, device=UNIT, checkpoint="always", runtime="distributed")
-    assert always.step_time > never.step_time
-    assert always.stages[0].memory.activations < never.stages[0].memory.activations
+    redo = [4 * c.forward for c in never.costs]  # each rank recomputes its 4 forwards, partly overlapped
+    assert never.step_time + max(redo) <= always.step_time <= never.step_time + sum(redo)
+    for a, b in zip(always.stages, never.stages):
+        assert a.memory.activations < b.memory.activations
 
 
 def test_kept_bytes_are_what_autograd_saves_not_every_output():
-    # Linear(64, 256) -> ReLU -> Linear(256, 64) as the last stage, micro-batch of 8 rows: kept are the
-    # input x (saved by the first linear) and the ReLU's output (saved by it and the second linear), not
-    # the first linear's output; the last stage keeps the loss, not its output.
+    # Linear(64, 256) -> ReLU -> Linear(256, 64) as the last stage, micro-batch of 8 rows: autograd keeps
+    # the input x (saved by the first linear; here the caller's batch, there before the step, so not
+    # counted) and the ReLU's output (saved by it and the second linear), not the first linear's output;
+    # the last stage keeps the loss, not its output.
     x = torch.randn(32, 64)
     pipe = _pipe(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)), x, n=1, chunks=4)
     c = fxpipe.simulate(pipe, device=UNIT).costs[0]
-    assert c.kept == 4 * 8 * (64 + 256)
-    assert c.inputs == 4 * 8 * 64
-    assert c.wstore == 4 * 8 * (64 + 256) + 4 * 8 * (256 + 64)  # per linear: its input and output gradient
+    assert c.kept == 4 * 8 * 256
+    assert c.inputs == 0
+    # W holds each linear's input (the first's is the caller's) and output gradient
+    assert c.wstore == 4 * 8 * 256 + 4 * 8 * (256 + 64)
+    assert c.transient == 4 * 8 * 256  # the largest value the stage makes
 
 
 def test_local_gpipe_runs_the_last_micro_batch_s_backward_first():
