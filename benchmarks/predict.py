@@ -126,7 +126,7 @@ def whole_run(gm, rows, x):
     """Return a function timing the whole graph's forward and backward at ``rows`` rows (stored in a list)."""
     args = inputs_of_rows(gm, rows, (x,))
     got: list[tuple[float, float]] = []
-    return (lambda: got.append(whole_graph(gm, args, torch.device("cpu"), repeats=1))), got
+    return (lambda: got.append(whole_graph(gm, args, torch.device("cpu"), repeats=3))), got
 
 
 def measure_group(name: str, m: int, reps: int, rank=None, pipes=None) -> dict:
@@ -240,7 +240,7 @@ def _summary(label: str, errors: list[float]) -> str:
 def main() -> None:
     """Measure, predict, print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--models", type=lambda s: s.split(","), default=["mlp", "unet", "gpt"])
     parser.add_argument("--chunks", type=lambda s: [int(c) for c in s.split(",")], default=[2, 4, 8, 16])
     parser.add_argument("--skip", type=lambda s: s.split(","), default=[], help="parts to skip: dist,memory,plan")

@@ -138,23 +138,29 @@ def _fit(d_big: float, rate_big: float, d_small: float, rate_small: float) -> tu
     return rate_big * (d_big + half) / d_big, half
 
 
+def _layer_rate(layer: torch.nn.Module, x: torch.Tensor, reps: int) -> float:
+    """Return the FLOP/s of a layer's forward and backward (input and weight gradients, added up)."""
+    x.requires_grad_(True)
+    with torch.no_grad():
+        out = layer(x)
+    flops = 3 * 2 * out.numel() * sum(p.numel() for n, p in layer.named_parameters() if n == "weight") \
+        / (out.shape[1] if out.dim() > 2 else out.shape[-1])  # 3 GEMMs of 2 x output x (fan-in) each
+    return flops / _median(lambda: layer(x).sum().backward(), reps)
+
+
 def calibrate_cpu(reps: int = 15) -> DeviceModel:
-    """Measure this CPU at torch's current thread count: GEMM and convolution rates, memory-bound
-    kernels, per-kernel overheads; about a second.
+    """Measure this CPU at torch's current thread count: GEMM and convolution rates (a layer's
+    forward and backward), memory-bound kernels, per-kernel overheads; about a second.
 
     The link is gloo over loopback between two processes on this machine (measured once with a
     ping-pong: about 50 us one way and 2-4 GB/s; taken as 60 us and 1.5 GB/s, and 60 us of the
     rank's own time to post each message).
     """
+    gemm = _layer_rate(torch.nn.Linear(512, 512), torch.randn(256, 512), reps)
+    gemm8 = _layer_rate(torch.nn.Linear(512, 512), torch.randn(8, 512), reps * 4)
+    conv = _layer_rate(torch.nn.Conv2d(32, 32, 3, padding=1), torch.randn(8, 32, 32, 32), reps)
+    conv3 = _layer_rate(torch.nn.Conv2d(3, 16, 3, padding=1), torch.randn(8, 3, 32, 32), reps * 2)
     with torch.no_grad():
-        a, b = torch.randn(256, 512), torch.randn(512, 512)
-        gemm = 2 * 256 * 512 * 512 / _median(lambda: a @ b, reps)
-        a8 = torch.randn(8, 512)
-        gemm8 = 2 * 8 * 512 * 512 / _median(lambda: a8 @ b, reps * 4)
-        x, w = torch.randn(8, 32, 32, 32), torch.randn(32, 32, 3, 3)
-        conv = 2 * 8 * 32 * 32 * 32 * 32 * 9 / _median(lambda: F.conv2d(x, w, padding=1), reps)
-        x3, w3 = torch.randn(8, 3, 32, 32), torch.randn(16, 3, 3, 3)
-        conv3 = 2 * 8 * 16 * 32 * 32 * 3 * 9 / _median(lambda: F.conv2d(x3, w3, padding=1), reps * 2)
         big = torch.randn(1 << 20)
         element = _median(lambda: torch.relu(big), reps * 2) / big.numel()
     tiny = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(32)])

@@ -7,8 +7,9 @@
 A node timed alone runs with its inputs hot in cache and pays autograd's start-up for each
 backward; the whole graph does neither. So the profile (the ``balance_by="time"`` pass) gives
 each node's share of its pass, and one run of the whole graph gives the pass's seconds. The
-model is run on copies of its parameters and buffers: its gradients and running statistics
-are untouched.
+model is run on copies of its parameters and buffers (its gradients and running statistics
+are untouched), whose gradients accumulate from one run to the next as over a pipeline's
+micro-batches: a fresh gradient each time would also time the allocation of new memory.
 """
 
 from __future__ import annotations
@@ -78,9 +79,8 @@ def whole_graph(gm: torch.fx.GraphModule, args: tuple, device: torch.device, rep
 
     def both() -> None:
         outs = [t for t in tree_flatten(forward())[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outs and wrt:
-            loss = torch.stack([t.float().mean() for t in outs]).sum()
-            torch.autograd.grad(loss, wrt, allow_unused=True)
+        if outs and wrt:  # gradients add into the copies' .grad, as a pipeline's micro-batches do
+            torch.stack([t.float().mean() for t in outs]).sum().backward()
 
     f_times, b_times = [], []
     forward()

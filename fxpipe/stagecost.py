@@ -14,7 +14,7 @@ GEMM as large as its forward; ``I`` takes the rest of the backward.
 Bytes per micro-batch (:class:`StageCost`)::
 
     kept       what a stage holds from F to B: the values its nodes' backward saved (once each),
-               its inputs and its outputs
+               its inputs and its outputs (the last stage: what its loss saves, as much as the output)
     inputs     what it holds instead when checkpointed (its inputs); B recomputes ``kept``
     wstore     what it holds from I to W: each deferred linear's input and output gradient
     transient  the backward's own workspace: the largest value the stage makes (a gradient
@@ -186,15 +186,23 @@ def node_times(gm: torch.fx.GraphModule, device: DeviceModel, scale: float, dtyp
 def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceModel, rows: float,
                 dtype: torch.dtype | None = None, measured: Mapping[str, tuple[float, float]] | None = None
                 ) -> list[StageCost]:
-    """Return every stage's :class:`StageCost` for micro-batches of ``rows`` rows."""
+    """Return every stage's :class:`StageCost` for micro-batches of ``rows`` rows.
+
+    ``dtype`` (default: the parameters') is what activations are computed and kept in: mixed
+    precision (``torch.bfloat16`` with float32 parameters) halves their bytes, not the state's.
+    The loss (on the last stage) is taken as three memory-bound passes over the model's output.
+    """
     base = example_rows(gm) or rows
+    own = _dtype(gm)
+    dtype = dtype or own
+    item = torch.empty((), dtype=dtype).element_size()
+    bytes_scale = rows / base * item / torch.empty((), dtype=own).element_size()  # activations in ``dtype``
     scale = rows / base
-    dtype = dtype or _dtype(gm)
     if any("fxpipe.retains" not in n.meta for n in gm.graph.nodes):
         retain(gm)
     times = node_times(gm, device, scale, dtype, measured)
     nodes = {n.name: n for n in gm.graph.nodes}
-    size = {n.name: float(n.meta.get("fxpipe.bytes", 0) or 0) * scale for n in gm.graph.nodes}
+    size = {n.name: float(n.meta.get("fxpipe.bytes", 0) or 0) * bytes_scale for n in gm.graph.nodes}
     size[""] = sum(size[n.name] for n in gm.graph.nodes if n.op == "output")  # the model's output
     consumers = plan.consumers()
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
@@ -211,9 +219,9 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
                 if v in placeholders:
                     continue
                 if v:
-                    kept[v] = max(kept.get(v, 0.0), nbytes * scale)
+                    kept[v] = max(kept.get(v, 0.0), nbytes * bytes_scale)
                 else:
-                    internal += nbytes * scale
+                    internal += nbytes * bytes_scale
         deferred = [n for n in mine if _deferrable(gm, n)]
         xs = {a.name for n in deferred for a in n.args[:1] if isinstance(a, torch.fx.Node)} - placeholders
         sends: dict[int, float] = {}
@@ -226,12 +234,12 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
             if v in producer:
                 grads_back[producer[v]] = grads_back.get(producer[v], 0.0) + size.get(v, 0.0)
         params, grads = _state_bytes(gm, mine)
-        out_elems = size.get("", 0.0) / 4 if s.index == plan.n_stages - 1 else 0.0
+        out_elems = size.get("", 0.0) / item if s.index == plan.n_stages - 1 else 0.0
         costs.append(StageCost(
             forward=sum(x.forward for x in t), backward=sum(x.backward for x in t),
             weight=sum(x.weight for x in t),
-            loss=(4 * device.kernel_overhead + 6 * out_elems * device.seconds_per_element()) if out_elems else 0.0,
-            kept=sum(kept.values()) + internal,
+            loss=(4 * device.kernel_overhead + 3 * out_elems * device.seconds_per_element(item)) if out_elems else 0.0,
+            kept=sum(kept.values()) + internal + (size[""] if s.index == plan.n_stages - 1 else 0.0),
             inputs=sum(size.get(v, 0.0) for v in s.inputs if v not in placeholders),
             wstore=sum(size.get(x, 0.0) for x in xs) + sum(size[n.name] for n in deferred),
             transient=max((size[n.name] for n in mine), default=0.0),

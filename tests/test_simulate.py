@@ -70,11 +70,11 @@ def test_kept_bytes_are_what_autograd_saves_not_every_output():
     # Linear(64, 256) -> ReLU -> Linear(256, 64) as the last stage, micro-batch of 8 rows: autograd keeps
     # the input x (saved by the first linear; here the caller's batch, there before the step, so not
     # counted) and the ReLU's output (saved by it and the second linear), not the first linear's output;
-    # the last stage keeps the loss, not its output.
+    # the last stage keeps what its loss saves.
     x = torch.randn(32, 64)
     pipe = _pipe(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)), x, n=1, chunks=4)
     c = fxpipe.simulate(pipe, device=UNIT).costs[0]
-    assert c.kept == 4 * 8 * 256
+    assert c.kept == 4 * 8 * 256 + 4 * 8 * 64  # and what the loss saves: as much as the output
     assert c.inputs == 0
     # W holds each linear's input (the first's is the caller's) and output gradient
     assert c.wstore == 4 * 8 * 256 + 4 * 8 * (256 + 64)
