@@ -137,10 +137,30 @@ def measure_group(name: str, m: int, reps: int, rank=None, pipes=None) -> dict:
     fn, got = whole_run(gm, x.shape[0] // m, x)
     runs = {s: (lambda s=s: _step(*pipes[s], rank=rank)) for s in SCHEDULES}
     runs["whole graph"] = fn
+    pings: list[float] = []
+    if rank is not None:
+        runs["link"] = lambda: pings.append(ping(rank))
     med = time_group(runs, reps, barrier=rank is not None)
     med["forward"] = statistics.median(f for f, _ in got)
     med["backward"] = statistics.median(b for _, b in got)
+    med["latency"] = statistics.median(pings) if pings else 0.0
     return med
+
+
+def ping(rank: int, rounds: int = 10) -> float:
+    """Return the median one-way seconds of a small message between the two ranks."""
+    t = torch.zeros(16)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        else:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times)
 
 
 def _dist_rank(rank: int, port: int, args, plans, out: str) -> None:
@@ -248,7 +268,7 @@ def main() -> None:
     torch.set_num_threads(1)
     began = time.perf_counter()
     cpu = calibrate_cpu()
-    print(f"torch {torch.__version__}, 1 thread; device model: {cpu.source}")
+    print(f"torch {torch.__version__}, 1 thread; load average {os.getloadavg()[0]:.1f}; device model: {cpu.source}")
 
     plans, alone, local, steps = {}, {}, {}, []
     for name in args.models:
@@ -272,9 +292,10 @@ def main() -> None:
                 if res is None:
                     continue
                 times = rescale(alone[(name, m)], res["forward"], res["backward"])
+                here = cpu.replace(link_latency=res["latency"]) if res.get("latency") else cpu
                 for s in SCHEDULES:
                     rt = "local" if runtime == "1 proc" else "distributed"
-                    p1 = fxpipe.simulate(pipes[s][0], device=cpu, runtime=rt, measured=times).step_time
+                    p1 = fxpipe.simulate(pipes[s][0], device=here, runtime=rt, measured=times).step_time
                     p2 = fxpipe.simulate(pipes[s][0], device=cpu, runtime=rt).step_time
                     e1, e2 = _err(p1, res[s]), _err(p2, res[s])
                     errors["measured"].append(e1)
@@ -282,7 +303,7 @@ def main() -> None:
                     errors["measured local" if rt == "local" else "measured ranks"].append(e1)
                     steps.append((name, m, s, runtime, res[s], p1, p2))
                     print(f"{name:6} {m:3} {s:8} {runtime:8} {res[s] * 1e3:9.1f} {p1 * 1e3:8.1f} {e1:+7.1%} "
-                          f"{p2 * 1e3:8.1f} {e2:+7.1%}")
+                          f"{p2 * 1e3:8.1f} {e2:+7.1%}" + (f"  link {res['latency'] * 1e6:.0f} us" if rt != "local" else ""))
     print(_summary("predicted from measured node times", errors["measured"]))
     print(_summary("  one process", errors["measured local"]))
     print(_summary("  2 ranks", errors["measured ranks"]))
@@ -330,7 +351,7 @@ def main() -> None:
                 print(f"{name:6} #{k + 1} {c.stages} stages, chunks {c.chunks:2}, {c.schedule:5}, {c.checkpoint:11} "
                       f"predicted {c.sim.step_time * 1e3:7.1f} ms, measured {t * 1e3:7.1f} ms")
             print(f"{name:6} first choice / fastest measured: {meas[0] / min(meas):.3f}")
-    print(f"\n({time.perf_counter() - began:.0f} s)")
+    print(f"\n({time.perf_counter() - began:.0f} s; load average {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":
