@@ -230,6 +230,39 @@ def _plan_rank(rank: int, port: int, args, candidates, out: str) -> None:
     dist.destroy_process_group()
 
 
+def tiny(m: int, schedule: str, **kw):
+    """Compile a model whose compute is negligible: what is left of a step is the runtime's own cost."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    return fxpipe.compile(model, 2, example_inputs=(x,), chunks=m, schedule=schedule, checkpoint="never", **kw), x
+
+
+def _overhead_rank(rank: int, port: int, args, out: str) -> None:
+    """One rank: time the negligible model's steps at 16 chunks, every schedule."""
+    _env(rank, port)
+    runs = {}
+    for s in SCHEDULES:
+        pipe, x = tiny(16, s, runtime="distributed")
+        runs[s] = lambda p=pipe, x=x: _step(p, x, x, F.mse_loss, rank)
+    report(out, rank, time_group(runs, 15, barrier=True))
+    dist.destroy_process_group()
+
+
+def fit_message_overhead(cpu, measured: dict[str, float]) -> float:
+    """Return the seconds per message that make the negligible model's predicted steps match ``measured``."""
+    fits = []
+    for s, t in measured.items():
+        pipe, _ = tiny(16, s, devices=["cpu", "cpu"])
+        lo, hi = 0.0, 5e-3
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            step = fxpipe.simulate(pipe, device=cpu.replace(message_overhead=mid), runtime="distributed").step_time
+            lo, hi = (mid, hi) if step < t else (lo, mid)
+        fits.append((lo + hi) / 2)
+    return statistics.median(fits)
+
+
 def _spawn_one(target, *extra):
     """Run ``target(0, 0, *extra, out)`` in one fresh spawned process; return what it reported."""
     import json
@@ -269,6 +302,10 @@ def main() -> None:
     began = time.perf_counter()
     cpu = calibrate_cpu()
     print(f"torch {torch.__version__}, 1 thread; load average {os.getloadavg()[0]:.1f}; device model: {cpu.source}")
+    tiny_steps = _spawn(_overhead_rank, args)[0]
+    ranks_cpu = cpu.replace(message_overhead=fit_message_overhead(cpu, tiny_steps))
+    print(f"2 ranks: {ranks_cpu.message_overhead * 1e6:.0f} us of a rank's time per message, fitted to a model with "
+          "negligible compute (" + ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in tiny_steps.items()) + " at 16 chunks)")
 
     plans, alone, local, steps = {}, {}, {}, []
     for name in args.models:
@@ -292,11 +329,11 @@ def main() -> None:
                 if res is None:
                     continue
                 times = rescale(alone[(name, m)], res["forward"], res["backward"])
-                here = cpu.replace(link_latency=res["latency"]) if res.get("latency") else cpu
+                here = ranks_cpu.replace(link_latency=res["latency"]) if runtime != "1 proc" else cpu
                 for s in SCHEDULES:
                     rt = "local" if runtime == "1 proc" else "distributed"
                     p1 = fxpipe.simulate(pipes[s][0], device=here, runtime=rt, measured=times).step_time
-                    p2 = fxpipe.simulate(pipes[s][0], device=cpu, runtime=rt).step_time
+                    p2 = fxpipe.simulate(pipes[s][0], device=ranks_cpu if rt != "local" else cpu, runtime=rt).step_time
                     e1, e2 = _err(p1, res[s]), _err(p2, res[s])
                     errors["measured"].append(e1)
                     errors["flops"].append(e2)
@@ -338,7 +375,7 @@ def main() -> None:
         candidates, predicted = {}, {}
         for name in args.models:
             model, x, _, _ = build(name)
-            found = search(model, (x,), ranks=2, device=cpu, chunks=[1, 2, 4, 8, 16], optimizer="none", measure=True)
+            found = search(model, (x,), ranks=2, device=ranks_cpu, chunks=[1, 2, 4, 8, 16], optimizer="none", measure=True)
             top = found.ranked[:5]
             predicted[name] = top
             candidates[name] = [(found.plan(c), {"stages": c.stages, "chunks": c.chunks, "schedule": c.schedule,

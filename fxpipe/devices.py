@@ -150,19 +150,23 @@ def _layer_rate(layer: torch.nn.Module, x: torch.Tensor, reps: int) -> float:
 
 def calibrate_cpu(reps: int = 15) -> DeviceModel:
     """Measure this CPU at torch's current thread count: GEMM and convolution rates (a layer's
-    forward and backward), memory-bound kernels, per-kernel overheads; about a second.
+    forward and backward), memory-bound kernels, per-kernel overheads; under a second.
 
-    The link is gloo over loopback between two processes on this machine (measured once with a
-    ping-pong: about 50 us one way and 2-4 GB/s; taken as 60 us and 1.5 GB/s, and 60 us of the
-    rank's own time to post each message).
+    The link is gloo over loopback between two processes on this machine, measured once: a
+    ping-pong takes about 50 us one way at 2-4 GB/s (taken as 60 us and 1.5 GB/s), and the
+    distributed runtime's own cost per message (posting, waiting, waking up) came to 250-450 us
+    of a rank's time, fitted to 2-rank steps of a model with negligible compute (taken as 300 us;
+    ``benchmarks/predict.py`` fits it anew each run).
     """
     gemm = _layer_rate(torch.nn.Linear(512, 512), torch.randn(256, 512), reps)
     gemm8 = _layer_rate(torch.nn.Linear(512, 512), torch.randn(8, 512), reps * 4)
     conv = _layer_rate(torch.nn.Conv2d(32, 32, 3, padding=1), torch.randn(8, 32, 32, 32), reps)
     conv3 = _layer_rate(torch.nn.Conv2d(3, 16, 3, padding=1), torch.randn(8, 3, 32, 32), reps * 2)
-    with torch.no_grad():
-        big = torch.randn(1 << 20)
-        element = _median(lambda: torch.relu(big), reps * 2) / big.numel()
+    with torch.no_grad():  # memory-bound kernels: the median per element of five common ones
+        big, other = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        light = [lambda: torch.relu(big), lambda: F.gelu(big), lambda: big + other, lambda: big.softmax(-1),
+                 lambda: F.layer_norm(big, (1024,))]
+        element = statistics.median(_median(fn, reps) for fn in light) / big.numel()
     tiny = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(32)])
     t8 = torch.randn(8, 8)
     with torch.no_grad():
@@ -175,7 +179,7 @@ def calibrate_cpu(reps: int = 15) -> DeviceModel:
         memory_bandwidth=8 / element, memory=_ram(), link_bandwidth=1.5e9, link_latency=60e-6,
         efficiency={"gemm": 1.0, "conv": conv / gemm}, d_half={"gemm": gemm_half, "conv": conv_half},
         element_seconds=element, kernel_overhead=forward, backward_overhead=max(both - forward, 0.0),
-        action_overhead=40e-6, message_overhead=60e-6, step_overhead=200e-6, nominal=False,
+        action_overhead=40e-6, message_overhead=300e-6, step_overhead=200e-6, nominal=False,
         source=f"calibrated on this CPU with {torch.get_num_threads()} thread(s): GEMM {gemm / 1e9:.0f} "
                f"GFLOP/s, convolution {conv / 1e9:.0f} GFLOP/s, {element * 1e9:.2f} ns per element, "
                f"{forward * 1e6:.1f}/{max(both - forward, 0.0) * 1e6:.1f} us per kernel forward/backward")

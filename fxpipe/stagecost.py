@@ -103,7 +103,8 @@ def _shape(node: Any) -> tuple[int, ...] | None:
 
 
 def _kernel(gm: torch.fx.GraphModule, node: torch.fx.Node, scale: float) -> tuple[str, float | None]:
-    """Return the node's kind of kernel (``gemm``, ``conv``, ``other``) and its smallest GEMM dimension."""
+    """Return the node's kind of kernel (``gemm``, ``conv``, ``other``) and its smallest GEMM dimension
+    (for a convolution: input channels x kernel size, which its efficiency follows on CPUs)."""
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
         if isinstance(mod, nn.Linear):
@@ -111,8 +112,7 @@ def _kernel(gm: torch.fx.GraphModule, node: torch.fx.Node, scale: float) -> tupl
             rows = (_numel(out) / mod.out_features * scale) if out else None
             return "gemm", min(d for d in (rows, mod.in_features, mod.out_features) if d is not None)
         if isinstance(mod, nn.modules.conv._ConvNd):
-            k = mod.in_channels // mod.groups * _numel(tuple(mod.kernel_size))
-            return "conv", float(min(k, mod.out_channels))
+            return "conv", float(mod.in_channels // mod.groups * _numel(tuple(mod.kernel_size)))
         heavy = (node.meta.get("fxpipe.flops", 0) or 0) > 16 * _numel(_shape(node) or (1,))
         return ("gemm", None) if heavy else ("other", None)
     if node.op not in ("call_function", "call_method"):
@@ -121,7 +121,7 @@ def _kernel(gm: torch.fx.GraphModule, node: torch.fx.Node, scale: float) -> tupl
     args = [a for a in node.args if isinstance(a, torch.fx.Node)]
     if name in _CONV_FUNCTIONS and len(args) > 1 and _shape(args[1]):
         w = _shape(args[1]) or ()
-        return "conv", float(min(_numel(w[1:]), w[0]))
+        return "conv", float(_numel(w[1:]))  # input channels (per group) x kernel size
     if name in _GEMM_FUNCTIONS or (name == "matmul" or node.target is __import__("operator").matmul):
         shapes = [s for s in (_shape(a) for a in args[:2]) if s]
         if name == "linear" and len(shapes) == 2:
