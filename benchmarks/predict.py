@@ -369,7 +369,7 @@ def main() -> None:
                         merr.append(_err(pred, meas))
                         print(f"{name:6} {m:3} {s:8} {where:14} {meas / 2**20:9.1f} {pred / 2**20:8.1f} "
                               f"{merr[-1]:+7.1%}")
-        print(_summary("memory", merr))
+        print(_summary("memory", merr) + f"; {sum(abs(e) <= 0.15 for e in merr)} of {len(merr)} within 15%")
 
     if "plan" not in args.skip:
         candidates, predicted = {}, {}

@@ -17,8 +17,8 @@ Bytes per micro-batch (:class:`StageCost`)::
                its inputs and its outputs (the last stage: what its loss saves, as much as the output)
     inputs     what it holds instead when checkpointed (its inputs); B recomputes ``kept``
     wstore     what it holds from I to W: each deferred linear's input and output gradient
-    transient  the backward's own workspace: the largest value the stage makes (a gradient
-               as large is made while the saved values behind it are not yet freed)
+    transient  the backward's own workspace: at most one node's output gradient and its inputs'
+               gradients at once, before the saved values behind them are freed
 
 The model's inputs are the caller's tensors, there before the step: neither counts them.
 """
@@ -242,7 +242,8 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
             kept=sum(kept.values()) + internal + (size[""] if s.index == plan.n_stages - 1 else 0.0),
             inputs=sum(size.get(v, 0.0) for v in s.inputs if v not in placeholders),
             wstore=sum(size.get(x, 0.0) for x in xs) + sum(size[n.name] for n in deferred),
-            transient=max((size[n.name] for n in mine), default=0.0),
+            transient=max((size[n.name] + sum(size.get(a.name, 0.0) for a in n.all_input_nodes
+                                               if a.name not in placeholders) for n in mine), default=0.0),
             params=params, grads=grads, sends=sends, grads_back=grads_back))
     return costs
 
