@@ -78,7 +78,7 @@ def test_kept_bytes_are_what_autograd_saves_not_every_output():
     assert c.inputs == 0
     # W holds each linear's input (the first's is the caller's) and output gradient
     assert c.wstore == 4 * 8 * 256 + 4 * 8 * (256 + 64)
-    assert c.transient == 4 * 8 * 256  # the largest value the stage makes
+    assert c.transient == 4 * 8 * (256 + 256)  # the ReLU's output gradient and its input's, at once
 
 
 def test_local_gpipe_runs_the_last_micro_batch_s_backward_first():
