@@ -22,17 +22,21 @@ Two ways to run the lists:
 
 The result is a list of :class:`Span` (start and end seconds of each action), the input of
 the memory walk (:mod:`fxpipe.memsim`) and of the Chrome trace (:mod:`fxpipe.simulate`).
+:func:`schedule_rows` turns a schedule's name (or your own action lists) into the lists per
+rank, with the ranks of :func:`placement_map`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fxpipe.errors import ScheduleError
-from fxpipe.runtime.actionlist import COMPUTE, Action, clocks
+from fxpipe.runtime.actionlist import COMPUTE, Action, check, clocks, load_schedule
+from fxpipe.runtime.schedule import SCHEDULES
 
-__all__ = ["Span", "default_links", "run"]
+__all__ = ["Span", "default_links", "placement_map", "run", "schedule_rows"]
 
 # (stage that sends, stage that receives, "F" for values or "B" for gradients, micro-batch) -> seconds
 Delay = Callable[[int, int, str, int], float]
@@ -155,3 +159,41 @@ def _clocked(rows: list[list[Action]], n: int, ready: Callable, duration: Callab
             done[a.key] = free[d] = end
         begin = max(free.values())
     return spans
+
+
+def placement_map(placement: str | Sequence[int] | None, n: int, world: int | None) -> list[int]:
+    """Return the rank of each of ``n`` stages: one each, ``"loop"`` (stage s on rank s mod world),
+    ``"V"`` (down the ranks and back up), or an explicit list."""
+    if placement is None:
+        return list(range(n))
+    if not isinstance(placement, str):
+        if len(placement) != n:
+            raise ValueError(f"placement lists {len(placement)} ranks for {n} stages; give one rank per stage")
+        return [int(r) for r in placement]
+    w = world or n
+    if placement == "loop":
+        return [s % w for s in range(n)]
+    if placement == "V":
+        return [s % w if (s // w) % 2 == 0 else w - 1 - s % w for s in range(n)]
+    raise ValueError(f"placement={placement!r}; use 'loop', 'V', or a list of one rank per stage")
+
+
+def schedule_rows(schedule: Any, n: int, m: int, placement: Any, ranks: int | None
+             ) -> tuple[str, list[list[Action]], list[int]]:
+    """Return a schedule's name (``"custom"`` for your own action lists), its action lists per rank,
+    and the rank of each stage."""
+    if isinstance(schedule, str) and schedule in SCHEDULES:
+        rank_of = placement_map(placement, n, ranks)
+        per_stage = SCHEDULES[schedule](n, m)
+        world = max(rank_of) + 1
+        rows: list[list[Action]] = [[] for _ in range(world)]
+        for j, acts in enumerate(per_stage):  # one stage per rank; several only for a custom order
+            rows[rank_of[j]] += acts
+        if world != n:
+            raise ValueError(f"schedule={schedule!r} runs one stage per rank; for placement={placement!r} "
+                             "give the schedule's action lists per rank")
+        return schedule, rows, rank_of
+    rows = load_schedule(schedule)
+    check(rows, n, m)
+    owner = {a.stage: r for r, row in enumerate(rows) for a in row}
+    return "custom", rows, [owner[j] for j in range(n)]

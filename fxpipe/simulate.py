@@ -27,13 +27,12 @@ from fxpipe.devices import DeviceModel, device_model
 from fxpipe.eventsim import Span
 from fxpipe.memsim import Memory
 from fxpipe.plan import PipelinePlan, human
-from fxpipe.runtime.actionlist import Action, check, load_schedule
+from fxpipe.runtime.actionlist import Action
 from fxpipe.runtime.checkpoint import checkpoint_stop
-from fxpipe.runtime.schedule import SCHEDULES
 from fxpipe.stagecost import StageCost, example_rows, graph_costs, plan_costs
 from fxpipe.tools.recorder import Timeline
 
-__all__ = ["Simulation", "StageResult", "placement_map", "run", "simulate"]
+__all__ = ["Simulation", "StageResult", "run", "simulate"]
 
 log = logging.getLogger(__name__)
 
@@ -107,28 +106,12 @@ class Simulation:
         return self.table()
 
 
-def placement_map(placement: str | Sequence[int] | None, n: int, world: int | None) -> list[int]:
-    """Return the rank of each of ``n`` stages: one each, ``"loop"`` (stage s on rank s mod world),
-    ``"V"`` (down the ranks and back up), or an explicit list."""
-    if placement is None:
-        return list(range(n))
-    if not isinstance(placement, str):
-        if len(placement) != n:
-            raise ValueError(f"placement lists {len(placement)} ranks for {n} stages; give one rank per stage")
-        return [int(r) for r in placement]
-    w = world or n
-    if placement == "loop":
-        return [s % w for s in range(n)]
-    if placement == "V":
-        return [s % w if (s // w) % 2 == 0 else w - 1 - s % w for s in range(n)]
-    raise ValueError(f"placement={placement!r}; use 'loop', 'V', or a list of one rank per stage")
-
-
 def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = None,
              checkpoint: str | None = None, device: str | DeviceModel | None = None,
              runtime: str | None = None, batch: int | None = None, optimizer: str = "none",
              dtype: torch.dtype | None = None, placement: str | Sequence[int] | None = None,
-             ranks: int | None = None, measured: dict[str, tuple[float, float]] | None = None) -> Simulation:
+             ranks: int | None = None, measured: bool | dict[str, tuple[float, float]] | None = None
+             ) -> Simulation:
     """Predict one training step of a compiled pipe (or a plan) without running it.
 
     ``schedule``, ``chunks`` and ``checkpoint`` default to the plan's; ``schedule`` also takes
@@ -140,7 +123,8 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     simulated on an accelerator model runs a rank per stage. ``batch`` is the
     mini-batch in rows (default: the example batch). ``optimizer`` (``"sgd"``, ``"momentum"``,
     ``"adam"``) adds its state to the memory. ``measured`` maps node names to measured
-    ``(forward, backward)`` seconds per micro-batch (:func:`fxpipe.measure.measure_nodes`);
+    ``(forward, backward)`` seconds per micro-batch (:func:`fxpipe.measure.measure_nodes`), or
+    is ``True`` to measure them now, on this machine (random inputs of the annotated shapes);
     other nodes come from the device model's FLOP rates.
     """
     gm, plan = _graph_and_plan(pipe_or_plan)
@@ -153,11 +137,16 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     base = (example_rows(gm) if gm is not None else None) or batch or chunks
     batch = batch or base
     m = min(chunks, batch)
+    if measured is True:
+        if gm is None:
+            raise ValueError("measured=True times the model's nodes; pass the compiled Pipe, not a plan")
+        from fxpipe.measure import measure_nodes
+        measured = measure_nodes(gm, max(round(batch / m), 1))
     if gm is not None:
-        costs = graph_costs(gm, plan, model, batch / m, dtype, measured)
+        costs = graph_costs(gm, plan, model, batch / m, dtype, measured or None)
     else:
         costs = plan_costs(plan, model, m, batch / base, dtype or torch.float32)
-    name, actions, rank_of = _actions(schedule if schedule is not None else plan.schedule, n, m, placement, ranks)
+    name, actions, rank_of = eventsim.schedule_rows(schedule if schedule is not None else plan.schedule, n, m, placement, ranks)
     device_of = _local_devices(plan, model, rank_of) if runtime == "local" else rank_of
     if runtime == "local" and name == "gpipe":  # one process: autograd's backward, last micro-batch first
         actions = [[a for a in row if a.kind == "F"] + [a for a in reversed(row) if a.kind != "F"] for row in actions]
@@ -243,26 +232,6 @@ def _default_device(plan: PipelinePlan) -> str:
         return "cpu"
     raise ValueError("the plan runs on accelerators; name a device model: device='a100', 'h100', 'h200' "
                      "or a fxpipe.devices.DeviceModel")
-
-
-def _actions(schedule: Any, n: int, m: int, placement: Any, ranks: int | None
-             ) -> tuple[str, list[list[Action]], list[int]]:
-    """Return the schedule's name, its action lists per rank, and the rank of each stage."""
-    if isinstance(schedule, str) and schedule in SCHEDULES:
-        rank_of = placement_map(placement, n, ranks)
-        per_stage = SCHEDULES[schedule](n, m)
-        world = max(rank_of) + 1
-        rows: list[list[Action]] = [[] for _ in range(world)]
-        for j, acts in enumerate(per_stage):  # one stage per rank; several only for a custom order
-            rows[rank_of[j]] += acts
-        if world != n:
-            raise ValueError(f"schedule={schedule!r} runs one stage per rank; for placement={placement!r} "
-                             "give the schedule's action lists per rank")
-        return schedule, rows, rank_of
-    rows = load_schedule(schedule)
-    check(rows, n, m)
-    owner = {a.stage: r for r, row in enumerate(rows) for a in row}
-    return "custom", rows, [owner[j] for j in range(n)]
 
 
 def _default_runtime(plan: PipelinePlan, model: DeviceModel) -> str:

@@ -8,7 +8,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.devices import NOMINAL, DeviceModel, device_model, parse_bytes
-from fxpipe.simulate import placement_map
+from fxpipe.eventsim import placement_map
 
 # A device where a GEMM FLOP and an element take known times and nothing else costs anything.
 UNIT = DeviceModel("unit", {"float32": 1e9}, memory_bandwidth=8e9, memory=1e12, link_bandwidth=1e9,
@@ -148,3 +148,12 @@ def test_cpu_model_is_calibrated_here():
 def test_simulate_refuses_what_it_cannot_read():
     with pytest.raises(TypeError, match="Pipe, a PipelinePlan"):
         fxpipe.simulate(nn.Linear(2, 2))
+
+
+def test_measured_true_times_the_nodes_here():
+    x = torch.randn(32, 64)
+    pipe = _pipe(_mlp(), x, chunks=4)
+    sim = fxpipe.simulate(pipe, device=UNIT, measured=True)
+    assert sim.costs[0].forward > 0 and sim.costs[0].forward != fxpipe.simulate(pipe, device=UNIT).costs[0].forward
+    with pytest.raises(ValueError, match="pass the compiled Pipe"):
+        fxpipe.simulate(pipe.plan, device=UNIT, measured=True)

@@ -23,13 +23,14 @@ from torch import nn
 
 from fxpipe import passes
 from fxpipe.devices import DeviceModel, device_model
+from fxpipe.eventsim import placement_map
 from fxpipe.frontend import _annotate
 from fxpipe.measure import measure_nodes
 from fxpipe.passes.retain import retain
 from fxpipe.plan import PipelinePlan
 from fxpipe.runtime.microbatch import micro_sizes
 from fxpipe.runtime.schedule import SCHEDULES
-from fxpipe.simulate import Simulation, placement_map, run
+from fxpipe.simulate import Simulation, run
 from fxpipe.stagecost import example_rows, graph_costs
 from fxpipe.stages import make_plan, split_stages
 from fxpipe.tracing import trace
