@@ -179,21 +179,31 @@ def placement_map(placement: str | Sequence[int] | None, n: int, world: int | No
 
 
 def schedule_rows(schedule: Any, n: int, m: int, placement: Any, ranks: int | None
-             ) -> tuple[str, list[list[Action]], list[int]]:
+                  ) -> tuple[str, list[list[Action]], list[int]]:
     """Return a schedule's name (``"custom"`` for your own action lists), its action lists per rank,
-    and the rank of each stage."""
+    and the rank of each stage.
+
+    A built-in producer's lists are per stage (one stage per rank), or already per rank when
+    they mix stages (a producer for several stages per rank): then the lists say the placement.
+    """
     if isinstance(schedule, str) and schedule in SCHEDULES:
+        produced = SCHEDULES[schedule](n, m)
+        if any(a.stage != r for r, row in enumerate(produced) for a in row):  # rows per rank already
+            return schedule, produced, _owners(produced, n)
         rank_of = placement_map(placement, n, ranks)
-        per_stage = SCHEDULES[schedule](n, m)
-        world = max(rank_of) + 1
-        rows: list[list[Action]] = [[] for _ in range(world)]
-        for j, acts in enumerate(per_stage):  # one stage per rank; several only for a custom order
-            rows[rank_of[j]] += acts
-        if world != n:
+        if max(rank_of) + 1 != n:
             raise ValueError(f"schedule={schedule!r} runs one stage per rank; for placement={placement!r} "
                              "give the schedule's action lists per rank")
+        rows: list[list[Action]] = [[] for _ in range(n)]
+        for j, acts in enumerate(produced):
+            rows[rank_of[j]] += acts
         return schedule, rows, rank_of
     rows = load_schedule(schedule)
     check(rows, n, m)
+    return "custom", rows, _owners(rows, n)
+
+
+def _owners(rows: list[list[Action]], n: int) -> list[int]:
+    """Return the rank whose list holds each stage's actions."""
     owner = {a.stage: r for r, row in enumerate(rows) for a in row}
-    return "custom", rows, [owner[j] for j in range(n)]
+    return [owner.get(j, j) for j in range(n)]

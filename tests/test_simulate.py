@@ -157,3 +157,14 @@ def test_measured_true_times_the_nodes_here():
     assert sim.costs[0].forward > 0 and sim.costs[0].forward != fxpipe.simulate(pipe, device=UNIT).costs[0].forward
     with pytest.raises(ValueError, match="pass the compiled Pipe"):
         fxpipe.simulate(pipe.plan, device=UNIT, measured=True)
+
+
+def test_a_schedule_with_several_stages_per_rank_simulates_from_its_rows():
+    # 4 stages looped over 2 ranks ("loop": stage s on rank s % 2), one micro-batch
+    x = torch.randn(8, 64)
+    pipe = _pipe(_mlp(layers=4), x, n=4, chunks=1)
+    rows = "0F0 2F0 2B0 0B0\n1F0 3F0 3B0 1B0"
+    sim = fxpipe.simulate(pipe, schedule=rows, device=UNIT, runtime="distributed")
+    assert [s.rank for s in sim.stages] == [0, 1, 0, 1] and len(sim.devices) == 2
+    one_each = fxpipe.simulate(pipe, schedule="gpipe", device=UNIT, runtime="distributed")
+    assert sim.step_time == pytest.approx(one_each.step_time, rel=1e-9)  # m = 1: the same chain
