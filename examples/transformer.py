@@ -65,6 +65,13 @@ def factory() -> tuple[nn.Module, tuple[torch.Tensor]]:
     return GPT(), (torch.randint(0, 256, (8, 32)),)
 
 
+def gpt_medium() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """Return a GPT-2-medium-sized model (24 layers, d=1024, 350M parameters) and 8 sequences of 1024
+    tokens, for planning (``fxpipe plan examples/transformer.py:gpt_medium ...``)."""
+    torch.manual_seed(0)
+    return GPT(vocab=50304, d=1024, layers=24, heads=16, seq=1024), (torch.randint(0, 50304, (8, 1024)),)
+
+
 def main() -> None:
     """Compile, print the plan, run one training step and compare with eager."""
     model, (tokens,) = factory()

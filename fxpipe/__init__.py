@@ -14,6 +14,7 @@ from fxpipe.materialize import materialize
 from fxpipe.checkpointing import load, load_state_dict, save
 from fxpipe.pipe import Pipe
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
+from fxpipe.simulate import Simulation, simulate
 from fxpipe.tools.recorder import Timeline, timeline
 from fxpipe.tracing import trace
 from fxpipe.training import clip_grad_norm_, grad_scaler
@@ -33,6 +34,7 @@ __all__ = [
     "PlanMismatchError",
     "PropagationError",
     "ScheduleError",
+    "Simulation",
     "SkipRoute",
     "StagePlan",
     "Timeline",
@@ -47,6 +49,7 @@ __all__ = [
     "load_state_dict",
     "materialize",
     "save",
+    "simulate",
     "testing",
     "timeline",
     "trace",

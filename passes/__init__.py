@@ -13,6 +13,7 @@ from fxpipe.passes.order import candidate_orders
 from fxpipe.passes.partition import (Partition, assign_by_name, assign_stages, balanced_cut, compute_nodes, node_cost,
                               partition, partition_at, stage_costs)
 from fxpipe.passes.profile import profile
+from fxpipe.passes.retain import retain
 from fxpipe.passes.infer import value_specs
 from fxpipe.passes.split import Route, StageGraph, split
 
@@ -44,6 +45,7 @@ __all__ = [
     "partition",
     "partition_at",
     "profile",
+    "retain",
     "plan_mutations",
     "split",
     "stage_costs",

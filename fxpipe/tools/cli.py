@@ -1,6 +1,8 @@
-"""The ``fxpipe`` command: ``fxpipe inspect MODEL --stages N`` shows what the compiler did.
+"""The ``fxpipe`` command: ``fxpipe inspect MODEL --stages N`` shows what the compiler did;
+``fxpipe plan MODEL --ranks N`` chooses a configuration (:mod:`fxpipe.tools.plancmd`).
 
     fxpipe inspect examples/unet.py:factory --stages 4 --chunks 4 --dot unet.svg --timeline t.json
+    fxpipe plan examples/transformer.py:factory --ranks 4 --device h100 --memory 80GB
 
 ``MODEL`` is ``path/to/file.py:factory`` or ``package.module:factory``; ``factory()`` returns
 a model or ``(model, example_inputs)``. Exit status: 0 on success, 1 when the model cannot be
@@ -17,6 +19,7 @@ import os
 import sys
 from typing import Any, Sequence
 
+from fxpipe.tools import plancmd
 from fxpipe.tools.factory import EXAMPLE, FactoryError, ModelSpecError, make_model
 
 
@@ -89,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--traceback", action="store_true", help="show Python tracebacks of unexpected errors")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the compiler does")
     p.set_defaults(run=_inspect)
+    plancmd.register(commands, _positive, _names, _shape)
     return parser
 
 

@@ -1,0 +1,109 @@
+"""Walk a simulated step and account each stage's memory as its actions take and free it.
+
+Per micro-batch ``i`` of stage ``j`` (bytes from :class:`~fxpipe.stagecost.StageCost`)::
+
+    after F     + kept                  (checkpointed micro-batches: + inputs instead)
+    during B/I  + kept, recomputed      (checkpointed only) + transient (the backward's workspace)
+    after B     - what F added
+    after I     - what F added, + wstore    (the linears' inputs and output gradients W needs)
+    after W     - wstore
+    first backward of the stage: + grads, held to the end of the step
+
+Across ranks messages hold memory too: the values a stage sends (``pinned_f``) and the
+gradients it sends back (``pinned_b``) stay until the step's sends are flushed at its end,
+and each receive is posted one micro-batch ahead (``ahead_f``, ``ahead_b`` during F and B).
+
+A device holding several stages (one process on one CPU, or several stages per rank) adds
+theirs up in the order the actions run, so its peak is the most that is live at once, not the
+sum of each stage's peak. Parameters, gradients and optimizer state sit on top (:class:`Memory`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fxpipe.eventsim import Span
+from fxpipe.stagecost import StageCost
+
+__all__ = ["OPTIMIZER_STATES", "Memory", "walk"]
+
+# Bytes of optimizer state per byte of trainable parameters: SGD with momentum keeps one
+# buffer, Adam two (its moments, in the parameters' dtype).
+OPTIMIZER_STATES = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+
+
+@dataclass
+class Memory:
+    """A stage's (or device's) peak memory in bytes, and what it is made of."""
+
+    params: float = 0.0  # parameters and buffers
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0  # the most activations (and backward workspace) live at once
+    growth: float = 0.0  # the most a step adds over what is live before it: gradients + activations
+
+    @property
+    def peak(self) -> float:
+        """Return the peak: state plus the most activations live at once."""
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int, device_of: Sequence[int],
+         optimizer: str = "none") -> tuple[list[Memory], dict[int, Memory]]:
+    """Return each stage's :class:`Memory` and each device's, from the spans of one step.
+
+    Micro-batches below ``stop`` are checkpointed; ``device_of[j]`` names stage ``j``'s device.
+    """
+    states = OPTIMIZER_STATES.get(optimizer)
+    if states is None:
+        raise ValueError(f"optimizer={optimizer!r}; use one of {', '.join(map(repr, OPTIMIZER_STATES))}")
+    n = len(costs)
+    live = [0.0] * n  # activations held per stage
+    peak = [0.0] * n
+    growth = [0.0] * n
+    grads_on = [False] * n
+    held: dict[tuple[int, int], float] = {}
+    devices = sorted(set(device_of))
+    dev_live = {d: 0.0 for d in devices}
+    dev_peak = {d: 0.0 for d in devices}
+    dev_growth = {d: 0.0 for d in devices}
+
+    def note(j: int, extra: float) -> None:
+        """Record stage ``j``'s live bytes (plus ``extra`` in flight) as a candidate peak."""
+        d = device_of[j]
+        peak[j] = max(peak[j], live[j] + extra)
+        growth[j] = max(growth[j], live[j] + extra + (costs[j].grads if grads_on[j] else 0.0))
+        dev_peak[d] = max(dev_peak[d], dev_live[d] + extra)
+        dev_growth[d] = max(dev_growth[d], dev_live[d] + extra + sum(
+            costs[k].grads for k in range(n) if grads_on[k] and device_of[k] == d))
+
+    def add(j: int, nbytes: float) -> None:
+        """Change stage ``j``'s live activations by ``nbytes``."""
+        live[j] += nbytes
+        dev_live[device_of[j]] += nbytes
+
+    for span in sorted(spans, key=lambda s: (s.start, s.end)):
+        a, c = span.action, costs[span.action.stage]
+        j, i = a.stage, a.mb
+        ckpt = i < stop
+        if a.kind == "F":
+            note(j, c.ahead_f + (c.inputs if ckpt else 0.0))
+            held[(j, i)] = c.inputs if ckpt else c.kept - c.pinned_f  # sent outputs stay pinned
+            add(j, held[(j, i)] + c.pinned_f)
+            note(j, 0.0)
+        elif a.kind in ("B", "I"):
+            grads_on[j] = True
+            note(j, (c.kept if ckpt else 0.0) + c.transient + c.ahead_b)
+            add(j, -held.pop((j, i), 0.0) + (c.wstore if a.kind == "I" else 0.0) + c.pinned_b)
+            note(j, 0.0)
+        elif a.kind == "W":
+            note(j, c.transient / 2)
+            add(j, -c.wstore)
+    stages = [Memory(c.params, c.grads, states * c.grads, peak[j], growth[j]) for j, c in enumerate(costs)]
+    per_device = {}
+    for d in devices:
+        mine = [j for j in range(n) if device_of[j] == d]
+        per_device[d] = Memory(sum(costs[j].params for j in mine), sum(costs[j].grads for j in mine),
+                               sum(states * costs[j].grads for j in mine), dev_peak[d], dev_growth[d])
+    return stages, per_device

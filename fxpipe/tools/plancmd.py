@@ -1,0 +1,138 @@
+"""``fxpipe plan MODEL --ranks N --device D --memory M``: simulate the configurations, print the best, save one.
+
+    fxpipe plan examples/transformer.py:factory --ranks 4 --device h100 --memory 80GB --global-batch 512
+
+Prints the fastest configurations that fit the memory budget (predicted step time,
+throughput, bubble and each rank's peak memory), how many were rejected over the budget, and
+the first choice's per-stage breakdown; ``--json FILE`` saves its plan for
+``fxpipe.compile(plan=FILE)`` or ``fxpipe inspect --plan FILE``; ``--trace FILE`` writes its
+simulated timeline as a Chrome trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tabulate import tabulate
+
+from fxpipe.plan import human
+
+__all__ = ["register"]
+
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+           "fp16": "float16", "float16": "float16", "tf32": "tfloat32"}
+
+
+def register(commands: Any, positive: Any, names: Any, shape: Any) -> None:
+    """Add the ``plan`` subcommand to ``commands`` (the ``fxpipe`` parser's subparsers)."""
+    p = commands.add_parser(
+        "plan", help="predict step time and memory of every configuration and choose one",
+        description="Simulate MODEL's pipeline configurations (stages, chunks, schedule, checkpointing) on "
+                    "a device model and print the fastest that fit the memory budget.",
+        epilog="example: fxpipe plan examples/transformer.py:factory --ranks 4 --device h100 --memory 80GB "
+               "--global-batch 512 --json best.json")
+    p.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory; "
+                   "factory() returns a model and example inputs")
+    p.add_argument("--ranks", type=positive, required=True, metavar="N", help="devices to spread the pipeline over")
+    p.add_argument("--device", default="cpu", metavar="NAME",
+                   help="device model: a100, h100, h200 (nominal spec-sheet numbers) or cpu (this machine, "
+                        "calibrated now); default cpu")
+    p.add_argument("--memory", metavar="SIZE", help="memory budget per device, e.g. 80GB (default: the device's)")
+    p.add_argument("--global-batch", type=positive, metavar="B", help="rows per step (default: the example batch)")
+    p.add_argument("--stages", type=_ints, metavar="N,...", help="stage counts to try (default: divisors of --ranks)")
+    p.add_argument("--chunks", type=_ints, metavar="M,...", help="micro-batch counts to try (default: 1, 2, 4, ... 64)")
+    p.add_argument("--schedules", type=names, default=["gpipe", "1f1b", "zb"], metavar="A,B",
+                   help="schedules to try (default: gpipe,1f1b,zb)")
+    p.add_argument("--checkpoint", type=names, default=["never", "except_last", "always"], metavar="A,B",
+                   help="checkpoint modes to try (default: all three)")
+    p.add_argument("--optimizer", default="adam", choices=["none", "sgd", "momentum", "adam", "adamw"],
+                   help="optimizer whose state counts against memory (default adam)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), help="training dtype for the FLOP rate (default: the model's)")
+    p.add_argument("--measure", action="store_true",
+                   help="time every node on this machine per micro-batch size instead of FLOP rates (--device cpu)")
+    p.add_argument("--top", type=positive, default=10, metavar="K", help="configurations to print (default 10)")
+    p.add_argument("--json", metavar="FILE", help="save the first choice's plan as JSON")
+    p.add_argument("--trace", metavar="FILE", help="write the first choice's simulated step as a Chrome trace")
+    p.add_argument("--leaf-modules", type=names, metavar="A,B", help="submodules to keep as one call")
+    p.add_argument("--input-shape", type=shape, action="append", metavar="8,3,224,224",
+                   help="a random float input of this shape (repeat for several inputs)")
+    p.add_argument("--traceback", action="store_true", help="show Python tracebacks of unexpected errors")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the planner does")
+    p.set_defaults(run=run)
+
+
+def _ints(text: str) -> list[int]:
+    """Parse a comma-separated list of positive integers."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive integers, e.g. 2,4,8")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    """Search the configurations, print the best, save what was asked; return the exit status."""
+    import torch
+
+    from fxpipe.devices import device_model, parse_bytes
+    from fxpipe.tools.cli import Failure, UsageError
+    from fxpipe.tools.factory import make_model
+    from fxpipe.tools.planner import CHECKPOINTS, SCHEDULE_NAMES, search
+
+    for s in args.schedules:
+        if s not in SCHEDULE_NAMES:
+            raise UsageError(f"--schedules: {s!r} is not a schedule; use some of {','.join(SCHEDULE_NAMES)}")
+    for c in args.checkpoint:
+        if c not in CHECKPOINTS:
+            raise UsageError(f"--checkpoint: {c!r} is not a mode; use some of {','.join(CHECKPOINTS)}")
+    try:
+        memory = parse_bytes(args.memory) if args.memory else None
+        device = device_model(args.device)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.measure and device.name != "cpu":
+        raise UsageError("--measure times nodes on this machine; use it with --device cpu")
+    model, inputs, kwargs = make_model(args.model, args.input_shape)
+    if inputs is None:
+        raise UsageError("planning needs example inputs: return (model, example_inputs) from the factory "
+                         "or pass --input-shape")
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype and args.dtype != "tf32" else None
+    if args.dtype == "tf32":
+        device = device.replace(peak_flops=device.peak_flops | {"float32": device.peak_flops.get("tfloat32", 0.0)})
+    found = search(model, inputs, ranks=args.ranks, device=device, memory=memory, batch=args.global_batch,
+                   kwargs=kwargs or None, stages=args.stages, chunks=args.chunks, schedules=args.schedules,
+                   checkpoints=args.checkpoint, optimizer=args.optimizer, dtype=dtype, measure=args.measure,
+                   leaf_modules=args.leaf_modules or ())
+    total = len(found.ranked) + len(found.rejected)
+    print(f"{type(model).__name__} ({args.model}) on {args.ranks} x {device.name}"
+          f"{' (nominal)' if device.nominal else ' (calibrated here)'}, {human(found.memory, 'B')} per device, "
+          f"global batch {found.batch}, optimizer {args.optimizer}: {total} configurations, "
+          f"{len(found.rejected)} over the memory budget")
+    if not found.ranked:
+        smallest = min(found.rejected, key=lambda c: max(c.peaks))
+        raise Failure(f"no configuration fits in {human(found.memory, 'B')} per device; the smallest needs "
+                      f"{human(max(smallest.peaks), 'B')} ({_describe(smallest)}); raise --memory or add --ranks")
+    rows = [[k + 1, c.stages, c.chunks, f"{found.batch / c.chunks:g}", c.schedule, c.checkpoint,
+             f"{c.sim.step_time * 1e3:.2f}", f"{c.sim.throughput:.1f}", f"{c.sim.bubble:.0%}",
+             " ".join(human(p, "B") for p in c.peaks)] for k, c in enumerate(found.ranked[:args.top])]
+    print(tabulate(rows, headers=["#", "stages", "chunks", "rows", "schedule", "checkpoint", "step ms",
+                                  "samples/s", "bubble", "peak memory per rank"], tablefmt="simple"))
+    best = found.ranked[0]
+    print(f"first choice: {_describe(best)}")
+    print(best.sim.table())
+    if args.json:
+        found.plan(best).save(args.json)
+        print(f"plan saved to {args.json}: fxpipe.compile(model, {best.stages}, plan={args.json!r}, "
+              f"chunks={best.chunks}, schedule={best.schedule!r}, checkpoint={best.checkpoint!r})")
+    if args.trace:
+        best.sim.timeline().save(args.trace)
+        print(f"simulated timeline saved to {args.trace} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def _describe(c: Any) -> str:
+    """Name a configuration in one phrase."""
+    return f"{c.stages} stages, chunks={c.chunks}, schedule={c.schedule!r}, checkpoint={c.checkpoint!r}"

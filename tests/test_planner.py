@@ -1,0 +1,62 @@
+"""The planner: every configuration simulated, ranked by throughput, the memory budget enforced."""
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.tools.planner import search
+
+
+def _model():
+    return nn.Sequential(*[nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128)) for _ in range(4)])
+
+
+def test_candidates_are_ranked_by_predicted_throughput():
+    found = search(_model(), (torch.randn(64, 128),), ranks=4, device="h100", chunks=[1, 4, 16])
+    speeds = [c.sim.throughput for c in found.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    assert {c.stages for c in found.ranked} == {1, 2, 4}  # the divisors of the ranks
+    assert {c.schedule for c in found.ranked} == {"gpipe", "1f1b", "zb"}
+    assert not any(c.chunks == 1 and c.checkpoint == "except_last" for c in found.ranked)  # same as never
+    assert found.best is found.ranked[0] and not found.rejected
+
+
+def test_configurations_over_the_budget_are_rejected():
+    kw = dict(ranks=2, device="h100", chunks=[1, 8], optimizer="adam")
+    everything = search(_model(), (torch.randn(64, 128),), **kw)
+    peaks = sorted({max(c.peaks) for c in everything.ranked})
+    budget = peaks[len(peaks) // 2]
+    found = search(_model(), (torch.randn(64, 128),), memory=budget, **kw)
+    assert found.rejected and found.ranked
+    assert all(max(c.peaks) > budget for c in found.rejected)
+    assert all(max(c.peaks) <= budget for c in found.ranked)
+    # the one-stage, no-checkpointing step holds the most: it does not fit
+    assert not any(c.stages == 1 and c.checkpoint == "never" for c in found.ranked)
+
+
+def test_the_chosen_plan_compiles(tmp_path):
+    model, x = _model(), torch.randn(64, 128)
+    found = search(model, (x,), ranks=2, device="a100", chunks=[2, 4], stages=[2])
+    best = found.best
+    found.plan(best).save(str(tmp_path / "best.json"))
+    plan = fxpipe.PipelinePlan.load(str(tmp_path / "best.json"))
+    assert (plan.n_stages, plan.chunks, plan.schedule, plan.checkpoint) == (2, best.chunks, best.schedule,
+                                                                            best.checkpoint)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), plan=str(tmp_path / "best.json"), chunks=plan.chunks,
+                          schedule=plan.schedule, checkpoint=plan.checkpoint, devices=["cpu", "cpu"])
+    assert [s.nodes for s in pipe.plan.stages] == [s.nodes for s in plan.stages]
+    pipe.step(x, target=torch.randn(64, 128), loss_fn=torch.nn.functional.mse_loss)
+
+
+def test_measured_costs_on_this_machine():
+    found = search(_model(), (torch.randn(16, 128),), ranks=2, device="cpu", chunks=[2], stages=[2],
+                   schedules=["1f1b"], checkpoints=["never"], measure=True)
+    (c,) = found.ranked
+    assert c.sim.step_time > 0 and c.sim.costs[0].forward > 0
+
+
+@pytest.mark.parametrize("kw", [{"device": "tpu"}])
+def test_unknown_device_is_refused(kw):
+    with pytest.raises(ValueError, match="use one of"):
+        search(_model(), (torch.randn(8, 128),), ranks=2, **kw)

@@ -1,0 +1,170 @@
+"""fxpipe.simulate on compiled pipes and plans: step time, timeline, memory, device models."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.devices import NOMINAL, DeviceModel, device_model, parse_bytes
+from fxpipe.eventsim import placement_map
+
+# A device where a GEMM FLOP and an element take known times and nothing else costs anything.
+UNIT = DeviceModel("unit", {"float32": 1e9}, memory_bandwidth=8e9, memory=1e12, link_bandwidth=1e9,
+                   link_latency=0.0, efficiency={"gemm": 1.0, "conv": 1.0}, d_half={}, element_seconds=1e-9,
+                   kernel_overhead=0.0, backward_overhead=0.0, action_overhead=0.0, nominal=False)
+
+
+def _mlp(width=64, layers=4):
+    return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+
+
+def _pipe(model, x, n=2, **kw):
+    return fxpipe.compile(model, n, example_inputs=(x,), devices=["cpu"] * n, **kw)
+
+
+def test_a_step_of_linears_takes_its_flops_at_the_device_rate():
+    x = torch.randn(32, 64)
+    pipe = _pipe(_mlp(), x, chunks=4, checkpoint="never")
+    sim = fxpipe.simulate(pipe, device=UNIT, runtime="local")
+    flops = 4 * 3 * 2 * 32 * 64 * 64  # 4 linears, forward + 2 backward GEMMs (the first: weight only)
+    flops -= 2 * 32 * 64 * 64  # the first linear's input needs no gradient
+    loss = sim.costs[-1].loss * 4
+    assert sim.step_time == pytest.approx(flops / 1e9 + loss, rel=1e-6)
+    assert sim.bubble == pytest.approx(0.0)  # one device: no waiting
+
+
+def test_two_ranks_overlap_and_pay_the_link():
+    x = torch.randn(32, 64)
+    pipe = _pipe(_mlp(), x, chunks=4, checkpoint="never")
+    local = fxpipe.simulate(pipe, device=UNIT, runtime="local")
+    ranks = fxpipe.simulate(pipe, device=UNIT, runtime="distributed")
+    assert ranks.step_time < local.step_time
+    assert 0 < ranks.bubble < 0.5
+    slow = fxpipe.simulate(pipe, device=UNIT.replace(link_latency=1e-3), runtime="distributed")
+    assert slow.step_time >= ranks.step_time + 2e-3 - 1e-12  # at least the first send and the last gradient
+
+
+def test_zero_bubble_moves_linear_weight_gradients_into_w():
+    x = torch.randn(32, 64)
+    pipe = _pipe(_mlp(), x, chunks=4)
+    c = fxpipe.simulate(pipe, device=UNIT, schedule="zb").costs[1]
+    assert c.weight == pytest.approx(c.forward, rel=0.05)  # dW = dyᵀx: one GEMM per linear, as its forward
+    assert c.backward == pytest.approx(2 * c.forward, rel=0.05)
+
+
+def test_checkpointing_adds_the_recomputation_and_cuts_memory():
+    x = torch.randn(32, 64)
+    wide = [nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64)]
+    pipe = _pipe(nn.Sequential(*wide, *wide), x, chunks=4)
+    never = fxpipe.simulate(pipe, device=UNIT, checkpoint="never", runtime="distributed")
+    always = fxpipe.simulate(pipe, device=UNIT, checkpoint="always", runtime="distributed")
+    redo = [4 * c.forward for c in never.costs]  # each rank recomputes its 4 forwards, partly overlapped
+    assert never.step_time + max(redo) <= always.step_time <= never.step_time + sum(redo)
+    for a, b in zip(always.stages, never.stages):
+        assert a.memory.activations < b.memory.activations
+
+
+def test_kept_bytes_are_what_autograd_saves_not_every_output():
+    # Linear(64, 256) -> ReLU -> Linear(256, 64) as the last stage, micro-batch of 8 rows: autograd keeps
+    # the input x (saved by the first linear; here the caller's batch, there before the step, so not
+    # counted) and the ReLU's output (saved by it and the second linear), not the first linear's output;
+    # the last stage keeps what its loss saves.
+    x = torch.randn(32, 64)
+    pipe = _pipe(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)), x, n=1, chunks=4)
+    c = fxpipe.simulate(pipe, device=UNIT).costs[0]
+    assert c.kept == 4 * 8 * 256 + 4 * 8 * 64  # and what the loss saves: as much as the output
+    assert c.inputs == 0
+    # W holds each linear's input (the first's is the caller's) and output gradient
+    assert c.wstore == 4 * 8 * 256 + 4 * 8 * (256 + 64)
+    assert c.transient == 4 * 8 * (256 + 256)  # the ReLU's output gradient and its input's, at once
+
+
+def test_local_gpipe_runs_the_last_micro_batch_s_backward_first():
+    x = torch.randn(32, 64)
+    pipe = _pipe(_mlp(), x, chunks=4)
+    sim = fxpipe.simulate(pipe, device=UNIT, runtime="local")
+    backward = [s.action.mb for s in sim.spans if s.action.kind == "B" and s.action.stage == 0]
+    assert backward == [3, 2, 1, 0]
+
+
+def test_the_timeline_has_an_event_per_action_and_recomputation(tmp_path):
+    x = torch.randn(32, 64)
+    pipe = _pipe(_mlp(), x, chunks=4, checkpoint="except_last")
+    tl = fxpipe.simulate(pipe, device="h100", schedule="zb").timeline()
+    kinds = [e["cat"] for e in tl.events]
+    assert kinds.count("forward") == 8 and kinds.count("backward") == 8 and kinds.count("weight") == 8
+    assert kinds.count("recompute") == 6  # 3 checkpointed micro-batches x 2 stages
+    tl.save(str(tmp_path / "t.json"))
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+
+
+def test_a_saved_plan_simulates_without_the_model(tmp_path):
+    x = torch.randn(32, 64)
+    pipe = _pipe(_mlp(), x, chunks=4)
+    pipe.plan.save(str(tmp_path / "p.json"))
+    sim = fxpipe.simulate(str(tmp_path / "p.json"), device="a100", schedule="1f1b", chunks=8)
+    assert sim.chunks == 8 and sim.step_time > 0 and len(sim.stages) == 2
+    assert "1f1b" in str(sim)
+
+
+def test_optimizer_state_and_bigger_batches_scale_memory():
+    x = torch.randn(32, 64)
+    pipe = _pipe(_mlp(), x, chunks=4)
+    sim = fxpipe.simulate(pipe, device=UNIT, optimizer="adam", checkpoint="never")
+    s = sim.stages[0].memory
+    assert s.optimizer == 2 * s.grads == 2 * 2 * 64 * 64 * 4
+    big = fxpipe.simulate(pipe, device=UNIT, optimizer="adam", checkpoint="never", batch=64)
+    assert big.stages[0].memory.activations == pytest.approx(2 * s.activations)
+
+
+def test_placements_map_stages_to_ranks():
+    assert placement_map(None, 4, None) == [0, 1, 2, 3]
+    assert placement_map("loop", 8, 4) == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert placement_map("V", 8, 4) == [0, 1, 2, 3, 3, 2, 1, 0]
+    with pytest.raises(ValueError, match="placement"):
+        placement_map("zigzag", 4, 2)
+
+
+def test_device_models():
+    for name, model in NOMINAL.items():
+        assert model.nominal and "nominal" in model.source and model.peak_flops["bfloat16"] > 1e14
+    assert device_model("H100") is NOMINAL["h100"]
+    assert NOMINAL["h200"].memory > NOMINAL["h100"].memory
+    with pytest.raises(ValueError, match="use one of"):
+        device_model("tpu")
+    assert parse_bytes("80GB") == 80e9 and parse_bytes("1GiB") == 2**30
+    with pytest.raises(ValueError, match="memory size"):
+        parse_bytes("lots")
+
+
+def test_cpu_model_is_calibrated_here():
+    cpu = device_model("cpu")
+    assert not cpu.nominal and cpu.peak_flops["float32"] > 1e8 and cpu.kernel_overhead > 0
+    assert device_model("cpu") is cpu  # measured once per thread count
+
+
+def test_simulate_refuses_what_it_cannot_read():
+    with pytest.raises(TypeError, match="Pipe, a PipelinePlan"):
+        fxpipe.simulate(nn.Linear(2, 2))
+
+
+def test_measured_true_times_the_nodes_here():
+    x = torch.randn(32, 64)
+    pipe = _pipe(_mlp(), x, chunks=4)
+    sim = fxpipe.simulate(pipe, device=UNIT, measured=True)
+    assert sim.costs[0].forward > 0 and sim.costs[0].forward != fxpipe.simulate(pipe, device=UNIT).costs[0].forward
+    with pytest.raises(ValueError, match="pass the compiled Pipe"):
+        fxpipe.simulate(pipe.plan, device=UNIT, measured=True)
+
+
+def test_a_schedule_with_several_stages_per_rank_simulates_from_its_rows():
+    # 4 stages looped over 2 ranks ("loop": stage s on rank s % 2), one micro-batch
+    x = torch.randn(8, 64)
+    pipe = _pipe(_mlp(layers=4), x, n=4, chunks=1)
+    rows = "0F0 2F0 2B0 0B0\n1F0 3F0 3B0 1B0"
+    sim = fxpipe.simulate(pipe, schedule=rows, device=UNIT, runtime="distributed")
+    assert [s.rank for s in sim.stages] == [0, 1, 0, 1] and len(sim.devices) == 2
+    one_each = fxpipe.simulate(pipe, schedule="gpipe", device=UNIT, runtime="distributed")
+    assert sim.step_time == pytest.approx(one_each.step_time, rel=1e-9)  # m = 1: the same chain
