@@ -39,7 +39,7 @@ def unet(rank, world, schedule):
     model = UNet(depth=2, base=4).eval()
     x, target = torch.randn(6, 3, 16, 16), torch.randn(6, 2, 16, 16)
     return _check_step(rank, world, model, x, target, F.mse_loss, chunks=4, schedule=schedule,
-                       split_points=["down.1", "up.0"])
+                       split_points=["down.1", "up.0"][: world - 1])
 
 
 def tied(rank, world, schedule):
@@ -109,7 +109,18 @@ def dies(rank, world, schedule):
     return raises(rank, world, schedule)
 
 
-CASES = {"unet": unet, "tied": tied, "shape": shape, "raises": raises, "dies": dies}
+def on_gpus(case):
+    """Run ``case`` letting fxpipe pick the backend (NCCL with CUDA); add what it picked."""
+    def run(rank, world, schedule):
+        result = case(rank, world, schedule)
+        import torch.distributed as dist
+
+        return {**result, "backend": dist.get_backend(), "device": str(torch.cuda.current_device())}
+    return run
+
+
+CASES = {"unet": unet, "tied": tied, "shape": shape, "raises": raises, "dies": dies,
+         "unet_nccl": on_gpus(unet), "tied_nccl": on_gpus(tied)}
 
 
 def run(rank: int, world: int, port: int, case: str, schedule: str, outdir: str) -> None:
@@ -117,6 +128,11 @@ def run(rank: int, world: int, port: int, case: str, schedule: str, outdir: str)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    if torch.cuda.is_available() and not case.endswith("_nccl"):
+        # these cases run on the CPU: with CUDA present fxpipe would pick NCCL and a GPU per rank
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
     try:
         result = {"ok": True, **CASES[case](rank, world, schedule)}
     except Exception as exc:  # noqa: BLE001 - reported to the test
