@@ -40,7 +40,7 @@ def unet(rank, world, schedule):
     model = UNet(depth=2, base=4).eval()
     x, target = torch.randn(6, 3, 16, 16), torch.randn(6, 2, 16, 16)
     return _check_step(rank, world, model, x, target, F.mse_loss, chunks=4, schedule=schedule,
-                       split_points=["down.1", "up.0"])[0]
+                       split_points=["down.1", "up.0"][: world - 1])[0]
 
 
 def tied(rank, world, schedule):
@@ -327,9 +327,20 @@ def marked(rank, world, schedule):
 
 
 
+def on_gpus(case):
+    """Run ``case`` letting fxpipe pick the backend (NCCL with CUDA); add what it picked."""
+    def run(rank, world, schedule):
+        result = case(rank, world, schedule)
+        import torch.distributed as dist
+
+        return {**result, "backend": dist.get_backend(), "device": str(torch.cuda.current_device())}
+    return run
+
+
 CASES = {"values": values, "unet": unet, "tied": tied, "unet4": unet4, "tied4": tied4, "shape": shape,
          "raises": raises, "dies": dies, "meta": meta, "resume_first": resume_first, "resume_second": resume_second,
-         "marked": marked}
+         "marked": marked,
+         "unet_nccl": on_gpus(unet), "tied_nccl": on_gpus(tied)}
 
 
 def run(rank: int, world: int, port: int, case: str, schedule: str, outdir: str) -> None:
@@ -337,6 +348,11 @@ def run(rank: int, world: int, port: int, case: str, schedule: str, outdir: str)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), FXPIPE_TEST_DIR=outdir)
     torch.set_num_threads(1)
+    if torch.cuda.is_available() and not case.endswith("_nccl"):
+        # these cases run on the CPU: with CUDA present fxpipe would pick NCCL and a GPU per rank
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
     try:
         result = {"ok": True, **CASES[case](rank, world, schedule)}
     except Exception as exc:  # noqa: BLE001 - reported to the test

@@ -9,14 +9,21 @@ backward the same functions run the other way::
     backward:  compute[a] ◀─wait─ copy[a] ◀══Copy══ copy[b] ◀─wait─ compute[b]
 
 ``record_stream`` tells the caching allocator that a tensor allocated on one stream is read
-on another, so its memory is not reused before the copy finishes.
+on another, so its memory is not reused before the copy finishes. A copy to the CPU is
+blocking: a non-blocking one would return pinned memory that the CPU stage could read
+before the GPU had written it.
+
+Values may be structures (a tuple model input read by a later stage): every tensor in them
+is copied and waited for.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Any, Callable
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.runtime.stream import AbstractStream, current_stream, record_stream, use_stream, wait_stream
 
@@ -31,7 +38,7 @@ def transfer(tensors, src: AbstractStream, dst: AbstractStream, to: torch.device
             if x is None:
                 out.append(None)
                 continue
-            y = x.to(to, non_blocking=True)
+            y = x.to(to, non_blocking=to.type != "cpu")  # the host reads a CPU copy at once
             record_stream(x, src)
             record_stream(y, reader)
             out.append(y)
@@ -67,32 +74,39 @@ class Wait(torch.autograd.Function):
         return (None, None) + grads
 
 
+def _tensor_leaves(values: tuple, keep: Callable[[torch.Tensor], bool]) -> tuple[list, Any, list[int]]:
+    """Flatten ``values``; return the leaves, their structure and the indices of the tensors kept."""
+    leaves, spec = tree_flatten(values)
+    return leaves, spec, [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor) and keep(v)]
+
+
+def _replaced(leaves: list, spec: Any, idx: list[int], new: tuple) -> tuple:
+    """Rebuild the structure with the leaves at ``idx`` replaced by ``new``."""
+    for k, y in zip(idx, new):
+        leaves[k] = y
+    return tree_unflatten(leaves, spec)
+
+
 def copy(values: tuple, src: AbstractStream, dst: AbstractStream, to: torch.device) -> tuple:
-    """Copy the tensors among ``values`` to device ``to``; other values pass through."""
-    idx = [k for k, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    """Copy the tensors in ``values`` (at any depth) to device ``to``; other values pass through."""
+    leaves, spec, idx = _tensor_leaves(values, lambda t: True)
     if not idx:
         return values
-    tensors = [values[k] for k in idx]
+    tensors = [leaves[k] for k in idx]
     if src is None and dst is None:  # CPU to CPU, or a host device without streams
         moved = tuple(t.to(to) for t in tensors)
     else:
         moved = Copy.apply(src, dst, to, *tensors)
-    out = list(values)
-    for k, y in zip(idx, moved):
-        out[k] = y
-    return tuple(out)
+    return _replaced(leaves, spec, idx, moved)
 
 
 def wait(values: tuple, src: AbstractStream, dst: AbstractStream) -> tuple:
-    """Make stream ``dst`` wait for ``src`` before it reads the tensors among ``values``."""
+    """Make stream ``dst`` wait for ``src`` before it reads the tensors in ``values`` (at any depth)."""
     if src is None or dst is None or src == dst:
         return values
-    idx = [k for k, v in enumerate(values) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    leaves, spec, idx = _tensor_leaves(values, torch.Tensor.is_floating_point)
     if not idx:
         wait_stream(dst, src)
         return values
-    waited = Wait.apply(src, dst, *[values[k] for k in idx])
-    out = list(values)
-    for k, y in zip(idx, waited):
-        out[k] = y
-    return tuple(out)
+    waited = Wait.apply(src, dst, *[leaves[k] for k in idx])
+    return _replaced(leaves, spec, idx, waited)

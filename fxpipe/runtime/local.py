@@ -140,9 +140,11 @@ class LocalRuntime:
 
     def copy(self, src: int, dst: int, i: int, values: tuple) -> tuple:
         """Copy micro-batch ``i``'s values from stage ``src``'s device to stage ``dst``'s."""
-        into = self.calls[dst].copy_stream(i)
-        with recorder.span("copy", dst, i, self.devices[dst], into):  # timeline
-            return copy(values, self.calls[src].copy_stream(i), into, self.devices[dst])
+        out_of, into = self.calls[src].copy_stream(i), self.calls[dst].copy_stream(i)
+        # timeline: time the copy on the stream it runs on, the source's when that is a GPU
+        side, stream = (src, out_of) if self.devices[src].type == "cuda" else (dst, into)
+        with recorder.span("copy", dst, i, self.devices[side], stream):
+            return copy(values, out_of, into, self.devices[dst])
 
     @staticmethod
     def depend(before: Any, after: Any) -> tuple[Any, Any]:

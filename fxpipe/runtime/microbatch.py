@@ -47,8 +47,11 @@ def batch_size(values: Sequence[Any], names: Sequence[str]) -> int | None:
 
 
 def to_device(value: Any, device: torch.device) -> Any:
-    """Move every tensor in ``value`` (any structure) to ``device``; other values stay."""
-    return tree_map(lambda t: t.to(device, non_blocking=True)
+    """Move every tensor in ``value`` (any structure) to ``device``; other values stay.
+
+    Copies to a GPU do not block; copies to the CPU do, since the host reads them next.
+    """
+    return tree_map(lambda t: t.to(device, non_blocking=device.type != "cpu")
                     if isinstance(t, torch.Tensor) and t.device != device else t, value)
 
 
