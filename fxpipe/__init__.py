@@ -5,21 +5,29 @@ balanced stages, routes every value that skips stages straight from its producer
 consumers, and runs the stages over micro-batches with a generated GPipe executor.
 """
 
-from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
-from fxpipe.errors import (MutationError, NoFeasibleCut, PeerFailure, PipelineInputError,
-                           PlanMismatchError, PropagationError, ScheduleError, TraceError,
-                           WeightsError, CheckpointError)
-from fxpipe.compiler import compile
-from fxpipe.materialize import materialize
+from fxpipe import testing
 from fxpipe.checkpointing import load, load_state_dict, save
+from fxpipe.compiler import compile
+from fxpipe.errors import (
+                           CheckpointError,
+                           MutationError,
+                           NoFeasibleCut,
+                           PeerFailure,
+                           PipelineInputError,
+                           PlanMismatchError,
+                           PropagationError,
+                           ScheduleError,
+                           TraceError,
+                           WeightsError,
+)
+from fxpipe.materialize import materialize
 from fxpipe.pipe import Pipe
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
+from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
 from fxpipe.simulate import Simulation, simulate
 from fxpipe.tools.recorder import Timeline, timeline
 from fxpipe.tracing import trace
 from fxpipe.training import clip_grad_norm_, grad_scaler
-
-from fxpipe import testing  # noqa: E402 - `import fxpipe` then `fxpipe.testing.assert_...` works
 
 __version__ = "0.1.0"
 

@@ -14,8 +14,9 @@ whose linears defer their weight gradients (:mod:`fxpipe.runtime.wgrad`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -37,7 +38,7 @@ from fxpipe.runtime.stagecall import StageCall
 from fxpipe.runtime.wgrad import defer_weight_grads
 from fxpipe.weights import open_weights
 
-__all__ = ["Materials", "build_local", "build_distributed"]
+__all__ = ["Materials", "build_distributed", "build_local"]
 
 
 @dataclass

@@ -36,8 +36,9 @@ import logging
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,11 +51,18 @@ from fxpipe.errors import CheckpointError
 from fxpipe.fillplan import tensor_table
 from fxpipe.materialize import fill
 from fxpipe.pipe import Pipe
-from fxpipe.trainstate import (batch_norm_state, load_optimizer_state, optimizer_state, rng_state,
-                               set_batch_norm_state, set_rng_state, split_key)
+from fxpipe.trainstate import (
+    batch_norm_state,
+    load_optimizer_state,
+    optimizer_state,
+    rng_state,
+    set_batch_norm_state,
+    set_rng_state,
+    split_key,
+)
 from fxpipe.weights import MANIFEST, PARTIAL, open_weights, refuse_partial
 
-__all__ = ["save", "load", "load_state_dict"]
+__all__ = ["load", "load_state_dict", "save"]
 
 log = logging.getLogger(__name__)
 

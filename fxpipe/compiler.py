@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -27,7 +28,7 @@ from fxpipe.stages import make_plan, split_stages
 from fxpipe.tracing import check_tracer
 from fxpipe.weights import check_weights
 
-__all__ = ["compile", "SCHEDULES", "BALANCE_BY", "CHECKPOINT_MODES"]
+__all__ = ["BALANCE_BY", "CHECKPOINT_MODES", "SCHEDULES", "compile"]
 
 log = logging.getLogger(__name__)
 
@@ -146,12 +147,11 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     refuse_meta_constants(model, gm)
     if runtime == "distributed":
         agree_on_stages(gm, n_stages)  # a measured cost may differ by rank: rank 0's cut wins
-    stage_graphs, routes = split_stages(gm, n_stages)
-    plan = make_plan(gm, stage_graphs, routes, devices, front.micro, chunks, checkpoint, sched.name,
+    stages, stage_plans, routes = split_stages(gm, n_stages)
+    plan = make_plan(gm, stages, stage_plans, routes, devices, front.micro, chunks, checkpoint, sched.name,
                      front.balance_by, front.cut, saved)  # from here on, the plan made, not the one passed in
     for s in plan.stages:
         s.rank = sched.ranks[s.index]
-    stages = [s.module for s in stage_graphs]
     engine: Any
     owned = None
     if runtime == "distributed":

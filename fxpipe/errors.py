@@ -5,8 +5,18 @@ from __future__ import annotations
 from fxpipe.passes.cut import NoFeasibleCut
 from fxpipe.passes.failure import PropagationError
 
-__all__ = ["TraceError", "PlanMismatchError", "PipelineInputError", "PeerFailure", "NoFeasibleCut", "ScheduleError",
-           "MutationError", "PropagationError", "WeightsError", "CheckpointError"]
+__all__ = [
+    "CheckpointError",
+    "MutationError",
+    "NoFeasibleCut",
+    "PeerFailure",
+    "PipelineInputError",
+    "PlanMismatchError",
+    "PropagationError",
+    "ScheduleError",
+    "TraceError",
+    "WeightsError",
+]
 
 
 class TraceError(TypeError):

@@ -34,7 +34,7 @@ from typing import Any
 
 from fxpipe.errors import ScheduleError
 from fxpipe.runtime.actionlist import COMPUTE, Action, check, clocks, load_schedule
-from fxpipe.runtime.schedule import SCHEDULES, MULTI, PLACEMENTS
+from fxpipe.runtime.schedule import MULTI, PLACEMENTS, SCHEDULES
 
 __all__ = ["Span", "default_links", "placement_map", "run", "schedule_rows"]
 

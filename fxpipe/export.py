@@ -99,7 +99,7 @@ def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int) -> torch.
             lo, hi = _batch_range(program)
     except TraceError:
         raise
-    except Exception as again:  # noqa: BLE001 - the bound did not help either
+    except Exception as again:
         raise _refusal(model, again) from again
     _admit(model, exc, lo, hi, rows)
     log.warning("torch.export refused an unbounded batch dimension for %s (the model branches on the "

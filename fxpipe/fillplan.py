@@ -13,8 +13,9 @@ gets its own message. Source keys that name no tensor of the model are warned ab
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ from torch import nn
 from fxpipe.errors import WeightsError
 from fxpipe.weights import WeightSource
 
-__all__ = ["Slot", "TensorInfo", "FillPlan", "tensor_table", "plan_fill"]
+__all__ = ["FillPlan", "Slot", "TensorInfo", "plan_fill", "tensor_table"]
 
 _SHOWN = 10  # names listed in one message
 

@@ -9,8 +9,9 @@ buffers only for data-dependent ops), and only ``balance_by="time"`` measures ke
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -20,9 +21,9 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from fxpipe import passes
 from fxpipe.markers import resolve_split_points
+from fxpipe.plan import PipelinePlan
 from fxpipe.runtime.microbatch import batch_size, micro_sizes
 from fxpipe.saved import apply_plan
-from fxpipe.plan import PipelinePlan
 from fxpipe.tracing import trace
 
 __all__ = ["FrontEnd", "front_end"]
@@ -86,7 +87,7 @@ def front_end(model: nn.Module, n_stages: int, *, args: tuple, kwargs: dict | No
         passes.profile(gm, args, kwargs, device=profile_device)
 
     comm = passes.comm_weights(devices, balance_by)
-    memory = dict(max_memory=max_memory, checkpoint=checkpoint, micro_batches=micro)
+    memory = {"max_memory": max_memory, "checkpoint": checkpoint, "micro_batches": micro}
     cut = None
     if saved is not None:
         apply_plan(gm, saved, n_stages)

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.fx
@@ -31,7 +32,7 @@ from fxpipe.errors import WeightsError
 from fxpipe.fillplan import FillPlan, plan_fill, tensor_table
 from fxpipe.weights import WeightSource, open_weights
 
-__all__ = ["materialize", "fill", "release", "module_seed", "check_init", "refuse_meta_constants"]
+__all__ = ["check_init", "fill", "materialize", "module_seed", "refuse_meta_constants", "release"]
 
 log = logging.getLogger(__name__)
 

@@ -15,18 +15,18 @@ import torch.fx
 from fxpipe import passes
 from fxpipe.errors import MutationError
 
-__all__ = ["copy_mutated_inputs", "conflict_message"]
+__all__ = ["conflict_message", "copy_mutated_inputs"]
 
 log = logging.getLogger(__name__)
 
 
-def copy_mutated_inputs(gm: torch.fx.GraphModule, stage_graphs: list) -> None:
+def copy_mutated_inputs(gm: torch.fx.GraphModule, modules: list) -> None:
     """Give stages that change an input in place a private copy; refuse what cannot work."""
     found = passes.plan_mutations(gm)
     if found.conflicts:
         raise MutationError(conflict_message(gm, found.conflicts[0]))
     for j, names in found.copies.items():
-        passes.copy_on_write(stage_graphs[j].module, names)
+        passes.copy_on_write(modules[j], names)
         log.info("stage %d changes its input(s) %s in place; it works on a copy", j, names)
     if found.mutated_model_inputs:
         log.warning("the model changes its input(s) %s in place; fxpipe runs it on a copy, so "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

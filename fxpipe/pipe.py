@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -75,7 +76,7 @@ class Pipe(nn.Module):
                                f"missing keys {result.missing_keys}")
         return result
 
-    def train(self, mode: bool = True) -> "Pipe":
+    def train(self, mode: bool = True) -> Pipe:
         """Set training mode on the pipe, the model and every stage."""
         super().train(mode)
         self._model.train(mode)

@@ -8,53 +8,9 @@ from typing import Any
 
 from tabulate import tabulate
 
-__all__ = ["StagePlan", "SkipRoute", "PipelinePlan", "human"]
+from fxpipe.passes.split import SkipRoute, StagePlan  # made by the split, filled in by the plan
 
-
-@dataclass
-class StagePlan:
-    """One stage: where it runs, which nodes it holds, what it takes and gives, what it costs.
-
-    ``flops`` counts forward and backward over the whole mini-batch; ``params`` the bytes of
-    the parameters and buffers it holds; ``activation_bytes`` the bytes it sends on per
-    micro-batch; ``saved_bytes`` the activations it keeps per micro-batch for backward without
-    checkpointing, ``checkpoint_bytes`` with it (its inputs); ``memory`` the partitioner's
-    estimate of the peak for the plan's checkpoint mode and chunks (parameters and gradients,
-    kept activations, kept inputs bounded by the bytes crossing the stage's first cut);
-    ``time_ms`` the measured forward + backward milliseconds when profiled; ``cost`` what the
-    partitioner balanced (its ``balance_by`` unit, communication included).
-    """
-
-    index: int
-    device: str
-    nodes: list[str]
-    inputs: list[str]
-    outputs: list[str]
-    flops: int = 0
-    params: int = 0
-    activation_bytes: int = 0
-    time_ms: float | None = None
-    grad_inputs: list[str] = field(default_factory=list)  # inputs whose gradient flows back
-    saved_bytes: int = 0
-    checkpoint_bytes: int = 0
-    memory: int = 0
-    cost: float = 0.0
-    rank: int | None = None  # the rank (in one process, the schedule's lane) it runs on; None: its index
-
-    @property
-    def on_rank(self) -> int:
-        """Return the rank this stage runs on."""
-        return self.index if self.rank is None else self.rank
-
-
-@dataclass
-class SkipRoute:
-    """A value stashed by stage ``src`` and popped by stage ``dst``, skipping the stages between."""
-
-    name: str
-    src: int
-    dst: int
-    bytes: int = 0
+__all__ = ["PipelinePlan", "SkipRoute", "StagePlan", "human"]
 
 
 @dataclass
@@ -171,7 +127,7 @@ class PipelinePlan:
         return json.dumps(self.to_dict(), **({"indent": 1} | kwargs))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PipelinePlan":
+    def from_dict(cls, data: dict[str, Any]) -> PipelinePlan:
         """Rebuild a plan from :meth:`to_dict` output."""
         data = dict(data)
         fmt = data.pop("format", None)
@@ -182,7 +138,7 @@ class PipelinePlan:
         return cls(**data)
 
     @classmethod
-    def from_json(cls, text: str) -> "PipelinePlan":
+    def from_json(cls, text: str) -> PipelinePlan:
         """Rebuild a plan from :meth:`to_json` output."""
         return cls.from_dict(json.loads(text))
 
@@ -192,7 +148,7 @@ class PipelinePlan:
             f.write(self.to_json())
 
     @classmethod
-    def load(cls, path: str) -> "PipelinePlan":
+    def load(cls, path: str) -> PipelinePlan:
         """Read a plan written by :meth:`save`."""
         with open(path) as f:
             return cls.from_json(f.read())

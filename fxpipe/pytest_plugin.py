@@ -11,7 +11,7 @@ starts, so the plugin costs nothing in test runs that do not use it.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 

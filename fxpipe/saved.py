@@ -20,7 +20,7 @@ from fxpipe import passes
 from fxpipe.errors import PlanMismatchError
 from fxpipe.plan import PipelinePlan
 
-__all__ = ["PlanLike", "load_plan", "graph_signature", "differences", "apply_plan"]
+__all__ = ["PlanLike", "apply_plan", "differences", "graph_signature", "load_plan"]
 
 PlanLike = Union[str, "os.PathLike[str]", PipelinePlan]
 

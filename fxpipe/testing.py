@@ -11,8 +11,8 @@ node where values diverge (:mod:`fxpipe.tools.diverge`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,7 +75,7 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
                                schedules: Sequence[str] | None = None,
                                step_loss: Callable[[Any, Any], torch.Tensor] = default_step_loss,
                                target: Any = None,
-                               diagnose: bool = True, **compile_kwargs: Any) -> "fxpipe.Pipe":
+                               diagnose: bool = True, **compile_kwargs: Any) -> fxpipe.Pipe:
     """Compile ``model`` and assert outputs and every parameter's gradient equal eager's.
 
     Two checks: ``pipe(x)`` followed by ``loss(output).backward()``, and ``pipe.step(x,

@@ -7,7 +7,8 @@ import logging
 import operator
 import os
 import traceback
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.fx
@@ -16,7 +17,7 @@ from torch import nn
 from fxpipe.errors import TraceError
 from fxpipe.markers import recording_markers
 
-__all__ = ["trace", "check_tracer", "TRACERS"]
+__all__ = ["TRACERS", "check_tracer", "trace"]
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     try:
         with recording_markers(tracer):  # pipe_split() calls become marker nodes
             graph = tracer.trace(model, concrete_args=concrete_args)
-    except Exception as exc:  # noqa: BLE001 - re-raised with context
+    except Exception as exc:
         raise _explain(model, tracer, exc) from exc
     name = model.__class__.__name__
     gm = torch.fx.GraphModule(tracer.root, graph, name)

@@ -13,15 +13,22 @@ of a parameter are one tuple (one item to store, not one per hyperparameter).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from fxpipe.errors import CheckpointError
 
-__all__ = ["optimizer_state", "load_optimizer_state", "rng_state", "set_rng_state", "batch_norm_state",
-           "set_batch_norm_state"]
+__all__ = [
+    "batch_norm_state",
+    "load_optimizer_state",
+    "optimizer_state",
+    "rng_state",
+    "set_batch_norm_state",
+    "set_rng_state",
+]
 
 
 def _names(model: nn.Module) -> dict[int, str]:

@@ -17,14 +17,15 @@ import json
 import logging
 import os
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from fxpipe.errors import WeightsError
 from fxpipe.pages import copy_dropping
 
-__all__ = ["WeightSource", "open_weights", "check_weights", "refuse_partial", "MODEL_KEY", "MANIFEST", "PARTIAL"]
+__all__ = ["MANIFEST", "MODEL_KEY", "PARTIAL", "WeightSource", "check_weights", "open_weights", "refuse_partial"]
 
 log = logging.getLogger(__name__)
 

@@ -5,52 +5,61 @@ and writes. The passes import torch, torch.fx and networkx, never fxpipe's runti
 """
 
 from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
-from fxpipe.passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
-from fxpipe.passes.mutates import is_mutating, written_args
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
+from fxpipe.passes.infer import value_specs
+from fxpipe.passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
+from fxpipe.passes.mutates import is_mutating, written_args
 from fxpipe.passes.order import candidate_orders
-from fxpipe.passes.partition import (Partition, assign_by_name, assign_stages, balanced_cut, compute_nodes, node_cost,
-                              partition, partition_at, stage_costs)
+from fxpipe.passes.partition import (
+                              Partition,
+                              assign_by_name,
+                              assign_stages,
+                              balanced_cut,
+                              compute_nodes,
+                              node_cost,
+                              partition,
+                              partition_at,
+                              stage_costs,
+)
 from fxpipe.passes.profile import profile
 from fxpipe.passes.retain import retain
-from fxpipe.passes.infer import value_specs
-from fxpipe.passes.split import Route, StageGraph, split
+from fxpipe.passes.split import SkipRoute, StagePlan, split
 
 __all__ = [
-    "Conflict",
-    "MutationPlan",
-    "NoFeasibleCut",
-    "Partition",
-    "Route",
-    "StageGraph",
-    "TensorSpec",
-    "annotate",
-    "annotate_params",
-    "assign_by_name",
-    "assign_stages",
-    "balanced_cut",
-    "bind_placeholders",
-    "candidate_orders",
-    "comm_weights",
-    "compute_nodes",
-    "cut_widths",
-    "group_costs",
-    "memory_factors",
-    "min_bottleneck_cut",
-    "copy_on_write",
-    "is_mutating",
-    "node_cost",
-    "node_costs",
-    "partition",
-    "partition_at",
-    "profile",
-    "retain",
-    "plan_mutations",
-    "split",
-    "stage_costs",
-    "static_mutations",
-    "value_bytes",
-    "value_specs",
-    "written_args",
+                              "Conflict",
+                              "MutationPlan",
+                              "NoFeasibleCut",
+                              "Partition",
+                              "SkipRoute",
+                              "StagePlan",
+                              "TensorSpec",
+                              "annotate",
+                              "annotate_params",
+                              "assign_by_name",
+                              "assign_stages",
+                              "balanced_cut",
+                              "bind_placeholders",
+                              "candidate_orders",
+                              "comm_weights",
+                              "compute_nodes",
+                              "copy_on_write",
+                              "cut_widths",
+                              "group_costs",
+                              "is_mutating",
+                              "memory_factors",
+                              "min_bottleneck_cut",
+                              "node_cost",
+                              "node_costs",
+                              "partition",
+                              "partition_at",
+                              "plan_mutations",
+                              "profile",
+                              "retain",
+                              "split",
+                              "stage_costs",
+                              "static_mutations",
+                              "value_bytes",
+                              "value_specs",
+                              "written_args",
 ]

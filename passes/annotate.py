@@ -34,12 +34,11 @@ import logging
 import torch
 import torch.fx
 import torch.fx._pytree as fx_pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
-
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.propagate import Propagator, fetch
 from fxpipe.passes.spec import TensorSpec, spec_of, value_bytes
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 __all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "spec_of", "value_bytes"]
 

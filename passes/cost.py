@@ -33,13 +33,23 @@ Stage memory (for ``max_memory=`` and ``balance_by="memory"``), with ``m`` micro
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 import torch.fx
 
-__all__ = ["BALANCE_KINDS", "COMPUTE_OPS", "BYTES_PER_SECOND", "FLOPS_PER_SECOND", "comm_weights",
-           "cut_widths", "memory_factors", "node_costs", "node_memory"]
+__all__ = [
+    "BALANCE_KINDS",
+    "BYTES_PER_SECOND",
+    "COMPUTE_OPS",
+    "FLOPS_PER_SECOND",
+    "comm_weights",
+    "cut_widths",
+    "memory_factors",
+    "node_costs",
+    "node_memory",
+]
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 BALANCE_KINDS = ("flops", "params", "memory", "time")
@@ -62,7 +72,7 @@ def comm_weights(devices: Sequence[str | torch.device], balance_by: str) -> list
     """
     devices = [torch.device(d) for d in devices]
     out = []
-    for src, dst in zip(devices, devices[1:]):
+    for src, dst in pairwise(devices):
         if src == dst or balance_by in ("params", "memory"):
             out.append(0.0)
             continue

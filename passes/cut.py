@@ -27,11 +27,12 @@ bottleneck, so the cut is optimal up to float rounding.
 from __future__ import annotations
 
 import math
-from typing import Collection, Sequence
+from collections.abc import Collection, Sequence
+from itertools import pairwise
 
 import torch
 
-__all__ = ["NoFeasibleCut", "min_bottleneck_cut", "group_costs"]
+__all__ = ["NoFeasibleCut", "group_costs", "min_bottleneck_cut"]
 
 _NEG = -math.inf
 
@@ -190,7 +191,7 @@ def min_bottleneck_cut(c: Sequence[float], w: Sequence[float], k: int, *,
         bounds = firsts + [len(c)]
 
         def fuse(values: Sequence[float]) -> list[float]:
-            return [float(sum(values[a:b])) for a, b in zip(bounds, bounds[1:])]
+            return [float(sum(values[a:b])) for a, b in pairwise(bounds)]
 
         fused = min_bottleneck_cut(fuse(c), [w[p] for p in bounds], k, beta=beta, rho=rho,
                                    m=None if m is None else fuse(m), phi=phi, cap=cap)

@@ -11,14 +11,14 @@ the example batch.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.fx
+from fxpipe.passes.annotate import TensorSpec, spec_of
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
-
-from fxpipe.passes.annotate import TensorSpec, spec_of
 
 __all__ = ["SpecProp", "value_specs"]
 

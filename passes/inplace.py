@@ -28,12 +28,18 @@ from typing import Any
 
 import torch
 import torch.fx
+from fxpipe.passes.mutates import aliases, written_args
 from torch.utils._pytree import tree_map
 
-from fxpipe.passes.mutates import aliases, written_args
-
-__all__ = ["Conflict", "MutationPlan", "plan_mutations", "static_mutations", "copy_on_write",
-           "clone_tree", "joined_positions"]
+__all__ = [
+    "Conflict",
+    "MutationPlan",
+    "clone_tree",
+    "copy_on_write",
+    "joined_positions",
+    "plan_mutations",
+    "static_mutations",
+]
 
 
 @dataclass

@@ -24,11 +24,10 @@ sequence.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import networkx as nx
 import torch.fx
-
 from fxpipe.passes.cost import COMPUTE_OPS
 from fxpipe.passes.mutates import is_mutating
 

@@ -15,20 +15,28 @@ assignment of compute nodes with the same rules and reads no annotations.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch.fx
-
-from fxpipe.passes.cost import (BALANCE_KINDS, COMPUTE_OPS, cut_widths, memory_factors, node_costs,
-                         node_memory)
+from fxpipe.passes.cost import BALANCE_KINDS, COMPUTE_OPS, cut_widths, memory_factors, node_costs, node_memory
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.inplace import joined_positions
 from fxpipe.passes.order import candidate_orders
 
-__all__ = ["COMPUTE_OPS", "Partition", "compute_nodes", "node_cost", "partition", "partition_at",
-           "balanced_cut", "assign_stages", "assign_by_name", "stage_costs"]
+__all__ = [
+    "COMPUTE_OPS",
+    "Partition",
+    "assign_by_name",
+    "assign_stages",
+    "balanced_cut",
+    "compute_nodes",
+    "node_cost",
+    "partition",
+    "partition_at",
+    "stage_costs",
+]
 
 
 @dataclass

@@ -24,18 +24,18 @@ import logging
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx
+from fxpipe.passes.annotate import bind_placeholders
+from fxpipe.passes.mutates import is_mutating
+from fxpipe.passes.spec import TensorSpec
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxpipe.passes.annotate import bind_placeholders
-from fxpipe.passes.spec import TensorSpec
-from fxpipe.passes.mutates import is_mutating
-
-__all__ = ["profile", "Profiler"]
+__all__ = ["Profiler", "profile"]
 
 log = logging.getLogger(__name__)
 

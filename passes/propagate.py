@@ -25,6 +25,10 @@ from typing import Any
 
 import torch
 import torch.fx
+from fxpipe.passes.failure import explain
+from fxpipe.passes.mutates import VIEW_NAMES, may_mutate, op_name
+from fxpipe.passes.signature import node_key, value_key
+from fxpipe.passes.spec import TensorSpec, spec_of, value_bytes
 from torch import nn
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -33,11 +37,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
-
-from fxpipe.passes.failure import explain
-from fxpipe.passes.mutates import VIEW_NAMES, may_mutate, op_name
-from fxpipe.passes.signature import node_key, value_key
-from fxpipe.passes.spec import TensorSpec, spec_of, value_bytes
 
 __all__ = ["Propagator", "fetch"]
 

@@ -26,12 +26,11 @@ from typing import Any
 
 import torch
 import torch.fx
+from fxpipe.passes.annotate import TensorSpec, bind_placeholders
+from fxpipe.passes.gcpause import gc_paused
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
-
-from fxpipe.passes.annotate import TensorSpec, bind_placeholders
-from fxpipe.passes.gcpause import gc_paused
 
 __all__ = ["retain"]
 

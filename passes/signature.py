@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch import nn
-
 from fxpipe.passes.mutates import is_mutating
+from torch import nn
 
 __all__ = ["node_key", "value_key"]
 

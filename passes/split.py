@@ -1,11 +1,13 @@
 """Split a partitioned GraphModule into one GraphModule per stage, with skip routes.
 
 Reads:  ``node.meta["fxpipe.stage"]`` (from :func:`fxpipe.passes.partition`).
-Writes: nothing on ``gm``; returns new stage GraphModules whose nodes keep their meta.
+Writes: nothing on ``gm``; returns new stage GraphModules whose nodes keep their meta, a
+        :class:`StagePlan` per stage (its nodes, inputs and outputs; the plan adds devices and
+        costs) and the :class:`SkipRoute` of every value that skips stages.
 
 A value made in stage ``i`` and used in stage ``i + 1`` is a *boundary* value. A value used
 in a stage ``j > i + 1`` is *stashed* by stage ``i`` and *popped* by stage ``j``: a
-:class:`Route` from ``i`` to ``j``. It never appears among the inputs or outputs of the
+:class:`SkipRoute` from ``i`` to ``j``. It never appears among the inputs or outputs of the
 stages in between::
 
     stage 0 ──h──▶ stage 1 ──h'──▶ stage 2 ──▶ stage 3
@@ -25,34 +27,62 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch.fx
-
 from fxpipe.passes.gcpause import gc_paused
 
-__all__ = ["Route", "StageGraph", "split"]
+__all__ = ["SkipRoute", "StagePlan", "split"]
 
 
 @dataclass
-class Route:
-    """A value stashed by stage ``src`` and popped by stage ``dst`` (``dst > src + 1``)."""
+class StagePlan:
+    """One stage: where it runs, which nodes it holds, what it takes and gives, what it costs.
+
+    ``flops`` counts forward and backward over the whole mini-batch; ``params`` the bytes of
+    the parameters and buffers it holds; ``activation_bytes`` the bytes it sends on per
+    micro-batch; ``saved_bytes`` the activations it keeps per micro-batch for backward without
+    checkpointing, ``checkpoint_bytes`` with it (its inputs); ``memory`` the partitioner's
+    estimate of the peak for the plan's checkpoint mode and chunks (parameters and gradients,
+    kept activations, kept inputs bounded by the bytes crossing the stage's first cut);
+    ``time_ms`` the measured forward + backward milliseconds when profiled; ``cost`` what the
+    partitioner balanced (its ``balance_by`` unit, communication included).
+    """
+
+    index: int
+    device: str
+    nodes: list[str]
+    inputs: list[str]
+    outputs: list[str]
+    flops: int = 0
+    params: int = 0
+    activation_bytes: int = 0
+    time_ms: float | None = None
+    grad_inputs: list[str] = field(default_factory=list)  # inputs whose gradient flows back
+    saved_bytes: int = 0
+    checkpoint_bytes: int = 0
+    memory: int = 0
+    cost: float = 0.0
+    rank: int | None = None  # the rank (in one process, the schedule's lane) it runs on; None: its index
+
+    @property
+    def on_rank(self) -> int:
+        """Return the rank this stage runs on."""
+        return self.index if self.rank is None else self.rank
+
+
+@dataclass
+class SkipRoute:
+    """A value stashed by stage ``src`` and popped by stage ``dst``, skipping the stages between."""
 
     name: str
     src: int
     dst: int
+    bytes: int = 0
 
-
-@dataclass
-class StageGraph:
-    """One stage: its GraphModule and the names of the values it takes and gives."""
-
-    module: torch.fx.GraphModule
-    inputs: list[str]
-    outputs: list[str]
-    nodes: list[str] = field(default_factory=list)
 
 
 @gc_paused
-def split(gm: torch.fx.GraphModule, n_stages: int) -> tuple[list[StageGraph], list[Route]]:
-    """Build one GraphModule per stage from ``fxpipe.stage`` annotations; return stages and routes."""
+def split(gm: torch.fx.GraphModule, n_stages: int
+          ) -> tuple[list[torch.fx.GraphModule], list[StagePlan], list[SkipRoute]]:
+    """Build one GraphModule per stage from ``fxpipe.stage`` annotations; return them, their plans, the routes."""
     nodes = list(gm.graph.nodes)
     stage = {n: n.meta["fxpipe.stage"] for n in nodes}
     order = {n: k for k, n in enumerate(nodes)}
@@ -69,7 +99,7 @@ def split(gm: torch.fx.GraphModule, n_stages: int) -> tuple[list[StageGraph], li
             if stage[user] > stage[v]:
                 consumers.setdefault(v, set()).add(stage[user])
 
-    routes = [Route(v.name, stage[v], dst) for v in sorted(consumers, key=order.get)
+    routes = [SkipRoute(v.name, stage[v], dst) for v in sorted(consumers, key=order.get)
               for dst in sorted(consumers[v]) if dst > stage[v] + 1]
 
     # bucket once: each stage's own nodes, and the values each stage receives (in graph order)
@@ -82,7 +112,7 @@ def split(gm: torch.fx.GraphModule, n_stages: int) -> tuple[list[StageGraph], li
         for d in consumers[v]:
             received[d].append(v)
 
-    stages = []
+    modules, stages = [], []
     for j in range(n_stages):
         own = own_of[j]
         outputs = [v for v in own if any(d > j for d in consumers.get(v, ()))]
@@ -94,9 +124,10 @@ def split(gm: torch.fx.GraphModule, n_stages: int) -> tuple[list[StageGraph], li
         module = _build_stage(gm, j, own, inputs, outputs, last=(j == n_stages - 1))
         attrs = {a for n in own for a in n.all_input_nodes if a.op == "get_attr"}
         held = sorted(set(own) | attrs, key=order.get)
-        stages.append(StageGraph(module, [v.name for v in inputs], [v.name for v in outputs],
-                                 [n.name for n in held]))
-    return stages, routes
+        modules.append(module)
+        stages.append(StagePlan(index=j, device="", nodes=[n.name for n in held],
+                                inputs=[v.name for v in inputs], outputs=[v.name for v in outputs]))
+    return modules, stages, routes
 
 
 def _build_stage(gm: torch.fx.GraphModule, j: int, own: list[torch.fx.Node],

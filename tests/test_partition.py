@@ -107,8 +107,8 @@ def _check_stages(gm, k):
         for a in node.all_input_nodes:
             if a.op != "get_attr":
                 assert a.meta["fxpipe.stage"] <= node.meta["fxpipe.stage"], (a.name, node.name)
-    stages, _ = passes.split(gm, k)
-    assert len(stages) == k
+    modules, stages, _ = passes.split(gm, k)
+    assert len(modules) == len(stages) == k
 
 
 @settings(max_examples=150, deadline=None)

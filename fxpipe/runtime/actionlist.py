@@ -27,13 +27,25 @@ earliest clock its rank and its data allow, taking each action as one unit of ti
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from fxpipe.errors import ScheduleError
 
-__all__ = ["Action", "COMPUTE", "COMM", "parse", "format_schedule", "check", "clocks", "in_flight",
-           "lower", "load_schedule", "needs", "is_token"]
+__all__ = [
+    "COMM",
+    "COMPUTE",
+    "Action",
+    "check",
+    "clocks",
+    "format_schedule",
+    "in_flight",
+    "is_token",
+    "load_schedule",
+    "lower",
+    "needs",
+    "parse",
+]
 
 COMPUTE = ("F", "B", "I", "W")
 COMM = ("RECV_F", "SEND_F", "RECV_B", "SEND_B")

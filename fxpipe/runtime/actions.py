@@ -18,7 +18,8 @@ value. With worker threads (one per CUDA device), the stages of a clock run toge
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -28,7 +29,7 @@ from fxpipe.runtime.checkpoint import checkpoint_stop
 from fxpipe.runtime.threads import DeviceThreads
 from fxpipe.runtime.worker import StageWorker
 
-__all__ = ["Transport", "ActionInterpreter", "Program", "program_for"]
+__all__ = ["ActionInterpreter", "Program", "Transport", "program_for"]
 
 
 class Transport(Protocol):

@@ -15,7 +15,7 @@ is an instance attribute, and the sums are plain attributes.
 from __future__ import annotations
 
 import types
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from fxpipe.runtime.checkpoint import is_recomputing
 
-__all__ = ["defer_batch_norm", "commit_batch_norm"]
+__all__ = ["commit_batch_norm", "defer_batch_norm"]
 
 
 def defer_batch_norm(modules: Iterable[nn.Module]) -> list[_BatchNorm]:

@@ -21,16 +21,23 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.runtime.dependency import fork, get_phony, join
 
-__all__ = ["is_checkpointing", "is_recomputing", "in_pass", "checkpointed", "CHECKPOINT_MODES",
-           "checkpoint_stop"]
+__all__ = [
+    "CHECKPOINT_MODES",
+    "checkpoint_stop",
+    "checkpointed",
+    "in_pass",
+    "is_checkpointing",
+    "is_recomputing",
+]
 
 # How many leading micro-batches of m each mode checkpoints (torchgpipe's three modes).
 CHECKPOINT_MODES: dict[str, Callable[[int], int]] = {

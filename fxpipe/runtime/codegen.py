@@ -13,14 +13,14 @@ per-micro-batch inputs of stage 0, and returns the last stage's output per micro
 from __future__ import annotations
 
 import linecache
-from typing import Callable
+from collections.abc import Callable
 
 from fxpipe.plan import PipelinePlan
 from fxpipe.runtime.actionlist import clocks
 from fxpipe.runtime.checkpoint import checkpoint_stop
 from fxpipe.runtime.schedule import gpipe
 
-__all__ = ["clock_cycles", "gpipe_source", "compile_source"]
+__all__ = ["clock_cycles", "compile_source", "gpipe_source"]
 
 
 def clock_cycles(m: int, n: int) -> list[list[tuple[int, int]]]:
@@ -79,8 +79,8 @@ def gpipe_source(plan: PipelinePlan, m: int, name: str = "gpipe", threaded: bool
                 moved = [f"{args[p]}_to{j}" for p in positions]
                 lines.append(f"    {_tuple(moved)[1:-1]} = copy({src}, {j}, {i}, "
                              f"{_tuple([args[p] for p in positions])})")
-                for p, name in zip(positions, moved):
-                    args[p] = name
+                for p, moved_name in zip(positions, moved):
+                    args[p] = moved_name
                 copies.setdefault(j, []).extend(moved)
             lines.append(f"    in{j} = {_tuple(args)}")
             if i > 0 and j > 0:

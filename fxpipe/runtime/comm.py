@@ -12,8 +12,10 @@ a dead peer will not join.
 
 from __future__ import annotations
 
+import logging
 import pickle
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,8 @@ import torch.distributed as dist
 from fxpipe.errors import PeerFailure
 
 __all__ = ["Comm"]
+
+log = logging.getLogger(__name__)
 
 _ERROR_KEY = "fxpipe/error"
 OBJECT_TAG = 3  # small Python values (the step's layout, the loss); 1 and 2 carry tensors
@@ -45,8 +49,8 @@ class Comm:
         try:
             if not self.store.check([_ERROR_KEY]):
                 self.store.set(_ERROR_KEY, message)
-        except Exception:  # noqa: BLE001 - the store itself may be down; we are failing anyway
-            pass
+        except Exception as exc:  # noqa: BLE001 - the store itself may be down; we are failing anyway
+            log.debug("could not post this rank's failure to the store: %s", exc)
 
     def check(self, what: str) -> None:
         """Raise :class:`PeerFailure` if a peer has posted an error."""

@@ -20,14 +20,15 @@ is copied and waited for.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.runtime.stream import AbstractStream, current_stream, record_stream, use_stream, wait_stream
 
-__all__ = ["Copy", "Wait", "copy", "wait", "transfer"]
+__all__ = ["Copy", "Wait", "copy", "transfer", "wait"]
 
 
 def transfer(tensors, src: AbstractStream, dst: AbstractStream, to: torch.device, reader: AbstractStream):

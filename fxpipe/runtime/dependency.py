@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["get_phony", "fork", "join", "depend"]
+__all__ = ["depend", "fork", "get_phony", "join"]
 
 _phonies: dict[tuple[torch.device, bool], torch.Tensor] = {}
 

@@ -13,8 +13,9 @@ and get their gradients summed over them after each step (:mod:`fxpipe.runtime.p
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,9 +23,9 @@ import torch.fx
 
 from fxpipe.errors import PeerFailure
 from fxpipe.plan import PipelinePlan
+from fxpipe.runtime import steplayout
 from fxpipe.runtime.actions import ActionInterpreter, Program, program_for
 from fxpipe.runtime.batchnorm import commit_batch_norm
-from fxpipe.runtime import steplayout
 from fxpipe.runtime.comm import Comm
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
 from fxpipe.runtime.microbatch import gather, micro_losses

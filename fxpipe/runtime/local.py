@@ -12,7 +12,8 @@ transport. On CUDA both use copy streams and, with several GPUs, a worker thread
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

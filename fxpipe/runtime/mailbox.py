@@ -14,7 +14,8 @@ On CPU the copy is a plain ``.to``, and between stages on one device nothing mov
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten

@@ -8,14 +8,15 @@ at most one row.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from fxpipe.errors import PipelineInputError
 
-__all__ = ["batch_size", "scatter", "gather", "micro_sizes", "micro_losses", "to_device"]
+__all__ = ["batch_size", "gather", "micro_losses", "micro_sizes", "scatter", "to_device"]
 
 
 def _batched(x: Any) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from fxpipe.errors import ScheduleError
 from fxpipe.runtime.actionlist import Action, needs
 
-__all__ = ["loop_placement", "v_placement", "interleaved", "zbv", "min_chunks"]
+__all__ = ["interleaved", "loop_placement", "min_chunks", "v_placement", "zbv"]
 
 
 def loop_placement(n: int, world: int) -> list[int]:
@@ -108,15 +108,18 @@ def zbv(n: int, m: int, world: int) -> list[list[Action]]:
     while any(todo[r] or pending[r] for r in range(world)):
         r = min((r for r in range(world) if todo[r] or pending[r]), key=lambda r: (free[r], r))
         t = free[r]
-        key = lambda a: (a.mb, -a.stage)  # noqa: E731 - oldest micro-batch, later stage first
+        key = lambda a: (a.mb, -a.stage)
         backs = sorted((a for a in todo[r] if a.kind == "I" and ready(a, t)), key=key)
         fwds = sorted((a for a in todo[r] if a.kind == "F" and ready(a, t)), key=key)
+        deeper = [a for a in fwds if a.stage != mine[r][0]]  # micro-batches already inside the rank
         if backs:
             step = backs[0]
-        elif fwds and (held[r] < limit or fwds[0].stage != mine[r][0]):
-            step = fwds[0]  # the limit holds back new micro-batches, not those already inside
+        elif fwds and held[r] < limit:
+            step = fwds[0]
         elif pending[r]:
-            step = pending[r].pop(0)
+            step = pending[r].pop(0)  # at the limit: a weight step frees what it holds
+        elif deeper:
+            step = deeper[0]  # nothing to free: let a micro-batch already inside go on
         else:  # wait for the next step another rank finishes
             later = [e for e in done.values() if e > t]
             free[r] = min(later) if later else t + 1

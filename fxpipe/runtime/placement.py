@@ -10,13 +10,14 @@ the model's own ``Parameter`` objects stay the ones that receive gradients.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["resolve_devices", "Ownership", "ownership", "move_owned", "stage_callable", "named_tensors"]
+__all__ = ["Ownership", "move_owned", "named_tensors", "ownership", "resolve_devices", "stage_callable"]
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,8 @@ def resolve_devices(devices: Sequence[Any] | None, n_stages: int) -> list[torch.
         elif dev.type == "meta":
             raise ValueError(f"devices holds {d!r}: meta tensors hold no data, so moving the model "
                              "there would destroy its weights; use 'cpu' or a CUDA device")
-        elif dev.type != "cpu":
-            if not hasattr(torch, dev.type) or not getattr(torch, dev.type).is_available():
-                raise ValueError(f"devices holds {d!r} but that backend is not available")
+        elif dev.type != "cpu" and (not hasattr(torch, dev.type) or not getattr(torch, dev.type).is_available()):
+            raise ValueError(f"devices holds {d!r} but that backend is not available")
         out.append(dev)
     return out
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fxpipe import passes
 from fxpipe.runtime.placement import named_tensors
 
-__all__ = ["Layout", "setup_distributed", "agree_on_stages", "tied_groups"]
+__all__ = ["Layout", "agree_on_stages", "setup_distributed", "tied_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1, d
                              "or call torch.distributed.init_process_group first")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     world, me = dist.get_world_size(), dist.get_rank()
     if world != want:

@@ -30,15 +30,16 @@ bubble. 2 stages, 4 micro-batches, every action one unit::
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fxpipe.errors import ScheduleError
 from fxpipe.runtime import actionlist
 from fxpipe.runtime.actionlist import Action, needs
 from fxpipe.runtime.multistage import interleaved, loop_placement, min_chunks, v_placement, zbv
 
-__all__ = ["gpipe", "one_f_one_b", "zero_bubble", "forward_only", "SCHEDULES", "NAMES", "Schedule", "resolve"]
+__all__ = ["NAMES", "SCHEDULES", "Schedule", "forward_only", "gpipe", "one_f_one_b", "resolve", "zero_bubble"]
 
 
 def gpipe(n: int, m: int) -> list[list[Action]]:

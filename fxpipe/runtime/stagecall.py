@@ -19,9 +19,10 @@ that time the call's backward.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.fx
@@ -32,7 +33,7 @@ from fxpipe.runtime.stream import AbstractStream, current_stream, new_stream, on
 from fxpipe.tools import recorder
 from fxpipe.tools.blame import keep_tracebacks, note_failure
 
-__all__ = ["StageCall", "Replay", "save_rng", "restore_rng", "autocast_state", "autocast_as"]
+__all__ = ["Replay", "StageCall", "autocast_as", "autocast_state", "restore_rng", "save_rng"]
 
 _GRAD = {"forward": nullcontext, "checkpoint": torch.no_grad, "recompute": torch.enable_grad}
 _FLAG = {"checkpoint": "checkpointing", "recompute": "recomputing"}

@@ -9,7 +9,8 @@ every rank of every pipeline with the same error, instead of a mismatched messag
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
@@ -19,7 +20,7 @@ from fxpipe.errors import PipelineInputError
 from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.runtime.stagecall import autocast_state
 
-__all__ = ["publish", "receive", "specs_for", "check_shapes", "tell_all"]
+__all__ = ["check_shapes", "publish", "receive", "specs_for", "tell_all"]
 
 
 def check_shapes(names: list[str], spec: list[Any], example: list[Any]) -> None:

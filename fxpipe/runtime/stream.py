@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["AbstractStream", "new_stream", "current_stream", "use_stream", "wait_stream",
-           "record_stream", "on_device"]
+__all__ = [
+    "AbstractStream",
+    "current_stream",
+    "new_stream",
+    "on_device",
+    "record_stream",
+    "use_stream",
+    "wait_stream",
+]
 
-AbstractStream = Optional[torch.cuda.Stream]
+AbstractStream = torch.cuda.Stream | None
 
 
 def new_stream(device: torch.device) -> AbstractStream:

@@ -21,7 +21,8 @@ data moves while this one is computed on.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten

@@ -8,7 +8,8 @@ mismatch is refused here with the input's name, rather than failing deep inside 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx

@@ -21,15 +21,15 @@ directly, so hooks registered on those parameters do not see it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["linear", "collecting", "run", "defer_weight_grads"]
+__all__ = ["collecting", "defer_weight_grads", "linear", "run"]
 
 _local = threading.local()
 _LINEARS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)

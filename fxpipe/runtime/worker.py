@@ -20,7 +20,8 @@ the queued weight gradients, and ``B`` both at once.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten

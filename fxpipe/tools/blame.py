@@ -23,7 +23,7 @@ import torch.fx
 
 from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
 
-__all__ = ["note_failure", "failing_node", "describe_node", "keep_tracebacks"]
+__all__ = ["describe_node", "failing_node", "keep_tracebacks", "note_failure"]
 
 _NOTE = "fxpipe: raised in stage"
 

@@ -17,7 +17,8 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from fxpipe.tools import plancmd
 from fxpipe.tools.factory import EXAMPLE, FactoryError, ModelSpecError, make_model
@@ -49,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # noqa: BLE001 - the model's own errors: one line unless asked
+    except Exception as exc:
         if args.traceback:
             raise
         print(f"fxpipe {args.command}: error: {type(exc).__name__}: {exc}\n"
@@ -197,8 +198,8 @@ def _batch(inputs: tuple) -> int | None:
 
 def _write_dot(args: argparse.Namespace, pipe: Any, model: Any, inputs: tuple | None) -> int:
     """Write the DOT graph, rendering it when the file asks for a picture; return a status."""
-    from fxpipe.tools import dot
     from fxpipe.runtime.microbatch import micro_sizes
+    from fxpipe.tools import dot
 
     batch = _batch(inputs) if inputs is not None else None
     micro = len(micro_sizes(batch, pipe.plan.chunks)) if batch else pipe.plan.chunks  # as the table

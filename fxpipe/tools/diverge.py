@@ -17,15 +17,16 @@ running statistics in training mode move again.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.tools.blame import describe_node
 from fxpipe.runtime.microbatch import to_device
+from fxpipe.tools.blame import describe_node
 
 __all__ = ["divergence"]
 

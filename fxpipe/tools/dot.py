@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+
 import torch.fx
 
 from fxpipe.plan import PipelinePlan, human
 
-__all__ = ["to_dot", "render", "graphviz_available"]
+__all__ = ["graphviz_available", "render", "to_dot"]
 
 # Tableau 10: (cluster border, node fill) per stage, cycling.
 _PALETTE = [("#4e79a7", "#d6e4f2"), ("#f28e2b", "#fde3c8"), ("#59a14f", "#d8ecd3"),
@@ -64,11 +65,11 @@ def to_dot(gm: torch.fx.GraphModule, plan: PipelinePlan, *, micro_batches: int |
     stage = {n: n.meta.get("fxpipe.stage", 0) for n in gm.graph.nodes}
     lines = [
         "digraph fxpipe {",
-        f"  graph [rankdir=TB, fontname=Helvetica, fontsize=12, labelloc=t, newrank=true, "
-        f"ranksep=0.22, nodesep=0.25, "
-        f"label={_q((title or 'pipeline') + f': {plan.n_stages} stages')}];",
-        '  node [shape=box, style="rounded,filled", fontname=Helvetica, fontsize=9, color="#555555", '
-        'height=0.3, margin="0.08,0.03"];',
+        ("  graph [rankdir=TB, fontname=Helvetica, fontsize=12, labelloc=t, newrank=true, "
+         "ranksep=0.22, nodesep=0.25, "
+         f"label={_q((title or 'pipeline') + f': {plan.n_stages} stages')}];"),
+        ('  node [shape=box, style="rounded,filled", fontname=Helvetica, fontsize=9, color="#555555", '
+         'height=0.3, margin="0.08,0.03"];'),
         '  edge [color="#777777", arrowsize=0.6, fontname=Helvetica, fontsize=9];',
     ]
     for s in plan.stages:
@@ -119,6 +120,6 @@ def render(source: str, path: str, fmt: str | None = None, *, timeout: float = 3
                                 "macOS: brew install graphviz)")
     fmt = fmt or path.rsplit(".", 1)[-1]
     done = subprocess.run([exe, f"-T{fmt}", "-o", path], input=source.encode(), capture_output=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"dot -T{fmt} failed: {done.stderr.decode(errors='replace').strip()}")

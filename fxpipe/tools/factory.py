@@ -13,9 +13,10 @@ import importlib.util
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["EXAMPLE", "ModelSpecError", "FactoryError", "load_factory", "make_model"]
+__all__ = ["EXAMPLE", "FactoryError", "ModelSpecError", "load_factory", "make_model"]
 
 EXAMPLE = "fxpipe inspect examples/unet.py:factory --stages 4 --chunks 4"
 

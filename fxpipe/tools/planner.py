@@ -96,8 +96,8 @@ def _cut(gm: torch.fx.GraphModule, n: int, device: DeviceModel, micro: int = 1, 
     devices = _devices(device, n)
     cut = passes.partition(gm, n, balance_by="flops", comm=passes.comm_weights(devices, "flops"),
                            checkpoint=checkpoint, micro_batches=micro)
-    stage_graphs, routes = split_stages(gm, n)
-    return make_plan(gm, stage_graphs, routes, devices, micro, chunks, checkpoint, "gpipe", "flops", cut, None)
+    modules, stages, routes = split_stages(gm, n)
+    return make_plan(gm, modules, stages, routes, devices, micro, chunks, checkpoint, "gpipe", "flops", cut, None)
 
 
 def prepare(model: nn.Module, args: tuple, kwargs: dict | None = None,

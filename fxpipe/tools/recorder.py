@@ -34,22 +34,22 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["Timeline", "timeline", "active", "span", "span_at", "where", "mark_backward"]
+__all__ = ["Timeline", "active", "mark_backward", "span", "span_at", "timeline", "where"]
 
 KINDS = ("forward", "recompute", "backward", "weight", "copy")
 COPY_LANE = 1000  # copy lanes are tid COPY_LANE + stage
 
-_active: "Timeline | None" = None
+_active: Timeline | None = None
 _NULL = nullcontext()
 _local = threading.local()
 
 
-def active() -> "Timeline | None":
+def active() -> Timeline | None:
     """Return the timeline now recording, or None."""
     return _active
 
 
-def timeline(path: str | None = None) -> "Timeline":
+def timeline(path: str | None = None) -> Timeline:
     """Return a context manager recording the pipeline's timeline; write it to ``path`` on exit."""
     return Timeline(path)
 
@@ -57,12 +57,12 @@ def timeline(path: str | None = None) -> "Timeline":
 class _Call:
     """One stage call on one micro-batch, with the stamps its backward leaves."""
 
-    __slots__ = ("timeline", "stage", "micro_batch", "device", "recompute", "bw_begin", "bw_end", "lock")
+    __slots__ = ("bw_begin", "bw_end", "device", "lock", "micro_batch", "recompute", "stage", "timeline")
 
-    def __init__(self, tl: "Timeline", stage: int, micro_batch: int, device: torch.device | None) -> None:
+    def __init__(self, tl: Timeline, stage: int, micro_batch: int, device: torch.device | None) -> None:
         self.timeline = tl
         self.stage, self.micro_batch, self.device = stage, micro_batch, device
-        self.recompute: "_Span | None" = None
+        self.recompute: _Span | None = None
         self.bw_begin: Any = None
         self.bw_end: Any = None
         self.lock = threading.Lock()
@@ -81,17 +81,27 @@ class _Call:
 class _Span:
     """A timed region of one kind for one stage and micro-batch."""
 
-    __slots__ = ("timeline", "kind", "stage", "micro_batch", "device", "stream", "begin", "end",
-                 "call", "previous")
+    __slots__ = (
+        "begin",
+        "call",
+        "device",
+        "end",
+        "kind",
+        "micro_batch",
+        "previous",
+        "stage",
+        "stream",
+        "timeline",
+    )
 
-    def __init__(self, tl: "Timeline", kind: str, stage: int, micro_batch: int,
+    def __init__(self, tl: Timeline, kind: str, stage: int, micro_batch: int,
                  device: torch.device | None, stream: Any = None) -> None:
         self.timeline, self.kind, self.stage, self.micro_batch = tl, kind, stage, micro_batch
         self.device, self.stream = device, stream
         self.begin = self.end = None
         self.call: _Call | None = None
 
-    def __enter__(self) -> "_Call | None":
+    def __enter__(self) -> _Call | None:
         if self.kind == "forward":
             self.call = _Call(self.timeline, self.stage, self.micro_batch, self.device)
             self.previous = getattr(_local, "call", None)
@@ -99,7 +109,7 @@ class _Span:
         self.begin = self.timeline.stamp(self.device, self.stream)
         return self.call
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.end = self.timeline.stamp(self.device, self.stream)
         if self.kind == "forward":
             _local.call = self.previous
@@ -187,7 +197,7 @@ class Timeline:
         self._refs: dict[torch.device, tuple[Any, int]] = {}
 
     # -- recording -------------------------------------------------------------------
-    def __enter__(self) -> "Timeline":
+    def __enter__(self) -> Timeline:  # noqa: PYI034 - typing.Self needs Python 3.11
         global _active
         if _active is not None:
             raise RuntimeError("a timeline is already recording; close it before starting another")
@@ -196,7 +206,7 @@ class Timeline:
         _active = self
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         global _active
         _active = None
         self.events = self._resolve()
