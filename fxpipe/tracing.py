@@ -37,6 +37,10 @@ class _Tracer(torch.fx.Tracer):
 
     def __init__(self, leaf_types: tuple[type, ...], leaf_names: frozenset[str]) -> None:
         super().__init__()
+        # buffers as get_attr nodes even where code runs on them alone (``self.scale * 2``):
+        # otherwise the trace computes such code once and freezes the result into the graph,
+        # which goes stale when the buffer changes (load_state_dict, an update in forward)
+        self.proxy_buffer_attributes = True
         self.leaf_types = leaf_types
         self.leaf_names = leaf_names
 

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.plan import PipelinePlan
 from fxpipe.runtime.copy import transfer
-from fxpipe.runtime.microbatch import to_device
+from fxpipe.runtime.microbatch import sum_grads, to_device
 from fxpipe.runtime.stagecall import StageCall
 from fxpipe.runtime.stream import current_stream, wait_stream
 
@@ -84,7 +84,7 @@ class LocalTransport:
         with self.lock:
             parts_of = [self.box.pop(("B", v, i), []) for v in self.plan.stages[j].outputs]
         for parts in parts_of:
-            grads.append(_sum(parts) if parts else None)
+            grads.append(sum_grads(parts) if parts else None)
         return self._arrived(grads, j, i)
 
     def send_backward(self, j: int, i: int, grads: Sequence[Any]) -> None:
@@ -95,14 +95,3 @@ class LocalTransport:
                 with self.lock:
                     self.box.setdefault(("B", v, i), []).append(moved)
 
-
-def _sum(parts: list[Any]) -> Any:
-    """Sum gradients that several consumers sent for one value, leaf by leaf."""
-    if len(parts) == 1:
-        return parts[0]
-    flat = [tree_flatten(p) for p in parts]
-    leaves = []
-    for column in zip(*[f[0] for f in flat]):
-        present = [x for x in column if x is not None]
-        leaves.append(sum(present[1:], present[0]) if present else None)
-    return tree_unflatten(leaves, flat[0][1])

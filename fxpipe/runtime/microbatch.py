@@ -16,7 +16,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from fxpipe.errors import PipelineInputError
 
-__all__ = ["batch_size", "gather", "micro_losses", "micro_sizes", "scatter", "to_device"]
+__all__ = ["batch_size", "gather", "micro_losses", "micro_sizes", "scatter", "sum_grads", "to_device"]
 
 
 def _batched(x: Any) -> bool:
@@ -138,3 +138,15 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
 
         losses[i] = loss
     return losses
+
+
+def sum_grads(parts: list[Any]) -> Any:
+    """Sum the gradients several readers sent for one value, leaf by leaf (None leaves stay None)."""
+    if len(parts) == 1:
+        return parts[0]
+    flat = [tree_flatten(p) for p in parts]
+    leaves = []
+    for column in zip(*[f[0] for f in flat]):
+        present = [x for x in column if x is not None]
+        leaves.append(sum(present[1:], present[0]) if present else None)
+    return tree_unflatten(leaves, flat[0][1])

@@ -70,9 +70,13 @@ def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1, d
             raise ValueError(f"runtime='distributed' needs a process group: launch with "
                              f"`torchrun --nproc-per-node {want} script.py` (missing {missing}) "
                              "or call torch.distributed.init_process_group first")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        backend = "nccl" if torch.cuda.is_available() and local < torch.cuda.device_count() else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local)
+        elif torch.cuda.is_available():
+            log.warning("local rank %d has no GPU of its own (%d visible): running on CPU with gloo",
+                        local, torch.cuda.device_count())
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     world, me = dist.get_world_size(), dist.get_rank()
     if world != want:

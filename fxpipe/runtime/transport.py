@@ -31,6 +31,7 @@ from fxpipe.passes import TensorSpec
 from fxpipe.plan import PipelinePlan
 from fxpipe.runtime.actionlist import Action
 from fxpipe.runtime.comm import Comm
+from fxpipe.runtime.microbatch import sum_grads
 
 __all__ = ["DistTransport"]
 
@@ -157,7 +158,7 @@ class DistTransport:
         grads = []
         for v in stage.outputs:
             parts = self.box.pop(("B", v, i), [])
-            grads.append(_sum(parts) if parts else None)
+            grads.append(sum_grads(parts) if parts else None)
         return grads
 
     def send_backward(self, j: int, i: int, grads: Sequence[Any]) -> None:
@@ -214,14 +215,3 @@ def _grad_tensors(grad: Any, spec: Any, device: torch.device) -> list[torch.Tens
                        else torch.zeros(s.shape, dtype=s.dtype, device=device))
     return out
 
-
-def _sum(values: list[Any]) -> Any:
-    """Sum gradients leaf by leaf (None leaves stay None)."""
-    if len(values) == 1:
-        return values[0]
-    flat = [tree_flatten(v) for v in values]
-    leaves = []
-    for column in zip(*[f[0] for f in flat]):
-        present = [x for x in column if x is not None]
-        leaves.append(sum(present[1:], present[0]) if present else None)
-    return tree_unflatten(leaves, flat[0][1])

@@ -1,0 +1,30 @@
+"""fxpipe.trace: buffers stay buffers in the graph, so a pipeline follows them when they change."""
+
+import torch
+from torch import nn
+
+import fxpipe
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        factor = self.scale * 2  # code on the buffer alone
+        return self.b(self.a(x) * factor)
+
+
+def test_code_on_a_buffer_alone_is_traced_not_frozen():
+    gm = fxpipe.trace(Scaled())
+    assert not any(n.op == "get_attr" and n.target.startswith("_tensor_constant") for n in gm.graph.nodes)
+    model = Scaled()
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(3, 4),), devices=["cpu"] * 2)
+    x = torch.randn(3, 4)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["scale"] = torch.full((4,), 3.0)
+    pipe.load_state_dict(state)
+    torch.testing.assert_close(pipe(x), model(x))
+    assert torch.equal(model.scale, torch.full((4,), 3.0))
