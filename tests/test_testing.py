@@ -50,12 +50,12 @@ def _sabotage(monkeypatch, stage, replacement):
     real = passes.split
 
     def split(gm, n):
-        stages, routes = real(gm, n)
-        module = stages[stage].module
+        modules, stages, routes = real(gm, n)
+        module = modules[stage]
         node = next(n for n in module.graph.nodes if n.target is torch.tanh)
         node.target = replacement
         module.recompile()
-        return stages, routes
+        return modules, stages, routes
 
     monkeypatch.setattr(passes, "split", split)
 
