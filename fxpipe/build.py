@@ -123,11 +123,11 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
         _refuse_shared_on_one_rank(held, mine)
     defer = schedule.deferring(plan.chunks)
     n = plan.n_stages
-    calls = [StageCall(j, r, r, device, j == n - 1) for j in mine for r in [_runnable(stages[j], j, defer)]]
+    runnable = {j: _runnable(stages[j], j, defer) for j in mine}
+    calls = [StageCall(j, r, r, device, j == n - 1) for j, r in runnable.items()]
     engine = DistributedRuntime(plan, gm, layout, calls, link, CallSignature(gm), tied, schedule)
     if layout.dp > 1:  # after the tied tensors are equal: DDP and FSDP2 start from these
-        engine.grad_sync = GradSync({c.index: c.fn for c in calls}, layout, shard,
-                                    share_with=[model, gm, *stages, *(c.fn for c in calls)])
+        engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()])
         swapped = engine.grad_sync.swapped  # tied parameters FSDP2 sharded: sum the shards' gradients
         engine.tied = [(g, [swapped.get(id(p), p) for p in ps], first) for g, ps, first in tied]
     if deferred_batch_norm:

@@ -87,7 +87,6 @@ def front_end(model: nn.Module, n_stages: int, *, args: tuple, kwargs: dict | No
         passes.profile(gm, args, kwargs, device=profile_device)
 
     comm = passes.comm_weights(devices, balance_by)
-    memory = {"max_memory": max_memory, "checkpoint": checkpoint, "micro_batches": micro}
     cut = None
     if saved is not None:
         apply_plan(gm, saved, n_stages)
@@ -95,9 +94,11 @@ def front_end(model: nn.Module, n_stages: int, *, args: tuple, kwargs: dict | No
         if len(split_points) + 1 != n_stages:
             raise ValueError(f"{len(split_points)} split points make {len(split_points) + 1} stages "
                              f"but n_stages={n_stages}; give n_stages - 1 split points")
-        cut = passes.partition_at(gm, split_points, balance_by=balance_by, comm=comm, **memory)
+        cut = passes.partition_at(gm, split_points, balance_by=balance_by, comm=comm, max_memory=max_memory,
+                                  checkpoint=checkpoint, micro_batches=micro)
     else:
-        cut = passes.partition(gm, n_stages, balance_by=balance_by, comm=comm, **memory)
+        cut = passes.partition(gm, n_stages, balance_by=balance_by, comm=comm, max_memory=max_memory,
+                               checkpoint=checkpoint, micro_batches=micro)
     return FrontEnd(gm, cut, micro, balance_by)
 
 

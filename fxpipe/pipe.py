@@ -29,6 +29,10 @@ class Pipe(nn.Module):
 
     owned: frozenset[str] | None  # the FQNs this process holds; None: all of them
     _model: nn.Module
+    _gm: torch.fx.GraphModule
+    plan: PipelinePlan
+    stages: list[torch.fx.GraphModule]
+    devices: list[torch.device]
 
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
                  stages: Sequence[torch.fx.GraphModule], devices: Sequence[torch.device],

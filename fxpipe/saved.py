@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from typing import Union
+from typing import Union, cast
 
 import torch.fx
 from torch.fx.node import _get_qualified_name
@@ -41,7 +41,7 @@ def target_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
     target = node.target
     if node.op == "call_module":
         try:
-            return f"{target} ({type(gm.get_submodule(target)).__name__})"
+            return f"{target} ({type(gm.get_submodule(cast(str, target))).__name__})"
         except AttributeError:
             return str(target)
     if isinstance(target, str):
@@ -116,7 +116,7 @@ def apply_plan(gm: torch.fx.GraphModule, plan: PipelinePlan, n_stages: int) -> N
     if diffs:
         raise PlanMismatchError("the model's graph no longer matches the saved plan:\n  "
                                 + "\n  ".join(diffs) + f"\nTo pipeline the model as it is now, {fix}.")
-    stage_of = {}
+    stage_of: dict[str, int] = {}
     for stage in plan.stages:
         for name in stage.nodes:
             stage_of.setdefault(name, stage.index)

@@ -48,8 +48,11 @@ def make_plan(gm: torch.fx.GraphModule, modules: Sequence[torch.fx.GraphModule],
         s.time_ms = float(sum(n.meta.get("fxpipe.time", 0.0) for n in held)) if profiled else None
         s.saved_bytes = int(sum(n.meta.get("fxpipe.saved_bytes", 0) for n in held) // per_micro)
         s.checkpoint_bytes = int(sum(nodes[v].meta.get("fxpipe.bytes", 0) for v in s.inputs) // per_micro)
-        s.memory = int(cut.memory[j]) if cut is not None else saved_plan.stages[j].memory
-        s.cost = float(cut.costs[j]) if cut is not None else saved_plan.stages[j].cost
+        if cut is not None:
+            s.memory, s.cost = int(cut.memory[j]), float(cut.costs[j])
+        else:
+            assert saved_plan is not None  # without a cut, the stages come from a saved plan
+            s.memory, s.cost = saved_plan.stages[j].memory, saved_plan.stages[j].cost
         s.grad_inputs = [v for v in s.inputs if j > 0 and _carries_grad(nodes[v])]
     for r in routes:
         r.bytes = int(nodes[r.name].meta.get("fxpipe.bytes", 0) // per_micro)

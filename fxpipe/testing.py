@@ -113,9 +113,9 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
         if diagnose:
             from fxpipe.tools.diverge import divergence
 
-            tol = (rtol, atol) if rtol is not None else default_tolerance(_dtype(expected))
-            failure += "\n" + divergence(pipe, reference, example_inputs, kwargs, tol[0],
-                                         tol[1] if atol is None else atol, loss)
+            d_rtol, d_atol = default_tolerance(_dtype(expected))  # each defaults alone, as in _difference
+            failure += "\n" + divergence(pipe, reference, example_inputs, kwargs, d_rtol if rtol is None else rtol,
+                                         d_atol if atol is None else atol, loss)
         raise AssertionError(failure)
     if pristine is not None:
         compile_kwargs = {k: v for k, v in compile_kwargs.items() if k != "schedule"}

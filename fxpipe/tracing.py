@@ -99,14 +99,14 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     if unknown:
         raise ValueError(f"leaf_modules names {unknown} that are not submodules of "
                          f"{type(model).__name__}; use names from model.named_modules()")
-    tracer = _Tracer(leaf_types, leaf_names)
+    fx_tracer = _Tracer(leaf_types, leaf_names)
     try:
-        with recording_markers(tracer):  # pipe_split() calls become marker nodes
-            graph = tracer.trace(model, concrete_args=concrete_args)
+        with recording_markers(fx_tracer):  # pipe_split() calls become marker nodes
+            graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
-        raise _explain(model, tracer, exc) from exc
+        raise _explain(model, fx_tracer, exc) from exc
     name = model.__class__.__name__
-    gm = torch.fx.GraphModule(tracer.root, graph, name)
+    gm = torch.fx.GraphModule(fx_tracer.root, graph, name)
     log.debug("traced %s: %d nodes", name, len(gm.graph.nodes))
     return gm
 
@@ -126,7 +126,7 @@ def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceErro
     frame = _user_frame(exc)
     where = ""
     if frame is not None:
-        line = linecache.getline(frame.filename, frame.lineno).strip()
+        line = linecache.getline(frame.filename, frame.lineno or 0).strip()  # no line number: no line
         where = f'\n  File "{frame.filename}", line {frame.lineno}, in {frame.name}\n    {line}'
     type_name = getattr(module_type, "__name__", str(module_type))
     if module_path:

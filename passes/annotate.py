@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import cast
 
 import torch
 import torch.fx
@@ -52,7 +53,7 @@ def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, modules: dict) -
         seen = {id(t): t for t in list(mod.parameters()) + list(mod.buffers())}
         return sum(t.numel() * t.element_size() for t in seen.values())
     if node.op == "get_attr":
-        obj = fetch(gm, node.target)
+        obj = fetch(gm, cast(str, node.target))  # a get_attr target is the attribute's path
         if isinstance(obj, torch.Tensor):
             return obj.numel() * obj.element_size()
     return 0
@@ -99,26 +100,26 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
     if info is not None and info.in_spec is not None:
         return _bind_pytree(gm, info.in_spec, args, kwargs)
     values: list = []
-    args, kwargs = list(args), dict(kwargs)
+    positional, keywords = list(args), dict(kwargs)  # what is left to bind
     for node in placeholders:
         name = node.target
         if name.startswith("*"):
-            values.append(tuple(args))
-            args = []
-        elif args:
-            values.append(args.pop(0))
-        elif name in kwargs:
-            values.append(kwargs.pop(name))
+            values.append(tuple(positional))
+            positional = []
+        elif positional:
+            values.append(positional.pop(0))
+        elif name in keywords:
+            values.append(keywords.pop(name))
         elif node.args:
             values.append(node.args[0])
         else:
             raise TypeError(f"missing a value for the model input '{name}': pass it positionally "
                             f"or as the keyword {name}=...")
-    if args:
-        raise TypeError(f"the model takes {len(placeholders)} inputs but {len(placeholders) + len(args)} "
+    if positional:
+        raise TypeError(f"the model takes {len(placeholders)} inputs but {len(placeholders) + len(positional)} "
                         "were given positionally")
-    if kwargs:
-        raise TypeError(f"unexpected keyword input(s) {sorted(kwargs)}; the model's inputs are "
+    if keywords:
+        raise TypeError(f"unexpected keyword input(s) {sorted(keywords)}; the model's inputs are "
                         f"{[n.target for n in placeholders]}")
     return values
 

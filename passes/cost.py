@@ -70,9 +70,9 @@ def comm_weights(devices: Sequence[str | torch.device], balance_by: str) -> list
     milliseconds per byte; ``params`` and ``memory``: 0. A boundary between stages on the same
     device costs 0 (nothing is copied).
     """
-    devices = [torch.device(d) for d in devices]
+    placed = [torch.device(d) for d in devices]
     out = []
-    for src, dst in pairwise(devices):
+    for src, dst in pairwise(placed):
         if src == dst or balance_by in ("params", "memory"):
             out.append(0.0)
             continue

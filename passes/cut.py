@@ -205,6 +205,7 @@ def min_bottleneck_cut(c: Sequence[float], w: Sequence[float], k: int, *,
         raise ValueError("a memory cap needs the per-item memory m=")
     problem = _Problem(c, w, k, beta, m, phi, cap, rho)
     if cap is not None and not problem.feasible(math.inf):
+        assert m is not None  # a cap comes with m (checked above)
         least = least_memory(m, w, k, phi)
         raise NoFeasibleCut(f"no cut into {k} groups keeps every group within {cap:.6g}; "
                             f"the least possible largest group needs {least:.6g}", least=least)

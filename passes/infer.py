@@ -59,7 +59,7 @@ def value_specs(gm: torch.fx.GraphModule, inputs: list[Any], wanted: Iterable[st
     """
     prop = SpecProp(gm, set(wanted))
     holder = _Holder(gm, prop)
-    state = dict(holder.named_parameters(remove_duplicate=False))
+    state: dict[str, torch.Tensor] = dict(holder.named_parameters(remove_duplicate=False))
     state.update(holder.named_buffers(remove_duplicate=False))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     devices = [v.device for v in tree_flatten(inputs)[0] if isinstance(v, torch.Tensor) and not v.is_meta]

@@ -50,7 +50,7 @@ def _effectful(gm: torch.fx.GraphModule, node: torch.fx.Node, modules: dict) -> 
 
 def _graph(gm: torch.fx.GraphModule, compute: Sequence[torch.fx.Node]) -> nx.DiGraph:
     """Build the dependency DiGraph of the compute nodes, effect-chain edges included."""
-    edges = []
+    edges: list[tuple[torch.fx.Node, torch.fx.Node]] = []
     previous, modules = None, dict(gm.named_modules())
     for node in compute:
         edges.extend((a, node) for a in node.all_input_nodes if a.op in COMPUTE_OPS)

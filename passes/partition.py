@@ -163,7 +163,8 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, *, balance_by: str = "flo
         if best is None or _better(score, best[0]):
             memory = group_costs([node_memory(n, f_act) for n in order], widths, starts, 0.0, f_in)
             best = (score, Partition(order, starts, stage, widths, memory))
-    if best is None:
+    if best is None:  # every candidate order was refused for memory
+        assert least is not None
         raise NoFeasibleCut(_memory_refusal(max_memory, least, n_stages, checkpoint, micro_batches),
                             least=least)
     cut = best[1]
@@ -198,7 +199,8 @@ def partition_at(gm: torch.fx.GraphModule, split_points: Sequence[str], *, balan
     """
     compute = compute_nodes(gm)
     first = _first_indices(gm, compute)
-    starts, names = [0], [None]
+    starts: list[int] = [0]
+    names: list[str | None] = [None]
     for point in split_points:
         i = _locate(gm, compute, first, point)
         prev = starts[-1]

@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -107,15 +107,17 @@ def _stand_in(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _runner(gm: torch.fx.GraphModule, node: torch.fx.Node, device: torch.device):
     """Return ``(call, params)``: a function running the node, and the leaves of its state."""
     if node.op == "call_module":
-        module = gm.get_submodule(node.target)
+        module = gm.get_submodule(cast(str, node.target))  # a call_module target is the module's path
         state = {k: _stand_in(v, device) for k, v in
                  list(module.named_parameters(remove_duplicate=False))
                  + list(module.named_buffers(remove_duplicate=False))}
         params = [t for t in state.values() if t.requires_grad]
         return (lambda args, kwargs: torch.func.functional_call(module, state, tuple(args), kwargs)), params
     if node.op == "call_method":
-        return (lambda args, kwargs: getattr(args[0], node.target)(*args[1:], **kwargs)), []
-    return (lambda args, kwargs: node.target(*args, **kwargs)), []
+        method = cast(str, node.target)  # a call_method target is the method's name
+        return (lambda args, kwargs: getattr(args[0], method)(*args[1:], **kwargs)), []
+    fn = cast(Callable[..., Any], node.target)  # a call_function target is the function
+    return (lambda args, kwargs: fn(*args, **kwargs)), []
 
 
 def _needs_grad(node: torch.fx.Node, value: Any) -> bool:

@@ -21,7 +21,7 @@ kernels) raises :class:`fxpipe.passes.failure.PropagationError` naming the node 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -145,7 +145,7 @@ class Propagator(torch.fx.Interpreter):
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """Call a module with its state replaced by stand-ins."""
         module = self.gm.get_submodule(target)
-        state = dict(module.named_parameters(remove_duplicate=False))
+        state: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
         state.update(module.named_buffers(remove_duplicate=False))
         if not state:
             return module(*args, **kwargs)
@@ -246,7 +246,7 @@ def _grad_operands(node: torch.fx.Node, args: tuple, kwargs: dict, gm: torch.fx.
     leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     count = sum(1 for t in leaves if t.requires_grad)
     if node.op == "call_module":
-        count += any(p.requires_grad for p in gm.get_submodule(node.target).parameters())
+        count += any(p.requires_grad for p in gm.get_submodule(cast(str, node.target)).parameters())
     return count
 
 

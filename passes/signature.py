@@ -72,7 +72,7 @@ def _module_key(module: nn.Module) -> Any:
         tensors += [(k, t) for k, t in module._buffers.items() if t is not None]
     parts = []
     for name, sub in subs:
-        attrs = []
+        attrs: list[tuple] = []  # (name, type, value) of plain values, (name, frozen) of others
         for k, v in vars(sub).items():  # "training" included; the order is the class's own
             if k[0] == "_":
                 continue
@@ -97,7 +97,9 @@ def node_key(node: torch.fx.Node, keys: dict, modules: dict) -> Any:
         return None
     if node.op == "call_module":
         if node.target not in modules:
-            module = node.graph.owning_module.get_submodule(node.target)
+            owner = node.graph.owning_module
+            assert owner is not None and isinstance(node.target, str)  # a call_module node of a GraphModule
+            module = owner.get_submodule(node.target)
             modules[node.target] = _module_key(module)
         mkey = modules[node.target]
         if mkey is None:

@@ -99,7 +99,7 @@ def split(gm: torch.fx.GraphModule, n_stages: int
             if stage[user] > stage[v]:
                 consumers.setdefault(v, set()).add(stage[user])
 
-    routes = [SkipRoute(v.name, stage[v], dst) for v in sorted(consumers, key=order.get)
+    routes = [SkipRoute(v.name, stage[v], dst) for v in sorted(consumers, key=order.__getitem__)
               for dst in sorted(consumers[v]) if dst > stage[v] + 1]
 
     # bucket once: each stage's own nodes, and the values each stage receives (in graph order)
@@ -108,7 +108,7 @@ def split(gm: torch.fx.GraphModule, n_stages: int
         if n.op != "get_attr":
             own_of[stage[n]].append(n)
     received: list[list[torch.fx.Node]] = [[] for _ in range(n_stages)]
-    for v in sorted(consumers, key=order.get):
+    for v in sorted(consumers, key=order.__getitem__):
         for d in consumers[v]:
             received[d].append(v)
 
@@ -123,7 +123,7 @@ def split(gm: torch.fx.GraphModule, n_stages: int
             inputs = [n for n in own if n.op == "placeholder"]
         module = _build_stage(gm, j, own, inputs, outputs, last=(j == n_stages - 1))
         attrs = {a for n in own for a in n.all_input_nodes if a.op == "get_attr"}
-        held = sorted(set(own) | attrs, key=order.get)
+        held = sorted(set(own) | attrs, key=order.__getitem__)
         modules.append(module)
         stages.append(StagePlan(index=j, device="", nodes=[n.name for n in held],
                                 inputs=[v.name for v in inputs], outputs=[v.name for v in outputs]))

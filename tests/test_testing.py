@@ -50,12 +50,12 @@ def _sabotage(monkeypatch, stage, replacement):
     real = passes.split
 
     def split(gm, n):
-        stages, routes = real(gm, n)
-        module = stages[stage].module
+        modules, stages, routes = real(gm, n)
+        module = modules[stage]
         node = next(n for n in module.graph.nodes if n.target is torch.tanh)
         node.target = replacement
         module.recompile()
-        return stages, routes
+        return modules, stages, routes
 
     monkeypatch.setattr(passes, "split", split)
 
@@ -68,6 +68,14 @@ def test_forward_divergence_names_stage_and_node(monkeypatch):
     msg = str(info.value)
     assert msg.startswith("output leaf 0 differs from eager")
     assert "forward first diverges at stage 1, node 'tanh_2' (call_function tanh" in msg
+
+
+def test_rtol_alone_still_diagnoses(monkeypatch):
+    # atol left to the dtype's default, in the diagnosis as in the comparison (None broke it)
+    _sabotage(monkeypatch, 1, torch.sigmoid)
+    with pytest.raises(AssertionError, match="forward first diverges at stage 1"):
+        assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), n_stages=3, chunks=2, rtol=1e-4,
+                                   split_points=["layers.2", "layers.4"], devices=["cpu"] * 3)
 
 
 def test_backward_divergence_names_stage_and_node(monkeypatch):

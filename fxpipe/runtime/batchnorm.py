@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Iterable
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +28,25 @@ from fxpipe.runtime.checkpoint import is_recomputing
 __all__ = ["commit_batch_norm", "defer_batch_norm"]
 
 
+class _Sums(Protocol):
+    """The plain attributes a deferred batch norm accumulates into."""
+
+    _fxpipe_sum: torch.Tensor | None
+    _fxpipe_sum_squares: torch.Tensor | None
+    _fxpipe_count: int
+
+
+def _sums(bn: _BatchNorm) -> _Sums:
+    """View a batch norm's accumulated sums as typed attributes."""
+    return cast(_Sums, bn)
+
+
 def defer_batch_norm(modules: Iterable[nn.Module]) -> list[_BatchNorm]:
     """Make every batch norm among ``modules`` defer its running-statistics update; return them."""
     deferred = []
     for bn in modules:
         if isinstance(bn, _BatchNorm) and bn.track_running_stats and "forward" not in bn.__dict__:
-            bn.forward = types.MethodType(_deferred_forward, bn)
+            bn.__dict__["forward"] = types.MethodType(_deferred_forward, bn)
             _reset(bn)
             deferred.append(bn)
     return deferred
@@ -40,9 +54,10 @@ def defer_batch_norm(modules: Iterable[nn.Module]) -> list[_BatchNorm]:
 
 def _reset(bn: _BatchNorm) -> None:
     """Clear a batch norm's accumulated sums."""
-    bn._fxpipe_sum = None
-    bn._fxpipe_sum_squares = None
-    bn._fxpipe_count = 0
+    sums = _sums(bn)
+    sums._fxpipe_sum = None
+    sums._fxpipe_sum_squares = None
+    sums._fxpipe_count = 0
 
 
 def _deferred_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
@@ -56,12 +71,13 @@ def _deferred_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
             dims = [d for d in range(x.dim()) if d != 1]
             total = x.sum(dims, dtype=torch.float64)  # float64 sums: no cancellation in the variance
             squares = (x * x).sum(dims, dtype=torch.float64)
-            if self._fxpipe_sum is None:
-                self._fxpipe_sum, self._fxpipe_sum_squares = total, squares
+            sums = _sums(self)
+            if sums._fxpipe_sum is None or sums._fxpipe_sum_squares is None:
+                sums._fxpipe_sum, sums._fxpipe_sum_squares = total, squares
             else:
-                self._fxpipe_sum += total
-                self._fxpipe_sum_squares += squares
-            self._fxpipe_count += x.numel() // x.shape[1]
+                sums._fxpipe_sum += total
+                sums._fxpipe_sum_squares += squares
+            sums._fxpipe_count += x.numel() // x.shape[1]
     return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
 
 
@@ -69,11 +85,16 @@ def commit_batch_norm(modules: Iterable[_BatchNorm]) -> None:
     """Update each deferred batch norm's running statistics once from its accumulated sums."""
     with torch.no_grad():
         for bn in modules:
-            n = bn._fxpipe_count
+            sums = _sums(bn)
+            n = sums._fxpipe_count
             if n == 0:
                 continue
-            mean = bn._fxpipe_sum / n
-            var = (bn._fxpipe_sum_squares / n - mean ** 2) * (n / max(n - 1, 1))  # unbiased, as eager
+            # deferred batch norms track running stats, and a count above 0 means both sums are set
+            assert sums._fxpipe_sum is not None and sums._fxpipe_sum_squares is not None
+            assert bn.running_mean is not None and bn.running_var is not None
+            assert bn.num_batches_tracked is not None
+            mean = sums._fxpipe_sum / n
+            var = (sums._fxpipe_sum_squares / n - mean ** 2) * (n / max(n - 1, 1))  # unbiased, as eager
             bn.num_batches_tracked += 1
             momentum = bn.momentum
             if momentum is None:  # cumulative moving average

@@ -22,7 +22,7 @@ accumulation over several steps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -73,7 +73,7 @@ def _register_everywhere(roots: Sequence[nn.Module], swapped: dict[int, nn.Param
 class GradSync:
     """Reduce the gradients of this rank's stage modules over its data-parallel group."""
 
-    def __init__(self, modules: dict[int, nn.Module], layout: Any, shard: bool,
+    def __init__(self, modules: Mapping[int, nn.Module], layout: Any, shard: bool,
                  share_with: Sequence[nn.Module] = ()) -> None:
         self.shard = shard
         self.sync = True  # off inside pipe.no_sync()

@@ -45,7 +45,7 @@ class DistributedRuntime:
     """This rank's share of a distributed pipeline: its stages, its program, its messages."""
 
     def __init__(self, plan: PipelinePlan, gm: torch.fx.GraphModule, layout: Layout, calls: Sequence[StageCall],
-                 comm: Comm, signature: CallSignature, tied: list[tuple[Any, list]], schedule: Schedule) -> None:
+                 comm: Comm, signature: CallSignature, tied: list[tuple[Any, list, bool]], schedule: Schedule) -> None:
         self.plan = plan
         self.gm = gm
         self.rank = rank = layout.rank

@@ -128,7 +128,7 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
     targets = scatter([target], ["target"], m)
     if len(targets) == 1:  # no batched tensor in the target (None, a constant): every micro-batch gets it
         targets = targets * m
-    losses = {}
+    losses: dict[int, Callable[[Any], torch.Tensor]] = {}
     for i, (tgt, rows) in enumerate(zip(targets, sizes)):
         tgt = to_device(tgt[0], device)
         weight = rows / batch if batch else 1.0

@@ -127,9 +127,9 @@ def tied_groups(stages: Sequence[torch.fx.GraphModule], rank_of: Sequence[int], 
                 holders[id(t)].append(rank_of[j])
                 tensors[id(t)] = t
     by_ranks: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    for key, ranks in holders.items():
-        if len(ranks) > 1:
-            by_ranks.setdefault(tuple(sorted(ranks)), []).append(tensors[key])
+    for key, holding in holders.items():
+        if len(holding) > 1:
+            by_ranks.setdefault(tuple(sorted(holding)), []).append(tensors[key])
     mine = []
     rows = layout.mesh.mesh.tolist() if layout.mesh is not None else [layout.global_ranks]
     for ranks in sorted(by_ranks):

@@ -113,10 +113,11 @@ class StageCall:
         recompute = how == "recompute"
         if recompute and replay is None:
             raise ValueError("a recomputation needs the Replay of its checkpointed forward")
+        replay = replay if recompute else None  # only a recomputation replays
         with on_device(self.device), _GRAD[how](), (in_pass(_FLAG[how]) if how in _FLAG else nullcontext()), \
-                (restore_rng(self.device, replay.rng) if recompute else nullcontext()), \
-                (autocast_as(replay.autocast) if recompute else nullcontext()), \
-                (recorder.span_at("recompute", replay.where) if recompute else nullcontext()):
+                (restore_rng(self.device, replay.rng) if replay is not None else nullcontext()), \
+                (autocast_as(replay.autocast) if replay is not None else nullcontext()), \
+                (recorder.span_at("recompute", replay.where) if replay is not None else nullcontext()):
             try:
                 return self.fn(*inputs)
             except Exception as exc:

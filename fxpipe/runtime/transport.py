@@ -184,7 +184,8 @@ def _floating(spec: Any) -> bool:
 def _empty_like_spec(spec: Any, device: torch.device, floating_only: bool):
     """Allocate receive buffers for a value's tensors; return (build value, buffers)."""
     leaves, tree = tree_flatten(spec)
-    bufs, filled = [], []
+    bufs: list[torch.Tensor] = []
+    filled: list[Any] = []  # the value's leaves: buffers, and the spec's other leaves
     for leaf in leaves:
         if isinstance(leaf, TensorSpec) and (_floating(leaf) or not floating_only):
             buf = torch.empty(leaf.shape, dtype=leaf.dtype, device=device)

@@ -16,7 +16,7 @@ is re-run.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -31,10 +31,10 @@ _NOTE = "fxpipe: raised in stage"
 class _Unwrapped:
     """A GraphModule class's call that lets exceptions through with their tracebacks."""
 
-    def __init__(self, cls: type) -> None:
+    def __init__(self, cls: type[torch.fx.GraphModule]) -> None:
         self.cls = cls
 
-    def __call__(self, obj: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, obj: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         return super(self.cls, obj).__call__(*args, **kwargs)
 
 
@@ -77,7 +77,7 @@ def describe_node(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
         node.target, "__name__", str(node.target))
     what = f"{node.op} {target}"
     if node.op == "call_module":
-        what += f": {type(gm.get_submodule(node.target)).__name__}"
+        what += f": {type(gm.get_submodule(cast(str, node.target))).__name__}"
     stack = node.meta.get("nn_module_stack") or {}
     paths = [path for path, _ in stack.values() if path]
     where = f", module '{paths[-1]}'" if paths else ""
@@ -107,4 +107,4 @@ def _add_note(exc: BaseException, note: str) -> None:
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     else:  # pragma: no cover - Python 3.10
-        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+        vars(exc)["__notes__"] = [*getattr(exc, "__notes__", []), note]  # 3.10's BaseException declares none

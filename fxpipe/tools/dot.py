@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from typing import cast
 
 import torch.fx
 
@@ -36,7 +37,7 @@ def _what(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
     """Describe what a node does in a few characters: a module class, function or method."""
     if node.op == "call_module":
         try:
-            return type(gm.get_submodule(node.target)).__name__
+            return type(gm.get_submodule(cast(str, node.target))).__name__
         except AttributeError:
             return str(node.target)
     if node.op == "call_function":

@@ -232,13 +232,14 @@ class Timeline:
         """Turn a stamp into host nanoseconds."""
         if isinstance(stamp, int):
             return stamp
+        assert device is not None  # a stamp that is an event was taken on a CUDA device
         ref, host = self._refs[device]
         return host + int(ref.elapsed_time(stamp) * 1e6)
 
     def _resolve(self) -> list[dict[str, Any]]:
         """Turn spans and backward stamps into Chrome trace events, sorted by start."""
-        for device in self._refs:
-            torch.cuda.synchronize(device)
+        for cuda_device in self._refs:
+            torch.cuda.synchronize(cuda_device)
         rows = [(s.kind, s.stage, s.micro_batch, s.device, self._ns(s.device, s.begin), self._ns(s.device, s.end))
                 for s in self.spans]
         calls = {id(s.call): s.call for s in self.spans if s.call is not None}.values()
