@@ -257,10 +257,30 @@ def test_non_persistent_buffers_are_computed_by_init(tmp_path):
     assert_step_equal(pipe, model, copy.deepcopy(real), x, weighted_sum)
 
 
-def test_a_constant_traced_from_meta_buffers_is_refused():
-    model = on_meta(RopeNet)  # fx computes cos(angles) while tracing, on meta: a constant with no values
-    with pytest.raises(fxpipe.WeightsError, match=r"'_tensor_constant0' in module 'rope' \(Rotary\).*leaf_modules="):
-        fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 5, 8),), init=rope_init)
+def test_code_on_meta_buffers_is_traced_and_runs_materialized():
+    real = RopeNet()  # fx traces cos(angles) on the buffer: it runs on the materialized one
+    x = torch.randn(4, 5, 8)
+    model = on_meta(RopeNet)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), weights=real.state_dict(), init=rope_init)
+    assert_step_equal(pipe, model, copy.deepcopy(real), x, weighted_sum)
+
+
+class PlainTable(nn.Module):
+    """A tensor kept as a plain attribute (neither parameter nor buffer): fx freezes what it computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.table = torch.ones(8)
+
+    def forward(self, x):
+        return self.out(self.inp(x) * self.table.cos())
+
+
+def test_a_constant_traced_from_meta_tensors_is_refused():
+    model = on_meta(PlainTable)  # fx computes table.cos() while tracing, on meta: a constant with no values
+    with pytest.raises(fxpipe.WeightsError, match=r"'_tensor_constant0'.*leaf_modules="):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),))
     assert all_meta(model)
 
 
