@@ -26,7 +26,7 @@ from fxpipe.runtime.microbatch import batch_size, micro_sizes
 from fxpipe.saved import apply_plan
 from fxpipe.tracing import trace
 
-__all__ = ["FrontEnd", "front_end"]
+__all__ = ["FrontEnd", "annotate_graph", "front_end"]
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def front_end(model: nn.Module, n_stages: int, *, args: tuple, kwargs: dict | No
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         batch = batch_size(passes.bind_placeholders(gm, args, kwargs), names)
         micro = len(micro_sizes(batch, chunks))
-        _annotate(gm, args, kwargs)
+        annotate_graph(gm, args, kwargs)
     else:
         passes.annotate_params(gm)
         micro = chunks
@@ -102,7 +102,7 @@ def front_end(model: nn.Module, n_stages: int, *, args: tuple, kwargs: dict | No
     return FrontEnd(gm, cut, micro, balance_by)
 
 
-def _annotate(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
+def annotate_graph(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
     """Annotate on fake tensors; for data-dependent ops, on real kernels with buffer copies."""
     try:
         passes.annotate(gm, args, kwargs)

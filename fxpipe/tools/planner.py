@@ -24,7 +24,7 @@ from torch import nn
 from fxpipe import passes
 from fxpipe.devices import DeviceModel, device_model
 from fxpipe.eventsim import placement_map
-from fxpipe.frontend import _annotate
+from fxpipe.frontend import annotate_graph
 from fxpipe.measure import measure_nodes
 from fxpipe.passes.retain import retain
 from fxpipe.plan import PipelinePlan
@@ -104,7 +104,7 @@ def prepare(model: nn.Module, args: tuple, kwargs: dict | None = None,
             leaf_modules: Sequence[Any] = ()) -> torch.fx.GraphModule:
     """Trace ``model`` and annotate its graph with FLOPs, bytes and what backward keeps."""
     gm = trace(model, leaf_modules=leaf_modules, example_inputs=args, example_kwargs=kwargs or {})
-    _annotate(gm, args, kwargs or {})
+    annotate_graph(gm, args, kwargs or {})
     return retain(gm)
 
 
