@@ -64,11 +64,12 @@ class Program:
 
 
 def program_for(plan: PipelinePlan, actions: Sequence[Sequence[Action]], stages: Sequence[int],
-                remote: Callable[[int, int], bool], name: str) -> Program:
+                name: str) -> Program:
     """Lower ``stages``' actions of a schedule into a program, in clock order.
 
-    ``remote(a, b)`` tells whether a value from stage ``a`` to stage ``b`` is a message
-    (another rank, or another stage's mailbox in one process).
+    A stage that takes values from other stages receives them before its forward and sends
+    its outputs after; gradients go the other way. Whether a hand-over is a message (another
+    rank) or stays in memory (one process, or one rank) is the transport's business.
     """
     at = clocks(actions, plan.n_stages)
     mine = sorted((a for row in actions for a in row if a.stage in stages), key=lambda a: (at[a], a.stage))
@@ -76,11 +77,10 @@ def program_for(plan: PipelinePlan, actions: Sequence[Sequence[Action]], stages:
     recv_f, send_f, recv_b, send_b = {}, {}, {}, {}
     for j in stages:
         s = plan.stages[j]
-        recv_f[j] = any(remote(producer[v], j) for v in s.inputs if v in producer)
-        send_f[j] = any(remote(j, c) for v in s.outputs for c in consumers.get(v, ()))
-        send_b[j] = any(v in s.grad_inputs and remote(producer[v], j) for v in s.inputs if v in producer)
-        recv_b[j] = any(v in plan.stages[c].grad_inputs and remote(j, c)
-                        for v in s.outputs for c in consumers.get(v, ()))
+        recv_f[j] = any(v in producer for v in s.inputs)
+        send_f[j] = any(consumers.get(v) for v in s.outputs)
+        send_b[j] = any(v in s.grad_inputs and v in producer for v in s.inputs)
+        recv_b[j] = any(v in plan.stages[c].grad_inputs for v in s.outputs for c in consumers.get(v, ()))
     clocked: list[list[list[Action]]] = []
     for a in mine:
         while len(clocked) <= at[a]:

@@ -87,8 +87,8 @@ class DistributedRuntime:
             if kind == "train" and self.grad_sync is not None:
                 actions, self._finals[(kind, m)] = final_backwards(actions)
             name = self.plan.schedule if kind == "train" else "forward"
-            self._programs[(kind, m)] = [program_for(self.plan, actions, self.schedule.stages_of(r),
-                                                     lambda a, b: a != b, name) for r in range(self.world)]
+            self._programs[(kind, m)] = [program_for(self.plan, actions, self.schedule.stages_of(r), name)
+                                         for r in range(self.world)]
         return self._programs[(kind, m)]
 
     # -- running ----------------------------------------------------------------------------

@@ -79,8 +79,7 @@ class LocalRuntime:
                 self._programs[key] = (source, compile_source(source, name, f"<fxpipe {name}>"))
             else:
                 actions = self.schedule.actions(m)
-                prog: Program = program_for(self.plan, actions, range(self.plan.n_stages),
-                                            lambda a, b: a != b, self.plan.schedule)
+                prog: Program = program_for(self.plan, actions, range(self.plan.n_stages), self.plan.schedule)
                 self._programs[key] = (prog.text(), prog)
         return self._programs[key]
 

@@ -39,7 +39,7 @@ from fxpipe.runtime import actionlist
 from fxpipe.runtime.actionlist import Action, needs
 from fxpipe.runtime.multistage import interleaved, loop_placement, min_chunks, v_placement, zbv
 
-__all__ = ["NAMES", "SCHEDULES", "Schedule", "forward_only", "gpipe", "one_f_one_b", "resolve", "zero_bubble"]
+__all__ = ["NAMES", "SCHEDULES", "Schedule", "gpipe", "one_f_one_b", "resolve", "zero_bubble"]
 
 
 def gpipe(n: int, m: int) -> list[list[Action]]:
@@ -113,13 +113,8 @@ def zero_bubble(n: int, m: int, extra_warmup: int = 0) -> list[list[Action]]:
     return actions
 
 
-def forward_only(n: int, m: int) -> list[list[Action]]:
-    """Return the forwards alone, for inference."""
-    return [[Action("F", i, j) for i in range(m)] for j in range(n)]
-
-
 SCHEDULES: dict[str, Callable[[int, int], list[list[Action]]]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble, "forward": forward_only}
+    "gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble}
 
 
 NAMES = ("gpipe", "1f1b", "zb", "interleaved", "zbv")

@@ -40,7 +40,7 @@ __all__ = ["CHECKPOINTS", "SCHEDULE_NAMES", "Candidate", "Search", "search"]
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = ("never", "except_last", "always")
-SCHEDULE_NAMES = tuple(s for s in SCHEDULES if s != "forward")
+SCHEDULE_NAMES = tuple(SCHEDULES)
 
 
 @dataclass
