@@ -301,6 +301,27 @@ def resume_second(rank, world, schedule):
     return {"extra": extra}
 
 
+def sends_let_go(rank, world, schedule):
+    """Count how many sent messages a rank holds at most during a step of 8 micro-batches."""
+    from fxpipe.runtime.transport import DistTransport
+
+    most = [0]
+    send = DistTransport._send
+
+    def counting(self, key, sends, what):
+        send(self, key, sends, what)
+        most[0] = max(most[0], len(self.sent))
+
+    DistTransport._send = counting
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)])
+    x, target = torch.randn(16, 8), torch.randn(16, 8)
+    v = 2 if schedule in ("interleaved", "zbv") else 1
+    result, _ = _check_step(rank, world, model, x, target, F.mse_loss, stages_per_rank=v, chunks=8,
+                            schedule=schedule)
+    return {**result, "most_held": most[0]}
+
+
 def marked(rank, world, schedule):
     """torch.distributed.pipelining's markers: pipe_split() and split_spec cut across ranks."""
     from torch.distributed.pipelining import SplitPoint, pipe_split
@@ -339,7 +360,7 @@ def on_gpus(case):
 
 CASES = {"values": values, "unet": unet, "tied": tied, "unet4": unet4, "tied4": tied4, "shape": shape,
          "raises": raises, "dies": dies, "meta": meta, "resume_first": resume_first, "resume_second": resume_second,
-         "marked": marked,
+         "marked": marked, "sends_let_go": sends_let_go,
          "unet_nccl": on_gpus(unet), "tied_nccl": on_gpus(tied)}
 
 

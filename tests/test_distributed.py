@@ -85,6 +85,15 @@ def test_two_stages_per_rank(schedule, case, tmp_path):
         assert "embed.weight" in results[0]["grad_errors"]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_sent_tensor_is_let_go_once_its_peer_has_it(schedule, tmp_path):
+    # a send's work keeps its tensor alive: held to the end of the step, 8 micro-batches' worth piled up
+    results = _launch("sends_let_go", 2, schedule, tmp_path)
+    _assert_equal_to_eager(results)
+    for r, res in enumerate(results):
+        assert res["most_held"] <= 4, (r, res["most_held"])
+
+
 def test_a_custom_schedule_from_text_runs_across_ranks(tmp_path):
     from test_actionlist import CUSTOM  # stage 0 splits its backward into I and W, stage 1 does not
 

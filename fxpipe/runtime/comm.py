@@ -89,18 +89,35 @@ class Comm:
 
     def post(self, sends: Sequence[tuple[torch.Tensor, int, int]],
              recvs: Sequence[tuple[torch.Tensor, int, int]], what: str) -> list[Any]:
-        """Post sends and receives as one batch; return the receives' works, to :meth:`wait` on."""
+        """Post sends and receives as one batch; return the receives' works, to :meth:`wait` on.
+
+        The sends are held until :meth:`flush`.
+        """
+        works = self._batch(sends, recvs, what)
+        self.pending += list(zip(works[: len(sends)], [t for t, _, _ in sends]))
+        return works[len(sends):]
+
+    def send(self, sends: Sequence[tuple[torch.Tensor, int, int]], what: str) -> list[Any]:
+        """Post sends as one batch; return their works, which the caller waits for.
+
+        A send's work keeps its tensor alive until the work is dropped, so a caller that
+        knows a send has arrived waits for it and lets it go, instead of keeping every
+        tensor sent in the step until :meth:`flush`.
+        """
+        return self._batch(sends, [], what)
+
+    def _batch(self, sends: Sequence[tuple[torch.Tensor, int, int]],
+               recvs: Sequence[tuple[torch.Tensor, int, int]], what: str) -> list[Any]:
+        """Post sends then receives as one batch; return their works in that order."""
         at = self.global_ranks.__getitem__ if self.global_ranks is not None else int
         ops = [dist.P2POp(dist.isend, t, at(peer), self.group, tag) for t, peer, tag in sends]
         ops += [dist.P2POp(dist.irecv, t, at(peer), self.group, tag) for t, peer, tag in recvs]
         if not ops:
             return []
         try:
-            works = dist.batch_isend_irecv(ops)
+            return dist.batch_isend_irecv(ops)
         except Exception as exc:  # noqa: BLE001 - a send to a closed connection fails at once
             raise self._explain(exc, what) from None
-        self.pending += list(zip(works[: len(sends)], [t for t, _, _ in sends]))
-        return works[len(sends):]
 
     def flush(self, what: str = "finishing sends") -> None:
         """Wait until every posted send has left."""

@@ -112,7 +112,12 @@ class DistributedRuntime:
         runner = ActionInterpreter(self.plan, self.workers, transport)
         losses = losses_for(header["batch"], m) if (self.last and losses_for) else {}
         runner.begin(m, losses, checkpointing=training, grad=grad)
-        runner.run(programs[self.rank])
+        try:
+            runner.run(programs[self.rank])
+        except BaseException:
+            transport.abandon()
+            raise
+        transport.finish()
         self.comm.flush()
         if training:
             commit_batch_norm(self.deferred)

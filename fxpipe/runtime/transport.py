@@ -17,6 +17,15 @@ sends, one message ahead of the one it waits for::
 Messages between two ranks are therefore matched in order (as NCCL requires; gloo also
 matches by tag) whatever order the receiving stages need them in, and the next message's
 data moves while this one is computed on.
+
+A send's work keeps its tensor alive until the work is dropped. Knowing the peers' programs,
+a rank also knows which of its messages a peer has waited for before sending it something,
+so each arrival lets the sends it acknowledges go::
+
+    rank 0:  SEND_F0 ─────────────┐          RECV_B0 ◀──┐   (F0 arrived: its tensor goes)
+    rank 1:            RECV_F0 ◀──┘ F0 B0 SEND_B0 ──────┘
+
+Without that a rank would hold every output and gradient it sent until the step ends.
 """
 
 from __future__ import annotations
@@ -82,6 +91,70 @@ class DistTransport:
         self.posted = {q: 0 for q in self.queue}  # how many of each peer's messages are posted
         self.pending: dict[Key, tuple[list[Any], Callable[[], None]]] = {}
         self.arrived: set[Key] = set()
+        self.sent: dict[tuple[Key, int], list[Any]] = {}  # (message, peer) -> its send works, until let go
+        self.acks = self._acknowledgements(programs)
+
+    # -- letting sent tensors go -------------------------------------------------------------
+    def _acknowledgements(self, programs: Sequence[Sequence[Action]]) -> dict[Key, list[Key]]:
+        """Map each message a peer sends here to this rank's messages that peer has received before.
+
+        A send's work holds its tensor until the work is dropped. Every rank's program is
+        known, so when peer ``q``'s message ``X`` arrives, this rank knows which of its own
+        messages ``q`` had already waited for before sending ``X``: those have arrived, their
+        sends are done, and their tensors can go (instead of living to the end of the step).
+        """
+        acks: dict[Key, list[Key]] = {}
+        for q, program in enumerate(programs):
+            if q == self.rank:
+                continue
+            got: list[Key] = []
+            for a in program:
+                if a.kind in ("RECV_F", "RECV_B"):
+                    got += [k for k in self._awaited(a.kind, a.stage, a.mb, q) if self.rank_of[k[1]] == self.rank]
+                elif got and self._message_to(a, self.rank) is not None:
+                    acks[(a.kind[-1], a.stage, a.mb)], got = got, []
+        return acks
+
+    def _message_to(self, a: Action, q: int) -> Key | None:
+        """Return the key of the message action ``a`` sends to rank ``q``, or None."""
+        if a.kind == "SEND_F" and q in self.fwd_to[a.stage] or a.kind == "SEND_B" and q in self.bwd_to[a.stage]:
+            return (a.kind[-1], a.stage, a.mb)
+        return None
+
+    def _awaited(self, kind: str, j: int, i: int, rank: int) -> list[Key]:
+        """Return the messages rank ``rank`` waits for in its ``RECV_F`` or ``RECV_B`` of stage ``j``."""
+        stage = self.plan.stages[j]
+        if kind == "RECV_F":
+            if j == 0:
+                return []
+            producers = dict.fromkeys(self.producer[v] for v in stage.inputs)
+            return [("F", p, i) for p in producers if self.rank_of[p] != rank]
+        readers = {c for v in stage.outputs for c in self.consumers.get(v, ())
+                   if v in self.plan.stages[c].grad_inputs}
+        return [("B", c, i) for c in sorted(readers) if self.rank_of[c] != rank]
+
+    def _send(self, key: Key, sends: list[tuple[torch.Tensor, int, int]], what: str) -> None:
+        """Post message ``key``'s sends; keep each peer's works until that peer is known to have it."""
+        works = self.comm.send(sends, what)
+        for (_, q, _), work in zip(sends, works):
+            self.sent.setdefault((key, q), []).append(work)
+
+    def _let_go(self, q: int, received: Key) -> None:
+        """Wait for (at once: they have arrived) and drop the sends peer ``q`` got before sending ``received``."""
+        for key in self.acks.get(received, ()):
+            works = self.sent.pop((key, q), [])
+            self.comm.wait(works, f"finishing the send of {key} to rank {q}")
+
+    def finish(self) -> None:
+        """Wait until every message this rank sent has left."""
+        sent, self.sent = self.sent, {}
+        for (key, q), works in sent.items():
+            self.comm.wait(works, f"finishing the send of {key} to rank {q}")
+
+    def abandon(self) -> None:
+        """Leave the sends not known to have arrived with the comm (a failed step: nobody waits for them)."""
+        self.comm.pending += [(w, None) for works in self.sent.values() for w in works]
+        self.sent = {}
 
     # -- receiving, in each peer's order ---------------------------------------------------
     def _await(self, key: Key) -> None:
@@ -98,6 +171,7 @@ class DistTransport:
         self.comm.wait(works, f"receiving {what} on rank {self.rank}")
         deliver()
         self.arrived.add(key)
+        self._let_go(q, key)
 
     def _post(self, key: Key) -> None:
         """Allocate message ``key``'s receive buffers from the plan and post its receives."""
@@ -129,11 +203,9 @@ class DistTransport:
         """Return stage ``j``'s inputs for micro-batch ``i``, from this rank's stages and others'."""
         if j == 0:
             return self.inputs[i]
-        stage = self.plan.stages[j]
-        for p in dict.fromkeys(self.producer[v] for v in stage.inputs):
-            if self.rank_of[p] != self.rank:
-                self._await(("F", p, i))
-        return [self.box.pop(("F", v, i, j)) for v in stage.inputs]
+        for key in self._awaited("RECV_F", j, i, self.rank):
+            self._await(key)
+        return [self.box.pop(("F", v, i, j)) for v in self.plan.stages[j].inputs]
 
     def send_forward(self, j: int, i: int, outputs: Sequence[Any]) -> None:
         """Hand each output to this rank's stages that read it; send the rest to their ranks."""
@@ -144,17 +216,14 @@ class DistTransport:
                     self.box[("F", v, i, c)] = value
         sends = [(t, q, FORWARD_TAG) for q, names in self.fwd_to[j].items()
                  for v in names for t in _tensors(by_name[v], floating_only=False)]
-        self.comm.exchange(sends, [], f"sending micro-batch {i}'s outputs of stage {j}")
+        self._send(("F", j, i), sends, f"sending micro-batch {i}'s outputs of stage {j}")
 
     # -- backward --------------------------------------------------------------------------
     def recv_backward(self, j: int, i: int) -> list[Any]:
         """Return the summed gradient of each of stage ``j``'s outputs from every stage that read it."""
         stage = self.plan.stages[j]
-        readers = {c for v in stage.outputs for c in self.consumers.get(v, ())
-                   if v in self.plan.stages[c].grad_inputs}
-        for c in sorted(readers):
-            if self.rank_of[c] != self.rank:
-                self._await(("B", c, i))
+        for key in self._awaited("RECV_B", j, i, self.rank):
+            self._await(key)
         grads = []
         for v in stage.outputs:
             parts = self.box.pop(("B", v, i), [])
@@ -173,7 +242,7 @@ class DistTransport:
         for q, names in self.bwd_to[j].items():
             for v in names:
                 sends += [(t, q, BACKWARD_TAG) for t in _grad_tensors(by_name.get(v), specs[v], self.device)]
-        self.comm.exchange(sends, [], f"sending micro-batch {i}'s input gradients of stage {j}")
+        self._send(("B", j, i), sends, f"sending micro-batch {i}'s input gradients of stage {j}")
 
 
 def _floating(spec: Any) -> bool:
