@@ -90,8 +90,10 @@ def _own_keys(module: nn.Module) -> list[int]:
 def plan_fill(model: nn.Module, table: dict[int, TensorInfo], source: WeightSource | None,
               init: Callable[[nn.Module], Any] | None) -> FillPlan:
     """Decide each tensor's source; raise :class:`WeightsError` for what no step could fill."""
-    specs = source.specs() if source is not None else {}
     known = {n for info in table.values() for n in info.names}
+    if source is not None:
+        source.fit(known)
+    specs = source.specs() if source is not None else {}
     unexpected = sorted(repr(k) for k in specs if k not in known)
     if unexpected:
         warnings.warn(f"{source.description} holds {len(unexpected)} key(s) that name no parameter or "  # type: ignore[union-attr]
@@ -113,8 +115,10 @@ def plan_fill(model: nn.Module, table: dict[int, TensorInfo], source: WeightSour
         elif info.tensor.is_meta:
             to_init.add(key)
     if mismatched:
+        cast = (" or, for another dtype, cast the model to it first (model.to(dtype) works on meta)"
+                if any(" has dtype " in m for m in mismatched) else "")
         raise WeightsError(f"{source.description} does not fit the model: {'; '.join(mismatched[:_SHOWN])}"  # type: ignore[union-attr]
-                           f"{_more(mismatched)}. Give weights saved from this model (same shapes and dtypes)")
+                           f"{_more(mismatched)}. Give weights saved from this model (same shapes and dtypes){cast}")
     if missing:
         raise WeightsError(f"{source.description} lacks {len(missing)} FQN(s) of the model: {_show(missing)}; "  # type: ignore[union-attr]
                            "give a source that holds them, or init= to initialise what it lacks")
