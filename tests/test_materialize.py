@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.materialize import fill
+from fxpipe.materialize import fill, module_seed
 from fxpipe.testing import max_relative_error
 from fxpipe.weights import open_weights
 from models import MLP, TiedTransformer
@@ -121,6 +121,30 @@ def test_a_stage_owning_part_of_a_module_draws_the_same_numbers():
     second = on_meta(Split)  # what the rank of stage 1 does: b is its own, a is not
     fill(second, {id(second.b): torch.device("cpu")}, source=None, init=None, seed=0)
     assert second.a.is_meta and torch.equal(second.b, whole.b)
+
+
+def test_a_tied_embedding_keeps_its_own_init_and_padding_row_whatever_module_comes_later():
+    class TiedPad(nn.Module):  # the head, built after the embedding, is tied to it
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(11, 6, padding_idx=2)
+            self.mid = nn.Linear(6, 6)
+            self.head = nn.Linear(6, 11, bias=True)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(torch.relu(self.mid(self.embed(ids))))
+
+    ids = torch.randint(0, 11, (4, 3))
+    whole = fxpipe.materialize(on_meta(TiedPad), seed=1)
+    assert whole.head.weight is whole.embed.weight and not whole.embed.weight[2].any()
+    torch.manual_seed(module_seed(1, "embed"))  # the values the embedding's own init gives
+    expected = torch.empty(11, 6).normal_()
+    expected[2] = 0
+    assert torch.equal(whole.embed.weight, expected)
+    model = on_meta(TiedPad)
+    fxpipe.compile(model, 2, example_inputs=(ids,), seed=1, split_points=["head"])
+    assert_same_state(model, whole)
 
 
 # -- weight sources --------------------------------------------------------------------------------
