@@ -53,6 +53,7 @@ from fxpipe.materialize import fill
 from fxpipe.pipe import Pipe
 from fxpipe.trainstate import (
     batch_norm_state,
+    check_optimizer_groups,
     load_optimizer_state,
     optimizer_state,
     rng_state,
@@ -269,14 +270,16 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
         if manifest.get("optimizer") not in (None, type(optimizer).__name__):
             raise CheckpointError(f"checkpoint {path!r} holds the state of a {manifest['optimizer']}; the "
                                   f"optimizer given is a {type(optimizer).__name__}")
+        fqns = {table[id(p)].names[0] for p in where.model.parameters() if not p.is_meta}
+        keys = [k for k in _under(meta, "optim") if split_key(k[len("optim."):])[1] in fqns]
+        optim = _nest(_read(path, _empty(meta, keys)), "optim")
+        check_optimizer_groups(optimizer, where.model, optim)
     held = {k: (torch.device("cpu") if info.tensor.is_meta else info.tensor.device)
             for k, info in table.items() if not (where.distributed and info.tensor.is_meta)}
     fill(where.model, held, source=source, init=None, seed=0)
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
-        fqns = {table[id(p)].names[0] for p in where.model.parameters() if not p.is_meta}
-        keys = [k for k in _under(meta, "optim") if split_key(k[len("optim."):])[1] in fqns]
-        load_optimizer_state(optimizer, where.model, _nest(_read(path, _empty(meta, keys)), "optim"))
+        load_optimizer_state(optimizer, where.model, optim)
     mine = _nest(_read(path, _empty(meta, _under(meta, f"rng.{where.rank}"))), "rng")
     if manifest["world"] == where.world and mine:
         set_rng_state(where.rank, mine)

@@ -198,3 +198,24 @@ def test_tied_weights_are_saved_once_and_come_back_under_both_names(tmp_path):
     fresh = TiedTransformer()
     fxpipe.load(fresh, tmp_path / "ckpt")
     assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.embed.weight, model.embed.weight)
+
+
+def test_an_optimizer_grouped_otherwise_than_saved_is_refused_before_anything_changes(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    weights = [p for p in model.parameters() if p.dim() > 1]
+    biases = [p for p in model.parameters() if p.dim() == 1]
+    opt = torch.optim.AdamW([{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}])
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    fxpipe.save(model, tmp_path / "ckpt", optimizer=opt)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    one_group = torch.optim.AdamW(fresh.parameters(), weight_decay=0.1)  # the biases' decay would change
+    with pytest.raises(fxpipe.CheckpointError, match=r"param group 0 of the optimizer holds '0.weight' and "
+                                                     r"'0.bias', saved with different \['weight_decay'\] "
+                                                     r"\(weight_decay=0.1 and 0.0\)"):
+        fxpipe.load(fresh, tmp_path / "ckpt", optimizer=one_group)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items()) and not one_group.state
+    regrouped = torch.optim.AdamW([{"params": biases[::-1]}, {"params": weights[::-1]}])  # the same groups
+    fxpipe.load(model, tmp_path / "ckpt", optimizer=regrouped)
+    assert [g["weight_decay"] for g in regrouped.param_groups] == [0.0, 0.1]
