@@ -46,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from fxpipe.errors import CheckpointError
 from fxpipe.fillplan import tensor_table
@@ -99,7 +100,9 @@ def _where(target: nn.Module) -> _Where:
     if target.owned is None:
         return _Where(target._model, deferred=deferred)
     comm = getattr(runtime, "comm", None)
-    group = comm.group if comm is not None else None
+    layout = getattr(runtime, "layout", None)
+    # the pipeline's own group holds one replica; with replicas every rank of the world saves together
+    group = comm.group if comm is not None and getattr(layout, "dp", 1) == 1 else None
     return _Where(target._model, dist.get_rank(), dist.get_world_size(), group, True, deferred)
 
 
@@ -213,6 +216,17 @@ def _empty(meta: dict, keys: list[str]) -> dict[str, Any]:
             if isinstance(meta[k], TensorStorageMetadata) else None for k in keys}
 
 
+def _like_params(flat: dict[str, Any], params: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Read a sharded parameter's optimizer state (FSDP2's ``DTensor``) sharded as the parameter is."""
+    for key, value in flat.items():
+        kind, fqn, _ = split_key(key[len("optim."):])
+        p = params.get(fqn)
+        if kind == "state" and isinstance(value, torch.Tensor) and isinstance(p, DTensor) \
+                and value.shape == p.shape:
+            flat[key] = torch.empty_like(p.detach(), dtype=value.dtype)
+    return flat
+
+
 def _under(meta: dict, prefix: str) -> list[str]:
     """Return the metadata keys under ``prefix.``."""
     return [k for k in meta if k.startswith(prefix + ".")]
@@ -270,9 +284,9 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
         if manifest.get("optimizer") not in (None, type(optimizer).__name__):
             raise CheckpointError(f"checkpoint {path!r} holds the state of a {manifest['optimizer']}; the "
                                   f"optimizer given is a {type(optimizer).__name__}")
-        fqns = {table[id(p)].names[0] for p in where.model.parameters() if not p.is_meta}
-        keys = [k for k in _under(meta, "optim") if split_key(k[len("optim."):])[1] in fqns]
-        optim = _nest(_read(path, _empty(meta, keys)), "optim")
+        params = {table[id(p)].names[0]: p for p in where.model.parameters() if not p.is_meta}
+        keys = [k for k in _under(meta, "optim") if split_key(k[len("optim."):])[1] in params]
+        optim = _nest(_read(path, _like_params(_empty(meta, keys), params)), "optim")
         check_optimizer_groups(optimizer, where.model, optim)
     held = {k: (torch.device("cpu") if info.tensor.is_meta else info.tensor.device)
             for k, info in table.items() if not (where.distributed and info.tensor.is_meta)}

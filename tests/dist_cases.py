@@ -524,3 +524,33 @@ def scaler(rank, world, schedule):
 
 
 CASES.update(scaler=scaler)
+
+
+def dp_resume(rank, world, schedule):
+    """2 replicas x 2 ranks, replicated then sharded: 2 steps, save, load into a fresh pipe, a step equal."""
+    out, results = os.environ["FXPIPE_TEST_DIR"], {}
+    for shard in (False, True):
+        runs = []
+        for _ in range(2):  # the trained pipe and a fresh one that loads its checkpoint
+            pipe, model, _, _, _, xs, ys, _, step, _ = _dp_setup(rank, world, _mlp_pair, schedule + ":shard" * shard,
+                                                                 chunks=2, split_points=["2"])
+            runs.append((pipe, model, torch.optim.Adam(pipe.parameters(), lr=1e-2), step))
+        pipe, _, opt, step = runs[0]
+        for _ in range(2):
+            opt.zero_grad()
+            step(xs, ys)
+            opt.step()
+        path = os.path.join(out, f"dp{int(shard)}")
+        fxpipe.save(pipe, path, optimizer=opt)
+        fxpipe.load(runs[1][0], path, optimizer=runs[1][2])
+        for _, _, opt, step in runs:
+            opt.zero_grad()
+            step(xs, ys)
+            opt.step()
+        other = dict(runs[1][1].named_parameters())
+        results[f"shard{int(shard)}"] = {n: bool(torch.equal(_full(p.detach()), _full(other[n].detach())))
+                                         for n, p in runs[0][1].named_parameters() if not p.is_meta}
+    return results
+
+
+CASES.update(dp_resume=dp_resume)

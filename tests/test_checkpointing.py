@@ -219,3 +219,15 @@ def test_an_optimizer_grouped_otherwise_than_saved_is_refused_before_anything_ch
     regrouped = torch.optim.AdamW([{"params": biases[::-1]}, {"params": weights[::-1]}])  # the same groups
     fxpipe.load(model, tmp_path / "ckpt", optimizer=regrouped)
     assert [g["weight_decay"] for g in regrouped.param_groups] == [0.0, 0.1]
+
+
+def test_pipeline_and_data_parallel_save_together_and_resume_replicated_and_sharded(tmp_path):
+    from test_distributed import _launch
+
+    results = _launch("dp_resume", 4, "1f1b", tmp_path)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        for mode in ("shard0", "shard1"):  # after the load, one more step gives the same parameters
+            assert res[mode] and all(res[mode].values()), (r, mode, res[mode])
+    state = fxpipe.load_state_dict(tmp_path / "dp1")  # the sharded one, whole, in one process
+    assert sorted(state) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
