@@ -284,7 +284,8 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
         if manifest.get("optimizer") not in (None, type(optimizer).__name__):
             raise CheckpointError(f"checkpoint {path!r} holds the state of a {manifest['optimizer']}; the "
                                   f"optimizer given is a {type(optimizer).__name__}")
-        params = {table[id(p)].names[0]: p for p in where.model.parameters() if not p.is_meta}
+        params = {table[id(p)].names[0]: p for p in where.model.parameters()
+                  if not (where.distributed and p.is_meta)}  # what the fill below makes real
         keys = [k for k in _under(meta, "optim") if split_key(k[len("optim."):])[1] in params]
         optim = _nest(_read(path, _like_params(_empty(meta, keys), params)), "optim")
         check_optimizer_groups(optimizer, where.model, optim)

@@ -216,6 +216,13 @@ def test_an_optimizer_grouped_otherwise_than_saved_is_refused_before_anything_ch
                                                      r"\(weight_decay=0.1 and 0.0\)"):
         fxpipe.load(fresh, tmp_path / "ckpt", optimizer=one_group)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items()) and not one_group.state
+    with torch.device("meta"):  # a plain model built on meta gets its weights and its optimizer's state
+        on_meta = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    meta_opt = torch.optim.AdamW([{"params": [on_meta[0].weight, on_meta[1].weight], "weight_decay": 0.1},
+                                  {"params": [on_meta[0].bias, on_meta[1].bias], "weight_decay": 0.0}])
+    fxpipe.load(on_meta, tmp_path / "ckpt", optimizer=meta_opt)
+    assert torch.equal(on_meta[1].weight, model[1].weight)
+    assert torch.equal(meta_opt.state[on_meta[1].weight]["exp_avg"], opt.state[model[1].weight]["exp_avg"])
     regrouped = torch.optim.AdamW([{"params": biases[::-1]}, {"params": weights[::-1]}])  # the same groups
     fxpipe.load(model, tmp_path / "ckpt", optimizer=regrouped)
     assert [g["weight_decay"] for g in regrouped.param_groups] == [0.0, 0.1]
