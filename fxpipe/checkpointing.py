@@ -134,7 +134,7 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     checkpoint appears at ``path`` only when every rank has finished.
     """
     where = _where(pipe)
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": its ".incomplete" goes beside it
     partial = path + PARTIAL
     table = tensor_table(where.model)
     state: dict[str, Any] = {
@@ -272,7 +272,7 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     Returns the ``extra`` that was saved (or None).
     """
     where = _where(pipe)
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": its ".incomplete" goes beside it
     manifest = _manifest(path)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     table = tensor_table(where.model)
@@ -311,7 +311,7 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Return the model's ``state_dict`` saved in a checkpoint, in this process (tied FQNs included)."""
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": its ".incomplete" goes beside it
     manifest = _manifest(path)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state = _nest(_read(path, _empty(meta, _under(meta, "model"))), "model")

@@ -238,3 +238,16 @@ def test_pipeline_and_data_parallel_save_together_and_resume_replicated_and_shar
             assert res[mode] and all(res[mode].values()), (r, mode, res[mode])
     state = fxpipe.load_state_dict(tmp_path / "dp1")  # the sharded one, whole, in one process
     assert sorted(state) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
+
+
+def test_a_path_with_a_trailing_slash_saves_twice_and_loads(tmp_path):
+    model = torch.nn.Linear(3, 4)
+    for _ in range(2):  # the second replaces the first
+        fxpipe.save(model, f"{tmp_path}/ckpt/", extra={"n": 1})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    fresh = torch.nn.Linear(3, 4)
+    assert fxpipe.load(fresh, f"{tmp_path}/ckpt/") == {"n": 1} and torch.equal(fresh.weight, model.weight)
+    with torch.device("meta"):
+        meta = torch.nn.Linear(3, 4)
+    fxpipe.materialize(meta, weights=f"{tmp_path}/ckpt/")
+    assert torch.equal(meta.weight, model.weight)
