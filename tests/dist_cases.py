@@ -13,7 +13,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import default_step_loss, max_relative_error
-from models import AttnBlock, Carrier, Mixed, TiedTransformer
+from models import CNN, AttnBlock, Carrier, Mixed, TiedTransformer
 from unet import UNet
 
 
@@ -192,8 +192,11 @@ def _meta_step(rank, world, factory, reference, x, target, loss_fn, **kw):
               for name, p in model.named_parameters(remove_duplicate=False) if id(p) in held}
     own = pipe.state_dict()
     pipe.load_state_dict({**own, "not.a.key": torch.zeros(1)})  # a rank loads its own FQNs, ignores others
+    buffers = dict(reference.named_buffers())
+    buffer_errors = {name: max_relative_error(b.double(), buffers[name].double())
+                     for name, b in model.named_buffers() if id(b) in held}
     return {"loss_error": max_relative_error(loss, expected), "grad_errors": errors, "wrong": wrong,
-            "owned": sorted(own), "all": sorted(tensors)}
+            "owned": sorted(own), "all": sorted(tensors), "buffer_errors": buffer_errors}
 
 
 def meta(rank, world, schedule):
@@ -213,7 +216,11 @@ def meta(rank, world, schedule):
     source = _Recording(path)
     b = _meta_step(rank, world, TiedTransformer, tied_ref, tokens, target, loss_fn, chunks=3,
                    schedule=schedule, weights=source)
-    return {"unet": a, "tied": b, "read": source.keys, "missing": _refusal(path, rank, world)}
+    cnn_ref = fxpipe.materialize(_on_meta(CNN), seed=2)  # batch norms: running statistics as eager's
+    x, target = torch.randn(6, 3, 8, 8), torch.randn(6, 5)
+    c = _meta_step(rank, world, CNN, cnn_ref, x, target, F.mse_loss, chunks=1, schedule=schedule, seed=2,
+                   deferred_batch_norm=True)
+    return {"unet": a, "tied": b, "cnn": c, "read": source.keys, "missing": _refusal(path, rank, world)}
 
 
 def _refusal(path, rank, world):

@@ -400,11 +400,13 @@ def test_meta_models_across_two_ranks_hold_and_read_only_their_stage_or_refuse(t
     results = _launch("meta", 2, "1f1b", tmp_path)
     for r, res in enumerate(results):
         assert res["ok"], f"rank {r}: {res.get('traceback')}"
-        for name in ("unet", "tied"):
+        for name in ("unet", "tied", "cnn"):
             case = res[name]
             assert case["loss_error"] < 1e-5 and case["grad_errors"], (r, name)
             assert max(case["grad_errors"].values()) < 1e-5, (r, name, case["grad_errors"])
             assert case["wrong"] == [], (r, name)  # held tensors real, every other on meta
+            assert max(case["buffer_errors"].values(), default=0) < 1e-5, (r, name, case["buffer_errors"])
+        assert any("running_var" in n for n in res["cnn"]["buffer_errors"])  # deferred batch norm, as eager
     for name in ("unet", "tied"):
         owned = [set(res[name]["owned"]) for res in results]
         assert owned[0] | owned[1] == set(results[0][name]["all"])
