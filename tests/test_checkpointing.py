@@ -251,3 +251,28 @@ def test_a_path_with_a_trailing_slash_saves_twice_and_loads(tmp_path):
         meta = torch.nn.Linear(3, 4)
     fxpipe.materialize(meta, weights=f"{tmp_path}/ckpt/")
     assert torch.equal(meta.weight, model.weight)
+
+
+def test_an_lr_scheduler_comes_back_through_extra(tmp_path):
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters())
+        return model, opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=8)
+
+    def steps(model, opt, sched, k):
+        for _ in range(k):
+            opt.zero_grad()
+            model(torch.ones(4, 3)).sum().backward()
+            opt.step()
+            sched.step()
+        return [opt.param_groups[0]["lr"], model.weight.detach().clone()]
+
+    straight = steps(*build(), 5)
+    model, opt, sched = build()
+    steps(model, opt, sched, 3)
+    fxpipe.save(model, tmp_path / "ckpt", optimizer=opt, extra={"sched": sched.state_dict()})
+    model, opt, sched = build()
+    sched.load_state_dict(fxpipe.load(model, tmp_path / "ckpt", optimizer=opt)["sched"])
+    lr, weight = steps(model, opt, sched, 2)
+    assert lr == straight[0] and torch.equal(weight, straight[1])
