@@ -36,7 +36,7 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,7 +216,7 @@ def _empty(meta: dict, keys: list[str]) -> dict[str, Any]:
             if isinstance(meta[k], TensorStorageMetadata) else None for k in keys}
 
 
-def _like_params(flat: dict[str, Any], params: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _like_params(flat: dict[str, Any], params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Read a sharded parameter's optimizer state (FSDP2's ``DTensor``) sharded as the parameter is."""
     for key, value in flat.items():
         kind, fqn, _ = split_key(key[len("optim."):])
