@@ -128,7 +128,10 @@ def _allocate(table: dict, plan: FillPlan, placement: Mapping[int, torch.device]
 
 
 def _mark(tensor: torch.Tensor) -> int:
-    """Fill ``tensor`` with a value no init leaves everywhere; return its version after that."""
+    """Fill ``tensor`` with a value no init leaves everywhere; return its version after that.
+
+    A bool tensor has no such value: it is written when its version moves (an in-place write).
+    """
     with torch.no_grad():
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
             tensor.fill_(float("nan"))
@@ -208,7 +211,9 @@ def _verify(table: dict, marks: dict[int, int]) -> None:
 
 def _unwritten(tensor: torch.Tensor, version: int) -> bool:
     """Tell whether ``tensor`` still holds the mark :func:`_mark` wrote."""
-    if tensor._version != version or tensor.dtype == torch.bool:
+    if tensor.dtype == torch.bool:
+        return tensor._version == version
+    if tensor._version != version:
         return False
     with torch.no_grad():
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex:

@@ -329,6 +329,26 @@ def test_an_init_that_leaves_a_buffer_unset_is_refused_and_nothing_stays_allocat
 
 
 # -- refusals ----------------------------------------------------------------------------------------
+def test_a_bool_mask_init_leaves_unset_is_refused_not_left_as_garbage():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, 4))
+            self.register_buffer("mask", torch.tril(torch.ones(4, 4, dtype=torch.bool)), persistent=False)
+
+        def reset_parameters(self):  # forgets the mask
+            nn.init.normal_(self.w)
+
+    with pytest.raises(fxpipe.WeightsError, match=r"buffer\(s\) \['mask'\] are not persistent"):
+        fxpipe.materialize(on_meta(Masked))
+
+    def init(module):
+        module.reset_parameters()
+        module.mask.copy_(torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+    assert torch.equal(fxpipe.materialize(on_meta(Masked), init=init).mask, torch.ones(4, 4).tril().bool())
+
+
 def test_a_missing_fqn_is_named_before_anything_is_allocated():
     state = MLP().state_dict()
     del state["layers.3.bias"]
