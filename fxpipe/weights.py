@@ -202,8 +202,13 @@ class _DcpDirectory(WeightSource):
         self._tensors = {k: (tuple(v.size), v.properties.dtype) for k, v in meta.items()
                          if isinstance(v, TensorStorageMetadata)}
         prefix = MODEL_KEY + "."
-        self.fixed = os.path.exists(os.path.join(directory, MANIFEST))  # fxpipe's: always under model.
+        manifest = os.path.join(directory, MANIFEST)
+        self.fixed = os.path.exists(manifest)  # fxpipe's: always under model.
         self.prefix = prefix if self.fixed or any(k.startswith(prefix) for k in self._tensors) else ""
+        self.aliases: dict[str, str] = {}  # a tied tensor's other FQNs -> the one it is saved under
+        if self.fixed:
+            with open(manifest) as f:
+                self.aliases = dict(json.load(f).get("aliases", {}))
 
     def fit(self, names: set[str]) -> None:
         """Read a plain DCP directory at the top when that names more of the model's FQNs than ``model.``.
@@ -220,7 +225,9 @@ class _DcpDirectory(WeightSource):
 
     def specs(self) -> dict[str, Spec]:
         """Return every model tensor's shape and dtype from the checkpoint's metadata."""
-        return {k[len(self.prefix):]: v for k, v in self._tensors.items() if k.startswith(self.prefix)}
+        out = {k[len(self.prefix):]: v for k, v in self._tensors.items() if k.startswith(self.prefix)}
+        out.update({alias: out[name] for alias, name in self.aliases.items() if name in out and alias not in out})
+        return out
 
     def read(self, into: Mapping[str, torch.Tensor]) -> None:
         """Read the asked tensors straight into ``into`` (no process group needed)."""
@@ -229,13 +236,21 @@ class _DcpDirectory(WeightSource):
 
         if not into:
             return
-        state: dict[str, Any] = dict(into)
-        if self.prefix:
-            state = {MODEL_KEY: state}
+        state: dict[str, Any] = {}
+        copies = []  # (target, tensor read under the same saved name): a tied tensor saved once, untied here
+        for key, target in into.items():
+            name = key if self.prefix + key in self._tensors else self.aliases.get(key, key)
+            if name in state:
+                copies.append((target, state[name]))
+            else:
+                state[name] = target
         with warnings.catch_warnings():  # DCP warns that no_dist means one process: it does here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=dcp.FileSystemReader(self.directory),
+            dcp.load({MODEL_KEY: state} if self.prefix else state, storage_reader=dcp.FileSystemReader(self.directory),
                      planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        with torch.no_grad():
+            for target, value in copies:
+                target.copy_(value)
 
 
 def refuse_partial(path: str, error: type[Exception] = WeightsError) -> None:

@@ -189,7 +189,7 @@ def test_what_is_not_a_checkpoint_is_refused(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_tied_weights_are_saved_once_and_come_back_under_both_names(tmp_path):
+def test_tied_weights_are_saved_once_and_come_back_under_both_names_tied_or_not(tmp_path):
     model = TiedTransformer()
     fxpipe.save(model, tmp_path / "ckpt")
     state = fxpipe.load_state_dict(tmp_path / "ckpt")
@@ -198,6 +198,15 @@ def test_tied_weights_are_saved_once_and_come_back_under_both_names(tmp_path):
     fresh = TiedTransformer()
     fxpipe.load(fresh, tmp_path / "ckpt")
     assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.embed.weight, model.embed.weight)
+    untied = TiedTransformer()  # fine-tuning with the head untied: it starts from the tied weight
+    untied.head.weight = torch.nn.Parameter(torch.zeros_like(untied.embed.weight))
+    fxpipe.load(untied, tmp_path / "ckpt")
+    assert torch.equal(untied.head.weight, model.embed.weight) and torch.equal(untied.embed.weight, model.embed.weight)
+    with torch.device("meta"):
+        meta = TiedTransformer()
+    meta.head.weight = torch.nn.Parameter(torch.empty_like(meta.embed.weight))
+    fxpipe.materialize(meta, weights=tmp_path / "ckpt")
+    assert torch.equal(meta.head.weight, model.embed.weight) and meta.head.weight is not meta.embed.weight
 
 
 def test_an_optimizer_grouped_otherwise_than_saved_is_refused_before_anything_changes(tmp_path):
