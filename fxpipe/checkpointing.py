@@ -147,8 +147,10 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     in_flight = batch_norm_state(where.rank, where.deferred, where.model)
     if in_flight:
         state["fxpipe"] = in_flight
-    if extra is not None and where.rank == 0:
-        state["extra"] = _bytes(extra)
+    if extra is not None:  # checked on every rank given it, so all refuse alike; rank 0's is written
+        packed = _bytes(extra)
+        if where.rank == 0:
+            state["extra"] = packed
     if where.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what a killed save left
         os.makedirs(partial)

@@ -297,7 +297,11 @@ def resume_first(rank, world, schedule):
     pipe, opt, _, _ = train(rank, world, 5, ckpt=os.path.join(out, "ckpt"), save_at=5)
     torch.save(_own(pipe, opt), os.path.join(out, f"saved{rank}.pt"))
     own = sum(p.numel() * p.element_size() for p in pipe.stages[rank].parameters())
-    return {"own_bytes": own}
+    try:  # every rank refuses an extra= it cannot write, none waits for rank 0
+        fxpipe.save(pipe, os.path.join(out, "bad"), extra=object())
+    except TypeError as exc:
+        refused = str(exc)
+    return {"own_bytes": own, "refused": refused}
 
 
 def resume_second(rank, world, schedule):

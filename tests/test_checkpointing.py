@@ -74,6 +74,8 @@ def test_two_ranks_resume_bitwise_and_reshard_to_three_stages_and_the_plain_mode
         assert all(r["ok"] for r in results), [r.get("traceback") for r in results]
         if case == "resume_first":
             own = [r["own_bytes"] for r in results]
+            assert all("extra= must hold" in r["refused"] for r in results)
+            assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.incomplete").exists()
     assert all(r["extra"] == {"step": 5} for r in results)
     for r in range(2):  # (a) the last 5 losses and the final parameters, bitwise
         straight, resumed = torch.load(tmp_path / f"straight{r}.pt"), torch.load(tmp_path / f"resumed{r}.pt")
