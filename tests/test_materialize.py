@@ -349,6 +349,19 @@ def test_a_bool_mask_init_leaves_unset_is_refused_not_left_as_garbage():
     assert torch.equal(fxpipe.materialize(on_meta(Masked), init=init).mask, torch.ones(4, 4).tril().bool())
 
 
+def test_old_batch_norm_weights_without_num_batches_tracked_load_as_with_load_state_dict():
+    from models import CNN
+
+    real = CNN().train()
+    real(torch.randn(4, 3, 8, 8))  # running statistics that are not the initial ones
+    old = {k: v for k, v in real.state_dict().items() if not k.endswith("num_batches_tracked")}  # torch < 0.4.1
+    expected = CNN()
+    expected.load_state_dict(old)  # torch fills num_batches_tracked with 0
+    assert_same_state(fxpipe.materialize(on_meta(CNN), weights=old), expected)
+    with pytest.raises(fxpipe.WeightsError, match=r"lacks 1 FQN\(s\) of the model: 'bns.0.running_mean'"):
+        fxpipe.materialize(on_meta(CNN), weights={k: v for k, v in old.items() if k != "bns.0.running_mean"})
+
+
 def test_a_missing_fqn_is_named_before_anything_is_allocated():
     state = MLP().state_dict()
     del state["layers.3.bias"]
