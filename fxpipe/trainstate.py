@@ -8,7 +8,9 @@
                statistics accumulated and not yet committed (between steps there are none)
 
 A state name never holds a dot, so a state key splits at its last dot. The hyperparameters
-of a parameter are one tuple (one item to store, not one per hyperparameter).
+of a parameter are one tuple (one item to store, not one per hyperparameter); so is a state
+that is a list (LBFGS's history), given back as a list: torch.distributed.checkpoint would
+store a list holding tensors item by item, under keys that no longer split at the name.
 """
 
 from __future__ import annotations
@@ -50,13 +52,18 @@ def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[
     for index, state in saved["state"].items():
         p = params[index]
         if not p.is_meta:
-            out.update({f"state.{names[id(p)]}.{k}": v for k, v in state.items()})
+            out.update({f"state.{names[id(p)]}.{k}": _whole(v) for k, v in state.items()})
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         hyper = {k: v for k, v in saved_group.items() if k != "params"}
         for p in group["params"]:
             if not p.is_meta:
                 out[f"param_groups.{names[id(p)]}"] = tuple(hyper.items())
     return out
+
+
+def _whole(value: Any) -> Any:
+    """Store a list (LBFGS's history of tensors) as a tuple: a checkpoint splits a list of tensors by index."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def split_key(key: str) -> tuple[str, str, str]:
@@ -75,7 +82,7 @@ def _by_fqn(flat: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[st
     for key, value in flat.items():
         kind, fqn, name = split_key(key)
         if kind == "state":
-            states.setdefault(fqn, {})[name] = value
+            states.setdefault(fqn, {})[name] = list(value) if isinstance(value, tuple) else value
         else:
             hypers[fqn] = dict(value)
     return states, hypers

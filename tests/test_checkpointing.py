@@ -287,3 +287,28 @@ def test_an_lr_scheduler_comes_back_through_extra(tmp_path):
     sched.load_state_dict(fxpipe.load(model, tmp_path / "ckpt", optimizer=opt)["sched"])
     lr, weight = steps(model, opt, sched, 2)
     assert lr == straight[0] and torch.equal(weight, straight[1])
+
+
+def test_an_optimizer_state_holding_lists_comes_back_whole(tmp_path):
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        return model, torch.optim.LBFGS(model.parameters(), history_size=3)
+
+    def step(model, opt):
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.ones(5, 3)).pow(2).sum()
+            loss.backward()
+            return loss
+        opt.step(closure)
+        return model[1].weight.detach().clone()
+
+    model, opt = build()
+    step(model, opt)
+    fxpipe.save(model, tmp_path / "ckpt", optimizer=opt)
+    expected = step(model, opt)
+    model, fresh = build()
+    fxpipe.load(model, tmp_path / "ckpt", optimizer=fresh)
+    assert isinstance(fresh.state[model[0].weight]["old_dirs"], list)  # LBFGS's history of tensors
+    assert torch.equal(step(model, fresh), expected)
