@@ -36,7 +36,7 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from fxpipe.errors import CheckpointError
 from fxpipe.fillplan import tensor_table
@@ -53,6 +54,7 @@ from fxpipe.materialize import fill
 from fxpipe.pipe import Pipe
 from fxpipe.trainstate import (
     batch_norm_state,
+    check_optimizer_groups,
     load_optimizer_state,
     optimizer_state,
     rng_state,
@@ -98,7 +100,9 @@ def _where(target: nn.Module) -> _Where:
     if target.owned is None:
         return _Where(target._model, deferred=deferred)
     comm = getattr(runtime, "comm", None)
-    group = comm.group if comm is not None else None
+    layout = getattr(runtime, "layout", None)
+    # the pipeline's own group holds one replica; with replicas every rank of the world saves together
+    group = comm.group if comm is not None and getattr(layout, "dp", 1) == 1 else None
     return _Where(target._model, dist.get_rank(), dist.get_world_size(), group, True, deferred)
 
 
@@ -130,7 +134,7 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     checkpoint appears at ``path`` only when every rank has finished.
     """
     where = _where(pipe)
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": its ".incomplete" goes beside it
     partial = path + PARTIAL
     table = tensor_table(where.model)
     state: dict[str, Any] = {
@@ -143,8 +147,10 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     in_flight = batch_norm_state(where.rank, where.deferred, where.model)
     if in_flight:
         state["fxpipe"] = in_flight
-    if extra is not None and where.rank == 0:
-        state["extra"] = _bytes(extra)
+    if extra is not None:  # checked on every rank given it, so all refuse alike; rank 0's is written
+        packed = _bytes(extra)
+        if where.rank == 0:
+            state["extra"] = packed
     if where.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what a killed save left
         os.makedirs(partial)
@@ -212,6 +218,17 @@ def _empty(meta: dict, keys: list[str]) -> dict[str, Any]:
             if isinstance(meta[k], TensorStorageMetadata) else None for k in keys}
 
 
+def _like_params(flat: dict[str, Any], params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Read a sharded parameter's optimizer state (FSDP2's ``DTensor``) sharded as the parameter is."""
+    for key, value in flat.items():
+        kind, fqn, _ = split_key(key[len("optim."):])
+        p = params.get(fqn)
+        if kind == "state" and isinstance(value, torch.Tensor) and isinstance(p, DTensor) \
+                and value.shape == p.shape:
+            flat[key] = torch.empty_like(p.detach(), dtype=value.dtype)
+    return flat
+
+
 def _under(meta: dict, prefix: str) -> list[str]:
     """Return the metadata keys under ``prefix.``."""
     return [k for k in meta if k.startswith(prefix + ".")]
@@ -257,7 +274,7 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     Returns the ``extra`` that was saved (or None).
     """
     where = _where(pipe)
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": its ".incomplete" goes beside it
     manifest = _manifest(path)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     table = tensor_table(where.model)
@@ -269,14 +286,17 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
         if manifest.get("optimizer") not in (None, type(optimizer).__name__):
             raise CheckpointError(f"checkpoint {path!r} holds the state of a {manifest['optimizer']}; the "
                                   f"optimizer given is a {type(optimizer).__name__}")
+        params = {table[id(p)].names[0]: p for p in where.model.parameters()
+                  if not (where.distributed and p.is_meta)}  # what the fill below makes real
+        keys = [k for k in _under(meta, "optim") if split_key(k[len("optim."):])[1] in params]
+        optim = _nest(_read(path, _like_params(_empty(meta, keys), params)), "optim")
+        check_optimizer_groups(optimizer, where.model, optim)
     held = {k: (torch.device("cpu") if info.tensor.is_meta else info.tensor.device)
             for k, info in table.items() if not (where.distributed and info.tensor.is_meta)}
     fill(where.model, held, source=source, init=None, seed=0)
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
-        fqns = {table[id(p)].names[0] for p in where.model.parameters() if not p.is_meta}
-        keys = [k for k in _under(meta, "optim") if split_key(k[len("optim."):])[1] in fqns]
-        load_optimizer_state(optimizer, where.model, _nest(_read(path, _empty(meta, keys)), "optim"))
+        load_optimizer_state(optimizer, where.model, optim)
     mine = _nest(_read(path, _empty(meta, _under(meta, f"rng.{where.rank}"))), "rng")
     if manifest["world"] == where.world and mine:
         set_rng_state(where.rank, mine)
@@ -293,7 +313,7 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Return the model's ``state_dict`` saved in a checkpoint, in this process (tied FQNs included)."""
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": its ".incomplete" goes beside it
     manifest = _manifest(path)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state = _nest(_read(path, _empty(meta, _under(meta, "model"))), "model")

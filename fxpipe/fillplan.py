@@ -4,7 +4,8 @@
                                └─▶ by init (it is on meta and the source lacks it)
                                └─▶ left as it is (it is real and nothing replaces it)
 
-Refusals name the FQNs: a source lacking a persistent tensor (when no ``init=`` is given), a
+Refusals name the FQNs: a source lacking a persistent tensor (when no ``init=`` is given; a
+batch norm's ``num_batches_tracked``, absent from old checkpoints, is initialised as torch does), a
 shape or dtype that differs, a module with a tensor to initialise but neither ``init=`` nor
 a ``reset_parameters()``; a non-persistent buffer (never in a checkpoint) in such a module
 gets its own message. Source keys that name no tensor of the model are warned about.
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from fxpipe.errors import WeightsError
 from fxpipe.weights import WeightSource
@@ -82,6 +84,11 @@ def tensor_table(model: nn.Module) -> dict[int, TensorInfo]:
     return table
 
 
+def _counter(info: TensorInfo) -> bool:
+    """Tell a batch norm's ``num_batches_tracked``: checkpoints before PyTorch 0.4.1 lack it (init zeroes it)."""
+    return any(isinstance(s.module, _BatchNorm) and s.name == "num_batches_tracked" for s in info.slots)
+
+
 def _own_keys(module: nn.Module) -> list[int]:
     """Return the ids of a module's own (not its children's) parameters and buffers."""
     return [id(t) for reg in (module._parameters, module._buffers) for t in reg.values() if t is not None]
@@ -90,8 +97,10 @@ def _own_keys(module: nn.Module) -> list[int]:
 def plan_fill(model: nn.Module, table: dict[int, TensorInfo], source: WeightSource | None,
               init: Callable[[nn.Module], Any] | None) -> FillPlan:
     """Decide each tensor's source; raise :class:`WeightsError` for what no step could fill."""
-    specs = source.specs() if source is not None else {}
     known = {n for info in table.values() for n in info.names}
+    if source is not None:
+        source.fit(known)
+    specs = source.specs() if source is not None else {}
     unexpected = sorted(repr(k) for k in specs if k not in known)
     if unexpected:
         warnings.warn(f"{source.description} holds {len(unexpected)} key(s) that name no parameter or "  # type: ignore[union-attr]
@@ -108,13 +117,15 @@ def plan_fill(model: nn.Module, table: dict[int, TensorInfo], source: WeightSour
             elif dtype != info.tensor.dtype:
                 mismatched.append(f"'{hit}' has dtype {dtype} there but {info.tensor.dtype} in the model")
             from_source[key] = hit
-        elif source is not None and info.persistent and init is None:
+        elif source is not None and info.persistent and init is None and not _counter(info):
             missing.append(repr(info.names[0]))
         elif info.tensor.is_meta:
             to_init.add(key)
     if mismatched:
+        cast = (" or, for another dtype, cast the model to it first (model.to(dtype) works on meta)"
+                if any(" has dtype " in m for m in mismatched) else "")
         raise WeightsError(f"{source.description} does not fit the model: {'; '.join(mismatched[:_SHOWN])}"  # type: ignore[union-attr]
-                           f"{_more(mismatched)}. Give weights saved from this model (same shapes and dtypes)")
+                           f"{_more(mismatched)}. Give weights saved from this model (same shapes and dtypes){cast}")
     if missing:
         raise WeightsError(f"{source.description} lacks {len(missing)} FQN(s) of the model: {_show(missing)}; "  # type: ignore[union-attr]
                            "give a source that holds them, or init= to initialise what it lacks")

@@ -3,7 +3,8 @@
     plan     every tensor to fill: from the weights source (by any of its FQNs) or by init;
              refuse a missing FQN, a shape or dtype mismatch, a module with no init path
     alloc    the asked tensors, empty, on their devices (swapped in: every holder sees them)
-    init     each module holding one, in the model's order, seeded from (seed, module FQN)
+    init     each module holding one, in the model's order (a tied tensor's first holder after
+             the others: its init wins, as in eager), seeded from (seed, module FQN)
     read     the asked FQNs from the source, nothing else
     verify   every tensor init had to fill was written; else name it
 
@@ -127,7 +128,10 @@ def _allocate(table: dict, plan: FillPlan, placement: Mapping[int, torch.device]
 
 
 def _mark(tensor: torch.Tensor) -> int:
-    """Fill ``tensor`` with a value no init leaves everywhere; return its version after that."""
+    """Fill ``tensor`` with a value no init leaves everywhere; return its version after that.
+
+    A bool tensor has no such value: it is written when its version moves (an in-place write).
+    """
     with torch.no_grad():
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
             tensor.fill_(float("nan"))
@@ -138,8 +142,16 @@ def _mark(tensor: torch.Tensor) -> int:
 
 def _run_init(model: nn.Module, table: dict, plan: FillPlan, placement: Mapping[int, torch.device],
               init: Init | None, seed: int, marks: dict[int, int]) -> None:
-    """Initialise each module holding a placed tensor to init, seeded by its FQN, in model order."""
+    """Initialise each module holding a placed tensor to init, seeded by its FQN, in model order.
+
+    A tensor tied across modules (an embedding and an output head) keeps the values its first
+    holder's init gives it, as in eager where the later module's own tensor is replaced by the
+    tie: that module runs after the others holding it (its ``padding_idx`` row stays zero).
+    """
     modules = [(fqn, m, keys) for fqn, m, keys in plan.modules if any(k in marks for k in keys)]
+    first = {id(table[k].slots[0].module) for _, _, keys in modules for k in keys
+             if len({id(slot.module) for slot in table[k].slots}) > 1}
+    modules.sort(key=lambda item: id(item[1]) in first)  # stable: model order otherwise
     if not modules:
         return
     cuda = sorted({d.index or 0 for d in placement.values() if d.type == "cuda"})
@@ -199,7 +211,9 @@ def _verify(table: dict, marks: dict[int, int]) -> None:
 
 def _unwritten(tensor: torch.Tensor, version: int) -> bool:
     """Tell whether ``tensor`` still holds the mark :func:`_mark` wrote."""
-    if tensor._version != version or tensor.dtype == torch.bool:
+    if tensor.dtype == torch.bool:
+        return tensor._version == version
+    if tensor._version != version:
         return False
     with torch.no_grad():
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex:

@@ -8,7 +8,9 @@
                statistics accumulated and not yet committed (between steps there are none)
 
 A state name never holds a dot, so a state key splits at its last dot. The hyperparameters
-of a parameter are one tuple (one item to store, not one per hyperparameter).
+of a parameter are one tuple (one item to store, not one per hyperparameter); so is a state
+that is a list (LBFGS's history), given back as a list: torch.distributed.checkpoint would
+store a list holding tensors item by item, under keys that no longer split at the name.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fxpipe.errors import CheckpointError
 
 __all__ = [
     "batch_norm_state",
+    "check_optimizer_groups",
     "load_optimizer_state",
     "optimizer_state",
     "rng_state",
@@ -49,13 +52,18 @@ def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[
     for index, state in saved["state"].items():
         p = params[index]
         if not p.is_meta:
-            out.update({f"state.{names[id(p)]}.{k}": v for k, v in state.items()})
+            out.update({f"state.{names[id(p)]}.{k}": _whole(v) for k, v in state.items()})
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         hyper = {k: v for k, v in saved_group.items() if k != "params"}
         for p in group["params"]:
             if not p.is_meta:
                 out[f"param_groups.{names[id(p)]}"] = tuple(hyper.items())
     return out
+
+
+def _whole(value: Any) -> Any:
+    """Store a list (LBFGS's history of tensors) as a tuple: a checkpoint splits a list of tensors by index."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def split_key(key: str) -> tuple[str, str, str]:
@@ -67,16 +75,52 @@ def split_key(key: str) -> tuple[str, str, str]:
     return kind, fqn, name
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, flat: Mapping[str, Any]) -> None:
-    """Give the optimizer the saved state and hyperparameters of each of its parameters, by FQN."""
+def _by_fqn(flat: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Return the flat optimizer dict as ({fqn: state}, {fqn: hyperparameters})."""
     states: dict[str, dict[str, Any]] = {}
     hypers: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():
         kind, fqn, name = split_key(key)
         if kind == "state":
-            states.setdefault(fqn, {})[name] = value
+            states.setdefault(fqn, {})[name] = list(value) if isinstance(value, tuple) else value
         else:
             hypers[fqn] = dict(value)
+    return states, hypers
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Tell whether two hyperparameter values are equal (tensors by value)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and bool(torch.equal(a, b))
+    return bool(a == b)
+
+
+def check_optimizer_groups(optimizer: torch.optim.Optimizer, model: nn.Module, flat: Mapping[str, Any]) -> None:
+    """Refuse a param group whose parameters were saved with different hyperparameters.
+
+    Hyperparameters are per group: loading would give every parameter of the group one of
+    them (weight decay on the biases that had none, say).
+    """
+    _, hypers = _by_fqn(flat)
+    names = _names(model)
+    for i, group in enumerate(optimizer.param_groups):
+        saved = [(names[id(p)], hypers[names[id(p)]]) for p in group["params"]
+                 if names.get(id(p)) in hypers]
+        for fqn, hyper in saved[1:]:
+            first, values = saved[0]
+            differ = sorted(k for k in hyper.keys() | values.keys()
+                            if not _same(hyper.get(k), values.get(k)))
+            if differ:
+                key = differ[0]
+                raise CheckpointError(
+                    f"param group {i} of the optimizer holds '{first}' and '{fqn}', saved with different "
+                    f"{differ} ({key}={values.get(key)!r} and {hyper.get(key)!r}); one group has one value "
+                    "of each: group the parameters as when the checkpoint was saved")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, flat: Mapping[str, Any]) -> None:
+    """Give the optimizer the saved state and hyperparameters of each of its parameters, by FQN."""
+    states, hypers = _by_fqn(flat)
     names = _names(model)
     state, groups, index = {}, [], 0
     for group in optimizer.param_groups:

@@ -4,8 +4,10 @@
     torch.save file   opened with mmap=True; pages of a tensor are dropped once it is copied
     safetensors file  optional ``safetensors`` package, imported only when such a file is given
     directory         Hugging Face shards (``*.index.json`` naming a file per FQN), an fxpipe
-                      checkpoint (torch.distributed.checkpoint, FQNs under ``model.``), or a
-                      directory holding one weights file
+                      checkpoint (torch.distributed.checkpoint, FQNs under ``model.``), a plain
+                      DCP directory (FQNs under ``model.`` or at the top, whichever names the
+                      model's), or a directory holding one weights file; where a Hub directory
+                      holds both, the safetensors copy
 
 Every source tells each key's shape and dtype without reading data (:meth:`WeightSource.spec`)
 and copies only the keys asked for into tensors the caller allocated (:meth:`WeightSource.read`).
@@ -33,9 +35,10 @@ MODEL_KEY = "model"  # fxpipe checkpoints keep the model's state under this key
 MANIFEST = "fxpipe.json"  # written last into an fxpipe checkpoint: it is complete
 PARTIAL = ".incomplete"  # the suffix of a checkpoint being written
 _TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-              "U8": torch.uint8, "BOOL": torch.bool}
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16",
+              "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+              "F8_E5M2": "float8_e5m2", "F8_E5M2FNUZ": "float8_e5m2fnuz", "C64": "complex64"}
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 
@@ -52,6 +55,9 @@ class WeightSource:
     def read(self, into: Mapping[str, torch.Tensor]) -> None:
         """Copy the source's tensor ``fqn`` into ``into[fqn]`` for every key of ``into``."""
         raise NotImplementedError
+
+    def fit(self, names: set[str]) -> None:
+        """Learn the model's FQNs before :meth:`specs`, where the source's naming is ambiguous."""
 
     def close(self) -> None:
         """Release open files."""
@@ -125,7 +131,12 @@ class _SafetensorsFile(WeightSource):
         out = {}
         for key in self.file.keys():  # noqa: SIM118 - a safetensors handle, not a dict
             piece = self.file.get_slice(key)
-            out[key] = (tuple(piece.get_shape()), _ST_DTYPES.get(piece.get_dtype(), torch.uint8))
+            name = piece.get_dtype()
+            dtype = getattr(torch, _ST_DTYPES.get(name, ""), None)
+            if not isinstance(dtype, torch.dtype):
+                raise WeightsError(f"{self.description} holds '{key}' of safetensors dtype {name}, which "
+                                   f"this torch has no dtype for")
+            out[key] = (tuple(piece.get_shape()), dtype)
         return out
 
     def read(self, into: Mapping[str, torch.Tensor]) -> None:
@@ -188,15 +199,35 @@ class _DcpDirectory(WeightSource):
         self.directory = directory
         self.description = f"checkpoint {directory!r}"
         meta = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
-        tensors = {k: v for k, v in meta.items() if isinstance(v, TensorStorageMetadata)}
+        self._tensors = {k: (tuple(v.size), v.properties.dtype) for k, v in meta.items()
+                         if isinstance(v, TensorStorageMetadata)}
         prefix = MODEL_KEY + "."
-        self.prefix = prefix if any(k.startswith(prefix) for k in tensors) else ""
-        self._specs = {k[len(self.prefix):]: (tuple(v.size), v.properties.dtype)
-                       for k, v in tensors.items() if k.startswith(self.prefix)}
+        manifest = os.path.join(directory, MANIFEST)
+        self.fixed = os.path.exists(manifest)  # fxpipe's: always under model.
+        self.prefix = prefix if self.fixed or any(k.startswith(prefix) for k in self._tensors) else ""
+        self.aliases: dict[str, str] = {}  # a tied tensor's other FQNs -> the one it is saved under
+        if self.fixed:
+            with open(manifest) as f:
+                self.aliases = dict(json.load(f).get("aliases", {}))
+
+    def fit(self, names: set[str]) -> None:
+        """Read a plain DCP directory at the top when that names more of the model's FQNs than ``model.``.
+
+        A model's own FQNs may begin with ``model.`` (Hugging Face's ``*ForCausalLM``), so a
+        directory saved from ``model.state_dict()`` and one saved as ``{"model": ...}`` both
+        have keys under ``model.``.
+        """
+        if self.fixed or not self.prefix:
+            return
+        under = sum(k[len(self.prefix):] in names for k in self._tensors if k.startswith(self.prefix))
+        if sum(k in names for k in self._tensors) > under:
+            self.prefix = ""
 
     def specs(self) -> dict[str, Spec]:
         """Return every model tensor's shape and dtype from the checkpoint's metadata."""
-        return dict(self._specs)
+        out = {k[len(self.prefix):]: v for k, v in self._tensors.items() if k.startswith(self.prefix)}
+        out.update({alias: out[name] for alias, name in self.aliases.items() if name in out and alias not in out})
+        return out
 
     def read(self, into: Mapping[str, torch.Tensor]) -> None:
         """Read the asked tensors straight into ``into`` (no process group needed)."""
@@ -205,13 +236,21 @@ class _DcpDirectory(WeightSource):
 
         if not into:
             return
-        state: dict[str, Any] = dict(into)
-        if self.prefix:
-            state = {MODEL_KEY: state}
+        state: dict[str, Any] = {}
+        copies = []  # (target, tensor read under the same saved name): a tied tensor saved once, untied here
+        for key, target in into.items():
+            name = key if self.prefix + key in self._tensors else self.aliases.get(key, key)
+            if name in state:
+                copies.append((target, state[name]))
+            else:
+                state[name] = target
         with warnings.catch_warnings():  # DCP warns that no_dist means one process: it does here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=dcp.FileSystemReader(self.directory),
+            dcp.load({MODEL_KEY: state} if self.prefix else state, storage_reader=dcp.FileSystemReader(self.directory),
                      planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        with torch.no_grad():
+            for target, value in copies:
+                target.copy_(value)
 
 
 def refuse_partial(path: str, error: type[Exception] = WeightsError) -> None:
@@ -267,10 +306,11 @@ def _open_directory(path: str) -> WeightSource:
     if os.path.exists(os.path.join(path, ".metadata")):
         return _DcpDirectory(path)
     names = sorted(os.listdir(path))
-    indexes = [n for n in names if n.endswith(".index.json")]
+    indexes = _prefer([n for n in names if n.endswith(".index.json")], ".safetensors.index.json")
     if len(indexes) == 1:
         return _Sharded(path, os.path.join(path, indexes[0]))
     files = [n for n in names if n.endswith((".safetensors", *_TORCH_SUFFIXES))]
+    files = _prefer(_prefer(files, ".safetensors"), "pytorch_model.bin")
     if not indexes and len(files) == 1:
         return _open_file(os.path.join(path, files[0]))
     why = (f"it holds {len(indexes)} *.index.json files" if indexes else
@@ -279,3 +319,16 @@ def _open_directory(path: str) -> WeightSource:
     raise WeightsError(f"weights={path!r} is a directory that fxpipe cannot read: {why}. Give a "
                        "checkpoint saved by fxpipe.save, a directory of shards with one *.index.json "
                        "(the Hugging Face layout), or a single weights file")
+
+
+def _prefer(names: list[str], ending: str) -> list[str]:
+    """Narrow several candidates to the one ending in ``ending``, as transformers reads a Hub directory.
+
+    A model directory from the Hugging Face Hub often holds the same weights twice (safetensors
+    and ``pytorch_model.bin``, each with an index) next to other files (``training_args.bin``).
+    """
+    chosen = [n for n in names if n.endswith(ending)]
+    if len(names) > 1 and len(chosen) == 1:
+        log.info("reading %s, the directory's %s", chosen[0], ending.lstrip("."))
+        return chosen
+    return names

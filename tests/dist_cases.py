@@ -13,7 +13,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import default_step_loss, max_relative_error
-from models import AttnBlock, Carrier, Mixed, TiedTransformer
+from models import CNN, AttnBlock, Carrier, Mixed, TiedTransformer
 from unet import UNet
 
 
@@ -192,8 +192,11 @@ def _meta_step(rank, world, factory, reference, x, target, loss_fn, **kw):
               for name, p in model.named_parameters(remove_duplicate=False) if id(p) in held}
     own = pipe.state_dict()
     pipe.load_state_dict({**own, "not.a.key": torch.zeros(1)})  # a rank loads its own FQNs, ignores others
+    buffers = dict(reference.named_buffers())
+    buffer_errors = {name: max_relative_error(b.double(), buffers[name].double())
+                     for name, b in model.named_buffers() if id(b) in held}
     return {"loss_error": max_relative_error(loss, expected), "grad_errors": errors, "wrong": wrong,
-            "owned": sorted(own), "all": sorted(tensors)}
+            "owned": sorted(own), "all": sorted(tensors), "buffer_errors": buffer_errors}
 
 
 def meta(rank, world, schedule):
@@ -213,7 +216,11 @@ def meta(rank, world, schedule):
     source = _Recording(path)
     b = _meta_step(rank, world, TiedTransformer, tied_ref, tokens, target, loss_fn, chunks=3,
                    schedule=schedule, weights=source)
-    return {"unet": a, "tied": b, "read": source.keys, "missing": _refusal(path, rank, world)}
+    cnn_ref = fxpipe.materialize(_on_meta(CNN), seed=2)  # batch norms: running statistics as eager's
+    x, target = torch.randn(6, 3, 8, 8), torch.randn(6, 5)
+    c = _meta_step(rank, world, CNN, cnn_ref, x, target, F.mse_loss, chunks=1, schedule=schedule, seed=2,
+                   deferred_batch_norm=True)
+    return {"unet": a, "tied": b, "cnn": c, "read": source.keys, "missing": _refusal(path, rank, world)}
 
 
 def _refusal(path, rank, world):
@@ -290,7 +297,11 @@ def resume_first(rank, world, schedule):
     pipe, opt, _, _ = train(rank, world, 5, ckpt=os.path.join(out, "ckpt"), save_at=5)
     torch.save(_own(pipe, opt), os.path.join(out, f"saved{rank}.pt"))
     own = sum(p.numel() * p.element_size() for p in pipe.stages[rank].parameters())
-    return {"own_bytes": own}
+    try:  # every rank refuses an extra= it cannot write, none waits for rank 0
+        fxpipe.save(pipe, os.path.join(out, "bad"), extra=object())
+    except TypeError as exc:
+        refused = str(exc)
+    return {"own_bytes": own, "refused": refused}
 
 
 def resume_second(rank, world, schedule):
@@ -545,3 +556,33 @@ def scaler(rank, world, schedule):
 
 
 CASES.update(scaler=scaler)
+
+
+def dp_resume(rank, world, schedule):
+    """2 replicas x 2 ranks, replicated then sharded: 2 steps, save, load into a fresh pipe, a step equal."""
+    out, results = os.environ["FXPIPE_TEST_DIR"], {}
+    for shard in (False, True):
+        runs = []
+        for _ in range(2):  # the trained pipe and a fresh one that loads its checkpoint
+            pipe, model, _, _, _, xs, ys, _, step, _ = _dp_setup(rank, world, _mlp_pair, schedule + ":shard" * shard,
+                                                                 chunks=2, split_points=["2"])
+            runs.append((pipe, model, torch.optim.Adam(pipe.parameters(), lr=1e-2), step))
+        pipe, _, opt, step = runs[0]
+        for _ in range(2):
+            opt.zero_grad()
+            step(xs, ys)
+            opt.step()
+        path = os.path.join(out, f"dp{int(shard)}")
+        fxpipe.save(pipe, path, optimizer=opt)
+        fxpipe.load(runs[1][0], path, optimizer=runs[1][2])
+        for _, _, opt, step in runs:
+            opt.zero_grad()
+            step(xs, ys)
+            opt.step()
+        other = dict(runs[1][1].named_parameters())
+        results[f"shard{int(shard)}"] = {n: bool(torch.equal(_full(p.detach()), _full(other[n].detach())))
+                                         for n, p in runs[0][1].named_parameters() if not p.is_meta}
+    return results
+
+
+CASES.update(dp_resume=dp_resume)

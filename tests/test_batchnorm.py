@@ -100,3 +100,24 @@ def test_batch_norm_1d():
     torch.testing.assert_close(model[1].running_mean, eager[1].running_mean)
     torch.testing.assert_close(model[1].running_var, eager[1].running_var)
     assert int(model[1].num_batches_tracked) == 1
+
+
+def test_a_run_on_fake_tensors_accumulates_nothing():
+    # the distributed runtime propagates each new micro-batch layout's shapes through the graph
+    # on fake tensors, in training mode: that run must not count, or fake sums poison the commit
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxpipe.runtime.batchnorm import commit_batch_norm, defer_batch_norm
+
+    model = Branches().train()
+    eager = copy.deepcopy(model)
+    x = torch.randn(10, 3, 8, 8) * 3 + 1
+    deferred = defer_batch_norm(model.modules())
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        model(mode.from_tensor(x))
+    assert all(bn._fxpipe_count == 0 and bn._fxpipe_sum is None for bn in deferred)
+    model(x)
+    commit_batch_norm(deferred)
+    eager(x)
+    for k, v in _stats(eager).items():
+        torch.testing.assert_close(_stats(model)[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -74,6 +74,8 @@ def test_two_ranks_resume_bitwise_and_reshard_to_three_stages_and_the_plain_mode
         assert all(r["ok"] for r in results), [r.get("traceback") for r in results]
         if case == "resume_first":
             own = [r["own_bytes"] for r in results]
+            assert all("extra= must hold" in r["refused"] for r in results)
+            assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.incomplete").exists()
     assert all(r["extra"] == {"step": 5} for r in results)
     for r in range(2):  # (a) the last 5 losses and the final parameters, bitwise
         straight, resumed = torch.load(tmp_path / f"straight{r}.pt"), torch.load(tmp_path / f"resumed{r}.pt")
@@ -189,7 +191,7 @@ def test_what_is_not_a_checkpoint_is_refused(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_tied_weights_are_saved_once_and_come_back_under_both_names(tmp_path):
+def test_tied_weights_are_saved_once_and_come_back_under_both_names_tied_or_not(tmp_path):
     model = TiedTransformer()
     fxpipe.save(model, tmp_path / "ckpt")
     state = fxpipe.load_state_dict(tmp_path / "ckpt")
@@ -198,3 +200,115 @@ def test_tied_weights_are_saved_once_and_come_back_under_both_names(tmp_path):
     fresh = TiedTransformer()
     fxpipe.load(fresh, tmp_path / "ckpt")
     assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.embed.weight, model.embed.weight)
+    untied = TiedTransformer()  # fine-tuning with the head untied: it starts from the tied weight
+    untied.head.weight = torch.nn.Parameter(torch.zeros_like(untied.embed.weight))
+    fxpipe.load(untied, tmp_path / "ckpt")
+    assert torch.equal(untied.head.weight, model.embed.weight) and torch.equal(untied.embed.weight, model.embed.weight)
+    with torch.device("meta"):
+        meta = TiedTransformer()
+    meta.head.weight = torch.nn.Parameter(torch.empty_like(meta.embed.weight))
+    fxpipe.materialize(meta, weights=tmp_path / "ckpt")
+    assert torch.equal(meta.head.weight, model.embed.weight) and meta.head.weight is not meta.embed.weight
+
+
+def test_an_optimizer_grouped_otherwise_than_saved_is_refused_before_anything_changes(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    weights = [p for p in model.parameters() if p.dim() > 1]
+    biases = [p for p in model.parameters() if p.dim() == 1]
+    opt = torch.optim.AdamW([{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}])
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    fxpipe.save(model, tmp_path / "ckpt", optimizer=opt)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    one_group = torch.optim.AdamW(fresh.parameters(), weight_decay=0.1)  # the biases' decay would change
+    with pytest.raises(fxpipe.CheckpointError, match=r"param group 0 of the optimizer holds '0.weight' and "
+                                                     r"'0.bias', saved with different \['weight_decay'\] "
+                                                     r"\(weight_decay=0.1 and 0.0\)"):
+        fxpipe.load(fresh, tmp_path / "ckpt", optimizer=one_group)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items()) and not one_group.state
+    with torch.device("meta"):  # a plain model built on meta gets its weights and its optimizer's state
+        on_meta = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    meta_opt = torch.optim.AdamW([{"params": [on_meta[0].weight, on_meta[1].weight], "weight_decay": 0.1},
+                                  {"params": [on_meta[0].bias, on_meta[1].bias], "weight_decay": 0.0}])
+    fxpipe.load(on_meta, tmp_path / "ckpt", optimizer=meta_opt)
+    assert torch.equal(on_meta[1].weight, model[1].weight)
+    assert torch.equal(meta_opt.state[on_meta[1].weight]["exp_avg"], opt.state[model[1].weight]["exp_avg"])
+    regrouped = torch.optim.AdamW([{"params": biases[::-1]}, {"params": weights[::-1]}])  # the same groups
+    fxpipe.load(model, tmp_path / "ckpt", optimizer=regrouped)
+    assert [g["weight_decay"] for g in regrouped.param_groups] == [0.0, 0.1]
+
+
+def test_pipeline_and_data_parallel_save_together_and_resume_replicated_and_sharded(tmp_path):
+    from test_distributed import _launch
+
+    results = _launch("dp_resume", 4, "1f1b", tmp_path)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        for mode in ("shard0", "shard1"):  # after the load, one more step gives the same parameters
+            assert res[mode] and all(res[mode].values()), (r, mode, res[mode])
+    state = fxpipe.load_state_dict(tmp_path / "dp1")  # the sharded one, whole, in one process
+    assert sorted(state) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
+
+
+def test_a_path_with_a_trailing_slash_saves_twice_and_loads(tmp_path):
+    model = torch.nn.Linear(3, 4)
+    for _ in range(2):  # the second replaces the first
+        fxpipe.save(model, f"{tmp_path}/ckpt/", extra={"n": 1})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    fresh = torch.nn.Linear(3, 4)
+    assert fxpipe.load(fresh, f"{tmp_path}/ckpt/") == {"n": 1} and torch.equal(fresh.weight, model.weight)
+    with torch.device("meta"):
+        meta = torch.nn.Linear(3, 4)
+    fxpipe.materialize(meta, weights=f"{tmp_path}/ckpt/")
+    assert torch.equal(meta.weight, model.weight)
+
+
+def test_an_lr_scheduler_comes_back_through_extra(tmp_path):
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters())
+        return model, opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=8)
+
+    def steps(model, opt, sched, k):
+        for _ in range(k):
+            opt.zero_grad()
+            model(torch.ones(4, 3)).sum().backward()
+            opt.step()
+            sched.step()
+        return [opt.param_groups[0]["lr"], model.weight.detach().clone()]
+
+    straight = steps(*build(), 5)
+    model, opt, sched = build()
+    steps(model, opt, sched, 3)
+    fxpipe.save(model, tmp_path / "ckpt", optimizer=opt, extra={"sched": sched.state_dict()})
+    model, opt, sched = build()
+    sched.load_state_dict(fxpipe.load(model, tmp_path / "ckpt", optimizer=opt)["sched"])
+    lr, weight = steps(model, opt, sched, 2)
+    assert lr == straight[0] and torch.equal(weight, straight[1])
+
+
+def test_an_optimizer_state_holding_lists_comes_back_whole(tmp_path):
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        return model, torch.optim.LBFGS(model.parameters(), history_size=3)
+
+    def step(model, opt):
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.ones(5, 3)).pow(2).sum()
+            loss.backward()
+            return loss
+        opt.step(closure)
+        return model[1].weight.detach().clone()
+
+    model, opt = build()
+    step(model, opt)
+    fxpipe.save(model, tmp_path / "ckpt", optimizer=opt)
+    expected = step(model, opt)
+    model, fresh = build()
+    fxpipe.load(model, tmp_path / "ckpt", optimizer=fresh)
+    assert isinstance(fresh.state[model[0].weight]["old_dirs"], list)  # LBFGS's history of tensors
+    assert torch.equal(step(model, fresh), expected)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.materialize import fill
+from fxpipe.materialize import fill, module_seed
 from fxpipe.testing import max_relative_error
 from fxpipe.weights import open_weights
 from models import MLP, TiedTransformer
@@ -121,6 +121,30 @@ def test_a_stage_owning_part_of_a_module_draws_the_same_numbers():
     second = on_meta(Split)  # what the rank of stage 1 does: b is its own, a is not
     fill(second, {id(second.b): torch.device("cpu")}, source=None, init=None, seed=0)
     assert second.a.is_meta and torch.equal(second.b, whole.b)
+
+
+def test_a_tied_embedding_keeps_its_own_init_and_padding_row_whatever_module_comes_later():
+    class TiedPad(nn.Module):  # the head, built after the embedding, is tied to it
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(11, 6, padding_idx=2)
+            self.mid = nn.Linear(6, 6)
+            self.head = nn.Linear(6, 11, bias=True)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(torch.relu(self.mid(self.embed(ids))))
+
+    ids = torch.randint(0, 11, (4, 3))
+    whole = fxpipe.materialize(on_meta(TiedPad), seed=1)
+    assert whole.head.weight is whole.embed.weight and not whole.embed.weight[2].any()
+    torch.manual_seed(module_seed(1, "embed"))  # the values the embedding's own init gives
+    expected = torch.empty(11, 6).normal_()
+    expected[2] = 0
+    assert torch.equal(whole.embed.weight, expected)
+    model = on_meta(TiedPad)
+    fxpipe.compile(model, 2, example_inputs=(ids,), seed=1, split_points=["head"])
+    assert_same_state(model, whole)
 
 
 # -- weight sources --------------------------------------------------------------------------------
@@ -305,6 +329,39 @@ def test_an_init_that_leaves_a_buffer_unset_is_refused_and_nothing_stays_allocat
 
 
 # -- refusals ----------------------------------------------------------------------------------------
+def test_a_bool_mask_init_leaves_unset_is_refused_not_left_as_garbage():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, 4))
+            self.register_buffer("mask", torch.tril(torch.ones(4, 4, dtype=torch.bool)), persistent=False)
+
+        def reset_parameters(self):  # forgets the mask
+            nn.init.normal_(self.w)
+
+    with pytest.raises(fxpipe.WeightsError, match=r"buffer\(s\) \['mask'\] are not persistent"):
+        fxpipe.materialize(on_meta(Masked))
+
+    def init(module):
+        module.reset_parameters()
+        module.mask.copy_(torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+    assert torch.equal(fxpipe.materialize(on_meta(Masked), init=init).mask, torch.ones(4, 4).tril().bool())
+
+
+def test_old_batch_norm_weights_without_num_batches_tracked_load_as_with_load_state_dict():
+    from models import CNN
+
+    real = CNN().train()
+    real(torch.randn(4, 3, 8, 8))  # running statistics that are not the initial ones
+    old = {k: v for k, v in real.state_dict().items() if not k.endswith("num_batches_tracked")}  # torch < 0.4.1
+    expected = CNN()
+    expected.load_state_dict(old)  # torch fills num_batches_tracked with 0
+    assert_same_state(fxpipe.materialize(on_meta(CNN), weights=old), expected)
+    with pytest.raises(fxpipe.WeightsError, match=r"lacks 1 FQN\(s\) of the model: 'bns.0.running_mean'"):
+        fxpipe.materialize(on_meta(CNN), weights={k: v for k, v in old.items() if k != "bns.0.running_mean"})
+
+
 def test_a_missing_fqn_is_named_before_anything_is_allocated():
     state = MLP().state_dict()
     del state["layers.3.bias"]
@@ -376,11 +433,13 @@ def test_meta_models_across_two_ranks_hold_and_read_only_their_stage_or_refuse(t
     results = _launch("meta", 2, "1f1b", tmp_path)
     for r, res in enumerate(results):
         assert res["ok"], f"rank {r}: {res.get('traceback')}"
-        for name in ("unet", "tied"):
+        for name in ("unet", "tied", "cnn"):
             case = res[name]
             assert case["loss_error"] < 1e-5 and case["grad_errors"], (r, name)
             assert max(case["grad_errors"].values()) < 1e-5, (r, name, case["grad_errors"])
             assert case["wrong"] == [], (r, name)  # held tensors real, every other on meta
+            assert max(case["buffer_errors"].values(), default=0) < 1e-5, (r, name, case["buffer_errors"])
+        assert any("running_var" in n for n in res["cnn"]["buffer_errors"])  # deferred batch norm, as eager
     for name in ("unet", "tied"):
         owned = [set(res[name]["owned"]) for res in results]
         assert owned[0] | owned[1] == set(results[0][name]["all"])

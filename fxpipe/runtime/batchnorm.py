@@ -6,7 +6,8 @@ differently from eager training on the whole batch. With ``deferred_batch_norm=T
 batch norm keeps normalizing per micro-batch but only accumulates ``sum(x)`` and
 ``sum(x * x)`` per channel; after the mini-batch the pipeline commits them once, so the
 running statistics equal eager's on the full batch (torchgpipe, section 3.4). Recomputation
-for checkpointing does not count twice.
+for checkpointing does not count twice, and neither does a run on fake tensors (the distributed
+runtime propagates each new micro-batch layout's shapes through the graph).
 
 The modules keep their class, their identity and their state_dict keys: the deferred forward
 is an instance attribute, and the sums are plain attributes.
@@ -21,6 +22,7 @@ from typing import Protocol, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fxpipe.runtime.checkpoint import is_recomputing
@@ -66,7 +68,7 @@ def _deferred_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     if not self.training:
         return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
                             False, 0.0, self.eps)
-    if not is_recomputing():
+    if not is_recomputing() and not isinstance(x, FakeTensor):
         with torch.no_grad():
             dims = [d for d in range(x.dim()) if d != 1]
             total = x.sum(dims, dtype=torch.float64)  # float64 sums: no cancellation in the variance
