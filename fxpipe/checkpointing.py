@@ -31,12 +31,10 @@ after a save at step 0) and drop the state silently when gradients are present.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import shutil
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from fxpipe.ckptdir import FORMAT, VERSION, allocate, nest, publish, quiet, read_keys, read_manifest, under
 from fxpipe.errors import CheckpointError
 from fxpipe.fillplan import tensor_table
 from fxpipe.materialize import fill
@@ -62,15 +59,11 @@ from fxpipe.trainstate import (
     set_rng_state,
     split_key,
 )
-from fxpipe.weights import MANIFEST, PARTIAL, open_weights, refuse_partial
+from fxpipe.weights import PARTIAL, open_weights
 
 __all__ = ["load", "load_state_dict", "save"]
 
 log = logging.getLogger(__name__)
-
-FORMAT = "fxpipe.checkpoint"
-VERSION = 1
-
 
 @dataclass
 class _Where:
@@ -104,13 +97,6 @@ def _where(target: nn.Module) -> _Where:
     # the pipeline's own group holds one replica; with replicas every rank of the world saves together
     group = comm.group if comm is not None and getattr(layout, "dp", 1) == 1 else None
     return _Where(target._model, dist.get_rank(), dist.get_world_size(), group, True, deferred)
-
-
-def _quiet(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """Call a DCP function without its warning that one process without a group is one process."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        return fn(*args, **kwargs)
 
 
 def _bytes(value: Any) -> torch.Tensor:
@@ -155,67 +141,16 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
         shutil.rmtree(partial, ignore_errors=True)  # what a killed save left
         os.makedirs(partial)
     where.barrier()
-    _quiet(dcp.save, state, storage_writer=dcp.FileSystemWriter(partial), process_group=where.group,
+    quiet(dcp.save, state, storage_writer=dcp.FileSystemWriter(partial), process_group=where.group,
            no_dist=not where.distributed)
     where.barrier()
     if where.rank == 0:
         aliases = {n: info.names[0] for info in table.values() if info.persistent for n in info.names[1:]}
-        _publish(partial, path, {"format": FORMAT, "version": VERSION, "world": where.world,
+        publish(partial, path, {"format": FORMAT, "version": VERSION, "world": where.world,
                                  "model": type(where.model).__name__, "aliases": aliases,
                                  "optimizer": None if optimizer is None else type(optimizer).__name__})
     where.barrier()
     log.info("saved %s (rank %d of %d)", path, where.rank, where.world)
-
-
-def _publish(partial: str, path: str, manifest: dict) -> None:
-    """Write the manifest last, then move the finished directory to ``path`` in one rename."""
-    with open(os.path.join(partial, MANIFEST), "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    old = path + ".old"
-    if os.path.exists(path):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(partial, path)
-    shutil.rmtree(old, ignore_errors=True)
-    parent = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(parent)  # the rename itself survives a crash
-    finally:
-        os.close(parent)
-
-
-def _manifest(path: str) -> dict:
-    """Read a complete checkpoint's manifest; refuse a missing, half-written or foreign directory."""
-    refuse_partial(path, CheckpointError)
-    if not os.path.isdir(path):
-        old = " (an overwrite of it was interrupted: the previous one is in '" + path + ".old')" \
-            if os.path.isdir(path + ".old") else ""
-        raise CheckpointError(f"no checkpoint at {path!r}{old}")
-    if not os.path.exists(os.path.join(path, MANIFEST)):
-        raise CheckpointError(f"{path!r} is not a complete fxpipe checkpoint: it lacks {MANIFEST}, which "
-                              "fxpipe.save writes last (load a plain DCP directory as weights= instead)")
-    with open(os.path.join(path, MANIFEST)) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT or manifest.get("version", 0) > VERSION:
-        raise CheckpointError(f"{path!r} holds a checkpoint of format {manifest.get('format')!r} version "
-                              f"{manifest.get('version')}; this fxpipe reads {FORMAT!r} up to version {VERSION}")
-    return manifest
-
-
-def _read(path: str, wanted: dict[str, Any]) -> dict[str, Any]:
-    """Read the flat DCP keys of ``wanted`` (tensors are filled in place) in this process alone."""
-    if wanted:
-        _quiet(dcp.load, wanted, storage_reader=dcp.FileSystemReader(path),
-               planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
-    return wanted
-
-
-def _empty(meta: dict, keys: list[str]) -> dict[str, Any]:
-    """Return a flat dict to read ``keys`` into: tensors allocated from the metadata, others None."""
-    return {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype)
-            if isinstance(meta[k], TensorStorageMetadata) else None for k in keys}
 
 
 def _like_params(flat: dict[str, Any], params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -227,16 +162,6 @@ def _like_params(flat: dict[str, Any], params: Mapping[str, torch.Tensor]) -> di
                 and value.shape == p.shape:
             flat[key] = torch.empty_like(p.detach(), dtype=value.dtype)
     return flat
-
-
-def _under(meta: dict, prefix: str) -> list[str]:
-    """Return the metadata keys under ``prefix.``."""
-    return [k for k in meta if k.startswith(prefix + ".")]
-
-
-def _nest(flat: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """Return the part of a flat dict under ``prefix.``, with the prefix cut off."""
-    return {k[len(prefix) + 1:]: v for k, v in flat.items() if k.startswith(prefix + ".")}
 
 
 def _some(names: list[str], shown: int = 10) -> str:
@@ -275,21 +200,21 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     """
     where = _where(pipe)
     path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": its ".incomplete" goes beside it
-    manifest = _manifest(path)
+    manifest = read_manifest(path)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     table = tensor_table(where.model)
     source = open_weights(path)
     _check_model(table, source.specs(), path)
     if optimizer is not None:
-        if not _under(meta, "optim"):
+        if not under(meta, "optim"):
             raise CheckpointError(f"checkpoint {path!r} holds no optimizer state; load it without optimizer=")
         if manifest.get("optimizer") not in (None, type(optimizer).__name__):
             raise CheckpointError(f"checkpoint {path!r} holds the state of a {manifest['optimizer']}; the "
                                   f"optimizer given is a {type(optimizer).__name__}")
         params = {table[id(p)].names[0]: p for p in where.model.parameters()
                   if not (where.distributed and p.is_meta)}  # what the fill below makes real
-        keys = [k for k in _under(meta, "optim") if split_key(k[len("optim."):])[1] in params]
-        optim = _nest(_read(path, _like_params(_empty(meta, keys), params)), "optim")
+        keys = [k for k in under(meta, "optim") if split_key(k[len("optim."):])[1] in params]
+        optim = nest(read_keys(path, _like_params(allocate(meta, keys), params)), "optim")
         check_optimizer_groups(optimizer, where.model, optim)
     held = {k: (torch.device("cpu") if info.tensor.is_meta else info.tensor.device)
             for k, info in table.items() if not (where.distributed and info.tensor.is_meta)}
@@ -297,26 +222,26 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
         load_optimizer_state(optimizer, where.model, optim)
-    mine = _nest(_read(path, _empty(meta, _under(meta, f"rng.{where.rank}"))), "rng")
+    mine = nest(read_keys(path, allocate(meta, under(meta, f"rng.{where.rank}"))), "rng")
     if manifest["world"] == where.world and mine:
         set_rng_state(where.rank, mine)
     else:
         log.warning("checkpoint %s was saved by %d process(es), this is %d: random generators not restored",
                     path, manifest["world"], where.world)
     set_batch_norm_state(where.rank, where.deferred, where.model,
-                         _nest(_read(path, _empty(meta, _under(meta, f"fxpipe.{where.rank}"))), "fxpipe"))
+                         nest(read_keys(path, allocate(meta, under(meta, f"fxpipe.{where.rank}"))), "fxpipe"))
     if "extra" not in meta:
         return None
-    raw = _read(path, _empty(meta, ["extra"]))["extra"]
+    raw = read_keys(path, allocate(meta, ["extra"]))["extra"]
     return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Return the model's ``state_dict`` saved in a checkpoint, in this process (tied FQNs included)."""
     path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": its ".incomplete" goes beside it
-    manifest = _manifest(path)
+    manifest = read_manifest(path)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state = _nest(_read(path, _empty(meta, _under(meta, "model"))), "model")
+    state = nest(read_keys(path, allocate(meta, under(meta, "model"))), "model")
     for alias, name in manifest.get("aliases", {}).items():
         state[alias] = state[name]
     return state

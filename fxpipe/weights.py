@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from fxpipe.errors import WeightsError
-from fxpipe.pages import copy_dropping
+from fxpipe.weightfiles import MappingSource, SafetensorsFile, Spec, TorchFile, WeightSource
 
 __all__ = ["MANIFEST", "MODEL_KEY", "PARTIAL", "WeightSource", "check_weights", "open_weights", "refuse_partial"]
 
@@ -35,121 +35,6 @@ MODEL_KEY = "model"  # fxpipe checkpoints keep the model's state under this key
 MANIFEST = "fxpipe.json"  # written last into an fxpipe checkpoint: it is complete
 PARTIAL = ".incomplete"  # the suffix of a checkpoint being written
 _TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-              "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16",
-              "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz",
-              "F8_E5M2": "float8_e5m2", "F8_E5M2FNUZ": "float8_e5m2fnuz", "C64": "complex64"}
-
-Spec = tuple[tuple[int, ...], torch.dtype]
-
-
-class WeightSource:
-    """Tensors by FQN: their shapes and dtypes up front, their data on demand."""
-
-    description = "weights"
-
-    def specs(self) -> dict[str, Spec]:
-        """Return ``{fqn: (shape, dtype)}`` for every tensor the source holds, reading no data."""
-        raise NotImplementedError
-
-    def read(self, into: Mapping[str, torch.Tensor]) -> None:
-        """Copy the source's tensor ``fqn`` into ``into[fqn]`` for every key of ``into``."""
-        raise NotImplementedError
-
-    def fit(self, names: set[str]) -> None:
-        """Learn the model's FQNs before :meth:`specs`, where the source's naming is ambiguous."""
-
-    def close(self) -> None:
-        """Release open files."""
-
-
-class _MappingSource(WeightSource):
-    """A state dict given as a mapping."""
-
-    def __init__(self, state: Mapping[str, Any]) -> None:
-        bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
-        if bad:
-            raise WeightsError(f"weights= maps {bad[:5]} to values that are not tensors; give a "
-                               "state dict {fqn: tensor}")
-        self.state = state
-        self.description = "the weights mapping"
-
-    def specs(self) -> dict[str, Spec]:
-        """Return every tensor's shape and dtype."""
-        return {k: (tuple(v.shape), v.dtype) for k, v in self.state.items()}
-
-    def read(self, into: Mapping[str, torch.Tensor]) -> None:
-        """Copy the asked tensors."""
-        with torch.no_grad():
-            for key, target in into.items():
-                target.copy_(self.state[key])
-
-
-class _TorchFile(WeightSource):
-    """A ``torch.save`` file of a state dict, memory-mapped."""
-
-    def __init__(self, path: str) -> None:
-        try:
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - re-raised naming the file
-            raise WeightsError(f"weights={path!r} cannot be read as a torch.save file: {exc}") from None
-        if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise WeightsError(f"weights={path!r} holds a {type(state).__name__}, not a state dict "
-                               "{fqn: tensor}; save model.state_dict()")
-        self.state = state
-        self.description = f"weights file {path!r}"
-
-    def specs(self) -> dict[str, Spec]:
-        """Return every tensor's shape and dtype (from the file's index; no data read)."""
-        return {k: (tuple(v.shape), v.dtype) for k, v in self.state.items()}
-
-    def read(self, into: Mapping[str, torch.Tensor]) -> None:
-        """Copy the asked tensors, giving their file pages back as they go (they count as resident)."""
-        with torch.no_grad():
-            for key, target in into.items():
-                copy_dropping(target, self.state[key])
-
-    def close(self) -> None:
-        """Unmap the file."""
-        self.state = {}
-
-
-class _SafetensorsFile(WeightSource):
-    """A safetensors file (needs the optional ``safetensors`` package)."""
-
-    def __init__(self, path: str) -> None:
-        try:
-            from safetensors import safe_open
-        except ImportError:
-            raise WeightsError(f"weights={path!r} is a safetensors file; install the optional "
-                               "dependency: pip install safetensors") from None
-        self.file: Any = safe_open(path, framework="pt", device="cpu")
-        self.description = f"weights file {path!r}"
-
-    def specs(self) -> dict[str, Spec]:
-        """Return every tensor's shape and dtype from the file's header."""
-        out = {}
-        for key in self.file.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-            piece = self.file.get_slice(key)
-            name = piece.get_dtype()
-            dtype = getattr(torch, _ST_DTYPES.get(name, ""), None)
-            if not isinstance(dtype, torch.dtype):
-                raise WeightsError(f"{self.description} holds '{key}' of safetensors dtype {name}, which "
-                                   f"this torch has no dtype for")
-            out[key] = (tuple(piece.get_shape()), dtype)
-        return out
-
-    def read(self, into: Mapping[str, torch.Tensor]) -> None:
-        """Copy the asked tensors, one at a time."""
-        with torch.no_grad():
-            for key, target in into.items():
-                target.copy_(self.file.get_tensor(key))
-
-    def close(self) -> None:
-        """Close the file."""
-        self.file = None
-
-
 class _Sharded(WeightSource):
     """A Hugging Face directory: ``*.index.json`` maps each FQN to the shard file holding it."""
 
@@ -282,7 +167,7 @@ def open_weights(weights: Any) -> WeightSource:
     if isinstance(weights, WeightSource):
         return weights
     if isinstance(weights, Mapping):
-        return _MappingSource(weights)
+        return MappingSource(weights)
     if not isinstance(weights, (str, os.PathLike)):
         raise TypeError(f"weights= must be a state dict, a file or a directory, got {type(weights).__name__}")
     path = os.fspath(weights)
@@ -297,8 +182,8 @@ def open_weights(weights: Any) -> WeightSource:
 def _open_file(path: str) -> WeightSource:
     """Open one weights file by its suffix (safetensors) or as a torch.save file."""
     if path.endswith(".safetensors"):
-        return _SafetensorsFile(path)
-    return _TorchFile(path)
+        return SafetensorsFile(path)
+    return TorchFile(path)
 
 
 def _open_directory(path: str) -> WeightSource:
