@@ -134,10 +134,21 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
         weight = rows / batch if batch else 1.0
 
         def loss(out: Any, tgt: Any = tgt, weight: float = weight) -> torch.Tensor:
-            return loss_fn(finish(out), tgt) * weight
+            return _scalar_loss(loss_fn(finish(out), tgt)) * weight
 
         losses[i] = loss
     return losses
+
+
+def _scalar_loss(value: Any) -> torch.Tensor:
+    """Return ``value`` if it is one number as a tensor; refuse a per-sample loss or a non-tensor."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value
+    got = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+           else f"a {type(value).__name__}")
+    raise PipelineInputError(f"loss_fn returned {got}; pipe.step needs one number per micro-batch, the mean "
+                             "over its rows (it weights each micro-batch by its rows to give the batch's "
+                             "mean): reduce it with .mean() or reduction='mean', not reduction='none'")
 
 
 def sum_grads(parts: list[Any]) -> Any:
