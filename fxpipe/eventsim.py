@@ -34,7 +34,7 @@ from typing import Any
 
 from fxpipe.errors import ScheduleError
 from fxpipe.runtime.actionlist import COMPUTE, Action, check, clocks, load_schedule
-from fxpipe.runtime.schedule import MULTI, PLACEMENTS, SCHEDULES
+from fxpipe.runtime.schedule import MULTI, PLACEMENTS, SCHEDULES, check_name
 
 __all__ = ["Span", "default_links", "placement_map", "run", "schedule_rows"]
 
@@ -201,6 +201,7 @@ def schedule_rows(schedule: Any, n: int, m: int, placement: Any, ranks: int | No
         for j, acts in enumerate(produced):
             rows[rank_of[j]] += acts
         return schedule, rows, rank_of
+    check_name(schedule)
     rows = load_schedule(schedule)
     check(rows, n, m)
     return "custom", rows, _owners(rows, n)
