@@ -21,7 +21,7 @@ from fxpipe.pipe import Pipe
 from fxpipe.runtime.checkpoint import CHECKPOINT_MODES
 from fxpipe.runtime.comm import Comm
 from fxpipe.runtime.placement import resolve_devices
-from fxpipe.runtime.procgroup import agree_on_stages, setup_distributed
+from fxpipe.runtime.procgroup import agree_on_stages, check_launched_world, setup_distributed
 from fxpipe.runtime.schedule import NAMES, resolve
 from fxpipe.saved import PlanLike, load_plan
 from fxpipe.stages import make_plan, split_stages
@@ -107,6 +107,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     if balance_by == "time" and any(info.tensor.is_meta for info in tensor_table(model).values()):
         raise ValueError("balance_by='time' measures the model's kernels, which a model on meta cannot "
                          "run; use balance_by='flops'")
+    if runtime == "distributed":  # too few or many processes first: the schedule's needs depend on the world
+        check_launched_world(n_stages, stages_per_rank, data_parallel, mesh)
     sched = resolve(schedule, n_stages, chunks, stages_per_rank)
     saved = None if plan is None else load_plan(plan)
     if saved is not None and split_points is not None:
