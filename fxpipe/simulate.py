@@ -129,6 +129,9 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     """
     gm, plan = _graph_and_plan(pipe_or_plan)
     n = plan.n_stages
+    for name, value in (("chunks", chunks), ("batch", batch)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name}={value!r}; use an integer of at least 1 (or leave it out for the plan's)")
     chunks = chunks or plan.chunks
     model = device_model(device if device is not None else _default_device(plan))
     runtime = runtime or _default_runtime(plan, model)

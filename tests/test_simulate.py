@@ -148,6 +148,10 @@ def test_cpu_model_is_calibrated_here():
 def test_simulate_refuses_what_it_cannot_read():
     with pytest.raises(TypeError, match="Pipe, a PipelinePlan"):
         fxpipe.simulate(nn.Linear(2, 2))
+    pipe = _pipe(_mlp(), torch.randn(8, 64), chunks=4)
+    for bad in ({"chunks": 0}, {"chunks": -2}, {"batch": 0}, {"chunks": 2.5}):  # chunks=0 simulated chunks=4
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}=.*use an integer of at least 1"):
+            fxpipe.simulate(pipe, device=UNIT, **bad)
 
 
 def test_measured_true_times_the_nodes_here():
