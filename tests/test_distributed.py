@@ -114,9 +114,12 @@ def test_values_of_every_kind_cross_ranks_under_every_schedule(tmp_path):
 def test_shape_mismatch_fails_clearly_on_every_rank(tmp_path):
     results = _launch("shape", 2, "gpipe", tmp_path)
     for res in results:
-        assert not res["ok"] and res["type"] == "PipelineInputError"
+        assert res["ok"] and res["type"] == "PipelineInputError", res
         assert "input 'x' has shape (4, 3, 16, 12)" in res["message"]
         assert "built for shape (batch, 3, 16, 16)" in res["message"]
+        assert res["after"] == results[0]["after"]
+    assert results[1]["later"] == "RuntimeError: broken loss"
+    assert "rank 1 (stage 1) raised RuntimeError: broken loss" in results[0]["later"], results[0]["later"]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
