@@ -119,3 +119,5 @@ def test_step_refuses_a_per_sample_loss_naming_the_fix(schedule):
     with pytest.raises(fxpipe.PipelineInputError, match=r"loss_fn returned a tensor of shape \(2, 2, 8, 8\);"
                                                         r".*reduction='mean'"):
         pipe.step(x, target=torch.randn(4, 2, 8, 8), loss_fn=per_sample)
+    with pytest.raises(fxpipe.PipelineInputError, match="loss_fn returned a tuple; pipe.step needs the loss alone"):
+        pipe.step(x, target=torch.randn(4, 2, 8, 8), loss_fn=lambda out, t: (F.mse_loss(out, t), {"mse": 0.0}))

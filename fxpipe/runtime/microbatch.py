@@ -144,11 +144,14 @@ def _scalar_loss(value: Any) -> torch.Tensor:
     """Return ``value`` if it is one number as a tensor; refuse a per-sample loss or a non-tensor."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value
-    got = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
-           else f"a {type(value).__name__}")
-    raise PipelineInputError(f"loss_fn returned {got}; pipe.step needs one number per micro-batch, the mean "
-                             "over its rows (it weights each micro-batch by its rows to give the batch's "
-                             "mean): reduce it with .mean() or reduction='mean', not reduction='none'")
+    if not isinstance(value, torch.Tensor):
+        raise PipelineInputError(f"loss_fn returned a {type(value).__name__}; pipe.step needs the loss alone, "
+                                 "one tensor holding the mean over the micro-batch's rows (return metrics "
+                                 "from another function)")
+    raise PipelineInputError(f"loss_fn returned a tensor of shape {tuple(value.shape)}; pipe.step needs one "
+                             "number per micro-batch, the mean over its rows (it weights each micro-batch by "
+                             "its rows to give the batch's mean): reduce it with .mean() or "
+                             "reduction='mean', not reduction='none'")
 
 
 def sum_grads(parts: list[Any]) -> Any:
