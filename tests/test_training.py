@@ -112,7 +112,7 @@ def test_clipping_and_accumulation_in_one_process():
 def test_clipping_and_scaling_refuse_a_model_that_is_not_a_pipe():
     model = TiedTransformer()
     with pytest.raises(TypeError, match="fxpipe.clip_grad_norm_ takes the Pipe that fxpipe.compile returned, got "
-                                        "TiedTransformer; .* use torch.nn.utils.clip_grad_norm_"):
+                                        "GPT; .* use torch.nn.utils.clip_grad_norm_"):
         fxpipe.clip_grad_norm_(model, 1.0)
     with pytest.raises(TypeError, match="fxpipe.grad_scaler takes the Pipe .* use torch.amp.GradScaler"):
         fxpipe.grad_scaler(model)
