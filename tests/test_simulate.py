@@ -172,3 +172,16 @@ def test_a_schedule_with_several_stages_per_rank_simulates_from_its_rows():
     assert [s.rank for s in sim.stages] == [0, 1, 0, 1] and len(sim.devices) == 2
     one_each = fxpipe.simulate(pipe, schedule="gpipe", device=UNIT, runtime="distributed")
     assert sim.step_time == pytest.approx(one_each.step_time, rel=1e-9)  # m = 1: the same chain
+
+
+def test_a_pipe_simulates_with_the_schedule_and_ranks_it_was_compiled_with():
+    x = torch.randn(8, 64)
+    looped = _pipe(_mlp(layers=6), x, n=6, chunks=4, schedule="interleaved", stages_per_rank=3)  # 2 ranks, not 3
+    for obj in (looped, looped.plan):
+        assert [s.rank for s in fxpipe.simulate(obj, device=UNIT, runtime="distributed").stages] == [0, 1] * 3
+    rows = "0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1"
+    own = _pipe(_mlp(), x, chunks=2, schedule=rows)
+    assert fxpipe.simulate(own, device=UNIT).schedule == "custom"
+    with pytest.raises(ValueError, match="compiled with your own schedule, .* pass them as schedule="):
+        fxpipe.simulate(own.plan, device=UNIT)
+    assert fxpipe.simulate(own.plan, device=UNIT, schedule=rows).schedule == "custom"
