@@ -162,9 +162,14 @@ class Schedule:
 
 
 def check_name(schedule: Any) -> None:
-    """Refuse a one-word ``schedule=`` that is neither a name, an action token nor a file, listing the names."""
-    if isinstance(schedule, str) and schedule not in NAMES and len(schedule.split()) == 1 \
-            and not os.path.exists(schedule) and not actionlist.is_token(schedule.strip()):
+    """Refuse a ``schedule=`` that is no schedule (a one-word string that is neither a name, an
+    action token nor a file; None; a number), listing the names."""
+    if isinstance(schedule, str):
+        bad = schedule not in NAMES and len(schedule.split()) == 1 and not os.path.exists(schedule) \
+            and not actionlist.is_token(schedule.strip())
+    else:
+        bad = not isinstance(schedule, (os.PathLike, list, tuple))
+    if bad:
         names = ", ".join(map(repr, NAMES))
         raise ScheduleError(f"schedule={schedule!r}; use one of {names}, or your own schedule: a list of "
                             "action lists, their text ('0F0 0B0', a line per rank), or the path of a file of it")
