@@ -17,6 +17,7 @@ from fxpipe.build import Materials, build_distributed, build_local
 from fxpipe.fillplan import tensor_table
 from fxpipe.frontend import front_end
 from fxpipe.materialize import check_init, refuse_meta_constants
+from fxpipe.passes.failure import PropagationError
 from fxpipe.pipe import Pipe
 from fxpipe.runtime.checkpoint import CHECKPOINT_MODES
 from fxpipe.runtime.comm import Comm
@@ -140,11 +141,18 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         () if example_inputs is None else (example_inputs,))
     materials = Materials(check_weights(weights), init, seed)
 
-    front = front_end(model, n_stages, args=args, kwargs=example_kwargs, has_inputs=has_inputs,
-                      chunks=chunks, checkpoint=checkpoint, balance_by=balance_by,
-                      split_points=split_points, split_spec=split_spec, max_memory=max_memory,
-                      leaf_modules=leaf_modules, tracer=tracer, saved=saved, devices=devices,
-                      profile_device=device)
+    try:
+        front = front_end(model, n_stages, args=args, kwargs=example_kwargs, has_inputs=has_inputs,
+                          chunks=chunks, checkpoint=checkpoint, balance_by=balance_by,
+                          split_points=split_points, split_spec=split_spec, max_memory=max_memory,
+                          leaf_modules=leaf_modules, tracer=tracer, saved=saved, devices=devices,
+                          profile_device=device)
+    except PropagationError as exc:
+        if not isinstance(example_inputs, list):
+            raise
+        raise PropagationError(f"example_inputs is a list, so the model got it as its one input; to give "
+                               f"several inputs pass a tuple, example_inputs=tuple(...)\n{exc}",
+                               exc.node, exc.module) from None
     gm = front.gm
     refuse_meta_constants(model, gm)
     if runtime == "distributed":
