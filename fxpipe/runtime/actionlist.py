@@ -113,9 +113,11 @@ def is_token(text: str) -> bool:
 def load_schedule(value: str | os.PathLike | Sequence) -> Schedule:
     """Return a user's schedule from text, a file path (a string or a path object), or lists of actions or tokens."""
     if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-        if not os.path.isfile(value):
-            raise ScheduleError(f"schedule={value!r} is not a readable file of actions")
+        path = os.fspath(value)
+        if not os.path.isfile(path):
+            raise ScheduleError(f"schedule={path!r} is not a readable file of actions")
+        with open(path) as f:
+            return parse(f.read())
     if isinstance(value, str):
         if "\n" in value or len(value.split()) > 1 and not os.path.isfile(value) \
                 or is_token(value.split()[0] if value.split() else ""):

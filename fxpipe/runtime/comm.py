@@ -36,7 +36,7 @@ def on_every_rank(exc: BaseException) -> BaseException:
     Posting it would leave it under the store's one error key, and a later, real failure of
     another rank would be reported to the others as this old one.
     """
-    setattr(exc, "fxpipe_on_every_rank", True)
+    vars(exc)["fxpipe_on_every_rank"] = True
     return exc
 
 
