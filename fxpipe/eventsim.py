@@ -187,6 +187,9 @@ def schedule_rows(schedule: Any, n: int, m: int, placement: Any, ranks: int | No
     they mix stages (a producer for several stages per rank): then the lists say the placement.
     """
     if isinstance(schedule, str) and schedule in MULTI:  # several stages per rank
+        if not ranks and n % 2:
+            raise ScheduleError(f"schedule={schedule!r} places several of the {n} stages on each rank; say on how "
+                                f"many ranks with ranks= (a divisor of {n}; by default two stages per rank)")
         world = ranks if ranks else n // 2
         return schedule, MULTI[schedule](n, m, world), PLACEMENTS[schedule](n, world)
     if isinstance(schedule, str) and schedule in SCHEDULES:

@@ -185,3 +185,10 @@ def test_a_pipe_simulates_with_the_schedule_and_ranks_it_was_compiled_with():
     with pytest.raises(ValueError, match="compiled with your own schedule, .* pass them as schedule="):
         fxpipe.simulate(own.plan, device=UNIT)
     assert fxpipe.simulate(own.plan, device=UNIT, schedule=rows).schedule == "custom"
+
+
+def test_an_odd_stage_count_under_interleaved_asks_for_the_ranks():
+    pipe = _pipe(_mlp(layers=3), torch.randn(8, 64), n=3, chunks=4)  # n_stages / 2 ranks would put all 3 on one
+    with pytest.raises(fxpipe.ScheduleError, match="places several of the 3 stages on each rank; .* ranks="):
+        fxpipe.simulate(pipe, schedule="interleaved", device=UNIT)
+    assert [s.rank for s in fxpipe.simulate(pipe, schedule="interleaved", ranks=3, device=UNIT).stages] == [0, 1, 2]
