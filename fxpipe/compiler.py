@@ -17,11 +17,12 @@ from fxpipe.build import Materials, build_distributed, build_local
 from fxpipe.fillplan import tensor_table
 from fxpipe.frontend import front_end
 from fxpipe.materialize import check_init, refuse_meta_constants
+from fxpipe.passes.failure import PropagationError
 from fxpipe.pipe import Pipe
 from fxpipe.runtime.checkpoint import CHECKPOINT_MODES
 from fxpipe.runtime.comm import Comm
 from fxpipe.runtime.placement import resolve_devices
-from fxpipe.runtime.procgroup import agree_on_stages, setup_distributed
+from fxpipe.runtime.procgroup import agree_on_stages, check_launched_world, setup_distributed
 from fxpipe.runtime.schedule import NAMES, resolve
 from fxpipe.saved import PlanLike, load_plan
 from fxpipe.stages import make_plan, split_stages
@@ -107,6 +108,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     if balance_by == "time" and any(info.tensor.is_meta for info in tensor_table(model).values()):
         raise ValueError("balance_by='time' measures the model's kernels, which a model on meta cannot "
                          "run; use balance_by='flops'")
+    if runtime == "distributed":  # too few or many processes first: the schedule's needs depend on the world
+        check_launched_world(n_stages, stages_per_rank, data_parallel, mesh)
     sched = resolve(schedule, n_stages, chunks, stages_per_rank)
     saved = None if plan is None else load_plan(plan)
     if saved is not None and split_points is not None:
@@ -138,11 +141,18 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         () if example_inputs is None else (example_inputs,))
     materials = Materials(check_weights(weights), init, seed)
 
-    front = front_end(model, n_stages, args=args, kwargs=example_kwargs, has_inputs=has_inputs,
-                      chunks=chunks, checkpoint=checkpoint, balance_by=balance_by,
-                      split_points=split_points, split_spec=split_spec, max_memory=max_memory,
-                      leaf_modules=leaf_modules, tracer=tracer, saved=saved, devices=devices,
-                      profile_device=device)
+    try:
+        front = front_end(model, n_stages, args=args, kwargs=example_kwargs, has_inputs=has_inputs,
+                          chunks=chunks, checkpoint=checkpoint, balance_by=balance_by,
+                          split_points=split_points, split_spec=split_spec, max_memory=max_memory,
+                          leaf_modules=leaf_modules, tracer=tracer, saved=saved, devices=devices,
+                          profile_device=device)
+    except PropagationError as exc:
+        if not isinstance(example_inputs, list):
+            raise
+        raise PropagationError(f"example_inputs is a list, so the model got it as its one input; to give "
+                               f"several inputs pass a tuple, example_inputs=tuple(...)\n{exc}",
+                               exc.node, exc.module) from None
     gm = front.gm
     refuse_meta_constants(model, gm)
     if runtime == "distributed":

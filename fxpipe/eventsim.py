@@ -34,7 +34,7 @@ from typing import Any
 
 from fxpipe.errors import ScheduleError
 from fxpipe.runtime.actionlist import COMPUTE, Action, check, clocks, load_schedule
-from fxpipe.runtime.schedule import MULTI, PLACEMENTS, SCHEDULES
+from fxpipe.runtime.schedule import MULTI, PLACEMENTS, SCHEDULES, check_name
 
 __all__ = ["Span", "default_links", "placement_map", "run", "schedule_rows"]
 
@@ -187,6 +187,9 @@ def schedule_rows(schedule: Any, n: int, m: int, placement: Any, ranks: int | No
     they mix stages (a producer for several stages per rank): then the lists say the placement.
     """
     if isinstance(schedule, str) and schedule in MULTI:  # several stages per rank
+        if not ranks and n % 2:
+            raise ScheduleError(f"schedule={schedule!r} places several of the {n} stages on each rank; say on how "
+                                f"many ranks with ranks= (a divisor of {n}; by default two stages per rank)")
         world = ranks if ranks else n // 2
         return schedule, MULTI[schedule](n, m, world), PLACEMENTS[schedule](n, world)
     if isinstance(schedule, str) and schedule in SCHEDULES:
@@ -201,6 +204,7 @@ def schedule_rows(schedule: Any, n: int, m: int, placement: Any, ranks: int | No
         for j, acts in enumerate(produced):
             rows[rank_of[j]] += acts
         return schedule, rows, rank_of
+    check_name(schedule)
     rows = load_schedule(schedule)
     check(rows, n, m)
     return "custom", rows, _owners(rows, n)

@@ -129,6 +129,9 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     """
     gm, plan = _graph_and_plan(pipe_or_plan)
     n = plan.n_stages
+    for name, value in (("chunks", chunks), ("batch", batch)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name}={value!r}; use an integer of at least 1 (or leave it out for the plan's)")
     chunks = chunks or plan.chunks
     model = device_model(device if device is not None else _default_device(plan))
     runtime = runtime or _default_runtime(plan, model)
@@ -146,7 +149,12 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
         costs = graph_costs(gm, plan, model, batch / m, dtype, measured or None)
     else:
         costs = plan_costs(plan, model, m, batch / base, dtype or torch.float32)
-    name, actions, rank_of = eventsim.schedule_rows(schedule if schedule is not None else plan.schedule, n, m, placement, ranks)
+    if schedule is None:
+        schedule = _compiled_schedule(pipe_or_plan, plan)
+    if ranks is None and placement is None and isinstance(schedule, str) and schedule == plan.schedule:
+        world = 1 + max(s.on_rank for s in plan.stages)  # several stages per rank: as compiled
+        ranks = world if world < n else None
+    name, actions, rank_of = eventsim.schedule_rows(schedule, n, m, placement, ranks)
     device_of = _local_devices(plan, model, rank_of) if runtime == "local" else rank_of
     if runtime == "local" and name == "gpipe":  # one process: autograd's backward, last micro-batch first
         actions = [[a for a in row if a.kind == "F"] + [a for a in reversed(row) if a.kind != "F"] for row in actions]
@@ -224,6 +232,17 @@ def _graph_and_plan(obj: Any) -> tuple[Any, PipelinePlan]:
         return getattr(obj, "_gm", None), plan
     raise TypeError(f"fxpipe.simulate takes a compiled Pipe, a PipelinePlan or the path of a saved plan, "
                     f"got {type(obj).__name__}")
+
+
+def _compiled_schedule(obj: Any, plan: PipelinePlan) -> Any:
+    """Return the schedule a pipe was compiled with: its name, or the user's own action lists."""
+    compiled: Any = getattr(getattr(obj, "_runtime", None), "schedule", None)
+    if getattr(compiled, "custom", None) is not None:
+        return compiled.custom
+    if plan.schedule == "custom":
+        raise ValueError("the plan was compiled with your own schedule, whose actions a plan does not record; "
+                         "pass them as schedule= (or simulate the compiled Pipe)")
+    return plan.schedule
 
 
 def _default_device(plan: PipelinePlan) -> str:

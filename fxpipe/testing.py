@@ -10,6 +10,7 @@ node where values diverge (:mod:`fxpipe.tools.diverge`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -100,13 +101,15 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
     pristine = _copy(model) if schedules else None
     reference = _copy(model)
     # each run gets its own copy of the inputs, in case the model changes them in place
-    expected = reference(*_clone(example_inputs), **_clone(kwargs))
-    loss(expected).backward()
+    with _seeded():
+        expected = reference(*_clone(example_inputs), **_clone(kwargs))
+        loss(expected).backward()
 
     pipe = fxpipe.compile(model, n_stages, example_inputs=example_inputs, example_kwargs=kwargs,
                           chunks=chunks, checkpoint=checkpoint, **compile_kwargs)
-    actual = pipe(*_clone(example_inputs), **_clone(kwargs))
-    loss(actual).backward()
+    with _seeded():
+        actual = pipe(*_clone(example_inputs), **_clone(kwargs))
+        loss(actual).backward()
 
     failure = _first_difference(expected, actual, reference, model, rtol, atol)
     if failure is not None:
@@ -140,7 +143,8 @@ def _step_difference(pristine: nn.Module, inputs: tuple, kwargs: dict, schedules
                      compile_kwargs: dict) -> str | None:
     """Run ``pipe.step`` under each schedule on a fresh copy; describe the first difference, or None."""
     reference = _copy(pristine)
-    expected = step_loss(reference(*_clone(inputs), **_clone(kwargs)), target)
+    with _seeded():
+        expected = step_loss(reference(*_clone(inputs), **_clone(kwargs)), target)
     if not (isinstance(expected, torch.Tensor) and expected.requires_grad):
         return None  # nothing to differentiate: no floating output depends on a parameter
     expected.backward()
@@ -148,12 +152,21 @@ def _step_difference(pristine: nn.Module, inputs: tuple, kwargs: dict, schedules
         model = _copy(pristine)
         pipe = fxpipe.compile(model, example_inputs=inputs, example_kwargs=kwargs, schedule=schedule,
                               **compile_kwargs)
-        actual = pipe.step(*_clone(inputs), target=target, loss_fn=step_loss, **_clone(kwargs))
+        with _seeded():
+            actual = pipe.step(*_clone(inputs), target=target, loss_fn=step_loss, **_clone(kwargs))
         problem = (_difference(actual.detach(), expected.detach(), rtol, atol, "the loss")
                    or _grad_difference(reference, model, rtol, atol))
         if problem:
             return f"pipe.step with schedule={schedule!r}: {problem}"
     return None
+
+
+@contextlib.contextmanager
+def _seeded(seed: int = 0) -> Any:
+    """Draw from a fixed seed, restoring the caller's random state after: eager and the pipe see the same."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        yield
 
 
 def _clone(value: Any) -> Any:

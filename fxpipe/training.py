@@ -23,6 +23,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _runtime(pipe: Any, what: str, instead: str) -> Any:
+    """Return a compiled pipe's runtime; refuse anything else, naming the plain-PyTorch call."""
+    runtime = getattr(pipe, "_runtime", None)
+    if runtime is None:
+        raise TypeError(f"fxpipe.{what} takes the Pipe that fxpipe.compile returned, got {type(pipe).__name__}; "
+                        f"for a model that is not pipelined use {instead}")
+    return runtime
+
+
 def clip_grad_norm_(pipe: Any, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip the gradients of every stage by their total norm over the whole model; return the norm.
@@ -31,7 +40,7 @@ def clip_grad_norm_(pipe: Any, max_norm: float, norm_type: float = 2.0,
     parameters, and every rank gets it (and clips by it). Call it on every rank, after the
     step's gradients are complete (outside ``pipe.no_sync()``).
     """
-    runtime = pipe._runtime
+    runtime = _runtime(pipe, "clip_grad_norm_", "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)")
     layout = getattr(runtime, "layout", None)
     params = [p for p in pipe.parameters() if p.grad is not None]
     if layout is None:  # one process holds everything
@@ -71,8 +80,9 @@ def grad_scaler(pipe: Any, **kwargs: Any) -> Any:
     whose ``unscale_`` all-reduces what each rank found, so a step skipped on one rank is
     skipped on all and their scales stay equal. Pass it to ``pipe.step(..., scaler=)``.
     """
+    runtime = _runtime(pipe, "grad_scaler", "torch.amp.GradScaler()")
     device = str(next((d.type for d in pipe.devices if d.type != "meta"), "cpu"))
-    if getattr(pipe._runtime, "layout", None) is None:
+    if getattr(runtime, "layout", None) is None:
         return torch.amp.GradScaler(device, **kwargs)
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

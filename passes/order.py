@@ -31,7 +31,7 @@ import torch.fx
 from fxpipe.passes.cost import COMPUTE_OPS
 from fxpipe.passes.mutates import is_mutating
 
-__all__ = ["candidate_orders", "is_topological"]
+__all__ = ["candidate_orders", "draws_random", "is_topological"]
 
 _RANDOM = ("dropout", "rand", "bernoulli", "normal", "multinomial", "poisson", "exponential_",
            "uniform_", "cauchy_", "geometric_", "log_normal_")
@@ -44,6 +44,16 @@ def _effectful(gm: torch.fx.GraphModule, node: torch.fx.Node, modules: dict) -> 
         return not kind.__module__.startswith("torch.nn") or "dropout" in kind.__name__.lower()
     if node.is_impure():
         return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return any(r in str(name).lower() for r in _RANDOM)
+
+
+def draws_random(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Tell whether a node draws random numbers (a dropout module or function, ``rand``, ``bernoulli``...)."""
+    if node.op == "call_module":
+        return "dropout" in type(gm.get_submodule(str(node.target))).__name__.lower()
+    if node.op not in ("call_function", "call_method"):
+        return False
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     return any(r in str(name).lower() for r in _RANDOM)
 

@@ -82,8 +82,21 @@ def shape(rank, world, schedule):
     pipe = fxpipe.compile(model, world, example_inputs=(torch.randn(4, 3, 16, 16),), chunks=2,
                           runtime="distributed", timeout=60, schedule=schedule)
     x = torch.randn(4, 3, 16, 12)
-    pipe.step(x if rank == 0 else None, target=torch.randn(4, 2, 16, 12), loss_fn=F.mse_loss)
-    return {}
+    try:
+        pipe.step(x if rank == 0 else None, target=torch.randn(4, 2, 16, 12), loss_fn=F.mse_loss)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out = {"type": type(exc).__name__, "message": str(exc)}
+    x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 2, 16, 16)
+    out["after"] = float(pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss))  # the refusal did no harm
+
+    def broken(out, target):
+        raise RuntimeError("broken loss")
+
+    try:  # a real failure later is reported as itself, not as the old refusal
+        pipe.step(x if rank == 0 else None, target=y, loss_fn=broken)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["later"] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 class Bomb(nn.Module):

@@ -108,7 +108,10 @@ def test_a_custom_schedule_from_a_file_and_from_lists(tmp_path):
     path = tmp_path / "sched.txt"
     path.write_text(CUSTOM)
     _step_equals_eager(str(path))
+    _step_equals_eager(path)  # a path object too
     _step_equals_eager([row.split() for row in format_schedule(parse(CUSTOM)).splitlines()])
+    with pytest.raises(fxpipe.ScheduleError, match="is not a readable file of actions"):
+        load_schedule(tmp_path / "missing.txt")
 
 
 def test_a_custom_schedule_must_cover_chunks():
@@ -123,3 +126,19 @@ def test_a_custom_schedule_refuses_a_smaller_batch():
                           chunks=3, schedule=CUSTOM, devices=["cpu"] * 2)
     with pytest.raises(fxpipe.ScheduleError, match="has 3 micro-batches but this step has 2"):
         pipe.step(torch.randn(2, 3, 8, 8), target=torch.randn(2, 2, 8, 8), loss_fn=F.mse_loss)
+
+
+def test_one_line_of_actions_with_a_bad_token_names_the_token():
+    with pytest.raises(fxpipe.ScheduleError, match="line 1: '0X0' is not an action"):
+        load_schedule("0X0 0F1 0B0 0B1")  # one line: text, not the path of a file
+
+
+def test_an_unknown_schedule_name_lists_the_names_in_compile_and_simulate():
+    model = UNet(depth=2, base=4).eval()
+    with pytest.raises(fxpipe.ScheduleError, match="schedule='pipedream'; use one of 'gpipe', '1f1b'"):
+        fxpipe.compile(model, 2, devices=["cpu"] * 2, schedule="pipedream")
+    with pytest.raises(fxpipe.ScheduleError, match="schedule=None; use one of 'gpipe', '1f1b'"):
+        fxpipe.compile(model, 2, devices=["cpu"] * 2, schedule=None)  # was: 'NoneType' object is not iterable
+    pipe = fxpipe.compile(model, 2, devices=["cpu"] * 2)
+    with pytest.raises(fxpipe.ScheduleError, match="schedule='pipedream'; use one of 'gpipe', '1f1b'"):
+        fxpipe.simulate(pipe.plan, schedule="pipedream", device="h100")

@@ -443,3 +443,11 @@ def test_an_op_raising_in_generated_code_names_its_call_function_node(schedule, 
         pipe.step(torch.randn(4, 8), torch.randn(4, 7), target=None, loss_fn=lambda out, _: out.sum())
     assert "fxpipe: raised in stage 0 (cpu), node 'cat' (call_function cat)" in "\n".join(info.value.__notes__)
     assert "<--- HERE" not in capfd.readouterr().err
+
+
+def test_example_inputs_as_a_list_says_to_pass_a_tuple():
+    """A list is one input (a model may take a list); when the model then fails, say so first."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    with pytest.raises(fxpipe.PropagationError, match="^example_inputs is a list, so the model got it as its one "
+                                                      "input; to give several inputs pass a tuple"):
+        fxpipe.compile(model, 2, example_inputs=[torch.randn(4, 8)], devices=["cpu"] * 2)

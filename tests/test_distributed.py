@@ -123,9 +123,12 @@ def test_values_of_every_kind_cross_ranks_under_every_schedule(tmp_path):
 def test_shape_mismatch_fails_clearly_on_every_rank(tmp_path):
     results = _launch("shape", 2, "gpipe", tmp_path)
     for res in results:
-        assert not res["ok"] and res["type"] == "PipelineInputError"
+        assert res["ok"] and res["type"] == "PipelineInputError", res
         assert "input 'x' has shape (4, 3, 16, 12)" in res["message"]
         assert "built for shape (batch, 3, 16, 16)" in res["message"]
+        assert res["after"] == results[0]["after"]
+    assert results[1]["later"] == "RuntimeError: broken loss"
+    assert "rank 1 (stage 1) raised RuntimeError: broken loss" in results[0]["later"], results[0]["later"]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
@@ -195,3 +198,18 @@ def test_loss_scaling_skips_the_same_steps_on_every_rank(tmp_path):
         assert res["ok"], f"rank {r}: {res.get('traceback')}"
         assert res["type"] == "ShardedGradScaler" and res["skipped"] and res["scale"] == 512.0, (r, res)
     assert results[0]["loss"] == results[1]["loss"] < 10  # unscaled, the same on both ranks
+
+
+def test_a_wrong_process_count_is_named_before_the_schedule_s_needs(monkeypatch):
+    """3 processes for 4 stages, 2 per rank: the world is the cause, not chunks=1 (fewer than 2 ranks need)."""
+    import torch
+    from torch import nn
+
+    import fxpipe
+
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun sets it; refused before any process group starts
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    with pytest.raises(ValueError, match="n_stages=4 but 3 ranks are running; 2 stages run per rank, so launch "
+                                         "with --nproc-per-node 2 \\(or compile with n_stages=6\\)"):
+        fxpipe.compile(model, 4, example_inputs=(torch.randn(2, 4),), runtime="distributed", schedule="interleaved",
+                       stages_per_rank=2)

@@ -120,3 +120,13 @@ def test_bad_layouts_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=None) as info:
         fxpipe.compile(model, n, example_inputs=(x,), devices=["cpu"] * n, **kwargs)
     assert message in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_a_batch_smaller_than_the_ranks_names_the_fix(schedule):
+    model, x, target, loss_fn = _unet()
+    pipe = fxpipe.compile(model, 4, example_inputs=(x,), chunks=2, schedule=schedule, stages_per_rank=2,
+                          devices=["cpu"] * 4, split_points=UNET_SPLIT)
+    with pytest.raises(fxpipe.ScheduleError, match="needs at least 2 micro-batches, got 1: a batch of fewer rows "
+                                                   "than chunks .* a batch of at least 2 rows"):
+        pipe.step(x[:1], target=target[:1], loss_fn=loss_fn)

@@ -65,6 +65,7 @@ def test_a_budget_nothing_fits_fails_naming_the_smallest(models, capsys):
     (["--device", "tpu"], "device='tpu'"),
     (["--memory", "lots"], "not a memory size"),
     (["--schedules", "gpipe,pipedream"], "'pipedream' is not a schedule"),
+    (["--schedules", "zbv"], "'zbv' places several stages on a rank, which fxpipe plan does not search yet"),
     (["--device", "h100", "--measure"], "--measure times nodes on this machine"),
 ])
 def test_bad_options_exit_2(models, capsys, args, message):

@@ -148,6 +148,10 @@ def test_cpu_model_is_calibrated_here():
 def test_simulate_refuses_what_it_cannot_read():
     with pytest.raises(TypeError, match="Pipe, a PipelinePlan"):
         fxpipe.simulate(nn.Linear(2, 2))
+    pipe = _pipe(_mlp(), torch.randn(8, 64), chunks=4)
+    for bad in ({"chunks": 0}, {"chunks": -2}, {"batch": 0}, {"chunks": 2.5}):  # chunks=0 simulated chunks=4
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}=.*use an integer of at least 1"):
+            fxpipe.simulate(pipe, device=UNIT, **bad)
 
 
 def test_measured_true_times_the_nodes_here():
@@ -168,3 +172,23 @@ def test_a_schedule_with_several_stages_per_rank_simulates_from_its_rows():
     assert [s.rank for s in sim.stages] == [0, 1, 0, 1] and len(sim.devices) == 2
     one_each = fxpipe.simulate(pipe, schedule="gpipe", device=UNIT, runtime="distributed")
     assert sim.step_time == pytest.approx(one_each.step_time, rel=1e-9)  # m = 1: the same chain
+
+
+def test_a_pipe_simulates_with_the_schedule_and_ranks_it_was_compiled_with():
+    x = torch.randn(8, 64)
+    looped = _pipe(_mlp(layers=6), x, n=6, chunks=4, schedule="interleaved", stages_per_rank=3)  # 2 ranks, not 3
+    for obj in (looped, looped.plan):
+        assert [s.rank for s in fxpipe.simulate(obj, device=UNIT, runtime="distributed").stages] == [0, 1] * 3
+    rows = "0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1"
+    own = _pipe(_mlp(), x, chunks=2, schedule=rows)
+    assert fxpipe.simulate(own, device=UNIT).schedule == "custom"
+    with pytest.raises(ValueError, match="compiled with your own schedule, .* pass them as schedule="):
+        fxpipe.simulate(own.plan, device=UNIT)
+    assert fxpipe.simulate(own.plan, device=UNIT, schedule=rows).schedule == "custom"
+
+
+def test_an_odd_stage_count_under_interleaved_asks_for_the_ranks():
+    pipe = _pipe(_mlp(layers=3), torch.randn(8, 64), n=3, chunks=4)  # n_stages / 2 ranks would put all 3 on one
+    with pytest.raises(fxpipe.ScheduleError, match="places several of the 3 stages on each rank; .* ranks="):
+        fxpipe.simulate(pipe, schedule="interleaved", device=UNIT)
+    assert [s.rank for s in fxpipe.simulate(pipe, schedule="interleaved", ranks=3, device=UNIT).stages] == [0, 1, 2]

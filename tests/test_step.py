@@ -108,3 +108,16 @@ def test_zero_bubble_step_after_a_failed_one_adds_no_stale_weight_gradients():
     grads = dict(eager.named_parameters())
     for name, p in model.named_parameters():
         assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_step_refuses_a_per_sample_loss_naming_the_fix(schedule):
+    model = UNet(depth=2, base=4).eval()
+    x = torch.randn(4, 3, 8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, schedule=schedule)
+    per_sample = lambda out, t: F.mse_loss(out, t, reduction="none")  # noqa: E731
+    with pytest.raises(fxpipe.PipelineInputError, match=r"loss_fn returned a tensor of shape \(2, 2, 8, 8\);"
+                                                        r".*reduction='mean'"):
+        pipe.step(x, target=torch.randn(4, 2, 8, 8), loss_fn=per_sample)
+    with pytest.raises(fxpipe.PipelineInputError, match="loss_fn returned a tuple; pipe.step needs the loss alone"):
+        pipe.step(x, target=torch.randn(4, 2, 8, 8), loss_fn=lambda out, t: (F.mse_loss(out, t), {"mse": 0.0}))

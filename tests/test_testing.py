@@ -171,3 +171,20 @@ def test_pipe_step_takes_the_caller_s_loss_and_target():
     assert_pipeline_equivalent(Chain(), (torch.randn(6, 8),), n_stages=2, chunks=3, devices=["cpu"] * 2,
                                schedules=["zb"], step_loss=mse, target=target)
     assert seen[0] == 6 and set(seen[1:]) == {2}  # eager on the batch, then per micro-batch (recomputed too)
+
+
+def _dropout_chain():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3)) for _ in range(4)])
+
+
+def test_dropout_in_training_mode_equals_eager_with_one_micro_batch():
+    """Eager and the pipe draw from one seed, so the masks agree (each schedule's step too)."""
+    model, x = _dropout_chain(), torch.randn(6, 8)
+    state = torch.get_rng_state()
+    assert_pipeline_equivalent(model, (x,), n_stages=4, chunks=1, devices=["cpu"] * 4)
+    assert torch.equal(state, torch.get_rng_state())  # the caller's random state is left as it was
+    with pytest.raises(AssertionError, match="the model draws random numbers in training mode \\('_0_1', "
+                                             "'_1_1', '_2_1', ...\\).*compare in eval mode"):
+        assert_pipeline_equivalent(_dropout_chain(), (torch.randn(6, 8),), n_stages=4, chunks=3,
+                                   devices=["cpu"] * 4, schedules=())

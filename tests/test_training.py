@@ -107,3 +107,12 @@ def test_clipping_and_accumulation_in_one_process():
     norm = fxpipe.clip_grad_norm_(pipe, 0.1)
     assert max_relative_error(norm, torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.1)) < 1e-5
     assert _grad_error(model, eager) < 1e-5
+
+
+def test_clipping_and_scaling_refuse_a_model_that_is_not_a_pipe():
+    model = TiedTransformer()
+    with pytest.raises(TypeError, match="fxpipe.clip_grad_norm_ takes the Pipe that fxpipe.compile returned, got "
+                                        "GPT; .* use torch.nn.utils.clip_grad_norm_"):
+        fxpipe.clip_grad_norm_(model, 1.0)
+    with pytest.raises(TypeError, match="fxpipe.grad_scaler takes the Pipe .* use torch.amp.GradScaler"):
+        fxpipe.grad_scaler(model)

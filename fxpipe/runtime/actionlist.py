@@ -26,6 +26,7 @@ earliest clock its rank and its data allow, taking each action as one unit of ti
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -109,11 +110,18 @@ def is_token(text: str) -> bool:
     return _TOKEN.match(text) is not None
 
 
-def load_schedule(value: str | Sequence) -> Schedule:
-    """Return a user's schedule from text, a file path, or lists of actions or tokens."""
+def load_schedule(value: str | os.PathLike | Sequence) -> Schedule:
+    """Return a user's schedule from text, a file path (a string or a path object), or lists of actions or tokens."""
+    if isinstance(value, os.PathLike):
+        path = os.fspath(value)
+        if not os.path.isfile(path):
+            raise ScheduleError(f"schedule={path!r} is not a readable file of actions")
+        with open(path) as f:
+            return parse(f.read())
     if isinstance(value, str):
-        if "\n" in value or is_token(value.split()[0] if value.split() else ""):
-            return parse(value)
+        if "\n" in value or len(value.split()) > 1 and not os.path.isfile(value) \
+                or is_token(value.split()[0] if value.split() else ""):
+            return parse(value)  # text: a bad token is named by the parser
         try:
             with open(value) as f:
                 return parse(f.read())

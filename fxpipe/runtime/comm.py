@@ -22,12 +22,22 @@ import torch.distributed as dist
 
 from fxpipe.errors import PeerFailure
 
-__all__ = ["Comm"]
+__all__ = ["Comm", "on_every_rank"]
 
 log = logging.getLogger(__name__)
 
 _ERROR_KEY = "fxpipe/error"
 OBJECT_TAG = 3  # small Python values (the step's layout, the loss); 1 and 2 carry tensors
+
+
+def on_every_rank(exc: BaseException) -> BaseException:
+    """Mark an error that every rank raises by itself (a refused input): no rank needs telling.
+
+    Posting it would leave it under the store's one error key, and a later, real failure of
+    another rank would be reported to the others as this old one.
+    """
+    vars(exc)["fxpipe_on_every_rank"] = True
+    return exc
 
 
 class Comm:

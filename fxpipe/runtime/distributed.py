@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from fxpipe.errors import PeerFailure
+from fxpipe.errors import PeerFailure, ScheduleError
 from fxpipe.plan import PipelinePlan
 from fxpipe.runtime import steplayout
 from fxpipe.runtime.actions import ActionInterpreter, Program, program_for
 from fxpipe.runtime.batchnorm import commit_batch_norm
-from fxpipe.runtime.comm import Comm
+from fxpipe.runtime.comm import Comm, on_every_rank
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
 from fxpipe.runtime.microbatch import gather, micro_losses
 from fxpipe.runtime.procgroup import Layout
@@ -100,7 +100,10 @@ class DistributedRuntime:
             header, mbs = steplayout.receive(self), []
         m = len(header["specs"])
         kind = "train" if grad else "forward"
-        programs = self._programs_for(kind, m)
+        try:
+            programs = self._programs_for(kind, m)
+        except ScheduleError as exc:  # too few micro-batches: every rank sees the same m
+            raise on_every_rank(exc) from None
         transport = DistTransport(self.plan, self.rank, self.device, self.comm, steplayout.specs_for(self, header),
                                   [[a for g in p.clocked for group in g for a in group] for p in programs])
         transport.inputs = mbs
@@ -130,6 +133,8 @@ class DistributedRuntime:
         except PeerFailure:
             raise
         except BaseException as exc:
+            if getattr(exc, "fxpipe_on_every_rank", False):
+                raise  # every rank raised it itself
             held = ", ".join(map(str, self.workers))
             self.comm.fail(f"rank {self.rank} (stage{'s' if len(self.workers) > 1 else ''} {held}) raised "
                            f"{type(exc).__name__}: {exc}")

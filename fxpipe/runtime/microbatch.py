@@ -134,10 +134,24 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
         weight = rows / batch if batch else 1.0
 
         def loss(out: Any, tgt: Any = tgt, weight: float = weight) -> torch.Tensor:
-            return loss_fn(finish(out), tgt) * weight
+            return _scalar_loss(loss_fn(finish(out), tgt)) * weight
 
         losses[i] = loss
     return losses
+
+
+def _scalar_loss(value: Any) -> torch.Tensor:
+    """Return ``value`` if it is one number as a tensor; refuse a per-sample loss or a non-tensor."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value
+    if not isinstance(value, torch.Tensor):
+        raise PipelineInputError(f"loss_fn returned a {type(value).__name__}; pipe.step needs the loss alone, "
+                                 "one tensor holding the mean over the micro-batch's rows (return metrics "
+                                 "from another function)")
+    raise PipelineInputError(f"loss_fn returned a tensor of shape {tuple(value.shape)}; pipe.step needs one "
+                             "number per micro-batch, the mean over its rows (it weights each micro-batch by "
+                             "its rows to give the batch's mean): reduce it with .mean() or "
+                             "reduction='mean', not reduction='none'")
 
 
 def sum_grads(parts: list[Any]) -> Any:

@@ -46,8 +46,9 @@ def _check_chunks(name: str, m: int, world: int) -> None:
     """Refuse too few micro-batches for a schedule, saying the least it needs."""
     least = min_chunks(name, world)
     if m < least:
-        raise ScheduleError(f"schedule={name!r} on {world} ranks needs at least {least} micro-batches "
-                            f"(chunks={least}), got {m}")
+        raise ScheduleError(f"schedule={name!r} on {world} ranks needs at least {least} micro-batches, got {m}: "
+                            f"a batch of fewer rows than chunks gives one micro-batch per row; use chunks={least} "
+                            f"or more and a batch of at least {least} rows")
 
 
 def _groups(m: int, world: int) -> list[list[int]]:

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fxpipe import passes
 from fxpipe.runtime.placement import named_tensors
 
-__all__ = ["Layout", "agree_on_stages", "setup_distributed", "tied_groups"]
+__all__ = ["Layout", "agree_on_stages", "check_launched_world", "check_world", "setup_distributed", "tied_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +79,7 @@ def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1, d
                         local, torch.cuda.device_count())
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     world, me = dist.get_world_size(), dist.get_rank()
-    if world != want:
-        per = "one stage runs per rank" if stages_per_rank == 1 else f"{stages_per_rank} stages run per rank"
-        if data_parallel == 1:
-            raise ValueError(f"n_stages={n_stages} but {world} ranks are running; {per}, so launch with "
-                             f"--nproc-per-node {want} (or compile with n_stages={world * stages_per_rank})")
-        raise ValueError(f"world {world} cannot hold {pp} pipeline ranks x {data_parallel} replicas ({per}); "
-                         f"launch {want} processes, or pass data_parallel={world // pp if world % pp == 0 else '?'}")
+    check_world(world, n_stages, stages_per_rank, data_parallel)
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     if data_parallel > 1 and mesh is None:
@@ -96,6 +90,37 @@ def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1, d
     return Layout(rank=grid[replica].index(me), replica=replica, pp=pp, dp=len(grid), device=device,
                   pp_group=groups[replica], global_ranks=grid[replica], mesh=mesh,
                   dp_group=mesh.get_group("dp") if mesh is not None else None)
+
+
+def check_world(world: int | None, n_stages: int, stages_per_rank: int = 1, data_parallel: int = 1) -> None:
+    """Refuse a world of ``world`` processes that cannot hold the layout (None: not known yet)."""
+    pp = n_stages // stages_per_rank
+    want = pp * data_parallel
+    if world is None or world == want:
+        return
+    per = "one stage runs per rank" if stages_per_rank == 1 else f"{stages_per_rank} stages run per rank"
+    if data_parallel == 1:
+        raise ValueError(f"n_stages={n_stages} but {world} ranks are running; {per}, so launch with "
+                         f"--nproc-per-node {want} (or compile with n_stages={world * stages_per_rank})")
+    raise ValueError(f"world {world} cannot hold {pp} pipeline ranks x {data_parallel} replicas ({per}); "
+                     f"launch {want} processes, or pass data_parallel={world // pp if world % pp == 0 else '?'}")
+
+
+def check_launched_world(n_stages: int, stages_per_rank: Any, data_parallel: Any, mesh: Any) -> None:
+    """Refuse early a launched world that cannot hold the layout, before the schedule's own needs.
+
+    A wrong process count is the first thing to fix; arguments that are themselves wrong
+    (checked later, each with its own message) and a layout given by ``mesh=`` are left alone.
+    """
+    ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (stages_per_rank, data_parallel))
+    if mesh is not None or not ints or n_stages % stages_per_rank:
+        return
+    if dist.is_available() and dist.is_initialized():
+        world: int | None = dist.get_world_size()
+    else:
+        size = os.environ.get("WORLD_SIZE", "")
+        world = int(size) if size.isdigit() else None
+    check_world(world, n_stages, stages_per_rank, data_parallel)
 
 
 def agree_on_stages(gm: torch.fx.GraphModule, n_stages: int) -> None:

@@ -39,7 +39,7 @@ from fxpipe.runtime import actionlist
 from fxpipe.runtime.actionlist import Action, needs
 from fxpipe.runtime.multistage import interleaved, loop_placement, min_chunks, v_placement, zbv
 
-__all__ = ["NAMES", "SCHEDULES", "Schedule", "gpipe", "one_f_one_b", "resolve", "zero_bubble"]
+__all__ = ["NAMES", "SCHEDULES", "Schedule", "check_name", "gpipe", "one_f_one_b", "resolve", "zero_bubble"]
 
 
 def gpipe(n: int, m: int) -> list[list[Action]]:
@@ -161,6 +161,20 @@ class Schedule:
         return {a.stage for row in self.actions(m) for a in row if a.kind == "W"}
 
 
+def check_name(schedule: Any) -> None:
+    """Refuse a ``schedule=`` that is no schedule (a one-word string that is neither a name, an
+    action token nor a file; None; a number), listing the names."""
+    if isinstance(schedule, str):
+        bad = schedule not in NAMES and len(schedule.split()) == 1 and not os.path.exists(schedule) \
+            and not actionlist.is_token(schedule.strip())
+    else:
+        bad = not isinstance(schedule, (os.PathLike, list, tuple))
+    if bad:
+        names = ", ".join(map(repr, NAMES))
+        raise ScheduleError(f"schedule={schedule!r}; use one of {names}, or your own schedule: a list of "
+                            "action lists, their text ('0F0 0B0', a line per rank), or the path of a file of it")
+
+
 def resolve(schedule: Any, n: int, chunks: int, stages_per_rank: int = 1) -> Schedule:
     """Return the :class:`Schedule` a ``schedule=`` argument names, checked for ``n`` stages.
 
@@ -188,11 +202,7 @@ def resolve(schedule: Any, n: int, chunks: int, stages_per_rank: int = 1) -> Sch
             raise ScheduleError(f"schedule={schedule!r} runs one stage per rank; with stages_per_rank={v} use "
                                 "'interleaved' or 'zbv' (or your own schedule)")
         return Schedule(schedule, None, list(range(n)))
-    if isinstance(schedule, str) and "\n" not in schedule and " " not in schedule.strip() \
-            and not os.path.exists(schedule) and not actionlist.is_token(schedule.strip()):
-        names = ", ".join(map(repr, NAMES))
-        raise ScheduleError(f"schedule={schedule!r}; use one of {names}, or your own schedule: a list of "
-                            "action lists, their text ('0F0 0B0', a line per rank), or the path of a file of it")
+    check_name(schedule)
     actions = actionlist.load_schedule(schedule)
     actionlist.check(actions, n, chunks)
     ranks = [-1] * n

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe import passes
 from fxpipe.errors import PipelineInputError
 from fxpipe.passes.annotate import TensorSpec, spec_of
+from fxpipe.runtime.comm import on_every_rank
 from fxpipe.runtime.stagecall import autocast_state
 
 __all__ = ["check_shapes", "publish", "receive", "specs_for", "tell_all"]
@@ -59,7 +60,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool) -> tuple[di
     except (TypeError, ValueError) as exc:
         tell_all(runtime, {"error": (type(exc).__name__, str(exc))})
         runtime.comm.flush()  # deliver it before this rank's exception ends the process
-        raise
+        raise on_every_rank(exc)
     header = {"batch": batch, "specs": specs}
     tell_all(runtime, header)
     return header, mbs
@@ -71,7 +72,7 @@ def receive(runtime: Any) -> dict:
     header = runtime.comm.recv_object(first, f"waiting for rank {first}'s inputs")
     if header.get("error"):
         kind, message = header["error"]
-        raise (TypeError if kind == "TypeError" else PipelineInputError)(message)
+        raise on_every_rank((TypeError if kind == "TypeError" else PipelineInputError)(message))
     return header
 
 

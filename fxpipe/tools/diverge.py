@@ -25,6 +25,7 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.passes.order import draws_random
 from fxpipe.runtime.microbatch import to_device
 from fxpipe.tools.blame import describe_node
 
@@ -157,6 +158,12 @@ def divergence(pipe, reference: nn.Module, args: tuple, kwargs: dict, rtol: floa
     lines.append("the stage graphs reproduce the traced graph node by node, forward and backward, "
                  "on micro-batch 0: the difference comes from the runtime (math that depends on the "
                  "batch composition, such as batch norm in training mode; checkpointing; copies)")
+    random = [n.name for n in gm.graph.nodes if draws_random(gm, n)]
+    if pipe.training and random and pipe.plan.chunks > 1:
+        lines.append(f"the model draws random numbers in training mode ({', '.join(map(repr, random[:3]))}"
+                     f"{', ...' if len(random) > 3 else ''}): each micro-batch draws its own (a dropout mask "
+                     "of its rows), not the rows' share of the whole batch's draw, so outputs differ from "
+                     "eager by design; compare in eval mode (model.eval()) or with chunks=1")
     return "\n".join(lines)
 
 

@@ -84,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
 
     for s in args.schedules:
         if s not in SCHEDULE_NAMES:
+            if s in ("interleaved", "zbv"):
+                raise UsageError(f"--schedules: {s!r} places several stages on a rank, which fxpipe plan does not "
+                                 f"search yet (each stage gets its own rank); use some of {','.join(SCHEDULE_NAMES)}, "
+                                 f"and fxpipe.simulate(pipe, schedule={s!r}) to predict it")
             raise UsageError(f"--schedules: {s!r} is not a schedule; use some of {','.join(SCHEDULE_NAMES)}")
     for c in args.checkpoint:
         if c not in CHECKPOINTS:

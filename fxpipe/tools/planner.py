@@ -6,7 +6,7 @@
           ─▶ ranked by throughput; over the memory budget: rejected
 
 Stage counts are the divisors of the number of ranks; each stage gets a rank, the rest idle
-(data-parallel replicas of the pipeline, which would use them, are not built yet; their
+(data-parallel replicas of the pipeline, which would use them, are not searched yet; that
 search goes here). Chunks are powers of two up to the mini-batch (at most 64).
 """
 
