@@ -191,6 +191,10 @@ def schedule_rows(schedule: Any, n: int, m: int, placement: Any, ranks: int | No
             raise ScheduleError(f"schedule={schedule!r} places several of the {n} stages on each rank; say on how "
                                 f"many ranks with ranks= (a divisor of {n}; by default two stages per rank)")
         world = ranks if ranks else n // 2
+        if schedule == "zbv" and n != 2 * world:
+            raise ScheduleError(f"schedule='zbv' puts two stages on each rank: {n} stages run on ranks={n // 2}, "
+                                f"not ranks={world}" if n % 2 == 0 else
+                                f"schedule='zbv' puts two stages on each rank: give an even number of stages, not {n}")
         return schedule, MULTI[schedule](n, m, world), PLACEMENTS[schedule](n, world)
     if isinstance(schedule, str) and schedule in SCHEDULES:
         produced = SCHEDULES[schedule](n, m)

@@ -192,3 +192,10 @@ def test_an_odd_stage_count_under_interleaved_asks_for_the_ranks():
     with pytest.raises(fxpipe.ScheduleError, match="places several of the 3 stages on each rank; .* ranks="):
         fxpipe.simulate(pipe, schedule="interleaved", device=UNIT)
     assert [s.rank for s in fxpipe.simulate(pipe, schedule="interleaved", ranks=3, device=UNIT).stages] == [0, 1, 2]
+
+
+def test_zbv_on_other_than_half_the_stages_names_the_ranks_to_give():
+    pipe = _pipe(_mlp(layers=4), torch.randn(8, 64), n=4, chunks=4)
+    with pytest.raises(fxpipe.ScheduleError, match=r"4 stages run on ranks=2, not ranks=4"):
+        fxpipe.simulate(pipe, schedule="zbv", ranks=4, device=UNIT)
+    assert [s.rank for s in fxpipe.simulate(pipe, schedule="zbv", ranks=2, device=UNIT).stages] == [0, 1, 1, 0]
