@@ -9,9 +9,12 @@ Per micro-batch ``i`` of stage ``j`` (bytes from :class:`~fxpipe.stagecost.Stage
     after W     - wstore
     first backward of the stage: + grads, held to the end of the step
 
-Across ranks messages hold memory too: the values a stage sends (``pinned_f``) and the
-gradients it sends back (``pinned_b``) stay until the step's sends are flushed at its end,
-and each receive is posted one micro-batch ahead (``ahead_f``, ``ahead_b`` during F and B).
+Across ranks messages hold memory too, each receive posted one micro-batch ahead
+(``ahead_f``, ``ahead_b`` during F and B), and a send held until the peer is known to have it
+(the runtime lets a send go when the peer sends something after receiving it): the values a
+stage sends (``pinned_f``) until the gradients of that micro-batch come back, at its B or I;
+the gradients it sends back (``pinned_b``) until its next input that the stage before sent
+after starting that micro-batch's backward (or the end of the step).
 
 A device holding several stages (one process on one CPU, or several stages per rank) adds
 theirs up in the order the actions run, so its peak is the most that is live at once, not the
@@ -20,6 +23,7 @@ sum of each stage's peak. Parameters, gradients and optimizer state sit on top (
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,19 +87,25 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int, device_of
         live[j] += nbytes
         dev_live[device_of[j]] += nbytes
 
+    let_go = _grads_let_go(spans)
+    pinned_b: dict[tuple[int, int], float] = {}  # (stage, micro-batch whose F lets them go) -> bytes
     for span in sorted(spans, key=lambda s: (s.start, s.end)):
         a, c = span.action, costs[span.action.stage]
         j, i = a.stage, a.mb
         ckpt = i < stop
         if a.kind == "F":
+            add(j, -pinned_b.pop((j, i), 0.0))
             note(j, c.ahead_f + (c.inputs if ckpt else 0.0))
-            held[(j, i)] = c.inputs if ckpt else c.kept - c.pinned_f  # sent outputs stay pinned
-            add(j, held[(j, i)] + c.pinned_f)
+            held[(j, i)] = c.inputs + c.pinned_f if ckpt else c.kept  # the sent outputs are among those kept
+            add(j, held[(j, i)])
             note(j, 0.0)
         elif a.kind in ("B", "I"):
             grads_on[j] = True
             note(j, (c.kept if ckpt else 0.0) + c.transient + c.ahead_b)
             add(j, -held.pop((j, i), 0.0) + (c.wstore if a.kind == "I" else 0.0) + c.pinned_b)
+            if (j, i) in let_go:
+                key = (j, let_go[(j, i)])
+                pinned_b[key] = pinned_b.get(key, 0.0) + c.pinned_b
             note(j, 0.0)
         elif a.kind == "W":
             note(j, c.transient / 2)
@@ -107,3 +117,31 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int, device_of
         per_device[d] = Memory(sum(costs[j].params for j in mine), sum(costs[j].grads for j in mine),
                                sum(states * costs[j].grads for j in mine), dev_peak[d], dev_growth[d])
     return stages, per_device
+
+
+def _grads_let_go(spans: Sequence[Span]) -> dict[tuple[int, int], int]:
+    """Map (stage j, micro-batch i) to the micro-batch whose F on stage j lets j's gradients of i go.
+
+    Stage ``j`` sends micro-batch ``i``'s input gradients to stage ``j - 1``; they go once an
+    input arrives that ``j - 1`` sent after starting ``i``'s backward: the first ``F`` of stage
+    ``j - 1`` ending after that start. Absent: held to the end of the step.
+    """
+    back: dict[tuple[int, int], float] = {}
+    ends: dict[int, list[tuple[float, int]]] = {}  # stage -> its forwards' (end, micro-batch), by end
+    for s in spans:
+        a = s.action
+        if a.kind in ("B", "I"):
+            back[(a.stage, a.mb)] = s.start
+        elif a.kind == "F":
+            ends.setdefault(a.stage, []).append((s.end, a.mb))
+    for row in ends.values():
+        row.sort()
+    out = {}
+    for (j, i) in back:
+        if j == 0 or (j - 1, i) not in back:
+            continue
+        row = ends.get(j - 1, [])
+        k = bisect.bisect_left(row, (back[(j - 1, i)], -1))
+        if k < len(row):
+            out[(j, i)] = row[k][1]
+    return out

@@ -71,3 +71,15 @@ def test_growth_adds_gradients_from_the_first_backward_and_optimizer_state_count
 def test_unknown_optimizer_is_refused():
     with pytest.raises(ValueError, match="optimizer='lamb'"):
         _walk("gpipe", 1, 1, optimizer="lamb")
+
+
+def test_messages_are_held_until_the_peer_has_them_not_to_the_end_of_the_step():
+    # 1F1B on 2 ranks, 8 micro-batches: stage 0's sent outputs (part of what it keeps) go at
+    # its backward, when their gradients are back; stage 1's sent gradients go once stage 0
+    # has sent an input after starting that backward. Held to the step's end, stage 1 would
+    # pile up 8 of them.
+    costs = [StageCost(1.0, 2.0, 1.0, kept=1.0, pinned_f=0.5), StageCost(1.0, 2.0, 1.0, kept=1.0, pinned_b=1.0)]
+    spans = eventsim.run(SCHEDULES["1f1b"](2, 8), lambda a: {"F": 1, "B": 2}[a.kind], device_of=[0, 1])
+    stages, _ = memsim.walk(spans, costs, 0, [0, 1])
+    assert stages[0].activations == 2.0  # two micro-batches in flight, their sent outputs among them
+    assert stages[1].activations == 2.0  # one micro-batch kept, one gradient not yet known to have arrived
