@@ -67,7 +67,7 @@ def _ce(logits, target):
 
 
 BATCH = {"mlp": 512, "unet": 32, "gpt": 16}
-MEMORY_SCALE = 8  # memory runs take 8x the batch: every activation well above glibc's mmap threshold
+MEMORY_SCALE = 8  # memory runs take 8x the batch: activations well above allocator slack
 
 
 def build(name: str, scale: int = 1):
@@ -132,8 +132,9 @@ def whole_run(gm, rows, x):
 def measure_group(name: str, m: int, reps: int, rank=None, pipes=None) -> dict:
     """Time one model's schedules at ``m`` chunks, alternating with the whole graph at the micro-batch size."""
     pipes = pipes or {s: compile_local(name, m, s) for s in SCHEDULES}
-    gm = next(iter(pipes.values()))[0]._gm
-    x = build(name)[1]
+    model, x = build(name)[:2]
+    # a rank holds only its own stage's tensors (the rest are on meta): time the whole graph of a fresh model
+    gm = fxpipe.trace(model) if rank is not None else next(iter(pipes.values()))[0]._gm
     fn, got = whole_run(gm, x.shape[0] // m, x)
     runs = {s: (lambda s=s: _step(*pipes[s], rank=rank)) for s in SCHEDULES}
     runs["whole graph"] = fn
@@ -347,7 +348,7 @@ def main() -> None:
     print(_summary("predicted from FLOPs (device model only)", errors["flops"]))
 
     if "memory" not in args.skip:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed blocks go back to the OS: RSS follows live memory
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "4096"  # a page or more is its own mapping, freed to the OS: RSS follows live memory
         mem_local = _spawn_one(_memory_rank, args, plans)
         mem_dist = _spawn(_memory_rank, args, plans)
         del os.environ["MALLOC_MMAP_THRESHOLD_"]
