@@ -5,7 +5,7 @@
 fxpipe's ``schedule="zb"`` is the paper's ZB-H1, with 1F1B's warm-up (``zero_bubble(n, m)``).
 One more warm-up forward on every stage but the last (``extra_warmup=1``) would have the
 next stage's input ready before it asks, for one more micro-batch held; this measures it.
-Both programs run on the same compiled pipe in the same two processes, alternating with
+Both run (the second as your own schedule: ``schedule=`` the action lists) in the same two processes, alternating with
 fxpipe's 1F1B in an order shuffled anew every repetition (the run after another kind of step
 pays for its memory layout), on the model and split of ``benchmarks/distributed.py``. Each time is barrier
 to barrier on rank 0; each ratio is of medians measured in this one run.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import os
 import statistics
 import sys
@@ -27,32 +26,27 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                 os.path.dirname(os.path.abspath(__file__))]
 import fxpipe  # noqa: E402
 from distributed import ResidualMLP, _env, _spawn, model_arguments, time_shuffled  # noqa: E402
-from fxpipe.runtime.actions import compile_actions  # noqa: E402
-from fxpipe.runtime.schedule import SCHEDULES, zero_bubble  # noqa: E402
+from fxpipe.runtime.schedule import zero_bubble  # noqa: E402
 
 
 def _rank(rank: int, port: int, args, out: str) -> None:
     """One rank: time 1F1B and both zero-bubble programs, alternating."""
     _env(rank, port)
-    SCHEDULES["zb_extra"] = functools.partial(zero_bubble, extra_warmup=1)  # this process only
     torch.manual_seed(0)
     base = ResidualMLP(args.dim, args.hidden, args.blocks)
     x, y = torch.randn(args.batch, args.dim), torch.randn(args.batch, args.dim)
-    pipes = {s: fxpipe.compile(copy.deepcopy(base), 2, example_inputs=(x,), chunks=args.chunks, schedule=s,
+    schedules = {"1f1b": "1f1b", "zb": "zb",
+                 "zb_extra": zero_bubble(2, args.chunks, extra_warmup=1)}  # your own schedule, as action lists
+    pipes = {k: fxpipe.compile(copy.deepcopy(base), 2, example_inputs=(x,), chunks=args.chunks, schedule=s,
                                checkpoint="never", runtime="distributed",
-                               split_points=[f"blocks.{args.blocks // 2}"]) for s in ("1f1b", "zb")}
-    runtime = pipes["zb"]._runtime
-    programs = {"zb": runtime._program("zb", args.chunks),
-                "zb_extra": compile_actions(runtime.plan, args.chunks, [rank], "zb_extra")}
+                               split_points=[f"blocks.{args.blocks // 2}"]) for k, s in schedules.items()}
 
-    def step(schedule: str, program: str) -> None:
-        if program in programs:
-            runtime._programs[("zb", args.chunks)] = programs[program]
+    def step(schedule: str) -> None:
         pipes[schedule].step(x if rank == 0 else None, target=y if rank == 1 else None, loss_fn=F.mse_loss)
 
-    runs = {"fxpipe 1f1b": lambda: step("1f1b", ""),
-            "fxpipe zb (ZB-H1, 1F1B warm-up)": lambda: step("zb", "zb"),
-            "fxpipe zb, one more warm-up forward": lambda: step("zb", "zb_extra")}
+    runs = {"fxpipe 1f1b": lambda: step("1f1b"),
+            "fxpipe zb (ZB-H1, 1F1B warm-up)": lambda: step("zb"),
+            "fxpipe zb, one more warm-up forward": lambda: step("zb_extra")}
     time_shuffled(runs, args.reps, rank, out)
 
 

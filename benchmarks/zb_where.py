@@ -1,6 +1,7 @@
 """Where a distributed zero-bubble step spends its time, per rank, from fxpipe's own timeline.
 
     python benchmarks/zb_where.py --reps 14     # 2 ranks x 1 thread, residual MLP, m = 8
+    python benchmarks/zb_where.py --reps 8 --schedule zbv   # ZB-V over 4 pieces, two per rank
 
 On the model and split of ``benchmarks/distributed.py``, each rank records its zero-bubble
 steps with ``fxpipe.timeline()`` and sums its forward, backward and weight-gradient events
@@ -38,8 +39,15 @@ def _rank(rank: int, port: int, args, out: str) -> None:
     base = ResidualMLP(args.dim, args.hidden, args.blocks)
     x, y = torch.randn(args.batch, args.dim), torch.randn(args.batch, args.dim)
     half = args.blocks // 2
-    pipe = fxpipe.compile(copy.deepcopy(base), 2, example_inputs=(x,), chunks=args.chunks, schedule="zb",
-                          checkpoint="never", runtime="distributed", split_points=[f"blocks.{half}"])
+    if args.schedule == "zbv":  # 4 pieces of the same model, rank 0 holding the first and the last
+        q = args.blocks // 4
+        pipe = fxpipe.compile(copy.deepcopy(base), 4, example_inputs=(x,), chunks=args.chunks, schedule="zbv",
+                              checkpoint="never", runtime="distributed", stages_per_rank=2,
+                              split_points=[f"blocks.{k * q}" for k in (1, 2, 3)])
+    else:
+        pipe = fxpipe.compile(copy.deepcopy(base), 2, example_inputs=(x,), chunks=args.chunks, schedule="zb",
+                              checkpoint="never", runtime="distributed", split_points=[f"blocks.{half}"])
+    last = pipe.plan.stages[-1].on_rank == rank
     part = copy.deepcopy(base).blocks[:half] if rank == 0 else copy.deepcopy(base).blocks[half:]
     fixed = torch.randn(args.batch // args.chunks, args.dim)
     rows: dict[str, list[float]] = {"step": [], "busy": [], "first": [], "bound step": [], "bound busy": [],
@@ -49,7 +57,7 @@ def _rank(rank: int, port: int, args, out: str) -> None:
         dist.barrier()
         start = time.perf_counter()
         with fxpipe.timeline() as tl:
-            pipe.step(x if rank == 0 else None, target=y if rank == 1 else None, loss_fn=F.mse_loss)
+            pipe.step(x if rank == 0 else None, target=y if last else None, loss_fn=F.mse_loss)
         dist.barrier()
         rows["step"].append(time.perf_counter() - start)  # barrier to barrier, like the bound
         rows["busy"].append(sum(e["dur"] for e in tl.events) / 1e6)
@@ -84,19 +92,23 @@ def main() -> None:
     """Run both ranks; print each rank's step, busy and waiting time, zb against the bound."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     model_arguments(parser, reps=14)
+    parser.add_argument("--schedule", choices=("zb", "zbv"), default="zb",
+                        help="zb: a stage per rank; zbv: the MLP in 4 pieces, two per rank (the bound stays "
+                             "the one-stage-per-rank one)")
     args = parser.parse_args()
     med = [{k: statistics.median(v) for k, v in rows.items()} for rows in _spawn(_rank, args)]
     print(f"residual MLP d={args.dim} hidden={args.hidden} blocks={args.blocks} batch={args.batch} "
           f"m={args.chunks}, 2 ranks x 1 thread, medians of {args.reps} of each (s)")
     print(f"{'':28} {'rank':>4} {'step':>7} {'busy':>7} {'waiting':>8} {'first input':>12}")
-    for label, key in (("fxpipe zb", ""), ("bound (plain autograd)", "bound ")):
+    for label, key in ((f"fxpipe {args.schedule}", ""), ("bound (plain autograd)", "bound ")):
         for r, m in enumerate(med):
             print(f"{label if r == 0 else '':28} {r:>4} {m[key + 'step']:7.3f} {m[key + 'busy']:7.3f} "
                   f"{m[key + 'step'] - m[key + 'busy']:8.3f} {m[key + 'first']:12.3f}")
     last = med[-1]
-    print(f"last rank's busy time, zb / bound: {last['busy'] / last['bound busy']:.3f}; "
-          f"its wait for its first input, zb / bound: {last['first'] / last['bound first']:.3f}")
-    print(f"step, zb / bound: {last['step'] / last['bound step']:.3f}")
+    s = args.schedule
+    print(f"last rank's busy time, {s} / bound: {last['busy'] / last['bound busy']:.3f}; "
+          f"its wait for its first input, {s} / bound: {last['first'] / last['bound first']:.3f}")
+    print(f"step, {s} / bound: {last['step'] / last['bound step']:.3f}")
 
 
 if __name__ == "__main__":
