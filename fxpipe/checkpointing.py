@@ -20,7 +20,9 @@ other plan, runtime or the plain module, and is a ``weights=`` source. A save wr
 it replaces is moved aside to ``<path>.old`` first and removed after): a save killed half way
 leaves the previous checkpoint as it was, and the half-written one is refused by name.
 
-Saves use DCP collectives over the pipeline's process group (one process: none); loads read
+Saves use DCP collectives over the pipeline's process group (one process: none), after the
+ranks tell each other whether they could get ready (a refusal on one rank, such as its
+optimizer holding a tensor that is not the model's, is raised on all); loads read
 each rank's own keys without collectives, so a refusal (made from the metadata alone, the
 same on every rank) leaves no rank waiting. The optimizer goes by FQN through
 :mod:`fxpipe.trainstate` rather than ``get/set_optimizer_state_dict``: those initialise a
@@ -81,6 +83,19 @@ class _Where:
         if self.distributed:
             dist.barrier(group=self.group)
 
+    def agree(self, error: Exception | None, what: str) -> None:
+        """Raise on every rank when any rank could not get ready, instead of leaving the others waiting."""
+        if self.distributed:
+            told: list[Any] = [None] * self.world
+            dist.all_gather_object(told, None if error is None else f"{type(error).__name__}: {error}",
+                                   group=self.group)
+            failed = [(r, m) for r, m in enumerate(told) if m is not None]
+            if failed and error is None:
+                r, message = failed[0]
+                raise CheckpointError(f"rank {r} could not {what} ({message}); nothing was written")
+        if error is not None:
+            raise error
+
 
 def _where(target: nn.Module) -> _Where:
     """Describe a Pipe (local or one rank of a distributed one) or a plain module."""
@@ -128,19 +143,28 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
                   if info.persistent and not info.tensor.is_meta},
         "rng": rng_state(where.rank),
     }
-    if optimizer is not None:
-        state["optim"] = optimizer_state(optimizer, where.model)
-    in_flight = batch_norm_state(where.rank, where.deferred, where.model)
-    if in_flight:
-        state["fxpipe"] = in_flight
-    if extra is not None:  # checked on every rank given it, so all refuse alike; rank 0's is written
-        packed = _bytes(extra)
+    error: Exception | None = None
+    try:  # a refusal on one rank (its optimizer, extra=, the directory) is told to all
+        if optimizer is not None:
+            state["optim"] = optimizer_state(optimizer, where.model)
+        in_flight = batch_norm_state(where.rank, where.deferred, where.model)
+        if in_flight:
+            state["fxpipe"] = in_flight
+        if extra is not None:  # rank 0's is written
+            packed = _bytes(extra)
+            if where.rank == 0:
+                state["extra"] = packed
         if where.rank == 0:
-            state["extra"] = packed
-    if where.rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # what a killed save left
-        os.makedirs(partial)
-    where.barrier()
+            shutil.rmtree(partial, ignore_errors=True)  # what a killed save left
+            os.makedirs(partial)
+    except (CheckpointError, TypeError, OSError) as exc:
+        error = exc
+    try:
+        where.agree(error, f"get ready to save {path!r}")
+    except Exception:
+        if where.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     quiet(dcp.save, state, storage_writer=dcp.FileSystemWriter(partial), process_group=where.group,
            no_dist=not where.distributed)
     where.barrier()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 import traceback
 
 import torch
@@ -314,7 +315,14 @@ def resume_first(rank, world, schedule):
         fxpipe.save(pipe, os.path.join(out, "bad"), extra=object())
     except TypeError as exc:
         refused = str(exc)
-    return {"own_bytes": own, "refused": refused}
+    # only rank 1's optimizer is wrong: rank 0 hears of it at once instead of waiting at a barrier
+    wrong = torch.optim.Adam([*pipe.parameters(), *([nn.Parameter(torch.zeros(1))] if rank == 1 else [])])
+    start = time.monotonic()
+    try:
+        fxpipe.save(pipe, os.path.join(out, "bad"), optimizer=wrong)
+    except fxpipe.CheckpointError as exc:
+        told = str(exc)
+    return {"own_bytes": own, "refused": refused, "told": told, "told_after": time.monotonic() - start}
 
 
 def resume_second(rank, world, schedule):

@@ -75,6 +75,9 @@ def test_two_ranks_resume_bitwise_and_reshard_to_three_stages_and_the_plain_mode
         if case == "resume_first":
             own = [r["own_bytes"] for r in results]
             assert all("extra= must hold" in r["refused"] for r in results)
+            assert "rank 1 could not get ready to save" in results[0]["told"], results[0]["told"]
+            assert "not the model's" in results[0]["told"] and "not the model's" in results[1]["told"]
+            assert all(r["told_after"] < 20 for r in results)  # not the 60 s timeout
             assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.incomplete").exists()
     assert all(r["extra"] == {"step": 5} for r in results)
     for r in range(2):  # (a) the last 5 losses and the final parameters, bitwise
