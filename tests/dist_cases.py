@@ -14,7 +14,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import default_step_loss, max_relative_error
-from models import CNN, AttnBlock, Carrier, Mixed, TiedTransformer
+from models import CNN, AttnBlock, Carrier, Mixed, TiedTransformer, token_loss
 from unet import UNet
 
 
@@ -49,10 +49,7 @@ def tied(rank, world, schedule):
     model = TiedTransformer()
     tokens, target = torch.randint(0, 32, (7, 8)), torch.randint(0, 32, (7, 8))
 
-    def loss_fn(logits, tgt):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-
-    return _check_step(rank, world, model, tokens, target, loss_fn, chunks=3, schedule=schedule)[0]
+    return _check_step(rank, world, model, tokens, target, token_loss, chunks=3, schedule=schedule)[0]
 
 
 def unet4(rank, world, schedule):
@@ -70,10 +67,7 @@ def tied4(rank, world, schedule):
     model = TiedTransformer()
     tokens, target = torch.randint(0, 32, (7, 8)), torch.randint(0, 32, (7, 8))
 
-    def loss_fn(logits, tgt):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-
-    return _check_step(rank, world, model, tokens, target, loss_fn, chunks=4, schedule=schedule,
+    return _check_step(rank, world, model, tokens, target, token_loss, chunks=4, schedule=schedule,
                        stages_per_rank=2)[0]
 
 
@@ -224,11 +218,8 @@ def meta(rank, world, schedule):
     tied_ref = fxpipe.materialize(_on_meta(TiedTransformer), weights=path)
     tokens, target = torch.randint(0, 32, (7, 8)), torch.randint(0, 32, (7, 8))
 
-    def loss_fn(logits, tgt):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-
     source = _Recording(path)
-    b = _meta_step(rank, world, TiedTransformer, tied_ref, tokens, target, loss_fn, chunks=3,
+    b = _meta_step(rank, world, TiedTransformer, tied_ref, tokens, target, token_loss, chunks=3,
                    schedule=schedule, weights=source)
     cnn_ref = fxpipe.materialize(_on_meta(CNN), seed=2)  # batch norms: running statistics as eager's
     x, target = torch.randn(6, 3, 8, 8), torch.randn(6, 5)
@@ -445,7 +436,7 @@ def _dp_setup(rank, world, make, schedule, pp=2, **kw):
 
 def _grad_errors(held, eager):
     grads = dict(eager.named_parameters(remove_duplicate=False))
-    return {n: max_relative_error(_full(p.grad), grads[n].grad) if p.grad is not None else float(f"inf") for n, p in held}
+    return {n: max_relative_error(_full(p.grad), grads[n].grad) if p.grad is not None else float("inf") for n, p in held}
 
 
 def _mlp_pair():
@@ -458,9 +449,7 @@ def _unet_dp():
 
 
 def _tied_dp():
-    def loss_fn(logits, tgt):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-    return TiedTransformer(), torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8)), loss_fn
+    return TiedTransformer(), torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8)), token_loss
 
 
 def dp_train(rank, world, schedule):

@@ -75,6 +75,11 @@ def TiedTransformer() -> GPT:
     return GPT(vocab=32, d=16, layers=3, heads=2, seq=8)
 
 
+def token_loss(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    """Return the mean cross-entropy over every token (TiedTransformer's loss)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
 class MultiIO(nn.Module):
     """Two positional tensors, a keyword tensor, a float argument; returns a dict."""
 

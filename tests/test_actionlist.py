@@ -10,7 +10,7 @@ import fxpipe
 from fxpipe.runtime.actionlist import Action, check, clocks, format_schedule, load_schedule, lower, parse
 from fxpipe.runtime.schedule import SCHEDULES
 from fxpipe.testing import max_relative_error
-from models import TiedTransformer
+from models import TiedTransformer, token_loss
 from unet import UNet
 
 # 1F1B for 2 stages and 3 micro-batches, stage 0 splitting its backward into I and W
@@ -79,15 +79,12 @@ def _step_equals_eager(schedule, chunks=3, **kw):
     model = TiedTransformer()
     tokens, target = torch.randint(0, 32, (6, 8)), torch.randint(0, 32, (6, 8))
 
-    def loss_fn(logits, tgt):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-
     eager = copy.deepcopy(model)
-    expected = loss_fn(eager(tokens), target)
+    expected = token_loss(eager(tokens), target)
     expected.backward()
     pipe = fxpipe.compile(model, 2, example_inputs=(tokens,), chunks=chunks, schedule=schedule,
                           devices=["cpu"] * 2, **kw)
-    loss = pipe.step(tokens, target=target, loss_fn=loss_fn)
+    loss = pipe.step(tokens, target=target, loss_fn=token_loss)
     assert max_relative_error(loss, expected) < 1e-5
     grads = dict(eager.named_parameters())
     for name, p in model.named_parameters():

@@ -11,7 +11,7 @@ from fxpipe.runtime.actionlist import check, clocks, in_flight
 from fxpipe.runtime.multistage import interleaved, loop_placement, v_placement, zbv
 from fxpipe.runtime.schedule import one_f_one_b
 from fxpipe.testing import max_relative_error
-from models import TiedTransformer
+from models import TiedTransformer, token_loss
 from unet import UNet
 
 GRID = [(p, m) for p in (2, 3, 4) for m in range(p, 3 * p + 2)]
@@ -74,10 +74,7 @@ def _unet():
 def _tied():
     torch.manual_seed(0)
 
-    def loss_fn(logits, tgt):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-
-    return TiedTransformer(), torch.randint(0, 32, (7, 8)), torch.randint(0, 32, (7, 8)), loss_fn
+    return TiedTransformer(), torch.randint(0, 32, (7, 8)), torch.randint(0, 32, (7, 8)), token_loss
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])

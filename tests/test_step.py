@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.testing import max_relative_error
-from models import TiedTransformer
+from models import TiedTransformer, token_loss
 from unet import UNet
 
 
@@ -33,10 +33,7 @@ def test_step_cross_entropy_transformer(chunks, checkpoint, schedule):
     tokens = torch.randint(0, 32, (7, 8))
     target = torch.randint(0, 32, (7, 8))
 
-    def loss_fn(logits, tgt):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-
-    _compare(model, tokens, target, loss_fn, n_stages=3, chunks=chunks, checkpoint=checkpoint,
+    _compare(model, tokens, target, token_loss, n_stages=3, chunks=chunks, checkpoint=checkpoint,
              devices=["cpu"] * 3, schedule=schedule)
 
 
