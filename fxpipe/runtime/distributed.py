@@ -67,6 +67,7 @@ class DistributedRuntime:
         self.layouts: dict[str, dict[str, Any]] = {}  # crossing values' specs per micro-batch layout
         self._programs: dict[tuple[str, int], list[Program]] = {}
         self._finals: dict[tuple[str, int], dict[int, int]] = {}
+        self._routes: dict[tuple[str, int], tuple] = {}  # what the transport reads off the programs, per step kind
         self.layout = layout
         self.grad_sync: GradSync | None = None  # data parallel, set by the build
         self.sync = True  # reduce gradients over replicas and ties this step (off inside pipe.no_sync())
@@ -104,8 +105,11 @@ class DistributedRuntime:
             programs = self._programs_for(kind, m)
         except ScheduleError as exc:  # too few micro-batches: every rank sees the same m
             raise on_every_rank(exc) from None
+        routes = self._routes.get((kind, m))
         transport = DistTransport(self.plan, self.rank, self.device, self.comm, steplayout.specs_for(self, header),
-                                  [[a for g in p.clocked for group in g for a in group] for p in programs])
+                                  [] if routes else [[a for g in p.clocked for group in g for a in group]
+                                                     for p in programs], routes)
+        self._routes[(kind, m)] = transport.routes
         transport.inputs = mbs
         for j, worker in self.workers.items():  # data parallel: reduce at each stage's last backward
             worker.final = self._finals[(kind, m)].get(j) if self.grad_sync is not None else None

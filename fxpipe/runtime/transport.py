@@ -52,7 +52,8 @@ class DistTransport:
     """The transport of one rank: its stages' values forward and gradients backward."""
 
     def __init__(self, plan: PipelinePlan, rank: int, device: torch.device, comm: Comm,
-                 specs: Callable[[int], dict[str, Any]], programs: Sequence[Sequence[Action]]) -> None:
+                 specs: Callable[[int], dict[str, Any]], programs: Sequence[Sequence[Action]],
+                 routes: tuple | None = None) -> None:
         self.plan = plan
         self.rank = rank
         self.device = device
@@ -78,21 +79,27 @@ class DistTransport:
                 if q != s.on_rank:
                     bwd.setdefault(q, []).append(v)
             self.fwd_to[s.index], self.bwd_to[s.index] = fwd, bwd
-        # the messages each peer sends this rank, in its order
-        self.queue: dict[int, list[Key]] = {}
-        for q, program in enumerate(programs):
-            if q == rank:
-                continue
-            for a in program:
-                if a.kind == "SEND_F" and rank in self.fwd_to[a.stage] or \
-                        a.kind == "SEND_B" and rank in self.bwd_to[a.stage]:
-                    self.queue.setdefault(q, []).append((a.kind[-1], a.stage, a.mb))
-        self.index = {key: (q, k) for q, keys in self.queue.items() for k, key in enumerate(keys)}
+        # what the programs say: each peer's messages to this rank in its order, and what each acknowledges
+        # (the same every step of the same programs: pass back ``self.routes`` to skip reading them again)
+        self.routes = routes or self._read_routes(programs)
+        self.queue, self.index, self.acks = self.routes
         self.posted = {q: 0 for q in self.queue}  # how many of each peer's messages are posted
         self.pending: dict[Key, tuple[list[Any], Callable[[], None]]] = {}
         self.arrived: set[Key] = set()
         self.sent: dict[tuple[Key, int], list[Any]] = {}  # (message, peer) -> its send works, until let go
-        self.acks = self._acknowledgements(programs)
+
+    def _read_routes(self, programs: Sequence[Sequence[Action]]) -> tuple:
+        """Return each peer's messages to this rank in its order, their index, and their acknowledgements."""
+        queue: dict[int, list[Key]] = {}
+        for q, program in enumerate(programs):
+            if q == self.rank:
+                continue
+            for a in program:
+                key = self._message_to(a, self.rank)
+                if key is not None:
+                    queue.setdefault(q, []).append(key)
+        index = {key: (q, k) for q, keys in queue.items() for k, key in enumerate(keys)}
+        return queue, index, self._acknowledgements(programs)
 
     # -- letting sent tensors go -------------------------------------------------------------
     def _acknowledgements(self, programs: Sequence[Sequence[Action]]) -> dict[Key, list[Key]]:
