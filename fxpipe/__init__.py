@@ -7,6 +7,7 @@ consumers, and runs the stages over micro-batches with a generated GPipe executo
 
 from fxpipe import testing
 from fxpipe.checkpointing import load, load_state_dict, save
+from fxpipe.ckptdir import latest as latest_checkpoint
 from fxpipe.compiler import compile
 from fxpipe.errors import (
                            CheckpointError,
@@ -24,6 +25,7 @@ from fxpipe.materialize import materialize
 from fxpipe.pipe import Pipe
 from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
+from fxpipe.runtime.procgroup import init_distributed
 from fxpipe.simulate import Simulation, simulate
 from fxpipe.tools.recorder import Timeline, timeline
 from fxpipe.tracing import trace
@@ -51,8 +53,10 @@ __all__ = [
     "clip_grad_norm_",
     "compile",
     "grad_scaler",
+    "init_distributed",
     "is_checkpointing",
     "is_recomputing",
+    "latest_checkpoint",
     "load",
     "load_state_dict",
     "materialize",

@@ -129,7 +129,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     if layout.dp > 1:  # after the tied tensors are equal: DDP and FSDP2 start from these
         engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()])
         swapped = engine.grad_sync.swapped  # tied parameters FSDP2 sharded: sum the shards' gradients
-        engine.tied = [(g, [swapped.get(id(p), p) for p in ps], first) for g, ps, first in tied]
+        tied.mine = [(g, [swapped.get(id(p), p) for p in ps], first) for g, ps, first in tied.mine]
     if deferred_batch_norm:
         engine.deferred = defer_batch_norm({id(m): m for st in held for m in st.modules()}.values())
     keep = {id(t) for st in held for _, t in named_tensors(st)} | unread  # after the move: moved buffers are new

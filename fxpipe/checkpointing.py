@@ -32,6 +32,7 @@ after a save at step 0) and drop the state silently when gradients are present.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
@@ -83,16 +84,24 @@ class _Where:
         if self.distributed:
             dist.barrier(group=self.group)
 
-    def agree(self, error: Exception | None, what: str) -> None:
-        """Raise on every rank when any rank could not get ready, instead of leaving the others waiting."""
+    def agree(self, error: Exception | None, what: str, same: str | None = None) -> None:
+        """Raise on every rank when any rank could not get ready, instead of leaving the others waiting.
+
+        ``same`` is a short description of a value every rank must pass alike (``extra=``); ranks
+        that differ are refused on every rank too, naming them.
+        """
         if self.distributed:
             told: list[Any] = [None] * self.world
-            dist.all_gather_object(told, None if error is None else f"{type(error).__name__}: {error}",
+            dist.all_gather_object(told, (None if error is None else f"{type(error).__name__}: {error}", same),
                                    group=self.group)
-            failed = [(r, m) for r, m in enumerate(told) if m is not None]
+            failed = [(r, m) for r, (m, _) in enumerate(told) if m is not None]
             if failed and error is None:
                 r, message = failed[0]
                 raise CheckpointError(f"rank {r} could not {what} ({message}); nothing was written")
+            if not failed and len({v for _, v in told}) > 1:
+                shown = "; ".join(f"rank {r}: {v}" for r, (_, v) in enumerate(told))
+                raise CheckpointError(f"the ranks passed different extra= to fxpipe.save ({shown}); a checkpoint "
+                                      "holds one extra=, so pass the same value on every rank. Nothing was written")
         if error is not None:
             raise error
 
@@ -107,6 +116,8 @@ def _where(target: nn.Module) -> _Where:
     deferred = tuple(getattr(runtime, "deferred", ()))
     if target.owned is None:
         return _Where(target._model, deferred=deferred)
+    if hasattr(runtime, "ready"):
+        runtime.ready()  # after a failed step: every rank back on fresh connections
     comm = getattr(runtime, "comm", None)
     layout = getattr(runtime, "layout", None)
     # the pipeline's own group holds one replica; with replicas every rank of the world saves together
@@ -132,7 +143,8 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     """Save ``pipe``'s parameters and buffers (and ``optimizer``'s state, the RNG, ``extra``) to ``path``.
 
     Every rank of a distributed pipe calls it; each writes only what its stage holds. The
-    checkpoint appears at ``path`` only when every rank has finished.
+    checkpoint appears at ``path`` only when every rank has finished. ``extra`` (anything
+    ``torch.load(weights_only=True)`` reads back) is saved once; every rank must pass the same.
     """
     where = _where(pipe)
     path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": its ".incomplete" goes beside it
@@ -144,14 +156,16 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
         "rng": rng_state(where.rank),
     }
     error: Exception | None = None
+    same = "None"
     try:  # a refusal on one rank (its optimizer, extra=, the directory) is told to all
         if optimizer is not None:
             state["optim"] = optimizer_state(optimizer, where.model)
         in_flight = batch_norm_state(where.rank, where.deferred, where.model)
         if in_flight:
             state["fxpipe"] = in_flight
-        if extra is not None:  # rank 0's is written
+        if extra is not None:  # written once, by rank 0; every rank must pass the same
             packed = _bytes(extra)
+            same = f"{_short(extra)} (sha256 {hashlib.sha256(packed.numpy().tobytes()).hexdigest()[:12]})"
             if where.rank == 0:
                 state["extra"] = packed
         if where.rank == 0:
@@ -160,7 +174,7 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     except (CheckpointError, TypeError, OSError) as exc:
         error = exc
     try:
-        where.agree(error, f"get ready to save {path!r}")
+        where.agree(error, f"get ready to save {path!r}", same)
     except Exception:
         if where.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -175,6 +189,12 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
                                  "optimizer": None if optimizer is None else type(optimizer).__name__})
     where.barrier()
     log.info("saved %s (rank %d of %d)", path, where.rank, where.world)
+
+
+def _short(value: Any, width: int = 60) -> str:
+    """Return ``repr(value)``, cut to ``width`` characters."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _like_params(flat: dict[str, Any], params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -242,7 +262,7 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
         check_optimizer_groups(optimizer, where.model, optim)
     held = {k: (torch.device("cpu") if info.tensor.is_meta else info.tensor.device)
             for k, info in table.items() if not (where.distributed and info.tensor.is_meta)}
-    fill(where.model, held, source=source, init=None, seed=0)
+    fill(where.model, held, source=source, init=None, seed=0, leave=True)  # what no checkpoint holds stays
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
         load_optimizer_state(optimizer, where.model, optim)

@@ -2,6 +2,7 @@
 
     publish        write the manifest last, then rename ``<path>.incomplete`` to ``<path>``
     read_manifest  refuse a missing, half-written or foreign directory; return its manifest
+    latest         the newest complete checkpoint under a directory (what a restarted job loads)
     read_keys      read chosen flat DCP keys, no collectives (each rank reads its own)
     allocate       tensors to read keys into, sized from the DCP metadata
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +25,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from fxpipe.errors import CheckpointError
 from fxpipe.weights import MANIFEST, refuse_partial
 
-__all__ = ["FORMAT", "VERSION", "allocate", "nest", "publish", "quiet", "read_keys", "read_manifest", "under"]
+__all__ = ["FORMAT", "VERSION", "allocate", "latest", "nest", "publish", "quiet", "read_keys", "read_manifest",
+           "under"]
 
 FORMAT = "fxpipe.checkpoint"
 VERSION = 1
@@ -38,6 +41,7 @@ def quiet(fn: Callable, *args: Any, **kwargs: Any) -> Any:
 
 def publish(partial: str, path: str, manifest: dict) -> None:
     """Write the manifest last, then move the finished directory to ``path`` in one rename."""
+    manifest = {**manifest, "saved_at": time.time()}
     with open(os.path.join(partial, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
@@ -71,6 +75,32 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"{path!r} holds a checkpoint of format {manifest.get('format')!r} version "
                               f"{manifest.get('version')}; this fxpipe reads {FORMAT!r} up to version {VERSION}")
     return manifest
+
+
+def latest(directory: str | os.PathLike) -> str | None:
+    """Return the newest complete checkpoint directly under ``directory``, or None if there is none.
+
+    Complete means published by :func:`fxpipe.save` on every rank (its manifest is there);
+    a save killed half way (``*.incomplete``) and a replaced one (``*.old``) are skipped.
+    Newest is the one saved last (the manifest's time; its file's time for older ones).
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return None
+    found: list[tuple[float, str]] = []
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        manifest = os.path.join(path, MANIFEST)
+        if name.endswith((".incomplete", ".old")) or not os.path.isfile(manifest):
+            continue
+        try:
+            with open(manifest) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            continue  # unreadable: not a checkpoint to resume from
+        if info.get("format") == FORMAT:
+            found.append((float(info.get("saved_at") or os.path.getmtime(manifest)), path))
+    return max(found)[1] if found else None
 
 
 def read_keys(path: str, wanted: dict[str, Any]) -> dict[str, Any]:

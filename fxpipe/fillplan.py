@@ -95,8 +95,12 @@ def _own_keys(module: nn.Module) -> list[int]:
 
 
 def plan_fill(model: nn.Module, table: dict[int, TensorInfo], source: WeightSource | None,
-              init: Callable[[nn.Module], Any] | None) -> FillPlan:
-    """Decide each tensor's source; raise :class:`WeightsError` for what no step could fill."""
+              init: Callable[[nn.Module], Any] | None, leave: bool = False) -> FillPlan:
+    """Decide each tensor's source; raise :class:`WeightsError` for what no step could fill.
+
+    ``leave``: a tensor the source lacks stays as it is, on meta or not (loading a checkpoint
+    into a pipe: non-persistent buffers, and other ranks' tensors, are none of its business).
+    """
     known = {n for info in table.values() for n in info.names}
     if source is not None:
         source.fit(known)
@@ -119,7 +123,7 @@ def plan_fill(model: nn.Module, table: dict[int, TensorInfo], source: WeightSour
             from_source[key] = hit
         elif source is not None and info.persistent and init is None and not _counter(info):
             missing.append(repr(info.names[0]))
-        elif info.tensor.is_meta:
+        elif info.tensor.is_meta and not leave:
             to_init.add(key)
     if mismatched:
         cast = (" or, for another dtype, cast the model to it first (model.to(dtype) works on meta)"

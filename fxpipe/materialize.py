@@ -77,14 +77,15 @@ def materialize(model: nn.Module, device: Any = "cpu", init: Init | None = None,
 
 
 def fill(model: nn.Module, placement: Mapping[int, torch.device], *, source: WeightSource | None,
-         init: Init | None, seed: int) -> None:
+         init: Init | None, seed: int, leave: bool = False) -> None:
     """Materialize and fill the tensors ``placement`` names (``id(tensor) -> device``).
 
     Every check covers the whole model, so each rank of a pipeline refuses the same bad input;
-    only the placed tensors are allocated and read.
+    only the placed tensors are allocated and read. ``leave``: what the source lacks is left
+    as it is instead of initialised (a checkpoint's load).
     """
     table = tensor_table(model)
-    plan = plan_fill(model, table, source, init)
+    plan = plan_fill(model, table, source, init, leave)
     if not plan.from_source and not plan.to_init:
         return
     done: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor now real, its meta original)

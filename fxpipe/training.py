@@ -45,6 +45,7 @@ def clip_grad_norm_(pipe: Any, max_norm: float, norm_type: float = 2.0,
     params = [p for p in pipe.parameters() if p.grad is not None]
     if layout is None:  # one process holds everything
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+    runtime.ready()  # after a failed step: every rank back on fresh connections
     norm_type = float(norm_type)
     held = {id(p) for j in runtime.workers for p in pipe.stages[j].parameters()}
     not_mine = {id(p) for _, tied, first in runtime.tied if not first for p in tied}  # counted on the tie's first

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 import time
-import traceback
 
 import torch
 import torch.nn.functional as F
@@ -72,15 +70,19 @@ def tied4(rank, world, schedule):
 
 
 def shape(rank, world, schedule):
+    """Another spatial size runs equal to eager; another dtype is refused on every rank; the pipe goes on."""
     torch.manual_seed(0)
     model = UNet(depth=2, base=4).eval()
+    eager = copy.deepcopy(model)
     pipe = fxpipe.compile(model, world, example_inputs=(torch.randn(4, 3, 16, 16),), chunks=2,
                           runtime="distributed", timeout=60, schedule=schedule)
-    x = torch.randn(4, 3, 16, 12)
+    x, y = torch.randn(4, 3, 16, 12), torch.randn(4, 2, 16, 12)
+    loss = pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss)
+    out = {"resized_error": max_relative_error(loss, F.mse_loss(eager(x), y))}
     try:
-        pipe.step(x if rank == 0 else None, target=torch.randn(4, 2, 16, 12), loss_fn=F.mse_loss)
+        pipe.step(x.double() if rank == 0 else None, target=y.double(), loss_fn=F.mse_loss)
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        out = {"type": type(exc).__name__, "message": str(exc)}
+        out.update(type=type(exc).__name__, message=str(exc))
     x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 2, 16, 16)
     out["after"] = float(pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss))  # the refusal did no harm
 
@@ -385,27 +387,6 @@ CASES = {"values": values, "unet": unet, "tied": tied, "unet4": unet4, "tied4": 
          "raises": raises, "dies": dies, "meta": meta, "resume_first": resume_first, "resume_second": resume_second,
          "marked": marked, "sends_let_go": sends_let_go,
          "unet_nccl": on_gpus(unet), "tied_nccl": on_gpus(tied)}
-
-
-def run(rank: int, world: int, port: int, case: str, schedule: str, outdir: str) -> None:
-    """Entry point of one spawned rank: run a case, write the result as JSON."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), FXPIPE_TEST_DIR=outdir)
-    torch.set_num_threads(1)
-    if torch.cuda.is_available() and not case.endswith("_nccl"):
-        # these cases run on the CPU: with CUDA present fxpipe would pick NCCL and a GPU per rank
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-    try:
-        result = {"ok": True, **CASES[case](rank, world, schedule)}
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        result = {"ok": False, "type": type(exc).__name__, "message": str(exc),
-                  "traceback": traceback.format_exc()}
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if not result["ok"] and case == "raises":
-        raise SystemExit(1)  # a failing rank exits like a script with an uncaught exception
 
 
 # -- pipeline x data parallel: 4 ranks, 2 replicas of a 2-rank pipeline ------------------------

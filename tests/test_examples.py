@@ -1,17 +1,12 @@
 """The example scripts run as their docstrings say."""
 
 import os
-import socket
 import subprocess
 import sys
 
+from launch import free_port as _free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_train_distributed_resumes_equal_to_an_unbroken_run():

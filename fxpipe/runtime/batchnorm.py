@@ -27,7 +27,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from fxpipe.runtime.checkpoint import is_recomputing
 
-__all__ = ["commit_batch_norm", "defer_batch_norm"]
+__all__ = ["commit_batch_norm", "defer_batch_norm", "discard_batch_norm"]
 
 
 class _Sums(Protocol):
@@ -81,6 +81,12 @@ def _deferred_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
                 sums._fxpipe_sum_squares += squares
             sums._fxpipe_count += x.numel() // x.shape[1]
     return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+
+def discard_batch_norm(modules: Iterable[_BatchNorm]) -> None:
+    """Drop the sums a failed step accumulated: the running statistics stay as they were."""
+    for bn in modules:
+        _reset(bn)
 
 
 def commit_batch_norm(modules: Iterable[_BatchNorm]) -> None:

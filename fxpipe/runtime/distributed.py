@@ -8,11 +8,21 @@ inputs and publishes the micro-batch layout; every rank sizes its receive buffer
 the rank holding the last stage computes the loss, which every rank returns. Parameters
 used by stages on several ranks (tied embeddings) live on each of those ranks, start equal,
 and get their gradients summed over them after each step (:mod:`fxpipe.runtime.procgroup`).
+
+A step that fails on one rank fails on every rank, and leaves the pipe usable::
+
+    rank r raises ──▶ posts why, closes its connections ──▶ every peer raises PeerFailure naming it
+    next call     ──▶ every rank drops the failed step's state, meets the others, fresh connections
+
+(:mod:`fxpipe.runtime.failure`). A rank that died stops the others for good: they keep raising,
+naming it, until the job restarts. Under data parallel a failure ends the pipe too: the replicas'
+gradient reductions cannot be realigned, so restart from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -21,15 +31,15 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from fxpipe.errors import PeerFailure, ScheduleError
+from fxpipe.errors import PeerFailure, PipelineInputError, ScheduleError
 from fxpipe.plan import PipelinePlan
 from fxpipe.runtime import steplayout
 from fxpipe.runtime.actions import ActionInterpreter, Program, program_for
-from fxpipe.runtime.batchnorm import commit_batch_norm
+from fxpipe.runtime.batchnorm import commit_batch_norm, discard_batch_norm
 from fxpipe.runtime.comm import Comm, on_every_rank
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
 from fxpipe.runtime.microbatch import gather, micro_losses
-from fxpipe.runtime.procgroup import Layout
+from fxpipe.runtime.procgroup import Layout, Ties, reopen_pipeline
 from fxpipe.runtime.schedule import Schedule
 from fxpipe.runtime.signature import CallSignature
 from fxpipe.runtime.stagecall import StageCall
@@ -45,14 +55,14 @@ class DistributedRuntime:
     """This rank's share of a distributed pipeline: its stages, its program, its messages."""
 
     def __init__(self, plan: PipelinePlan, gm: torch.fx.GraphModule, layout: Layout, calls: Sequence[StageCall],
-                 comm: Comm, signature: CallSignature, tied: list[tuple[Any, list, bool]], schedule: Schedule) -> None:
+                 comm: Comm, signature: CallSignature, ties: Ties, schedule: Schedule) -> None:
         self.plan = plan
         self.gm = gm
         self.rank = rank = layout.rank
         self.device = calls[0].device
         self.comm = comm
         self.signature = signature
-        self.tied = tied
+        self.ties = ties
         self.schedule = schedule
         self.world = schedule.world
         self.first = schedule.ranks[0]  # the rank that splits the inputs
@@ -72,6 +82,12 @@ class DistributedRuntime:
         self.grad_sync: GradSync | None = None  # data parallel, set by the build
         self.sync = True  # reduce gradients over replicas and ties this step (off inside pipe.no_sync())
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
+        self.broken: str | None = None  # why the last step failed, until every rank is back
+
+    @property
+    def tied(self) -> list[tuple[Any, list, bool]]:
+        """Return this rank's ties: (group, parameters, whether this rank is the tie's first)."""
+        return self.ties.mine
 
     def code(self) -> str:
         """Return the actions this rank runs in a step of ``plan.chunks`` micro-batches."""
@@ -93,13 +109,17 @@ class DistributedRuntime:
         return self._programs[(kind, m)]
 
     # -- running ----------------------------------------------------------------------------
-    def _run(self, args: tuple, kwargs: dict, losses_for: Callable | None, training: bool, grad: bool):
+    def _run(self, args: tuple, kwargs: dict, losses_for: Callable | None, training: bool, grad: bool,
+             target: Any = None):
         """Run one step's actions on this rank; return the runner."""
         if self.rank == self.first:
-            header, mbs = steplayout.publish(self, args, kwargs, training)
+            header, mbs = steplayout.publish(self, args, kwargs, training, has_target=target is not None)
         else:
             header, mbs = steplayout.receive(self), []
         m = len(header["specs"])
+        if losses_for is not None and self.last:
+            self._check_target(target, header)
+
         kind = "train" if grad else "forward"
         try:
             programs = self._programs_for(kind, m)
@@ -123,6 +143,7 @@ class DistributedRuntime:
             runner.run(programs[self.rank])
         except BaseException:
             transport.abandon()
+            runner.begin(m, {}, checkpointing=False)  # hold nothing of the failed step
             raise
         transport.finish()
         self.comm.flush()
@@ -130,18 +151,52 @@ class DistributedRuntime:
             commit_batch_norm(self.deferred)
         return runner
 
+    def _check_target(self, target: Any, header: dict) -> None:
+        """Refuse, on the loss's rank, a step whose target was passed on the first rank instead of here."""
+        if target is None and header.get("target_on_first") and self.first != self.rank:
+            raise PipelineInputError(
+                f"pipe.step got target=None on rank {self.layout.global_ranks[self.rank]}, which computes "
+                f"the loss, and a target on rank {self.layout.global_ranks[self.first]}, which splits the "
+                f"inputs: pass the target on {steplayout.holders(self, self.last_rank, 'the last stage')} "
+                f"(pipe.plan.stages[-1].on_rank is the pipeline rank); every rank may pass both")
+
+    def ready(self) -> None:
+        """After a failed step, meet every rank again on fresh connections; raise if one is gone."""
+        if self.broken is None:
+            return
+        if self.layout.dp > 1:
+            raise PeerFailure(f"rank {self.layout.global_ranks[self.rank]}: an earlier step failed ({self.broken}); "
+                              "under data parallel the replicas' gradient reductions cannot be realigned after "
+                              "a failure, so restart the job and resume from the last complete checkpoint "
+                              "(fxpipe.latest_checkpoint)")
+        self.comm.board.rejoin()
+        self.comm.reopen(reopen_pipeline(self.layout, self.comm.timeout))
+        self.ties.reopen()
+        self.broken = None
+
+    def _abandon(self, exc: BaseException) -> None:
+        """Close this rank's connections and drop the failed step's state (see the module's picture)."""
+        self.broken = f"{type(exc).__name__}: {exc}".split("\n")[0][:500]
+        traceback.clear_frames(exc.__traceback__)  # the frames hold the step's pending messages
+        self.comm.close()
+        self.ties.close()
+        for worker in self.workers.values():
+            worker.discard()
+        discard_batch_norm(self.deferred)
+
     def _guarded(self, body: Callable[[], Any]) -> Any:
-        """Run ``body``; on any failure here, tell the other ranks before re-raising."""
+        """Run ``body``; on any failure here, tell the other ranks and close the connections, then re-raise."""
+        self.ready()
         try:
             return body()
-        except PeerFailure:
-            raise
         except BaseException as exc:
             if getattr(exc, "fxpipe_on_every_rank", False):
-                raise  # every rank raised it itself
-            held = ", ".join(map(str, self.workers))
-            self.comm.fail(f"rank {self.rank} (stage{'s' if len(self.workers) > 1 else ''} {held}) raised "
-                           f"{type(exc).__name__}: {exc}")
+                raise  # every rank raised it itself, at the same point: nothing is in flight
+            if not isinstance(exc, PeerFailure):
+                held = ", ".join(map(str, self.workers))
+                self.comm.fail(f"rank {self.layout.global_ranks[self.rank]} (stage{'s' if len(self.workers) > 1 else ''} "
+                               f"{held}) raised {type(exc).__name__}: {exc}")
+            self._abandon(exc)
             raise
 
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
@@ -150,7 +205,7 @@ class DistributedRuntime:
             if not torch.is_grad_enabled():
                 raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
             runner = self._run(args, kwargs, lambda batch, m: micro_losses(
-                loss_fn, target, batch, m, self.device, self.signature.finish), training, grad=True)
+                loss_fn, target, batch, m, self.device, self.signature.finish), training, grad=True, target=target)
             if self.sync:  # a tie's accumulated gradients are summed once, at the synced step
                 self._sum_tied()
             if self.last:

@@ -19,7 +19,7 @@ import torch
 
 from fxpipe.plan import PipelinePlan
 from fxpipe.runtime.actions import ActionInterpreter, Program, program_for
-from fxpipe.runtime.batchnorm import commit_batch_norm
+from fxpipe.runtime.batchnorm import commit_batch_norm, discard_batch_norm
 from fxpipe.runtime.codegen import compile_source, gpipe_source
 from fxpipe.runtime.copy import copy
 from fxpipe.runtime.dependency import depend
@@ -103,7 +103,11 @@ class LocalRuntime:
         mbs, batch = self.signature.split(args, kwargs, self.plan.chunks, training, self.devices[0])
         losses = micro_losses(loss_fn, target, batch, len(mbs), self.devices[-1], self.signature.finish)
         if self.plan.schedule == "gpipe":
-            outputs = self.run(mbs, training)
+            try:
+                outputs = self.run(mbs, training)
+            except BaseException:
+                discard_batch_norm(self.deferred)
+                raise
             if training:
                 commit_batch_norm(self.deferred)
             total = sum((losses[i](out) for i, out in enumerate(outputs[1:], 1)), losses[0](outputs[0]))
@@ -113,7 +117,13 @@ class LocalRuntime:
         transport.inputs = mbs
         interpreter = ActionInterpreter(self.plan, self.workers, transport, self.threads)
         interpreter.begin(len(mbs), losses, checkpointing=training)
-        interpreter.run(self.program(len(mbs), "actions")[1])
+        try:
+            interpreter.run(self.program(len(mbs), "actions")[1])
+        except BaseException:  # the pipe stays usable: nothing of the failed step is kept
+            for worker in self.workers.values():
+                worker.discard()
+            discard_batch_norm(self.deferred)
+            raise
         if training:
             commit_batch_norm(self.deferred)
         assert interpreter.total is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fxpipe import passes
 from fxpipe.runtime.placement import named_tensors
 
-__all__ = ["Layout", "agree_on_stages", "check_launched_world", "check_world", "setup_distributed", "tied_groups"]
+__all__ = ["Layout", "Ties", "agree_on_stages", "check_launched_world", "check_world", "init_distributed",
+           "reopen_pipeline", "setup_distributed", "tied_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +70,8 @@ def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1, d
         if missing:
             raise ValueError(f"runtime='distributed' needs a process group: launch with "
                              f"`torchrun --nproc-per-node {want} script.py` (missing {missing}) "
-                             "or call torch.distributed.init_process_group first")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        backend = "nccl" if torch.cuda.is_available() and local < torch.cuda.device_count() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(local)
-        elif torch.cuda.is_available():
-            log.warning("local rank %d has no GPU of its own (%d visible): running on CPU with gloo",
-                        local, torch.cuda.device_count())
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+                             "or call fxpipe.init_distributed() first")
+        init_distributed(timeout)
     world, me = dist.get_world_size(), dist.get_rank()
     check_world(world, n_stages, stages_per_rank, data_parallel)
     backend = dist.get_backend()
@@ -90,6 +84,36 @@ def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1, d
     return Layout(rank=grid[replica].index(me), replica=replica, pp=pp, dp=len(grid), device=device,
                   pp_group=groups[replica], global_ranks=grid[replica], mesh=mesh,
                   dp_group=mesh.get_group("dp") if mesh is not None else None)
+
+
+def init_distributed(timeout: float = 300.0) -> None:
+    """Join the job's default process group from torchrun's environment, safely across restarts.
+
+    NCCL when this process has a GPU of its own (``LOCAL_RANK``), else gloo. Under torchrun the
+    agent hosts one store for every restart round, and ``torch.distributed.init_process_group``
+    keys the ranks' addresses in it the same way each round: a restarted rank can read the
+    address of a process of the previous round and fail or hang connecting to it. Here each
+    round's keys live under a prefix of its own (``TORCHELASTIC_RESTART_COUNT``).
+    """
+    if dist.is_initialized():
+        return
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = "nccl" if torch.cuda.is_available() and local < torch.cuda.device_count() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+    elif torch.cuda.is_available():
+        log.warning("local rank %d has no GPU of its own (%d visible): running on CPU with gloo",
+                    local, torch.cuda.device_count())
+    wait = timedelta(seconds=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=wait)
+        round_ = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"fxpipe/round{round_}/default_pg", store),
+                                rank=rank, world_size=world, timeout=wait)
+    else:  # rank 0 hosts a new store each time the job starts
+        dist.init_process_group(backend, timeout=wait)
 
 
 def check_world(world: int | None, n_stages: int, stages_per_rank: int = 1, data_parallel: int = 1) -> None:
@@ -134,11 +158,8 @@ def agree_on_stages(gm: torch.fx.GraphModule, n_stages: int) -> None:
 
 
 def tied_groups(stages: Sequence[torch.fx.GraphModule], rank_of: Sequence[int], layout: Layout,
-                timeout: float) -> list[tuple[Any, list, bool]]:
-    """Create a group per set of ranks sharing tensors; return this rank's (group, parameters, first).
-
-    ``first`` tells whether this rank is the tie's lowest, which counts the parameters once
-    (in a gradient norm).
+                timeout: float) -> Ties:
+    """Create a group per set of ranks sharing tensors; return this rank's ties (:class:`Ties`).
 
     ``rank_of`` gives each stage's rank. Every rank calls this with the same stages, so groups
     are created in the same order. The shared tensors are made equal to those of the lowest
@@ -155,15 +176,56 @@ def tied_groups(stages: Sequence[torch.fx.GraphModule], rank_of: Sequence[int], 
     for key, holding in holders.items():
         if len(holding) > 1:
             by_ranks.setdefault(tuple(sorted(holding)), []).append(tensors[key])
-    mine = []
+    ties = Ties(timeout=timeout)
     rows = layout.mesh.mesh.tolist() if layout.mesh is not None else [layout.global_ranks]
     for ranks in sorted(by_ranks):
         for row in rows:  # every process creates every replica's group, in the same order
             members = [row[r] for r in ranks]
+            ties.members.append(members)
             group = dist.new_group(members, timeout=timedelta(seconds=timeout))
             if row is rows[layout.replica] and layout.rank in ranks:
                 for t in by_ranks[ranks]:
                     dist.broadcast(t.data, src=members[0], group=group)
-                mine.append((group, [t for t in by_ranks[ranks] if isinstance(t, torch.nn.Parameter)],
-                             layout.rank == ranks[0]))
-    return mine
+                ties.index.append(len(ties.members) - 1)
+                ties.mine.append((group, [t for t in by_ranks[ranks] if isinstance(t, torch.nn.Parameter)],
+                                  layout.rank == ranks[0]))
+    return ties
+
+
+@dataclass
+class Ties:
+    """This rank's tied tensors: per tie its (group, parameters, first) in ``mine``.
+
+    ``first`` tells whether this rank is the tie's lowest, which counts the parameters once
+    (in a gradient norm). ``members`` lists every tie group the processes created, in order,
+    and ``index`` which of them each of ``mine`` is, so that :meth:`reopen` can create them
+    anew the same way on every rank after a failed step.
+    """
+
+    timeout: float
+    mine: list[tuple[Any, list, bool]] = field(default_factory=list)
+    members: list[list[int]] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Drop this rank's tie groups, so that a peer waiting in a tie's reduction fails at once."""
+        for group, _, _ in self.mine:
+            try:
+                dist.destroy_process_group(group)
+            except Exception as exc:  # noqa: BLE001 - closing after a failure: nothing more to do
+                log.debug("closing a tie group: %s", exc)
+        self.mine = [(None, params, first) for _, params, first in self.mine]
+
+    def reopen(self) -> None:
+        """Create every tie group anew (every rank, the same order) after a failed step."""
+        groups = [dist.new_group(m, timeout=timedelta(seconds=self.timeout)) for m in self.members]
+        self.mine = [(groups[k], params, first) for k, (_, params, first) in zip(self.index, self.mine)]
+
+
+def reopen_pipeline(layout: Layout, timeout: float) -> Any:
+    """Create this pipeline's group anew (every rank of the world, in the same order) and return it."""
+    rows = layout.mesh.mesh.tolist() if layout.mesh is not None else [layout.global_ranks]
+    backend = dist.get_backend()
+    groups = [dist.new_group(row, timeout=timedelta(seconds=timeout), backend=backend) for row in rows]
+    layout.pp_group = groups[layout.replica]
+    return layout.pp_group

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ class CallSignature:
         self.names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         info = getattr(gm.graph._codegen, "pytree_info", None)
         self.flattens_outputs = info is not None and info.out_spec is not None
+        self.warned = False  # that a batch smaller than chunks runs fewer micro-batches (said once)
 
     def bind(self, args: tuple, kwargs: dict) -> list[Any]:
         """Return one value per placeholder for a call with ``args`` and ``kwargs``."""
@@ -34,6 +36,10 @@ class CallSignature:
         batch = batch_size(values, self.names)
         check_inputs(self.gm, values, self.names, training)
         mbs = scatter(values, self.names, chunks)
+        if batch is not None and len(mbs) < chunks and not self.warned:
+            self.warned = True
+            warnings.warn(f"a batch of {batch} row(s) runs as {len(mbs)} micro-batch(es), fewer than chunks={chunks}: "
+                          "a micro-batch holds at least one row (said once per pipe)", stacklevel=5)
         if device is not None:
             mbs = [[to_device(v, device) for v in mb] for mb in mbs]
         return mbs, batch

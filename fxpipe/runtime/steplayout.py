@@ -16,26 +16,65 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from fxpipe import passes
-from fxpipe.errors import PipelineInputError
+from fxpipe.errors import PipelineInputError, PropagationError
 from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.runtime.comm import on_every_rank
 from fxpipe.runtime.stagecall import autocast_state
 
-__all__ = ["check_shapes", "publish", "receive", "specs_for", "tell_all"]
+__all__ = ["check_signature", "holders", "publish", "receive", "specs_for", "tell_all"]
 
 
-def check_shapes(names: list[str], spec: list[Any], example: list[Any]) -> None:
-    """Refuse inputs whose non-batch shape or dtype differs from the example's."""
+def check_signature(names: list[str], spec: list[Any], example: list[Any]) -> None:
+    """Refuse inputs the plan cannot serve: another structure, number of dimensions or dtype than the example's.
+
+    Other sizes are served: the values crossing the stages are propagated anew for each new
+    micro-batch layout (:func:`specs_for`).
+    """
     for name, got, want in zip(names, spec, example):
-        got_leaves, want_leaves = tree_flatten(got)[0], tree_flatten(want)[0]
+        got_leaves, got_tree = tree_flatten(got)
+        want_leaves, want_tree = tree_flatten(want)
+        if got_tree != want_tree:
+            raise PipelineInputError(
+                f"input '{name}' is {_describe(got)}, but the plan was built for {_describe(want)}; the "
+                "stages were traced for that structure, so pass the same kind of value (or compile with "
+                "example inputs of the kind you run)")
         for g, w in zip(got_leaves, want_leaves):
             if isinstance(w, TensorSpec) and isinstance(g, TensorSpec) and (
-                    g.shape[1:] != w.shape[1:] or g.dtype != w.dtype or len(g.shape) != len(w.shape)):
+                    g.dtype != w.dtype or len(g.shape) != len(w.shape)):
                 raise PipelineInputError(
                     f"input '{name}' has shape {tuple(g.shape)} and dtype {g.dtype}, but the plan was "
-                    f"built for shape (batch, {', '.join(map(str, w.shape[1:]))}) and dtype {w.dtype}; "
-                    "the distributed runtime sizes its receive buffers from the plan, so compile with "
-                    "example inputs of the shape you run")
+                    f"built for {len(w.shape)} dimension(s) ({', '.join(map(str, w.shape))} in the example) "
+                    f"and dtype {w.dtype}; sizes may change from step to step, the number of dimensions "
+                    "and the dtype may not: cast the input, or compile with example inputs of that kind")
+
+
+def _describe(value: Any) -> str:
+    """Describe a value's kind briefly, for a refusal."""
+    if isinstance(value, TensorSpec):
+        return f"a tensor of {len(value.shape)} dimension(s)"
+    if isinstance(value, (tuple, list, dict)):
+        return f"a {type(value).__name__} of {len(value)} item(s)"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def holders(runtime: Any, pipeline_rank: int, what: str) -> str:
+    """Name the global rank(s) at ``pipeline_rank`` of every replica, saying they hold ``what``."""
+    layout = runtime.layout
+    grid = layout.mesh.mesh.tolist() if layout.mesh is not None else [layout.global_ranks]
+    ranks = [row[pipeline_rank] for row in grid]
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} ({what})"
+    return f"ranks {', '.join(map(str, ranks))} ({what} in each of the {len(ranks)} replicas)"
+
+
+def _refuse_missing_inputs(runtime: Any, values: list[Any]) -> None:
+    """Refuse a step whose inputs are missing on the rank that splits them, naming the ranks that need them."""
+    if values and all(v is None for v in values) and any(
+            isinstance(leaf, TensorSpec) for leaf in tree_flatten(runtime.example)[0]):
+        raise PipelineInputError(
+            f"pipe.step got no inputs on rank {dist.get_rank()}, which splits them into micro-batches: pass "
+            f"the inputs on {holders(runtime, runtime.first, 'the first stage')}; the other ranks may pass "
+            f"None (the target goes to {holders(runtime, runtime.last_rank, 'the last stage, which computes the loss')})")
 
 
 def _agree_on_batch(batch: int | None, group: Any, replica: int) -> None:
@@ -49,21 +88,47 @@ def _agree_on_batch(batch: int | None, group: Any, replica: int) -> None:
                 "replica averages its gradients with the others', so give each the same batch size")
 
 
-def publish(runtime: Any, args: tuple, kwargs: dict, training: bool) -> tuple[dict, list[list[Any]]]:
-    """On the first stage's rank: check and split the inputs, send the layout; return it and the micro-batches."""
+def publish(runtime: Any, args: tuple, kwargs: dict, training: bool,
+            has_target: bool = False) -> tuple[dict, list[list[Any]]]:
+    """On the first stage's rank: check and split the inputs, send the layout; return it and the micro-batches.
+
+    The layout carries, for each micro-batch layout the pipeline has not seen, the spec of every
+    value crossing a stage boundary (propagated here on fake tensors), so that the other ranks
+    size their receive buffers for a new sequence length without propagating it themselves.
+    """
     try:
-        check_shapes(runtime.signature.names, spec_of(runtime.signature.bind(args, kwargs)), runtime.example)
+        values = runtime.signature.bind(args, kwargs)
+        _refuse_missing_inputs(runtime, values)
+        check_signature(runtime.signature.names, spec_of(values), runtime.example)
         mbs, batch = runtime.signature.split(args, kwargs, runtime.plan.chunks, training, runtime.device)
         specs = [spec_of(mb) for mb in mbs]
         if runtime.layout.dp > 1:
             _agree_on_batch(batch, runtime.layout.dp_group, runtime.layout.replica)
-    except (TypeError, ValueError) as exc:
+        new = _propagate(runtime, specs)
+    except (TypeError, ValueError, PropagationError) as exc:
         tell_all(runtime, {"error": (type(exc).__name__, str(exc))})
         runtime.comm.flush()  # deliver it before this rank's exception ends the process
-        raise on_every_rank(exc)
-    header = {"batch": batch, "specs": specs}
+        if isinstance(exc, PropagationError):
+            exc = PipelineInputError(f"the inputs cannot run through the model: {exc}")
+        raise on_every_rank(exc) from None
+    header = {"batch": batch, "specs": specs, "layouts": new, "target_on_first": has_target}
     tell_all(runtime, header)
     return header, mbs
+
+
+def _propagate(runtime: Any, specs: list[Any]) -> dict[str, Any]:
+    """Propagate the crossing values' specs of every micro-batch layout not seen yet; return the new ones."""
+    new: dict[str, Any] = {}
+    for key, layout in zip(_keys(specs), specs):
+        if key not in runtime.layouts:
+            runtime.layouts[key] = new[key] = passes.value_specs(runtime.gm, list(layout), runtime.crossing)
+    return new
+
+
+def _keys(specs: list[Any]) -> list[str]:
+    """Return the cache key of each micro-batch layout (its specs and the autocast state)."""
+    state = autocast_state()
+    return [repr((layout, state)) for layout in specs]
 
 
 def receive(runtime: Any) -> dict:
@@ -72,7 +137,10 @@ def receive(runtime: Any) -> dict:
     header = runtime.comm.recv_object(first, f"waiting for rank {first}'s inputs")
     if header.get("error"):
         kind, message = header["error"]
+        if kind == "PropagationError":
+            message = f"the inputs cannot run through the model: {message}"
         raise on_every_rank((TypeError if kind == "TypeError" else PipelineInputError)(message))
+    runtime.layouts.update(header["layouts"])
     return header
 
 
@@ -84,11 +152,11 @@ def tell_all(runtime: Any, value: Any) -> None:
 
 
 def specs_for(runtime: Any, header: dict) -> Callable[[int], dict[str, Any]]:
-    """Return micro-batch index -> spec of every crossing value, propagated once per layout."""
-    keys = [repr((layout, autocast_state())) for layout in header["specs"]]
+    """Return micro-batch index -> spec of every crossing value (propagated by the first rank, once per layout)."""
+    keys = _keys(header["specs"])
 
     def specs(i: int) -> dict[str, Any]:
-        if keys[i] not in runtime.layouts:
+        if keys[i] not in runtime.layouts:  # the first rank ran under another autocast state
             runtime.layouts[keys[i]] = passes.value_specs(runtime.gm, list(header["specs"][i]), runtime.crossing)
         return runtime.layouts[keys[i]]
     return specs

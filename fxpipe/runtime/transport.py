@@ -159,9 +159,8 @@ class DistTransport:
             self.comm.wait(works, f"finishing the send of {key} to rank {q}")
 
     def abandon(self) -> None:
-        """Leave the sends not known to have arrived with the comm (a failed step: nobody waits for them)."""
-        self.comm.pending += [(w, None) for works in self.sent.values() for w in works]
-        self.sent = {}
+        """Drop every pending send and receive (a failed step: the runtime closes the connections)."""
+        self.sent, self.pending = {}, {}
 
     # -- receiving, in each peer's order ---------------------------------------------------
     def _await(self, key: Key) -> None:
@@ -175,7 +174,7 @@ class DistTransport:
         works, deliver = self.pending.pop(key)
         kind, j, i = key
         what = f"stage {j}'s {'outputs' if kind == 'F' else 'input gradients'} of micro-batch {i}"
-        self.comm.wait(works, f"receiving {what} on rank {self.rank}")
+        self.comm.wait(works, f"receiving {what} on rank {self.rank}", q)
         deliver()
         self.arrived.add(key)
         self._let_go(q, key)

@@ -112,6 +112,11 @@ class StageWorker:
         """Queue micro-batch ``i``'s weight gradients while deferring; otherwise do nothing."""
         return wgrad.collecting(self._weights[i]) if self.defer and i != self.final else contextlib.nullcontext()
 
+    def discard(self) -> None:
+        """Drop what a failed step left: activations awaiting backward, deferred weight gradients."""
+        self._saved.clear()
+        self._weights.clear()
+
     def pending(self) -> int:
         """Return how many micro-batches hold activations awaiting backward."""
         return len(self._saved)

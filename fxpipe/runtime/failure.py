@@ -1,0 +1,101 @@
+"""Tell every rank of a pipeline why a step failed, and bring them back together for the next one.
+
+The ranks share the rendezvous store. Every key fxpipe writes there lives under one prefix
+per torchrun restart round, pipe and failure count (the *generation*), so nothing from a
+round, a pipe or an earlier failure is read in another::
+
+    fxpipe/<restart round>/<pipe>/<generation>/error        why the step failed (first writer wins)
+    fxpipe/<restart round>/<pipe>/<generation>/back/<rank>  this rank is ready again
+
+    rank r raises   ──▶ posts why, closes its connections (its peers' waits fail at once)
+    a peer's wait   ──▶ reads why: PeerFailure naming rank r; closes its own connections, so
+    fails               the ranks waiting on it wake too. No reason posted: the rank it waited
+                        on died; it posts that, marked fatal
+    the next step   ──▶ every rank posts ``back`` and waits for all; then fresh connections,
+                        generation + 1. A fatal reason, or a rank not back within the timeout,
+                        raises PeerFailure naming it instead
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+from fxpipe.errors import PeerFailure
+
+__all__ = ["FailureBoard"]
+
+log = logging.getLogger(__name__)
+
+_PIPES = itertools.count()  # every rank compiles its pipes in the same order: the same number for each
+
+
+class FailureBoard:
+    """The store keys through which the ranks of one pipeline report failures and rejoin."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: float) -> None:
+        self.store = store
+        self.rank = rank  # pipeline rank
+        self.size = size  # ranks in the pipeline
+        self.timeout = timeout
+        self.generation = 0
+        self.prefix = f"fxpipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_PIPES)}"
+
+    def _key(self, *parts: object) -> str:
+        """Return the store key of ``parts`` in this generation."""
+        return "/".join([self.prefix, str(self.generation), *map(str, parts)])
+
+    def post(self, message: str, fatal: bool = False) -> None:
+        """Post why the step failed, unless a reason is already posted (best effort: the store may be gone)."""
+        try:
+            if not self.store.check([self._key("error")]):
+                self.store.set(self._key("error"), json.dumps({"message": message, "fatal": fatal}))
+        except Exception as exc:  # noqa: BLE001 - the store itself may be down; we are failing anyway
+            log.debug("could not post this rank's failure to the store: %s", exc)
+
+    def read(self, what: str) -> dict[str, Any] | None:
+        """Return the posted reason of this generation (``message``, ``fatal``), or None."""
+        try:
+            if not self.store.check([self._key("error")]):
+                return None
+            return json.loads(self.store.get(self._key("error")).decode())
+        except Exception as exc:  # noqa: BLE001
+            raise PeerFailure(f"rank {self.rank}: lost the rendezvous store while {what} "
+                              f"(the process hosting it, usually rank 0 or torchrun's agent, probably "
+                              f"died): {exc}") from None
+
+    def rejoin(self) -> None:
+        """Wait until every rank of the pipeline is back after a failed step; then start a new generation.
+
+        Raises :class:`PeerFailure` at once when the failure was a death, or naming the ranks
+        that are not back within the timeout.
+        """
+        reason = self.read("rejoining after a failed step")
+        if reason is not None and reason["fatal"]:
+            raise PeerFailure(f"rank {self.rank}: the pipeline lost a rank in an earlier step "
+                              f"({reason['message']}); it cannot go on without it: restart the job "
+                              "(torchrun --max-restarts) and resume from the last complete checkpoint "
+                              "(fxpipe.latest_checkpoint)")
+        keys = [self._key("back", r) for r in range(self.size)]
+        self.store.set(keys[self.rank], "1")
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+        except Exception:  # noqa: BLE001 - the timeout, or the store lost: say which ranks are missing
+            missing = [r for r, k in enumerate(keys) if not self._has(k)]
+            raise PeerFailure(f"rank {self.rank}: after a failed step, rank(s) {missing} did not come back "
+                              f"within {self.timeout:.0f} s (dead, or not calling pipe.step/pipe(x) again); "
+                              "every rank must catch the error and go on together") from None
+        self.generation += 1
+        log.info("pipeline rank %d rejoined its pipeline after a failed step (generation %d)",
+                 self.rank, self.generation)
+
+    def _has(self, key: str) -> bool:
+        """Tell whether ``key`` is in the store (False if the store is gone)."""
+        try:
+            return bool(self.store.check([key]))
+        except Exception:  # noqa: BLE001
+            return False
