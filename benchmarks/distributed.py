@@ -27,7 +27,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from torch import nn
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                 os.path.dirname(os.path.abspath(__file__))]
 import fxpipe  # noqa: E402
+from ports import free_port  # noqa: E402
 from rss import peak_growth  # noqa: E402
 
 
@@ -72,10 +72,6 @@ class ResidualMLP(nn.Module):
         return self.blocks(x)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(rank: int, port: int) -> None:
@@ -238,7 +234,7 @@ def report(out: str, rank: int, value) -> None:
 def _spawn(target, *extra) -> list:
     """Run ``target(rank, port, *extra, out)`` on two spawned ranks; return what each reported (or None)."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report")
         procs = [ctx.Process(target=target, args=(r, port, *extra, out)) for r in range(2)]
@@ -293,7 +289,7 @@ def main() -> None:
     theirs = min((f"pipelining {s}" for s in SCHEDULES + PP_MULTI), key=med.__getitem__)
     print(f"fxpipe's best ({best}) / pipelining 1f1b: {med[best] / med['pipelining 1f1b']:.3f}   "
           f"/ pipelining's best ({theirs}): {med[best] / med[theirs]:.3f}")
-    print(f"speedup over one process over the same micro-batches: " + ", ".join(
+    print("speedup over one process over the same micro-batches: " + ", ".join(
         f"{s} {micro / med[f'fxpipe {s}']:.2f}x" for s in SCHEDULES + MULTI))
     floor = med["halves alone, concurrently"]
     print(f"busy time per rank (halves alone) / torch.distributed.pipelining 1f1b: "

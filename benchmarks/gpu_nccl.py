@@ -15,7 +15,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -25,16 +24,10 @@ import torch
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+from ports import free_port  # noqa: E402
 
 SIZES = {"gpu": {"d": 1024, "hidden": 4096, "blocks": 8, "batch": 4096, "m": 8},
          "standin": {"d": 32, "hidden": 64, "blocks": 4, "batch": 32, "m": 4}}
-
-
-def _free_port() -> int:
-    """Return a TCP port that is free now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, standin: bool, deadline: float, out: str) -> None:
@@ -120,7 +113,7 @@ def measure_nccl(seconds: float, rows: list, standin: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "medians.json")
         deadline = time.time() + 0.8 * seconds
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_rank, args=(r, port, standin, deadline, out)) for r in range(2)]
         for p in procs:
             p.start()

@@ -35,8 +35,9 @@ class PropagationError(RuntimeError):
         self.module = module
 
 
-def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception) -> PropagationError:
-    """Name the node that raised ``exc``, its module, and the likely cause when the graph was traced."""
+def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception, on: str = "the example inputs",
+            advise: bool = True) -> PropagationError:
+    """Name the node that raised ``exc`` on inputs ``on``, its module, and (``advise``) the likely cause."""
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target)
     what = f"{node.op} {target}"
     if node.op == "call_module":
@@ -46,8 +47,8 @@ def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception) -> Pr
     module = stack[-1][0] if stack else None
     where = f"node '{node.name}' ({what})" + (f" in module '{module}' ({_name(stack[-1][1])})" if stack else "")
     first = next((line for line in str(exc).splitlines() if line.strip()), "")
-    message = f"{where} fails on the example inputs: {type(exc).__name__}: {first}"
-    if getattr(gm, "meta", {}).get("fxpipe.tracer") != "export":
+    message = f"{where} fails on {on}: {type(exc).__name__}: {first}"
+    if advise and getattr(gm, "meta", {}).get("fxpipe.tracer") != "export":
         owners = [kind for _, kind in stack if not _from_torch_nn(kind)]
         leaf = (f", or keep the module that holds the check whole with leaf_modules="
                 f"[{_name(owners[-1])}]") if owners else ""

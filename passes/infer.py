@@ -2,7 +2,8 @@
 
 Reads:  the graph, the module's parameter and buffer shapes (those on ``meta`` stand in on the
         inputs' device, so a rank holding one stage of a model built on meta can infer).
-Writes: nothing; returns ``{node name: value}`` with tensors as :class:`TensorSpec`.
+Writes: nothing; returns ``{node name: value}`` with tensors as :class:`TensorSpec`; a node
+        that fails raises :class:`~fxpipe.passes.failure.PropagationError` naming it.
 
 A runtime that must size receive buffers for a micro-batch of ``b`` rows (the distributed
 runtime) calls this with inputs of ``b`` rows; ``annotate`` keeps its per-node metadata for
@@ -11,12 +12,14 @@ the example batch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.fx
 from fxpipe.passes.annotate import TensorSpec, spec_of
+from fxpipe.passes.failure import explain
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -28,12 +31,17 @@ class SpecProp(torch.fx.Interpreter):
 
     def __init__(self, gm: torch.fx.GraphModule, wanted: set[str]) -> None:
         super().__init__(gm)
+        self.gm = gm
+        self.extra_traceback = False  # a failure is named by run_node's PropagationError
         self.wanted = wanted
         self.specs: dict[str, Any] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        """Run one node; record its value's spec if it is wanted."""
-        result = super().run_node(n)
+        """Run one node; record its value's spec if it is wanted; name the node if it fails."""
+        try:
+            result = super().run_node(n)
+        except Exception as exc:  # noqa: BLE001 - re-raised naming the node and its module
+            raise explain(self.gm, n, exc, "these inputs", advise=False) from None
         if n.name in self.wanted:
             self.specs[n.name] = spec_of(result)
         return result
@@ -89,5 +97,10 @@ def value_specs(gm: torch.fx.GraphModule, inputs: list[Any], wanted: Iterable[st
             return v
 
         fake_inputs = tree_map(fake, inputs, is_leaf=lambda v: isinstance(v, TensorSpec))
-        torch.func.functional_call(holder, fake_state, tuple(fake_inputs))
+        quiet = logging.getLogger("torch._subclasses.fake_tensor")
+        level, quiet.level = quiet.level, logging.CRITICAL  # a failing node is raised, named, not logged too
+        try:
+            torch.func.functional_call(holder, fake_state, tuple(fake_inputs))
+        finally:
+            quiet.setLevel(level)
     return prop.specs

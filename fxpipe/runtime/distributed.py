@@ -83,6 +83,7 @@ class DistributedRuntime:
         self.sync = True  # reduce gradients over replicas and ties this step (off inside pipe.no_sync())
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
         self.broken: str | None = None  # why the last step failed, until every rank is back
+        self.target_checked = False  # that the loss's rank has the target when the first rank has one
 
     @property
     def tied(self) -> list[tuple[Any, list, bool]]:
@@ -117,8 +118,8 @@ class DistributedRuntime:
         else:
             header, mbs = steplayout.receive(self), []
         m = len(header["specs"])
-        if losses_for is not None and self.last:
-            self._check_target(target, header)
+        if losses_for is not None and header.get("target_on_first") and not self.target_checked:
+            self._check_target(target)
 
         kind = "train" if grad else "forward"
         try:
@@ -151,14 +152,27 @@ class DistributedRuntime:
             commit_batch_norm(self.deferred)
         return runner
 
-    def _check_target(self, target: Any, header: dict) -> None:
-        """Refuse, on the loss's rank, a step whose target was passed on the first rank instead of here."""
-        if target is None and header.get("target_on_first") and self.first != self.rank:
-            raise PipelineInputError(
-                f"pipe.step got target=None on rank {self.layout.global_ranks[self.rank]}, which computes "
-                f"the loss, and a target on rank {self.layout.global_ranks[self.first]}, which splits the "
-                f"inputs: pass the target on {steplayout.holders(self, self.last_rank, 'the last stage')} "
-                f"(pipe.plan.stages[-1].on_rank is the pipeline rank); every rank may pass both")
+    def _check_target(self, target: Any) -> None:
+        """Refuse on every rank a step whose target was passed on the first rank but not on the loss's rank.
+
+        Asked once per pipe (a script passes its arguments the same way every step), before
+        anything is computed: the loss's rank tells every rank whether it has a target.
+        """
+        if self.first == self.last_rank:
+            return
+        if self.last:
+            verdict = None if target is not None else (
+                f"pipe.step got a target on rank {self.layout.global_ranks[self.first]}, which splits the inputs, "
+                f"but target=None on rank {self.layout.global_ranks[self.rank]}, which computes the loss: pass the "
+                f"target on {steplayout.holders(self, self.last_rank, 'the last stage')} (pipe.plan.stages[-1]"
+                f".on_rank is its pipeline rank); passing the inputs and the target on every rank is fine")
+            steplayout.tell_all(self, verdict)
+            self.comm.flush()
+        else:
+            verdict = self.comm.recv_object(self.last_rank, "waiting for the loss rank's check of the target")
+        if verdict is not None:
+            raise on_every_rank(PipelineInputError(verdict))
+        self.target_checked = True
 
     def ready(self) -> None:
         """After a failed step, meet every rank again on fresh connections; raise if one is gone."""
@@ -178,6 +192,7 @@ class DistributedRuntime:
         """Close this rank's connections and drop the failed step's state (see the module's picture)."""
         self.broken = f"{type(exc).__name__}: {exc}".split("\n")[0][:500]
         traceback.clear_frames(exc.__traceback__)  # the frames hold the step's pending messages
+        self.layout.pp_group = None  # the group's connections close once nothing holds it
         self.comm.close()
         self.ties.close()
         for worker in self.workers.values():

@@ -109,7 +109,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool,
         tell_all(runtime, {"error": (type(exc).__name__, str(exc))})
         runtime.comm.flush()  # deliver it before this rank's exception ends the process
         if isinstance(exc, PropagationError):
-            exc = PipelineInputError(f"the inputs cannot run through the model: {exc}")
+            exc = PipelineInputError(f"the inputs cannot run through the model: {exc} (found on fake tensors before the step: nothing ran)")
         raise on_every_rank(exc) from None
     header = {"batch": batch, "specs": specs, "layouts": new, "target_on_first": has_target}
     tell_all(runtime, header)
@@ -138,7 +138,7 @@ def receive(runtime: Any) -> dict:
     if header.get("error"):
         kind, message = header["error"]
         if kind == "PropagationError":
-            message = f"the inputs cannot run through the model: {message}"
+            message = f"the inputs cannot run through the model: {message} (found on fake tensors before the step: nothing ran)"
         raise on_every_rank((TypeError if kind == "TypeError" else PipelineInputError)(message))
     runtime.layouts.update(header["layouts"])
     return header
