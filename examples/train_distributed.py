@@ -80,7 +80,7 @@ def main() -> None:
                                        "temporary one, which works on one machine)")
     args = parser.parse_args()
     args.stages_per_rank = 2 if args.schedule in ("interleaved", "zbv") else 1
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    fxpipe.init_distributed()  # NCCL with a GPU per process, else gloo; safe across torchrun restarts
     rank, world = dist.get_rank(), dist.get_world_size()
     replica = rank // (world // args.replicas)  # ranks 0..pp-1 are replica 0 (dims ("dp", "pp"))
     generator = torch.Generator().manual_seed(100 + replica)  # each replica its own shard of data
