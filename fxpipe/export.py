@@ -12,8 +12,10 @@ the model's own tensor objects, and whose nodes keep the module they came from i
       └── Parameter objects ◀──────── the same objects ◀───────┘
 
 So gradients land in the model's ``Parameter`` objects and ``pipe.state_dict()`` has the
-model's keys. The graph is fixed to the mode (train or eval) the model was in when exported,
-and to the example's non-batch shapes.
+model's keys. A model built on ``meta`` is exported with its meta tensors presented as fake
+tensors on the example inputs' device (:mod:`fxpipe.exportmeta`); the graph still refers to
+the model's own meta objects, which the stages fill. The graph is fixed to the mode (train or
+eval) the model was in when exported, and to the example's non-batch shapes.
 
 A model may branch on the batch size for speed only (``if x.shape[0] >= 64: x =
 x.contiguous()``, as diffusers' ``Upsample2D`` does): torch.export then refuses an unbounded
@@ -36,6 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.errors import TraceError
+from fxpipe.exportmeta import fake_inputs, fake_state, meta_refusal, refuse_stand_ins, target_device
 
 __all__ = ["export_trace"]
 
@@ -49,8 +52,12 @@ def _batched(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() > 0
 
 
-def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
-    """Export ``model`` with a dynamic batch dim; return the flat GraphModule over its own state."""
+def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None) -> torch.fx.GraphModule:
+    """Export ``model`` with a dynamic batch dim; return the flat GraphModule over its own state.
+
+    Meta tensors of the model (and meta example inputs) are exported as fake tensors on the
+    example inputs' device, else on ``device`` (the stages'), else on CPU; see :mod:`fxpipe.exportmeta`.
+    """
     if not any(_batched(t) for t in tree_flatten((args, kwargs))[0]):
         raise ValueError("tracer='export' needs example_inputs= (or example_kwargs=) holding at "
                          "least one tensor with a batch dimension: torch.export traces with them")
@@ -62,18 +69,25 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphM
     except TypeError as exc:
         raise TypeError(f"the example inputs do not match {type(model).__name__}.forward: {exc}") from None
     rows = next(t.shape[0] for t in tree_flatten((args, kwargs))[0] if _batched(t))
+    target = target_device(args, kwargs, device)
+    args, kwargs = fake_inputs(args, kwargs, target)
 
     def export(batch: Any) -> torch.export.ExportedProgram:
         dynamic = {name: tree_map(lambda t: {0: batch} if _batched(t) else None, value)
                    for name, value in bound.arguments.items()}
         return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
 
-    try:
-        program = export(torch.export.Dim("batch", min=1))
-    except Exception as exc:  # noqa: BLE001 - retried with a bound, or re-raised with the fix
-        program = _bounded(model, export, exc, rows)
+    with fake_state(model, target) as faked:
+        try:
+            program = export(torch.export.Dim("batch", min=1))
+        except Exception as exc:  # retried with a bound, or re-raised with the fix
+            refusal = meta_refusal(model, exc, target, faked)
+            if refusal is not None:
+                raise refusal from exc
+            program = _bounded(model, export, exc, rows)
     gm = program.module()
     _share_state(gm, model)
+    refuse_stand_ins(gm, model)
     gm.meta["fxpipe.tracer"] = "export"
     gm.meta["fxpipe.training"] = model.training
     log.debug("exported %s: %d nodes", type(model).__name__, len(gm.graph.nodes))

@@ -57,7 +57,7 @@ def front_end(model: nn.Module, n_stages: int, *, args: tuple, kwargs: dict | No
         if tracer == "export":
             batch_size([args, kwargs], ["example_inputs", "example_kwargs"])
         gm = trace(model, leaf_modules=leaf_modules, tracer=tracer, example_inputs=args,
-                   example_kwargs=kwargs)
+                   example_kwargs=kwargs, device=devices[0] if devices else None)
 
     # torch.distributed.pipelining's markers (pipe_split(), split_spec=) as split points
     split_points = resolve_split_points(gm, n_stages, split_points, split_spec, saved is not None)

@@ -61,7 +61,8 @@ TRACERS = ("fx", "export")
 def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
           concrete_args: dict[str, Any] | None = None,
           tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
-          example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None) -> torch.fx.GraphModule:
+          example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None,
+          device: Any = None) -> torch.fx.GraphModule:
     """Trace ``model`` into the GraphModule whose node names a plan uses.
 
     ``tracer="fx"`` (the default) traces symbolically: ``leaf_modules`` lists module classes
@@ -69,8 +70,10 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     example because their forward has data-dependent control flow, and ``concrete_args``
     fixes inputs to constants, as in :func:`torch.fx.symbolic_trace`. ``tracer="export"``
     uses ``torch.export`` on ``example_inputs``/``example_kwargs`` with dim 0 dynamic (see
-    :mod:`fxpipe.export`). A callable ``tracer(model)`` may return the GraphModule of any
-    other tracer (Hugging Face's, timm's). Every front end keeps the model's own parameter
+    :mod:`fxpipe.export`); a model built on meta is exported with its tensors as fake
+    tensors on the example inputs' device (``device`` where they are on meta too, else CPU),
+    so code branching on ``x.device.type`` sees a real device type. A callable
+    ``tracer(model)`` may return the GraphModule of any other tracer (Hugging Face's, timm's). Every front end keeps the model's own parameter
     objects and names. The model is not modified. Raises :class:`TraceError` naming the
     module and source line where tracing failed.
     """
@@ -82,7 +85,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
 
         args = example_inputs if isinstance(example_inputs, tuple) else (
             () if example_inputs is None else (example_inputs,))
-        return export_trace(model, args, dict(example_kwargs or {}))
+        return export_trace(model, args, dict(example_kwargs or {}), device=device)
     if callable(tracer):
         gm = tracer(model)
         if not isinstance(gm, torch.fx.GraphModule):

@@ -577,3 +577,17 @@ def dp_resume(rank, world, schedule):
 
 
 CASES.update(dp_resume=dp_resume)
+
+
+def export_meta(rank, world, schedule):
+    """A rotary decoder built on meta, exported (its tensors as fakes on CPU), filled by FQN per rank."""
+    from rotary import RotaryDecoder
+
+    torch.manual_seed(0)
+    reference = RotaryDecoder()  # the same weights on every rank
+    tokens, target = torch.randint(0, 32, (6, 8)), torch.randint(0, 32, (6, 8))
+    return _meta_step(rank, world, RotaryDecoder, reference, tokens, target, token_loss, chunks=3,
+                      schedule=schedule, tracer="export", weights=reference.state_dict())
+
+
+CASES.update(export_meta=export_meta)
