@@ -161,3 +161,21 @@ def chunks_warning(rank, world, schedule):
             ids, target = _tokens(step, 16, batch=2)
             pipe.step(ids, target=target, loss_fn=token_loss)
     return {"warnings": [str(w.message) for w in caught if "micro-batch" in str(w.message)]}
+
+
+def dies_then(rank, world, schedule):
+    """Rank 1 dies in the second step; the others raise, then raise again at once on the next call."""
+    torch.manual_seed(0)
+    pipe = _compile(RopeDecoder(), world, schedule)
+    ids, target = _tokens(1, 16)
+    pipe.step(ids, target=target, loss_fn=token_loss)
+    if rank == 1:
+        os._exit(3)
+    out = {}
+    for label in ("first", "again"):
+        start = time.monotonic()
+        try:
+            pipe.step(ids, target=target, loss_fn=token_loss)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    return out

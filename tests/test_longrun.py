@@ -79,3 +79,52 @@ def test_a_batch_smaller_than_chunks_warns_once(tmp_path):
     assert results[0]["warnings"] == ["a batch of 2 row(s) runs as 2 micro-batch(es), fewer than chunks=4: a "
                                       "micro-batch holds at least one row (said once per pipe)"]
     assert results[1]["warnings"] == []  # only the rank that splits the batch knows
+
+
+def test_a_dead_rank_stops_the_others_for_good_naming_it(tmp_path):
+    results = launch("longrun_cases:dies_then", 3, "1f1b", tmp_path, limit=60)
+    assert results[1] == {"exitcode": 3}
+    for r in (0, 2):
+        assert results[r]["ok"], results[r]
+        kind, message, seconds = results[r]["first"]
+        assert kind == "PeerFailure" and seconds < 10, results[r]
+        assert "rank 1 probably died" in message or "because rank 1 died" in message, message
+        kind, message, seconds = results[r]["again"]
+        assert kind == "PeerFailure" and seconds < 2, results[r]
+        assert "the pipeline lost a rank in an earlier step (rank 1 died" in message
+        assert "resume from the last complete checkpoint (fxpipe.latest_checkpoint)" in message
+
+
+def test_a_failed_step_in_one_process_leaves_nothing_behind():
+    import copy
+
+    import torch
+
+    import fxpipe
+    from longrun_cases import _tokens
+    from models import token_loss
+    from rope import RopeDecoder
+
+    model = RopeDecoder()
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(_tokens(0, 16)[0],), chunks=4, schedule="zb",
+                          devices=["cpu"] * 2)
+
+    def broken(logits, target):
+        raise RuntimeError("broken loss")
+
+    ids, target = _tokens(1, 16)
+    try:
+        pipe.step(ids, target=target, loss_fn=broken)
+    except RuntimeError:
+        pass
+    assert all(w.pending() == 0 for w in pipe._runtime.workers.values())
+    for p in model.parameters():
+        p.grad = None
+    ids, target = _tokens(2, 24)
+    loss = pipe.step(ids, target=target, loss_fn=token_loss)
+    expected = token_loss(eager(ids), target)
+    expected.backward()
+    assert torch.allclose(loss, expected, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
