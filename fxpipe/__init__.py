@@ -8,8 +8,10 @@ consumers, and runs the stages over micro-batches with a generated GPipe executo
 from fxpipe import testing
 from fxpipe.checkpointing import load, load_state_dict, save
 from fxpipe.compiler import compile
+from fxpipe.deferred import deferred_init
 from fxpipe.errors import (
                            CheckpointError,
+                           DeferredInitError,
                            MutationError,
                            NoFeasibleCut,
                            PeerFailure,
@@ -33,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "DeferredInitError",
     "MutationError",
     "NoFeasibleCut",
     "PeerFailure",
@@ -50,6 +53,7 @@ __all__ = [
     "WeightsError",
     "clip_grad_norm_",
     "compile",
+    "deferred_init",
     "grad_scaler",
     "is_checkpointing",
     "is_recomputing",

@@ -16,7 +16,8 @@ from torch import nn
 from fxpipe.build import Materials, build_distributed, build_local
 from fxpipe.fillplan import tensor_table
 from fxpipe.frontend import front_end
-from fxpipe.materialize import check_init, refuse_meta_constants
+from fxpipe.materialize import check_init
+from fxpipe.metatensors import refuse_meta_constants
 from fxpipe.passes.failure import PropagationError
 from fxpipe.pipe import Pipe
 from fxpipe.runtime.checkpoint import CHECKPOINT_MODES
