@@ -11,7 +11,7 @@ An op is kept with its arguments, where a tensor is written as a view of a stora
 base's storage, so they share its group; an op writes the groups of the arguments its schema marks
 mutable (``Tensor(a!)``: in-place ops, ``out=``) and of the storages it creates. ``nn.Parameter``,
 ``register_buffer`` and ``.data`` make no op, but keep the storage, so a parameter is found by its
-storage (:func:`fxpipe.recipes.group_of`). Pure views and metadata ops write nothing and are not kept.
+storage (:func:`fxpipe.recording.group_of`). Pure views and metadata ops write nothing and are not kept.
 
 Construction that needs values (``.item()``, ``.tolist()``, ``if tensor:``, ``nonzero``) cannot run on
 meta and is refused with :class:`DeferredInitError`. Ops on real tensors only (``torch.tensor(data)``,
@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.errors import DeferredInitError
-from fxpipe.recipes import Const, Op, Recording, Ref, ref_of
+from fxpipe.recording import Const, Op, Recording, Ref, ref_of
 
 __all__ = ["deferred_init"]
 

@@ -1,7 +1,5 @@
-"""What ``fxpipe.deferred_init()`` records, and its replay: only the ops a tensor's values depend on.
+"""Replay what ``fxpipe.deferred_init()`` recorded (:mod:`fxpipe.recording`): only the ops a tensor needs.
 
-    record     the ops that create or write storage, in order; a tensor argument is a view of a
-               storage group (one per storage made under the context): :class:`Ref`
     recipe     a meta tensor's storage group and its view of it (shape, strides, offset, dtype)
     slice      the ops that wrote that group, then, for each, the ops that wrote any group it read
                before it ran: the backward slice, in the recorded order
@@ -9,112 +7,31 @@
                each storage made anew; the tensor is its view of its storage
 
 Only the slice runs, so replaying a parameter allocates it and what its values were computed
-from, not the rest of the model. A tensor whose slice reads a meta tensor made outside the
+from, not the rest of the model; a tensor whose storage an ``empty`` made is replayed straight
+into the tensor the stage allocated (no second copy). A tensor whose slice reads a meta tensor made outside the
 recording has no recipe (it is filled as any meta tensor: by ``init=`` or ``reset_parameters()``).
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.errors import DeferredInitError
+from fxpipe.recording import Const, Recording, Ref, group_of, ref_of
 
-__all__ = ["Const", "Op", "Recipe", "Recording", "Ref", "group_of", "recipe_of", "ref_of", "replay", "replay_placed",
-           "slice_ops"]
+__all__ = ["Recipe", "recipe_of", "replay", "replay_placed", "slice_ops"]
 
 log = logging.getLogger(__name__)
 
-_SERIAL = itertools.count()
-# the storages a recording created -> (that recording, its group); an entry goes with its storage
-_OWNER: weakref.WeakKeyDictionary[Any, tuple[Recording, int]] = weakref.WeakKeyDictionary()
-
-
-@dataclass(frozen=True)
-class Ref:
-    """A tensor argument: a view of recorded storage ``group`` (shape, strides, offset, dtype)."""
-
-    group: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class Const:
-    """A real tensor from outside the recording used as an argument, and its version then."""
-
-    tensor: torch.Tensor
-    version: int
-
-
-@dataclass
-class Op:
-    """One recorded op: its arguments flattened (tensors as :class:`Ref`), what it creates, writes, reads."""
-
-    func: Any  # torch._ops.OpOverload
-    spec: Any  # the pytree spec of (args, kwargs)
-    leaves: list
-    creates: list[tuple[int, Ref]]  # (index among the flattened outputs, the storage it makes)
-    writes: frozenset[int]
-    reads: frozenset[int]
-    device: torch.device | None  # the device its factory named (default or explicit), replaced by meta
-
-
-class Recording:
-    """The ops of one ``deferred_init()`` context, in order, and which ops write each storage group."""
-
-    def __init__(self) -> None:
-        self.serial = next(_SERIAL)
-        self.ops: list[Op] = []
-        self.writers: dict[int, list[int]] = {}
-        self.foreign: set[int] = set()  # groups of meta storages made elsewhere: nothing can replay them
-        self._groups: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-        self._count = 0
-
-    def group(self, tensor: torch.Tensor, *, new: bool) -> int:
-        """Return the group of ``tensor``'s storage, giving a storage seen first its own."""
-        storage = tensor.untyped_storage()
-        gid = self._groups.get(storage)
-        if gid is None:
-            gid = self._groups[storage] = self._count
-            self._count += 1
-            if new and storage not in _OWNER:
-                _OWNER[storage] = (self, gid)
-            else:
-                self.foreign.add(gid)
-        return gid
-
-    def knows(self, tensor: torch.Tensor) -> bool:
-        """Tell whether ``tensor``'s storage has a group here already."""
-        return tensor.untyped_storage() in self._groups
-
-    def add(self, op: Op) -> None:
-        """Keep ``op`` and note it among the writers of the groups it writes."""
-        for g in op.writes:
-            self.writers.setdefault(g, []).append(len(self.ops))
-        self.ops.append(op)
-
-
-def group_of(tensor: torch.Tensor) -> tuple[Recording, int] | None:
-    """Return the recording and group that made ``tensor``'s storage, or ``None``."""
-    if not tensor.is_meta:
-        return None
-    return _OWNER.get(tensor.untyped_storage())
-
-
-def ref_of(tensor: torch.Tensor, group: int) -> Ref:
-    """Describe ``tensor`` as a view of storage ``group``."""
-    return Ref(group, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()), tensor.dtype)
+_ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                          torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+                          torch.ops.aten.new_empty_strided.default})  # make storage, write no values
 
 
 @dataclass(frozen=True)
@@ -185,11 +102,22 @@ def _argument(leaf: object, env: dict[int, torch.Tensor], device: torch.device, 
     return leaf
 
 
-def _run(recording: Recording, recipes: Sequence[Recipe], device: torch.device) -> list[torch.Tensor]:
-    """Replay the slice of ``recipes`` (all of ``recording``) on ``device``; return their values."""
+def _run(recording: Recording, recipes: Sequence[Recipe], device: torch.device,
+         into: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """Replay the slice of ``recipes`` (all of ``recording``) on ``device``; return their values.
+
+    A recipe whose storage an ``empty`` made, and which is that whole storage, is replayed into its
+    tensor in ``into`` (allocated already), so no second copy of it is made.
+    """
     env: dict[int, torch.Tensor] = {}
+    targets = {r.view.group: t for r, t in zip(recipes, into) if t is not None and t.device == device}
     for i in slice_ops(recording, {r.view.group for r in recipes}):
         op = recording.ops[i]
+        if op.func in _ALLOCATIONS and len(op.creates) == 1 and op.creates[0][1].group in targets:
+            ref = op.creates[0][1]
+            if ref_of(targets[ref.group], ref.group) == ref:
+                env[ref.group] = targets[ref.group]
+                continue
         args, kwargs = tree_unflatten([_argument(x, env, device, op.func) for x in op.leaves], op.spec)
         outs = tree_flatten(op.func(*args, **kwargs))[0]
         for j, ref in op.creates:
@@ -203,16 +131,22 @@ def _run(recording: Recording, recipes: Sequence[Recipe], device: torch.device) 
     return [_view(env[r.view.group], r.view) for r in recipes]
 
 
-def replay(recipes: Sequence[Recipe], device: torch.device) -> list[torch.Tensor]:
-    """Compute the tensors of ``recipes`` on ``device``, their slices together in recorded order."""
+def replay(recipes: Sequence[Recipe], device: torch.device,
+           into: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+    """Compute the tensors of ``recipes`` on ``device``, their slices together in recorded order.
+
+    ``into`` may give, for each recipe, a tensor on ``device`` of its shape to compute it in.
+    """
+    into = list(into) if into is not None else [None] * len(recipes)
     values: dict[int, torch.Tensor] = {}
     by_recording: dict[int, list[int]] = {}
     for i, r in enumerate(recipes):
         by_recording.setdefault(r.recording.serial, []).append(i)
     with torch.no_grad():
         for serial in sorted(by_recording):
-            mine = [recipes[i] for i in by_recording[serial]]
-            values.update(zip(by_recording[serial], _run(mine[0].recording, mine, device)))
+            mine = by_recording[serial]
+            values.update(zip(mine, _run(recipes[mine[0]].recording, [recipes[i] for i in mine], device,
+                                         [into[i] for i in mine])))
     return [values[i] for i in range(len(recipes))]
 
 
@@ -240,11 +174,13 @@ def replay_placed(table: Mapping[int, object], recipes: Mapping[int, Recipe],
         for fqn, keys in groups:
             device = next(placement[k] for k in keys if k in placement)
             torch.manual_seed(seed_of(fqn))
-            values = replay([recipes[k] for k in keys], device)
+            into = [table[k].tensor if k in placement else None for k in keys]  # type: ignore[attr-defined]
+            values = replay([recipes[k] for k in keys], device, into)
             with torch.no_grad():
-                for key, value in zip(keys, values):
-                    if key in placement:
-                        table[key].tensor.copy_(value)  # type: ignore[attr-defined]
+                for key, value, tensor in zip(keys, values, into):
+                    if tensor is not None:
+                        if value is not tensor:
+                            tensor.copy_(value)
                         filled.add(key)
     log.debug("replayed %d recorded tensor(s) in %d module(s)", len(filled), len(groups))
     return filled
