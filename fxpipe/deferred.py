@@ -45,6 +45,9 @@ _META = torch.device("meta")
 _ACTIVE = threading.local()
 _VALUE_READS = frozenset({"tolist", "numpy", "item", "__bool__", "__float__", "__int__", "__index__",
                           "__complex__", "__array__"})
+# methods whose factories (``self.new_empty``) take self's device and dtype: on a real tensor, eager ones
+_LIKE_SELF = frozenset({"new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "new_tensor",
+                        "__deepcopy__"})
 _HERE = (os.path.join(os.path.dirname(torch.__file__), ""), os.path.join(os.path.dirname(__file__), ""),
          contextlib.__file__)
 
@@ -68,13 +71,24 @@ def _refusal(what: str) -> DeferredInitError:
 
 
 class _Guard(TorchFunctionMode):
-    """Refuse reading a meta tensor's values into Python (``tolist``, ``item``, ``bool``)."""
+    """Refuse reading a meta tensor's values into Python; run a real tensor's ``new_*`` and deepcopy as eager."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         """Refuse a value read of a meta tensor; run everything else as it is."""
         name = getattr(func, "__name__", None)
-        if name in _VALUE_READS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in _VALUE_READS and first is not None and first.is_meta:
             raise _refusal(f"Tensor.{name}()")
+        if name in _LIKE_SELF and first is not None and not first.is_meta:  # its factories take self's device
+            self.recorder.paused += 1
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.recorder.paused -= 1
         return func(*args, **(kwargs or {}))
 
 
@@ -84,9 +98,12 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, recording: Recording) -> None:
         super().__init__()
         self.recording = recording
+        self.paused = 0  # inside a real tensor's new_* or deepcopy: ops run as in eager
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """Run ``func`` on meta (a factory's device replaced), record it, return its meta result."""
+        if self.paused:
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
@@ -175,7 +192,8 @@ def deferred_init() -> Iterator[None]:
     recording = Recording()
     _ACTIVE.on = True
     try:
-        with _Guard(), _Recorder(recording):
+        recorder = _Recorder(recording)
+        with _Guard(recorder), recorder:
             yield
     finally:
         _ACTIVE.on = False

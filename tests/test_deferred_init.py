@@ -99,6 +99,25 @@ def test_random_tensors_have_the_eager_distribution_seeded_per_module():
     assert torch.equal(other.blocks[1].rope.inv_freq, model.blocks[1].rope.inv_freq)
 
 
+def test_deep_copied_layers_start_equal_as_in_eager():
+    def build():  # nn.TransformerEncoder deep-copies one layer; a batch norm's counter is a real torch.tensor(0)
+        with fxpipe.deferred_init():
+            return nn.Sequential(nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 3),
+                                 copy.deepcopy(nn.BatchNorm1d(16)))
+
+    eager = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 3)
+    assert torch.equal(eager.layers[0].linear1.weight, eager.layers[2].linear1.weight)
+    model = fxpipe.materialize(build())
+    for a, b in zip(model[0].layers[0].parameters(), model[0].layers[2].parameters()):
+        assert torch.equal(a, b)  # the copies' numbers are drawn once, from the first copy's stream
+    assert torch.equal(model[1].running_var, torch.ones(16)) and model[1].num_batches_tracked == 0
+    alone = build()
+    weight = alone[0].layers[2].linear1.weight
+    fill(alone, {id(weight): torch.device("cpu")}, source=None, init=None, seed=0)
+    assert torch.equal(weight, model[0].layers[2].linear1.weight)
+    assert [n for n, t in alone.named_parameters() if not t.is_meta] == ["0.layers.2.linear1.weight"]
+
+
 # -- pipelines -----------------------------------------------------------------------------------
 def test_any_split_gives_the_same_values_and_a_step_equals_eager():
     models = []
@@ -155,6 +174,15 @@ def test_weights_win_over_recipes_and_init_over_both():
     for name in ("blocks.0.gate.weight", "embed.weight", "blocks.0.rope.inv_freq", "norm.weight"):
         assert torch.equal(tensors(model)[name], tensors(recorded)[name]), name
     assert torch.equal(model.blocks[0].rope.inv_freq, eager.blocks[0].rope.inv_freq)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_loads_into_a_deferred_model_its_non_persistent_buffers_replayed(tmp_path):
+    real = RopeDecoder()
+    fxpipe.save(fxpipe.compile(real, 2, example_inputs=(IDS,)), tmp_path / "ckpt")
+    model = deferred()
+    fxpipe.load(model, tmp_path / "ckpt")  # the checkpoint holds no inv_freq or mask: their recipes run
+    assert_same(model, real)
 
 
 def test_a_failed_compile_keeps_the_recipes():
