@@ -46,7 +46,7 @@ class Allocations(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.bytes, self.seen, self.calls = 0, set(), []
+        self.bytes, self.seen, self.kept, self.calls = 0, set(), [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -54,6 +54,7 @@ class Allocations(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().data_ptr() not in self.seen:
                 self.seen.add(t.untyped_storage().data_ptr())
+                self.kept.append(t.untyped_storage())  # alive, so no later storage reuses its address unseen
                 self.bytes += t.untyped_storage().nbytes()
         return out
 
