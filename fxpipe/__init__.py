@@ -9,8 +9,10 @@ from fxpipe import testing
 from fxpipe.checkpointing import load, load_state_dict, save
 from fxpipe.ckptdir import latest as latest_checkpoint
 from fxpipe.compiler import compile
+from fxpipe.deferred import deferred_init
 from fxpipe.errors import (
                            CheckpointError,
+                           DeferredInitError,
                            MutationError,
                            NoFeasibleCut,
                            PeerFailure,
@@ -35,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "DeferredInitError",
     "MutationError",
     "NoFeasibleCut",
     "PeerFailure",
@@ -52,6 +55,7 @@ __all__ = [
     "WeightsError",
     "clip_grad_norm_",
     "compile",
+    "deferred_init",
     "grad_scaler",
     "init_distributed",
     "is_checkpointing",

@@ -23,7 +23,8 @@ import torch.fx
 from torch import nn
 
 from fxpipe.errors import PeerFailure
-from fxpipe.materialize import fill, release
+from fxpipe.materialize import fill
+from fxpipe.metatensors import release
 from fxpipe.plan import PipelinePlan
 from fxpipe.runtime.batchnorm import defer_batch_norm
 from fxpipe.runtime.comm import Comm

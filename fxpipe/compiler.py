@@ -16,7 +16,8 @@ from torch import nn
 from fxpipe.build import Materials, build_distributed, build_local
 from fxpipe.fillplan import tensor_table
 from fxpipe.frontend import front_end
-from fxpipe.materialize import check_init, refuse_meta_constants
+from fxpipe.materialize import check_init
+from fxpipe.metatensors import refuse_meta_constants
 from fxpipe.passes.failure import PropagationError
 from fxpipe.pipe import Pipe
 from fxpipe.runtime.checkpoint import CHECKPOINT_MODES
@@ -98,7 +99,9 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     Face shard directory, or a checkpoint saved by :func:`fxpipe.save`; only the owned FQNs
     are read) or by ``init(module)`` (default: each module's ``reset_parameters()``), seeded
     per module FQN from ``seed`` so the weights do not depend on the split (see
-    :func:`fxpipe.materialize`). ``weights`` also overwrites tensors that are already real.
+    :func:`fxpipe.materialize`). A model built under :func:`fxpipe.deferred_init` needs no
+    ``init``: each stage replays what the model's ``__init__`` computed for its own tensors.
+    ``weights`` also overwrites tensors that are already real.
 
     If compile fails, the model is left unmoved and unmodified.
     """

@@ -7,6 +7,7 @@ from fxpipe.passes.failure import PropagationError
 
 __all__ = [
     "CheckpointError",
+    "DeferredInitError",
     "MutationError",
     "NoFeasibleCut",
     "PeerFailure",
@@ -52,6 +53,10 @@ class ScheduleError(ValueError):
 
 class WeightsError(ValueError):
     """Weights or init cannot fill a model's tensors (missing FQN, shape, dtype, no init); names the fix."""
+
+
+class DeferredInitError(WeightsError):
+    """Building under ``fxpipe.deferred_init()`` needed a tensor's values, or recorded what cannot replay."""
 
 
 class CheckpointError(ValueError):

@@ -1,7 +1,9 @@
 """Decide how each tensor of a model gets its values, and refuse what cannot work, reading no data.
 
     every parameter and buffer ──▶ from the weights source (under any of its FQNs)
-                               └─▶ by init (it is on meta and the source lacks it)
+                               └─▶ by init (it is on meta and the source lacks it): by its recipe
+                                   if it was made under ``fxpipe.deferred_init()``, then by init=
+                                   if given; else by init= or its module's ``reset_parameters()``
                                └─▶ left as it is (it is real and nothing replaces it)
 
 Refusals name the FQNs: a source lacking a persistent tensor (when no ``init=`` is given; a
@@ -23,6 +25,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fxpipe.errors import WeightsError
+from fxpipe.recipes import Recipe, recipe_of
 from fxpipe.weights import WeightSource
 
 __all__ = ["FillPlan", "Slot", "TensorInfo", "plan_fill", "tensor_table"]
@@ -65,6 +68,7 @@ class FillPlan:
     from_source: dict[int, str]
     to_init: set[int]
     modules: list[tuple[str, nn.Module, list[int]]]  # (FQN, module, ids of its own tensors), model order
+    recipes: dict[int, Recipe] = field(default_factory=dict)  # the to_init tensors deferred_init recorded
 
 
 def tensor_table(model: nn.Module) -> dict[int, TensorInfo]:
@@ -135,31 +139,45 @@ def plan_fill(model: nn.Module, table: dict[int, TensorInfo], source: WeightSour
                            "give a source that holds them, or init= to initialise what it lacks")
     modules = [(fqn, m, keys) for fqn, m, keys in ((f, m, _own_keys(m)) for f, m in model.named_modules())
                if any(k in to_init for k in keys)]
+    recipes = {key: r for key in to_init if (r := recipe_of(table[key].tensor)) is not None}
     if init is None:
-        _check_init_paths(table, to_init, modules)
-    return FillPlan(from_source, to_init, modules)
+        _check_init_paths(table, to_init - recipes.keys(), modules, deferred=bool(recipes))
+        outside = [repr(info.names[0]) for k, info in table.items() if k in to_init and k not in recipes]
+        if recipes and outside:
+            warnings.warn(f"{len(outside)} meta tensor(s) of a model built under fxpipe.deferred_init() were not "
+                          f"made inside it (made outside, or replaced after it, as model.to(dtype) does): "
+                          f"{_show(outside)}; their modules' reset_parameters() fill them, not the values "
+                          "__init__ gave", stacklevel=3)
+    return FillPlan(from_source, to_init, modules, recipes)
 
 
-def _check_init_paths(table: dict[int, TensorInfo], to_init: set[int],
-                      modules: list[tuple[str, nn.Module, list[int]]]) -> None:
-    """Refuse modules whose meta tensors neither weights nor a ``reset_parameters()`` fill."""
-    stuck = [(fqn, m, [k for k in keys if k in to_init]) for fqn, m, keys in modules
-             if not callable(getattr(m, "reset_parameters", None))]
+def _check_init_paths(table: dict[int, TensorInfo], pending: set[int],
+                      modules: list[tuple[str, nn.Module, list[int]]], deferred: bool = False) -> None:
+    """Refuse modules whose meta tensors neither weights, a recipe nor a ``reset_parameters()`` fill."""
+    stuck = [(fqn, m, ks) for fqn, m, keys in modules if (ks := [k for k in keys if k in pending])
+             and not callable(getattr(m, "reset_parameters", None))]
     if not stuck:
         return
+    if deferred:  # part of the model was recorded: these tensors were made or replaced outside the context
+        raise WeightsError(
+            f"{_show([repr(table[k].names[0]) for _, _, ks in stuck for k in ks])} were not made under "
+            "fxpipe.deferred_init(), though other tensors of the model were (made on meta outside it, or "
+            "replaced after it, e.g. by model.to(dtype), which makes new tensors): run that code inside the "
+            "context, pass weights= or init= for them, or give their modules a reset_parameters()")
     hidden = [repr(table[k].names[0]) for _, _, keys in stuck for k in keys if not table[k].persistent]
     if hidden:
         raise WeightsError(
             f"buffer(s) {_show(hidden)} are not persistent, so no checkpoint holds them, and their "
             "module has no reset_parameters() to compute them; pass init= a function init(module) that "
-            "sets them (it runs on each module a stage owns, after allocation), or give the module a "
-            "reset_parameters()")
+            "sets them (it runs on each module a stage owns, after allocation), give the module a "
+            "reset_parameters(), or build the model under fxpipe.deferred_init(), which records them")
     listed = [f"{repr(fqn) if fqn else 'the root module'} ({type(m).__name__}: "
               f"{', '.join(table[k].names[0] for k in keys)})" for fqn, m, keys in stuck]
     raise WeightsError(
         f"the model is on meta and {len(stuck)} module(s) hold tensors that neither weights= nor an init "
         f"fills (they have no reset_parameters()): {_show(listed)}; pass weights= holding them, init= a "
-        "function init(module) that fills them, or give those modules a reset_parameters()")
+        "function init(module) that fills them, give those modules a reset_parameters(), or build the "
+        "model under fxpipe.deferred_init(), which records the values its __init__ gives them")
 
 
 def _show(names: list[str]) -> str:

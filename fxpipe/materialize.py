@@ -3,6 +3,8 @@
     plan     every tensor to fill: from the weights source (by any of its FQNs) or by init;
              refuse a missing FQN, a shape or dtype mismatch, a module with no init path
     alloc    the asked tensors, empty, on their devices (swapped in: every holder sees them)
+    replay   those made under ``fxpipe.deferred_init()``: their recorded recipes (:mod:`fxpipe.recipes`),
+             seeded from (seed, module FQN); before init= (which wins), after reset_parameters()
     init     each module holding one, in the model's order (a tied tensor's first holder after
              the others: its init wins, as in eager), seeded from (seed, module FQN)
     read     the asked FQNs from the source, nothing else
@@ -19,6 +21,7 @@ allocated for the call, so the random stream is consumed as in the whole model.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -26,14 +29,14 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
-import torch.fx
 from torch import nn
 
 from fxpipe.errors import WeightsError
 from fxpipe.fillplan import FillPlan, plan_fill, tensor_table
+from fxpipe.recipes import replay_placed
 from fxpipe.weights import WeightSource, open_weights
 
-__all__ = ["check_init", "fill", "materialize", "module_seed", "refuse_meta_constants", "release"]
+__all__ = ["check_init", "fill", "materialize", "module_seed"]
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +64,9 @@ def materialize(model: nn.Module, device: Any = "cpu", init: Init | None = None,
     ``weights`` (a state dict, a ``torch.save`` or safetensors file, a Hugging Face shard
     directory or an fxpipe checkpoint) fills tensors by FQN; the rest are initialised by
     ``init(module)``, or by each module's ``reset_parameters()``, seeded per module FQN from
-    ``seed``, as ``fxpipe.compile(..., init=, seed=)`` does for each stage. Tensors that are
-    already real keep their place (and get the source's values if it holds them).
+    ``seed``, as ``fxpipe.compile(..., init=, seed=)`` does for each stage; a model built under
+    :func:`fxpipe.deferred_init` gets the values its ``__init__`` gives (``init=`` still wins).
+    Tensors that are already real keep their place (and get the source's values if it holds them).
     """
     check_init(init, seed)
     dev = torch.device(device)
@@ -91,7 +95,13 @@ def fill(model: nn.Module, placement: Mapping[int, torch.device], *, source: Wei
     done: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor now real, its meta original)
     try:
         marks = _allocate(table, plan, placement, done)
-        _run_init(model, table, plan, placement, init, seed, marks)
+        seed_of = functools.partial(module_seed, seed)
+        if init is None:  # a recorded tensor's recipe wins over reset_parameters(); init= over the recipe
+            _run_init(table, plan, placement, _reset, seed, marks, set())
+            replayed = replay_placed(table, plan.recipes, plan.modules, placement, seed_of)
+        else:
+            replayed = replay_placed(table, plan.recipes, plan.modules, placement, seed_of)
+            _run_init(table, plan, placement, init, seed, marks, replayed)
         wanted = {plan.from_source[key]: table[key].tensor for key in plan.from_source if key in placement}
         if wanted and source is not None:
             source.read(wanted)
@@ -100,8 +110,9 @@ def fill(model: nn.Module, placement: Mapping[int, torch.device], *, source: Wei
         for tensor, original in reversed(done):
             torch.utils.swap_tensors(tensor, original)
         raise
-    log.info("materialized %d tensor(s): %d from %s, %d by init", len(marks) + len(wanted),
-             len(wanted), source.description if source else "no weights", len(marks))
+    log.info("materialized %d tensor(s): %d from %s, %d by init, %d by deferred_init's recipes",
+             len(marks) + len(wanted) + len(replayed), len(wanted), source.description if source else "no weights",
+             len(marks), len(replayed))
 
 
 def _swap_in(tensor: torch.Tensor, device: torch.device, done: list) -> None:
@@ -123,7 +134,7 @@ def _allocate(table: dict, plan: FillPlan, placement: Mapping[int, torch.device]
             continue
         if info.tensor.is_meta and (key in plan.to_init or key in plan.from_source):
             _swap_in(info.tensor, device, done)
-        if key in plan.to_init:
+        if key in plan.to_init and key not in plan.recipes:
             marks[key] = _mark(info.tensor)
     return marks
 
@@ -141,15 +152,15 @@ def _mark(tensor: torch.Tensor) -> int:
     return tensor._version
 
 
-def _run_init(model: nn.Module, table: dict, plan: FillPlan, placement: Mapping[int, torch.device],
-              init: Init | None, seed: int, marks: dict[int, int]) -> None:
-    """Initialise each module holding a placed tensor to init, seeded by its FQN, in model order.
+def _run_init(table: dict, plan: FillPlan, placement: Mapping[int, torch.device], init: Init, seed: int,
+              marks: dict[int, int], replayed: set[int]) -> None:
+    """Initialise each module holding a placed tensor to init (or replayed), seeded by its FQN, in model order.
 
     A tensor tied across modules (an embedding and an output head) keeps the values its first
     holder's init gives it, as in eager where the later module's own tensor is replaced by the
     tie: that module runs after the others holding it (its ``padding_idx`` row stays zero).
     """
-    modules = [(fqn, m, keys) for fqn, m, keys in plan.modules if any(k in marks for k in keys)]
+    modules = [(fqn, m, keys) for fqn, m, keys in plan.modules if any(k in marks or k in replayed for k in keys)]
     first = {id(table[k].slots[0].module) for _, _, keys in modules for k in keys
              if len({id(slot.module) for slot in table[k].slots}) > 1}
     modules.sort(key=lambda item: id(item[1]) in first)  # stable: model order otherwise
@@ -158,7 +169,7 @@ def _run_init(model: nn.Module, table: dict, plan: FillPlan, placement: Mapping[
     cuda = sorted({d.index or 0 for d in placement.values() if d.type == "cuda"})
     with torch.random.fork_rng(devices=cuda):
         for fqn, module, keys in modules:
-            device = next(placement[k] for k in keys if k in marks)
+            device = next(placement[k] for k in keys if k in marks or k in replayed)
             with ExitStack() as temporary:
                 for k in keys:  # the module's other tensors, for the call only: same random stream
                     if table[k].tensor.is_meta:
@@ -166,7 +177,7 @@ def _run_init(model: nn.Module, table: dict, plan: FillPlan, placement: Mapping[
                         _swap_in(table[k].tensor, device, scratch)
                         temporary.callback(torch.utils.swap_tensors, *scratch[0])
                 torch.manual_seed(module_seed(seed, fqn))
-                (init or _reset)(module)
+                init(module)
                 _keep_identity(table, keys, marks)
 
 
@@ -220,49 +231,3 @@ def _unwritten(tensor: torch.Tensor, version: int) -> bool:
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
             return bool(torch.isnan(tensor).all())
         return bool((tensor == torch.iinfo(tensor.dtype).max).all())
-
-
-def refuse_meta_constants(model: nn.Module, gm: torch.fx.GraphModule) -> None:
-    """Refuse tensors the trace computed from meta tensors: they hold no values and no FQN names them.
-
-    torch.fx runs code on buffers while tracing (``torch.cos(self.table)``) and keeps the
-    result as a constant of the graph; from a model on meta that constant is empty.
-    """
-    known = set(tensor_table(model))
-    bad: list[str] = []
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        value = gm
-        for part in node.target.split("."):
-            value = getattr(value, part)
-        if isinstance(value, torch.Tensor) and value.is_meta and id(value) not in known:
-            stack = list((node.meta.get("nn_module_stack") or {}).values())
-            where = f" in module '{stack[-1][0]}' ({getattr(stack[-1][1], '__name__', stack[-1][1])})" if stack else ""
-            bad.append(f"'{node.target}'{where}")
-    if bad:
-        raise WeightsError(
-            f"the traced graph holds {', '.join(bad)}: a tensor torch.fx computed while tracing from "
-            "tensors on meta (it runs code on buffers eagerly and keeps the result), so it holds no "
-            "values and no FQN names it; list that module in leaf_modules= so it runs at run time, "
-            "or build the model on a real device")
-
-
-def release(model: nn.Module, keep: set[int]) -> int:
-    """Swap every real tensor of ``model`` outside ``keep`` for a meta one; return the bytes freed."""
-    freed = 0
-    for key, info in tensor_table(model).items():
-        t = info.tensor
-        if key in keep or t.is_meta:
-            continue
-        empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-        if isinstance(t, nn.Parameter):
-            empty = nn.Parameter(empty, requires_grad=t.requires_grad)
-        try:
-            torch.utils.swap_tensors(t, empty)
-        except RuntimeError as exc:  # a weak reference to it (torch.export's memo) forbids the swap: keep it
-            log.debug("keeping %s real on this rank: %s", info.names[0], exc)
-            continue
-        freed += t.numel() * t.element_size()
-    return freed
-

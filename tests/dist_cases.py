@@ -12,7 +12,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import default_step_loss, max_relative_error
-from models import CNN, AttnBlock, Carrier, Mixed, TiedTransformer, token_loss
+from models import CNN, AttnBlock, Carrier, Mixed, RopeDecoder, TiedTransformer, token_loss
 from unet import UNet
 
 
@@ -230,6 +230,31 @@ def meta(rank, world, schedule):
     return {"unet": a, "tied": b, "cnn": c, "read": source.keys, "missing": _refusal(path, rank, world)}
 
 
+def deferred(rank, world, schedule):
+    """A decoder built under fxpipe.deferred_init(): each rank replays its stage's recipes only."""
+    with fxpipe.deferred_init():
+        model = RopeDecoder()
+    with fxpipe.deferred_init():
+        reference = RopeDecoder()
+    fxpipe.materialize(reference, seed=3)
+    ids = torch.randint(1, 96, (4, 16), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(2))
+    pipe = fxpipe.compile(model, world, example_inputs=(ids,), runtime="distributed", timeout=60, chunks=2,
+                          schedule=schedule, seed=3)
+    held = {id(t) for t in (*pipe.stages[rank].parameters(), *pipe.stages[rank].buffers())}
+    every = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    wrong = [n for n, t in every.items() if t.is_meta == (id(t) in held)]  # held real, the rest meta
+    torch.save({n: t.detach() for n, t in every.items() if not t.is_meta},
+               os.path.join(os.environ["FXPIPE_TEST_DIR"], f"deferred{rank}.pt"))
+    loss = pipe.step(ids if rank == 0 else None, target=target, loss_fn=token_loss)
+    expected = token_loss(reference(ids), target)
+    expected.backward()
+    grads = dict(reference.named_parameters(remove_duplicate=False))
+    errors = {name: max_relative_error(p.grad, grads[name].grad)
+              for name, p in model.named_parameters(remove_duplicate=False) if id(p) in held}
+    return {"wrong": wrong, "loss_error": max_relative_error(loss, expected), "grad_errors": errors}
+
+
 def _refusal(path, rank, world):
     """Compile with weights lacking a tensor of the last stage; return the error this rank raised."""
     state = torch.load(path)
@@ -384,7 +409,7 @@ def on_gpus(case):
 
 
 CASES = {"values": values, "unet": unet, "tied": tied, "unet4": unet4, "tied4": tied4, "shape": shape,
-         "raises": raises, "dies": dies, "meta": meta, "resume_first": resume_first, "resume_second": resume_second,
+         "raises": raises, "dies": dies, "meta": meta, "deferred": deferred, "resume_first": resume_first, "resume_second": resume_second,
          "marked": marked, "sends_let_go": sends_let_go,
          "unet_nccl": on_gpus(unet), "tied_nccl": on_gpus(tied)}
 

@@ -147,6 +147,90 @@ class AttnBlock(nn.Module):
         return self.out(a[0] + h)
 
 
+class RMSNorm(nn.Module):
+    """Root-mean-square norm whose weight starts at ones, made in ``__init__`` (no reset_parameters)."""
+
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class RotaryTable(nn.Module):
+    """Rotary embedding: ``inv_freq`` computed in ``__init__`` (float64, then cast), a non-persistent buffer."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(device="cpu", dtype=torch.float64) / head_dim
+        self.register_buffer("inv_freq", (1.0 / base ** exponents).to(torch.float32), persistent=False)
+
+    def forward(self, x):  # (batch, heads, tokens, head_dim)
+        freqs = torch.outer(torch.arange(x.shape[-2], dtype=torch.float32), self.inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm attention with rotary positions and a causal mask buffer, then a SwiGLU MLP."""
+
+    def __init__(self, d: int, heads: int, hidden: int, seq: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm, self.mlp_norm = RMSNorm(d), RMSNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.rope = RotaryTable(d // heads)
+        self.register_buffer("mask", torch.ones(seq, seq, dtype=torch.bool).tril(), persistent=False)
+        self.gate, self.up = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (m(h).view(b, t, self.heads, d // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, attn_mask=self.mask[:t, :t])
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class RopeDecoder(nn.Module):
+    """A Llama-style decoder whose ``__init__`` makes every value: an embedding with ``padding_idx``,
+    RMSNorms (ones), rotary tables and masks (non-persistent buffers), a post-init like Hugging
+    Face's ``_init_weights`` (normal(0, std), zero biases and padding row), then a tied head."""
+
+    def __init__(self, vocab: int = 96, d: int = 32, heads: int = 4, hidden: int = 64, layers: int = 3,
+                 seq: int = 16, std: float = 0.02) -> None:
+        super().__init__()
+        self.std = std
+        self.embed = nn.Embedding(vocab, d, padding_idx=0)
+        self.blocks = nn.ModuleList([DecoderBlock(d, heads, hidden, seq) for _ in range(layers)])
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.apply(self._init_weights)
+        self.head.weight = self.embed.weight  # tied after the init, as post_init() ties
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=self.std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            module.weight.data.normal_(std=self.std)
+            module.weight.data[module.padding_idx].zero_()
+        elif isinstance(module, RMSNorm):
+            module.weight.data.fill_(1.0)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 def mlp():
     """Return an MLP and its inputs."""
     return MLP(), (torch.randn(7, 16),), {}
