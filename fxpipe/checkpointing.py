@@ -262,7 +262,9 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
         check_optimizer_groups(optimizer, where.model, optim)
     held = {k: (torch.device("cpu") if info.tensor.is_meta else info.tensor.device)
             for k, info in table.items() if not (where.distributed and info.tensor.is_meta)}
-    fill(where.model, held, source=source, init=None, seed=0, leave=True)  # what no checkpoint holds stays
+    # across ranks what no checkpoint holds stays as it is (non-persistent buffers, the other ranks' meta
+    # tensors); a plain module on meta gets it from its recipe or init, as a compile would
+    fill(where.model, held, source=source, init=None, seed=0, leave=where.distributed)
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
         load_optimizer_state(optimizer, where.model, optim)

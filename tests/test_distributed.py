@@ -118,8 +118,9 @@ def test_a_rank_that_dies_stops_the_others(tmp_path):
     assert results[1] == {"exitcode": 3}
     for r in (0, 2):
         assert results[r]["type"] == "PeerFailure", results[r]
-        assert f"rank {r}: communication failed while" in results[r]["message"]
-        assert "(rank 1 probably died, posting no error)" in results[r]["message"]
+        message = results[r]["message"]  # the first to notice says so; the other reads what it posted
+        assert f"rank {r}: communication failed while" in message or f"rank {r} stopped while" in message
+        assert "(rank 1 probably died, posting no error)" in message or "because rank 1 died (rank" in message
 
 
 # -- pipeline x data parallel (4 gloo ranks: 2 replicas x 2 pipeline ranks) --------------------
