@@ -7,7 +7,7 @@ and writes. The passes import torch, torch.fx and networkx, never fxpipe's runti
 from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
-from fxpipe.passes.infer import value_specs
+from fxpipe.passes.infer import Propagator, value_specs
 from fxpipe.passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
 from fxpipe.passes.mutates import is_mutating, written_args
 from fxpipe.passes.order import candidate_orders
@@ -31,6 +31,7 @@ __all__ = [
                               "MutationPlan",
                               "NoFeasibleCut",
                               "Partition",
+                              "Propagator",
                               "SkipRoute",
                               "StagePlan",
                               "TensorSpec",

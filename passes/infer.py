@@ -23,21 +23,28 @@ from fxpipe.passes.failure import explain
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["SpecProp", "value_specs"]
+__all__ = ["Propagator", "SpecProp", "value_specs"]
 
 
 class SpecProp(torch.fx.Interpreter):
-    """Run a GraphModule and keep the spec of the values of the nodes named in ``wanted``."""
+    """Run the nodes a GraphModule needs for ``wanted``; keep the spec of the values of ``wanted``.
+
+    Nodes no wanted value depends on (the last stage's, when the wanted values cross stage
+    boundaries) are skipped.
+    """
 
     def __init__(self, gm: torch.fx.GraphModule, wanted: set[str]) -> None:
         super().__init__(gm)
         self.gm = gm
         self.extra_traceback = False  # a failure is named by run_node's PropagationError
         self.wanted = wanted
+        self.needed = _ancestors(gm, wanted)
         self.specs: dict[str, Any] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        """Run one node; record its value's spec if it is wanted; name the node if it fails."""
+        """Run one needed node; record its value's spec if it is wanted; name the node if it fails."""
+        if n.name not in self.needed and n.op != "output":
+            return None  # the output node returns the skipped nodes as None
         try:
             result = super().run_node(n)
         except Exception as exc:  # noqa: BLE001 - re-raised naming the node and its module
@@ -45,6 +52,20 @@ class SpecProp(torch.fx.Interpreter):
         if n.name in self.wanted:
             self.specs[n.name] = spec_of(result)
         return result
+
+
+def _ancestors(gm: torch.fx.GraphModule, wanted: set[str]) -> set[str]:
+    """Return the names of the wanted nodes, every node they depend on, and every placeholder."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    needed = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    todo = [nodes[w] for w in wanted if w in nodes]
+    while todo:
+        n = todo.pop()
+        if n.name in needed and n.op != "placeholder":
+            continue
+        needed.add(n.name)
+        todo += [a for a in n.all_input_nodes if a.name not in needed]
+    return needed
 
 
 class _Holder(torch.nn.Module):
@@ -59,48 +80,65 @@ class _Holder(torch.nn.Module):
         return self.prop.run(*args)
 
 
-def value_specs(gm: torch.fx.GraphModule, inputs: list[Any], wanted: Iterable[str]) -> dict[str, Any]:
-    """Return the spec of each wanted node's value for placeholder values ``inputs``.
+class Propagator:
+    """Infer the specs of chosen nodes for one input layout after another, on fake tensors.
 
-    ``inputs`` holds one value per placeholder; tensors may be real tensors or
-    :class:`TensorSpec` (made into fake tensors of that shape and dtype).
+    One fake mode and one stand-in per tensor of the module serve every call, so a new
+    layout costs only the propagation of the nodes the chosen ones depend on.
     """
-    prop = SpecProp(gm, set(wanted))
-    holder = _Holder(gm, prop)
-    state: dict[str, torch.Tensor] = dict(holder.named_parameters(remove_duplicate=False))
-    state.update(holder.named_buffers(remove_duplicate=False))
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    devices = [v.device for v in tree_flatten(inputs)[0] if isinstance(v, torch.Tensor) and not v.is_meta]
-    device = devices[0] if devices else torch.device("cpu")  # of stand-ins for meta tensors (not held here)
 
-    made: dict[int, torch.Tensor] = {}  # one stand-in per tensor: tied names share it
+    def __init__(self, gm: torch.fx.GraphModule, wanted: Iterable[str]) -> None:
+        self.prop = SpecProp(gm, set(wanted))
+        self.holder = _Holder(gm, self.prop)
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the tensor, its stand-in)
 
-    def stand_in(v: torch.Tensor) -> torch.Tensor:
-        if id(v) not in made:
-            if hasattr(v, "to_local") and hasattr(v, "placements"):  # sharded by data parallel: whole
-                made[id(v)] = torch.empty(v.shape, dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
-            elif v.is_meta:
-                fake = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
-                made[id(v)] = fake.requires_grad_(v.requires_grad)
-            else:
-                made[id(v)] = mode.from_tensor(v)
-        return made[id(v)]
+    def __call__(self, inputs: list[Any]) -> dict[str, Any]:
+        """Return the spec of each chosen node's value for placeholder values ``inputs``.
 
-    with mode:
-        fake_state = {k: stand_in(v) for k, v in state.items()}
+        ``inputs`` holds one value per placeholder; tensors may be real tensors or
+        :class:`TensorSpec` (made into fake tensors of that shape and dtype).
+        """
+        state: dict[str, torch.Tensor] = dict(self.holder.named_parameters(remove_duplicate=False))
+        state.update(self.holder.named_buffers(remove_duplicate=False))
+        devices = [v.device for v in tree_flatten(inputs)[0] if isinstance(v, torch.Tensor) and not v.is_meta]
+        device = devices[0] if devices else torch.device("cpu")  # of stand-ins for meta tensors (not held here)
+        mode = self.mode
+        with mode:
+            fake_state = {k: self._stand_in(v, device) for k, v in state.items()}
 
-        def fake(v: Any) -> Any:
-            if isinstance(v, TensorSpec):
-                return torch.empty(v.shape, dtype=v.dtype).requires_grad_(v.requires_grad)
-            if isinstance(v, torch.Tensor):
-                return mode.from_tensor(v)
-            return v
+            def fake(v: Any) -> Any:
+                if isinstance(v, TensorSpec):
+                    return torch.empty(v.shape, dtype=v.dtype).requires_grad_(v.requires_grad)
+                if isinstance(v, torch.Tensor):
+                    return mode.from_tensor(v)
+                return v
 
-        fake_inputs = tree_map(fake, inputs, is_leaf=lambda v: isinstance(v, TensorSpec))
-        quiet = logging.getLogger("torch._subclasses.fake_tensor")
-        level, quiet.level = quiet.level, logging.CRITICAL  # a failing node is raised, named, not logged too
-        try:
-            torch.func.functional_call(holder, fake_state, tuple(fake_inputs))
-        finally:
-            quiet.setLevel(level)
-    return prop.specs
+            fake_inputs = tree_map(fake, inputs, is_leaf=lambda v: isinstance(v, TensorSpec))
+            quiet = logging.getLogger("torch._subclasses.fake_tensor")
+            level, quiet.level = quiet.level, logging.CRITICAL  # a failing node is raised, named, not logged too
+            self.prop.specs = {}
+            try:
+                torch.func.functional_call(self.holder, fake_state, tuple(fake_inputs))
+            finally:
+                quiet.setLevel(level)
+        return self.prop.specs
+
+    def _stand_in(self, v: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Return the fake stand-in of a module tensor (one per tensor: tied names share it)."""
+        known = self.made.get(id(v))
+        if known is not None and known[0] is v and not (v.is_meta and known[1].device != device):
+            return known[1]
+        if hasattr(v, "to_local") and hasattr(v, "placements"):  # sharded by data parallel: whole
+            made = torch.empty(v.shape, dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
+        elif v.is_meta:
+            made = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device).requires_grad_(v.requires_grad)
+        else:
+            made = self.mode.from_tensor(v)
+        self.made[id(v)] = (v, made)
+        return made
+
+
+def value_specs(gm: torch.fx.GraphModule, inputs: list[Any], wanted: Iterable[str]) -> dict[str, Any]:
+    """Return the spec of each wanted node's value for placeholder values ``inputs`` (see :class:`Propagator`)."""
+    return Propagator(gm, wanted)(inputs)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from fxpipe import passes
 from fxpipe.errors import PeerFailure, PipelineInputError, ScheduleError
 from fxpipe.plan import PipelinePlan
 from fxpipe.runtime import steplayout
@@ -75,6 +76,7 @@ class DistributedRuntime:
         self.example = [n.meta.get("fxpipe.value") for n in gm.graph.nodes if n.op == "placeholder"]
         self.crossing = sorted({v for s in plan.stages for v in s.outputs})
         self.layouts: dict[str, dict[str, Any]] = {}  # crossing values' specs per micro-batch layout
+        self.propagate = passes.Propagator(gm, self.crossing)  # a new layout's crossing specs, on fake tensors
         self._programs: dict[tuple[str, int], list[Program]] = {}
         self._finals: dict[tuple[str, int], dict[int, int]] = {}
         self._routes: dict[tuple[str, int], tuple] = {}  # what the transport reads off the programs, per step kind

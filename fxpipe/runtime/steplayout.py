@@ -121,7 +121,7 @@ def _propagate(runtime: Any, specs: list[Any]) -> dict[str, Any]:
     new: dict[str, Any] = {}
     for key, layout in zip(_keys(specs), specs):
         if key not in runtime.layouts:
-            runtime.layouts[key] = new[key] = passes.value_specs(runtime.gm, list(layout), runtime.crossing)
+            runtime.layouts[key] = new[key] = runtime.propagate(list(layout))
     return new
 
 
@@ -157,6 +157,6 @@ def specs_for(runtime: Any, header: dict) -> Callable[[int], dict[str, Any]]:
 
     def specs(i: int) -> dict[str, Any]:
         if keys[i] not in runtime.layouts:  # the first rank ran under another autocast state
-            runtime.layouts[keys[i]] = passes.value_specs(runtime.gm, list(header["specs"][i]), runtime.crossing)
+            runtime.layouts[keys[i]] = runtime.propagate(list(header["specs"][i]))
         return runtime.layouts[keys[i]]
     return specs
