@@ -15,7 +15,6 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from fxpipe import passes
 from fxpipe.errors import PipelineInputError, PropagationError
 from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.runtime.comm import on_every_rank
