@@ -2,7 +2,9 @@
 
 ``torch.export`` traces the whole program (Python control flow on shapes included) down to
 ATen ops. fxpipe exports with dim 0 of every batched input dynamic, since micro-batches change
-the batch size, and takes ``ExportedProgram.module()``: one flat GraphModule whose parameters
+the batch size, and its other dims automatic (``Dim.AUTO``: dynamic unless the model's code
+ties them to the example's size, so a sequence length or an image size may change from step to
+step), and takes ``ExportedProgram.module()``: one flat GraphModule whose parameters
 and buffers sit under the model's own qualified names (``layer1.0.conv1.weight``) and are
 the model's own tensor objects, and whose nodes keep the module they came from in
 ``nn_module_stack`` (so ``split_points=["layer3"]`` names modules as with the fx front end)::
@@ -15,7 +17,8 @@ So gradients land in the model's ``Parameter`` objects and ``pipe.state_dict()``
 model's keys. A model built on ``meta`` is exported with its meta tensors presented as fake
 tensors on the example inputs' device (:mod:`fxpipe.exportmeta`); the graph still refers to
 the model's own meta objects, which the stages fill. The graph is fixed to the mode (train or
-eval) the model was in when exported, and to the example's non-batch shapes.
+eval) the model was in when exported, and to the dims torch.export specialised (a conv's
+channels; a size of 0 or 1): :mod:`fxpipe.runtime.validate` refuses other inputs by name.
 
 A model may branch on the batch size for speed only (``if x.shape[0] >= 64: x =
 x.contiguous()``, as diffusers' ``Upsample2D`` does): torch.export then refuses an unbounded
@@ -73,7 +76,8 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     args, kwargs = fake_inputs(args, kwargs, target)
 
     def export(batch: Any) -> torch.export.ExportedProgram:
-        dynamic = {name: tree_map(lambda t: {0: batch} if _batched(t) else None, value)
+        dynamic = {name: tree_map(lambda t: {0: batch, **{d: torch.export.Dim.AUTO for d in range(1, t.dim())}}
+                                  if _batched(t) else None, value)
                    for name, value in bound.arguments.items()}
         return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
 

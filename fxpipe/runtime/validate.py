@@ -39,19 +39,48 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
             _check_static_dims(name, value, expected)
 
 
+def _fixed(d: Any) -> int | None:
+    """Return the size an exported dim is fixed to (an int, or a symbol torch.export specialised), else None."""
+    if isinstance(d, int):
+        return d
+    expr = getattr(getattr(d, "node", None), "expr", None)
+    return int(expr) if expr is not None and getattr(expr, "is_number", False) else None
+
+
+def _range(d: Any) -> tuple[int, int | None] | None:
+    """Return the sizes a dynamic exported dim admits (torch.export's range of its symbol), if known."""
+    node = getattr(d, "node", None)
+    ranges = getattr(getattr(node, "shape_env", None), "var_to_range", {})
+    bounds = ranges.get(getattr(node, "expr", None))
+    if bounds is None:
+        return None
+    try:
+        upper: int | None = int(bounds.upper)
+    except (TypeError, ValueError, AttributeError, OverflowError):  # unbounded (torch's int_oo)
+        upper = None
+    return int(bounds.lower), upper
+
+
 def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Compare the dims an exported placeholder fixed (all but the dynamic ones)."""
+    """Compare the dims an exported placeholder fixed, and the range of its dynamic ones (not the batch's)."""
     if actual.dim() != expected.dim():
         raise PipelineInputError(f"input '{where}' has {actual.dim()} dims but the exported graph "
                                  f"takes {expected.dim()}; give it the example's shape")
-    fixed = [(k, int(d)) for k, d in enumerate(expected.shape) if isinstance(d, int)]
+    for k, d in list(enumerate(expected.shape))[1:]:
+        bounds = None if _fixed(d) is not None else _range(d)
+        if bounds is not None and not (bounds[0] <= actual.shape[k] and (bounds[1] is None or actual.shape[k] <= bounds[1])):
+            raise PipelineInputError(
+                f"input '{where}' has {actual.shape[k]} in dim {k}, but torch.export traced the model for "
+                f"sizes {bounds[0]} to {bounds[1] if bounds[1] is not None else 'any'} there (it specialises "
+                "sizes 0 and 1); export with an example of that size, or use tracer='fx'")
+    fixed = [(k, _fixed(d)) for k, d in enumerate(expected.shape) if _fixed(d) is not None]
     wrong = [(k, d) for k, d in fixed if actual.shape[k] != d]
     if wrong:
-        shape = tuple("*" if not isinstance(d, int) else int(d) for d in expected.shape)
+        shape = tuple("*" if _fixed(d) is None else _fixed(d) for d in expected.shape)
         raise PipelineInputError(
             f"input '{where}' has shape {tuple(actual.shape)} but the exported graph is fixed to "
-            f"{shape} (* = dynamic): torch.export keeps the example's non-batch dims. Export with "
-            f"an example of this shape, or use tracer='fx', whose graph is shape-generic")
+            f"{shape} (* = dynamic): torch.export fixed the dims the model's code ties to the example. "
+            f"Export with an example of this shape, or use tracer='fx', whose graph is shape-generic")
     if actual.dtype != expected.dtype:
         raise PipelineInputError(f"input '{where}' has dtype {actual.dtype} but the exported graph "
                                  f"takes {expected.dtype}")
