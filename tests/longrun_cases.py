@@ -179,3 +179,45 @@ def dies_then(rank, world, schedule):
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
     return out
+
+
+def hf_llama(rank, world, schedule):
+    """Hugging Face Llama from a config: built with deferred_init, exported, new lengths, a failure, a resume."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+
+    def build():
+        with fxpipe.deferred_init():
+            model = LlamaForCausalLM(cfg)
+        return model
+
+    def loss_fn(out, target):
+        return token_loss(out.logits, target)
+
+    eager = fxpipe.materialize(build())  # the same recipes and seeds as the stages replay
+    model = build()
+    pipe = _compile(model, world, schedule, tracer="export")
+    out = {"meta_after_compile": sorted(n for n, t in model.state_dict(keep_vars=True).items()
+                                        if not t.is_meta and n not in pipe.state_dict())}
+    out["errors"] = [_compare(pipe, model, eager, rank, *_tokens(step, t), loss_fn=loss_fn)
+                     for step, t in enumerate([16, 24, 8])]
+
+    def broken(o, target):
+        raise RuntimeError("broken loss")
+
+    try:
+        pipe.step(*_tokens(9, 16)[:1], target=_tokens(9, 16)[1], loss_fn=broken)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["failed"] = type(exc).__name__
+    for p in model.parameters():
+        p.grad = None
+    out["errors"].append(_compare(pipe, model, eager, rank, *_tokens(10, 24), loss_fn=loss_fn))
+    path = os.path.join(os.environ["FXPIPE_TEST_DIR"], "llama")
+    fxpipe.save(pipe, path)
+    fresh_model = build()
+    fresh = _compile(fresh_model, world, schedule, tracer="export")
+    fxpipe.load(fresh, path)  # the rotary tables are in no checkpoint: they stay as replayed
+    out["errors"].append(_compare(fresh, fresh_model, eager, rank, *_tokens(11, 16), loss_fn=loss_fn))
+    return out
