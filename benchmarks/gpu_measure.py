@@ -101,7 +101,7 @@ def _alternating(d: int, layers: int):
 
 def copies_on_compute_stream(pipe) -> None:
     """Make every copy of ``pipe`` run on the compute stream of its device (no copy streams)."""
-    from fxpipe.runtime.stream import current_stream
+    from fxpipe.runtime.stage.stream import current_stream
 
     for call in pipe._runtime.calls:
         def on_compute(i: int, device: torch.device = call.device) -> Any:

@@ -70,7 +70,7 @@ def _rank(rank: int, port: int, args, build: str, weights: str, out: str) -> Non
     _env(rank, port)
     dist.init_process_group("gloo")  # as torchrun scripts do, before anything is measured
     if build == "full, kept":
-        importlib.import_module("fxpipe.build").release = lambda model, keep: 0  # nothing let go
+        importlib.import_module("fxpipe.runtime.build").release = lambda model, keep: 0  # nothing let go
     torch.manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq))
     target = torch.randint(0, args.vocab, (args.batch, args.seq))

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                 os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")]
 import fxpipe  # noqa: E402
-from fxpipe.runtime.procgroup import init_distributed  # noqa: E402
+from fxpipe.runtime.transport.procgroup import init_distributed  # noqa: E402
 from transformer import GPT  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

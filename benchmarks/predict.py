@@ -44,9 +44,9 @@ from transformer import GPT
 from unet import UNet
 
 import fxpipe
-from fxpipe.devices import calibrate_cpu
-from fxpipe.measure import inputs_of_rows, node_profile, rescale, whole_graph
-from fxpipe.tools.planner import search
+from fxpipe.simulate.devices import calibrate_cpu
+from fxpipe.simulate.measure import inputs_of_rows, node_profile, rescale, whole_graph
+from fxpipe.simulate.planner import search
 
 SCHEDULES = ("gpipe", "1f1b", "zb")
 

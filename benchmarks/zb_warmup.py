@@ -26,7 +26,7 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                 os.path.dirname(os.path.abspath(__file__))]
 import fxpipe  # noqa: E402
 from distributed import ResidualMLP, _env, _spawn, model_arguments, time_shuffled  # noqa: E402
-from fxpipe.runtime.schedule import zero_bubble  # noqa: E402
+from fxpipe.runtime.schedules.builtin import zero_bubble  # noqa: E402
 
 
 def _rank(rank: int, port: int, args, out: str) -> None:

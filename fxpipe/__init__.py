@@ -6,10 +6,9 @@ consumers, and runs the stages over micro-batches with a generated GPipe executo
 """
 
 from fxpipe import testing
-from fxpipe.checkpointing import load, load_state_dict, save
-from fxpipe.ckptdir import latest as latest_checkpoint
+from fxpipe.checkpoint.directory import latest as latest_checkpoint
+from fxpipe.checkpoint.saveload import load, load_state_dict, save
 from fxpipe.compiler import compile
-from fxpipe.deferred import deferred_init
 from fxpipe.errors import (
                            CheckpointError,
                            DeferredInitError,
@@ -23,14 +22,15 @@ from fxpipe.errors import (
                            TraceError,
                            WeightsError,
 )
-from fxpipe.materialize import materialize
+from fxpipe.frontend.tracing import trace
+from fxpipe.materialize.deferred import deferred_init
+from fxpipe.materialize.fill import materialize
 from fxpipe.pipe import Pipe
-from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
-from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
-from fxpipe.runtime.procgroup import init_distributed
-from fxpipe.simulate import Simulation, simulate
-from fxpipe.tools.recorder import Timeline, timeline
-from fxpipe.tracing import trace
+from fxpipe.plan.pipeline import PipelinePlan, SkipRoute, StagePlan
+from fxpipe.runtime.observe.timeline import Timeline, timeline
+from fxpipe.runtime.stage.recompute import is_checkpointing, is_recomputing
+from fxpipe.runtime.transport.procgroup import init_distributed
+from fxpipe.simulate.simulation import Simulation, simulate
 from fxpipe.training import clip_grad_norm_, grad_scaler
 
 __version__ = "0.1.0"

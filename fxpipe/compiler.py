@@ -13,22 +13,22 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxpipe.build import Materials, build_distributed, build_local
-from fxpipe.fillplan import tensor_table
-from fxpipe.frontend import front_end
-from fxpipe.materialize import check_init
-from fxpipe.metatensors import refuse_meta_constants
+from fxpipe.frontend.tracing import check_tracer
+from fxpipe.materialize.fill import check_init
+from fxpipe.materialize.fillplan import tensor_table
+from fxpipe.materialize.metatensors import refuse_meta_constants
+from fxpipe.materialize.weights import check_weights
 from fxpipe.passes.failure import PropagationError
 from fxpipe.pipe import Pipe
-from fxpipe.runtime.checkpoint import CHECKPOINT_MODES
-from fxpipe.runtime.comm import Comm
+from fxpipe.plan.assign import front_end
+from fxpipe.plan.saved import PlanLike, load_plan
+from fxpipe.plan.stages import make_plan, split_stages
+from fxpipe.runtime.build import Materials, build_distributed, build_local
 from fxpipe.runtime.placement import resolve_devices
-from fxpipe.runtime.procgroup import agree_on_stages, check_launched_world, setup_distributed
-from fxpipe.runtime.schedule import NAMES, resolve
-from fxpipe.saved import PlanLike, load_plan
-from fxpipe.stages import make_plan, split_stages
-from fxpipe.tracing import check_tracer
-from fxpipe.weights import check_weights
+from fxpipe.runtime.schedules.builtin import NAMES, resolve
+from fxpipe.runtime.stage.recompute import CHECKPOINT_MODES
+from fxpipe.runtime.transport.comm import Comm
+from fxpipe.runtime.transport.procgroup import agree_on_stages, check_launched_world, setup_distributed
 
 __all__ = ["BALANCE_BY", "CHECKPOINT_MODES", "SCHEDULES", "compile"]
 
@@ -61,12 +61,12 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     modules or nodes where stages begin instead. Without them, the model's
     ``torch.distributed.pipelining`` markers say where stages begin: ``pipe_split()`` calls in
     its forward and ``split_spec={fqn: SplitPoint.BEGINNING | SplitPoint.END}``
-    (:mod:`fxpipe.markers`). ``max_memory`` caps every stage's estimated
+    (:mod:`fxpipe.frontend.markers`). ``max_memory`` caps every stage's estimated
     peak memory in bytes (parameters, gradients, activations kept for backward).
     ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"zb"`` (zero bubble: 1F1B whose linears'
-    weight gradients fill the pipeline's idle time; see :mod:`fxpipe.runtime.schedule`), what
+    weight gradients fill the pipeline's idle time; see :mod:`fxpipe.runtime.schedules.builtin`), what
     :meth:`Pipe.step` runs, or your own schedule: action lists, one per stage, as lists of
-    :class:`~fxpipe.runtime.actionlist.Action` or tokens (``"0F3"``), as text (a line per
+    :class:`~fxpipe.runtime.schedules.actions.Action` or tokens (``"0F3"``), as text (a line per
     stage), or the path of a file of that text; it must cover ``chunks`` micro-batches, and it
     is checked for completeness and deadlock before anything runs (:class:`ScheduleError`). ``tracer`` is
     ``"fx"`` (symbolic tracing), ``"export"`` (``torch.export`` on the example inputs, dim 0

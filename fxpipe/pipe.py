@@ -11,7 +11,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxpipe.plan import PipelinePlan
+from fxpipe.plan.pipeline import PipelinePlan
 
 __all__ = ["Pipe"]
 

@@ -8,12 +8,13 @@ import time
 
 import torch
 import torch.nn.functional as F
+from models import CNN, AttnBlock, Carrier, Mixed, RopeDecoder, TiedTransformer, token_loss
 from torch import nn
+from unet import UNet
 
 import fxpipe
+from fxpipe.materialize.weights import WeightSource, open_weights
 from fxpipe.testing import default_step_loss, max_relative_error
-from models import CNN, AttnBlock, Carrier, Mixed, RopeDecoder, TiedTransformer, token_loss
-from unet import UNet
 
 
 def _check_step(rank, world, model, x, target, loss_fn, stages_per_rank=1, **kw):
@@ -170,11 +171,11 @@ def values(rank, world, schedule):
     return {"cases": results}
 
 
-class _Recording(fxpipe.weights.WeightSource):
+class _Recording(WeightSource):
     """A weights source that records the keys it reads."""
 
     def __init__(self, path):
-        self.inner = fxpipe.weights.open_weights(path)
+        self.inner = open_weights(path)
         self.description = self.inner.description
         self.keys: list[str] = []
 
@@ -353,7 +354,7 @@ def resume_second(rank, world, schedule):
 
 def sends_let_go(rank, world, schedule):
     """Count how many sent messages a rank holds at most during a step of 8 micro-batches."""
-    from fxpipe.runtime.transport import DistTransport
+    from fxpipe.runtime.transport.messages import DistTransport
 
     most = [0]
     send = DistTransport._send

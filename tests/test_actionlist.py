@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.runtime.actionlist import Action, check, clocks, format_schedule, load_schedule, lower, parse
-from fxpipe.runtime.schedule import SCHEDULES
+from fxpipe.runtime.schedules.actions import Action, check, clocks, format_schedule, load_schedule, lower, parse
+from fxpipe.runtime.schedules.builtin import SCHEDULES
 from fxpipe.testing import max_relative_error
 from models import TiedTransformer, token_loss
 from unet import UNet

@@ -107,7 +107,7 @@ def test_a_run_on_fake_tensors_accumulates_nothing():
     # on fake tensors, in training mode: that run must not count, or fake sums poison the commit
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxpipe.runtime.batchnorm import commit_batch_norm, defer_batch_norm
+    from fxpipe.runtime.stage.batchnorm import commit_batch_norm, defer_batch_norm
 
     model = Branches().train()
     eager = copy.deepcopy(model)

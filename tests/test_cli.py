@@ -156,7 +156,7 @@ def test_plan_saved_and_reused_and_a_changed_model_refused(models, tmp_path, cap
                      "--json", path]) == 0
     first = capsys.readouterr().out
     saved = json.load(open(path))
-    assert saved["format"] == "fxpipe.plan/1" and len(saved["stages"]) == 3
+    assert saved["format"] == "fxpipe.plan.pipeline/1" and len(saved["stages"]) == 3
     assert cli.main(["inspect", f"{models}:only_model", "--plan", path]) == 0
     again = capsys.readouterr().out
     table = lambda text: text.split("\n", 1)[1]  # noqa: E731 - all but the header line

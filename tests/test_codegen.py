@@ -4,7 +4,7 @@ import torch
 
 import fxpipe
 from fxpipe.runtime.codegen import clock_cycles, gpipe_source
-from fxpipe.plan import PipelinePlan, SkipRoute, StagePlan
+from fxpipe.plan.pipeline import PipelinePlan, SkipRoute, StagePlan
 
 
 def test_clock_cycles_pair_micro_batch_and_stage():

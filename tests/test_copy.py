@@ -2,7 +2,7 @@
 
 import torch
 
-from fxpipe.runtime.copy import copy, wait
+from fxpipe.runtime.stage.copy import copy, wait
 
 
 def test_copy_moves_tensors_at_any_depth():

@@ -1,4 +1,4 @@
-"""Copies between devices on copy streams (fxpipe.runtime.copy and .stream), on real CUDA.
+"""Copies between devices on copy streams (fxpipe.runtime.stage.copy and .stream), on real CUDA.
 
 Every copy waits for the stream that made its input, and the stream that reads its output
 waits for the copy, in forward and in backward; a copy to the CPU is complete when it
@@ -12,8 +12,8 @@ memory that is not yet written instead of passing by luck::
 import pytest
 import torch
 
-from fxpipe.runtime.copy import copy, transfer, wait
-from fxpipe.runtime.stream import current_stream, new_stream, use_stream
+from fxpipe.runtime.stage.copy import copy, transfer, wait
+from fxpipe.runtime.stage.stream import current_stream, new_stream, use_stream
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -1,4 +1,4 @@
-"""The timeline on CUDA (fxpipe.tools.recorder): spans are CUDA events on the stream doing the
+"""The timeline on CUDA (fxpipe.runtime.observe.timeline): spans are CUDA events on the stream doing the
 work, turned into host time when the timeline closes.
 
 A GPU stage that busy-waits 20 ms per micro-batch shows it in its forward events, though
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.tools.recorder import COPY_LANE
+from fxpipe.runtime.observe.timeline import COPY_LANE
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.runtime.stream import use_stream
+from fxpipe.runtime.stage.stream import use_stream
 from fxpipe.testing import max_relative_error
 
 pytestmark = [pytest.mark.cuda,

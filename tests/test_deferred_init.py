@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxpipe
-from fxpipe.materialize import fill, module_seed
+from fxpipe.materialize.fill import fill, module_seed
 from fxpipe.testing import max_relative_error
 from models import RMSNorm, RopeDecoder, token_loss
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from fxpipe.runtime.dependency import depend, fork, join
+from fxpipe.runtime.stage.dependency import depend, fork, join
 
 
 def test_join_links_backward_to_the_fork():

@@ -70,7 +70,7 @@ def test_boundary_edges_and_skip_routes_are_drawn_distinctly(unet_pipe):
     # labels give bytes per micro-batch, as the plan's skip routes do
     for r in plan.skips:
         label = next(attrs for (a, b), attrs in edges.items() if a == r.name and stage[b] == r.dst)
-        assert fxpipe.plan.human(r.bytes, "B") in label
+        assert fxpipe.plan.pipeline.human(r.bytes, "B") in label
 
 
 @pytest.mark.skipif(not dot.graphviz_available(), reason="Graphviz's dot is not installed")

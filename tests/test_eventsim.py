@@ -3,9 +3,9 @@
 import pytest
 
 from fxpipe.errors import ScheduleError
-from fxpipe.eventsim import run
-from fxpipe.runtime.actionlist import Action, parse
-from fxpipe.runtime.schedule import MULTI, SCHEDULES
+from fxpipe.simulate.eventsim import run
+from fxpipe.runtime.schedules.actions import Action, parse
+from fxpipe.runtime.schedules.builtin import MULTI, SCHEDULES
 
 
 def _step(actions, costs, **kw):

@@ -91,7 +91,7 @@ class BranchOnBatch(nn.Module):
 
 
 def test_export_retries_with_the_batch_bound_torch_suggests(caplog):
-    with caplog.at_level("WARNING", logger="fxpipe.export"):
+    with caplog.at_level("WARNING", logger="fxpipe.frontend.export"):
         pipe = assert_pipeline_equivalent(BranchOnBatch(), (torch.randn(8, 8),), n_stages=2, chunks=2,
                                           devices=["cpu"] * 2, tracer="export", schedules=["1f1b"])
     assert "exported with the batch bounded to [1, 63] as torch suggests" in caplog.text
@@ -101,8 +101,8 @@ def test_export_retries_with_the_batch_bound_torch_suggests(caplog):
 
 
 def test_export_retries_with_dim_auto_when_the_suggestion_is_unreadable(monkeypatch, caplog):
-    monkeypatch.setattr(fxpipe.export, "_suggested_batch", lambda message: None)
-    with caplog.at_level("WARNING", logger="fxpipe.export"):
+    monkeypatch.setattr(fxpipe.frontend.export, "_suggested_batch", lambda message: None)
+    with caplog.at_level("WARNING", logger="fxpipe.frontend.export"):
         gm = fxpipe.trace(BranchOnBatch(), tracer="export", example_inputs=(torch.randn(8, 8),))
     assert "bounded to [1, 63]" in caplog.text and gm(torch.randn(63, 8)).shape == (63, 8)
 

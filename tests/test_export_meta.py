@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.exportmeta import target_device
+from fxpipe.frontend.exportmeta import target_device
 from fxpipe.testing import max_relative_error
 from models import token_loss
 from rotary import RotaryDecoder

@@ -94,7 +94,7 @@ def test_worker_threads_compute_a_clock_together_and_equal_eager(monkeypatch):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
 def test_worker_threads_run_a_clock_of_actions_together_and_equal_eager(monkeypatch, schedule):
-    from fxpipe.runtime import threads
+    from fxpipe.runtime.stage import threads
     from fxpipe.runtime.local import LocalRuntime
     from fxpipe.testing import max_relative_error
     from models import TiedTransformer

@@ -6,15 +6,15 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-import fxpipe
-from fxpipe.materialize import fill, module_seed
-from fxpipe.testing import max_relative_error
-from fxpipe.weights import open_weights
 from models import MLP, TiedTransformer
+from torch import nn
 from transformer import GPT
 from unet import UNet
+
+import fxpipe
+from fxpipe.materialize.fill import fill, module_seed
+from fxpipe.materialize.weights import WeightSource, open_weights
+from fxpipe.testing import max_relative_error
 
 
 def gpt_init(module: nn.Module) -> None:
@@ -195,7 +195,7 @@ def test_safetensors_files_and_shards(tmp_path):
     assert_same_state(fxpipe.materialize(on_meta(MLP), weights=shards), real)
 
 
-class Spy(fxpipe.weights.WeightSource):
+class Spy(WeightSource):
     """A source that records which keys it was asked to read."""
 
     def __init__(self, inner):

@@ -5,7 +5,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe import passes
-from fxpipe.measure import inputs_of_rows, measure_nodes
+from fxpipe.simulate.measure import inputs_of_rows, measure_nodes
 
 
 def test_every_compute_node_gets_times_and_the_model_is_untouched():

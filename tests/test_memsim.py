@@ -2,10 +2,10 @@
 
 import pytest
 
-from fxpipe import eventsim, memsim
-from fxpipe.runtime.checkpoint import checkpoint_stop
-from fxpipe.runtime.schedule import SCHEDULES
-from fxpipe.stagecost import StageCost
+from fxpipe.simulate import eventsim, memsim
+from fxpipe.runtime.stage.recompute import checkpoint_stop
+from fxpipe.runtime.schedules.builtin import SCHEDULES
+from fxpipe.simulate.stagecost import StageCost
 
 
 def _walk(schedule, n, m, cost=None, checkpoint="never", device_of=None, optimizer="none", clocked=False):

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.runtime.actionlist import check, clocks, in_flight
-from fxpipe.runtime.multistage import interleaved, loop_placement, v_placement, zbv
-from fxpipe.runtime.schedule import one_f_one_b
+from fxpipe.runtime.schedules.actions import check, clocks, in_flight
+from fxpipe.runtime.schedules.multistage import interleaved, loop_placement, v_placement, zbv
+from fxpipe.runtime.schedules.builtin import one_f_one_b
 from fxpipe.testing import max_relative_error
 from models import TiedTransformer, token_loss
 from unet import UNet

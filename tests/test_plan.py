@@ -4,7 +4,7 @@ import torch
 
 import fxpipe
 from fxpipe import passes
-from fxpipe.plan import PipelinePlan
+from fxpipe.plan.pipeline import PipelinePlan
 from unet import UNet
 
 

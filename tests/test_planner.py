@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.tools.planner import search
+from fxpipe.simulate.planner import search
 
 
 def _model():

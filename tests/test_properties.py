@@ -27,7 +27,7 @@ from torch import nn
 import fxpipe
 from fxpipe import passes
 from fxpipe.passes.cost import COMPUTE_OPS
-from fxpipe.plan import PipelinePlan
+from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.testing import SCHEDULES, assert_pipeline_equivalent
 
 EXAMPLES = int(os.environ.get("FXPIPE_PROPERTY_EXAMPLES", "50"))

@@ -257,7 +257,7 @@ def test_real_model_zero_bubble_step_equals_eager(case):
     import copy
 
     import fxpipe
-    from fxpipe.runtime import wgrad
+    from fxpipe.runtime.stage import wgrad
     from fxpipe.testing import max_relative_error
 
     model, args, kwargs = _build(case)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.tools import recorder
+from fxpipe.runtime.observe import timeline as recorder
 from unet import UNet
 
 M, N = 3, 4

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.plan import PipelinePlan
+from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.testing import assert_pipeline_equivalent
 from models import MLP, TiedTransformer
 from transformer import Block

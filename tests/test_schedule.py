@@ -2,8 +2,8 @@
 
 import pytest
 
-from fxpipe.runtime.actionlist import Action, clocks, in_flight
-from fxpipe.runtime.schedule import one_f_one_b, zero_bubble
+from fxpipe.runtime.schedules.actions import Action, clocks, in_flight
+from fxpipe.runtime.schedules.builtin import one_f_one_b, zero_bubble
 
 SIZES = [(1, 1), (1, 4), (2, 1), (2, 8), (3, 2), (3, 8), (4, 8), (4, 16), (8, 8), (8, 32)]
 

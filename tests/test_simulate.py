@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.devices import NOMINAL, DeviceModel, device_model, parse_bytes
-from fxpipe.eventsim import placement_map
+from fxpipe.simulate.devices import NOMINAL, DeviceModel, device_model, parse_bytes
+from fxpipe.simulate.eventsim import placement_map
 
 # A device where a GEMM FLOP and an element take known times and nothing else costs anything.
 UNIT = DeviceModel("unit", {"float32": 1e9}, memory_bandwidth=8e9, memory=1e12, link_bandwidth=1e9,

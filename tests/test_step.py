@@ -45,7 +45,7 @@ def test_step_mse_unet_uneven_micro_batches(schedule):
 
 
 def test_zero_bubble_step_runs_deferred_weight_gradients_in_w(monkeypatch):
-    from fxpipe.runtime import wgrad
+    from fxpipe.runtime.stage import wgrad
 
     model = TiedTransformer()
     tokens = torch.randint(0, 32, (6, 8))

@@ -119,7 +119,7 @@ def test_plugin_is_registered_as_an_entry_point():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
-    assert project["entry-points"]["pytest11"] == {"fxpipe": "fxpipe.pytest_plugin"}
+    assert project["entry-points"]["pytest11"] == {"fxpipe": "fxpipe.testing.plugin"}
 
 
 def test_plugin_offers_the_fixture(tmp_path):
@@ -136,7 +136,7 @@ def test_plugin_offers_the_fixture(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # -p no:fxpipe: the entry point may point at another checkout; load this one's module
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:fxpipe", "-p",
-                             "fxpipe.pytest_plugin", "-p", "no:cacheprovider", str(tmp_path)],
+                             "fxpipe.testing.plugin", "-p", "no:cacheprovider", str(tmp_path)],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert "1 passed" in result.stdout, result.stdout + result.stderr
 
@@ -144,7 +144,7 @@ def test_plugin_offers_the_fixture(tmp_path):
 def test_pipe_step_is_checked_under_every_schedule(monkeypatch):
     # break the action-list runtime only: each input gradient a stage hands back is doubled,
     # so pipe(x) (autograd across stages) and GPipe's step stay right, 1F1B's and ZB's do not
-    from fxpipe.runtime import worker
+    from fxpipe.runtime.stage import worker
 
     real = worker._grad_of
     monkeypatch.setattr(worker, "_grad_of", lambda leaf: _doubled(real(leaf)))

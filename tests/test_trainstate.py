@@ -3,8 +3,8 @@
 import torch
 from torch import nn
 
-from fxpipe.runtime.batchnorm import commit_batch_norm, defer_batch_norm
-from fxpipe.trainstate import (batch_norm_state, load_optimizer_state, optimizer_state, rng_state,
+from fxpipe.runtime.stage.batchnorm import commit_batch_norm, defer_batch_norm
+from fxpipe.checkpoint.trainstate import (batch_norm_state, load_optimizer_state, optimizer_state, rng_state,
                                set_batch_norm_state, set_rng_state)
 
 

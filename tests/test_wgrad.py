@@ -8,7 +8,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxpipe.runtime import wgrad
+from fxpipe.runtime.stage import wgrad
 
 
 class TwoLinears(nn.Module):

@@ -2,14 +2,14 @@
 
 The action-list runtimes (``pipe.step`` with 1F1B or zero bubble, every schedule across ranks)
 detach each value a stage receives and hand back the gradients of its inputs; a value that is
-not a tensor must pass through both untouched (:mod:`fxpipe.runtime.worker`).
+not a tensor must pass through both untouched (:mod:`fxpipe.runtime.stage.worker`).
 """
 
 import pytest
 import torch
 
 from fxpipe import passes
-from fxpipe.runtime.worker import _grad_of, _leaf
+from fxpipe.runtime.stage.worker import _grad_of, _leaf
 from fxpipe.testing import assert_pipeline_equivalent
 from models import AttnBlock, Carrier, Mixed
 from torch import nn

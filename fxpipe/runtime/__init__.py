@@ -1,9 +1,13 @@
 """The runtime: what runs a plan's stages over micro-batches.
 
-One stage-call primitive (:mod:`fxpipe.runtime.stagecall`) runs a stage on a micro-batch;
-schedules are action lists (:mod:`fxpipe.runtime.schedule`); the GPipe program
-(:mod:`fxpipe.runtime.codegen`) and the action interpreter (:mod:`fxpipe.runtime.actions`)
-run them, in one process (:mod:`fxpipe.runtime.local`) or one stage per rank
-(:mod:`fxpipe.runtime.distributed`), moving values over copy streams or point-to-point
-messages (:mod:`fxpipe.runtime.transport`).
+Reads a :class:`~fxpipe.plan.PipelinePlan`, its stage GraphModules and the model's tensors;
+produces a runtime implementing :class:`~fxpipe.runtime.contract.Runtime`, which a
+:class:`~fxpipe.Pipe` holds. :mod:`~fxpipe.runtime.build` places the parameters and starts it,
+in one process (:mod:`~fxpipe.runtime.local`) or this rank's share across ranks
+(:mod:`~fxpipe.runtime.distributed`). Every schedule runs each stage through one primitive
+(:mod:`fxpipe.runtime.stage`); the schedules are data (:mod:`fxpipe.runtime.schedules`), run by
+GPipe's generated program (:mod:`~fxpipe.runtime.codegen`) or the action interpreter
+(:mod:`~fxpipe.runtime.interpreter`); values move over :mod:`fxpipe.runtime.transport`;
+replicas reduce gradients in :mod:`~fxpipe.runtime.dataparallel`; what a run records is in
+:mod:`fxpipe.runtime.observe`.
 """

@@ -15,10 +15,10 @@ from __future__ import annotations
 import linecache
 from collections.abc import Callable
 
-from fxpipe.plan import PipelinePlan
-from fxpipe.runtime.actionlist import clocks
-from fxpipe.runtime.checkpoint import checkpoint_stop
-from fxpipe.runtime.schedule import gpipe
+from fxpipe.plan.pipeline import PipelinePlan
+from fxpipe.runtime.schedules.actions import clocks
+from fxpipe.runtime.schedules.builtin import gpipe
+from fxpipe.runtime.stage.recompute import checkpoint_stop
 
 __all__ = ["clock_cycles", "compile_source", "gpipe_source"]
 
@@ -26,7 +26,7 @@ __all__ = ["clock_cycles", "compile_source", "gpipe_source"]
 def clock_cycles(m: int, n: int) -> list[list[tuple[int, int]]]:
     """Return, per clock, the (micro-batch, stage) pairs whose forward runs: i + j == k.
 
-    Derived from GPipe's action lists (:mod:`fxpipe.runtime.schedule`), so the generated forward and
+    Derived from GPipe's action lists (:mod:`fxpipe.runtime.schedules.builtin`), so the generated forward and
     the action-list runtimes follow one schedule.
     """
     at = clocks(gpipe(n, m))

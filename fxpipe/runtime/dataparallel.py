@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe.runtime.actionlist import Action
+from fxpipe.runtime.schedules.actions import Action
 
 __all__ = ["GradSync", "final_backwards"]
 

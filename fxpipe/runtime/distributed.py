@@ -3,18 +3,18 @@
 Every rank traces and plans the whole model (the same plan everywhere), keeps only its own
 stages on its device (one, or several with ``stages_per_rank``), and runs its part of the
 schedule's action lists, with the messages to and from the other ranks, through the action
-interpreter (:mod:`fxpipe.runtime.actions`). The rank holding the first stage splits the
+interpreter (:mod:`fxpipe.runtime.interpreter`). The rank holding the first stage splits the
 inputs and publishes the micro-batch layout; every rank sizes its receive buffers from it;
 the rank holding the last stage computes the loss, which every rank returns. Parameters
 used by stages on several ranks (tied embeddings) live on each of those ranks, start equal,
-and get their gradients summed over them after each step (:mod:`fxpipe.runtime.procgroup`).
+and get their gradients summed over them after each step (:mod:`fxpipe.runtime.transport.procgroup`).
 
 A step that fails on one rank fails on every rank, and leaves the pipe usable::
 
     rank r raises ──▶ posts why, closes its connections ──▶ every peer raises PeerFailure naming it
     next call     ──▶ every rank drops the failed step's state, meets the others, fresh connections
 
-(:mod:`fxpipe.runtime.failure`). A rank that died stops the others for good: they keep raising,
+(:mod:`fxpipe.runtime.transport.failure`). A rank that died stops the others for good: they keep raising,
 naming it, until the job restarts. Under data parallel a failure ends the pipe too: the replicas'
 gradient reductions cannot be realigned, so restart from the last checkpoint.
 """
@@ -33,19 +33,19 @@ import torch.fx
 
 from fxpipe import passes
 from fxpipe.errors import PeerFailure, PipelineInputError, ScheduleError
-from fxpipe.plan import PipelinePlan
-from fxpipe.runtime import steplayout
-from fxpipe.runtime.actions import ActionInterpreter, Program, program_for
-from fxpipe.runtime.batchnorm import commit_batch_norm, discard_batch_norm
-from fxpipe.runtime.comm import Comm, on_every_rank
+from fxpipe.plan.pipeline import PipelinePlan
+from fxpipe.runtime.binding import CallSignature
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
+from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import gather, micro_losses
-from fxpipe.runtime.procgroup import Layout, Ties, reopen_pipeline
-from fxpipe.runtime.schedule import Schedule
-from fxpipe.runtime.signature import CallSignature
-from fxpipe.runtime.stagecall import StageCall
-from fxpipe.runtime.transport import DistTransport
-from fxpipe.runtime.worker import StageWorker
+from fxpipe.runtime.schedules.builtin import Schedule
+from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
+from fxpipe.runtime.stage.stagecall import StageCall
+from fxpipe.runtime.stage.worker import StageWorker
+from fxpipe.runtime.transport import steplayout
+from fxpipe.runtime.transport.comm import Comm, on_every_rank
+from fxpipe.runtime.transport.messages import DistTransport
+from fxpipe.runtime.transport.procgroup import Layout, Ties, reopen_pipeline
 
 __all__ = ["DistributedRuntime"]
 

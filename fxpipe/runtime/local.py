@@ -5,7 +5,7 @@ connected across stages, so the user's ``backward`` flows through every stage; t
 provides what that program calls: ``compute`` (a stage's :meth:`StageCall.call` on one
 micro-batch), ``copy`` (to another stage's device on copy streams) and ``depend`` (fork/join
 ordering of backward). ``pipe.step`` runs GPipe the same way, and every other schedule as
-action lists through the interpreter (:mod:`fxpipe.runtime.actions`), with the mailbox
+action lists through the interpreter (:mod:`fxpipe.runtime.interpreter`), with the mailbox
 transport. On CUDA both use copy streams and, with several GPUs, a worker thread per device.
 """
 
@@ -17,20 +17,20 @@ from typing import Any
 
 import torch
 
-from fxpipe.plan import PipelinePlan
-from fxpipe.runtime.actions import ActionInterpreter, Program, program_for
-from fxpipe.runtime.batchnorm import commit_batch_norm, discard_batch_norm
+from fxpipe.plan.pipeline import PipelinePlan
+from fxpipe.runtime.binding import CallSignature
 from fxpipe.runtime.codegen import compile_source, gpipe_source
-from fxpipe.runtime.copy import copy
-from fxpipe.runtime.dependency import depend
-from fxpipe.runtime.mailbox import LocalTransport
+from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import gather, micro_losses
-from fxpipe.runtime.schedule import Schedule
-from fxpipe.runtime.signature import CallSignature
-from fxpipe.runtime.stagecall import StageCall
-from fxpipe.runtime.threads import DeviceThreads
-from fxpipe.runtime.worker import StageWorker
-from fxpipe.tools import recorder
+from fxpipe.runtime.observe import timeline as recorder
+from fxpipe.runtime.schedules.builtin import Schedule
+from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
+from fxpipe.runtime.stage.copy import copy
+from fxpipe.runtime.stage.dependency import depend
+from fxpipe.runtime.stage.stagecall import StageCall
+from fxpipe.runtime.stage.threads import DeviceThreads
+from fxpipe.runtime.stage.worker import StageWorker
+from fxpipe.runtime.transport.mailbox import LocalTransport
 
 __all__ = ["LocalRuntime"]
 
@@ -158,6 +158,6 @@ class LocalRuntime:
 
     @staticmethod
     def depend(before: Any, after: Any) -> tuple[Any, Any]:
-        """Order backward: ``after``'s before ``before``'s (see :mod:`fxpipe.runtime.dependency`)."""
+        """Order backward: ``after``'s before ``before``'s (see :mod:`fxpipe.runtime.stage.dependency`)."""
         return depend(before, after)
 

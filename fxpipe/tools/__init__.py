@@ -1,7 +1,8 @@
-"""What users look at: the ``fxpipe`` command, graph pictures, timelines, error notes.
+"""What users look at: the ``fxpipe`` command, graph pictures, the divergence finder.
 
-The CLI (:mod:`fxpipe.tools.cli`), DOT pictures (:mod:`fxpipe.tools.dot`), the measured
-timeline (:mod:`fxpipe.tools.recorder`), model factories (:mod:`fxpipe.tools.factory`), the
-divergence finder (:mod:`fxpipe.tools.diverge`) and the error notes naming a stage and node
-(:mod:`fxpipe.tools.blame`).
+Reads a model factory or a compiled pipe; produces the CLI's tables, pictures and plans
+(:mod:`~fxpipe.tools.cli` dispatching to :mod:`~fxpipe.tools.inspectcmd` and
+:mod:`~fxpipe.tools.plancmd`), DOT pictures (:mod:`~fxpipe.tools.dot`), model factories loaded
+from ``file.py:function`` (:mod:`~fxpipe.tools.factory`) and the first node where a pipe departs
+from eager (:mod:`~fxpipe.tools.diverge`).
 """

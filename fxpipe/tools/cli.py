@@ -131,7 +131,7 @@ def _shape(text: str) -> tuple[int, ...]:
 def _inspect(args: argparse.Namespace) -> int:
     """Compile the model, print the plan, and write what the options ask for."""
     import fxpipe
-    from fxpipe.plan import human
+    from fxpipe.plan.pipeline import human
 
     saved = None
     if args.plan:

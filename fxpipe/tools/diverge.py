@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.passes.order import draws_random
 from fxpipe.runtime.microbatch import to_device
-from fxpipe.tools.blame import describe_node
+from fxpipe.runtime.observe.blame import describe_node
 
 __all__ = ["divergence"]
 

@@ -14,7 +14,7 @@ from typing import cast
 
 import torch.fx
 
-from fxpipe.plan import PipelinePlan, human
+from fxpipe.plan.pipeline import PipelinePlan, human
 
 __all__ = ["graphviz_available", "render", "to_dot"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from fxpipe.plan import human
+from fxpipe.plan.pipeline import human
 
 __all__ = ["register"]
 
@@ -77,10 +77,10 @@ def run(args: argparse.Namespace) -> int:
     """Search the configurations, print the best, save what was asked; return the exit status."""
     import torch
 
-    from fxpipe.devices import device_model, parse_bytes
+    from fxpipe.simulate.devices import device_model, parse_bytes
+    from fxpipe.simulate.planner import CHECKPOINTS, SCHEDULE_NAMES, search
     from fxpipe.tools.cli import Failure, UsageError
     from fxpipe.tools.factory import make_model
-    from fxpipe.tools.planner import CHECKPOINTS, SCHEDULE_NAMES, search
 
     for s in args.schedules:
         if s not in SCHEDULE_NAMES:

@@ -2,7 +2,7 @@
 
 torchgpipe's stand-alone module for code that converts its batch norms itself. It normalizes
 each micro-batch by that micro-batch's statistics, as batch norm does, but only accumulates
-them (fxpipe's deferred batch norm, :mod:`fxpipe.runtime.batchnorm`); after ``chunks``
+them (fxpipe's deferred batch norm, :mod:`fxpipe.runtime.stage.batchnorm`); after ``chunks``
 training calls (recomputations for checkpointing do not count) it updates the running mean
 and variance once, from all the rows seen, as one call on the whole mini-batch would.
 
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fxpipe.runtime.batchnorm import commit_batch_norm, defer_batch_norm
-from fxpipe.runtime.checkpoint import is_recomputing
+from fxpipe.runtime.stage.batchnorm import commit_batch_norm, defer_batch_norm
+from fxpipe.runtime.stage.recompute import is_recomputing
 
 __all__ = ["DeferredBatchNorm"]
 

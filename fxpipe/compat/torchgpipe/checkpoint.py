@@ -1,5 +1,5 @@
 """Which pass a layer's forward is in: fxpipe's checkpointing flags under torchgpipe's names."""
 
-from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
+from fxpipe.runtime.stage.recompute import is_checkpointing, is_recomputing
 
 __all__ = ["is_checkpointing", "is_recomputing"]

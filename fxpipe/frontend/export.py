@@ -1,0 +1,201 @@
+"""The ``torch.export`` front end: a flat graph over the model's own named parameters.
+
+``torch.export`` traces the whole program (Python control flow on shapes included) down to
+ATen ops. fxpipe exports with dim 0 of every batched input dynamic, since micro-batches change
+the batch size, and its other dims automatic (``Dim.AUTO``: dynamic unless the model's code
+ties them to the example's size, so a sequence length or an image size may change from step to
+step), and takes ``ExportedProgram.module()``: one flat GraphModule whose parameters
+and buffers sit under the model's own qualified names (``layer1.0.conv1.weight``) and are
+the model's own tensor objects, and whose nodes keep the module they came from in
+``nn_module_stack`` (so ``split_points=["layer3"]`` names modules as with the fx front end)::
+
+    model ──torch.export──▶ ExportedProgram ──.module()──▶ GraphModule
+      │                                                        │ get_attr "layer1.0.conv1.weight"
+      └── Parameter objects ◀──────── the same objects ◀───────┘
+
+So gradients land in the model's ``Parameter`` objects and ``pipe.state_dict()`` has the
+model's keys. A model built on ``meta`` is exported with its meta tensors presented as fake
+tensors on the example inputs' device (:mod:`fxpipe.frontend.exportmeta`); the graph still refers to
+the model's own meta objects, which the stages fill. The graph is fixed to the mode (train or
+eval) the model was in when exported, and to the dims torch.export specialised (a conv's
+channels; a size of 0 or 1): :mod:`fxpipe.runtime.validate` refuses other inputs by name.
+
+A model may branch on the batch size for speed only (``if x.shape[0] >= 64: x =
+x.contiguous()``, as diffusers' ``Upsample2D`` does): torch.export then refuses an unbounded
+batch dim with a ``ConstraintViolationError`` whose message suggests a bound (``max=63``).
+fxpipe exports again with that bound (or with ``Dim.AUTO`` when the suggestion cannot be
+read), logs a warning naming it, and refuses only when no bound admits the example batch
+(the model fixes the batch to a constant). Micro-batches above the bound then fail torch's
+guard in the first stage.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fxpipe.errors import TraceError
+from fxpipe.frontend.exportmeta import fake_inputs, fake_state, meta_refusal, refuse_stand_ins, target_device
+
+__all__ = ["export_trace"]
+
+log = logging.getLogger(__name__)
+
+_UNBOUNDED = 2 ** 63 - 2  # torch's own largest bound of a size
+
+
+def _batched(x: Any) -> bool:
+    """Tell whether ``x`` is a tensor split into micro-batches on dim 0."""
+    return isinstance(x, torch.Tensor) and x.dim() > 0
+
+
+def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None) -> torch.fx.GraphModule:
+    """Export ``model`` with a dynamic batch dim; return the flat GraphModule over its own state.
+
+    Meta tensors of the model (and meta example inputs) are exported as fake tensors on the
+    example inputs' device, else on ``device`` (the stages'), else on CPU; see :mod:`fxpipe.frontend.exportmeta`.
+    """
+    if not any(_batched(t) for t in tree_flatten((args, kwargs))[0]):
+        raise ValueError("tracer='export' needs example_inputs= (or example_kwargs=) holding at "
+                         "least one tensor with a batch dimension: torch.export traces with them")
+    # A batch of one would be specialised to the constant 1; export with two rows instead.
+    if any(_batched(t) and t.shape[0] == 1 for t in tree_flatten((args, kwargs))[0]):
+        args, kwargs = tree_map(lambda t: torch.cat([t, t]) if _batched(t) else t, (args, kwargs))
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"the example inputs do not match {type(model).__name__}.forward: {exc}") from None
+    rows = next(t.shape[0] for t in tree_flatten((args, kwargs))[0] if _batched(t))
+    target = target_device(args, kwargs, device)
+    args, kwargs = fake_inputs(args, kwargs, target)
+
+    def export(batch: Any) -> torch.export.ExportedProgram:
+        dynamic = {name: tree_map(lambda t: {0: batch, **{d: torch.export.Dim.AUTO for d in range(1, t.dim())}}
+                                  if _batched(t) else None, value)
+                   for name, value in bound.arguments.items()}
+        return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
+
+    with fake_state(model, target) as faked:
+        try:
+            program = export(torch.export.Dim("batch", min=1))
+        except Exception as exc:  # retried with a bound, or re-raised with the fix
+            refusal = meta_refusal(model, exc, target, faked)
+            if refusal is not None:
+                raise refusal from exc
+            program = _bounded(model, export, exc, rows)
+    gm = program.module()
+    _share_state(gm, model)
+    refuse_stand_ins(gm, model)
+    gm.meta["fxpipe.tracer"] = "export"
+    gm.meta["fxpipe.training"] = model.training
+    log.debug("exported %s: %d nodes", type(model).__name__, len(gm.graph.nodes))
+    return gm
+
+
+def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int) -> torch.export.ExportedProgram:
+    """Export again with the batch bound torch suggests (or ``Dim.AUTO``) if it admits 1 to ``rows`` rows."""
+    if "Constraints violated" not in str(exc):
+        raise _refusal(model, exc) from exc
+    suggested = _suggested_batch(str(exc))
+    if isinstance(suggested, int):  # specialised to a constant: no bound keeps the batch dynamic
+        raise _refusal(model, exc) from exc
+    lo: int
+    hi: int | None
+    try:
+        if suggested is not None:
+            lo, hi = suggested
+            _admit(model, exc, lo, hi, rows)
+            program = export(torch.export.Dim("batch", min=1, max=hi))
+        else:
+            program = export(torch.export.Dim.AUTO)
+            lo, hi = _batch_range(program)
+    except TraceError:
+        raise
+    except Exception as again:
+        raise _refusal(model, again) from again
+    _admit(model, exc, lo, hi, rows)
+    log.warning("torch.export refused an unbounded batch dimension for %s (the model branches on the "
+                "batch size); exported with the batch bounded to [1, %d] as torch suggests: "
+                "micro-batches of more rows fail torch's guard in the first stage",
+                type(model).__name__, hi)
+    return program
+
+
+def _admit(model: nn.Module, exc: Exception, lo: int, hi: int | None, rows: int) -> None:
+    """Refuse a bound that leaves out the example batch or smaller micro-batches (None: a constant)."""
+    if hi is None:
+        raise _refusal(model, exc) from exc
+    if lo > 2 or rows > hi:  # torch bounds sizes below 2 apart (0/1 specialisation); 1 row still runs
+        upper = "inf" if hi >= _UNBOUNDED else str(hi)
+        raise _refusal(model, exc, f"torch.export admits only a batch in [{lo}, {upper}] for this example, "
+                                   f"but fxpipe runs micro-batches of 1 to {rows} rows. Export with "
+                                   "a smaller example batch (the bound follows the example), or ") from exc
+
+
+def _suggested_batch(message: str) -> tuple[int, int] | int | None:
+    """Read torch's suggested fix for the batch dim: a (min, max) range, a constant, or None."""
+    from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
+
+    head = message.split("\n\n")[0]  # the fixes, without the advice that follows them
+    batch = torch.export.Dim("batch", min=1)
+    try:
+        refined = refine_dynamic_shapes_from_suggested_fixes(head, {"x": {0: batch}})
+    except Exception:  # noqa: BLE001 - a message this version cannot read: try Dim.AUTO
+        return None
+    dim: Any = refined["x"][0]  # type: ignore[call-overload, index]
+    if isinstance(dim, int):
+        return dim
+    if dim is batch or getattr(dim, "__name__", None) != "batch":
+        return None  # no suggestion about the batch
+    return _size(dim.min), _size(dim.max)
+
+
+def _batch_range(program: torch.export.ExportedProgram) -> tuple[int, int | None]:
+    """Return the range of the first batched input's dim 0 in ``program`` (no max: a constant)."""
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() > 0 \
+                and node.name not in program.graph_signature.inputs_to_parameters \
+                and node.name not in program.graph_signature.inputs_to_buffers:
+            size = val.shape[0]
+            if isinstance(size, int):
+                return size, None
+            vr = program.range_constraints[size.node.expr]
+            return _size(vr.lower), _size(vr.upper)
+    return 1, None
+
+
+def _size(bound: Any) -> int:
+    """Return a bound of a size as an int (torch's and sympy's infinities as ``_UNBOUNDED``)."""
+    try:
+        return min(int(bound), _UNBOUNDED)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return _UNBOUNDED
+
+
+def _refusal(model: nn.Module, exc: BaseException, fix: str = "") -> TraceError:
+    """Explain that torch.export cannot keep the batch dim dynamic for ``model``."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    fix = fix or ("fxpipe splits dim 0 of every input into micro-batches, so the model must not "
+                  "depend on the batch size; otherwise ")
+    return TraceError(
+        f"torch.export could not trace {type(model).__name__} with a dynamic batch dimension: "
+        f"{first}\n{fix}use the fx front end (tracer='fx'), whose graph is shape-generic. "
+        "The full torch.export error is chained below.")
+
+
+def _share_state(gm: torch.fx.GraphModule, model: nn.Module) -> None:
+    """Make every parameter and buffer of ``gm`` the model's own object of the same name."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    for registry, own in (("_parameters", params), ("_buffers", buffers)):
+        for name, t in list(getattr(gm, "named_" + registry[1:])(remove_duplicate=False)):
+            if name in own and own[name] is not t:
+                prefix, _, leaf = name.rpartition(".")
+                getattr(gm.get_submodule(prefix), registry)[leaf] = own[name]

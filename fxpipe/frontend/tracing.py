@@ -1,0 +1,158 @@
+"""Trace a model into a ``torch.fx`` GraphModule, explaining failures."""
+
+from __future__ import annotations
+
+import linecache
+import logging
+import operator
+import os
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxpipe.errors import TraceError
+from fxpipe.frontend.markers import recording_markers
+
+__all__ = ["TRACERS", "check_tracer", "trace"]
+
+log = logging.getLogger(__name__)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FXPIPE_DIR = os.path.dirname(__file__)
+
+
+class _Proxy(torch.fx.Proxy):
+    """A proxy that records index assignment (``y[:, :4] = 0``) as ``operator.setitem``."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
+class _Tracer(torch.fx.Tracer):
+    """A symbolic tracer that also treats the user's ``leaf_modules`` as opaque calls."""
+
+    def __init__(self, leaf_types: tuple[type, ...], leaf_names: frozenset[str]) -> None:
+        super().__init__()
+        # buffers as get_attr nodes even where code runs on them alone (``self.scale * 2``):
+        # otherwise the trace computes such code once and freezes the result into the graph,
+        # which goes stale when the buffer changes (load_state_dict, an update in forward)
+        self.proxy_buffer_attributes = True
+        self.leaf_types = leaf_types
+        self.leaf_names = leaf_names
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """Treat torch.nn's own modules and the user's leaf modules as single calls."""
+        if isinstance(m, self.leaf_types) or module_qualified_name in self.leaf_names:
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        """Wrap a node in a proxy that also records index assignment."""
+        return _Proxy(node, self)
+
+
+TRACERS = ("fx", "export")
+
+
+def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
+          concrete_args: dict[str, Any] | None = None,
+          tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
+          example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None,
+          device: Any = None) -> torch.fx.GraphModule:
+    """Trace ``model`` into the GraphModule whose node names a plan uses.
+
+    ``tracer="fx"`` (the default) traces symbolically: ``leaf_modules`` lists module classes
+    or qualified names (``"encoder.block3"``) to keep as single ``call_module`` nodes, for
+    example because their forward has data-dependent control flow, and ``concrete_args``
+    fixes inputs to constants, as in :func:`torch.fx.symbolic_trace`. ``tracer="export"``
+    uses ``torch.export`` on ``example_inputs``/``example_kwargs`` with dim 0 dynamic (see
+    :mod:`fxpipe.frontend.export`); a model built on meta is exported with its tensors as fake
+    tensors on the example inputs' device (``device`` where they are on meta too, else CPU),
+    so code branching on ``x.device.type`` sees a real device type. A callable
+    ``tracer(model)`` may return the GraphModule of any other tracer (Hugging Face's, timm's). Every front end keeps the model's own parameter
+    objects and names. The model is not modified. Raises :class:`TraceError` naming the
+    module and source line where tracing failed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxpipe.trace expects an nn.Module, got {type(model).__name__}")
+    check_tracer(tracer)
+    if tracer == "export":
+        from fxpipe.frontend.export import export_trace
+
+        args = example_inputs if isinstance(example_inputs, tuple) else (
+            () if example_inputs is None else (example_inputs,))
+        return export_trace(model, args, dict(example_kwargs or {}), device=device)
+    if callable(tracer):
+        gm = tracer(model)
+        if not isinstance(gm, torch.fx.GraphModule):
+            raise TypeError(f"tracer={getattr(tracer, '__name__', tracer)!r} returned "
+                            f"{type(gm).__name__}; a tracer must return a torch.fx.GraphModule")
+        return gm
+    leaf_modules = list(leaf_modules)
+    bad = [m for m in leaf_modules if not (isinstance(m, str) or (isinstance(m, type) and issubclass(m, nn.Module)))]
+    if bad:
+        raise TypeError(f"leaf_modules must hold nn.Module classes or qualified module names, got {bad!r}")
+    leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
+    leaf_names = frozenset(m for m in leaf_modules if isinstance(m, str))
+    unknown = sorted(leaf_names - {name for name, _ in model.named_modules()})
+    if unknown:
+        raise ValueError(f"leaf_modules names {unknown} that are not submodules of "
+                         f"{type(model).__name__}; use names from model.named_modules()")
+    fx_tracer = _Tracer(leaf_types, leaf_names)
+    try:
+        with recording_markers(fx_tracer):  # pipe_split() calls become marker nodes
+            graph = fx_tracer.trace(model, concrete_args=concrete_args)
+    except Exception as exc:
+        raise _explain(model, fx_tracer, exc) from exc
+    name = model.__class__.__name__
+    gm = torch.fx.GraphModule(fx_tracer.root, graph, name)
+    log.debug("traced %s: %d nodes", name, len(gm.graph.nodes))
+    return gm
+
+
+def check_tracer(tracer: Any) -> None:
+    """Reject a ``tracer=`` that is neither a known front end nor a callable."""
+    if not (tracer in TRACERS or (callable(tracer) and not isinstance(tracer, str))):
+        raise ValueError(f"tracer={tracer!r}; use 'fx', 'export', or a callable returning the "
+                         "torch.fx.GraphModule of another tracer")
+
+
+def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceError:
+    """Build a TraceError that names the failing module, its source line and the fix."""
+    module_path, module_type = "", type(model)
+    if tracer.module_stack:
+        module_path, module_type = list(tracer.module_stack.values())[-1]
+    frame = _user_frame(exc)
+    where = ""
+    if frame is not None:
+        line = linecache.getline(frame.filename, frame.lineno or 0).strip()  # no line number: no line
+        where = f'\n  File "{frame.filename}", line {frame.lineno}, in {frame.name}\n    {line}'
+    type_name = getattr(module_type, "__name__", str(module_type))
+    if module_path:
+        fix = (f"Mark it as a leaf so it runs as one opaque call: "
+               f"fxpipe.trace(model, leaf_modules=[{type_name}]) or leaf_modules=[{module_path!r}] "
+               f"(fxpipe.compile takes the same leaf_modules=), or make its control flow "
+               f"independent of tensor values.")
+        what = f"module '{module_path}' ({type_name})"
+    else:
+        fix = ("The failure is in the top-level forward, which cannot be a leaf: move the "
+               "data-dependent part into a submodule and list it in leaf_modules=, or fix the "
+               "input with concrete_args=.")
+        what = f"the top-level module ({type_name})"
+    return TraceError(f"cannot trace {type(model).__name__}: {exc}\n"
+                      f"Tracing failed in {what}:{where}\n{fix}",
+                      module=module_path or None,
+                      filename=frame.filename if frame else None,
+                      lineno=frame.lineno if frame else None)
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """Return the innermost traceback frame outside torch and fxpipe."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _FXPIPE_DIR))
+            and not f.filename.startswith("<")]
+    return user[-1] if user else None

@@ -1,0 +1,67 @@
+"""Meta tensors of a model that no fill covers: constants torch.fx traced from them, and releasing to meta.
+
+A traced graph may hold a tensor that torch.fx computed from meta buffers while tracing (no FQN
+names it, so nothing can fill it): refused. After a distributed build a rank swaps every tensor it
+does not keep for a meta one of the same shape, so it holds only its own stages.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxpipe.errors import WeightsError
+from fxpipe.materialize.fillplan import tensor_table
+
+__all__ = ["refuse_meta_constants", "release"]
+
+log = logging.getLogger(__name__)
+
+
+def refuse_meta_constants(model: nn.Module, gm: torch.fx.GraphModule) -> None:
+    """Refuse tensors the trace computed from meta tensors: they hold no values and no FQN names them.
+
+    torch.fx runs code on buffers while tracing (``torch.cos(self.table)``) and keeps the
+    result as a constant of the graph; from a model on meta that constant is empty.
+    """
+    known = set(tensor_table(model))
+    bad: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = gm
+        for part in node.target.split("."):
+            value = getattr(value, part)
+        if isinstance(value, torch.Tensor) and value.is_meta and id(value) not in known:
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            where = f" in module '{stack[-1][0]}' ({getattr(stack[-1][1], '__name__', stack[-1][1])})" if stack else ""
+            bad.append(f"'{node.target}'{where}")
+    if bad:
+        raise WeightsError(
+            f"the traced graph holds {', '.join(bad)}: a tensor torch.fx computed while tracing from "
+            "tensors on meta (it runs code on buffers eagerly and keeps the result), so it holds no "
+            "values and no FQN names it; list that module in leaf_modules= so it runs at run time, "
+            "or build the model on a real device")
+
+
+def release(model: nn.Module, keep: set[int]) -> int:
+    """Swap every real tensor of ``model`` outside ``keep`` for a meta one; return the bytes freed."""
+    freed = 0
+    for key, info in tensor_table(model).items():
+        t = info.tensor
+        if key in keep or t.is_meta:
+            continue
+        empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        if isinstance(t, nn.Parameter):
+            empty = nn.Parameter(empty, requires_grad=t.requires_grad)
+        try:
+            torch.utils.swap_tensors(t, empty)
+        except RuntimeError as exc:  # a weak reference to it (torch.export's memo) forbids the swap: keep it
+            log.debug("keeping %s real on this rank: %s", info.names[0], exc)
+            continue
+        freed += t.numel() * t.element_size()
+    return freed
+

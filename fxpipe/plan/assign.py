@@ -1,0 +1,117 @@
+"""The front end of ``fxpipe.compile``: trace the model, annotate its graph, cut it into stages.
+
+    model ──trace──▶ GraphModule ──annotate (fake tensors)──▶ costs ──partition──▶ node.meta["fxpipe.stage"]
+
+Nothing real runs: annotation follows shapes on fake tensors (real kernels on copies of the
+buffers only for data-dependent ops), and only ``balance_by="time"`` measures kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch._subclasses import fake_tensor
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from fxpipe import passes
+from fxpipe.frontend.markers import resolve_split_points
+from fxpipe.frontend.tracing import trace
+from fxpipe.plan.pipeline import PipelinePlan
+from fxpipe.plan.saved import apply_plan
+from fxpipe.runtime.microbatch import batch_size, micro_sizes
+
+__all__ = ["FrontEnd", "annotate_graph", "front_end"]
+
+log = logging.getLogger(__name__)
+
+_DATA_DEPENDENT = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+                   GuardOnDataDependentSymNode)
+
+
+@dataclass
+class FrontEnd:
+    """What the front end made: the annotated, partitioned graph and how it was cut."""
+
+    gm: torch.fx.GraphModule
+    cut: Any  # the partitioner's result (costs, memory per stage), None for a saved plan
+    micro: int  # micro-batches of the example batch
+    balance_by: str
+
+
+def front_end(model: nn.Module, n_stages: int, *, args: tuple, kwargs: dict | None, has_inputs: bool,
+              chunks: int, checkpoint: str, balance_by: str, split_points: Sequence[str] | None,
+              max_memory: float | None, split_spec: dict[str, Any] | None, leaf_modules: Iterable[type | str],
+              tracer: str | Callable[[nn.Module], torch.fx.GraphModule], saved: PipelinePlan | None,
+              devices: Sequence[torch.device], profile_device: torch.device) -> FrontEnd:
+    """Trace ``model``, annotate its graph and assign every node a stage (``fxpipe.stage``)."""
+    kwargs = kwargs or {}
+    if tracer == "fx" and isinstance(model, torch.fx.GraphModule):
+        gm = model
+    else:
+        if tracer == "export":
+            batch_size([args, kwargs], ["example_inputs", "example_kwargs"])
+        gm = trace(model, leaf_modules=leaf_modules, tracer=tracer, example_inputs=args,
+                   example_kwargs=kwargs, device=devices[0] if devices else None)
+
+    # torch.distributed.pipelining's markers (pipe_split(), split_spec=) as split points
+    split_points = resolve_split_points(gm, n_stages, split_points, split_spec, saved is not None)
+
+    if has_inputs:
+        names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        batch = batch_size(passes.bind_placeholders(gm, args, kwargs), names)
+        micro = len(micro_sizes(batch, chunks))
+        annotate_graph(gm, args, kwargs)
+    else:
+        passes.annotate_params(gm)
+        micro = chunks
+    if saved is not None:
+        balance_by = saved.balance_by
+    elif balance_by == "auto":
+        balance_by = "flops" if has_inputs else "params"
+    if saved is None and balance_by in ("flops", "memory", "time") and not has_inputs:
+        raise ValueError(f"balance_by={balance_by!r} needs example_inputs= to know the shapes; "
+                         "pass example inputs or use balance_by='params'")
+    if max_memory is not None and not has_inputs:
+        raise ValueError("max_memory= needs example_inputs= to know the activation sizes; pass "
+                         "example inputs")
+    if saved is None and balance_by == "time":
+        if profile_device.type == "meta":
+            raise ValueError("balance_by='time' measures kernels and cannot run on the meta device; "
+                             "give real devices or use balance_by='flops'")
+        passes.profile(gm, args, kwargs, device=profile_device)
+
+    comm = passes.comm_weights(devices, balance_by)
+    cut = None
+    if saved is not None:
+        apply_plan(gm, saved, n_stages)
+    elif split_points is not None:
+        if len(split_points) + 1 != n_stages:
+            raise ValueError(f"{len(split_points)} split points make {len(split_points) + 1} stages "
+                             f"but n_stages={n_stages}; give n_stages - 1 split points")
+        cut = passes.partition_at(gm, split_points, balance_by=balance_by, comm=comm, max_memory=max_memory,
+                                  checkpoint=checkpoint, micro_batches=micro)
+    else:
+        cut = passes.partition(gm, n_stages, balance_by=balance_by, comm=comm, max_memory=max_memory,
+                               checkpoint=checkpoint, micro_batches=micro)
+    return FrontEnd(gm, cut, micro, balance_by)
+
+
+def annotate_graph(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
+    """Annotate on fake tensors; for data-dependent ops, on real kernels with buffer copies."""
+    try:
+        passes.annotate(gm, args, kwargs)
+    except _DATA_DEPENDENT as exc:
+        if any(t.is_meta for t in (*gm.parameters(), *gm.buffers())):
+            raise ValueError(f"fake tensors cannot follow a data-dependent op of the model ({type(exc).__name__}), "
+                             "and its tensors are on meta, so fxpipe cannot run the real kernels instead; "
+                             "list the module doing it in leaf_modules=, or build the model on a real "
+                             "device") from exc
+        log.warning("fake tensors cannot follow a data-dependent op (%s); annotating with real "
+                    "kernels on copies of the buffers", type(exc).__name__)
+        passes.annotate(gm, args, kwargs, real=True)

@@ -1,0 +1,126 @@
+"""Reuse a saved plan: check that the model's graph still matches it, then apply its stages.
+
+A plan records every node of the traced graph by name, op and target. Reusing it writes the
+saved stage of each compute node into ``node.meta["fxpipe.stage"]`` (the partition pass's
+output), so the split and the plan that follow are the same code as for a fresh partition.
+A graph that no longer matches (nodes added, removed or renamed, an op or target changed, a
+different number of stages) is refused with :class:`~fxpipe.errors.PlanMismatchError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Union, cast
+
+import torch.fx
+from torch.fx.node import _get_qualified_name
+
+from fxpipe import passes
+from fxpipe.errors import PlanMismatchError
+from fxpipe.plan.pipeline import PipelinePlan
+
+__all__ = ["PlanLike", "apply_plan", "differences", "graph_signature", "load_plan"]
+
+PlanLike = Union[str, "os.PathLike[str]", PipelinePlan]
+
+_SHOWN = 6  # differences listed per kind before "and N more"
+
+
+def load_plan(plan: PlanLike) -> PipelinePlan:
+    """Return ``plan`` itself, or the plan saved at the path ``plan``."""
+    if isinstance(plan, PipelinePlan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return PipelinePlan.load(os.fspath(plan))
+    raise TypeError(f"plan= takes a PipelinePlan or the path of a saved plan, got {type(plan).__name__}")
+
+
+def target_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
+    """Name a node's target stably: the function's qualified name, a module path and class."""
+    target = node.target
+    if node.op == "call_module":
+        try:
+            return f"{target} ({type(gm.get_submodule(cast(str, target))).__name__})"
+        except AttributeError:
+            return str(target)
+    if isinstance(target, str):
+        return target
+    try:
+        return _get_qualified_name(target)  # torch.fx's own name: torch.relu, operator.add
+    except Exception:  # noqa: BLE001 - any callable fx accepted; fall back to its plain name
+        name, module = getattr(target, "__name__", None), getattr(target, "__module__", None)
+        return str(target) if name is None else f"{module}.{name}" if module else name
+
+
+def graph_signature(gm: torch.fx.GraphModule) -> tuple[list[str], list[str], list[str]]:
+    """Return the graph's node names, ops and target names, in graph order."""
+    nodes = list(gm.graph.nodes)
+    return [n.name for n in nodes], [n.op for n in nodes], [target_name(n, gm) for n in nodes]
+
+
+def differences(plan: PipelinePlan, gm: torch.fx.GraphModule) -> list[str]:
+    """List how ``gm``'s graph differs from the graph ``plan`` was made from (empty if none)."""
+    names, ops, targets = graph_signature(gm)
+    have = len(plan.graph_ops) == len(plan.graph_nodes) == len(plan.graph_targets) > 0
+    # Align on (op, target) when the plan records them, so an inserted node does not make
+    # every later node with a shifted name look changed; older plans align on names.
+    old = list(zip(plan.graph_ops, plan.graph_targets)) if have else list(plan.graph_nodes)
+    new = list(zip(ops, targets)) if have else names
+    found: dict[str, list[str]] = {"removed": [], "added": [], "renamed": [], "changed": []}
+
+    def describe(k: int, in_plan: bool) -> str:
+        if in_plan:
+            return plan.graph_nodes[k] + (f" ({plan.graph_ops[k]} {plan.graph_targets[k]})" if have else "")
+        return names[k] + (f" ({ops[k]} {targets[k]})" if have else "")
+
+    matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            found["renamed"] += [f"{plan.graph_nodes[i]} -> {names[j]}"
+                                 for i, j in zip(range(i1, i2), range(j1, j2)) if plan.graph_nodes[i] != names[j]]
+        elif tag == "replace" and have and i2 - i1 == j2 - j1:
+            for i, j in zip(range(i1, i2), range(j1, j2)):
+                if ops[j] == plan.graph_ops[i] == "placeholder":  # an input's target is its name
+                    found["renamed"].append(f"{plan.graph_nodes[i]} -> {names[j]}")
+                else:
+                    found["changed"].append(f"{plan.graph_nodes[i]}: {plan.graph_ops[i]} "
+                                            f"{plan.graph_targets[i]} -> {names[j]}: {ops[j]} {targets[j]}")
+        else:
+            found["removed"] += [describe(i, True) for i in range(i1, i2)]
+            found["added"] += [describe(j, False) for j in range(j1, j2)]
+    lines = []
+    for kind, items in found.items():
+        if items:
+            more = f", and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
+            lines.append(f"{kind} ({len(items)}): " + "; ".join(items[:_SHOWN]) + more)
+    return lines
+
+
+def apply_plan(gm: torch.fx.GraphModule, plan: PipelinePlan, n_stages: int) -> None:
+    """Write ``plan``'s stage of every node into ``gm``'s ``fxpipe.stage`` meta, after checking it fits.
+
+    Reads:  the graph's nodes (names, ops, targets).
+    Writes: ``node.meta["fxpipe.stage"]``, as :func:`fxpipe.passes.partition` does.
+    Raises :class:`PlanMismatchError` saying what differs.
+    """
+    fix = ("make a new plan: call fxpipe.compile without plan= (or run `fxpipe inspect MODEL "
+           "--stages N --json plan.json`) and save pipe.plan")
+    if plan.n_stages != n_stages:
+        raise PlanMismatchError(f"the saved plan has {plan.n_stages} stages but n_stages={n_stages}; "
+                                f"pass n_stages={plan.n_stages}, or {fix}")
+    if not plan.graph_nodes:
+        raise PlanMismatchError(f"the saved plan records no graph nodes, so it cannot be checked "
+                                f"against the model; {fix}")
+    diffs = differences(plan, gm)
+    if diffs:
+        raise PlanMismatchError("the model's graph no longer matches the saved plan:\n  "
+                                + "\n  ".join(diffs) + f"\nTo pipeline the model as it is now, {fix}.")
+    stage_of: dict[str, int] = {}
+    for stage in plan.stages:
+        for name in stage.nodes:
+            stage_of.setdefault(name, stage.index)
+    try:
+        passes.assign_by_name(gm, stage_of, n_stages)
+    except ValueError as exc:
+        raise PlanMismatchError(f"the saved plan does not assign every node: {exc}; {fix}") from None

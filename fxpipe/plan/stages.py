@@ -1,0 +1,71 @@
+"""Split a partitioned graph into stage GraphModules and describe them in a :class:`PipelinePlan`.
+
+    GraphModule with node.meta["fxpipe.stage"] ──split──▶ stage GraphModules + skip routes
+                                               ──plan───▶ PipelinePlan (stages, skips, costs)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_flatten
+
+from fxpipe import passes
+from fxpipe.plan.mutation import copy_mutated_inputs
+from fxpipe.plan.pipeline import PipelinePlan, SkipRoute, StagePlan
+from fxpipe.plan.saved import graph_signature
+from fxpipe.runtime.placement import named_tensors
+
+__all__ = ["make_plan", "split_stages"]
+
+
+def split_stages(gm: torch.fx.GraphModule, n_stages: int
+                 ) -> tuple[list[torch.fx.GraphModule], list[StagePlan], list[SkipRoute]]:
+    """Split ``gm`` into ``n_stages`` stage modules, their plans and the skip routes; copy inputs stages change."""
+    modules, stages, routes = passes.split(gm, n_stages)
+    copy_mutated_inputs(gm, modules)
+    return modules, stages, routes
+
+
+def make_plan(gm: torch.fx.GraphModule, modules: Sequence[torch.fx.GraphModule], stages: Sequence[StagePlan],
+              routes: Sequence[SkipRoute], devices: Sequence[Any], micro: int, chunks: int,
+              checkpoint: str, schedule: str, balance_by: str, cut: Any,
+              saved_plan: PipelinePlan | None) -> PipelinePlan:
+    """Fill in the split's stages and routes with devices and costs; return the :class:`PipelinePlan`."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    per_micro = max(micro, 1)
+    profiled = any("fxpipe.time" in n.meta for n in gm.graph.nodes)
+    for j, (module, s) in enumerate(zip(modules, stages)):
+        tensors = {id(t): t for _, t in named_tensors(module)}
+        held = [nodes[v] for v in s.nodes]
+        s.device = str(devices[j])
+        s.flops = int(sum(n.meta.get("fxpipe.flops", 0) + n.meta.get("fxpipe.flops_bwd", 0) for n in held))
+        s.params = int(sum(t.numel() * t.element_size() for t in tensors.values()))
+        s.activation_bytes = int(sum(nodes[v].meta.get("fxpipe.bytes", 0) for v in s.outputs) // per_micro)
+        s.time_ms = float(sum(n.meta.get("fxpipe.time", 0.0) for n in held)) if profiled else None
+        s.saved_bytes = int(sum(n.meta.get("fxpipe.saved_bytes", 0) for n in held) // per_micro)
+        s.checkpoint_bytes = int(sum(nodes[v].meta.get("fxpipe.bytes", 0) for v in s.inputs) // per_micro)
+        if cut is not None:
+            s.memory, s.cost = int(cut.memory[j]), float(cut.costs[j])
+        else:
+            assert saved_plan is not None  # without a cut, the stages come from a saved plan
+            s.memory, s.cost = saved_plan.stages[j].memory, saved_plan.stages[j].cost
+        s.grad_inputs = [v for v in s.inputs if j > 0 and _carries_grad(nodes[v])]
+    for r in routes:
+        r.bytes = int(nodes[r.name].meta.get("fxpipe.bytes", 0) // per_micro)
+    names, ops, targets = graph_signature(gm)
+    return PipelinePlan(stages=list(stages), skips=list(routes), chunks=chunks, checkpoint=checkpoint,
+                        schedule=schedule, balance_by=balance_by,
+                        graph_nodes=names, graph_ops=ops, graph_targets=targets)
+
+
+def _carries_grad(node: torch.fx.Node) -> bool:
+    """Tell whether a value crossing a boundary carries a gradient back to its producer."""
+    spec = node.meta.get("fxpipe.value")
+    if spec is None:  # not annotated: assume computed floating values do
+        return node.op != "placeholder"
+    return any(isinstance(t, passes.TensorSpec) and t.requires_grad and t.dtype.is_floating_point
+               for t in tree_flatten(spec)[0])

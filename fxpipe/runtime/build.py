@@ -1,0 +1,167 @@
+"""Build the runtime of a plan: place parameters, make the stage calls, start the runtime.
+
+    one process   every stage's parameters on its device ─▶ StageCall per stage ─▶ LocalRuntime
+    across ranks  this rank's stages on its device, tied tensors synced ─▶ StageCalls ─▶ DistributedRuntime
+
+Tensors on ``meta`` are materialized first, each on the device of the stage that owns it (in
+the distributed build, only this rank's), and filled from ``weights=`` or by ``init=``
+(:mod:`fxpipe.materialize`). A tensor no stage reads belongs to stage 0. After a distributed
+build the model keeps only this rank's tensors; the others become ``meta`` again.
+
+A stage whose schedule has weight-gradient steps (``W``) runs a copy of its GraphModule
+whose linears defer their weight gradients (:mod:`fxpipe.runtime.stage.wgrad`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxpipe.errors import PeerFailure
+from fxpipe.materialize.fill import fill
+from fxpipe.materialize.metatensors import release
+from fxpipe.materialize.weights import open_weights
+from fxpipe.plan.pipeline import PipelinePlan
+from fxpipe.runtime.binding import CallSignature
+from fxpipe.runtime.dataparallel import GradSync
+from fxpipe.runtime.distributed import DistributedRuntime
+from fxpipe.runtime.local import LocalRuntime
+from fxpipe.runtime.placement import move_owned, named_tensors, ownership, stage_callable
+from fxpipe.runtime.schedules.builtin import Schedule
+from fxpipe.runtime.stage.batchnorm import defer_batch_norm
+from fxpipe.runtime.stage.stagecall import StageCall
+from fxpipe.runtime.stage.wgrad import defer_weight_grads
+from fxpipe.runtime.transport.comm import Comm
+from fxpipe.runtime.transport.procgroup import Layout, tied_groups
+
+__all__ = ["Materials", "build_distributed", "build_local"]
+
+
+@dataclass
+class Materials:
+    """What fills the model's tensors: ``weights=``, ``init=`` and ``seed=``."""
+
+    weights: Any = None
+    init: Callable[[nn.Module], Any] | None = None
+    seed: int = 0
+
+    def needed(self, model: nn.Module) -> bool:
+        """Tell whether anything is to fill: weights were given or a tensor is on meta."""
+        return self.weights is not None or any(t.is_meta for _, t in named_tensors(model))
+
+    def fill(self, model: nn.Module, placement: dict[int, torch.device]) -> None:
+        """Open the weights, materialize and fill the placed tensors, close the weights."""
+        source = None if self.weights is None else open_weights(self.weights)
+        try:
+            fill(model, placement, source=source, init=self.init, seed=self.seed)
+        finally:
+            if source is not None:
+                source.close()
+
+
+def _unread(model: nn.Module, stages: Sequence[torch.fx.GraphModule]) -> set[int]:
+    """Return the ids of the model's tensors that no stage reads (they belong to stage 0)."""
+    read = {id(t) for st in stages for _, t in named_tensors(st)}
+    return {id(t) for _, t in named_tensors(model) if id(t) not in read}
+
+
+def _runnable(gm: torch.fx.GraphModule, j: int, defer: set[int]) -> torch.fx.GraphModule:
+    """Return the module stage ``j`` runs: its linears defer weight gradients if its schedule has W."""
+    return defer_weight_grads(gm) if j in defer else gm
+
+
+def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
+                stages: Sequence[torch.fx.GraphModule], devices: Sequence[torch.device],
+                schedule: Schedule, deferred_batch_norm: bool,
+                materials: Materials | None = None) -> LocalRuntime:
+    """Move every stage's tensors to its device and return the one-process runtime."""
+    own = ownership(stages, devices)
+    if materials is not None and materials.needed(model):
+        placement = {key: devices[j] for key, j in own.owner.items()}
+        placement.update({key: devices[0] for key in _unread(model, stages)})
+        materials.fill(model, placement)
+    move_owned([model, gm, *stages], own, devices)
+    defer = schedule.deferring(plan.chunks)
+    runnables = [_runnable(st, j, defer) for j, st in enumerate(stages)]
+    n = plan.n_stages
+    calls = [StageCall(j, stage_callable(r, own.foreign[j], devices[j]), r, devices[j], j == n - 1)
+             for j, r in enumerate(runnables)]
+    engine = LocalRuntime(plan, calls, CallSignature(gm), schedule)
+    if deferred_batch_norm:
+        engine.deferred = defer_batch_norm({id(m): m for st in stages for m in st.modules()}.values())
+    return engine
+
+
+def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
+                      stages: Sequence[torch.fx.GraphModule], layout: Layout, link: Comm, timeout: float,
+                      schedule: Schedule, deferred_batch_norm: bool, shard: bool = False,
+                      materials: Materials | None = None) -> tuple[DistributedRuntime, set[int]]:
+    """Keep this rank's stages on its device, sync tied tensors, wrap them for data parallel.
+
+    Return the runtime and the ids of the tensors this rank keeps: its stages', and on the
+    first rank those no stage reads; every other tensor of the model is made ``meta`` (freed)
+    on this rank.
+    """
+    device, mine = layout.device, schedule.stages_of(layout.rank)
+    held = [stages[j] for j in mine]
+    unread = _unread(model, stages) if layout.rank == 0 else set()
+    if materials is not None and materials.needed(model):
+        error: BaseException | None = None
+        try:
+            materials.fill(model, {id(t): device for st in held for _, t in named_tensors(st)}
+                           | {key: device for key in unread})
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it before any raises
+            error = exc
+        _agree(link, layout, mine, error)
+    move_owned([model, gm, *stages], ownership(held, [device] * len(held)), [device] * len(held))
+    tied = tied_groups(stages, schedule.ranks, layout, timeout)
+    if layout.dp > 1:
+        _refuse_shared_on_one_rank(held, mine)
+    defer = schedule.deferring(plan.chunks)
+    n = plan.n_stages
+    runnable = {j: _runnable(stages[j], j, defer) for j in mine}
+    calls = [StageCall(j, r, r, device, j == n - 1) for j, r in runnable.items()]
+    engine = DistributedRuntime(plan, gm, layout, calls, link, CallSignature(gm), tied, schedule)
+    if layout.dp > 1:  # after the tied tensors are equal: DDP and FSDP2 start from these
+        engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()])
+        swapped = engine.grad_sync.swapped  # tied parameters FSDP2 sharded: sum the shards' gradients
+        tied.mine = [(g, [swapped.get(id(p), p) for p in ps], first) for g, ps, first in tied.mine]
+    if deferred_batch_norm:
+        engine.deferred = defer_batch_norm({id(m): m for st in held for m in st.modules()}.values())
+    keep = {id(t) for st in held for _, t in named_tensors(st)} | unread  # after the move: moved buffers are new
+    release(model, keep)
+    return engine, keep
+
+
+def _agree(link: Comm, layout: Layout, mine: Sequence[int], error: BaseException | None) -> None:
+    """Tell every rank of the pipeline whether this one materialized its stages; raise if any failed."""
+    rank = layout.rank
+    message = None if error is None else \
+        f"rank {rank} (stages {', '.join(map(str, mine))}) could not materialize its tensors: {error}"
+    for r in range(layout.pp):
+        if r != rank:
+            link.send_object(message, r)
+    theirs = [(r, link.recv_object(r, "waiting for the other ranks' weights")) for r in range(layout.pp) if r != rank]
+    link.flush()
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m in theirs if m is not None]
+    if failed:
+        raise PeerFailure(f"rank {rank} stopped because {failed[0][1]}")
+
+
+def _refuse_shared_on_one_rank(held: Sequence[torch.fx.GraphModule], mine: Sequence[int]) -> None:
+    """Refuse a tensor shared by two stages of one rank under data parallel (each stage reduces its own)."""
+    seen: dict[int, int] = {}
+    for j, st in zip(mine, held):
+        for name, p in st.named_parameters():
+            if seen.setdefault(id(p), j) != j:
+                raise ValueError(f"parameter '{name}' is used by stages {seen[id(p)]} and {j}, which run on one "
+                                 "rank; with data_parallel > 1 each stage reduces its own gradients, so a tensor "
+                                 "cannot be shared between two stages of a rank: untie it, or place those stages "
+                                 "on different ranks (another schedule or split)")

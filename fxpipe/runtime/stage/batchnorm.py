@@ -1,0 +1,112 @@
+"""Deferred batch norm: running statistics updated once per mini-batch, not per micro-batch.
+
+In training, batch norm normalizes each micro-batch by that micro-batch's statistics, and by
+default also updates its running mean and variance once per micro-batch, which weights them
+differently from eager training on the whole batch. With ``deferred_batch_norm=True`` each
+batch norm keeps normalizing per micro-batch but only accumulates ``sum(x)`` and
+``sum(x * x)`` per channel; after the mini-batch the pipeline commits them once, so the
+running statistics equal eager's on the full batch (torchgpipe, section 3.4). Recomputation
+for checkpointing does not count twice, and neither does a run on fake tensors (the distributed
+runtime propagates each new micro-batch layout's shapes through the graph).
+
+The modules keep their class, their identity and their state_dict keys: the deferred forward
+is an instance attribute, and the sums are plain attributes.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable
+from typing import Protocol, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from fxpipe.runtime.stage.recompute import is_recomputing
+
+__all__ = ["commit_batch_norm", "defer_batch_norm", "discard_batch_norm"]
+
+
+class _Sums(Protocol):
+    """The plain attributes a deferred batch norm accumulates into."""
+
+    _fxpipe_sum: torch.Tensor | None
+    _fxpipe_sum_squares: torch.Tensor | None
+    _fxpipe_count: int
+
+
+def _sums(bn: _BatchNorm) -> _Sums:
+    """View a batch norm's accumulated sums as typed attributes."""
+    return cast(_Sums, bn)
+
+
+def defer_batch_norm(modules: Iterable[nn.Module]) -> list[_BatchNorm]:
+    """Make every batch norm among ``modules`` defer its running-statistics update; return them."""
+    deferred = []
+    for bn in modules:
+        if isinstance(bn, _BatchNorm) and bn.track_running_stats and "forward" not in bn.__dict__:
+            bn.__dict__["forward"] = types.MethodType(_deferred_forward, bn)
+            _reset(bn)
+            deferred.append(bn)
+    return deferred
+
+
+def _reset(bn: _BatchNorm) -> None:
+    """Clear a batch norm's accumulated sums."""
+    sums = _sums(bn)
+    sums._fxpipe_sum = None
+    sums._fxpipe_sum_squares = None
+    sums._fxpipe_count = 0
+
+
+def _deferred_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """Normalize by the micro-batch's statistics; accumulate them instead of updating."""
+    self._check_input_dim(x)
+    if not self.training:
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                            False, 0.0, self.eps)
+    if not is_recomputing() and not isinstance(x, FakeTensor):
+        with torch.no_grad():
+            dims = [d for d in range(x.dim()) if d != 1]
+            total = x.sum(dims, dtype=torch.float64)  # float64 sums: no cancellation in the variance
+            squares = (x * x).sum(dims, dtype=torch.float64)
+            sums = _sums(self)
+            if sums._fxpipe_sum is None or sums._fxpipe_sum_squares is None:
+                sums._fxpipe_sum, sums._fxpipe_sum_squares = total, squares
+            else:
+                sums._fxpipe_sum += total
+                sums._fxpipe_sum_squares += squares
+            sums._fxpipe_count += x.numel() // x.shape[1]
+    return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+
+def discard_batch_norm(modules: Iterable[_BatchNorm]) -> None:
+    """Drop the sums a failed step accumulated: the running statistics stay as they were."""
+    for bn in modules:
+        _reset(bn)
+
+
+def commit_batch_norm(modules: Iterable[_BatchNorm]) -> None:
+    """Update each deferred batch norm's running statistics once from its accumulated sums."""
+    with torch.no_grad():
+        for bn in modules:
+            sums = _sums(bn)
+            n = sums._fxpipe_count
+            if n == 0:
+                continue
+            # deferred batch norms track running stats, and a count above 0 means both sums are set
+            assert sums._fxpipe_sum is not None and sums._fxpipe_sum_squares is not None
+            assert bn.running_mean is not None and bn.running_var is not None
+            assert bn.num_batches_tracked is not None
+            mean = sums._fxpipe_sum / n
+            var = (sums._fxpipe_sum_squares / n - mean ** 2) * (n / max(n - 1, 1))  # unbiased, as eager
+            bn.num_batches_tracked += 1
+            momentum = bn.momentum
+            if momentum is None:  # cumulative moving average
+                momentum = 1.0 / float(bn.num_batches_tracked)
+            bn.running_mean.mul_(1 - momentum).add_(mean.to(bn.running_mean.dtype), alpha=momentum)
+            bn.running_var.mul_(1 - momentum).add_(var.to(bn.running_var.dtype), alpha=momentum)
+            _reset(bn)

@@ -1,0 +1,198 @@
+"""Activation checkpointing with recomputation on a side branch and replayed RNG state.
+
+:class:`Checkpoint` runs a stage under ``no_grad`` and saves the RNG state. :class:`Recompute`
+hangs off the stage's output through a fork/join pair, so that in backward it runs *before*
+the checkpoint's own backward, as soon as the output's gradient is due (torchgpipe, 3.2.3)::
+
+           ┌──────── Checkpoint (no_grad forward) ──▶ y ──Fork──▶ y' ──Join──▶ y''
+    inputs ┤                                                │          ▲
+           └──────── Recompute (identity in forward) ◀──phony┘   phony─┘
+
+    backward: Join ─▶ Recompute (replay forward with grad, same RNG) ─▶ Fork ─▶ Checkpoint
+              (backward through the recomputed graph, gradients to the inputs)
+
+Both passes run through the stage call (:class:`fxpipe.runtime.stage.stagecall.StageCall`), which
+restores the CPU RNG state and that of the stage's CUDA device for the recomputation, so
+dropout draws the same mask. :func:`is_checkpointing` and :func:`is_recomputing` tell a module which
+pass it is in.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fxpipe.runtime.stage.dependency import fork, get_phony, join
+
+__all__ = [
+    "CHECKPOINT_MODES",
+    "checkpoint_stop",
+    "checkpointed",
+    "in_pass",
+    "is_checkpointing",
+    "is_recomputing",
+]
+
+# How many leading micro-batches of m each mode checkpoints (torchgpipe's three modes).
+CHECKPOINT_MODES: dict[str, Callable[[int], int]] = {
+    "always": lambda m: m,
+    "except_last": lambda m: m - 1,  # the last micro-batch's backward comes first anyway
+    "never": lambda m: 0,
+}
+
+
+def checkpoint_stop(mode: str, m: int) -> int:
+    """Return how many leading micro-batches of ``m`` are checkpointed under ``mode``."""
+    try:
+        return CHECKPOINT_MODES[mode](m)
+    except KeyError:
+        raise ValueError(f"checkpoint={mode!r}; use one of {', '.join(map(repr, CHECKPOINT_MODES))}") from None
+
+
+class _State(threading.local):
+    """Per-thread flags telling which pass a stage's forward is in."""
+
+    checkpointing = False
+    recomputing = False
+
+
+_state = _State()
+
+
+def is_checkpointing() -> bool:
+    """Tell whether the current forward runs under checkpointing (its activations are dropped)."""
+    return _state.checkpointing
+
+
+def is_recomputing() -> bool:
+    """Tell whether the current forward is a recomputation for backward."""
+    return _state.recomputing
+
+
+@contextmanager
+def in_pass(name: str) -> Iterator[None]:
+    """Set the per-thread pass flag ``name`` (``checkpointing`` or ``recomputing``) for the block."""
+    previous = getattr(_state, name)
+    setattr(_state, name, True)
+    try:
+        yield
+    finally:
+        setattr(_state, name, previous)
+
+
+class _Record:
+    """What a checkpointed call shares between its Checkpoint and Recompute nodes."""
+
+    def __init__(self, call: Any, i: int, rebuild: Callable[[tuple], tuple],
+                 flatten: Callable[[Any], tuple]) -> None:
+        self.call = call  # the stage call (:class:`fxpipe.runtime.stage.stagecall.StageCall`)
+        self.i = i
+        self.rebuild = rebuild  # input tensors -> the stage's arguments
+        self.flatten = flatten  # the stage's outputs -> their tensors
+        self.replay_point: Any = None
+        self.recomputed: deque = deque(maxlen=1)
+
+    def replay(self, inputs: tuple) -> None:
+        """Recompute the forward with grad and the saved RNG state; keep the result."""
+        leaves = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
+        outputs = self.flatten(self.call.run(self.i, self.rebuild(leaves), "recompute", self.replay_point))
+        self.recomputed.append((outputs, leaves))
+
+
+class Checkpoint(torch.autograd.Function):
+    """Run the function without keeping activations; backpropagate through its recomputation."""
+
+    @staticmethod
+    def forward(ctx, phony, record: _Record, *inputs):  # type: ignore[override]
+        ctx.record = record
+        ctx.save_for_backward(*inputs)
+        record.replay_point = record.call.replay_point()
+        return record.flatten(record.call.run(record.i, record.rebuild(inputs), "checkpoint"))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        record: _Record = ctx.record
+        if not record.recomputed:  # the side branch was not reached: recompute here
+            record.replay(ctx.saved_tensors)
+        outputs, leaves = record.recomputed.pop()
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None) + tuple(x.grad if x.requires_grad else None for x in leaves)
+
+
+class Recompute(torch.autograd.Function):
+    """Pass a phony through in forward; recompute the checkpointed function in backward."""
+
+    @staticmethod
+    def forward(ctx, phony, record: _Record, *inputs):  # type: ignore[override]
+        ctx.record = record
+        ctx.save_for_backward(*inputs)
+        return phony.detach()
+
+    @staticmethod
+    def backward(ctx, grad_phony):  # type: ignore[override]
+        ctx.record.replay(ctx.saved_tensors)
+        return (None, None) + (None,) * len(ctx.saved_tensors)
+
+
+def _flatten(value: Any) -> tuple[list, Any]:
+    """Flatten a value into leaves; a plain tuple of tensors (the common case) skips pytree."""
+    if type(value) is tuple and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value), None
+    return tree_flatten(value)
+
+
+def _unflatten(leaves: list, spec: Any) -> Any:
+    """Invert :func:`_flatten`."""
+    return tuple(leaves) if spec is None else tree_unflatten(leaves, spec)
+
+
+def checkpointed(call: Any, i: int, inputs: tuple) -> Any:
+    """Run stage ``call`` on micro-batch ``i`` without keeping activations; recompute them in backward.
+
+    ``call`` is the stage's :class:`~fxpipe.runtime.stage.stagecall.StageCall`, which runs both
+    passes. ``inputs`` and the result may hold any structure of tensors and other values;
+    only the tensors pass through autograd.
+    """
+    in_leaves, in_spec = _flatten(inputs)
+    in_idx = [k for k, v in enumerate(in_leaves) if isinstance(v, torch.Tensor)]
+    tensors = tuple(in_leaves[k] for k in in_idx)
+    # Keep only the structure and the non-tensor values: the tensors reach the stage as
+    # arguments (saved by autograd), and holding them here would keep every micro-batch's
+    # inputs and outputs alive as long as the autograd graph.
+    frame = [None if isinstance(v, torch.Tensor) else v for v in in_leaves]
+    shape: dict[str, Any] = {}
+
+    def rebuild(args: tuple) -> tuple:
+        leaves = list(frame)
+        for k, t in zip(in_idx, args):
+            leaves[k] = t
+        return _unflatten(leaves, in_spec)
+
+    def flatten(out: Any) -> tuple:
+        out_leaves, out_spec = _flatten(out)
+        shape["spec"] = out_spec
+        shape["tensor_at"] = {k for k, v in enumerate(out_leaves) if isinstance(v, torch.Tensor)}
+        shape["frame"] = [None if isinstance(v, torch.Tensor) else v for v in out_leaves]
+        return tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
+
+    record = _Record(call, i, rebuild, flatten)
+    phony = get_phony(call.device, requires_grad=True)
+    outputs = list(Checkpoint.apply(phony, record, *tensors))
+    # Hang the recomputation off the first output that requires grad.
+    for k, y in enumerate(outputs):
+        if y.requires_grad:
+            outputs[k], branch = fork(y)
+            branch = Recompute.apply(branch, record, *tensors)
+            outputs[k] = join(outputs[k], branch)
+            break
+    it = iter(outputs)
+    leaves = [next(it) if k in shape["tensor_at"] else v for k, v in enumerate(shape["frame"])]
+    return _unflatten(leaves, shape["spec"])

@@ -1,0 +1,172 @@
+"""One stage's forward and backward on explicit, detached boundaries: what F, B, I and W do.
+
+The action interpreter (:mod:`fxpipe.runtime.interpreter`) cuts autograd at each stage
+boundary. A forward takes detached inputs, marks the floating ones that carry a gradient
+as leaves that require grad, and keeps what backward needs; a backward receives the
+gradients of the stage's outputs, runs autograd through the stage, and returns the
+gradients of its inputs, to be sent back to the stages that made them::
+
+      inputs (leaves) ──▶ stage j ──▶ outputs ────send───▶ consumers
+      input grads ◀──── autograd ◀── output grads ◀─recv── consumers
+
+Every pass runs through the stage call (:class:`fxpipe.runtime.stage.stagecall.StageCall`): with
+checkpointing, the forward runs under ``no_grad`` and keeps only the inputs and the replay
+point; the backward first recomputes the forward with the same random numbers. A stage whose
+schedule has ``W`` steps (``defer=True``) queues its linears' weight gradients per
+micro-batch (:mod:`fxpipe.runtime.stage.wgrad`): ``I`` computes the input gradients only, ``W``
+the queued weight gradients, and ``B`` both at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.runtime.stage import wgrad
+from fxpipe.runtime.stage.stagecall import StageCall
+from fxpipe.runtime.stage.stream import on_device
+
+__all__ = ["StageWorker"]
+
+
+class StageWorker:
+    """Run forwards and backwards of one stage, keeping per-micro-batch state in between."""
+
+    def __init__(self, call: StageCall, input_grads: Sequence[bool], defer: bool = False) -> None:
+        self.call = call
+        self.index = call.index
+        self.device = call.device
+        self.input_grads = list(input_grads)  # per input value: does it carry a gradient?
+        self.last = call.last
+        self._saved: dict[int, tuple] = {}
+        self.defer = defer  # queue the linears' weight gradients for weights(i)
+        self._weights: dict[int, list] = {}
+        # data parallel (:mod:`fxpipe.runtime.dataparallel`): the micro-batch of the stage's last
+        # backward of the step, whose weight gradients are never deferred, and what to call
+        # before each backward (with whether it is that last one)
+        self.final: int | None = None
+        self.before_backward: Callable[[bool], None] | None = None
+
+    def forward(self, i: int, inputs: Sequence[Any], *, checkpoint: bool,
+                loss: Callable[[Any], torch.Tensor] | None = None, grad: bool = True) -> Any:
+        """Run micro-batch ``i``; return the outputs (the weighted loss on the last stage with ``loss``)."""
+        call = self.call
+        leaves = [_leaf(v, g and grad) for v, g in zip(inputs, self.input_grads)]
+        with call.span("forward", i):
+            if not grad:
+                with torch.no_grad():
+                    out = call.run(i, leaves)
+                return loss(out) if loss is not None else out
+            if self.defer:
+                self._weights[i] = []  # fresh: nothing left from a step that failed
+            if checkpoint:
+                replay = call.replay_point()
+                out = call.run(i, leaves, "checkpoint")
+                with torch.no_grad():
+                    result = loss(out) if loss is not None else out
+                self._saved[i] = ("recompute", leaves, replay, loss)
+                return result.detach() if loss is not None else out
+            with self._collecting(i):
+                out = call.run(i, leaves)
+                result = loss(out) if loss is not None else out
+        self._saved[i] = ("keep", leaves, result)
+        return result.detach() if loss is not None else _detached(out)
+
+    def backward(self, i: int, grads: Sequence[Any] | None, kind: str = "B") -> list[Any]:
+        """Backpropagate micro-batch ``i`` given its outputs' gradients; return input gradients.
+
+        ``kind`` is ``"B"`` (everything) or ``"I"`` (input gradients; the weight gradients
+        wait for :meth:`weights`). ``grads`` aligns with the stage's outputs (None on the
+        last stage, whose output is the loss). The result aligns with the inputs: a tensor
+        (or structure) for each input that carries a gradient, None for the others.
+        """
+        saved = self._saved.pop(i)
+        if self.before_backward is not None:
+            self.before_backward(i == self.final)
+        if saved[0] == "recompute":
+            _, leaves, replay, loss = saved
+            with self._collecting(i):
+                out = self.call.run(i, leaves, "recompute", replay)
+                with torch.enable_grad():
+                    result = loss(out) if loss is not None else out
+        else:
+            _, leaves, result = saved
+        with on_device(self.device), self.call.span("backward", i):
+            tensors, grad_tensors = _pairs(result, grads)
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors)
+            if kind == "B" and self.defer:
+                wgrad.run(self._weights.pop(i, []))
+        return [_grad_of(leaf) if g else None for leaf, g in zip(leaves, self.input_grads)]
+
+    def weights(self, i: int) -> None:
+        """Compute micro-batch ``i``'s deferred weight gradients (after its ``I``)."""
+        with on_device(self.device), self.call.span("weight", i):
+            wgrad.run(self._weights.pop(i, []))
+
+    def _collecting(self, i: int) -> contextlib.AbstractContextManager:
+        """Queue micro-batch ``i``'s weight gradients while deferring; otherwise do nothing."""
+        return wgrad.collecting(self._weights[i]) if self.defer and i != self.final else contextlib.nullcontext()
+
+    def discard(self) -> None:
+        """Drop what a failed step left: activations awaiting backward, deferred weight gradients."""
+        self._saved.clear()
+        self._weights.clear()
+
+    def pending(self) -> int:
+        """Return how many micro-batches hold activations awaiting backward."""
+        return len(self._saved)
+
+
+def _leaf(value: Any, grad: bool) -> Any:
+    """Detach a received value; make its floating tensors require grad if it carries one."""
+    if isinstance(value, torch.Tensor):
+        leaf = value.detach()
+        if grad and leaf.is_floating_point():
+            leaf.requires_grad_(True)
+        return leaf
+    if grad:
+        leaves, spec = tree_flatten(value)
+        if spec.is_leaf():  # None, a number, a string: nothing to detach
+            return value
+        return spec.unflatten([_leaf(v, True) for v in leaves])
+    return value
+
+
+def _detached(out: Any) -> Any:
+    """Return the outputs with every tensor detached, for sending."""
+    leaves, spec = tree_flatten(out)
+    return spec.unflatten([v.detach() if isinstance(v, torch.Tensor) else v for v in leaves])
+
+
+def _grad_of(leaf: Any) -> Any:
+    """Return the gradient of a leaf (zeros where autograd produced none)."""
+    if isinstance(leaf, torch.Tensor):
+        if not leaf.requires_grad:
+            return None
+        return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+    leaves, spec = tree_flatten(leaf)
+    if spec.is_leaf():  # None, a number, a string: no gradient
+        return None
+    return spec.unflatten([_grad_of(v) for v in leaves])
+
+
+def _pairs(result: Any, grads: Sequence[Any] | None) -> tuple[list[torch.Tensor], list[Any]]:
+    """Match output tensors that require grad with their incoming gradients, value by value."""
+    if grads is None:  # the last stage: result is the loss
+        return ([result], [None]) if isinstance(result, torch.Tensor) and result.requires_grad else ([], [])
+    tensors, grad_tensors = [], []
+    for out, grad in zip(result, grads):
+        if grad is None:
+            continue
+        outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+        gs = [grad] if isinstance(grad, torch.Tensor) else tree_flatten(grad)[0]
+        for t, g in zip(outs, gs):
+            if isinstance(t, torch.Tensor) and t.requires_grad and isinstance(g, torch.Tensor):
+                tensors.append(t)
+                grad_tensors.append(g)
+    return tensors, grad_tensors

@@ -1,0 +1,171 @@
+"""Point-to-point messages between ranks that never hang: every wait is bounded and explained.
+
+The pipeline talks over its own process group whose timeout is fxpipe's ``timeout=``, so a
+receive waits at most that long. A rank that raises posts why on the rendezvous store
+(:class:`~fxpipe.runtime.transport.failure.FailureBoard`) and closes its connections, so the peers'
+pending receives fail at once (as they do when a process dies); a rank whose receive fails
+reads the reason and raises :class:`PeerFailure` naming the rank that failed first and why.
+After a failed step the ranks meet again and continue on a fresh group (:meth:`Comm.reopen`).
+Small per-step facts (the batch layout rank 0 publishes, the loss the last rank returns) go
+point to point as pickled bytes (:meth:`Comm.send_object`), under the same bound; no rank
+blocks in a collective that a dead peer will not join.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.errors import PeerFailure
+from fxpipe.runtime.transport.failure import FailureBoard
+
+__all__ = ["Comm", "on_every_rank"]
+
+log = logging.getLogger(__name__)
+
+OBJECT_TAG = 3  # small Python values (the step's layout, the loss); 1 and 2 carry tensors
+
+
+def on_every_rank(exc: BaseException) -> BaseException:
+    """Mark an error that every rank raises by itself (a refused input): no rank needs telling.
+
+    Posting it would leave it under the store's one error key, and a later, real failure of
+    another rank would be reported to the others as this old one.
+    """
+    vars(exc)["fxpipe_on_every_rank"] = True
+    return exc
+
+
+class Comm:
+    """Send, receive and wait for one rank, failing fast when a peer fails."""
+
+    def __init__(self, rank: int, timeout: float, group: Any, device: torch.device,
+                 global_ranks: Sequence[int] | None = None, size: int | None = None) -> None:
+        self.rank = rank  # the pipeline rank; peers are named by pipeline rank too
+        self.global_ranks = list(global_ranks) if global_ranks is not None else None
+        self.timeout = timeout
+        self.group = group
+        self.device = device  # where messages live: CPU for gloo, the rank's GPU for NCCL
+        self.store = dist.distributed_c10d._get_default_store()
+        self.board = FailureBoard(self.store, rank, size or len(self.global_ranks or ()) or 1, timeout)
+        self.pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive until sent)
+
+    # -- failure signalling ----------------------------------------------------------
+    def fail(self, message: str) -> None:
+        """Tell every rank that this one failed (best effort: the store may be gone too)."""
+        self.board.post(message)
+
+    def check(self, what: str) -> None:
+        """Raise :class:`PeerFailure` if a peer has posted an error."""
+        reason = self.board.read(what)
+        if reason is not None:
+            raise PeerFailure(f"rank {self.rank} stopped while {what} because {reason['message']}")
+
+    def close(self) -> None:
+        """Drop this rank's connections of the pipeline: every peer waiting on it fails at once.
+
+        The group's connections close when nothing holds the group or a pending operation of
+        it, so the pending sends go too (the step they belong to has failed).
+        """
+        self.pending = []
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                if self.device.type == "cuda" and hasattr(group, "abort"):
+                    group.abort()  # NCCL: abort the communicator's pending work
+                dist.destroy_process_group(group)
+            except Exception as exc:  # noqa: BLE001 - closing after a failure: nothing more to do
+                log.debug("closing the pipeline group: %s", exc)
+
+    def reopen(self, group: Any) -> None:
+        """Continue on ``group``, a fresh group of the same ranks, after a failed step."""
+        self.group = group
+
+    def wait(self, works: Sequence[Any], what: str, peer: int | None = None) -> None:
+        """Wait for ``works``; turn a failure or the timeout into :class:`PeerFailure`."""
+        for work in works:
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001 - closed connection or timeout
+                raise self._explain(exc, what, peer) from None
+
+    def _explain(self, exc: Exception, what: str, peer: int | None = None) -> PeerFailure:
+        """Name the cause of a failed operation: a peer's posted error, the timeout, or a death."""
+        self.check(what)
+        if "imed out" in str(exc):
+            message = (f"rank {self.rank}: nothing arrived for {self.timeout:.0f} s while {what}; "
+                       "a peer is stuck or dead (raise fxpipe.compile(..., timeout=) if a stage is this slow)")
+            self.board.post(message)
+            return PeerFailure(message)
+        who = f"rank {peer}" if peer is not None else "a peer"
+        message = (f"rank {self.rank}: communication failed while {what} ({who} probably died, "
+                   f"posting no error): {exc}")
+        self.board.post(f"{who} died (rank {self.rank} lost its connection while {what})", fatal=True)
+        return PeerFailure(message)
+
+    # -- tensors -----------------------------------------------------------------------
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int, int]],
+                 recvs: Sequence[tuple[torch.Tensor, int, int]], what: str) -> None:
+        """Post sends and receives ``(tensor, peer, tag)`` as one batch; wait for the receives."""
+        peers = {peer for _, peer, _ in recvs}
+        self.wait(self.post(sends, recvs, what), what, peers.pop() if len(peers) == 1 else None)
+
+    def post(self, sends: Sequence[tuple[torch.Tensor, int, int]],
+             recvs: Sequence[tuple[torch.Tensor, int, int]], what: str) -> list[Any]:
+        """Post sends and receives as one batch; return the receives' works, to :meth:`wait` on.
+
+        The sends are held until :meth:`flush`.
+        """
+        works = self._batch(sends, recvs, what)
+        self.pending += list(zip(works[: len(sends)], [t for t, _, _ in sends]))
+        return works[len(sends):]
+
+    def send(self, sends: Sequence[tuple[torch.Tensor, int, int]], what: str) -> list[Any]:
+        """Post sends as one batch; return their works, which the caller waits for.
+
+        A send's work keeps its tensor alive until the work is dropped, so a caller that
+        knows a send has arrived waits for it and lets it go, instead of keeping every
+        tensor sent in the step until :meth:`flush`.
+        """
+        return self._batch(sends, [], what)
+
+    def _batch(self, sends: Sequence[tuple[torch.Tensor, int, int]],
+               recvs: Sequence[tuple[torch.Tensor, int, int]], what: str) -> list[Any]:
+        """Post sends then receives as one batch; return their works in that order."""
+        if self.group is None:
+            raise PeerFailure(f"rank {self.rank}: the pipeline's connections are closed after a failed step "
+                              f"(while {what}); call pipe.step or pipe(x) again on every rank to go on")
+        at = self.global_ranks.__getitem__ if self.global_ranks is not None else int
+        ops = [dist.P2POp(dist.isend, t, at(peer), self.group, tag) for t, peer, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, at(peer), self.group, tag) for t, peer, tag in recvs]
+        if not ops:
+            return []
+        try:
+            return dist.batch_isend_irecv(ops)
+        except Exception as exc:  # noqa: BLE001 - a send to a closed connection fails at once
+            raise self._explain(exc, what) from None
+
+    def flush(self, what: str = "finishing sends") -> None:
+        """Wait until every posted send has left."""
+        pending, self.pending = self.pending, []
+        self.wait([w for w, _ in pending], what)
+
+    # -- small Python values, point to point ---------------------------------------------
+    def send_object(self, value: Any, dst: int) -> None:
+        """Send a small picklable value to rank ``dst`` (received by :meth:`recv_object`)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        self.exchange([(size, dst, OBJECT_TAG), (data, dst, OBJECT_TAG)], [], "sending a small message")
+
+    def recv_object(self, src: int, what: str) -> Any:
+        """Receive a value sent by :meth:`send_object` on rank ``src``."""
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        self.exchange([], [(size, src, OBJECT_TAG)], what)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.exchange([], [(data, src, OBJECT_TAG)], what)
+        return pickle.loads(bytes(data.cpu().tolist()))  # no numpy needed

@@ -1,0 +1,161 @@
+"""What the rank holding the first stage tells its pipeline about a step, before it runs.
+
+It checks and splits the inputs, agrees with the other replicas on the batch size, and
+sends every rank of its pipeline the micro-batch layout (batch size and the spec of each
+micro-batch); each rank sizes its receive buffers from the layout (:func:`specs`,
+propagated on fake tensors once per layout and autocast state). Bad input is refused on
+every rank of every pipeline with the same error, instead of a mismatched message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.errors import PipelineInputError, PropagationError
+from fxpipe.passes.annotate import TensorSpec, spec_of
+from fxpipe.runtime.stage.stagecall import autocast_state
+from fxpipe.runtime.transport.comm import on_every_rank
+
+__all__ = ["check_signature", "holders", "publish", "receive", "specs_for", "tell_all"]
+
+
+def check_signature(names: list[str], spec: list[Any], example: list[Any]) -> None:
+    """Refuse inputs the plan cannot serve: another structure, number of dimensions or dtype than the example's.
+
+    Other sizes are served: the values crossing the stages are propagated anew for each new
+    micro-batch layout (:func:`specs_for`).
+    """
+    for name, got, want in zip(names, spec, example):
+        got_leaves, got_tree = tree_flatten(got)
+        want_leaves, want_tree = tree_flatten(want)
+        if got_tree != want_tree:
+            raise PipelineInputError(
+                f"input '{name}' is {_describe(got)}, but the plan was built for {_describe(want)}; the "
+                "stages were traced for that structure, so pass the same kind of value (or compile with "
+                "example inputs of the kind you run)")
+        for g, w in zip(got_leaves, want_leaves):
+            if isinstance(w, TensorSpec) and isinstance(g, TensorSpec) and (
+                    g.dtype != w.dtype or len(g.shape) != len(w.shape)):
+                raise PipelineInputError(
+                    f"input '{name}' has shape {tuple(g.shape)} and dtype {g.dtype}, but the plan was "
+                    f"built for {len(w.shape)} dimension(s) ({', '.join(map(str, w.shape))} in the example) "
+                    f"and dtype {w.dtype}; sizes may change from step to step, the number of dimensions "
+                    "and the dtype may not: cast the input, or compile with example inputs of that kind")
+
+
+def _describe(value: Any) -> str:
+    """Describe a value's kind briefly, for a refusal."""
+    if isinstance(value, TensorSpec):
+        return f"a tensor of {len(value.shape)} dimension(s)"
+    if isinstance(value, (tuple, list, dict)):
+        return f"a {type(value).__name__} of {len(value)} item(s)"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def holders(runtime: Any, pipeline_rank: int, what: str) -> str:
+    """Name the global rank(s) at ``pipeline_rank`` of every replica, saying they hold ``what``."""
+    layout = runtime.layout
+    grid = layout.mesh.mesh.tolist() if layout.mesh is not None else [layout.global_ranks]
+    ranks = [row[pipeline_rank] for row in grid]
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} ({what})"
+    return f"ranks {', '.join(map(str, ranks))} ({what} in each of the {len(ranks)} replicas)"
+
+
+def _refuse_missing_inputs(runtime: Any, values: list[Any]) -> None:
+    """Refuse a step whose inputs are missing on the rank that splits them, naming the ranks that need them."""
+    if values and all(v is None for v in values) and any(
+            isinstance(leaf, TensorSpec) for leaf in tree_flatten(runtime.example)[0]):
+        raise PipelineInputError(
+            f"pipe.step got no inputs on rank {dist.get_rank()}, which splits them into micro-batches: pass "
+            f"the inputs on {holders(runtime, runtime.first, 'the first stage')}; the other ranks may pass "
+            f"None (the target goes to {holders(runtime, runtime.last_rank, 'the last stage, which computes the loss')})")
+
+
+def _agree_on_batch(batch: int | None, group: Any, replica: int) -> None:
+    """Refuse a step whose replicas hold different batch sizes, naming two of them."""
+    sizes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(sizes, batch, group=group)
+    for other, size in enumerate(sizes):
+        if size != batch:
+            raise PipelineInputError(
+                f"replica {replica} has a batch of {batch} rows but replica {other} has {size}; every "
+                "replica averages its gradients with the others', so give each the same batch size")
+
+
+def publish(runtime: Any, args: tuple, kwargs: dict, training: bool,
+            has_target: bool = False) -> tuple[dict, list[list[Any]]]:
+    """On the first stage's rank: check and split the inputs, send the layout; return it and the micro-batches.
+
+    The layout carries, for each micro-batch layout the pipeline has not seen, the spec of every
+    value crossing a stage boundary (propagated here on fake tensors), so that the other ranks
+    size their receive buffers for a new sequence length without propagating it themselves.
+    """
+    try:
+        values = runtime.signature.bind(args, kwargs)
+        _refuse_missing_inputs(runtime, values)
+        check_signature(runtime.signature.names, spec_of(values), runtime.example)
+        mbs, batch = runtime.signature.split(args, kwargs, runtime.plan.chunks, training, runtime.device)
+        specs = [spec_of(mb) for mb in mbs]
+        if runtime.layout.dp > 1:
+            _agree_on_batch(batch, runtime.layout.dp_group, runtime.layout.replica)
+        new = _propagate(runtime, specs)
+    except (TypeError, ValueError, PropagationError) as exc:
+        tell_all(runtime, {"error": (type(exc).__name__, str(exc))})
+        runtime.comm.flush()  # deliver it before this rank's exception ends the process
+        if isinstance(exc, PropagationError):
+            exc = PipelineInputError(f"the inputs cannot run through the model: {exc} (found on fake tensors before the step: nothing ran)")
+        raise on_every_rank(exc) from None
+    header = {"batch": batch, "specs": specs, "layouts": new, "target_on_first": has_target}
+    tell_all(runtime, header)
+    return header, mbs
+
+
+def _propagate(runtime: Any, specs: list[Any]) -> dict[str, Any]:
+    """Propagate the crossing values' specs of every micro-batch layout not seen yet; return the new ones."""
+    new: dict[str, Any] = {}
+    for key, layout in zip(_keys(specs), specs):
+        if key not in runtime.layouts:
+            runtime.layouts[key] = new[key] = runtime.propagate(list(layout))
+    return new
+
+
+def _keys(specs: list[Any]) -> list[str]:
+    """Return the cache key of each micro-batch layout (its specs and the autocast state)."""
+    state = autocast_state()
+    return [repr((layout, state)) for layout in specs]
+
+
+def receive(runtime: Any) -> dict:
+    """On the other ranks: receive the layout (or the first rank's refusal, raised here too)."""
+    first = runtime.first
+    header = runtime.comm.recv_object(first, f"waiting for rank {first}'s inputs")
+    if header.get("error"):
+        kind, message = header["error"]
+        if kind == "PropagationError":
+            message = f"the inputs cannot run through the model: {message} (found on fake tensors before the step: nothing ran)"
+        raise on_every_rank((TypeError if kind == "TypeError" else PipelineInputError)(message))
+    runtime.layouts.update(header["layouts"])
+    return header
+
+
+def tell_all(runtime: Any, value: Any) -> None:
+    """Send a small value from this rank to every other rank of its pipeline."""
+    for r in range(runtime.world):
+        if r != runtime.rank:
+            runtime.comm.send_object(value, r)
+
+
+def specs_for(runtime: Any, header: dict) -> Callable[[int], dict[str, Any]]:
+    """Return micro-batch index -> spec of every crossing value (propagated by the first rank, once per layout)."""
+    keys = _keys(header["specs"])
+
+    def specs(i: int) -> dict[str, Any]:
+        if keys[i] not in runtime.layouts:  # the first rank ran under another autocast state
+            runtime.layouts[keys[i]] = runtime.propagate(list(header["specs"][i]))
+        return runtime.layouts[keys[i]]
+    return specs

@@ -1,0 +1,157 @@
+"""Choose a pipeline configuration by simulating every candidate: stages, chunks, schedule, checkpointing.
+
+    model ─trace, annotate, retain (once)─▶ per stage count: the FLOP-balanced cut
+          ─▶ per micro-batch size: stage costs (device model, or measured here)
+          ─▶ per schedule x checkpoint mode: one simulated step (fxpipe.simulate.simulation.run)
+          ─▶ ranked by throughput; over the memory budget: rejected
+
+Stage counts are the divisors of the number of ranks; each stage gets a rank, the rest idle
+(data-parallel replicas of the pipeline, which would use them, are not searched yet; that
+search goes here). Chunks are powers of two up to the mini-batch (at most 64).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxpipe import passes
+from fxpipe.frontend.tracing import trace
+from fxpipe.passes.retain import retain
+from fxpipe.plan.assign import annotate_graph
+from fxpipe.plan.pipeline import PipelinePlan
+from fxpipe.plan.stages import make_plan, split_stages
+from fxpipe.runtime.microbatch import micro_sizes
+from fxpipe.runtime.schedules.builtin import SCHEDULES
+from fxpipe.simulate.devices import DeviceModel, device_model
+from fxpipe.simulate.eventsim import placement_map
+from fxpipe.simulate.measure import measure_nodes
+from fxpipe.simulate.simulation import Simulation, run
+from fxpipe.simulate.stagecost import example_rows, graph_costs
+
+__all__ = ["CHECKPOINTS", "SCHEDULE_NAMES", "Candidate", "Search", "search"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = ("never", "except_last", "always")
+SCHEDULE_NAMES = tuple(SCHEDULES)
+
+
+@dataclass
+class Candidate:
+    """One configuration and its simulated step."""
+
+    stages: int
+    chunks: int
+    schedule: str
+    checkpoint: str
+    sim: Simulation
+    fits: bool  # every device's peak memory within the budget
+
+    @property
+    def peaks(self) -> list[float]:
+        """Return each device's predicted peak memory in bytes."""
+        return [m.peak for _, m in sorted(self.sim.devices.items())]
+
+
+@dataclass
+class Search:
+    """The candidates ranked by predicted throughput (those over the budget after), and how to rebuild one."""
+
+    ranked: list[Candidate]
+    rejected: list[Candidate]
+    gm: torch.fx.GraphModule
+    device: DeviceModel
+    batch: int
+    memory: float
+
+    @property
+    def best(self) -> Candidate | None:
+        """Return the fastest configuration that fits, or None."""
+        return self.ranked[0] if self.ranked else None
+
+    def plan(self, c: Candidate) -> PipelinePlan:
+        """Return the :class:`PipelinePlan` of candidate ``c``, ready to save for ``fxpipe.compile(plan=...)``."""
+        micro = len(micro_sizes(example_rows(self.gm) or c.chunks, c.chunks))
+        plan = _cut(self.gm, c.stages, self.device, micro, c.chunks, c.checkpoint)
+        plan.schedule = c.schedule
+        return plan
+
+
+def _devices(device: DeviceModel, n: int) -> list[str]:
+    """Return the device names a plan of ``n`` ranks records."""
+    kind = "cpu" if device.name == "cpu" else "cuda"
+    return [f"{kind}:{j}" for j in range(n)]
+
+
+def _cut(gm: torch.fx.GraphModule, n: int, device: DeviceModel, micro: int = 1, chunks: int = 1,
+         checkpoint: str = "except_last") -> PipelinePlan:
+    """Cut ``gm`` into ``n`` FLOP-balanced stages (communication weighed) and return their plan."""
+    devices = _devices(device, n)
+    cut = passes.partition(gm, n, balance_by="flops", comm=passes.comm_weights(devices, "flops"),
+                           checkpoint=checkpoint, micro_batches=micro)
+    modules, stages, routes = split_stages(gm, n)
+    return make_plan(gm, modules, stages, routes, devices, micro, chunks, checkpoint, "gpipe", "flops", cut, None)
+
+
+def prepare(model: nn.Module, args: tuple, kwargs: dict | None = None,
+            leaf_modules: Sequence[Any] = ()) -> torch.fx.GraphModule:
+    """Trace ``model`` and annotate its graph with FLOPs, bytes and what backward keeps."""
+    gm = trace(model, leaf_modules=leaf_modules, example_inputs=args, example_kwargs=kwargs or {})
+    annotate_graph(gm, args, kwargs or {})
+    return retain(gm)
+
+
+def search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, ranks: int,
+           device: str | DeviceModel = "cpu", memory: float | None = None, batch: int | None = None,
+           kwargs: dict | None = None, stages: Sequence[int] | None = None, chunks: Sequence[int] | None = None,
+           schedules: Sequence[str] = ("gpipe", "1f1b", "zb"), checkpoints: Sequence[str] = CHECKPOINTS,
+           optimizer: str = "adam", dtype: torch.dtype | None = None, measure: bool = False,
+           leaf_modules: Sequence[Any] = ()) -> Search:
+    """Simulate every configuration of ``model`` on ``ranks`` devices; return them ranked.
+
+    ``memory`` is the budget per device in bytes (default: the device model's memory);
+    ``batch`` the mini-batch in rows (default: the example batch). ``measure=True`` times
+    every node on this machine for each micro-batch size instead of using FLOP rates.
+    """
+    model_ = device_model(device)
+    gm = model if isinstance(model, torch.fx.GraphModule) and "fxpipe.retains" in next(
+        iter(model.graph.nodes)).meta else prepare(model, args, kwargs, leaf_modules)
+    base = example_rows(gm) or 1
+    batch = batch or base
+    budget = memory if memory is not None else model_.memory
+    stage_counts = list(stages) if stages else [d for d in range(1, ranks + 1) if ranks % d == 0]
+    chunk_counts = list(chunks) if chunks else [c for c in (1, 2, 4, 8, 16, 32, 64) if c <= batch]
+    measured: dict[int, dict[str, tuple[float, float]]] = {}
+    ranked: list[Candidate] = []
+    rejected: list[Candidate] = []
+    for n in stage_counts:
+        if n > len(passes.compute_nodes(gm)):
+            continue
+        plan = _cut(gm, n, model_)
+        rank_of = placement_map(None, n, None)
+        for m in chunk_counts:
+            rows = batch / m
+            if measure and round(rows) not in measured:
+                measured[round(rows)] = measure_nodes(gm, max(round(rows), 1), args)
+            costs = graph_costs(gm, plan, model_, rows, dtype, measured.get(round(rows)))
+            for schedule in schedules:
+                actions = SCHEDULES[schedule](n, m)
+                for ckpt in checkpoints:
+                    if m == 1 and ckpt == "except_last" and "never" in checkpoints:
+                        continue  # the same step: the one micro-batch is the last
+                    sim = run(costs, actions, rank_of, rank_of, model_, name=schedule, checkpoint=ckpt,
+                              runtime="distributed", batch=batch, optimizer=optimizer)
+                    fits = all(mem.peak <= budget for mem in sim.devices.values())
+                    (ranked if fits else rejected).append(Candidate(n, m, schedule, ckpt, sim, fits))
+    order = {"never": 0, "except_last": 1, "always": 2}
+    key = lambda c: (-c.sim.throughput, max(c.peaks), c.stages, order.get(c.checkpoint, 3))
+    ranked.sort(key=key)
+    rejected.sort(key=key)
+    return Search(ranked, rejected, gm, model_, batch, budget)

@@ -1,0 +1,288 @@
+"""``fxpipe.simulate``: predict a pipeline's step time, bubble and per-stage memory before running it.
+
+    pipe or plan ─▶ stage costs (FLOPs on a device model, or measured times) ─▶ per-action seconds
+                 ─▶ the schedule's action lists placed in time (eventsim) ─▶ step time, timeline
+                 ─▶ memory walked along the timeline (memsim) ─▶ per-stage peaks
+
+The schedule is the same data the runtime runs (:mod:`fxpipe.runtime.schedules.builtin`, or your own
+action lists), so any schedule simulates, including ones with several stages per rank
+(``placement=``). ``runtime="local"`` is one process: actions run clock by clock and stages
+on the same device take turns; ``"distributed"`` is a rank per device, each running on as
+soon as its inputs have arrived over the link.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+from fxpipe.plan.pipeline import PipelinePlan, human
+from fxpipe.runtime.observe.timeline import Timeline
+from fxpipe.runtime.schedules.actions import Action
+from fxpipe.runtime.stage.recompute import checkpoint_stop
+from fxpipe.simulate import eventsim, memsim
+from fxpipe.simulate.devices import DeviceModel, device_model
+from fxpipe.simulate.eventsim import Span
+from fxpipe.simulate.memsim import Memory
+from fxpipe.simulate.stagecost import StageCost, example_rows, graph_costs, plan_costs
+
+__all__ = ["Simulation", "StageResult", "run", "simulate"]
+
+log = logging.getLogger(__name__)
+
+_KIND = {"F": "forward", "B": "backward", "I": "backward", "W": "weight"}
+
+
+@dataclass
+class StageResult:
+    """One stage's predicted busy time, idle time (of its rank) and peak memory."""
+
+    index: int
+    rank: int
+    busy: float
+    idle: float
+    memory: Memory
+
+
+@dataclass
+class Simulation:
+    """A predicted training step: its time, each stage's busy and idle time and memory, the timeline."""
+
+    step_time: float  # seconds
+    bubble: float  # share of the ranks' time spent waiting
+    stages: list[StageResult]
+    devices: dict[int, Memory]  # per device (rank): memory of the stages it holds, live together
+    spans: list[Span]
+    schedule: str
+    chunks: int
+    checkpoint: str
+    runtime: str
+    device: DeviceModel
+    costs: list[StageCost]
+    batch: int
+
+    @property
+    def throughput(self) -> float:
+        """Return samples per second."""
+        return self.batch / self.step_time if self.step_time else 0.0
+
+    def timeline(self) -> Timeline:
+        """Return the predicted step as a :class:`~fxpipe.Timeline` (``.save(path)``: a Chrome trace)."""
+        tl = Timeline()
+        for s in self.spans:
+            a, c = s.action, self.costs[s.action.stage]
+            start, end = s.start, s.end
+            base = {"ph": "X", "pid": 0, "tid": a.stage,
+                    "args": {"stage": a.stage, "micro_batch": a.mb, "device": f"{self.device.name} {s.rank}"}}
+            if a.is_backward and a.mb < checkpoint_stop(self.checkpoint, self.chunks):
+                mid = min(start + c.forward, end)
+                tl.events.append(base | {"name": f"recompute {a.mb}", "cat": "recompute", "ts": start * 1e6,
+                                         "dur": (mid - start) * 1e6})
+                start = mid
+            kind = _KIND[a.kind]
+            tl.events.append(base | {"name": f"{kind} {a.mb}", "cat": kind, "ts": start * 1e6,
+                                     "dur": (end - start) * 1e6})
+        tl.events.sort(key=lambda e: e["ts"])
+        return tl
+
+    def table(self) -> str:
+        """Render the prediction: the step, then per stage busy, idle and memory."""
+        rows = [[s.index, s.rank, f"{s.busy * 1e3:.2f}", f"{s.idle * 1e3:.2f}", human(s.memory.params, "B"),
+                 human(s.memory.grads, "B"), human(s.memory.optimizer, "B"), human(s.memory.activations, "B"),
+                 human(s.memory.peak, "B")] for s in self.stages]
+        head = (f"predicted step ({self.schedule}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
+                f"{self.runtime}, {self.device.name}{' nominal' if self.device.nominal else ''}): "
+                f"{self.step_time * 1e3:.2f} ms, {self.throughput:.1f} samples/s, bubble {self.bubble:.1%}")
+        return head + "\n" + tabulate(rows, headers=["stage", "rank", "busy ms", "idle ms", "params", "grads",
+                                                     "optimizer", "activations", "peak"], tablefmt="simple")
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = None,
+             checkpoint: str | None = None, device: str | DeviceModel | None = None,
+             runtime: str | None = None, batch: int | None = None, optimizer: str = "none",
+             dtype: torch.dtype | None = None, placement: str | Sequence[int] | None = None,
+             ranks: int | None = None, measured: bool | dict[str, tuple[float, float]] | None = None
+             ) -> Simulation:
+    """Predict one training step of a compiled pipe (or a plan) without running it.
+
+    ``schedule``, ``chunks`` and ``checkpoint`` default to the plan's; ``schedule`` also takes
+    your own action lists, one per rank (:mod:`fxpipe.runtime.schedules.actions`). ``device`` is a
+    device model: ``"a100"``, ``"h100"``, ``"h200"`` (nominal), ``"cpu"`` (this machine,
+    calibrated on first use) or a :class:`~fxpipe.simulate.devices.DeviceModel`. ``runtime`` is
+    ``"local"`` (one process: stages on one device take turns) or ``"distributed"`` (a rank
+    per stage, or per ``placement``); the default follows the plan, and a plan made on CPUs
+    simulated on an accelerator model runs a rank per stage. ``batch`` is the
+    mini-batch in rows (default: the example batch). ``optimizer`` (``"sgd"``, ``"momentum"``,
+    ``"adam"``) adds its state to the memory. ``measured`` maps node names to measured
+    ``(forward, backward)`` seconds per micro-batch (:func:`fxpipe.simulate.measure.measure_nodes`), or
+    is ``True`` to measure them now, on this machine (random inputs of the annotated shapes);
+    other nodes come from the device model's FLOP rates.
+    """
+    gm, plan = _graph_and_plan(pipe_or_plan)
+    n = plan.n_stages
+    for name, value in (("chunks", chunks), ("batch", batch)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name}={value!r}; use an integer of at least 1 (or leave it out for the plan's)")
+    chunks = chunks or plan.chunks
+    model = device_model(device if device is not None else _default_device(plan))
+    runtime = runtime or _default_runtime(plan, model)
+    if runtime not in ("local", "distributed"):
+        raise ValueError(f"runtime={runtime!r}; use 'local' (one process) or 'distributed' (a rank per stage)")
+    base = (example_rows(gm) if gm is not None else None) or batch or chunks
+    batch = batch or base
+    m = min(chunks, batch)
+    if measured is True:
+        if gm is None:
+            raise ValueError("measured=True times the model's nodes; pass the compiled Pipe, not a plan")
+        from fxpipe.simulate.measure import measure_nodes
+        measured = measure_nodes(gm, max(round(batch / m), 1))
+    if gm is not None:
+        costs = graph_costs(gm, plan, model, batch / m, dtype, measured or None)
+    else:
+        costs = plan_costs(plan, model, m, batch / base, dtype or torch.float32)
+    if schedule is None:
+        schedule = _compiled_schedule(pipe_or_plan, plan)
+    if ranks is None and placement is None and isinstance(schedule, str) and schedule == plan.schedule:
+        world = 1 + max(s.on_rank for s in plan.stages)  # several stages per rank: as compiled
+        ranks = world if world < n else None
+    name, actions, rank_of = eventsim.schedule_rows(schedule, n, m, placement, ranks)
+    device_of = _local_devices(plan, model, rank_of) if runtime == "local" else rank_of
+    if runtime == "local" and name == "gpipe":  # one process: autograd's backward, last micro-batch first
+        actions = [[a for a in row if a.kind == "F"] + [a for a in reversed(row) if a.kind != "F"] for row in actions]
+    return run(costs, actions, rank_of, device_of, model, name=name, checkpoint=checkpoint or plan.checkpoint,
+               runtime=runtime, batch=batch, optimizer=optimizer)
+
+
+def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int], device_of: list[int],
+        model: DeviceModel, *, name: str, checkpoint: str, runtime: str, batch: int,
+        optimizer: str = "none") -> Simulation:
+    """Simulate one step from stage costs and action lists per rank (what :func:`simulate` and the planner share).
+
+    ``rank_of[j]`` is stage ``j``'s rank; ``device_of[j]`` its device (one process: stages on one
+    device take turns, clock by clock).
+    """
+    n = len(costs)
+    m = 1 + max(a.mb for row in actions for a in row)
+    stop = checkpoint_stop(checkpoint, m)
+    feeds, reads = _links(costs)
+    post = model.message_overhead if runtime == "distributed" else 0.0
+    messages = {"F": [post * (len([p for p in feeds[j] if rank_of[p] != rank_of[j]])
+                              + len([c for c in costs[j].sends if rank_of[c] != rank_of[j]])) for j in range(n)],
+                "G": [post * (len([c for c in reads[j] if rank_of[c] != rank_of[j] and j in costs[c].grads_back])
+                              + len([p for p in costs[j].grads_back if rank_of[p] != rank_of[j]])) for j in range(n)]}
+
+    def duration(a: Action) -> float:
+        """Return the seconds action ``a`` takes: its work, the runtime's and the messages it posts."""
+        c = costs[a.stage]
+        last = 0.5 * c.loss if a.stage == n - 1 else 0.0
+        redo = c.forward if a.kind in ("B", "I") and a.mb < stop else 0.0
+        work = {"F": c.forward + last, "B": c.backward + redo + last,
+                "I": c.backward - c.weight + redo + last, "W": c.weight}[a.kind]
+        talk = messages["F"][a.stage] if a.kind == "F" else messages["G"][a.stage] if a.is_backward else 0.0
+        return work + model.action_overhead + talk
+
+    def delay(src: int, dst: int, kind: str, mb: int) -> float:
+        """Return the seconds a message from stage ``src`` to stage ``dst`` takes."""
+        nbytes = costs[src].sends.get(dst, 0.0) if kind == "F" else costs[src].grads_back.get(dst, 0.0)
+        return model.message_seconds(nbytes)
+
+    spans = eventsim.run(actions, duration, n_stages=n, rank_of=rank_of, delay=delay, feeds=feeds, reads=reads,
+                         clocked=runtime == "local",
+                         device_of=[device_of[_first_stage(row, r)] for r, row in enumerate(actions)])
+    spans = [Span(s.action, s.rank, s.start + model.step_overhead, s.end + model.step_overhead) for s in spans]
+    step = max((s.end for s in spans), default=0.0)
+    if runtime == "distributed":  # what messages between ranks hold
+        held = [dataclasses.replace(
+            c, pinned_f=sum(b for k, b in c.sends.items() if rank_of[k] != rank_of[j]),
+            pinned_b=sum(b for k, b in c.grads_back.items() if rank_of[k] != rank_of[j]),
+            ahead_f=sum(costs[p].sends.get(j, 0.0) for p in feeds[j] if rank_of[p] != rank_of[j]),
+            ahead_b=sum(costs[k].grads_back.get(j, 0.0) for k in reads[j] if rank_of[k] != rank_of[j]))
+            for j, c in enumerate(costs)]
+    else:  # one process: a value handed to a stage on the same device is the same tensor
+        held = [dataclasses.replace(c, kept=c.kept - sum(
+            costs[p].sends.get(j, 0.0) for p in feeds[j] if device_of[p] == device_of[j])) for j, c in enumerate(costs)]
+    stage_mem, dev_mem = memsim.walk(spans, held, stop, device_of, optimizer)  # a value shared on a device once
+    busy_dev = {d: sum(s.end - s.start for s in spans if device_of[s.action.stage] == d) for d in set(device_of)}
+    results = [StageResult(j, device_of[j], sum(s.end - s.start for s in spans if s.action.stage == j),
+                           step - busy_dev[device_of[j]], stage_mem[j]) for j in range(n)]
+    bubble = 1 - sum(busy_dev.values()) / (len(busy_dev) * step) if step else 0.0
+    return Simulation(step, bubble, results, dev_mem, spans, name, m, checkpoint, runtime, model, costs, batch)
+
+
+def _graph_and_plan(obj: Any) -> tuple[Any, PipelinePlan]:
+    """Return ``(GraphModule or None, plan)`` of a Pipe, a plan, the path of a saved plan, or a
+    ``(GraphModule, plan)`` pair (an annotated graph whose stages the plan names)."""
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], PipelinePlan):
+        return obj
+    if isinstance(obj, PipelinePlan):
+        return None, obj
+    if isinstance(obj, str):
+        return None, PipelinePlan.load(obj)
+    plan = getattr(obj, "plan", None)
+    if isinstance(plan, PipelinePlan):
+        return getattr(obj, "_gm", None), plan
+    raise TypeError(f"fxpipe.simulate takes a compiled Pipe, a PipelinePlan or the path of a saved plan, "
+                    f"got {type(obj).__name__}")
+
+
+def _compiled_schedule(obj: Any, plan: PipelinePlan) -> Any:
+    """Return the schedule a pipe was compiled with: its name, or the user's own action lists."""
+    compiled: Any = getattr(getattr(obj, "_runtime", None), "schedule", None)
+    if getattr(compiled, "custom", None) is not None:
+        return compiled.custom
+    if plan.schedule == "custom":
+        raise ValueError("the plan was compiled with your own schedule, whose actions a plan does not record; "
+                         "pass them as schedule= (or simulate the compiled Pipe)")
+    return plan.schedule
+
+
+def _default_device(plan: PipelinePlan) -> str:
+    """Return ``"cpu"`` for a plan on CPUs; otherwise ask for a device model."""
+    if all(s.device.startswith(("cpu", "rank")) and "cuda" not in s.device for s in plan.stages):
+        return "cpu"
+    raise ValueError("the plan runs on accelerators; name a device model: device='a100', 'h100', 'h200' "
+                     "or a DeviceModel (from fxpipe.simulate.devices import DeviceModel)")
+
+
+def _default_runtime(plan: PipelinePlan, model: DeviceModel) -> str:
+    """Return the plan's runtime: ranks for a distributed plan, and for a CPU plan simulated on accelerators."""
+    names = [s.device for s in plan.stages]
+    if names[0].startswith("rank") or (model.name != "cpu" and all(d.startswith("cpu") for d in names)):
+        return "distributed"
+    return "local"
+
+
+def _local_devices(plan: PipelinePlan, model: DeviceModel, rank_of: list[int]) -> list[int]:
+    """Return the device of each stage in one process: stages on the same device share it."""
+    names = [s.device for s in plan.stages]
+    index = {d: k for k, d in enumerate(dict.fromkeys(names))}
+    return [index[d] for d in names]
+
+
+def _first_stage(row: list[Action], r: int) -> int:
+    """Return the stage of a rank's first action (the rank's own index if it has none)."""
+    return row[0].stage if row else r
+
+
+def _links(costs: list[StageCost]) -> tuple[list[list[int]], list[list[int]]]:
+    """Return, per stage, the stages it receives values from and the stages it sends values to."""
+    n = len(costs)
+    reads = [sorted(c.sends) for c in costs]
+    feeds: list[list[int]] = [[] for _ in range(n)]
+    for j, targets in enumerate(reads):
+        for t in targets:
+            feeds[t].append(j)
+    for j in range(1, n):  # a stage fed by nobody (no tensors cross) still waits for the one before
+        if not feeds[j]:
+            feeds[j].append(j - 1)
+            reads[j - 1].append(j)
+    return feeds, reads
