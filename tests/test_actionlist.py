@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.runtime.schedules.actions import Action, check, clocks, format_schedule, load_schedule, lower, parse
-from fxpipe.runtime.schedules.builtin import SCHEDULES
+from fxpipe.runtime.schedules.builtin import PRODUCERS as SCHEDULES
 from fxpipe.testing import max_relative_error
 from models import TiedTransformer, token_loss
 from unet import UNet

@@ -2,7 +2,8 @@
 
 import pytest
 
-from fxpipe.testing import SCHEDULES, assert_pipeline_equivalent
+from fxpipe.options import SINGLE_STAGE_SCHEDULES as SCHEDULES
+from fxpipe.testing import assert_pipeline_equivalent
 from models import FACTORIES
 
 CHECKPOINTS = ["always", "except_last", "never"]

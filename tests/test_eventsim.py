@@ -5,7 +5,8 @@ import pytest
 from fxpipe.errors import ScheduleError
 from fxpipe.simulate.eventsim import run
 from fxpipe.runtime.schedules.actions import Action, parse
-from fxpipe.runtime.schedules.builtin import MULTI, SCHEDULES
+from fxpipe.runtime.schedules.builtin import MULTI_PRODUCERS as MULTI
+from fxpipe.runtime.schedules.builtin import PRODUCERS as SCHEDULES
 
 
 def _step(actions, costs, **kw):

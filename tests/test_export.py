@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.testing import SCHEDULES, assert_pipeline_equivalent
+from fxpipe.options import SINGLE_STAGE_SCHEDULES as SCHEDULES
+from fxpipe.testing import assert_pipeline_equivalent
 from models import CNN, FACTORIES, TiedTransformer
 
 

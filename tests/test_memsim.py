@@ -3,8 +3,8 @@
 import pytest
 
 from fxpipe.simulate import eventsim, memsim
-from fxpipe.runtime.stage.recompute import checkpoint_stop
-from fxpipe.runtime.schedules.builtin import SCHEDULES
+from fxpipe.options import checkpoint_stop
+from fxpipe.runtime.schedules.builtin import PRODUCERS as SCHEDULES
 from fxpipe.simulate.stagecost import StageCost
 
 

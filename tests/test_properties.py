@@ -28,7 +28,8 @@ import fxpipe
 from fxpipe import passes
 from fxpipe.passes.cost import COMPUTE_OPS
 from fxpipe.plan.pipeline import PipelinePlan
-from fxpipe.testing import SCHEDULES, assert_pipeline_equivalent
+from fxpipe.options import SINGLE_STAGE_SCHEDULES as SCHEDULES
+from fxpipe.testing import assert_pipeline_equivalent
 
 EXAMPLES = int(os.environ.get("FXPIPE_PROPERTY_EXAMPLES", "50"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,

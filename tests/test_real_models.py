@@ -25,7 +25,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from fxpipe.testing import SCHEDULES, assert_pipeline_equivalent
+from fxpipe.options import SINGLE_STAGE_SCHEDULES as SCHEDULES
+from fxpipe.testing import assert_pipeline_equivalent
 
 pytestmark = pytest.mark.real_models
 

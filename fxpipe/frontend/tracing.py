@@ -16,8 +16,9 @@ from torch import nn
 
 from fxpipe.errors import TraceError
 from fxpipe.frontend.markers import recording_markers
+from fxpipe.options import check_tracer
 
-__all__ = ["TRACERS", "check_tracer", "trace"]
+__all__ = ["trace"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,6 @@ class _Tracer(torch.fx.Tracer):
         return _Proxy(node, self)
 
 
-TRACERS = ("fx", "export")
 
 
 def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
@@ -112,13 +112,6 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     gm = torch.fx.GraphModule(fx_tracer.root, graph, name)
     log.debug("traced %s: %d nodes", name, len(gm.graph.nodes))
     return gm
-
-
-def check_tracer(tracer: Any) -> None:
-    """Reject a ``tracer=`` that is neither a known front end nor a callable."""
-    if not (tracer in TRACERS or (callable(tracer) and not isinstance(tracer, str))):
-        raise ValueError(f"tracer={tracer!r}; use 'fx', 'export', or a callable returning the "
-                         "torch.fx.GraphModule of another tracer")
 
 
 def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceError:

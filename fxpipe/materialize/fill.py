@@ -35,20 +35,13 @@ from fxpipe.errors import WeightsError
 from fxpipe.materialize.fillplan import FillPlan, plan_fill, tensor_table
 from fxpipe.materialize.recipes import replay_placed
 from fxpipe.materialize.weights import WeightSource, open_weights
+from fxpipe.options import check_init
 
-__all__ = ["check_init", "fill", "materialize", "module_seed"]
+__all__ = ["fill", "materialize", "module_seed"]
 
 log = logging.getLogger(__name__)
 
 Init = Callable[[nn.Module], Any]
-
-
-def check_init(init: Any, seed: Any) -> None:
-    """Reject an ``init=`` that is not callable and a ``seed=`` that is not an integer."""
-    if init is not None and not callable(init):
-        raise TypeError(f"init= must be a function init(module) or None, got {type(init).__name__}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed= must be an integer, got {seed!r}")
 
 
 def module_seed(seed: int, fqn: str) -> int:

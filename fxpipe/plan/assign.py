@@ -1,4 +1,4 @@
-"""The front end of ``fxpipe.compile``: trace the model, annotate its graph, cut it into stages.
+"""Assign every node a stage: trace the model, annotate its graph, cut it.
 
     model ──trace──▶ GraphModule ──annotate (fake tensors)──▶ costs ──partition──▶ node.meta["fxpipe.stage"]
 
@@ -9,7 +9,7 @@ buffers only for data-dependent ops), and only ``balance_by="time"`` measures ke
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +22,13 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from fxpipe import passes
 from fxpipe.frontend.markers import resolve_split_points
 from fxpipe.frontend.tracing import trace
+from fxpipe.options import CompileOptions
+from fxpipe.passes.failure import PropagationError
+from fxpipe.plan.batches import batch_size, micro_sizes
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.plan.saved import apply_plan
-from fxpipe.runtime.microbatch import batch_size, micro_sizes
 
-__all__ = ["FrontEnd", "annotate_graph", "front_end"]
+__all__ = ["Assignment", "annotate_graph", "assign_stages"]
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +37,8 @@ _DATA_DEPENDENT = (fake_tensor.DataDependentOutputException, fake_tensor.Dynamic
 
 
 @dataclass
-class FrontEnd:
-    """What the front end made: the annotated, partitioned graph and how it was cut."""
+class Assignment:
+    """The traced, annotated graph with every node's stage, and how it was cut."""
 
     gm: torch.fx.GraphModule
     cut: Any  # the partitioner's result (costs, memory per stage), None for a saved plan
@@ -44,23 +46,40 @@ class FrontEnd:
     balance_by: str
 
 
-def front_end(model: nn.Module, n_stages: int, *, args: tuple, kwargs: dict | None, has_inputs: bool,
-              chunks: int, checkpoint: str, balance_by: str, split_points: Sequence[str] | None,
-              max_memory: float | None, split_spec: dict[str, Any] | None, leaf_modules: Iterable[type | str],
-              tracer: str | Callable[[nn.Module], torch.fx.GraphModule], saved: PipelinePlan | None,
-              devices: Sequence[torch.device], profile_device: torch.device) -> FrontEnd:
-    """Trace ``model``, annotate its graph and assign every node a stage (``fxpipe.stage``)."""
-    kwargs = kwargs or {}
+def assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePlan | None,
+              devices: Sequence[torch.device], profile_device: torch.device) -> Assignment:
+    """Trace ``model``, annotate its graph and assign every node a stage (``fxpipe.stage``).
+
+    Reads the options' example inputs, chunks, checkpointing, balance, split points or markers,
+    memory cap, leaf modules and tracer; ``saved`` is a saved plan to apply instead of cutting.
+    """
+    try:
+        return _assign_stages(model, options, saved, devices, profile_device)
+    except PropagationError as exc:
+        if not isinstance(options.example_inputs, list):
+            raise
+        raise PropagationError(f"example_inputs is a list, so the model got it as its one input; to give "
+                               f"several inputs pass a tuple, example_inputs=tuple(...)\n{exc}",
+                               exc.node, exc.module) from None
+
+
+def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePlan | None,
+               devices: Sequence[torch.device], profile_device: torch.device) -> Assignment:
+    """Trace, annotate and cut (see :func:`assign_stages`)."""
+    n_stages, args, kwargs, has_inputs = options.n_stages, options.args, options.kwargs, options.has_inputs
+    chunks, checkpoint, balance_by, max_memory = options.chunks, options.checkpoint, options.balance_by, \
+        options.max_memory
+    tracer = options.tracer
     if tracer == "fx" and isinstance(model, torch.fx.GraphModule):
         gm = model
     else:
         if tracer == "export":
             batch_size([args, kwargs], ["example_inputs", "example_kwargs"])
-        gm = trace(model, leaf_modules=leaf_modules, tracer=tracer, example_inputs=args,
+        gm = trace(model, leaf_modules=options.leaf_modules, tracer=tracer, example_inputs=args,
                    example_kwargs=kwargs, device=devices[0] if devices else None)
 
     # torch.distributed.pipelining's markers (pipe_split(), split_spec=) as split points
-    split_points = resolve_split_points(gm, n_stages, split_points, split_spec, saved is not None)
+    split_points = resolve_split_points(gm, n_stages, options.split_points, options.split_spec, saved is not None)
 
     if has_inputs:
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
@@ -99,7 +118,7 @@ def front_end(model: nn.Module, n_stages: int, *, args: tuple, kwargs: dict | No
     else:
         cut = passes.partition(gm, n_stages, balance_by=balance_by, comm=comm, max_memory=max_memory,
                                checkpoint=checkpoint, micro_batches=micro)
-    return FrontEnd(gm, cut, micro, balance_by)
+    return Assignment(gm, cut, micro, balance_by)
 
 
 def annotate_graph(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:

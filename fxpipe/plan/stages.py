@@ -11,15 +11,23 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fxpipe import passes
+from fxpipe.options import CompileOptions
+from fxpipe.plan.assign import Assignment
 from fxpipe.plan.mutation import copy_mutated_inputs
 from fxpipe.plan.pipeline import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.plan.saved import graph_signature
-from fxpipe.runtime.placement import named_tensors
 
-__all__ = ["make_plan", "split_stages"]
+__all__ = ["make_plan", "named_tensors", "split_stages"]
+
+
+def named_tensors(module: nn.Module):
+    """Yield (name, tensor) for every parameter and buffer of ``module``, shared ones under each name."""
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
 
 
 def split_stages(gm: torch.fx.GraphModule, n_stages: int
@@ -30,7 +38,22 @@ def split_stages(gm: torch.fx.GraphModule, n_stages: int
     return modules, stages, routes
 
 
-def make_plan(gm: torch.fx.GraphModule, modules: Sequence[torch.fx.GraphModule], stages: Sequence[StagePlan],
+def make_plan(front: Assignment, options: CompileOptions, devices: Sequence[Any], schedule: str,
+              ranks: Sequence[int], saved_plan: PipelinePlan | None) -> tuple[PipelinePlan, list[torch.fx.GraphModule]]:
+    """Split the assigned graph into stage modules; return them and the :class:`PipelinePlan` describing them.
+
+    The plan records each stage's device and rank (``ranks``: the schedule's placement), costs,
+    boundary values and skip routes, with the options' chunks and checkpointing and ``schedule``'s name.
+    """
+    modules, stages, routes = split_stages(front.gm, options.n_stages)
+    plan = _describe(front.gm, modules, stages, routes, devices, front.micro, options.chunks, options.checkpoint,
+                     schedule, front.balance_by, front.cut, saved_plan)
+    for s in plan.stages:
+        s.rank = ranks[s.index]
+    return plan, modules
+
+
+def _describe(gm: torch.fx.GraphModule, modules: Sequence[torch.fx.GraphModule], stages: Sequence[StagePlan],
               routes: Sequence[SkipRoute], devices: Sequence[Any], micro: int, chunks: int,
               checkpoint: str, schedule: str, balance_by: str, cut: Any,
               saved_plan: PipelinePlan | None) -> PipelinePlan:

@@ -24,8 +24,10 @@ from torch import nn
 
 from fxpipe.errors import PeerFailure
 from fxpipe.materialize.fill import fill
+from fxpipe.materialize.fillplan import tensor_table
 from fxpipe.materialize.metatensors import release
 from fxpipe.materialize.weights import open_weights
+from fxpipe.options import CompileOptions
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.binding import CallSignature
 from fxpipe.runtime.dataparallel import GradSync
@@ -36,10 +38,11 @@ from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import defer_batch_norm
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.wgrad import defer_weight_grads
+from fxpipe.runtime.target import Target
 from fxpipe.runtime.transport.comm import Comm
 from fxpipe.runtime.transport.procgroup import Layout, tied_groups
 
-__all__ = ["Materials", "build_distributed", "build_local"]
+__all__ = ["Built", "Materials", "build", "build_distributed", "build_local"]
 
 
 @dataclass
@@ -62,6 +65,34 @@ class Materials:
         finally:
             if source is not None:
                 source.close()
+
+
+@dataclass
+class Built:
+    """A started runtime, the device of each stage as this process sees it, the FQNs it holds (None: all)."""
+
+    runtime: Any
+    devices: list[torch.device]
+    owned: set[str] | None
+
+
+def build(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan, stages: Sequence[torch.fx.GraphModule],
+          options: CompileOptions, target: Target) -> Built:
+    """Start ``plan``'s runtime where ``target`` says: every stage in this process, or this rank's."""
+    materials = Materials(target.weights, options.init, options.seed)
+    if target.layout is None:
+        local = build_local(model, gm, plan, stages, target.devices, target.schedule, options.deferred_batch_norm,
+                            materials)
+        return Built(local, target.devices, None)
+    layout = target.layout
+    assert target.link is not None
+    for s in plan.stages:
+        s.device = f"rank {s.on_rank} ({layout.device.type})"  # the same on every rank
+    devices = [layout.device if r == layout.rank else torch.device("meta") for r in target.schedule.ranks]
+    engine, keep = build_distributed(model, gm, plan, stages, layout, target.link, options.timeout, target.schedule,
+                                     options.deferred_batch_norm, shard=options.data_parallel_shard, materials=materials)
+    owned = {n for key, info in tensor_table(model).items() if key in keep for n in info.names}
+    return Built(engine, devices, owned)
 
 
 def _unread(model: nn.Module, stages: Sequence[torch.fx.GraphModule]) -> set[int]:

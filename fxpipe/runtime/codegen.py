@@ -15,10 +15,10 @@ from __future__ import annotations
 import linecache
 from collections.abc import Callable
 
+from fxpipe.options import checkpoint_stop
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.schedules.actions import clocks
 from fxpipe.runtime.schedules.builtin import gpipe
-from fxpipe.runtime.stage.recompute import checkpoint_stop
 
 __all__ = ["clock_cycles", "compile_source", "gpipe_source"]
 

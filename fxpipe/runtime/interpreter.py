@@ -23,9 +23,9 @@ from typing import Any, Protocol
 
 import torch
 
+from fxpipe.options import checkpoint_stop
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.schedules.actions import COMPUTE, Action, clocks, format_schedule, in_flight, lower
-from fxpipe.runtime.stage.recompute import checkpoint_stop
 from fxpipe.runtime.stage.threads import DeviceThreads
 from fxpipe.runtime.stage.worker import StageWorker
 

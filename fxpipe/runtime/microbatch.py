@@ -1,9 +1,8 @@
 """Split inputs into micro-batches and gather outputs back into the model's structure.
 
-Every tensor with at least one dimension is split on dim 0; tuples, lists, dicts and nesting
-are followed; ``None``, non-tensor values and 0-dim tensors go to every micro-batch. A batch
-of B rows with ``chunks`` > B gives B micro-batches; uneven batches give sizes that differ by
-at most one row.
+The rows each micro-batch gets are the plan's (:mod:`fxpipe.plan.batches`); ``None``,
+non-tensor values and 0-dim tensors go to every micro-batch; a target is split the same way,
+and each micro-batch's loss is weighted by its share of the rows.
 """
 
 from __future__ import annotations
@@ -12,39 +11,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxpipe.errors import PipelineInputError
+from fxpipe.plan.batches import batch_size, is_batched, micro_sizes
 
 __all__ = ["batch_size", "gather", "micro_losses", "micro_sizes", "scatter", "sum_grads", "to_device"]
-
-
-def _batched(x: Any) -> bool:
-    """Tell whether ``x`` is a tensor that is split on dim 0."""
-    return isinstance(x, torch.Tensor) and x.dim() > 0
-
-
-def batch_size(values: Sequence[Any], names: Sequence[str]) -> int | None:
-    """Return the common dim-0 size of the batched tensors in ``values``, or None if there are none.
-
-    Raises :class:`PipelineInputError` naming the argument whose batch size disagrees.
-    """
-    first: tuple[str, int] | None = None
-    for value, name in zip(values, names):
-        for path, leaf in tree_flatten_with_path(value)[0]:
-            if not _batched(leaf):
-                continue
-            where = name + keystr(path)
-            if first is None:
-                first = (where, leaf.shape[0])
-            elif leaf.shape[0] != first[1]:
-                raise PipelineInputError(
-                    f"batch sizes disagree: '{first[0]}' has {first[1]} rows on dim 0 but "
-                    f"'{where}' has {leaf.shape[0]}; every tensor input is split into micro-batches "
-                    "on dim 0, so give them the same batch size")
-    if first is not None and first[1] == 0:
-        raise PipelineInputError(f"'{first[0]}' has batch size 0; a pipeline needs at least one row")
-    return None if first is None else first[1]
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -56,21 +28,12 @@ def to_device(value: Any, device: torch.device) -> Any:
                     if isinstance(t, torch.Tensor) and t.device != device else t, value)
 
 
-def micro_sizes(batch: int | None, chunks: int) -> list[int]:
-    """Return the number of rows of each micro-batch for a batch of ``batch`` rows."""
-    if batch is None:
-        return [0]
-    m = min(chunks, batch)
-    base, extra = divmod(batch, m)
-    return [base + (1 if i < extra else 0) for i in range(m)]
-
-
 def scatter(values: Sequence[Any], names: Sequence[str], chunks: int) -> list[list[Any]]:
     """Split each value into micro-batches; return one list of values per micro-batch."""
     batch = batch_size(values, names)
     m = len(micro_sizes(batch, chunks))
     leaves, spec = tree_flatten(list(values))
-    columns = [torch.tensor_split(leaf, m) if _batched(leaf) else [leaf] * m for leaf in leaves]
+    columns = [torch.tensor_split(leaf, m) if is_batched(leaf) else [leaf] * m for leaf in leaves]
     return [tree_unflatten([col[i] for col in columns], spec) for i in range(m)]
 
 

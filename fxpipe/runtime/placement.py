@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxpipe.plan.stages import named_tensors
+
 __all__ = ["Ownership", "move_owned", "named_tensors", "ownership", "resolve_devices", "stage_callable"]
 
 log = logging.getLogger(__name__)
@@ -83,12 +85,6 @@ def ownership(stages: Sequence[torch.fx.GraphModule], devices: Sequence[torch.de
             log.info("stage %d reads %d tensor(s) owned by a stage on another device: %s",
                      j, len(names), ", ".join(names[:5]))
     return own
-
-
-def named_tensors(gm: nn.Module):
-    """Yield (name, tensor) for every parameter and buffer of ``gm``, shared ones under each name."""
-    yield from gm.named_parameters(remove_duplicate=False)
-    yield from gm.named_buffers(remove_duplicate=False)
 
 
 def move_owned(roots: Sequence[nn.Module], own: Ownership, devices: Sequence[torch.device]) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 
 from fxpipe.errors import ScheduleError
 from fxpipe.runtime.schedules.actions import COMPUTE, Action, check, clocks, load_schedule
-from fxpipe.runtime.schedules.builtin import MULTI, PLACEMENTS, SCHEDULES, check_name
+from fxpipe.runtime.schedules.builtin import MULTI_PRODUCERS, PLACEMENTS, PRODUCERS, check_name
 
 __all__ = ["Span", "default_links", "placement_map", "run", "schedule_rows"]
 
@@ -186,7 +186,7 @@ def schedule_rows(schedule: Any, n: int, m: int, placement: Any, ranks: int | No
     A built-in producer's lists are per stage (one stage per rank), or already per rank when
     they mix stages (a producer for several stages per rank): then the lists say the placement.
     """
-    if isinstance(schedule, str) and schedule in MULTI:  # several stages per rank
+    if isinstance(schedule, str) and schedule in MULTI_PRODUCERS:  # several stages per rank
         if not ranks and n % 2:
             raise ScheduleError(f"schedule={schedule!r} places several of the {n} stages on each rank; say on how "
                                 f"many ranks with ranks= (a divisor of {n}; by default two stages per rank)")
@@ -195,9 +195,9 @@ def schedule_rows(schedule: Any, n: int, m: int, placement: Any, ranks: int | No
             raise ScheduleError(f"schedule='zbv' puts two stages on each rank: {n} stages run on ranks={n // 2}, "
                                 f"not ranks={world}" if n % 2 == 0 else
                                 f"schedule='zbv' puts two stages on each rank: give an even number of stages, not {n}")
-        return schedule, MULTI[schedule](n, m, world), PLACEMENTS[schedule](n, world)
-    if isinstance(schedule, str) and schedule in SCHEDULES:
-        produced = SCHEDULES[schedule](n, m)
+        return schedule, MULTI_PRODUCERS[schedule](n, m, world), PLACEMENTS[schedule](n, world)
+    if isinstance(schedule, str) and schedule in PRODUCERS:
+        produced = PRODUCERS[schedule](n, m)
         if any(a.stage != r for r, row in enumerate(produced) for a in row):  # rows per rank already
             return schedule, produced, _owners(produced, n)
         rank_of = placement_map(placement, n, ranks)

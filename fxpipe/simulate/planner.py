@@ -23,24 +23,24 @@ from torch import nn
 
 from fxpipe import passes
 from fxpipe.frontend.tracing import trace
+from fxpipe.options import CHECKPOINT_MODES, SINGLE_STAGE_SCHEDULES, CompileOptions
 from fxpipe.passes.retain import retain
-from fxpipe.plan.assign import annotate_graph
+from fxpipe.plan.assign import Assignment, annotate_graph
+from fxpipe.plan.batches import micro_sizes
 from fxpipe.plan.pipeline import PipelinePlan
-from fxpipe.plan.stages import make_plan, split_stages
-from fxpipe.runtime.microbatch import micro_sizes
-from fxpipe.runtime.schedules.builtin import SCHEDULES
+from fxpipe.plan.stages import make_plan
+from fxpipe.runtime.schedules.builtin import PRODUCERS
 from fxpipe.simulate.devices import DeviceModel, device_model
 from fxpipe.simulate.eventsim import placement_map
 from fxpipe.simulate.measure import measure_nodes
 from fxpipe.simulate.simulation import Simulation, run
 from fxpipe.simulate.stagecost import example_rows, graph_costs
 
-__all__ = ["CHECKPOINTS", "SCHEDULE_NAMES", "Candidate", "Search", "search"]
+__all__ = ["CHECKPOINTS", "Candidate", "Search", "search"]
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = ("never", "except_last", "always")
-SCHEDULE_NAMES = tuple(SCHEDULES)
+CHECKPOINTS = tuple(reversed(CHECKPOINT_MODES))  # searched from the least recomputation
 
 
 @dataclass
@@ -96,8 +96,8 @@ def _cut(gm: torch.fx.GraphModule, n: int, device: DeviceModel, micro: int = 1, 
     devices = _devices(device, n)
     cut = passes.partition(gm, n, balance_by="flops", comm=passes.comm_weights(devices, "flops"),
                            checkpoint=checkpoint, micro_batches=micro)
-    modules, stages, routes = split_stages(gm, n)
-    return make_plan(gm, modules, stages, routes, devices, micro, chunks, checkpoint, "gpipe", "flops", cut, None)
+    options = CompileOptions(n, chunks=chunks, checkpoint=checkpoint, balance_by="flops")
+    return make_plan(Assignment(gm, cut, micro, "flops"), options, devices, "gpipe", list(range(n)), None)[0]
 
 
 def prepare(model: nn.Module, args: tuple, kwargs: dict | None = None,
@@ -111,7 +111,7 @@ def prepare(model: nn.Module, args: tuple, kwargs: dict | None = None,
 def search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, ranks: int,
            device: str | DeviceModel = "cpu", memory: float | None = None, batch: int | None = None,
            kwargs: dict | None = None, stages: Sequence[int] | None = None, chunks: Sequence[int] | None = None,
-           schedules: Sequence[str] = ("gpipe", "1f1b", "zb"), checkpoints: Sequence[str] = CHECKPOINTS,
+           schedules: Sequence[str] = SINGLE_STAGE_SCHEDULES, checkpoints: Sequence[str] = CHECKPOINTS,
            optimizer: str = "adam", dtype: torch.dtype | None = None, measure: bool = False,
            leaf_modules: Sequence[Any] = ()) -> Search:
     """Simulate every configuration of ``model`` on ``ranks`` devices; return them ranked.
@@ -142,7 +142,7 @@ def search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, ranks: int,
                 measured[round(rows)] = measure_nodes(gm, max(round(rows), 1), args)
             costs = graph_costs(gm, plan, model_, rows, dtype, measured.get(round(rows)))
             for schedule in schedules:
-                actions = SCHEDULES[schedule](n, m)
+                actions = PRODUCERS[schedule](n, m)
                 for ckpt in checkpoints:
                     if m == 1 and ckpt == "except_last" and "never" in checkpoints:
                         continue  # the same step: the one micro-batch is the last

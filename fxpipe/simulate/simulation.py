@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from fxpipe.options import checkpoint_stop
 from fxpipe.plan.pipeline import PipelinePlan, human
 from fxpipe.runtime.observe.timeline import Timeline
 from fxpipe.runtime.schedules.actions import Action
-from fxpipe.runtime.stage.recompute import checkpoint_stop
 from fxpipe.simulate import eventsim, memsim
 from fxpipe.simulate.devices import DeviceModel, device_model
 from fxpipe.simulate.eventsim import Span

@@ -6,7 +6,6 @@ gives pytest users the ``fxpipe_equivalent`` fixture.
 """
 
 from fxpipe.testing.equivalence import (
-    SCHEDULES,
     assert_pipeline_equivalent,
     default_loss,
     default_step_loss,
@@ -14,5 +13,5 @@ from fxpipe.testing.equivalence import (
     max_relative_error,
 )
 
-__all__ = ["SCHEDULES", "assert_pipeline_equivalent", "default_loss", "default_step_loss", "default_tolerance",
+__all__ = ["assert_pipeline_equivalent", "default_loss", "default_step_loss", "default_tolerance",
            "max_relative_error"]

@@ -19,12 +19,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-import fxpipe
+from fxpipe import compiler
+from fxpipe.options import SINGLE_STAGE_SCHEDULES
+from fxpipe.pipe import Pipe
 
 __all__ = ["assert_pipeline_equivalent", "default_loss", "default_step_loss", "default_tolerance",
            "max_relative_error"]
 
-SCHEDULES = ("gpipe", "1f1b", "zb")
 
 # rtol (relative to each tensor's largest eager magnitude) and atol per dtype: micro-batching
 # reorders float sums, and a gradient accumulated over micro-batches rounds once per chunk.
@@ -76,7 +77,7 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
                                schedules: Sequence[str] | None = None,
                                step_loss: Callable[[Any, Any], torch.Tensor] = default_step_loss,
                                target: Any = None,
-                               diagnose: bool = True, **compile_kwargs: Any) -> fxpipe.Pipe:
+                               diagnose: bool = True, **compile_kwargs: Any) -> Pipe:
     """Compile ``model`` and assert outputs and every parameter's gradient equal eager's.
 
     Two checks: ``pipe(x)`` followed by ``loss(output).backward()``, and ``pipe.step(x,
@@ -97,7 +98,7 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
     """
     kwargs = example_kwargs or {}
     if schedules is None:
-        schedules = (compile_kwargs["schedule"],) if "schedule" in compile_kwargs else SCHEDULES
+        schedules = (compile_kwargs["schedule"],) if "schedule" in compile_kwargs else SINGLE_STAGE_SCHEDULES
     pristine = _copy(model) if schedules else None
     reference = _copy(model)
     # each run gets its own copy of the inputs, in case the model changes them in place
@@ -105,7 +106,7 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
         expected = reference(*_clone(example_inputs), **_clone(kwargs))
         loss(expected).backward()
 
-    pipe = fxpipe.compile(model, n_stages, example_inputs=example_inputs, example_kwargs=kwargs,
+    pipe = compiler.compile(model, n_stages, example_inputs=example_inputs, example_kwargs=kwargs,
                           chunks=chunks, checkpoint=checkpoint, **compile_kwargs)
     with _seeded():
         actual = pipe(*_clone(example_inputs), **_clone(kwargs))
@@ -150,7 +151,7 @@ def _step_difference(pristine: nn.Module, inputs: tuple, kwargs: dict, schedules
     expected.backward()
     for schedule in schedules:
         model = _copy(pristine)
-        pipe = fxpipe.compile(model, example_inputs=inputs, example_kwargs=kwargs, schedule=schedule,
+        pipe = compiler.compile(model, example_inputs=inputs, example_kwargs=kwargs, schedule=schedule,
                               **compile_kwargs)
         with _seeded():
             actual = pipe.step(*_clone(inputs), target=target, loss_fn=step_loss, **_clone(kwargs))

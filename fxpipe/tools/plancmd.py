@@ -17,6 +17,7 @@ from typing import Any
 from tabulate import tabulate
 
 from fxpipe.plan.pipeline import human
+from fxpipe.tools.cliargs import Failure, UsageError, names, positive, shape
 
 __all__ = ["register"]
 
@@ -24,7 +25,7 @@ _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat1
            "fp16": "float16", "float16": "float16", "tf32": "tfloat32"}
 
 
-def register(commands: Any, positive: Any, names: Any, shape: Any) -> None:
+def register(commands: Any) -> None:
     """Add the ``plan`` subcommand to ``commands`` (the ``fxpipe`` parser's subparsers)."""
     p = commands.add_parser(
         "plan", help="predict step time and memory of every configuration and choose one",
@@ -77,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
     """Search the configurations, print the best, save what was asked; return the exit status."""
     import torch
 
+    from fxpipe.options import SINGLE_STAGE_SCHEDULES as SCHEDULE_NAMES
     from fxpipe.simulate.devices import device_model, parse_bytes
-    from fxpipe.simulate.planner import CHECKPOINTS, SCHEDULE_NAMES, search
-    from fxpipe.tools.cli import Failure, UsageError
+    from fxpipe.simulate.planner import CHECKPOINTS, search
     from fxpipe.tools.factory import make_model
 
     for s in args.schedules:

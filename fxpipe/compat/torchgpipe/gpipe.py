@@ -11,7 +11,7 @@ tuples of tensors in and out. Underneath, the partitions are lowered to a graph
     nn.Sequential(l0, l1, l2, l3), balance=[1, 3]
       → partitions [Sequential(l0), Sequential(l1, l2, l3)]
       → graph: input ─▶ partition_0 ─▶ partition_1 ─▶ output
-      → fxpipe.compile(graph, 2, split_points=["partition_1"], devices=, chunks=, checkpoint=)
+      → compiler.compile(graph, 2, split_points=["partition_1"], devices=, chunks=, checkpoint=)
 
 so the micro-batches, the clock-cycle schedule, fork/join ordering, copy streams,
 checkpointing with replayed random numbers and deferred batch norm are fxpipe's, and skips
@@ -27,10 +27,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-import fxpipe
+from fxpipe import compiler
 from fxpipe.compat.torchgpipe.lowering import check_tensors, lower
 from fxpipe.compat.torchgpipe.skip.layout import inspect_skip_layout
 from fxpipe.compat.torchgpipe.skip.skippable import verify_skippables
+from fxpipe.pipe import Pipe
 
 __all__ = ["GPipe", "verify_module"]
 
@@ -43,7 +44,7 @@ def recommend_auto_balance(message: str) -> str:
             "fxpipe.compat.torchgpipe.balance finds one, e.g.\n"
             "  from fxpipe.compat.torchgpipe.balance import balance_by_time\n"
             "  balance = balance_by_time(n_partitions, model, sample, device=...)\n"
-            "or use fxpipe.compile(model, n_stages, example_inputs=...), which needs no balance and "
+            "or use compiler.compile(model, n_stages, example_inputs=...), which needs no balance and "
             "no nn.Sequential.")
 
 
@@ -107,7 +108,7 @@ class GPipe(nn.Module):
     chunks: int = 1
     #: When to checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
     checkpoint: str = "except_last"
-    _pipe: fxpipe.Pipe | None
+    _pipe: Pipe | None
 
     def __init__(self, module: nn.Sequential, balance: Iterable[int] | None = None, *,
                  devices: Iterable[Device] | None = None, chunks: int = chunks,
@@ -133,14 +134,14 @@ class GPipe(nn.Module):
         self.__dict__["_pipe"] = None  # not a submodule: state_dict keys stay partitions.*
         if len(self.partitions):
             gm, names = lower(list(self.partitions), inspect_skip_layout(self.partitions))
-            pipe = fxpipe.compile(gm, len(self.partitions), split_points=names[1:], devices=self.devices,
+            pipe = compiler.compile(gm, len(self.partitions), split_points=names[1:], devices=self.devices,
                                   chunks=chunks, checkpoint=checkpoint,
                                   deferred_batch_norm=deferred_batch_norm)
             pipe.training = self.training  # the layers keep their own modes until train()/eval()
             self.__dict__["_pipe"] = pipe
 
     @property
-    def pipe(self) -> fxpipe.Pipe | None:
+    def pipe(self) -> Pipe | None:
         """Return the fxpipe :class:`~fxpipe.Pipe` that runs the partitions (None when empty)."""
         return self._pipe
 

@@ -21,8 +21,6 @@ from typing import Any, cast
 import torch
 import torch.fx
 
-from fxpipe.runtime.stage.recompute import is_checkpointing, is_recomputing
-
 __all__ = ["describe_node", "failing_node", "keep_tracebacks", "note_failure"]
 
 _NOTE = "fxpipe: raised in stage"
@@ -84,22 +82,14 @@ def describe_node(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
     return f"'{node.name}' ({what}{where})"
 
 
-def _pass() -> str:
-    """Name the pass a stage is running in."""
-    if is_recomputing():
-        return "recomputation in backward"
-    if is_checkpointing():
-        return "checkpointed forward"
-    return "forward"
-
-
-def note_failure(exc: BaseException, gm: torch.fx.GraphModule, index: int, device: torch.device) -> None:
-    """Add a note to ``exc`` naming stage ``index``, its device, the failing node and the pass (once)."""
+def note_failure(exc: BaseException, gm: torch.fx.GraphModule, index: int, device: torch.device,
+                 in_pass: str = "forward") -> None:
+    """Add a note to ``exc`` naming stage ``index``, its device, the failing node and the pass it was in (once)."""
     notes = getattr(exc, "__notes__", [])
     if not any(str(n).startswith(_NOTE) for n in notes):
         node = failing_node(gm, exc)
         at = f", node {describe_node(gm, node)}" if node is not None else ""
-        _add_note(exc, f"{_NOTE} {index} ({device}){at}, in {_pass()}")
+        _add_note(exc, f"{_NOTE} {index} ({device}){at}, in {in_pass}")
 
 
 def _add_note(exc: BaseException, note: str) -> None:

@@ -35,11 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxpipe.errors import ScheduleError
+from fxpipe.options import MULTI_STAGE_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES
 from fxpipe.runtime.schedules import actions as actionlist
 from fxpipe.runtime.schedules.actions import Action, needs
 from fxpipe.runtime.schedules.multistage import interleaved, loop_placement, min_chunks, v_placement, zbv
 
-__all__ = ["NAMES", "SCHEDULES", "Schedule", "check_name", "gpipe", "one_f_one_b", "resolve", "zero_bubble"]
+__all__ = ["MULTI_PRODUCERS", "PLACEMENTS", "PRODUCERS", "Schedule", "check_name", "gpipe", "one_f_one_b", "resolve",
+           "zero_bubble"]
 
 
 def gpipe(n: int, m: int) -> list[list[Action]]:
@@ -113,20 +115,20 @@ def zero_bubble(n: int, m: int, extra_warmup: int = 0) -> list[list[Action]]:
     return actions
 
 
-SCHEDULES: dict[str, Callable[[int, int], list[list[Action]]]] = {
+PRODUCERS: dict[str, Callable[[int, int], list[list[Action]]]] = {  # one stage per rank
     "gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble}
 
 
-NAMES = ("gpipe", "1f1b", "zb", "interleaved", "zbv")
-MULTI: dict[str, Callable[[int, int, int], list[list[Action]]]] = {"interleaved": interleaved, "zbv": zbv}
+MULTI_PRODUCERS: dict[str, Callable[[int, int, int], list[list[Action]]]] = {"interleaved": interleaved, "zbv": zbv}
 PLACEMENTS: dict[str, Callable[[int, int], list[int]]] = {"interleaved": loop_placement, "zbv": v_placement}
+assert tuple(PRODUCERS) == SINGLE_STAGE_SCHEDULES and tuple(MULTI_PRODUCERS) == MULTI_STAGE_SCHEDULES
 
 
 @dataclass
 class Schedule:
     """A schedule as the runtimes use it: its name, the user's actions if any, each stage's rank."""
 
-    name: str  # one of NAMES, or "custom"
+    name: str  # one of fxpipe.options.SCHEDULES, or "custom"
     custom: list[list[Action]] | None  # the user's action lists, one per rank
     ranks: list[int]  # the rank (in one process: the lane) each stage runs on
 
@@ -148,9 +150,9 @@ class Schedule:
                 raise ScheduleError(f"the schedule given has {have} micro-batches but this step has {m} (a "
                                     f"batch smaller than chunks gives fewer); pass a batch of at least {have} rows")
             return self.custom
-        if self.name in MULTI:
-            return MULTI[self.name](n, m, self.world)
-        return SCHEDULES[self.name](n, m)
+        if self.name in MULTI_PRODUCERS:
+            return MULTI_PRODUCERS[self.name](n, m, self.world)
+        return PRODUCERS[self.name](n, m)
 
     def forward_only(self, m: int) -> list[list[Action]]:
         """Return the forwards alone, per rank, micro-batch by micro-batch (inference)."""
@@ -165,12 +167,12 @@ def check_name(schedule: Any) -> None:
     """Refuse a ``schedule=`` that is no schedule (a one-word string that is neither a name, an
     action token nor a file; None; a number), listing the names."""
     if isinstance(schedule, str):
-        bad = schedule not in NAMES and len(schedule.split()) == 1 and not os.path.exists(schedule) \
+        bad = schedule not in SCHEDULES and len(schedule.split()) == 1 and not os.path.exists(schedule) \
             and not actionlist.is_token(schedule.strip())
     else:
         bad = not isinstance(schedule, (os.PathLike, list, tuple))
     if bad:
-        names = ", ".join(map(repr, NAMES))
+        names = ", ".join(map(repr, SCHEDULES))
         raise ScheduleError(f"schedule={schedule!r}; use one of {names}, or your own schedule: a list of "
                             "action lists, their text ('0F0 0B0', a line per rank), or the path of a file of it")
 
@@ -178,7 +180,7 @@ def check_name(schedule: Any) -> None:
 def resolve(schedule: Any, n: int, chunks: int, stages_per_rank: int = 1) -> Schedule:
     """Return the :class:`Schedule` a ``schedule=`` argument names, checked for ``n`` stages.
 
-    ``schedule`` is a name (:data:`NAMES`), or a user's schedule: text, the path of a file of
+    ``schedule`` is a name (:data:`fxpipe.options.SCHEDULES`), or a user's schedule: text, the path of a file of
     text, or lists of actions (:mod:`fxpipe.runtime.schedules.actions`), one line per rank.
     """
     v = stages_per_rank
@@ -188,8 +190,8 @@ def resolve(schedule: Any, n: int, chunks: int, stages_per_rank: int = 1) -> Sch
         raise ValueError(f"n_stages={n} is not a multiple of stages_per_rank={v}; every rank holds as many "
                          f"stages (n_stages = stages_per_rank x ranks)")
     world = n // v
-    if isinstance(schedule, str) and schedule in NAMES:
-        if schedule in MULTI:
+    if isinstance(schedule, str) and schedule in SCHEDULES:
+        if schedule in MULTI_PRODUCERS:
             if schedule == "zbv" and v != 2:
                 raise ScheduleError(f"schedule='zbv' places two stages on each rank (rank r: stages r and "
                                     f"2 world - 1 - r); use stages_per_rank=2, not {v}")

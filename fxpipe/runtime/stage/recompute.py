@@ -31,29 +31,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fxpipe.runtime.stage.dependency import fork, get_phony, join
 
 __all__ = [
-    "CHECKPOINT_MODES",
-    "checkpoint_stop",
     "checkpointed",
     "in_pass",
     "is_checkpointing",
     "is_recomputing",
 ]
-
-# How many leading micro-batches of m each mode checkpoints (torchgpipe's three modes).
-CHECKPOINT_MODES: dict[str, Callable[[int], int]] = {
-    "always": lambda m: m,
-    "except_last": lambda m: m - 1,  # the last micro-batch's backward comes first anyway
-    "never": lambda m: 0,
-}
-
-
-def checkpoint_stop(mode: str, m: int) -> int:
-    """Return how many leading micro-batches of ``m`` are checkpointed under ``mode``."""
-    try:
-        return CHECKPOINT_MODES[mode](m)
-    except KeyError:
-        raise ValueError(f"checkpoint={mode!r}; use one of {', '.join(map(repr, CHECKPOINT_MODES))}") from None
-
 
 class _State(threading.local):
     """Per-thread flags telling which pass a stage's forward is in."""

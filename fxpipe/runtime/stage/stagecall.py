@@ -30,7 +30,7 @@ import torch.fx
 from fxpipe.runtime.observe import timeline as recorder
 from fxpipe.runtime.observe.blame import keep_tracebacks, note_failure
 from fxpipe.runtime.stage.copy import wait
-from fxpipe.runtime.stage.recompute import checkpointed, in_pass
+from fxpipe.runtime.stage.recompute import checkpointed, in_pass, is_checkpointing, is_recomputing
 from fxpipe.runtime.stage.stream import AbstractStream, current_stream, new_stream, on_device
 
 __all__ = ["Replay", "StageCall", "autocast_as", "autocast_state", "restore_rng", "save_rng"]
@@ -121,7 +121,7 @@ class StageCall:
             try:
                 return self.fn(*inputs)
             except Exception as exc:
-                note_failure(exc, self.gm, self.index, self.device)
+                note_failure(exc, self.gm, self.index, self.device, _pass())
                 raise
 
     def call(self, i: int, inputs: tuple, checkpoint: bool) -> Any:
@@ -136,3 +136,12 @@ class StageCall:
         if cuda and not self.last:  # copies of the outputs wait for the compute that made them
             out = wait(out, compute_stream, self.copy_stream(i))
         return out
+
+
+def _pass() -> str:
+    """Name the pass a stage is running in (for an error note)."""
+    if is_recomputing():
+        return "recomputation in backward"
+    if is_checkpointing():
+        return "checkpointed forward"
+    return "forward"

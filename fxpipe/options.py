@@ -1,0 +1,150 @@
+"""What ``fxpipe.compile`` accepts: every option in one typed object, and the checks on their values.
+
+    fxpipe.compile(model, n, **keywords) ─▶ CompileOptions ─▶ check() ─▶ front end, plan, build
+
+Every layer reads the options it needs from the one object, so a new option is a field here,
+not a parameter threaded through five signatures. :meth:`CompileOptions.check` refuses a
+value that no layer could use, before anything is traced or moved; what only a layer can
+judge (a schedule's action lists, a weights source, the launched world) is checked there.
+The names the options take (schedules, checkpoint modes, balance metrics) are listed here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BALANCE_BY", "CHECKPOINT_MODES", "MULTI_STAGE_SCHEDULES", "RUNTIMES", "SCHEDULES",
+           "SINGLE_STAGE_SCHEDULES", "TRACERS", "CompileOptions", "check_init", "check_tracer", "checkpoint_stop"]
+
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b", "zb")  # one stage per rank
+MULTI_STAGE_SCHEDULES = ("interleaved", "zbv")  # several stages per rank
+SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES  # every name schedule= takes
+BALANCE_BY = ("auto", "flops", "params", "memory", "time")
+RUNTIMES = ("local", "distributed")
+TRACERS = ("fx", "export")
+
+# How many leading micro-batches of m each mode checkpoints (torchgpipe's three modes).
+CHECKPOINT_MODES: dict[str, Callable[[int], int]] = {
+    "always": lambda m: m,
+    "except_last": lambda m: m - 1,  # the last micro-batch's backward comes first anyway
+    "never": lambda m: 0,
+}
+
+
+def checkpoint_stop(mode: str, m: int) -> int:
+    """Return how many leading micro-batches of ``m`` are checkpointed under ``mode``."""
+    try:
+        return CHECKPOINT_MODES[mode](m)
+    except KeyError:
+        raise ValueError(f"checkpoint={mode!r}; use one of {', '.join(map(repr, CHECKPOINT_MODES))}") from None
+
+
+def _count(value: Any) -> bool:
+    """Tell whether ``value`` is an integer of at least 1 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_tracer(tracer: Any) -> None:
+    """Reject a ``tracer=`` that is neither a known front end nor a callable."""
+    if not (tracer in TRACERS or (callable(tracer) and not isinstance(tracer, str))):
+        raise ValueError(f"tracer={tracer!r}; use 'fx', 'export', or a callable returning the "
+                         "torch.fx.GraphModule of another tracer")
+
+
+def check_init(init: Any, seed: Any) -> None:
+    """Reject an ``init=`` that is not callable and a ``seed=`` that is not an integer."""
+    if init is not None and not callable(init):
+        raise TypeError(f"init= must be a function init(module) or None, got {type(init).__name__}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed= must be an integer, got {seed!r}")
+
+
+@dataclass
+class CompileOptions:
+    """Every option of ``fxpipe.compile`` (see its docstring for what each does)."""
+
+    n_stages: int
+    example_inputs: Any = None
+    example_kwargs: dict[str, Any] | None = None
+    devices: Sequence[Any] | None = None
+    chunks: int = 1
+    checkpoint: str = "except_last"
+    balance_by: str = "auto"
+    split_points: Sequence[str] | None = None
+    max_memory: float | None = None
+    schedule: Any = "gpipe"
+    leaf_modules: Iterable[type | str] = ()
+    tracer: Any = "fx"
+    plan: Any = None
+    runtime: str = "local"
+    timeout: float = 300.0
+    deferred_batch_norm: bool = False
+    stages_per_rank: int = 1
+    data_parallel: int = 1
+    data_parallel_shard: bool = False
+    mesh: Any = None
+    weights: Any = None
+    init: Callable[[Any], Any] | None = None
+    seed: int = 0
+    split_spec: dict[str, Any] | None = None
+
+    @property
+    def args(self) -> tuple:
+        """Return the example inputs as positional arguments (one input unless a tuple)."""
+        x = self.example_inputs
+        return x if isinstance(x, tuple) else (() if x is None else (x,))
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """Return the example keyword inputs."""
+        return dict(self.example_kwargs or {})
+
+    @property
+    def has_inputs(self) -> bool:
+        """Tell whether example inputs were given (shapes for the cost model and the buffers)."""
+        return self.example_inputs is not None or bool(self.example_kwargs)
+
+    @property
+    def distributed(self) -> bool:
+        """Tell whether the stages run across ``torch.distributed`` ranks."""
+        return self.runtime == "distributed"
+
+    def check(self) -> None:
+        """Refuse values no layer could use, naming the option and the fix (nothing is traced yet)."""
+        if not _count(self.n_stages):
+            raise ValueError(f"n_stages={self.n_stages!r}; use an integer of at least 1")
+        if not _count(self.chunks):
+            raise ValueError(f"chunks={self.chunks!r}; use an integer of at least 1 (the number of micro-batches)")
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint={self.checkpoint!r}; use one of {', '.join(map(repr, CHECKPOINT_MODES))}")
+        if self.balance_by not in BALANCE_BY:
+            raise ValueError(f"balance_by={self.balance_by!r}; use one of {', '.join(map(repr, BALANCE_BY))}")
+        points = self.split_points
+        if points is not None and (isinstance(points, str) or not all(isinstance(p, str) for p in points)):
+            raise TypeError(f"split_points must be a list of module or node names, got {points!r}")
+        if self.max_memory is not None:
+            if isinstance(self.max_memory, bool) or not isinstance(self.max_memory, (int, float)):
+                raise TypeError(f"max_memory must be a number of bytes per device, got {self.max_memory!r}")
+            if not self.max_memory > 0:
+                raise ValueError(f"max_memory={self.max_memory!r}; use a positive number of bytes per device")
+        check_tracer(self.tracer)
+        check_init(self.init, self.seed)
+
+    def check_layout(self) -> None:
+        """Refuse a runtime, replicas or a saved plan that do not go together (after the world's size)."""
+        if self.plan is not None and self.split_points is not None:
+            raise ValueError("pass either plan= (a saved stage assignment) or split_points=, not both")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime={self.runtime!r}; use 'local' (one process) or 'distributed' "
+                             "(one stage per rank)")
+        replicated = self.data_parallel != 1 or self.mesh is not None or self.data_parallel_shard
+        if replicated and not self.distributed:
+            raise ValueError("data_parallel=, mesh= and data_parallel_shard= replicate the pipeline over processes; "
+                             "use runtime='distributed' (launched with torchrun)")
+        if not _count(self.data_parallel):
+            raise ValueError(f"data_parallel={self.data_parallel!r}; use an integer of at least 1 (the replicas)")
+        if self.distributed and not self.has_inputs:
+            raise ValueError("runtime='distributed' needs example_inputs= (the same on every rank) to "
+                             "size the buffers it receives into")

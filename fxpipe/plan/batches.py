@@ -1,0 +1,56 @@
+"""How a batch splits into micro-batches: its size, and the rows of each micro-batch.
+
+Every tensor with at least one dimension is split on dim 0 (tuples, lists, dicts and nesting
+are followed); a batch of B rows with ``chunks`` > B gives B micro-batches; uneven batches give
+sizes that differ by at most one row. The plan counts micro-batches with these; the runtime
+splits and gathers values by them (:mod:`fxpipe.runtime.microbatch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import keystr, tree_flatten_with_path
+
+from fxpipe.errors import PipelineInputError
+
+__all__ = ["batch_size", "is_batched", "micro_sizes"]
+
+
+def is_batched(x: Any) -> bool:
+    """Tell whether ``x`` is a tensor that is split on dim 0."""
+    return isinstance(x, torch.Tensor) and x.dim() > 0
+
+
+def batch_size(values: Sequence[Any], names: Sequence[str]) -> int | None:
+    """Return the common dim-0 size of the batched tensors in ``values``, or None if there are none.
+
+    Raises :class:`PipelineInputError` naming the argument whose batch size disagrees.
+    """
+    first: tuple[str, int] | None = None
+    for value, name in zip(values, names):
+        for path, leaf in tree_flatten_with_path(value)[0]:
+            if not is_batched(leaf):
+                continue
+            where = name + keystr(path)
+            if first is None:
+                first = (where, leaf.shape[0])
+            elif leaf.shape[0] != first[1]:
+                raise PipelineInputError(
+                    f"batch sizes disagree: '{first[0]}' has {first[1]} rows on dim 0 but "
+                    f"'{where}' has {leaf.shape[0]}; every tensor input is split into micro-batches "
+                    "on dim 0, so give them the same batch size")
+    if first is not None and first[1] == 0:
+        raise PipelineInputError(f"'{first[0]}' has batch size 0; a pipeline needs at least one row")
+    return None if first is None else first[1]
+
+
+def micro_sizes(batch: int | None, chunks: int) -> list[int]:
+    """Return the number of rows of each micro-batch for a batch of ``batch`` rows."""
+    if batch is None:
+        return [0]
+    m = min(chunks, batch)
+    base, extra = divmod(batch, m)
+    return [base + (1 if i < extra else 0) for i in range(m)]

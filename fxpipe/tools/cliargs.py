@@ -1,0 +1,45 @@
+"""What the ``fxpipe`` commands share: their two kinds of error and the parsers of their options."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["Failure", "UsageError", "names", "positive", "shape"]
+
+
+class UsageError(Exception):
+    """A command line that cannot be used; exit status 2."""
+
+
+class Failure(Exception):
+    """A model that cannot be inspected as asked; exit status 1."""
+
+
+def positive(text: str) -> int:
+    """Parse a positive integer option."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def names(text: str) -> list[str]:
+    """Parse a comma-separated list of names."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing; separate names with commas")
+    return names
+
+
+def shape(text: str) -> tuple[int, ...]:
+    """Parse a shape such as 8,3,224,224."""
+    try:
+        shape = tuple(int(t) for t in text.replace("x", ",").split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shape; write sizes with commas, e.g. 8,3,224,224")
+    return shape

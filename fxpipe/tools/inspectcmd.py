@@ -1,0 +1,199 @@
+"""``fxpipe inspect MODEL --stages N``: compile a model and show what the compiler did.
+
+Prints the plan's table; ``--json`` saves the plan, ``--dot`` writes the graph picture,
+``--timeline`` runs a recorded training step and summarises it per stage, ``--code`` prints
+what a step runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from typing import Any
+
+from fxpipe.tools.cliargs import Failure, UsageError, names, positive, shape
+from fxpipe.tools.factory import EXAMPLE, make_model
+
+__all__ = ["register", "run"]
+
+
+def register(commands: Any) -> None:
+    """Add the ``inspect`` command to the ``fxpipe`` parser's subcommands."""
+    from fxpipe.options import BALANCE_BY, CHECKPOINT_MODES, SCHEDULES
+
+    p = commands.add_parser(
+        "inspect", help="show the stages, skip routes, graph picture and timeline of a model",
+        description="Compile MODEL into pipeline stages and show what the compiler did.",
+        epilog=f"example: {EXAMPLE} --dot unet.svg --timeline unet-trace.json")
+    p.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory; "
+                   "factory() returns a model or (model, example_inputs)")
+    p.add_argument("--stages", type=positive, metavar="N", help="number of pipeline stages (default: the --plan's)")
+    p.add_argument("--chunks", type=positive, metavar="M", help="micro-batches (default: the --plan's, else 1)")
+    p.add_argument("--balance-by", choices=BALANCE_BY, default="auto", help="the cost stages balance")
+    p.add_argument("--split-points", type=names, metavar="A,B", help="modules or nodes where stages begin")
+    p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="except_last")
+    p.add_argument("--schedule", default="gpipe", metavar="NAME|FILE",
+                   help=f"what a training step runs (the --timeline step, --code): one of {', '.join(SCHEDULES)}, "
+                        "or a file of your own schedule (a line of actions per stage, e.g. '0F0 0B0')")
+    p.add_argument("--stages-per-rank", type=positive, default=1, metavar="V",
+                   help="stages on each rank (lane) of the schedule: 2 for interleaved or zbv (default 1)")
+    p.add_argument("--devices", type=names, metavar="D,...", help="one device per stage, or one for all")
+    p.add_argument("--leaf-modules", type=names, metavar="A,B", help="submodules to keep as one call")
+    p.add_argument("--input-shape", type=shape, action="append", metavar="8,3,224,224",
+                   help="a random float input of this shape (repeat for several inputs)")
+    p.add_argument("--plan", metavar="FILE", help="reuse a stage assignment saved with --json")
+    p.add_argument("--json", metavar="FILE", help="save the plan as JSON")
+    p.add_argument("--dot", metavar="FILE", help="write the graph as Graphviz DOT (.svg/.png: render it)")
+    p.add_argument("--timeline", metavar="FILE", help="run a training step and write its Chrome trace")
+    p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed steps before the --timeline step (default 1)")
+    p.add_argument("--code", action="store_true", help="print the generated executor")
+    p.add_argument("--traceback", action="store_true", help="show Python tracebacks of unexpected errors")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the compiler does")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compile the model, print the plan, and write what the options ask for."""
+    from fxpipe import compiler
+    from fxpipe.errors import PlanMismatchError, TraceError
+    from fxpipe.plan import PipelinePlan
+    from fxpipe.plan.pipeline import human
+
+    saved = None
+    if args.plan:
+        try:
+            saved = PipelinePlan.load(args.plan)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--plan {args.plan}: {exc}") from None
+    n_stages = args.stages or (saved.n_stages if saved else None)
+    if n_stages is None:
+        raise UsageError(f"give the number of stages with --stages N; for example: {EXAMPLE}")
+    if saved is not None and n_stages != saved.n_stages:
+        raise UsageError(f"--plan {args.plan} has {saved.n_stages} stages but --stages {n_stages}; "
+                         f"drop --stages (or give --stages {saved.n_stages}) to reuse the plan")
+    chunks = args.chunks or (saved.chunks if saved else 1)
+    model, inputs, kwargs = make_model(args.model, args.input_shape)
+    if args.timeline and inputs is None:
+        raise UsageError("--timeline runs a training step and needs example inputs: return "
+                         "(model, example_inputs) from the factory or pass --input-shape")
+    devices = args.devices * n_stages if args.devices and len(args.devices) == 1 else args.devices
+    try:
+        pipe = compiler.compile(model, n_stages, example_inputs=inputs, example_kwargs=kwargs or None,
+                              devices=devices, chunks=chunks, checkpoint=args.checkpoint,
+                              balance_by=args.balance_by, split_points=args.split_points,
+                              leaf_modules=args.leaf_modules or (), plan=saved, schedule=args.schedule,
+                              stages_per_rank=args.stages_per_rank)
+    except TraceError as exc:
+        hint = f"\nOn the command line: --leaf-modules {exc.module}" if exc.module else ""
+        raise Failure(f"{exc}{hint}") from None
+    except (PlanMismatchError, ValueError, TypeError) as exc:
+        raise Failure(str(exc)) from None
+    except RuntimeError as exc:  # the shape pass ran the model on (fake) example inputs
+        lines = [l for l in str(exc).splitlines() if l.strip()
+                 and not l.startswith(("Original traceback", "None", "Use tlparse"))]
+        raise Failure("the model does not run on the example inputs: " + "\n".join(lines)) from None
+    plan = pipe.plan
+    params = sum(p.numel() for p in model.parameters())
+    batch = "" if inputs is None or _batch(inputs) is None else f", example batch {_batch(inputs)}"
+    print(f"{type(model).__name__} ({args.model}): {len(plan.graph_nodes)} graph nodes, "
+          f"{human(params)} parameters, {plan.n_stages} stages, chunks={plan.chunks}{batch}, "
+          f"balance_by={plan.balance_by}" + (f", plan from {args.plan}" if saved else ""))
+    print(plan.table())
+    status = 0
+    if args.json:
+        plan.save(args.json)
+        print(f"plan saved to {args.json}")
+    if args.dot:
+        status = max(status, _write_dot(args, pipe, model, inputs))
+    if args.timeline:
+        _write_timeline(args, pipe, inputs, kwargs)
+    if args.code:
+        print(pipe.code, end="")
+    return status
+
+
+def _batch(inputs: tuple) -> int | None:
+    """Return the dim-0 size of the first tensor input."""
+    import torch
+
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    return None
+
+
+def _write_dot(args: argparse.Namespace, pipe: Any, model: Any, inputs: tuple | None) -> int:
+    """Write the DOT graph, rendering it when the file asks for a picture; return a status."""
+    from fxpipe.plan.batches import micro_sizes
+    from fxpipe.tools import dot
+
+    batch = _batch(inputs) if inputs is not None else None
+    micro = len(micro_sizes(batch, pipe.plan.chunks)) if batch else pipe.plan.chunks  # as the table
+    source = dot.to_dot(pipe._gm, pipe.plan, micro_batches=micro, title=type(model).__name__)
+    target = args.dot
+    if not target.lower().endswith((".svg", ".png", ".pdf")):
+        with open(target, "w") as f:
+            f.write(source)
+        print(f"graph written to {target}")
+        return 0
+    dot_path = os.path.splitext(target)[0] + ".dot"
+    if not dot.graphviz_available():
+        with open(dot_path, "w") as f:
+            f.write(source)
+        print(f"fxpipe inspect: error: cannot render {target}: Graphviz's `dot` is not installed "
+              f"(Debian/Ubuntu: apt install graphviz); wrote the DOT source to {dot_path}", file=sys.stderr)
+        return 1
+    try:
+        dot.render(source, target)
+    except RuntimeError as exc:
+        raise Failure(str(exc)) from None
+    print(f"graph rendered to {target}")
+    return 0
+
+
+def _write_timeline(args: argparse.Namespace, pipe: Any, inputs: tuple | None, kwargs: dict) -> None:
+    """Run warm-up steps, then one recorded training step; write and summarise its trace."""
+    from tabulate import tabulate
+
+    from fxpipe.runtime.observe.timeline import timeline
+
+    assert inputs is not None
+    pipe.train()
+    tl = timeline(args.timeline)
+    for k in range(max(args.warmup, 0) + 1):
+        with tl if k == max(args.warmup, 0) else contextlib.nullcontext():
+            if pipe.plan.schedule == "gpipe":
+                _stand_in_loss(pipe(*inputs, **kwargs), None).backward()
+            else:  # the schedule's own forward and backward actions
+                pipe.step(*inputs, target=None, loss_fn=_stand_in_loss, **kwargs)
+        pipe.zero_grad(set_to_none=True)
+    weights = any(e["cat"] == "weight" for e in tl.events)  # a schedule with W steps
+    kinds = ["forward", "recompute", "backward"] + (["weight"] if weights else []) + ["copy"]
+    counts = {kind: sum(e["cat"] == kind for e in tl.events) for kind in kinds}
+    span = max(e["ts"] + e["dur"] for e in tl.events) - min(e["ts"] for e in tl.events)
+    print(f"timeline saved to {args.timeline}: one training step ({pipe.plan.schedule}), {span / 1e3:.1f} ms, "
+          + ", ".join(f"{n} {kind}" for kind, n in counts.items())
+          + " events (open it in https://ui.perfetto.dev)")
+    rows = []
+    for s in pipe.plan.stages:
+        ms = {kind: sum(e["dur"] for e in tl.events if e["cat"] == kind and e["args"]["stage"] == s.index) / 1e3
+              for kind in counts}
+        busy = sum(v for k, v in ms.items() if k != "copy") / (span / 1e3) if span else 0.0
+        rows.append([s.index, s.device] + [f"{ms[k]:.1f}" for k in counts] + [f"{busy:.0%}"])
+    headers = ["stage", "device"] + [f"{k}-in ms" if k == "copy" else f"{k} ms" for k in kinds] + ["busy"]
+    print(tabulate(rows, headers=headers, tablefmt="simple"))
+
+
+def _stand_in_loss(out: Any, _target: Any) -> Any:
+    """Return the sum of the means of the outputs that require grad: a loss to time backward with."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    grad = torch.is_grad_enabled()  # a checkpointed micro-batch's loss is first computed without
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()
+              and (t.requires_grad or not grad)]
+    if not leaves:
+        raise Failure("the model's output does not require grad, so there is no backward to time")
+    return sum(t.float().mean() for t in leaves)
