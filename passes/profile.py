@@ -21,7 +21,6 @@ line goes to stderr (redrawn in place on a terminal).
 from __future__ import annotations
 
 import logging
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import torch.fx
 from fxpipe.passes.annotate import bind_placeholders
 from fxpipe.passes.mutates import is_mutating
 from fxpipe.passes.spec import TensorSpec
+from fxpipe.passes.timing import median_seconds
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -74,26 +74,6 @@ class _Progress:
             line = f"fxpipe: profiled {self.total} nodes in {time.perf_counter() - self.start:.1f} s"
             self.stream.write(f"\r{line}\x1b[K\n" if self.tty else line + "\n")
             self.stream.flush()
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for the device's queued work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_ms(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> float:
-    """Return the median wall time of ``fn`` in milliseconds, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _stand_in(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -154,7 +134,7 @@ def _backward_ms(node: torch.fx.Node, call, params: list, env: dict, device: tor
         return 0.0
     grads = [torch.ones_like(o) for o in outs]
     wrt = leaves + params
-    return _median_ms(lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True),
+    return 1e3 * median_seconds(lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True),
                       device, repeats, warmup)
 
 
@@ -202,7 +182,7 @@ class Profiler(torch.fx.Interpreter):
             call, params = _runner(self.gm, node, self.device)
             result: list = []
             with torch.no_grad():
-                fwd = _median_ms(lambda: result.append(call(args, kwargs)), self.device, self.repeats, self.warmup)
+                fwd = 1e3 * median_seconds(lambda: result.append(call(args, kwargs)), self.device, self.repeats, self.warmup)
             bwd = _backward_or_estimate(node, call, params, self.env, self.device, self.repeats, self.warmup, fwd)
             value = result[-1]
         node.meta["fxpipe.time_fwd"] = fwd

@@ -32,13 +32,13 @@ def test_text_round_trip_of_every_schedule(name, n, m):
 
 
 def test_tokens_name_stage_kind_and_micro_batch():
-    assert str(Action("F", 3, 0)) == "0F3" and str(Action("SEND_B", 1, 2)) == "2SEND_B1"
-    assert parse("2RECV_F11 2I11 2W11") == [[Action("RECV_F", 11, 2), Action("I", 11, 2), Action("W", 11, 2)]]
-    assert load_schedule([["0F0", Action("B", 0, 0)]]) == [[Action("F", 0, 0), Action("B", 0, 0)]]
+    assert str(Action(0, "F", 3)) == "0F3" and str(Action(2, "SEND_B", 1)) == "2SEND_B1"
+    assert parse("2RECV_F11 2I11 2W11") == [[Action(2, "RECV_F", 11), Action(2, "I", 11), Action(2, "W", 11)]]
+    assert load_schedule([["0F0", Action(0, "B", 0)]]) == [[Action(0, "F", 0), Action(0, "B", 0)]]
 
 
 def test_lowering_adds_messages_around_compute():
-    row = [Action("F", 0, 1), Action("B", 0, 1)]
+    row = [Action(1, "F", 0), Action(1, "B", 0)]
     got = lower(row, {1: True}, {1: True}, {1: True}, {1: False})
     assert list(map(str, got)) == ["1RECV_F0", "1F0", "1SEND_F0", "1RECV_B0", "1B0"]
 
@@ -71,7 +71,7 @@ def test_text_that_is_not_an_action_is_refused_naming_the_token():
 
 def test_clocks_of_a_deadlock_free_custom_schedule():
     at = clocks(parse(CUSTOM))
-    assert at[Action("F", 0, 1)] == 1 and at[Action("B", 0, 1)] == 2 and at[Action("I", 0, 0)] == 3
+    assert at[Action(1, "F", 0)] == 1 and at[Action(1, "B", 0)] == 2 and at[Action(0, "I", 0)] == 3
 
 
 def _step_equals_eager(schedule, chunks=3, **kw):

@@ -72,4 +72,4 @@ def test_several_stages_per_rank_run_in_the_rank_s_order():
 
 def test_a_schedule_that_cannot_finish_is_refused():
     with pytest.raises(ScheduleError, match="can never finish"):
-        run([[Action("B", 0, 0), Action("F", 0, 0)]], lambda a: 1.0)
+        run([[Action(0, "B", 0), Action(0, "F", 0)]], lambda a: 1.0)

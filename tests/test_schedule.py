@@ -23,7 +23,7 @@ def test_zero_bubble_keeps_1f1b_order_with_extra_warm_up_forwards(n, m, extra):
     zb, base = zero_bubble(n, m, extra_warmup=extra), one_f_one_b(n, m)
     if extra == 0:  # the paper's ZB-H1: 1F1B's order, its backwards as input-gradient steps
         assert [[a for a in row if a.kind != "W"] for row in zb] == \
-            [[Action("I" if a.kind == "B" else a.kind, a.mb, a.stage) for a in row] for row in base]
+            [[Action(a.stage, "I" if a.kind == "B" else a.kind, a.mb) for a in row] for row in base]
     for j in range(n):
         fb = [f"{a.kind}{a.mb}" for a in zb[j] if a.kind != "W"]
         w = min(n - j - 1 + extra if j < n - 1 else 0, m)  # 1F1B's warm-up is n - j - 1
@@ -51,5 +51,5 @@ def test_zero_bubble_fills_the_bubble(n, m, extra):
 
 def test_clocks_places_w_after_its_stage_s_i():
     at = clocks(zero_bubble(2, 2))
-    assert at[Action("W", 0, 1)] > at[Action("I", 0, 1)]
-    assert at[Action("I", 0, 0)] > at[Action("I", 0, 1)]
+    assert at[Action(1, "W", 0)] > at[Action(1, "I", 0)]
+    assert at[Action(0, "I", 0)] > at[Action(1, "I", 0)]

@@ -51,7 +51,7 @@ def final_backwards(actions: Sequence[Sequence[Action]]) -> tuple[list[list[Acti
                 continue
             moved = [a for a in later_w if a.mb != final.mb]  # the final one's W goes into its B
             rest = [a for a in row[last + 1:] if a not in later_w]
-            row = row[:last] + moved + [Action("B", final.mb, s)] + rest
+            row = row[:last] + moved + [Action(s, "B", final.mb)] + rest
         out.append(row)
     return out, finals
 

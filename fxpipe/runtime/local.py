@@ -22,7 +22,7 @@ from fxpipe.runtime.binding import CallSignature
 from fxpipe.runtime.codegen import compile_source, gpipe_source
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import gather, micro_losses
-from fxpipe.runtime.observe import timeline as recorder
+from fxpipe.runtime.observe import timeline
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
 from fxpipe.runtime.stage.copy import copy
@@ -153,7 +153,7 @@ class LocalRuntime:
         out_of, into = self.calls[src].copy_stream(i), self.calls[dst].copy_stream(i)
         # timeline: time the copy on the stream it runs on, the source's when that is a GPU
         side, stream = (src, out_of) if self.devices[src].type == "cuda" else (dst, into)
-        with recorder.span("copy", dst, i, self.devices[side], stream):
+        with timeline.span("copy", dst, i, self.devices[side], stream):
             return copy(values, out_of, into, self.devices[dst])
 
     @staticmethod

@@ -22,12 +22,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from fxpipe.passes.timing import median_seconds
 
 __all__ = ["NOMINAL", "DeviceModel", "calibrate_cpu", "device_model", "parse_bytes"]
 
@@ -116,18 +116,6 @@ def device_model(device: str | DeviceModel) -> DeviceModel:
                      "DeviceModel of your own (from fxpipe.simulate.devices import DeviceModel)")
 
 
-def _median(fn: Callable[[], object], reps: int) -> float:
-    """Return the median seconds of ``fn`` over ``reps`` calls, after three untimed calls."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _fit(d_big: float, rate_big: float, d_small: float, rate_small: float) -> tuple[float, float]:
     """Return ``(plateau, d_half)`` of ``rate(d) = plateau x d / (d + d_half)`` through two measurements."""
     q = min(max(rate_small / rate_big, 1e-3), 0.999)
@@ -145,7 +133,7 @@ def _layer_rate(layer: torch.nn.Module, x: torch.Tensor, reps: int) -> float:
         out = layer(x)
     flops = 3 * 2 * out.numel() * sum(p.numel() for n, p in layer.named_parameters() if n == "weight") \
         / (out.shape[1] if out.dim() > 2 else out.shape[-1])  # 3 GEMMs of 2 x output x (fan-in) each
-    return flops / _median(lambda: layer(x).sum().backward(), reps)
+    return flops / median_seconds(lambda: layer(x).sum().backward(), repeats=reps, warmup=3)
 
 
 def calibrate_cpu(reps: int = 15) -> DeviceModel:
@@ -166,12 +154,12 @@ def calibrate_cpu(reps: int = 15) -> DeviceModel:
         big, other = torch.randn(1024, 1024), torch.randn(1024, 1024)
         light = [lambda: torch.relu(big), lambda: F.gelu(big), lambda: big + other, lambda: big.softmax(-1),
                  lambda: F.layer_norm(big, (1024,))]
-        element = statistics.median(_median(fn, reps) for fn in light) / big.numel()
+        element = statistics.median(median_seconds(fn, repeats=reps, warmup=3) for fn in light) / big.numel()
     tiny = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(32)])
     t8 = torch.randn(8, 8)
     with torch.no_grad():
-        forward = _median(lambda: tiny(t8), reps * 4) / 32
-    both = _median(lambda: tiny(t8).sum().backward(), reps * 4) / 32
+        forward = median_seconds(lambda: tiny(t8), repeats=reps * 4, warmup=3) / 32
+    both = median_seconds(lambda: tiny(t8).sum().backward(), repeats=reps * 4, warmup=3) / 32
     gemm, gemm_half = _fit(256, gemm, 8, gemm8)  # d: the smallest GEMM dimension
     conv, conv_half = _fit(32 * 9, conv, 3 * 9, conv3)  # d: input channels x kernel size
     model = DeviceModel(

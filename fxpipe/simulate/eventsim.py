@@ -58,16 +58,16 @@ def default_links(n: int) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def _waits(a: Action, feeds: Sequence[Sequence[int]], reads: Sequence[Sequence[int]]
-           ) -> list[tuple[tuple[str, int, int], int, str]]:
+           ) -> list[tuple[tuple[int, str, int], int, str]]:
     """Return what ``a`` waits for: ``(step key, stage it comes from, message kind)`` triples."""
     if a.kind == "F":
-        return [(("F", a.mb, p), p, "F") for p in feeds[a.stage]]
+        return [((p, "F", a.mb), p, "F") for p in feeds[a.stage]]
     if a.is_backward:
         if not reads[a.stage]:
-            return [(("F", a.mb, a.stage), a.stage, "")]
-        return [(("G", a.mb, c), c, "B") for c in reads[a.stage]]
+            return [((a.stage, "F", a.mb), a.stage, "")]
+        return [((c, "G", a.mb), c, "B") for c in reads[a.stage]]
     if a.kind == "W":
-        return [(("G", a.mb, a.stage), a.stage, "")]
+        return [((a.stage, "G", a.mb), a.stage, "")]
     return []
 
 
@@ -94,7 +94,7 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
     if clocked:  # one process: a value moves only between devices
         where = [devices[r] for r in where]
 
-    def ready(a: Action, done: dict[tuple[str, int, int], float]) -> float | None:
+    def ready(a: Action, done: dict[tuple[int, str, int], float]) -> float | None:
         """Return when ``a``'s inputs are in place, or None if something it waits for has not run."""
         t = 0.0
         for key, src, kind in _waits(a, feeds, reads):
@@ -106,7 +106,7 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
 
     if clocked:
         return _clocked(rows, n, ready, duration, devices)
-    done: dict[tuple[str, int, int], float] = {}
+    done: dict[tuple[int, str, int], float] = {}
     spans: list[Span] = []
     pos, free = [0] * len(rows), [0.0] * len(rows)
     while any(pos[r] < len(rows[r]) for r in range(len(rows))):
@@ -146,7 +146,7 @@ def _clocked(rows: list[list[Action]], n: int, ready: Callable, duration: Callab
     by_clock: dict[int, list[Action]] = {}
     for a in sorted(at, key=lambda a: (at[a], a.stage)):
         by_clock.setdefault(at[a], []).append(a)
-    done: dict[tuple[str, int, int], float] = {}
+    done: dict[tuple[int, str, int], float] = {}
     spans: list[Span] = []
     begin = 0.0
     for k in sorted(by_clock):

@@ -15,8 +15,6 @@ micro-batches: a fresh gradient each time would also time the allocation of new 
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe import passes
 from fxpipe.passes.spec import TensorSpec
+from fxpipe.passes.timing import seconds
 
 __all__ = ["inputs_of_rows", "measure_nodes", "node_profile", "rescale", "whole_graph"]
 
@@ -56,16 +55,6 @@ def inputs_of_rows(gm: torch.fx.GraphModule, rows: int, example_inputs: tuple | 
     return tuple(out)
 
 
-def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
-    """Return the seconds one call of ``fn`` takes, its device's queued work included."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
-
-
 def whole_graph(gm: torch.fx.GraphModule, args: tuple, device: torch.device, repeats: int = 5) -> tuple[float, float]:
     """Return the seconds of the graph's forward (building autograd's graph) and of its backward."""
     params = {k: v.detach().to(device, copy=True).requires_grad_(v.requires_grad) for k, v in gm.named_parameters()}
@@ -86,8 +75,8 @@ def whole_graph(gm: torch.fx.GraphModule, args: tuple, device: torch.device, rep
     forward()
     both()
     for _ in range(repeats):  # alternate, so a change of load hits both alike
-        f_times.append(_seconds(forward, device))
-        b_times.append(_seconds(both, device))
+        f_times.append(seconds(forward, device))
+        b_times.append(seconds(both, device))
     fwd = statistics.median(f_times)
     return fwd, max(statistics.median(b_times) - fwd, 0.0)
 

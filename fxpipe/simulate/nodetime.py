@@ -21,18 +21,17 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch import nn
 
+from fxpipe.passes.linears import defers_weight_grad
 from fxpipe.passes.spec import TensorSpec
 from fxpipe.simulate.devices import DeviceModel
 
-__all__ = ["NodeTime", "deferrable", "node_times"]
+__all__ = ["NodeTime", "node_times"]
 
 _GEMM_FUNCTIONS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product_attention",
                    "bilinear"}
 _CONV_FUNCTIONS = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
-_LINEARS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
 
 
 @dataclass
@@ -97,13 +96,6 @@ def _numel(shape: Sequence[int] | None) -> float:
     return out
 
 
-def deferrable(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    """Tell whether zero bubble defers this node's weight gradient to W (an ``nn.Linear`` or ``F.linear``)."""
-    if node.op == "call_module":
-        return type(gm.get_submodule(str(node.target))) is nn.Linear
-    return node.op == "call_function" and node.target in _LINEARS
-
-
 def node_times(gm: torch.fx.GraphModule, device: DeviceModel, scale: float, dtype: torch.dtype,
                measured: Mapping[str, tuple[float, float]] | None = None) -> dict[str, NodeTime]:
     """Return each compute node's seconds for a micro-batch ``scale`` times the example batch.
@@ -127,7 +119,7 @@ def node_times(gm: torch.fx.GraphModule, device: DeviceModel, scale: float, dtyp
             rate = device.flops_per_second(dtype, kind, d)
             fwd = device.kernel_overhead + flops / rate
             bwd = device.backward_overhead + flops_bwd / rate if flops_bwd else 0.0
-            weight = min(flops / rate, bwd) if deferrable(gm, node) else 0.0
+            weight = min(flops / rate, bwd) if defers_weight_grad(gm, node) else 0.0
         if measured is not None and node.name in measured:
             mf, mb = measured[node.name]
             weight = weight / bwd * mb if bwd else 0.0

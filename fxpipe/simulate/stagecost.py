@@ -30,11 +30,12 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.passes.linears import defers_weight_grad
 from fxpipe.passes.retain import retain
 from fxpipe.passes.spec import TensorSpec
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.simulate.devices import DeviceModel
-from fxpipe.simulate.nodetime import deferrable, node_times
+from fxpipe.simulate.nodetime import node_times
 
 __all__ = ["StageCost", "example_rows", "graph_costs", "plan_costs"]
 
@@ -111,7 +112,7 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
                     kept[v] = max(kept.get(v, 0.0), nbytes * bytes_scale)
                 else:
                     internal += nbytes * bytes_scale
-        deferred = [n for n in mine if deferrable(gm, n)]
+        deferred = [n for n in mine if defers_weight_grad(gm, n)]
         xs = {a.name for n in deferred for a in n.args[:1] if isinstance(a, torch.fx.Node)} - placeholders
         sends: dict[int, float] = {}
         for v in s.outputs:

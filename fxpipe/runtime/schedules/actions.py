@@ -55,11 +55,11 @@ _TOKEN = re.compile(r"^(\d+)(" + "|".join(COMM + COMPUTE) + r")(\d+)$")
 
 @dataclass(frozen=True)
 class Action:
-    """One step (``kind``) of micro-batch ``mb`` on stage ``stage``."""
+    """One step (``kind``) of micro-batch ``mb`` on stage ``stage``, in torch.distributed.pipelining's order."""
 
+    stage: int
     kind: str  # "F", "B", "I", "W", or a message: "RECV_F", "SEND_F", "RECV_B", "SEND_B"
     mb: int
-    stage: int
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.mb}"
@@ -70,17 +70,17 @@ class Action:
         return self.kind in ("B", "I")
 
     @property
-    def key(self) -> tuple[str, int, int]:
+    def key(self) -> tuple[int, str, int]:
         """Return the step this action completes: a forward, input gradients (``B`` or ``I``), weights."""
-        return ("G" if self.is_backward else self.kind, self.mb, self.stage)
+        return (self.stage, "G" if self.is_backward else self.kind, self.mb)
 
 
-Schedule = list[list[Action]]
+ActionLists = list[list[Action]]  # one list of actions per rank: a schedule as data
 
 
-def parse(text: str) -> Schedule:
+def parse(text: str) -> ActionLists:
     """Read a schedule from text: a line per rank, an action per token, ``#`` comments."""
-    out: Schedule = []
+    out: ActionLists = []
     for lineno, line in enumerate(text.splitlines(), 1):
         tokens = line.split("#", 1)[0].split()
         if not tokens:
@@ -93,7 +93,7 @@ def parse(text: str) -> Schedule:
                                     f"<stage><kind><micro-batch> with kind one of "
                                     f"{', '.join(COMPUTE + COMM)}, e.g. '0F3'")
             stage, kind, mb = match.groups()
-            row.append(Action(kind, int(mb), int(stage)))
+            row.append(Action(int(stage), kind, int(mb)))
         out.append(row)
     if not out:
         raise ScheduleError("the schedule is empty; give one line of actions per rank, e.g. '0F0 0B0'")
@@ -110,7 +110,7 @@ def is_token(text: str) -> bool:
     return _TOKEN.match(text) is not None
 
 
-def load_schedule(value: str | os.PathLike | Sequence) -> Schedule:
+def load_schedule(value: str | os.PathLike | Sequence) -> ActionLists:
     """Return a user's schedule from text, a file path (a string or a path object), or lists of actions or tokens."""
     if isinstance(value, os.PathLike):
         path = os.fspath(value)
@@ -145,7 +145,7 @@ def load_schedule(value: str | os.PathLike | Sequence) -> Schedule:
     return rows
 
 
-def needs(a: Action, n: int) -> tuple[str, int, int] | None:
+def needs(a: Action, n: int) -> tuple[int, str, int] | None:
     """Return what ``a`` waits for from another step (None: only its own rank's order).
 
     F(i, j) needs F(i, j-1); B or I (i, j) needs the input gradients of (i, j+1), or F(i, j)
@@ -153,17 +153,17 @@ def needs(a: Action, n: int) -> tuple[str, int, int] | None:
     edge (skips included) goes to a later stage and adjacent dependencies imply the rest.
     """
     if a.kind == "F":
-        return ("F", a.mb, a.stage - 1) if a.stage > 0 else None
+        return (a.stage - 1, "F", a.mb) if a.stage > 0 else None
     if a.is_backward:
-        return ("G", a.mb, a.stage + 1) if a.stage < n - 1 else ("F", a.mb, a.stage)
+        return (a.stage + 1, "G", a.mb) if a.stage < n - 1 else (a.stage, "F", a.mb)
     if a.kind == "W":
-        return ("G", a.mb, a.stage)
+        return (a.stage, "G", a.mb)
     return None
 
 
-def _name(key: tuple[str, int, int]) -> str:
-    """Name a step key as the action(s) that complete it."""
-    kind, mb, stage = key
+def _name(key: tuple[int, str, int]) -> str:
+    """Name a step key (stage, kind, micro-batch) as the action(s) that complete it."""
+    stage, kind, mb = key
     return f"{stage}B{mb} or {stage}I{mb}" if kind == "G" else f"{stage}{kind}{mb}"
 
 
@@ -176,7 +176,7 @@ def clocks(actions: Sequence[Sequence[Action]], n: int | None = None) -> dict[Ac
     """
     rows = [[a for a in row if a.kind in COMPUTE] for row in actions]
     n = n if n is not None else 1 + max((a.stage for row in rows for a in row), default=-1)
-    done: dict[tuple[str, int, int], int] = {}
+    done: dict[tuple[int, str, int], int] = {}
     at: dict[Action, int] = {}
     pos, free = [0] * len(rows), [0] * len(rows)
     while any(pos[r] < len(rows[r]) for r in range(len(rows))):
@@ -226,7 +226,7 @@ def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:
     Every stage needs one ``F`` and either one ``B`` or one ``I`` and one ``W`` per
     micro-batch, and nothing else; message actions are added by the runtime and refused.
     """
-    seen: dict[tuple[str, int, int], Action] = {}
+    seen: dict[tuple[int, str, int], Action] = {}
     for r, row in enumerate(actions):
         for a in row:
             if a.kind in COMM:
@@ -237,12 +237,12 @@ def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:
             if not 0 <= a.mb < m:
                 raise ScheduleError(f"{a} names micro-batch {a.mb}, but a step has {m} (0..{m - 1}); "
                                     f"compile with chunks={a.mb + 1} or more, or renumber")
-            if (a.kind, a.mb, a.stage) in seen:
+            if (a.stage, a.kind, a.mb) in seen:
                 raise ScheduleError(f"{a} appears twice; each step runs once")
-            seen[(a.kind, a.mb, a.stage)] = a
+            seen[(a.stage, a.kind, a.mb)] = a
     for j in range(n):
         for i in range(m):
-            has = {k for k in COMPUTE if (k, i, j) in seen}
+            has = {k for k in COMPUTE if (j, k, i) in seen}
             if "F" not in has:
                 raise ScheduleError(f"stage {j} never runs the forward of micro-batch {i}: add {j}F{i}")
             if not has & {"B", "I"}:
@@ -277,12 +277,12 @@ def lower(actions: Sequence[Action], receives_from: dict[int, bool], sends_to: d
     out = []
     for a in actions:
         if a.kind == "F" and receives_from.get(a.stage):
-            out.append(Action("RECV_F", a.mb, a.stage))
+            out.append(Action(a.stage, "RECV_F", a.mb))
         if a.is_backward and grads_from.get(a.stage):
-            out.append(Action("RECV_B", a.mb, a.stage))
+            out.append(Action(a.stage, "RECV_B", a.mb))
         out.append(a)
         if a.kind == "F" and sends_to.get(a.stage):
-            out.append(Action("SEND_F", a.mb, a.stage))
+            out.append(Action(a.stage, "SEND_F", a.mb))
         if a.is_backward and grads_to.get(a.stage):
-            out.append(Action("SEND_B", a.mb, a.stage))
+            out.append(Action(a.stage, "SEND_B", a.mb))
     return out

@@ -36,8 +36,7 @@ from typing import Any
 
 from fxpipe.errors import ScheduleError
 from fxpipe.options import MULTI_STAGE_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES
-from fxpipe.runtime.schedules import actions as actionlist
-from fxpipe.runtime.schedules.actions import Action, needs
+from fxpipe.runtime.schedules.actions import Action, check, is_token, load_schedule, needs
 from fxpipe.runtime.schedules.multistage import interleaved, loop_placement, min_chunks, v_placement, zbv
 
 __all__ = ["MULTI_PRODUCERS", "PLACEMENTS", "PRODUCERS", "Schedule", "check_name", "gpipe", "one_f_one_b", "resolve",
@@ -46,7 +45,7 @@ __all__ = ["MULTI_PRODUCERS", "PLACEMENTS", "PRODUCERS", "Schedule", "check_name
 
 def gpipe(n: int, m: int) -> list[list[Action]]:
     """Return GPipe's actions per stage: every forward, then every backward."""
-    return [[Action("F", i, j) for i in range(m)] + [Action("B", i, j) for i in range(m)] for j in range(n)]
+    return [[Action(j, "F", i) for i in range(m)] + [Action(j, "B", i) for i in range(m)] for j in range(n)]
 
 
 def one_f_one_b(n: int, m: int) -> list[list[Action]]:
@@ -59,10 +58,10 @@ def _warm_then_alternate(n: int, m: int, warmups: list[int], backward: str = "B"
     out = []
     for j in range(n):
         warmup = min(warmups[j], m)
-        actions = [Action("F", i, j) for i in range(warmup)]
+        actions = [Action(j, "F", i) for i in range(warmup)]
         for k in range(m - warmup):
-            actions += [Action("F", warmup + k, j), Action(backward, k, j)]
-        actions += [Action(backward, i, j) for i in range(m - warmup, m)]
+            actions += [Action(j, "F", warmup + k), Action(j, backward, k)]
+        actions += [Action(j, backward, i) for i in range(m - warmup, m)]
         out.append(actions)
     return out
 
@@ -83,7 +82,7 @@ def zero_bubble(n: int, m: int, extra_warmup: int = 0) -> list[list[Action]]:
     """
     order = _warm_then_alternate(n, m, [n - j - 1 + extra_warmup if j < n - 1 else 0 for j in range(n)], "I")
     actions: list[list[Action]] = [[] for _ in range(n)]
-    done: dict[tuple[str, int, int], int] = {}  # step -> the time it ends
+    done: dict[tuple[int, str, int], int] = {}  # step -> the time it ends
     pending: list[list[Action]] = [[] for _ in range(n)]
     pos, free = [0] * n, [0] * n
     held = [0] * n  # micro-batches whose W has not run
@@ -109,7 +108,7 @@ def zero_bubble(n: int, m: int, extra_warmup: int = 0) -> list[list[Action]]:
         if w is None:
             pos[j] += 1
             if a.kind == "I":
-                pending[j].append(Action("W", a.mb, j))
+                pending[j].append(Action(j, "W", a.mb))
     for j in range(n):
         actions[j] += pending[j]
     return actions
@@ -156,7 +155,7 @@ class Schedule:
 
     def forward_only(self, m: int) -> list[list[Action]]:
         """Return the forwards alone, per rank, micro-batch by micro-batch (inference)."""
-        return [[Action("F", i, s) for i in range(m) for s in self.stages_of(r)] for r in range(self.world)]
+        return [[Action(s, "F", i) for i in range(m) for s in self.stages_of(r)] for r in range(self.world)]
 
     def deferring(self, m: int) -> set[int]:
         """Return the stages whose actions include weight-gradient steps (``W``)."""
@@ -168,7 +167,7 @@ def check_name(schedule: Any) -> None:
     action token nor a file; None; a number), listing the names."""
     if isinstance(schedule, str):
         bad = schedule not in SCHEDULES and len(schedule.split()) == 1 and not os.path.exists(schedule) \
-            and not actionlist.is_token(schedule.strip())
+            and not is_token(schedule.strip())
     else:
         bad = not isinstance(schedule, (os.PathLike, list, tuple))
     if bad:
@@ -205,8 +204,8 @@ def resolve(schedule: Any, n: int, chunks: int, stages_per_rank: int = 1) -> Sch
                                 "'interleaved' or 'zbv' (or your own schedule)")
         return Schedule(schedule, None, list(range(n)))
     check_name(schedule)
-    actions = actionlist.load_schedule(schedule)
-    actionlist.check(actions, n, chunks)
+    actions = load_schedule(schedule)
+    check(actions, n, chunks)
     ranks = [-1] * n
     for r, row in enumerate(actions):
         for a in row:

@@ -71,8 +71,8 @@ def interleaved(n: int, m: int, world: int) -> list[list[Action]]:
     v = n // world
     out = []
     for r in range(world):
-        fwd = [Action("F", i, c * world + r) for g in _groups(m, world) for c in range(v) for i in g]
-        bwd = [Action("B", i, c * world + r) for g in _groups(m, world) for c in reversed(range(v)) for i in g]
+        fwd = [Action(c * world + r, "F", i) for g in _groups(m, world) for c in range(v) for i in g]
+        bwd = [Action(c * world + r, "B", i) for g in _groups(m, world) for c in reversed(range(v)) for i in g]
         warmup = min(2 * (world - r - 1) + (v - 1) * len(_groups(m, world)[0]), len(fwd))
         row = fwd[:warmup]
         for k in range(len(fwd) - warmup):
@@ -95,8 +95,8 @@ def zbv(n: int, m: int, world: int) -> list[list[Action]]:
     _check_chunks("zbv", m, world)
     mine = [[s for s in range(n) if rank[s] == r] for r in range(world)]
     limit = 2 * world
-    todo = {r: {Action(k, i, s) for s in mine[r] for i in range(m) for k in ("F", "I")} for r in range(world)}
-    done: dict[tuple[str, int, int], int] = {}  # step -> the time it ends
+    todo = {r: {Action(s, k, i) for s in mine[r] for i in range(m) for k in ("F", "I")} for r in range(world)}
+    done: dict[tuple[int, str, int], int] = {}  # step -> the time it ends
     pending: list[list[Action]] = [[] for _ in range(world)]  # W whose I has run
     held = [0] * world
     free = [0] * world
@@ -128,7 +128,7 @@ def zbv(n: int, m: int, world: int) -> list[list[Action]]:
         if step.kind != "W":
             todo[r].discard(step)
         if step.kind == "I":
-            pending[r].append(Action("W", step.mb, step.stage))
+            pending[r].append(Action(step.stage, "W", step.mb))
         held[r] += {"F": 1, "W": -1}.get(step.kind, 0)
         out[r].append(step)
         free[r] = t + 1

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from fxpipe.runtime.observe import timeline as recorder
+from fxpipe.runtime.observe import timeline
 from fxpipe.runtime.observe.blame import keep_tracebacks, note_failure
 from fxpipe.runtime.stage.copy import wait
 from fxpipe.runtime.stage.recompute import checkpointed, in_pass, is_checkpointing, is_recomputing
@@ -102,11 +102,11 @@ class StageCall:
 
     def span(self, kind: str, i: int) -> Any:
         """Time the block as a ``kind`` event of this stage and micro-batch ``i`` on the timeline."""
-        return recorder.span(kind, self.index, i, self.device)
+        return timeline.span(kind, self.index, i, self.device)
 
     def replay_point(self) -> Replay:
         """Capture what a later recomputation of the coming checkpointed forward needs."""
-        return Replay(save_rng(self.device), recorder.where(), autocast_state())
+        return Replay(save_rng(self.device), timeline.where(), autocast_state())
 
     def run(self, i: int, inputs: Any, how: str = "forward", replay: Replay | None = None) -> Any:
         """Call the stage on micro-batch ``i``'s inputs in pass ``how``; see the module docstring."""
@@ -117,7 +117,7 @@ class StageCall:
         with on_device(self.device), _GRAD[how](), (in_pass(_FLAG[how]) if how in _FLAG else nullcontext()), \
                 (restore_rng(self.device, replay.rng) if replay is not None else nullcontext()), \
                 (autocast_as(replay.autocast) if replay is not None else nullcontext()), \
-                (recorder.span_at("recompute", replay.where) if replay is not None else nullcontext()):
+                (timeline.span_at("recompute", replay.where) if replay is not None else nullcontext()):
             try:
                 return self.fn(*inputs)
             except Exception as exc:
@@ -132,7 +132,7 @@ class StageCall:
             inputs = wait(inputs, self.copy_stream(i), compute_stream)
         with self.span("forward", i) as timed:
             out = checkpointed(self, i, inputs) if checkpoint else self.run(i, inputs)
-        out = recorder.mark_backward(timed, inputs, out)  # timeline: hooks only while recording
+        out = timeline.mark_backward(timed, inputs, out)  # timeline: hooks only while recording
         if cuda and not self.last:  # copies of the outputs wait for the compute that made them
             out = wait(out, compute_stream, self.copy_stream(i))
         return out

@@ -27,12 +27,12 @@ from contextlib import contextmanager
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch import nn
+
+from fxpipe.passes.linears import defers_weight_grad
 
 __all__ = ["collecting", "defer_weight_grads", "linear", "run"]
 
 _local = threading.local()
-_LINEARS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
 
 
 @contextmanager
@@ -115,22 +115,23 @@ class _Linear(torch.autograd.Function):
 
 
 def defer_weight_grads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Return a copy of ``gm`` calling :func:`linear` for every ``nn.Linear`` and ``F.linear``.
+    """Return a copy of ``gm`` calling :func:`linear` for every node whose weight gradient W computes.
 
-    Reads call_module nodes of modules of exactly type ``nn.Linear`` and call_function nodes
-    of ``F.linear`` (``aten.linear`` from ``torch.export``); the copy keeps node names and
-    ``meta`` and shares ``gm``'s modules and parameters.
+    Reads the nodes :func:`fxpipe.passes.linears.defers_weight_grad` selects (the simulator
+    counts the same ones); the copy keeps node names and ``meta`` and shares ``gm``'s modules
+    and parameters.
     """
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_module" and type(gm.get_submodule(node.target)) is nn.Linear and not node.kwargs:
+        deferred = defers_weight_grad(gm, node)
+        if deferred and node.op == "call_module":
             mod = gm.get_submodule(node.target)
             x = env[node.args[0]]
             w = graph.get_attr(f"{node.target}.weight")
             b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
             env[node] = graph.create_node("call_function", linear, (x, w, b), name=node.name)
-        elif node.op == "call_function" and node.target in _LINEARS:
+        elif deferred:
             env[node] = graph.create_node("call_function", linear, torch.fx.map_arg(node.args, env.__getitem__),
                                           torch.fx.map_arg(node.kwargs, env.__getitem__), name=node.name)
         else:

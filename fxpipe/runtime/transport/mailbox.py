@@ -67,7 +67,7 @@ class LocalTransport:
         if j == 0:
             return self.inputs[i]
         with self.lock:
-            values = [self.box.pop(("F", v, i, j)) for v in self.plan.stages[j].inputs]
+            values = [self.box.pop((j, "F", v, i)) for v in self.plan.stages[j].inputs]
         return self._arrived(values, j, i)
 
     def send_forward(self, j: int, i: int, outputs: Sequence[Any]) -> None:
@@ -76,13 +76,13 @@ class LocalTransport:
             for c in self.consumers.get(v, ()):
                 moved = self._move(value, j, c, i)
                 with self.lock:
-                    self.box[("F", v, i, c)] = moved
+                    self.box[(c, "F", v, i)] = moved
 
     def recv_backward(self, j: int, i: int) -> list[Any]:
         """Sum the gradients each output received from its consumers."""
         grads = []
         with self.lock:
-            parts_of = [self.box.pop(("B", v, i), []) for v in self.plan.stages[j].outputs]
+            parts_of = [self.box.pop((j, "B", v, i), []) for v in self.plan.stages[j].outputs]
         for parts in parts_of:
             grads.append(sum_grads(parts) if parts else None)
         return self._arrived(grads, j, i)
@@ -93,5 +93,5 @@ class LocalTransport:
             if g is not None and v in self.producer:
                 moved = self._move(g, j, self.producer[v], i)
                 with self.lock:
-                    self.box.setdefault(("B", v, i), []).append(moved)
+                    self.box.setdefault((self.producer[v], "B", v, i), []).append(moved)
 

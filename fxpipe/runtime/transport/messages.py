@@ -45,7 +45,7 @@ from fxpipe.runtime.transport.comm import Comm
 __all__ = ["DistTransport"]
 
 FORWARD_TAG, BACKWARD_TAG = 1, 2
-Key = tuple[str, int, int]  # ("F" or "B", sending stage, micro-batch)
+Key = tuple[int, str, int]  # (sending stage, "F" or "B", micro-batch), as an Action orders them
 
 
 class DistTransport:
@@ -63,7 +63,7 @@ class DistTransport:
         self.rank_of = [s.on_rank for s in plan.stages]
         self.producer = plan.producer()
         self.consumers = plan.consumers()
-        self.box: dict[tuple, Any] = {}  # hand-overs: ("F", value, i, stage) -> value; ("B", value, i) -> [grads]
+        self.box: dict[tuple, Any] = {}  # hand-overs: (stage, "F" | "B", value, i) -> the value for the stage reading it | its gradients for its producer
         # what each stage sends to each other rank: values forward, gradients backward
         self.fwd_to: dict[int, dict[int, list[str]]] = {}
         self.bwd_to: dict[int, dict[int, list[str]]] = {}
@@ -117,15 +117,15 @@ class DistTransport:
             got: list[Key] = []
             for a in program:
                 if a.kind in ("RECV_F", "RECV_B"):
-                    got += [k for k in self._awaited(a.kind, a.stage, a.mb, q) if self.rank_of[k[1]] == self.rank]
+                    got += [k for k in self._awaited(a.kind, a.stage, a.mb, q) if self.rank_of[k[0]] == self.rank]
                 elif got and self._message_to(a, self.rank) is not None:
-                    acks[(a.kind[-1], a.stage, a.mb)], got = got, []
+                    acks[(a.stage, a.kind[-1], a.mb)], got = got, []
         return acks
 
     def _message_to(self, a: Action, q: int) -> Key | None:
         """Return the key of the message action ``a`` sends to rank ``q``, or None."""
         if a.kind == "SEND_F" and q in self.fwd_to[a.stage] or a.kind == "SEND_B" and q in self.bwd_to[a.stage]:
-            return (a.kind[-1], a.stage, a.mb)
+            return (a.stage, a.kind[-1], a.mb)
         return None
 
     def _awaited(self, kind: str, j: int, i: int, rank: int) -> list[Key]:
@@ -135,10 +135,10 @@ class DistTransport:
             if j == 0:
                 return []
             producers = dict.fromkeys(self.producer[v] for v in stage.inputs)
-            return [("F", p, i) for p in producers if self.rank_of[p] != rank]
+            return [(p, "F", i) for p in producers if self.rank_of[p] != rank]
         readers = {c for v in stage.outputs for c in self.consumers.get(v, ())
                    if v in self.plan.stages[c].grad_inputs}
-        return [("B", c, i) for c in sorted(readers) if self.rank_of[c] != rank]
+        return [(c, "B", i) for c in sorted(readers) if self.rank_of[c] != rank]
 
     def _send(self, key: Key, sends: list[tuple[torch.Tensor, int, int]], what: str) -> None:
         """Post message ``key``'s sends; keep each peer's works until that peer is known to have it."""
@@ -172,7 +172,7 @@ class DistTransport:
             self._post(self.queue[q][self.posted[q]])
             self.posted[q] += 1
         works, deliver = self.pending.pop(key)
-        kind, j, i = key
+        j, kind, i = key
         what = f"stage {j}'s {'outputs' if kind == 'F' else 'input gradients'} of micro-batch {i}"
         self.comm.wait(works, f"receiving {what} on rank {self.rank}", q)
         deliver()
@@ -181,7 +181,7 @@ class DistTransport:
 
     def _post(self, key: Key) -> None:
         """Allocate message ``key``'s receive buffers from the plan and post its receives."""
-        kind, j, i = key
+        j, kind, i = key
         specs = self.specs(i)
         names = (self.fwd_to if kind == "F" else self.bwd_to)[j][self.rank]
         built, bufs = [], []
@@ -199,9 +199,9 @@ class DistTransport:
                 if kind == "F":
                     for c in self.consumers.get(v, ()):
                         if self.rank_of[c] == self.rank:
-                            self.box[("F", v, i, c)] = value
+                            self.box[(c, "F", v, i)] = value
                 else:
-                    self.box.setdefault(("B", v, i), []).append(value)
+                    self.box.setdefault((self.producer[v], "B", v, i), []).append(value)
         self.pending[key] = (works, deliver)
 
     # -- forward ---------------------------------------------------------------------------
@@ -211,7 +211,7 @@ class DistTransport:
             return self.inputs[i]
         for key in self._awaited("RECV_F", j, i, self.rank):
             self._await(key)
-        return [self.box.pop(("F", v, i, j)) for v in self.plan.stages[j].inputs]
+        return [self.box.pop((j, "F", v, i)) for v in self.plan.stages[j].inputs]
 
     def send_forward(self, j: int, i: int, outputs: Sequence[Any]) -> None:
         """Hand each output to this rank's stages that read it; send the rest to their ranks."""
@@ -219,10 +219,10 @@ class DistTransport:
         for v, value in by_name.items():
             for c in self.consumers.get(v, ()):
                 if self.rank_of[c] == self.rank:
-                    self.box[("F", v, i, c)] = value
+                    self.box[(c, "F", v, i)] = value
         sends = [(t, q, FORWARD_TAG) for q, names in self.fwd_to[j].items()
                  for v in names for t in _tensors(by_name[v], floating_only=False)]
-        self._send(("F", j, i), sends, f"sending micro-batch {i}'s outputs of stage {j}")
+        self._send((j, "F", i), sends, f"sending micro-batch {i}'s outputs of stage {j}")
 
     # -- backward --------------------------------------------------------------------------
     def recv_backward(self, j: int, i: int) -> list[Any]:
@@ -232,7 +232,7 @@ class DistTransport:
             self._await(key)
         grads = []
         for v in stage.outputs:
-            parts = self.box.pop(("B", v, i), [])
+            parts = self.box.pop((j, "B", v, i), [])
             grads.append(sum_grads(parts) if parts else None)
         return grads
 
@@ -242,13 +242,13 @@ class DistTransport:
         by_name = dict(zip(stage.inputs, grads))
         for v in stage.grad_inputs:
             if self.rank_of[self.producer[v]] == self.rank and by_name.get(v) is not None:
-                self.box.setdefault(("B", v, i), []).append(by_name[v])
+                self.box.setdefault((self.producer[v], "B", v, i), []).append(by_name[v])
         specs = self.specs(i)
         sends = []
         for q, names in self.bwd_to[j].items():
             for v in names:
                 sends += [(t, q, BACKWARD_TAG) for t in _grad_tensors(by_name.get(v), specs[v], self.device)]
-        self._send(("B", j, i), sends, f"sending micro-batch {i}'s input gradients of stage {j}")
+        self._send((j, "B", i), sends, f"sending micro-batch {i}'s input gradients of stage {j}")
 
 
 def _floating(spec: Any) -> bool:

@@ -1,0 +1,52 @@
+"""Which nodes zero bubble splits: linears whose weight gradients can wait for a ``W`` step.
+
+Reads:  call_module nodes of modules of exactly type ``nn.Linear`` and call_function nodes of
+        ``F.linear`` (``aten.linear`` from ``torch.export``), and their weights.
+Writes: nothing.
+
+The runtime rewrites exactly these nodes to defer their weight gradients
+(``fxpipe.runtime.stage.wgrad``), and the simulator gives exactly these a ``W`` share of their
+backward, so both agree: a frozen weight (no gradient wanted) and a run under autocast (the
+runtime then computes the gradients at once) defer nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LINEARS", "defers_weight_grad"]
+
+LINEARS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
+
+
+def _wants_grad(gm: torch.fx.GraphModule, value: object) -> bool:
+    """Tell whether a linear's weight or bias argument is a parameter that wants a gradient (None: yes)."""
+    if value is None:
+        return True
+    if isinstance(value, torch.fx.Node):
+        if value.op != "get_attr":
+            return False  # computed: not a leaf whose .grad could take the gradient later
+        try:
+            value = gm.get_parameter(str(value.target))
+        except AttributeError:
+            return False
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def defers_weight_grad(gm: torch.fx.GraphModule, node: torch.fx.Node, autocast: bool = False) -> bool:
+    """Tell whether zero bubble defers ``node``'s weight gradient to ``W`` (never under ``autocast``)."""
+    if autocast:
+        return False
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        return type(mod) is nn.Linear and not node.kwargs and mod.weight.requires_grad \
+            and (mod.bias is None or mod.bias.requires_grad)
+    if node.op == "call_function" and node.target in LINEARS:
+        args = list(node.args) + [None] * 3
+        weight = node.kwargs.get("weight", args[1])
+        bias = node.kwargs.get("bias", args[2])
+        return _wants_grad(gm, weight) and _wants_grad(gm, bias)
+    return False
