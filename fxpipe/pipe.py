@@ -12,6 +12,7 @@ import torch.fx
 from torch import nn
 
 from fxpipe.plan.pipeline import PipelinePlan
+from fxpipe.runtime.contract import Runtime
 
 __all__ = ["Pipe"]
 
@@ -36,7 +37,7 @@ class Pipe(nn.Module):
 
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
                  stages: Sequence[torch.fx.GraphModule], devices: Sequence[torch.device],
-                 runtime: Any, owned: Iterable[str] | None = None) -> None:
+                 runtime: Runtime, owned: Iterable[str] | None = None) -> None:
         super().__init__()
         # Share the model's registries, so names, state_dict and train() are the model's.
         self._parameters = model._parameters
@@ -52,6 +53,16 @@ class Pipe(nn.Module):
         self.__dict__["devices"] = list(devices)
         self.__dict__["owned"] = None if owned is None else frozenset(owned)
         self._runtime = runtime
+
+    @property
+    def runtime(self) -> Runtime:
+        """Return the runtime running the stages (one process, or this rank's share): its contract."""
+        return self._runtime
+
+    @property
+    def schedule(self) -> Any:
+        """Return the schedule :meth:`step` runs (:class:`~fxpipe.runtime.schedules.builtin.Schedule`)."""
+        return self._runtime.schedule
 
     @property
     def code(self) -> str:
@@ -120,7 +131,7 @@ class Pipe(nn.Module):
         The first step after the block reduces everything accumulated, once: run all but the
         last step of a gradient accumulation inside it. In one process it changes nothing.
         """
-        previous = getattr(self._runtime, "sync", True)
+        previous = self._runtime.sync
         self._runtime.sync = False
         try:
             yield

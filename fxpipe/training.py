@@ -13,23 +13,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from fxpipe.pipe import Pipe
+from fxpipe.runtime.contract import Runtime
 
 __all__ = ["clip_grad_norm_", "grad_scaler"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """Return the part of a (possibly sharded DTensor) gradient this process holds."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _runtime(pipe: Any, what: str, instead: str) -> Any:
+def _runtime(pipe: Any, what: str, instead: str) -> Runtime:
     """Return a compiled pipe's runtime; refuse anything else, naming the plain-PyTorch call."""
-    runtime = getattr(pipe, "_runtime", None)
-    if runtime is None:
+    if not isinstance(pipe, Pipe):
         raise TypeError(f"fxpipe.{what} takes the Pipe that fxpipe.compile returned, got {type(pipe).__name__}; "
                         f"for a model that is not pipelined use {instead}")
-    return runtime
+    return pipe.runtime
 
 
 def clip_grad_norm_(pipe: Any, max_norm: float, norm_type: float = 2.0,
@@ -41,36 +37,21 @@ def clip_grad_norm_(pipe: Any, max_norm: float, norm_type: float = 2.0,
     step's gradients are complete (outside ``pipe.no_sync()``).
     """
     runtime = _runtime(pipe, "clip_grad_norm_", "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)")
-    layout = getattr(runtime, "layout", None)
     params = [p for p in pipe.parameters() if p.grad is not None]
-    if layout is None:  # one process holds everything
+    if not runtime.place().distributed:  # one process holds everything
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
     runtime.ready()  # after a failed step: every rank back on fresh connections
     norm_type = float(norm_type)
-    held = {id(p) for j in runtime.workers for p in pipe.stages[j].parameters()}
-    not_mine = {id(p) for _, tied, first in runtime.tied if not first for p in tied}  # counted on the tie's first
-    counted = [_local(p.grad) for p in params if id(p) in held and id(p) not in not_mine]
-    device = runtime.device
-    local = torch.nn.utils.get_total_norm(counted, norm_type) if counted else torch.zeros((), device=device)
-    local = local.to(device=device, dtype=torch.float32)
-    groups = [layout.pp_group] + ([layout.dp_group] if runtime.grad_sync is not None and runtime.grad_sync.shard
-                                  else [])  # replicated gradients are equal on every replica: count one
-    if norm_type == float("inf"):
-        for group in groups:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        total = local
-    else:
-        power = local ** norm_type
-        for group in groups:
-            dist.all_reduce(power, group=group)
-        total = power ** (1.0 / norm_type)
+    total = runtime.grad_norm(params, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), "
                            "so they cannot be clipped; pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
-    for p in params:
-        if id(p) in held:
-            _local(p.grad).mul_(coef.to(p.grad.device))
+    for p in runtime.held(params):  # each rank clips its own stages' gradients (its shards' under FSDP2)
+        grad = p.grad
+        assert grad is not None  # params holds only parameters with gradients
+        part = grad.to_local() if hasattr(grad, "to_local") else grad
+        part.mul_(coef.to(part.device))
     return total
 
 
@@ -83,8 +64,4 @@ def grad_scaler(pipe: Any, **kwargs: Any) -> Any:
     """
     runtime = _runtime(pipe, "grad_scaler", "torch.amp.GradScaler()")
     device = str(next((d.type for d in pipe.devices if d.type != "meta"), "cpu"))
-    if getattr(runtime, "layout", None) is None:
-        return torch.amp.GradScaler(device, **kwargs)
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    return ShardedGradScaler(device=device, **kwargs)
+    return runtime.grad_scaler(device, **kwargs)

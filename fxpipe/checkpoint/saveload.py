@@ -112,17 +112,10 @@ def _where(target: nn.Module) -> _Where:
         raise TypeError(f"expected a fxpipe Pipe or an nn.Module, got {type(target).__name__}")
     if not isinstance(target, Pipe):
         return _Where(target)
-    runtime = target._runtime
-    deferred = tuple(getattr(runtime, "deferred", ()))
-    if target.owned is None:
-        return _Where(target._model, deferred=deferred)
-    if hasattr(runtime, "ready"):
-        runtime.ready()  # after a failed step: every rank back on fresh connections
-    comm = getattr(runtime, "comm", None)
-    layout = getattr(runtime, "layout", None)
-    # the pipeline's own group holds one replica; with replicas every rank of the world saves together
-    group = comm.group if comm is not None and getattr(layout, "dp", 1) == 1 else None
-    return _Where(target._model, dist.get_rank(), dist.get_world_size(), group, True, deferred)
+    runtime = target.runtime
+    runtime.ready()  # after a failed step: every rank back on fresh connections
+    place = runtime.place()
+    return _Where(target._model, place.rank, place.world, place.group, place.distributed, tuple(runtime.deferred))
 
 
 def _bytes(value: Any) -> torch.Tensor:

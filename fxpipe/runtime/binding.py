@@ -12,10 +12,10 @@ from fxpipe import passes
 from fxpipe.runtime.microbatch import batch_size, scatter, to_device
 from fxpipe.runtime.validate import check_inputs
 
-__all__ = ["CallSignature"]
+__all__ = ["Binding"]
 
 
-class CallSignature:
+class Binding:
     """Bind ``model(*args, **kwargs)`` to a GraphModule's placeholders and split it into micro-batches."""
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:

@@ -29,7 +29,7 @@ from fxpipe.materialize.metatensors import release
 from fxpipe.materialize.weights import open_weights
 from fxpipe.options import CompileOptions
 from fxpipe.plan.pipeline import PipelinePlan
-from fxpipe.runtime.binding import CallSignature
+from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.dataparallel import GradSync
 from fxpipe.runtime.distributed import DistributedRuntime
 from fxpipe.runtime.local import LocalRuntime
@@ -122,7 +122,7 @@ def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
     n = plan.n_stages
     calls = [StageCall(j, stage_callable(r, own.foreign[j], devices[j]), r, devices[j], j == n - 1)
              for j, r in enumerate(runnables)]
-    engine = LocalRuntime(plan, calls, CallSignature(gm), schedule)
+    engine = LocalRuntime(plan, calls, Binding(gm), schedule)
     if deferred_batch_norm:
         engine.deferred = defer_batch_norm({id(m): m for st in stages for m in st.modules()}.values())
     return engine
@@ -157,7 +157,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     n = plan.n_stages
     runnable = {j: _runnable(stages[j], j, defer) for j in mine}
     calls = [StageCall(j, r, r, device, j == n - 1) for j, r in runnable.items()]
-    engine = DistributedRuntime(plan, gm, layout, calls, link, CallSignature(gm), tied, schedule)
+    engine = DistributedRuntime(plan, gm, layout, calls, link, Binding(gm), tied, schedule)
     if layout.dp > 1:  # after the tied tensors are equal: DDP and FSDP2 start from these
         engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()])
         swapped = engine.grad_sync.swapped  # tied parameters FSDP2 sharded: sum the shards' gradients

@@ -34,7 +34,9 @@ import torch.fx
 from fxpipe import passes
 from fxpipe.errors import PeerFailure, PipelineInputError, ScheduleError
 from fxpipe.plan.pipeline import PipelinePlan
-from fxpipe.runtime.binding import CallSignature
+from fxpipe.runtime import gradnorm
+from fxpipe.runtime.binding import Binding
+from fxpipe.runtime.contract import Place
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import gather, micro_losses
@@ -56,13 +58,13 @@ class DistributedRuntime:
     """This rank's share of a distributed pipeline: its stages, its program, its messages."""
 
     def __init__(self, plan: PipelinePlan, gm: torch.fx.GraphModule, layout: Layout, calls: Sequence[StageCall],
-                 comm: Comm, signature: CallSignature, ties: Ties, schedule: Schedule) -> None:
+                 comm: Comm, binding: Binding, ties: Ties, schedule: Schedule) -> None:
         self.plan = plan
         self.gm = gm
         self.rank = rank = layout.rank
         self.device = calls[0].device
         self.comm = comm
-        self.signature = signature
+        self.binding = binding
         self.ties = ties
         self.schedule = schedule
         self.world = schedule.world
@@ -91,6 +93,26 @@ class DistributedRuntime:
     def tied(self) -> list[tuple[Any, list, bool]]:
         """Return this rank's ties: (group, parameters, whether this rank is the tie's first)."""
         return self.ties.mine
+
+    # -- the contract's hooks (fxpipe.runtime.contract) ----------------------------------------
+    def place(self) -> Place:
+        """Return this process's global rank and the group a checkpoint saves over (all ranks under replicas)."""
+        group = self.comm.group if self.layout.dp == 1 else None
+        return Place(dist.get_rank(), dist.get_world_size(), group, True)
+
+    def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """Return the whole model's gradient norm, the same on every rank (:mod:`fxpipe.runtime.gradnorm`)."""
+        return gradnorm.total_norm(self, params, norm_type)
+
+    def held(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Return the parameters of ``params`` this rank's stages hold."""
+        return gradnorm.held(self, params)
+
+    def grad_scaler(self, device: str, **kwargs: Any) -> Any:
+        """Return FSDP's ``ShardedGradScaler``: its ``unscale_`` agrees with every rank on inf/NaN."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device, **kwargs)
 
     def code(self) -> str:
         """Return the actions this rank runs in a step of ``plan.chunks`` micro-batches."""
@@ -222,7 +244,7 @@ class DistributedRuntime:
             if not torch.is_grad_enabled():
                 raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
             runner = self._run(args, kwargs, lambda batch, m: micro_losses(
-                loss_fn, target, batch, m, self.device, self.signature.finish), training, grad=True, target=target)
+                loss_fn, target, batch, m, self.device, self.binding.finish), training, grad=True, target=target)
             if self.sync:  # a tie's accumulated gradients are summed once, at the synced step
                 self._sum_tied()
             if self.last:
@@ -254,6 +276,6 @@ class DistributedRuntime:
         def body() -> Any:
             runner = self._run(args, kwargs, None, training, grad=False)
             if self.last:
-                return self.signature.finish(gather([runner.outputs[i] for i in sorted(runner.outputs)]))
+                return self.binding.finish(gather([runner.outputs[i] for i in sorted(runner.outputs)]))
             return None
         return self._guarded(body)

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from fxpipe.plan.pipeline import PipelinePlan
-from fxpipe.runtime.binding import CallSignature
+from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.codegen import compile_source, gpipe_source
+from fxpipe.runtime.contract import Place
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import gather, micro_losses
 from fxpipe.runtime.observe import timeline
@@ -40,14 +41,15 @@ log = logging.getLogger(__name__)
 class LocalRuntime:
     """Execute a plan's stages over micro-batches in this process."""
 
-    def __init__(self, plan: PipelinePlan, calls: Sequence[StageCall], signature: CallSignature,
+    def __init__(self, plan: PipelinePlan, calls: Sequence[StageCall], binding: Binding,
                  schedule: Schedule) -> None:
         self.plan = plan
         self.calls = list(calls)
         self.devices = [c.device for c in self.calls]
-        self.signature = signature
+        self.binding = binding
         self.schedule = schedule  # what step runs (unless GPipe: the generated program)
         self.checkpointing = False
+        self.sync = True  # pipe.no_sync(): nothing to reduce in one process
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
         self._programs: dict[tuple[str, int], tuple[str, Any]] = {}
         self.threads: DeviceThreads | None = None
@@ -56,6 +58,26 @@ class LocalRuntime:
         self.workers = {j: StageWorker(c, [v in plan.stages[j].grad_inputs for v in plan.stages[j].inputs],
                                        defer=j in defer)
                         for j, c in enumerate(self.calls)}
+
+    # -- the contract's hooks (fxpipe.runtime.contract) ----------------------------------------
+    def ready(self) -> None:
+        """Nothing to rejoin in one process."""
+
+    def place(self) -> Place:
+        """Return one process, no group."""
+        return Place()
+
+    def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """Return the norm of the gradients of ``params`` (every stage is here)."""
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type)
+
+    def held(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Return ``params``: this process holds every stage."""
+        return list(params)
+
+    def grad_scaler(self, device: str, **kwargs: Any) -> Any:
+        """Return ``torch.amp.GradScaler`` for ``device``."""
+        return torch.amp.GradScaler(device, **kwargs)
 
     def use_threads(self, on: bool) -> None:
         """Compute each clock's stages on one worker thread per device (the CUDA default)."""
@@ -90,18 +112,18 @@ class LocalRuntime:
 
     def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
         """Run the model's forward over micro-batches; return the model's output structure."""
-        mbs, _ = self.signature.split(args, kwargs, self.plan.chunks, training, self.devices[0])
+        mbs, _ = self.binding.split(args, kwargs, self.plan.chunks, training, self.devices[0])
         output = gather(self.run(mbs, training))
         if training:
             commit_batch_norm(self.deferred)
-        return self.signature.finish(output)
+        return self.binding.finish(output)
 
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
         """Run forward and backward of one mini-batch with a loss per micro-batch; return the loss."""
         if not torch.is_grad_enabled():
             raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
-        mbs, batch = self.signature.split(args, kwargs, self.plan.chunks, training, self.devices[0])
-        losses = micro_losses(loss_fn, target, batch, len(mbs), self.devices[-1], self.signature.finish)
+        mbs, batch = self.binding.split(args, kwargs, self.plan.chunks, training, self.devices[0])
+        losses = micro_losses(loss_fn, target, batch, len(mbs), self.devices[-1], self.binding.finish)
         if self.plan.schedule == "gpipe":
             try:
                 outputs = self.run(mbs, training)

@@ -236,7 +236,7 @@ def _graph_and_plan(obj: Any) -> tuple[Any, PipelinePlan]:
 
 def _compiled_schedule(obj: Any, plan: PipelinePlan) -> Any:
     """Return the schedule a pipe was compiled with: its name, or the user's own action lists."""
-    compiled: Any = getattr(getattr(obj, "_runtime", None), "schedule", None)
+    compiled: Any = getattr(obj, "schedule", None) if hasattr(obj, "runtime") else None  # a Pipe's Schedule
     if getattr(compiled, "custom", None) is not None:
         return compiled.custom
     if plan.schedule == "custom":

@@ -101,7 +101,7 @@ def _run_stages(pipe, mb: list, values: dict[str, Any]) -> Any:
 def divergence(pipe, reference: nn.Module, args: tuple, kwargs: dict, rtol: float, atol: float,
                loss: Callable[[Any], torch.Tensor], seed: int = 0) -> str:
     """Return a report naming the first stage and node where ``pipe`` departs from ``reference``."""
-    mbs, _ = pipe._runtime.signature.split(args, kwargs, pipe.plan.chunks, pipe.training, pipe.devices[0])
+    mbs, _ = pipe.runtime.binding.split(args, kwargs, pipe.plan.chunks, pipe.training, pipe.devices[0])
     mb = mbs[0]
     gm = pipe._gm
     stage_of = {name: s.index for s in pipe.plan.stages for name in s.nodes}
@@ -169,7 +169,7 @@ def divergence(pipe, reference: nn.Module, args: tuple, kwargs: dict, rtol: floa
 
 def _finish(pipe, output: Any) -> Any:
     """Rebuild the model's output structure from a graph's flat output."""
-    return pipe._runtime.signature.finish(output)
+    return pipe.runtime.binding.finish(output)
 
 
 def _call_eager(reference: nn.Module, gm, names: list[str], mb: list, args: tuple, kwargs: dict) -> Any:

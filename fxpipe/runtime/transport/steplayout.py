@@ -96,10 +96,10 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool,
     size their receive buffers for a new sequence length without propagating it themselves.
     """
     try:
-        values = runtime.signature.bind(args, kwargs)
+        values = runtime.binding.bind(args, kwargs)
         _refuse_missing_inputs(runtime, values)
-        check_signature(runtime.signature.names, spec_of(values), runtime.example)
-        mbs, batch = runtime.signature.split(args, kwargs, runtime.plan.chunks, training, runtime.device)
+        check_signature(runtime.binding.names, spec_of(values), runtime.example)
+        mbs, batch = runtime.binding.split(args, kwargs, runtime.plan.chunks, training, runtime.device)
         specs = [spec_of(mb) for mb in mbs]
         if runtime.layout.dp > 1:
             _agree_on_batch(batch, runtime.layout.dp_group, runtime.layout.replica)

@@ -1,0 +1,75 @@
+"""The contract between a :class:`~fxpipe.Pipe` and the runtime it holds, in one process or on one rank.
+
+Everything outside the runtime (the Pipe, checkpoints, clipping, the simulator, the divergence
+finder) goes through these members and nothing else::
+
+    Pipe ──▶ forward / step / code / sync            what users call
+    checkpoint ──▶ place / deferred / ready         who saves with whom, what is in flight
+    training ──▶ grad_norm / held / grad_scaler / ready
+    simulate ──▶ schedule;  tools.diverge ──▶ binding
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from fxpipe.runtime.binding import Binding
+from fxpipe.runtime.schedules.builtin import Schedule
+
+__all__ = ["Place", "Runtime"]
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where this process sits for a collective over the whole pipe (a checkpoint's save)."""
+
+    rank: int = 0  # its global rank
+    world: int = 1  # the processes of the whole pipe, replicas included
+    group: Any = None  # the group they save over (None: the default group, or one process)
+    distributed: bool = False
+
+
+class Runtime(Protocol):
+    """What a Pipe's runtime provides (:class:`~fxpipe.runtime.local.LocalRuntime`,
+    :class:`~fxpipe.runtime.distributed.DistributedRuntime`)."""
+
+    schedule: Schedule  # what step runs
+    binding: Binding  # how a call's arguments become the graph's placeholders and micro-batches
+    deferred: list  # deferred batch norms, whose sums a checkpoint saves
+    sync: bool  # reduce gradients over replicas and ties this step (off inside pipe.no_sync())
+
+    def code(self) -> str:
+        """Return what a step of ``plan.chunks`` micro-batches runs."""
+        ...
+
+    def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
+        """Run the model's forward over micro-batches."""
+        ...
+
+    def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
+        """Run forward and backward of one mini-batch; return its loss."""
+        ...
+
+    def ready(self) -> None:
+        """Make the runtime ready for a collective after a failed step (every rank meets again)."""
+        ...
+
+    def place(self) -> Place:
+        """Return where this process sits among the pipe's processes."""
+        ...
+
+    def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """Return the norm of the whole model's gradients (every stage, replica and shard) on every rank."""
+        ...
+
+    def held(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Return the parameters of ``params`` whose gradients this process holds and clips."""
+        ...
+
+    def grad_scaler(self, device: str, **kwargs: Any) -> Any:
+        """Return a gradient scaler whose inf/NaN check agrees across this pipe's processes."""
+        ...

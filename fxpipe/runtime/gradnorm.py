@@ -1,0 +1,48 @@
+"""The norm of the whole model's gradients across ranks, and the parameters each rank clips.
+
+Each rank holds its stages' parameters (shards of them under FSDP2). The norm sums each rank's
+share over the pipeline (and over the replicas' shards; replicated gradients are equal, so
+one replica counts), counting a tensor tied across ranks once, on the tie's lowest rank, so it
+equals ``torch.nn.utils.clip_grad_norm_``'s norm over the unpipelined model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["held", "local", "total_norm"]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """Return the part of a (possibly sharded DTensor) gradient this process holds."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def held(runtime: Any, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Return the parameters of ``params`` that this rank's stages hold."""
+    mine = {id(p) for w in runtime.workers.values() for p in w.call.gm.parameters()}
+    return [p for p in params if id(p) in mine]
+
+
+def total_norm(runtime: Any, params: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Return the norm of order ``norm_type`` of every stage's gradients, the same on every rank."""
+    not_mine = {id(p) for _, tied, first in runtime.tied if not first for p in tied}  # counted on the tie's first
+    counted = [local(p.grad) for p in held(runtime, params) if id(p) not in not_mine and p.grad is not None]
+    device = runtime.device
+    part = torch.nn.utils.get_total_norm(counted, norm_type) if counted else torch.zeros((), device=device)
+    part = part.to(device=device, dtype=torch.float32)
+    layout = runtime.layout
+    groups = [layout.pp_group] + ([layout.dp_group] if runtime.grad_sync is not None and runtime.grad_sync.shard
+                                  else [])  # replicated gradients are equal on every replica: count one
+    if norm_type == float("inf"):
+        for group in groups:
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+        return part
+    power = part ** norm_type
+    for group in groups:
+        dist.all_reduce(power, group=group)
+    return power ** (1.0 / norm_type)
