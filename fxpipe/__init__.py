@@ -1,8 +1,15 @@
 """fxpipe: pipeline parallelism for any PyTorch model.
 
-``fxpipe.compile(model, n_stages)`` traces the model with torch.fx, cuts the graph into
-balanced stages, routes every value that skips stages straight from its producer to its
-consumers, and runs the stages over micro-batches with a generated GPipe executor.
+``fxpipe.compile(model, n_stages)`` traces the model with torch.fx (or torch.export), cuts the
+graph into balanced stages, routes every value that skips stages straight from its producer to
+its consumers, and runs the stages over micro-batches: GPipe's generated program for
+``pipe(x)``, and GPipe, 1F1B, zero bubble, interleaved 1F1B, ZB-V or your own action lists for
+``pipe.step``, in one process or across ``torch.distributed`` ranks.
+
+This package re-exports the public API; the layers under it, from the bottom: ``passes``,
+``errors``/``options``, ``frontend``, ``plan``, ``runtime.schedules``/``runtime.observe``,
+``materialize``/``simulate``, ``runtime``, ``pipe``, ``checkpoint``/``training``, ``compiler``,
+``tools``/``compat``, ``testing`` (each package's docstring says what it reads and produces).
 """
 
 from fxpipe import testing

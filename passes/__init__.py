@@ -1,7 +1,10 @@
 """Graph passes over ``torch.fx`` GraphModules: annotate, profile, partition, split.
 
-Each pass is a plain function; its module docstring says which ``node.meta`` keys it reads
-and writes. The passes import torch, torch.fx and networkx, never fxpipe's runtime.
+Reads a traced GraphModule (and example inputs on fake tensors); produces ``node.meta``
+annotations (shapes, bytes, FLOPs, what backward keeps, measured times), a cut into stages
+and the stage GraphModules with their skip routes. Each pass is a plain function; its module
+docstring says which ``node.meta`` keys it reads and writes. The passes import torch,
+torch.fx and networkx, and nothing of fxpipe outside ``fxpipe.passes``.
 """
 
 from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
