@@ -1,6 +1,7 @@
 """Check fxpipe's import graph: every import points down the layers, and no modules import each other in a circle.
 
     python .ci/imports.py          # exit 1 naming each import against the rule, and each circle
+    python .ci/imports.py --layers # print the layers, from the bottom (docs/architecture.md)
 
 The layers, from the bottom (a module may import its own layer and the layers below it; two
 layers of one rank may not import each other; imports under ``if TYPE_CHECKING:`` are for
@@ -101,8 +102,16 @@ def imports(module: str, path: str, known: set[str]) -> Iterator[tuple[str, int]
                 yield (full if full in known else base), node.lineno
 
 
+def table() -> str:
+    """Return the layers as text, from the bottom: rank, name, packages and modules."""
+    return "\n".join(f"{rank:<5g}{name:<19}{', '.join(keys)}" for rank, name, keys in LAYERS)
+
+
 def main() -> int:
     """Print every import against the layers and every circle; return the exit status."""
+    if "--layers" in sys.argv[1:]:
+        print(table())
+        return 0
     found = dict(modules())
     known = set(found)
     graph: dict[str, set[str]] = {m: set() for m in found}

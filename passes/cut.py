@@ -88,7 +88,8 @@ class _Problem:
         self.reach = None  # R(a): the furthest end a group starting at a may have
         if cap is not None:
             M = torch.cat([torch.zeros(1, dtype=f64), torch.tensor(m, dtype=f64).clamp_min(0).cumsum(0)])
-            limit = cap + M - phi * self.w
+            slack = 1e-9 * (abs(cap) + float(M[-1]) + 1.0)  # the cap itself fits, whatever the rounding of sums
+            limit = cap + M - phi * self.w + slack
             self.reach = torch.searchsorted(M, limit, right=True) - 1  # max b with M[b] <= limit[a]
             self.range_max = _RangeMax(self.reach, n)
 

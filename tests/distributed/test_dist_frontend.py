@@ -1,0 +1,13 @@
+"""Multi-process tests of export_meta (from tests/unit/frontend/test_export_meta.py), on gloo ranks."""
+
+
+
+def test_a_rotary_decoder_on_meta_exported_on_two_ranks_equals_eager(tmp_path, launch):
+
+    results = launch("export_meta", 2, "1f1b", tmp_path, limit=60)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert res["loss_error"] < 1e-5 and res["grad_errors"], r
+        assert max(res["grad_errors"].values()) < 1e-5, (r, res["grad_errors"])
+        assert res["wrong"] == [], r  # held tensors real, every other on meta
+    assert 0 < len(results[0]["owned"]) < len(results[0]["all"])

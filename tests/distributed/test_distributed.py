@@ -1,0 +1,160 @@
+"""The distributed runtime on CPU with gloo: 2 and 3 ranks, every schedule, failures."""
+
+import time
+
+import pytest
+from checks import assert_equal_to_eager as _assert_equal_to_eager
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_unet_skip_from_stage_0_to_2(schedule, tmp_path, launch):
+    results = launch("unet", 3, schedule, tmp_path)
+    _assert_equal_to_eager(results)
+    assert any(src == 0 and dst == 2 for _, src, dst in results[0]["skips"])
+
+
+def test_pipelining_markers_cut_across_ranks(tmp_path, launch):
+    results = launch("marked", 3, "1f1b", tmp_path)
+    _assert_equal_to_eager(results)
+    assert results[0]["firsts"] == ["x", "layers_2", "tanh_3"]  # pipe_split(), then after layers.3
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_tied_embeddings_first_and_last_rank(schedule, world, tmp_path, launch):
+    results = launch("tied", world, schedule, tmp_path)
+    _assert_equal_to_eager(results)
+    assert "embed.weight" in results[0]["grad_errors"] and "head.weight" in results[-1]["grad_errors"]
+    for res in results:  # the plan says the same of every stage on every rank
+        assert res["devices"] == [f"rank {j} (cpu)" for j in range(world)]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+@pytest.mark.parametrize("case", ["unet4", "tied4"])
+def test_two_stages_per_rank(schedule, case, tmp_path, launch):
+    results = launch(case, 2, schedule, tmp_path)
+    _assert_equal_to_eager(results)
+    ranks = [0, 1, 0, 1] if schedule == "interleaved" else [0, 1, 1, 0]
+    for res in results:
+        assert res["devices"] == [f"rank {r} (cpu)" for r in ranks]
+    if case == "unet4":
+        assert [(src, dst) for _, src, dst in results[0]["skips"]] == [(0, 3)]
+    else:  # the head (last stage) and the embedding (first) share a weight: one rank under zbv, two otherwise
+        assert "embed.weight" in results[0]["grad_errors"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_sent_tensor_is_let_go_once_its_peer_has_it(schedule, tmp_path, launch):
+    # a send's work keeps its tensor alive: held to the end of the step, 8 micro-batches' worth piled up
+    results = launch("sends_let_go", 2, schedule, tmp_path)
+    _assert_equal_to_eager(results)
+    for r, res in enumerate(results):
+        assert res["most_held"] <= 4, (r, res["most_held"])
+
+
+def test_a_custom_schedule_from_text_runs_across_ranks(tmp_path, launch):
+    from schedules import CUSTOM  # stage 0 splits its backward into I and W, stage 1 does not
+
+    results = launch("tied", 2, CUSTOM, tmp_path)
+    _assert_equal_to_eager(results)
+    rank0 = [line.split("#")[0].split() for line in results[0]["code"].splitlines() if not line.startswith("#")]
+    rank1 = [line.split("#")[0].split() for line in results[1]["code"].splitlines() if not line.startswith("#")]
+    assert rank0[:3] == [["0F0", "0SEND_F0"], ["0F1", "0SEND_F1"], ["0RECV_B0", "0I0"]]
+    assert rank0[-3:] == [["0W0"], ["0W1"], ["0W2"]]
+    assert rank1[:2] == [["1RECV_F0", "1F0"], ["1B0", "1SEND_B0"]]
+
+
+def test_values_of_every_kind_cross_ranks_under_every_schedule(tmp_path, launch):
+    # None, numbers, strings, nested dicts and tuples, integer and no-grad tensors, and
+    # nn.MultiheadAttention's (out, None), cut right after them: pipe(x) and pipe.step
+    results = launch("values", 2, "all", tmp_path)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert len(res["cases"]) == 15
+        for label, case in res["cases"].items():
+            assert case["loss_error"] < 1e-5, (r, label, case)
+            assert not case["grad_errors"] or max(case["grad_errors"].values()) < 1e-5, (r, label, case)
+            if r == 1:
+                assert case["out_error"] < 1e-5 and case["out_rest"], (label, case)
+
+
+def test_a_new_size_runs_and_another_dtype_is_refused_on_every_rank(tmp_path, launch):
+    results = launch("shape", 2, "gpipe", tmp_path)
+    for res in results:
+        assert res["ok"] and res["resized_error"] < 1e-5, res
+        assert res["type"] == "PipelineInputError", res
+        assert "input 'x' has shape (4, 3, 16, 12) and dtype torch.float64" in res["message"]
+        assert "and dtype torch.float32; sizes may change from step to step" in res["message"]
+        assert res["after"] == results[0]["after"]
+    assert results[1]["later"] == "RuntimeError: broken loss"
+    assert "rank 1 (stage 1) raised RuntimeError: broken loss" in results[0]["later"], results[0]["later"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_a_rank_that_raises_stops_the_others(schedule, tmp_path, launch):
+    start = time.monotonic()
+    results = launch("raises", 3, schedule, tmp_path, limit=90)
+    assert time.monotonic() - start < 45  # well inside the 60 s timeout: failure propagates
+    assert results[1]["type"] == "RuntimeError" and "boom in the bomb" in results[1]["message"]
+    for r in (0, 2):
+        assert results[r]["type"] == "PeerFailure", results[r]
+        assert "rank 1 (stage 1) raised RuntimeError: boom in the bomb" in results[r]["message"]
+
+
+def test_a_rank_that_dies_stops_the_others(tmp_path, launch):
+    start = time.monotonic()
+    results = launch("dies", 3, "1f1b", tmp_path, limit=90)
+    assert time.monotonic() - start < 45
+    assert results[1] == {"exitcode": 3}
+    for r in (0, 2):
+        assert results[r]["type"] == "PeerFailure", results[r]
+        message = results[r]["message"]  # the first to notice says so; the other reads what it posted
+        assert f"rank {r}: communication failed while" in message or f"rank {r} stopped while" in message
+        assert "(rank 1 probably died, posting no error)" in message or "because rank 1 died (rank" in message
+
+
+# -- pipeline x data parallel (4 gloo ranks: 2 replicas x 2 pipeline ranks) --------------------
+def _dp_equal(results, collectives=None):
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert res["loss_error"] < 1e-5, (r, res["loss_error"])
+        assert res["grad_errors"] and max(res["grad_errors"].values()) < 1e-5, (r, res["grad_errors"])
+        assert res["norm_error"] < 1e-5 and max(res["clipped_errors"].values()) < 1e-5, (r, res)
+        assert max(res["adam_loss_errors"]) < 1e-6, (r, res["adam_loss_errors"])
+        if collectives is not None:  # one all-reduce per bucket (one bucket a stage here), not per micro-batch
+            assert res["collectives"] == collectives * res["stages"], (r, res["collectives"])
+
+
+@pytest.mark.parametrize("schedule", ["tied-1f1b", "zb", "tied-interleaved"])
+def test_data_parallel_replicate_equals_eager(schedule, tmp_path, launch):
+    _dp_equal(launch("dp_train", 4, schedule, tmp_path, limit=180), collectives=1)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe:shard", "tied-zb:shard"])
+def test_data_parallel_fsdp2_equals_eager(schedule, tmp_path, launch):
+    _dp_equal(launch("dp_train", 4, schedule, tmp_path, limit=180))
+
+
+def test_data_parallel_accumulation_and_autocast(tmp_path, launch):
+    for r, res in enumerate(launch("dp_accumulate", 4, "1f1b", tmp_path, limit=180)):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert max(res["grad_errors"].values()) < 1e-5, (r, res["grad_errors"])
+        assert res["autocast_loss_error"] < 1e-5 and max(res["autocast_grad_errors"].values()) < 1e-5, (r, res)
+        assert res["bf16_vs_fp32"] > 1e-4  # autocast really ran (bf16 differs from float32)
+
+
+def test_data_parallel_refusals(tmp_path, launch):
+    for r, res in enumerate(launch("dp_refusals", 4, "gpipe", tmp_path, limit=120)):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert "world 4 cannot hold 2 pipeline ranks x 3 replicas" in res["layout"]
+        assert res["batch"].startswith("PipelineInputError"), res["batch"]
+        assert "replica 1 has a batch of 3 rows but replica 0 has 4" in res["batch"] or \
+            "replica 0 has a batch of 4 rows but replica 1 has 3" in res["batch"]
+
+
+def test_loss_scaling_skips_the_same_steps_on_every_rank(tmp_path, launch):
+    results = launch("scaler", 2, "zb", tmp_path)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert res["type"] == "ShardedGradScaler" and res["skipped"] and res["scale"] == 512.0, (r, res)
+    assert results[0]["loss"] == results[1]["loss"] < 10  # unscaled, the same on both ranks

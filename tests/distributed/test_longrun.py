@@ -1,0 +1,104 @@
+"""What long training runs meet, across 2 and 4 gloo ranks: new sizes, failed steps, misuse, resumes."""
+
+import pytest
+
+
+def _ok(results):
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+
+
+@pytest.mark.parametrize("schedule,world", [("1f1b", 2), ("zb", 2), ("interleaved", 2), ("1f1b", 4)])
+def test_sequence_lengths_change_from_step_to_step(schedule, world, tmp_path, launch):
+    results = launch("longrun_cases:seqlens", world, schedule, tmp_path)
+    _ok(results)
+    for res in results:
+        for loss_error, grad_error in res["errors"]:  # lengths 16, 24, 8, 24
+            assert loss_error < 1e-5 and grad_error < 1e-5, res["errors"]
+
+
+@pytest.mark.parametrize("schedule,world", [("1f1b", 2), ("zb", 4)])
+def test_a_failed_step_leaves_the_pipe_usable(schedule, world, tmp_path, launch):
+    results = launch("longrun_cases:recover", world, schedule, tmp_path)
+    _ok(results)
+    last = world - 1
+    for r, res in enumerate(results):
+        kind, message, seconds = res["failed"]
+        assert seconds < 10, (r, seconds)  # told at once, not after the 60 s timeout
+        if r == last:
+            assert (kind, message) == ("RuntimeError", "broken loss")
+        else:
+            assert kind == "PeerFailure"
+            assert f"because rank {last} (stage {last}) raised RuntimeError: broken loss" in message
+        assert res["refused"][0] == "PipelineInputError"
+        assert res["refused"][1].startswith("the inputs cannot run through the model: node ")
+        for label in ("before", "after", "again"):
+            assert max(res[label]) < 1e-5, (r, label, res[label])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_inputs_or_target_on_the_wrong_rank_are_refused_on_every_rank(world, tmp_path, launch):
+    results = launch("longrun_cases:misuse", world, "1f1b", tmp_path, limit=90)
+    _ok(results)
+    for r, res in enumerate(results):
+        kind, message, seconds = res["target_on_first"]
+        assert kind == "PipelineInputError" and seconds < 5, (r, res)
+        if world == 2:
+            assert "target=None on rank 1, which computes the loss: pass the target on rank 1 (the last " \
+                   "stage)" in message
+        else:
+            assert "pass the target on ranks 1, 3 (the last stage in each of the 2 replicas)" in message
+        kind, message, seconds = res["inputs_on_last"]
+        assert kind == "PipelineInputError" and seconds < 5, (r, res)
+        first = "rank 0 (the first stage)" if world == 2 else "ranks 0, 2 (the first stage in each of the 2 replicas)"
+        assert f"which splits them into micro-batches: pass the inputs on {first}" in message
+        if world == 2:
+            assert max(res["after"]) < 1e-5
+        else:
+            assert res["after"] == results[0]["after"]  # the global batch's loss on every rank
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_rope_model_on_meta_saves_loads_across_ranks_and_resumes_exactly(schedule, tmp_path, launch):
+    results = launch("longrun_cases:rope_resume", 2, schedule, tmp_path)
+    _ok(results)
+    for res in results:
+        assert res["after"] == res["unbroken"][3:]
+        assert res["before"] == res["unbroken"][:3]
+        kind, message, written = res["differs"]
+        assert kind == "CheckpointError" and not written
+        assert "the ranks passed different extra= to fxpipe.save (rank 0: {'rank': 0}" in message
+        assert res["latest"] == str(tmp_path / "ckpt")
+
+
+def test_a_batch_smaller_than_chunks_warns_once(tmp_path, launch):
+    results = launch("longrun_cases:chunks_warning", 2, "1f1b", tmp_path)
+    _ok(results)
+    assert results[0]["warnings"] == ["a batch of 2 row(s) runs as 2 micro-batch(es), fewer than chunks=4: a "
+                                      "micro-batch holds at least one row (said once per pipe)"]
+    assert results[1]["warnings"] == []  # only the rank that splits the batch knows
+
+
+def test_a_dead_rank_stops_the_others_for_good_naming_it(tmp_path, launch):
+    results = launch("longrun_cases:dies_then", 3, "1f1b", tmp_path, limit=60)
+    assert results[1] == {"exitcode": 3}
+    for r in (0, 2):
+        assert results[r]["ok"], results[r]
+        kind, message, seconds = results[r]["first"]
+        assert kind == "PeerFailure" and seconds < 10, results[r]
+        assert "rank 1 probably died" in message or "because rank 1 died" in message, message
+        kind, message, seconds = results[r]["again"]
+        assert kind == "PeerFailure" and seconds < 2, results[r]
+        assert "the pipeline lost a rank in an earlier step (rank 1 died" in message
+        assert "resume from the last complete checkpoint (fxpipe.latest_checkpoint)" in message
+
+
+def test_a_hugging_face_llama_from_a_config_trains_through_all_of_it(tmp_path, launch):
+    pytest.importorskip("transformers")
+    results = launch("longrun_cases:hf_llama", 2, "1f1b", tmp_path)
+    _ok(results)
+    for res in results:
+        assert res["meta_after_compile"] == []  # a rank holds only its own stage's tensors
+        assert res["failed"] in ("RuntimeError", "PeerFailure")
+        for loss_error, grad_error in res["errors"]:  # 16, 24, 8 tokens; after a failure; after a load
+            assert loss_error < 1e-5 and grad_error < 1e-5, res["errors"]

@@ -1,0 +1,627 @@
+"""What each rank runs in the distributed tests (imported by spawned processes)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from models import CNN, AttnBlock, Carrier, Mixed, RopeDecoder, TiedTransformer, token_loss
+from torch import nn
+from unet import UNet
+
+import fxpipe
+from fxpipe.materialize.weights import WeightSource, open_weights
+from fxpipe.testing import default_step_loss, max_relative_error
+
+
+def _check_step(rank, world, model, x, target, loss_fn, stages_per_rank=1, **kw):
+    """Compare the loss and this rank's gradients with eager; return the errors and the pipe."""
+    eager = copy.deepcopy(model)
+    expected = loss_fn(eager(x), target)
+    expected.backward()
+    pipe = fxpipe.compile(model, world * stages_per_rank, example_inputs=(x,), runtime="distributed", timeout=60,
+                          stages_per_rank=stages_per_rank, **kw)
+    last = rank == pipe.plan.stages[-1].on_rank
+    loss = pipe.step(x if rank == 0 else None, target=target if last else None, loss_fn=loss_fn)
+    held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
+    grads = dict(eager.named_parameters(remove_duplicate=False))
+    errors = {name: max_relative_error(p.grad, grads[name].grad)
+              for name, p in model.named_parameters(remove_duplicate=False) if id(p) in held}
+    return {"loss_error": max_relative_error(loss, expected), "grad_errors": errors,
+            "skips": [(r.name, r.src, r.dst) for r in pipe.plan.skips],
+            "code": pipe.code, "devices": [s.device for s in pipe.plan.stages]}, pipe
+
+
+def unet(rank, world, schedule):
+    torch.manual_seed(0)
+    model = UNet(depth=2, base=4).eval()
+    x, target = torch.randn(6, 3, 16, 16), torch.randn(6, 2, 16, 16)
+    return _check_step(rank, world, model, x, target, F.mse_loss, chunks=4, schedule=schedule,
+                       split_points=["down.1", "up.0"][: world - 1])[0]
+
+
+def tied(rank, world, schedule):
+    torch.manual_seed(0)
+    model = TiedTransformer()
+    tokens, target = torch.randint(0, 32, (7, 8)), torch.randint(0, 32, (7, 8))
+
+    return _check_step(rank, world, model, tokens, target, token_loss, chunks=3, schedule=schedule)[0]
+
+
+def unet4(rank, world, schedule):
+    """Two stages per rank: level 0's skip from stage 0 to 3, level 1's from stage 1 to 2."""
+    torch.manual_seed(0)
+    model = UNet(depth=2, base=4).eval()
+    x, target = torch.randn(6, 3, 16, 16), torch.randn(6, 2, 16, 16)
+    return _check_step(rank, world, model, x, target, F.mse_loss, chunks=4, schedule=schedule,
+                       split_points=["down.1", "middle", "up.1"], stages_per_rank=2)[0]
+
+
+def tied4(rank, world, schedule):
+    """Two stages per rank, the embedding tied to the head."""
+    torch.manual_seed(0)
+    model = TiedTransformer()
+    tokens, target = torch.randint(0, 32, (7, 8)), torch.randint(0, 32, (7, 8))
+
+    return _check_step(rank, world, model, tokens, target, token_loss, chunks=4, schedule=schedule,
+                       stages_per_rank=2)[0]
+
+
+def shape(rank, world, schedule):
+    """Another spatial size runs equal to eager; another dtype is refused on every rank; the pipe goes on."""
+    torch.manual_seed(0)
+    model = UNet(depth=2, base=4).eval()
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, world, example_inputs=(torch.randn(4, 3, 16, 16),), chunks=2,
+                          runtime="distributed", timeout=60, schedule=schedule)
+    x, y = torch.randn(4, 3, 16, 12), torch.randn(4, 2, 16, 12)
+    loss = pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss)
+    out = {"resized_error": max_relative_error(loss, F.mse_loss(eager(x), y))}
+    try:
+        pipe.step(x.double() if rank == 0 else None, target=y.double(), loss_fn=F.mse_loss)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out.update(type=type(exc).__name__, message=str(exc))
+    x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 2, 16, 16)
+    out["after"] = float(pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss))  # the refusal did no harm
+
+    def broken(out, target):
+        raise RuntimeError("broken loss")
+
+    try:  # a real failure later is reported as itself, not as the old refusal
+        pipe.step(x if rank == 0 else None, target=y, loss_fn=broken)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["later"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+class Bomb(nn.Module):
+    """Raise on the second call in a chosen process."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if os.environ.get("FXPIPE_TEST_BOMB") == os.environ["RANK"] and self.calls > 3:
+            if os.environ.get("FXPIPE_TEST_DIE"):
+                os._exit(3)  # die without a word, like a killed process
+            raise RuntimeError("boom in the bomb")
+        return self.lin(x)
+
+
+class BombNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.bomb = Bomb()
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.bomb(torch.relu(self.a(x)))))
+
+
+def raises(rank, world, schedule):
+    torch.manual_seed(0)
+    os.environ["FXPIPE_TEST_BOMB"] = "1"
+    model = BombNet()
+    x = torch.randn(8, 8)
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), chunks=4, runtime="distributed",
+                          timeout=60, schedule=schedule, split_points=["bomb", "c"][: world - 1],
+                          leaf_modules=[Bomb])
+    for _ in range(3):
+        pipe.step(x if rank == 0 else None, target=torch.randn(8, 8), loss_fn=F.mse_loss)
+    return {}
+
+
+def dies(rank, world, schedule):
+    os.environ["FXPIPE_TEST_DIE"] = "1"
+    return raises(rank, world, schedule)
+
+
+def values(rank, world, schedule):
+    """Values of every kind across a boundary, each model, cut and schedule: pipe(x) and pipe.step."""
+    results = {}
+    for label, make, shape, tracer, split in [
+            ("carrier fx dict", Carrier, (7, 8), "fx", ["getitem"]),
+            ("carrier fx items", Carrier, (7, 8), "fx", ["b"]),
+            ("carrier export", Carrier, (7, 8), "export", ["b"]),
+            ("attention fx", AttnBlock, (4, 5, 8), "fx", ["getitem"]),
+            ("attention export", AttnBlock, (4, 5, 8), "export", ["out"])]:
+        for schedule in ("gpipe", "1f1b", "zb"):
+            torch.manual_seed(0)
+            model, x = make().eval(), torch.randn(shape)
+            eager = copy.deepcopy(model)
+            expected = eager(x)
+            kw = dict(leaf_modules=[Mixed]) if tracer == "fx" else {}
+            res, pipe = _check_step(rank, world, model, x, None, default_step_loss, chunks=3,
+                                    schedule=schedule, tracer=tracer, split_points=split, **kw)
+            out = pipe(x if rank == 0 else None)
+            if rank == world - 1:
+                first = out[0] if isinstance(out, tuple) else out
+                want = expected[0] if isinstance(expected, tuple) else expected
+                res["out_error"] = max_relative_error(first, want)
+                res["out_rest"] = out[1:] == expected[1:] if isinstance(out, tuple) else True
+            results[f"{label} {schedule}"] = {k: res[k] for k in ("loss_error", "grad_errors", "out_error",
+                                                                   "out_rest") if k in res}
+    return {"cases": results}
+
+
+class _Recording(WeightSource):
+    """A weights source that records the keys it reads."""
+
+    def __init__(self, path):
+        self.inner = open_weights(path)
+        self.description = self.inner.description
+        self.keys: list[str] = []
+
+    def specs(self):
+        return self.inner.specs()
+
+    def read(self, into):
+        self.keys += list(into)
+        self.inner.read(into)
+
+
+def _meta_step(rank, world, factory, reference, x, target, loss_fn, **kw):
+    """Compile ``factory()`` built on meta; compare loss and this rank's gradients with ``reference``."""
+    with torch.device("meta"):
+        model = factory()
+    expected = loss_fn(reference(x), target)
+    expected.backward()
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), runtime="distributed", timeout=60, **kw)
+    held = {id(t) for t in (*pipe.stages[rank].parameters(), *pipe.stages[rank].buffers())}
+    tensors = dict(model.state_dict(keep_vars=True))
+    wrong = [n for n, t in tensors.items() if t.is_meta == (id(t) in held)]  # held real, the rest meta
+    loss = pipe.step(x if rank == 0 else None, target=target, loss_fn=loss_fn)
+    grads = dict(reference.named_parameters(remove_duplicate=False))
+    errors = {name: max_relative_error(p.grad, grads[name].grad)
+              for name, p in model.named_parameters(remove_duplicate=False) if id(p) in held}
+    own = pipe.state_dict()
+    pipe.load_state_dict({**own, "not.a.key": torch.zeros(1)})  # a rank loads its own FQNs, ignores others
+    buffers = dict(reference.named_buffers())
+    buffer_errors = {name: max_relative_error(b.double(), buffers[name].double())
+                     for name, b in model.named_buffers() if id(b) in held}
+    return {"loss_error": max_relative_error(loss, expected), "grad_errors": errors, "wrong": wrong,
+            "owned": sorted(own), "all": sorted(tensors), "buffer_errors": buffer_errors}
+
+
+def meta(rank, world, schedule):
+    """A U-Net (seeded init) and a tied transformer (weights by FQN) built on meta, one stage per rank."""
+    torch.manual_seed(0)
+    unet_ref = fxpipe.materialize(_on_meta(lambda: UNet(depth=2, base=4).eval()), seed=5)
+    x, target = torch.randn(6, 3, 16, 16), torch.randn(6, 2, 16, 16)
+    a = _meta_step(rank, world, lambda: UNet(depth=2, base=4).eval(), unet_ref, x, target, F.mse_loss,
+                   chunks=3, schedule=schedule, seed=5)
+    path = os.path.join(os.environ["FXPIPE_TEST_DIR"], "tied.pt")
+    tied_ref = fxpipe.materialize(_on_meta(TiedTransformer), weights=path)
+    tokens, target = torch.randint(0, 32, (7, 8)), torch.randint(0, 32, (7, 8))
+
+    source = _Recording(path)
+    b = _meta_step(rank, world, TiedTransformer, tied_ref, tokens, target, token_loss, chunks=3,
+                   schedule=schedule, weights=source)
+    cnn_ref = fxpipe.materialize(_on_meta(CNN), seed=2)  # batch norms: running statistics as eager's
+    x, target = torch.randn(6, 3, 8, 8), torch.randn(6, 5)
+    c = _meta_step(rank, world, CNN, cnn_ref, x, target, F.mse_loss, chunks=1, schedule=schedule, seed=2,
+                   deferred_batch_norm=True)
+    return {"unet": a, "tied": b, "cnn": c, "read": source.keys, "missing": _refusal(path, rank, world)}
+
+
+def deferred(rank, world, schedule):
+    """A decoder built under fxpipe.deferred_init(): each rank replays its stage's recipes only."""
+    with fxpipe.deferred_init():
+        model = RopeDecoder()
+    with fxpipe.deferred_init():
+        reference = RopeDecoder()
+    fxpipe.materialize(reference, seed=3)
+    ids = torch.randint(1, 96, (4, 16), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(2))
+    pipe = fxpipe.compile(model, world, example_inputs=(ids,), runtime="distributed", timeout=60, chunks=2,
+                          schedule=schedule, seed=3)
+    held = {id(t) for t in (*pipe.stages[rank].parameters(), *pipe.stages[rank].buffers())}
+    every = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    wrong = [n for n, t in every.items() if t.is_meta == (id(t) in held)]  # held real, the rest meta
+    torch.save({n: t.detach() for n, t in every.items() if not t.is_meta},
+               os.path.join(os.environ["FXPIPE_TEST_DIR"], f"deferred{rank}.pt"))
+    loss = pipe.step(ids if rank == 0 else None, target=target, loss_fn=token_loss)
+    expected = token_loss(reference(ids), target)
+    expected.backward()
+    grads = dict(reference.named_parameters(remove_duplicate=False))
+    errors = {name: max_relative_error(p.grad, grads[name].grad)
+              for name, p in model.named_parameters(remove_duplicate=False) if id(p) in held}
+    return {"wrong": wrong, "loss_error": max_relative_error(loss, expected), "grad_errors": errors}
+
+
+def _refusal(path, rank, world):
+    """Compile with weights lacking a tensor of the last stage; return the error this rank raised."""
+    state = torch.load(path)
+    del state["norm.weight"]
+    with torch.device("meta"):
+        model = TiedTransformer()
+    try:
+        fxpipe.compile(model, world, example_inputs=(torch.randint(0, 32, (7, 8)),), runtime="distributed",
+                       timeout=60, weights=state)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return [type(exc).__name__, str(exc), all(t.is_meta for t in model.state_dict().values())]
+    return None
+
+
+def _on_meta(factory):
+    with torch.device("meta"):
+        return factory()
+
+
+class DropNet(nn.Module):
+    """Six linear layers with ReLU and dropout (so a resumed run needs each rank's RNG state)."""
+
+    def __init__(self, d: int = 192) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(6)])
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.drop(torch.relu(layer(x)))
+        return x
+
+
+def batch(i: int, d: int = 192):
+    """Return step ``i``'s inputs and target (the same in every process)."""
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(8, d, generator=g), torch.randn(8, d, generator=g)
+
+
+def dropnet_pipe(n_stages, split_points=None):
+    """Return a DropNet, its pipe in one process (chunks=2) and an Adam over it."""
+    torch.manual_seed(0)
+    model = DropNet()
+    pipe = fxpipe.compile(model, n_stages, example_inputs=(batch(0)[0],), chunks=2, split_points=split_points)
+    return model, pipe, torch.optim.Adam(pipe.parameters(), lr=1e-3)
+
+
+def train(rank, world, steps, start=0, ckpt=None, save_at=None, load=None):
+    """Build, compile and run Adam steps ``start..steps``; save or load a checkpoint on the way."""
+    torch.manual_seed(0)
+    model = DropNet()
+    pipe = fxpipe.compile(model, world, example_inputs=(batch(0)[0],), chunks=2, runtime="distributed",
+                          timeout=60, schedule="1f1b")
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+    extra = fxpipe.load(pipe, load, optimizer=opt) if load else None
+    losses = []
+    for i in range(start, steps):
+        x, y = batch(i)
+        opt.zero_grad()
+        losses.append(pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss).item())
+        opt.step()
+        if save_at == i + 1:
+            fxpipe.save(pipe, ckpt, optimizer=opt, extra={"step": i + 1})
+    return pipe, opt, losses, extra
+
+
+def _own(pipe, opt):
+    """Return this rank's parameters and optimizer state by FQN."""
+    params = {k: v.clone() for k, v in pipe.state_dict().items()}
+    names = {id(p): n for n, p in pipe.named_parameters()}
+    state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    return {"params": params, "optim": state}
+
+
+def resume_first(rank, world, schedule):
+    """10 steps straight; then, from the same seed, 5 steps and a save."""
+    out = os.environ["FXPIPE_TEST_DIR"]
+    pipe, opt, straight, _ = train(rank, world, 10)
+    torch.save({"losses": straight, **_own(pipe, opt)}, os.path.join(out, f"straight{rank}.pt"))
+    pipe, opt, _, _ = train(rank, world, 5, ckpt=os.path.join(out, "ckpt"), save_at=5)
+    torch.save(_own(pipe, opt), os.path.join(out, f"saved{rank}.pt"))
+    own = sum(p.numel() * p.element_size() for p in pipe.stages[rank].parameters())
+    try:  # every rank refuses an extra= it cannot write, none waits for rank 0
+        fxpipe.save(pipe, os.path.join(out, "bad"), extra=object())
+    except TypeError as exc:
+        refused = str(exc)
+    # only rank 1's optimizer is wrong: rank 0 hears of it at once instead of waiting at a barrier
+    wrong = torch.optim.Adam([*pipe.parameters(), *([nn.Parameter(torch.zeros(1))] if rank == 1 else [])])
+    start = time.monotonic()
+    try:
+        fxpipe.save(pipe, os.path.join(out, "bad"), optimizer=wrong)
+    except fxpipe.CheckpointError as exc:
+        told = str(exc)
+    return {"own_bytes": own, "refused": refused, "told": told, "told_after": time.monotonic() - start}
+
+
+def resume_second(rank, world, schedule):
+    """New processes: load the checkpoint and run steps 5 to 10."""
+    out = os.environ["FXPIPE_TEST_DIR"]
+    pipe, opt, losses, extra = train(rank, world, 10, start=5, load=os.path.join(out, "ckpt"))
+    torch.save({"losses": losses, **_own(pipe, opt)}, os.path.join(out, f"resumed{rank}.pt"))
+    return {"extra": extra}
+
+
+def sends_let_go(rank, world, schedule):
+    """Count how many sent messages a rank holds at most during a step of 8 micro-batches."""
+    from fxpipe.runtime.transport.messages import DistTransport
+
+    most = [0]
+    send = DistTransport._send
+
+    def counting(self, key, sends, what):
+        send(self, key, sends, what)
+        most[0] = max(most[0], len(self.sent))
+
+    DistTransport._send = counting
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)])
+    x, target = torch.randn(16, 8), torch.randn(16, 8)
+    v = 2 if schedule in ("interleaved", "zbv") else 1
+    result, _ = _check_step(rank, world, model, x, target, F.mse_loss, stages_per_rank=v, chunks=8,
+                            schedule=schedule)
+    return {**result, "most_held": most[0]}
+
+
+def marked(rank, world, schedule):
+    """torch.distributed.pipelining's markers: pipe_split() and split_spec cut across ranks."""
+    from torch.distributed.pipelining import SplitPoint, pipe_split
+
+    class Marked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                if i == 2:
+                    pipe_split()
+                x = torch.tanh(layer(x))
+            return x
+
+    torch.manual_seed(0)
+    x, target = torch.randn(8, 8), torch.randn(8, 8)
+    spec = {"layers.3": SplitPoint.END} if world == 3 else None
+    result, _ = _check_step(rank, world, Marked(), x, target, F.mse_loss, chunks=4, schedule=schedule,
+                         split_spec=spec)
+    model = fxpipe.compile(Marked(), world, split_spec=spec, devices=["cpu"] * world)
+    return {**result, "firsts": [s.nodes[0] for s in model.plan.stages]}
+
+
+
+def on_gpus(case):
+    """Run ``case`` letting fxpipe pick the backend (NCCL with CUDA); add what it picked."""
+    def run(rank, world, schedule):
+        result = case(rank, world, schedule)
+        import torch.distributed as dist
+
+        return {**result, "backend": dist.get_backend(), "device": str(torch.cuda.current_device())}
+    return run
+
+
+CASES = {"values": values, "unet": unet, "tied": tied, "unet4": unet4, "tied4": tied4, "shape": shape,
+         "raises": raises, "dies": dies, "meta": meta, "deferred": deferred, "resume_first": resume_first, "resume_second": resume_second,
+         "marked": marked, "sends_let_go": sends_let_go,
+         "unet_nccl": on_gpus(unet), "tied_nccl": on_gpus(tied)}
+
+
+# -- pipeline x data parallel: 4 ranks, 2 replicas of a 2-rank pipeline ------------------------
+def _full(t):
+    """Return a gradient whole (FSDP2 shards it)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _dp_setup(rank, world, make, schedule, pp=2, **kw):
+    """Compile ``make()``'s model as 2 replicas; return the pieces every data-parallel case uses."""
+    schedule, _, mode = schedule.partition(":")
+    torch.manual_seed(0)
+    model, x, y, loss_fn = make()
+    eager = copy.deepcopy(model)
+    dp, replica, pp_rank = world // pp, rank // pp, rank % pp
+    rows = x.shape[0] // dp
+    xs, ys = x[replica * rows:(replica + 1) * rows], y[replica * rows:(replica + 1) * rows]
+    v = kw.pop("stages_per_rank", 1)
+    pipe = fxpipe.compile(model, pp * v, example_inputs=(xs,), runtime="distributed", timeout=60, schedule=schedule,
+                          data_parallel=dp, data_parallel_shard=mode == "shard", stages_per_rank=v, **kw)
+    last = pipe.plan.stages[-1].on_rank == pp_rank
+    step = lambda xs_, ys_: pipe.step(xs_ if pp_rank == 0 else None, target=ys_ if last else None,  # noqa: E731
+                                      loss_fn=loss_fn)
+    held = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)
+            if any(p is q for j in pipe.plan.stages_of(pp_rank) for q in pipe.stages[j].parameters())]
+    return pipe, model, eager, x, y, xs, ys, loss_fn, step, held
+
+
+def _grad_errors(held, eager):
+    grads = dict(eager.named_parameters(remove_duplicate=False))
+    return {n: max_relative_error(_full(p.grad), grads[n].grad) if p.grad is not None else float("inf") for n, p in held}
+
+
+def _mlp_pair():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    return model, torch.randn(8, 8), torch.randn(8, 4), F.mse_loss
+
+
+def _unet_dp():
+    return UNet(depth=2, base=4).eval(), torch.randn(8, 3, 8, 8), torch.randn(8, 2, 8, 8), F.mse_loss
+
+
+def _tied_dp():
+    return TiedTransformer(), torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8)), token_loss
+
+
+def dp_train(rank, world, schedule):
+    """One step equals eager on the global batch; clipping equals the whole model's; 5 Adam steps' losses."""
+    make = _tied_dp if "tied" in schedule else _unet_dp
+    kw = {} if "tied" in schedule else {"split_points": ["down.1"]}
+    if "interleaved" in schedule:
+        kw["stages_per_rank"] = 2
+    pipe, model, eager, x, y, xs, ys, loss_fn, step, held = _dp_setup(
+        rank, world, make, schedule.replace("tied-", ""), chunks=4, **kw)
+    counted = []
+    if pipe._runtime.grad_sync is not None and not pipe._runtime.grad_sync.shard:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        for ddp in pipe._runtime.grad_sync.wrapped.values():
+            group = pipe._runtime.layout.dp_group
+            ddp.register_comm_hook(group, lambda g, bucket: (counted.append(1), default_hooks.allreduce_hook(g, bucket))[1])
+    loss = step(xs, ys)
+    expected = loss_fn(eager(x), y)
+    expected.backward()
+    out = {"loss_error": max_relative_error(loss, expected), "grad_errors": _grad_errors(held, eager),
+           "collectives": len(counted), "stages": len(pipe._runtime.workers)}
+    norm = fxpipe.clip_grad_norm_(pipe, 0.05)
+    out["norm_error"] = max_relative_error(norm, torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.05))
+    out["clipped_errors"] = _grad_errors(held, eager)
+    opt = torch.optim.Adam(list({id(p): p for _, p in held}.values()), lr=1e-3)
+    ref = torch.optim.Adam(eager.parameters(), lr=1e-3)
+    losses = []
+    for k in range(5):
+        opt.zero_grad()
+        ref.zero_grad()
+        torch.manual_seed(k)
+        got = step(xs, ys)
+        want = loss_fn(eager(x), y)
+        want.backward()
+        opt.step()
+        ref.step()
+        losses.append(abs(float(got) - float(want.detach())))
+    out["adam_loss_errors"] = losses
+    return out
+
+
+def dp_accumulate(rank, world, schedule):
+    """Two steps (the first inside no_sync) equal eager's two backwards; autocast bf16 equals eager's math."""
+    pipe, model, eager, x, y, xs, ys, loss_fn, step, held = _dp_setup(rank, world, _mlp_pair, schedule, chunks=1,
+                                                                       split_points=["2"])
+    x2, y2 = torch.randn_like(x), torch.randn_like(y)
+    rows = xs.shape[0]
+    replica = rank // 2
+    with pipe.no_sync():
+        step(xs, ys)
+    step(x2[replica * rows:(replica + 1) * rows], y2[replica * rows:(replica + 1) * rows])
+    loss_fn(eager(x), y).backward()
+    loss_fn(eager(x2), y2).backward()
+    out = {"grad_errors": _grad_errors(held, eager)}
+    # autocast: every stage, both replicas; the reference does the same math (a replica's half each)
+    model.zero_grad()
+    eager.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = step(xs, ys)
+        halves = [loss_fn(eager(x[r * rows:(r + 1) * rows]), y[r * rows:(r + 1) * rows]) for r in range(2)]
+    for h in halves:
+        (h / 2).backward()
+    out["autocast_loss_error"] = max_relative_error(got, sum(h.detach() for h in halves) / 2)
+    out["autocast_grad_errors"] = _grad_errors(held, eager)
+    float32 = copy.deepcopy(eager)  # the same step without autocast: float32 gradients
+    float32.zero_grad()
+    loss_fn(float32(x), y).backward()
+    out["bf16_vs_fp32"] = max(_grad_errors(held, float32).values())
+    return out
+
+
+def dp_refusals(rank, world, schedule):
+    """A layout the world cannot hold; replicas with different batch sizes (refused on every rank)."""
+    model, x, y, loss_fn = _mlp_pair()
+    out = {}
+    try:
+        fxpipe.compile(copy.deepcopy(model), 2, example_inputs=(x,), runtime="distributed", data_parallel=3,
+                       timeout=60)
+    except ValueError as exc:
+        out["layout"] = str(exc)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), runtime="distributed", data_parallel=2, timeout=60,
+                          split_points=["2"])
+    rows = 4 if rank // 2 == 0 else 3
+    try:
+        pipe.step(x[:rows] if rank % 2 == 0 else None, target=y[:rows] if rank % 2 == 1 else None, loss_fn=loss_fn)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["batch"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+CASES.update(dp_train=dp_train, dp_accumulate=dp_accumulate, dp_refusals=dp_refusals)
+
+
+def scaler(rank, world, schedule):
+    """fp16 loss scaling across ranks: an inf on one rank makes every rank skip the step."""
+    torch.manual_seed(0)
+    model, x, y, loss_fn = _mlp_pair()
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), runtime="distributed", timeout=60, chunks=2,
+                          schedule=schedule, split_points=["2"])
+    sc = fxpipe.grad_scaler(pipe, init_scale=1024.0)
+    opt = torch.optim.SGD([p for p in pipe.stages[rank].parameters()], lr=0.1)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = pipe.step(x if rank == 0 else None, target=y if rank == world - 1 else None, loss_fn=loss_fn,
+                         scaler=sc)
+    grads_scaled = [float(p.grad.abs().max()) for p in pipe.stages[rank].parameters()]
+    if rank == 1:
+        next(iter(pipe.stages[rank].parameters())).grad[0, 0] = float("inf")
+    before = [p.detach().clone() for p in pipe.stages[rank].parameters()]
+    sc.step(opt)
+    sc.update()
+    unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, pipe.stages[rank].parameters()))
+    return {"scale": sc.get_scale(), "skipped": unchanged, "loss": float(loss), "scaled": max(grads_scaled),
+            "type": type(sc).__name__}
+
+
+CASES.update(scaler=scaler)
+
+
+def dp_resume(rank, world, schedule):
+    """2 replicas x 2 ranks, replicated then sharded: 2 steps, save, load into a fresh pipe, a step equal."""
+    out, results = os.environ["FXPIPE_TEST_DIR"], {}
+    for shard in (False, True):
+        runs = []
+        for _ in range(2):  # the trained pipe and a fresh one that loads its checkpoint
+            pipe, model, _, _, _, xs, ys, _, step, _ = _dp_setup(rank, world, _mlp_pair, schedule + ":shard" * shard,
+                                                                 chunks=2, split_points=["2"])
+            runs.append((pipe, model, torch.optim.Adam(pipe.parameters(), lr=1e-2), step))
+        pipe, _, opt, step = runs[0]
+        for _ in range(2):
+            opt.zero_grad()
+            step(xs, ys)
+            opt.step()
+        path = os.path.join(out, f"dp{int(shard)}")
+        fxpipe.save(pipe, path, optimizer=opt)
+        fxpipe.load(runs[1][0], path, optimizer=runs[1][2])
+        for _, _, opt, step in runs:
+            opt.zero_grad()
+            step(xs, ys)
+            opt.step()
+        other = dict(runs[1][1].named_parameters())
+        results[f"shard{int(shard)}"] = {n: bool(torch.equal(_full(p.detach()), _full(other[n].detach())))
+                                         for n, p in runs[0][1].named_parameters() if not p.is_meta}
+    return results
+
+
+CASES.update(dp_resume=dp_resume)
+
+
+def export_meta(rank, world, schedule):
+    """A rotary decoder built on meta, exported (its tensors as fakes on CPU), filled by FQN per rank."""
+    from rotary import RotaryDecoder
+
+    torch.manual_seed(0)
+    reference = RotaryDecoder()  # the same weights on every rank
+    tokens, target = torch.randint(0, 32, (6, 8)), torch.randint(0, 32, (6, 8))
+    return _meta_step(rank, world, RotaryDecoder, reference, tokens, target, token_loss, chunks=3,
+                      schedule=schedule, tracer="export", weights=reference.state_dict())
+
+
+CASES.update(export_meta=export_meta)

@@ -1,0 +1,223 @@
+"""What each rank runs in the long-run tests: new sizes, failed steps, misuse, RoPE resumes."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import torch
+from models import token_loss
+from rope import RopeDecoder, rope_init
+
+import fxpipe
+from fxpipe.testing import max_relative_error
+
+
+def _tokens(step: int, t: int, batch: int = 8):
+    """Return step ``step``'s tokens and targets of length ``t`` (the same in every process)."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 64, (batch, t), generator=g), torch.randint(0, 64, (batch, t), generator=g)
+
+
+def _compile(model, world, schedule, **kw):
+    """Compile ``model`` for ``world`` ranks (two stages per rank for interleaved and zbv)."""
+    per = 2 if schedule in ("interleaved", "zbv") else 1
+    kw = {"example_inputs": (_tokens(0, 16)[0],), "chunks": 4, **kw}
+    return fxpipe.compile(model, world * per, runtime="distributed", timeout=60, schedule=schedule,
+                          stages_per_rank=per, **kw)
+
+
+def _compare(pipe, model, eager, rank, ids, target, loss_fn=token_loss, inputs_everywhere=False):
+    """Run one step on the pipe and on eager; return the loss error and this rank's worst gradient error."""
+    expected = loss_fn(eager(ids), target)
+    expected.backward()
+    loss = pipe.step(ids if rank == 0 or inputs_everywhere else None, target=target, loss_fn=loss_fn)
+    held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
+    grads = dict(eager.named_parameters(remove_duplicate=False))
+    worst = max(max_relative_error(p.grad, grads[n].grad)
+                for n, p in model.named_parameters(remove_duplicate=False) if id(p) in held)
+    for p in (*model.parameters(), *eager.parameters()):
+        p.grad = None
+    return [max_relative_error(loss, expected), worst]
+
+
+def seqlens(rank, world, schedule):
+    """Sequence lengths 16, 24, 8, 24 (the plan traced at 16) in one run, each step equal to eager."""
+    torch.manual_seed(0)
+    model = RopeDecoder()
+    eager = copy.deepcopy(model)
+    pipe = _compile(model, world, schedule)
+    errors, seconds = [], []
+    for step, t in enumerate([16, 24, 8, 24]):
+        start = time.perf_counter()
+        errors.append(_compare(pipe, model, eager, rank, *_tokens(step, t)))
+        seconds.append(time.perf_counter() - start)
+    return {"errors": errors, "seconds": seconds}
+
+
+def recover(rank, world, schedule):
+    """A loss that raises on the loss's rank, a batch the model cannot take; then steps equal to eager."""
+    torch.manual_seed(0)
+    model = RopeDecoder()
+    eager = copy.deepcopy(model)
+    pipe = _compile(model, world, schedule)
+    out = {"before": _compare(pipe, model, eager, rank, *_tokens(1, 16))}
+
+    def broken(logits, target):
+        raise RuntimeError("broken loss")
+
+    start = time.monotonic()
+    try:
+        pipe.step(_tokens(2, 16)[0] if rank == 0 else None, target=_tokens(2, 16)[1], loss_fn=broken)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["failed"] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    for p in model.parameters():  # the failed step's gradients are partial: drop them, as a loop would
+        p.grad = None
+    out["after"] = _compare(pipe, model, eager, rank, *_tokens(3, 16))
+    ids, target = _tokens(4, 40)  # longer than the rotary tables: the model itself cannot run it
+    try:
+        pipe.step(ids if rank == 0 else None, target=target, loss_fn=token_loss)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["refused"] = [type(exc).__name__, str(exc)]
+    out["again"] = _compare(pipe, model, eager, rank, *_tokens(5, 24))
+    return out
+
+
+def misuse(rank, world, schedule):
+    """The target on the first rank only; the inputs on the last rank only; then a correct step."""
+    torch.manual_seed(0)
+    model = RopeDecoder()
+    eager = copy.deepcopy(model)
+    dp = 2 if world == 4 else 1
+    pipe = fxpipe.compile(model, world // dp, example_inputs=(_tokens(0, 16)[0],), chunks=2,
+                          runtime="distributed", timeout=20, schedule=schedule, data_parallel=dp)
+    last = pipe.plan.stages[-1].on_rank
+    me = rank % (world // dp)  # pipeline rank
+    ids, target = _tokens(1, 16)
+    out = {}
+    for label, x, y in [("target_on_first", ids if me == 0 else None, target if me == 0 else None),
+                        ("inputs_on_last", ids if me == last else None, target if me == last else None)]:
+        start = time.monotonic()
+        try:
+            pipe.step(x, target=y, loss_fn=token_loss)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    if dp == 1:
+        out["after"] = _compare(pipe, model, eager, rank, ids, target)
+    else:
+        ids, target = ids[rank // 2 * 4:][:4], target[rank // 2 * 4:][:4]  # each replica its half
+        out["after"] = float(pipe.step(ids, target=target, loss_fn=token_loss))
+    return out
+
+
+def rope_resume(rank, world, schedule):
+    """A RoPE decoder on meta with weights= and init=: train, save, load into a fresh pipe, go on."""
+    out_dir = os.environ["FXPIPE_TEST_DIR"]
+    torch.manual_seed(0)
+    weights = RopeDecoder().state_dict()  # persistent tensors only: the rotary tables are not saved
+
+    def build():
+        with torch.device("meta"):
+            model = RopeDecoder()
+        pipe = _compile(model, world, schedule, weights=weights, init=rope_init)
+        return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+
+    def train(pipe, opt, steps):
+        losses = []
+        for step in steps:
+            opt.zero_grad()
+            ids, target = _tokens(step, 16)
+            losses.append(float(pipe.step(ids, target=target, loss_fn=token_loss)))
+            opt.step()
+        return losses
+
+    pipe, opt = build()
+    before = train(pipe, opt, range(3))
+    path = os.path.join(out_dir, "ckpt")
+    fxpipe.save(pipe, path, optimizer=opt, extra={"step": 3})
+    try:
+        fxpipe.save(pipe, os.path.join(out_dir, "differs"), extra={"rank": rank})
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        differs = [type(exc).__name__, str(exc), os.path.exists(os.path.join(out_dir, "differs"))]
+    fresh, fresh_opt = build()
+    extra = fxpipe.load(fresh, path, optimizer=fresh_opt)
+    after = train(fresh, fresh_opt, range(extra["step"], 5))
+    straight, straight_opt = build()
+    unbroken = train(straight, straight_opt, range(5))
+    return {"before": before, "after": after, "unbroken": unbroken, "differs": differs,
+            "latest": fxpipe.latest_checkpoint(out_dir)}
+
+
+def chunks_warning(rank, world, schedule):
+    """A batch smaller than chunks runs fewer micro-batches and says so once."""
+    import warnings
+
+    torch.manual_seed(0)
+    pipe = _compile(RopeDecoder(), world, schedule)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            ids, target = _tokens(step, 16, batch=2)
+            pipe.step(ids, target=target, loss_fn=token_loss)
+    return {"warnings": [str(w.message) for w in caught if "micro-batch" in str(w.message)]}
+
+
+def dies_then(rank, world, schedule):
+    """Rank 1 dies in the second step; the others raise, then raise again at once on the next call."""
+    torch.manual_seed(0)
+    pipe = _compile(RopeDecoder(), world, schedule)
+    ids, target = _tokens(1, 16)
+    pipe.step(ids, target=target, loss_fn=token_loss)
+    if rank == 1:
+        os._exit(3)
+    out = {}
+    for label in ("first", "again"):
+        start = time.monotonic()
+        try:
+            pipe.step(ids, target=target, loss_fn=token_loss)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    return out
+
+
+def hf_llama(rank, world, schedule):
+    """Hugging Face Llama from a config: built with deferred_init, exported, new lengths, a failure, a resume."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+
+    def build():
+        with fxpipe.deferred_init():
+            model = LlamaForCausalLM(cfg)
+        return model
+
+    def loss_fn(out, target):
+        return token_loss(out.logits, target)
+
+    eager = fxpipe.materialize(build())  # the same recipes and seeds as the stages replay
+    model = build()
+    pipe = _compile(model, world, schedule, tracer="export")
+    out = {"meta_after_compile": sorted(n for n, t in model.state_dict(keep_vars=True).items()
+                                        if not t.is_meta and n not in pipe.state_dict())}
+    out["errors"] = [_compare(pipe, model, eager, rank, *_tokens(step, t), loss_fn=loss_fn)
+                     for step, t in enumerate([16, 24, 8])]
+
+    def broken(o, target):
+        raise RuntimeError("broken loss")
+
+    try:
+        pipe.step(*_tokens(9, 16)[:1], target=_tokens(9, 16)[1], loss_fn=broken)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["failed"] = type(exc).__name__
+    for p in model.parameters():
+        p.grad = None
+    out["errors"].append(_compare(pipe, model, eager, rank, *_tokens(10, 24), loss_fn=loss_fn))
+    path = os.path.join(os.environ["FXPIPE_TEST_DIR"], "llama")
+    fxpipe.save(pipe, path)
+    fresh_model = build()
+    fresh = _compile(fresh_model, world, schedule, tracer="export")
+    fxpipe.load(fresh, path)  # the rotary tables are in no checkpoint: they stay as replayed
+    out["errors"].append(_compare(fresh, fresh_model, eager, rank, *_tokens(11, 16), loss_fn=loss_fn))
+    return out

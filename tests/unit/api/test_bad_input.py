@@ -1,0 +1,456 @@
+"""Bad input either works exactly like eager or is refused, clearly, before anything changes."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from models import CNN, MLP, TiedTransformer
+from torch import nn
+
+import fxpipe
+from fxpipe import passes
+from fxpipe.testing import assert_pipeline_equivalent
+
+
+def _snapshot(model):
+    """Record what a refused compile must leave as it was."""
+    return ([id(p) for p in model.parameters()], set(vars(model)),
+            {k: (v.clone(), v.device) for k, v in model.state_dict().items()})
+
+
+def _assert_unchanged(model, snapshot):
+    params, attrs, state = snapshot
+    assert [id(p) for p in model.parameters()] == params
+    assert set(vars(model)) == attrs
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k][0]) and v.device == state[k][1], k
+
+
+# -- in place ---------------------------------------------------------------------------
+
+class MutatesInput(nn.Module):
+    """Scales its input in place, then reads it twice (the second read in a later stage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.mul_(2)
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h))
+        return self.c(h)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_model_that_mutates_its_input_equals_eager(checkpoint, caplog):
+    x = torch.randn(6, 8)
+    with caplog.at_level(logging.WARNING):
+        pipe = assert_pipeline_equivalent(MutatesInput(), (x,), n_stages=3, chunks=3,
+                                          checkpoint=checkpoint, devices=["cpu"] * 3)
+    assert "changes its input(s) ['x'] in place" in caplog.text
+    before = x.clone()
+    pipe(x)
+    assert torch.equal(x, before)  # it ran on a copy: the caller's tensor is left alone
+
+
+class LaterStageMutatesInput(nn.Module):
+    """Stage 1 scales the model's input in place; stage 2 reads the input afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x * 1)  # Linear would save x itself, and eager's backward would then refuse
+        x.mul_(2)
+        h = self.b(h) + x
+        return self.c(h) + x
+
+
+def test_input_changed_in_place_and_read_by_a_later_stage_is_refused():
+    model = LaterStageMutatesInput()
+    snap = _snapshot(model)
+    with pytest.raises(fxpipe.MutationError, match=r"node 'mul_' in stage 1 changes 'x' \(a model "
+                                                   r"input\) in place, and stage 2 reads it afterwards"):
+        fxpipe.compile(model, 3, example_inputs=(torch.randn(4, 8),), split_points=["mul_", "c"])
+    _assert_unchanged(model, snap)
+    # with the change and every later read in one stage it is fine
+    assert_pipeline_equivalent(model, (torch.randn(4, 8),), n_stages=2, chunks=2,
+                               split_points=["mul_"], devices=["cpu"] * 2)
+
+
+class StashedSkip(nn.Module):
+    """``s`` skips from stage 0 to the last stage; ``where`` says which stage changes it in place."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        s = self.a(x) + 1  # add saves nothing for backward, so eager may change s in place
+        if self.where == "producer":
+            t = s * 3
+            s.mul_(2)
+            s = s + t
+        h = torch.tanh(self.b(s * 1))  # b would save s itself for backward
+        if self.where == "middle":
+            s.mul_(2)
+        h = torch.tanh(self.c(h))
+        if self.where == "consumer":
+            s.mul_(2)
+        return self.d(h) * s
+
+
+@pytest.mark.parametrize("where", ["producer", "consumer"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("devices", [["cpu"] * 4, ["cpu", "cpu:0", "cpu", "cpu:0"]])
+def test_in_place_on_a_stashed_skip_equals_eager(where, checkpoint, devices):
+    # changed by the stage that makes it (before stashing it), or by the last stage that reads it
+    split = ["b", "c", "d"] if where == "producer" else ["b", "c", "mul_"]
+    pipe = assert_pipeline_equivalent(StashedSkip(where), (torch.randn(6, 8),), n_stages=4, chunks=3,
+                                      checkpoint=checkpoint, split_points=split, devices=devices)
+    assert any(r.src == 0 and r.dst == 3 for r in pipe.plan.skips)  # it really is a stashed skip
+
+
+def test_in_place_on_a_stashed_skip_read_later_is_refused():
+    model = StashedSkip("middle")
+    snap = _snapshot(model)
+    with pytest.raises(fxpipe.MutationError) as info:
+        fxpipe.compile(model, 4, example_inputs=(torch.randn(6, 8),), split_points=["b", "mul_", "d"])
+    msg = str(info.value)
+    assert "node 'mul_' in stage 2 changes 'add' (a value of stage 0) in place, and stage 3 reads it" in msg
+    assert "x = x.mul(2) rather than x.mul_(2)" in msg and "split_points=" in msg
+    _assert_unchanged(model, snap)
+
+
+class InPlaceOnStageInput(nn.Module):
+    """The stage that starts at ``mul_`` doubles its input in place, which is not idempotent."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x))) + 1
+        h.mul_(2)
+        return self.c(torch.tanh(h))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_stage_that_changes_its_input_in_place_equals_eager(checkpoint):
+    pipe = assert_pipeline_equivalent(InPlaceOnStageInput(), (torch.randn(4, 8),), n_stages=2, chunks=2,
+                                      checkpoint=checkpoint, split_points=["mul_"], devices=["cpu"] * 2)
+    assert any(n.target is passes.inplace.clone_tree for n in pipe.stages[1].graph.nodes)
+
+
+def test_recomputation_sees_the_inputs_of_the_first_forward(monkeypatch):
+    # stage 0 begins with x.mul_(2): without its private copy of x, recomputing stage 0 in
+    # backward would start from 4x: with the copy switched off, backward fails or differs
+    kwargs = dict(n_stages=2, chunks=2, checkpoint="always", devices=["cpu"] * 2)
+    x = torch.randn(4, 8)
+    model = MutatesInput()
+    broken = copy.deepcopy(model)
+    pipe = assert_pipeline_equivalent(model, (x,), **kwargs)
+    assert any(n.target is passes.inplace.clone_tree for n in pipe.stages[0].graph.nodes)
+    monkeypatch.setattr(passes, "copy_on_write", lambda stage, names: stage)
+    with pytest.raises((AssertionError, RuntimeError), match="differs from eager|modified by an inplace"):
+        assert_pipeline_equivalent(broken, (x,), diagnose=False, **kwargs)
+
+
+class AliasedInputs(nn.Module):
+    """Stage 1 changes a view of ``h`` in place and reads ``h``: two inputs share storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x) + 1
+        v = h[:, :4]
+        v.add_(1)
+        return self.b(h)
+
+
+def test_in_place_on_aliased_stage_inputs_is_refused():
+    with pytest.raises(fxpipe.MutationError, match=r"changes in place storage shared by the stage "
+                                                   r"inputs \['add', 'getitem'\]"):
+        fxpipe.compile(AliasedInputs(), 2, example_inputs=(torch.randn(4, 8),), split_points=["add_"])
+    assert_pipeline_equivalent(AliasedInputs(), (torch.randn(4, 8),), n_stages=2, chunks=2,
+                               split_points=["b"], devices=["cpu"] * 2)
+
+
+class InplaceReLUNet(nn.Module):
+    """``nn.ReLU(inplace=True)`` after every layer, as in torchvision's models."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.act(layer(x)) * 2
+        return x
+
+
+@pytest.mark.parametrize("annotated", [True, False])
+def test_inplace_relu_found_with_and_without_example_inputs(annotated):
+    model = InplaceReLUNet()
+    kwargs = dict(example_inputs=(torch.randn(4, 8),)) if annotated else {}
+    # a cut right before each act: the ReLU changes the stage's input in place
+    pipe = fxpipe.compile(model, 4, split_points=["act", "act_1", "act_2"], chunks=2,
+                          checkpoint="always", devices=["cpu"] * 4, **kwargs)
+    for stage in pipe.stages[1:]:
+        assert any(n.target is passes.inplace.clone_tree for n in stage.graph.nodes)
+    assert_pipeline_equivalent(InplaceReLUNet(), (torch.randn(4, 8),), n_stages=4, chunks=2,
+                               checkpoint="always", split_points=["act", "act_1", "act_2"],
+                               devices=["cpu"] * 4)
+
+
+# -- outputs, batch, shapes, dtypes --------------------------------------------------------
+
+class NonTensorOutputs(nn.Module):
+    def __init__(self, batch_dependent=False):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.batch_dependent = batch_dependent
+
+    def forward(self, x):
+        y = self.b(torch.relu(self.a(x)))
+        extra = x.shape[0] if self.batch_dependent else x.shape[1]
+        return {"y": y, "label": "logits", "width": extra, "none": None}
+
+
+def test_non_tensor_outputs():
+    pipe = assert_pipeline_equivalent(NonTensorOutputs(), (torch.randn(6, 4),), n_stages=2, chunks=3,
+                                      devices=["cpu"] * 2)
+    out = pipe(torch.randn(6, 4))
+    assert (out["label"], out["width"], out["none"]) == ("logits", 4, None)
+    pipe = fxpipe.compile(NonTensorOutputs(batch_dependent=True), 2, example_inputs=(torch.randn(5, 4),),
+                          chunks=3, devices=["cpu"] * 2)
+    with pytest.raises(ValueError, match=r"output leaf 2 is a int that differs between micro-batches "
+                                         r"\(2 in the first, 1 in another\)"):
+        pipe(torch.randn(5, 4))  # micro-batches of 2, 2 and 1 rows
+    assert pipe.plan.chunks == 3
+    fxpipe.compile(NonTensorOutputs(batch_dependent=True), 2, chunks=1, devices=["cpu"] * 2)
+
+
+def test_batch_size_zero():
+    model = MLP()
+    snap = _snapshot(model)
+    with pytest.raises(fxpipe.PipelineInputError, match="'x' has batch size 0"):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(0, 16),))
+    _assert_unchanged(model, snap)
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2)
+    with pytest.raises(fxpipe.PipelineInputError, match="'x' has batch size 0"):
+        pipe(torch.randn(0, 16))
+    with pytest.raises(fxpipe.PipelineInputError, match="'example_inputs\\[0\\]' has batch size 0"):
+        fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(0, 16),), tracer="export")
+
+
+def test_other_non_batch_shapes_work_with_the_fx_graph():
+    model = CNN().eval()
+    reference = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 3, example_inputs=(torch.randn(4, 3, 8, 8),), chunks=2, devices=["cpu"] * 3)
+    x = torch.randn(5, 3, 12, 12)
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-6)
+    tied = TiedTransformer()
+    reference = copy.deepcopy(tied)
+    pipe = fxpipe.compile(tied, 2, example_inputs=(torch.randint(0, 32, (4, 8)),), chunks=2, devices=["cpu"] * 2)
+    tokens = torch.randint(0, 32, (3, 5))
+    torch.testing.assert_close(pipe(tokens), reference(tokens), rtol=0, atol=1e-6)
+
+
+def test_an_exported_graph_keeps_only_the_dims_the_model_fixes():
+    model = CNN().eval()
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 3, 8, 8),), chunks=2,
+                          devices=["cpu"] * 2, tracer="export")
+    x = torch.randn(4, 3, 12, 12)  # the image size is free: torch.export keeps it dynamic
+    torch.testing.assert_close(pipe(x), model(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"input 'x' has shape \(4, 4, 8, 8\) but the "
+                                                        r"exported graph is fixed to \('\*', 3, '\*', '\*'\)"):
+        pipe(torch.randn(4, 4, 8, 8))  # the channels are fixed by the first convolution's weight
+    with pytest.raises(fxpipe.PipelineInputError, match="has dtype torch.float64"):
+        pipe(torch.randn(4, 3, 8, 8, dtype=torch.float64))
+    assert pipe(torch.randn(3, 3, 8, 8)).shape == (3, 5)  # another batch size is fine
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_float64_model(chunks):
+    model = TiedTransformer().double()
+    pipe = assert_pipeline_equivalent(model, (torch.randint(0, 32, (6, 8)),), n_stages=3, chunks=chunks,
+                                      devices=["cpu"] * 3)
+    assert pipe(torch.randint(0, 32, (2, 8))).dtype == torch.float64
+
+
+def test_bfloat16_model():
+    x = torch.randn(6, 16, dtype=torch.bfloat16)
+    # one micro-batch runs the very same kernels as eager: bit for bit equal
+    assert_pipeline_equivalent(MLP().to(torch.bfloat16), (x,), n_stages=3, chunks=1, rtol=0, atol=0,
+                               devices=["cpu"] * 3)
+    # several round each micro-batch's gradient to bfloat16 before summing: bfloat16's tolerance
+    pipe = assert_pipeline_equivalent(MLP().to(torch.bfloat16), (x,), n_stages=3, chunks=3,
+                                      devices=["cpu"] * 3)
+    assert pipe(x).dtype == torch.bfloat16
+
+
+# -- devices, sharing --------------------------------------------------------------------
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu7", "not a device"),
+    ("meta", "meta tensors hold no data"),
+    ("mps", "that backend is not available"),
+    ("xla:0", "that backend is not available"),
+] + ([("cuda:7", "CUDA is not available")] if not torch.cuda.is_available() else
+     [(f"cuda:{torch.cuda.device_count()}", "CUDA device\\(s\\) exist")]))
+def test_devices_that_do_not_exist(device, message):
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    model = MLP()
+    snap = _snapshot(model)
+    with pytest.raises(ValueError, match=message):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(2, 16),), devices=["cpu", device])
+    _assert_unchanged(model, snap)
+
+
+class FrozenShared(nn.Module):
+    """A frozen projection used at the start and at the end of the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.body = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        h = self.frozen(x)
+        for layer in self.body:
+            h = torch.tanh(layer(h))
+        return self.frozen(h)
+
+
+@pytest.mark.parametrize("devices", [["cpu"] * 3, ["cpu", "cpu:0", "cpu"]])
+def test_frozen_parameter_shared_across_stages(devices):
+    model = FrozenShared()
+    pipe = assert_pipeline_equivalent(model, (torch.randn(6, 8),), n_stages=3, chunks=3,
+                                      checkpoint="always", devices=devices)
+    assert model.frozen.weight.grad is None and model.body[0].weight.grad is not None
+    first = {id(p) for p in pipe.stages[0].parameters()}
+    last = {id(p) for p in pipe.stages[-1].parameters()}
+    assert id(model.frozen.weight) in first and id(model.frozen.weight) in last
+
+
+class CalledTwice(nn.Module):
+    """One block applied twice, far apart: its parameters serve the first and the last stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.middle = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        h = self.block(x)
+        for layer in self.middle:
+            h = torch.relu(layer(h))
+        return self.block(h)
+
+
+@pytest.mark.parametrize("devices", [["cpu"] * 3, ["cpu", "cpu:0", "cpu:0"]])
+def test_module_called_twice(devices):
+    model = CalledTwice()
+    pipe = assert_pipeline_equivalent(model, (torch.randn(6, 8),), n_stages=3, chunks=2, devices=devices)
+    assert [n.target for n in pipe._gm.graph.nodes if n.op == "call_module"].count("block.0") == 2
+    assert id(model.block[0].weight) in {id(p) for p in pipe.stages[-1].parameters()}
+
+
+# -- run-time failures -----------------------------------------------------------------
+
+class Gate(nn.Module):
+    """Refuse large input at run time (data-dependent, so a leaf)."""
+
+    def __init__(self, when="always"):
+        super().__init__()
+        self.when = when
+
+    def forward(self, x):
+        if self.when == "recompute" and not fxpipe.is_recomputing():
+            return x
+        if (x.abs() > 1000).any():
+            raise ValueError("Gate got an input over 1000")
+        return x
+
+
+class Gated(nn.Module):
+    def __init__(self, when="always"):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.gate = Gate(when)
+
+    def forward(self, x):
+        return self.c(self.gate(self.b(self.a(x))))
+
+
+def test_forward_that_raises_names_stage_and_node():
+    pipe = fxpipe.compile(Gated(), 3, example_inputs=(torch.randn(4, 4),), leaf_modules=[Gate],
+                          split_points=["b", "c"], chunks=2, devices=["cpu"] * 3)
+    with pytest.raises(ValueError, match="Gate got an input over 1000") as info:
+        pipe(torch.randn(4, 4) * 1e5)
+    notes = "\n".join(info.value.__notes__)
+    assert "fxpipe: raised in stage 1 (cpu), node 'gate' (call_module gate: Gate, module 'gate'), " \
+           "in checkpointed forward" in notes
+    with pytest.raises(RuntimeError) as info:  # a shape error from torch itself, in stage 0
+        pipe(torch.randn(4, 5))
+    assert "stage 0 (cpu), node 'a' (call_module a: Linear, module 'a'), in checkpointed forward" \
+        in "\n".join(info.value.__notes__)
+
+
+def test_zero_bubble_stages_name_the_node_too():
+    pipe = fxpipe.compile(Gated(), 3, example_inputs=(torch.randn(4, 4),), leaf_modules=[Gate],
+                          split_points=["b", "c"], chunks=2, devices=["cpu"] * 3, schedule="zb")
+    with pytest.raises(RuntimeError) as info:  # in a linear that defers its weight gradient
+        pipe.step(torch.randn(4, 5), target=torch.randn(4, 4), loss_fn=torch.nn.functional.mse_loss)
+    assert "stage 0 (cpu), node 'a' (call_function linear" in "\n".join(info.value.__notes__)
+
+
+def test_raise_in_recomputation_names_stage_node_and_pass():
+    pipe = fxpipe.compile(Gated("recompute"), 3, example_inputs=(torch.randn(4, 4),),
+                          leaf_modules=[Gate], split_points=["b", "c"], chunks=2,
+                          checkpoint="always", devices=["cpu"] * 3)
+    out = pipe(torch.randn(4, 4) * 1e5)
+    with pytest.raises(ValueError, match="Gate got an input over 1000") as info:
+        out.sum().backward()
+    assert "stage 1 (cpu), node 'gate' (call_module gate: Gate, module 'gate'), in recomputation " \
+           "in backward" in "\n".join(info.value.__notes__)
+
+
+class CatAdd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = torch.cat([self.a(x), y], 0)
+        return self.b(h) + y.sum()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_an_op_raising_in_generated_code_names_its_call_function_node(schedule, capfd):
+    # torch.fx drops the traceback of an op that raises right in a GraphModule's code (and
+    # prints the code to stderr); the stage call keeps it, so the note names the node.
+    pipe = fxpipe.compile(CatAdd(), 2, example_inputs=(torch.randn(4, 8), torch.randn(4, 8)),
+                          split_points=["b"], devices=["cpu"] * 2, schedule=schedule)
+    with pytest.raises(RuntimeError) as info:
+        pipe.step(torch.randn(4, 8), torch.randn(4, 7), target=None, loss_fn=lambda out, _: out.sum())
+    assert "fxpipe: raised in stage 0 (cpu), node 'cat' (call_function cat)" in "\n".join(info.value.__notes__)
+    assert "<--- HERE" not in capfd.readouterr().err
+
+
+def test_example_inputs_as_a_list_says_to_pass_a_tuple():
+    """A list is one input (a model may take a list); when the model then fails, say so first."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    with pytest.raises(fxpipe.PropagationError, match="^example_inputs is a list, so the model got it as its one "
+                                                      "input; to give several inputs pass a tuple"):
+        fxpipe.compile(model, 2, example_inputs=[torch.randn(4, 8)], devices=["cpu"] * 2)

@@ -1,0 +1,122 @@
+"""Bad input fails early with a message naming the cause and the fix, leaving the model as it was."""
+
+import copy
+
+import pytest
+import torch
+from models import MLP, MultiIO
+from torch import nn
+
+import fxpipe
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.gate = DataDependent()
+        self.post = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.post(self.gate(self.pre(x)))
+
+
+def test_untraceable_model_names_module_line_and_fix():
+    with pytest.raises(fxpipe.TraceError) as info:
+        fxpipe.compile(Outer(), 2, example_inputs=(torch.randn(2, 4),))
+    msg = str(info.value)
+    assert "module 'gate' (DataDependent)" in msg
+    assert "if x.sum() > 0:" in msg
+    assert "test_errors.py" in msg
+    assert "leaf_modules=[DataDependent]" in msg
+    assert info.value.module == "gate" and info.value.lineno is not None
+    assert isinstance(info.value, TypeError)
+
+
+def test_leaf_modules_make_it_traceable():
+    model = Outer()
+    x = torch.randn(2, 4)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), leaf_modules=[DataDependent], devices=["cpu"] * 2)
+    torch.testing.assert_close(pipe(x), model(x))
+    gm = fxpipe.trace(model, leaf_modules=["gate"])
+    assert any(n.op == "call_module" and n.target == "gate" for n in gm.graph.nodes)
+
+
+def test_top_level_failure_suggests_submodule():
+    with pytest.raises(fxpipe.TraceError, match="top-level forward"):
+        fxpipe.trace(DataDependent())
+
+
+@pytest.mark.parametrize("n_stages, message", [
+    (0, r"n_stages=0; use an integer of at least 1"),
+    (-2, r"n_stages=-2; use an integer of at least 1"),
+    (99, r"n_stages=99 but the model has 12 compute nodes; use between 1 and 12 stages"),
+])
+def test_bad_n_stages(n_stages, message):
+    with pytest.raises(ValueError, match=message):
+        fxpipe.compile(MLP(), n_stages, example_inputs=(torch.randn(2, 16),))
+
+
+def test_devices_of_wrong_length():
+    with pytest.raises(ValueError, match=r"devices has 2 entries but n_stages=3; give one device per stage"):
+        fxpipe.compile(MLP(), 3, devices=["cpu", "cpu"])
+
+
+def test_device_that_does_not_exist():
+    with pytest.raises(ValueError, match="not a device"):
+        fxpipe.compile(MLP(), 2, devices=["cpu", "gpu7"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            fxpipe.compile(MLP(), 2, devices=["cpu", "cuda:0"])
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 1.5])
+def test_bad_chunks(chunks):
+    with pytest.raises(ValueError, match=r"chunks=.*use an integer of at least 1"):
+        fxpipe.compile(MLP(), 2, chunks=chunks)
+
+
+def test_bad_checkpoint_and_balance():
+    with pytest.raises(ValueError, match="checkpoint='sometimes'; use one of 'always', 'except_last', 'never'"):
+        fxpipe.compile(MLP(), 2, checkpoint="sometimes")
+    with pytest.raises(ValueError, match="balance_by='luck'"):
+        fxpipe.compile(MLP(), 2, balance_by="luck")
+
+
+def test_batch_sizes_disagree_names_the_argument():
+    model = MultiIO()
+    x, y, mask = torch.randn(6, 6), torch.randn(5, 4), torch.rand(6, 8)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"'x' has 6 rows on dim 0 but 'y' has 5"):
+        fxpipe.compile(model, 2, example_inputs=(x, y), example_kwargs={"mask": mask})
+    pipe = fxpipe.compile(model, 2, example_inputs=(x, torch.randn(6, 4)), example_kwargs={"mask": mask},
+                          chunks=2, devices=["cpu"] * 2)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"'x' has 6 rows on dim 0 but 'mask' has 3"):
+        pipe(x, torch.randn(6, 4), mask=torch.rand(3, 8))
+    assert isinstance(fxpipe.PipelineInputError("x"), ValueError)
+
+
+def test_failing_compile_leaves_model_unmoved_and_unmodified():
+    model = MLP()
+    before = copy.deepcopy(model.state_dict())
+    params = [id(p) for p in model.parameters()]
+    attrs = set(vars(model))
+    with pytest.raises(ValueError, match="unknown split point 'nope'"):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(2, 16),), split_points=["nope"])
+    with pytest.raises(ValueError, match="n_stages=99"):
+        fxpipe.compile(model, 99, example_inputs=(torch.randn(2, 16),))
+    assert [id(p) for p in model.parameters()] == params
+    assert set(vars(model)) == attrs
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]) and v.device == before[k].device
+
+
+def test_compile_rejects_non_modules():
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        fxpipe.compile(lambda x: x, 2)

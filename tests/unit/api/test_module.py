@@ -1,0 +1,86 @@
+"""The Pipe behaves like the model: names, state_dict, gradients in the model's Parameters, modes."""
+
+import copy
+
+import torch
+from models import CNN, TiedTransformer
+
+import fxpipe
+
+
+def _pipe(model, n=3):
+    return fxpipe.compile(model, n, example_inputs=(torch.randn(4, 3, 8, 8),), devices=["cpu"] * n, chunks=2)
+
+
+def test_names_match_the_model():
+    model = CNN()
+    pipe = _pipe(model)
+    assert list(pipe.state_dict().keys()) == list(model.state_dict().keys())
+    assert [n for n, _ in pipe.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert all(p is q for p, q in zip(pipe.parameters(), model.parameters()))
+
+
+def test_tied_state_dict_keys():
+    model = TiedTransformer()
+    pipe = fxpipe.compile(model, 3, example_inputs=(torch.randint(0, 32, (2, 8)),), devices=["cpu"] * 3)
+    assert list(pipe.state_dict().keys()) == list(model.state_dict().keys())
+
+
+def test_load_state_dict_reaches_every_stage():
+    model, other = CNN().eval(), CNN().eval()
+    pipe = _pipe(model)
+    x = torch.randn(4, 3, 8, 8)
+    pipe.load_state_dict(other.state_dict())
+    torch.testing.assert_close(pipe(x), other(x))
+
+
+def test_gradients_land_in_model_parameters():
+    model = CNN().eval()
+    pipe = _pipe(model)
+    pipe(torch.randn(4, 3, 8, 8)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_train_and_eval_propagate():
+    model = CNN()
+    pipe = _pipe(model)
+    pipe.eval()
+    assert not model.training and not any(m.training for m in model.modules())
+    assert not any(s.training for s in pipe.stages)
+    pipe.train()
+    assert model.training and all(s.training for s in pipe.stages)
+    assert all(m.training for m in model.modules())
+
+
+def test_compile_accepts_a_traced_graph_module():
+    model = CNN().eval()
+    gm = torch.fx.symbolic_trace(copy.deepcopy(model))
+    x = torch.randn(4, 3, 8, 8)
+    expected = gm(x)
+    pipe = fxpipe.compile(gm, 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=2)
+    torch.testing.assert_close(pipe(x), expected)
+    assert list(pipe.state_dict()) == list(gm.state_dict())
+
+
+def test_compile_accepts_torch_export_module():
+    model = CNN().eval()
+    x = torch.randn(4, 3, 8, 8)
+    # micro-batches change the batch size, so dim 0 must be exported as dynamic
+    batch = torch.export.Dim("batch", min=1)
+    gm = torch.export.export(copy.deepcopy(model), (x,), dynamic_shapes={"x": {0: batch}}).module()
+    pipe = fxpipe.compile(gm, 3, example_inputs=(x,), devices=["cpu"] * 3, chunks=2)
+    torch.testing.assert_close(pipe(x), model(x))
+    out = pipe(x)
+    out.sum().backward()
+    assert all(p.grad is not None for p in gm.parameters())
+
+
+def test_trace_returns_named_nodes_without_modifying_model():
+    model = CNN()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gm = fxpipe.trace(model)
+    assert isinstance(gm, torch.fx.GraphModule)
+    names = [n.name for n in gm.graph.nodes]
+    assert names[0] == "x" and names[-1] == "output"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])

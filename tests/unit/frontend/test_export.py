@@ -1,0 +1,158 @@
+"""Front ends: torch.export with a dynamic batch, and GraphModules from any other tracer."""
+
+import copy
+
+import pytest
+import torch
+from models import CNN, FACTORIES, TiedTransformer
+from torch import nn
+
+import fxpipe
+from fxpipe.options import SINGLE_STAGE_SCHEDULES as SCHEDULES
+from fxpipe.testing import assert_pipeline_equivalent
+
+
+@pytest.mark.slow  # about 2 s or more: left out of the fast loop
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_export_equals_eager(name):
+    model, args, kwargs = FACTORIES[name]()
+    schedule = SCHEDULES[sorted(FACTORIES).index(name) % 3]  # each export costs; one schedule each
+    pipe = assert_pipeline_equivalent(model, args, example_kwargs=kwargs, n_stages=3, chunks=3,
+                                      devices=["cpu"] * 3, tracer="export", schedules=[schedule])
+    assert pipe._gm.meta["fxpipe.tracer"] == "export"
+
+
+def test_export_keeps_the_model_s_names_and_parameters():
+    model = TiedTransformer()
+    pipe = fxpipe.compile(model, 3, example_inputs=(torch.randint(0, 32, (4, 8)),), chunks=2,
+                          devices=["cpu", "cpu:0", "cpu"], tracer="export")
+    assert list(pipe.state_dict().keys()) == list(model.state_dict().keys())
+    own = {id(p) for p in model.parameters()}
+    assert {id(p) for stage in pipe.stages for p in stage.parameters()} <= own
+    pipe(torch.randint(0, 32, (4, 8))).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())  # in the model's own Parameters
+
+
+def test_export_split_points_name_modules():
+    model = CNN().eval()
+    pipe = fxpipe.compile(model, 3, example_inputs=(torch.randn(4, 3, 8, 8),), split_points=["convs.1", "fc"],
+                          devices=["cpu"] * 3, tracer="export")
+    nodes = {n.name: n for n in pipe._gm.graph.nodes}
+    first = [nodes[v] for v in pipe.plan.stages[1].nodes if nodes[v].op == "call_function"][0]
+    assert [path for path, _ in first.meta["nn_module_stack"].values()][-1] == "convs.1"
+
+
+def test_export_with_a_batch_of_one_keeps_the_batch_dynamic():
+    model = CNN().eval()
+    reference = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(1, 3, 8, 8),), chunks=2,
+                          devices=["cpu"] * 2, tracer="export")
+    x = torch.randn(5, 3, 8, 8)
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-6)
+
+
+def test_export_fixes_the_mode():
+    model = CNN()  # training mode: batch norm uses batch statistics
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 3, 8, 8),), devices=["cpu"] * 2,
+                          tracer="export")
+    pipe(torch.randn(4, 3, 8, 8))
+    pipe.eval()
+    with pytest.raises(fxpipe.PipelineInputError, match="the pipe is in eval mode but torch.export "
+                                                        "traced the model in training mode"):
+        pipe(torch.randn(4, 3, 8, 8))
+
+
+class BatchBound(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).reshape(4, -1)  # fixes the batch size at 4
+
+
+def test_export_of_a_batch_dependent_model_is_refused_clearly():
+    with pytest.raises(fxpipe.TraceError, match="torch.export could not trace BatchBound with a dynamic "
+                                                "batch dimension") as info:
+        fxpipe.compile(BatchBound(), 2, example_inputs=(torch.randn(4, 8),), tracer="export")
+    assert "use the fx front end" in str(info.value) and info.value.__cause__ is not None
+
+
+class BranchOnBatch(nn.Module):
+    """Branch on the batch size for speed only, as diffusers' Upsample2D and ResnetBlock2D do."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if h.shape[0] >= 64:
+            h = h.contiguous()
+        return self.b(h)
+
+
+def test_export_retries_with_the_batch_bound_torch_suggests(caplog):
+    with caplog.at_level("WARNING", logger="fxpipe.frontend.export"):
+        pipe = assert_pipeline_equivalent(BranchOnBatch(), (torch.randn(8, 8),), n_stages=2, chunks=2,
+                                          devices=["cpu"] * 2, tracer="export", schedules=["1f1b"])
+    assert "exported with the batch bounded to [1, 63] as torch suggests" in caplog.text
+    assert pipe(torch.randn(100, 8)).shape == (100, 8)  # micro-batches of 50 rows: inside the bound
+    with pytest.raises(AssertionError, match="Guard failed"):
+        pipe(torch.randn(130, 8))  # micro-batches of 65 rows: past it
+
+
+def test_export_retries_with_dim_auto_when_the_suggestion_is_unreadable(monkeypatch, caplog):
+    monkeypatch.setattr(fxpipe.frontend.export, "_suggested_batch", lambda message: None)
+    with caplog.at_level("WARNING", logger="fxpipe.frontend.export"):
+        gm = fxpipe.trace(BranchOnBatch(), tracer="export", example_inputs=(torch.randn(8, 8),))
+    assert "bounded to [1, 63]" in caplog.text and gm(torch.randn(63, 8)).shape == (63, 8)
+
+
+def test_export_refuses_when_no_bound_admits_the_micro_batches():
+    # an example of 80 rows takes the branch: torch admits only batches of 64 rows or more
+    with pytest.raises(fxpipe.TraceError, match=r"admits only a batch in \[64, inf\] for this example, "
+                                                r"but fxpipe runs micro-batches of 1 to 80 rows"):
+        fxpipe.compile(BranchOnBatch(), 2, example_inputs=(torch.randn(80, 8),), tracer="export")
+
+
+def test_export_needs_example_inputs():
+    with pytest.raises(ValueError, match="tracer='export' needs example_inputs="):
+        fxpipe.compile(CNN(), 2, tracer="export")
+
+
+def test_callable_tracer_and_bad_tracers():
+    model = CNN().eval()
+    calls = []
+
+    def my_tracer(m):
+        calls.append(m)
+        return torch.fx.symbolic_trace(m)
+
+    pipe = assert_pipeline_equivalent(model, (torch.randn(4, 3, 8, 8),), n_stages=2, chunks=2,
+                                      devices=["cpu"] * 2, tracer=my_tracer)
+    # the model, then a fresh copy for each schedule's pipe.step check
+    assert calls[0] is model and len(calls) == 4 and list(pipe.state_dict()) == list(model.state_dict())
+    with pytest.raises(ValueError, match="tracer='jit'; use 'fx', 'export', or a callable"):
+        fxpipe.compile(CNN(), 2, tracer="jit")
+    with pytest.raises(TypeError, match="returned Sequential; a tracer must return a torch.fx.GraphModule"):
+        fxpipe.trace(CNN(), tracer=lambda m: nn.Sequential())
+
+
+class ShapeBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.shape[1] > 4:  # control flow on a shape: fx cannot trace it, export specialises it
+            h = torch.tanh(h)
+        return self.b(h)
+
+
+def test_export_traces_control_flow_on_shapes_that_fx_cannot():
+    with pytest.raises(fxpipe.TraceError):
+        fxpipe.trace(ShapeBranch())
+    assert_pipeline_equivalent(ShapeBranch(), (torch.randn(4, 8),), n_stages=2, chunks=2,
+                               devices=["cpu"] * 2, tracer="export")

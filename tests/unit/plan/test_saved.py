@@ -1,0 +1,148 @@
+"""Saved plans: compile(plan=...) reuses the stage assignment; a changed model is refused."""
+
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import MLP, TiedTransformer
+from torch import nn
+from transformer import Block
+from unet import UNet
+
+import fxpipe
+from fxpipe.plan.pipeline import PipelinePlan
+from fxpipe.testing import assert_pipeline_equivalent
+
+
+def _unet(depth=3):
+    torch.manual_seed(0)
+    return UNet(depth=depth, base=4).eval()
+
+
+def _layout(plan):
+    return [(s.nodes, s.inputs, s.outputs) for s in plan.stages], [(r.name, r.src, r.dst) for r in plan.skips]
+
+
+def test_saved_plan_is_reused_instead_of_partitioning(tmp_path):
+    x = torch.randn(4, 3, 16, 16)
+    # split points no cost model would choose, so a re-partition would give other stages
+    first = fxpipe.compile(_unet(), 4, example_inputs=(x,), chunks=2, devices=["cpu"] * 4,
+                           split_points=["down.0.bn2", "middle", "dec.2.conv2"])
+    path = tmp_path / "plan.json"
+    first.plan.save(str(path))
+    fresh = fxpipe.compile(_unet(), 4, example_inputs=(x,), chunks=2, devices=["cpu"] * 4)
+    assert _layout(fresh.plan) != _layout(first.plan)
+
+    again = assert_pipeline_equivalent(_unet(), (x,), n_stages=4, chunks=2, devices=["cpu"] * 4, plan=str(path))
+    assert _layout(again.plan) == _layout(first.plan)
+    assert again.plan.graph_ops == first.plan.graph_ops and again.plan.graph_targets == first.plan.graph_targets
+    # a PipelinePlan object works too, and needs no example inputs
+    again = fxpipe.compile(_unet(), 4, devices=["cpu"] * 4, plan=first.plan)
+    assert _layout(again.plan) == _layout(first.plan)
+
+
+def test_plan_records_op_and_target_of_every_node():
+    plan = fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(3, 16),), devices=["cpu"] * 2).plan
+    assert len(plan.graph_nodes) == len(plan.graph_ops) == len(plan.graph_targets)
+    nodes = dict(zip(plan.graph_nodes, zip(plan.graph_ops, plan.graph_targets)))
+    assert nodes["layers_0"] == ("call_module", "layers.0 (Linear)")
+    assert nodes["relu"] == ("call_function", "torch.nn.functional.relu")
+    assert PipelinePlan.from_json(plan.to_json()) == plan
+
+
+def test_plan_without_ops_from_older_versions_loads_and_is_checked_by_name(tmp_path):
+    plan = fxpipe.compile(MLP(), 2, devices=["cpu"] * 2).plan
+    data = json.loads(plan.to_json())
+    del data["graph_ops"], data["graph_targets"]
+    old = PipelinePlan.from_dict(data)
+    assert old.graph_ops == [] and old.graph_targets == []
+    pipe = fxpipe.compile(MLP(), 2, devices=["cpu"] * 2, plan=old)
+    assert _layout(pipe.plan) == _layout(plan)
+
+    class Longer(MLP):
+        def forward(self, x):
+            return super().forward(x).tanh()
+
+    with pytest.raises(fxpipe.PlanMismatchError, match=r"added \(1\): tanh"):
+        fxpipe.compile(Longer(), 2, devices=["cpu"] * 2, plan=old)
+
+
+def test_removed_nodes_are_named():
+    plan = fxpipe.compile(_unet(3), 4, devices=["cpu"] * 4).plan
+    with pytest.raises(fxpipe.PlanMismatchError) as info:
+        fxpipe.compile(_unet(2), 4, devices=["cpu"] * 4, plan=plan)
+    msg = str(info.value)
+    assert "no longer matches the saved plan" in msg
+    assert "removed (" in msg and "down_2_conv1 (call_module down.2.conv1 (Conv2d))" in msg
+    assert "make a new plan" in msg
+
+
+class _GeluBlock(Block):
+    """A block with the second layer norm's output passed through an extra GELU."""
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(F.gelu(self.norm2(x)))
+
+
+def test_added_node_is_reported_without_blaming_every_later_node():
+    plan = fxpipe.compile(TiedTransformer(), 3, devices=["cpu"] * 3).plan
+    changed = TiedTransformer()
+    changed.blocks[1].__class__ = _GeluBlock
+    with pytest.raises(fxpipe.PlanMismatchError) as info:
+        fxpipe.compile(changed, 3, devices=["cpu"] * 3, plan=plan)
+    lines = str(info.value).splitlines()
+    assert re.fullmatch(r"added \(1\): gelu \(call_function torch\.[\w.]*gelu\)", lines[1].strip())
+    assert not any(line.strip().startswith(("removed", "changed")) for line in lines)
+
+
+class _Swapped(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.a, self.b, self.act = nn.Linear(4, 4), nn.Linear(4, 4), act
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+def test_changed_op_and_renamed_node_are_reported():
+    plan = fxpipe.compile(_Swapped(nn.ReLU()), 2, devices=["cpu"] * 2).plan
+    with pytest.raises(fxpipe.PlanMismatchError, match=r"changed \(1\): act: call_module act \(ReLU\) -> "
+                                                       r"act: call_module act \(Tanh\)"):
+        fxpipe.compile(_Swapped(nn.Tanh()), 2, devices=["cpu"] * 2, plan=plan)
+
+    class Renamed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.act = nn.Linear(4, 4), nn.Linear(4, 4), nn.ReLU()
+
+        def forward(self, inp):
+            return self.b(self.act(self.a(inp)))
+
+    with pytest.raises(fxpipe.PlanMismatchError, match=r"renamed \(1\): x -> inp"):
+        fxpipe.compile(Renamed(), 2, devices=["cpu"] * 2, plan=plan)
+
+
+def test_stage_count_and_arguments_are_checked(tmp_path):
+    plan = fxpipe.compile(MLP(), 3, devices=["cpu"] * 3).plan
+    with pytest.raises(fxpipe.PlanMismatchError, match="the saved plan has 3 stages but n_stages=2; pass n_stages=3"):
+        fxpipe.compile(MLP(), 2, devices=["cpu"] * 2, plan=plan)
+    with pytest.raises(ValueError, match="either plan= .* or split_points="):
+        fxpipe.compile(MLP(), 3, devices=["cpu"] * 3, plan=plan, split_points=["layers.2", "layers.4"])
+    with pytest.raises(TypeError, match="plan= takes a PipelinePlan or the path"):
+        fxpipe.compile(MLP(), 3, devices=["cpu"] * 3, plan=3)
+    with pytest.raises(FileNotFoundError):
+        fxpipe.compile(MLP(), 3, devices=["cpu"] * 3, plan=str(tmp_path / "missing.json"))
+
+
+def test_plan_that_leaves_a_node_out_is_refused():
+    plan = fxpipe.compile(MLP(), 2, devices=["cpu"] * 2).plan
+    plan.stages[1].nodes.remove("layers_5")
+    with pytest.raises(fxpipe.PlanMismatchError, match="node 'layers_5' is assigned to stage None"):
+        fxpipe.compile(MLP(), 2, devices=["cpu"] * 2, plan=plan)

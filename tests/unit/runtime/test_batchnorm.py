@@ -1,0 +1,123 @@
+"""Deferred batch norm: running statistics after one step equal eager's on the full batch."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import CNN
+from torch import nn
+
+import fxpipe
+
+
+def _stats(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
+
+
+class Branches(nn.Module):
+    """Batch norms that all see rows of the input itself (through convolutions), so their
+    statistics do not depend on an earlier normalization: eager's full-batch statistics are
+    exactly what deferral must reproduce."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv2d(3, 4, 3, padding=1) for _ in range(3)])
+        self.bns = nn.ModuleList([nn.BatchNorm2d(4) for _ in range(3)])
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x):
+        h = 0
+        for conv, bn in zip(self.convs, self.bns):
+            h = h + torch.relu(bn(conv(x)))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_running_statistics_equal_eager(checkpoint, schedule):
+    model = Branches().train()
+    eager = copy.deepcopy(model)
+    x = torch.randn(10, 3, 8, 8) * 3 + 1
+    target = torch.randn(10, 5)
+    F.mse_loss(eager(x), target).backward()
+    pipe = fxpipe.compile(model, 3, example_inputs=(x,), chunks=4, checkpoint=checkpoint, schedule=schedule,
+                          devices=["cpu"] * 3, deferred_batch_norm=True)
+    pipe.step(x, target=target, loss_fn=F.mse_loss)
+    expected, actual = _stats(eager), _stats(model)
+    assert len(expected) == 9 and expected.keys() == actual.keys()
+    for k in expected:
+        torch.testing.assert_close(actual[k], expected[k], rtol=1e-5, atol=1e-6, msg=k)
+    stages = {j for j, s in enumerate(pipe.plan.stages) for n in s.nodes if n.startswith("bns_")}
+    assert len(stages) >= 2  # the batch norms really are spread over stages
+
+
+def test_first_batch_norm_of_a_chain_equals_eager():
+    # later batch norms of a chain see inputs normalized per micro-batch, so only the
+    # first one's statistics can equal eager's full-batch statistics
+    model = CNN().train()
+    eager = copy.deepcopy(model)
+    x = torch.randn(10, 3, 8, 8) * 3 + 1
+    eager(x)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=4, devices=["cpu"] * 2, deferred_batch_norm=True)
+    pipe(x)
+    torch.testing.assert_close(model.bns[0].running_mean, eager.bns[0].running_mean)
+    torch.testing.assert_close(model.bns[0].running_var, eager.bns[0].running_var)
+    assert all(int(bn.num_batches_tracked) == 1 for bn in model.bns)
+
+
+def test_without_deferral_statistics_follow_micro_batches():
+    model = CNN().train()
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 3, 8, 8) * 3 + 1
+    eager(x)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=4, devices=["cpu"] * 2)
+    pipe(x)
+    assert int(model.bns[0].num_batches_tracked) == 4  # one update per micro-batch
+    assert not torch.allclose(model.bns[0].running_var, eager.bns[0].running_var)
+
+
+def test_deferral_keeps_names_and_eval_behaviour():
+    model = CNN()
+    keys = list(model.state_dict())
+    x = torch.randn(6, 3, 8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=3, devices=["cpu"] * 2, deferred_batch_norm=True)
+    assert list(pipe.state_dict()) == keys
+    pipe(x)
+    pipe.eval()
+    eager = copy.deepcopy(model)
+    eager.bns.apply(lambda m: m.__dict__.pop("forward", None))
+    torch.testing.assert_close(pipe(x), eager.eval()(x))
+
+
+def test_batch_norm_1d():
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2)).train()
+    eager = copy.deepcopy(model)
+    x = torch.randn(9, 4)
+    eager(x)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=3, devices=["cpu"] * 2, deferred_batch_norm=True)
+    pipe(x)
+    torch.testing.assert_close(model[1].running_mean, eager[1].running_mean)
+    torch.testing.assert_close(model[1].running_var, eager[1].running_var)
+    assert int(model[1].num_batches_tracked) == 1
+
+
+def test_a_run_on_fake_tensors_accumulates_nothing():
+    # the distributed runtime propagates each new micro-batch layout's shapes through the graph
+    # on fake tensors, in training mode: that run must not count, or fake sums poison the commit
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxpipe.runtime.stage.batchnorm import commit_batch_norm, defer_batch_norm
+
+    model = Branches().train()
+    eager = copy.deepcopy(model)
+    x = torch.randn(10, 3, 8, 8) * 3 + 1
+    deferred = defer_batch_norm(model.modules())
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        model(mode.from_tensor(x))
+    assert all(bn._fxpipe_count == 0 and bn._fxpipe_sum is None for bn in deferred)
+    model(x)
+    commit_batch_norm(deferred)
+    eager(x)
+    for k, v in _stats(eager).items():
+        torch.testing.assert_close(_stats(model)[k], v, rtol=1e-5, atol=1e-6, msg=k)

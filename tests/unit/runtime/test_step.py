@@ -1,0 +1,120 @@
+"""pipe.step: one training step with a loss per micro-batch equals eager's loss and gradients."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import TiedTransformer, token_loss
+from unet import UNet
+
+import fxpipe
+from fxpipe.testing import max_relative_error
+
+
+def _compare(model, x, target, loss_fn, **kw):
+    eager = copy.deepcopy(model)
+    expected = loss_fn(eager(x), target)
+    expected.backward()
+    pipe = fxpipe.compile(model, example_inputs=(x,), **kw)
+    loss = pipe.step(x, target=target, loss_fn=loss_fn)
+    assert loss.requires_grad is False
+    assert max_relative_error(loss, expected) < 1e-5
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+@pytest.mark.parametrize("chunks", [1, 3, 4])
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_step_cross_entropy_transformer(chunks, checkpoint, schedule):
+    model = TiedTransformer()
+    tokens = torch.randint(0, 32, (7, 8))
+    target = torch.randint(0, 32, (7, 8))
+
+    _compare(model, tokens, target, token_loss, n_stages=3, chunks=chunks, checkpoint=checkpoint,
+             devices=["cpu"] * 3, schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_step_mse_unet_uneven_micro_batches(schedule):
+    model = UNet(depth=2, base=4).eval()
+    x, target = torch.randn(5, 3, 8, 8), torch.randn(5, 2, 8, 8)
+    _compare(model, x, target, F.mse_loss, n_stages=4, chunks=4, devices=["cpu"] * 4, schedule=schedule)
+
+
+def test_zero_bubble_step_runs_deferred_weight_gradients_in_w(monkeypatch):
+    from fxpipe.runtime.stage import wgrad
+
+    model = TiedTransformer()
+    tokens = torch.randint(0, 32, (6, 8))
+    pipe = fxpipe.compile(model, 3, example_inputs=(tokens,), chunks=3, schedule="zb", devices=["cpu"] * 3)
+    assert "0W2" in pipe.code.split()
+    sizes = []
+    run = wgrad.run
+    monkeypatch.setattr(wgrad, "run", lambda store: (sizes.append(len(store)), run(store)))
+    with fxpipe.timeline() as tl:
+        pipe.step(tokens, target=tokens, loss_fn=lambda out, t: out.logsumexp(-1).mean())
+    assert len(sizes) == 9 and sum(sizes) > 0  # a W per stage and micro-batch, some with linears
+    weights = sorted((e["args"]["stage"], e["args"]["micro_batch"]) for e in tl.events if e["cat"] == "weight")
+    assert weights == [(j, i) for j in range(3) for i in range(3)]
+
+
+def test_step_rejects_a_target_of_another_batch_size():
+    model = UNet(depth=2, base=4).eval()
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 3, 8, 8),), chunks=2, devices=["cpu"] * 2)
+    with pytest.raises(fxpipe.PipelineInputError, match="target has 3 rows on dim 0 but the inputs have 4"):
+        pipe.step(torch.randn(4, 3, 8, 8), target=torch.randn(3, 2, 8, 8), loss_fn=F.mse_loss)
+
+
+def test_step_with_an_unbatched_target_covers_every_micro_batch():
+    model = UNet(depth=2, base=4).eval()
+    x = torch.randn(6, 3, 8, 8)
+    eager = copy.deepcopy(model)
+    expected = eager(x).mean()
+    expected.backward()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=3, devices=["cpu"] * 2)
+    loss = pipe.step(x, target=None, loss_fn=lambda out, _: out.mean())
+    assert max_relative_error(loss, expected) < 1e-5
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
+
+
+def test_zero_bubble_step_after_a_failed_one_adds_no_stale_weight_gradients():
+    model = TiedTransformer()
+    tokens = torch.randint(0, 32, (8, 8))
+    pipe = fxpipe.compile(model, 2, example_inputs=(tokens,), chunks=4, schedule="zb", checkpoint="never",
+                          devices=["cpu"] * 2)
+    calls = []
+
+    def failing(out, t):
+        calls.append(1)
+        if len(calls) == 3:  # the last stage's third forward: micro-batch 1's W is still pending
+            raise RuntimeError("loss failed")
+        return out.logsumexp(-1).mean()
+
+    with pytest.raises(RuntimeError, match="loss failed"):
+        pipe.step(tokens, target=tokens, loss_fn=failing)
+    pipe.zero_grad(set_to_none=True)
+    loss_fn = lambda out, t: out.logsumexp(-1).mean()  # noqa: E731
+    eager = copy.deepcopy(model)
+    loss_fn(eager(tokens), tokens).backward()
+    pipe.step(tokens, target=tokens, loss_fn=loss_fn)
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_step_refuses_a_per_sample_loss_naming_the_fix(schedule):
+    model = UNet(depth=2, base=4).eval()
+    x = torch.randn(4, 3, 8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, schedule=schedule)
+    per_sample = lambda out, t: F.mse_loss(out, t, reduction="none")  # noqa: E731
+    with pytest.raises(fxpipe.PipelineInputError, match=r"loss_fn returned a tensor of shape \(2, 2, 8, 8\);"
+                                                        r".*reduction='mean'"):
+        pipe.step(x, target=torch.randn(4, 2, 8, 8), loss_fn=per_sample)
+    with pytest.raises(fxpipe.PipelineInputError, match="loss_fn returned a tuple; pipe.step needs the loss alone"):
+        pipe.step(x, target=torch.randn(4, 2, 8, 8), loss_fn=lambda out, t: (F.mse_loss(out, t), {"mse": 0.0}))

@@ -1,0 +1,75 @@
+"""The simulator reproduces the schedules' analytic step times with unit costs."""
+
+import pytest
+
+from fxpipe.errors import ScheduleError
+from fxpipe.runtime.schedules.actions import Action, parse
+from fxpipe.runtime.schedules.builtin import MULTI_PRODUCERS as MULTI
+from fxpipe.runtime.schedules.builtin import PRODUCERS as SCHEDULES
+from fxpipe.simulate.eventsim import run
+
+
+def _step(actions, costs, **kw):
+    return max(s.end for s in run(actions, lambda a: costs[a.kind], **kw))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("f, b", [(1, 1), (1, 2), (2, 3)])
+def test_gpipe_and_1f1b_take_m_plus_n_minus_1_times_f_plus_b(schedule, n, m, f, b):
+    assert _step(SCHEDULES[schedule](n, m), {"F": f, "B": b}) == (m + n - 1) * (f + b)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_zero_bubble_takes_3m_plus_n_minus_1_units(n, m):
+    if m < n:
+        pytest.skip("ZB-H1's 3m + n - 1 holds for m >= n")
+    assert _step(SCHEDULES["zb"](n, m), {"F": 1, "I": 1, "W": 1}) == 3 * m + n - 1
+
+
+def test_zero_bubble_beats_1f1b_by_the_weight_steps_it_moves_into_the_bubble():
+    n, m = 4, 8
+    one_f_one_b = _step(SCHEDULES["1f1b"](n, m), {"F": 1, "B": 2})
+    zb = _step(SCHEDULES["zb"](n, m), {"F": 1, "I": 1, "W": 1})
+    assert one_f_one_b - zb == 2 * (n - 1)  # 3(m + n - 1) - (3m + n - 1)
+
+
+@pytest.mark.parametrize("n, v, m", [(2, 2, 4), (4, 2, 8)])
+def test_interleaved_1f1b_bubble_shrinks_by_the_stages_per_rank(n, v, m):
+    # Interleaved 1F1B (Narayanan et al., 2021): n ranks, v stages per rank ("loop" placement),
+    # each stage 1/v of a rank's work: (m + (n - 1) / v) (F + B) with F, B a whole rank's times.
+    actions = MULTI["interleaved"](n * v, m, n)
+    rank_of = [s % n for s in range(n * v)]
+    step = _step(actions, {"F": 1 / v, "B": 2 / v}, rank_of=rank_of, n_stages=n * v)
+    assert step == pytest.approx((m + (n - 1) / v) * 3)
+
+
+def test_message_delay_counts_only_between_ranks():
+    actions = SCHEDULES["gpipe"](2, 1)  # F0 on 0, F0 on 1, B0 on 1, B0 on 0
+    far = _step(actions, {"F": 1, "B": 1}, delay=lambda src, dst, kind, mb: 0.5)
+    assert far == 4 + 2 * 0.5  # one send of values, one of gradients
+    near = _step(actions, {"F": 1, "B": 1}, delay=lambda src, dst, kind, mb: 0.5, rank_of=[0, 0])
+    assert near == 4
+
+
+def test_one_device_runs_the_clock_s_actions_in_turn():
+    actions = SCHEDULES["1f1b"](4, 8)
+    costs = {"F": 1, "B": 2}
+    assert _step(actions, costs, clocked=True, device_of=[0, 0, 0, 0]) == 4 * 8 * 3
+    assert _step(actions, costs, clocked=True, device_of=[0, 1, 2, 3]) >= (8 + 4 - 1) * 3
+
+
+def test_several_stages_per_rank_run_in_the_rank_s_order():
+    # 2 ranks, 4 stages, "loop": stage s on rank s % 2; rank 0 runs stages 0 and 2
+    rows = parse("0F0 2F0 2B0 0B0\n1F0 3F0 3B0 1B0")
+    spans = run(rows, lambda a: 1.0, n_stages=4, rank_of=[0, 1, 0, 1])
+    at = {str(s.action): (s.start, s.rank) for s in spans}
+    assert at["2F0"] == (2.0, 0) and at["3F0"] == (3.0, 1) and at["1B0"] == (6.0, 1)
+    assert max(s.end for s in spans) == 8.0
+
+
+def test_a_schedule_that_cannot_finish_is_refused():
+    with pytest.raises(ScheduleError, match="can never finish"):
+        run([[Action(0, "B", 0), Action(0, "F", 0)]], lambda a: 1.0)

@@ -1,0 +1,190 @@
+"""fxpipe.testing: a failing comparison names the first stage and node; the pytest plugin."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from paths import ROOT
+from torch import nn
+
+from fxpipe import passes
+from fxpipe.testing import assert_pipeline_equivalent, default_tolerance
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(6)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class _ScaledGrad(torch.autograd.Function):
+    """tanh forward, but a gradient three times too large."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return 3 * g * (1 - y * y)
+
+
+def _scaled_tanh(x):
+    return _ScaledGrad.apply(x)
+
+
+def _sabotage(monkeypatch, stage, replacement):
+    """Make ``passes.split`` swap the first tanh of ``stage`` for ``replacement``."""
+    real = passes.split
+
+    def split(gm, n):
+        modules, stages, routes = real(gm, n)
+        module = modules[stage]
+        node = next(n for n in module.graph.nodes if n.target is torch.tanh)
+        node.target = replacement
+        module.recompile()
+        return modules, stages, routes
+
+    monkeypatch.setattr(passes, "split", split)
+
+
+def test_forward_divergence_names_stage_and_node(monkeypatch):
+    _sabotage(monkeypatch, 1, torch.sigmoid)
+    with pytest.raises(AssertionError) as info:
+        assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), n_stages=3, chunks=2,
+                                   split_points=["layers.2", "layers.4"], devices=["cpu"] * 3)
+    msg = str(info.value)
+    assert msg.startswith("output leaf 0 differs from eager")
+    assert "forward first diverges at stage 1, node 'tanh_2' (call_function tanh" in msg
+
+
+def test_rtol_alone_still_diagnoses(monkeypatch):
+    # atol left to the dtype's default, in the diagnosis as in the comparison (None broke it)
+    _sabotage(monkeypatch, 1, torch.sigmoid)
+    with pytest.raises(AssertionError, match="forward first diverges at stage 1"):
+        assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), n_stages=3, chunks=2, rtol=1e-4,
+                                   split_points=["layers.2", "layers.4"], devices=["cpu"] * 3)
+
+
+def test_backward_divergence_names_stage_and_node(monkeypatch):
+    _sabotage(monkeypatch, 2, _scaled_tanh)
+    with pytest.raises(AssertionError) as info:
+        assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), n_stages=3, chunks=2,
+                                   split_points=["layers.2", "layers.4"], devices=["cpu"] * 3)
+    msg = str(info.value)
+    assert msg.startswith("gradient of layers.0.weight differs from eager")  # all upstream of it
+    assert ("backward first diverges (from the output) at stage 2, node 'layers_4' (call_module "
+            "layers.4: Linear, module 'layers.4'): the gradient flowing back into it from 'tanh_4'") in msg
+
+
+def test_a_tracer_that_changes_the_model_is_blamed():
+    def wrong(model):
+        gm = torch.fx.symbolic_trace(model)
+        node = next(n for n in gm.graph.nodes if n.target is torch.tanh)
+        node.target = torch.sigmoid
+        gm.recompile()
+        return gm
+
+    with pytest.raises(AssertionError, match="the traced graph's output differs from eager on "
+                                             "micro-batch 0 .*: the tracer changed the model"):
+        assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), n_stages=2, devices=["cpu"] * 2,
+                                   tracer=wrong)
+
+
+def test_batch_dependent_math_is_blamed_on_the_runtime():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))  # training mode
+    with pytest.raises(AssertionError, match="the difference comes from the runtime"):
+        assert_pipeline_equivalent(model, (torch.randn(6, 8),), n_stages=2, chunks=2, devices=["cpu"] * 2)
+
+
+def test_default_tolerance_follows_dtype():
+    assert default_tolerance(torch.float32) == (1e-5, 1e-6)
+    assert default_tolerance(torch.float64)[0] < 1e-9
+    assert default_tolerance(torch.bfloat16)[0] > default_tolerance(torch.float16)[0] > 1e-5
+
+
+def test_plugin_is_registered_as_an_entry_point():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["entry-points"]["pytest11"] == {"fxpipe": "fxpipe.testing.plugin"}
+
+
+@pytest.mark.slow  # about 2 s or more: left out of the fast loop
+def test_plugin_offers_the_fixture(tmp_path):
+    (tmp_path / "test_user.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        def test_pipelines(assert_pipeline_equivalent):
+            model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+            pipe = assert_pipeline_equivalent(model, (torch.randn(6, 4),), n_stages=2, chunks=3,
+                                              devices=["cpu"] * 2)
+            assert len(pipe.stages) == 2
+    """))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # -p no:fxpipe: the entry point may point at another checkout; load this one's module
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:fxpipe", "-p",
+                             "fxpipe.testing.plugin", "-p", "no:cacheprovider", str(tmp_path)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert "1 passed" in result.stdout, result.stdout + result.stderr
+
+
+def test_pipe_step_is_checked_under_every_schedule(monkeypatch):
+    # break the action-list runtime only: each input gradient a stage hands back is doubled,
+    # so pipe(x) (autograd across stages) and GPipe's step stay right, 1F1B's and ZB's do not
+    from fxpipe.runtime.stage import worker
+
+    real = worker._grad_of
+    monkeypatch.setattr(worker, "_grad_of", lambda leaf: _doubled(real(leaf)))
+    kwargs = dict(n_stages=3, chunks=2, split_points=["layers.2", "layers.4"], devices=["cpu"] * 3)
+    assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), schedules=(), **kwargs)  # misses it
+    assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), schedules=["gpipe"], **kwargs)
+    with pytest.raises(AssertionError, match=r"pipe.step with schedule='1f1b': gradient of "
+                                             r"layers.0.weight differs from eager"):
+        assert_pipeline_equivalent(Chain(), (torch.randn(4, 8),), **kwargs)
+
+
+def _doubled(grad):
+    return 2 * grad if isinstance(grad, torch.Tensor) else grad
+
+
+def test_pipe_step_takes_the_caller_s_loss_and_target():
+    target = torch.randn(6, 8)
+    seen = []
+
+    def mse(out, tgt):
+        seen.append(tgt.shape[0])
+        return torch.nn.functional.mse_loss(out, tgt)
+
+    assert_pipeline_equivalent(Chain(), (torch.randn(6, 8),), n_stages=2, chunks=3, devices=["cpu"] * 2,
+                               schedules=["zb"], step_loss=mse, target=target)
+    assert seen[0] == 6 and set(seen[1:]) == {2}  # eager on the batch, then per micro-batch (recomputed too)
+
+
+def _dropout_chain():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3)) for _ in range(4)])
+
+
+def test_dropout_in_training_mode_equals_eager_with_one_micro_batch():
+    """Eager and the pipe draw from one seed, so the masks agree (each schedule's step too)."""
+    model, x = _dropout_chain(), torch.randn(6, 8)
+    state = torch.get_rng_state()
+    assert_pipeline_equivalent(model, (x,), n_stages=4, chunks=1, devices=["cpu"] * 4)
+    assert torch.equal(state, torch.get_rng_state())  # the caller's random state is left as it was
+    with pytest.raises(AssertionError, match="the model draws random numbers in training mode \\('_0_1', "
+                                             "'_1_1', '_2_1', ...\\).*compare in eval mode"):
+        assert_pipeline_equivalent(_dropout_chain(), (torch.randn(6, 8),), n_stages=4, chunks=3,
+                                   devices=["cpu"] * 4, schedules=())

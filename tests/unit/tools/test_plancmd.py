@@ -1,0 +1,85 @@
+"""The fxpipe plan command: the ranked table, the saved plan, errors and exit codes."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from paths import ROOT
+
+from fxpipe.tools import cli
+
+MODELS = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    def mlp():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)) for _ in range(4)])
+        return model, torch.randn(32, 64)
+
+
+    def no_inputs():
+        return nn.Linear(4, 4)
+''')
+
+
+@pytest.fixture
+def models(tmp_path):
+    path = tmp_path / "plan_models.py"
+    path.write_text(MODELS)
+    return str(path)
+
+
+def test_plan_prints_the_ranking_and_saves_the_first_choice(models, tmp_path, capsys):
+    out = tmp_path / "best.json"
+    trace = tmp_path / "trace.json"
+    status = cli.main(["plan", f"{models}:mlp", "--ranks", "4", "--device", "h100", "--memory", "80GB",
+                       "--global-batch", "256", "--chunks", "1,4,16", "--json", str(out), "--trace", str(trace),
+                       "--top", "5"])
+    text = capsys.readouterr().out
+    assert status == 0, text
+    assert "on 4 x h100 (nominal)" in text and "global batch 256" in text
+    lines = text.splitlines()
+    top = next(k for k, line in enumerate(lines) if line.split()[:3] == ["#", "stages", "chunks"])
+    assert [line.split()[0] for line in lines[top + 2:top + 7]] == ["1", "2", "3", "4", "5"]
+    assert "first choice:" in text and "plan saved to" in text
+    assert out.exists() and trace.exists()
+    # the saved plan is a plan `fxpipe inspect --plan` reuses
+    assert cli.main(["inspect", f"{models}:mlp", "--plan", str(out)]) == 0
+    assert "plan from" in capsys.readouterr().out
+
+
+def test_a_budget_nothing_fits_fails_naming_the_smallest(models, capsys):
+    status = cli.main(["plan", f"{models}:mlp", "--ranks", "2", "--device", "a100", "--memory", "10kB",
+                       "--chunks", "2"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "no configuration fits in 10.0kB per device; the smallest needs" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "tpu"], "device='tpu'"),
+    (["--memory", "lots"], "not a memory size"),
+    (["--schedules", "gpipe,pipedream"], "'pipedream' is not a schedule"),
+    (["--schedules", "zbv"], "'zbv' places several stages on a rank, which fxpipe plan does not search yet"),
+    (["--device", "h100", "--measure"], "--measure times nodes on this machine"),
+])
+def test_bad_options_exit_2(models, capsys, args, message):
+    assert cli.main(["plan", f"{models}:mlp", "--ranks", "2", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_model_without_inputs_asks_for_them(models, capsys):
+    assert cli.main(["plan", f"{models}:no_inputs", "--ranks", "2", "--device", "h100"]) == 2
+    assert "planning needs example inputs" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # about 2 s or more: left out of the fast loop
+def test_plan_runs_as_a_command():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-m", "fxpipe", "plan", "--help"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--ranks" in done.stdout and "--memory" in done.stdout
