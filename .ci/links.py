@@ -20,7 +20,8 @@ import unicodedata
 from pathlib import Path
 from urllib.parse import unquote
 
-ROOT = Path(__file__).resolve().parent.parent
+from mdfiles import ROOT, markdown_files
+
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*(<[^>]*>|[^()\s]*(?:\([^()\s]*\)[^()\s]*)*)(?:\s+[\"'(].*?[\"')])?\s*\)")
@@ -29,13 +30,6 @@ HTML = re.compile(r"""\b(?:href|src)\s*=\s*["']([^"']+)["']""")
 ANCHOR = re.compile(r"""<a\s[^>]*\b(?:id|name)\s*=\s*["']([^"']+)["']""")
 HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
-
-
-def markdown_files() -> list[Path]:
-    """Return the files whose links are checked."""
-    files = [ROOT / "README.md", ROOT / "benchmarks" / "README.md"]
-    files += sorted((ROOT / "docs").rglob("*.md"))
-    return [f for f in files if f.is_file()]
 
 
 def prose_lines(text: str, keep_code: bool = False) -> list[tuple[int, str]]:

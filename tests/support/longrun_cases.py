@@ -8,13 +8,13 @@ import time
 
 import torch
 from models import token_loss
-from rope import RopeDecoder, rope_init
+from rope import RopeLM, rope_init
 
 import fxpipe
 from fxpipe.testing import max_relative_error
 
 
-def _tokens(step: int, t: int, batch: int = 8):
+def tokens(step: int, t: int, batch: int = 8):
     """Return step ``step``'s tokens and targets of length ``t`` (the same in every process)."""
     g = torch.Generator().manual_seed(step)
     return torch.randint(0, 64, (batch, t), generator=g), torch.randint(0, 64, (batch, t), generator=g)
@@ -23,7 +23,7 @@ def _tokens(step: int, t: int, batch: int = 8):
 def _compile(model, world, schedule, **kw):
     """Compile ``model`` for ``world`` ranks (two stages per rank for interleaved and zbv)."""
     per = 2 if schedule in ("interleaved", "zbv") else 1
-    kw = {"example_inputs": (_tokens(0, 16)[0],), "chunks": 4, **kw}
+    kw = {"example_inputs": (tokens(0, 16)[0],), "chunks": 4, **kw}
     return fxpipe.compile(model, world * per, runtime="distributed", timeout=60, schedule=schedule,
                           stages_per_rank=per, **kw)
 
@@ -45,13 +45,13 @@ def _compare(pipe, model, eager, rank, ids, target, loss_fn=token_loss, inputs_e
 def seqlens(rank, world, schedule):
     """Sequence lengths 16, 24, 8, 24 (the plan traced at 16) in one run, each step equal to eager."""
     torch.manual_seed(0)
-    model = RopeDecoder()
+    model = RopeLM()
     eager = copy.deepcopy(model)
     pipe = _compile(model, world, schedule)
     errors, seconds = [], []
     for step, t in enumerate([16, 24, 8, 24]):
         start = time.perf_counter()
-        errors.append(_compare(pipe, model, eager, rank, *_tokens(step, t)))
+        errors.append(_compare(pipe, model, eager, rank, *tokens(step, t)))
         seconds.append(time.perf_counter() - start)
     return {"errors": errors, "seconds": seconds}
 
@@ -59,42 +59,42 @@ def seqlens(rank, world, schedule):
 def recover(rank, world, schedule):
     """A loss that raises on the loss's rank, a batch the model cannot take; then steps equal to eager."""
     torch.manual_seed(0)
-    model = RopeDecoder()
+    model = RopeLM()
     eager = copy.deepcopy(model)
     pipe = _compile(model, world, schedule)
-    out = {"before": _compare(pipe, model, eager, rank, *_tokens(1, 16))}
+    out = {"before": _compare(pipe, model, eager, rank, *tokens(1, 16))}
 
     def broken(logits, target):
         raise RuntimeError("broken loss")
 
     start = time.monotonic()
     try:
-        pipe.step(_tokens(2, 16)[0] if rank == 0 else None, target=_tokens(2, 16)[1], loss_fn=broken)
+        pipe.step(tokens(2, 16)[0] if rank == 0 else None, target=tokens(2, 16)[1], loss_fn=broken)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out["failed"] = [type(exc).__name__, str(exc), time.monotonic() - start]
     for p in model.parameters():  # the failed step's gradients are partial: drop them, as a loop would
         p.grad = None
-    out["after"] = _compare(pipe, model, eager, rank, *_tokens(3, 16))
-    ids, target = _tokens(4, 40)  # longer than the rotary tables: the model itself cannot run it
+    out["after"] = _compare(pipe, model, eager, rank, *tokens(3, 16))
+    ids, target = tokens(4, 40)  # longer than the rotary tables: the model itself cannot run it
     try:
         pipe.step(ids if rank == 0 else None, target=target, loss_fn=token_loss)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out["refused"] = [type(exc).__name__, str(exc)]
-    out["again"] = _compare(pipe, model, eager, rank, *_tokens(5, 24))
+    out["again"] = _compare(pipe, model, eager, rank, *tokens(5, 24))
     return out
 
 
 def misuse(rank, world, schedule):
     """The target on the first rank only; the inputs on the last rank only; then a correct step."""
     torch.manual_seed(0)
-    model = RopeDecoder()
+    model = RopeLM()
     eager = copy.deepcopy(model)
     dp = 2 if world == 4 else 1
-    pipe = fxpipe.compile(model, world // dp, example_inputs=(_tokens(0, 16)[0],), chunks=2,
+    pipe = fxpipe.compile(model, world // dp, example_inputs=(tokens(0, 16)[0],), chunks=2,
                           runtime="distributed", timeout=20, schedule=schedule, data_parallel=dp)
     last = pipe.plan.stages[-1].on_rank
     me = rank % (world // dp)  # pipeline rank
-    ids, target = _tokens(1, 16)
+    ids, target = tokens(1, 16)
     out = {}
     for label, x, y in [("target_on_first", ids if me == 0 else None, target if me == 0 else None),
                         ("inputs_on_last", ids if me == last else None, target if me == last else None)]:
@@ -115,11 +115,11 @@ def rope_resume(rank, world, schedule):
     """A RoPE decoder on meta with weights= and init=: train, save, load into a fresh pipe, go on."""
     out_dir = os.environ["FXPIPE_TEST_DIR"]
     torch.manual_seed(0)
-    weights = RopeDecoder().state_dict()  # persistent tensors only: the rotary tables are not saved
+    weights = RopeLM().state_dict()  # persistent tensors only: the rotary tables are not saved
 
     def build():
         with torch.device("meta"):
-            model = RopeDecoder()
+            model = RopeLM()
         pipe = _compile(model, world, schedule, weights=weights, init=rope_init)
         return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2)
 
@@ -127,7 +127,7 @@ def rope_resume(rank, world, schedule):
         losses = []
         for step in steps:
             opt.zero_grad()
-            ids, target = _tokens(step, 16)
+            ids, target = tokens(step, 16)
             losses.append(float(pipe.step(ids, target=target, loss_fn=token_loss)))
             opt.step()
         return losses
@@ -154,11 +154,11 @@ def chunks_warning(rank, world, schedule):
     import warnings
 
     torch.manual_seed(0)
-    pipe = _compile(RopeDecoder(), world, schedule)
+    pipe = _compile(RopeLM(), world, schedule)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(2):
-            ids, target = _tokens(step, 16, batch=2)
+            ids, target = tokens(step, 16, batch=2)
             pipe.step(ids, target=target, loss_fn=token_loss)
     return {"warnings": [str(w.message) for w in caught if "micro-batch" in str(w.message)]}
 
@@ -166,8 +166,8 @@ def chunks_warning(rank, world, schedule):
 def dies_then(rank, world, schedule):
     """Rank 1 dies in the second step; the others raise, then raise again at once on the next call."""
     torch.manual_seed(0)
-    pipe = _compile(RopeDecoder(), world, schedule)
-    ids, target = _tokens(1, 16)
+    pipe = _compile(RopeLM(), world, schedule)
+    ids, target = tokens(1, 16)
     pipe.step(ids, target=target, loss_fn=token_loss)
     if rank == 1:
         os._exit(3)
@@ -201,23 +201,23 @@ def hf_llama(rank, world, schedule):
     pipe = _compile(model, world, schedule, tracer="export")
     out = {"meta_after_compile": sorted(n for n, t in model.state_dict(keep_vars=True).items()
                                         if not t.is_meta and n not in pipe.state_dict())}
-    out["errors"] = [_compare(pipe, model, eager, rank, *_tokens(step, t), loss_fn=loss_fn)
+    out["errors"] = [_compare(pipe, model, eager, rank, *tokens(step, t), loss_fn=loss_fn)
                      for step, t in enumerate([16, 24, 8])]
 
     def broken(o, target):
         raise RuntimeError("broken loss")
 
     try:
-        pipe.step(*_tokens(9, 16)[:1], target=_tokens(9, 16)[1], loss_fn=broken)
+        pipe.step(*tokens(9, 16)[:1], target=tokens(9, 16)[1], loss_fn=broken)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out["failed"] = type(exc).__name__
     for p in model.parameters():
         p.grad = None
-    out["errors"].append(_compare(pipe, model, eager, rank, *_tokens(10, 24), loss_fn=loss_fn))
+    out["errors"].append(_compare(pipe, model, eager, rank, *tokens(10, 24), loss_fn=loss_fn))
     path = os.path.join(os.environ["FXPIPE_TEST_DIR"], "llama")
     fxpipe.save(pipe, path)
     fresh_model = build()
     fresh = _compile(fresh_model, world, schedule, tracer="export")
     fxpipe.load(fresh, path)  # the rotary tables are in no checkpoint: they stay as replayed
-    out["errors"].append(_compare(fresh, fresh_model, eager, rank, *_tokens(11, 16), loss_fn=loss_fn))
+    out["errors"].append(_compare(fresh, fresh_model, eager, rank, *tokens(11, 16), loss_fn=loss_fn))
     return out

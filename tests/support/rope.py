@@ -1,5 +1,8 @@
-"""A Llama-style decoder for the tests: rotary tables in non-persistent buffers, RMSNorm, a tied head.
+"""A Llama-style decoder that builds under ``torch.device("meta")``: rotary tables in
+non-persistent buffers, RMSNorm, a tied head; on meta, ``rope_init`` sets what no checkpoint holds.
 
+(``models.RopeDecoder`` is the one whose ``__init__`` makes every value, for ``fxpipe.deferred_init``;
+it computes its rotary table on an explicit device, as Hugging Face's do, so it cannot build on meta.)
 Any sequence length up to ``max_len`` runs: the rotary angles are sliced to the input's.
 """
 
@@ -9,17 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class RMSNorm(nn.Module):
-    """Scale by the root mean square, then by a learned weight (ones at init)."""
-
-    def __init__(self, d: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+from models import RMSNorm
 
 
 class Rotary(nn.Module):
@@ -67,7 +60,7 @@ class Block(nn.Module):
         return x + self.down(F.silu(self.up(self.norm2(x))))
 
 
-class RopeDecoder(nn.Module):
+class RopeLM(nn.Module):
     """Token embedding, rotary blocks, RMSNorm and an output head tied to the embedding."""
 
     def __init__(self, vocab: int = 64, d: int = 32, heads: int = 2, layers: int = 4, max_len: int = 32) -> None:
@@ -86,12 +79,13 @@ class RopeDecoder(nn.Module):
 
 
 def rope_init(module: nn.Module) -> None:
-    """Set what a meta-built RopeDecoder's modules hold (an ``init=`` for fxpipe.compile)."""
+    """Set what a meta-built RopeLM's modules hold (an ``init=`` for fxpipe.compile)."""
     if isinstance(module, Rotary):
         fresh = Rotary(module.inv_freq.shape[0] * 2, module.cos.shape[0])
         for name in ("inv_freq", "cos", "sin"):
             getattr(module, name).copy_(getattr(fresh, name))
     elif isinstance(module, RMSNorm):
-        nn.init.ones_(module.weight)
+        with torch.no_grad():
+            module.weight.fill_(1.0)
     elif hasattr(module, "reset_parameters"):
         module.reset_parameters()

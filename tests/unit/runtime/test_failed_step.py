@@ -6,21 +6,21 @@ def test_a_failed_step_in_one_process_leaves_nothing_behind():
     import copy
 
     import torch
-    from longrun_cases import _tokens
+    from longrun_cases import tokens
     from models import token_loss
-    from rope import RopeDecoder
+    from rope import RopeLM
 
     import fxpipe
 
-    model = RopeDecoder()
+    model = RopeLM()
     eager = copy.deepcopy(model)
-    pipe = fxpipe.compile(model, 2, example_inputs=(_tokens(0, 16)[0],), chunks=4, schedule="zb",
+    pipe = fxpipe.compile(model, 2, example_inputs=(tokens(0, 16)[0],), chunks=4, schedule="zb",
                           devices=["cpu"] * 2)
 
     def broken(logits, target):
         raise RuntimeError("broken loss")
 
-    ids, target = _tokens(1, 16)
+    ids, target = tokens(1, 16)
     try:
         pipe.step(ids, target=target, loss_fn=broken)
     except RuntimeError:
@@ -28,7 +28,7 @@ def test_a_failed_step_in_one_process_leaves_nothing_behind():
     assert all(w.pending() == 0 for w in pipe._runtime.workers.values())
     for p in model.parameters():
         p.grad = None
-    ids, target = _tokens(2, 24)
+    ids, target = tokens(2, 24)
     loss = pipe.step(ids, target=target, loss_fn=token_loss)
     expected = token_loss(eager(ids), target)
     expected.backward()
