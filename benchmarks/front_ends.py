@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests", "support")]
 
 import fxpipe  # noqa: E402
 from models import FACTORIES  # noqa: E402

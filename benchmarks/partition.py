@@ -29,7 +29,7 @@ from tabulate import tabulate
 from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "support"), os.path.join(ROOT, "examples")]
 
 import fxpipe  # noqa: E402
 from fxpipe import passes  # noqa: E402
