@@ -91,12 +91,17 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
     it is moved to the stages' devices (each ``pipe.step`` check compiles another deep copy).
     Each tensor is compared with ``rtol`` relative to its largest eager magnitude
     (micro-batching changes the order of float sums, so elements that cancel to near zero
-    carry the rounding of their larger terms), or ``atol``, whichever is larger; by default both follow the tensor's dtype (:func:`default_tolerance`). Mappings of
+    carry the rounding of their larger terms), or ``atol``, whichever is larger (for
+    gradients, ``atol`` defaults to at least ``rtol`` times the model's largest gradient: a
+    gradient that is zero in exact arithmetic, such as a bias before a normalization, holds
+    only that rounding); the model's existing gradients are dropped first; by default both follow the tensor's dtype (:func:`default_tolerance`). Mappings of
     different types with the same keys (a tracer's ``dict`` for a ``ModelOutput``) compare
     equal. On a difference, the message names the first stage and node where values diverge
     (``diagnose=False`` skips that). Returns the compiled pipe (the one of ``pipe(x)``).
     """
     kwargs = example_kwargs or {}
+    for p in model.parameters():  # what an earlier call or training left is no part of the comparison
+        p.grad = None
     if schedules is None:
         schedules = (compile_kwargs["schedule"],) if "schedule" in compile_kwargs else SINGLE_STAGE_SCHEDULES
     pristine = _copy(model) if schedules else None
@@ -132,10 +137,12 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
 
 
 def _copy(model: nn.Module) -> nn.Module:
-    """Deep-copy a model, keeping its training mode."""
+    """Deep-copy a model without its gradients, keeping its training mode."""
     clone = copy.deepcopy(model)
     if clone.training != model.training:  # torchvision's DualGraphModule loses its mode in a copy
         clone.train(model.training)
+    for p in clone.parameters():
+        p.grad = None
     return clone
 
 
@@ -202,6 +209,10 @@ def _grad_difference(reference: nn.Module, model: nn.Module, rtol: float | None,
                      atol: float | None) -> str | None:
     """Return a message for the first parameter whose gradient differs from eager's, or None."""
     ref_params = dict(reference.named_parameters())
+    grads = [q.grad for q in ref_params.values() if q.grad is not None and q.grad.is_floating_point()]
+    if grads and atol is None:  # an exactly-zero gradient (a bias before a norm) carries the model's rounding
+        d_rtol, d_atol = default_tolerance(grads[0].dtype)
+        atol = max(d_atol, (d_rtol if rtol is None else rtol) * max(g.abs().max().item() for g in grads))
     for name, p in model.named_parameters():
         q = ref_params[name]
         if q.grad is None:

@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 import torch
+from models import MLP
 from paths import ROOT
 from torch import nn
 
@@ -188,3 +189,29 @@ def test_dropout_in_training_mode_equals_eager_with_one_micro_batch():
                                              "'_1_1', '_2_1', ...\\).*compare in eval mode"):
         assert_pipeline_equivalent(_dropout_chain(), (torch.randn(6, 8),), n_stages=4, chunks=3,
                                    devices=["cpu"] * 4, schedules=())
+
+
+class _BiasBeforeNorm(nn.Module):
+    """A convolution's bias feeds an instance norm: its gradient is zero in exact arithmetic (MONAI's UNet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.norm = nn.InstanceNorm2d(4)
+        self.out = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.norm(self.conv(x))))
+
+
+def test_a_gradient_zero_in_exact_arithmetic_is_compared_at_the_model_s_scale():
+    model = _BiasBeforeNorm().eval()
+    x = torch.randn(4, 1, 16, 16)
+    assert_pipeline_equivalent(model, (x,), n_stages=2, chunks=2, devices=["cpu"] * 2, schedules=())
+
+
+def test_calling_it_twice_on_one_model_compares_each_run_alone():
+    model = MLP()
+    x = torch.randn(6, 16)
+    assert_pipeline_equivalent(model, (x,), n_stages=2, chunks=2, devices=["cpu"] * 2, schedules=())
+    assert_pipeline_equivalent(model, (x,), n_stages=2, chunks=3, devices=["cpu"] * 2, tracer="export")
