@@ -37,7 +37,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             deferred_batch_norm: bool = False, stages_per_rank: int = 1, data_parallel: int = 1,
             data_parallel_shard: bool = False, mesh: Any = None, weights: Any = None,
             init: Callable[[nn.Module], Any] | None = None, seed: int = 0,
-            split_spec: dict[str, Any] | None = None) -> Pipe:
+            split_spec: dict[str, Any] | None = None, torch_compile: bool | dict[str, Any] = False) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -104,7 +104,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         schedule=schedule, leaf_modules=leaf_modules, tracer=tracer, plan=plan, runtime=runtime, timeout=timeout,
         deferred_batch_norm=deferred_batch_norm, stages_per_rank=stages_per_rank, data_parallel=data_parallel,
         data_parallel_shard=data_parallel_shard, mesh=mesh, weights=weights, init=init, seed=seed,
-        split_spec=split_spec)
+        split_spec=split_spec, torch_compile=torch_compile)
     options.check()
     target = where(model, options)  # the schedule, the devices, and across ranks this process's place
     saved = None if plan is None else load_plan(plan)
