@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from fxpipe.errors import CompileError
 from fxpipe.options import TorchCompile
@@ -68,6 +68,7 @@ class CompiledStage:
 
     def __call__(self, *inputs: Any) -> Any:
         """Run the compiled stage; the first call compiles (and so does a call dynamo's guards refuse)."""
+        inputs = _at_offset_zero(inputs)
         if self.config.dynamic is None:
             _mark_batch_dynamic(inputs)
         before, start = self.graphs, time.perf_counter()
@@ -159,6 +160,19 @@ def _step_over(code: Any) -> None:
     from torch._dynamo.eval_frame import skip_code
 
     skip_code(code)
+
+
+def _at_offset_zero(inputs: tuple) -> tuple:
+    """Copy the input tensors that start inside their storage (micro-batch slices of the batch).
+
+    torch.compile specializes a storage offset of 0 (or 1) and guards on it: micro-batch 0 at
+    offset 0 and the others further on would compile the stage twice (and, with static shapes,
+    once per offset). A copy of one micro-batch's inputs costs less than a compile.
+    """
+    if not any(isinstance(t, torch.Tensor) and t.storage_offset() != 0 for t in tree_leaves(inputs)):
+        return inputs
+    return tuple(tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.storage_offset() != 0 else t,
+                          inputs))
 
 
 def _mark_batch_dynamic(inputs: tuple) -> None:
