@@ -141,7 +141,9 @@ class CompiledStage:
         stack = getattr(exc, "real_stack", None) or []
         node = node_in_stack(self.gm, stack) if stack else None
         at = f" at node {describe_node(self.gm, node)}" if node is not None else ""
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        inner = getattr(exc, "inner_exception", None)  # a backend that raised: its own error says why
+        text = f"{type(inner).__name__}: {inner}" if inner is not None else str(exc)
+        first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
         fix = ("drop fullgraph=True to run the stage with a graph break there, or make that code traceable"
                if self.config.fullgraph else
                "try backend='aot_eager' to tell the graph from the backend, or torch_compile=False")

@@ -244,6 +244,17 @@ def test_fullgraph_refuses_a_graph_break_naming_the_stage_and_node():
         pipe(torch.randn(4, 8))
 
 
+def test_a_backend_that_fails_is_named_with_the_stage():
+    def failing(gm, example_inputs):
+        raise RuntimeError("this backend cannot")
+
+    pipe = fxpipe.compile(Stack(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2,
+                          torch_compile={"backend": failing})
+    with pytest.raises(fxpipe.CompileError, match=r"stage 0: torch.compile \(failing\) cannot compile the stage.*"
+                                                  r"this backend cannot.*try backend='aot_eager'"):
+        pipe(torch.randn(4, 16))
+
+
 class _Untraceable(nn.Module):
     def forward(self, x):
         if x.sum() > 0:  # torch.fx cannot trace this: compile would fail tracing
