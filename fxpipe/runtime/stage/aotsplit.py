@@ -84,7 +84,7 @@ def _handing_params(compiled: Callable, positions: list[int]) -> Callable:
         params = {k: args[k] for k in positions}
         out = compiled(*args)
         if torch.is_grad_enabled():
-            node = _graph_node(out)
+            node = _graph_node(out, {a.grad_fn for a in args if isinstance(a, torch.Tensor)})
             if node is not None:
                 node.register_prehook(lambda grads: setattr(_handed, "params", params))
         return out
@@ -92,16 +92,17 @@ def _handing_params(compiled: Callable, positions: list[int]) -> Callable:
     return run
 
 
-def _graph_node(out: Any) -> Any:
-    """Return the autograd node of the compiled graph that made ``out`` (through views it returns)."""
-    for t in tree_leaves(out):
-        node = t.grad_fn if isinstance(t, torch.Tensor) else None
-        for _ in range(4):
-            if node is None:
-                break
-            if "CompiledFunction" in node.name():
+def _graph_node(out: Any, earlier: set) -> Any:
+    """Return the autograd node of the compiled call that made ``out``: an output's own ``grad_fn``, or
+    one reached through the views AOT autograd regenerates outside the graph, never an input's (``earlier``)."""
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    for depth in range(4):  # the nearest first: an output the graph computed names its node directly
+        for t in leaves:
+            node = t.grad_fn
+            for _ in range(depth):
+                node = next((n for n, _ in node.next_functions if n is not None), None) if node else None
+            if node is not None and node not in earlier and "CompiledFunction" in node.name():
                 return node
-            node = next((n for n, _ in node.next_functions if n is not None), None)
     return None
 
 

@@ -308,6 +308,26 @@ def test_deferred_batch_norm_and_autocast_compiled_match_uncompiled():
         assert max_relative_error(b.float(), c.float()) < 1e-5, name
 
 
+class _Broken(nn.Module):
+    """Scale, a graph break, scale again: every instance runs the graph after the break torch.compile made once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        x = x * self.w
+        torch._dynamo.graph_break()
+        return torch.tanh(x * self.w)
+
+
+def test_w_adds_into_the_parameters_of_each_call_not_of_the_first_compile():
+    model = nn.Sequential(nn.Linear(8, 8), _Broken(), _Broken(), nn.Linear(8, 8), _Broken(), _Broken())
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    _check_step(model, x, y, F.mse_loss, n_stages=2, chunks=2, schedule="zb", checkpoint="never",
+                devices=["cpu"] * 2, split_points=["3"], leaf_modules=[_Broken], torch_compile=AOT)
+
+
 def test_a_model_built_on_meta_compiles_after_materialization():
     with fxpipe.deferred_init():
         model = Stack()
@@ -340,6 +360,17 @@ def test_a_failed_step_leaves_no_queued_weight_work():
     pipe.step(x, target=y, loss_fn=F.mse_loss)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert max_relative_error(p.grad, q.grad) < 1e-5, name
+
+
+@pytest.mark.slow
+def test_a_tied_weight_read_from_another_device_and_an_exported_graph_compile():
+    """"cpu" and "cpu:0" are two devices: the head reads the embedding's weight through a per-call copy."""
+    tokens, target = torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))
+    _check_step(TiedTransformer(), tokens, target, token_loss, n_stages=2, chunks=4, schedule="zb",
+                devices=["cpu", "cpu:0"], torch_compile=AOT)
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    _check_step(Stack(), x, y, F.mse_loss, n_stages=2, chunks=4, schedule="zb", devices=["cpu"] * 2,
+                tracer="export", torch_compile=AOT)
 
 
 @pytest.mark.slow
