@@ -147,12 +147,17 @@ def _split_backend(stage: Deferral, params: dict[int, nn.Parameter]) -> Callable
                 return aot_eager(gm, example_inputs, bw_compiler=split_compiler(eager_part))
         return backend
 
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.utils import BoxedBool
 
     def inductor_part(gm: torch.fx.GraphModule, examples: list, kwargs: dict, weights: bool) -> Callable:
         out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-        out.meta["user_visible_output_idxs"] = []
+        # outputs keep the strides the graph traced (inductor's "user visible"): W is compiled for the
+        # strides of the values I carries to it; gradients keep eager's, as inductor's backward does
+        visible = not weights or inductor_config.bw_outputs_user_visible
+        out.meta["user_visible_output_idxs"] = [k for k, v in enumerate(out.args[0])
+                                                if visible and isinstance(v, torch.fx.Node)]
         if weights:  # W's inputs are I's results, never the parameters: nothing static, no CUDA graph
             kwargs = {**kwargs, "static_input_idxs": [], "cudagraphs": BoxedBool(False)}
         return compile_fx_inner(gm, examples, **kwargs)

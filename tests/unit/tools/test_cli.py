@@ -208,6 +208,7 @@ def test_timeline_of_the_zero_bubble_schedule_shows_weight_steps(tmp_path, capsy
         [(j, i) for j in range(2) for i in range(2)]
 
 
+@pytest.mark.slow
 def test_timeline_of_compiled_stages(tmp_path, capsys):
     path = tmp_path / "trace.json"
     assert cli.main(["inspect", os.path.join(ROOT, "examples", "transformer.py:factory"), "--stages", "2",
