@@ -56,7 +56,7 @@ def stage_backend(stage: Deferral, split: bool) -> Callable[[torch.fx.GraphModul
         stage.compiled_graph(gm)
         params = {k: x for k, x in enumerate(example_inputs) if isinstance(x, nn.Parameter) and x.requires_grad}
         if split and params:
-            return _handing_params(_split_backend(stage, params)(gm, example_inputs), sorted(params))
+            return _handing_params(_split_backend(stage, params)(gm, example_inputs), params)
         return _plain(stage.config, gm, example_inputs)
     return backend
 
@@ -70,7 +70,7 @@ class _Handed(threading.local):
 _handed = _Handed()
 
 
-def _handing_params(compiled: Callable, positions: list[int]) -> Callable:
+def _handing_params(compiled: Callable, compiled_with: dict[int, nn.Parameter]) -> Callable:
     """Wrap a compiled graph so that its backward knows the parameters *this* call was given.
 
     Dynamo may run one compiled graph for several modules (a graph after a break in a method
@@ -79,11 +79,16 @@ def _handing_params(compiled: Callable, positions: list[int]) -> Callable:
     them to the backward, on the thread that runs it, just before it runs::
 
         call(args) ─▶ outputs ─▶ grad_fn (the compiled graph's node) ◀── pre-hook: params of this call
+
+    A call given the parameters the graph was compiled with (the common case) needs no hook:
+    the backward falls back to those.
     """
+    positions = sorted(compiled_with)
+
     def run(*args: Any) -> Any:  # dynamo calls a backend's result with the graph's inputs, unboxed
         params = {k: args[k] for k in positions}
         out = compiled(*args)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and any(params[k] is not compiled_with[k] for k in positions):
             node = _graph_node(out, {a.grad_fn for a in args if isinstance(a, torch.Tensor)})
             if node is not None:
                 node.register_prehook(lambda grads: setattr(_handed, "params", params))
