@@ -1,4 +1,4 @@
-"""Check fxpipe on this machine's GPUs in under five minutes: the CUDA tests, then what overlaps.
+"""Check fxpipe on this machine's GPUs in under six minutes: the CUDA tests, then what overlaps.
 
     python benchmarks/gpu_check.py OUT_DIR     # OUT_DIR gets the test log, the traces, the summary
 
@@ -12,6 +12,9 @@
             32, beside GPipe's bound k*m / (m + k - 1).
 4. nccl     (two GPUs or more) fxpipe against torch.distributed.pipelining, 2 ranks under NCCL
             (:mod:`gpu_nccl`).  Parts 2 and 3 live in :mod:`gpu_measure`.
+5. compiled (one GPU or more) compiled stages (``torch_compile=``, inductor) against eager, zero
+            bubble, 2 stages on cuda:0: step times, compile time, gradients, W after I
+            (:mod:`gpu_compiled`).
 
 Each part has a time budget and measures fewer repetitions rather than overrun it. One
 summary table at the end, also in OUT_DIR/summary.md and summary.json; the exit status is 1
@@ -41,8 +44,8 @@ from gpu_measure import measure_copies, measure_speedup, overlap  # noqa: E402
 
 __all__ = ["main", "overlap"]
 
-PARTS = ("tests", "copies", "speedup", "nccl")
-BUDGET_S = {"tests": 120, "copies": 45, "speedup": 50, "nccl": 60}  # 275 s in all, on one GPU 165 s
+PARTS = ("tests", "copies", "speedup", "nccl", "compiled")
+BUDGET_S = {"tests": 120, "copies": 45, "speedup": 50, "nccl": 60, "compiled": 60}  # 335 s in all, on one GPU 225 s
 
 
 class Clock:
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="directory for the test log, the traces and the summary")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--standin", action="store_true", help="CPU devices stand in for GPUs (checks the script)")
-    parser.add_argument("--total", type=float, default=285.0, help="seconds for the whole check")
+    parser.add_argument("--total", type=float, default=345.0, help="seconds for the whole check")
     args = parser.parse_args(argv)
     if not args.standin and not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
@@ -131,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                 ok &= run_tests(args.out, seconds, rows)
             elif part == "copies":
                 measure_copies(args.out, seconds, rows, args.standin)
+            elif part == "compiled":
+                from gpu_compiled import measure_compiled
+
+                measure_compiled(args.out, seconds, rows, args.standin)
             elif len(gpus) < 2:
                 rows.append([part, "skipped", "needs 2 GPUs", f"{len(gpus)} here"])
             elif part == "speedup":

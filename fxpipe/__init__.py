@@ -18,6 +18,7 @@ from fxpipe.checkpoint.saveload import load, load_state_dict, save
 from fxpipe.compiler import compile
 from fxpipe.errors import (
                            CheckpointError,
+                           CompileError,
                            DeferredInitError,
                            MutationError,
                            NoFeasibleCut,
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CompileError",
     "DeferredInitError",
     "MutationError",
     "NoFeasibleCut",

@@ -37,7 +37,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             deferred_batch_norm: bool = False, stages_per_rank: int = 1, data_parallel: int = 1,
             data_parallel_shard: bool = False, mesh: Any = None, weights: Any = None,
             init: Callable[[nn.Module], Any] | None = None, seed: int = 0,
-            split_spec: dict[str, Any] | None = None) -> Pipe:
+            split_spec: dict[str, Any] | None = None, torch_compile: bool | dict[str, Any] = False) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -93,6 +93,14 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     ``init``: each stage replays what the model's ``__init__`` computed for its own tensors.
     ``weights`` also overwrites tensors that are already real.
 
+    ``torch_compile=True`` (inductor) or a dict of ``torch.compile``'s arguments (``backend``,
+    ``mode``, ``dynamic``, ``options``, ``fullgraph``) compiles every stage, once per stage, at its
+    first call: under every schedule (zero bubble's included: the compiled backward graph is cut
+    into ``I`` and ``W``, for the ``inductor`` and ``aot_eager`` backends), in one process and on
+    every rank, with dim 0 of each stage input dynamic; a graph break is logged naming the stage
+    and node (``fullgraph=True``: a :class:`CompileError`); ``pipe.compile_stats`` says what was
+    compiled and how long it took. See :mod:`fxpipe.runtime.stage.compiled`.
+
     If compile fails, the model is left unmoved and unmodified.
     """
     if not isinstance(model, nn.Module):
@@ -104,7 +112,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         schedule=schedule, leaf_modules=leaf_modules, tracer=tracer, plan=plan, runtime=runtime, timeout=timeout,
         deferred_batch_norm=deferred_batch_norm, stages_per_rank=stages_per_rank, data_parallel=data_parallel,
         data_parallel_shard=data_parallel_shard, mesh=mesh, weights=weights, init=init, seed=seed,
-        split_spec=split_spec)
+        split_spec=split_spec, torch_compile=torch_compile)
     options.check()
     target = where(model, options)  # the schedule, the devices, and across ranks this process's place
     saved = None if plan is None else load_plan(plan)

@@ -7,6 +7,7 @@ from fxpipe.passes.failure import PropagationError
 
 __all__ = [
     "CheckpointError",
+    "CompileError",
     "DeferredInitError",
     "MutationError",
     "NoFeasibleCut",
@@ -61,3 +62,8 @@ class DeferredInitError(WeightsError):
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be loaded here (half-written, another model, another optimizer); says why."""
+
+
+class CompileError(ValueError):
+    """``torch.compile`` cannot compile a stage as asked (a backend that does not load, a graph break under
+    ``fullgraph=True``, a backend that fails); names the stage, the node and the fix."""

@@ -15,8 +15,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fxpipe.errors import CompileError
+
 __all__ = ["BALANCE_BY", "CHECKPOINT_MODES", "MULTI_STAGE_SCHEDULES", "RUNTIMES", "SCHEDULES",
-           "SINGLE_STAGE_SCHEDULES", "TRACERS", "CompileOptions", "check_init", "check_tracer", "checkpoint_stop"]
+           "SINGLE_STAGE_SCHEDULES", "SPLIT_BACKENDS", "TRACERS", "CompileOptions", "TorchCompile", "check_init",
+           "check_tracer", "checkpoint_stop", "torch_compile_config"]
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b", "zb")  # one stage per rank
 MULTI_STAGE_SCHEDULES = ("interleaved", "zbv")  # several stages per rank
@@ -24,6 +27,9 @@ SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES  # every name schedul
 BALANCE_BY = ("auto", "flops", "params", "memory", "time")
 RUNTIMES = ("local", "distributed")
 TRACERS = ("fx", "export")
+TORCH_COMPILE_KEYS = ("backend", "mode", "dynamic", "options", "fullgraph")  # what torch_compile={...} takes
+SPLIT_BACKENDS = ("inductor", "aot_eager")  # the backends whose backward fxpipe splits into I and W
+W_SCHEDULES = ("zb", "zbv")  # the named schedules with W steps
 
 # How many leading micro-batches of m each mode checkpoints (torchgpipe's three modes).
 CHECKPOINT_MODES: dict[str, Callable[[int], int]] = {
@@ -61,6 +67,89 @@ def check_init(init: Any, seed: Any) -> None:
         raise TypeError(f"seed= must be an integer, got {seed!r}")
 
 
+@dataclass(frozen=True)
+class TorchCompile:
+    """What ``torch_compile=`` asks of ``torch.compile`` for every stage (checked)."""
+
+    backend: Any = "inductor"  # a registered backend's name, or a callable backend(gm, example_inputs)
+    mode: str | None = None  # inductor's mode
+    dynamic: bool | None = None  # None: fxpipe marks the batch dimension dynamic
+    options: dict[str, Any] | None = None  # inductor's config
+    fullgraph: bool = False  # refuse a stage with a graph break
+
+    @property
+    def name(self) -> str:
+        """Return the backend's name, for messages."""
+        return self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "a callable")
+
+    @property
+    def splits_backward(self) -> bool:
+        """Tell whether fxpipe can split this backend's backward into I and W (zero bubble)."""
+        return self.backend in SPLIT_BACKENDS
+
+    def inductor_config(self) -> dict[str, Any]:
+        """Return the inductor config patches that ``mode`` and ``options`` make (torch.compile's own)."""
+        from torch import _TorchCompileInductorWrapper
+
+        return dict(_TorchCompileInductorWrapper(self.mode, self.options, self.dynamic).config)
+
+
+def torch_compile_config(value: Any) -> TorchCompile | None:
+    """Check a ``torch_compile=`` value and return it as a :class:`TorchCompile` (None: off).
+
+    The backend is looked up (and imported) here, so a backend that cannot load is named before
+    anything is traced; so are unknown keys, modes and inductor options.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, dict):
+        raise TypeError(f"torch_compile= takes True, False or a dict of torch.compile's arguments "
+                        f"({', '.join(TORCH_COMPILE_KEYS)}), got {type(value).__name__}")
+    unknown = sorted(set(value) - set(TORCH_COMPILE_KEYS))
+    if unknown:
+        raise TypeError(f"torch_compile= got {', '.join(map(repr, unknown))}; it takes {', '.join(TORCH_COMPILE_KEYS)}")
+    config = TorchCompile(**value)
+    if not (isinstance(config.backend, str) or callable(config.backend)):
+        raise TypeError(f"torch_compile backend= must be a backend's name or a callable, got {config.backend!r}")
+    if config.dynamic not in (None, True, False) or not isinstance(config.fullgraph, bool):
+        raise TypeError("torch_compile dynamic= takes None, True or False, and fullgraph= True or False")
+    if config.options is not None and not isinstance(config.options, dict):
+        raise TypeError(f"torch_compile options= must be a dict of inductor options, got {config.options!r}")
+    _load_backend(config)
+    return config
+
+
+def _load_backend(config: TorchCompile) -> None:
+    """Import the backend and check ``mode`` and ``options`` against it (CompileError naming what fails)."""
+    if (config.mode is not None or config.options) and config.backend != "inductor":
+        raise CompileError(f"torch_compile mode= and options= configure inductor, but backend={config.name!r}; "
+                           "drop them or use backend='inductor'")
+    if isinstance(config.backend, str):
+        import torch._dynamo
+
+        try:
+            torch._dynamo.lookup_backend(config.backend)
+            if config.backend == "inductor":
+                import torch._inductor.compile_fx
+        except Exception as exc:
+            raise CompileError(f"torch_compile backend={config.backend!r} cannot be loaded ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''}); the backends torch knows here: "
+                               f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}") from exc
+    if config.backend != "inductor":
+        return
+    try:
+        patches = config.inductor_config()
+    except RuntimeError as exc:  # an unknown option, or a value of the wrong type
+        raise CompileError(f"torch_compile options: {str(exc).split(', known options')[0]} (inductor's config: "
+                           "torch._inductor.config)") from None
+    if patches.get("triton.cudagraphs"):
+        raise CompileError(f"torch_compile mode={config.mode!r} captures CUDA graphs, whose replays reuse one memory "
+                           "pool: with several micro-batches in flight a replay would overwrite activations that a "
+                           "pending backward still needs; use mode='max-autotune-no-cudagraphs' or the default")
+
+
 @dataclass
 class CompileOptions:
     """Every option of ``fxpipe.compile`` (see its docstring for what each does)."""
@@ -89,6 +178,12 @@ class CompileOptions:
     init: Callable[[Any], Any] | None = None
     seed: int = 0
     split_spec: dict[str, Any] | None = None
+    torch_compile: Any = False  # check() makes it a TorchCompile, or None
+
+    @property
+    def compiled(self) -> TorchCompile | None:
+        """Return what torch.compile is asked for every stage (after :meth:`check`), or None."""
+        return self.torch_compile if isinstance(self.torch_compile, TorchCompile) else None
 
     @property
     def args(self) -> tuple:
@@ -131,6 +226,12 @@ class CompileOptions:
                 raise ValueError(f"max_memory={self.max_memory!r}; use a positive number of bytes per device")
         check_tracer(self.tracer)
         check_init(self.init, self.seed)
+        self.torch_compile = torch_compile_config(self.torch_compile)
+        config = self.compiled
+        if config is not None and not config.splits_backward and self.schedule in W_SCHEDULES:
+            raise CompileError(f"schedule={self.schedule!r} splits each backward into I and W, which fxpipe does with "
+                               f"compiled stages for the backends {', '.join(map(repr, SPLIT_BACKENDS))}, not "
+                               f"{config.name!r}; use one of them, or a schedule without W ('1f1b')")
 
     def check_layout(self) -> None:
         """Refuse a runtime, replicas or a saved plan that do not go together (after the world's size)."""

@@ -69,6 +69,12 @@ class Pipe(nn.Module):
         """Return the generated executor's source for ``plan.chunks`` micro-batches."""
         return self._runtime.code()
 
+    @property
+    def compile_stats(self) -> dict[int, dict[str, Any]]:
+        """Return ``torch_compile=``'s record per stage this process runs: graphs, compiles, recompiles, seconds,
+        graph breaks (where and why), and each split backward's I and W sizes (empty when not compiled)."""
+        return self._runtime.compile_stats()
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """Return the model's state dict; on a distributed rank, only the FQNs this rank holds."""
         state = super().state_dict(*args, **kwargs)

@@ -10,6 +10,7 @@ torch.fx and networkx, and nothing of fxpipe outside ``fxpipe.passes``.
 from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
+from fxpipe.passes.gradsplit import GradSplit, split_weight_grads
 from fxpipe.passes.infer import Propagator, value_specs
 from fxpipe.passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
 from fxpipe.passes.mutates import is_mutating, written_args
@@ -31,6 +32,7 @@ from fxpipe.passes.split import SkipRoute, StagePlan, split
 
 __all__ = [
                               "Conflict",
+                              "GradSplit",
                               "MutationPlan",
                               "NoFeasibleCut",
                               "Partition",
@@ -61,6 +63,7 @@ __all__ = [
                               "profile",
                               "retain",
                               "split",
+                              "split_weight_grads",
                               "stage_costs",
                               "static_mutations",
                               "value_bytes",

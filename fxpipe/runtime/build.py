@@ -9,7 +9,11 @@ the distributed build, only this rank's), and filled from ``weights=`` or by ``i
 build the model keeps only this rank's tensors; the others become ``meta`` again.
 
 A stage whose schedule has weight-gradient steps (``W``) runs a copy of its GraphModule
-whose linears defer their weight gradients (:mod:`fxpipe.runtime.stage.wgrad`).
+whose linears defer their weight gradients (:mod:`fxpipe.runtime.stage.wgrad`). With
+``torch_compile=`` every stage's callable is compiled instead
+(:class:`~fxpipe.runtime.stage.compiled.CompiledStage`; the compiled backward splits I and W
+itself): compiling is lazy, so it happens at a stage's first call, after materialization and
+after data parallel wrapped the stage module.
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxpipe.errors import PeerFailure
+from fxpipe.errors import CompileError, PeerFailure
 from fxpipe.materialize.fill import fill
 from fxpipe.materialize.fillplan import tensor_table
 from fxpipe.materialize.metatensors import release
 from fxpipe.materialize.weights import open_weights
-from fxpipe.options import CompileOptions
+from fxpipe.options import SPLIT_BACKENDS, CompileOptions, TorchCompile
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.dataparallel import GradSync
@@ -36,6 +40,7 @@ from fxpipe.runtime.local import LocalRuntime
 from fxpipe.runtime.placement import move_owned, named_tensors, ownership, stage_callable
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import defer_batch_norm
+from fxpipe.runtime.stage.compiled import CompiledStage
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.wgrad import defer_weight_grads
 from fxpipe.runtime.target import Target
@@ -82,7 +87,7 @@ def build(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan, stages
     materials = Materials(target.weights, options.init, options.seed)
     if target.layout is None:
         local = build_local(model, gm, plan, stages, target.devices, target.schedule, options.deferred_batch_norm,
-                            materials)
+                            materials, options.compiled)
         return Built(local, target.devices, None)
     layout = target.layout
     assert target.link is not None
@@ -90,7 +95,8 @@ def build(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan, stages
         s.device = f"rank {s.on_rank} ({layout.device.type})"  # the same on every rank
     devices = [layout.device if r == layout.rank else torch.device("meta") for r in target.schedule.ranks]
     engine, keep = build_distributed(model, gm, plan, stages, layout, target.link, options.timeout, target.schedule,
-                                     options.deferred_batch_norm, shard=options.data_parallel_shard, materials=materials)
+                                     options.deferred_batch_norm, shard=options.data_parallel_shard, materials=materials,
+                                     compiled=options.compiled)
     owned = {n for key, info in tensor_table(model).items() if key in keep for n in info.names}
     return Built(engine, devices, owned)
 
@@ -101,15 +107,30 @@ def _unread(model: nn.Module, stages: Sequence[torch.fx.GraphModule]) -> set[int
     return {id(t) for _, t in named_tensors(model) if id(t) not in read}
 
 
-def _runnable(gm: torch.fx.GraphModule, j: int, defer: set[int]) -> torch.fx.GraphModule:
-    """Return the module stage ``j`` runs: its linears defer weight gradients if its schedule has W."""
-    return defer_weight_grads(gm) if j in defer else gm
+def _runnable(gm: torch.fx.GraphModule, j: int, defer: set[int], compiled: TorchCompile | None) -> torch.fx.GraphModule:
+    """Return the module stage ``j`` runs: its linears defer weight gradients if its schedule has W.
+
+    A compiled stage runs its own module: its compiled backward splits I and W.
+    """
+    return defer_weight_grads(gm) if j in defer and compiled is None else gm
+
+
+def _stage_fn(fn: Callable, gm: torch.fx.GraphModule, j: int, defer: set[int],
+              compiled: TorchCompile | None) -> Callable:
+    """Return what stage ``j``'s call runs: ``fn``, or ``fn`` under torch.compile."""
+    if compiled is None:
+        return fn
+    if j in defer and not compiled.splits_backward:
+        raise CompileError(f"stage {j}'s schedule has W steps, which split its backward into I and W: fxpipe does "
+                           f"that for compiled stages with the backends {', '.join(map(repr, SPLIT_BACKENDS))}, not "
+                           f"{compiled.name!r}; use one of them, or a schedule without W")
+    return CompiledStage(fn, gm, j, compiled, defer=j in defer)
 
 
 def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
                 stages: Sequence[torch.fx.GraphModule], devices: Sequence[torch.device],
                 schedule: Schedule, deferred_batch_norm: bool,
-                materials: Materials | None = None) -> LocalRuntime:
+                materials: Materials | None = None, compiled: TorchCompile | None = None) -> LocalRuntime:
     """Move every stage's tensors to its device and return the one-process runtime."""
     own = ownership(stages, devices)
     if materials is not None and materials.needed(model):
@@ -118,10 +139,10 @@ def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
         materials.fill(model, placement)
     move_owned([model, gm, *stages], own, devices)
     defer = schedule.deferring(plan.chunks)
-    runnables = [_runnable(st, j, defer) for j, st in enumerate(stages)]
+    runnables = [_runnable(st, j, defer, compiled) for j, st in enumerate(stages)]
     n = plan.n_stages
-    calls = [StageCall(j, stage_callable(r, own.foreign[j], devices[j]), r, devices[j], j == n - 1)
-             for j, r in enumerate(runnables)]
+    calls = [StageCall(j, _stage_fn(stage_callable(r, own.foreign[j], devices[j]), r, j, defer, compiled), r,
+                       devices[j], j == n - 1) for j, r in enumerate(runnables)]
     engine = LocalRuntime(plan, calls, Binding(gm), schedule)
     if deferred_batch_norm:
         engine.deferred = defer_batch_norm({id(m): m for st in stages for m in st.modules()}.values())
@@ -131,7 +152,8 @@ def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
 def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
                       stages: Sequence[torch.fx.GraphModule], layout: Layout, link: Comm, timeout: float,
                       schedule: Schedule, deferred_batch_norm: bool, shard: bool = False,
-                      materials: Materials | None = None) -> tuple[DistributedRuntime, set[int]]:
+                      materials: Materials | None = None,
+                      compiled: TorchCompile | None = None) -> tuple[DistributedRuntime, set[int]]:
     """Keep this rank's stages on its device, sync tied tensors, wrap them for data parallel.
 
     Return the runtime and the ids of the tensors this rank keeps: its stages', and on the
@@ -155,8 +177,8 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
         _refuse_shared_on_one_rank(held, mine)
     defer = schedule.deferring(plan.chunks)
     n = plan.n_stages
-    runnable = {j: _runnable(stages[j], j, defer) for j in mine}
-    calls = [StageCall(j, r, r, device, j == n - 1) for j, r in runnable.items()]
+    runnable = {j: _runnable(stages[j], j, defer, compiled) for j in mine}
+    calls = [StageCall(j, _stage_fn(r, r, j, defer, compiled), r, device, j == n - 1) for j, r in runnable.items()]
     engine = DistributedRuntime(plan, gm, layout, calls, link, Binding(gm), tied, schedule)
     if layout.dp > 1:  # after the tied tensors are equal: DDP and FSDP2 start from these
         engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()])

@@ -4,6 +4,7 @@ Everything outside the runtime (the Pipe, checkpoints, clipping, the simulator, 
 finder) goes through these members and nothing else::
 
     Pipe ──▶ forward / step / code / sync            what users call
+    Pipe ──▶ compile_stats                          torch.compile's record of this process's stages
     checkpoint ──▶ place / deferred / ready         who saves with whom, what is in flight
     training ──▶ grad_norm / held / grad_scaler / ready
     simulate ──▶ schedule;  tools.diverge ──▶ binding
@@ -72,4 +73,8 @@ class Runtime(Protocol):
 
     def grad_scaler(self, device: str, **kwargs: Any) -> Any:
         """Return a gradient scaler whose inf/NaN check agrees across this pipe's processes."""
+        ...
+
+    def compile_stats(self) -> dict[int, dict[str, Any]]:
+        """Return torch.compile's record of each compiled stage this process runs (empty: none compiled)."""
         ...

@@ -114,6 +114,10 @@ class DistributedRuntime:
 
         return ShardedGradScaler(device=device, **kwargs)
 
+    def compile_stats(self) -> dict[int, dict[str, Any]]:
+        """Return torch.compile's record of each compiled stage this process runs (``torch_compile=``)."""
+        return {j: w.call.compiled.stats() for j, w in sorted(self.workers.items()) if w.call.compiled is not None}
+
     def code(self) -> str:
         """Return the actions this rank runs in a step of ``plan.chunks`` micro-batches."""
         return self._programs_for("train", self.plan.chunks)[self.rank].text()

@@ -79,6 +79,10 @@ class LocalRuntime:
         """Return ``torch.amp.GradScaler`` for ``device``."""
         return torch.amp.GradScaler(device, **kwargs)
 
+    def compile_stats(self) -> dict[int, dict[str, Any]]:
+        """Return torch.compile's record of each compiled stage this process runs (``torch_compile=``)."""
+        return {j: w.call.compiled.stats() for j, w in sorted(self.workers.items()) if w.call.compiled is not None}
+
     def use_threads(self, on: bool) -> None:
         """Compute each clock's stages on one worker thread per device (the CUDA default)."""
         if self.threads is not None:

@@ -27,6 +27,7 @@ from fxpipe.plan.pipeline import PipelinePlan, human
 from fxpipe.runtime.observe.timeline import Timeline
 from fxpipe.runtime.schedules.actions import Action
 from fxpipe.simulate import eventsim, memsim
+from fxpipe.simulate.compiledtime import check_factor, compile_factor
 from fxpipe.simulate.devices import DeviceModel, device_model
 from fxpipe.simulate.eventsim import Span
 from fxpipe.simulate.memsim import Memory
@@ -110,8 +111,8 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
              checkpoint: str | None = None, device: str | DeviceModel | None = None,
              runtime: str | None = None, batch: int | None = None, optimizer: str = "none",
              dtype: torch.dtype | None = None, placement: str | Sequence[int] | None = None,
-             ranks: int | None = None, measured: bool | dict[str, tuple[float, float]] | None = None
-             ) -> Simulation:
+             ranks: int | None = None, measured: bool | dict[str, tuple[float, float]] | None = None,
+             compiled: float | bool | dict[str, Any] | None = None) -> Simulation:
     """Predict one training step of a compiled pipe (or a plan) without running it.
 
     ``schedule``, ``chunks`` and ``checkpoint`` default to the plan's; ``schedule`` also takes
@@ -125,8 +126,13 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     ``"adam"``) adds its state to the memory. ``measured`` maps node names to measured
     ``(forward, backward)`` seconds per micro-batch (:func:`fxpipe.simulate.measure.measure_nodes`), or
     is ``True`` to measure them now, on this machine (random inputs of the annotated shapes);
-    other nodes come from the device model's FLOP rates.
+    other nodes come from the device model's FLOP rates. ``compiled`` scales every stage's
+    forward and backward work for compiled stages (``torch_compile=``): a factor (compiled
+    seconds per eager second, e.g. ``0.8``), or ``True`` (or a dict of torch.compile's
+    arguments) to measure the factor now, on this machine, from the whole model's forward and
+    backward, eager and compiled (:func:`fxpipe.simulate.compiledtime.compile_factor`).
     """
+    check_factor(compiled)
     gm, plan = _graph_and_plan(pipe_or_plan)
     n = plan.n_stages
     for name, value in (("chunks", chunks), ("batch", batch)):
@@ -149,6 +155,13 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
         costs = graph_costs(gm, plan, model, batch / m, dtype, measured or None)
     else:
         costs = plan_costs(plan, model, m, batch / base, dtype or torch.float32)
+    if compiled is not None:
+        if compiled is True or isinstance(compiled, dict):
+            if gm is None:
+                raise ValueError("compiled=True times the model eager and compiled; pass the compiled Pipe, not a plan")
+            compiled = compile_factor(gm, max(round(batch / m), 1), None if compiled is True else compiled)
+        costs = [dataclasses.replace(c, forward=c.forward * compiled, backward=c.backward * compiled,
+                                     weight=c.weight * compiled) for c in costs]
     if schedule is None:
         schedule = _compiled_schedule(pipe_or_plan, plan)
     if ranks is None and placement is None and isinstance(schedule, str) and schedule == plan.schedule:

@@ -48,6 +48,9 @@ def register(commands: Any) -> None:
     p.add_argument("--dot", metavar="FILE", help="write the graph as Graphviz DOT (.svg/.png: render it)")
     p.add_argument("--timeline", metavar="FILE", help="run a training step and write its Chrome trace")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed steps before the --timeline step (default 1)")
+    p.add_argument("--torch-compile", nargs="?", const="inductor", metavar="BACKEND",
+                   help="compile every stage with torch.compile (backend: inductor unless named, e.g. aot_eager); "
+                        "the --timeline step then runs compiled, after the --warmup steps compiled it")
     p.add_argument("--code", action="store_true", help="print the generated executor")
     p.add_argument("--traceback", action="store_true", help="show Python tracebacks of unexpected errors")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the compiler does")
@@ -84,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
                               devices=devices, chunks=chunks, checkpoint=args.checkpoint,
                               balance_by=args.balance_by, split_points=args.split_points,
                               leaf_modules=args.leaf_modules or (), plan=saved, schedule=args.schedule,
-                              stages_per_rank=args.stages_per_rank)
+                              stages_per_rank=args.stages_per_rank,
+                              torch_compile={"backend": args.torch_compile} if args.torch_compile else False)
     except TraceError as exc:
         hint = f"\nOn the command line: --leaf-modules {exc.module}" if exc.module else ""
         raise Failure(f"{exc}{hint}") from None
@@ -111,7 +115,19 @@ def run(args: argparse.Namespace) -> int:
         _write_timeline(args, pipe, inputs, kwargs)
     if args.code:
         print(pipe.code, end="")
+    if pipe.compile_stats:
+        _print_compiled(pipe.compile_stats)
     return status
+
+
+def _print_compiled(stats: dict[int, dict[str, Any]]) -> None:
+    """Print what torch.compile did per stage: graphs, compiles, time, graph breaks, the I/W split."""
+    for j, s in stats.items():
+        split = ", backward split " + " + ".join(f"I {i} / W {w} nodes" for i, w in s["split"]) if s["split"] else ""
+        print(f"torch.compile ({s['backend']}) stage {j}: {s['graphs']} graph(s), {s['compiles']} compile(s), "
+              f"{s['seconds']:.1f} s{split}")
+        for note in s["breaks"]:
+            print(f"  graph break at {note}")
 
 
 def _batch(inputs: tuple) -> int | None:

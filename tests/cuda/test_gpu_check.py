@@ -63,3 +63,14 @@ def test_the_copy_comparison_runs_on_cpu_standins(gpu_check, tmp_path):
     copies = [e for e in trace["traceEvents"] if e.get("cat") == "copy"]
     assert len(copies) == 3 * 4  # three boundaries, four micro-batches
     assert "copies on the compute stream" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_compiled_part_runs_on_cpu_standins(gpu_check, tmp_path):
+    assert gpu_check.main(["--standin", "--parts", "compiled", "--total", "60", str(tmp_path)]) == 0
+    rows = {r["measurement"]: r for r in json.loads((tmp_path / "summary.json").read_text())["rows"]
+            if r["part"] == "compiled"}
+    assert "zb step, aot_eager / eager" in rows and rows["W after its I; W's share of backward time"]["value"] \
+        .startswith("yes")
+    assert float(rows["gradients against eager (max relative error)"]["value"]) < 1e-4
+    assert (tmp_path / "compiled_zb.json").exists()

@@ -232,6 +232,33 @@ class RopeDecoder(nn.Module):
         return self.head(self.norm(x))
 
 
+class FusedBlock(nn.Module):
+    """Pre-norm GELU MLP with a residual add (and optional dropout): the kernels torch.compile fuses."""
+
+    def __init__(self, d: int, hidden: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, hidden), nn.Linear(hidden, d)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return x + self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class Stack(nn.Module):
+    """A transformer-like stack without attention: an input projection, FusedBlocks, a norm and a head."""
+
+    def __init__(self, d: int = 16, hidden: int = 48, layers: int = 4, out: int = 8, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.Sequential(*[FusedBlock(d, hidden, dropout) for _ in range(layers)])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, out)
+
+    def forward(self, x):
+        return self.head(self.norm(self.blocks(self.inp(x))))
+
+
 def mlp():
     """Return an MLP and its inputs."""
     return MLP(), (torch.randn(7, 16),), {}

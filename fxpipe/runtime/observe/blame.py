@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 import torch.fx
 
-__all__ = ["describe_node", "failing_node", "keep_tracebacks", "note_failure"]
+__all__ = ["call_wrapper_code", "describe_node", "failing_node", "keep_tracebacks", "node_in_stack", "note_failure"]
 
 _NOTE = "fxpipe: raised in stage"
 
@@ -34,6 +34,15 @@ class _Unwrapped:
 
     def __call__(self, obj: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         return super(self.cls, obj).__call__(*args, **kwargs)
+
+
+def call_wrapper_code() -> Any:
+    """Return the code object of the call :func:`keep_tracebacks` puts around a GraphModule's forward.
+
+    One code object serves every stage, so torch.compile must step over its frame (and
+    compile each stage's own generated forward) rather than cache every stage's graphs on it.
+    """
+    return _Unwrapped.__call__.__code__
 
 
 def keep_tracebacks(gm: torch.fx.GraphModule) -> None:
@@ -51,6 +60,23 @@ def keep_tracebacks(gm: torch.fx.GraphModule) -> None:
 
 def failing_node(gm: torch.fx.GraphModule, exc: BaseException) -> torch.fx.Node | None:
     """Return the node of ``gm`` whose generated line is in ``exc``'s traceback, innermost first."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
+        tb = tb.tb_next
+    return node_in_stack(gm, frames)
+
+
+def node_in_stack(gm: torch.fx.GraphModule, frames: Any) -> torch.fx.Node | None:
+    """Return the node of ``gm`` at the innermost of ``frames`` in its generated code.
+
+    ``frames`` are ``(filename, lineno)`` pairs or ``traceback.FrameSummary`` objects (a
+    stack torch.compile reports), outermost first. A stack that starts inside a module the
+    stage calls (torch.compile reports a graph break in its own frame) names the first
+    ``call_module`` node whose module's ``forward`` holds the outermost such frame.
+    """
+    pairs = [(f.filename, f.lineno) if hasattr(f, "filename") else tuple(f) for f in frames]
     forward = getattr(type(gm), "forward", None)
     code = getattr(forward, "__code__", None)
     lineno_map = getattr(gm, "_lineno_map", None)
@@ -59,14 +85,25 @@ def failing_node(gm: torch.fx.GraphModule, exc: BaseException) -> torch.fx.Node 
     start = getattr(gm, "_prologue_start", 0) or 0
     nodes = list(gm.graph.nodes)
     found = None
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == code.co_filename:
-            index = lineno_map.get(tb.tb_lineno - start)
+    for filename, lineno in pairs:
+        if filename == code.co_filename and lineno is not None:
+            index = lineno_map.get(lineno - start)
             if index is not None and index < len(nodes):
                 found = nodes[index]
-        tb = tb.tb_next
-    return found
+    return found if found is not None else _module_node(gm, nodes, pairs)
+
+
+def _module_node(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], pairs: list) -> torch.fx.Node | None:
+    """Return the first call_module node whose module's forward holds the outermost of ``pairs``."""
+    for filename, lineno in pairs:
+        for node in nodes:
+            if node.op != "call_module" or lineno is None:
+                continue
+            code = getattr(type(gm.get_submodule(cast(str, node.target))).forward, "__code__", None)
+            if code is not None and code.co_filename == filename \
+                    and code.co_firstlineno <= lineno <= max((ln for *_, ln in code.co_lines() if ln), default=0):
+                return node
+    return None
 
 
 def describe_node(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:

@@ -14,7 +14,7 @@ the checkpoint's own backward, as soon as the output's gradient is due (torchgpi
 Both passes run through the stage call (:class:`fxpipe.runtime.stage.stagecall.StageCall`), which
 restores the CPU RNG state and that of the stage's CUDA device for the recomputation, so
 dropout draws the same mask. :func:`is_checkpointing` and :func:`is_recomputing` tell a module which
-pass it is in.
+pass it is in (in a compiled stage, at the cost of a graph break where they are read).
 """
 
 from __future__ import annotations
@@ -49,12 +49,27 @@ _state = _State()
 
 def is_checkpointing() -> bool:
     """Tell whether the current forward runs under checkpointing (its activations are dropped)."""
+    if torch.compiler.is_compiling():
+        return _read("checkpointing")
     return _state.checkpointing
 
 
 def is_recomputing() -> bool:
     """Tell whether the current forward is a recomputation for backward."""
+    if torch.compiler.is_compiling():
+        return _read("recomputing")
     return _state.recomputing
+
+
+@torch.compiler.disable
+def _read(flag: str) -> bool:
+    """Read a pass flag outside the compiled graph.
+
+    Inside ``torch.compile`` the flags are read here, past a graph break, so that the graph
+    after it is guarded on the value: without it, torch.compile would bake in the flag of the
+    first pass it traced (a per-thread value, which it does not guard).
+    """
+    return bool(getattr(_state, flag))
 
 
 @contextmanager

@@ -29,6 +29,7 @@ import torch.fx
 
 from fxpipe.runtime.observe import timeline
 from fxpipe.runtime.observe.blame import keep_tracebacks, note_failure
+from fxpipe.runtime.stage.compiled import CompiledStage
 from fxpipe.runtime.stage.copy import wait
 from fxpipe.runtime.stage.recompute import checkpointed, in_pass, is_checkpointing, is_recomputing
 from fxpipe.runtime.stage.stream import AbstractStream, current_stream, new_stream, on_device
@@ -87,7 +88,8 @@ class StageCall:
     def __init__(self, index: int, fn: Callable, gm: torch.fx.GraphModule, device: torch.device,
                  last: bool) -> None:
         self.index = index
-        self.fn = fn  # the stage GraphModule, or a wrapper reading parameters from other devices
+        self.fn = fn  # the stage GraphModule, a wrapper reading parameters from other devices, or compiled
+        self.compiled = fn if isinstance(fn, CompiledStage) else None  # torch.compile's record of the stage
         self.gm = gm  # what error notes look nodes up in
         keep_tracebacks(gm)
         self.device = device

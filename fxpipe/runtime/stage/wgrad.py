@@ -47,9 +47,17 @@ def collecting(store: list) -> Iterator[list]:
 
 
 def run(store: list) -> None:
-    """Compute and accumulate every weight gradient queued in ``store``, emptying it."""
+    """Compute and accumulate every weight gradient queued in ``store``, emptying it.
+
+    An entry is a linear's ``(x, dy, weight, bias)``, or a callable that does its own (a
+    compiled stage's W graph, :mod:`fxpipe.runtime.stage.aotsplit`).
+    """
     queued, store[:] = list(store), []
-    for x, dy, weight, bias in queued:
+    for entry in queued:
+        if callable(entry):
+            entry()
+            continue
+        x, dy, weight, bias = entry
         dy2 = dy.reshape(-1, dy.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         with torch.no_grad():

@@ -14,7 +14,8 @@ checkpointing, the forward runs under ``no_grad`` and keeps only the inputs and 
 point; the backward first recomputes the forward with the same random numbers. A stage whose
 schedule has ``W`` steps (``defer=True``) queues its linears' weight gradients per
 micro-batch (:mod:`fxpipe.runtime.stage.wgrad`): ``I`` computes the input gradients only, ``W``
-the queued weight gradients, and ``B`` both at once.
+the queued weight gradients, and ``B`` both at once. A compiled stage (:mod:`fxpipe.runtime.stage.compiled`)
+splits its backward graph instead: its ``I`` runs the input-gradient half and queues the other.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class StageWorker:
                     result = loss(out) if loss is not None else out
         else:
             _, leaves, result = saved
-        with on_device(self.device), self.call.span("backward", i):
+        with on_device(self.device), self.call.span("backward", i), self._deferring(i, kind):
             tensors, grad_tensors = _pairs(result, grads)
             if tensors:
                 torch.autograd.backward(tensors, grad_tensors)
@@ -111,6 +112,13 @@ class StageWorker:
     def _collecting(self, i: int) -> contextlib.AbstractContextManager:
         """Queue micro-batch ``i``'s weight gradients while deferring; otherwise do nothing."""
         return wgrad.collecting(self._weights[i]) if self.defer and i != self.final else contextlib.nullcontext()
+
+    def _deferring(self, i: int, kind: str) -> contextlib.AbstractContextManager:
+        """In a compiled stage's ``I``, queue micro-batch ``i``'s weight-gradient work for its ``W``."""
+        compiled = self.call.compiled
+        if compiled is None or not self.defer or kind != "I" or i == self.final:
+            return contextlib.nullcontext()
+        return compiled.deferring(self._weights.setdefault(i, []))
 
     def discard(self) -> None:
         """Drop what a failed step left: activations awaiting backward, deferred weight gradients."""

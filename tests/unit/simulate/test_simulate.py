@@ -199,3 +199,24 @@ def test_zbv_on_other_than_half_the_stages_names_the_ranks_to_give():
     with pytest.raises(fxpipe.ScheduleError, match=r"4 stages run on ranks=2, not ranks=4"):
         fxpipe.simulate(pipe, schedule="zbv", ranks=4, device=UNIT)
     assert [s.rank for s in fxpipe.simulate(pipe, schedule="zbv", ranks=2, device=UNIT).stages] == [0, 1, 1, 0]
+
+
+def test_a_compiled_factor_scales_every_stage_s_work():
+    x = torch.randn(32, 64)
+    pipe = _pipe(_mlp(), x, chunks=4, schedule="zb", checkpoint="never")
+    eager = fxpipe.simulate(pipe, device=UNIT)
+    faster = fxpipe.simulate(pipe, device=UNIT, compiled=0.5)
+    for a, b in zip(eager.costs, faster.costs):
+        assert b.forward == pytest.approx(a.forward / 2) and b.weight == pytest.approx(a.weight / 2)
+    assert faster.step_time < 0.55 * eager.step_time  # the work halves; the loss and messages stay
+    with pytest.raises(ValueError, match="compiled=0; use a factor > 0"):
+        fxpipe.simulate(pipe, device=UNIT, compiled=0)
+
+
+def test_a_compiled_factor_measured_here():
+    pipe = _pipe(_mlp(width=16, layers=2), torch.randn(8, 16), chunks=2)
+    sim = fxpipe.simulate(pipe, device="cpu", compiled={"backend": "aot_eager"})
+    assert sim.step_time > 0
+    from fxpipe.simulate.compiledtime import compile_factor
+
+    assert 0 < compile_factor(pipe._gm, 4, {"backend": "aot_eager"}, repeats=3) < 50

@@ -208,6 +208,18 @@ def test_timeline_of_the_zero_bubble_schedule_shows_weight_steps(tmp_path, capsy
         [(j, i) for j in range(2) for i in range(2)]
 
 
+@pytest.mark.slow
+def test_timeline_of_compiled_stages(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    assert cli.main(["inspect", os.path.join(ROOT, "examples", "transformer.py:factory"), "--stages", "2",
+                     "--chunks", "2", "--schedule", "zb", "--torch-compile", "aot_eager",
+                     "--timeline", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "one training step (zb)" in out and "4 forward, 2 recompute, 4 backward, 4 weight, 0 copy events" in out
+    assert "torch.compile (aot_eager) stage 0:" in out and "torch.compile (aot_eager) stage 1:" in out
+    assert "backward split I " in out
+
+
 def test_dot_file_and_picture(tmp_path, capsys, monkeypatch):
     spec = os.path.join(ROOT, "examples", "unet.py:factory")
     assert cli.main(["inspect", spec, "--stages", "2", "--dot", str(tmp_path / "g.dot")]) == 0

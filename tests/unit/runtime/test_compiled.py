@@ -1,0 +1,382 @@
+"""torch_compile=: compiled stages under every schedule equal eager; zero bubble's W holds the weight GEMMs.
+
+Most tests compile with ``aot_eager`` (AOT autograd's graphs run as eager ops: fast, and the
+same forward/backward graphs and I/W split inductor gets); a few, marked slow, with inductor.
+"""
+
+import copy
+import logging
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import CNN, Stack, TiedTransformer, token_loss
+from schedules import CUSTOM
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxpipe
+from fxpipe.runtime.stage import aotsplit
+from fxpipe.testing import max_relative_error
+
+AOT = {"backend": "aot_eager"}
+
+
+def _check_step(model, x, target, loss_fn, tol=1e-5, **kw):
+    """Compile ``model`` with ``kw``, run one step; assert loss and gradients equal eager's; return the pipe."""
+    eager = copy.deepcopy(model)
+    expected = loss_fn(eager(x), target)
+    expected.backward()
+    pipe = fxpipe.compile(model, example_inputs=(x,), **kw)
+    loss = pipe.step(x, target=target, loss_fn=loss_fn)
+    assert max_relative_error(loss, expected) < tol
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert max_relative_error(p.grad, grads[name].grad) < tol, name
+    return pipe
+
+
+@pytest.mark.slow
+def test_zero_bubble_compiled_equals_eager():
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    pipe = _check_step(Stack(), x, y, F.mse_loss, n_stages=2, chunks=4, schedule="zb", devices=["cpu"] * 2,
+                       torch_compile=AOT)
+    stats = pipe.compile_stats
+    assert sorted(stats) == [0, 1] and all(s["graphs"] >= 1 and s["split"] for s in stats.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+@pytest.mark.parametrize("schedule,n,per_rank,chunks", [
+    ("gpipe", 3, 1, 4), ("1f1b", 3, 1, 4), ("zb", 3, 1, 4), ("interleaved", 4, 2, 4), ("zbv", 4, 2, 4),
+    (CUSTOM, 2, 1, 3)], ids=["gpipe", "1f1b", "zb", "interleaved", "zbv", "custom"])
+def test_every_schedule_compiled_equals_eager(schedule, n, per_rank, chunks, checkpoint):
+    tokens, target = torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))
+    _check_step(TiedTransformer(), tokens, target, token_loss, n_stages=n, chunks=chunks, schedule=schedule,
+                stages_per_rank=per_rank, devices=["cpu"] * n, checkpoint=checkpoint, torch_compile=AOT)
+
+
+@pytest.mark.slow
+def test_gpipe_program_compiled_equals_eager():
+    model, x = Stack(), torch.randn(6, 16)
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=3, devices=["cpu"] * 2, torch_compile=AOT)
+    out = pipe(x)
+    expected = eager(x)
+    assert max_relative_error(out, expected) < 1e-5
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert max_relative_error(p.grad, q.grad) < 1e-5, name
+
+
+class _Recorder(TorchDispatchMode):
+    """Record the time and output shape of every matrix product run under it."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.calls.append((time.perf_counter_ns(), tuple(out.shape)))
+        return out
+
+
+def test_zero_bubble_runs_the_weight_gemms_in_w_spans_after_i(monkeypatch):
+    """Time every GEMM the split backward runs: the weight-gradient ones land in W spans, after that I."""
+    i_calls, w_calls = [], []
+    split = aotsplit._split_backward
+
+    def recording(stage, cut, run_i, run_w, *rest):
+        def rec(run, calls):
+            def inner(args):
+                with _Recorder(calls):
+                    return run(args)
+            return inner
+        return split(stage, cut, rec(run_i, i_calls), rec(run_w, w_calls), *rest)
+
+    monkeypatch.setattr(aotsplit, "_split_backward", recording)
+    model = Stack(d=16, hidden=48, layers=4)
+    x, y = torch.randn(12, 16), torch.randn(12, 8)  # 3 rows per micro-batch: no activation is weight-shaped
+    eager = copy.deepcopy(model)
+    F.mse_loss(eager(x), y).backward()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=4, schedule="zb", checkpoint="never",
+                          devices=["cpu"] * 2, torch_compile=AOT)
+    with fxpipe.timeline() as tl:
+        pipe.step(x, target=y, loss_fn=F.mse_loss)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert max_relative_error(p.grad, q.grad) < 1e-5, name
+
+    spans = {(e["cat"], e["args"]["stage"], e["args"]["micro_batch"]): (e["ts"], e["ts"] + e["dur"])
+             for e in tl.events}
+    for j in range(2):
+        for i in range(4):  # W after its I, on every stage and micro-batch
+            assert spans[("weight", j, i)][0] >= spans[("backward", j, i)][1], (j, i)
+
+    def kind(stamp):
+        us = (stamp - tl._origin) / 1e3
+        return {k for (k, _, _), (a, b) in spans.items() if a <= us <= b}
+
+    matrices = [tuple(p.shape) for p in model.parameters() if p.dim() == 2]
+    weights = set(matrices)
+    w_gemms = [shape for t, shape in w_calls if shape in weights]
+    assert len(w_gemms) == len(matrices) * 4  # every weight matrix's gradient, once per micro-batch
+    assert all(kind(t) == {"weight"} for t, shape in w_calls)
+    assert i_calls and all(kind(t) == {"backward"} and shape not in weights for t, shape in i_calls)
+
+
+class _Scale(nn.Module):
+    """Scale by a learned vector, then dropout: the gradient is zero exactly where the mask dropped."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(x * self.w)
+
+
+def _masks_replayed(backend):
+    model = nn.Sequential(_Scale(), _Scale())
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(6, 8),), chunks=1, checkpoint="always",
+                          devices=["cpu"] * 2, split_points=["1"], torch_compile={"backend": backend})
+    seen = []
+    for _ in range(2):
+        x = torch.randn(6, 8, requires_grad=True)
+        out = pipe(x)
+        out.sum().backward()
+        # out is zero where either mask dropped; x.grad where the recomputation's masks dropped
+        assert torch.equal(out != 0, x.grad != 0)
+        seen.append(out != 0)
+    assert not torch.equal(*seen)  # each step draws its own masks
+
+
+def test_recompute_replays_dropout_masks():
+    _masks_replayed("aot_eager")
+
+
+@pytest.mark.slow
+def test_recompute_replays_dropout_masks_with_inductor():
+    _masks_replayed("inductor")
+
+
+@pytest.mark.slow
+def test_recompilations_stay_bounded_over_three_batch_sizes():
+    model = Stack()
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(8, 16),), chunks=2, schedule="zb",
+                          devices=["cpu"] * 2, torch_compile=AOT)
+    for rows in (8, 12, 6, 12, 8):  # micro-batches of 4, 6 and 3 rows; checkpointed ones without grad
+        pipe.step(torch.randn(rows, 16), target=torch.randn(rows, 8), loss_fn=F.mse_loss)
+    for j, s in pipe.compile_stats.items():
+        assert s["recompiles"] <= 2, (j, s)  # no-grad forwards (checkpointing) compile once more, no more
+
+
+def test_state_dict_keys_stay_the_models_own(tmp_path):
+    model = Stack()
+    keys = list(model.state_dict())
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(8, 16),), chunks=2, schedule="1f1b",
+                          devices=["cpu"] * 2, torch_compile=AOT)
+    pipe.step(torch.randn(8, 16), target=torch.randn(8, 8), loss_fn=F.mse_loss)
+    assert list(pipe.state_dict()) == keys and not any("_orig_mod" in k for k in pipe.state_dict())
+    fxpipe.save(pipe, tmp_path / "ckpt")
+    state = fxpipe.load_state_dict(tmp_path / "ckpt")
+    assert list(state) == keys
+    for k, v in model.state_dict().items():
+        assert torch.equal(state[k], v), k
+
+
+class _Doubled(nn.Module):
+    """Doubles its input while recomputing: the gradients tell whether the recomputation saw the flag."""
+
+    def forward(self, x):
+        return x * 2.0 if fxpipe.is_recomputing() else x
+
+
+def test_is_recomputing_is_read_per_pass_in_a_compiled_stage():
+    def build(**kw):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), _Doubled(), nn.Linear(8, 8), nn.Linear(8, 4))
+        pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),), chunks=1, checkpoint="always",
+                              devices=["cpu"] * 2, split_points=["2"], leaf_modules=[_Doubled], **kw)
+        pipe.step(torch.ones(4, 8), target=torch.zeros(4, 4), loss_fn=F.mse_loss)
+        return model, pipe
+
+    eager, _ = build()
+    compiled, pipe = build(torch_compile=AOT)
+    for p, q in zip(compiled.parameters(), eager.parameters()):
+        assert max_relative_error(p.grad, q.grad) < 1e-5
+    assert any("is_recomputing" in b for b in pipe.compile_stats[0]["breaks"])
+
+
+class _Gate(nn.Module):
+    """Branches on a value: torch.compile breaks the graph here."""
+
+    def forward(self, x):
+        return x * 2 if x.sum().item() > 0 else x
+
+
+def _gated():
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Gate(), nn.Linear(8, 4))
+
+
+def test_a_graph_break_is_reported_naming_the_stage_and_node(caplog):
+    model = _gated()
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2, split_points=["2"],
+                          leaf_modules=[_Gate], torch_compile=AOT)
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.WARNING, logger="fxpipe"):
+        assert max_relative_error(pipe(x), eager(x)) < 1e-5  # it still runs, as several graphs
+    assert "stage 1: torch.compile breaks the graph at node '_2' (call_module 2: _Gate" in caplog.text
+    assert pipe.compile_stats[1]["breaks"] and not pipe.compile_stats[0]["breaks"]
+
+
+def test_fullgraph_refuses_a_graph_break_naming_the_stage_and_node():
+    pipe = fxpipe.compile(_gated(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2,
+                          split_points=["2"], leaf_modules=[_Gate], torch_compile={**AOT, "fullgraph": True})
+    with pytest.raises(fxpipe.CompileError, match=r"stage 1: torch.compile \(aot_eager\) cannot compile the stage "
+                                                  r"at node '_2' \(call_module 2: _Gate.*drop fullgraph=True"):
+        pipe(torch.randn(4, 8))
+
+
+def test_a_backend_that_fails_is_named_with_the_stage():
+    def failing(gm, example_inputs):
+        raise RuntimeError("this backend cannot")
+
+    pipe = fxpipe.compile(Stack(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2,
+                          torch_compile={"backend": failing})
+    with pytest.raises(fxpipe.CompileError, match=r"stage 0: torch.compile \(failing\) cannot compile the stage.*"
+                                                  r"this backend cannot.*try backend='aot_eager'"):
+        pipe(torch.randn(4, 16))
+
+
+class _Untraceable(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # torch.fx cannot trace this: compile would fail tracing
+            return x
+        return -x
+
+
+@pytest.mark.parametrize("value,error,message", [
+    ({"backend": "no_such_backend"}, fxpipe.CompileError, "backend='no_such_backend' cannot be loaded"),
+    ({"backned": "inductor"}, TypeError, "torch_compile= got 'backned'; it takes backend, mode"),
+    ("inductor", TypeError, "torch_compile= takes True, False or a dict"),
+    ({"backend": "aot_eager", "mode": "max-autotune"}, fxpipe.CompileError, "mode= and options= configure inductor"),
+    ({"mode": "reduce-overhead"}, fxpipe.CompileError, "captures CUDA graphs"),
+    ({"options": {"no_such_option": 1}}, fxpipe.CompileError, "Unexpected optimization option no_such_option"),
+])
+def test_bad_torch_compile_values_are_refused_before_tracing(value, error, message):
+    with pytest.raises(error, match=message):
+        fxpipe.compile(_Untraceable(), 2, example_inputs=(torch.randn(4, 8),), torch_compile=value)
+
+
+def test_zero_bubble_with_a_backend_it_cannot_split_is_refused():
+    with pytest.raises(fxpipe.CompileError, match="schedule='zb' splits each backward into I and W.*not 'eager'"):
+        fxpipe.compile(Stack(), 2, example_inputs=(torch.randn(4, 16),), schedule="zb",
+                       torch_compile={"backend": "eager"})
+    with pytest.raises(fxpipe.CompileError, match="stage 0's schedule has W steps"):
+        fxpipe.compile(Stack(), 2, example_inputs=(torch.randn(4, 16),), schedule=CUSTOM, chunks=3,
+                       devices=["cpu"] * 2, torch_compile={"backend": "eager"})
+
+
+def test_other_backends_run_schedules_without_w():
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    _check_step(Stack(), x, y, F.mse_loss, n_stages=2, chunks=2, schedule="1f1b", devices=["cpu"] * 2,
+                torch_compile={"backend": "eager"})
+
+
+@pytest.mark.slow
+def test_deferred_batch_norm_and_autocast_compiled_match_uncompiled():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))
+    plain, compiled = CNN(), CNN()
+    compiled.load_state_dict(plain.state_dict())
+    kw = dict(example_inputs=(x,), chunks=2, devices=["cpu"] * 2, deferred_batch_norm=True, schedule="zb")
+    pipes = [fxpipe.compile(plain, 2, **kw), fxpipe.compile(compiled, 2, torch_compile=AOT, **kw)]
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = [p.step(x, target=y, loss_fn=F.cross_entropy) for p in pipes]
+    assert max_relative_error(losses[1], losses[0]) < 1e-5
+    for (name, p), q in zip(compiled.named_parameters(), plain.parameters()):
+        assert max_relative_error(p.grad, q.grad) < 1e-5, name
+    for (name, b), c in zip(compiled.named_buffers(), plain.buffers()):  # running stats once per mini-batch
+        assert max_relative_error(b.float(), c.float()) < 1e-5, name
+
+
+class _Broken(nn.Module):
+    """Scale, a graph break, scale again: every instance runs the graph after the break torch.compile made once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        x = x * self.w
+        torch._dynamo.graph_break()
+        return torch.tanh(x * self.w)
+
+
+def test_w_adds_into_the_parameters_of_each_call_not_of_the_first_compile():
+    model = nn.Sequential(nn.Linear(8, 8), _Broken(), _Broken(), nn.Linear(8, 8), _Broken(), _Broken())
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    _check_step(model, x, y, F.mse_loss, n_stages=2, chunks=2, schedule="zb", checkpoint="never",
+                devices=["cpu"] * 2, split_points=["3"], leaf_modules=[_Broken], torch_compile=AOT)
+
+
+def test_a_model_built_on_meta_compiles_after_materialization():
+    with fxpipe.deferred_init():
+        model = Stack()
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, schedule="zb", devices=["cpu"] * 2,
+                          torch_compile=AOT)
+    assert torch.isfinite(pipe.step(x, target=y, loss_fn=F.mse_loss))
+    assert all(not t.is_meta for t in model.state_dict().values())
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_failed_step_leaves_no_queued_weight_work():
+    model = Stack()
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=4, schedule="zb", checkpoint="never",
+                          devices=["cpu"] * 2, torch_compile=AOT)
+    calls = []
+
+    def failing(out, t):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("loss failed")
+        return F.mse_loss(out, t)
+
+    with pytest.raises(RuntimeError, match="loss failed"):
+        pipe.step(x, target=y, loss_fn=failing)
+    pipe.zero_grad(set_to_none=True)
+    eager = copy.deepcopy(model)
+    F.mse_loss(eager(x), y).backward()
+    pipe.step(x, target=y, loss_fn=F.mse_loss)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert max_relative_error(p.grad, q.grad) < 1e-5, name
+
+
+@pytest.mark.slow
+def test_a_tied_weight_read_from_another_device_and_an_exported_graph_compile():
+    """"cpu" and "cpu:0" are two devices: the head reads the embedding's weight through a per-call copy."""
+    tokens, target = torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))
+    _check_step(TiedTransformer(), tokens, target, token_loss, n_stages=2, chunks=4, schedule="zb",
+                devices=["cpu", "cpu:0"], torch_compile=AOT)
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    _check_step(Stack(), x, y, F.mse_loss, n_stages=2, chunks=4, schedule="zb", devices=["cpu"] * 2,
+                tracer="export", torch_compile=AOT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_inductor_compiled_stages_equal_eager(schedule):
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    pipe = _check_step(Stack(), x, y, F.mse_loss, tol=1e-4, n_stages=2, chunks=4, schedule=schedule,
+                       devices=["cpu"] * 2, torch_compile=True)
+    assert all(s["backend"] == "inductor" for s in pipe.compile_stats.values())
