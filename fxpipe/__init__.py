@@ -19,6 +19,7 @@ from fxpipe.compiler import compile
 from fxpipe.errors import (
                            CheckpointError,
                            DeferredInitError,
+                           MemoryBudgetError,
                            MutationError,
                            NoFeasibleCut,
                            PeerFailure,
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "DeferredInitError",
+    "MemoryBudgetError",
     "MutationError",
     "NoFeasibleCut",
     "PeerFailure",

@@ -8,6 +8,7 @@ from fxpipe.passes.failure import PropagationError
 __all__ = [
     "CheckpointError",
     "DeferredInitError",
+    "MemoryBudgetError",
     "MutationError",
     "NoFeasibleCut",
     "PeerFailure",
@@ -61,3 +62,7 @@ class DeferredInitError(WeightsError):
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be loaded here (half-written, another model, another optimizer); says why."""
+
+
+class MemoryBudgetError(ValueError):
+    """No policy per stage fits ``max_memory``: says which stage overflows, by how much, and what would fit."""
