@@ -136,7 +136,11 @@ def _predict_peaks(pipe: Any) -> None:
     from fxpipe.simulate.simulation import simulate
 
     runtime = "distributed" if pipe.plan.stages[0].device.startswith("rank") else "local"
-    sim = simulate(pipe, device="h100", runtime=runtime)  # a nominal model: the memory walk needs no speeds
+    try:
+        sim = simulate(pipe, device="h100", runtime=runtime)  # a nominal model: the memory walk needs no speeds
+    except Exception as exc:  # noqa: BLE001 - fake tensors cannot follow every model: no peak column then
+        print(f"(no predicted peaks: {type(exc).__name__} while following the model on fake tensors)")
+        return
     for s, result in zip(pipe.plan.stages, sim.stages):
         s.peak = int(result.memory.peak)
 
