@@ -162,7 +162,7 @@ class SelectiveBytes:
 
     kept: dict[str, float]  # value -> bytes kept from forward to backward (besides the stage's own)
     internal: float  # storage no value holds, kept by the kept nodes (norm statistics, masks)
-    redo: float  # the most one segment's recomputation holds at once
+    redo: float  # the most a recomputation holds at once
     rerun: list[str]  # the nodes recomputed in backward
 
 
@@ -185,7 +185,8 @@ def selective_bytes(nodes: Sequence[torch.fx.Node], plan: SelectivePlan, size: M
     multiplied by ``scale``. Mirrors the runtime (:mod:`fxpipe.runtime.stage.selective`): a
     saved tensor whose storage is a kept or free value is kept; one of a cheap value, or made
     inside a cheap node, is recomputed in that value's segment from the kept values it reads.
-    ``redo`` is the most one run's recomputation holds: its nodes' own values and saved tensors.
+    ``redo`` is the most a recomputation holds at one node: its value, its saves, and those of the
+    recomputed values it reads.
     """
     free = set(free)
     index = {n.name: k for k, n in enumerate(nodes)}
@@ -220,8 +221,9 @@ def selective_bytes(nodes: Sequence[torch.fx.Node], plan: SelectivePlan, size: M
             else:
                 rerun.add(j)
                 stack.append(j)
-    redo = [0.0] * plan.runs
+    own = [0.0 if aliases(n) else size.get(n.name, 0.0) for n in nodes]  # a view holds no storage of its own
+    redo = 0.0  # live at one recomputed node: what it reads that was recomputed, what it makes and saves
     for k in rerun:
-        own = 0.0 if aliases(nodes[k]) else size.get(plan.names[k], 0.0)  # a view holds no storage of its own
-        redo[plan.run[k]] += own + packs[k]
-    return SelectiveBytes(kept, internal, max(redo, default=0.0), [plan.names[k] for k in sorted(rerun)])
+        reads = {index[a.name] for a in nodes[k].all_input_nodes if index.get(a.name) in rerun}
+        redo = max(redo, own[k] + packs[k] + sum(own[j] + packs[j] for j in reads))
+    return SelectiveBytes(kept, internal, redo, [plan.names[k] for k in sorted(rerun)])

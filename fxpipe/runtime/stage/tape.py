@@ -47,9 +47,14 @@ def _ref(t: torch.Tensor) -> StorageWeakRef | None:
         return None
 
 
+def _leaves(value: Any) -> list:
+    """Return the leaves of a value (a tensor, the common case, without pytree)."""
+    return [value] if isinstance(value, torch.Tensor) else tree_flatten(value)[0]
+
+
 def _detach(value: Any) -> tuple[list, Any, list[bool]]:
-    """Return ``value``'s leaves (tensors detached), its structure, and which tensors required grad."""
-    leaves, spec = tree_flatten(value)
+    """Return ``value``'s leaves (tensors detached), its structure (None: one tensor), and which required grad."""
+    leaves, spec = ([value], None) if isinstance(value, torch.Tensor) else tree_flatten(value)
     return ([v.detach() if isinstance(v, torch.Tensor) else v for v in leaves], spec,
             [isinstance(v, torch.Tensor) and v.requires_grad for v in leaves])
 
@@ -57,7 +62,8 @@ def _detach(value: Any) -> tuple[list, Any, list[bool]]:
 def _revive(entry: tuple[list, Any, list[bool]]) -> Any:
     """Rebuild a detached value as fresh leaves requiring grad where the original did."""
     leaves, spec, grads = entry
-    return tree_unflatten([v.detach().requires_grad_(True) if g else v for v, g in zip(leaves, grads)], spec)
+    fresh = [v.detach().requires_grad_(True) if g else v for v, g in zip(leaves, grads)]
+    return fresh[0] if spec is None else tree_unflatten(fresh, spec)
 
 
 class _Box:
@@ -89,7 +95,7 @@ class Tape:
         self.current = 0
         self.counts = [0] * len(program.nodes)
         self.owner: dict[StorageWeakRef, tuple[int, int, torch.dtype, StorageWeakRef]] = {}
-        for t in program.state() + [v for x in inputs for v in tree_flatten(x)[0] if isinstance(v, torch.Tensor)]:
+        for t in program.state() + [v for x in inputs for v in _leaves(x) if isinstance(v, torch.Tensor)]:
             self._own(t, -1, -1)
         self.inputs = [_detach(x) for x in inputs]
         self.env: dict[int, tuple[list, Any, list[bool]]] = {}  # kept values a recomputation reads
@@ -136,7 +142,7 @@ class Tape:
     def made(self, k: int, value: Any) -> None:
         """Marker: node ``k`` is done; own its value's storage, settle its saves, note RNG at a segment's start."""
         plan = self.plan
-        leaves = tree_flatten(value)[0]
+        leaves = _leaves(value)
         mine = {self._own(t, k, n) for n, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
         for box in self.pending:  # its own value's storage, if kept, stays; the rest is dropped
             if not (plan.candidate(k) and _ref(box.tensor) in mine):  # type: ignore[arg-type]
@@ -219,11 +225,12 @@ class Tape:
         program, plan = self.program, self.plan
         local: dict[int, Any] = {}
         order = self._closure(want.node)
+        last = {a: i for i, k in enumerate(order) for a in program.reads[k]}  # where each value is read last
 
         def run() -> None:
             with contextlib.ExitStack() as replay:
                 at = -1
-                for k in order:
+                for i, k in enumerate(order):
                     if plan.run[k] in self.rng and plan.run[k] != at:  # the random state of this run's start
                         replay.close()
                         replay.enter_context(restore_rng(program.device, self.rng[plan.run[k]]))
@@ -233,7 +240,10 @@ class Tape:
                     for ref in self.boxes.get(k, []):
                         box = ref()
                         if box is not None and box.tensor is None and box.at < 0:
-                            box.tensor = _slice(tree_flatten(local[k])[0][box.leaf], box.geometry)
+                            box.tensor = _slice(_leaves(local[k])[box.leaf], box.geometry)
+                    for a in program.reads[k]:  # let a recomputed value go after its last reader
+                        if last.get(a) == i:
+                            local.pop(a, None)
 
         store = wgrad.collecting([]) if self.deferring else contextlib.nullcontext()
         with on_device(program.device), torch.enable_grad(), in_pass("recomputing"), \
