@@ -30,7 +30,7 @@ def _tokens() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 def selective(rank: int, world: int, schedule: str) -> dict:
     """Every stage selective: the loss and this rank's gradients against eager."""
     model, x, y = _tokens()
-    n, per = _layout(world, schedule)
+    _n, per = _layout(world, schedule)
     result, pipe = _check_step(rank, world, model, x, y, token_loss, stages_per_rank=per, chunks=4,
                                schedule=schedule, checkpoint="selective")
     return result | {"policies": pipe.plan.policies()}

@@ -120,8 +120,10 @@ class Tape:
     def pack(self, t: torch.Tensor) -> Any:
         """Saved-tensor hook of the forward: keep ``t``, or drop it for a box (see the module)."""
         k = self.current
-        if k >= len(self.counts) or not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor):
             return t
+        if k >= len(self.counts):  # after the last node: kept
+            return t.detach()
         at = self.counts[k]
         self.counts[k] += 1
         ref = _ref(t)

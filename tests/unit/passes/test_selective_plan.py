@@ -1,13 +1,13 @@
 """What selective recomputation keeps, how it groups the rest, and the neighbouring cuts."""
 
 import torch
+from fxpipe.passes.selective import expensive, selective_plan
+from fxpipe.passes.shift import neighbours
 from models import DecoderBlock
 from torch import nn
 
 import fxpipe
 from fxpipe import passes
-from fxpipe.passes.selective import expensive, selective_plan
-from fxpipe.passes.shift import neighbours
 from fxpipe.plan.assign import annotate_graph
 
 
@@ -23,7 +23,7 @@ def _by_name(plan):
 
 
 def test_gemms_and_attention_are_kept_and_the_rest_recomputed():
-    gm, plan = _plan(DecoderBlock(32, 4, 96, 16), torch.randn(2, 16, 32))
+    _gm, plan = _plan(DecoderBlock(32, 4, 96, 16), torch.randn(2, 16, 32))
     kept = {n for n, s in zip(plan.names, plan.saved) if s}
     assert kept == {"q", "k", "v", "o", "gate", "up", "down", "scaled_dot_product_attention"}
     nodes = _by_name(plan)
@@ -68,19 +68,19 @@ class InPlace(nn.Module):
 
 
 def test_an_in_place_write_and_what_it_writes_are_kept():
-    gm, plan = _plan(InPlace(), torch.randn(4, 8))
+    _gm, plan = _plan(InPlace(), torch.randn(4, 8))
     nodes = _by_name(plan)
     assert nodes["mul"][0] and nodes["relu_"][0]
     assert not nodes["sigmoid"][0] and not nodes["tanh"][0]
 
 
 def test_running_statistics_are_updated_once():
-    gm, plan = _plan(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), torch.randn(2, 3, 8, 8))
+    _gm, plan = _plan(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), torch.randn(2, 3, 8, 8))
     assert plan.saved == [True, True, False]
 
 
 def test_a_predicate_decides_instead():
-    gm, plan = _plan(DecoderBlock(32, 4, 96, 16), torch.randn(2, 16, 32), save=lambda n: n.name == "down")
+    _gm, plan = _plan(DecoderBlock(32, 4, 96, 16), torch.randn(2, 16, 32), save=lambda n: n.name == "down")
     assert {n for n, s in zip(plan.names, plan.saved) if s} == {"down"}
 
 

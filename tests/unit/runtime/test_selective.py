@@ -127,13 +127,13 @@ def test_flags_in_the_forward_and_the_recomputation(schedule):
 
 
 def test_save_predicate_chooses_what_is_kept():
-    everything = lambda node: False  # noqa: E731 - keep nothing: the linears are recomputed too
+    everything = lambda node: False  # keep nothing: the linears are recomputed too
     pipe = assert_pipeline_equivalent(stack(), (torch.randn(6, 8, 16),), n_stages=2, chunks=3, devices=["cpu"] * 2,
                                       checkpoint="selective", save=everything, schedules=["zb"])
     # zero bubble's W still finds the inputs of the recomputed linears it defers
     plan = pipe._runtime.calls[0].saver.plan
     assert not any(plan.saved)
-    fc = lambda node: node.op == "call_module" and "fc" in str(node.target)  # noqa: E731
+    fc = lambda node: node.op == "call_module" and "fc" in str(node.target)
     pipe = fxpipe.compile(stack(), 2, example_inputs=(torch.randn(6, 8, 16),), checkpoint="selective", save=fc,
                           devices=["cpu"] * 2)
     plan = pipe._runtime.calls[0].saver.plan
@@ -184,7 +184,7 @@ def _beside_autograd(x: torch.Tensor) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        alive, out = _alive_after(lambda: model(x.clone().requires_grad_()))
+        alive, _out = _alive_after(lambda: model(x.clone().requires_grad_()))
     return alive - sum(saved.values())
 
 
