@@ -222,3 +222,25 @@ def test_gpipe_program_checkpoints_per_stage():
     pipe = fxpipe.compile(copy.deepcopy(stack()), 2, example_inputs=(torch.randn(4, 8, 16),), chunks=2,
                           checkpoint=["always", "selective"], devices=["cpu"] * 2)
     assert "compute(0, 0, in0, True)" in pipe.code and "compute(1, 0, in1, False)" in pipe.code
+
+
+class Fickle(nn.Module):
+    """Saves tanh's result on its first call only: its recomputation saves something else."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(x) * 2 if self.calls % 2 else x * 2
+
+
+def test_a_node_that_saves_otherwise_when_recomputed_is_named():
+    model = nn.Sequential(nn.Linear(4, 4), Fickle())  # its output is the stage's: kept; tanh's is not
+    pipe = fxpipe.compile(model, 1, example_inputs=(torch.randn(4, 4),), checkpoint="selective", devices=["cpu"],
+                          leaf_modules=[Fickle])
+    model[1].calls = 0
+    out = pipe(torch.randn(4, 4))
+    with pytest.raises(RuntimeError, match="node '_1' did not save what its first forward saved.*save="):
+        out.sum().backward()
