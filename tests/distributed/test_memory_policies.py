@@ -13,7 +13,7 @@ def test_selective_equal_to_eager(schedule, tmp_path, launch):
     assert set(results[0]["policies"]) == {"selective"}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb", "zbv"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "interleaved", "zbv"])
 def test_a_policy_per_stage_equal_to_eager(schedule, tmp_path, launch):
     results = launch("memory_cases:per_stage", 2, schedule, tmp_path)
     assert_equal_to_eager(results)
