@@ -14,13 +14,14 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxpipe.options import CompileOptions
+from fxpipe.options import AUTO, CompileOptions
 from fxpipe.pipe import Pipe
 from fxpipe.plan.assign import assign_stages
 from fxpipe.plan.saved import PlanLike, load_plan
 from fxpipe.plan.stages import make_plan
 from fxpipe.runtime.build import build
 from fxpipe.runtime.target import where
+from fxpipe.simulate.fit import fit
 
 __all__ = ["compile"]
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             example_kwargs: dict[str, Any] | None = None, devices: Sequence[Any] | None = None,
-            chunks: int = 1, checkpoint: str = "except_last", balance_by: str = "auto",
+            chunks: int = 1, checkpoint: str | Sequence[str] = "except_last", balance_by: str = "auto",
             split_points: Sequence[str] | None = None, max_memory: float | None = None,
             schedule: str | Sequence[Any] = "gpipe", leaf_modules: Iterable[type | str] = (),
             tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
@@ -37,14 +38,23 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             deferred_batch_norm: bool = False, stages_per_rank: int = 1, data_parallel: int = 1,
             data_parallel_shard: bool = False, mesh: Any = None, weights: Any = None,
             init: Callable[[nn.Module], Any] | None = None, seed: int = 0,
-            split_spec: dict[str, Any] | None = None, torch_compile: bool | dict[str, Any] = False) -> Pipe:
+            split_spec: dict[str, Any] | None = None, torch_compile: bool | dict[str, Any] = False,
+            save: Callable[[torch.fx.Node], bool] | None = None) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
     ``torch.fx.GraphModule``, used as is. ``example_inputs`` (and ``example_kwargs``) give
     shapes for the cost model; nothing real is computed with them. ``devices`` gives one
-    device per stage. ``chunks`` is the number of micro-batches; ``checkpoint`` is
-    ``"always"``, ``"except_last"`` or ``"never"``; ``balance_by`` picks the cost that stages
+    device per stage. ``chunks`` is the number of micro-batches; ``checkpoint`` is how each
+    stage trades memory for recomputation (docs/guide/memory.md): ``"always"``, ``"except_last"``
+    or ``"never"`` recompute whole micro-batches of a stage (all, all but the last, none);
+    ``"selective"`` keeps what the expensive nodes (GEMMs, convolutions, attention; or those
+    ``save(node)`` returns True for) made and recomputes the other nodes in backward;
+    ``"offload"`` (CUDA only) keeps a stage's saved activations in pinned host memory between
+    forward and backward; a list gives one of these per stage; ``"auto"`` chooses per stage, with
+    ``max_memory``, the policy with the least recomputation whose predicted peak fits, for the
+    schedule in use (moving a stage boundary by a block when that fits better), and says which
+    stage overflows and what would fit when nothing does. ``balance_by`` picks the cost that stages
     balance (``"flops"``, ``"params"``, ``"memory"``, ``"time"`` measured on ``devices[0]``, or
     ``"auto"``: FLOPs with example inputs, else parameters); ``split_points`` names the
     modules or nodes where stages begin instead. Without them, the model's
@@ -112,14 +122,22 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         schedule=schedule, leaf_modules=leaf_modules, tracer=tracer, plan=plan, runtime=runtime, timeout=timeout,
         deferred_batch_norm=deferred_batch_norm, stages_per_rank=stages_per_rank, data_parallel=data_parallel,
         data_parallel_shard=data_parallel_shard, mesh=mesh, weights=weights, init=init, seed=seed,
-        split_spec=split_spec, torch_compile=torch_compile)
+        split_spec=split_spec, torch_compile=torch_compile, save=save)
     options.check()
     target = where(model, options)  # the schedule, the devices, and across ranks this process's place
     saved = None if plan is None else load_plan(plan)
     front = assign_stages(model, options, saved, target.devices, target.device)
+    chosen = None
+    if options.checkpoint == AUTO:  # the policies, and maybe a boundary moved, for max_memory
+        chosen = fit(front, options, target.devices, target.schedule, options.distributed, saved, not front.fixed)
     target.check_graph(model, front.gm, n_stages)
     pipe_plan, stages = make_plan(front, options, target.devices, target.schedule.name, target.schedule.ranks, saved)
+    if chosen is not None:
+        for s, policy, peak in zip(pipe_plan.stages, chosen.policies, chosen.peaks):
+            s.checkpoint, s.peak = policy, int(peak)
+        log.info("checkpoint='auto' for max_memory=%s: %s", options.max_memory, chosen.policies)
     built = build(model, front.gm, pipe_plan, stages, options, target)
     pipe = Pipe(model, front.gm, pipe_plan, stages, built.devices, built.runtime, built.owned)
+    pipe.__dict__["_save"] = options.save  # what fxpipe.simulate(pipe) predicts selective recomputation keeps
     log.info("compiled %s into %d stages\n%s", type(model).__name__, n_stages, pipe_plan)
     return pipe

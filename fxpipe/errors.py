@@ -9,6 +9,7 @@ __all__ = [
     "CheckpointError",
     "CompileError",
     "DeferredInitError",
+    "MemoryBudgetError",
     "MutationError",
     "NoFeasibleCut",
     "PeerFailure",
@@ -67,3 +68,7 @@ class CheckpointError(ValueError):
 class CompileError(ValueError):
     """``torch.compile`` cannot compile a stage as asked (a backend that does not load, a graph break under
     ``fullgraph=True``, a backend that fails); names the stage, the node and the fix."""
+
+
+class MemoryBudgetError(ValueError):
+    """No policy per stage fits ``max_memory``: says which stage overflows, by how much, and what would fit."""

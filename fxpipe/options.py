@@ -17,9 +17,9 @@ from typing import Any
 
 from fxpipe.errors import CompileError
 
-__all__ = ["BALANCE_BY", "CHECKPOINT_MODES", "MULTI_STAGE_SCHEDULES", "RUNTIMES", "SCHEDULES",
-           "SINGLE_STAGE_SCHEDULES", "SPLIT_BACKENDS", "TRACERS", "CompileOptions", "TorchCompile", "check_init",
-           "check_tracer", "checkpoint_stop", "torch_compile_config"]
+__all__ = ["AUTO", "BALANCE_BY", "CHECKPOINT_MODES", "MULTI_STAGE_SCHEDULES", "POLICIES", "RUNTIMES", "SCHEDULES",
+           "SINGLE_STAGE_SCHEDULES", "SPLIT_BACKENDS", "TRACERS", "CompileOptions", "TorchCompile", "check_checkpoint",
+           "check_init", "check_tracer", "checkpoint_stop", "cut_mode", "saving_pass", "torch_compile_config"]
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b", "zb")  # one stage per rank
 MULTI_STAGE_SCHEDULES = ("interleaved", "zbv")  # several stages per rank
@@ -31,12 +31,18 @@ TORCH_COMPILE_KEYS = ("backend", "mode", "dynamic", "options", "fullgraph")  # w
 SPLIT_BACKENDS = ("inductor", "aot_eager")  # the backends whose backward fxpipe splits into I and W
 W_SCHEDULES = ("zb", "zbv")  # the named schedules with W steps
 
-# How many leading micro-batches of m each mode checkpoints (torchgpipe's three modes).
+# How many leading micro-batches of m each mode recomputes whole (torchgpipe's three modes);
+# "selective" recomputes the cheap nodes of every micro-batch instead, "offload" none (its saved
+# tensors wait in host memory).
 CHECKPOINT_MODES: dict[str, Callable[[int], int]] = {
     "always": lambda m: m,
     "except_last": lambda m: m - 1,  # the last micro-batch's backward comes first anyway
     "never": lambda m: 0,
+    "selective": lambda m: 0,
+    "offload": lambda m: 0,
 }
+AUTO = "auto"  # a policy per stage, chosen for max_memory=
+POLICIES = ("never", "selective", "except_last", "always")  # what "auto" chooses from, least recomputation first
 
 
 def checkpoint_stop(mode: str, m: int) -> int:
@@ -45,6 +51,51 @@ def checkpoint_stop(mode: str, m: int) -> int:
         return CHECKPOINT_MODES[mode](m)
     except KeyError:
         raise ValueError(f"checkpoint={mode!r}; use one of {', '.join(map(repr, CHECKPOINT_MODES))}") from None
+
+
+def saving_pass(mode: str) -> str:
+    """Return the forward pass a stage under ``mode`` runs its micro-batches in when not checkpointed."""
+    return mode if mode in ("selective", "offload") else "forward"
+
+
+_CUT_MODE = {"selective": "never", "offload": "always"}  # bounds the cut's estimate keeps for them
+_HUNGRY = ("never", "except_last", "always")  # by the memory the cut's estimate gives them, most first
+
+
+def cut_mode(checkpoint: str | Sequence[str]) -> str:
+    """Return the mode whose memory the partitioner's estimate uses for ``checkpoint=``.
+
+    A list takes its hungriest stage's (the estimate has one mode); ``"selective"`` is bounded
+    by ``"never"``'s, ``"offload"`` by ``"always"``'s; ``"auto"`` cuts for ``"never"`` (the
+    simulator then chooses what fits).
+    """
+    modes = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
+    mapped = {_CUT_MODE.get(m, "never" if m == AUTO else m) for m in modes}
+    return next(m for m in _HUNGRY if m in mapped)
+
+
+def check_checkpoint(checkpoint: Any, n_stages: int, max_memory: Any = None) -> None:
+    """Refuse a ``checkpoint=`` that is not a mode, ``"auto"`` with a budget, or one mode per stage."""
+    modes = ", ".join(map(repr, CHECKPOINT_MODES))
+    if isinstance(checkpoint, str):
+        if checkpoint == AUTO:
+            if max_memory is None:
+                raise ValueError("checkpoint='auto' chooses each stage's policy to fit a memory budget; pass "
+                                 "max_memory= (bytes per device), or name a mode")
+            return
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint={checkpoint!r}; use one of {modes}, 'auto' (with max_memory=), "
+                             "or a list with one mode per stage")
+        return
+    if not isinstance(checkpoint, (list, tuple)):
+        raise TypeError(f"checkpoint= takes a mode ({modes}), 'auto', or a list with one mode per stage; "
+                        f"got {type(checkpoint).__name__}")
+    if len(checkpoint) != n_stages:
+        raise ValueError(f"checkpoint= lists {len(checkpoint)} modes for {n_stages} stages; give one per stage")
+    for j, mode in enumerate(checkpoint):
+        if mode not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint[{j}]={mode!r}; each stage takes one of {modes} "
+                             "('auto' chooses for all stages at once)")
 
 
 def _count(value: Any) -> bool:
@@ -159,7 +210,7 @@ class CompileOptions:
     example_kwargs: dict[str, Any] | None = None
     devices: Sequence[Any] | None = None
     chunks: int = 1
-    checkpoint: str = "except_last"
+    checkpoint: str | Sequence[str] = "except_last"
     balance_by: str = "auto"
     split_points: Sequence[str] | None = None
     max_memory: float | None = None
@@ -179,11 +230,18 @@ class CompileOptions:
     seed: int = 0
     split_spec: dict[str, Any] | None = None
     torch_compile: Any = False  # check() makes it a TorchCompile, or None
+    save: Callable[[Any], bool] | None = None
 
     @property
     def compiled(self) -> TorchCompile | None:
         """Return what torch.compile is asked for every stage (after :meth:`check`), or None."""
         return self.torch_compile if isinstance(self.torch_compile, TorchCompile) else None
+
+    def policies(self) -> list[str] | None:
+        """Return the mode of each stage, or None under ``"auto"`` (chosen after the cut)."""
+        if isinstance(self.checkpoint, str):
+            return None if self.checkpoint == AUTO else [self.checkpoint] * self.n_stages
+        return list(self.checkpoint)
 
     @property
     def args(self) -> tuple:
@@ -212,8 +270,10 @@ class CompileOptions:
             raise ValueError(f"n_stages={self.n_stages!r}; use an integer of at least 1")
         if not _count(self.chunks):
             raise ValueError(f"chunks={self.chunks!r}; use an integer of at least 1 (the number of micro-batches)")
-        if self.checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint={self.checkpoint!r}; use one of {', '.join(map(repr, CHECKPOINT_MODES))}")
+        check_checkpoint(self.checkpoint, self.n_stages, self.max_memory)
+        if self.save is not None and not callable(self.save):
+            raise TypeError(f"save= must be a function save(node) -> bool telling which nodes "
+                            f"checkpoint='selective' keeps, got {type(self.save).__name__}")
         if self.balance_by not in BALANCE_BY:
             raise ValueError(f"balance_by={self.balance_by!r}; use one of {', '.join(map(repr, BALANCE_BY))}")
         points = self.split_points
@@ -228,6 +288,11 @@ class CompileOptions:
         check_init(self.init, self.seed)
         self.torch_compile = torch_compile_config(self.torch_compile)
         config = self.compiled
+        if config is not None and "selective" in (self.policies() or []):
+            raise CompileError("checkpoint='selective' marks every value a stage makes, which breaks a compiled "
+                               "stage's graph at each node; with torch_compile= recompute whole stages "
+                               "('always' or 'except_last', replayed inside the compiled graphs), or let "
+                               "checkpoint='auto' choose among those")
         if config is not None and not config.splits_backward and self.schedule in W_SCHEDULES:
             raise CompileError(f"schedule={self.schedule!r} splits each backward into I and W, which fxpipe does with "
                                f"compiled stages for the backends {', '.join(map(repr, SPLIT_BACKENDS))}, not "

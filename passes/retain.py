@@ -50,7 +50,11 @@ class _Retainer(torch.fx.Interpreter):
     def _fake(self, t: torch.Tensor) -> torch.Tensor:
         """Return the fake stand-in of a parameter or buffer, made once."""
         if id(t) not in self.fakes:
-            fake = self.mode.from_tensor(t.detach())
+            if t.is_meta:  # not materialized here (another rank's stage): a fake on the CPU, as the inputs
+                with self.mode:
+                    fake = torch.empty(t.shape, dtype=t.dtype)
+            else:
+                fake = self.mode.from_tensor(t.detach())
             if t.requires_grad and fake.is_floating_point():
                 fake.requires_grad_(True)
             self.fakes[id(t)] = fake

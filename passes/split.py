@@ -43,7 +43,9 @@ class StagePlan:
     estimate of the peak for the plan's checkpoint mode and chunks (parameters and gradients,
     kept activations, kept inputs bounded by the bytes crossing the stage's first cut);
     ``time_ms`` the measured forward + backward milliseconds when profiled; ``cost`` what the
-    partitioner balanced (its ``balance_by`` unit, communication included).
+    partitioner balanced (its ``balance_by`` unit, communication included); ``checkpoint`` its
+    recomputation policy and ``peak`` its predicted peak memory under it (parameters, gradients
+    and activations along the schedule, from :mod:`fxpipe.simulate`), when predicted.
     """
 
     index: int
@@ -61,6 +63,8 @@ class StagePlan:
     memory: int = 0
     cost: float = 0.0
     rank: int | None = None  # the rank (in one process, the schedule's lane) it runs on; None: its index
+    checkpoint: str = ""  # its recomputation policy ("" in older plans: the plan's checkpoint)
+    peak: int = 0  # its predicted peak memory in bytes under that policy along the schedule (0: not predicted)
 
     @property
     def on_rank(self) -> int:

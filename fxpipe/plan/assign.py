@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from fxpipe import passes
 from fxpipe.frontend.markers import resolve_split_points
 from fxpipe.frontend.tracing import trace
-from fxpipe.options import CompileOptions
+from fxpipe.options import AUTO, CompileOptions, cut_mode
 from fxpipe.passes.failure import PropagationError
 from fxpipe.plan.batches import batch_size, micro_sizes
 from fxpipe.plan.pipeline import PipelinePlan
@@ -44,6 +44,7 @@ class Assignment:
     cut: Any  # the partitioner's result (costs, memory per stage), None for a saved plan
     micro: int  # micro-batches of the example batch
     balance_by: str
+    fixed: bool = False  # the stages were given (split points, markers, a saved plan), not balanced here
 
 
 def assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePlan | None,
@@ -67,8 +68,10 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
                devices: Sequence[torch.device], profile_device: torch.device) -> Assignment:
     """Trace, annotate and cut (see :func:`assign_stages`)."""
     n_stages, args, kwargs, has_inputs = options.n_stages, options.args, options.kwargs, options.has_inputs
-    chunks, checkpoint, balance_by, max_memory = options.chunks, options.checkpoint, options.balance_by, \
+    chunks, checkpoint, balance_by, max_memory = options.chunks, cut_mode(options.checkpoint), options.balance_by, \
         options.max_memory
+    if options.checkpoint == AUTO:
+        max_memory = None  # the budget is the policy chooser's (fxpipe.simulate.fit), along the schedule
     tracer = options.tracer
     if tracer == "fx" and isinstance(model, torch.fx.GraphModule):
         gm = model
@@ -96,7 +99,7 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
     if saved is None and balance_by in ("flops", "memory", "time") and not has_inputs:
         raise ValueError(f"balance_by={balance_by!r} needs example_inputs= to know the shapes; "
                          "pass example inputs or use balance_by='params'")
-    if max_memory is not None and not has_inputs:
+    if options.max_memory is not None and not has_inputs:
         raise ValueError("max_memory= needs example_inputs= to know the activation sizes; pass "
                          "example inputs")
     if saved is None and balance_by == "time":
@@ -118,7 +121,7 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
     else:
         cut = passes.partition(gm, n_stages, balance_by=balance_by, comm=comm, max_memory=max_memory,
                                checkpoint=checkpoint, micro_batches=micro)
-    return Assignment(gm, cut, micro, balance_by)
+    return Assignment(gm, cut, micro, balance_by, fixed=saved is not None or split_points is not None)
 
 
 def annotate_graph(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:

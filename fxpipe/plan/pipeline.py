@@ -32,6 +32,10 @@ class PipelinePlan:
         """Return the number of stages."""
         return len(self.stages)
 
+    def policies(self) -> list[str]:
+        """Return each stage's recomputation policy (a mode of ``fxpipe.options.CHECKPOINT_MODES``)."""
+        return [s.checkpoint or self.checkpoint for s in self.stages]
+
     def stages_of(self, rank: int) -> list[int]:
         """Return the stages that run on ``rank``, in order."""
         return [s.index for s in self.stages if s.on_rank == rank]
@@ -82,18 +86,22 @@ class PipelinePlan:
         """Render the stage table, the balance summary and the skip routes as text."""
         timed = any(s.time_ms is not None for s in self.stages)
         ranked = any(s.on_rank != s.index for s in self.stages)  # several stages per rank
+        predicted = any(s.peak for s in self.stages)
+        policies = self.policies()
         rows = []
         for s in self.stages:
             rows.append([s.index] + ([s.on_rank] if ranked else []) + [
                 s.device, len(s.nodes), _short(s.nodes[0] if s.nodes else ""),
                 _short(s.nodes[-1] if s.nodes else ""), human(s.flops), human(s.params, "B"),
                 human(s.activation_bytes, "B"), human(s.saved_bytes, "B"),
-                human(s.checkpoint_bytes, "B"), human(s.memory, "B"),
-            ] + ([f"{s.time_ms:.2f}" if s.time_ms is not None else "-"] if timed else []) + [
+                human(s.checkpoint_bytes, "B"), human(s.memory, "B"), policies[s.index] or "-",
+            ] + ([human(s.peak, "B") if s.peak else "-"] if predicted else []) + (
+                [f"{s.time_ms:.2f}" if s.time_ms is not None else "-"] if timed else []) + [
                 len(self.stashes(s.index)), len(self.pops(s.index)),
             ])
         headers = ["stage"] + (["rank"] if ranked else []) + ["device", "nodes", "first", "last", "FLOPs f+b", "params", "act. out",
-                   "kept", "kept ckpt", "memory"] + (["ms"] if timed else []) + ["stash", "pop"]
+                   "kept", "kept ckpt", "memory", "checkpoint"] + (["peak"] if predicted else []) + (
+                   ["ms"] if timed else []) + ["stash", "pop"]
         lines = [tabulate(rows, headers=headers, tablefmt="simple")]
         metric = self.metric()
         if metric == "flops" and not any(st.flops for st in self.stages):
@@ -108,7 +116,9 @@ class PipelinePlan:
                          f"estimated efficiency at chunks={self.chunks}: "
                          f"{self.efficiency(by='time_ms'):.1%}")
         lines.append("per micro-batch: act. out = sent on, kept = saved for backward, kept ckpt = "
-                     f"kept when checkpointed; memory = estimated peak (checkpoint={self.checkpoint!r})")
+                     f"kept when checkpointed; memory = the cut's estimated peak (checkpoint={self.checkpoint!r})"
+                     + ("; peak = predicted along the schedule under the stage's checkpoint policy (parameters, "
+                        "gradients, activations)" if predicted else ""))
         if self.skips:
             lines.append("skip routes:")
             lines += [f"  {r.name}: stage {r.src} -> stage {r.dst} ({human(r.bytes, 'B')})"

@@ -43,13 +43,17 @@ def make_plan(front: Assignment, options: CompileOptions, devices: Sequence[Any]
     """Split the assigned graph into stage modules; return them and the :class:`PipelinePlan` describing them.
 
     The plan records each stage's device and rank (``ranks``: the schedule's placement), costs,
-    boundary values and skip routes, with the options' chunks and checkpointing and ``schedule``'s name.
+    boundary values and skip routes, with the options' chunks and checkpointing (a mode per stage;
+    ``"per stage"`` as the plan's for a list) and ``schedule``'s name.
     """
     modules, stages, routes = split_stages(front.gm, options.n_stages)
-    plan = _describe(front.gm, modules, stages, routes, devices, front.micro, options.chunks, options.checkpoint,
+    checkpoint = options.checkpoint if isinstance(options.checkpoint, str) else "per stage"
+    plan = _describe(front.gm, modules, stages, routes, devices, front.micro, options.chunks, checkpoint,
                      schedule, front.balance_by, front.cut, saved_plan)
+    policies = options.policies()
     for s in plan.stages:
         s.rank = ranks[s.index]
+        s.checkpoint = policies[s.index] if policies is not None else ""  # "auto": chosen after the plan
     return plan, modules
 
 

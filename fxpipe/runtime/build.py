@@ -9,11 +9,14 @@ the distributed build, only this rank's), and filled from ``weights=`` or by ``i
 build the model keeps only this rank's tensors; the others become ``meta`` again.
 
 A stage whose schedule has weight-gradient steps (``W``) runs a copy of its GraphModule
-whose linears defer their weight gradients (:mod:`fxpipe.runtime.stage.wgrad`). With
-``torch_compile=`` every stage's callable is compiled instead
-(:class:`~fxpipe.runtime.stage.compiled.CompiledStage`; the compiled backward splits I and W
-itself): compiling is lazy, so it happens at a stage's first call, after materialization and
-after data parallel wrapped the stage module.
+whose linears defer their weight gradients (:mod:`fxpipe.runtime.stage.wgrad`). A stage whose
+policy is ``"selective"`` runs a copy that tells the stage call where each value is made
+(:func:`fxpipe.runtime.stage.marks.instrument`); under ``"selective"`` and ``"offload"`` the
+stage call gets the saver that places its saved tensors (:mod:`fxpipe.runtime.stage.selective`,
+:mod:`fxpipe.runtime.stage.offload`). With ``torch_compile=`` every stage's callable is compiled
+instead (:class:`~fxpipe.runtime.stage.compiled.CompiledStage`; the compiled backward splits I
+and W itself): compiling is lazy, so it happens at a stage's first call, after materialization
+and after data parallel wrapped the stage module.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from fxpipe.materialize.fillplan import tensor_table
 from fxpipe.materialize.metatensors import release
 from fxpipe.materialize.weights import open_weights
 from fxpipe.options import SPLIT_BACKENDS, CompileOptions, TorchCompile
+from fxpipe.passes.selective import selective_plan
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.dataparallel import GradSync
@@ -41,13 +45,16 @@ from fxpipe.runtime.placement import move_owned, named_tensors, ownership, stage
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import defer_batch_norm
 from fxpipe.runtime.stage.compiled import CompiledStage
+from fxpipe.runtime.stage.marks import instrument
+from fxpipe.runtime.stage.offload import Offload
+from fxpipe.runtime.stage.selective import Program, foreign_wrap
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.wgrad import defer_weight_grads
 from fxpipe.runtime.target import Target
 from fxpipe.runtime.transport.comm import Comm
 from fxpipe.runtime.transport.procgroup import Layout, tied_groups
 
-__all__ = ["Built", "Materials", "build", "build_distributed", "build_local"]
+__all__ = ["Built", "Materials", "build", "build_distributed", "build_local", "check_policies", "stage_call"]
 
 
 @dataclass
@@ -85,9 +92,10 @@ def build(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan, stages
           options: CompileOptions, target: Target) -> Built:
     """Start ``plan``'s runtime where ``target`` says: every stage in this process, or this rank's."""
     materials = Materials(target.weights, options.init, options.seed)
+    check_policies(plan, [target.layout.device] * plan.n_stages if target.layout is not None else target.devices)
     if target.layout is None:
         local = build_local(model, gm, plan, stages, target.devices, target.schedule, options.deferred_batch_norm,
-                            materials, options.compiled)
+                            materials, options.compiled, save=options.save)
         return Built(local, target.devices, None)
     layout = target.layout
     assert target.link is not None
@@ -96,7 +104,7 @@ def build(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan, stages
     devices = [layout.device if r == layout.rank else torch.device("meta") for r in target.schedule.ranks]
     engine, keep = build_distributed(model, gm, plan, stages, layout, target.link, options.timeout, target.schedule,
                                      options.deferred_batch_norm, shard=options.data_parallel_shard, materials=materials,
-                                     compiled=options.compiled)
+                                     compiled=options.compiled, save=options.save)
     owned = {n for key, info in tensor_table(model).items() if key in keep for n in info.names}
     return Built(engine, devices, owned)
 
@@ -107,12 +115,15 @@ def _unread(model: nn.Module, stages: Sequence[torch.fx.GraphModule]) -> set[int
     return {id(t) for _, t in named_tensors(model) if id(t) not in read}
 
 
-def _runnable(gm: torch.fx.GraphModule, j: int, defer: set[int], compiled: TorchCompile | None) -> torch.fx.GraphModule:
-    """Return the module stage ``j`` runs: its linears defer weight gradients if its schedule has W.
+def _runnable(gm: torch.fx.GraphModule, j: int, defer: set[int], policy: str,
+              compiled: TorchCompile | None) -> torch.fx.GraphModule:
+    """Return the module stage ``j`` runs: its linears defer weight gradients if its schedule has W,
+    and it marks where values are made under selective recomputation.
 
     A compiled stage runs its own module: its compiled backward splits I and W.
     """
-    return defer_weight_grads(gm) if j in defer and compiled is None else gm
+    runnable = defer_weight_grads(gm) if j in defer and compiled is None else gm
+    return instrument(runnable) if policy == "selective" else runnable
 
 
 def _stage_fn(fn: Callable, gm: torch.fx.GraphModule, j: int, defer: set[int],
@@ -127,10 +138,39 @@ def _stage_fn(fn: Callable, gm: torch.fx.GraphModule, j: int, defer: set[int],
     return CompiledStage(fn, gm, j, compiled, defer=j in defer)
 
 
+def check_policies(plan: PipelinePlan, devices: Sequence[torch.device]) -> None:
+    """Refuse ``"offload"`` for a stage whose device is not a CUDA device (before anything moves)."""
+    for j, policy in enumerate(plan.policies()):
+        if policy == "offload" and torch.device(devices[j]).type != "cuda":
+            raise ValueError(f"checkpoint='offload' moves stage {j}'s saved activations to pinned host memory on "
+                             f"a side stream, which needs a CUDA device, but stage {j} runs on "
+                             f"{torch.device(devices[j])}; use 'selective', 'except_last' or 'always' there "
+                             "to save its activation memory")
+
+
+def stage_call(j: int, stage: torch.fx.GraphModule, runnable: torch.fx.GraphModule, policy: str,
+               foreign: Sequence[str], device: torch.device, last: bool, defer: set[int],
+               compiled: TorchCompile | None = None, save: Callable[[torch.fx.Node], bool] | None = None) -> StageCall:
+    """Return stage ``j``'s call: its runnable module on ``device``, with the saver of its policy.
+
+    ``stage`` is the stage's own GraphModule (what ``save=`` judges), ``runnable`` the copy it
+    runs (:func:`_runnable`); under ``torch_compile=`` the call runs it compiled.
+    """
+    fn = _stage_fn(stage_callable(runnable, list(foreign), device), runnable, j, defer, compiled)
+    call = StageCall(j, fn, runnable, device, last)
+    if policy == "selective":
+        call.saver = Program(runnable, selective_plan(stage, save=save), device, j,
+                             foreign_wrap(runnable, foreign, device))
+    elif policy == "offload":
+        call.saver = Offload(runnable, device, j)
+    return call
+
+
 def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
                 stages: Sequence[torch.fx.GraphModule], devices: Sequence[torch.device],
                 schedule: Schedule, deferred_batch_norm: bool,
-                materials: Materials | None = None, compiled: TorchCompile | None = None) -> LocalRuntime:
+                materials: Materials | None = None, compiled: TorchCompile | None = None,
+                save: Callable[[torch.fx.Node], bool] | None = None) -> LocalRuntime:
     """Move every stage's tensors to its device and return the one-process runtime."""
     own = ownership(stages, devices)
     if materials is not None and materials.needed(model):
@@ -139,10 +179,11 @@ def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
         materials.fill(model, placement)
     move_owned([model, gm, *stages], own, devices)
     defer = schedule.deferring(plan.chunks)
-    runnables = [_runnable(st, j, defer, compiled) for j, st in enumerate(stages)]
+    policies = plan.policies()
+    runnables = [_runnable(st, j, defer, policies[j], compiled) for j, st in enumerate(stages)]
     n = plan.n_stages
-    calls = [StageCall(j, _stage_fn(stage_callable(r, own.foreign[j], devices[j]), r, j, defer, compiled), r,
-                       devices[j], j == n - 1) for j, r in enumerate(runnables)]
+    calls = [stage_call(j, stages[j], r, policies[j], own.foreign[j], devices[j], j == n - 1, defer, compiled, save)
+             for j, r in enumerate(runnables)]
     engine = LocalRuntime(plan, calls, Binding(gm), schedule)
     if deferred_batch_norm:
         engine.deferred = defer_batch_norm({id(m): m for st in stages for m in st.modules()}.values())
@@ -152,8 +193,8 @@ def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
 def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
                       stages: Sequence[torch.fx.GraphModule], layout: Layout, link: Comm, timeout: float,
                       schedule: Schedule, deferred_batch_norm: bool, shard: bool = False,
-                      materials: Materials | None = None,
-                      compiled: TorchCompile | None = None) -> tuple[DistributedRuntime, set[int]]:
+                      materials: Materials | None = None, compiled: TorchCompile | None = None,
+                      save: Callable[[torch.fx.Node], bool] | None = None) -> tuple[DistributedRuntime, set[int]]:
     """Keep this rank's stages on its device, sync tied tensors, wrap them for data parallel.
 
     Return the runtime and the ids of the tensors this rank keeps: its stages', and on the
@@ -177,8 +218,10 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
         _refuse_shared_on_one_rank(held, mine)
     defer = schedule.deferring(plan.chunks)
     n = plan.n_stages
-    runnable = {j: _runnable(stages[j], j, defer, compiled) for j in mine}
-    calls = [StageCall(j, _stage_fn(r, r, j, defer, compiled), r, device, j == n - 1) for j, r in runnable.items()]
+    policies = plan.policies()
+    runnable = {j: _runnable(stages[j], j, defer, policies[j], compiled) for j in mine}
+    calls = [stage_call(j, stages[j], r, policies[j], [], device, j == n - 1, defer, compiled, save)
+             for j, r in runnable.items()]
     engine = DistributedRuntime(plan, gm, layout, calls, link, Binding(gm), tied, schedule)
     if layout.dp > 1:  # after the tied tensors are equal: DDP and FSDP2 start from these
         engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()])

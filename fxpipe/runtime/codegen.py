@@ -54,7 +54,7 @@ def gpipe_source(plan: PipelinePlan, m: int, name: str = "gpipe", threaded: bool
     worker thread per device) instead of one after another.
     """
     n = plan.n_stages
-    stop = checkpoint_stop(plan.checkpoint, m)
+    stop = [checkpoint_stop(p, m) for p in plan.policies()]  # per stage
     producer = plan.producer()
     last_use = {v: max(js) for v, js in plan.consumers().items()}
     devices = [s.device for s in plan.stages]
@@ -94,14 +94,14 @@ def gpipe_source(plan: PipelinePlan, m: int, name: str = "gpipe", threaded: bool
                 outs = _outputs(plan, j, i)
                 targets.append(f"{_tuple(outs)[1:-1]} = " if outs else "")
         if threaded and len(pairs) > 1:  # compute the clock's stages together, one thread per device
-            tasks = ", ".join(f"({j}, {i}, in{j}, {i < stop})" for i, j in pairs)
+            tasks = ", ".join(f"({j}, {i}, in{j}, {i < stop[j]})" for i, j in pairs)
             lines.append(f"    done = rt.clock(({tasks}))")
             lines += [f"    {t}done[{k}]" for k, t in enumerate(targets) if t]
             lines.append("    del done")
         for k, (i, j) in enumerate(pairs):  # compute (or, threaded, free what the clock used)
             stage = plan.stages[j]
             if not (threaded and len(pairs) > 1):
-                lines.append(f"    {targets[k]}compute({j}, {i}, in{j}, {i < stop})")
+                lines.append(f"    {targets[k]}compute({j}, {i}, in{j}, {i < stop[j]})")
             dead = [f"in{j}"] + copies.get(j, []) + [_var(v, i) for v in stage.inputs
                                                     if last_use.get(v, 0) <= j]
             lines.append(f"    del {', '.join(dead)}")

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fxpipe.options import checkpoint_stop
+from fxpipe.options import checkpoint_stop, saving_pass
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.schedules.actions import COMPUTE, Action, clocks, format_schedule, in_flight, lower
 from fxpipe.runtime.stage.threads import DeviceThreads
@@ -104,12 +104,15 @@ class ActionInterpreter:
         self.workers = workers
         self.transport = transport
         self.threads = threads
-        self.stop = 0
+        self.stop: dict[int, int] = {}  # per stage: micro-batches below it are checkpointed
+        self.passes = {j: saving_pass(p) for j, p in enumerate(plan.policies())}
+        self.saving = False  # whether stages run their policy's pass (training with grad)
         self.grad = True
         self.losses: dict[int, Callable[[Any], torch.Tensor]] = {}
         self.total: torch.Tensor | None = None
         self.outputs: dict[int, Any] = {}
         self._held: dict[tuple[str, int, int], Any] = {}  # values between a message and its compute
+        self._ahead: dict[Action, int] = {}  # compute action -> the micro-batch of its stage's next backward
         self._handlers: dict[str, Callable[[int, int], None]] = {
             "F": self.forward, "B": self.backward, "I": self.backward_input, "W": self.weight,
             "RECV_F": self.recv_forward, "SEND_F": self.send_forward,
@@ -118,7 +121,9 @@ class ActionInterpreter:
     def begin(self, m: int, losses: dict[int, Callable[[Any], torch.Tensor]], checkpointing: bool,
               grad: bool = True) -> None:
         """Prepare a step of ``m`` micro-batches: a loss per micro-batch, or outputs kept without grad."""
-        self.stop = checkpoint_stop(self.plan.checkpoint, m) if checkpointing and grad else 0
+        on = checkpointing and grad
+        self.stop = {j: checkpoint_stop(p, m) if on else 0 for j, p in enumerate(self.plan.policies())}
+        self.saving = on
         self.grad = grad
         self.losses = losses
         self.total = None
@@ -127,6 +132,7 @@ class ActionInterpreter:
 
     def run(self, program: Program) -> None:
         """Run every clock of ``program``; a clock's stages together when there are worker threads."""
+        self._ahead = _lookahead(program) if any(w.fetches for w in self.workers.values()) else {}
         for groups in program.clocked:
             if self.threads is not None and len(groups) > 1:
                 self.threads.run([(self.workers[g[0].stage].device, self.run_actions, (g,)) for g in groups])
@@ -136,8 +142,10 @@ class ActionInterpreter:
         self._held.clear()  # the first stage's input gradients: nobody receives them
 
     def run_actions(self, actions: Sequence[Action]) -> None:
-        """Run actions one after another."""
+        """Run actions one after another (an offloading stage first fetches its next backward's activations)."""
         for a in actions:
+            if a in self._ahead:
+                self.workers[a.stage].prefetch(self._ahead[a])
             self._handlers[a.kind](a.stage, a.mb)
 
     # -- compute ---------------------------------------------------------------------------
@@ -147,8 +155,9 @@ class ActionInterpreter:
         if inputs is None:  # the first stage reads the micro-batch; a stage without inputs, nothing
             inputs = self.transport.recv_forward(j, i) if j == 0 else []
         last = j == self.plan.n_stages - 1
-        out = self.workers[j].forward(i, inputs, checkpoint=i < self.stop,
-                                      loss=self.losses.get(i) if last else None, grad=self.grad)
+        out = self.workers[j].forward(i, inputs, checkpoint=i < self.stop.get(j, 0),
+                                      loss=self.losses.get(i) if last else None, grad=self.grad,
+                                      saving=self.passes[j] if self.saving else "forward")
         if last and i in self.losses:
             self.total = out if self.total is None else self.total + out
         elif last:
@@ -186,3 +195,19 @@ class ActionInterpreter:
     def send_backward(self, j: int, i: int) -> None:
         """SEND_B: send the gradients of stage ``j``'s inputs back to the stages that made them."""
         self.transport.send_backward(j, i, self._held.pop(("grad_in", j, i)))
+
+
+def _lookahead(program: Program) -> dict[Action, int]:
+    """Map each compute action to the micro-batch of its stage's next backward (``B`` or ``I``) after it."""
+    ahead: dict[Action, int] = {}
+    waiting: dict[int, list[Action]] = {}
+    for groups in program.clocked:
+        for group in groups:
+            for a in group:
+                if a.kind not in COMPUTE:
+                    continue
+                if a.kind in ("B", "I"):
+                    for before in waiting.pop(a.stage, []):
+                        ahead[before] = a.mb
+                waiting.setdefault(a.stage, []).append(a)
+    return ahead

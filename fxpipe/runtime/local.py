@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fxpipe.options import saving_pass
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.codegen import compile_source, gpipe_source
@@ -49,6 +50,7 @@ class LocalRuntime:
         self.binding = binding
         self.schedule = schedule  # what step runs (unless GPipe: the generated program)
         self.checkpointing = False
+        self.passes = [saving_pass(p) for p in plan.policies()]  # per stage: its forward's pass when training
         self.sync = True  # pipe.no_sync(): nothing to reduce in one process
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
         self._programs: dict[tuple[str, int], tuple[str, Any]] = {}
@@ -166,8 +168,10 @@ class LocalRuntime:
 
     # -- what the GPipe program calls ----------------------------------------------------
     def compute(self, j: int, i: int, inputs: tuple, checkpoint: bool) -> Any:
-        """Run stage ``j`` on micro-batch ``i``'s inputs, checkpointed if asked and training."""
-        return self.calls[j].call(i, inputs, checkpoint and self.checkpointing)
+        """Run stage ``j`` on micro-batch ``i``'s inputs, checkpointed if asked, in its policy's pass, if training."""
+        if not self.checkpointing:
+            return self.calls[j].call(i, inputs)
+        return self.calls[j].call(i, inputs, "checkpoint" if checkpoint else self.passes[j])
 
     def clock(self, tasks: tuple) -> list[Any]:
         """Compute ``(stage, micro-batch, inputs, checkpoint)`` tasks together, a thread per device."""

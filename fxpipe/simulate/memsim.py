@@ -53,16 +53,19 @@ class Memory:
         return self.params + self.grads + self.optimizer + self.activations
 
 
-def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int, device_of: Sequence[int],
+def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int | Sequence[int], device_of: Sequence[int],
          optimizer: str = "none") -> tuple[list[Memory], dict[int, Memory]]:
     """Return each stage's :class:`Memory` and each device's, from the spans of one step.
 
-    Micro-batches below ``stop`` are checkpointed; ``device_of[j]`` names stage ``j``'s device.
+    Micro-batches below ``stop`` (one number, or one per stage) are checkpointed; ``device_of[j]``
+    names stage ``j``'s device. A selective or offloaded stage comes with its costs set for it
+    (:func:`fxpipe.simulate.stagecost.under`): what it keeps, and what its backward adds.
     """
     states = OPTIMIZER_STATES.get(optimizer)
     if states is None:
         raise ValueError(f"optimizer={optimizer!r}; use one of {', '.join(map(repr, OPTIMIZER_STATES))}")
     n = len(costs)
+    stops = [stop] * n if isinstance(stop, int) else list(stop)
     live = [0.0] * n  # activations held per stage
     peak = [0.0] * n
     growth = [0.0] * n
@@ -92,7 +95,7 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int, device_of
     for span in sorted(spans, key=lambda s: (s.start, s.end)):
         a, c = span.action, costs[span.action.stage]
         j, i = a.stage, a.mb
-        ckpt = i < stop
+        ckpt = i < stops[j]
         if a.kind == "F":
             add(j, -pinned_b.pop((j, i), 0.0))
             note(j, c.ahead_f + (c.inputs if ckpt else 0.0))

@@ -2,7 +2,9 @@
 
     model ─trace, annotate, retain (once)─▶ per stage count: the FLOP-balanced cut
           ─▶ per micro-batch size: stage costs (device model, or measured here)
-          ─▶ per schedule x checkpoint mode: one simulated step (fxpipe.simulate.simulation.run)
+          ─▶ per schedule x checkpoint mode: one simulated step (fxpipe.simulate.simulation.run);
+             and "auto": a policy per stage, the least recomputation that fits the budget
+             (fxpipe.simulate.fit.choose), when that mixes modes
           ─▶ ranked by throughput; over the memory budget: rejected
 
 Stage counts are the divisors of the number of ranks; each stage gets a rank, the rest idle
@@ -23,7 +25,7 @@ from torch import nn
 
 from fxpipe import passes
 from fxpipe.frontend.tracing import trace
-from fxpipe.options import CHECKPOINT_MODES, SINGLE_STAGE_SCHEDULES, CompileOptions
+from fxpipe.options import AUTO, POLICIES, SINGLE_STAGE_SCHEDULES, CompileOptions, cut_mode
 from fxpipe.passes.retain import retain
 from fxpipe.plan.assign import Assignment, annotate_graph
 from fxpipe.plan.batches import micro_sizes
@@ -32,6 +34,7 @@ from fxpipe.plan.stages import make_plan
 from fxpipe.runtime.schedules.builtin import PRODUCERS
 from fxpipe.simulate.devices import DeviceModel, device_model
 from fxpipe.simulate.eventsim import placement_map
+from fxpipe.simulate.fit import choose
 from fxpipe.simulate.measure import measure_nodes
 from fxpipe.simulate.simulation import Simulation, run
 from fxpipe.simulate.stagecost import example_rows, graph_costs
@@ -40,7 +43,7 @@ __all__ = ["CHECKPOINTS", "Candidate", "Search", "search"]
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = tuple(reversed(CHECKPOINT_MODES))  # searched from the least recomputation
+CHECKPOINTS = (*POLICIES, AUTO)  # searched from the least recomputation; "auto": a policy per stage
 
 
 @dataclass
@@ -50,9 +53,19 @@ class Candidate:
     stages: int
     chunks: int
     schedule: str
-    checkpoint: str
+    checkpoint: str  # a mode, or "auto": the policies per stage
     sim: Simulation
     fits: bool  # every device's peak memory within the budget
+
+    @property
+    def policies(self) -> list[str]:
+        """Return each stage's policy."""
+        return list(self.sim.policies)
+
+    @property
+    def setting(self) -> str | list[str]:
+        """Return what ``fxpipe.compile(checkpoint=...)`` takes for this candidate."""
+        return self.checkpoint if self.checkpoint != AUTO else self.policies
 
     @property
     def peaks(self) -> list[float]:
@@ -79,8 +92,10 @@ class Search:
     def plan(self, c: Candidate) -> PipelinePlan:
         """Return the :class:`PipelinePlan` of candidate ``c``, ready to save for ``fxpipe.compile(plan=...)``."""
         micro = len(micro_sizes(example_rows(self.gm) or c.chunks, c.chunks))
-        plan = _cut(self.gm, c.stages, self.device, micro, c.chunks, c.checkpoint)
+        plan = _cut(self.gm, c.stages, self.device, micro, c.chunks, c.setting)
         plan.schedule = c.schedule
+        for s, policy, result in zip(plan.stages, c.policies, c.sim.stages):
+            s.checkpoint, s.peak = policy, int(result.memory.peak)
         return plan
 
 
@@ -91,11 +106,11 @@ def _devices(device: DeviceModel, n: int) -> list[str]:
 
 
 def _cut(gm: torch.fx.GraphModule, n: int, device: DeviceModel, micro: int = 1, chunks: int = 1,
-         checkpoint: str = "except_last") -> PipelinePlan:
+         checkpoint: str | list[str] = "except_last") -> PipelinePlan:
     """Cut ``gm`` into ``n`` FLOP-balanced stages (communication weighed) and return their plan."""
     devices = _devices(device, n)
     cut = passes.partition(gm, n, balance_by="flops", comm=passes.comm_weights(devices, "flops"),
-                           checkpoint=checkpoint, micro_batches=micro)
+                           checkpoint=cut_mode(checkpoint), micro_batches=micro)
     options = CompileOptions(n, chunks=chunks, checkpoint=checkpoint, balance_by="flops")
     return make_plan(Assignment(gm, cut, micro, "flops"), options, devices, "gpipe", list(range(n)), None)[0]
 
@@ -117,7 +132,8 @@ def search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, ranks: int,
     """Simulate every configuration of ``model`` on ``ranks`` devices; return them ranked.
 
     ``memory`` is the budget per device in bytes (default: the device model's memory);
-    ``batch`` the mini-batch in rows (default: the example batch). ``measure=True`` times
+    ``batch`` the mini-batch in rows (default: the example batch). ``checkpoints`` are the
+    modes tried for every stage alike, and ``"auto"``: each stage's least recomputation that fits. ``measure=True`` times
     every node on this machine for each micro-batch size instead of using FLOP rates.
     """
     model_ = device_model(device)
@@ -146,12 +162,18 @@ def search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, ranks: int,
                 for ckpt in checkpoints:
                     if m == 1 and ckpt == "except_last" and "never" in checkpoints:
                         continue  # the same step: the one micro-batch is the last
-                    sim = run(costs, actions, rank_of, rank_of, model_, name=schedule, checkpoint=ckpt,
+                    if ckpt == AUTO:
+                        policies = choose(costs, actions, rank_of, rank_of, model_, budget, name=schedule,
+                                          runtime="distributed", batch=batch, optimizer=optimizer)[0]
+                        if len(set(policies)) == 1 and policies[0] in checkpoints:
+                            continue  # one mode for every stage: searched as that mode
+                    sim = run(costs, actions, rank_of, rank_of, model_, name=schedule,
+                              checkpoint=policies if ckpt == AUTO else ckpt,
                               runtime="distributed", batch=batch, optimizer=optimizer)
                     fits = all(mem.peak <= budget for mem in sim.devices.values())
                     (ranked if fits else rejected).append(Candidate(n, m, schedule, ckpt, sim, fits))
-    order = {"never": 0, "except_last": 1, "always": 2}
-    key = lambda c: (-c.sim.throughput, max(c.peaks), c.stages, order.get(c.checkpoint, 3))
+    order = {p: k for k, p in enumerate(POLICIES)}
+    key = lambda c: (-c.sim.throughput, max(c.peaks), c.stages, sum(order.get(p, 4) for p in c.policies))
     ranked.sort(key=key)
     rejected.sort(key=key)
     return Search(ranked, rejected, gm, model_, batch, budget)

@@ -31,7 +31,7 @@ from fxpipe.simulate.compiledtime import check_factor, compile_factor
 from fxpipe.simulate.devices import DeviceModel, device_model
 from fxpipe.simulate.eventsim import Span
 from fxpipe.simulate.memsim import Memory
-from fxpipe.simulate.stagecost import StageCost, example_rows, graph_costs, plan_costs
+from fxpipe.simulate.stagecost import StageCost, describe, example_rows, graph_costs, plan_costs, under
 
 __all__ = ["Simulation", "StageResult", "run", "simulate"]
 
@@ -62,11 +62,12 @@ class Simulation:
     spans: list[Span]
     schedule: str
     chunks: int
-    checkpoint: str
+    checkpoint: str  # the policy, or the stages' policies joined by commas
     runtime: str
     device: DeviceModel
     costs: list[StageCost]
     batch: int
+    policies: list[str] = dataclasses.field(default_factory=list)  # per stage
 
     @property
     def throughput(self) -> float:
@@ -76,13 +77,15 @@ class Simulation:
     def timeline(self) -> Timeline:
         """Return the predicted step as a :class:`~fxpipe.Timeline` (``.save(path)``: a Chrome trace)."""
         tl = Timeline()
+        policies = self.policies or [self.checkpoint] * len(self.costs)
         for s in self.spans:
             a, c = s.action, self.costs[s.action.stage]
             start, end = s.start, s.end
             base = {"ph": "X", "pid": 0, "tid": a.stage,
                     "args": {"stage": a.stage, "micro_batch": a.mb, "device": f"{self.device.name} {s.rank}"}}
-            if a.is_backward and a.mb < checkpoint_stop(self.checkpoint, self.chunks):
-                mid = min(start + c.forward, end)
+            redo = c.forward if a.mb < checkpoint_stop(policies[a.stage], self.chunks) else c.recompute
+            if a.kind in ("B", "I") and redo:
+                mid = min(start + redo, end)
                 tl.events.append(base | {"name": f"recompute {a.mb}", "cat": "recompute", "ts": start * 1e6,
                                          "dur": (mid - start) * 1e6})
                 start = mid
@@ -94,13 +97,15 @@ class Simulation:
 
     def table(self) -> str:
         """Render the prediction: the step, then per stage busy, idle and memory."""
-        rows = [[s.index, s.rank, f"{s.busy * 1e3:.2f}", f"{s.idle * 1e3:.2f}", human(s.memory.params, "B"),
+        policies = self.policies or [self.checkpoint] * len(self.stages)
+        rows = [[s.index, s.rank, policies[s.index], f"{s.busy * 1e3:.2f}", f"{s.idle * 1e3:.2f}",
+                 human(s.memory.params, "B"),
                  human(s.memory.grads, "B"), human(s.memory.optimizer, "B"), human(s.memory.activations, "B"),
                  human(s.memory.peak, "B")] for s in self.stages]
         head = (f"predicted step ({self.schedule}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
                 f"{self.runtime}, {self.device.name}{' nominal' if self.device.nominal else ''}): "
                 f"{self.step_time * 1e3:.2f} ms, {self.throughput:.1f} samples/s, bubble {self.bubble:.1%}")
-        return head + "\n" + tabulate(rows, headers=["stage", "rank", "busy ms", "idle ms", "params", "grads",
+        return head + "\n" + tabulate(rows, headers=["stage", "rank", "checkpoint", "busy ms", "idle ms", "params", "grads",
                                                      "optimizer", "activations", "peak"], tablefmt="simple")
 
     def __str__(self) -> str:
@@ -108,14 +113,15 @@ class Simulation:
 
 
 def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = None,
-             checkpoint: str | None = None, device: str | DeviceModel | None = None,
+             checkpoint: str | Sequence[str] | None = None, device: str | DeviceModel | None = None,
              runtime: str | None = None, batch: int | None = None, optimizer: str = "none",
              dtype: torch.dtype | None = None, placement: str | Sequence[int] | None = None,
              ranks: int | None = None, measured: bool | dict[str, tuple[float, float]] | None = None,
-             compiled: float | bool | dict[str, Any] | None = None) -> Simulation:
+             compiled: float | bool | dict[str, Any] | None = None, save: Any = None) -> Simulation:
     """Predict one training step of a compiled pipe (or a plan) without running it.
 
-    ``schedule``, ``chunks`` and ``checkpoint`` default to the plan's; ``schedule`` also takes
+    ``schedule``, ``chunks`` and ``checkpoint`` default to the plan's (``checkpoint``: a mode, or
+    one per stage; each stage's own policy by default); ``schedule`` also takes
     your own action lists, one per rank (:mod:`fxpipe.runtime.schedules.actions`). ``device`` is a
     device model: ``"a100"``, ``"h100"``, ``"h200"`` (nominal), ``"cpu"`` (this machine,
     calibrated on first use) or a :class:`~fxpipe.simulate.devices.DeviceModel`. ``runtime`` is
@@ -131,9 +137,12 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     seconds per eager second, e.g. ``0.8``), or ``True`` (or a dict of torch.compile's
     arguments) to measure the factor now, on this machine, from the whole model's forward and
     backward, eager and compiled (:func:`fxpipe.simulate.compiledtime.compile_factor`).
+    ``save`` is what selective recomputation keeps (default: the pipe's ``save=``, else the
+    expensive nodes).
     """
     check_factor(compiled)
     gm, plan = _graph_and_plan(pipe_or_plan)
+    save = save if save is not None else getattr(pipe_or_plan, "_save", None)
     n = plan.n_stages
     for name, value in (("chunks", chunks), ("batch", batch)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -152,7 +161,7 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
         from fxpipe.simulate.measure import measure_nodes
         measured = measure_nodes(gm, max(round(batch / m), 1))
     if gm is not None:
-        costs = graph_costs(gm, plan, model, batch / m, dtype, measured or None)
+        costs = graph_costs(gm, plan, model, batch / m, dtype, measured or None, save)
     else:
         costs = plan_costs(plan, model, m, batch / base, dtype or torch.float32)
     if compiled is not None:
@@ -171,21 +180,26 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     device_of = _local_devices(plan, model, rank_of) if runtime == "local" else rank_of
     if runtime == "local" and name == "gpipe":  # one process: autograd's backward, last micro-batch first
         actions = [[a for a in row if a.kind == "F"] + [a for a in reversed(row) if a.kind != "F"] for row in actions]
-    return run(costs, actions, rank_of, device_of, model, name=name, checkpoint=checkpoint or plan.checkpoint,
+    policies = plan.policies() if checkpoint is None else checkpoint
+    return run(costs, actions, rank_of, device_of, model, name=name, checkpoint=policies,
                runtime=runtime, batch=batch, optimizer=optimizer)
 
 
 def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int], device_of: list[int],
-        model: DeviceModel, *, name: str, checkpoint: str, runtime: str, batch: int,
+        model: DeviceModel, *, name: str, checkpoint: str | Sequence[str], runtime: str, batch: int,
         optimizer: str = "none") -> Simulation:
     """Simulate one step from stage costs and action lists per rank (what :func:`simulate` and the planner share).
 
     ``rank_of[j]`` is stage ``j``'s rank; ``device_of[j]`` its device (one process: stages on one
-    device take turns, clock by clock).
+    device take turns, clock by clock). ``checkpoint`` is a mode, or one per stage.
     """
     n = len(costs)
     m = 1 + max(a.mb for row in actions for a in row)
-    stop = checkpoint_stop(checkpoint, m)
+    policies = [checkpoint] * n if isinstance(checkpoint, str) else list(checkpoint)
+    if len(policies) != n:
+        raise ValueError(f"checkpoint= lists {len(policies)} modes for {n} stages; give one per stage")
+    stop = [checkpoint_stop(p, m) for p in policies]
+    costs = [under(c, p) for c, p in zip(costs, policies)]
     feeds, reads = _links(costs)
     post = model.message_overhead if runtime == "distributed" else 0.0
     messages = {"F": [post * (len([p for p in feeds[j] if rank_of[p] != rank_of[j]])
@@ -197,7 +211,7 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
         """Return the seconds action ``a`` takes: its work, the runtime's and the messages it posts."""
         c = costs[a.stage]
         last = 0.5 * c.loss if a.stage == n - 1 else 0.0
-        redo = c.forward if a.kind in ("B", "I") and a.mb < stop else 0.0
+        redo = (c.forward if a.mb < stop[a.stage] else c.recompute) if a.kind in ("B", "I") else 0.0
         work = {"F": c.forward + last, "B": c.backward + redo + last,
                 "I": c.backward - c.weight + redo + last, "W": c.weight}[a.kind]
         talk = messages["F"][a.stage] if a.kind == "F" else messages["G"][a.stage] if a.is_backward else 0.0
@@ -228,7 +242,8 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
     results = [StageResult(j, device_of[j], sum(s.end - s.start for s in spans if s.action.stage == j),
                            step - busy_dev[device_of[j]], stage_mem[j]) for j in range(n)]
     bubble = 1 - sum(busy_dev.values()) / (len(busy_dev) * step) if step else 0.0
-    return Simulation(step, bubble, results, dev_mem, spans, name, m, checkpoint, runtime, model, costs, batch)
+    return Simulation(step, bubble, results, dev_mem, spans, name, m, describe(policies), runtime, model, costs,
+                      batch, policies)
 
 
 def _graph_and_plan(obj: Any) -> tuple[Any, PipelinePlan]:

@@ -13,6 +13,11 @@ Bytes per micro-batch (:class:`StageCost`)::
     kept       what a stage holds from F to B: the values its nodes' backward saved (once each),
                its inputs and its outputs (the last stage: what its loss saves, as much as the output)
     inputs     what it holds instead when checkpointed (its inputs); B recomputes ``kept``
+    sel_kept   what it holds under selective recomputation: its inputs and outputs, the saved
+               values of its expensive nodes, the kept values recomputing reads
+               (:func:`fxpipe.passes.selective.selective_bytes`); ``sel_redo`` the most one
+               segment's recomputation adds during B, ``sel_forward`` the seconds it takes
+    stay       what it holds under offload: its inputs and outputs (the rest waits in host memory)
     wstore     what it holds from I to W: each deferred linear's input and output gradient
     transient  the backward's own workspace: at most one node's output gradient and its inputs'
                gradients at once, before the saved values behind them are freed
@@ -22,7 +27,8 @@ The model's inputs are the caller's tensors, there before the step: neither coun
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +36,16 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.passes.inplace import static_mutations
 from fxpipe.passes.linears import defers_weight_grad
 from fxpipe.passes.retain import retain
+from fxpipe.passes.selective import selective_bytes, selective_plan
 from fxpipe.passes.spec import TensorSpec
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.simulate.devices import DeviceModel
 from fxpipe.simulate.nodetime import node_times
 
-__all__ = ["StageCost", "example_rows", "graph_costs", "plan_costs"]
+__all__ = ["StageCost", "describe", "example_rows", "graph_costs", "plan_costs", "under"]
 
 @dataclass
 class StageCost:
@@ -47,10 +55,15 @@ class StageCost:
     backward: float  # input and weight gradients (without recomputation)
     weight: float  # the part of ``backward`` that W takes when the schedule defers it
     loss: float = 0.0  # the loss's forward and backward, on the last stage
+    recompute: float = 0.0  # seconds every backward recomputes besides (set for a selective stage)
     kept: float = 0.0
     inputs: float = 0.0
     wstore: float = 0.0
     transient: float = 0.0
+    sel_kept: float = 0.0
+    sel_redo: float = 0.0
+    sel_forward: float = 0.0
+    stay: float = 0.0
     params: float = 0.0  # parameters and buffers
     grads: float = 0.0  # gradients of the trainable parameters
     sends: dict[int, float] = field(default_factory=dict)  # consumer stage -> bytes of values
@@ -74,13 +87,14 @@ def example_rows(gm: torch.fx.GraphModule) -> int | None:
 
 
 def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceModel, rows: float,
-                dtype: torch.dtype | None = None, measured: Mapping[str, tuple[float, float]] | None = None
-                ) -> list[StageCost]:
+                dtype: torch.dtype | None = None, measured: Mapping[str, tuple[float, float]] | None = None,
+                save: Callable[[torch.fx.Node], bool] | None = None) -> list[StageCost]:
     """Return every stage's :class:`StageCost` for micro-batches of ``rows`` rows.
 
     ``dtype`` (default: the parameters') is what activations are computed and kept in: mixed
     precision (``torch.bfloat16`` with float32 parameters) halves their bytes, not the state's.
     The loss (on the last stage) is taken as three memory-bound passes over the model's output.
+    ``save`` is what selective recomputation keeps (default: the expensive nodes).
     """
     base = example_rows(gm) or rows
     own = _dtype(gm)
@@ -96,6 +110,7 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
     size[""] = sum(size[n.name] for n in gm.graph.nodes if n.op == "output")  # the model's output
     consumers = plan.consumers()
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    mutations = static_mutations(gm)
     costs = []
     for s in plan.stages:
         mine = [nodes[v] for v in s.nodes if v in nodes]
@@ -124,12 +139,19 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
             if v in producer:
                 grads_back[producer[v]] = grads_back.get(producer[v], 0.0) + size.get(v, 0.0)
         params, grads = _state_bytes(gm, mine)
-        out_elems = size.get("", 0.0) / item if s.index == plan.n_stages - 1 else 0.0
+        last = size[""] if s.index == plan.n_stages - 1 else 0.0
+        out_elems = last / item
+        compute = [n for n in mine if n.op in ("call_module", "call_function", "call_method")]
+        free = set(s.inputs) | set(s.outputs) | placeholders
+        sel = selective_bytes(compute, selective_plan(gm, compute, save, mutations), size, free, bytes_scale)
+        ends = sum(v for k, v in kept.items() if k in s.inputs or k in s.outputs)  # its inputs and outputs
         costs.append(StageCost(
             forward=sum(x.forward for x in t), backward=sum(x.backward for x in t),
             weight=sum(x.weight for x in t),
             loss=(4 * device.kernel_overhead + 3 * out_elems * device.seconds_per_element(item)) if out_elems else 0.0,
-            kept=sum(kept.values()) + internal + (size[""] if s.index == plan.n_stages - 1 else 0.0),
+            kept=sum(kept.values()) + internal + last,
+            sel_kept=ends + sum(sel.kept.values()) + sel.internal + last, sel_redo=sel.redo,
+            sel_forward=sum(times[v].forward for v in sel.rerun if v in times), stay=ends + last,
             inputs=sum(size.get(v, 0.0) for v in s.inputs if v not in placeholders),
             wstore=sum(size.get(x, 0.0) for x in xs) + sum(size[n.name] for n in deferred),
             transient=max((size[n.name] + sum(size.get(a.name, 0.0) for a in n.all_input_nodes
@@ -193,3 +215,17 @@ def plan_costs(plan: PipelinePlan, device: DeviceModel, chunks: int, batch_scale
             grads_back={producer[v]: float(s.checkpoint_bytes) * nbytes / max(len(s.grad_inputs), 1)
                         for v in s.grad_inputs if v in producer}))
     return out
+
+
+def under(c: StageCost, policy: str) -> StageCost:
+    """Return a stage's costs as a ``policy`` stage pays them (whole-stage checkpointing: unchanged)."""
+    if policy == "selective":
+        return dataclasses.replace(c, kept=c.sel_kept, transient=c.transient + c.sel_redo, recompute=c.sel_forward)
+    if policy == "offload":  # the saved activations come back for the backward, one micro-batch at a time
+        return dataclasses.replace(c, kept=c.stay, transient=c.transient + max(c.kept - c.stay, 0.0))
+    return c
+
+
+def describe(policies: Sequence[str]) -> str:
+    """Name the policies of a step: one mode, or the stages' joined by commas."""
+    return policies[0] if len(set(policies)) == 1 else ",".join(policies)

@@ -70,7 +70,7 @@ def default_step_loss(output: Any, target: Any = None) -> torch.Tensor:
 
 
 def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, n_stages: int = 2,
-                               chunks: int = 1, checkpoint: str = "except_last",
+                               chunks: int = 1, checkpoint: str | Sequence[str] = "except_last",
                                example_kwargs: dict | None = None, rtol: float | None = None,
                                atol: float | None = None,
                                loss: Callable[[Any], torch.Tensor] = default_loss,

@@ -21,7 +21,7 @@ __all__ = ["register", "run"]
 
 def register(commands: Any) -> None:
     """Add the ``inspect`` command to the ``fxpipe`` parser's subcommands."""
-    from fxpipe.options import BALANCE_BY, CHECKPOINT_MODES, SCHEDULES
+    from fxpipe.options import BALANCE_BY, SCHEDULES
 
     p = commands.add_parser(
         "inspect", help="show the stages, skip routes, graph picture and timeline of a model",
@@ -33,7 +33,10 @@ def register(commands: Any) -> None:
     p.add_argument("--chunks", type=positive, metavar="M", help="micro-batches (default: the --plan's, else 1)")
     p.add_argument("--balance-by", choices=BALANCE_BY, default="auto", help="the cost stages balance")
     p.add_argument("--split-points", type=names, metavar="A,B", help="modules or nodes where stages begin")
-    p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="except_last")
+    p.add_argument("--checkpoint", type=_checkpoint, default="except_last", metavar="MODE|A,B,...",
+                   help="recomputation policy: always, except_last (default), never, selective, offload (CUDA), "
+                        "auto (with --max-memory), or one mode per stage separated by commas")
+    p.add_argument("--max-memory", metavar="SIZE", help="memory budget per device for --checkpoint auto, e.g. 16GB")
     p.add_argument("--schedule", default="gpipe", metavar="NAME|FILE",
                    help=f"what a training step runs (the --timeline step, --code): one of {', '.join(SCHEDULES)}, "
                         "or a file of your own schedule (a line of actions per stage, e.g. '0F0 0B0')")
@@ -55,6 +58,12 @@ def register(commands: Any) -> None:
     p.add_argument("--traceback", action="store_true", help="show Python tracebacks of unexpected errors")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the compiler does")
     p.set_defaults(run=run)
+
+
+def _checkpoint(text: str) -> str | list[str]:
+    """Parse ``--checkpoint``: one mode, or one per stage separated by commas."""
+    modes = names(text)
+    return modes[0] if len(modes) == 1 else modes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,11 +92,17 @@ def run(args: argparse.Namespace) -> int:
                          "(model, example_inputs) from the factory or pass --input-shape")
     devices = args.devices * n_stages if args.devices and len(args.devices) == 1 else args.devices
     try:
+        from fxpipe.simulate.devices import parse_bytes
+
+        max_memory = parse_bytes(args.max_memory) if args.max_memory else None
+    except ValueError as exc:
+        raise UsageError(f"--max-memory: {exc}") from None
+    try:
         pipe = compiler.compile(model, n_stages, example_inputs=inputs, example_kwargs=kwargs or None,
                               devices=devices, chunks=chunks, checkpoint=args.checkpoint,
                               balance_by=args.balance_by, split_points=args.split_points,
                               leaf_modules=args.leaf_modules or (), plan=saved, schedule=args.schedule,
-                              stages_per_rank=args.stages_per_rank,
+                              stages_per_rank=args.stages_per_rank, max_memory=max_memory,
                               torch_compile={"backend": args.torch_compile} if args.torch_compile else False)
     except TraceError as exc:
         hint = f"\nOn the command line: --leaf-modules {exc.module}" if exc.module else ""
@@ -99,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
                  and not l.startswith(("Original traceback", "None", "Use tlparse"))]
         raise Failure("the model does not run on the example inputs: " + "\n".join(lines)) from None
     plan = pipe.plan
+    if inputs is not None and not any(s.peak for s in plan.stages):
+        _predict_peaks(pipe)
     params = sum(p.numel() for p in model.parameters())
     batch = "" if inputs is None or _batch(inputs) is None else f", example batch {_batch(inputs)}"
     print(f"{type(model).__name__} ({args.model}): {len(plan.graph_nodes)} graph nodes, "
@@ -128,6 +145,20 @@ def _print_compiled(stats: dict[int, dict[str, Any]]) -> None:
               f"{s['seconds']:.1f} s{split}")
         for note in s["breaks"]:
             print(f"  graph break at {note}")
+
+
+def _predict_peaks(pipe: Any) -> None:
+    """Write each stage's predicted peak memory under its policy into the plan (for the table)."""
+    from fxpipe.simulate.simulation import simulate
+
+    runtime = "distributed" if pipe.plan.stages[0].device.startswith("rank") else "local"
+    try:
+        sim = simulate(pipe, device="h100", runtime=runtime)  # a nominal model: the memory walk needs no speeds
+    except Exception as exc:  # noqa: BLE001 - fake tensors cannot follow every model: no peak column then
+        print(f"(no predicted peaks: {type(exc).__name__} while following the model on fake tensors)")
+        return
+    for s, result in zip(pipe.plan.stages, sim.stages):
+        s.peak = int(result.memory.peak)
 
 
 def _batch(inputs: tuple) -> int | None:

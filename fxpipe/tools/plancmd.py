@@ -45,8 +45,9 @@ def register(commands: Any) -> None:
     p.add_argument("--chunks", type=_ints, metavar="M,...", help="micro-batch counts to try (default: 1, 2, 4, ... 64)")
     p.add_argument("--schedules", type=names, default=["gpipe", "1f1b", "zb"], metavar="A,B",
                    help="schedules to try (default: gpipe,1f1b,zb)")
-    p.add_argument("--checkpoint", type=names, default=["never", "except_last", "always"], metavar="A,B",
-                   help="checkpoint modes to try (default: all three)")
+    p.add_argument("--checkpoint", type=names, default=["never", "selective", "except_last", "always", "auto"],
+                   metavar="A,B", help="checkpoint modes to try, each for every stage, and 'auto': the least "
+                   "recomputation per stage that fits (default: never,selective,except_last,always,auto)")
     p.add_argument("--optimizer", default="adam", choices=["none", "sgd", "momentum", "adam", "adamw"],
                    help="optimizer whose state counts against memory (default adam)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="training dtype for the FLOP rate (default: the model's)")
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         smallest = min(found.rejected, key=lambda c: max(c.peaks))
         raise Failure(f"no configuration fits in {human(found.memory, 'B')} per device; the smallest needs "
                       f"{human(max(smallest.peaks), 'B')} ({_describe(smallest)}); raise --memory or add --ranks")
-    rows = [[k + 1, c.stages, c.chunks, f"{found.batch / c.chunks:g}", c.schedule, c.checkpoint,
+    rows = [[k + 1, c.stages, c.chunks, f"{found.batch / c.chunks:g}", c.schedule, _policy(c),
              f"{c.sim.step_time * 1e3:.2f}", f"{c.sim.throughput:.1f}", f"{c.sim.bubble:.0%}",
              " ".join(human(p, "B") for p in c.peaks)] for k, c in enumerate(found.ranked[:args.top])]
     print(tabulate(rows, headers=["#", "stages", "chunks", "rows", "schedule", "checkpoint", "step ms",
@@ -131,13 +132,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         found.plan(best).save(args.json)
         print(f"plan saved to {args.json}: fxpipe.compile(model, {best.stages}, plan={args.json!r}, "
-              f"chunks={best.chunks}, schedule={best.schedule!r}, checkpoint={best.checkpoint!r})")
+              f"chunks={best.chunks}, schedule={best.schedule!r}, checkpoint={best.setting!r})")
     if args.trace:
         best.sim.timeline().save(args.trace)
         print(f"simulated timeline saved to {args.trace} (open it in https://ui.perfetto.dev)")
     return 0
 
 
+def _policy(c: Any) -> str:
+    """Name a configuration's checkpointing: a mode, or auto's policy per stage."""
+    return c.checkpoint if c.checkpoint != "auto" else "auto: " + ",".join(c.policies)
+
+
 def _describe(c: Any) -> str:
     """Name a configuration in one phrase."""
-    return f"{c.stages} stages, chunks={c.chunks}, schedule={c.schedule!r}, checkpoint={c.checkpoint!r}"
+    return f"{c.stages} stages, chunks={c.chunks}, schedule={c.schedule!r}, checkpoint={c.setting!r}"

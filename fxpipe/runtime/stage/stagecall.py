@@ -8,6 +8,11 @@ is the primitive; every pass of every schedule goes through it::
     run(i, inputs, "checkpoint")         no_grad, is_checkpointing(); replay_point() before
     run(i, inputs, "recompute", replay)  grad, is_recomputing(), the saved CPU and CUDA RNG
                                          state and autocast state, a "recompute" event
+    run(i, inputs, "selective")          grad, is_checkpointing(), saved tensors placed by the
+                                         stage's saver (:mod:`fxpipe.runtime.stage.selective`:
+                                         the cheap ones recomputed in backward, one segment at a time)
+    run(i, inputs, "offload")            grad, saved tensors moved to host memory and back
+                                         (:mod:`fxpipe.runtime.stage.offload`)
 
 Around the stage it makes the stage's device current and, when the stage raises, notes on
 the exception the stage, its device, the node and the pass (:mod:`fxpipe.runtime.observe.blame`).
@@ -18,9 +23,8 @@ that time the call's backward.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,45 +36,15 @@ from fxpipe.runtime.observe.blame import keep_tracebacks, note_failure
 from fxpipe.runtime.stage.compiled import CompiledStage
 from fxpipe.runtime.stage.copy import wait
 from fxpipe.runtime.stage.recompute import checkpointed, in_pass, is_checkpointing, is_recomputing
+from fxpipe.runtime.stage.rng import autocast_as, autocast_state, restore_rng, save_rng
 from fxpipe.runtime.stage.stream import AbstractStream, current_stream, new_stream, on_device
 
 __all__ = ["Replay", "StageCall", "autocast_as", "autocast_state", "restore_rng", "save_rng"]
 
-_GRAD = {"forward": nullcontext, "checkpoint": torch.no_grad, "recompute": torch.enable_grad}
-_FLAG = {"checkpoint": "checkpointing", "recompute": "recomputing"}
-
-
-def save_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Capture the CPU RNG state and that of ``device`` if it is a CUDA device."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextmanager
-def restore_rng(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> Iterator[None]:
-    """Run the block with a saved RNG state, then put back the state from before."""
-    cpu, cuda = state
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-        yield
-
-
-def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
-    """Return what autocast does now, on CPU and CUDA: ``(device type, enabled, dtype)`` each."""
-    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
-
-
-@contextmanager
-def autocast_as(state: tuple[tuple[str, bool, torch.dtype], ...]) -> Iterator[None]:
-    """Run the block under a saved autocast state (another thread's, or a forward's for its recompute)."""
-    with contextlib.ExitStack() as stack:
-        for device_type, enabled, dtype in state:
-            if enabled or torch.is_autocast_enabled(device_type):
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-        yield
+_GRAD = {"forward": nullcontext, "checkpoint": torch.no_grad, "recompute": torch.enable_grad,
+         "selective": nullcontext, "offload": nullcontext}
+_FLAG = {"checkpoint": "checkpointing", "recompute": "recomputing", "selective": "checkpointing"}
+SAVING = ("selective", "offload")  # passes whose saved tensors the stage's saver places
 
 
 @dataclass
@@ -95,6 +69,8 @@ class StageCall:
         self.device = device
         self.last = last
         self._copy_streams: list[AbstractStream] = []
+        # where the saved tensors of a "selective" or "offload" forward go (the stage's policy), or None
+        self.saver: Any = None
 
     def copy_stream(self, i: int) -> AbstractStream:
         """Return this stage's copy stream for micro-batch ``i`` (None on CPU)."""
@@ -115,25 +91,35 @@ class StageCall:
         recompute = how == "recompute"
         if recompute and replay is None:
             raise ValueError("a recomputation needs the Replay of its checkpointed forward")
+        if how in SAVING and self.saver is None:
+            raise ValueError(f"stage {self.index} has no {how} policy to run a {how} forward with")
         replay = replay if recompute else None  # only a recomputation replays
         with on_device(self.device), _GRAD[how](), (in_pass(_FLAG[how]) if how in _FLAG else nullcontext()), \
                 (restore_rng(self.device, replay.rng) if replay is not None else nullcontext()), \
                 (autocast_as(replay.autocast) if replay is not None else nullcontext()), \
-                (timeline.span_at("recompute", replay.where) if replay is not None else nullcontext()):
+                (timeline.span_at("recompute", replay.where) if replay is not None else nullcontext()), \
+                (self.saver.recording(i, inputs) if how in SAVING else nullcontext()) as record:
             try:
-                return self.fn(*inputs)
+                out = self.fn(*inputs)
             except Exception as exc:
                 note_failure(exc, self.gm, self.index, self.device, _pass())
                 raise
+            if record is not None:
+                record.outputs = out  # what stays on the device anyway (offload)
+            return out
 
-    def call(self, i: int, inputs: tuple, checkpoint: bool) -> Any:
-        """Run micro-batch ``i`` with autograd connected across stages (the GPipe program's call)."""
+    def call(self, i: int, inputs: tuple, how: str = "forward") -> Any:
+        """Run micro-batch ``i`` with autograd connected across stages (the GPipe program's call).
+
+        ``how`` is ``"forward"``, ``"checkpoint"`` (through :func:`checkpointed`), or the stage's
+        saving pass (``"selective"``, ``"offload"``).
+        """
         cuda = self.device.type == "cuda"
         if cuda:  # the copies that brought the inputs are done before the stage reads them
             compute_stream = current_stream(self.device)
             inputs = wait(inputs, self.copy_stream(i), compute_stream)
         with self.span("forward", i) as timed:
-            out = checkpointed(self, i, inputs) if checkpoint else self.run(i, inputs)
+            out = checkpointed(self, i, inputs) if how == "checkpoint" else self.run(i, inputs, how)
         out = timeline.mark_backward(timed, inputs, out)  # timeline: hooks only while recording
         if cuda and not self.last:  # copies of the outputs wait for the compute that made them
             out = wait(out, compute_stream, self.copy_stream(i))

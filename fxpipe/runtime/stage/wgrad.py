@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from fxpipe.passes.linears import defers_weight_grad
 
-__all__ = ["collecting", "defer_weight_grads", "linear", "run"]
+__all__ = ["active", "collecting", "defer_weight_grads", "linear", "run"]
 
 _local = threading.local()
 
@@ -44,6 +44,11 @@ def collecting(store: list) -> Iterator[list]:
         yield store
     finally:
         _local.store = before
+
+
+def active() -> bool:
+    """Tell whether a store is collecting on this thread (the linears' weight gradients are deferred)."""
+    return getattr(_local, "store", None) is not None
 
 
 def run(store: list) -> None:

@@ -53,8 +53,12 @@ class StageWorker:
         self.before_backward: Callable[[bool], None] | None = None
 
     def forward(self, i: int, inputs: Sequence[Any], *, checkpoint: bool,
-                loss: Callable[[Any], torch.Tensor] | None = None, grad: bool = True) -> Any:
-        """Run micro-batch ``i``; return the outputs (the weighted loss on the last stage with ``loss``)."""
+                loss: Callable[[Any], torch.Tensor] | None = None, grad: bool = True, saving: str = "forward") -> Any:
+        """Run micro-batch ``i``; return the outputs (the weighted loss on the last stage with ``loss``).
+
+        Not checkpointed, the stage runs in pass ``saving``: ``"forward"``, or its policy's
+        ``"selective"`` or ``"offload"`` (the activations kept elsewhere until the backward).
+        """
         call = self.call
         leaves = [_leaf(v, g and grad) for v, g in zip(inputs, self.input_grads)]
         with call.span("forward", i):
@@ -72,7 +76,7 @@ class StageWorker:
                 self._saved[i] = ("recompute", leaves, replay, loss)
                 return result.detach() if loss is not None else out
             with self._collecting(i):
-                out = call.run(i, leaves)
+                out = call.run(i, leaves, saving)
                 result = loss(out) if loss is not None else out
         self._saved[i] = ("keep", leaves, result)
         return result.detach() if loss is not None else _detached(out)
@@ -103,6 +107,16 @@ class StageWorker:
             if kind == "B" and self.defer:
                 wgrad.run(self._weights.pop(i, []))
         return [_grad_of(leaf) if g else None for leaf, g in zip(leaves, self.input_grads)]
+
+    @property
+    def fetches(self) -> bool:
+        """Tell whether the stage's saved activations wait elsewhere and are fetched ahead (offload)."""
+        return hasattr(self.call.saver, "prefetch")
+
+    def prefetch(self, i: int) -> None:
+        """Start bringing micro-batch ``i``'s saved activations back for its coming backward (offload)."""
+        if self.fetches:
+            self.call.saver.prefetch(i)
 
     def weights(self, i: int) -> None:
         """Compute micro-batch ``i``'s deferred weight gradients (after its ``I``)."""

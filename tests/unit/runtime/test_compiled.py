@@ -284,6 +284,30 @@ def test_zero_bubble_with_a_backend_it_cannot_split_is_refused():
                        devices=["cpu"] * 2, torch_compile={"backend": "eager"})
 
 
+@pytest.mark.parametrize("checkpoint", ["selective", ["always", "selective"]])
+def test_selective_recomputation_is_refused_for_compiled_stages(checkpoint):
+    """Selective marks break a compiled graph at every node: refused before tracing, naming what works."""
+    with pytest.raises(fxpipe.CompileError, match="checkpoint='selective'.*'always' or 'except_last'"):
+        fxpipe.compile(Stack(), 2, example_inputs=(torch.randn(4, 16),), checkpoint=checkpoint, torch_compile=AOT)
+
+
+def test_auto_policies_for_compiled_stages_recompute_whole_stages():
+    """checkpoint='auto' with torch_compile= chooses among whole-stage policies, under a budget that needs some."""
+    from fxpipe.options import CompileOptions
+    from fxpipe.simulate.fit import candidates
+
+    model, x = Stack(), torch.randn(512, 16)
+    opts = CompileOptions(2, torch_compile=AOT)
+    opts.check()
+    assert "selective" not in candidates(opts) and candidates(opts)[0] == "never"
+    free = fxpipe.compile(copy.deepcopy(model), 2, example_inputs=(x,), chunks=4, schedule="1f1b",
+                          devices=["cpu"] * 2, checkpoint="never")
+    budget = 0.9 * fxpipe.simulate(free, device="h100").devices[0].peak  # one CPU: the stages share its budget
+    pipe = _check_step(model, x, torch.randn(512, 8), F.mse_loss, n_stages=2, chunks=4, schedule="1f1b",
+                       devices=["cpu"] * 2, checkpoint="auto", max_memory=budget, torch_compile=AOT)
+    assert "selective" not in pipe.plan.policies() and set(pipe.plan.policies()) != {"never"}
+
+
 def test_other_backends_run_schedules_without_w():
     x, y = torch.randn(8, 16), torch.randn(8, 8)
     _check_step(Stack(), x, y, F.mse_loss, n_stages=2, chunks=2, schedule="1f1b", devices=["cpu"] * 2,

@@ -60,3 +60,19 @@ def test_measured_costs_on_this_machine():
 def test_unknown_device_is_refused(kw):
     with pytest.raises(ValueError, match="use one of"):
         search(_model(), (torch.randn(8, 128),), ranks=2, **kw)
+
+
+def test_selective_and_a_policy_per_stage_are_searched():
+    kw = dict(ranks=2, device="h100", chunks=[8], stages=[2], schedules=["1f1b"], optimizer="none")
+    model, x = _model(), (torch.randn(256, 128),)
+    everything = search(model, x, **kw)
+    assert {c.checkpoint for c in everything.ranked} >= {"never", "selective", "except_last", "always"}
+    peaks = {c.checkpoint: c.peaks for c in everything.ranked}
+    budget = (max(peaks["never"]) + max(peaks["always"])) / 2
+    found = search(model, x, memory=budget, **kw)
+    auto = [c for c in found.ranked + found.rejected if c.checkpoint == "auto"]
+    for c in auto:  # searched only when it mixes modes; what compile takes for it is the list
+        assert len(set(c.policies)) > 1 and c.setting == c.policies
+    assert all(max(c.peaks) <= budget for c in found.ranked)
+    plan = found.plan(found.best)
+    assert plan.policies() == found.best.policies and all(s.peak for s in plan.stages)

@@ -247,3 +247,16 @@ def test_console_script_points_at_main():
         scripts = tomllib.load(f)["project"]["scripts"]
     module, _, name = scripts["fxpipe"].partition(":")
     assert (module, name) == ("fxpipe.tools.cli", "main") and callable(cli.main)
+
+
+def test_inspect_shows_each_stages_policy_and_predicted_peak(models, capsys):
+    assert cli.main(["inspect", f"{models}:only_model", "--stages", "2", "--chunks", "2", "--input-shape", "8,4",
+                     "--checkpoint", "selective,always", "--schedule", "1f1b"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.split()[:2] == ["stage", "device"])
+    assert "checkpoint" in header.split() and "peak" in header.split()
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert "selective" in rows[0] and "always" in rows[1]
+    assert cli.main(["inspect", f"{models}:only_model", "--stages", "2", "--input-shape", "8,4",
+                     "--checkpoint", "auto", "--max-memory", "1kB"]) == 1
+    assert "what would fit" in capsys.readouterr().err

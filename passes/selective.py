@@ -1,0 +1,229 @@
+"""Selective recomputation's view of a stage: which nodes keep their results, how the others group.
+
+Reads:  the graph; ``fxpipe.flops`` and ``fxpipe.value`` (from :func:`fxpipe.passes.annotate`)
+        when present; in-place writes (:mod:`fxpipe.passes.mutates`); ``fxpipe.retains``
+        (from :func:`fxpipe.passes.retain`) in :func:`selective_bytes`.
+Writes: nothing.
+
+``checkpoint="selective"`` keeps the results of a stage's expensive nodes and recomputes the
+others in backward. A node is expensive (:func:`expensive`) when its call target is a GEMM, a
+convolution or attention, or when annotation counted at least ``16`` FLOPs per element of its
+output (a leaf module doing matmuls). A cheap node's *segment* is its level: how many expensive
+nodes the longest path from the stage's inputs to it passes. A segment is recomputed from kept
+values, the cheap nodes of one level between two levels of kept ones::
+
+    x ─▶ norm ─▶ [q] [k] [v] ─▶ rope ─▶ [attention] ─▶ [o] ─▶ add, norm ─▶ [gate] [up] ─▶ silu, mul ─▶ [down] ─▶ add
+         level 0               level 1                      level 3                      level 4            level 5
+
+A cheap value that a cheap node of another level reads (the residual stream) is kept too (a
+*crossing* value), so no recomputation reaches back through the stage. Nodes of one level that
+run one after another in the graph form a *run*, the unit in which random numbers are replayed.
+Some nodes are kept whatever the rule says: an in-place write and every node from the value it
+writes to it (a recomputation would write twice), and a norm updating running statistics.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from fxpipe.passes.inplace import static_mutations
+from fxpipe.passes.mutates import aliases
+from fxpipe.passes.spec import TensorSpec
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["INTENSITY", "SelectiveBytes", "SelectivePlan", "expensive", "selective_bytes", "selective_plan"]
+
+INTENSITY = 16  # FLOPs per output element from which an annotated node counts as expensive
+
+_MODULES = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.MultiheadAttention, nn.RNNBase)
+_FUNCTIONS = {F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+              F.conv_transpose3d, F.scaled_dot_product_attention, F.multi_head_attention_forward,
+              torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.addbmm, torch.einsum,
+              torch.tensordot, torch._C._nn.linear, operator.matmul}
+_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__", "__rmatmul__"}
+_ATEN = {"linear", "mm", "bmm", "addmm", "baddbmm", "matmul", "convolution", "conv1d", "conv2d", "conv3d",
+         "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+         "_scaled_dot_product_flash_attention_for_cpu", "einsum"}
+
+
+def _elements(node: torch.fx.Node) -> int:
+    """Return the number of elements of the tensors in a node's annotated value (0 if unknown)."""
+    leaves = tree_flatten(node.meta.get("fxpipe.value"), is_leaf=lambda v: isinstance(v, TensorSpec))[0]
+    total = 0
+    for leaf in leaves:
+        if isinstance(leaf, TensorSpec):
+            count = 1
+            for d in leaf.shape:
+                count *= int(d)
+            total += count
+    return total
+
+
+def expensive(node: torch.fx.Node) -> bool:
+    """Tell whether ``node`` is a GEMM, a convolution or attention (the default of ``save=``)."""
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        module = owner.get_submodule(str(node.target)) if owner is not None else None
+        if isinstance(module, _MODULES):
+            return True
+    elif node.op == "call_function":
+        target = node.target
+        if target in _FUNCTIONS:
+            return True
+        if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and \
+                target.__name__.split(".")[0] in _ATEN:
+            return True
+    elif node.op == "call_method" and node.target in _METHODS:
+        return True
+    flops, elements = node.meta.get("fxpipe.flops") or 0, _elements(node)
+    return elements > 0 and flops >= INTENSITY * elements
+
+
+def _stateful(node: torch.fx.Node) -> bool:
+    """Tell whether a node updates running statistics (a recomputation would update them twice)."""
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        module = owner.get_submodule(str(node.target)) if owner is not None else None
+        return isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
+    return node.op == "call_function" and node.target in (F.batch_norm, F.instance_norm)
+
+
+@dataclass
+class SelectivePlan:
+    """Per compute node of a stage (graph order): kept or recomputed, its segment and run, whether it crosses."""
+
+    names: list[str]
+    saved: list[bool]  # its result is kept, never recomputed
+    segment: list[int]  # the level of a recomputed node (-1 for a kept one)
+    crossing: list[bool]  # a recomputed node whose value another level (or stage) reads: kept too
+    run: list[int]  # the run of a recomputed node: consecutive nodes of one segment (-1 for a kept one)
+
+    def candidate(self, k: int) -> bool:
+        """Tell whether node ``k``'s value may be kept: a kept node's, or a crossing one."""
+        return self.saved[k] or self.crossing[k]
+
+    @property
+    def segments(self) -> int:
+        """Return the number of segment ids (levels; some may hold no node)."""
+        return 1 + max(self.segment, default=-1)
+
+    @property
+    def runs(self) -> int:
+        """Return the number of runs."""
+        return 1 + max(self.run, default=-1)
+
+
+def selective_plan(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node] | None = None,
+                   save: Callable[[torch.fx.Node], bool] | None = None,
+                   mutations: Mapping[torch.fx.Node, Sequence[torch.fx.Node]] | None = None) -> SelectivePlan:
+    """Plan selective recomputation over ``nodes`` (default: ``gm``'s compute nodes) with predicate ``save``.
+
+    ``nodes`` are one stage's compute nodes in graph order; a value read by a node outside
+    them (another stage, the output) crosses. ``save(node)`` tells which nodes keep their
+    results (default :func:`expensive`). ``mutations`` is ``static_mutations(gm)`` when the
+    caller has it already.
+    """
+    if nodes is None:
+        nodes = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+    save = save or expensive
+    index = {n: k for k, n in enumerate(nodes)}
+    saved = [bool(save(n)) or _stateful(n) for n in nodes]
+    for node, written in (static_mutations(gm) if mutations is None else mutations).items():
+        if node not in index:  # the value written, and everything up to the write
+            continue
+        first = min((index[w] for w in written if w in index), default=index[node])
+        for k in range(first, index[node] + 1):
+            saved[k] = True
+    level: list[int] = []
+    for k, n in enumerate(nodes):
+        below = max((level[index[a]] for a in n.all_input_nodes if a in index), default=0)
+        level.append(below + saved[k])
+    segment = [-1 if saved[k] else level[k] for k in range(len(nodes))]
+    crossing = [not saved[k] and any(index.get(u) is None or (not saved[index[u]] and level[index[u]] != level[k])
+                                     for u in n.users) for k, n in enumerate(nodes)]
+    run, current = [], -1
+    for k in range(len(nodes)):
+        if not saved[k] and (k == 0 or segment[k - 1] != segment[k]):
+            current += 1
+        run.append(-1 if saved[k] else current)
+    return SelectivePlan([n.name for n in nodes], saved, segment, crossing, run)
+
+
+@dataclass
+class SelectiveBytes:
+    """What selective recomputation keeps of one micro-batch, and recomputes in backward."""
+
+    kept: dict[str, float]  # value -> bytes kept from forward to backward (besides the stage's own)
+    internal: float  # storage no value holds, kept by the kept nodes (norm statistics, masks)
+    redo: float  # the most a recomputation holds at once
+    rerun: list[str]  # the nodes recomputed in backward
+
+
+def _root(node: torch.fx.Node, index: Mapping[str, int]) -> str:
+    """Return the name of the value whose storage ``node``'s value lives in (through views)."""
+    while node.name in index:
+        shared = aliases(node)
+        if not shared:
+            break
+        node = shared[0]
+    return node.name
+
+
+def selective_bytes(nodes: Sequence[torch.fx.Node], plan: SelectivePlan, size: Mapping[str, float],
+                    free: Iterable[str], scale: float = 1.0) -> SelectiveBytes:
+    """Account one micro-batch of selective recomputation over ``nodes`` from ``fxpipe.retains``.
+
+    ``size`` gives each value's bytes for the micro-batch, ``free`` the values that cost
+    nothing here (the stage's inputs and outputs, the caller's batch); retained bytes are
+    multiplied by ``scale``. Mirrors the runtime (:mod:`fxpipe.runtime.stage.selective`): a
+    saved tensor whose storage is a kept or free value is kept; one of a cheap value, or made
+    inside a cheap node, is recomputed in that value's segment from the kept values it reads.
+    ``redo`` is the most a recomputation holds at one node: its value, its saves, and those of the
+    recomputed values it reads.
+    """
+    free = set(free)
+    index = {n.name: k for k, n in enumerate(nodes)}
+    kept: dict[str, float] = {}
+    internal = 0.0
+    packs = [0.0] * len(nodes)  # storage a recomputed node's backward saves that no value holds
+    rerun: set[int] = set()
+    for k, n in enumerate(nodes):
+        for v, nbytes in (n.meta.get("fxpipe.retains") or {}).items():
+            j = index.get(v)
+            if v == "" and plan.saved[k]:
+                internal += nbytes * scale
+            elif v == "":
+                rerun.add(k)
+                packs[k] += nbytes * scale
+            elif v in free or j is None or plan.candidate(j):
+                if v not in free:
+                    kept[v] = max(kept.get(v, 0.0), nbytes * scale)
+            else:
+                rerun.add(j)
+    stack = list(rerun)
+    while stack:  # a recomputed node reads kept values, or recomputes the cheap ones of its segment
+        k = stack.pop()
+        for a in nodes[k].all_input_nodes:
+            j = index.get(a.name)
+            if j is None or j in rerun:
+                continue
+            if plan.candidate(j):
+                root = _root(a, index)
+                if root not in free and a.name not in free:
+                    kept[root] = max(kept.get(root, 0.0), size.get(root, 0.0))
+            else:
+                rerun.add(j)
+                stack.append(j)
+    own = [0.0 if aliases(n) else size.get(n.name, 0.0) for n in nodes]  # a view holds no storage of its own
+    redo = 0.0  # live at one recomputed node: what it reads that was recomputed, what it makes and saves
+    for k in rerun:
+        reads = {index[a.name] for a in nodes[k].all_input_nodes if index.get(a.name) in rerun}
+        redo = max(redo, own[k] + packs[k] + sum(own[j] + packs[j] for j in reads))
+    return SelectiveBytes(kept, internal, redo, [plan.names[k] for k in sorted(rerun)])

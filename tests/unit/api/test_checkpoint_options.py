@@ -1,0 +1,39 @@
+"""checkpoint= takes a mode, one per stage, or "auto" with max_memory=; save= a predicate: bad values fail early."""
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+
+
+def _compile(**kw):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    return fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 4),), devices=["cpu"] * 2, **kw)
+
+
+@pytest.mark.parametrize("checkpoint, error, text", [
+    ("sometimes", ValueError, "use one of 'always'"),
+    (["selective"], ValueError, "lists 1 modes for 2 stages"),
+    (["selective", "auto"], ValueError, "checkpoint\\[1\\]='auto'"),
+    (["never", "maybe"], ValueError, "checkpoint\\[1\\]='maybe'"),
+    (3, TypeError, "one mode per stage"),
+    ("auto", ValueError, "pass max_memory="),
+])
+def test_bad_checkpoint_is_refused_naming_the_fix(checkpoint, error, text):
+    with pytest.raises(error, match=text):
+        _compile(checkpoint=checkpoint)
+
+
+def test_save_must_be_a_predicate():
+    with pytest.raises(TypeError, match="save= must be a function"):
+        _compile(checkpoint="selective", save="linear")
+
+
+@pytest.mark.parametrize("checkpoint", ["selective", ["selective", "always"], ("never", "selective")])
+def test_good_settings_give_each_stage_its_policy(checkpoint):
+    pipe = _compile(checkpoint=checkpoint, chunks=2)
+    expected = [checkpoint] * 2 if isinstance(checkpoint, str) else list(checkpoint)
+    assert pipe.plan.policies() == expected
+    assert pipe.plan.checkpoint == (checkpoint if isinstance(checkpoint, str) else "per stage")
+    pipe.step(torch.randn(4, 4), target=torch.randn(4, 4), loss_fn=nn.functional.mse_loss)
