@@ -20,6 +20,7 @@ from fxpipe.plan.assign import Assignment
 from fxpipe.plan.mutation import copy_mutated_inputs
 from fxpipe.plan.pipeline import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.plan.saved import graph_signature
+from fxpipe.plan.tensorparallel import plan_tensor_parallel
 
 __all__ = ["make_plan", "named_tensors", "split_stages"]
 
@@ -43,11 +44,16 @@ def make_plan(front: Assignment, options: CompileOptions, devices: Sequence[Any]
     """Split the assigned graph into stage modules; return them and the :class:`PipelinePlan` describing them.
 
     The plan records each stage's device and rank (``ranks``: the schedule's placement), costs,
-    boundary values and skip routes, with the options' chunks and checkpointing and ``schedule``'s name.
+    boundary values and skip routes, with the options' chunks and checkpointing and ``schedule``'s name;
+    with tensor parallelism, the styles of the modules and their collectives (recorded on the graph's
+    nodes before the split, so the stages carry them).
     """
+    tp = plan_tensor_parallel(front.gm, options.tp, options.tp_plan or "auto") if options.tp > 1 else None
+    front.gm.meta["fxpipe.tp_plan"] = tp  # the build styles each rank's stages from it
     modules, stages, routes = split_stages(front.gm, options.n_stages)
     plan = _describe(front.gm, modules, stages, routes, devices, front.micro, options.chunks, options.checkpoint,
                      schedule, front.balance_by, front.cut, saved_plan)
+    plan.tensor_parallel = None if tp is None else tp.record(front.micro)
     for s in plan.stages:
         s.rank = ranks[s.index]
     return plan, modules
