@@ -171,11 +171,8 @@ class CompileOptions:
                                                                                       for k in plan)):
             raise TypeError(f"tp_plan must be 'auto' or a dict of module FQN patterns to parallel styles "
                             f"(ColwiseParallel(), RowwiseParallel(), ...), got {type(plan).__name__}")
-        if (t > 1 or plan is not None) and not self.distributed:
-            raise ValueError("tensor_parallel= and tp_plan= split each stage's layers over several ranks; use "
+        if t > 1 and not self.distributed:  # tp_plan= with one rank per stage is a no-op
+            raise ValueError(f"tensor_parallel={t} splits each stage's layers over {t} ranks; use "
                              "runtime='distributed' (launched with torchrun; world = data_parallel x "
                              "n_stages / stages_per_rank x tensor_parallel)")
-        if plan is not None and self.tp == 1:
-            raise ValueError("tp_plan= needs tensor_parallel= of 2 or more (or a mesh= with a 'tp' dim) to split "
-                             "the stages over")
 

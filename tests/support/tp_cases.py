@@ -13,6 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 import tpmodels as tm
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxpipe
 from fxpipe.testing import max_relative_error
@@ -79,8 +80,13 @@ def _errors(held, eager):
 
 
 def equal(rank, world, schedule):
-    """One step of each model equals eager: loss and every gradient; the plan is the written one."""
-    name, _, schedule = schedule.partition("/")
+    """One step of each model (``mlp,decoder/1f1b``) equals eager: the loss, every gradient, the clipped norm."""
+    names, _, schedule = schedule.partition("/")
+    return {name: _equal(rank, world, name, schedule) for name in names.split(",")}
+
+
+def _equal(rank, world, name, schedule):
+    """One step of model ``name`` against eager, with the automatic plan."""
     pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, name, schedule)
     loss = step()
     expected = loss_fn(eager(x), y)
@@ -105,40 +111,84 @@ def plans(rank, world, schedule):
 
 
 
-def debug_ties(rank, world, schedule):
+
+def _adam_step(pipe, step, x, y):
+    """One Adam step of ``pipe`` on a batch; return the optimizer and the loss."""
+    opt = getattr(pipe, "_test_opt", None) or torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    pipe._test_opt = opt
+    opt.zero_grad()
+    loss = step(x, y)
+    opt.step()
+    return opt, float(loss)
+
+
+def save_tp(rank, world, schedule):
+    """pp=2 x tp=2: a step, save (model and Adam state) and the next step's loss, for load_tp to match."""
     pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "decoder", schedule)
-    rt = pipe._runtime
-    return {"ties": [[m, [(tuple(q.shape), type(q).__name__, tuple(q.to_local().shape) if hasattr(q, "to_local") else None) for q in ps], f] for (g, ps, f), m in zip(rt.ties.mine, [rt.ties.members[i] for i in rt.ties.index])]}
+    opt, _ = _adam_step(pipe, step, x, y)
+    path = os.path.join(os.environ["FXPIPE_TEST_DIR"], "ckpt")
+    fxpipe.save(pipe, path, optimizer=opt)
+    x2, y2 = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1)), \
+        torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(2))
+    _, loss = _adam_step(pipe, step, x2, y2)
+    return {"next_loss": loss, "sharded": sorted(n for n, q in held if hasattr(q, "to_local"))}
 
 
-def debug_cross(rank, world, schedule):
-    pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "decoder", schedule)
-    rt = pipe._runtime
-    return {"shards": {k: str(v) for k, v in rt.shards.items()}, "crossing": rt.crossing,
-            "stages": [(s.inputs, s.outputs) for s in pipe.plan.stages]}
+def load_tp(rank, world, schedule):
+    """Another tp (``tp1``: one rank per stage; ``tp4``: one stage of 4 ranks): load save_tp's checkpoint, step.
+
+    The plain module loads it too: its loss on the next batch is the pipe's next step's.
+    """
+    path = os.path.join(os.environ["FXPIPE_TEST_DIR"], "ckpt")
+    tp = int(schedule.removeprefix("tp"))
+    pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "decoder", "1f1b", pp=world // tp, tp=tp)
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    fxpipe.load(pipe, path, optimizer=opt)
+    pipe._test_opt = opt
+    x2, y2 = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1)), \
+        torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(2))
+    _, loss = _adam_step(pipe, step, x2, y2)
+    plain = tm.TiedDecoder()
+    fxpipe.load(plain, path)
+    return {"next_loss": loss, "plain_loss": float(loss_fn(plain(x2), y2))}
 
 
-def debug_msgs(rank, world, schedule):
-    pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "decoder", schedule)
-    rt = pipe._runtime
-    log = []
-    orig = rt.comm._batch
-    def batch(sends, recvs, what):
-        log.append((what, [tuple(t.shape) for t, _, _ in sends], [tuple(t.shape) for t, _, _ in recvs]))
-        print(rank, log[-1], flush=True)
-        return orig(sends, recvs, what)
-    rt.comm._batch = batch
-    step()
-    return {"log": log}
+class _Collectives(TorchDispatchMode):
+    """Count the functional collectives DTensor runs, in forward and in backward (autograd's graph task)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+            self.seen.append((name, "backward" if torch._C._current_graph_task_id() != -1 else "forward"))
+        return func(*args, **(kwargs or {}))
 
 
-def debug_grads(rank, world, schedule):
-    pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "decoder", schedule)
-    rt = pipe._runtime
-    rt._sum_tied = lambda: None
-    step()
-    return {n: [str(getattr(q.grad, "placements", None)), tuple(_loc(q.grad).shape)] for n, q in held if q.grad is not None and n in ("embed.weight", "head.weight", "blocks.0.attn.q.weight")}
+def count(rank, world, schedule):
+    """pp=1 x tp=2, the automatic plan on residual MLP blocks: the collectives of a step, forward and backward."""
+    pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "mlp", "1f1b", pp=1, chunks=2,
+                                                           checkpoint="never")  # recomputation repeats the forward
+    step()  # a first step: layouts propagated, buffers made
+    with _Collectives() as comm:
+        step()
+    return {"seen": comm.seen, "blocks": len(model.blocks), "chunks": pipe.plan.chunks,
+            "recorded": pipe.plan.tensor_parallel["calls"]}
 
 
-def _loc(t):
-    return t.to_local() if hasattr(t, "to_local") else t
+def memory(rank, world, schedule):
+    """A model built on meta, tp=2: each rank's parameter bytes of its stage against the whole stage's."""
+    with torch.device("meta"):
+        model = tm.ResidualMLP(d=32, hidden=128, blocks=4)
+    x = torch.randn(8, 32)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), runtime="distributed", timeout=60, chunks=2,
+                          tensor_parallel=2, schedule="1f1b")
+    _, p, _, _ = _place(rank, world, 2, 2)
+    held = {id(q): q for j in pipe.plan.stages_of(p) for q in pipe.stages[j].parameters()}
+    local = sum((q.to_local() if hasattr(q, "to_local") else q).nbytes for q in held.values())
+    whole = sum(pipe.plan.stages[j].params for j in pipe.plan.stages_of(p))
+    loss = pipe.step(x, target=torch.zeros(8, 8), loss_fn=F.mse_loss)
+    return {"local": local, "whole": whole, "meta_left": any(q.is_meta for q in held.values()), "loss": float(loss)}
+
