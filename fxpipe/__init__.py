@@ -26,6 +26,7 @@ from fxpipe.errors import (
                            PlanMismatchError,
                            PropagationError,
                            ScheduleError,
+                           TensorParallelError,
                            TraceError,
                            WeightsError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "PlanMismatchError",
     "PropagationError",
     "ScheduleError",
+    "TensorParallelError",
     "Simulation",
     "SkipRoute",
     "StagePlan",

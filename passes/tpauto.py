@@ -89,7 +89,7 @@ def _grow(gm: torch.fx.GraphModule, sites: Mapping[str, Site], of_node: Mapping[
         if grown is None:
             for c in conflicts:
                 if c.kind == "indivisible" and c.size:
-                    raise indivisible(f"dim {c.size} of the heads or hidden size (node '{c.node}')", c.module,
+                    raise indivisible(f"the heads (or another sharded dim) that node '{c.node}' reshapes", c.module,
                                       c.size, t)
             log.debug("tensor parallel: '%s' stays replicated (%s)", start.fqn, conflicts[0].message)
             return {}

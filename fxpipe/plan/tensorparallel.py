@@ -155,7 +155,7 @@ def _refusal(c: Conflict, auto: bool, t: int) -> TensorParallelError:
     where = f"node '{c.node}'" + (f" in module '{c.module}'" if c.module else "")
     if c.kind == "indivisible" and c.size:
         from fxpipe.passes.tpauto import indivisible
-        return indivisible(f"a dimension ({where})", c.module, c.size, t)
+        return indivisible(f"the heads (or another sharded dim) that node '{c.node}' reshapes", c.module, c.size, t)
     return TensorParallelError(f"tp_plan{' (auto)' if auto else ''} cannot run {where}: {c.message}")
 
 
