@@ -45,6 +45,7 @@ class TensorParallelPlan:
     rules: dict[str, Rule]  # node name -> what it reads and gives
     auto: bool = False
     calls: list[dict[str, Any]] = field(default_factory=list)  # per styled call: module, node, collectives
+    layouts: dict[str, Any] = field(default_factory=dict)  # node name -> its value's layout (None: whole)
 
     def record(self, micro: int) -> dict[str, Any]:
         """Return the plan as JSON data: styles by module, the modules left whole, collectives per micro-batch."""
@@ -62,8 +63,12 @@ class TensorParallelPlan:
                 if t is not None and weight_placement(style, self.sites[fqn]) is not None}
 
 
-def plan_tensor_parallel(gm: torch.fx.GraphModule, t: int, tp_plan: Any) -> TensorParallelPlan:
-    """Resolve ``tp_plan`` (a dict of FQN patterns to styles, or ``"auto"``) on ``gm``; record the layouts."""
+def plan_tensor_parallel(gm: torch.fx.GraphModule, t: int, tp_plan: Any, record: bool = True) -> TensorParallelPlan:
+    """Resolve ``tp_plan`` (a dict of FQN patterns to styles, or ``"auto"``) on ``gm``.
+
+    ``record``: write each node's layout to ``node.meta["fxpipe.tp"]`` (what the build and the
+    runtime read); the simulator asks for a plan without recording it.
+    """
     sites = find_sites(gm)
     if tp_plan == "auto":
         styles = {fqn: STYLE_OF_ROLE[role]() for fqn, role in auto_roles(gm, t).items()}
@@ -71,11 +76,12 @@ def plan_tensor_parallel(gm: torch.fx.GraphModule, t: int, tp_plan: Any) -> Tens
         styles = _resolve(gm, sites, tp_plan)
     rules = {name: rule_of(style, sites[fqn], t) for fqn, style in styles.items() for name in sites[fqn].nodes}
     _check_ties(gm, sites, styles)
-    layouts, conflicts = propagate(gm, rules, t, record=True)
+    layouts, conflicts = propagate(gm, rules, t, record=record)
     if conflicts:
         raise _refusal(conflicts[0], tp_plan == "auto", t)
     _check_crossing(gm, layouts)
-    plan = TensorParallelPlan(t, styles, sites, rules, auto=tp_plan == "auto")
+    plan = TensorParallelPlan(t, styles, sites, rules, auto=tp_plan == "auto",
+                              layouts={n: v for n, v in layouts.items() if isinstance(v, int)})
     plan.calls = _calls(gm, plan, layouts)
     log.info("tensor parallel over %d ranks: %d module(s) styled, %d left whole", t, len(styles),
              len(plan.record(1)["replicated"]))

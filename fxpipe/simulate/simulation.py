@@ -31,6 +31,7 @@ from fxpipe.simulate.devices import DeviceModel, device_model
 from fxpipe.simulate.eventsim import Span
 from fxpipe.simulate.memsim import Memory
 from fxpipe.simulate.stagecost import StageCost, example_rows, graph_costs, plan_costs
+from fxpipe.simulate.tpcost import TPCost, tp_record, tp_table, with_tensor_parallel
 
 __all__ = ["Simulation", "StageResult", "run", "simulate"]
 
@@ -66,6 +67,8 @@ class Simulation:
     device: DeviceModel
     costs: list[StageCost]
     batch: int
+    tensor_parallel: int = 1  # ranks per stage
+    tp: list[TPCost] | None = None  # per stage: its tensor-parallel collectives per micro-batch
 
     @property
     def throughput(self) -> float:
@@ -99,8 +102,9 @@ class Simulation:
         head = (f"predicted step ({self.schedule}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
                 f"{self.runtime}, {self.device.name}{' nominal' if self.device.nominal else ''}): "
                 f"{self.step_time * 1e3:.2f} ms, {self.throughput:.1f} samples/s, bubble {self.bubble:.1%}")
-        return head + "\n" + tabulate(rows, headers=["stage", "rank", "busy ms", "idle ms", "params", "grads",
-                                                     "optimizer", "activations", "peak"], tablefmt="simple")
+        table = head + "\n" + tabulate(rows, headers=["stage", "rank", "busy ms", "idle ms", "params", "grads",
+                                                      "optimizer", "activations", "peak"], tablefmt="simple")
+        return table + ("\n" + tp_table(self.tensor_parallel, self.tp) if self.tp else "")
 
     def __str__(self) -> str:
         return self.table()
@@ -110,8 +114,8 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
              checkpoint: str | None = None, device: str | DeviceModel | None = None,
              runtime: str | None = None, batch: int | None = None, optimizer: str = "none",
              dtype: torch.dtype | None = None, placement: str | Sequence[int] | None = None,
-             ranks: int | None = None, measured: bool | dict[str, tuple[float, float]] | None = None
-             ) -> Simulation:
+             ranks: int | None = None, measured: bool | dict[str, tuple[float, float]] | None = None,
+             tensor_parallel: int | None = None) -> Simulation:
     """Predict one training step of a compiled pipe (or a plan) without running it.
 
     ``schedule``, ``chunks`` and ``checkpoint`` default to the plan's; ``schedule`` also takes
@@ -125,7 +129,11 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     ``"adam"``) adds its state to the memory. ``measured`` maps node names to measured
     ``(forward, backward)`` seconds per micro-batch (:func:`fxpipe.simulate.measure.measure_nodes`), or
     is ``True`` to measure them now, on this machine (random inputs of the annotated shapes);
-    other nodes come from the device model's FLOP rates.
+    other nodes come from the device model's FLOP rates. ``tensor_parallel`` (default: the pipe's)
+    splits every stage over that many ranks with the automatic plan (or the pipe's own plan at its
+    size): the sharded work divided, the collectives counted per micro-batch (bytes and count, over
+    the device's intra-node link, ``DeviceModel.tp_bandwidth``) and added to ``F`` and ``B``, the
+    sharded weights divided (:mod:`fxpipe.simulate.tpcost`).
     """
     gm, plan = _graph_and_plan(pipe_or_plan)
     n = plan.n_stages
@@ -145,9 +153,16 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
             raise ValueError("measured=True times the model's nodes; pass the compiled Pipe, not a plan")
         from fxpipe.simulate.measure import measure_nodes
         measured = measure_nodes(gm, max(round(batch / m), 1))
+    record, sharded = tp_record(gm, plan, tensor_parallel)
+    tp: list[TPCost] | None = None
     if gm is not None:
         costs = graph_costs(gm, plan, model, batch / m, dtype, measured or None)
+        if record is not None:
+            costs, tp = with_tensor_parallel(costs, gm, plan, record, model, batch / m, dtype, measured or None,
+                                             sharded)
     else:
+        if record is not None:
+            raise ValueError("tensor_parallel= reads the model's graph; simulate the compiled Pipe, not a plan")
         costs = plan_costs(plan, model, m, batch / base, dtype or torch.float32)
     if schedule is None:
         schedule = _compiled_schedule(pipe_or_plan, plan)
@@ -158,8 +173,11 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     device_of = _local_devices(plan, model, rank_of) if runtime == "local" else rank_of
     if runtime == "local" and name == "gpipe":  # one process: autograd's backward, last micro-batch first
         actions = [[a for a in row if a.kind == "F"] + [a for a in reversed(row) if a.kind != "F"] for row in actions]
-    return run(costs, actions, rank_of, device_of, model, name=name, checkpoint=checkpoint or plan.checkpoint,
-               runtime=runtime, batch=batch, optimizer=optimizer)
+    result = run(costs, actions, rank_of, device_of, model, name=name, checkpoint=checkpoint or plan.checkpoint,
+                 runtime=runtime, batch=batch, optimizer=optimizer)
+    if record is not None:
+        result.tensor_parallel, result.tp = int(record["size"]), tp
+    return result
 
 
 def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int], device_of: list[int],
