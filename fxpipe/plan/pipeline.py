@@ -182,7 +182,7 @@ def tp_lines(tp: dict[str, Any]) -> list[str]:
     for c in tp["calls"]:
         calls.setdefault(c["module"], []).extend(c["collectives"])
     for fqn, style in tp["modules"].items():
-        comm = ", ".join(f"{k} {p[0]}w {human(b, 'B')}" for p, k, b in calls.get(fqn, []))
+        comm = ", ".join(f"{k} in {p} {human(b, 'B')}" for p, k, b in calls.get(fqn, []))
         lines.append(f"  {fqn}: {style}" + (f"   [{comm}]" if comm else ""))
     if tp["replicated"]:
         lines.append(f"  whole on every rank: {', '.join(tp['replicated'])}")

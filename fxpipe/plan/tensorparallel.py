@@ -18,11 +18,14 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import logging
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 from fxpipe.passes.spec import value_bytes
 from fxpipe.passes.tpauto import TensorParallelError, auto_roles
@@ -56,6 +59,12 @@ class TensorParallelPlan:
                 "replicated": [s.fqn for s in self.sites.values()
                                if s.kind in ("linear", "embedding") and s.fqn not in self.styles],
                 "calls": shown}
+
+    def shares_input(self, fqn: str) -> bool:
+        """Tell whether a styled linear may share its input's backward all-reduce (column-wise, whole input)."""
+        style, site = self.styles.get(fqn), self.sites[fqn]
+        return type(style) is ColwiseParallel and site.kind == "linear" \
+            and isinstance(style.input_layouts[0], Replicate) and style.use_local_output
 
     def sharded_weights(self) -> set[int]:
         """Return the ids of the weights the styles make DTensors."""
@@ -176,8 +185,19 @@ def _check_crossing(gm: torch.fx.GraphModule, layouts: Mapping[str, Any]) -> Non
 
 
 def _calls(gm: torch.fx.GraphModule, plan: TensorParallelPlan, layouts: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """List every styled call with the collectives it runs for the example batch."""
+    """List every styled call with the collectives it runs for the example batch.
+
+    Column-wise linears of one stage reading one whole input share one backward all-reduce (the
+    build's region node, :mod:`fxpipe.runtime.tpregion`): the first of them counts it.
+    """
     nodes = {n.name: n for n in gm.graph.nodes}
+
+    def key(name: str) -> tuple[Any, str]:
+        return nodes[name].meta.get("fxpipe.stage"), getattr(site_input(nodes[name]), "name", "")
+
+    readers = Counter(key(name) for fqn in plan.styles if plan.shares_input(fqn) for name in plan.sites[fqn].nodes
+                      if layouts.get(key(name)[1]) is None)
+    counted: set[tuple[Any, str]] = set()
     out = []
     for fqn, style in plan.styles.items():
         site = plan.sites[fqn]
@@ -187,6 +207,9 @@ def _calls(gm: torch.fx.GraphModule, plan: TensorParallelPlan, layouts: Mapping[
             x = site_input(node)
             spec = x.meta.get("fxpipe.value") if isinstance(x, torch.fx.Node) else None
             wants = bool(getattr(spec, "requires_grad", False))
+            if plan.shares_input(fqn) and readers.get(key(name), 0) > 1:
+                wants = wants and key(name) not in counted
+                counted.add(key(name))
             found = collectives(style, layouts.get(getattr(x, "name", "")), layouts.get(name),
                                 value_bytes(spec), value_bytes(node.meta.get("fxpipe.value")), wants, params)
             out.append({"module": fqn, "node": name, "stage": node.meta.get("fxpipe.stage"),

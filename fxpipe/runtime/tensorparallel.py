@@ -34,6 +34,7 @@ from fxpipe.passes.tplayout import localize
 from fxpipe.passes.tpviews import rewrite_sizes
 from fxpipe.plan.tensorparallel import TensorParallelPlan
 from fxpipe.runtime.placement import named_tensors, register_everywhere
+from fxpipe.runtime.tpregion import share_input_gradients
 
 __all__ = ["local_specs", "match_grads", "shard_stages"]
 
@@ -53,16 +54,20 @@ def shard_stages(model: nn.Module, gm: torch.fx.GraphModule, stages: Sequence[to
     done: set[int] = set()
     for j in mine:
         st = stages[j]
+        colwise = []  # the column-wise calls reading a whole input, which may share one all-reduce
         for node in list(st.graph.nodes):
             fqn = of_node.get(node.name) if node.op in ("call_module", "call_function") else None
             if fqn is None or fqn not in plan.styles:
                 continue
-            module = _module_call(st, node, plan.sites[fqn])
+            module, call = _module_call(st, node, plan.sites[fqn])
+            if plan.shares_input(fqn):
+                colwise.append(call)
             if id(module) in done:
                 continue
             done.add(id(module))
             _style(module, plan.styles[fqn], layout, fill, swapped, old)
         st.recompile()
+        share_input_gradients(st, colwise, layout.tp_mesh)
         rewritten = rewrite_sizes(st, plan.size)
         log.debug("stage %d: %d size(s) made local: %s", j, len(rewritten), rewritten[:8])
     register_everywhere([model, gm, *stages], swapped)
@@ -97,10 +102,10 @@ def _style(module: nn.Module, style: Any, layout: Any, fill: Callable[[set[int]]
             old.append(p)
 
 
-def _module_call(st: torch.fx.GraphModule, node: torch.fx.Node, site: Any) -> nn.Module:
-    """Return the module a site node calls; turn a functional linear or embedding into a module call first."""
+def _module_call(st: torch.fx.GraphModule, node: torch.fx.Node, site: Any) -> tuple[nn.Module, torch.fx.Node]:
+    """Return the module a site node calls, and the call; turn a functional linear or embedding into a module call."""
     if node.op == "call_module":
-        return st.get_submodule(str(node.target))
+        return st.get_submodule(str(node.target)), node
     linear = site.kind == "linear"
     module: nn.Module = nn.Linear.__new__(nn.Linear) if linear else nn.Embedding.__new__(nn.Embedding)
     nn.Module.__init__(module)
@@ -121,7 +126,7 @@ def _module_call(st: torch.fx.GraphModule, node: torch.fx.Node, site: Any) -> nn
     call.meta = dict(node.meta)
     node.replace_all_uses_with(call)
     st.graph.erase_node(node)
-    return module
+    return module, call
 
 
 def _unhooked(gm: torch.fx.GraphModule, plan: TensorParallelPlan, styled: set[int]) -> None:

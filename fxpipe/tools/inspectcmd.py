@@ -2,7 +2,8 @@
 
 Prints the plan's table; ``--json`` saves the plan, ``--dot`` writes the graph picture,
 ``--timeline`` runs a recorded training step and summarises it per stage, ``--code`` prints
-what a step runs.
+what a step runs, ``--tp T`` the tensor-parallel plan ``tp_plan="auto"`` finds for ``T`` ranks per
+stage (each module's style, what stays whole, the collectives per micro-batch).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def register(commands: Any) -> None:
     p.add_argument("--timeline", metavar="FILE", help="run a training step and write its Chrome trace")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed steps before the --timeline step (default 1)")
     p.add_argument("--code", action="store_true", help="print the generated executor")
+    p.add_argument("--tp", type=positive, metavar="T", help="show the tensor-parallel plan tp_plan='auto' finds for "
+                   "T ranks per stage: each module's style, what stays whole, the collectives per micro-batch")
     p.add_argument("--traceback", action="store_true", help="show Python tracebacks of unexpected errors")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the compiler does")
     p.set_defaults(run=run)
@@ -101,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
           f"{human(params)} parameters, {plan.n_stages} stages, chunks={plan.chunks}{batch}, "
           f"balance_by={plan.balance_by}" + (f", plan from {args.plan}" if saved else ""))
     print(plan.table())
+    if args.tp and args.tp > 1:
+        _print_tp(pipe, args.tp)
     status = 0
     if args.json:
         plan.save(args.json)
@@ -112,6 +117,19 @@ def run(args: argparse.Namespace) -> int:
     if args.code:
         print(pipe.code, end="")
     return status
+
+
+def _print_tp(pipe: Any, t: int) -> None:
+    """Print the automatic tensor-parallel plan for ``t`` ranks per stage (nothing is sharded here)."""
+    from fxpipe.errors import TensorParallelError
+    from fxpipe.plan.pipeline import tp_lines
+    from fxpipe.plan.tensorparallel import plan_tensor_parallel
+
+    try:
+        tp = plan_tensor_parallel(pipe._gm, t, "auto", record=False)
+    except TensorParallelError as exc:
+        raise Failure(str(exc)) from None
+    print("\n".join(tp_lines(tp.record(pipe.plan.chunks))))
 
 
 def _batch(inputs: tuple) -> int | None:

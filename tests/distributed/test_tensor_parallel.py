@@ -5,6 +5,8 @@ Cases in tests/support/tp_cases.py. Global rank = (replica * pp + pipeline rank)
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 _MODELS = "mlp,decoder,llama"  # residual MLP; tied decoder with hard-coded heads; Hugging Face Llama (export)
@@ -38,9 +40,13 @@ def test_pp2_dp2_tp2_equals_eager(models, schedule, tmp_path, launch):
     _equal(launch("tp_cases:equal", 8, f"{models}/{schedule}", tmp_path, limit=240), models)
 
 
+def _counts(seen, when):
+    return Counter(k for k, p in seen if p == when)
+
+
 def test_megatron_collective_count(tmp_path, launch):
     """The automatic plan on residual MLP blocks: one all-reduce forward and one backward per block per micro-batch."""
-    results = launch("tp_cases:count", 2, "1f1b", tmp_path)
+    results = launch("tp_cases:count", 2, "mlp", tmp_path)
     _ok(results)
     for res in results:
         per = res["blocks"] * res["chunks"]
@@ -49,6 +55,24 @@ def test_megatron_collective_count(tmp_path, launch):
         recorded = [c for call in res["recorded"] for c in call["collectives"]]
         assert sorted((p, k) for p, k, _ in recorded) == [("backward", "all_reduce")] * res["blocks"] + \
             [("forward", "all_reduce")] * res["blocks"]
+        assert res["loss_error"] < 1e-5 and max(res["grad_errors"].values()) < 1e-5
+
+
+def test_query_key_value_share_one_backward_all_reduce(tmp_path, launch):
+    """Megatron's fused-QKV count without fusing: q, k, v reading one input all-reduce its gradient once.
+
+    Per micro-batch, 2 blocks: forward the embedding's and 2 per block (attention out, MLP out) all-reduces
+    and the tied head's all-gather; backward one per block for q, k, v, one per MLP, one for the head.
+    """
+    results = launch("tp_cases:count", 2, "decoder", tmp_path)
+    _ok(results)
+    for res in results:
+        m, blocks = res["chunks"], res["blocks"]
+        assert _counts(res["seen"], "forward") == {"all_reduce": m * (1 + 2 * blocks), "all_gather_into_tensor": m}
+        assert _counts(res["seen"], "backward") == {"all_reduce": m * (2 * blocks + 1)}
+        recorded = Counter(p for call in res["recorded"] for p, _, _ in call["collectives"])
+        assert recorded == {"forward": 2 + 2 * blocks, "backward": 2 * blocks + 1}
+        assert res["loss_error"] < 1e-5 and max(res["grad_errors"].values()) < 1e-5
 
 
 def test_meta_build_holds_its_shard(tmp_path, launch):

@@ -168,14 +168,22 @@ class _Collectives(TorchDispatchMode):
 
 
 def count(rank, world, schedule):
-    """pp=1 x tp=2, the automatic plan on residual MLP blocks: the collectives of a step, forward and backward."""
-    pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "mlp", "1f1b", pp=1, chunks=2,
+    """pp=1 x tp=2, the automatic plan on ``schedule``'s model: the collectives of a step, forward and backward.
+
+    ``mlp``: residual MLP blocks (Megatron's count); ``decoder``: query, key and value share one backward
+    all-reduce, so an attention block counts as an MLP block does.
+    """
+    pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, schedule, "1f1b", pp=1, chunks=2,
                                                            checkpoint="never")  # recomputation repeats the forward
     step()  # a first step: layouts propagated, buffers made
+    model.zero_grad(set_to_none=True)
     with _Collectives() as comm:
-        step()
+        loss = step()
+    expected = loss_fn(eager(x), y)
+    expected.backward()
     return {"seen": comm.seen, "blocks": len(model.blocks), "chunks": pipe.plan.chunks,
-            "recorded": pipe.plan.tensor_parallel["calls"]}
+            "recorded": pipe.plan.tensor_parallel["calls"], "loss_error": max_relative_error(loss, expected),
+            "grad_errors": _errors(held, eager)}
 
 
 def memory(rank, world, schedule):
