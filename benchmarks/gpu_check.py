@@ -12,6 +12,9 @@
             32, beside GPipe's bound k*m / (m + k - 1).
 4. nccl     (two GPUs or more) fxpipe against torch.distributed.pipelining, 2 ranks under NCCL
             (:mod:`gpu_nccl`).  Parts 2 and 3 live in :mod:`gpu_measure`.
+5. tp       (two GPUs or more) tensor parallelism: one decoder stage over 2 GPUs (tensor_parallel=2,
+            tp_plan="auto") against the whole model on one: the loss, the collectives against the
+            plan's count, the step times (:mod:`gpu_tp`).
 
 Each part has a time budget and measures fewer repetitions rather than overrun it. One
 summary table at the end, also in OUT_DIR/summary.md and summary.json; the exit status is 1
@@ -41,8 +44,8 @@ from gpu_measure import measure_copies, measure_speedup, overlap  # noqa: E402
 
 __all__ = ["main", "overlap"]
 
-PARTS = ("tests", "copies", "speedup", "nccl")
-BUDGET_S = {"tests": 120, "copies": 45, "speedup": 50, "nccl": 60}  # 275 s in all, on one GPU 165 s
+PARTS = ("tests", "copies", "speedup", "nccl", "tp")
+BUDGET_S = {"tests": 120, "copies": 45, "speedup": 50, "nccl": 60, "tp": 45}  # 320 s in all, on one GPU 165 s
 
 
 class Clock:
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="directory for the test log, the traces and the summary")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--standin", action="store_true", help="CPU devices stand in for GPUs (checks the script)")
-    parser.add_argument("--total", type=float, default=285.0, help="seconds for the whole check")
+    parser.add_argument("--total", type=float, default=330.0, help="seconds for the whole check")
     args = parser.parse_args(argv)
     if not args.standin and not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
@@ -135,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append([part, "skipped", "needs 2 GPUs", f"{len(gpus)} here"])
             elif part == "speedup":
                 measure_speedup(seconds, rows, gpus, args.standin)
+            elif part == "tp":
+                from gpu_tp import measure_tp
+
+                measure_tp(seconds, rows, args.standin)
             else:
                 from gpu_nccl import measure_nccl
 
