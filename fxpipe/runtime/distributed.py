@@ -121,9 +121,16 @@ class DistributedRuntime:
         return gradnorm.held(self, params)
 
     def grad_scaler(self, device: str, **kwargs: Any) -> Any:
-        """Return FSDP's ``ShardedGradScaler``: its ``unscale_`` agrees with every rank on inf/NaN."""
+        """Return FSDP's ``ShardedGradScaler``: its ``unscale_`` agrees with every rank on inf/NaN.
+
+        Under tensor parallelism, one that unscales DTensor shards beside whole gradients.
+        """
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+        if self.layout.tp > 1:
+            from fxpipe.runtime.tensorparallel import TPGradScaler
+
+            return TPGradScaler(device=device, **kwargs)
         return ShardedGradScaler(device=device, **kwargs)
 
     def code(self) -> str:

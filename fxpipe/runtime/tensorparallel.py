@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.fx
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import parallelize_module
 
 from fxpipe.passes.tplayout import localize
@@ -36,7 +38,7 @@ from fxpipe.plan.tensorparallel import TensorParallelPlan
 from fxpipe.runtime.placement import named_tensors, register_everywhere
 from fxpipe.runtime.tpregion import share_input_gradients
 
-__all__ = ["local_specs", "match_grads", "shard_stages"]
+__all__ = ["TPGradScaler", "local_specs", "match_grads", "shard_stages"]
 
 log = logging.getLogger(__name__)
 
@@ -193,4 +195,17 @@ def match_grads(params: Sequence[torch.Tensor]) -> None:
         g = p.grad
         if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
             p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+class TPGradScaler(ShardedGradScaler):
+    """FSDP's ``ShardedGradScaler`` for stages split over ranks: DTensor shards and whole gradients unscale together.
+
+    Its scale and inf/NaN flag are plain tensors, which DTensor ops take as replicated here; the
+    flag is all-reduced over every rank, so every rank skips the same steps.
+    """
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale the optimizer's gradients (shards and whole), agreeing on inf/NaN with every rank."""
+        with implicit_replication():
+            super().unscale_(optimizer)
 

@@ -44,6 +44,11 @@ def _counts(seen, when):
     return Counter(k for k, p in seen if p == when)
 
 
+def test_sequence_parallel_plan_equals_eager(tmp_path, launch):
+    """torchtitan's sequence-parallel plan (norms on DTensors, the residual stream a shard of the sequence), zb."""
+    _equal(launch("tp_cases:equal", 4, "sp/zb", tmp_path), "sp")
+
+
 def test_megatron_collective_count(tmp_path, launch):
     """The automatic plan on residual MLP blocks: one all-reduce forward and one backward per block per micro-batch."""
     results = launch("tp_cases:count", 2, "mlp", tmp_path)
@@ -96,3 +101,13 @@ def test_checkpoint_reshards(tmp_path, launch):
         for res in loaded:
             assert abs(res["next_loss"] - want) <= 1e-5 * abs(want), (tp, res, want)
             assert abs(res["plain_loss"] - want) <= 1e-5 * abs(want), (tp, res, want)
+
+
+def test_autocast_and_loss_scaling(tmp_path, launch):
+    """bf16 autocast over the shards; an fp16 overflow on one rank's shard skips the step on every rank."""
+    results = launch("tp_cases:mixed", 4, "1f1b", tmp_path)
+    _ok(results)
+    for r, res in enumerate(results):
+        assert res["bf16_loss_error"] < 1e-2 and res["bf16_vs_fp32"] > 1e-5, (r, res)  # bf16 really ran
+        assert res["skipped"] and res["scale"] == 512.0 and res["then_stepped"], (r, res)
+    assert len({res["fp16_loss"] for res in results}) == 1

@@ -36,8 +36,13 @@ def _llama():
     return tm.llama(), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), tm.token_loss
 
 
+def _sp():
+    return tm.TiedDecoder(positions=False), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), tm.token_loss
+
+
 MODELS = {"mlp": (_mlp, tm.MLP_PLAN, {}), "decoder": (_decoder, tm.DECODER_PLAN, {}),
-          "llama": (_llama, tm.LLAMA_PLAN, {"tracer": "export"})}
+          "llama": (_llama, tm.LLAMA_PLAN, {"tracer": "export"}),
+          "sp": (_sp, tm.SP_PLAN, {"split_points": ["blocks.1"]})}  # sequence parallel: its own plan
 
 
 def _place(rank, world, pp, tp):
@@ -58,6 +63,7 @@ def _setup(rank, world, name, schedule, pp=2, tp=2, plan="auto", chunks=2, **kw)
     rows = x.shape[0] // dp
     xs, ys = x[replica * rows:(replica + 1) * rows], y[replica * rows:(replica + 1) * rows]
     v = 2 if schedule in ("interleaved", "zbv") else 1
+    plan = "written" if name == "sp" else plan
     pipe = fxpipe.compile(model, pp * v, example_inputs=(xs,), runtime="distributed", timeout=60, schedule=schedule,
                           chunks=chunks, data_parallel=dp, data_parallel_shard=mode == "shard", stages_per_rank=v,
                           tensor_parallel=tp, tp_plan=written if plan == "written" else plan, **extra, **kw)
@@ -200,3 +206,36 @@ def memory(rank, world, schedule):
     loss = pipe.step(x, target=torch.zeros(8, 8), loss_fn=F.mse_loss)
     return {"local": local, "whole": whole, "meta_left": any(q.is_meta for q in held.values()), "loss": float(loss)}
 
+
+
+def mixed(rank, world, schedule):
+    """pp=2 x tp=2: autocast bf16 runs every stage's shards in bf16; fp16 loss scaling skips the same step everywhere."""
+    pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "decoder", schedule)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = step()
+        want = loss_fn(eager(x), y)
+    out = {"bf16_loss_error": max_relative_error(got, want.float()),
+           "bf16_vs_fp32": max_relative_error(got, loss_fn(eager(x), y).detach())}
+    model.zero_grad(set_to_none=True)
+    sc = fxpipe.grad_scaler(pipe, init_scale=1024.0)
+    opt = torch.optim.SGD([q for _, q in held], lr=0.1)
+    _, p, k, _ = _place(rank, world, 2, 2)
+    last = pipe.plan.stages[-1].on_rank == p
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = pipe.step(x if p == 0 else None, target=y if last else None, loss_fn=loss_fn, scaler=sc)
+    if rank == world - 1:  # one shard of one rank overflows
+        q = held[-1][1]
+        (q.grad.to_local() if hasattr(q.grad, "to_local") else q.grad).view(-1)[0] = float("inf")
+    before = [q.detach().clone() for _, q in held]
+    sc.step(opt)
+    sc.update()
+    out.update(skipped=all(torch.equal(_full(a), _full(q.detach())) for a, (_, q) in zip(before, held)),
+               scale=sc.get_scale(), fp16_loss=float(loss))
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):  # no overflow: the step is taken
+        pipe.step(x if p == 0 else None, target=y if last else None, loss_fn=loss_fn, scaler=sc)
+    before = [q.detach().clone() for _, q in held]
+    sc.step(opt)
+    sc.update()
+    out["then_stepped"] = not any(torch.equal(_full(a), _full(q.detach())) for a, (_, q) in zip(before, held))
+    return out

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 
 class Block(nn.Module):
@@ -92,17 +92,19 @@ class DecoderBlock(nn.Module):
 class TiedDecoder(nn.Module):
     """A decoder (vocabulary 64, width 32, 4 heads) whose output head shares the token embedding."""
 
-    def __init__(self, layers: int = 2) -> None:
+    def __init__(self, layers: int = 2, positions: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(64, 32)
-        self.pos = nn.Embedding(16, 32)
+        self.pos = nn.Embedding(16, 32) if positions else None
         self.blocks = nn.ModuleList([DecoderBlock() for _ in range(layers)])
         self.norm = nn.LayerNorm(32)
         self.head = nn.Linear(32, 64, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, ids):
-        h = self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        h = self.embed(ids)
+        if self.pos is not None:
+            h = h + self.pos(torch.arange(ids.shape[1], device=ids.device))
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h))
@@ -114,6 +116,17 @@ DECODER_PLAN = {
     "blocks.*.attn.o": RowwiseParallel(),
     "blocks.*.mlp.fc1": ColwiseParallel(), "blocks.*.mlp.fc2": RowwiseParallel(),
     "head": ColwiseParallel(output_layouts=Replicate()),
+}
+
+# torchtitan's sequence-parallel plan, for a graph: the residual stream a local shard of the sequence dim,
+# the norms on DTensors, the linears reading them gather what they need
+SP_PLAN = {
+    "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "blocks.*.ln1": SequenceParallel(), "blocks.*.ln2": SequenceParallel(), "norm": SequenceParallel(),
+    "blocks.*.attn.q": ColwiseParallel(), "blocks.*.attn.k": ColwiseParallel(), "blocks.*.attn.v": ColwiseParallel(),
+    "blocks.*.attn.o": RowwiseParallel(output_layouts=Shard(1)),
+    "blocks.*.mlp.fc1": ColwiseParallel(), "blocks.*.mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+    "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
 }
 
 LLAMA_PLAN = {
