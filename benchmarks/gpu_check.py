@@ -1,4 +1,4 @@
-"""Check fxpipe on this machine's GPUs in under five minutes: the CUDA tests, then what overlaps.
+"""Check fxpipe on this machine's GPUs in under six minutes: the CUDA tests, then what overlaps.
 
     python benchmarks/gpu_check.py OUT_DIR     # OUT_DIR gets the test log, the traces, the summary
 

@@ -248,7 +248,8 @@ def _moves(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
 
 def _joins(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
     """cat and stack along another dim; every operand sharded alike."""
-    tensors = list(node.args[0])
+    args: Any = node.args
+    tensors = list(args[0])
     lays = {layout(a) for a in tensors}
     if lays == {None}:
         return None
@@ -311,7 +312,8 @@ def _norm(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
 
 def _attention(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
     """Attention: query, key and value sharded on one batch-like dim (the heads); the mask broadcast."""
-    q, k, v = node.args[:3]
+    args: Any = node.args
+    q, k, v = args[:3]
     lays = [layout(a) for a in (q, k, v)]
     nd = ndim_of(q) or 0
     if all(la is None for la in lays):
@@ -332,7 +334,8 @@ def _attention(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
 
 def _matmul(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
     """matmul: a shard of a batch dim on both sides, of a's rows, or of b's columns."""
-    a, b = node.args[:2]
+    args: Any = node.args
+    a, b = args[:2]
     la, lb = layout(a), layout(b)
     na, nb, out = ndim_of(a) or 0, ndim_of(b) or 0, ndim_of(node) or 0
     if la is None and lb is None:

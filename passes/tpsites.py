@@ -84,7 +84,9 @@ def find_sites(gm: torch.fx.GraphModule) -> dict[str, Site]:
 def _functional(gm: torch.fx.GraphModule, node: torch.fx.Node, sites: dict[str, Site], called: set[str]) -> None:
     """Add a functional linear or embedding whose weight is a parameter, under its module's FQN."""
     linear = node.target in LINEARS
-    args = list(node.args) + [None] * 3
+    args: list[Any] = list(node.args) + [None] * 3
+    w: Any
+    b: Any
     if linear:
         w, b = node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
     else:

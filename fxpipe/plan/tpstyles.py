@@ -75,7 +75,8 @@ def style_text(style: ParallelStyle) -> str:
         if style.use_local_output:
             args.append("use_local_output=True")
     elif isinstance(style, PrepareModuleInput):
-        args.append(f"input_layouts={tuple(style.input_layouts)}, desired_input_layouts={tuple(style.desired_input_layouts)}")
+        args.append(f"input_layouts={tuple(style.input_layouts or ())}, "
+                    f"desired_input_layouts={tuple(style.desired_input_layouts or ())}")
     elif isinstance(style, PrepareModuleOutput):
         args.append(f"output_layouts={tuple(style.output_layouts)}, "
                     f"desired_output_layouts={tuple(style.desired_output_layouts)}")
@@ -107,7 +108,7 @@ def rule_of(style: Any, site: Site, t: int) -> Rule:
         token = _token(style.sequence_sharding[0])
         return Rule(f"{token}|D", _local(token, style.use_local_output), text)
     if isinstance(style, PrepareModuleInput):
-        desired = [p for p in style.desired_input_layouts if p is not None]
+        desired = [p for p in style.desired_input_layouts or () if p is not None]
         if any(not isinstance(p, Replicate) for p in desired):
             raise TensorParallelError(f"{where}: on a leaf module fxpipe follows PrepareModuleInput only into "
                                       "Replicate() (the module's own output layout is then the whole value)")

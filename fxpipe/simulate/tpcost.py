@@ -63,7 +63,8 @@ def with_tensor_parallel(costs: list[StageCost], gm: torch.fx.GraphModule, plan:
     base = next((int(leaf.shape[0]) for n in gm.graph.nodes if n.op == "placeholder"
                  for leaf in [n.meta.get("fxpipe.value")] if getattr(leaf, "shape", None)), rows)
     scale = rows / base
-    times = node_times(gm, device, scale, dtype, measured)
+    own = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
+    times = node_times(gm, device, scale, dtype or own, measured)
     styled = {c["node"] for c in record["calls"]}
     if sharded is None:
         sharded = {n.name for n in gm.graph.nodes if isinstance(n.meta.get("fxpipe.tp"), int)}
