@@ -193,18 +193,23 @@ def count(rank, world, schedule):
 
 
 def memory(rank, world, schedule):
-    """A model built on meta, tp=2: each rank's parameter bytes of its stage against the whole stage's."""
+    """A model built on meta, tp=2 from a 3-D mesh=: each rank's parameter bytes of its stage against the whole stage's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     with torch.device("meta"):
         model = tm.ResidualMLP(d=32, hidden=128, blocks=4)
     x = torch.randn(8, 32)
+    fxpipe.init_distributed()
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), runtime="distributed", timeout=60, chunks=2,
-                          tensor_parallel=2, schedule="1f1b")
+                          mesh=mesh, schedule="1f1b")
     _, p, _, _ = _place(rank, world, 2, 2)
     held = {id(q): q for j in pipe.plan.stages_of(p) for q in pipe.stages[j].parameters()}
     local = sum((q.to_local() if hasattr(q, "to_local") else q).nbytes for q in held.values())
     whole = sum(pipe.plan.stages[j].params for j in pipe.plan.stages_of(p))
     loss = pipe.step(x, target=torch.zeros(8, 8), loss_fn=F.mse_loss)
-    return {"local": local, "whole": whole, "meta_left": any(q.is_meta for q in held.values()), "loss": float(loss)}
+    return {"local": local, "whole": whole, "meta_left": any(q.is_meta for q in held.values()), "loss": float(loss),
+            "size": pipe.plan.tensor_parallel["size"]}
 
 
 
