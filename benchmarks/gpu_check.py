@@ -15,6 +15,9 @@
 5. compiled (one GPU or more) compiled stages (``torch_compile=``, inductor) against eager, zero
             bubble, 2 stages on cuda:0: step times, compile time, gradients, W after I
             (:mod:`gpu_compiled`).
+6. tp       (two GPUs or more) tensor parallelism: one decoder stage over 2 GPUs (tensor_parallel=2,
+            tp_plan="auto") against the whole model on one: the loss, the collectives against the
+            plan's count, the step times (:mod:`gpu_tp`).
 
 Each part has a time budget and measures fewer repetitions rather than overrun it. One
 summary table at the end, also in OUT_DIR/summary.md and summary.json; the exit status is 1
@@ -44,8 +47,8 @@ from gpu_measure import measure_copies, measure_speedup, overlap  # noqa: E402
 
 __all__ = ["main", "overlap"]
 
-PARTS = ("tests", "copies", "speedup", "nccl", "compiled")
-BUDGET_S = {"tests": 120, "copies": 45, "speedup": 50, "nccl": 60, "compiled": 60}  # 335 s in all, on one GPU 225 s
+PARTS = ("tests", "copies", "speedup", "nccl", "compiled", "tp")
+BUDGET_S = {"tests": 120, "copies": 45, "speedup": 50, "nccl": 60, "compiled": 60, "tp": 45}  # 380 s; one GPU 225 s
 
 
 class Clock:
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="directory for the test log, the traces and the summary")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--standin", action="store_true", help="CPU devices stand in for GPUs (checks the script)")
-    parser.add_argument("--total", type=float, default=345.0, help="seconds for the whole check")
+    parser.add_argument("--total", type=float, default=390.0, help="seconds for the whole check")
     args = parser.parse_args(argv)
     if not args.standin and not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
@@ -142,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append([part, "skipped", "needs 2 GPUs", f"{len(gpus)} here"])
             elif part == "speedup":
                 measure_speedup(seconds, rows, gpus, args.standin)
+            elif part == "tp":
+                from gpu_tp import measure_tp
+
+                measure_tp(seconds, rows, args.standin)
             else:
                 from gpu_nccl import measure_nccl
 

@@ -28,6 +28,7 @@ from fxpipe.errors import (
                            PlanMismatchError,
                            PropagationError,
                            ScheduleError,
+                           TensorParallelError,
                            TraceError,
                            WeightsError,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "Simulation",
     "SkipRoute",
     "StagePlan",
+    "TensorParallelError",
     "Timeline",
     "TraceError",
     "WeightsError",

@@ -36,7 +36,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
             plan: PlanLike | None = None, runtime: str = "local", timeout: float = 300.0,
             deferred_batch_norm: bool = False, stages_per_rank: int = 1, data_parallel: int = 1,
-            data_parallel_shard: bool = False, mesh: Any = None, weights: Any = None,
+            data_parallel_shard: bool = False, tensor_parallel: int = 1, tp_plan: Any = None,
+            mesh: Any = None, weights: Any = None,
             init: Callable[[nn.Module], Any] | None = None, seed: int = 0,
             split_spec: dict[str, Any] | None = None, torch_compile: bool | dict[str, Any] = False,
             save: Callable[[torch.fx.Node], bool] | None = None) -> Pipe:
@@ -87,6 +88,13 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     ``d`` replicas of the pipeline, each on its own share of the batch, averaging gradients
     over the replicas once per step (DDP; FSDP2 sharding with ``data_parallel_shard=True``);
     world = ``d x n_stages / stages_per_rank``; see :mod:`fxpipe.runtime.dataparallel`.
+    ``tensor_parallel=t`` splits each stage's layers over ``t`` ranks with PyTorch's parallel styles
+    (DTensor, ``parallelize_module``): ``tp_plan`` is a dict of module FQN patterns to styles
+    (``{"layers.*.attn.q": ColwiseParallel(), ...}``, as torchtitan writes them) or ``"auto"`` (the
+    default: Megatron's column-then-row pairing derived from the graph, see
+    :mod:`fxpipe.passes.tpauto`); sizes the trace baked into reshapes are made local. World =
+    ``data_parallel x n_stages / stages_per_rank x t``, or ``mesh=`` a 3-D ``DeviceMesh`` with dims
+    ``("dp", "pp", "tp")`` (tp innermost); see :mod:`fxpipe.runtime.tensorparallel`.
     ``stages_per_rank=v`` places ``v`` stages on each rank for ``schedule="interleaved"``
     (stage ``s`` on rank ``s mod world``) or ``"zbv"`` (``v=2``; rank ``r`` holds stages ``r``
     and ``2 world - 1 - r``); in one process the ranks are lanes of the schedule, each stage
@@ -121,8 +129,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         checkpoint=checkpoint, balance_by=balance_by, split_points=split_points, max_memory=max_memory,
         schedule=schedule, leaf_modules=leaf_modules, tracer=tracer, plan=plan, runtime=runtime, timeout=timeout,
         deferred_batch_norm=deferred_batch_norm, stages_per_rank=stages_per_rank, data_parallel=data_parallel,
-        data_parallel_shard=data_parallel_shard, mesh=mesh, weights=weights, init=init, seed=seed,
-        split_spec=split_spec, torch_compile=torch_compile, save=save)
+        data_parallel_shard=data_parallel_shard, tensor_parallel=tensor_parallel, tp_plan=tp_plan, mesh=mesh,
+        weights=weights, init=init, seed=seed, split_spec=split_spec, torch_compile=torch_compile, save=save)
     options.check()
     target = where(model, options)  # the schedule, the devices, and across ranks this process's place
     saved = None if plan is None else load_plan(plan)

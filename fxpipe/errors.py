@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fxpipe.passes.cut import NoFeasibleCut
 from fxpipe.passes.failure import PropagationError
+from fxpipe.passes.tpauto import TensorParallelError
 
 __all__ = [
     "CheckpointError",
@@ -17,6 +18,7 @@ __all__ = [
     "PlanMismatchError",
     "PropagationError",
     "ScheduleError",
+    "TensorParallelError",
     "TraceError",
     "WeightsError",
 ]

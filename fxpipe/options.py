@@ -224,6 +224,8 @@ class CompileOptions:
     stages_per_rank: int = 1
     data_parallel: int = 1
     data_parallel_shard: bool = False
+    tensor_parallel: int = 1
+    tp_plan: Any = None
     mesh: Any = None
     weights: Any = None
     init: Callable[[Any], Any] | None = None
@@ -258,6 +260,14 @@ class CompileOptions:
     def has_inputs(self) -> bool:
         """Tell whether example inputs were given (shapes for the cost model and the buffers)."""
         return self.example_inputs is not None or bool(self.example_kwargs)
+
+    @property
+    def tp(self) -> int:
+        """Return the ranks each stage is split over: ``tensor_parallel``, or the ``"tp"`` dim of ``mesh=``."""
+        names = tuple(getattr(self.mesh, "mesh_dim_names", None) or ())
+        if "tp" in names and self.tensor_parallel == 1:
+            return int(self.mesh.size(names.index("tp")))
+        return self.tensor_parallel if _count(self.tensor_parallel) else 1
 
     @property
     def distributed(self) -> bool:
@@ -314,3 +324,21 @@ class CompileOptions:
         if self.distributed and not self.has_inputs:
             raise ValueError("runtime='distributed' needs example_inputs= (the same on every rank) to "
                              "size the buffers it receives into")
+        self.check_tensor_parallel()
+
+    def check_tensor_parallel(self) -> None:
+        """Refuse a tensor-parallel size or plan that cannot work with the other options."""
+        t = self.tensor_parallel
+        if not _count(t):
+            raise ValueError(f"tensor_parallel={t!r}; use an integer of at least 1 (the ranks each stage is "
+                             "split over)")
+        plan = self.tp_plan
+        if plan is not None and plan != "auto" and not (isinstance(plan, dict) and all(isinstance(k, str)
+                                                                                      for k in plan)):
+            raise TypeError(f"tp_plan must be 'auto' or a dict of module FQN patterns to parallel styles "
+                            f"(ColwiseParallel(), RowwiseParallel(), ...), got {type(plan).__name__}")
+        if t > 1 and not self.distributed:  # tp_plan= with one rank per stage is a no-op
+            raise ValueError(f"tensor_parallel={t} splits each stage's layers over {t} ranks; use "
+                             "runtime='distributed' (launched with torchrun; world = data_parallel x "
+                             "n_stages / stages_per_rank x tensor_parallel)")
+

@@ -10,7 +10,7 @@ from tabulate import tabulate
 
 from fxpipe.passes.split import SkipRoute, StagePlan  # made by the split, filled in by the plan
 
-__all__ = ["PipelinePlan", "SkipRoute", "StagePlan", "human"]
+__all__ = ["PipelinePlan", "SkipRoute", "StagePlan", "human", "tp_lines"]
 
 
 @dataclass
@@ -26,6 +26,7 @@ class PipelinePlan:
     graph_nodes: list[str] = field(default_factory=list)
     graph_ops: list[str] = field(default_factory=list)  # per graph node, empty in older plans
     graph_targets: list[str] = field(default_factory=list)  # per graph node, empty in older plans
+    tensor_parallel: dict[str, Any] | None = None  # size, styles by module, collectives per micro-batch
 
     @property
     def n_stages(self) -> int:
@@ -119,6 +120,8 @@ class PipelinePlan:
                      f"kept when checkpointed; memory = the cut's estimated peak (checkpoint={self.checkpoint!r})"
                      + ("; peak = predicted along the schedule under the stage's checkpoint policy (parameters, "
                         "gradients, activations)" if predicted else ""))
+        if self.tensor_parallel:
+            lines += tp_lines(self.tensor_parallel)
         if self.skips:
             lines.append("skip routes:")
             lines += [f"  {r.name}: stage {r.src} -> stage {r.dst} ({human(r.bytes, 'B')})"
@@ -180,3 +183,21 @@ def human(x: float, unit: str = "") -> str:
             return f"{x:.0f}{suffix}{unit}" if suffix == "" else f"{x:.1f}{suffix}{unit}"
         x /= 1000
     return f"{x:.1f}P{unit}"
+
+
+def tp_lines(tp: dict[str, Any]) -> list[str]:
+    """Render a tensor-parallel record: the styles by module, what stays whole, collectives per micro-batch."""
+    lines = [f"tensor parallel over {tp['size']} ranks per stage ({'auto' if tp['auto'] else 'tp_plan'}):"]
+    calls: dict[str, list] = {}
+    for c in tp["calls"]:
+        calls.setdefault(c["module"], []).extend(c["collectives"])
+    for fqn, style in tp["modules"].items():
+        comm = ", ".join(f"{k} in {p} {human(b, 'B')}" for p, k, b in calls.get(fqn, []))
+        lines.append(f"  {fqn}: {style}" + (f"   [{comm}]" if comm else ""))
+    if tp["replicated"]:
+        lines.append(f"  whole on every rank: {', '.join(tp['replicated'])}")
+    every = [c for cs in calls.values() for c in cs]
+    for kind in ("forward", "backward"):
+        mine = [c for c in every if c[0] == kind]
+        lines.append(f"  per micro-batch, {kind}: {len(mine)} collective(s), {human(sum(c[2] for c in mine), 'B')}")
+    return lines

@@ -20,6 +20,7 @@ from fxpipe.plan.assign import Assignment
 from fxpipe.plan.mutation import copy_mutated_inputs
 from fxpipe.plan.pipeline import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.plan.saved import graph_signature
+from fxpipe.plan.tensorparallel import plan_tensor_parallel
 
 __all__ = ["make_plan", "named_tensors", "split_stages"]
 
@@ -44,13 +45,18 @@ def make_plan(front: Assignment, options: CompileOptions, devices: Sequence[Any]
 
     The plan records each stage's device and rank (``ranks``: the schedule's placement), costs,
     boundary values and skip routes, with the options' chunks and checkpointing (a mode per stage;
-    ``"per stage"`` as the plan's for a list) and ``schedule``'s name.
+    ``"per stage"`` as the plan's for a list) and ``schedule``'s name; with tensor parallelism, the
+    styles of the modules and their collectives (recorded on the graph's nodes before the split, so
+    the stages carry them).
     """
+    tp = plan_tensor_parallel(front.gm, options.tp, options.tp_plan or "auto") if options.tp > 1 else None
+    front.gm.meta["fxpipe.tp_plan"] = tp  # the build styles each rank's stages from it
     modules, stages, routes = split_stages(front.gm, options.n_stages)
     checkpoint = options.checkpoint if isinstance(options.checkpoint, str) else "per stage"
     plan = _describe(front.gm, modules, stages, routes, devices, front.micro, options.chunks, checkpoint,
                      schedule, front.balance_by, front.cut, saved_plan)
     policies = options.policies()
+    plan.tensor_parallel = None if tp is None else tp.record(front.micro)
     for s in plan.stages:
         s.rank = ranks[s.index]
         s.checkpoint = policies[s.index] if policies is not None else ""  # "auto": chosen after the plan

@@ -21,7 +21,8 @@ and after data parallel wrapped the stage module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ from fxpipe.runtime.stage.selective import Program, foreign_wrap
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.wgrad import defer_weight_grads
 from fxpipe.runtime.target import Target
+from fxpipe.runtime.tensorparallel import shard_stages
 from fxpipe.runtime.transport.comm import Comm
 from fxpipe.runtime.transport.procgroup import Layout, tied_groups
 
@@ -71,9 +73,15 @@ class Materials:
 
     def fill(self, model: nn.Module, placement: dict[int, torch.device]) -> None:
         """Open the weights, materialize and fill the placed tensors, close the weights."""
+        with self.filling(model) as fill_some:
+            fill_some(placement)
+
+    @contextmanager
+    def filling(self, model: nn.Module) -> Iterator[Callable[[Mapping[int, torch.device]], None]]:
+        """Open the weights once; yield a function filling the placed tensors it is given, as often as asked."""
         source = None if self.weights is None else open_weights(self.weights)
         try:
-            fill(model, placement, source=source, init=self.init, seed=self.seed)
+            yield lambda placement: fill(model, placement, source=source, init=self.init, seed=self.seed)
         finally:
             if source is not None:
                 source.close()
@@ -204,14 +212,20 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     device, mine = layout.device, schedule.stages_of(layout.rank)
     held = [stages[j] for j in mine]
     unread = _unread(model, stages) if layout.rank == 0 else set()
+    tp = gm.meta.get("fxpipe.tp_plan") if layout.tp > 1 else None
     if materials is not None and materials.needed(model):
         error: BaseException | None = None
         try:
-            materials.fill(model, {id(t): device for st in held for _, t in named_tensors(st)}
-                           | {key: device for key in unread})
+            with materials.filling(model) as fill_some:
+                if tp is not None:  # module by module, each sharded once filled
+                    shard_stages(model, gm, stages, mine, tp, layout, lambda ids: fill_some(dict.fromkeys(ids, device)))
+                fill_some({id(t): device for st in held for _, t in named_tensors(st) if not hasattr(t, "to_local")}
+                          | {key: device for key in unread})
         except Exception as exc:  # noqa: BLE001 - every rank hears of it before any raises
             error = exc
         _agree(link, layout, mine, error)
+    elif tp is not None:
+        shard_stages(model, gm, stages, mine, tp, layout, None)
     move_owned([model, gm, *stages], ownership(held, [device] * len(held)), [device] * len(held))
     tied = tied_groups(stages, schedule.ranks, layout, timeout)
     if layout.dp > 1:
@@ -223,7 +237,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     calls = [stage_call(j, stages[j], r, policies[j], [], device, j == n - 1, defer, compiled, save)
              for j, r in runnable.items()]
     engine = DistributedRuntime(plan, gm, layout, calls, link, Binding(gm), tied, schedule)
-    if layout.dp > 1:  # after the tied tensors are equal: DDP and FSDP2 start from these
+    if layout.dp > 1:  # after the tied tensors are equal: DDP, FSDP2 (or TP's own all-reduce) start from these
         engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()])
         swapped = engine.grad_sync.swapped  # tied parameters FSDP2 sharded: sum the shards' gradients
         tied.mine = [(g, [swapped.get(id(p), p) for p in ps], first) for g, ps, first in tied.mine]

@@ -14,6 +14,11 @@ engines:
   parameters gathered for the step (``reshard_after_forward=False``), gradient sync off for
   every backward but the stage's last, which reduce-scatters.
 
+- tensor parallel and replicate: the parameters are DTensors, which DDP does not take; each
+  step's local gradients (shards) are all-reduced over the replicas once the step's backwards
+  are done (:meth:`GradSync.reduce`), flattened per dtype into one all-reduce. FSDP2 shards
+  DTensors as torchtitan does (``fully_shard`` after ``parallelize_module``, over ``mesh["dp"]``).
+
 Either way a stage's last backward must see every weight gradient, so a schedule with
 ``W`` steps has that stage's other ``W`` run before it and computes its own weights in it
 (:func:`final_backwards`). ``pipe.no_sync()`` turns reduction off for gradient
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxpipe.runtime.placement import register_everywhere
 from fxpipe.runtime.schedules.actions import Action
 
 __all__ = ["GradSync", "final_backwards"]
@@ -56,20 +62,6 @@ def final_backwards(actions: Sequence[Sequence[Action]]) -> tuple[list[list[Acti
     return out, finals
 
 
-def _register_everywhere(roots: Sequence[nn.Module], swapped: dict[int, nn.Parameter]) -> None:
-    """Put FSDP2's sharded parameters wherever the ones they replace were registered.
-
-    ``fully_shard`` registers new (DTensor) parameters on the modules it wraps; the model and
-    the other stage modules must hold the same objects, so the model's own parameters are
-    the ones trained and saved.
-    """
-    for root in roots:
-        for module in root.modules():
-            for name, p in list(module._parameters.items()):
-                if p is not None and id(p) in swapped and swapped[id(p)] is not p:
-                    module._parameters[name] = swapped[id(p)]
-
-
 class GradSync:
     """Reduce the gradients of this rank's stage modules over its data-parallel group."""
 
@@ -77,19 +69,25 @@ class GradSync:
                  share_with: Sequence[nn.Module] = ()) -> None:
         self.shard = shard
         self.sync = True  # off inside pipe.no_sync()
+        self.group = layout.dp_group
+        self.replicas = layout.dp
+        self.after: list[torch.Tensor] = []  # tensor parallel, replicated: reduced after the step
         self.wrapped: dict[int, Any] = {}
         self.swapped: dict[int, nn.Parameter] = {}  # id of a parameter FSDP2 replaced -> its replacement
         for j, module in modules.items():
             if not any(p.requires_grad for p in module.parameters()):
                 continue  # nothing to reduce
-            if shard:
+            if layout.tp > 1 and not shard:
+                known = {id(p) for p in self.after}
+                self.after += [p for p in module.parameters() if p.requires_grad and id(p) not in known]
+            elif shard:
                 from torch.distributed.fsdp import fully_shard
 
                 assert layout.mesh is not None
                 before = dict(module.named_parameters(remove_duplicate=False))
                 self.wrapped[j] = fully_shard(module, mesh=layout.mesh["dp"], reshard_after_forward=False)
                 swapped = {id(before[k]): p for k, p in module.named_parameters(remove_duplicate=False)}
-                _register_everywhere(share_with, swapped)
+                register_everywhere(share_with, swapped)
                 self.swapped.update(swapped)
             else:
                 from torch.nn.parallel import DistributedDataParallel
@@ -110,6 +108,19 @@ class GradSync:
             wrapped.set_reshard_after_backward(reduce)
         elif reduce:
             wrapped.reducer.prepare_for_backward([])
+
+    def reduce(self) -> None:
+        """Average the gradients reduced after the step (tensor parallel, replicated): one all-reduce per dtype."""
+        import torch.distributed as dist
+
+        grads = [self.local(p.grad) for p in self.after if p.grad is not None]
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=self.group)
+            flat /= self.replicas
+            for g, part in zip(same, flat.split([g.numel() for g in same])):
+                g.copy_(part.view_as(g))
 
     def local(self, grad: torch.Tensor) -> torch.Tensor:
         """Return the part of a gradient this process holds (a shard's, under FSDP2)."""

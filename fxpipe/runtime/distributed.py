@@ -16,7 +16,12 @@ A step that fails on one rank fails on every rank, and leaves the pipe usable::
 
 (:mod:`fxpipe.runtime.transport.failure`). A rank that died stops the others for good: they keep raising,
 naming it, until the job restarts. Under data parallel a failure ends the pipe too: the replicas'
-gradient reductions cannot be realigned, so restart from the last checkpoint.
+gradient reductions cannot be realigned, so restart from the last checkpoint; so does one under
+tensor parallelism, whose collectives inside a stage cannot be either.
+
+With tensor parallelism (:mod:`fxpipe.runtime.tensorparallel`) every rank of a stage's group runs
+the same program on its shards; values crossing stages are each rank's local tensors, sent to the
+rank of equal tp index in the next stage, with receive buffers of the shards' shapes.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.worker import StageWorker
+from fxpipe.runtime.tensorparallel import local_specs, match_grads
 from fxpipe.runtime.transport import steplayout
 from fxpipe.runtime.transport.comm import Comm, on_every_rank
 from fxpipe.runtime.transport.messages import DistTransport
@@ -79,6 +85,8 @@ class DistributedRuntime:
         self.crossing = sorted({v for s in plan.stages for v in s.outputs})
         self.layouts: dict[str, dict[str, Any]] = {}  # crossing values' specs per micro-batch layout
         self.propagate = passes.Propagator(gm, self.crossing)  # a new layout's crossing specs, on fake tensors
+        nodes = {n.name: n for n in gm.graph.nodes}  # tensor parallel: which crossing values are shards
+        self.shards = {v: nodes[v].meta["fxpipe.tp"] for v in self.crossing if "fxpipe.tp" in nodes[v].meta}
         self._programs: dict[tuple[str, int], list[Program]] = {}
         self._finals: dict[tuple[str, int], dict[int, int]] = {}
         self._routes: dict[tuple[str, int], tuple] = {}  # what the transport reads off the programs, per step kind
@@ -95,9 +103,13 @@ class DistributedRuntime:
         return self.ties.mine
 
     # -- the contract's hooks (fxpipe.runtime.contract) ----------------------------------------
+    def local(self, specs: dict[str, Any]) -> dict[str, Any]:
+        """Return the specs of the crossing values as this rank holds them (a tensor-parallel shard's shape)."""
+        return local_specs(specs, self.shards, self.layout.tp) if self.layout.tp > 1 else specs
+
     def place(self) -> Place:
         """Return this process's global rank and the group a checkpoint saves over (all ranks under replicas)."""
-        group = self.comm.group if self.layout.dp == 1 else None
+        group = self.comm.group if self.layout.dp == 1 and self.layout.tp == 1 else None
         return Place(dist.get_rank(), dist.get_world_size(), group, True)
 
     def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -109,9 +121,16 @@ class DistributedRuntime:
         return gradnorm.held(self, params)
 
     def grad_scaler(self, device: str, **kwargs: Any) -> Any:
-        """Return FSDP's ``ShardedGradScaler``: its ``unscale_`` agrees with every rank on inf/NaN."""
+        """Return FSDP's ``ShardedGradScaler``: its ``unscale_`` agrees with every rank on inf/NaN.
+
+        Under tensor parallelism, one that unscales DTensor shards beside whole gradients.
+        """
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+        if self.layout.tp > 1:
+            from fxpipe.runtime.tensorparallel import TPGradScaler
+
+            return TPGradScaler(device=device, **kwargs)
         return ShardedGradScaler(device=device, **kwargs)
 
     def compile_stats(self) -> dict[int, dict[str, Any]]:
@@ -206,11 +225,12 @@ class DistributedRuntime:
         """After a failed step, meet every rank again on fresh connections; raise if one is gone."""
         if self.broken is None:
             return
-        if self.layout.dp > 1:
+        if self.layout.dp > 1 or self.layout.tp > 1:
+            what = "the replicas' gradient reductions" if self.layout.dp > 1 else "the tensor-parallel collectives"
             raise PeerFailure(f"rank {self.layout.global_ranks[self.rank]}: an earlier step failed ({self.broken}); "
-                              "under data parallel the replicas' gradient reductions cannot be realigned after "
-                              "a failure, so restart the job and resume from the last complete checkpoint "
-                              "(fxpipe.latest_checkpoint)")
+                              f"under {'data' if self.layout.dp > 1 else 'tensor'} parallel {what} cannot be "
+                              "realigned after a failure, so restart the job and resume from the last complete "
+                              "checkpoint (fxpipe.latest_checkpoint)")
         self.comm.board.rejoin()
         self.comm.reopen(reopen_pipeline(self.layout, self.comm.timeout))
         self.ties.reopen()
@@ -247,9 +267,14 @@ class DistributedRuntime:
         def body() -> torch.Tensor:
             if not torch.is_grad_enabled():
                 raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
+            tgt = steplayout.from_tp_leader(self, target) if self.last else target
             runner = self._run(args, kwargs, lambda batch, m: micro_losses(
-                loss_fn, target, batch, m, self.device, self.binding.finish), training, grad=True, target=target)
-            if self.sync:  # a tie's accumulated gradients are summed once, at the synced step
+                loss_fn, tgt, batch, m, self.device, self.binding.finish), training, grad=True, target=tgt)
+            if self.layout.tp > 1:
+                match_grads([p for w in self.workers.values() for p in w.call.gm.parameters()])
+            if self.sync:  # replicas reduced and a tie's accumulated gradients summed once, at the synced step
+                if self.grad_sync is not None:
+                    self.grad_sync.reduce()
                 self._sum_tied()
             if self.last:
                 assert runner.total is not None
@@ -271,7 +296,9 @@ class DistributedRuntime:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                elif not gradnorm.local(p.grad).is_contiguous():  # a transposed product (a DTensor's shard)
+                    p.grad = p.grad.contiguous()
+                local = gradnorm.local(p.grad)
                 works.append(dist.all_reduce(local, group=group, async_op=True))
             self.comm.wait(works, "summing the gradients of tied parameters")
 

@@ -3,7 +3,10 @@
 Each rank holds its stages' parameters (shards of them under FSDP2). The norm sums each rank's
 share over the pipeline (and over the replicas' shards; replicated gradients are equal, so
 one replica counts), counting a tensor tied across ranks once, on the tie's lowest rank, so it
-equals ``torch.nn.utils.clip_grad_norm_``'s norm over the unpipelined model.
+equals ``torch.nn.utils.clip_grad_norm_``'s norm over the unpipelined model. Under tensor
+parallelism a DTensor sharded over ``tp`` counts its shard on every rank of the group (the sum
+over the group is the whole), and a tensor whole on every rank of the group counts once, on
+its first rank.
 """
 
 from __future__ import annotations
@@ -28,16 +31,26 @@ def held(runtime: Any, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [p for p in params if id(p) in mine]
 
 
+def _sharded_over_tp(p: torch.Tensor) -> bool:
+    """Tell whether a parameter is a DTensor sharded over the ``tp`` mesh dim (each rank holds its part)."""
+    mesh = getattr(p, "device_mesh", None)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    return "tp" in names and p.placements[names.index("tp")].is_shard()  # type: ignore[attr-defined]
+
+
 def total_norm(runtime: Any, params: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
     """Return the norm of order ``norm_type`` of every stage's gradients, the same on every rank."""
     not_mine = {id(p) for _, tied, first in runtime.tied if not first for p in tied}  # counted on the tie's first
-    counted = [local(p.grad) for p in held(runtime, params) if id(p) not in not_mine and p.grad is not None]
+    layout = runtime.layout
+    whole_elsewhere = layout.tp > 1 and layout.tp_index != 0  # tensors whole over tp count on its first rank
+    counted = [local(p.grad) for p in held(runtime, params) if id(p) not in not_mine and p.grad is not None
+               and not (whole_elsewhere and not _sharded_over_tp(p))]
     device = runtime.device
     part = torch.nn.utils.get_total_norm(counted, norm_type) if counted else torch.zeros((), device=device)
     part = part.to(device=device, dtype=torch.float32)
-    layout = runtime.layout
     groups = [layout.pp_group] + ([layout.dp_group] if runtime.grad_sync is not None and runtime.grad_sync.shard
                                   else [])  # replicated gradients are equal on every replica: count one
+    groups += [layout.tp_group] if layout.tp > 1 else []
     if norm_type == float("inf"):
         for group in groups:
             dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)

@@ -19,7 +19,8 @@ from torch import nn
 
 from fxpipe.plan.stages import named_tensors
 
-__all__ = ["Ownership", "move_owned", "named_tensors", "ownership", "resolve_devices", "stage_callable"]
+__all__ = ["Ownership", "move_owned", "named_tensors", "ownership", "register_everywhere", "resolve_devices",
+           "stage_callable"]
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +126,17 @@ def stage_callable(gm: torch.fx.GraphModule, foreign: list[str], device: torch.d
         return torch.func.functional_call(gm, replicas, args)
 
     return run
+
+
+def register_everywhere(roots: Sequence[nn.Module], swapped: dict[int, nn.Parameter]) -> None:
+    """Put new (DTensor) parameters wherever the ones they replace were registered (``id(old) -> new``).
+
+    ``fully_shard`` and ``parallelize_module`` register new parameters on the modules they wrap;
+    the model and the other stage modules must hold the same objects, so the model's own
+    parameters are the ones trained and saved.
+    """
+    for root in roots:
+        for module in root.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and id(p) in swapped and swapped[id(p)] is not p:
+                    module._parameters[name] = swapped[id(p)]

@@ -55,12 +55,13 @@ def where(model: nn.Module, options: CompileOptions) -> Target:
                          "run; use balance_by='flops'")
     n = options.n_stages
     if options.distributed:  # too few or many processes first: the schedule's needs depend on the world
-        check_launched_world(n, options.stages_per_rank, options.data_parallel, options.mesh)
+        check_launched_world(n, options.stages_per_rank, options.data_parallel, options.mesh, options.tensor_parallel)
     schedule = resolve(options.schedule, n, options.chunks, options.stages_per_rank)
     options.check_layout()
     weights = check_weights(options.weights)
     if options.distributed:
-        layout = setup_distributed(n, options.timeout, options.stages_per_rank, options.data_parallel, options.mesh)
+        layout = setup_distributed(n, options.timeout, options.stages_per_rank, options.data_parallel, options.mesh,
+                                   options.tensor_parallel)
         link = Comm(layout.rank, options.timeout, layout.pp_group, layout.device, layout.global_ranks)
         devices = [torch.device(layout.device.type, r) for r in schedule.ranks]
         return Target(schedule, devices, layout.device, weights, layout, link)

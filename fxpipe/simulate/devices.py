@@ -54,6 +54,8 @@ class DeviceModel:
     step_overhead: float = 0.0  # seconds per training step (splitting inputs, the loss)
     nominal: bool = True
     source: str = ""
+    tp_bandwidth: float = 0.0  # bytes/s per rank inside a tensor-parallel group (the node's links); 0: link_bandwidth
+    tp_latency: float = 0.0  # seconds per step of a collective inside the group; 0: link_latency
 
     def flops_per_second(self, dtype: torch.dtype | str, kind: str, d: float | None = None) -> float:
         """Return the FLOP/s a ``kind`` kernel of smallest dimension ``d`` reaches in ``dtype``."""

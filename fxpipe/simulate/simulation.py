@@ -32,6 +32,7 @@ from fxpipe.simulate.devices import DeviceModel, device_model
 from fxpipe.simulate.eventsim import Span
 from fxpipe.simulate.memsim import Memory
 from fxpipe.simulate.stagecost import StageCost, describe, example_rows, graph_costs, plan_costs, under
+from fxpipe.simulate.tpcost import TPCost, tp_record, tp_table, with_tensor_parallel
 
 __all__ = ["Simulation", "StageResult", "run", "simulate"]
 
@@ -68,6 +69,8 @@ class Simulation:
     costs: list[StageCost]
     batch: int
     policies: list[str] = dataclasses.field(default_factory=list)  # per stage
+    tensor_parallel: int = 1  # ranks per stage
+    tp: list[TPCost] | None = None  # per stage: its tensor-parallel collectives per micro-batch
 
     @property
     def throughput(self) -> float:
@@ -105,8 +108,9 @@ class Simulation:
         head = (f"predicted step ({self.schedule}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
                 f"{self.runtime}, {self.device.name}{' nominal' if self.device.nominal else ''}): "
                 f"{self.step_time * 1e3:.2f} ms, {self.throughput:.1f} samples/s, bubble {self.bubble:.1%}")
-        return head + "\n" + tabulate(rows, headers=["stage", "rank", "checkpoint", "busy ms", "idle ms", "params", "grads",
-                                                     "optimizer", "activations", "peak"], tablefmt="simple")
+        table = head + "\n" + tabulate(rows, headers=["stage", "rank", "checkpoint", "busy ms", "idle ms", "params",
+                                                      "grads", "optimizer", "activations", "peak"], tablefmt="simple")
+        return table + ("\n" + tp_table(self.tensor_parallel, self.tp) if self.tp else "")
 
     def __str__(self) -> str:
         return self.table()
@@ -117,7 +121,8 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
              runtime: str | None = None, batch: int | None = None, optimizer: str = "none",
              dtype: torch.dtype | None = None, placement: str | Sequence[int] | None = None,
              ranks: int | None = None, measured: bool | dict[str, tuple[float, float]] | None = None,
-             compiled: float | bool | dict[str, Any] | None = None, save: Any = None) -> Simulation:
+             compiled: float | bool | dict[str, Any] | None = None, save: Any = None,
+             tensor_parallel: int | None = None) -> Simulation:
     """Predict one training step of a compiled pipe (or a plan) without running it.
 
     ``schedule``, ``chunks`` and ``checkpoint`` default to the plan's (``checkpoint``: a mode, or
@@ -138,7 +143,11 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     arguments) to measure the factor now, on this machine, from the whole model's forward and
     backward, eager and compiled (:func:`fxpipe.simulate.compiledtime.compile_factor`).
     ``save`` is what selective recomputation keeps (default: the pipe's ``save=``, else the
-    expensive nodes).
+    expensive nodes). ``tensor_parallel`` (default: the pipe's)
+    splits every stage over that many ranks with the automatic plan (or the pipe's own plan at its
+    size): the sharded work divided, the collectives counted per micro-batch (bytes and count, over
+    the device's intra-node link, ``DeviceModel.tp_bandwidth``) and added to ``F`` and ``B``, the
+    sharded weights divided (:mod:`fxpipe.simulate.tpcost`).
     """
     check_factor(compiled)
     gm, plan = _graph_and_plan(pipe_or_plan)
@@ -160,9 +169,16 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
             raise ValueError("measured=True times the model's nodes; pass the compiled Pipe, not a plan")
         from fxpipe.simulate.measure import measure_nodes
         measured = measure_nodes(gm, max(round(batch / m), 1))
+    record, sharded = tp_record(gm, plan, tensor_parallel)
+    tp: list[TPCost] | None = None
     if gm is not None:
         costs = graph_costs(gm, plan, model, batch / m, dtype, measured or None, save)
+        if record is not None:
+            costs, tp = with_tensor_parallel(costs, gm, plan, record, model, batch / m, dtype, measured or None,
+                                             sharded)
     else:
+        if record is not None:
+            raise ValueError("tensor_parallel= reads the model's graph; simulate the compiled Pipe, not a plan")
         costs = plan_costs(plan, model, m, batch / base, dtype or torch.float32)
     if compiled is not None:
         if compiled is True or isinstance(compiled, dict):
@@ -181,8 +197,11 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     if runtime == "local" and name == "gpipe":  # one process: autograd's backward, last micro-batch first
         actions = [[a for a in row if a.kind == "F"] + [a for a in reversed(row) if a.kind != "F"] for row in actions]
     policies = plan.policies() if checkpoint is None else checkpoint
-    return run(costs, actions, rank_of, device_of, model, name=name, checkpoint=policies,
-               runtime=runtime, batch=batch, optimizer=optimizer)
+    result = run(costs, actions, rank_of, device_of, model, name=name, checkpoint=policies,
+                 runtime=runtime, batch=batch, optimizer=optimizer)
+    if record is not None:
+        result.tensor_parallel, result.tp = int(record["size"]), tp
+    return result
 
 
 def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int], device_of: list[int],

@@ -2,7 +2,8 @@
 
 Prints the plan's table; ``--json`` saves the plan, ``--dot`` writes the graph picture,
 ``--timeline`` runs a recorded training step and summarises it per stage, ``--code`` prints
-what a step runs.
+what a step runs, ``--tp T`` the tensor-parallel plan ``tp_plan="auto"`` finds for ``T`` ranks per
+stage (each module's style, what stays whole, the collectives per micro-batch).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def register(commands: Any) -> None:
                    help="compile every stage with torch.compile (backend: inductor unless named, e.g. aot_eager); "
                         "the --timeline step then runs compiled, after the --warmup steps compiled it")
     p.add_argument("--code", action="store_true", help="print the generated executor")
+    p.add_argument("--tp", type=positive, metavar="T", help="show the tensor-parallel plan tp_plan='auto' finds for "
+                   "T ranks per stage: each module's style, what stays whole, the collectives per micro-batch")
     p.add_argument("--traceback", action="store_true", help="show Python tracebacks of unexpected errors")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the compiler does")
     p.set_defaults(run=run)
@@ -122,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
           f"{human(params)} parameters, {plan.n_stages} stages, chunks={plan.chunks}{batch}, "
           f"balance_by={plan.balance_by}" + (f", plan from {args.plan}" if saved else ""))
     print(plan.table())
+    if args.tp and args.tp > 1:
+        _print_tp(pipe, args.tp)
     status = 0
     if args.json:
         plan.save(args.json)
@@ -159,6 +164,19 @@ def _predict_peaks(pipe: Any) -> None:
         return
     for s, result in zip(pipe.plan.stages, sim.stages):
         s.peak = int(result.memory.peak)
+
+
+def _print_tp(pipe: Any, t: int) -> None:
+    """Print the automatic tensor-parallel plan for ``t`` ranks per stage (nothing is sharded here)."""
+    from fxpipe.errors import TensorParallelError
+    from fxpipe.plan.pipeline import tp_lines
+    from fxpipe.plan.tensorparallel import plan_tensor_parallel
+
+    try:
+        tp = plan_tensor_parallel(pipe._gm, t, "auto", record=False)
+    except TensorParallelError as exc:
+        raise Failure(str(exc)) from None
+    print("\n".join(tp_lines(tp.record(pipe.plan.chunks))))
 
 
 def _batch(inputs: tuple) -> int | None:

@@ -74,3 +74,13 @@ def test_the_compiled_part_runs_on_cpu_standins(gpu_check, tmp_path):
         .startswith("yes")
     assert float(rows["gradients against eager (max relative error)"]["value"]) < 1e-4
     assert (tmp_path / "compiled_zb.json").exists()
+
+
+@pytest.mark.slow  # about 20 s: two spawned gloo ranks
+def test_the_tensor_parallel_part_runs_on_cpu_standins(gpu_check, tmp_path):
+    code = gpu_check.main(["--standin", "--parts", "tp", "--total", "90", str(tmp_path)])
+    assert code == 0
+    rows = {r["measurement"]: r["value"] for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
+    assert float(rows["tp=2 loss against one GPU's, relative"]) < 1e-5
+    counted, planned = rows["collectives counted / planned"].split(" / ")
+    assert counted == planned and int(counted) > 0

@@ -16,11 +16,17 @@ Without an active store (``pipe(x)`` followed by ``loss.backward()``, or a forwa
 copied to another device per call), autocast and other layers (convolutions, norms,
 embeddings) keep their gradients in ``B``. A deferred gradient is added to ``.grad``
 directly, so hooks registered on those parameters do not see it.
+
+A tensor-parallel linear (its weight a DTensor, ``parallelize_module``'s hooks around its call)
+keeps its module call, so the hooks still turn its input and output into DTensors and back;
+its ``forward`` is :func:`linear` instead, which defers the same way on the DTensors (``dW``
+comes out sharded like ``W``, with no communication in ``W``).
 """
 
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -127,6 +133,16 @@ class _Linear(torch.autograd.Function):
         return dx, None, None, None
 
 
+def _module_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A linear module's forward through :func:`linear`."""
+    return linear(x, self.weight, self.bias)
+
+
+def _defer_module(mod: torch.nn.Module) -> None:
+    """Make a tensor-parallel linear module defer its weight gradients (``F.linear`` without a store)."""
+    mod.forward = types.MethodType(_module_forward, mod)  # type: ignore[method-assign]
+
+
 def defer_weight_grads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Return a copy of ``gm`` calling :func:`linear` for every node whose weight gradient W computes.
 
@@ -138,7 +154,10 @@ def defer_weight_grads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in gm.graph.nodes:
         deferred = defers_weight_grad(gm, node)
-        if deferred and node.op == "call_module":
+        if deferred and node.op == "call_module" and hasattr(gm.get_submodule(node.target).weight, "to_local"):
+            _defer_module(gm.get_submodule(node.target))
+            env[node] = graph.node_copy(node, env.__getitem__)
+        elif deferred and node.op == "call_module":
             mod = gm.get_submodule(node.target)
             x = env[node.args[0]]
             w = graph.get_attr(f"{node.target}.weight")

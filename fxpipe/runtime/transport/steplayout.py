@@ -20,7 +20,7 @@ from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.runtime.stage.stagecall import autocast_state
 from fxpipe.runtime.transport.comm import on_every_rank
 
-__all__ = ["check_signature", "holders", "publish", "receive", "specs_for", "tell_all"]
+__all__ = ["check_signature", "from_tp_leader", "holders", "publish", "receive", "specs_for", "tell_all"]
 
 
 def check_signature(names: list[str], spec: list[Any], example: list[Any]) -> None:
@@ -59,11 +59,11 @@ def _describe(value: Any) -> str:
 def holders(runtime: Any, pipeline_rank: int, what: str) -> str:
     """Name the global rank(s) at ``pipeline_rank`` of every replica, saying they hold ``what``."""
     layout = runtime.layout
-    grid = layout.mesh.mesh.tolist() if layout.mesh is not None else [layout.global_ranks]
-    ranks = [row[pipeline_rank] for row in grid]
+    ranks = [row[pipeline_rank] for row in layout.pipelines()]
     if len(ranks) == 1:
         return f"rank {ranks[0]} ({what})"
-    return f"ranks {', '.join(map(str, ranks))} ({what} in each of the {len(ranks)} replicas)"
+    each = "replicas" if layout.tp == 1 else "pipelines (replicas x tensor-parallel ranks)"
+    return f"ranks {', '.join(map(str, ranks))} ({what} in each of the {len(ranks)} {each})"
 
 
 def _refuse_missing_inputs(runtime: Any, values: list[Any]) -> None:
@@ -95,6 +95,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool,
     value crossing a stage boundary (propagated here on fake tensors), so that the other ranks
     size their receive buffers for a new sequence length without propagating it themselves.
     """
+    args, kwargs = from_tp_leader(runtime, (args, kwargs))
     try:
         values = runtime.binding.bind(args, kwargs)
         _refuse_missing_inputs(runtime, values)
@@ -113,6 +114,21 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool,
     header = {"batch": batch, "specs": specs, "layouts": new, "target_on_first": has_target}
     tell_all(runtime, header)
     return header, mbs
+
+
+def from_tp_leader(runtime: Any, value: Any) -> Any:
+    """Return the first rank's ``value`` on every rank of this stage's tensor-parallel group.
+
+    The ranks of a group compute on the same inputs (and the same target): they take those of
+    the group's first rank (tp index 0), which the other ranks may leave ``None``.
+    """
+    layout = runtime.layout
+    if layout.tp == 1:
+        return value
+    box = [value if layout.tp_index == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(layout.tp_group, 0), group=layout.tp_group,
+                               device=runtime.device)
+    return box[0]
 
 
 def _propagate(runtime: Any, specs: list[Any]) -> dict[str, Any]:
@@ -157,5 +173,5 @@ def specs_for(runtime: Any, header: dict) -> Callable[[int], dict[str, Any]]:
     def specs(i: int) -> dict[str, Any]:
         if keys[i] not in runtime.layouts:  # the first rank ran under another autocast state
             runtime.layouts[keys[i]] = runtime.propagate(list(header["specs"][i]))
-        return runtime.layouts[keys[i]]
+        return runtime.local(runtime.layouts[keys[i]])
     return specs

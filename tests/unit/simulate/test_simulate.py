@@ -220,3 +220,24 @@ def test_a_compiled_factor_measured_here():
     from fxpipe.simulate.compiledtime import compile_factor
 
     assert 0 < compile_factor(pipe._gm, 4, {"backend": "aot_eager"}, repeats=3) < 50
+
+
+def test_tensor_parallel_divides_the_work_and_counts_its_collectives():
+    """tensor_parallel=2: the plan's collectives per micro-batch on each stage, the sharded weights halved."""
+    import tpmodels as tm
+
+    torch.manual_seed(0)
+    pipe = fxpipe.compile(tm.TiedDecoder(layers=4), 2, example_inputs=(torch.randint(0, 64, (8, 16)),), chunks=4,
+                          schedule="1f1b")
+    one = fxpipe.simulate(pipe, device="h100", runtime="distributed")
+    two = fxpipe.simulate(pipe, device="h100", runtime="distributed", tensor_parallel=2)
+    assert one.tp is None and two.tensor_parallel == 2 and len(two.tp) == 2
+    # per micro-batch: 2 forward all-reduces per block (attention out, MLP out); the embedding's on stage 0;
+    # the tied head's all-gather on the last
+    assert sum(c.forward_count for c in two.tp) == 2 * 4 + 1 + 1
+    assert all(c.forward_seconds > 0 and c.backward_seconds > 0 for c in two.tp)
+    for a, b in zip(one.stages, two.stages):
+        assert 0.5 < b.memory.params / a.memory.params < 0.6  # norms and positions stay whole
+    assert "tensor parallel over 2 ranks, collectives per micro-batch:" in str(two)
+    with pytest.raises(ValueError, match="tensor_parallel=0"):
+        fxpipe.simulate(pipe, device="h100", tensor_parallel=0)

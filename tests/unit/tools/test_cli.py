@@ -260,3 +260,20 @@ def test_inspect_shows_each_stages_policy_and_predicted_peak(models, capsys):
     assert cli.main(["inspect", f"{models}:only_model", "--stages", "2", "--input-shape", "8,4",
                      "--checkpoint", "auto", "--max-memory", "1kB"]) == 1
     assert "what would fit" in capsys.readouterr().err
+
+
+def test_inspect_tp_prints_the_automatic_plan_and_its_collectives(tmp_path, capsys):
+    """``--tp 2``: each module's style, what stays whole, the collectives per micro-batch; nothing launched."""
+    path = tmp_path / "tp_models.py"
+    path.write_text("import torch, tpmodels\n"
+                    "def decoder():\n"
+                    "    return tpmodels.TiedDecoder(), (torch.randint(0, 64, (4, 8)),)\n")
+    assert cli.main(["inspect", f"{path}:decoder", "--stages", "2", "--chunks", "2", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel over 2 ranks per stage (auto):" in out
+    assert "blocks.0.attn.q: ColwiseParallel()   [all_reduce in backward" in out
+    assert "blocks.0.attn.o: RowwiseParallel()   [all_reduce in forward" in out
+    assert "embed: RowwiseParallel(input_layouts=Replicate())" in out and "whole on every rank: pos" in out
+    assert "per micro-batch, forward: 6 collective(s)" in out
+    assert cli.main(["inspect", f"{path}:decoder", "--stages", "2", "--tp", "3"]) == 1
+    assert "tensor_parallel=3 does not divide" in capsys.readouterr().err

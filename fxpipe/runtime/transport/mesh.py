@@ -1,0 +1,195 @@
+"""Where a process sits in a distributed pipeline: the ``(dp, pp, tp)`` grid of ranks and its groups.
+
+    global rank = (replica * pp + pipeline rank) * tp + tp index          tp innermost: neighbours
+
+    dp=2, pp=2, tp=2 (8 ranks)     pipeline messages: between equal tp indices of one replica
+      replica 0   stage ranks  [0 1] ─▶ [2 3]        (0 ─▶ 2, 1 ─▶ 3: a pipeline per (replica, tp index))
+      replica 1                [4 5] ─▶ [6 7]        TP collectives: inside [0 1], [2 3], ...
+                                                     gradient sync (dp): between 0 and 4, 1 and 5, ...
+
+Without tensor parallelism the grid is ``(dp, pp)`` as before (a ``DeviceMesh`` with dims
+``("dp", "pp")`` when there are replicas); with it, a 3-D ``DeviceMesh`` with dims ``("dp", "pp",
+"tp")``, made here or given as ``mesh=``. A world that cannot hold the layout is refused naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["Layout", "check_launched_world", "check_world", "init_distributed", "setup_distributed"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Layout:
+    """Where this process sits: its place in a pipeline, its replica and tp index, the groups it talks over.
+
+    Stages talk point to point inside their pipeline (``pp_group``: the ranks of one replica and
+    one tp index); gradients are reduced over the ranks holding the same stages and tp index
+    (``dp_group``); a stage's TP collectives run over ``tp_group`` (``tp_mesh`` for DTensors).
+    """
+
+    rank: int  # pipeline rank: which stages this process holds
+    replica: int  # which data-parallel replica
+    pp: int  # ranks per pipeline
+    dp: int  # replicas
+    device: torch.device
+    pp_group: Any
+    global_ranks: list[int]  # pipeline rank -> global rank, in this pipeline
+    mesh: DeviceMesh | None = None  # ("dp", "pp") with replicas, ("dp", "pp", "tp") with tensor parallelism
+    dp_group: Any = None
+    tp: int = 1  # ranks each stage is split over
+    tp_index: int = 0
+    tp_group: Any = None
+    tp_mesh: DeviceMesh | None = None
+
+    def pipelines(self) -> list[list[int]]:
+        """Return every pipeline's global ranks (replica-major, then tp index), the same on every rank."""
+        if self.mesh is None:
+            return [list(self.global_ranks)]
+        grid = self.mesh.mesh.tolist()
+        if self.mesh.ndim == 2:
+            return grid
+        return [[grid[d][p][k] for p in range(self.pp)] for d in range(self.dp) for k in range(self.tp)]
+
+    @property
+    def row(self) -> int:
+        """Return the index of this process's pipeline in :meth:`pipelines`."""
+        return self.replica * self.tp + self.tp_index
+
+
+def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1, data_parallel: int = 1,
+                      mesh: DeviceMesh | None = None, tensor_parallel: int = 1) -> Layout:
+    """Join (or start) the default process group; return where this process sits (:class:`Layout`)."""
+    pp = n_stages // stages_per_rank
+    if not dist.is_available():
+        raise ValueError("runtime='distributed' needs torch.distributed, which this PyTorch build lacks")
+    if mesh is not None:
+        data_parallel, tensor_parallel = _check_mesh(mesh, pp, n_stages, stages_per_rank, tensor_parallel)
+    want = pp * data_parallel * tensor_parallel
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise ValueError(f"runtime='distributed' needs a process group: launch with "
+                             f"`torchrun --nproc-per-node {want} script.py` (missing {missing}) "
+                             "or call fxpipe.init_distributed() first")
+        init_distributed(timeout)
+    world, me = dist.get_world_size(), dist.get_rank()
+    check_world(world, n_stages, stages_per_rank, data_parallel, tensor_parallel)
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    if mesh is None and tensor_parallel > 1:
+        mesh = init_device_mesh(device.type, (data_parallel, pp, tensor_parallel), mesh_dim_names=("dp", "pp", "tp"))
+    elif mesh is None and data_parallel > 1:
+        mesh = init_device_mesh(device.type, (data_parallel, pp), mesh_dim_names=("dp", "pp"))
+    layout = Layout(rank=0, replica=0, pp=pp, dp=data_parallel, device=device, pp_group=None,
+                    global_ranks=list(range(pp)), mesh=mesh, tp=tensor_parallel)
+    rows = layout.pipelines()
+    layout.global_ranks = next(row for row in rows if me in row)
+    layout.rank = layout.global_ranks.index(me)
+    k = rows.index(layout.global_ranks)
+    layout.replica, layout.tp_index = divmod(k, tensor_parallel)
+    groups = [dist.new_group(row, timeout=timedelta(seconds=timeout), backend=backend) for row in rows]
+    layout.pp_group = groups[k]
+    if mesh is not None:
+        layout.dp_group = mesh.get_group("dp")
+    if tensor_parallel > 1:
+        assert mesh is not None
+        layout.tp_mesh = mesh["tp"]
+        layout.tp_group = mesh.get_group("tp")
+    return layout
+
+
+def init_distributed(timeout: float = 300.0) -> None:
+    """Join the job's default process group from torchrun's environment, safely across restarts.
+
+    NCCL when this process has a GPU of its own (``LOCAL_RANK``), else gloo. Under torchrun the
+    agent hosts one store for every restart round, and ``torch.distributed.init_process_group``
+    keys the ranks' addresses in it the same way each round: a restarted rank can read the
+    address of a process of the previous round and fail or hang connecting to it. Here each
+    round's keys live under a prefix of its own (``TORCHELASTIC_RESTART_COUNT``).
+    """
+    if dist.is_initialized():
+        return
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = "nccl" if torch.cuda.is_available() and local < torch.cuda.device_count() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+    elif torch.cuda.is_available():
+        log.warning("local rank %d has no GPU of its own (%d visible): running on CPU with gloo",
+                    local, torch.cuda.device_count())
+    wait = timedelta(seconds=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=wait)
+        round_ = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"fxpipe/round{round_}/default_pg", store),
+                                rank=rank, world_size=world, timeout=wait)
+    else:  # rank 0 hosts a new store each time the job starts
+        dist.init_process_group(backend, timeout=wait)
+
+
+def _check_mesh(mesh: DeviceMesh, pp: int, n_stages: int, stages_per_rank: int, tp: int) -> tuple[int, int]:
+    """Refuse a ``mesh=`` that does not fit the stages (or ``tensor_parallel=``); return its dp and tp sizes."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if names not in (("dp", "pp"), ("dp", "pp", "tp")):
+        raise ValueError(f"mesh= has dims {mesh.mesh_dim_names}; give a DeviceMesh with dims ('dp', 'pp'), or "
+                         "('dp', 'pp', 'tp') with tensor parallelism (tp innermost), e.g. "
+                         "init_device_mesh('cuda', (2, 4, 8), mesh_dim_names=('dp', 'pp', 'tp'))")
+    if mesh.size(1) != pp:
+        raise ValueError(f"mesh= has {mesh.size(1)} ranks along 'pp' but {n_stages} stages x "
+                         f"{stages_per_rank} per rank need {pp}")
+    along = mesh.size(2) if len(names) == 3 else 1
+    if tp not in (1, along):
+        raise ValueError(f"mesh= has {along} ranks along 'tp' but tensor_parallel={tp}; pass one of them")
+    return mesh.size(0), along
+
+
+def check_world(world: int | None, n_stages: int, stages_per_rank: int = 1, data_parallel: int = 1,
+                tensor_parallel: int = 1) -> None:
+    """Refuse a world of ``world`` processes that cannot hold the layout (None: not known yet)."""
+    pp = n_stages // stages_per_rank
+    want = pp * data_parallel * tensor_parallel
+    if world is None or world == want:
+        return
+    per = "one stage runs per rank" if stages_per_rank == 1 else f"{stages_per_rank} stages run per rank"
+    if data_parallel == 1 and tensor_parallel == 1:
+        raise ValueError(f"n_stages={n_stages} but {world} ranks are running; {per}, so launch with "
+                         f"--nproc-per-node {want} (or compile with n_stages={world * stages_per_rank})")
+    if tensor_parallel == 1:
+        raise ValueError(f"world {world} cannot hold {pp} pipeline ranks x {data_parallel} replicas ({per}); "
+                         f"launch {want} processes, or pass data_parallel="
+                         f"{world // pp if world % pp == 0 else '?'}")
+    fits = world // (pp * tensor_parallel) if world % (pp * tensor_parallel) == 0 else "?"
+    raise ValueError(f"world {world} cannot hold {pp} pipeline ranks x {data_parallel} replicas x "
+                     f"{tensor_parallel} tensor-parallel ranks ({per}); launch {want} processes, or pass "
+                     f"data_parallel={fits}")
+
+
+def check_launched_world(n_stages: int, stages_per_rank: Any, data_parallel: Any, mesh: Any,
+                         tensor_parallel: Any = 1) -> None:
+    """Refuse early a launched world that cannot hold the layout, before the schedule's own needs.
+
+    A wrong process count is the first thing to fix; arguments that are themselves wrong
+    (checked later, each with its own message) and a layout given by ``mesh=`` are left alone.
+    """
+    ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+               for v in (stages_per_rank, data_parallel, tensor_parallel))
+    if mesh is not None or not ints or n_stages % stages_per_rank:
+        return
+    if dist.is_available() and dist.is_initialized():
+        world: int | None = dist.get_world_size()
+    else:
+        size = os.environ.get("WORLD_SIZE", "")
+        world = int(size) if size.isdigit() else None
+    check_world(world, n_stages, stages_per_rank, data_parallel, tensor_parallel)

@@ -1,0 +1,171 @@
+"""Derive Megatron's tensor-parallel pairing from a traced graph: ``tp_plan="auto"``.
+
+Reads:  the sites (:func:`fxpipe.passes.tpsites.find_sites`), ``node.meta["fxpipe.value"]``.
+Writes: nothing; returns a role per site FQN and raises :class:`TensorParallelError` for a
+        dimension the tensor-parallel size does not divide.
+
+A linear becomes column-wise, then the layout of its shard is followed through the graph
+(:func:`fxpipe.passes.tplayout.propagate`); each conflict says how the region grows::
+
+    fc1 colwise ─▶ gelu ─▶ fc2 (reads a shard)          fc2 becomes rowwise: the region closes
+    q colwise ─▶ view ─▶ sdpa(q, k, v) (k, v whole)    the linears k and v come from become colwise
+    ... ─▶ o_proj (reads a shard of the heads)          rowwise
+
+A region closes when every shard ends in a rowwise linear (one all-reduce forward, one
+backward); a region that meets anything else (a norm over the shard, the model's output, an
+op fxpipe cannot follow) is dropped, and its linears stay replicated. The token embedding (an
+embedding reading a graph input) is vocabulary-parallel; a linear sharing its weight (a tied
+output head) is column-wise with its logits gathered, so that both hold the same shard.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch.fx
+from fxpipe.passes.tplayout import Conflict, Rule, propagate, site_input
+from fxpipe.passes.tpops import POINTWISE, divisors, ndim_of, op_name
+from fxpipe.passes.tpsites import Site, find_sites
+
+__all__ = ["ROLES", "TensorParallelError", "auto_roles", "indivisible", "role_rules"]
+
+log = logging.getLogger(__name__)
+
+ROLES = {  # role -> (what the site reads, what it gives, the PyTorch style it is)
+    "colwise": Rule("R", "S-1", "ColwiseParallel()"),
+    "rowwise": Rule("S-1", "R", "RowwiseParallel()"),
+    "vocab": Rule("R", "R", "RowwiseParallel(input_layouts=Replicate())"),
+    "gather": Rule("R", "R", "ColwiseParallel(output_layouts=Replicate())"),
+}
+_WALK = POINTWISE | {"view", "reshape", "_unsafe_view", "transpose", "permute", "unsqueeze", "expand", "slice",
+                     "cat", "getitem", "contiguous", "t", "flatten", "unflatten", "squeeze", "repeat_interleave"}
+
+
+class TensorParallelError(ValueError):
+    """A tensor-parallel plan or layout that cannot work; names the module, the cause and the fix."""
+
+
+def role_rules(sites: Mapping[str, Site], roles: Mapping[str, str]) -> dict[str, Rule]:
+    """Return the propagation rule of every node of every site given a role."""
+    return {name: ROLES[role] for fqn, role in roles.items() for name in sites[fqn].nodes}
+
+
+def indivisible(what: str, fqn: str | None, size: int, t: int) -> TensorParallelError:
+    """Return the refusal of a dimension of ``size`` that ``t`` ranks do not divide."""
+    fits = ", ".join(map(str, divisors(size)))
+    return TensorParallelError(f"tensor_parallel={t} does not divide {what} of '{fqn}' ({size}); use a "
+                               f"tensor_parallel that divides it ({fits}), or leave '{fqn}' out of the plan")
+
+
+def auto_roles(gm: torch.fx.GraphModule, t: int) -> dict[str, str]:
+    """Return the automatic plan: site FQN -> ``"colwise"``, ``"rowwise"``, ``"vocab"`` or ``"gather"``."""
+    sites = find_sites(gm)
+    of_node = {name: s for s in sites.values() for name in s.nodes}
+    roles: dict[str, str] = {}
+    for site in sites.values():
+        if site.kind == "linear" and site.fqn not in roles:
+            roles.update(_grow(gm, sites, of_node, roles, site, t))
+    _embeddings(gm, sites, roles, t)
+    _, left = propagate(gm, role_rules(sites, roles), t)
+    assert not left, f"the automatic plan left conflicts: {left[:3]}"
+    return roles
+
+
+def _grow(gm: torch.fx.GraphModule, sites: Mapping[str, Site], of_node: Mapping[str, Site],
+          taken: Mapping[str, str], start: Site, t: int) -> dict[str, str]:
+    """Grow a column-wise/row-wise region from ``start``; return its roles, or none if it does not close."""
+    region = {start.fqn: "colwise"}
+    for _ in range(4 * len(sites) + 4):
+        _, conflicts = propagate(gm, role_rules(sites, region), t)
+        if not conflicts:
+            for fqn, role in region.items():
+                size = sites[fqn].out_features if role == "colwise" else sites[fqn].in_features
+                if size % t:
+                    raise indivisible("the output features" if role == "colwise" else "the input features",
+                                      fqn, size, t)
+            return region
+        grown = _grown(gm, sites, of_node, taken, region, conflicts)
+        if grown is None:
+            for c in conflicts:
+                if c.kind == "indivisible" and c.size:
+                    raise indivisible(f"the heads (or another sharded dim) that node '{c.node}' reshapes", c.module,
+                                      c.size, t)
+            log.debug("tensor parallel: '%s' stays replicated (%s)", start.fqn, conflicts[0].message)
+            return {}
+        region.update(grown)
+    return {}
+
+
+def _grown(gm: torch.fx.GraphModule, sites: Mapping[str, Site], of_node: Mapping[str, Site],
+           taken: Mapping[str, str], region: Mapping[str, str], conflicts: list[Conflict]) -> dict[str, str] | None:
+    """Return the sites the conflicts ask to add (a reader of a shard: rowwise; a whole operand's: colwise)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    grown: dict[str, str] = {}
+    for c in conflicts:
+        site = of_node.get(c.node)
+        if c.kind == "input" and site is not None and site.kind == "linear" and site.fqn not in region \
+                and site.fqn not in taken:
+            grown[site.fqn] = "rowwise"
+        elif c.kind == "mixed" and c.replicated:
+            found = set()
+            for name in c.replicated:
+                found |= _linears_behind(nodes[name], of_node)
+            if not found or any(f in taken or f in region or sites[f].kind != "linear" for f in found):
+                return None
+            grown.update({f: "colwise" for f in found})
+        else:
+            return None
+    return grown or None
+
+
+def _linears_behind(node: torch.fx.Node, of_node: Mapping[str, Site]) -> set[str]:
+    """Return the sites a value comes from through elementwise ops and reshapes (an embedding's too)."""
+    found: set[str] = set()
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.name in of_node:
+            found.add(of_node[n.name].fqn)
+        elif n.op in ("call_function", "call_method") and op_name(n) in _WALK:
+            todo += [a for a in n.all_input_nodes if ndim_of(a) is not None]
+    return found
+
+
+def _read_directly(gm: torch.fx.GraphModule, site: Site, sites: Mapping[str, Site]) -> bool:
+    """Tell whether a site's weight is read by a node that is no site's own use of it (it would see a DTensor)."""
+    site_nodes = {name for s in sites.values() if s.weight is site.weight for name in s.nodes}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and _fetch(gm, str(node.target)) is site.weight \
+                and any(user.name not in site_nodes for user in node.users):
+            return True
+    return False
+
+
+def _fetch(gm: torch.fx.GraphModule, target: str) -> object:
+    """Return the attribute a ``get_attr`` target names."""
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _embeddings(gm: torch.fx.GraphModule, sites: Mapping[str, Site], roles: dict[str, str], t: int) -> None:
+    """Make the token embedding vocabulary-parallel, and a linear tied to it column-wise with its logits gathered."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for site in sites.values():
+        reads = [site_input(nodes[name]) for name in site.nodes]
+        if site.kind != "embedding" or not all(isinstance(r, torch.fx.Node) and r.op == "placeholder" for r in reads):
+            continue
+        tied = [s for s in sites.values() if s is not site and s.weight is site.weight]
+        if any(s.kind != "linear" or s.fqn in roles for s in tied) or _read_directly(gm, site, sites):
+            log.debug("tensor parallel: embedding '%s' stays replicated (its weight is tied to %s)", site.fqn,
+                      [s.fqn for s in tied])
+            continue
+        if site.out_features % t:
+            raise indivisible("the vocabulary", site.fqn, site.out_features, t)
+        roles[site.fqn] = "vocab"
+        roles.update({s.fqn: "gather" for s in tied})

@@ -1,0 +1,113 @@
+"""Pipeline x tensor parallel (and x data parallel) on gloo ranks: equal to eager, collectives, memory, checkpoints.
+
+Cases in tests/support/tp_cases.py. Global rank = (replica * pp + pipeline rank) * tp + tp index.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+_MODELS = "mlp,decoder,llama"  # residual MLP; tied decoder with hard-coded heads; Hugging Face Llama (export)
+
+
+def _ok(results):
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('type')}: {res.get('message')}\n{res.get('traceback')}"
+
+
+def _equal(results, models):
+    _ok(results)
+    for r, res in enumerate(results):
+        for name in models.split(","):
+            got = res[name]
+            assert got["loss_error"] < 1e-5, (r, name, got["loss_error"])
+            assert max(got["grad_errors"].values()) < 1e-5, (r, name, got["grad_errors"])
+            assert got["norm_error"] < 1e-5 and max(got["clipped_errors"].values()) < 1e-5, (r, name, got)
+            assert got["sharded"], (r, name)  # tensor parallelism really split weights
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "interleaved"])
+def test_pp2_tp2_equals_eager(schedule, tmp_path, launch):
+    pytest.importorskip("transformers")
+    _equal(launch("tp_cases:equal", 4, f"{_MODELS}/{schedule}", tmp_path, limit=240), _MODELS)
+
+
+@pytest.mark.parametrize("models, schedule", [("mlp", "1f1b"), ("decoder", "zb:shard"),
+                                              ("decoder", "interleaved")])
+def test_pp2_dp2_tp2_equals_eager(models, schedule, tmp_path, launch):
+    _equal(launch("tp_cases:equal", 8, f"{models}/{schedule}", tmp_path, limit=240), models)
+
+
+def _counts(seen, when):
+    return Counter(k for k, p in seen if p == when)
+
+
+def test_sequence_parallel_plan_equals_eager(tmp_path, launch):
+    """torchtitan's sequence-parallel plan (norms on DTensors, the residual stream a shard of the sequence), zb."""
+    _equal(launch("tp_cases:equal", 4, "sp/zb", tmp_path), "sp")
+
+
+def test_megatron_collective_count(tmp_path, launch):
+    """The automatic plan on residual MLP blocks: one all-reduce forward and one backward per block per micro-batch."""
+    results = launch("tp_cases:count", 2, "mlp", tmp_path)
+    _ok(results)
+    for res in results:
+        per = res["blocks"] * res["chunks"]
+        assert [k for k, p in res["seen"] if p == "forward"] == ["all_reduce"] * per, res["seen"]
+        assert [k for k, p in res["seen"] if p == "backward"] == ["all_reduce"] * per, res["seen"]
+        recorded = [c for call in res["recorded"] for c in call["collectives"]]
+        assert sorted((p, k) for p, k, _ in recorded) == [("backward", "all_reduce")] * res["blocks"] + \
+            [("forward", "all_reduce")] * res["blocks"]
+        assert res["loss_error"] < 1e-5 and max(res["grad_errors"].values()) < 1e-5
+
+
+def test_query_key_value_share_one_backward_all_reduce(tmp_path, launch):
+    """Megatron's fused-QKV count without fusing: q, k, v reading one input all-reduce its gradient once.
+
+    Per micro-batch, 2 blocks: forward the embedding's and 2 per block (attention out, MLP out) all-reduces
+    and the tied head's all-gather; backward one per block for q, k, v, one per MLP, one for the head.
+    """
+    results = launch("tp_cases:count", 2, "decoder", tmp_path)
+    _ok(results)
+    for res in results:
+        m, blocks = res["chunks"], res["blocks"]
+        assert _counts(res["seen"], "forward") == {"all_reduce": m * (1 + 2 * blocks), "all_gather_into_tensor": m}
+        assert _counts(res["seen"], "backward") == {"all_reduce": m * (2 * blocks + 1)}
+        recorded = Counter(p for call in res["recorded"] for p, _, _ in call["collectives"])
+        assert recorded == {"forward": 2 + 2 * blocks, "backward": 2 * blocks + 1}
+        assert res["loss_error"] < 1e-5 and max(res["grad_errors"].values()) < 1e-5
+
+
+def test_meta_build_holds_its_shard(tmp_path, launch):
+    """A model built on meta, the layout a 3-D mesh=: each rank's parameter bytes of its stage <= 0.55x the whole's (t=2)."""
+    results = launch("tp_cases:memory", 4, "1f1b", tmp_path)
+    _ok(results)
+    for r, res in enumerate(results):
+        assert not res["meta_left"] and res["size"] == 2, r
+        assert res["local"] <= 0.55 * res["whole"], (r, res["local"] / res["whole"])
+    assert len({res["loss"] for res in results}) == 1
+
+
+def test_checkpoint_reshards(tmp_path, launch):
+    """Saved at pp=2 x tp=2, loaded at tp=1 over 3 stages, at tp=4 over 1, and by the plain module: equal next step."""
+    saved = launch("tp_cases:save_tp", 4, "1f1b", tmp_path)
+    _ok(saved)
+    want = saved[0]["next_loss"]
+    for world, tp in ((3, "tp1"), (4, "tp4")):
+        loaded = launch("tp_cases:load_tp", world, tp, tmp_path)
+        _ok(loaded)
+        for res in loaded:
+            assert abs(res["next_loss"] - want) <= 1e-5 * abs(want), (tp, res, want)
+            assert abs(res["plain_loss"] - want) <= 1e-5 * abs(want), (tp, res, want)
+
+
+def test_autocast_and_loss_scaling(tmp_path, launch):
+    """bf16 autocast over the shards; an fp16 overflow on one rank's shard skips the step on every rank."""
+    results = launch("tp_cases:mixed", 4, "1f1b", tmp_path)
+    _ok(results)
+    for r, res in enumerate(results):
+        assert res["bf16_loss_error"] < 1e-2 and res["bf16_vs_fp32"] > 1e-5, (r, res)  # bf16 really ran
+        assert res["skipped"] and res["scale"] == 512.0 and res["then_stepped"], (r, res)
+    assert len({res["fp16_loss"] for res in results}) == 1

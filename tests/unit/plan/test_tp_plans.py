@@ -1,0 +1,167 @@
+"""Tensor-parallel plans on the traced graph, in one process: auto pairing, the size rewrite, the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import tpmodels as tm
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import fxpipe
+from fxpipe.errors import TensorParallelError
+from fxpipe.passes.tpops import reshape_dim
+from fxpipe.passes.tpviews import rewrite_sizes
+from fxpipe.plan.assign import annotate_graph
+from fxpipe.plan.tensorparallel import plan_tensor_parallel
+from fxpipe.plan.tpstyles import style_text
+
+
+def _graph(model, x, tracer="fx"):
+    gm = fxpipe.trace(model, tracer=tracer, example_inputs=(x,))
+    annotate_graph(gm, (x,), {})
+    return gm
+
+
+def _styles(plan):
+    return {fqn: style_text(s) for fqn, s in plan.styles.items()}
+
+
+def _decoder():
+    return _graph(tm.TiedDecoder(), torch.randint(0, 64, (2, 8)))
+
+
+@pytest.mark.parametrize("name", ["mlp", "decoder", "llama"])
+def test_auto_finds_the_written_plan(name):
+    """Megatron's pairing from the graph: the same styles as the plans written by hand (torchtitan's way)."""
+    if name == "llama":
+        pytest.importorskip("transformers")
+        gm, written = _graph(tm.llama(), torch.randint(0, 64, (2, 8)), "export"), tm.LLAMA_PLAN
+    elif name == "decoder":
+        gm, written = _decoder(), tm.DECODER_PLAN
+    else:
+        gm, written = _graph(tm.ResidualMLP(), torch.randn(4, 16)), tm.MLP_PLAN
+    auto, hand = plan_tensor_parallel(gm, 2, "auto"), plan_tensor_parallel(gm, 2, written)
+    assert _styles(auto) == _styles(hand)
+    record = auto.record(1)
+    left = {"mlp": ["inp", "head"], "decoder": ["pos"], "llama": ["lm_head"]}[name]
+    assert record["replicated"] == left  # what it cannot pair stays whole
+
+
+def test_decoder_plan_pairs_attention_and_ties_the_head():
+    styles = _styles(plan_tensor_parallel(_decoder(), 2, "auto"))
+    assert styles["blocks.0.attn.k"] == "ColwiseParallel()" and styles["blocks.0.attn.o"] == "RowwiseParallel()"
+    assert styles["embed"] == "RowwiseParallel(input_layouts=Replicate())"  # vocabulary-parallel
+    assert styles["head"] == "ColwiseParallel(output_layouts=Replicate())"  # tied to it: the same shard, gathered
+
+
+def test_hard_coded_head_counts_become_local():
+    """view(b, s, 4, 8) after a column-wise projection is view(b, s, 2, 8) on each of 2 ranks."""
+    gm = _decoder()
+    plan_tensor_parallel(gm, 2, "auto")
+    rewritten = rewrite_sizes(gm, 2)
+    assert len(rewritten) == 8  # q, k, v views and the merge back, in each of 2 blocks
+    assert ".view(getitem_1, getitem_2, 2, 8)" in gm.code and ".reshape(getitem_1, getitem_2, 16)" in gm.code
+
+
+def test_grouped_query_expand_becomes_local():
+    pytest.importorskip("transformers")
+    gm = _graph(tm.llama(), torch.randint(0, 64, (2, 8)), "export")
+    plan_tensor_parallel(gm, 2, "auto")
+    rewrite_sizes(gm, 2)
+    expands = [n for n in gm.graph.nodes if n.name.startswith("expand_") and len(n.args[1]) == 5]
+    assert expands and all(list(n.args[1][1:3]) == [1, 2] for n in expands)  # 2 key/value heads: 1 per rank
+
+
+class ComputedHeads(nn.Module):
+    """Heads computed from a whole value's size: the rewrite divides it where it is used."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.q(x).view(b, s, x.size(-1) // 4, 4)
+        return self.o(F.gelu(h).reshape(b, s, -1))
+
+
+def test_a_size_computed_from_a_whole_value_is_divided():
+    gm = _graph(ComputedHeads(), torch.randn(2, 3, 16))
+    plan_tensor_parallel(gm, 2, "auto")
+    assert rewrite_sizes(gm, 2) == ["view"]
+    assert " // 2" in gm.code
+
+
+@pytest.mark.parametrize("plan, match", [
+    ({"blocks.*.attn.qq": ColwiseParallel()}, r"'blocks\.\*\.attn\.qq' matches no module .*nearest FQNs.*'blocks\.0\.attn\.q'"),
+    ({"blocks.*.attn": ColwiseParallel()}, "names a module the trace went through"),
+    ({"blocks.*.ln1": ColwiseParallel()}, r"ColwiseParallel\(\) on 'blocks\.0\.ln1' \(LayerNorm\): ColwiseParallel applies "
+                                           "to nn.Linear and nn.Embedding only"),
+    ({"embed": RowwiseParallel(), "head": ColwiseParallel(output_layouts=Replicate())},
+     r"RowwiseParallel reads an embedding's indices as Shard\(-1\).*input_layouts=Replicate\(\)"),
+    ({"embed": RowwiseParallel(input_layouts=Replicate())}, "a weight tied between 'embed'.*'head' \\(not in the plan\\)"),
+    ({"blocks.*.attn.q": ColwiseParallel(), "blocks.*.attn.o": RowwiseParallel()},
+     "cannot run node 'matmul' in module 'blocks.0.attn': it multiplies a shard of batch dim 1 with the whole"),
+])
+def test_written_plans_are_refused_naming_the_module(plan, match):
+    with pytest.raises(TensorParallelError, match=match):
+        plan_tensor_parallel(_decoder(), 2, plan)
+
+
+def test_a_sharded_model_output_is_refused():
+    gm = _graph(tm.ResidualMLP(), torch.randn(4, 16))
+    with pytest.raises(TensorParallelError, match="the model returns 'head' as a shard of dim 1, not whole"):
+        plan_tensor_parallel(gm, 2, {"head": ColwiseParallel()})
+
+
+def test_a_dimension_t_does_not_divide_is_refused_with_the_sizes_that_fit():
+    with pytest.raises(TensorParallelError, match=r"tensor_parallel=3 does not divide the heads .* of "
+                                                  r"'blocks\.0\.attn' \(4\); use a tensor_parallel that divides "
+                                                  r"it \(1, 2, 4\)"):
+        plan_tensor_parallel(_decoder(), 3, "auto")
+    with pytest.raises(TensorParallelError, match=r"does not divide the output features of 'blocks\.0\.attn\.q' "
+                                                  r"\(32\).*\(1, 2, 4, 8, 16, 32\)"):
+        plan_tensor_parallel(_decoder(), 3, {"blocks.*.attn.q": ColwiseParallel()})
+
+
+def test_the_vocabulary_t_does_not_divide_is_refused():
+    model = tm.TiedDecoder()
+    model.embed = nn.Embedding(63, 32)
+    model.head = nn.Linear(32, 63, bias=False)
+    model.head.weight = model.embed.weight
+    with pytest.raises(TensorParallelError, match=r"does not divide the vocabulary of 'embed' \(63\).*\(1, 3, 7, 9, 21"):
+        plan_tensor_parallel(_graph(model, torch.randint(0, 63, (2, 8))), 2, "auto")
+
+
+def test_tensor_parallel_needs_ranks():
+    with pytest.raises(ValueError, match="tensor_parallel=2 splits each stage's layers over 2 ranks; use "
+                                         "runtime='distributed'"):
+        fxpipe.compile(tm.ResidualMLP(), 2, example_inputs=(torch.randn(4, 16),), tensor_parallel=2)
+    with pytest.raises(TypeError, match="tp_plan must be 'auto' or a dict"):
+        fxpipe.compile(tm.ResidualMLP(), 2, example_inputs=(torch.randn(4, 16),), tp_plan=["fc1"])
+
+
+def test_a_world_that_cannot_hold_the_layout_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "6")  # as torchrun sets it; refused before any process group starts
+    with pytest.raises(ValueError, match="world 6 cannot hold 2 pipeline ranks x 1 replicas x 2 tensor-parallel "
+                                         "ranks .*launch 4 processes"):
+        fxpipe.compile(tm.ResidualMLP(), 2, example_inputs=(torch.randn(4, 16),), runtime="distributed",
+                       tensor_parallel=2)
+
+
+@pytest.mark.parametrize("before, after, dim, want", [
+    ((2, 8, 32), (2, 8, 4, 8), 2, 2), ((2, 8, 4, 8), (2, 8, 32), 2, 2), ((2, 4, 8, 8), (2, 256), 1, 1),
+    ((2, 8, 32), (2, 8, 1, 32), 2, 3),
+])
+def test_reshapes_carry_the_sharded_dim(before, after, dim, want):
+    assert reshape_dim(before, after, dim, 2) == want
+
+
+def test_a_reshape_that_splits_a_shard_unevenly_says_why():
+    why, size = reshape_dim((2, 8, 24), (2, 8, 3, 8), 2, 2)
+    assert size == 3 and "2 ranks do not divide" in why
+    why, size = reshape_dim((2, 8, 32), (2, 256), 2, 2)
+    assert size is None and "not the leading dim" in why
