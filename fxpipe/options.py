@@ -298,6 +298,11 @@ class CompileOptions:
         check_init(self.init, self.seed)
         self.torch_compile = torch_compile_config(self.torch_compile)
         config = self.compiled
+        if config is not None and self.tp > 1:
+            raise CompileError(f"torch_compile= with tensor_parallel={self.tp}: fxpipe does not compile stages "
+                               "split over DTensor shards yet (their compiled backward does not yet reduce the "
+                               "sharded regions' gradients as the eager one does); run tensor-parallel stages "
+                               "eagerly (leave torch_compile= out), or compile with tensor_parallel=1")
         if config is not None and "selective" in (self.policies() or []):
             raise CompileError("checkpoint='selective' marks every value a stage makes, which breaks a compiled "
                                "stage's graph at each node; with torch_compile= recompute whole stages "

@@ -40,6 +40,18 @@ def test_pp2_dp2_tp2_equals_eager(models, schedule, tmp_path, launch):
     _equal(launch("tp_cases:equal", 8, f"{models}/{schedule}", tmp_path, limit=240), models)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_selective_and_per_stage_policies_equal_eager(schedule, tmp_path, launch):
+    """Selective recomputation keeps a DTensor's saved views (as_strided cannot remake them): equal to eager."""
+    results = launch("tp_cases:policies", 4, schedule, tmp_path, limit=240)
+    _ok(results)
+    for r, res in enumerate(results):
+        for name in ("selective", "per_stage"):
+            got = res[name]
+            assert got["loss_error"] < 1e-5 and max(got["grad_errors"].values()) < 1e-5, (r, name, got)
+        assert res["per_stage"]["policies"] == ["selective", "always"]
+
+
 def _counts(seen, when):
     return Counter(k for k, p in seen if p == when)
 

@@ -244,3 +244,17 @@ def mixed(rank, world, schedule):
     sc.update()
     out["then_stepped"] = not any(torch.equal(_full(a), _full(q.detach())) for a, (_, q) in zip(before, held))
     return out
+
+
+def policies(rank, world, schedule):
+    """pp=2 x tp=2, the decoder: checkpoint='selective' and a policy per stage equal to eager."""
+    out = {}
+    for name, checkpoint in (("selective", "selective"), ("per_stage", ["selective", "always"])):
+        pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "decoder", schedule,
+                                                               checkpoint=checkpoint)
+        loss = step()
+        expected = loss_fn(eager(x), y)
+        expected.backward()
+        out[name] = {"loss_error": max_relative_error(loss, expected), "grad_errors": _errors(held, eager),
+                     "policies": pipe.plan.policies()}
+    return out

@@ -47,6 +47,11 @@ def _ref(t: torch.Tensor) -> StorageWeakRef | None:
         return None
 
 
+def _subclass(t: torch.Tensor) -> bool:
+    """Tell whether ``t`` is a tensor subclass (a DTensor under tensor parallelism), not a plain tensor."""
+    return type(t) not in (torch.Tensor, torch.nn.Parameter)
+
+
 def _leaves(value: Any) -> list:
     """Return the leaves of a value (a tensor, the common case, without pytree)."""
     return [value] if isinstance(value, torch.Tensor) else tree_flatten(value)[0]
@@ -130,8 +135,8 @@ class Tape:
         held = self.owner.get(ref) if ref is not None else None
         if held is not None and not held[3].expired():
             j, leaf, dtype, _ = held
-            if j < 0 or self.plan.candidate(j) or dtype != t.dtype:
-                return t.detach()
+            if j < 0 or self.plan.candidate(j) or dtype != t.dtype or _subclass(t):
+                return t.detach()  # a subclass's view (a DTensor's) cannot be remade by as_strided: kept
             box = _Box(self, j, leaf=leaf, geometry=(t.size(), t.stride(), t.storage_offset()))
             self.boxes.setdefault(j, []).append(weakref.ref(box))
             return box

@@ -291,6 +291,13 @@ def test_selective_recomputation_is_refused_for_compiled_stages(checkpoint):
         fxpipe.compile(Stack(), 2, example_inputs=(torch.randn(4, 16),), checkpoint=checkpoint, torch_compile=AOT)
 
 
+def test_tensor_parallel_compiled_stages_are_refused_before_tracing():
+    """Compiled DTensor stages are not supported yet: refused naming both ways to run."""
+    with pytest.raises(fxpipe.CompileError, match="tensor_parallel=2.*leave torch_compile= out"):
+        fxpipe.compile(Stack(), 2, example_inputs=(torch.randn(4, 16),), runtime="distributed",
+                       tensor_parallel=2, torch_compile=AOT)
+
+
 def test_auto_policies_for_compiled_stages_recompute_whole_stages():
     """checkpoint='auto' with torch_compile= chooses among whole-stage policies, under a budget that needs some."""
     from fxpipe.options import CompileOptions
