@@ -38,6 +38,7 @@ from fxpipe.runtime.schedules.builtin import PRODUCERS, Schedule
 from fxpipe.simulate.devices import DeviceModel, device_model
 from fxpipe.simulate.simulation import Simulation, run
 from fxpipe.simulate.stagecost import StageCost, example_rows, graph_costs
+from fxpipe.simulate.tpcost import with_tensor_parallel
 
 __all__ = ["Fit", "choose", "fit"]
 
@@ -110,8 +111,11 @@ def _setting(options: CompileOptions, devices: Sequence[torch.device], schedule:
 
 
 def _costs(gm: Any, plan: PipelinePlan, options: CompileOptions, model: DeviceModel, rows: float) -> list[StageCost]:
-    """Return the stage costs of ``plan``; parameters and gradients sharded over replicas if asked."""
+    """Return the stage costs of ``plan``; parameters and gradients sharded over replicas if asked,
+    the sharded work, weights and activations divided over tensor-parallel ranks."""
     costs = graph_costs(gm, plan, model, rows, save=options.save)
+    if plan.tensor_parallel:
+        costs = with_tensor_parallel(costs, gm, plan, plan.tensor_parallel, model, rows)[0]
     if options.data_parallel_shard and options.data_parallel > 1:
         d = options.data_parallel
         costs = [dataclasses.replace(c, params=c.params / d, grads=c.grads / d) for c in costs]

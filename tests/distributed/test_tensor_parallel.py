@@ -46,7 +46,7 @@ def test_selective_and_per_stage_policies_equal_eager(schedule, tmp_path, launch
     results = launch("tp_cases:policies", 4, schedule, tmp_path, limit=240)
     _ok(results)
     for r, res in enumerate(results):
-        for name in ("selective", "per_stage"):
+        for name in ("selective", "per_stage", "auto"):
             got = res[name]
             assert got["loss_error"] < 1e-5 and max(got["grad_errors"].values()) < 1e-5, (r, name, got)
         assert res["per_stage"]["policies"] == ["selective", "always"]

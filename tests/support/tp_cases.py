@@ -247,11 +247,12 @@ def mixed(rank, world, schedule):
 
 
 def policies(rank, world, schedule):
-    """pp=2 x tp=2, the decoder: checkpoint='selective' and a policy per stage equal to eager."""
+    """pp=2 x tp=2, the decoder: checkpoint='selective', a policy per stage and 'auto' (TP-sharded costs) equal eager."""
     out = {}
-    for name, checkpoint in (("selective", "selective"), ("per_stage", ["selective", "always"])):
+    for name, checkpoint in (("selective", "selective"), ("per_stage", ["selective", "always"]), ("auto", "auto")):
+        budget = {"max_memory": 120e3} if checkpoint == "auto" else {}  # the predicted peaks are 86-111 kB at least
         pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "decoder", schedule,
-                                                               checkpoint=checkpoint)
+                                                               checkpoint=checkpoint, **budget)
         loss = step()
         expected = loss_fn(eager(x), y)
         expected.backward()
