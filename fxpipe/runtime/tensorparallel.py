@@ -118,7 +118,7 @@ def _module_call(st: torch.fx.GraphModule, node: torch.fx.Node, site: Any) -> tu
         x = node.args[0]
     else:
         module.num_embeddings, module.embedding_dim = out, inp  # type: ignore[assignment]
-        module.padding_idx, module.max_norm, module.norm_type = None, None, 2.0  # type: ignore[assignment]
+        module.padding_idx, module.max_norm, module.norm_type = _padding(node, out), None, 2.0  # type: ignore[assignment]
         module.scale_grad_by_freq, module.sparse = False, False  # type: ignore[assignment]
         module.weight = site.weight
         x = node.args[1] if node.target is torch.ops.aten.embedding.default else node.args[0]
@@ -129,6 +129,15 @@ def _module_call(st: torch.fx.GraphModule, node: torch.fx.Node, site: Any) -> tu
     node.replace_all_uses_with(call)
     st.graph.erase_node(node)
     return module, call
+
+
+def _padding(node: torch.fx.Node, rows: int) -> int | None:
+    """Return the padding row of a functional embedding call over ``rows`` rows (None: every row learns)."""
+    if node.target is torch.ops.aten.embedding.default:  # (weight, indices, padding_idx=-1, ...): -1 is none
+        pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+        return None if pad is None or int(pad) < 0 else int(pad)
+    pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx")  # F.embedding(input, weight, ...)
+    return None if pad is None else int(pad) % rows
 
 
 def _unhooked(gm: torch.fx.GraphModule, plan: TensorParallelPlan, styled: set[int]) -> None:

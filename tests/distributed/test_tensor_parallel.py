@@ -34,6 +34,14 @@ def test_pp2_tp2_equals_eager(schedule, tmp_path, launch):
     _equal(launch("tp_cases:equal", 4, f"{_MODELS}/{schedule}", tmp_path, limit=240), _MODELS)
 
 
+def test_a_vocabulary_parallel_padding_row_learns_nothing_as_in_eager(tmp_path, launch):
+    """An embedding's padding row on the second rank's shard learns only through the tied head (module and export).
+
+    torch.export's graph calls aten.embedding with the padding index: the module made from it keeps it.
+    """
+    _equal(launch("tp_cases:equal", 4, "padded,padded_export/1f1b", tmp_path, limit=240), "padded,padded_export")
+
+
 @pytest.mark.parametrize("models, schedule", [("mlp", "1f1b"), ("decoder", "zb:shard"),
                                               ("decoder", "interleaved")])
 def test_pp2_dp2_tp2_equals_eager(models, schedule, tmp_path, launch):

@@ -40,9 +40,19 @@ def _sp():
     return tm.TiedDecoder(positions=False), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), tm.token_loss
 
 
+def _padded():
+    """The tied decoder with a padding row (40) on the second rank's half of the vocabulary, and in the batch."""
+    model = tm.TiedDecoder()
+    model.embed.padding_idx = 40
+    ids = torch.randint(0, 64, (4, 8))
+    ids[:, 0] = 40
+    return model, ids, torch.randint(0, 64, (4, 8)), tm.token_loss
+
+
 MODELS = {"mlp": (_mlp, tm.MLP_PLAN, {}), "decoder": (_decoder, tm.DECODER_PLAN, {}),
           "llama": (_llama, tm.LLAMA_PLAN, {"tracer": "export"}),
-          "sp": (_sp, tm.SP_PLAN, {"split_points": ["blocks.1"]})}  # sequence parallel: its own plan
+          "sp": (_sp, tm.SP_PLAN, {"split_points": ["blocks.1"]}),
+          "padded": (_padded, tm.DECODER_PLAN, {}), "padded_export": (_padded, tm.DECODER_PLAN, {"tracer": "export"})}  # sequence parallel: its own plan
 
 
 def _place(rank, world, pp, tp):
