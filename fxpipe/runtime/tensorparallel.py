@@ -118,8 +118,9 @@ def _module_call(st: torch.fx.GraphModule, node: torch.fx.Node, site: Any) -> tu
         x = node.args[0]
     else:
         module.num_embeddings, module.embedding_dim = out, inp  # type: ignore[assignment]
-        module.padding_idx, module.max_norm, module.norm_type = _padding(node, out), None, 2.0  # type: ignore[assignment]
-        module.scale_grad_by_freq, module.sparse = False, False  # type: ignore[assignment]
+        module.padding_idx = _padding(node, out)  # type: ignore[assignment]
+        options = _embedding_options(node)
+        module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse = options  # type: ignore[assignment]
         module.weight = site.weight
         x = node.args[1] if node.target is torch.ops.aten.embedding.default else node.args[0]
     _install(st, site.fqn, module)
@@ -133,11 +134,25 @@ def _module_call(st: torch.fx.GraphModule, node: torch.fx.Node, site: Any) -> tu
 
 def _padding(node: torch.fx.Node, rows: int) -> int | None:
     """Return the padding row of a functional embedding call over ``rows`` rows (None: every row learns)."""
+    pad: Any
     if node.target is torch.ops.aten.embedding.default:  # (weight, indices, padding_idx=-1, ...): -1 is none
         pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
         return None if pad is None or int(pad) < 0 else int(pad)
     pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx")  # F.embedding(input, weight, ...)
     return None if pad is None else int(pad) % rows
+
+
+def _embedding_options(node: torch.fx.Node) -> tuple[float | None, float, bool, bool]:
+    """Return a functional embedding call's max_norm, norm_type, scale_grad_by_freq and sparse."""
+    if node.target is torch.ops.aten.embedding.default:  # (weight, indices, padding_idx, scale_grad_by_freq, sparse)
+        args = list(node.args) + [None] * 5
+        return None, 2.0, bool(args[3] or node.kwargs.get("scale_grad_by_freq", False)), \
+            bool(args[4] or node.kwargs.get("sparse", False))
+    names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+    given: dict[str, Any] = dict(zip(names, node.args)) | dict(node.kwargs)
+    norm = given.get("norm_type")
+    return given.get("max_norm"), 2.0 if norm is None else float(norm), bool(given.get("scale_grad_by_freq")), \
+        bool(given.get("sparse"))
 
 
 def _unhooked(gm: torch.fx.GraphModule, plan: TensorParallelPlan, styled: set[int]) -> None:
