@@ -35,6 +35,7 @@ import json
 import os
 import pstats
 import random
+import resource
 import statistics
 import sys
 import time
@@ -113,7 +114,11 @@ def capture(pipe, step) -> dict:
 
 
 def plain(pipe, seen: dict, split: bool):
-    """Return a run of this rank's stages under plain autograd, F then B per micro-batch (I + W if ``split``)."""
+    """Return a run of this rank's stages under plain autograd, F then B per micro-batch.
+
+    With ``split``, the micro-batches the step deferred run I, then W (those whose W directly
+    follows their I run fused, as the step runs them).
+    """
     workers = pipe._runtime.workers
 
     def run():
@@ -124,7 +129,8 @@ def plain(pipe, seen: dict, split: bool):
                 leaves = [v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
                           for v in rec["inputs"]]
                 store: list = []
-                with wgrad.collecting(store) if split else _nothing():
+                deferred = split and workers[j].defer and i not in workers[j].fused  # as the step ran it
+                with wgrad.collecting(store) if deferred else _nothing():
                     out = fn(*leaves)
                     if rec["loss"] is not None:
                         out = rec["loss"](out)
@@ -134,7 +140,7 @@ def plain(pipe, seen: dict, split: bool):
                     outs = out if isinstance(out, (tuple, list)) else [out]
                     pairs = [(o, g) for o, g in zip(outs, rec["grads"]) if isinstance(g, torch.Tensor)]
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                if split:
+                if deferred:
                     wgrad.run(store)
     return run
 
@@ -145,6 +151,11 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def _faults() -> int:
+    """Return this process's minor page faults so far (fresh pages the allocator had given back)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def calls_per_step(step) -> tuple[int, dict[str, int]]:
@@ -207,9 +218,11 @@ def _dist_rank(rank: int, port: int, args, out: str) -> None:
         for name in order:
             dist.barrier()
             probe.reset()
+            f0 = _faults()
             w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             runs[name]()
             c1, p1 = time.thread_time(), time.process_time()
+            f1 = _faults()
             dist.barrier()
             row = rows[name]
             row["wall"].append(time.perf_counter() - w0)
@@ -218,6 +231,7 @@ def _dist_rank(rank: int, port: int, args, out: str) -> None:
             row["msg_cpu"].append(probe.cpu)
             row["messages"].append(probe.messages)
             row["bytes"].append(probe.bytes)
+            row["faults"].append(f1 - f0)
     result = {k: {f: statistics.median(v) for f, v in row.items()} for k, row in rows.items()}
     for s in args.schedules:  # counts that do not move with the load
         dist.barrier()
@@ -238,7 +252,7 @@ def report_dist(args, per_rank: list[dict]) -> None:
     print(f"residual MLP d={args.dim} hidden={args.hidden} blocks={args.blocks} batch={args.batch} m={args.chunks}, "
           f"2 gloo ranks x 1 thread, {args.reps} shuffled repetitions, medians (ms, and share of the step)")
     head = ("schedule", "rank", "step", "kernels", "split", "bookkeeping", "messages", "idle", "gloo",
-            "msgs", "us/msg", "calls/action", "allocs")
+            "msgs", "us/msg", "calls/action", "allocs", "faults")
     print(" ".join(f"{h:>12}" for h in head))
     for s in args.schedules:
         for r, res in enumerate(per_rank):
@@ -255,7 +269,8 @@ def report_dist(args, per_rank: list[dict]) -> None:
                 s, r, f"{step['wall'] * 1e3:.1f}", cell(k), cell(split), cell(book), cell(step["msg_cpu"]),
                 cell(idle), cell(step["others"]), f"{msgs:.0f}",
                 f"{step['msg_cpu'] / max(msgs, 1) * 1e6:.0f}", f"{extra_calls:.0f}",
-                f"{step['allocs'] - step['kernel_allocs']}")))
+                f"{step['allocs'] - step['kernel_allocs']}",
+                f"{step['faults']:.0f}/{res[f'kernels {s}']['faults']:.0f}")))
     eager = per_rank[0]["eager micro"]["wall"]
     p, m = 2, args.chunks
     bound = (m + p - 1) / m * eager / p
@@ -266,7 +281,8 @@ def report_dist(args, per_rank: list[dict]) -> None:
     if "zb" in med and "1f1b" in med:
         print(f"zb / 1f1b: {med['zb'] / med['1f1b']:.3f}")
     print("calls/action: Python calls per action beyond plain autograd's; allocs: tensors fxpipe allocates "
-          "per step beyond plain autograd's; us/msg: main-thread CPU per message")
+          "per step beyond plain autograd's; us/msg: main-thread CPU per message; faults: minor page faults "
+          "per step / of the plain kernels")
 
 
 def _local(args) -> None:
@@ -307,26 +323,31 @@ def _local(args) -> None:
         fn()
     wall: dict[str, list[float]] = defaultdict(list)
     cpu: dict[str, list[float]] = defaultdict(list)
+    faults: dict[str, list[float]] = defaultdict(list)
     for r in range(args.reps):
         order = list(runs)
         random.Random(r).shuffle(order)
         for name in order:
-            w0, c0 = time.perf_counter(), time.thread_time()
+            f0, w0, c0 = _faults(), time.perf_counter(), time.process_time()
             runs[name]()
-            cpu[name].append(time.thread_time() - c0)
+            cpu[name].append(time.process_time() - c0)
             wall[name].append(time.perf_counter() - w0)
+            faults[name].append(_faults() - f0)
     med = {k: statistics.median(v) for k, v in cpu.items()}
     limit = med["eager micro"] * (1 + (m - 1) / m / 3)
     print(f"MLP {args.local_depth} x Linear({args.local_dim}) + ReLU, batch {args.local_batch}, 4 stages, chunks {m}, "
-          f"except_last, 1 thread; {args.reps} shuffled repetitions, medians of main-thread CPU time")
-    print(f"{'run':28} {'cpu ms':>8} {'wall ms':>8} {'/ limit':>8} {'/ kernels':>10} {'calls/stage call':>17}")
+          f"except_last, 1 thread; {args.reps} shuffled repetitions, medians of the process's CPU time")
+    print(f"{'run':28} {'cpu ms':>8} {'wall ms':>8} {'/ limit':>8} {'/ kernels':>10} {'calls/stage call':>17} "
+          f"{'faults':>8}")
+    base_calls = calls_per_step(runs["eager micro"])[0]
     for name in runs:
-        calls, _ = calls_per_step(runs[name])
-        per_call = (calls - calls_per_step(runs["eager micro"])[0]) / (4 * m)
+        per_call = (calls_per_step(runs[name])[0] - base_calls) / (4 * m)
         print(f"{name:28} {med[name] * 1e3:8.1f} {statistics.median(wall[name]) * 1e3:8.1f} "
-              f"{med[name] / limit:8.3f} {med[name] / med['kernels with recomputation']:10.3f} {per_call:17.1f}")
+              f"{med[name] / limit:8.3f} {med[name] / med['kernels with recomputation']:10.3f} {per_call:17.1f} "
+              f"{statistics.median(faults[name]):8.0f}")
     print(f"limit = eager over the micro-batches x (1 + (m - 1)/m x 1/3); kernels with recomputation: the "
-          f"same micro-batches with a no_grad forward more for each of the {m - 1} recomputed ones")
+          f"same micro-batches with a no_grad forward more for each of the {m - 1} recomputed ones; CPU time of "
+          "every thread (torchgpipe computes on threads of its own); faults: minor page faults per step")
 
 
 def main() -> None:
