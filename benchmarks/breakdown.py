@@ -47,8 +47,9 @@ import torch.nn.functional as F
 
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                 os.path.dirname(os.path.abspath(__file__))]
-import fxpipe  # noqa: E402
 from distributed import ResidualMLP, _env, _spawn  # noqa: E402
+
+import fxpipe  # noqa: E402
 from fxpipe.runtime.stage import wgrad  # noqa: E402
 from fxpipe.runtime.stage.worker import StageWorker  # noqa: E402
 from fxpipe.runtime.transport.comm import Comm  # noqa: E402
@@ -184,8 +185,8 @@ def _dist_rank(rank: int, port: int, args, out: str) -> None:
     quarter = args.blocks // 4
     pipes = {}
     for s in args.schedules:
-        layout = (dict(split_points=[f"blocks.{k * quarter}" for k in (1, 2, 3)], stages_per_rank=2)
-                  if s in TWO else dict(split_points=[f"blocks.{args.blocks // 2}"]))
+        layout = ({"split_points": [f"blocks.{k * quarter}" for k in (1, 2, 3)], "stages_per_rank": 2}
+                  if s in TWO else {"split_points": [f"blocks.{args.blocks // 2}"]})
         pipes[s] = fxpipe.compile(copy.deepcopy(base), 4 if s in TWO else 2, example_inputs=(x,), chunks=args.chunks,
                                   schedule=s, checkpoint="never", runtime="distributed", **layout)
 
@@ -263,8 +264,8 @@ def report_dist(args, per_rank: list[dict]) -> None:
             msgs = step["messages"]
             extra_calls = (step["calls"] - step["kernel_calls"]) / max(step["actions"], 1)
 
-            def cell(v: float) -> str:
-                return f"{v * 1e3:6.1f} {v / step['wall']:4.0%}"
+            def cell(v: float, wall: float = step["wall"]) -> str:
+                return f"{v * 1e3:6.1f} {v / wall:4.0%}"
             print(" ".join(f"{c:>12}" for c in (
                 s, r, f"{step['wall'] * 1e3:.1f}", cell(k), cell(split), cell(book), cell(step["msg_cpu"]),
                 cell(idle), cell(step["others"]), f"{msgs:.0f}",

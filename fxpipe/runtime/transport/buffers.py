@@ -33,7 +33,8 @@ __all__ = ["BufferPool", "empty_like_spec", "floating"]
 def _use_counts(free: list[torch.Tensor], k: int) -> tuple[int, int, int]:
     """Return the references to ``free[k]``: Python's, the tensor's owners, its storage's tensors."""
     buf = free[k]
-    return sys.getrefcount(buf), buf._use_count(), torch._C._storage_Use_Count(buf.untyped_storage()._cdata)
+    return (sys.getrefcount(buf), buf._use_count(),  # type: ignore[attr-defined]
+            torch._C._storage_Use_Count(buf.untyped_storage()._cdata))
 
 
 try:  # what the counts are for a buffer only the pool holds, measured the way they are checked
