@@ -17,6 +17,7 @@ the main thread's CPU time posting and waiting for them. Per rank and schedule, 
     bookkeeping   the step's main-thread CPU time less kernels, split and messages: the interpreter,
                   stage calls, autograd bookkeeping, the split and join, the loss, buffers
     messages      main-thread CPU time in posting and waiting (per message: / count)
+    posting       wall time the main thread spends inside posting (a gloo send can block its caller)
     idle          wall less main-thread CPU: waiting for a peer (the bubble), descheduled
     gloo          CPU time of the process's other threads (gloo's transport)
 
@@ -68,11 +69,12 @@ class Probe:
         probe = self
 
         def _batch(comm, sends, recvs, what):
-            c0 = time.thread_time()
+            c0, w0 = time.thread_time(), time.perf_counter()
             try:
                 return batch(comm, sends, recvs, what)
             finally:
                 probe.cpu += time.thread_time() - c0
+                probe.posting += time.perf_counter() - w0
                 probe.messages += len(sends) + len(recvs)
                 probe.bytes += sum(t.numel() * t.element_size() for t, _, _ in list(sends) + list(recvs))
 
@@ -87,7 +89,7 @@ class Probe:
 
     def reset(self) -> None:
         """Start counting afresh."""
-        self.cpu, self.messages, self.bytes = 0.0, 0, 0
+        self.cpu, self.posting, self.messages, self.bytes = 0.0, 0.0, 0, 0
 
 
 def capture(pipe, step) -> dict:
@@ -230,6 +232,7 @@ def _dist_rank(rank: int, port: int, args, out: str) -> None:
             row["cpu"].append(c1 - c0)
             row["others"].append((p1 - p0) - (c1 - c0))
             row["msg_cpu"].append(probe.cpu)
+            row["posting"].append(probe.posting)
             row["messages"].append(probe.messages)
             row["bytes"].append(probe.bytes)
             row["faults"].append(f1 - f0)
@@ -252,7 +255,7 @@ def report_dist(args, per_rank: list[dict]) -> None:
     """Print the breakdown per schedule and rank, then the ratios against the bound."""
     print(f"residual MLP d={args.dim} hidden={args.hidden} blocks={args.blocks} batch={args.batch} m={args.chunks}, "
           f"2 gloo ranks x 1 thread, {args.reps} shuffled repetitions, medians (ms, and share of the step)")
-    head = ("schedule", "rank", "step", "kernels", "split", "bookkeeping", "messages", "idle", "gloo",
+    head = ("schedule", "rank", "step", "kernels", "split", "bookkeeping", "messages", "posting", "idle", "gloo",
             "msgs", "us/msg", "calls/action", "allocs", "faults")
     print(" ".join(f"{h:>12}" for h in head))
     for s in args.schedules:
@@ -268,7 +271,7 @@ def report_dist(args, per_rank: list[dict]) -> None:
                 return f"{v * 1e3:6.1f} {v / wall:4.0%}"
             print(" ".join(f"{c:>12}" for c in (
                 s, r, f"{step['wall'] * 1e3:.1f}", cell(k), cell(split), cell(book), cell(step["msg_cpu"]),
-                cell(idle), cell(step["others"]), f"{msgs:.0f}",
+                cell(step["posting"]), cell(idle), cell(step["others"]), f"{msgs:.0f}",
                 f"{step['msg_cpu'] / max(msgs, 1) * 1e6:.0f}", f"{extra_calls:.0f}",
                 f"{step['allocs'] - step['kernel_allocs']}",
                 f"{step['faults']:.0f}/{res[f'kernels {s}']['faults']:.0f}")))
@@ -282,8 +285,9 @@ def report_dist(args, per_rank: list[dict]) -> None:
     if "zb" in med and "1f1b" in med:
         print(f"zb / 1f1b: {med['zb'] / med['1f1b']:.3f}")
     print("calls/action: Python calls per action beyond plain autograd's; allocs: tensors fxpipe allocates "
-          "per step beyond plain autograd's; us/msg: main-thread CPU per message; faults: minor page faults "
-          "per step / of the plain kernels")
+          "per step beyond plain autograd's; us/msg: main-thread CPU per message; posting: wall time the main "
+          "thread spends inside posting sends and receives (blocked in gloo, or descheduled); faults: minor page "
+          "faults per step / of the plain kernels")
 
 
 def _local(args) -> None:
