@@ -132,7 +132,7 @@ def plain(pipe, seen: dict, split: bool):
                 leaves = [v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
                           for v in rec["inputs"]]
                 store: list = []
-                deferred = split and workers[j].defer and i not in workers[j].fused  # as the step ran it
+                deferred = split and workers[j].defer and i not in getattr(workers[j], "fused", ())  # as the step did
                 with wgrad.collecting(store) if deferred else _nothing():
                     out = fn(*leaves)
                     if rec["loss"] is not None:
