@@ -1,6 +1,7 @@
 """fxpipe's distributed runtime against eager and torch.distributed.pipelining, side by side.
 
     python benchmarks/distributed.py            # 2 ranks x 1 thread, residual MLP, m = 8
+    python benchmarks/distributed.py --dim 128 --hidden 512   # small micro-batches: 128 KiB messages
 
 Two spawned ranks (gloo, one thread each) run, in alternation, one training step of:
 fxpipe GPipe, torch.distributed.pipelining ScheduleGPipe, fxpipe 1F1B, its Schedule1F1B,
@@ -270,7 +271,10 @@ def main() -> None:
     model_arguments(parser, reps=7)
     parser.add_argument("--mem-batch", type=int, default=4096)
     parser.add_argument("--mem-chunks", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run")
     args = parser.parse_args()
+    if args.quick:
+        args.reps, args.batch, args.mem_batch = 2, 256, 512
 
     med = {k: statistics.median(v) for k, v in _spawn(_speed_rank, args)[0].items()}
     print(f"residual MLP d={args.dim} hidden={args.hidden} blocks={args.blocks} batch={args.batch} "
@@ -291,6 +295,11 @@ def main() -> None:
           f"/ pipelining's best ({theirs}): {med[best] / med[theirs]:.3f}")
     print("speedup over one process over the same micro-batches: " + ", ".join(
         f"{s} {micro / med[f'fxpipe {s}']:.2f}x" for s in SCHEDULES + MULTI))
+    p, m = 2, args.chunks  # 1F1B's bound: (m + p - 1)/m x the busy time of one of p equal ranks
+    bound = (m + p - 1) / m * micro / p
+    print(f"1F1B's bound (m + p - 1)/m x eager over the micro-batches / p: fxpipe 1f1b / bound = "
+          f"{med['fxpipe 1f1b'] / bound:.3f}, pipelining 1f1b / bound = {med['pipelining 1f1b'] / bound:.3f}; "
+          f"fxpipe zb / fxpipe 1f1b = {med['fxpipe zb'] / med['fxpipe 1f1b']:.3f}")
     floor = med["halves alone, concurrently"]
     print(f"busy time per rank (halves alone) / torch.distributed.pipelining 1f1b: "
           f"{floor / med['pipelining 1f1b']:.3f}  (about the least any schedule of this split takes)")

@@ -159,6 +159,11 @@ def speed_mlp(args) -> None:
     tgk = f"torchgpipe 4 stages, chunks {args.chunks}, except_last"
     fxk = f"fxpipe 4 stages, chunks {args.chunks}, except_last"
     print(f"fxpipe / torchgpipe: {med[fxk] / med[tgk]:.3f}")
+    # the least this step can take on one core: eager over the micro-batches plus the recomputed
+    # forwards (all but the last micro-batch, about a third of forward + backward each)
+    limit = med["eager, micro-batches one by one"] * (1 + (args.chunks - 1) / args.chunks / 3)
+    print(f"limit = eager over the micro-batches x (1 + (m - 1)/m x 1/3): fxpipe / limit = {med[fxk] / limit:.3f}, "
+          f"torchgpipe / limit = {med[tgk] / limit:.3f}")
     print(f"fxpipe.compat.torchgpipe.GPipe / torchgpipe: {med['fxpipe.compat.torchgpipe.GPipe, same'] / med[tgk]:.3f}")
 
 
@@ -297,7 +302,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared 2-core machine more threads make "
                              "OpenMP contention, not the pipeline, dominate the times)")
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run")
     args = parser.parse_args()
+    if args.quick:
+        args.reps, args.dim, args.batch, args.mem_batch, args.unet_batch, args.unet_size = 2, 256, 128, 512, 8, 32
     torch.set_num_threads(args.threads)
     if args.memory_mode:
         memory_mode(args)

@@ -89,7 +89,7 @@ class DistributedRuntime:
         self.shards = {v: nodes[v].meta["fxpipe.tp"] for v in self.crossing if "fxpipe.tp" in nodes[v].meta}
         self._programs: dict[tuple[str, int], list[Program]] = {}
         self._finals: dict[tuple[str, int], dict[int, int]] = {}
-        self._routes: dict[tuple[str, int], tuple] = {}  # what the transport reads off the programs, per step kind
+        self._transports: dict[tuple[str, int], DistTransport] = {}  # per step kind, kept across steps
         self.layout = layout
         self.grad_sync: GradSync | None = None  # data parallel, set by the build
         self.sync = True  # reduce gradients over replicas and ties this step (off inside pipe.no_sync())
@@ -173,12 +173,13 @@ class DistributedRuntime:
             programs = self._programs_for(kind, m)
         except ScheduleError as exc:  # too few micro-batches: every rank sees the same m
             raise on_every_rank(exc) from None
-        routes = self._routes.get((kind, m))
-        transport = DistTransport(self.plan, self.rank, self.device, self.comm, steplayout.specs_for(self, header),
-                                  [] if routes else [[a for g in p.clocked for group in g for a in group]
-                                                     for p in programs], routes)
-        self._routes[(kind, m)] = transport.routes
-        transport.inputs = mbs
+        specs = steplayout.specs_for(self, header)
+        transport = self._transports.get((kind, m))
+        if transport is None:  # what it reads off the plan and the programs, once per step kind
+            transport = self._transports[(kind, m)] = DistTransport(
+                self.plan, self.rank, self.device, self.comm, specs,
+                [[a for g in p.clocked for group in g for a in group] for p in programs])
+        transport.begin(specs, mbs)
         for j, worker in self.workers.items():  # data parallel: reduce at each stage's last backward
             worker.final = self._finals[(kind, m)].get(j) if self.grad_sync is not None else None
             worker.before_backward = partial(self.grad_sync.before_backward, j) if self.grad_sync else None

@@ -29,7 +29,7 @@ from fxpipe.runtime.schedules.actions import COMPUTE, Action, clocks, format_sch
 from fxpipe.runtime.stage.threads import DeviceThreads
 from fxpipe.runtime.stage.worker import StageWorker
 
-__all__ = ["ActionInterpreter", "Program", "Transport", "program_for"]
+__all__ = ["ActionInterpreter", "Program", "Transport", "fused_pairs", "program_for"]
 
 
 class Transport(Protocol):
@@ -54,6 +54,7 @@ class Program:
     def __init__(self, clocked: list[list[list[Action]]], header: str) -> None:
         self.clocked = clocked  # clock -> groups (one per stage acting in it) -> actions
         self.header = header
+        self.fused = fused_pairs(clocked)  # per stage: micro-batches whose W directly follows their I
 
     def text(self) -> str:
         """Return the program as text: a header, then one line of actions per clock."""
@@ -133,6 +134,8 @@ class ActionInterpreter:
     def run(self, program: Program) -> None:
         """Run every clock of ``program``; a clock's stages together when there are worker threads."""
         self._ahead = _lookahead(program) if any(w.fetches for w in self.workers.values()) else {}
+        for j, worker in self.workers.items():
+            worker.fused = program.fused.get(j, frozenset())
         for groups in program.clocked:
             if self.threads is not None and len(groups) > 1:
                 self.threads.run([(self.workers[g[0].stage].device, self.run_actions, (g,)) for g in groups])
@@ -195,6 +198,25 @@ class ActionInterpreter:
     def send_backward(self, j: int, i: int) -> None:
         """SEND_B: send the gradients of stage ``j``'s inputs back to the stages that made them."""
         self.transport.send_backward(j, i, self._held.pop(("grad_in", j, i)))
+
+
+def fused_pairs(clocked: list[list[list[Action]]]) -> dict[int, frozenset[int]]:
+    """Return, per stage, the micro-batches whose ``W`` is the stage's next action after their ``I``.
+
+    Nothing of the stage runs between them (a stage that sends its input gradients has its
+    ``SEND_B`` there), so computing the weight gradients inside the ``I`` delays nothing of the
+    stage's and saves re-reading their inputs in a separate ``W``.
+    """
+    fused: dict[int, set[int]] = {}
+    previous: dict[int, Action] = {}
+    for groups in clocked:
+        for group in groups:
+            for a in group:
+                before = previous.get(a.stage)
+                if a.kind == "W" and before is not None and before.kind == "I" and before.mb == a.mb:
+                    fused.setdefault(a.stage, set()).add(a.mb)
+                previous[a.stage] = a
+    return {j: frozenset(mbs) for j, mbs in fused.items()}
 
 
 def _lookahead(program: Program) -> dict[Action, int]:

@@ -14,7 +14,10 @@ checkpointing, the forward runs under ``no_grad`` and keeps only the inputs and 
 point; the backward first recomputes the forward with the same random numbers. A stage whose
 schedule has ``W`` steps (``defer=True``) queues its linears' weight gradients per
 micro-batch (:mod:`fxpipe.runtime.stage.wgrad`): ``I`` computes the input gradients only, ``W``
-the queued weight gradients, and ``B`` both at once. A compiled stage (:mod:`fxpipe.runtime.stage.compiled`)
+the queued weight gradients, and ``B`` both at once. Where the program runs a micro-batch's ``W``
+right after its ``I`` (the first stage of ZB-H1, which sends no input gradients), deferring
+would only cost: the ``W`` would read its inputs back from memory after the whole backward, so
+that micro-batch is not deferred (:attr:`StageWorker.fused`) and its ``I`` is the whole backward. A compiled stage (:mod:`fxpipe.runtime.stage.compiled`)
 splits its backward graph instead: its ``I`` runs the input-gradient half and queues the other.
 """
 
@@ -51,6 +54,9 @@ class StageWorker:
         # before each backward (with whether it is that last one)
         self.final: int | None = None
         self.before_backward: Callable[[bool], None] | None = None
+        # the micro-batches whose I the program runs right before their W (nothing between):
+        # not deferred (but in a compiled stage), their I is the whole backward, their W finds nothing to do
+        self.fused: frozenset[int] = frozenset()
 
     def forward(self, i: int, inputs: Sequence[Any], *, checkpoint: bool,
                 loss: Callable[[Any], torch.Tensor] | None = None, grad: bool = True, saving: str = "forward") -> Any:
@@ -125,12 +131,20 @@ class StageWorker:
 
     def _collecting(self, i: int) -> contextlib.AbstractContextManager:
         """Queue micro-batch ``i``'s weight gradients while deferring; otherwise do nothing."""
-        return wgrad.collecting(self._weights[i]) if self.defer and i != self.final else contextlib.nullcontext()
+        return wgrad.collecting(self._weights[i]) if self._defers(i) else contextlib.nullcontext()
+
+    def _defers(self, i: int) -> bool:
+        """Tell whether micro-batch ``i``'s weight gradients wait for its ``W`` (not its last, not fused).
+
+        A compiled stage keeps its split for every micro-batch: its backward graph is cut once,
+        into the I and W halves it compiled.
+        """
+        return self.defer and i != self.final and (i not in self.fused or self.call.compiled is not None)
 
     def _deferring(self, i: int, kind: str) -> contextlib.AbstractContextManager:
         """In a compiled stage's ``I``, queue micro-batch ``i``'s weight-gradient work for its ``W``."""
         compiled = self.call.compiled
-        if compiled is None or not self.defer or kind != "I" or i == self.final:
+        if compiled is None or kind != "I" or not self._defers(i):
             return contextlib.nullcontext()
         return compiled.deferring(self._weights.setdefault(i, []))
 

@@ -29,6 +29,7 @@ __all__ = ["Comm", "on_every_rank"]
 log = logging.getLogger(__name__)
 
 OBJECT_TAG = 3  # small Python values (the step's layout, the loss); 1 and 2 carry tensors
+INLINE = 4096  # bytes of a small value's first message: its length, then as much of it as fits
 
 
 def on_every_rank(exc: BaseException) -> BaseException:
@@ -54,6 +55,8 @@ class Comm:
         self.store = dist.distributed_c10d._get_default_store()
         self.board = FailureBoard(self.store, rank, size or len(self.global_ranks or ()) or 1, timeout)
         self.pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive until sent)
+        self._coalescing: bool | None = None  # whether the group's backend batches sends and receives
+        self._ranks: dict[int, int] = {}  # pipeline rank -> rank in the group
 
     # -- failure signalling ----------------------------------------------------------
     def fail(self, message: str) -> None:
@@ -73,6 +76,7 @@ class Comm:
         it, so the pending sends go too (the step they belong to has failed).
         """
         self.pending = []
+        self._coalescing, self._ranks = None, {}
         group, self.group = self.group, None
         if group is not None:
             try:
@@ -85,6 +89,7 @@ class Comm:
     def reopen(self, group: Any) -> None:
         """Continue on ``group``, a fresh group of the same ranks, after a failed step."""
         self.group = group
+        self._coalescing, self._ranks = None, {}
 
     def wait(self, works: Sequence[Any], what: str, peer: int | None = None) -> None:
         """Wait for ``works``; turn a failure or the timeout into :class:`PeerFailure`."""
@@ -136,19 +141,42 @@ class Comm:
 
     def _batch(self, sends: Sequence[tuple[torch.Tensor, int, int]],
                recvs: Sequence[tuple[torch.Tensor, int, int]], what: str) -> list[Any]:
-        """Post sends then receives as one batch; return their works in that order."""
+        """Post sends then receives as one batch; return their works in that order.
+
+        A backend that coalesces (NCCL) gets them as one ``batch_isend_irecv``; one that does not
+        (gloo) would only loop over them there, building a ``P2POp`` and translating the peer's
+        rank per tensor, so they go straight to the group's ``send`` and ``recv``.
+        """
         if self.group is None:
             raise PeerFailure(f"rank {self.rank}: the pipeline's connections are closed after a failed step "
                               f"(while {what}); call pipe.step or pipe(x) again on every rank to go on")
-        at = self.global_ranks.__getitem__ if self.global_ranks is not None else int
-        ops = [dist.P2POp(dist.isend, t, at(peer), self.group, tag) for t, peer, tag in sends]
-        ops += [dist.P2POp(dist.irecv, t, at(peer), self.group, tag) for t, peer, tag in recvs]
-        if not ops:
+        if not sends and not recvs:
             return []
         try:
-            return dist.batch_isend_irecv(ops)
+            if self._coalesces():
+                at = self.global_ranks.__getitem__ if self.global_ranks is not None else int
+                ops = [dist.P2POp(dist.isend, t, at(peer), self.group, tag) for t, peer, tag in sends]
+                ops += [dist.P2POp(dist.irecv, t, at(peer), self.group, tag) for t, peer, tag in recvs]
+                return dist.batch_isend_irecv(ops)
+            send, recv, rank_of = self.group.send, self.group.recv, self._group_rank
+            works = [send([_wire(t)], rank_of(peer), tag) for t, peer, tag in sends]
+            return works + [recv([_wire(t)], rank_of(peer), tag) for t, peer, tag in recvs]
         except Exception as exc:  # noqa: BLE001 - a send to a closed connection fails at once
             raise self._explain(exc, what) from None
+
+    def _coalesces(self) -> bool:
+        """Tell whether the group's backend for this rank's device batches point-to-point operations (NCCL)."""
+        if self._coalescing is None:
+            self._coalescing = bool(self.group._get_backend(self.device).supports_coalescing)
+        return self._coalescing
+
+    def _group_rank(self, peer: int) -> int:
+        """Return pipeline rank ``peer``'s rank in the group (asked once per peer and group)."""
+        rank = self._ranks.get(peer)
+        if rank is None:
+            rank = self._ranks[peer] = dist.get_group_rank(
+                self.group, self.global_ranks[peer] if self.global_ranks is not None else peer)
+        return rank
 
     def flush(self, what: str = "finishing sends") -> None:
         """Wait until every posted send has left."""
@@ -157,15 +185,37 @@ class Comm:
 
     # -- small Python values, point to point ---------------------------------------------
     def send_object(self, value: Any, dst: int) -> None:
-        """Send a small picklable value to rank ``dst`` (received by :meth:`recv_object`)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(self.device)
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
-        self.exchange([(size, dst, OBJECT_TAG), (data, dst, OBJECT_TAG)], [], "sending a small message")
+        """Send a small picklable value to rank ``dst`` (received by :meth:`recv_object`).
+
+        One message of :data:`INLINE` bytes holds the length and, when it fits (a step's layout,
+        a loss), the value; a longer value's rest follows in a second message.
+        """
+        data = pickle.dumps(value)
+        head = torch.zeros(INLINE, dtype=torch.uint8)
+        head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        first = min(len(data), INLINE - 8)
+        if first:
+            head[8:8 + first] = torch.frombuffer(bytearray(data[:first]), dtype=torch.uint8)
+        sends = [(head.to(self.device), dst, OBJECT_TAG)]
+        if len(data) > first:
+            rest = torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8)
+            sends.append((rest.to(self.device), dst, OBJECT_TAG))
+        self.exchange(sends, [], "sending a small message")
 
     def recv_object(self, src: int, what: str) -> Any:
         """Receive a value sent by :meth:`send_object` on rank ``src``."""
-        size = torch.empty(1, dtype=torch.int64, device=self.device)
-        self.exchange([], [(size, src, OBJECT_TAG)], what)
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self.exchange([], [(data, src, OBJECT_TAG)], what)
-        return pickle.loads(bytes(data.cpu().tolist()))  # no numpy needed
+        head = torch.empty(INLINE, dtype=torch.uint8, device=self.device)
+        self.exchange([], [(head, src, OBJECT_TAG)], what)
+        head = head.cpu()
+        size = int(head[:8].view(torch.int64).item())
+        data = bytes(head[8:8 + min(size, INLINE - 8)].tolist())
+        if size > INLINE - 8:
+            rest = torch.empty(size - (INLINE - 8), dtype=torch.uint8, device=self.device)
+            self.exchange([], [(rest, src, OBJECT_TAG)], what)
+            data += bytes(rest.cpu().tolist())
+        return pickle.loads(data)  # no numpy needed
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """Return the tensor a message carries: a complex tensor as its real view, as ``isend`` sends it."""
+    return torch.view_as_real(t) if t.is_complex() else t

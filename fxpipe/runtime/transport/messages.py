@@ -7,7 +7,10 @@ over in memory; between ranks it is one message per (sending stage, micro-batch,
 rank), holding the values that rank reads, in the sender's order of outputs.
 
 Receive buffers are sized from the plan: :func:`fxpipe.passes.value_specs` gives the shape
-of every crossing value for a micro-batch (on fake tensors, once per layout). Every rank
+of every crossing value for a micro-batch (on fake tensors, once per layout), and a buffer
+nothing refers to any more is reused by a later message (:mod:`fxpipe.runtime.transport.buffers`).
+The transport of a step kind lives across steps: what it reads off the plan and the programs
+is read once, and :meth:`DistTransport.begin` starts each step. Every rank
 knows every rank's program, so it posts its receives from a peer in the order that peer
 sends, one message ahead of the one it waits for::
 
@@ -34,12 +37,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from fxpipe.passes import TensorSpec
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.microbatch import sum_grads
 from fxpipe.runtime.schedules.actions import Action
+from fxpipe.runtime.transport.buffers import BufferPool, empty_like_spec, floating
 from fxpipe.runtime.transport.comm import Comm
 
 __all__ = ["DistTransport"]
@@ -59,6 +62,7 @@ class DistTransport:
         self.device = device
         self.comm = comm
         self.specs = specs  # micro-batch index -> {value name: spec}
+        self.pool = BufferPool(device)
         self.inputs: list[list[Any]] = []
         self.rank_of = [s.on_rank for s in plan.stages]
         self.producer = plan.producer()
@@ -83,6 +87,14 @@ class DistTransport:
         # (the same every step of the same programs: pass back ``self.routes`` to skip reading them again)
         self.routes = routes or self._read_routes(programs)
         self.queue, self.index, self.acks = self.routes
+        self.begin(specs)
+
+    def begin(self, specs: Callable[[int], dict[str, Any]], inputs: list[list[Any]] | None = None) -> None:
+        """Start a step whose micro-batches' crossing values have ``specs`` (the first stage's ``inputs``)."""
+        self.specs = specs
+        self.inputs = inputs if inputs is not None else []
+        self.box = {}
+        self.pool.begin()
         self.posted = {q: 0 for q in self.queue}  # how many of each peer's messages are posted
         self.pending: dict[Key, tuple[list[Any], Callable[[], None]]] = {}
         self.arrived: set[Key] = set()
@@ -160,7 +172,8 @@ class DistTransport:
 
     def abandon(self) -> None:
         """Drop every pending send and receive (a failed step: the runtime closes the connections)."""
-        self.sent, self.pending = {}, {}
+        self.sent, self.pending, self.box = {}, {}, {}
+        self.pool.clear()
 
     # -- receiving, in each peer's order ---------------------------------------------------
     def _await(self, key: Key) -> None:
@@ -186,7 +199,7 @@ class DistTransport:
         names = (self.fwd_to if kind == "F" else self.bwd_to)[j][self.rank]
         built, bufs = [], []
         for v in names:
-            build, tensors = _empty_like_spec(specs[v], self.device, floating_only=kind == "B")
+            build, tensors = empty_like_spec(specs[v], self.pool, floating_only=kind == "B")
             built.append(build)
             bufs += tensors
         peer = self.rank_of[j]
@@ -251,26 +264,6 @@ class DistTransport:
         self._send((j, "B", i), sends, f"sending micro-batch {i}'s input gradients of stage {j}")
 
 
-def _floating(spec: Any) -> bool:
-    """Tell whether a spec leaf is a floating tensor (one that carries a gradient)."""
-    return isinstance(spec, TensorSpec) and spec.dtype.is_floating_point
-
-
-def _empty_like_spec(spec: Any, device: torch.device, floating_only: bool):
-    """Allocate receive buffers for a value's tensors; return (build value, buffers)."""
-    leaves, tree = tree_flatten(spec)
-    bufs: list[torch.Tensor] = []
-    filled: list[Any] = []  # the value's leaves: buffers, and the spec's other leaves
-    for leaf in leaves:
-        if isinstance(leaf, TensorSpec) and (_floating(leaf) or not floating_only):
-            buf = torch.empty(leaf.shape, dtype=leaf.dtype, device=device)
-            bufs.append(buf)
-            filled.append(buf)
-        else:
-            filled.append(None if floating_only else leaf)
-    return (lambda: tree_unflatten(filled, tree)), bufs
-
-
 def _tensors(value: Any, floating_only: bool) -> list[torch.Tensor]:
     """Return the (contiguous) tensors of a value in flattening order."""
     leaves, _ = tree_flatten(value)
@@ -286,7 +279,7 @@ def _grad_tensors(grad: Any, spec: Any, device: torch.device) -> list[torch.Tens
         grad_leaves = [grad] if isinstance(grad, torch.Tensor) else [None] * len(spec_leaves)
     out = []
     for s, g in zip(spec_leaves, grad_leaves):
-        if _floating(s):
+        if floating(s):
             out.append(g.contiguous() if isinstance(g, torch.Tensor)
                        else torch.zeros(s.shape, dtype=s.dtype, device=device))
     return out
