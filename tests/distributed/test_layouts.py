@@ -28,3 +28,13 @@ def test_simulate_measured_on_every_rank(layout, tmp_path, launch):
     if ":shard" in layout:  # the gathered parameters plus the 1/dp shard: 1.5x the replicated ones
         again = next(r for r in results if r["ok"])
         assert again["params"][0] > 0
+
+
+@pytest.mark.parametrize("wanted", ["dp2xpp2", "pp2xtp2", "pp2:v2xdp2"])
+def test_the_written_plan_compiles_to_the_chosen_layout(wanted, tmp_path, launch):
+    results = launch("plan_cases:written_plan", 4, wanted, tmp_path)
+    _ok(results)
+    for r in results:
+        assert r["layout"] == r["chosen"]
+        assert r["schedule"] == r["chosen_schedule"] and r["chunks"] == r["chosen_chunks"]
+        assert r["same_split"] and r["ranks"] == r["chosen_ranks"] and r["policies"] == r["chosen_policies"]

@@ -58,3 +58,34 @@ def simulate_layout(rank, world, name):
             "ranks": sorted({s.rank for s in sim.stages}), "stages": len(sim.stages), "schedule": sim.schedule,
             "params": [s.memory.params for s in sim.stages], "optimizer": [s.memory.optimizer for s in sim.stages],
             "throughput": sim.throughput, "layout": pipe.plan.layout}
+
+
+def written_plan(rank, world, wanted):
+    """Search 4 GPUs for the tiny MLP, save the first layout shaped ``wanted`` (``dp2xpp2``, ``pp2xtp2``, ...),
+    compile it from the file alone and run a step; return the plan's layout and what the pipe runs."""
+    import os
+
+    from fxpipe.simulate.cluster import cluster_search
+
+    torch.manual_seed(0)
+    model, x, y = _mlp()
+    found = cluster_search(model, (x,), gpus=world, gpus_per_node=world, device="h100", batch=x.shape[0],
+                           optimizer="sgd", keep=1000)
+    want = parse(wanted)
+    choice = next(c for c in found.ranked if c.shape.dp == want["data_parallel"] and c.shape.pp == want["pp"]
+                  and c.shape.tp == want["tensor_parallel"] and c.shape.v == want["stages_per_rank"])
+    path = os.path.join(os.environ["FXPIPE_TEST_DIR"], f"plan{rank}.json")
+    found.plan(choice).save(path)
+    s = choice.shape
+    rows = x.shape[0] // s.dp
+    replica, pp_rank = rank // (s.pp * s.tp), rank // s.tp % s.pp
+    xs, ys = x[replica * rows:(replica + 1) * rows], y[replica * rows:(replica + 1) * rows]
+    pipe = fxpipe.compile(model, s.n_stages, example_inputs=(xs,), runtime="distributed", timeout=60, plan=path)
+    last = pipe.plan.stages[-1].on_rank == pp_rank
+    loss = pipe.step(xs if pp_rank == 0 else None, target=ys if last else None, loss_fn=F.mse_loss)
+    saved = fxpipe.PipelinePlan.load(path)
+    return {"layout": pipe.plan.layout, "chosen": saved.layout, "schedule": pipe.plan.schedule,
+            "chosen_schedule": s.schedule, "chunks": pipe.plan.chunks, "chosen_chunks": s.chunks,
+            "same_split": [st.nodes for st in pipe.plan.stages] == [st.nodes for st in saved.stages],
+            "ranks": [st.on_rank for st in pipe.plan.stages], "chosen_ranks": [st.on_rank for st in saved.stages],
+            "policies": pipe.plan.policies(), "chosen_policies": saved.policies(), "loss": float(loss)}
