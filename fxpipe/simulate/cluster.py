@@ -19,6 +19,7 @@ layout is skipped only when it cannot fit (its state alone overflows) or cannot 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -135,20 +136,42 @@ class ClusterSearch:
 
 
 def _tp_sizes(gm: torch.fx.GraphModule, gpus_per_node: int, gpus: int) -> dict[int, tuple[dict[str, Any], set[str]]]:
-    """Return the tp sizes (up to a node) the automatic TP plan takes, with each one's record and shards."""
+    """Return the tp sizes (up to a node) the automatic TP plan takes, with each one's record and shards.
+
+    The automatic plan's roles are derived once, at the smallest size, and checked at each larger
+    size as a written plan (one propagation, not the derivation's many); a size they do not divide
+    is derived anew.
+    """
     out: dict[int, tuple[dict[str, Any], set[str]]] = {}
+    written: dict[str, Any] | None = None
     t = 2
     while t <= min(gpus_per_node, gpus):
         if gpus % t == 0:
-            try:
-                tp = plan_tensor_parallel(gm, t, "auto", record=False)
-            except (ValueError, TypeError) as exc:  # a size the model's layers do not divide by
-                log.info("tensor_parallel=%d skipped: %s", t, exc)
-            else:
-                if tp.layouts:
-                    out[t] = (tp.record(1), set(tp.layouts))
+            tp = None
+            for plan in ([written] if written else []) + ["auto"]:
+                try:
+                    tp = plan_tensor_parallel(gm, t, plan, record=False)
+                    break
+                except (ValueError, TypeError) as exc:  # a size the model's layers do not divide by
+                    log.info("tensor_parallel=%d with %s plan: %s", t, "the automatic" if plan == "auto" else "a", exc)
+            if tp is not None and tp.layouts:
+                out[t] = (tp.record(1), set(tp.layouts))
+                written = written or dict(tp.styles)
         t *= 2
     return out
+
+
+def _between(low: list[StageCost], high: list[StageCost], r0: float, r1: float, r: float) -> list[StageCost]:
+    """Return stage costs at ``r`` rows, interpolated linearly between those at ``r0`` and ``r1`` rows."""
+    w = (r - r0) / (r1 - r0)
+
+    def mix(a: Any, b: Any) -> Any:
+        if isinstance(a, dict):
+            return {k: mix(a.get(k, 0.0), b.get(k, 0.0)) for k in set(a) | set(b)}
+        return a + (b - a) * w if isinstance(a, float) else a
+
+    return [StageCost(**{f.name: mix(getattr(x, f.name), getattr(y, f.name)) for f in dataclasses.fields(StageCost)})
+            for x, y in zip(low, high)]
 
 
 def _state(costs: Sequence[StageCost], ranks: Sequence[int], s: Shape, optimizer: str) -> tuple[float, int]:
@@ -184,13 +207,18 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
                    kwargs: dict | None = None, dtype: torch.dtype | None = None, optimizer: str = "adam",
                    schedules: Sequence[str] | None = None, checkpoints: Sequence[str] = (*POLICIES, AUTO),
                    tensor_parallel: Sequence[int] | None = None, keep: int = 10, tokens: int = 1,
-                   leaf_modules: Sequence[Any] = ()) -> ClusterSearch:
+                   leaf_modules: Sequence[Any] = (), only: Sequence[Shape] | None = None,
+                   max_stages: int = 128, exact_sizes: int = 3) -> ClusterSearch:
     """Simulate the layouts of ``model`` on ``gpus`` devices (``gpus_per_node`` to a node); return them ranked.
 
     ``memory`` is each device's budget (default: the device model's); ``batch`` the global rows
     per step (default: the example batch); ``tokens`` the tokens per row, for the per-GPU
-    throughput. ``tensor_parallel`` limits the tp sizes tried. ``keep`` layouts are kept in
-    full; the others are pruned by the bounds (see the module).
+    throughput. ``tensor_parallel`` limits the tp sizes tried; ``max_stages`` the stages of a
+    pipeline. ``keep`` layouts are kept in full; the others are pruned by the bounds (see the
+    module). ``only`` simulates just these layouts (a published configuration), unpruned. Stage
+    costs are computed for at most ``exact_sizes`` micro-batch sizes per cut and tp size; the
+    others are interpolated linearly between the smallest and the largest (bytes scale with the
+    rows exactly; seconds do once the GEMMs are past the efficiency knee, ``DeviceModel.d_half``).
     """
     start = time.perf_counter()
     model_ = device_model(device)
@@ -204,25 +232,44 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
     if tensor_parallel is not None:
         tps = {t: v for t, v in tps.items() if t in tensor_parallel}
     blocks = len(passes.compute_nodes(gm))
-    space = [s for s in shapes(gpus, gpus_per_node, batch, blocks, tps=sorted(tps), schedules=schedules)]
+    if only is not None:
+        tps = {t: v for t, v in tps.items() if t in {s.tp for s in only}}
+        missing = sorted({s.tp for s in only} - set(tps))
+        if missing:
+            raise ValueError(f"tensor_parallel={missing[0]}: the automatic TP plan does not split this model "
+                             f"over {missing[0]} ranks")
+        space = list(only)
+        keep = len(space)
+    else:
+        space = list(shapes(gpus, gpus_per_node, batch, min(blocks, max_stages), tps=sorted(tps),
+                            schedules=schedules))
     modes = [c for c in checkpoints if c != AUTO]
     found = ClusterSearch([], [], gm, model_, gpus, gpus_per_node, batch, budget, tokens, layouts=len(space))
     costs_of: dict[tuple[int, int, float], list[StageCost]] = {}
+    memo: dict[Any, Any] = {}
     staged: list[tuple[float, Shape, list[StageCost], list[int]]] = []
     for n in sorted({s.n_stages for s in space}):
         plan = _cut(gm, n, model_)
         found.cuts[n] = plan
-        for s in [s for s in space if s.n_stages == n]:
-            rows = batch / s.dp / s.chunks
-            key = (n, s.tp, rows)
-            if key not in costs_of:
-                costs = graph_costs(gm, plan, model_, rows, dtype)
-                record, sharded = tps[s.tp]
-                if record is not None:
-                    link = Layout(pp=s.pp, tp=s.tp).tp_link(model_)
-                    costs = with_tensor_parallel(costs, gm, plan, record, link, rows, dtype, None, sharded)[0]
-                costs_of[key] = costs
-            costs = costs_of[key]
+        mine = [s for s in space if s.n_stages == n]
+
+        def exact(tp: int, rows: float) -> list[StageCost]:
+            """Return the stage costs of this cut at ``tp`` and micro-batches of ``rows`` rows."""
+            costs = graph_costs(gm, plan, model_, rows, dtype, memo=memo)
+            record, sharded = tps[tp]
+            if record is not None:
+                link = Layout(pp=n, tp=tp).tp_link(model_)
+                costs = with_tensor_parallel(costs, gm, plan, record, link, rows, dtype, None, sharded)[0]
+            return costs
+
+        for tp in sorted({s.tp for s in mine}):
+            sizes = sorted({batch / s.dp / s.chunks for s in mine if s.tp == tp})
+            ends = {r: exact(tp, r) for r in (sizes if len(sizes) <= exact_sizes else (sizes[0], sizes[-1]))}
+            for r in sizes:
+                costs_of[(n, tp, r)] = ends[r] if r in ends else _between(ends[sizes[0]], ends[sizes[-1]], sizes[0],
+                                                                         sizes[-1], r)
+        for s in mine:
+            costs = costs_of[(n, s.tp, batch / s.dp / s.chunks)]
             ranks = PLACEMENTS[s.schedule](n, s.pp) if s.schedule in PLACEMENTS else list(range(n))
             state, r = _state(costs, ranks, s, optimizer)
             if state > budget:
@@ -233,7 +280,7 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
     staged.sort(key=lambda t: t[0])
     kept: list[float] = []
     for k, (bound, s, costs, ranks) in enumerate(staged):
-        if len(kept) >= keep and bound > kept[keep - 1]:
+        if only is None and len(kept) >= keep and bound > kept[keep - 1]:
             found.bounded = len(staged) - k
             break
         choice = _evaluate(s, costs, ranks, model_, budget, modes, AUTO in checkpoints, batch, optimizer)

@@ -74,4 +74,5 @@ def sharded_memory(mem: Memory, layout: Layout) -> Memory:
     """Return a stage's (or device's) memory under FSDP2: the shards on top of the gathered state."""
     if not layout.shard or layout.dp == 1:
         return mem
-    return dataclasses.replace(mem, params=mem.params * (1 + 1 / layout.dp), optimizer=mem.optimizer / layout.dp)
+    return dataclasses.replace(mem, params=mem.params * (1 + 1 / layout.dp), optimizer=mem.optimizer / layout.dp,
+                               growth=mem.growth + mem.params)  # gathered at the first forward, freed after the step

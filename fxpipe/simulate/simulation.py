@@ -307,9 +307,13 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
     stage_mem, dev_mem = memsim.walk(spans, held, stop, device_of, optimizer)  # a value shared on a device once
     stage_mem = [sharded_memory(mem, grid) for mem in stage_mem]
     dev_mem = {d: sharded_memory(mem, grid) for d, mem in dev_mem.items()}
-    busy_dev = {d: sum(s.end - s.start for s in spans if device_of[s.action.stage] == d) for d in set(device_of)}
-    results = [StageResult(j, device_of[j], sum(s.end - s.start for s in spans if s.action.stage == j),
-                           step - busy_dev[device_of[j]], stage_mem[j]) for j in range(n)]
+    busy = [0.0] * n
+    for s in spans:
+        busy[s.action.stage] += s.end - s.start
+    busy_dev = {d: 0.0 for d in set(device_of)}
+    for j in range(n):
+        busy_dev[device_of[j]] += busy[j]
+    results = [StageResult(j, device_of[j], busy[j], step - busy_dev[device_of[j]], stage_mem[j]) for j in range(n)]
     bubble = 1 - sum(busy_dev.values()) / (len(busy_dev) * step) if step else 0.0
     return Simulation(step, bubble, results, dev_mem, spans, name, m, describe(policies), runtime, model, costs,
                       batch, policies, grid.tp, None, grid.dp, grid.shard)
