@@ -51,8 +51,8 @@ LAYOUTS = ["pp4@1f1b", "pp2xdp2@1f1b", "pp2xdp2:shard@1f1b", "pp2:v2xdp2@interle
 def _mlp():
     layers = []
     for _ in range(8):
-        layers += [nn.Linear(256, 256), nn.Tanh()]
-    return nn.Sequential(*layers), torch.randn(64, 256), torch.randn(64, 256), F.mse_loss
+        layers += [nn.Linear(512, 512), nn.Tanh()]
+    return nn.Sequential(*layers), torch.randn(256, 512), torch.randn(256, 512), F.mse_loss
 
 
 def _token_loss(logits, target):
@@ -61,7 +61,7 @@ def _token_loss(logits, target):
 
 def _llama(name):
     def make():
-        model, (tokens,) = build(name, batch=16, meta=False)
+        model, (tokens,) = build(name, seq=128, batch=32, meta=False)
         return model, tokens, torch.randint(0, 256, tokens.shape), _token_loss
     return make
 

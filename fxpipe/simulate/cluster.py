@@ -161,6 +161,17 @@ def _tp_sizes(gm: torch.fx.GraphModule, gpus_per_node: int, gpus: int) -> dict[i
     return out
 
 
+def _exact(gm: torch.fx.GraphModule, plan: PipelinePlan, model: DeviceModel, tp_plan: tuple[Any, Any], tp: int,
+           rows: float, dtype: torch.dtype | None, memo: dict) -> list[StageCost]:
+    """Return the stage costs of ``plan``'s cut over ``tp`` ranks (``tp_plan``: its record and shards) at ``rows`` rows."""
+    costs = graph_costs(gm, plan, model, rows, dtype, memo=memo)
+    record, sharded = tp_plan
+    if record is not None:
+        link = Layout(tp=tp).tp_link(model)
+        costs = with_tensor_parallel(costs, gm, plan, record, link, rows, dtype, None, sharded)[0]
+    return costs
+
+
 def _between(low: list[StageCost], high: list[StageCost], r0: float, r1: float, r: float) -> list[StageCost]:
     """Return stage costs at ``r`` rows, interpolated linearly between those at ``r0`` and ``r1`` rows."""
     w = (r - r0) / (r1 - r0)
@@ -252,19 +263,10 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
         plan = _cut(gm, n, model_)
         found.cuts[n] = plan
         mine = [s for s in space if s.n_stages == n]
-
-        def exact(tp: int, rows: float) -> list[StageCost]:
-            """Return the stage costs of this cut at ``tp`` and micro-batches of ``rows`` rows."""
-            costs = graph_costs(gm, plan, model_, rows, dtype, memo=memo)
-            record, sharded = tps[tp]
-            if record is not None:
-                link = Layout(pp=n, tp=tp).tp_link(model_)
-                costs = with_tensor_parallel(costs, gm, plan, record, link, rows, dtype, None, sharded)[0]
-            return costs
-
         for tp in sorted({s.tp for s in mine}):
             sizes = sorted({batch / s.dp / s.chunks for s in mine if s.tp == tp})
-            ends = {r: exact(tp, r) for r in (sizes if len(sizes) <= exact_sizes else (sizes[0], sizes[-1]))}
+            ends = {r: _exact(gm, plan, model_, tps[tp], tp, r, dtype, memo)
+                    for r in (sizes if len(sizes) <= exact_sizes else (sizes[0], sizes[-1]))}
             for r in sizes:
                 costs_of[(n, tp, r)] = ends[r] if r in ends else _between(ends[sizes[0]], ends[sizes[-1]], sizes[0],
                                                                          sizes[-1], r)

@@ -23,7 +23,7 @@ import torch
 from tabulate import tabulate
 
 from fxpipe.options import checkpoint_stop
-from fxpipe.plan.pipeline import PipelinePlan, human
+from fxpipe.plan.pipeline import human
 from fxpipe.runtime.observe.timeline import Timeline
 from fxpipe.runtime.schedules.actions import Action
 from fxpipe.runtime.schedules.finals import final_backwards
@@ -35,6 +35,14 @@ from fxpipe.simulate.eventsim import Span
 from fxpipe.simulate.measure import retain_anywhere
 from fxpipe.simulate.memsim import Memory
 from fxpipe.simulate.network import Layout
+from fxpipe.simulate.reading import (
+    compiled_schedule,
+    default_device,
+    default_runtime,
+    graph_and_plan,
+    layout_of,
+    local_devices,
+)
 from fxpipe.simulate.stagecost import StageCost, describe, example_rows, graph_costs, plan_costs, under
 from fxpipe.simulate.tpcost import TPCost, tp_record, tp_table, with_tensor_parallel
 
@@ -172,20 +180,20 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     so every rank predicts the same step.
     """
     check_factor(compiled)
-    gm, plan = _graph_and_plan(pipe_or_plan)
+    gm, plan = graph_and_plan(pipe_or_plan)
     save = save if save is not None else getattr(pipe_or_plan, "_save", None)
     n = plan.n_stages
     for name, value in (("chunks", chunks), ("batch", batch)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name}={value!r}; use an integer of at least 1 (or leave it out for the plan's)")
     chunks = chunks or plan.chunks
-    name_ = device if device is not None else _default_device(plan)
+    name_ = device if device is not None else default_device(plan)
     if isinstance(name_, str) and name_.lower() == "cpu":  # across ranks: rank 0's calibration, on every rank
         from fxpipe.simulate.measure import agreed
         model = agreed(lambda: device_model(name_))
     else:
         model = device_model(name_)
-    runtime = runtime or _default_runtime(plan, model)
+    runtime = runtime or default_runtime(plan, model)
     if runtime not in ("local", "distributed"):
         raise ValueError(f"runtime={runtime!r}; use 'local' (one process) or 'distributed' (a rank per stage)")
     base = (example_rows(gm) if gm is not None else None) or batch or chunks
@@ -197,7 +205,7 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
         from fxpipe.simulate.measure import measure_everywhere
         measured = measure_everywhere(gm, max(round(batch / m), 1))
     record, sharded = tp_record(gm, plan, tensor_parallel)
-    layout = _layout(plan, record, data_parallel, shard) if runtime == "distributed" else None
+    layout = layout_of(plan, record, data_parallel, shard) if runtime == "distributed" else None
     if layout is not None and layout.tp > 1:
         model = layout.tp_link(model)  # the tp group's collectives: inside a node if it fits
     tp: list[TPCost] | None = None
@@ -219,14 +227,14 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
         costs = [dataclasses.replace(c, forward=c.forward * compiled, backward=c.backward * compiled,
                                      weight=c.weight * compiled) for c in costs]
     if schedule is None:
-        schedule = _compiled_schedule(pipe_or_plan, plan)
+        schedule = compiled_schedule(pipe_or_plan, plan)
     if ranks is None and placement is None and isinstance(schedule, str) and schedule == plan.schedule:
         world = 1 + max(s.on_rank for s in plan.stages)  # several stages per rank: as compiled
         ranks = world if world < n else None
     name, actions, rank_of = eventsim.schedule_rows(schedule, n, m, placement, ranks)
     if layout is not None and layout.dp > 1:  # as the runtime runs it: each stage's last backward a full B
         actions = final_backwards(actions)[0]
-    device_of = _local_devices(plan, model, rank_of) if runtime == "local" else rank_of
+    device_of = local_devices(plan, model, rank_of) if runtime == "local" else rank_of
     if runtime == "local" and name == "gpipe":  # one process: autograd's backward, last micro-batch first
         actions = [[a for a in row if a.kind == "F"] + [a for a in reversed(row) if a.kind != "F"] for row in actions]
     policies = plan.policies() if checkpoint is None else checkpoint
@@ -317,67 +325,6 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
     bubble = 1 - sum(busy_dev.values()) / (len(busy_dev) * step) if step else 0.0
     return Simulation(step, bubble, results, dev_mem, spans, name, m, describe(policies), runtime, model, costs,
                       batch, policies, grid.tp, None, grid.dp, grid.shard)
-
-
-def _layout(plan: PipelinePlan, record: dict[str, Any] | None, dp: int | None, shard: bool | None) -> Layout:
-    """Return the layout to simulate: the plan's replicas, sharding and tp, or the ones asked for."""
-    own = plan.layout or {}
-    for name, value in (("data_parallel", dp),):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name}={value!r}; use an integer of at least 1 (or leave it out for the pipe's)")
-    return Layout(dp=dp or int(own.get("data_parallel", 1)), pp=1 + max(s.on_rank for s in plan.stages),
-                  tp=int(record["size"]) if record is not None else 1,
-                  shard=bool(own.get("data_parallel_shard", False)) if shard is None else bool(shard))
-
-
-def _graph_and_plan(obj: Any) -> tuple[Any, PipelinePlan]:
-    """Return ``(GraphModule or None, plan)`` of a Pipe, a plan, the path of a saved plan, or a
-    ``(GraphModule, plan)`` pair (an annotated graph whose stages the plan names)."""
-    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], PipelinePlan):
-        return obj
-    if isinstance(obj, PipelinePlan):
-        return None, obj
-    if isinstance(obj, str):
-        return None, PipelinePlan.load(obj)
-    plan = getattr(obj, "plan", None)
-    if isinstance(plan, PipelinePlan):
-        return getattr(obj, "_gm", None), plan
-    raise TypeError(f"fxpipe.simulate takes a compiled Pipe, a PipelinePlan or the path of a saved plan, "
-                    f"got {type(obj).__name__}")
-
-
-def _compiled_schedule(obj: Any, plan: PipelinePlan) -> Any:
-    """Return the schedule a pipe was compiled with: its name, or the user's own action lists."""
-    compiled: Any = getattr(obj, "schedule", None) if hasattr(obj, "runtime") else None  # a Pipe's Schedule
-    if getattr(compiled, "custom", None) is not None:
-        return compiled.custom
-    if plan.schedule == "custom":
-        raise ValueError("the plan was compiled with your own schedule, whose actions a plan does not record; "
-                         "pass them as schedule= (or simulate the compiled Pipe)")
-    return plan.schedule
-
-
-def _default_device(plan: PipelinePlan) -> str:
-    """Return ``"cpu"`` for a plan on CPUs; otherwise ask for a device model."""
-    if all(s.device.startswith(("cpu", "rank")) and "cuda" not in s.device for s in plan.stages):
-        return "cpu"
-    raise ValueError("the plan runs on accelerators; name a device model: device='a100', 'h100', 'h200' "
-                     "or a DeviceModel (from fxpipe.simulate.devices import DeviceModel)")
-
-
-def _default_runtime(plan: PipelinePlan, model: DeviceModel) -> str:
-    """Return the plan's runtime: ranks for a distributed plan, and for a CPU plan simulated on accelerators."""
-    names = [s.device for s in plan.stages]
-    if names[0].startswith("rank") or (model.name != "cpu" and all(d.startswith("cpu") for d in names)):
-        return "distributed"
-    return "local"
-
-
-def _local_devices(plan: PipelinePlan, model: DeviceModel, rank_of: list[int]) -> list[int]:
-    """Return the device of each stage in one process: stages on the same device share it."""
-    names = [s.device for s in plan.stages]
-    index = {d: k for k, d in enumerate(dict.fromkeys(names))}
-    return [index[d] for d in names]
 
 
 def _first_stage(row: list[Action], r: int) -> int:

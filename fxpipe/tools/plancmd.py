@@ -103,9 +103,9 @@ def run(args: argparse.Namespace) -> int:
     for s in args.schedules if args.gpus is None else ():
         if s not in SCHEDULE_NAMES:
             if s in ("interleaved", "zbv"):
-                raise UsageError(f"--schedules: {s!r} places several stages on a rank, which fxpipe plan does not "
-                                 f"search yet (each stage gets its own rank); use some of {','.join(SCHEDULE_NAMES)}, "
-                                 f"and fxpipe.simulate(pipe, schedule={s!r}) to predict it")
+                raise UsageError(f"--schedules: {s!r} places several stages on a rank, which fxpipe plan --ranks does "
+                                 f"not search (each stage gets its own rank); use some of {','.join(SCHEDULE_NAMES)}, "
+                                 f"or --gpus N to search the cluster's layout, stages per rank included")
             raise UsageError(f"--schedules: {s!r} is not a schedule; use some of {','.join(SCHEDULE_NAMES)}")
     for c in args.checkpoint:
         if c not in CHECKPOINTS:
