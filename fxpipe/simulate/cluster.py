@@ -219,7 +219,7 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
                    schedules: Sequence[str] | None = None, checkpoints: Sequence[str] = (*POLICIES, AUTO),
                    tensor_parallel: Sequence[int] | None = None, keep: int = 10, tokens: int = 1,
                    leaf_modules: Sequence[Any] = (), only: Sequence[Shape] | None = None,
-                   max_stages: int = 128, exact_sizes: int = 3) -> ClusterSearch:
+                   max_stages: int = 128, exact_sizes: int = 2) -> ClusterSearch:
     """Simulate the layouts of ``model`` on ``gpus`` devices (``gpus_per_node`` to a node); return them ranked.
 
     ``memory`` is each device's budget (default: the device model's); ``batch`` the global rows
@@ -285,8 +285,12 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
         if only is None and len(kept) >= keep and bound > kept[keep - 1]:
             found.bounded = len(staged) - k
             break
-        choice = _evaluate(s, costs, ranks, model_, budget, modes, AUTO in checkpoints, batch, optimizer)
+        cutoff = kept[keep - 1] if only is None and len(kept) >= keep else float("inf")
+        choice = _evaluate(s, costs, ranks, model_, budget, modes, AUTO in checkpoints, batch, optimizer, cutoff)
         found.simulated += 1
+        if choice is None:  # with the least recomputation already slower than the kept ones
+            found.bounded += 1
+            continue
         (found.ranked if choice.fits else found.rejected).append(choice)
         if choice.fits and choice.sim is not None:
             kept = sorted([*kept, choice.sim.step_time])[:keep]
@@ -297,8 +301,12 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
 
 
 def _evaluate(s: Shape, costs: list[StageCost], ranks: list[int], model: DeviceModel, budget: float,
-              modes: Sequence[str], auto: bool, batch: int, optimizer: str) -> Choice:
-    """Simulate layout ``s`` with the least recomputation that fits; return the choice (or the leanest tried)."""
+              modes: Sequence[str], auto: bool, batch: int, optimizer: str, cutoff: float = float("inf")) -> Choice | None:
+    """Simulate layout ``s`` with the least recomputation that fits; return the choice (or the leanest tried).
+
+    Recomputation only adds time, so once the least of it gives a step slower than ``cutoff`` (the
+    slowest of the kept layouts) no policy can be kept: None.
+    """
     n = s.n_stages
     actions = MULTI_PRODUCERS[s.schedule](n, s.chunks, s.pp) if s.schedule in MULTI_PRODUCERS \
         else PRODUCERS[s.schedule](n, s.chunks)
@@ -311,7 +319,9 @@ def _evaluate(s: Shape, costs: list[StageCost], ranks: list[int], model: DeviceM
         sim = run(costs, actions, ranks, ranks, model, name=s.schedule, checkpoint=mode, runtime="distributed",
                   batch=rows, optimizer=optimizer, layout=layout)
         if all(m.peak <= budget for m in sim.devices.values()):
-            return Choice(s, mode, sim, True)
+            return Choice(s, mode, sim, True) if sim.step_time <= cutoff or mode == modes[0] else None
+        if mode == modes[0] and sim.step_time > cutoff:
+            return None
         if leanest is None or max(m.peak for m in sim.devices.values()) < leanest.peak:
             leanest = Choice(s, mode, sim, False, _overflow(sim, budget))
     if auto and len(modes) > 1:

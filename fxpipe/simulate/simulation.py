@@ -288,12 +288,17 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
             talk += gather[a.stage]  # FSDP2: the stage's parameters gathered before its first forward
         return work + model.action_overhead + talk
 
+    hops: dict[tuple[int, int, str], float] = {}
+
     def delay(src: int, dst: int, kind: str, mb: int) -> float:
         """Return the seconds a message from stage ``src`` to stage ``dst`` takes."""
         nbytes = costs[src].sends.get(dst, 0.0) if kind == "F" else costs[src].grads_back.get(dst, 0.0)
         if layout is None or runtime != "distributed":
             return model.message_seconds(nbytes)
-        return grid.hop_seconds(rank_of[src], rank_of[dst], nbytes, model)
+        key = (src, dst, kind)
+        if key not in hops:
+            hops[key] = grid.hop_seconds(rank_of[src], rank_of[dst], nbytes, model)
+        return hops[key]
 
     spans = eventsim.run(actions, duration, n_stages=n, rank_of=rank_of, delay=delay, feeds=feeds, reads=reads,
                          clocked=runtime == "local",

@@ -102,6 +102,7 @@ def make_model(spec: str, shapes: list[tuple[int, ...]] | None,
     factory = load_factory(spec)
     options = dict(options or {})
     if options:
+        params: Any
         try:
             params = inspect.signature(factory).parameters
         except (TypeError, ValueError):
