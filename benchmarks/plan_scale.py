@@ -40,7 +40,7 @@ def main() -> None:
                "--device", "h100", "--memory", "80GB", "--global-batch", str(batch), "--dtype", "bf16", "--top", "3",
                *seq]
         start = time.perf_counter()
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
         wall = time.perf_counter() - start
         head = done.stdout.splitlines()[0] if done.stdout else done.stderr.strip().splitlines()[-1:]
         print(f"{spec} on {gpus} GPUs: {wall:.1f} s wall ({wall / TARGET:.2f}x the {TARGET:.0f} s target), "

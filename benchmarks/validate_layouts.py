@@ -36,12 +36,12 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), HERE]
-from llama import build  # noqa: E402
-from ports import free_port  # noqa: E402
-from rss import peak_growth  # noqa: E402
+from llama import build
+from ports import free_port
+from rss import peak_growth
 
-import fxpipe  # noqa: E402
-from fxpipe.simulate.measure import measure_nodes, plain_copy  # noqa: E402
+import fxpipe
+from fxpipe.simulate.measure import measure_nodes, plain_copy
 
 WORLD = 4
 LAYOUTS = ["pp4@1f1b", "pp2xdp2@1f1b", "pp2xdp2:shard@1f1b", "pp2:v2xdp2@interleaved", "pp2:v2xdp2@zbv",

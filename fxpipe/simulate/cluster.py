@@ -198,11 +198,26 @@ def _state(costs: Sequence[StageCost], ranks: Sequence[int], s: Shape, optimizer
 
 
 def _bound(costs: Sequence[StageCost], ranks: Sequence[int], chunks: int) -> float:
-    """Return the busiest rank's compute for a step: a lower bound of any schedule's step time."""
+    """Return a lower bound of any schedule's step time: the busiest rank's compute, and with a stage per rank
+    the fill and drain around it.
+
+    With one stage per rank, stage ``j`` cannot start before micro-batch 0 has gone forward through
+    the stages before it, and the step cannot end before the gradients of its last backward have
+    gone back through them (their input-gradient parts; weight gradients may wait)::
+
+        step >= sum(F[i] for i < j) + chunks x (F[j] + B[j]) + sum(B[i] - W[i] for i < j)
+    """
     per: dict[int, float] = {}
     for j, c in enumerate(costs):
         per[ranks[j]] = per.get(ranks[j], 0.0) + (c.forward + c.backward) * chunks
-    return max(per.values()) + costs[-1].loss * chunks
+    bound = max(per.values())
+    if len(set(ranks)) == len(costs):  # a stage per rank
+        ahead = behind = 0.0
+        for c in costs:
+            bound = max(bound, ahead + (c.forward + c.backward) * chunks + behind)
+            ahead += c.forward
+            behind += c.backward - c.weight
+    return bound + costs[-1].loss * chunks
 
 
 def _overflow(sim: Simulation, budget: float) -> str:
@@ -254,7 +269,7 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
     else:
         space = list(shapes(gpus, gpus_per_node, batch, min(blocks, max_stages), tps=sorted(tps),
                             schedules=schedules))
-    modes = [c for c in checkpoints if c != AUTO]
+    modes = sorted((c for c in checkpoints if c != AUTO), key=lambda c: POLICIES.index(c) if c in POLICIES else 0)
     found = ClusterSearch([], [], gm, model_, gpus, gpus_per_node, batch, budget, tokens, layouts=len(space))
     costs_of: dict[tuple[int, int, float], list[StageCost]] = {}
     memo: dict[Any, Any] = {}
@@ -281,12 +296,13 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
             staged.append((_bound(costs, ranks, s.chunks), s, costs, ranks))
     staged.sort(key=lambda t: t[0])
     kept: list[float] = []
+    made: dict[Any, Any] = {}  # action lists by schedule, stages, chunks, ranks and replicas
     for k, (bound, s, costs, ranks) in enumerate(staged):
         if only is None and len(kept) >= keep and bound > kept[keep - 1]:
             found.bounded = len(staged) - k
             break
         cutoff = kept[keep - 1] if only is None and len(kept) >= keep else float("inf")
-        choice = _evaluate(s, costs, ranks, model_, budget, modes, AUTO in checkpoints, batch, optimizer, cutoff)
+        choice = _evaluate(s, costs, ranks, model_, budget, modes, AUTO in checkpoints, batch, optimizer, cutoff, made)
         found.simulated += 1
         if choice is None:  # with the least recomputation already slower than the kept ones
             found.bounded += 1
@@ -301,34 +317,47 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
 
 
 def _evaluate(s: Shape, costs: list[StageCost], ranks: list[int], model: DeviceModel, budget: float,
-              modes: Sequence[str], auto: bool, batch: int, optimizer: str, cutoff: float = float("inf")) -> Choice | None:
+              modes: Sequence[str], auto: bool, batch: int, optimizer: str, cutoff: float = float("inf"),
+              made: dict | None = None) -> Choice | None:
     """Simulate layout ``s`` with the least recomputation that fits; return the choice (or the leanest tried).
 
     Recomputation only adds time, so once the least of it gives a step slower than ``cutoff`` (the
-    slowest of the kept layouts) no policy can be kept: None.
+    slowest of the kept layouts) no policy can be kept: None. ``made`` caches the action lists.
     """
+    made = {} if made is None else made
     n = s.n_stages
-    actions = MULTI_PRODUCERS[s.schedule](n, s.chunks, s.pp) if s.schedule in MULTI_PRODUCERS \
-        else PRODUCERS[s.schedule](n, s.chunks)
-    if s.dp > 1:
-        actions = final_backwards(actions)[0]
+    key = (s.schedule, n, s.chunks, s.pp, s.dp > 1)
+    if key not in made:
+        actions = MULTI_PRODUCERS[s.schedule](n, s.chunks, s.pp) if s.schedule in MULTI_PRODUCERS \
+            else PRODUCERS[s.schedule](n, s.chunks)
+        made[key] = final_backwards(actions)[0] if s.dp > 1 else actions
+    actions = made[key]
     layout = Layout(dp=s.dp, pp=s.pp, tp=s.tp, shard=s.shard)
     rows = batch // s.dp
-    leanest: Choice | None = None
-    for mode in modes:
-        sim = run(costs, actions, ranks, ranks, model, name=s.schedule, checkpoint=mode, runtime="distributed",
-                  batch=rows, optimizer=optimizer, layout=layout)
-        if all(m.peak <= budget for m in sim.devices.values()):
-            return Choice(s, mode, sim, True) if sim.step_time <= cutoff or mode == modes[0] else None
-        if mode == modes[0] and sim.step_time > cutoff:
-            return None
-        if leanest is None or max(m.peak for m in sim.devices.values()) < leanest.peak:
-            leanest = Choice(s, mode, sim, False, _overflow(sim, budget))
-    if auto and len(modes) > 1:
-        policies, sim, fits = choose(costs, actions, ranks, ranks, model, budget, name=s.schedule,
-                                     runtime="distributed", batch=rows, optimizer=optimizer, candidates=modes,
-                                     layout=layout)
-        if fits and len(set(policies)) > 1:
-            return Choice(s, AUTO, sim, True)
-    assert leanest is not None
-    return leanest
+
+    def step(policy: str | list[str]) -> Simulation:
+        return run(costs, actions, ranks, ranks, model, name=s.schedule, checkpoint=policy, runtime="distributed",
+                   batch=rows, optimizer=optimizer, layout=layout)
+
+    def fits(sim: Simulation) -> bool:
+        return all(m.peak <= budget for m in sim.devices.values())
+
+    # the leanest mode first: if it overflows, so does every other policy (each stage's leanest is the same)
+    lean = step(modes[-1])
+    if not fits(lean):
+        return Choice(s, modes[-1], lean, False, _overflow(lean, budget))
+    first = step(modes[0]) if len(modes) > 1 else lean
+    if first.step_time > cutoff:  # recomputation only adds time: nothing here can be kept
+        return None
+    if fits(first):
+        return Choice(s, modes[0], first, True)
+    k, sim = next((k, sim) for k, sim in ((k, step(m) if k < len(modes) - 1 else lean)
+                                           for k, m in enumerate(modes[1:], 1)) if fits(sim))
+    best = Choice(s, modes[k], sim, True)
+    if auto and k > 0:  # a policy per stage, from the least recomputation up to the mode that fits every stage
+        policies, mixed, ok = choose(costs, actions, ranks, ranks, model, budget, name=s.schedule,
+                                     runtime="distributed", batch=rows, optimizer=optimizer,
+                                     candidates=list(modes[:k + 1]), layout=layout)
+        if ok and len(set(policies)) > 1 and mixed.step_time < sim.step_time:
+            best = Choice(s, AUTO, mixed, True)
+    return best if best.sim is not None and best.sim.step_time <= cutoff else None
