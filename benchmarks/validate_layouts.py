@@ -87,7 +87,7 @@ def parse(name: str) -> dict:
 def _rank(rank: int, port: int, model_name: str, layout: str, reps: int, chunks: int, out: str) -> None:
     """One rank: compile the layout, time steps, measure a step's memory, predict both."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), MALLOC_MMAP_THRESHOLD_="4096")
+                      LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     kw = parse(layout)
     pp, dp, tp, v = kw.pop("pp"), kw["data_parallel"], kw["tensor_parallel"], kw["stages_per_rank"]
@@ -157,6 +157,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15, help="timed steps per layout (default 15)")
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches (default 4)")
     args = parser.parse_args()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "4096"  # read at a process's start: RSS follows live memory in the ranks
     models = ["mlp"] if args.quick else list(MODELS)
     layouts = LAYOUTS[:3] if args.quick else LAYOUTS
     reps = 3 if args.quick else args.reps
