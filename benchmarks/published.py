@@ -73,12 +73,19 @@ def _run(rows, keep: int, only_published: bool) -> list[str]:
                                    dtype=torch.bfloat16, tokens=SEQ, keep=keep)
             if found.best is not None:
                 b = found.best
-                choice = f"{b.shape.name()}, {b.shape.schedule}, chunks {b.shape.chunks}, {b.setting}"
+                choice = f"{b.shape.name()}, {b.shape.schedule}, chunks {b.shape.chunks}, {_policies(b.setting)}"
                 theirs = f"{found.per_gpu(b):,.0f}"
         lines.append(f"| Llama 3.1 {name.upper()} | {gpus} | {used}; {notes} | {published:,} | {predicted:,.0f}{fits} | "
                      f"{predicted / published:.2f} | {memory} / {c.peak / 2**30:.1f} | {choice} | {theirs} |")
         print(lines[-1], flush=True)
     return lines
+
+
+def _policies(setting) -> str:
+    """Name a recomputation setting briefly: a mode, or how many stages take each mode."""
+    if isinstance(setting, str):
+        return setting
+    return "per stage: " + ", ".join(f"{setting.count(m)} {m}" for m in dict.fromkeys(setting))
 
 
 def main() -> None:
