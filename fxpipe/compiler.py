@@ -17,7 +17,7 @@ from torch import nn
 from fxpipe.options import AUTO, CompileOptions
 from fxpipe.pipe import Pipe
 from fxpipe.plan.assign import assign_stages
-from fxpipe.plan.saved import PlanLike, load_plan
+from fxpipe.plan.saved import PlanLike, adopt_layout, load_plan
 from fxpipe.plan.stages import make_plan
 from fxpipe.runtime.build import build
 from fxpipe.runtime.target import where
@@ -75,8 +75,11 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
 
     ``plan`` (a :class:`PipelinePlan` or the path of one saved with ``plan.save``) reuses a
     saved stage assignment instead of partitioning; it raises :class:`PlanMismatchError`
-    saying what differs if the model's graph no longer matches it. Devices, chunks and
-    checkpointing still come from the arguments.
+    saying what differs if the model's graph no longer matches it. What the plan records of its
+    layout (chunks, schedule, each stage's checkpointing, stages per rank, and with
+    ``runtime="distributed"`` and no ``mesh=`` its replicas, sharding and tensor parallelism: a
+    plan ``fxpipe plan --gpus`` wrote, or ``pipe.plan``) fills every one of these arguments left
+    at its default; an argument given another value wins. Devices come from the arguments.
 
     ``deferred_batch_norm=True`` updates batch norm running statistics once per mini-batch,
     as eager training on the whole batch would, instead of once per micro-batch.
@@ -124,6 +127,14 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.compile expects an nn.Module or a torch.fx.GraphModule, "
                         f"got {type(model).__name__}")
+    if plan is not None:  # what the plan records of the layout fills the arguments left at their defaults
+        layout = adopt_layout(load_plan(plan), {"chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
+                                                "stages_per_rank": stages_per_rank, "data_parallel": data_parallel,
+                                                "data_parallel_shard": data_parallel_shard,
+                                                "tensor_parallel": tensor_parallel}, runtime == "distributed", mesh)
+        chunks, schedule, checkpoint = layout["chunks"], layout["schedule"], layout["checkpoint"]
+        stages_per_rank, data_parallel = layout["stages_per_rank"], layout["data_parallel"]
+        data_parallel_shard, tensor_parallel = layout["data_parallel_shard"], layout["tensor_parallel"]
     options = CompileOptions(
         n_stages, example_inputs=example_inputs, example_kwargs=example_kwargs, devices=devices, chunks=chunks,
         checkpoint=checkpoint, balance_by=balance_by, split_points=split_points, max_memory=max_memory,

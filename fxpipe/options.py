@@ -270,6 +270,19 @@ class CompileOptions:
         return self.tensor_parallel if _count(self.tensor_parallel) else 1
 
     @property
+    def dp(self) -> int:
+        """Return the replicas: ``data_parallel``, or the ``"dp"`` dim of ``mesh=``."""
+        names = tuple(getattr(self.mesh, "mesh_dim_names", None) or ())
+        if "dp" in names and self.data_parallel == 1:
+            return int(self.mesh.size(names.index("dp")))
+        return self.data_parallel if _count(self.data_parallel) else 1
+
+    def layout(self) -> dict[str, Any]:
+        """Return the layout a plan records: what ``fxpipe.compile(plan=)`` reproduces."""
+        return {"runtime": self.runtime, "data_parallel": self.dp, "data_parallel_shard": bool(self.data_parallel_shard),
+                "tensor_parallel": self.tp, "stages_per_rank": self.stages_per_rank}
+
+    @property
     def distributed(self) -> bool:
         """Tell whether the stages run across ``torch.distributed`` ranks."""
         return self.runtime == "distributed"

@@ -27,6 +27,9 @@ class PipelinePlan:
     graph_ops: list[str] = field(default_factory=list)  # per graph node, empty in older plans
     graph_targets: list[str] = field(default_factory=list)  # per graph node, empty in older plans
     tensor_parallel: dict[str, Any] | None = None  # size, styles by module, collectives per micro-batch
+    # how the pipe runs: runtime, data_parallel, data_parallel_shard, tensor_parallel, stages_per_rank
+    # (what fxpipe.compile(plan=) reproduces; None in older plans)
+    layout: dict[str, Any] | None = None
 
     @property
     def n_stages(self) -> int:

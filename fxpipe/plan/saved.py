@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from typing import Union, cast
+from typing import Any, Union, cast
 
 import torch.fx
 from torch.fx.node import _get_qualified_name
@@ -20,11 +20,41 @@ from fxpipe import passes
 from fxpipe.errors import PlanMismatchError
 from fxpipe.plan.pipeline import PipelinePlan
 
-__all__ = ["PlanLike", "apply_plan", "differences", "graph_signature", "load_plan"]
+__all__ = ["LAYOUT_DEFAULTS", "PlanLike", "adopt_layout", "apply_plan", "differences", "graph_signature", "load_plan"]
 
 PlanLike = Union[str, "os.PathLike[str]", PipelinePlan]
 
 _SHOWN = 6  # differences listed per kind before "and N more"
+
+# fxpipe.compile's defaults for what a plan's layout records; an argument left at its default takes the plan's
+LAYOUT_DEFAULTS: dict[str, Any] = {"chunks": 1, "schedule": "gpipe", "checkpoint": "except_last", "stages_per_rank": 1,
+                                   "data_parallel": 1, "data_parallel_shard": False, "tensor_parallel": 1}
+_REPLICAS = ("data_parallel", "data_parallel_shard", "tensor_parallel")  # only across ranks, without mesh=
+
+
+def adopt_layout(plan: PipelinePlan, given: dict[str, Any], distributed: bool, mesh: Any = None) -> dict[str, Any]:
+    """Return ``given`` (compile's layout arguments) with those left at their defaults taken from ``plan``.
+
+    A plan records its chunks, schedule, policies per stage and layout (``plan.layout``: stages
+    per rank, replicas, sharding, tensor parallelism; older plans record none and change nothing).
+    Replicas and tensor parallelism are taken only across ranks and without ``mesh=``; an
+    argument passed with another value than its default wins.
+    """
+    if plan.layout is None:
+        return dict(given)
+    policies = plan.policies()
+    recorded: dict[str, Any] = {"chunks": plan.chunks, "checkpoint": policies[0] if len(set(policies)) == 1
+                                else policies, **{k: plan.layout[k] for k in LAYOUT_DEFAULTS if k in plan.layout}}
+    if plan.schedule != "custom":
+        recorded["schedule"] = plan.schedule
+    out = dict(given)
+    for key, default in LAYOUT_DEFAULTS.items():
+        if key not in recorded or (key in _REPLICAS and (not distributed or mesh is not None)):
+            continue
+        value = given.get(key, default)
+        if type(value) is type(default) and value == default:
+            out[key] = recorded[key]
+    return out
 
 
 def load_plan(plan: PlanLike) -> PipelinePlan:

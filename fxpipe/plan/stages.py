@@ -57,6 +57,7 @@ def make_plan(front: Assignment, options: CompileOptions, devices: Sequence[Any]
                      schedule, front.balance_by, front.cut, saved_plan)
     policies = options.policies()
     plan.tensor_parallel = None if tp is None else tp.record(front.micro)
+    plan.layout = options.layout()
     for s in plan.stages:
         s.rank = ranks[s.index]
         s.checkpoint = policies[s.index] if policies is not None else ""  # "auto": chosen after the plan

@@ -34,32 +34,9 @@ import torch
 from torch import nn
 
 from fxpipe.runtime.placement import register_everywhere
-from fxpipe.runtime.schedules.actions import Action
+from fxpipe.runtime.schedules.finals import final_backwards
 
 __all__ = ["GradSync", "final_backwards"]
-
-
-def final_backwards(actions: Sequence[Sequence[Action]]) -> tuple[list[list[Action]], dict[int, int]]:
-    """Make each stage's last backward a full ``B`` after all its ``W``; return the lists and its micro-batch.
-
-    Moves the ``W`` steps that come after a stage's last ``B``/``I`` to just before it, and
-    turns that last ``I`` (and its ``W``) into one ``B``.
-    """
-    out, finals = [], {}
-    for row in actions:
-        row = list(row)
-        for s in dict.fromkeys(a.stage for a in row):
-            last = max(k for k, a in enumerate(row) if a.stage == s and a.is_backward)
-            final = row[last]
-            finals[s] = final.mb
-            later_w = [a for a in row[last + 1:] if a.stage == s and a.kind == "W"]
-            if final.kind == "B" and not later_w:
-                continue
-            moved = [a for a in later_w if a.mb != final.mb]  # the final one's W goes into its B
-            rest = [a for a in row[last + 1:] if a not in later_w]
-            row = row[:last] + moved + [Action(s, "B", final.mb)] + rest
-        out.append(row)
-    return out, finals
 
 
 class GradSync:

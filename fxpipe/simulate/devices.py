@@ -6,6 +6,11 @@
                             + elements x seconds_per_element            (the rest: memory-bound)
     message time = link_latency + bytes / link_bandwidth
 
+Two levels of network (:mod:`fxpipe.simulate.network`): ``gpus_per_node`` devices share a node
+and talk over its links (NVLink: ``link_bandwidth`` for pipeline hops, ``tp_bandwidth`` for
+collectives); between nodes each device has ``inter_bandwidth`` (InfiniBand or RoCE, 400 Gb/s
+per GPU by default) at ``inter_latency`` per message.
+
 ``kind`` is ``"gemm"`` (linears, matmuls, attention) or ``"conv"``; ``d`` is the kernel's
 smallest GEMM dimension (a micro-batch of 8 rows, a convolution over 3 input channels), which
 the efficiency approaches its plateau past ``d_half``.
@@ -56,6 +61,9 @@ class DeviceModel:
     source: str = ""
     tp_bandwidth: float = 0.0  # bytes/s per rank inside a tensor-parallel group (the node's links); 0: link_bandwidth
     tp_latency: float = 0.0  # seconds per step of a collective inside the group; 0: link_latency
+    gpus_per_node: int = 8  # devices that share a node's links
+    inter_bandwidth: float = 50e9  # bytes/s per device to other nodes, one direction (400 Gb/s)
+    inter_latency: float = 5e-6  # seconds per message between nodes
 
     def flops_per_second(self, dtype: torch.dtype | str, kind: str, d: float | None = None) -> float:
         """Return the FLOP/s a ``kind`` kernel of smallest dimension ``d`` reaches in ``dtype``."""
@@ -170,6 +178,7 @@ def calibrate_cpu(reps: int = 15) -> DeviceModel:
         efficiency={"gemm": 1.0, "conv": conv / gemm}, d_half={"gemm": gemm_half, "conv": conv_half},
         element_seconds=element, kernel_overhead=forward, backward_overhead=max(both - forward, 0.0),
         action_overhead=40e-6, message_overhead=300e-6, step_overhead=200e-6, nominal=False,
+        gpus_per_node=1 << 20, inter_bandwidth=1.5e9, inter_latency=60e-6,
         source=f"calibrated on this CPU with {torch.get_num_threads()} thread(s): GEMM {gemm / 1e9:.0f} "
                f"GFLOP/s, convolution {conv / 1e9:.0f} GFLOP/s, {element * 1e9:.2f} ns per element, "
                f"{forward * 1e6:.1f}/{max(both - forward, 0.0) * 1e6:.1f} us per kernel forward/backward")

@@ -62,17 +62,19 @@ class Fit:
 
 def choose(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int], device_of: list[int],
            model: DeviceModel, budget: float, *, name: str, runtime: str, batch: int,
-           optimizer: str = "none", candidates: Sequence[str] = POLICIES) -> tuple[list[str], Simulation, bool]:
+           optimizer: str = "none", candidates: Sequence[str] = POLICIES,
+           layout: Any = None) -> tuple[list[str], Simulation, bool]:
     """Return each stage's policy with the least recomputation that fits ``budget``, the simulated step, and
     whether every device fits (else the leanest policies tried).
 
-    ``candidates`` are the policies to choose from, least recomputation first.
+    ``candidates`` are the policies to choose from, least recomputation first; ``layout`` the
+    replicas and network (:class:`fxpipe.simulate.network.Layout`) the step runs in.
     """
     n = len(costs)
 
     def step(policies: list[str]) -> Simulation:
         return run(costs, actions, rank_of, device_of, model, name=name, checkpoint=policies, runtime=runtime,
-                   batch=batch, optimizer=optimizer)
+                   batch=batch, optimizer=optimizer, layout=layout)
 
     policies = [candidates[0]] * n
     sim, done = step(policies), set()

@@ -14,7 +14,9 @@ micro-batches: a fresh gradient each time would also time the allocation of new 
 
 from __future__ import annotations
 
+import copy
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +27,8 @@ from fxpipe import passes
 from fxpipe.passes.spec import TensorSpec
 from fxpipe.passes.timing import seconds
 
-__all__ = ["inputs_of_rows", "measure_nodes", "node_profile", "rescale", "whole_graph"]
+__all__ = ["agreed", "inputs_of_rows", "measure_everywhere", "measure_nodes", "node_profile", "plain_copy", "rescale",
+           "retain_anywhere", "whole_graph"]
 
 _KEYS = ("fxpipe.time_fwd", "fxpipe.time_bwd", "fxpipe.time")
 
@@ -120,3 +123,83 @@ def measure_nodes(gm: torch.fx.GraphModule, rows: int, example_inputs: tuple | N
     alone = node_profile(gm, args, dev, repeats)
     moved = tuple(tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, args))
     return rescale(alone, *whole_graph(gm, moved, dev, repeats=max(repeats, 3)))
+
+
+def _plain(t: torch.Tensor, meta: bool = False) -> torch.Tensor:
+    """Return a plain local tensor standing in for ``t``: a copy, or random values of its full shape
+    where ``t`` has no data here (meta) or is a DTensor (its global shape); ``meta``: a meta tensor."""
+    if meta:
+        return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+    if t.is_meta or hasattr(t, "_local_tensor"):
+        shape, dtype = tuple(t.shape), t.dtype
+        return torch.randn(shape, dtype=dtype) * 0.02 if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+    return t.detach().cpu().clone()
+
+
+def plain_copy(gm: torch.fx.GraphModule, meta: bool = False) -> torch.fx.GraphModule:
+    """Return a copy of ``gm`` whose parameters and buffers are plain tensors on the CPU (see :func:`_plain`;
+    ``meta``: on meta).
+
+    The graph and its node annotations are kept; the model's own tensors are neither copied to
+    the copy nor touched.
+    """
+    memo: dict[int, Any] = {}
+    for _, p in gm.named_parameters(remove_duplicate=False):
+        if id(p) not in memo:
+            memo[id(p)] = torch.nn.Parameter(_plain(p, meta), requires_grad=p.requires_grad)
+    for _, b in gm.named_buffers(remove_duplicate=False):
+        memo.setdefault(id(b), _plain(b, meta))
+    return copy.deepcopy(gm, memo)
+
+
+def retain_anywhere(gm: torch.fx.GraphModule) -> None:
+    """Write what backward keeps (:func:`fxpipe.passes.retain`) on ``gm``'s nodes, from a meta copy if
+    ``gm`` holds DTensors (which the pass's fake tensors cannot mix with plain ones)."""
+    if all("fxpipe.retains" in n.meta for n in gm.graph.nodes):
+        return
+    if not any(hasattr(t, "_local_tensor") for t in [*gm.parameters(), *gm.buffers()]):
+        passes.retain(gm)
+        return
+    twin = plain_copy(gm, meta=True)
+    passes.retain(twin)
+    kept = {n.name: n.meta.get("fxpipe.retains") for n in twin.graph.nodes}
+    for n in gm.graph.nodes:
+        n.meta["fxpipe.retains"] = kept.get(n.name) or {}
+
+
+def _needs_copy(gm: torch.fx.GraphModule) -> bool:
+    """Tell whether some parameter or buffer of ``gm`` has no plain data in this process."""
+    return any(t.is_meta or hasattr(t, "_local_tensor") for t in [*gm.parameters(), *gm.buffers()])
+
+
+def _across() -> bool:
+    """Tell whether this process is one rank of several in an initialised process group."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def agreed(make: Callable[[], Any]) -> Any:
+    """Return ``make()``, computed on rank 0 alone (the others waiting) and sent to every rank across ranks."""
+    import torch.distributed as dist
+
+    if not _across():
+        return make()
+    box: list[Any] = [make() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def measure_everywhere(gm: torch.fx.GraphModule, rows: int, example_inputs: tuple | None = None,
+                       repeats: int = 3) -> dict[str, tuple[float, float]]:
+    """Return :func:`measure_nodes` of ``gm`` on the CPU, the same on every rank of a process group.
+
+    Across ranks (``torch.distributed`` initialised, world > 1) rank 0 times a :func:`plain_copy`
+    while the others wait, and the times are broadcast: a rank holds only its own stages (the
+    rest on meta), FSDP2 and tensor parallelism hold DTensors, and ranks measuring at once on
+    shared cores would slow each other down. In one process: ``gm`` itself, or its plain copy
+    if some tensors have no data here.
+    """
+    if not _across():
+        return measure_nodes(plain_copy(gm) if _needs_copy(gm) else gm, rows, example_inputs, repeats=repeats)
+    return dict(agreed(lambda: measure_nodes(plain_copy(gm), rows, example_inputs, repeats=repeats)))

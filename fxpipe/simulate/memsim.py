@@ -75,6 +75,7 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int | Sequence
     dev_live = {d: 0.0 for d in devices}
     dev_peak = {d: 0.0 for d in devices}
     dev_growth = {d: 0.0 for d in devices}
+    dev_grads = {d: 0.0 for d in devices}  # gradients live on each device (its stages past their first backward)
 
     def note(j: int, extra: float) -> None:
         """Record stage ``j``'s live bytes (plus ``extra`` in flight) as a candidate peak."""
@@ -82,8 +83,7 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int | Sequence
         peak[j] = max(peak[j], live[j] + extra)
         growth[j] = max(growth[j], live[j] + extra + (costs[j].grads if grads_on[j] else 0.0))
         dev_peak[d] = max(dev_peak[d], dev_live[d] + extra)
-        dev_growth[d] = max(dev_growth[d], dev_live[d] + extra + sum(
-            costs[k].grads for k in range(n) if grads_on[k] and device_of[k] == d))
+        dev_growth[d] = max(dev_growth[d], dev_live[d] + extra + dev_grads[d])
 
     def add(j: int, nbytes: float) -> None:
         """Change stage ``j``'s live activations by ``nbytes``."""
@@ -103,7 +103,9 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int | Sequence
             add(j, held[(j, i)])
             note(j, 0.0)
         elif a.kind in ("B", "I"):
-            grads_on[j] = True
+            if not grads_on[j]:
+                grads_on[j] = True
+                dev_grads[device_of[j]] += c.grads
             note(j, (c.kept if ckpt else 0.0) + c.transient + c.ahead_b)
             add(j, -held.pop((j, i), 0.0) + (c.wstore if a.kind == "I" else 0.0) + c.pinned_b)
             if (j, i) in let_go:

@@ -23,14 +23,26 @@ import torch
 from tabulate import tabulate
 
 from fxpipe.options import checkpoint_stop
-from fxpipe.plan.pipeline import PipelinePlan, human
+from fxpipe.plan.pipeline import human
 from fxpipe.runtime.observe.timeline import Timeline
 from fxpipe.runtime.schedules.actions import Action
+from fxpipe.runtime.schedules.finals import final_backwards
 from fxpipe.simulate import eventsim, memsim
 from fxpipe.simulate.compiledtime import check_factor, compile_factor
 from fxpipe.simulate.devices import DeviceModel, device_model
+from fxpipe.simulate.dpcost import gather_seconds, reduction_end, sharded_memory
 from fxpipe.simulate.eventsim import Span
+from fxpipe.simulate.measure import retain_anywhere
 from fxpipe.simulate.memsim import Memory
+from fxpipe.simulate.network import Layout
+from fxpipe.simulate.reading import (
+    compiled_schedule,
+    default_device,
+    default_runtime,
+    graph_and_plan,
+    layout_of,
+    local_devices,
+)
 from fxpipe.simulate.stagecost import StageCost, describe, example_rows, graph_costs, plan_costs, under
 from fxpipe.simulate.tpcost import TPCost, tp_record, tp_table, with_tensor_parallel
 
@@ -71,11 +83,18 @@ class Simulation:
     policies: list[str] = dataclasses.field(default_factory=list)  # per stage
     tensor_parallel: int = 1  # ranks per stage
     tp: list[TPCost] | None = None  # per stage: its tensor-parallel collectives per micro-batch
+    data_parallel: int = 1  # replicas of the pipeline, each on its own ``batch`` rows
+    shard: bool = False  # FSDP2 over the replicas (else DDP)
 
     @property
     def throughput(self) -> float:
-        """Return samples per second."""
-        return self.batch / self.step_time if self.step_time else 0.0
+        """Return samples per second of the whole layout (every replica's rows)."""
+        return self.batch * self.data_parallel / self.step_time if self.step_time else 0.0
+
+    @property
+    def gpus(self) -> int:
+        """Return the devices the layout runs on: replicas x ranks per pipeline x tp."""
+        return self.data_parallel * (1 + max((s.rank for s in self.stages), default=0)) * self.tensor_parallel
 
     def timeline(self) -> Timeline:
         """Return the predicted step as a :class:`~fxpipe.Timeline` (``.save(path)``: a Chrome trace)."""
@@ -122,7 +141,8 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
              dtype: torch.dtype | None = None, placement: str | Sequence[int] | None = None,
              ranks: int | None = None, measured: bool | dict[str, tuple[float, float]] | None = None,
              compiled: float | bool | dict[str, Any] | None = None, save: Any = None,
-             tensor_parallel: int | None = None) -> Simulation:
+             tensor_parallel: int | None = None, data_parallel: int | None = None,
+             shard: bool | None = None) -> Simulation:
     """Predict one training step of a compiled pipe (or a plan) without running it.
 
     ``schedule``, ``chunks`` and ``checkpoint`` default to the plan's (``checkpoint``: a mode, or
@@ -148,17 +168,32 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     size): the sharded work divided, the collectives counted per micro-batch (bytes and count, over
     the device's intra-node link, ``DeviceModel.tp_bandwidth``) and added to ``F`` and ``B``, the
     sharded weights divided (:mod:`fxpipe.simulate.tpcost`).
+
+    The pipe's whole layout is followed (``runtime="distributed"``): its replicas
+    (``data_parallel``, default the pipe's, each on ``batch`` rows of its own) and their gradient
+    reduction, DDP's overlapped with each stage's last backward or FSDP2's (``shard``, default the
+    pipe's) gathers before the first forward and reduce-scatters after the last backward, its
+    stages per rank and its tensor parallelism, placed on the device model's two-level network
+    (:mod:`fxpipe.simulate.network`, :mod:`fxpipe.simulate.dpcost`). ``measured=True`` works on every
+    rank of a distributed pipe: rank 0 times a copy of the whole model on plain tensors of the
+    parameters' full shapes (other ranks hold only their own stages) and sends the times to all,
+    so every rank predicts the same step.
     """
     check_factor(compiled)
-    gm, plan = _graph_and_plan(pipe_or_plan)
+    gm, plan = graph_and_plan(pipe_or_plan)
     save = save if save is not None else getattr(pipe_or_plan, "_save", None)
     n = plan.n_stages
     for name, value in (("chunks", chunks), ("batch", batch)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name}={value!r}; use an integer of at least 1 (or leave it out for the plan's)")
     chunks = chunks or plan.chunks
-    model = device_model(device if device is not None else _default_device(plan))
-    runtime = runtime or _default_runtime(plan, model)
+    name_ = device if device is not None else default_device(plan)
+    if isinstance(name_, str) and name_.lower() == "cpu":  # across ranks: rank 0's calibration, on every rank
+        from fxpipe.simulate.measure import agreed
+        model = agreed(lambda: device_model(name_))
+    else:
+        model = device_model(name_)
+    runtime = runtime or default_runtime(plan, model)
     if runtime not in ("local", "distributed"):
         raise ValueError(f"runtime={runtime!r}; use 'local' (one process) or 'distributed' (a rank per stage)")
     base = (example_rows(gm) if gm is not None else None) or batch or chunks
@@ -167,11 +202,15 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     if measured is True:
         if gm is None:
             raise ValueError("measured=True times the model's nodes; pass the compiled Pipe, not a plan")
-        from fxpipe.simulate.measure import measure_nodes
-        measured = measure_nodes(gm, max(round(batch / m), 1))
+        from fxpipe.simulate.measure import measure_everywhere
+        measured = measure_everywhere(gm, max(round(batch / m), 1))
     record, sharded = tp_record(gm, plan, tensor_parallel)
+    layout = layout_of(plan, record, data_parallel, shard) if runtime == "distributed" else None
+    if layout is not None and layout.tp > 1:
+        model = layout.tp_link(model)  # the tp group's collectives: inside a node if it fits
     tp: list[TPCost] | None = None
     if gm is not None:
+        retain_anywhere(gm)
         costs = graph_costs(gm, plan, model, batch / m, dtype, measured or None, save)
         if record is not None:
             costs, tp = with_tensor_parallel(costs, gm, plan, record, model, batch / m, dtype, measured or None,
@@ -188,17 +227,19 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
         costs = [dataclasses.replace(c, forward=c.forward * compiled, backward=c.backward * compiled,
                                      weight=c.weight * compiled) for c in costs]
     if schedule is None:
-        schedule = _compiled_schedule(pipe_or_plan, plan)
+        schedule = compiled_schedule(pipe_or_plan, plan)
     if ranks is None and placement is None and isinstance(schedule, str) and schedule == plan.schedule:
         world = 1 + max(s.on_rank for s in plan.stages)  # several stages per rank: as compiled
         ranks = world if world < n else None
     name, actions, rank_of = eventsim.schedule_rows(schedule, n, m, placement, ranks)
-    device_of = _local_devices(plan, model, rank_of) if runtime == "local" else rank_of
+    if layout is not None and layout.dp > 1:  # as the runtime runs it: each stage's last backward a full B
+        actions = final_backwards(actions)[0]
+    device_of = local_devices(plan, model, rank_of) if runtime == "local" else rank_of
     if runtime == "local" and name == "gpipe":  # one process: autograd's backward, last micro-batch first
         actions = [[a for a in row if a.kind == "F"] + [a for a in reversed(row) if a.kind != "F"] for row in actions]
     policies = plan.policies() if checkpoint is None else checkpoint
     result = run(costs, actions, rank_of, device_of, model, name=name, checkpoint=policies,
-                 runtime=runtime, batch=batch, optimizer=optimizer)
+                 runtime=runtime, batch=batch, optimizer=optimizer, layout=layout)
     if record is not None:
         result.tensor_parallel, result.tp = int(record["size"]), tp
     return result
@@ -206,11 +247,15 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
 
 def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int], device_of: list[int],
         model: DeviceModel, *, name: str, checkpoint: str | Sequence[str], runtime: str, batch: int,
-        optimizer: str = "none") -> Simulation:
+        optimizer: str = "none", layout: Layout | None = None) -> Simulation:
     """Simulate one step from stage costs and action lists per rank (what :func:`simulate` and the planner share).
 
     ``rank_of[j]`` is stage ``j``'s rank; ``device_of[j]`` its device (one process: stages on one
-    device take turns, clock by clock). ``checkpoint`` is a mode, or one per stage.
+    device take turns, clock by clock). ``checkpoint`` is a mode, or one per stage. ``layout``
+    places the pipeline among its replicas and tp groups on a two-level network
+    (:mod:`fxpipe.simulate.network`): hops between nodes cross the slower link, the replicas'
+    gradient reduction and FSDP2's gathers are added (:mod:`fxpipe.simulate.dpcost`); ``batch``
+    is one replica's.
     """
     n = len(costs)
     m = 1 + max(a.mb for row in actions for a in row)
@@ -219,6 +264,11 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
         raise ValueError(f"checkpoint= lists {len(policies)} modes for {n} stages; give one per stage")
     stop = [checkpoint_stop(p, m) for p in policies]
     costs = [under(c, p) for c, p in zip(costs, policies)]
+    grid = layout if layout is not None else Layout(pp=1 + max(rank_of))
+    grid = dataclasses.replace(grid, pp=1 + max(rank_of))
+    gather = gather_seconds(costs, rank_of, grid, model)
+    first_f = {j: min((a.mb for row in actions for a in row if a.stage == j and a.kind == "F"), default=0)
+               for j in range(n)}
     feeds, reads = _links(costs)
     post = model.message_overhead if runtime == "distributed" else 0.0
     messages = {"F": [post * (len([p for p in feeds[j] if rank_of[p] != rank_of[j]])
@@ -234,18 +284,29 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
         work = {"F": c.forward + last, "B": c.backward + redo + last,
                 "I": c.backward - c.weight + redo + last, "W": c.weight}[a.kind]
         talk = messages["F"][a.stage] if a.kind == "F" else messages["G"][a.stage] if a.is_backward else 0.0
+        if a.kind == "F" and a.mb == first_f[a.stage]:
+            talk += gather[a.stage]  # FSDP2: the stage's parameters gathered before its first forward
         return work + model.action_overhead + talk
+
+    hops: dict[tuple[int, int, str], float] = {}
 
     def delay(src: int, dst: int, kind: str, mb: int) -> float:
         """Return the seconds a message from stage ``src`` to stage ``dst`` takes."""
         nbytes = costs[src].sends.get(dst, 0.0) if kind == "F" else costs[src].grads_back.get(dst, 0.0)
-        return model.message_seconds(nbytes)
+        if layout is None or runtime != "distributed":
+            return model.message_seconds(nbytes)
+        key = (src, dst, kind)
+        if key not in hops:
+            hops[key] = grid.hop_seconds(rank_of[src], rank_of[dst], nbytes, model)
+        return hops[key]
 
     spans = eventsim.run(actions, duration, n_stages=n, rank_of=rank_of, delay=delay, feeds=feeds, reads=reads,
                          clocked=runtime == "local",
                          device_of=[device_of[_first_stage(row, r)] for r, row in enumerate(actions)])
     spans = [Span(s.action, s.rank, s.start + model.step_overhead, s.end + model.step_overhead) for s in spans]
     step = max((s.end for s in spans), default=0.0)
+    if runtime == "distributed":
+        step = max(step, reduction_end(spans, costs, rank_of, grid, model))
     if runtime == "distributed":  # what messages between ranks hold
         held = [dataclasses.replace(
             c, pinned_f=sum(b for k, b in c.sends.items() if rank_of[k] != rank_of[j]),
@@ -257,62 +318,18 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
         held = [dataclasses.replace(c, kept=c.kept - sum(
             costs[p].sends.get(j, 0.0) for p in feeds[j] if device_of[p] == device_of[j])) for j, c in enumerate(costs)]
     stage_mem, dev_mem = memsim.walk(spans, held, stop, device_of, optimizer)  # a value shared on a device once
-    busy_dev = {d: sum(s.end - s.start for s in spans if device_of[s.action.stage] == d) for d in set(device_of)}
-    results = [StageResult(j, device_of[j], sum(s.end - s.start for s in spans if s.action.stage == j),
-                           step - busy_dev[device_of[j]], stage_mem[j]) for j in range(n)]
+    stage_mem = [sharded_memory(mem, grid) for mem in stage_mem]
+    dev_mem = {d: sharded_memory(mem, grid) for d, mem in dev_mem.items()}
+    busy = [0.0] * n
+    for s in spans:
+        busy[s.action.stage] += s.end - s.start
+    busy_dev = {d: 0.0 for d in set(device_of)}
+    for j in range(n):
+        busy_dev[device_of[j]] += busy[j]
+    results = [StageResult(j, device_of[j], busy[j], step - busy_dev[device_of[j]], stage_mem[j]) for j in range(n)]
     bubble = 1 - sum(busy_dev.values()) / (len(busy_dev) * step) if step else 0.0
     return Simulation(step, bubble, results, dev_mem, spans, name, m, describe(policies), runtime, model, costs,
-                      batch, policies)
-
-
-def _graph_and_plan(obj: Any) -> tuple[Any, PipelinePlan]:
-    """Return ``(GraphModule or None, plan)`` of a Pipe, a plan, the path of a saved plan, or a
-    ``(GraphModule, plan)`` pair (an annotated graph whose stages the plan names)."""
-    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], PipelinePlan):
-        return obj
-    if isinstance(obj, PipelinePlan):
-        return None, obj
-    if isinstance(obj, str):
-        return None, PipelinePlan.load(obj)
-    plan = getattr(obj, "plan", None)
-    if isinstance(plan, PipelinePlan):
-        return getattr(obj, "_gm", None), plan
-    raise TypeError(f"fxpipe.simulate takes a compiled Pipe, a PipelinePlan or the path of a saved plan, "
-                    f"got {type(obj).__name__}")
-
-
-def _compiled_schedule(obj: Any, plan: PipelinePlan) -> Any:
-    """Return the schedule a pipe was compiled with: its name, or the user's own action lists."""
-    compiled: Any = getattr(obj, "schedule", None) if hasattr(obj, "runtime") else None  # a Pipe's Schedule
-    if getattr(compiled, "custom", None) is not None:
-        return compiled.custom
-    if plan.schedule == "custom":
-        raise ValueError("the plan was compiled with your own schedule, whose actions a plan does not record; "
-                         "pass them as schedule= (or simulate the compiled Pipe)")
-    return plan.schedule
-
-
-def _default_device(plan: PipelinePlan) -> str:
-    """Return ``"cpu"`` for a plan on CPUs; otherwise ask for a device model."""
-    if all(s.device.startswith(("cpu", "rank")) and "cuda" not in s.device for s in plan.stages):
-        return "cpu"
-    raise ValueError("the plan runs on accelerators; name a device model: device='a100', 'h100', 'h200' "
-                     "or a DeviceModel (from fxpipe.simulate.devices import DeviceModel)")
-
-
-def _default_runtime(plan: PipelinePlan, model: DeviceModel) -> str:
-    """Return the plan's runtime: ranks for a distributed plan, and for a CPU plan simulated on accelerators."""
-    names = [s.device for s in plan.stages]
-    if names[0].startswith("rank") or (model.name != "cpu" and all(d.startswith("cpu") for d in names)):
-        return "distributed"
-    return "local"
-
-
-def _local_devices(plan: PipelinePlan, model: DeviceModel, rank_of: list[int]) -> list[int]:
-    """Return the device of each stage in one process: stages on the same device share it."""
-    names = [s.device for s in plan.stages]
-    index = {d: k for k, d in enumerate(dict.fromkeys(names))}
-    return [index[d] for d in names]
+                      batch, policies, grid.tp, None, grid.dp, grid.shard)
 
 
 def _first_stage(row: list[Action], r: int) -> int:

@@ -88,8 +88,11 @@ def example_rows(gm: torch.fx.GraphModule) -> int | None:
 
 def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceModel, rows: float,
                 dtype: torch.dtype | None = None, measured: Mapping[str, tuple[float, float]] | None = None,
-                save: Callable[[torch.fx.Node], bool] | None = None) -> list[StageCost]:
+                save: Callable[[torch.fx.Node], bool] | None = None, memo: dict | None = None) -> list[StageCost]:
     """Return every stage's :class:`StageCost` for micro-batches of ``rows`` rows.
+
+    ``memo`` (a dict kept between calls on the same graph, as a search makes them) holds what does
+    not depend on ``rows``: the graph's mutations, each stage's selective plan and state bytes.
 
     ``dtype`` (default: the parameters') is what activations are computed and kept in: mixed
     precision (``torch.bfloat16`` with float32 parameters) halves their bytes, not the state's.
@@ -110,7 +113,10 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
     size[""] = sum(size[n.name] for n in gm.graph.nodes if n.op == "output")  # the model's output
     consumers = plan.consumers()
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
-    mutations = static_mutations(gm)
+    memo = {} if memo is None else memo
+    if "mutations" not in memo:
+        memo["mutations"] = static_mutations(gm)
+    mutations = memo["mutations"]
     costs = []
     for s in plan.stages:
         mine = [nodes[v] for v in s.nodes if v in nodes]
@@ -138,12 +144,17 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
         for v in s.grad_inputs:
             if v in producer:
                 grads_back[producer[v]] = grads_back.get(producer[v], 0.0) + size.get(v, 0.0)
-        params, grads = _state_bytes(gm, mine)
+        key = tuple(s.nodes)
+        if ("state", key) not in memo:
+            memo[("state", key)] = _state_bytes(gm, mine)
+        params, grads = memo[("state", key)]
         last = size[""] if s.index == plan.n_stages - 1 else 0.0
         out_elems = last / item
         compute = [n for n in mine if n.op in ("call_module", "call_function", "call_method")]
         free = set(s.inputs) | set(s.outputs) | placeholders
-        sel = selective_bytes(compute, selective_plan(gm, compute, save, mutations), size, free, bytes_scale)
+        if ("selective", key) not in memo:
+            memo[("selective", key)] = selective_plan(gm, compute, save, mutations)
+        sel = selective_bytes(compute, memo[("selective", key)], size, free, bytes_scale)
         ends = sum(v for k, v in kept.items() if k in s.inputs or k in s.outputs)  # its inputs and outputs
         costs.append(StageCost(
             forward=sum(x.forward for x in t), backward=sum(x.backward for x in t),

@@ -65,6 +65,7 @@ def with_tensor_parallel(costs: list[StageCost], gm: torch.fx.GraphModule, plan:
     scale = rows / base
     own = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
     times = node_times(gm, device, scale, dtype or own, measured)
+    bytes_scale = scale * torch.empty((), dtype=dtype or own).element_size() / torch.empty((), dtype=own).element_size()
     styled = {c["node"] for c in record["calls"]}
     if sharded is None:
         sharded = {n.name for n in gm.graph.nodes if isinstance(n.meta.get("fxpipe.tp"), int)}
@@ -95,11 +96,27 @@ def with_tensor_parallel(costs: list[StageCost], gm: torch.fx.GraphModule, plan:
                     comm.backward_seconds += collective_seconds(kind, nbytes, t, device)
         shard = sum(b for fqn, b in weights.items() if any(stage_of.get(n) == s.index for n in sites[fqn].nodes))
         c = costs[s.index]
+        split = _sharded_kept(gm, s.nodes, sharded) * bytes_scale * (1 - 1 / t)  # saved values that are shards
         out.append(dataclasses.replace(
             c, forward=c.forward - saved_f + comm.forward_seconds, backward=c.backward - saved_b + comm.backward_seconds,
-            weight=c.weight - saved_w, params=c.params - shard * (1 - 1 / t), grads=max(c.grads - shard * (1 - 1 / t), 0)))
+            weight=c.weight - saved_w, params=c.params - shard * (1 - 1 / t), grads=max(c.grads - shard * (1 - 1 / t), 0),
+            kept=max(c.kept - split, c.inputs), sel_kept=max(c.sel_kept - split, c.inputs)))
         comms.append(comm)
     return out, comms
+
+
+def _sharded_kept(gm: torch.fx.GraphModule, names: list[str], sharded: set[str]) -> float:
+    """Return the bytes (example batch) that a stage's backward saves of values a tp rank holds a shard of."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    total = 0.0
+    for v in names:
+        n = nodes.get(v)
+        if n is None:
+            continue
+        for value, nbytes in (n.meta.get("fxpipe.retains") or {}).items():
+            if value in sharded or (not value and v in sharded):
+                total += float(nbytes)
+    return total
 
 
 def tp_record(gm: Any, plan: PipelinePlan, size: int | None) -> tuple[dict[str, Any] | None, set[str] | None]:

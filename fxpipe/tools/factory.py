@@ -90,13 +90,29 @@ def _run_user(what: str, fn: Callable, *args: Any) -> Any:
         raise FactoryError(f"{what} raised {_describe(exc)}") from None
 
 
-def make_model(spec: str, shapes: list[tuple[int, ...]] | None) -> tuple[Any, tuple | None, dict]:
-    """Call the factory; return the model, its example inputs (or None) and keyword inputs."""
+def make_model(spec: str, shapes: list[tuple[int, ...]] | None,
+               options: dict[str, Any] | None = None) -> tuple[Any, tuple | None, dict]:
+    """Call the factory (with ``options`` as keywords, e.g. ``seq=``); return the model, its example inputs
+    (or None) and keyword inputs."""
+    import inspect
+
     import torch
     from torch import nn
 
     factory = load_factory(spec)
-    made = _run_user(f"{spec}()", factory)
+    options = dict(options or {})
+    if options:
+        params: Any
+        try:
+            params = inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            params = {}
+        missing = [k for k in options if k not in params and not any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())]
+        if missing:
+            raise ModelSpecError(f"MODEL {spec!r}: the factory takes no {', '.join(k + '=' for k in missing)} "
+                                 f"argument; add one (def factory({missing[0]}=...)) to size the example inputs")
+    made = _run_user(f"{spec}()", lambda: factory(**options))
     if isinstance(made, nn.Module):
         model, inputs, kwargs = made, None, {}
     elif isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module):

@@ -2,6 +2,9 @@
 
     fxpipe plan examples/transformer.py:factory --ranks 4 --device h100 --memory 80GB --global-batch 512
 
+With ``--gpus N --gpus-per-node G`` instead of ``--ranks``, the whole cluster's layout is searched
+(:mod:`fxpipe.tools.clustercmd`).
+
 Prints the fastest configurations that fit the memory budget (predicted step time,
 throughput, bubble and each rank's peak memory), how many were rejected over the budget, and
 the first choice's per-stage breakdown; ``--json FILE`` saves its plan for
@@ -18,6 +21,7 @@ from tabulate import tabulate
 
 from fxpipe.plan.pipeline import human
 from fxpipe.tools.cliargs import Failure, UsageError, names, positive, shape
+from fxpipe.tools.clustercmd import add_arguments, run_cluster
 
 __all__ = ["register"]
 
@@ -35,7 +39,8 @@ def register(commands: Any) -> None:
                "--global-batch 512 --json best.json")
     p.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory; "
                    "factory() returns a model and example inputs")
-    p.add_argument("--ranks", type=positive, required=True, metavar="N", help="devices to spread the pipeline over")
+    p.add_argument("--ranks", type=positive, metavar="N", help="devices to spread one pipeline over (one stage "
+                   "per rank; or --gpus for a whole cluster's layout)")
     p.add_argument("--device", default="cpu", metavar="NAME",
                    help="device model: a100, h100, h200 (nominal spec-sheet numbers) or cpu (this machine, "
                         "calibrated now); default cpu")
@@ -43,8 +48,8 @@ def register(commands: Any) -> None:
     p.add_argument("--global-batch", type=positive, metavar="B", help="rows per step (default: the example batch)")
     p.add_argument("--stages", type=_ints, metavar="N,...", help="stage counts to try (default: divisors of --ranks)")
     p.add_argument("--chunks", type=_ints, metavar="M,...", help="micro-batch counts to try (default: 1, 2, 4, ... 64)")
-    p.add_argument("--schedules", type=names, default=["gpipe", "1f1b", "zb"], metavar="A,B",
-                   help="schedules to try (default: gpipe,1f1b,zb)")
+    p.add_argument("--schedules", type=names, default=None, metavar="A,B",
+                   help="schedules to try (default: gpipe,1f1b,zb; with --gpus also interleaved,zbv)")
     p.add_argument("--checkpoint", type=names, default=["never", "selective", "except_last", "always", "auto"],
                    metavar="A,B", help="checkpoint modes to try, each for every stage, and 'auto': the least "
                    "recomputation per stage that fits (default: never,selective,except_last,always,auto)")
@@ -61,6 +66,7 @@ def register(commands: Any) -> None:
                    help="a random float input of this shape (repeat for several inputs)")
     p.add_argument("--traceback", action="store_true", help="show Python tracebacks of unexpected errors")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the planner does")
+    add_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -84,12 +90,22 @@ def run(args: argparse.Namespace) -> int:
     from fxpipe.simulate.planner import CHECKPOINTS, search
     from fxpipe.tools.factory import make_model
 
-    for s in args.schedules:
+    if (args.ranks is None) == (args.gpus is None):
+        raise UsageError("give --ranks N (one pipeline, a stage per rank) or --gpus N (a whole cluster's layout)")
+    args.schedules_given = args.schedules is not None
+    if args.gpus is not None:
+        from fxpipe.options import SCHEDULES
+        for s in args.schedules or ():
+            if s not in SCHEDULES:
+                raise UsageError(f"--schedules: {s!r} is not a schedule; use some of {','.join(SCHEDULES)}")
+    elif args.schedules is None:
+        args.schedules = list(SCHEDULE_NAMES)
+    for s in args.schedules if args.gpus is None else ():
         if s not in SCHEDULE_NAMES:
             if s in ("interleaved", "zbv"):
-                raise UsageError(f"--schedules: {s!r} places several stages on a rank, which fxpipe plan does not "
-                                 f"search yet (each stage gets its own rank); use some of {','.join(SCHEDULE_NAMES)}, "
-                                 f"and fxpipe.simulate(pipe, schedule={s!r}) to predict it")
+                raise UsageError(f"--schedules: {s!r} places several stages on a rank, which fxpipe plan --ranks does "
+                                 f"not search (each stage gets its own rank); use some of {','.join(SCHEDULE_NAMES)}, "
+                                 f"or --gpus N to search the cluster's layout, stages per rank included")
             raise UsageError(f"--schedules: {s!r} is not a schedule; use some of {','.join(SCHEDULE_NAMES)}")
     for c in args.checkpoint:
         if c not in CHECKPOINTS:
@@ -101,13 +117,17 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if args.measure and device.name != "cpu":
         raise UsageError("--measure times nodes on this machine; use it with --device cpu")
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype and args.dtype != "tf32" else None
+    if args.dtype == "tf32":
+        device = device.replace(peak_flops=device.peak_flops | {"float32": device.peak_flops.get("tfloat32", 0.0)})
+    if args.gpus is not None:
+        return run_cluster(args, device, memory, dtype)
+    if args.seq or args.tp or args.inter_node_bandwidth:
+        raise UsageError("--seq, --tp and --inter-node-bandwidth go with --gpus (the cluster search)")
     model, inputs, kwargs = make_model(args.model, args.input_shape)
     if inputs is None:
         raise UsageError("planning needs example inputs: return (model, example_inputs) from the factory "
                          "or pass --input-shape")
-    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype and args.dtype != "tf32" else None
-    if args.dtype == "tf32":
-        device = device.replace(peak_flops=device.peak_flops | {"float32": device.peak_flops.get("tfloat32", 0.0)})
     found = search(model, inputs, ranks=args.ranks, device=device, memory=memory, batch=args.global_batch,
                    kwargs=kwargs or None, stages=args.stages, chunks=args.chunks, schedules=args.schedules,
                    checkpoints=args.checkpoint, optimizer=args.optimizer, dtype=dtype, measure=args.measure,

@@ -146,3 +146,15 @@ def test_plan_that_leaves_a_node_out_is_refused():
     plan.stages[1].nodes.remove("layers_5")
     with pytest.raises(fxpipe.PlanMismatchError, match="node 'layers_5' is assigned to stage None"):
         fxpipe.compile(MLP(), 2, devices=["cpu"] * 2, plan=plan)
+
+
+def test_a_saved_plan_fills_the_layout_arguments_left_at_their_defaults(tmp_path):
+    x = torch.randn(8, 16)
+    first = fxpipe.compile(MLP(), 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=4, schedule="1f1b",
+                           checkpoint=["never", "always"])
+    path = tmp_path / "plan.json"
+    first.plan.save(str(path))
+    again = fxpipe.compile(MLP(), 2, example_inputs=(x,), devices=["cpu"] * 2, plan=str(path))
+    assert (again.plan.chunks, again.plan.schedule, again.plan.policies()) == (4, "1f1b", ["never", "always"])
+    given = fxpipe.compile(MLP(), 2, example_inputs=(x,), devices=["cpu"] * 2, plan=str(path), chunks=2)
+    assert given.plan.chunks == 2 and given.plan.schedule == "1f1b"  # an argument given another value wins

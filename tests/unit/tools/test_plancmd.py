@@ -64,7 +64,7 @@ def test_a_budget_nothing_fits_fails_naming_the_smallest(models, capsys):
     (["--device", "tpu"], "device='tpu'"),
     (["--memory", "lots"], "not a memory size"),
     (["--schedules", "gpipe,pipedream"], "'pipedream' is not a schedule"),
-    (["--schedules", "zbv"], "'zbv' places several stages on a rank, which fxpipe plan does not search yet"),
+    (["--schedules", "zbv"], "'zbv' places several stages on a rank, which fxpipe plan --ranks does not search"),
     (["--device", "h100", "--measure"], "--measure times nodes on this machine"),
 ])
 def test_bad_options_exit_2(models, capsys, args, message):
@@ -83,3 +83,48 @@ def test_plan_runs_as_a_command():
     done = subprocess.run([sys.executable, "-m", "fxpipe", "plan", "--help"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "--ranks" in done.stdout and "--memory" in done.stdout
+
+
+def test_the_cluster_search_prints_the_call_and_launch_line_and_saves_a_plan(models, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    status = cli.main(["plan", f"{models}:mlp", "--gpus", "16", "--gpus-per-node", "8", "--device", "h100",
+                       "--memory", "80GB", "--global-batch", "256", "--dtype", "bf16", "--top", "3", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert status == 0
+    assert "in 2 node(s) of 8" in text and "layouts," in text and "pruned by the compute bound" in text
+    assert "pipe = fxpipe.compile(model, " in text and f"plan={str(out)!r}" in text
+    assert "torchrun --nnodes 2 --nproc-per-node 8" in text
+    import fxpipe
+    plan = fxpipe.PipelinePlan.load(str(out))
+    assert plan.layout["runtime"] == "distributed"
+    s = plan.layout
+    assert s["data_parallel"] * (plan.n_stages // s["stages_per_rank"]) * s["tensor_parallel"] == 16
+
+
+def test_the_cluster_search_names_what_overflows(models, capsys):
+    status = cli.main(["plan", f"{models}:mlp", "--gpus", "4", "--gpus-per-node", "4", "--device", "h100",
+                       "--memory", "400kB", "--global-batch", "32"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "no layout fits in 400.0kB per device; the closest:" in err
+    assert "parameters" in err and "> 400.0kB" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ranks", "2", "--gpus", "4"], "give --ranks N (one pipeline, a stage per rank) or --gpus N"),
+    (["--gpus", "12", "--gpus-per-node", "8"], "is not a whole number of 8-GPU nodes"),
+    (["--ranks", "2", "--seq", "8"], "--seq, --tp and --inter-node-bandwidth go with --gpus"),
+])
+def test_bad_cluster_options_exit_2(models, capsys, args, message):
+    assert cli.main(["plan", f"{models}:mlp", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_link_speeds_read_bits_or_bytes():
+    import argparse
+
+    from fxpipe.tools.clustercmd import bandwidth
+    assert bandwidth("400Gb/s") == bandwidth("400") == pytest.approx(50e9)
+    assert bandwidth("25GB/s") == pytest.approx(25e9)
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a link speed"):
+        bandwidth("fast")

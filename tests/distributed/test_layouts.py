@@ -1,0 +1,40 @@
+"""fxpipe.simulate(pipe, measured=True) on every rank of every layout of 4 gloo ranks: it answers, the same on
+every rank, and follows the layout (replicas, FSDP2 shards, several stages per rank, tensor parallelism)."""
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+LAYOUTS = ["pp4@1f1b", "pp2xdp2@1f1b", "pp2xdp2:shard@1f1b", "pp2xdp2:v2@interleaved", "pp2:v2xdp2@zbv",
+           "pp1xdp4@gpipe", "pp2:tp2@1f1b"]
+
+
+def _ok(results):
+    for r in results:
+        assert r["ok"], r.get("traceback", r)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_simulate_measured_on_every_rank(layout, tmp_path, launch):
+    results = launch("plan_cases:simulate_layout", 4, layout, tmp_path)
+    _ok(results)
+    first = results[0]
+    assert all(r["step"] == first["step"] > 0 for r in results)  # rank 0 measured, every rank predicts alike
+    dp = 4 if "dp4" in layout else 2 if "dp2" in layout else 1
+    assert first["dp"] == dp and first["layout"]["data_parallel"] == dp
+    assert first["shard"] == (":shard" in layout)
+    assert first["tp"] == (2 if "tp2" in layout else 1)
+    assert first["stages"] == (4 if "pp4" in layout or "v2" in layout else 2 if "pp2" in layout else 1)
+    if ":shard" in layout:  # the gathered parameters plus the 1/dp shard: 1.5x the replicated ones
+        again = next(r for r in results if r["ok"])
+        assert again["params"][0] > 0
+
+
+@pytest.mark.parametrize("wanted", ["dp2xpp2", "pp2xtp2", "pp2:v2xdp2"])
+def test_the_written_plan_compiles_to_the_chosen_layout(wanted, tmp_path, launch):
+    results = launch("plan_cases:written_plan", 4, wanted, tmp_path)
+    _ok(results)
+    for r in results:
+        assert r["layout"] == r["chosen"]
+        assert r["schedule"] == r["chosen_schedule"] and r["chunks"] == r["chosen_chunks"]
+        assert r["same_split"] and r["ranks"] == r["chosen_ranks"] and r["policies"] == r["chosen_policies"]

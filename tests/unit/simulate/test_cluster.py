@@ -1,0 +1,43 @@
+"""The cluster search: what it tries, what it rejects and why, and that pruning keeps the fastest."""
+
+import pytest
+import torch
+from torch import nn
+
+from fxpipe.simulate.cluster import cluster_search
+from fxpipe.simulate.layouts import shapes
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)) for _ in range(4)])
+
+
+def test_layouts_split_every_gpu_and_keep_tp_inside_a_node():
+    found = list(shapes(64, 8, 512, 100))
+    assert all(s.dp * s.pp * s.tp == 64 and s.tp <= 8 for s in found)
+    assert {s.v for s in found} == {1, 2, 4} and {"interleaved", "zbv", "zb"} <= {s.schedule for s in found}
+    assert all(s.chunks >= s.pp for s in found)  # fewer micro-batches than ranks leave ranks idle
+    assert any(s.shard for s in found) and any(not s.shard and s.dp > 1 for s in found)
+
+
+def test_an_over_budget_layout_is_rejected_naming_what_overflows():
+    x = torch.randn(32, 64)
+    params = sum(p.numel() * 4 for p in _mlp().parameters())
+    found = cluster_search(_mlp(), (x,), gpus=4, gpus_per_node=4, device="h100", memory=params * 3,
+                           optimizer="adam")
+    state_only = [c for c in found.rejected if c.sim is None]
+    assert state_only and all("parameters, gradients and optimizer state alone" in c.overflow for c in state_only)
+    assert any(c.shape.dp == 4 and not c.shape.shard for c in state_only)  # 4 bytes x 4 (adam) per parameter
+    assert found.ranked and all(c.peak <= params * 3 for c in found.ranked)
+    simulated = [c for c in found.rejected if c.sim is not None]
+    assert all(c.overflow.startswith("rank ") and "activations" in c.overflow for c in simulated)
+
+
+def test_pruning_keeps_the_fastest_layout():
+    x = torch.randn(32, 64)
+    pruned = cluster_search(_mlp(), (x,), gpus=8, gpus_per_node=4, device="h100", batch=64, keep=3)
+    full = cluster_search(_mlp(), (x,), gpus=8, gpus_per_node=4, device="h100", batch=64, keep=10_000)
+    assert pruned.simulated < full.simulated and pruned.bounded > 0
+    assert pruned.best.sim.step_time == pytest.approx(full.best.sim.step_time)
+    assert [c.shape for c in pruned.ranked[:3]] == [c.shape for c in full.ranked[:3]]
