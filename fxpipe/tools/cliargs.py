@@ -26,6 +26,17 @@ def positive(text: str) -> int:
     return value
 
 
+def counts(text: str) -> list[int]:
+    """Parse a comma-separated list of positive integers (stage counts, chunks, tensor-parallel sizes)."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive integers, e.g. 1,2,4,8")
+    return values
+
+
 def names(text: str) -> list[str]:
     """Parse a comma-separated list of names."""
     names = [t.strip() for t in text.split(",") if t.strip()]

@@ -18,7 +18,7 @@ from typing import Any
 from tabulate import tabulate
 
 from fxpipe.plan.pipeline import human
-from fxpipe.tools.cliargs import Failure, UsageError
+from fxpipe.tools.cliargs import Failure, UsageError, counts
 
 __all__ = ["add_arguments", "bandwidth", "run_cluster"]
 
@@ -51,19 +51,9 @@ def add_arguments(p: Any) -> None:
                    help="bandwidth per GPU between nodes, e.g. 400Gb/s (default) or 50GB/s")
     p.add_argument("--seq", type=int, metavar="S", help="sequence length: passed to the factory as seq=S, "
                    "and the tokens per row of the throughput")
-    p.add_argument("--tp", type=_sizes, metavar="T,...", help="tensor-parallel sizes to try (default: powers of "
+    p.add_argument("--tp", type=counts, metavar="T,...", help="tensor-parallel sizes to try (default: powers of "
                    "two up to --gpus-per-node that the automatic TP plan takes)")
 
-
-def _sizes(text: str) -> list[int]:
-    """Parse a comma-separated list of positive integers."""
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive integers, e.g. 1,2,4,8")
-    return values
 
 
 def run_cluster(args: argparse.Namespace, device: Any, memory: float | None, dtype: Any) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 from tabulate import tabulate
 
 from fxpipe.plan.pipeline import human
-from fxpipe.tools.cliargs import Failure, UsageError, names, positive, shape
+from fxpipe.tools.cliargs import Failure, UsageError, counts, names, positive, shape
 from fxpipe.tools.clustercmd import add_arguments, run_cluster
 
 __all__ = ["register"]
@@ -46,8 +46,8 @@ def register(commands: Any) -> None:
                         "calibrated now); default cpu")
     p.add_argument("--memory", metavar="SIZE", help="memory budget per device, e.g. 80GB (default: the device's)")
     p.add_argument("--global-batch", type=positive, metavar="B", help="rows per step (default: the example batch)")
-    p.add_argument("--stages", type=_ints, metavar="N,...", help="stage counts to try (default: divisors of --ranks)")
-    p.add_argument("--chunks", type=_ints, metavar="M,...", help="micro-batch counts to try (default: 1, 2, 4, ... 64)")
+    p.add_argument("--stages", type=counts, metavar="N,...", help="stage counts to try (default: divisors of --ranks)")
+    p.add_argument("--chunks", type=counts, metavar="M,...", help="micro-batch counts to try (default: 1, 2, 4, ... 64)")
     p.add_argument("--schedules", type=names, default=None, metavar="A,B",
                    help="schedules to try (default: gpipe,1f1b,zb; with --gpus also interleaved,zbv)")
     p.add_argument("--checkpoint", type=names, default=["never", "selective", "except_last", "always", "auto"],
@@ -69,16 +69,6 @@ def register(commands: Any) -> None:
     add_arguments(p)
     p.set_defaults(run=run)
 
-
-def _ints(text: str) -> list[int]:
-    """Parse a comma-separated list of positive integers."""
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive integers, e.g. 2,4,8")
-    return values
 
 
 def run(args: argparse.Namespace) -> int:
