@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing as mp
 import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
-from ports import free_port  # noqa: E402
+from ports import run_two_ranks  # noqa: E402
 
 SIZES = {"gpu": {"d": 1024, "hidden": 4096, "blocks": 8, "batch": 4096, "m": 8},
          "standin": {"d": 32, "hidden": 64, "blocks": 4, "batch": 32, "m": 4}}
@@ -108,28 +106,7 @@ def _rank(rank: int, port: int, standin: bool, deadline: float, out: str) -> Non
 
 def measure_nccl(seconds: float, rows: list, standin: bool) -> None:
     """Spawn the two ranks, wait at most ``seconds``, and add their medians and ratios to ``rows``."""
-    ctx = mp.get_context("spawn")
-    start = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "medians.json")
-        deadline = time.time() + 0.8 * seconds
-        port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, port, standin, deadline, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(max(1.0, seconds - (time.monotonic() - start)))
-        stuck = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        if stuck or not os.path.exists(out):
-            why = f"ranks {stuck} still running after {seconds:.0f} s" if stuck else \
-                f"exit codes {[p.exitcode for p in procs]}"
-            raise RuntimeError(f"the NCCL comparison did not finish: {why}")
-        with open(out) as f:
-            med = json.load(f)
+    med = run_two_ranks(_rank, seconds, 0.8, standin, "medians.json", "the NCCL comparison")
     size = SIZES["standin" if standin else "gpu"]
     what = (f"residual MLP d={size['d']} hidden={size['hidden']} blocks={size['blocks']}, "
             f"batch {size['batch']}, m={size['m']}, {'gloo' if standin else 'NCCL'}")

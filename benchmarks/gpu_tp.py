@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 
@@ -26,7 +24,7 @@ import torch
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
-from ports import free_port  # noqa: E402
+from ports import run_two_ranks  # noqa: E402
 
 SIZES = {"gpu": {"vocab": 8192, "d": 2048, "heads": 16, "layers": 4, "batch": 16, "seq": 512, "chunks": 2},
          "standin": {"vocab": 128, "d": 64, "heads": 4, "layers": 2, "batch": 4, "seq": 16, "chunks": 2}}
@@ -116,28 +114,7 @@ def _rank(rank: int, port: int, standin: bool, deadline: float, out: str) -> Non
 
 def measure_tp(seconds: float, rows: list, standin: bool) -> None:
     """Spawn the two ranks, wait at most ``seconds``, add the loss check, the collectives and the times to ``rows``."""
-    ctx = mp.get_context("spawn")
-    start = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "tp.json")
-        deadline = time.time() + 0.7 * seconds
-        port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, port, standin, deadline, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(max(1.0, seconds - (time.monotonic() - start)))
-        stuck = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        if stuck or not os.path.exists(out):
-            why = f"ranks {stuck} still running after {seconds:.0f} s" if stuck else \
-                f"exit codes {[p.exitcode for p in procs]}"
-            raise RuntimeError(f"the tensor-parallel check did not finish: {why}")
-        with open(out) as f:
-            res = json.load(f)
+    res = run_two_ranks(_rank, seconds, 0.7, standin, "tp.json", "the tensor-parallel check")
     size = SIZES["standin" if standin else "gpu"]
     what = (f"decoder d={size['d']} layers={size['layers']} vocab={size['vocab']}, batch {size['batch']} x "
             f"{size['seq']}, m={size['chunks']}, {'gloo' if standin else 'NCCL'}")
