@@ -135,15 +135,20 @@ def _runnable(gm: torch.fx.GraphModule, j: int, defer: set[int], policy: str,
 
 
 def _stage_fn(fn: Callable, gm: torch.fx.GraphModule, j: int, defer: set[int],
-              compiled: TorchCompile | None) -> Callable:
-    """Return what stage ``j``'s call runs: ``fn``, or ``fn`` under torch.compile."""
+              compiled: TorchCompile | None, policy: str) -> Callable:
+    """Return what stage ``j``'s call runs: ``fn``, or ``fn`` under torch.compile.
+
+    A stage that never recomputes runs one graph (its forward with grad), which starts static;
+    one that recomputes runs two (the no-grad forward and the recomputation), which start with
+    dim 0 dynamic so that a new micro-batch size does not compile both again.
+    """
     if compiled is None:
         return fn
     if j in defer and not compiled.splits_backward:
         raise CompileError(f"stage {j}'s schedule has W steps, which split its backward into I and W: fxpipe does "
                            f"that for compiled stages with the backends {', '.join(map(repr, SPLIT_BACKENDS))}, not "
                            f"{compiled.name!r}; use one of them, or a schedule without W")
-    return CompiledStage(fn, gm, j, compiled, defer=j in defer)
+    return CompiledStage(fn, gm, j, compiled, defer=j in defer, static_first=policy in ("never", "offload"))
 
 
 def check_policies(plan: PipelinePlan, devices: Sequence[torch.device]) -> None:
@@ -164,7 +169,7 @@ def stage_call(j: int, stage: torch.fx.GraphModule, runnable: torch.fx.GraphModu
     ``stage`` is the stage's own GraphModule (what ``save=`` judges), ``runnable`` the copy it
     runs (:func:`_runnable`); under ``torch_compile=`` the call runs it compiled.
     """
-    fn = _stage_fn(stage_callable(runnable, list(foreign), device), runnable, j, defer, compiled)
+    fn = _stage_fn(stage_callable(runnable, list(foreign), device), runnable, j, defer, compiled, policy)
     call = StageCall(j, fn, runnable, device, last)
     if policy == "selective":
         call.saver = Program(runnable, selective_plan(stage, save=save), device, j,

@@ -166,14 +166,32 @@ def test_recompute_replays_dropout_masks_with_inductor():
 
 
 @pytest.mark.slow
-def test_recompilations_stay_bounded_over_three_batch_sizes():
+@pytest.mark.parametrize("checkpoint", ["except_last", "never"])
+def test_recompilations_stay_bounded_over_three_batch_sizes(checkpoint):
     model = Stack()
     pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(8, 16),), chunks=2, schedule="zb",
-                          devices=["cpu"] * 2, torch_compile=AOT)
+                          devices=["cpu"] * 2, torch_compile=AOT, checkpoint=checkpoint)
     for rows in (8, 12, 6, 12, 8):  # micro-batches of 4, 6 and 3 rows; checkpointed ones without grad
         pipe.step(torch.randn(rows, 16), target=torch.randn(rows, 8), loss_fn=F.mse_loss)
     for j, s in pipe.compile_stats.items():
-        assert s["recompiles"] <= 2, (j, s)  # no-grad forwards (checkpointing) compile once more, no more
+        # checkpointing: the no-grad forward compiles once more (dim 0 dynamic from the start);
+        # never: static at 4 rows, once more with dim 0 dynamic at 6, then 3 rows reuse it
+        assert s["recompiles"] == 1, (j, s)
+
+
+def test_a_stage_that_never_recomputes_compiles_static_first():
+    graphs = []  # per graph: whether a shape in it is symbolic
+
+    def backend(gm, example_inputs):
+        graphs.append(any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
+            isinstance(d, torch.SymInt) for d in v.shape)) for v in example_inputs))
+        return gm
+
+    pipe = fxpipe.compile(Stack(), 1, example_inputs=(torch.randn(8, 16),), chunks=1, devices=["cpu"],
+                          torch_compile={"backend": backend}, checkpoint="never")
+    for rows in (8, 8, 6, 5):
+        pipe.step(torch.randn(rows, 16), target=torch.randn(rows, 8), loss_fn=F.mse_loss)
+    assert graphs == [False, True]  # static at 8 rows (reused), dynamic from 6 (and reused at 5)
 
 
 def test_state_dict_keys_stay_the_models_own(tmp_path):
