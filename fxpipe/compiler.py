@@ -118,9 +118,9 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     ``mode``, ``dynamic``, ``options``, ``fullgraph``) compiles every stage, once per stage, at its
     first call: under every schedule (zero bubble's included: the compiled backward graph is cut
     into ``I`` and ``W``, for the ``inductor`` and ``aot_eager`` backends), in one process and on
-    every rank, with dim 0 of each stage input dynamic; a graph break is logged naming the stage
-    and node (``fullgraph=True``: a :class:`CompileError`); ``pipe.compile_stats`` says what was
-    compiled and how long it took. See :mod:`fxpipe.runtime.stage.compiled`.
+    every rank; a new micro-batch size compiles a stage at most once more (dim 0 dynamic); a
+    graph break is logged naming the stage and node (``fullgraph=True``: a
+    :class:`CompileError`); ``pipe.compile_stats`` says what was compiled and how long it took. See :mod:`fxpipe.runtime.stage.compiled`.
 
     If compile fails, the model is left unmoved and unmodified.
     """

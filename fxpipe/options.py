@@ -124,7 +124,7 @@ class TorchCompile:
 
     backend: Any = "inductor"  # a registered backend's name, or a callable backend(gm, example_inputs)
     mode: str | None = None  # inductor's mode
-    dynamic: bool | None = None  # None: fxpipe marks the batch dimension dynamic
+    dynamic: bool | None = None  # None: dim 0 static first, dynamic from a second size
     options: dict[str, Any] | None = None  # inductor's config
     fullgraph: bool = False  # refuse a stage with a graph break
 
