@@ -8,7 +8,13 @@
             the device, else the one that lowers it most ─▶ simulate again, until every device fits
     ─▶ of the cuts that fit, the fastest predicted step (the balanced cut unless 1% slower)
     ─▶ none fits: which stage overflows and by how much under its leanest policy, and what would:
-       more micro-batches, more stages, parameters and gradients sharded over replicas
+       more micro-batches, more stages
+
+Under data parallel the step is simulated in its layout (:func:`fxpipe.simulate.reading.layout_of`),
+so memory is the planner's: FSDP2 (``data_parallel_shard=True``) holds each stage's gathered
+parameters and full gradients for the step beside their 1/dp shards
+(:func:`fxpipe.simulate.dpcost.sharded_memory`), as the runtime runs it
+(``reshard_after_forward=False``); sharding saves optimizer state, not a step's peak.
 
 1F1B's first stage holds ``n_stages`` micro-batches at once and its last stage one, so the first
 gets more recomputation. Step times come from a nominal device model (the same on every rank, so
@@ -18,7 +24,6 @@ that every rank chooses alike); the memory walk follows the schedule's order, no
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +41,8 @@ from fxpipe.plan.stages import make_plan
 from fxpipe.runtime.schedules.actions import Action
 from fxpipe.runtime.schedules.builtin import PRODUCERS, Schedule
 from fxpipe.simulate.devices import DeviceModel, device_model
+from fxpipe.simulate.network import Layout
+from fxpipe.simulate.reading import layout_of
 from fxpipe.simulate.simulation import Simulation, run
 from fxpipe.simulate.stagecost import StageCost, example_rows, graph_costs
 from fxpipe.simulate.tpcost import with_tensor_parallel
@@ -113,15 +120,18 @@ def _setting(options: CompileOptions, devices: Sequence[torch.device], schedule:
 
 
 def _costs(gm: Any, plan: PipelinePlan, options: CompileOptions, model: DeviceModel, rows: float) -> list[StageCost]:
-    """Return the stage costs of ``plan``; parameters and gradients sharded over replicas if asked,
-    the sharded work, weights and activations divided over tensor-parallel ranks."""
+    """Return the stage costs of ``plan``: the sharded work, weights and activations divided over tensor-parallel ranks."""
     costs = graph_costs(gm, plan, model, rows, save=options.save)
     if plan.tensor_parallel:
         costs = with_tensor_parallel(costs, gm, plan, plan.tensor_parallel, model, rows)[0]
-    if options.data_parallel_shard and options.data_parallel > 1:
-        d = options.data_parallel
-        costs = [dataclasses.replace(c, params=c.params / d, grads=c.grads / d) for c in costs]
     return costs
+
+
+def _layout(plan: PipelinePlan, options: CompileOptions, runtime: str) -> Layout | None:
+    """Return the replicas ``plan`` runs in (None without data parallel): what their state costs is the planner's."""
+    if runtime != "distributed" or options.data_parallel <= 1:
+        return None
+    return layout_of(plan, plan.tensor_parallel, options.data_parallel, options.data_parallel_shard)
 
 
 def candidates(options: CompileOptions) -> tuple[str, ...]:
@@ -153,7 +163,7 @@ def fit(front: Assignment, options: CompileOptions, devices: Sequence[torch.devi
         plan = make_plan(Assignment(gm, cut, m, front.balance_by), options, devices, schedule.name, rank_of, saved)[0]
         policies, sim, fits = choose(_costs(gm, plan, options, model, batch / m), actions, rank_of, device_of, model,
                                      budget, name=schedule.name, runtime=runtime, batch=batch,
-                                     candidates=candidates(options))
+                                     candidates=candidates(options), layout=_layout(plan, options, runtime))
         tried.append(Fit(policies, sim, fits, cut))
     fitting = [f for f in tried if f.fits]
     if not fitting:
@@ -176,7 +186,6 @@ def _refusal(f: Fit, front: Assignment, options: CompileOptions, devices: Sequen
     device_of = _setting(options, devices, schedule, distributed, m)[2]
     lines = [(f"checkpoint='auto': no policy per stage fits max_memory={human(budget, 'B')} per device "
               f"({n} stages, {m} micro-batches, schedule {schedule.name!r}, predicted on the example batch)")]
-    worst = max(f.sim.devices, key=lambda d: f.sim.devices[d].peak)
     for d, mem in sorted(f.sim.devices.items()):
         if mem.peak > budget:
             mine = [j for j in range(n) if device_of[j] == d]
@@ -191,11 +200,6 @@ def _refusal(f: Fit, front: Assignment, options: CompileOptions, devices: Sequen
     more = _more_stages(front, options, model, batch, schedule)
     if more:
         hints.append(more)
-    state, over = f.sim.devices[worst].params + f.sim.devices[worst].grads, f.sim.devices[worst].peak - budget
-    if 0 < over < state:
-        d = math.ceil(state / (state - over))
-        hints.append(f"data_parallel={d}, data_parallel_shard=True shards parameters and gradients over {d} "
-                     f"replicas: about {human(state * (1 - 1 / d), 'B')} less per device")
     hints.append("or raise max_memory")
     lines.append("what would fit: " + "; ".join(hints))
     return "\n".join(lines)
@@ -213,8 +217,8 @@ def _more_chunks(front: Assignment, options: CompileOptions, devices: Sequence[t
     if plan is None:
         return None
     _, sim, fits = choose(_costs(front.gm, plan, options, model, batch / m), actions, rank_of, device_of,
-                                 model, float(options.max_memory or 0.0), name=schedule.name, runtime=runtime,
-                                 batch=batch)
+                          model, float(options.max_memory or 0.0), name=schedule.name, runtime=runtime,
+                          batch=batch, layout=_layout(plan, options, runtime))
     peak = max(mem.peak for mem in sim.devices.values())
     return f"chunks={m} ({'fits' if fits else 'still over'}: largest predicted peak {human(peak, 'B')})"
 

@@ -1,6 +1,7 @@
 """Front ends: torch.export with a dynamic batch, and GraphModules from any other tracer."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_export_retries_with_the_batch_bound_torch_suggests(caplog):
 
 
 def test_export_retries_with_dim_auto_when_the_suggestion_is_unreadable(monkeypatch, caplog):
-    monkeypatch.setattr(fxpipe.frontend.export, "_suggested_batch", lambda message: None)
+    monkeypatch.setattr(importlib.import_module("fxpipe.frontend.export"), "_suggested_batch", lambda message: None)
     with caplog.at_level("WARNING", logger="fxpipe.frontend.export"):
         gm = fxpipe.trace(BranchOnBatch(), tracer="export", example_inputs=(torch.randn(8, 8),))
     assert "bounded to [1, 63]" in caplog.text and gm(torch.randn(63, 8)).shape == (63, 8)

@@ -144,3 +144,17 @@ def test_the_cut_is_chosen_with_the_policies():
     assert chosen.policies == results[min(fitting)[1]][0]
     stages = [n.meta["fxpipe.stage"] for n in front.cut.order]  # the graph carries the chosen cut
     assert stages.index(1) == chosen.cut.starts[1]
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_data_parallel_state_is_the_planners(shard):
+    # FSDP2 as the runtime runs it holds the gathered parameters and full gradients for the step
+    # beside their 1/dp shards: sharding must not make "auto" think a stage got lighter
+    fits = {}
+    for dp in (1, 2):
+        front, options, schedule, devices = _front(2, checkpoint="auto", max_memory=1e12, runtime="distributed",
+                                                   data_parallel=dp, data_parallel_shard=shard and dp > 1)
+        fits[dp] = fit(front, options, devices, schedule, distributed=True)
+    one, two = (max(f.sim.devices.values(), key=lambda m: m.params) for f in (fits[1], fits[2]))
+    assert two.params == pytest.approx(one.params * (1.5 if shard else 1.0))
+    assert two.grads == pytest.approx(one.grads)
