@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxpipe.errors import CompileError
+from fxpipe.torchcompile import SPLIT_BACKENDS, TorchCompile, torch_compile_config
 
 __all__ = ["AUTO", "BALANCE_BY", "CHECKPOINT_MODES", "MULTI_STAGE_SCHEDULES", "POLICIES", "RUNTIMES", "SCHEDULES",
            "SINGLE_STAGE_SCHEDULES", "SPLIT_BACKENDS", "TRACERS", "CompileOptions", "TorchCompile", "check_checkpoint",
@@ -27,8 +28,6 @@ SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES  # every name schedul
 BALANCE_BY = ("auto", "flops", "params", "memory", "time")
 RUNTIMES = ("local", "distributed")
 TRACERS = ("fx", "export")
-TORCH_COMPILE_KEYS = ("backend", "mode", "dynamic", "options", "fullgraph")  # what torch_compile={...} takes
-SPLIT_BACKENDS = ("inductor", "aot_eager")  # the backends whose backward fxpipe splits into I and W
 W_SCHEDULES = ("zb", "zbv")  # the named schedules with W steps
 
 # How many leading micro-batches of m each mode recomputes whole (torchgpipe's three modes);
@@ -116,89 +115,6 @@ def check_init(init: Any, seed: Any) -> None:
         raise TypeError(f"init= must be a function init(module) or None, got {type(init).__name__}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed= must be an integer, got {seed!r}")
-
-
-@dataclass(frozen=True)
-class TorchCompile:
-    """What ``torch_compile=`` asks of ``torch.compile`` for every stage (checked)."""
-
-    backend: Any = "inductor"  # a registered backend's name, or a callable backend(gm, example_inputs)
-    mode: str | None = None  # inductor's mode
-    dynamic: bool | None = None  # None: dim 0 static first, dynamic from a second size
-    options: dict[str, Any] | None = None  # inductor's config
-    fullgraph: bool = False  # refuse a stage with a graph break
-
-    @property
-    def name(self) -> str:
-        """Return the backend's name, for messages."""
-        return self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "a callable")
-
-    @property
-    def splits_backward(self) -> bool:
-        """Tell whether fxpipe can split this backend's backward into I and W (zero bubble)."""
-        return self.backend in SPLIT_BACKENDS
-
-    def inductor_config(self) -> dict[str, Any]:
-        """Return the inductor config patches that ``mode`` and ``options`` make (torch.compile's own)."""
-        from torch import _TorchCompileInductorWrapper
-
-        return dict(_TorchCompileInductorWrapper(self.mode, self.options, self.dynamic).config)
-
-
-def torch_compile_config(value: Any) -> TorchCompile | None:
-    """Check a ``torch_compile=`` value and return it as a :class:`TorchCompile` (None: off).
-
-    The backend is looked up (and imported) here, so a backend that cannot load is named before
-    anything is traced; so are unknown keys, modes and inductor options.
-    """
-    if value is None or value is False:
-        return None
-    if value is True:
-        value = {}
-    if not isinstance(value, dict):
-        raise TypeError(f"torch_compile= takes True, False or a dict of torch.compile's arguments "
-                        f"({', '.join(TORCH_COMPILE_KEYS)}), got {type(value).__name__}")
-    unknown = sorted(set(value) - set(TORCH_COMPILE_KEYS))
-    if unknown:
-        raise TypeError(f"torch_compile= got {', '.join(map(repr, unknown))}; it takes {', '.join(TORCH_COMPILE_KEYS)}")
-    config = TorchCompile(**value)
-    if not (isinstance(config.backend, str) or callable(config.backend)):
-        raise TypeError(f"torch_compile backend= must be a backend's name or a callable, got {config.backend!r}")
-    if config.dynamic not in (None, True, False) or not isinstance(config.fullgraph, bool):
-        raise TypeError("torch_compile dynamic= takes None, True or False, and fullgraph= True or False")
-    if config.options is not None and not isinstance(config.options, dict):
-        raise TypeError(f"torch_compile options= must be a dict of inductor options, got {config.options!r}")
-    _load_backend(config)
-    return config
-
-
-def _load_backend(config: TorchCompile) -> None:
-    """Import the backend and check ``mode`` and ``options`` against it (CompileError naming what fails)."""
-    if (config.mode is not None or config.options) and config.backend != "inductor":
-        raise CompileError(f"torch_compile mode= and options= configure inductor, but backend={config.name!r}; "
-                           "drop them or use backend='inductor'")
-    if isinstance(config.backend, str):
-        import torch._dynamo
-
-        try:
-            torch._dynamo.lookup_backend(config.backend)
-            if config.backend == "inductor":
-                import torch._inductor.compile_fx
-        except Exception as exc:
-            raise CompileError(f"torch_compile backend={config.backend!r} cannot be loaded ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else ''}); the backends torch knows here: "
-                               f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}") from exc
-    if config.backend != "inductor":
-        return
-    try:
-        patches = config.inductor_config()
-    except RuntimeError as exc:  # an unknown option, or a value of the wrong type
-        raise CompileError(f"torch_compile options: {str(exc).split(', known options')[0]} (inductor's config: "
-                           "torch._inductor.config)") from None
-    if patches.get("triton.cudagraphs"):
-        raise CompileError(f"torch_compile mode={config.mode!r} captures CUDA graphs, whose replays reuse one memory "
-                           "pool: with several micro-batches in flight a replay would overwrite activations that a "
-                           "pending backward still needs; use mode='max-autotune-no-cudagraphs' or the default")
 
 
 @dataclass

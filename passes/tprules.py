@@ -21,44 +21,16 @@ from fxpipe.passes.tpops import (
     ELEMENTWISE_MODULES,
     NORM_MODULES,
     POINTWISE,
-    VIEWS,
     ndim_of,
     op_name,
-    reshape_dim,
     shape_of,
 )
+from fxpipe.passes.tpshape import SHAPE_RULES, Refusal, call_arg, dim_index
 
 __all__ = ["Refusal", "through"]
 
 _REDUCTIONS = frozenset(["sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "logsumexp", "argmax", "argmin", "prod", "all", "any"])
 _LIKE = frozenset(["zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"])
-_NOT_TENSORS = frozenset({"dtype", "device", "ndim", "requires_grad", "is_cuda", "layout"})
-
-
-class Refusal(Exception):
-    """A node that cannot run on a shard: why, of which kind, and the replicated operands in the way."""
-
-    def __init__(self, kind: str, message: str, replicated: list[torch.fx.Node] | None = None,
-                 size: int | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind  # "mixed" | "input" | "indivisible" | "unsupported" | "dtensor"
-        self.replicated = replicated or []
-        self.size = size  # "indivisible": the size that t must divide
-
-
-def _dim(value: Any, nd: int) -> int:
-    """Normalize a dim index (negative from the end)."""
-    return int(value) % nd if nd else 0
-
-
-def _arg(node: torch.fx.Node, k: int, name: str, default: Any = None) -> Any:
-    """Return argument ``k`` (or keyword ``name``) of a call."""
-    return node.args[k] if len(node.args) > k else node.kwargs.get(name, default)
-
-
-def _full(s: Any) -> bool:
-    """Tell whether an index is the whole of its dim (``:``)."""
-    return isinstance(s, slice) and s.start in (None, 0) and s.stop in (None, 2 ** 63 - 1) and s.step in (None, 1)
 
 
 def through(node: torch.fx.Node, layout: Callable[[Any], Any], t: int, module: Callable[[str], Any]) -> Any:
@@ -136,165 +108,20 @@ def _module(node: torch.fx.Node, mod: Any, lx: Any, layout: Callable) -> Any:
     raise Refusal("unsupported", f"{type(mod).__name__} '{node.target}' (not in the plan) reads a sharded value")
 
 
-def _view(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
-    """Reshapes: the global shapes decide which output dim carries the shard."""
-    sizes = [a for a in node.args[1:] for a in (a if isinstance(a, (list, tuple)) else [a])]
-    if lx is None:
-        if any(layout(s) == "L" for s in sizes):
-            raise Refusal("unsupported", "it reshapes a replicated value with a sharded dim's local size")
-        return None
-    d = reshape_dim(shape_of(node.args[0]) or (), shape_of(node) or (), lx, t)
-    if isinstance(d, tuple):
-        why, size = d
-        raise Refusal("unsupported" if size is None else "indivisible", f"its shard cannot be carried: {why}",
-                      size=size)
-    return d
-
-
-def _expand(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
-    """expand and repeat add leading dims; repeat may not tile the sharded dim."""
-    if lx is None:
-        return None
-    d = lx + (ndim_of(node) or 0) - (ndim_of(node.args[0]) or 0)
-    if op_name(node) == "repeat":
-        reps = [a for a in node.args[1:] for a in (a if isinstance(a, (list, tuple)) else [a])]
-        if reps[d] != 1:
-            raise Refusal("unsupported", f"it tiles the sharded dim {d} ({reps[d]} times)")
-    return d
-
-
-def _size(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
-    """Sizes of a shard are local: the sharded dim's is an ``L`` int."""
-    nd = ndim_of(node.args[0]) or 0
-    if op_name(node) == "getattr":
-        if node.args[1] in _NOT_TENSORS:
-            return None
-        if node.args[1] != "shape":
-            raise Refusal("unsupported", f"it reads .{node.args[1]} of a shard")
-        dim = None
-    else:
-        dim = _arg(node, 1, "dim")
-    if not isinstance(lx, int):
-        return None
-    if dim is None:
-        return tuple("L" if k == lx else None for k in range(nd))
-    return "L" if _dim(dim, nd) == lx else None
-
-
-def _getitem(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
-    """Items of a tuple keep their layouts; indexing a tensor may not cut the sharded dim."""
-    index = node.args[1]
-    if isinstance(lx, tuple):
-        return lx[index] if isinstance(index, int) else lx[index] if isinstance(index, slice) else None
-    if not isinstance(lx, int):
-        return None
-    items = list(index) if isinstance(index, tuple) else [index]
-    nd = ndim_of(node.args[0]) or 0
-    if Ellipsis in items:
-        k = items.index(Ellipsis)
-        fill = nd - sum(1 for i in items if i is not None and i is not Ellipsis)
-        items = items[:k] + [slice(None)] * fill + items[k + 1:]
-    out = dim = 0
-    if any(isinstance(i, torch.fx.Node) for i in items):
-        raise Refusal("unsupported", "it indexes a shard with a tensor")
-    for item in items:
-        if item is None:
-            out += 1
-            continue
-        if dim == lx:
-            if not _full(item):
-                raise Refusal("unsupported", f"it indexes the sharded dim {lx} with {item!r}")
-            return out
-        if not isinstance(item, int):
-            out += 1
-        dim += 1
-    return out + (lx - dim)
-
-
-def _slice(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
-    """slice, narrow, select along another dim than the sharded one."""
-    if not isinstance(lx, int):
-        return None
-    nd = ndim_of(node.args[0]) or 0
-    name = op_name(node)
-    dim = _dim(_arg(node, 1, "dim", 0), nd)
-    if dim == lx:
-        if name == "slice" and _full(slice(_arg(node, 2, "start"), _arg(node, 3, "end"), _arg(node, 4, "step"))):
-            return lx
-        raise Refusal("unsupported", f"it cuts the sharded dim {lx}")
-    return lx - 1 if name == "select" and dim < lx else lx
-
-
-def _moves(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
-    """transpose, permute, unsqueeze, squeeze move the sharded dim."""
-    if not isinstance(lx, int):
-        return None
-    name, nd, out = op_name(node), ndim_of(node.args[0]) or 0, ndim_of(node) or 0
-    if name in ("transpose", "swapaxes", "swapdims", "t"):
-        a, b = (0, 1) if name == "t" else (_dim(node.args[1], nd), _dim(node.args[2], nd))
-        return b if lx == a else a if lx == b else lx
-    if name == "permute":
-        dims = [a for a in node.args[1:] for a in (a if isinstance(a, (list, tuple)) else [a])]
-        return [_dim(k, nd) for k in dims].index(lx)
-    if name == "unsqueeze":
-        k = _dim(_arg(node, 1, "dim"), out)
-        return lx + 1 if k <= lx else lx
-    dims = _arg(node, 1, "dim")  # squeeze
-    shape = shape_of(node.args[0]) or ()
-    gone = [k for k in range(nd) if shape[k] == 1] if dims is None else \
-        [_dim(k, nd) for k in (dims if isinstance(dims, (list, tuple)) else [dims]) if shape[_dim(k, nd)] == 1]
-    return lx - sum(1 for k in gone if k < lx)
-
-
-def _joins(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
-    """cat and stack along another dim; every operand sharded alike."""
-    args: Any = node.args
-    tensors = list(args[0])
-    lays = {layout(a) for a in tensors}
-    if lays == {None}:
-        return None
-    if len(lays) > 1:
-        rep = [a for a in tensors if layout(a) is None]
-        raise Refusal("mixed" if rep else "unsupported", "it joins shards with other values", rep)
-    d = lays.pop()
-    nd = ndim_of(tensors[0]) or 0
-    if op_name(node) == "stack":
-        k = _dim(_arg(node, 1, "dim", 0), nd + 1)
-        return d + 1 if k <= d else d
-    if _dim(_arg(node, 1, "dim", 0), nd) == d:
-        raise Refusal("unsupported", f"it concatenates along the sharded dim {d}")
-    return d
-
-
-def _splits(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
-    """split, chunk and unbind along another dim: every piece keeps the shard."""
-    if not isinstance(lx, int):
-        return None
-    nd = ndim_of(node.args[0]) or 0
-    name = op_name(node)
-    dim = _dim(_arg(node, 1 if name == "unbind" else 2, "dim", 0), nd)
-    if dim == lx:
-        raise Refusal("unsupported", f"it splits the sharded dim {lx} (a fused projection): split the module, "
-                                     "or leave it out of the plan")
-    pieces = node.meta.get("fxpipe.value")
-    count = len(pieces) if isinstance(pieces, (list, tuple)) else 1
-    return tuple([lx - 1 if name == "unbind" and dim < lx else lx] * count)
-
-
 def _reduce(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
     """Softmax and reductions over other dims than the sharded one."""
     if not isinstance(lx, int):
         return None
     nd, name = ndim_of(node.args[0]) or 0, op_name(node)
-    dims = _arg(node, 1, "dim")
+    dims = call_arg(node, 1, "dim")
     if name in ("tril", "triu"):
         dims = [nd - 2, nd - 1]
     if dims is None:
         raise Refusal("unsupported", f"'{name}' reduces every dim, the sharded one too")
-    dims = [_dim(k, nd) for k in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    dims = [dim_index(k, nd) for k in (dims if isinstance(dims, (list, tuple)) else [dims])]
     if lx in dims:
         raise Refusal("unsupported", f"'{name}' works along the sharded dim {lx}")
-    if name in _REDUCTIONS and not _arg(node, 2, "keepdim", False):
+    if name in _REDUCTIONS and not call_arg(node, 2, "keepdim", False):
         lx -= sum(1 for k in dims if k < lx)
     return (lx, lx) if isinstance(node.meta.get("fxpipe.value"), tuple) else lx
 
@@ -303,7 +130,7 @@ def _norm(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
     """layer_norm / rms_norm over trailing dims other than the sharded one."""
     if not isinstance(lx, int):
         return None
-    shape = _arg(node, 1, "normalized_shape")
+    shape = call_arg(node, 1, "normalized_shape")
     k = len(shape) if isinstance(shape, (list, tuple)) else 1
     if lx >= (ndim_of(node.args[0]) or 0) - k:
         raise Refusal("unsupported", f"it normalizes over the sharded dim {lx}")
@@ -324,7 +151,7 @@ def _attention(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
                                      "one head dim")
     d = sharded.pop()
     missing = [a for a, la in zip((q, k, v), lays) if la is None]
-    mask = _arg(node, 3, "attn_mask")
+    mask = call_arg(node, 3, "attn_mask")
     if isinstance(mask, torch.fx.Node) and layout(mask) is None and _size_at(mask, d, nd) != 1:
         missing.append(mask)
     if missing:
@@ -374,26 +201,11 @@ def _no_value(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
     return None
 
 
-def _repeat_interleave(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
-    """repeat_interleave along a dim repeats each local slice: the shard stays."""
-    if not isinstance(lx, int):
-        return None
-    if _arg(node, 2, "dim") is None:
-        raise Refusal("unsupported", "repeat_interleave without dim flattens the shard")
-    return lx
-
-
 _HANDLERS: Mapping[str, Callable[..., Any]] = {
-    **{n: _view for n in VIEWS}, "expand": _expand, "expand_as": _expand, "repeat": _expand,
-    "size": _size, "sym_size": _size, "getattr": _size, "getitem": _getitem,
-    "slice": _slice, "narrow": _slice, "select": _slice,
-    "transpose": _moves, "swapaxes": _moves, "swapdims": _moves, "t": _moves, "permute": _moves,
-    "unsqueeze": _moves, "squeeze": _moves,
-    "cat": _joins, "concat": _joins, "concatenate": _joins, "stack": _joins,
-    "split": _splits, "split_with_sizes": _splits, "chunk": _splits, "unbind": _splits, "tensor_split": _splits,
+    **SHAPE_RULES,
     "softmax": _reduce, "log_softmax": _reduce, "tril": _reduce, "triu": _reduce, **{n: _reduce for n in _REDUCTIONS},
     "layer_norm": _norm, "rms_norm": _norm,
     "scaled_dot_product_attention": _attention, "matmul": _matmul, "bmm": _matmul, "mm": _matmul,
     "linear": _refuse_input, "embedding": _refuse_input, "_assert_tensor_metadata": _no_value,
-    "repeat_interleave": _repeat_interleave, "dim": _no_value,
+    "dim": _no_value,
 }
