@@ -17,7 +17,7 @@ backward queues the ``W`` work in the given store, which the stage's ``W`` step 
 Shapes (``dynamic=None``, the default): a stage that never recomputes runs one graph, compiled
 for static shapes at the first micro-batch size; a second size makes torch.compile compile it
 again with dim 0 dynamic (its automatic dynamic shapes), and every later size reuses that
-graph. Static kernels are faster (on the CPU benchmark 0.94x against 1.10x ``torch.compile``
+graph. Static kernels are faster (on the CPU benchmark 0.985x against 1.10x ``torch.compile``
 of the model with dim 0 dynamic). A stage that recomputes runs two graphs, so there dim 0 of
 each input is marked dynamic from the first call: each graph compiles once.
 
