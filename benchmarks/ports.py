@@ -1,22 +1,20 @@
-"""A free TCP port for the benchmarks' spawned ranks, and two spawned ranks run to a deadline."""
+"""A free TCP port for the benchmarks' spawned ranks (the tests' own), and two spawned ranks run to a deadline."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
 import os
-import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "support"))
+from launch import free_port, start_and_join
 
-def free_port() -> int:
-    """Return a TCP port free on this machine now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "run_two_ranks"]
 
 
 def run_two_ranks(rank: Callable, seconds: float, share: float, standin: bool, name: str, what: str) -> Any:
@@ -32,15 +30,7 @@ def run_two_ranks(rank: Callable, seconds: float, share: float, standin: bool, n
         deadline = time.time() + share * seconds
         port = free_port()
         procs = [ctx.Process(target=rank, args=(r, port, standin, deadline, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(max(1.0, seconds - (time.monotonic() - start)))
-        stuck = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        stuck = start_and_join(procs, seconds - (time.monotonic() - start))
         if stuck or not os.path.exists(out):
             why = f"ranks {stuck} still running after {seconds:.0f} s" if stuck else \
                 f"exit codes {[p.exitcode for p in procs]}"

@@ -17,7 +17,7 @@ import traceback
 
 import torch
 
-__all__ = ["free_port", "launch", "run"]
+__all__ = ["free_port", "launch", "run", "start_and_join"]
 
 
 def free_port() -> int:
@@ -56,20 +56,27 @@ def run(rank: int, world: int, port: int, case: str, schedule: str, outdir: str)
         raise SystemExit(1)  # a failing rank exits like a script with an uncaught exception
 
 
-def launch(case: str, world: int, schedule: str, tmp_path, limit: float = 120.0) -> list[dict]:
-    """Run ``case`` on ``world`` spawned ranks; return each rank's result."""
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=run, args=(r, world, port, case, schedule, str(tmp_path))) for r in range(world)]
+def start_and_join(procs: list, limit: float) -> list[int]:
+    """Start ``procs``, wait for them at most ``limit`` seconds in all; kill those still running and return their ranks."""
     start = time.monotonic()
     for p in procs:
         p.start()
     for p in procs:
         p.join(max(1.0, limit - (time.monotonic() - start)))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    stuck = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
             p.kill()
+            p.join()
+    return stuck
+
+
+def launch(case: str, world: int, schedule: str, tmp_path, limit: float = 120.0) -> list[dict]:
+    """Run ``case`` on ``world`` spawned ranks; return each rank's result."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=run, args=(r, world, port, case, schedule, str(tmp_path))) for r in range(world)]
+    hung = start_and_join(procs, limit)
     assert not hung, f"ranks {hung} still running after {limit} s"
     results = []
     for r in range(world):
