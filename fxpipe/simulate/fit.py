@@ -235,6 +235,6 @@ def _more_stages(front: Assignment, options: CompileOptions, model: DeviceModel,
     plan = make_plan(Assignment(gm, cut, m, "flops"), more, [torch.device("cpu")] * n, schedule.name, ranks, None)[0]
     _, sim, fits = choose(_costs(gm, plan, options, model, batch / m), PRODUCERS[schedule.name](n, m), ranks,
                                  ranks, model, float(options.max_memory or 0.0), name=schedule.name,
-                                 runtime="distributed", batch=batch)
+                                 runtime="distributed", batch=batch, layout=_layout(plan, more, "distributed"))
     peak = max(mem.peak for mem in sim.devices.values())
     return f"n_stages={n}, a rank each ({'fits' if fits else 'still over'}: largest predicted peak {human(peak, 'B')})"
