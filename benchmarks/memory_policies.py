@@ -165,12 +165,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.dim, args.heads, args.hidden, args.seq, args.layers, args.batch, args.reps = 128, 4, 352, 128, 4, 16, 2
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors go back to the OS: the peak follows live memory
     mib = 2 ** 20
+    # the memory ranks map every block over 64 KiB on its own, so freed tensors go back to the OS and the
+    # peak follows live memory; the timed ranks run with glibc's defaults, as a user's do (a mapping per
+    # tensor costs page faults on every allocation, more for the policies that allocate more)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     memory = {p: _spawn(_memory_rank, args, p, None) for p in POLICIES}
     total = {p: max(r["measured"] + r["state"] for r in memory[p]) for p in POLICIES}
     budget = (total["always"] + total["never"]) / 2
     memory["auto"] = _spawn(_memory_rank, args, "auto", budget)
+    del os.environ["MALLOC_MMAP_THRESHOLD_"]
     refused = memory["auto"][0].get("error")
     times = {k: statistics.median(v) for k, v in _spawn(_speed_rank, args, None if refused else budget)[0].items()}
     names = (*POLICIES, "auto") if not refused else POLICIES

@@ -19,13 +19,15 @@ The accelerators ship as **nominal** models: peak dense FLOP/s, memory bandwidth
 and NVLink bandwidth from NVIDIA's public spec sheets (SXM parts); the efficiencies,
 overheads and link latency are assumptions stated below, not measurements. ``"cpu"``
 measures this machine in about a second (:func:`calibrate_cpu`), at torch's current number
-of threads; its link is gloo over loopback between two processes.
+of threads; its link is gloo over loopback between two processes, and ranks on it share its
+cores (``slots``: more ranks computing at once than it has cores for each run slower).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import statistics
 from dataclasses import dataclass, field
 
@@ -64,6 +66,7 @@ class DeviceModel:
     gpus_per_node: int = 8  # devices that share a node's links
     inter_bandwidth: float = 50e9  # bytes/s per device to other nodes, one direction (400 Gb/s)
     inter_latency: float = 5e-6  # seconds per message between nodes
+    slots: float = 0.0  # ranks of one node that compute at full speed at once (0: each rank its own device)
 
     def flops_per_second(self, dtype: torch.dtype | str, kind: str, d: float | None = None) -> float:
         """Return the FLOP/s a ``kind`` kernel of smallest dimension ``d`` reaches in ``dtype``."""
@@ -178,12 +181,21 @@ def calibrate_cpu(reps: int = 15) -> DeviceModel:
         efficiency={"gemm": 1.0, "conv": conv / gemm}, d_half={"gemm": gemm_half, "conv": conv_half},
         element_seconds=element, kernel_overhead=forward, backward_overhead=max(both - forward, 0.0),
         action_overhead=40e-6, message_overhead=300e-6, step_overhead=200e-6, nominal=False,
-        gpus_per_node=1 << 20, inter_bandwidth=1.5e9, inter_latency=60e-6,
+        gpus_per_node=1 << 20, inter_bandwidth=1.5e9, inter_latency=60e-6, slots=_slots(),
         source=f"calibrated on this CPU with {torch.get_num_threads()} thread(s): GEMM {gemm / 1e9:.0f} "
                f"GFLOP/s, convolution {conv / 1e9:.0f} GFLOP/s, {element * 1e9:.2f} ns per element, "
                f"{forward * 1e6:.1f}/{max(both - forward, 0.0) * 1e6:.1f} us per kernel forward/backward")
     log.info("%s", model.source)
     return model
+
+
+def _slots() -> float:
+    """Return how many ranks of torch's current thread count this machine's cores run at once."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(cores / max(torch.get_num_threads(), 1), 1.0)
 
 
 def _ram() -> float:

@@ -15,6 +15,15 @@ Two ways to run the lists:
 
 - ``clocked=False`` (ranks, the distributed runtime): every rank runs on as soon as it can;
   the step ends when the last rank finishes.
+- ``slots=`` (ranks sharing a CPU's cores): as above, but while more ranks compute than the
+  machine has ``slots`` for, they share them: with ``k`` ranks busy, each standing for ``weight``
+  processes (its replicas and tensor-parallel peers, which run the same actions at the same
+  time), each computes at ``min(1, slots / (k x weight))`` of its speed alone (processor
+  sharing). A message's flight takes no slot::
+
+      2 slots, 4 ranks busy:    each at half speed      ─▶ a rank waiting on a message
+      2 slots, 1 rank busy:     it alone, at full speed     gives its core to the others
+
 - ``clocked=True`` (one process, :mod:`fxpipe.runtime.local`): actions run clock by clock, as
   :func:`~fxpipe.runtime.schedules.actions.clocks` places them with unit times; the actions of one
   clock on one device run one after another, devices in parallel, and the next clock starts
@@ -75,14 +84,16 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
         n_stages: int | None = None, rank_of: Sequence[int] | None = None,
         delay: Delay | None = None, feeds: Sequence[Sequence[int]] | None = None,
         reads: Sequence[Sequence[int]] | None = None, clocked: bool = False,
-        device_of: Sequence[int] | None = None) -> list[Span]:
+        device_of: Sequence[int] | None = None, slots: float = 0.0, weight: int = 1) -> list[Span]:
     """Place every compute action of ``ranks`` in time; return the spans in start order.
 
     ``duration(a)`` gives an action's seconds; ``delay(src, dst, kind, mb)`` the seconds a
     message from stage ``src`` to stage ``dst`` on another rank takes (default 0).
     ``feeds``/``reads`` list, per stage, the stages it receives values from / sends values
     to (default: a chain). With ``clocked=True``, ``device_of[r]`` names the device of rank
-    ``r`` (default: all on one), and messages cross only between devices. Raises :class:`ScheduleError` for a schedule that cannot finish.
+    ``r`` (default: all on one), and messages cross only between devices. ``slots`` > 0: the
+    ranks (each ``weight`` processes) share that many processors (see the module). Raises
+    :class:`ScheduleError` for a schedule that cannot finish.
     """
     rows = [[a for a in row if a.kind in COMPUTE] for row in ranks]
     n = n_stages if n_stages is not None else 1 + max((a.stage for row in rows for a in row), default=-1)
@@ -106,6 +117,8 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
 
     if clocked:
         return _clocked(rows, n, ready, duration, devices)
+    if slots > 0 and len(rows) * weight > slots:
+        return _shared(rows, n, ready, duration, slots / weight)
     done: dict[tuple[int, str, int], float] = {}
     spans: list[Span] = []
     pos, free = [0] * len(rows), [0.0] * len(rows)
@@ -127,6 +140,48 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
             clocks(rows, n)  # raises, naming the first action that can never run
             raise ScheduleError("the schedule can never finish")  # pragma: no cover - clocks raised
     return sorted(spans, key=lambda s: (s.start, s.rank))
+
+
+def _shared(rows: list[list[Action]], n: int, ready: Callable, duration: Callable[[Action], float],
+            slots: float) -> list[Span]:
+    """Run every rank on as soon as it can, the busy ranks sharing ``slots`` processors equally."""
+    done: dict[tuple[int, str, int], float] = {}
+    spans: list[Span] = []
+    pos = [0] * len(rows)
+    running: dict[int, list] = {}  # rank -> [action, work left (seconds alone), start]
+    t = 0.0
+    while True:
+        arrivals = []
+        for r, row in enumerate(rows):
+            if r in running or pos[r] >= len(row):
+                continue
+            at = ready(row[pos[r]], done)
+            if at is not None and at <= t:
+                running[r] = [row[pos[r]], duration(row[pos[r]]), t]
+                pos[r] += 1
+            elif at is not None:
+                arrivals.append(at)
+        if not running:
+            if arrivals:
+                t = min(arrivals)
+                continue
+            if all(pos[r] == len(row) for r, row in enumerate(rows)):
+                return sorted(spans, key=lambda s: (s.start, s.rank))
+            clocks(rows, n)  # raises, naming the first action that can never run
+            raise ScheduleError("the schedule can never finish")  # pragma: no cover - clocks raised
+        rate = min(1.0, slots / len(running))
+        ends = {r: work / rate for r, (_, work, _) in running.items()}
+        step = min(ends.values())
+        if arrivals and min(arrivals) - t < step:
+            step = min(arrivals) - t
+        t += step
+        for r in list(running):
+            if ends[r] <= step * (1 + 1e-9):
+                a, _, start = running.pop(r)
+                spans.append(Span(a, r, start, t))
+                done[a.key] = t
+            else:
+                running[r][1] -= step * rate
 
 
 def _ranks_from_rows(rows: list[list[Action]], n: int) -> list[int]:

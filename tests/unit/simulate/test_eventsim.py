@@ -73,3 +73,38 @@ def test_several_stages_per_rank_run_in_the_rank_s_order():
 def test_a_schedule_that_cannot_finish_is_refused():
     with pytest.raises(ScheduleError, match="can never finish"):
         run([[Action(0, "B", 0), Action(0, "F", 0)]], lambda a: 1.0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_ranks_with_a_processor_each_run_as_if_unshared(schedule):
+    costs = {"F": 1, "B": 2, "I": 1, "W": 1}
+    alone = run(SCHEDULES[schedule](4, 8), lambda a: costs[a.kind])
+    shared = run(SCHEDULES[schedule](4, 8), lambda a: costs[a.kind], slots=4)
+    assert [(s.action, s.start, s.end) for s in shared] == [(s.action, s.start, s.end) for s in alone]
+
+
+def test_two_ranks_busy_on_one_processor_each_take_twice_as_long():
+    rows = [[Action(0, "F", 0)], [Action(1, "F", 0)]]
+    spans = run(rows, lambda a: 1.0, feeds=[[], []], reads=[[], []], slots=1)
+    assert [(s.start, s.end) for s in spans] == [(0.0, 2.0), (0.0, 2.0)]
+
+
+def test_a_rank_alone_gets_its_processor_back_when_the_other_finishes():
+    rows = [[Action(0, "F", 0)], [Action(1, "F", 0)]]
+    spans = run(rows, lambda a: float(a.stage + 1), feeds=[[], []], reads=[[], []], slots=1)
+    assert sorted((s.action.stage, s.end) for s in spans) == [(0, 2.0), (1, 3.0)]  # 1 s shared, then alone
+
+
+def test_processes_per_rank_count_against_the_processors():
+    rows = [[Action(0, "F", 0)], [Action(1, "F", 0)]]
+    spans = run(rows, lambda a: 1.0, feeds=[[], []], reads=[[], []], slots=2, weight=2)  # 4 processes, 2 cores
+    assert [s.end for s in spans] == [2.0, 2.0]
+
+
+def test_a_chain_that_never_overlaps_loses_nothing_to_sharing():
+    assert _step(SCHEDULES["gpipe"](4, 1), {"F": 1, "B": 2}, slots=1) == 4 * 3
+
+
+def test_one_processor_runs_the_whole_work_back_to_back():
+    assert _step(SCHEDULES["1f1b"](4, 8), {"F": 1, "B": 2}, slots=1) == pytest.approx(4 * 8 * 3)
+    assert _step(SCHEDULES["1f1b"](4, 8), {"F": 1, "B": 2}, slots=2) < 4 * 8 * 3
