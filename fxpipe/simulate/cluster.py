@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from fxpipe.plan.pipeline import PipelinePlan, human
 from fxpipe.plan.tensorparallel import plan_tensor_parallel
 from fxpipe.runtime.schedules.builtin import MULTI_PRODUCERS, PLACEMENTS, PRODUCERS
 from fxpipe.runtime.schedules.finals import final_backwards
+from fxpipe.simulate.choices import Choice, ClusterSearch
 from fxpipe.simulate.devices import DeviceModel, device_model
 from fxpipe.simulate.fit import choose
 from fxpipe.simulate.layouts import Shape, shapes
@@ -46,93 +46,9 @@ from fxpipe.simulate.simulation import Simulation, run
 from fxpipe.simulate.stagecost import StageCost, example_rows, graph_costs
 from fxpipe.simulate.tpcost import with_tensor_parallel
 
-__all__ = ["Choice", "ClusterSearch", "cluster_search"]
+__all__ = ["Choice", "ClusterSearch", "cluster_search"]  # the first two from fxpipe.simulate.choices
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Choice:
-    """One layout, its recomputation and simulated step (``sim`` is None when its state alone overflows)."""
-
-    shape: Shape
-    checkpoint: str  # a mode for every stage, or "auto": a policy per stage
-    sim: Simulation | None
-    fits: bool
-    overflow: str = ""  # what does not fit, when it does not
-
-    @property
-    def policies(self) -> list[str]:
-        """Return each stage's policy."""
-        return list(self.sim.policies) if self.sim is not None else []
-
-    @property
-    def setting(self) -> str | list[str]:
-        """Return what ``fxpipe.compile(checkpoint=...)`` takes."""
-        return self.checkpoint if self.checkpoint != AUTO else self.policies
-
-    @property
-    def peak(self) -> float:
-        """Return the fullest rank's predicted peak memory in bytes."""
-        return max((m.peak for m in self.sim.devices.values()), default=0.0) if self.sim is not None else 0.0
-
-
-@dataclass
-class ClusterSearch:
-    """The layouts that fit, fastest first, those rejected, and what the search skipped; makes plans of them."""
-
-    ranked: list[Choice]
-    rejected: list[Choice]
-    gm: torch.fx.GraphModule
-    device: DeviceModel
-    gpus: int
-    gpus_per_node: int
-    batch: int  # global rows per step
-    memory: float
-    tokens: int = 1  # tokens per row (the sequence length), for tokens per second per GPU
-    layouts: int = 0  # tried, before pruning
-    simulated: int = 0
-    bounded: int = 0  # skipped: their compute alone is slower than the kept ones
-    seconds: float = 0.0
-    cuts: dict[int, PipelinePlan] = field(default_factory=dict)
-
-    @property
-    def best(self) -> Choice | None:
-        """Return the fastest layout that fits, or None."""
-        return self.ranked[0] if self.ranked else None
-
-    def per_gpu(self, c: Choice) -> float:
-        """Return tokens (rows without a sequence) per second per GPU."""
-        return c.sim.throughput * self.tokens / self.gpus if c.sim is not None and c.sim.step_time else 0.0
-
-    def plan(self, c: Choice) -> PipelinePlan:
-        """Return ``c``'s plan: the cut, schedule, chunks, policies and layout ``fxpipe.compile(plan=)`` reproduces."""
-        s = c.shape
-        plan = _cut(self.gm, s.n_stages, self.device, 1, s.chunks, c.setting)
-        plan.schedule, plan.chunks = s.schedule, s.chunks
-        ranks = PLACEMENTS[s.schedule](s.n_stages, s.pp) if s.schedule in PLACEMENTS else list(range(s.n_stages))
-        for st, policy, r in zip(plan.stages, c.policies, ranks):
-            st.checkpoint, st.rank = policy, r
-        plan.layout = {"runtime": "distributed", "data_parallel": s.dp, "data_parallel_shard": s.shard,
-                       "tensor_parallel": s.tp, "stages_per_rank": s.v}
-        return plan
-
-    def compile_call(self, c: Choice, path: str = "plan.json") -> str:
-        """Return the ``fxpipe.compile(...)`` call that runs ``c`` from its saved plan."""
-        s = c.shape
-        extra = "".join([f", stages_per_rank={s.v}" if s.v > 1 else "",
-                         f", data_parallel={s.dp}" if s.dp > 1 else "",
-                         ", data_parallel_shard=True" if s.shard else "",
-                         f", tensor_parallel={s.tp}" if s.tp > 1 else ""])
-        return (f"pipe = fxpipe.compile(model, {s.n_stages}, example_inputs=(x,), runtime=\"distributed\", "
-                f"plan={path!r}, chunks={s.chunks}, schedule={s.schedule!r}, checkpoint={c.setting!r}{extra})")
-
-    def launch_line(self, script: str = "train.py") -> str:
-        """Return the ``torchrun`` line that starts the layout on this cluster (run on every node)."""
-        per_node = min(self.gpus_per_node, self.gpus)
-        nodes = -(-self.gpus // per_node)
-        rdzv = " --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500" if nodes > 1 else ""
-        return f"torchrun --nnodes {nodes} --nproc-per-node {per_node}{rdzv} {script}"
 
 
 def _tp_sizes(gm: torch.fx.GraphModule, gpus_per_node: int, gpus: int) -> dict[int, tuple[dict[str, Any], set[str]]]:
