@@ -67,29 +67,31 @@ def run(store: list) -> None:
     for entry in queued:
         if callable(entry):
             entry()
-            continue
-        x, dy, weight, bias = entry
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        with torch.no_grad():
-            if _accumulates_in_place(weight, dy2):
-                weight.grad.addmm_(dy2.t(), x2)  # one GEMM adds into .grad: no temporary, no add pass
-            else:
-                _accumulate(weight, dy2.t().mm(x2))
-            if bias is not None:
-                _accumulate(bias, dy2.sum(0))
+        else:
+            _weight_grad(*entry)
 
 
-def _accumulates_in_place(param: torch.Tensor, dy: torch.Tensor) -> bool:
-    """Return whether ``param.grad`` exists and can take a GEMM's result in place."""
-    g = param.grad
-    return g is not None and g.dtype == dy.dtype and g.is_contiguous() and g.device == dy.device \
-        and g.layout == torch.strided and not g.requires_grad
+@torch.no_grad()
+def _weight_grad(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Add one linear's ``dW = dyᵀ x`` (and ``db = Σ dy``) to its parameters' ``.grad``."""
+    if dy.dim() != 2:
+        dy = dy.reshape(-1, dy.shape[-1])
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
+    g = weight.grad
+    if g is not None and g.dtype == dy.dtype and g.layout == torch.strided and g.is_contiguous() \
+            and g.device == dy.device and not g.requires_grad:
+        g.addmm_(dy.t(), x)  # one GEMM adds into .grad: no temporary, no add pass
+    else:
+        _accumulate(weight, dy.t().mm(x))
+    if bias is not None:
+        _accumulate(bias, dy.sum(0))
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Add ``grad`` to ``param.grad`` as autograd would."""
-    grad = grad.to(param.dtype)
+    if grad.dtype != param.dtype:
+        grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad
     elif param.grad.layout != torch.strided:  # a sparse gradient (an embedding's) cannot add in place
@@ -99,13 +101,50 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Return ``F.linear(x, weight, bias)``, its weight gradients deferred when a store is active."""
+    """Return ``F.linear(x, weight, bias)``, its weight gradients deferred when a store is active.
+
+    The common case (plain tensors, an input that needs its gradient, no saved-tensor hooks) runs
+    ``F.linear`` on detached parameters, which gives autograd ``dx = dy @ W`` alone, and a hook on
+    the output queues ``dy`` with ``x`` (cheaper than a Python autograd function). Otherwise, with
+    selective recomputation's or offload's hooks (which must see ``x`` saved), on DTensors, or for
+    an input without a gradient, :class:`_Linear` does the same.
+    """
     store = getattr(_local, "store", None)
     if (store is None or not torch.is_grad_enabled() or not _deferrable(weight)
-            or (bias is not None and not _deferrable(bias)) or torch.is_autocast_enabled(x.device.type)
-            or weight.dim() != 2):
+            or (bias is not None and not _deferrable(bias)) or weight.dim() != 2
+            or (torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(x.device.type))):
         return F.linear(x, weight, bias)
+    if x.requires_grad and type(weight) is torch.nn.Parameter and _no_saved_tensor_hooks():
+        y = F.linear(x, weight.detach(), None if bias is None else bias.detach())
+        y.register_hook(_Queue(store, x, weight, bias))
+        return y
     return _Linear.apply(x, weight, bias, store)
+
+
+def _no_saved_tensor_hooks() -> bool:
+    """Tell whether no saved-tensor hooks are active (they must see what backward keeps)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+class _Queue:
+    """A linear output's gradient hook: queue ``(x, dy, weight, bias)`` for the W step.
+
+    ``x`` is held here, not saved by autograd, so its version is checked as autograd would.
+    """
+
+    __slots__ = ("bias", "store", "version", "weight", "x")
+
+    def __init__(self, store: list, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.store, self.x, self.weight, self.bias = store, x.detach(), weight, bias
+        self.version = x._version
+
+    def __call__(self, dy: torch.Tensor) -> None:
+        """Queue this linear's weight gradients (called by autograd with the output's gradient)."""
+        if self.x._version != self.version:
+            raise RuntimeError("the input of a linear whose weight gradient is deferred was modified in place "
+                               "after the linear ran (autograd would refuse this too); compute the update "
+                               "out of place (x = x + h rather than x += h)")
+        self.store.append((self.x, dy.detach(), self.weight, self.bias))
 
 
 def _deferrable(p: torch.Tensor) -> bool:
@@ -128,7 +167,9 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         """Return ``dy @ W`` for ``x``; queue ``dW`` and ``db`` for the W step."""
         x, weight = ctx.saved_tensors
-        dx = dy.matmul(weight.to(dy.dtype)) if ctx.needs_input_grad[0] else None
+        if weight.dtype != dy.dtype:
+            weight = weight.to(dy.dtype)
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
         ctx.store.append((x.detach(), dy.detach(), ctx.params[0], ctx.params[1]))
         return dx, None, None, None
 
