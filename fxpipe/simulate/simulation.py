@@ -89,7 +89,8 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     (:mod:`fxpipe.simulate.network`, :mod:`fxpipe.simulate.dpcost`). ``measured=True`` works on every
     rank of a distributed pipe: rank 0 times a copy of the whole model on plain tensors of the
     parameters' full shapes (other ranks hold only their own stages) and sends the times to all,
-    so every rank predicts the same step.
+    so every rank predicts the same step; with ``device="cpu"`` the ranks also time their links
+    (a ping-pong and an all-reduce, :mod:`fxpipe.simulate.linktime`) in place of the CPU model's.
     """
     check_factor(compiled)
     gm, plan = graph_and_plan(pipe_or_plan)
@@ -103,6 +104,9 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     if isinstance(name_, str) and name_.lower() == "cpu":  # across ranks: rank 0's calibration, on every rank
         from fxpipe.simulate.measure import agreed
         model = agreed(lambda: device_model(name_))
+        if measured is True and gm is not None:  # and the links of this process group (every rank takes part)
+            from fxpipe.simulate.linktime import measure_links
+            model = measure_links(model)
     else:
         model = device_model(name_)
     runtime = runtime or default_runtime(plan, model)

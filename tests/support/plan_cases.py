@@ -57,7 +57,9 @@ def simulate_layout(rank, world, name):
     return {"step": sim.step_time, "dp": sim.data_parallel, "shard": sim.shard, "tp": sim.tensor_parallel,
             "ranks": sorted({s.rank for s in sim.stages}), "stages": len(sim.stages), "schedule": sim.schedule,
             "params": [s.memory.params for s in sim.stages], "optimizer": [s.memory.optimizer for s in sim.stages],
-            "throughput": sim.throughput, "layout": pipe.plan.layout}
+            "throughput": sim.throughput, "layout": pipe.plan.layout,
+            "links": [sim.device.link_latency, sim.device.link_bandwidth, sim.device.tp_latency,
+                      sim.device.tp_bandwidth]}
 
 
 def written_plan(rank, world, wanted):

@@ -1,0 +1,106 @@
+"""Measure this process group's links for the simulator: a message's and a collective's latency and bandwidth.
+
+``fxpipe.simulate(pipe, measured=True)`` on the ranks of a distributed pipe on CPUs times the
+links the step will use, as it times the nodes, instead of taking the CPU model's assumed ones::
+
+    ping-pong, ranks 0 <-> 1, two sizes     one way:    latency + bytes / bandwidth
+    all-reduce over every rank, two sizes   a ring:     2 (g - 1) x latency + 2 (g - 1) / g x bytes / bandwidth
+
+Each is the median of a few repetitions after a warm-up; the two sizes give the line's slope
+(the bandwidth) and intercept (the latency). The ping-pong sets the pipeline hop
+(``link_latency``, ``link_bandwidth``), the all-reduce the collectives of replicas and
+tensor-parallel groups (``tp_latency``, ``tp_bandwidth``). Every rank must call it (it runs
+collectives), as every rank calls ``fxpipe.simulate`` on a distributed pipe; every rank gets
+rank 0's fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+from fxpipe.simulate.devices import DeviceModel
+
+__all__ = ["measure_links"]
+
+log = logging.getLogger(__name__)
+
+SIZES = (16 * 2**10, 2 * 2**20)  # bytes: a small message and a large one
+
+
+def _line(small: float, large: float) -> tuple[float, float]:
+    """Return ``(intercept, bytes per second)`` of the line through the two sizes' seconds."""
+    slope = max((large - small) / (SIZES[1] - SIZES[0]), 1e-15)
+    return max(small - slope * SIZES[0], 0.0), 1.0 / slope
+
+
+def _median(fn, repeats: int) -> float:
+    """Return the median seconds of ``fn`` over ``repeats`` calls after two warm-up calls."""
+    import torch.distributed as dist
+
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _ping_pong(nbytes: int, repeats: int) -> float:
+    """Return one way's seconds of a ``nbytes`` message between ranks 0 and 1 (0 on the others)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    buf = torch.zeros(nbytes // 4)
+
+    def once() -> None:
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+
+    return _median(once, repeats) / 2
+
+
+def _all_reduce(nbytes: int, repeats: int) -> float:
+    """Return the seconds of an all-reduce of ``nbytes`` over every rank."""
+    import torch.distributed as dist
+
+    buf = torch.zeros(nbytes // 4)
+    return _median(lambda: dist.all_reduce(buf), repeats)
+
+
+def measure_links(model: DeviceModel, repeats: int = 7) -> DeviceModel:
+    """Return ``model`` with the default process group's point-to-point and collective links measured.
+
+    Leaves ``model`` as it is in one process, and off a CPU process group (gloo): accelerators'
+    links are the device model's.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 \
+            or dist.get_backend() != "gloo":
+        return model
+    g = dist.get_world_size()
+    hop = [_ping_pong(n, repeats) for n in SIZES]
+    ring = [_all_reduce(n, repeats) for n in SIZES]
+    fit = torch.tensor([*hop, *ring], dtype=torch.float64)
+    dist.broadcast(fit, 0)  # rank 0's, on every rank: each rank predicts the same step
+    hop_latency, hop_bandwidth = _line(float(fit[0]), float(fit[1]))
+    ring_latency, ring_bandwidth = _line(float(fit[2]), float(fit[3]))
+    steps = 2 * (g - 1)
+    measured = model.replace(link_latency=hop_latency, link_bandwidth=hop_bandwidth,
+                             inter_latency=hop_latency, inter_bandwidth=hop_bandwidth,
+                             tp_latency=ring_latency / steps, tp_bandwidth=ring_bandwidth * steps / g)
+    log.info("links measured over %d ranks: a message %.0f us + %.2f GB/s; a collective step %.0f us, "
+             "%.2f GB/s", g, hop_latency * 1e6, hop_bandwidth / 1e9, ring_latency / steps * 1e6,
+             ring_bandwidth * steps / g / 1e9)
+    return measured
