@@ -52,6 +52,9 @@ class Program:
         self.position = {n: k for k, n in enumerate(self.nodes)}
         self.placeholder = {n: p for p, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
         self.reads = [[self.position[a] for a in n.all_input_nodes if a in self.position] for n in self.nodes]
+        self.candidates = [plan.candidate(k) for k in range(len(self.nodes))]  # read per node by the tape
+        self.starts = [r if r >= 0 and r != plan.run[k] else -1  # the run starting after node k (-1: none)
+                       for k, r in enumerate([*plan.run[1:], -1])]
         self.members: list[list[int]] = [[] for _ in range(plan.runs)]  # per run, its nodes
         for k, r in enumerate(plan.run):
             if r >= 0:

@@ -74,12 +74,13 @@ def _revive(entry: tuple[list, Any, list[bool]]) -> Any:
 class _Box:
     """A saved tensor's stand-in: empty until a recomputation fills it (or holding a kept one)."""
 
-    __slots__ = ("__weakref__", "at", "geometry", "leaf", "node", "tape", "tensor")
+    __slots__ = ("__weakref__", "at", "geometry", "leaf", "node", "ref", "tape", "tensor")
 
     def __init__(self, tape: Tape, node: int, at: int = -1, tensor: torch.Tensor | None = None,
-                 leaf: int = -1, geometry: tuple | None = None) -> None:
+                 leaf: int = -1, geometry: tuple | None = None, ref: StorageWeakRef | None = None) -> None:
         self.tape, self.node, self.at, self.tensor = tape, node, at, tensor
         self.leaf, self.geometry = leaf, geometry  # a slice of node's value, not one of its saves
+        self.ref = ref  # the saved tensor's storage, while its node runs
 
 
 def unpack(obj: Any) -> Any:
@@ -97,6 +98,7 @@ class Tape:
     def __init__(self, program: Program, i: int, inputs: Sequence[Any]) -> None:
         self.program, self.i = program, i
         self.plan = program.plan
+        self.candidates, self.starts, self.saved = program.candidates, program.starts, program.plan.saved
         self.current = 0
         self.counts = [0] * len(program.nodes)
         self.owner: dict[StorageWeakRef, tuple[int, int, torch.dtype, StorageWeakRef]] = {}
@@ -135,32 +137,36 @@ class Tape:
         held = self.owner.get(ref) if ref is not None else None
         if held is not None and not held[3].expired():
             j, leaf, dtype, _ = held
-            if j < 0 or self.plan.candidate(j) or dtype != t.dtype or _subclass(t):
+            if j < 0 or self.candidates[j] or dtype != t.dtype or _subclass(t):
                 return t.detach()  # a subclass's view (a DTensor's) cannot be remade by as_strided: kept
             box = _Box(self, j, leaf=leaf, geometry=(t.size(), t.stride(), t.storage_offset()))
             self.boxes.setdefault(j, []).append(weakref.ref(box))
             return box
-        if ref is None or self.plan.saved[k]:
+        if ref is None or self.saved[k]:
             return t.detach()
-        box = _Box(self, k, at, t.detach())
+        box = _Box(self, k, at, t.detach(), ref=ref)
         self.pending.append(box)
         return box
 
     def made(self, k: int, value: Any) -> None:
         """Marker: node ``k`` is done; own its value's storage, settle its saves, note RNG at a segment's start."""
-        plan = self.plan
-        leaves = _leaves(value)
-        mine = {self._own(t, k, n) for n, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
-        for box in self.pending:  # its own value's storage, if kept, stays; the rest is dropped
-            if not (plan.candidate(k) and _ref(box.tensor) in mine):  # type: ignore[arg-type]
-                box.tensor = None
-                self.boxes.setdefault(k, []).append(weakref.ref(box))
-        self.pending = []
-        if plan.candidate(k):
+        candidate = self.candidates[k]
+        if isinstance(value, torch.Tensor):
+            mine = {self._own(value, k, 0)}
+        else:
+            mine = {self._own(t, k, n) for n, t in enumerate(_leaves(value)) if isinstance(t, torch.Tensor)}
+        if self.pending:
+            for box in self.pending:  # its own value's storage, if kept, stays; the rest is dropped
+                if not (candidate and box.ref in mine):
+                    box.tensor = None
+                    self.boxes.setdefault(k, []).append(weakref.ref(box))
+                box.ref = None
+            self.pending = []
+        if candidate:
             self.env[k] = _detach(value)
         self.current = k + 1
-        r = plan.run[k + 1] if k + 1 < len(plan.run) else -1
-        if r >= 0 and r != plan.run[k]:
+        r = self.starts[k]
+        if r >= 0:
             self.rng[r] = save_rng(self.program.device)
 
     def finish(self) -> None:
