@@ -83,4 +83,4 @@ def _register(model: nn.Module, also: Sequence[nn.Module], replaced: dict[int, t
             for registry in (module._parameters, module._buffers):
                 for name, t in list(registry.items()):
                     if t is not None and id(t) in replaced:
-                        registry[name] = replaced[id(t)]
+                        registry[name] = replaced[id(t)]  # type: ignore[assignment] # a Parameter for a Parameter

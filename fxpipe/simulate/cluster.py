@@ -33,6 +33,7 @@ from torch import nn
 from fxpipe import passes
 from fxpipe.options import AUTO, POLICIES
 from fxpipe.plan.pipeline import PipelinePlan, human
+from fxpipe.plan.saved import front_end
 from fxpipe.plan.tensorparallel import plan_tensor_parallel
 from fxpipe.runtime.schedules.builtin import MULTI_PRODUCERS, PLACEMENTS, PRODUCERS
 from fxpipe.runtime.schedules.finals import final_backwards
@@ -114,7 +115,7 @@ class ClusterSearch:
         for st, policy, r in zip(plan.stages, c.policies, ranks):
             st.checkpoint, st.rank = policy, r
         plan.layout = {"runtime": "distributed", "data_parallel": s.dp, "data_parallel_shard": s.shard,
-                       "tensor_parallel": s.tp, "stages_per_rank": s.v}
+                       "tensor_parallel": s.tp, "stages_per_rank": s.v, "tracer": front_end(self.gm)}
         return plan
 
     def compile_call(self, c: Choice, path: str = "plan.json") -> str:
@@ -234,7 +235,7 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
                    schedules: Sequence[str] | None = None, checkpoints: Sequence[str] = (*POLICIES, AUTO),
                    tensor_parallel: Sequence[int] | None = None, keep: int = 10, tokens: int = 1,
                    leaf_modules: Sequence[Any] = (), only: Sequence[Shape] | None = None,
-                   max_stages: int = 128, exact_sizes: int = 2) -> ClusterSearch:
+                   max_stages: int = 128, exact_sizes: int = 2, tracer: Any = "fx") -> ClusterSearch:
     """Simulate the layouts of ``model`` on ``gpus`` devices (``gpus_per_node`` to a node); return them ranked.
 
     ``memory`` is each device's budget (default: the device model's); ``batch`` the global rows
@@ -250,7 +251,7 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
     model_ = device_model(device)
     model_ = model_.replace(gpus_per_node=gpus_per_node)
     gm = model if isinstance(model, torch.fx.GraphModule) and "fxpipe.retains" in next(
-        iter(model.graph.nodes)).meta else prepare(model, args, kwargs, leaf_modules)
+        iter(model.graph.nodes)).meta else prepare(model, args, kwargs, leaf_modules, tracer)
     base = example_rows(gm) or 1
     batch = batch or base
     budget = memory if memory is not None else model_.memory
