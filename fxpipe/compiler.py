@@ -76,7 +76,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     ``plan`` (a :class:`PipelinePlan` or the path of one saved with ``plan.save``) reuses a
     saved stage assignment instead of partitioning; it raises :class:`PlanMismatchError`
     saying what differs if the model's graph no longer matches it. What the plan records of its
-    layout (chunks, schedule, each stage's checkpointing, stages per rank, and with
+    layout (chunks, schedule, each stage's checkpointing, stages per rank, the tracer, and with
     ``runtime="distributed"`` and no ``mesh=`` its replicas, sharding and tensor parallelism: a
     plan ``fxpipe plan --gpus`` wrote, or ``pipe.plan``) fills every one of these arguments left
     at its default; an argument given another value wins. Devices come from the arguments.
@@ -131,10 +131,12 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         layout = adopt_layout(load_plan(plan), {"chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
                                                 "stages_per_rank": stages_per_rank, "data_parallel": data_parallel,
                                                 "data_parallel_shard": data_parallel_shard,
-                                                "tensor_parallel": tensor_parallel}, runtime == "distributed", mesh)
+                                                "tensor_parallel": tensor_parallel, "tracer": tracer},
+                              runtime == "distributed", mesh)
         chunks, schedule, checkpoint = layout["chunks"], layout["schedule"], layout["checkpoint"]
         stages_per_rank, data_parallel = layout["stages_per_rank"], layout["data_parallel"]
         data_parallel_shard, tensor_parallel = layout["data_parallel_shard"], layout["tensor_parallel"]
+        tracer = layout["tracer"]
     options = CompileOptions(
         n_stages, example_inputs=example_inputs, example_kwargs=example_kwargs, devices=devices, chunks=chunks,
         checkpoint=checkpoint, balance_by=balance_by, split_points=split_points, max_memory=max_memory,

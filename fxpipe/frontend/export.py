@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ __all__ = ["export_trace"]
 log = logging.getLogger(__name__)
 
 _UNBOUNDED = 2 ** 63 - 2  # torch's own largest bound of a size
+_UNKNOWN_TYPE = re.compile(r"Found <class '([\w.]+)'> in (output|input)")  # a type pytree cannot flatten
 
 
 def _batched(x: Any) -> bool:
@@ -180,8 +182,17 @@ def _size(bound: Any) -> int:
 
 
 def _refusal(model: nn.Module, exc: BaseException, fix: str = "") -> TraceError:
-    """Explain that torch.export cannot keep the batch dim dynamic for ``model``."""
+    """Explain that torch.export cannot keep the batch dim dynamic for ``model`` (or flatten what it returns)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    unknown = _UNKNOWN_TYPE.search(first)
+    if unknown is not None and not fix:
+        cls, where = unknown.group(1), unknown.group(2)
+        return TraceError(
+            f"torch.export could not trace {type(model).__name__}: its {where} holds a {cls}, which torch.export "
+            f"cannot flatten into tensors. Make the model take and return tensors only: a Hugging Face model "
+            f"returns its key/value cache unless asked not to, so pass example_kwargs={{'use_cache': False}} (or "
+            f"build it from a config with use_cache=False, for encoder-decoders too); or register {cls} with "
+            "torch.utils._pytree.register_pytree_node. The full torch.export error is chained below.")
     fix = fix or ("fxpipe splits dim 0 of every input into micro-batches, so the model must not "
                   "depend on the batch size; otherwise ")
     return TraceError(

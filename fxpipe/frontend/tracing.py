@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import logging
 import operator
@@ -102,6 +103,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     if unknown:
         raise ValueError(f"leaf_modules names {unknown} that are not submodules of "
                          f"{type(model).__name__}; use names from model.named_modules()")
+    _refuse_wrapped_forward(model, concrete_args)
     fx_tracer = _Tracer(leaf_types, leaf_names)
     try:
         with recording_markers(fx_tracer):  # pipe_split() calls become marker nodes
@@ -112,6 +114,50 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     gm = torch.fx.GraphModule(fx_tracer.root, graph, name)
     log.debug("traced %s: %d nodes", name, len(gm.graph.nodes))
     return gm
+
+
+def _hugging_face(model: nn.Module) -> str:
+    """Return a note on Hugging Face models for a model of the transformers package, else ''."""
+    if not type(model).__module__.startswith("transformers."):
+        return ""
+    return ("\nHugging Face transformers 5 dropped its torch.fx tracer (transformers.utils.fx), and its models "
+            "branch on shapes and wrap forward in decorators, which torch.fx cannot trace: use "
+            "tracer='export' with example_inputs= (or example_kwargs=) holding the model's inputs.")
+
+
+def _refuse_wrapped_forward(model: nn.Module, concrete_args: dict[str, Any] | None) -> None:
+    """Refuse a forward that a decorator wraps in ``(*args, **kwargs)``: torch.fx cannot see its arguments.
+
+    torch.fx reads the arguments off the code of ``forward`` itself: it gets the wrapper's
+    ``*args, **kwargs``, not the wrapped function's names, and either fails
+    (``co_varnames is too small``) or traces every input as one tuple.
+    """
+    forward = type(model).forward
+    inner = inspect.unwrap(forward)
+    varargs = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
+    code, inner_code = getattr(forward, "__code__", None), getattr(inner, "__code__", None)
+    if inner is forward or code is None or inner_code is None or concrete_args:
+        return
+    if code.co_flags & varargs and not inner_code.co_flags & inspect.CO_VARARGS:
+        name = type(model).__name__
+        raise TraceError(
+            f"cannot trace {name} with torch.fx: its forward is wrapped by a decorator taking "
+            f"(*args, **kwargs) ({_qualname(forward)}), so torch.fx cannot see the arguments of "
+            f"{name}.forward ({_arguments(inner)}). Use tracer='export' (torch.export runs the "
+            "decorated forward on example_inputs=), or trace a submodule whose forward is not "
+            f"wrapped.{_hugging_face(model)}")
+
+
+def _arguments(fn: Any, shown: int = 4) -> str:
+    """List the first ``shown`` argument names of ``fn`` after ``self``."""
+    names = list(inspect.signature(fn).parameters)[1:]
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+
+
+def _qualname(fn: Any) -> str:
+    """Name the function a decorator returned, with its module."""
+    wrapper = getattr(fn, "__code__", None)
+    return f"{wrapper.co_name} in {os.path.basename(wrapper.co_filename)}" if wrapper else repr(fn)
 
 
 def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceError:
@@ -129,15 +175,16 @@ def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceErro
         fix = (f"Mark it as a leaf so it runs as one opaque call: "
                f"fxpipe.trace(model, leaf_modules=[{type_name}]) or leaf_modules=[{module_path!r}] "
                f"(fxpipe.compile takes the same leaf_modules=), or make its control flow "
-               f"independent of tensor values.")
+               f"independent of tensor values, or use tracer='export'.")
         what = f"module '{module_path}' ({type_name})"
     else:
         fix = ("The failure is in the top-level forward, which cannot be a leaf: move the "
-               "data-dependent part into a submodule and list it in leaf_modules=, or fix the "
-               "input with concrete_args=.")
+               "data-dependent part into a submodule and list it in leaf_modules=, fix the "
+               "input with concrete_args=, or use tracer='export', which traces the code the model "
+               "runs on example_inputs=.")
         what = f"the top-level module ({type_name})"
     return TraceError(f"cannot trace {type(model).__name__}: {exc}\n"
-                      f"Tracing failed in {what}:{where}\n{fix}",
+                      f"Tracing failed in {what}:{where}\n{fix}{_hugging_face(model)}",
                       module=module_path or None,
                       filename=frame.filename if frame else None,
                       lineno=frame.lineno if frame else None)

@@ -8,6 +8,7 @@ does not keep for a meta one of the same shape, so it holds only its own stages.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.fx
@@ -47,9 +48,16 @@ def refuse_meta_constants(model: nn.Module, gm: torch.fx.GraphModule) -> None:
             "or build the model on a real device")
 
 
-def release(model: nn.Module, keep: set[int]) -> int:
-    """Swap every real tensor of ``model`` outside ``keep`` for a meta one; return the bytes freed."""
+def release(model: nn.Module, keep: set[int], also: Sequence[nn.Module] = ()) -> int:
+    """Swap every real tensor of ``model`` outside ``keep`` for a meta one; return the bytes freed.
+
+    A tensor that cannot be swapped in place (a weak reference to it, as torch.export's fake
+    tensor memo keeps, forbids ``swap_tensors``) is replaced by a meta one in every module of
+    ``model`` and ``also`` (the traced graph, the stages) that holds it: a rank must hold no
+    real copy of another rank's tensor, or a save would write that stale copy beside the owner's.
+    """
     freed = 0
+    replaced: dict[int, torch.Tensor] = {}
     for key, info in tensor_table(model).items():
         t = info.tensor
         if key in keep or t.is_meta:
@@ -59,9 +67,20 @@ def release(model: nn.Module, keep: set[int]) -> int:
             empty = nn.Parameter(empty, requires_grad=t.requires_grad)
         try:
             torch.utils.swap_tensors(t, empty)
-        except RuntimeError as exc:  # a weak reference to it (torch.export's memo) forbids the swap: keep it
-            log.debug("keeping %s real on this rank: %s", info.names[0], exc)
-            continue
+        except RuntimeError as exc:  # a weak reference forbids the swap: register the meta one instead
+            log.debug("replacing %s by a meta tensor wherever it is held: %s", info.names[0], exc)
+            replaced[key] = empty
         freed += t.numel() * t.element_size()
+    if replaced:
+        _register(model, also, replaced)
     return freed
 
+
+def _register(model: nn.Module, also: Sequence[nn.Module], replaced: dict[int, torch.Tensor]) -> None:
+    """Put each new tensor (``id(old) -> new``) in every place of these modules that held the old one."""
+    for root in (model, *also):
+        for module in root.modules():
+            for registry in (module._parameters, module._buffers):
+                for name, t in list(registry.items()):
+                    if t is not None and id(t) in replaced:
+                        registry[name] = replaced[id(t)]  # type: ignore[assignment] # a Parameter for a Parameter

@@ -20,7 +20,8 @@ from fxpipe import passes
 from fxpipe.errors import PlanMismatchError
 from fxpipe.plan.pipeline import PipelinePlan
 
-__all__ = ["LAYOUT_DEFAULTS", "PlanLike", "adopt_layout", "apply_plan", "differences", "graph_signature", "load_plan"]
+__all__ = ["LAYOUT_DEFAULTS", "PlanLike", "adopt_layout", "apply_plan", "differences", "front_end", "graph_signature",
+           "load_plan"]
 
 PlanLike = Union[str, "os.PathLike[str]", PipelinePlan]
 
@@ -28,7 +29,8 @@ _SHOWN = 6  # differences listed per kind before "and N more"
 
 # fxpipe.compile's defaults for what a plan's layout records; an argument left at its default takes the plan's
 LAYOUT_DEFAULTS: dict[str, Any] = {"chunks": 1, "schedule": "gpipe", "checkpoint": "except_last", "stages_per_rank": 1,
-                                   "data_parallel": 1, "data_parallel_shard": False, "tensor_parallel": 1}
+                                   "data_parallel": 1, "data_parallel_shard": False, "tensor_parallel": 1,
+                                   "tracer": "fx"}
 _REPLICAS = ("data_parallel", "data_parallel_shard", "tensor_parallel")  # only across ranks, without mesh=
 
 
@@ -36,7 +38,8 @@ def adopt_layout(plan: PipelinePlan, given: dict[str, Any], distributed: bool, m
     """Return ``given`` (compile's layout arguments) with those left at their defaults taken from ``plan``.
 
     A plan records its chunks, schedule, policies per stage and layout (``plan.layout``: stages
-    per rank, replicas, sharding, tensor parallelism; older plans record none and change nothing).
+    per rank, replicas, sharding, tensor parallelism, and the front end whose node names it
+    holds; older plans record none and change nothing).
     Replicas and tensor parallelism are taken only across ranks and without ``mesh=``; an
     argument passed with another value than its default wins.
     """
@@ -55,6 +58,11 @@ def adopt_layout(plan: PipelinePlan, given: dict[str, Any], distributed: bool, m
         if type(value) is type(default) and value == default:
             out[key] = recorded[key]
     return out
+
+
+def front_end(gm: torch.fx.GraphModule) -> str:
+    """Name the front end whose node names ``gm`` has, as a plan records it: ``"export"`` or ``"fx"``."""
+    return "export" if gm.meta.get("fxpipe.tracer") == "export" else "fx"
 
 
 def load_plan(plan: PlanLike) -> PipelinePlan:

@@ -249,7 +249,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     if deferred_batch_norm:
         engine.deferred = defer_batch_norm({id(m): m for st in held for m in st.modules()}.values())
     keep = {id(t) for st in held for _, t in named_tensors(st)} | unread  # after the move: moved buffers are new
-    release(model, keep)
+    release(model, keep, also=[gm, *stages])
     return engine, keep
 
 

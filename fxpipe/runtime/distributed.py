@@ -7,7 +7,8 @@ interpreter (:mod:`fxpipe.runtime.interpreter`). The rank holding the first stag
 inputs and publishes the micro-batch layout; every rank sizes its receive buffers from it;
 the rank holding the last stage computes the loss, which every rank returns. Parameters
 used by stages on several ranks (tied embeddings) live on each of those ranks, start equal,
-and get their gradients summed over them after each step (:mod:`fxpipe.runtime.transport.procgroup`).
+and get their gradients summed over them after each step (:mod:`fxpipe.runtime.transport.procgroup`), what
+accumulated since the last sum only (:mod:`fxpipe.runtime.tiedgrads`).
 
 A step that fails on one rank fails on every rank, and leaves the pipe usable::
 
@@ -50,6 +51,7 @@ from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.worker import StageWorker
 from fxpipe.runtime.tensorparallel import local_specs, match_grads
+from fxpipe.runtime.tiedgrads import open_window, sum_tied
 from fxpipe.runtime.transport import steplayout
 from fxpipe.runtime.transport.comm import Comm, on_every_rank
 from fxpipe.runtime.transport.messages import DistTransport
@@ -93,6 +95,7 @@ class DistributedRuntime:
         self.layout = layout
         self.grad_sync: GradSync | None = None  # data parallel, set by the build
         self.sync = True  # reduce gradients over replicas and ties this step (off inside pipe.no_sync())
+        self.summed: dict[int, torch.Tensor] | None = None  # tied gradients already summed (fxpipe.runtime.tiedgrads)
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
         self.broken: str | None = None  # why the last step failed, until every rank is back
         self.target_checked = False  # that the loss's rank has the target when the first rank has one
@@ -244,6 +247,7 @@ class DistributedRuntime:
         self.layout.pp_group = None  # the group's connections close once nothing holds it
         self.comm.close()
         self.ties.close()
+        self.summed = None
         for worker in self.workers.values():
             worker.discard()
         discard_batch_norm(self.deferred)
@@ -269,6 +273,8 @@ class DistributedRuntime:
             if not torch.is_grad_enabled():
                 raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
             tgt = steplayout.from_tp_leader(self, target) if self.last else target
+            if self.summed is None:  # the first step since the last sum: what that sum made equal stays out
+                self.summed = open_window(self.tied)
             runner = self._run(args, kwargs, lambda batch, m: micro_losses(
                 loss_fn, tgt, batch, m, self.device, self.binding.finish), training, grad=True, target=tgt)
             if self.layout.tp > 1:
@@ -276,7 +282,8 @@ class DistributedRuntime:
             if self.sync:  # replicas reduced and a tie's accumulated gradients summed once, at the synced step
                 if self.grad_sync is not None:
                     self.grad_sync.reduce()
-                self._sum_tied()
+                sum_tied(self.tied, self.summed or {}, self.comm.wait)
+                self.summed = None
             if self.last:
                 assert runner.total is not None
                 total = runner.total
@@ -289,19 +296,6 @@ class DistributedRuntime:
                 return total
             return torch.tensor(self.comm.recv_object(self.last_rank, "waiting for the loss"))
         return self._guarded(body)
-
-    def _sum_tied(self) -> None:
-        """Sum the gradients of parameters tied across ranks over the tie (each rank's part of them)."""
-        for group, params, _ in self.tied:
-            works = []
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                elif not gradnorm.local(p.grad).is_contiguous():  # a transposed product (a DTensor's shard)
-                    p.grad = p.grad.contiguous()
-                local = gradnorm.local(p.grad)
-                works.append(dist.all_reduce(local, group=group, async_op=True))
-            self.comm.wait(works, "summing the gradients of tied parameters")
 
     def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
         """Run inference over micro-batches; return the output on the last rank, None elsewhere."""

@@ -150,7 +150,7 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
                    schedules: Sequence[str] | None = None, checkpoints: Sequence[str] = (*POLICIES, AUTO),
                    tensor_parallel: Sequence[int] | None = None, keep: int = 10, tokens: int = 1,
                    leaf_modules: Sequence[Any] = (), only: Sequence[Shape] | None = None,
-                   max_stages: int = 128, exact_sizes: int = 2) -> ClusterSearch:
+                   max_stages: int = 128, exact_sizes: int = 2, tracer: Any = "fx") -> ClusterSearch:
     """Simulate the layouts of ``model`` on ``gpus`` devices (``gpus_per_node`` to a node); return them ranked.
 
     ``memory`` is each device's budget (default: the device model's); ``batch`` the global rows
@@ -166,7 +166,7 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
     model_ = device_model(device)
     model_ = model_.replace(gpus_per_node=gpus_per_node)
     gm = model if isinstance(model, torch.fx.GraphModule) and "fxpipe.retains" in next(
-        iter(model.graph.nodes)).meta else prepare(model, args, kwargs, leaf_modules)
+        iter(model.graph.nodes)).meta else prepare(model, args, kwargs, leaf_modules, tracer)
     base = example_rows(gm) or 1
     batch = batch or base
     budget = memory if memory is not None else model_.memory

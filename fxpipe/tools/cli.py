@@ -18,8 +18,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from fxpipe.errors import TraceError
 from fxpipe.tools import inspectcmd, plancmd
-from fxpipe.tools.cliargs import Failure, UsageError
+from fxpipe.tools.cliargs import Failure, UsageError, trace_hint
 from fxpipe.tools.factory import FactoryError, ModelSpecError
 
 __all__ = ["main"]
@@ -40,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (Failure, FactoryError) as exc:
         print(f"fxpipe {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except TraceError as exc:  # the model cannot be traced as asked: say which options fix it
+        print(f"fxpipe {args.command}: error: TraceError: {exc}{trace_hint(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["Failure", "UsageError", "names", "positive", "shape"]
+__all__ = ["Failure", "UsageError", "add_tracer", "names", "positive", "shape", "trace_hint"]
 
 
 class UsageError(Exception):
@@ -54,3 +54,19 @@ def shape(text: str) -> tuple[int, ...]:
     if not shape or any(d < 1 for d in shape):
         raise argparse.ArgumentTypeError(f"{text!r} is not a shape; write sizes with commas, e.g. 8,3,224,224")
     return shape
+
+
+def add_tracer(p: argparse.ArgumentParser) -> None:
+    """Add ``--tracer``: the front end that makes the model's graph (fxpipe.compile's ``tracer=``)."""
+    p.add_argument("--tracer", choices=["fx", "export"], default="fx",
+                   help="front end: fx (torch.fx, the default) or export (torch.export on the example inputs; "
+                        "Hugging Face transformers 5 models need it); a saved plan records it")
+
+
+def trace_hint(exc: Exception) -> str:
+    """Say which command-line options apply the fixes a TraceError names (leaf modules, the export front end)."""
+    module = getattr(exc, "module", None)
+    hints = [f"--leaf-modules {module}"] if module else []
+    if "tracer='export'" in str(exc):
+        hints.append("--tracer export")
+    return f"\nOn the command line: {' or '.join(hints)}" if hints else ""

@@ -20,7 +20,7 @@ from typing import Any
 from tabulate import tabulate
 
 from fxpipe.plan.pipeline import human
-from fxpipe.tools.cliargs import Failure, UsageError, counts, names, positive, shape
+from fxpipe.tools.cliargs import Failure, UsageError, add_tracer, counts, names, positive, shape
 from fxpipe.tools.clustercmd import add_arguments, run_cluster
 
 __all__ = ["register"]
@@ -64,6 +64,7 @@ def register(commands: Any) -> None:
     p.add_argument("--leaf-modules", type=names, metavar="A,B", help="submodules to keep as one call")
     p.add_argument("--input-shape", type=shape, action="append", metavar="8,3,224,224",
                    help="a random float input of this shape (repeat for several inputs)")
+    add_tracer(p)
     p.add_argument("--traceback", action="store_true", help="show Python tracebacks of unexpected errors")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the planner does")
     add_arguments(p)
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     found = search(model, inputs, ranks=args.ranks, device=device, memory=memory, batch=args.global_batch,
                    kwargs=kwargs or None, stages=args.stages, chunks=args.chunks, schedules=args.schedules,
                    checkpoints=args.checkpoint, optimizer=args.optimizer, dtype=dtype, measure=args.measure,
-                   leaf_modules=args.leaf_modules or ())
+                   leaf_modules=args.leaf_modules or (), tracer=args.tracer)
     total = len(found.ranked) + len(found.rejected)
     print(f"{type(model).__name__} ({args.model}) on {args.ranks} x {device.name}"
           f"{' (nominal)' if device.nominal else ' (calibrated here)'}, {human(found.memory, 'B')} per device, "

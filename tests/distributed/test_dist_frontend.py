@@ -11,3 +11,13 @@ def test_a_rotary_decoder_on_meta_exported_on_two_ranks_equals_eager(tmp_path, l
         assert max(res["grad_errors"].values()) < 1e-5, (r, res["grad_errors"])
         assert res["wrong"] == [], r  # held tensors real, every other on meta
     assert 0 < len(results[0]["owned"]) < len(results[0]["all"])
+
+
+def test_an_exported_model_keeps_only_its_stage_per_rank_and_saves_the_trained_weights(tmp_path, launch):
+
+    results = launch("export_cases:real_weights", 2, "1f1b", tmp_path, limit=60)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert res["wrong"] == [], r  # held tensors real, every other on meta
+        assert res["stale"] == [], r  # the checkpoint holds the owner's trained values
+    assert set(results[0]["mine"]).isdisjoint(results[1]["mine"])

@@ -158,3 +158,13 @@ def test_loss_scaling_skips_the_same_steps_on_every_rank(tmp_path, launch):
         assert res["ok"], f"rank {r}: {res.get('traceback')}"
         assert res["type"] == "ShardedGradScaler" and res["skipped"] and res["scale"] == 512.0, (r, res)
     assert results[0]["loss"] == results[1]["loss"] < 10  # unscaled, the same on both ranks
+
+
+def test_tied_gradients_accumulate_over_steps_like_eager(tmp_path, launch):
+
+    results = launch("tie_cases:accumulate", 2, "1f1b", tmp_path, limit=60)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert res["tied_here"] > 0, r
+        for when in ("two_steps", "no_sync_then_synced", "after_zero_grad"):
+            assert res[when] < 1e-5, (r, when, res[when])

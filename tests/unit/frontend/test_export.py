@@ -79,6 +79,36 @@ def test_export_of_a_batch_dependent_model_is_refused_clearly():
     assert "use the fx front end" in str(info.value) and info.value.__cause__ is not None
 
 
+class Cache:
+    """An object holding tensors that torch's pytree does not know, as transformers' caches are."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class ReturnsCache(nn.Module):
+    """Return a cache object beside the output unless ``use_cache=False``, as Hugging Face models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use_cache=True):
+        h = self.b(torch.tanh(self.a(x)))
+        return (h, Cache(h)) if use_cache else (h,)
+
+
+def test_an_output_export_cannot_flatten_is_refused_naming_the_type_and_use_cache():
+    x = torch.randn(4, 8)
+    with pytest.raises(fxpipe.TraceError) as info:
+        fxpipe.compile(ReturnsCache(), 2, example_inputs=(x,), tracer="export")
+    msg = str(info.value)
+    assert "its output holds a test_export.Cache" in msg and "example_kwargs={'use_cache': False}" in msg, msg
+    assert "batch size" not in msg and info.value.__cause__ is not None
+    assert_pipeline_equivalent(ReturnsCache(), (x,), example_kwargs={"use_cache": False}, n_stages=2, chunks=2,
+                               devices=["cpu"] * 2, tracer="export", schedules=["1f1b"])
+
+
 class BranchOnBatch(nn.Module):
     """Branch on the batch size for speed only, as diffusers' Upsample2D and ResnetBlock2D do."""
 

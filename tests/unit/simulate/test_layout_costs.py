@@ -64,4 +64,4 @@ def test_fsdp_gathers_before_the_first_forward_and_shards_the_optimizer():
 def test_a_plan_records_its_layout():
     pipe = _pipe()
     assert pipe.plan.layout == {"runtime": "local", "data_parallel": 1, "data_parallel_shard": False,
-                                "tensor_parallel": 1, "stages_per_rank": 1}
+                                "tensor_parallel": 1, "stages_per_rank": 1, "tracer": "fx"}

@@ -11,6 +11,8 @@ from paths import ROOT
 from fxpipe.tools import cli
 
 MODELS = textwrap.dedent('''
+    import functools
+
     import torch
     from torch import nn
 
@@ -23,6 +25,30 @@ MODELS = textwrap.dedent('''
 
     def no_inputs():
         return nn.Linear(4, 4)
+
+
+    def passes_through(forward):
+        @functools.wraps(forward)
+        def wrapper(*args, **kwargs):
+            return forward(*args, **kwargs)
+        return wrapper
+
+
+    class Wrapped(nn.Module):  # forward wrapped as Hugging Face transformers 5 does: fx cannot trace it
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(64, 64) for _ in range(4)])
+
+        @passes_through
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x
+
+
+    def wrapped():
+        torch.manual_seed(0)
+        return Wrapped(), torch.randn(8, 64)
 ''')
 
 
@@ -128,3 +154,26 @@ def test_link_speeds_read_bits_or_bytes():
     assert bandwidth("25GB/s") == pytest.approx(25e9)
     with pytest.raises(argparse.ArgumentTypeError, match="is not a link speed"):
         bandwidth("fast")
+
+
+def test_a_model_only_export_traces_is_planned_with_tracer_export_and_the_plan_records_it(models, tmp_path, capsys):
+    import torch
+
+    import fxpipe
+
+    assert cli.main(["plan", f"{models}:wrapped", "--ranks", "2", "--stages", "2", "--device", "h100"]) == 1
+    assert "On the command line: --tracer export" in capsys.readouterr().err
+    out, out2 = tmp_path / "plan.json", tmp_path / "plan2.json"
+    assert cli.main(["plan", f"{models}:wrapped", "--ranks", "2", "--stages", "2", "--device", "h100",
+                     "--tracer", "export", "--json", str(out)]) == 0
+    assert cli.main(["plan", f"{models}:wrapped", "--gpus", "2", "--gpus-per-node", "2", "--device", "h100",
+                     "--tracer", "export", "--json", str(out2)]) == 0
+    assert fxpipe.PipelinePlan.load(str(out)).layout["tracer"] == "export"
+    assert fxpipe.PipelinePlan.load(str(out2)).layout["tracer"] == "export"
+    capsys.readouterr()
+    assert cli.main(["inspect", f"{models}:wrapped", "--plan", str(out)]) == 0  # the plan's tracer, not fx
+    namespace: dict = {}
+    exec(MODELS, namespace)
+    model, x = namespace["wrapped"]()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, plan=str(out))
+    torch.testing.assert_close(pipe(x), namespace["wrapped"]()[0](x))

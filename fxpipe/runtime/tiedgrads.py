@@ -1,0 +1,55 @@
+"""Sum the gradients of parameters tied across ranks once per accumulation window, like eager.
+
+A parameter read by stages on several ranks (tied embeddings) lives on each of them; after a
+synced step each holds the tie's summed gradient. Gradients may accumulate over several steps
+before the optimizer runs (``pipe.no_sync()`` steps, or plain steps without ``zero_grad``):
+summing the whole accumulated ``.grad`` again would count what an earlier sum already made
+equal on every rank once per rank. So the part already summed is set aside when the window
+opens (at the first step after a sum) and only what was added since is summed::
+
+    window opens   before = p.grad (summed, the same on every rank; None after zero_grad)
+    steps          p.grad = before + this rank's new gradients
+    synced step    p.grad = before + sum over the tie of (p.grad - before)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.runtime import gradnorm
+
+__all__ = ["open_window", "sum_tied"]
+
+
+def open_window(tied: list[tuple[Any, list, bool]]) -> dict[int, torch.Tensor]:
+    """Return the tied gradients already summed (by parameter id), set aside as the window opens."""
+    before: dict[int, torch.Tensor] = {}
+    for _, params, _ in tied:
+        for p in params:
+            if p.grad is not None and bool(gradnorm.local(p.grad).any()):  # a zeroed gradient: nothing to keep
+                before[id(p)] = gradnorm.local(p.grad).detach().clone()
+    return before
+
+
+def sum_tied(tied: list[tuple[Any, list, bool]], before: dict[int, torch.Tensor], wait: Any) -> None:
+    """Sum over each tie what each rank added to its tied gradients since ``before``; ``wait(works, what)``."""
+    kept = []
+    for group, params, _ in tied:
+        works = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif not gradnorm.local(p.grad).is_contiguous():  # a transposed product (a DTensor's shard)
+                p.grad = p.grad.contiguous()
+            local = gradnorm.local(p.grad)
+            base = before.get(id(p))
+            if base is not None:
+                local.sub_(base)
+                kept.append((local, base))
+            works.append(dist.all_reduce(local, group=group, async_op=True))
+        wait(works, "summing the gradients of tied parameters")
+    for local, base in kept:
+        local.add_(base)

@@ -1,0 +1,57 @@
+"""What each rank runs in the tests of parameters tied across ranks whose gradients accumulate over steps."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from models import TiedTransformer, token_loss
+
+import fxpipe
+from fxpipe.testing import max_relative_error
+
+
+def accumulate(rank, world, schedule):
+    """Steps without zero_grad, a no_sync step, and zero_grad between: tied gradients equal eager's each time.
+
+    The embedding is tied to the head on the last rank; a synced step used to sum the whole
+    accumulated gradient over the tie, so what an earlier step had already summed counted twice.
+    """
+    torch.manual_seed(0)
+    model = TiedTransformer()
+    eager = copy.deepcopy(model)
+    batches = [(torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))) for _ in range(4)]
+    pipe = fxpipe.compile(model, world, example_inputs=(batches[0][0],), chunks=2, runtime="distributed",
+                          timeout=60, schedule=schedule)
+    held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
+    tied = {id(p) for _, params, _ in pipe.runtime.tied for p in params}
+    own = dict(eager.named_parameters(remove_duplicate=False))
+
+    def errors():
+        return max(max_relative_error(p.grad, own[n].grad)
+                   for n, p in model.named_parameters(remove_duplicate=False) if id(p) in held)
+
+    def both(i, no_sync=False):
+        x, y = batches[i]
+        if no_sync:
+            with pipe.no_sync():
+                pipe.step(x, target=y, loss_fn=token_loss)
+        else:
+            pipe.step(x, target=y, loss_fn=token_loss)
+        token_loss(eager(x), y).backward()
+
+    out = {"tied_here": len(held & tied)}
+    both(0)
+    both(1)  # no zero_grad: the second sum must not count the first step's again
+    out["two_steps"] = errors()
+    both(2, no_sync=True)
+    both(3)
+    out["no_sync_then_synced"] = errors()
+    pipe.zero_grad()
+    eager.zero_grad()
+    both(0)
+    out["after_zero_grad"] = errors()
+    return out
+
+
+CASES = {"accumulate": accumulate}
