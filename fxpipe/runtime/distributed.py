@@ -45,6 +45,7 @@ from fxpipe.runtime.contract import Place
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import gather, micro_losses
+from fxpipe.runtime.replicanorms import sync_norms
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
 from fxpipe.runtime.stage.stagecall import StageCall
@@ -94,6 +95,7 @@ class DistributedRuntime:
         self.grad_sync: GradSync | None = None  # data parallel, set by the build
         self.sync = True  # reduce gradients over replicas and ties this step (off inside pipe.no_sync())
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
+        self.norms: list = []  # data parallel: the batch norms kept equal over the replicas
         self.broken: str | None = None  # why the last step failed, until every rank is back
         self.target_checked = False  # that the loss's rank has the target when the first rank has one
 
@@ -197,6 +199,8 @@ class DistributedRuntime:
         transport.finish()
         self.comm.flush()
         if training:
+            if self.layout.dp > 1:  # running statistics: the global batch's, or the first replica's
+                sync_norms(self.norms, self.deferred, self.layout.dp_group, self.comm.wait)
             commit_batch_norm(self.deferred)
         return runner
 
