@@ -449,3 +449,14 @@ def test_inductor_compiled_stages_equal_eager(schedule):
     pipe = _check_step(Stack(), x, y, F.mse_loss, tol=1e-4, n_stages=2, chunks=4, schedule=schedule,
                        devices=["cpu"] * 2, torch_compile=True)
     assert all(s["backend"] == "inductor" for s in pipe.compile_stats.values())
+
+
+@pytest.mark.slow
+def test_inductor_zero_bubble_splits_a_cnn_s_backward():
+    # a batch norm's backward returns a tuple, which I handed W whole (inductor returns tensors only); and
+    # inductor lays convolutions out channels-last, so W was compiled for strides its inputs did not have
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))
+    pipe = _check_step(CNN().eval(), x, y, F.cross_entropy, tol=1e-4, n_stages=2, chunks=2, schedule="zb",
+                       devices=["cpu"] * 2, split_points=["convs.1"], torch_compile=True)
+    assert all(s["split"] for s in pipe.compile_stats.values())
