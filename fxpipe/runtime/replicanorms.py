@@ -58,6 +58,7 @@ def _sum_deferred(deferred: list[_BatchNorm], group: Any, wait: Callable[[list, 
     parts = []
     for bn in deferred:
         sums = vars(bn)
+        assert bn.running_mean is not None  # deferred batch norms track running statistics
         zeros = torch.zeros(bn.num_features, dtype=torch.float64, device=bn.running_mean.device)
         total, squares = sums.get("_fxpipe_sum"), sums.get("_fxpipe_sum_squares")
         parts.append(torch.cat([zeros if total is None else total, zeros if squares is None else squares,
