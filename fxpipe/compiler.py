@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from fxpipe.plan.saved import PlanLike, adopt_layout, load_plan
 from fxpipe.plan.stages import make_plan
 from fxpipe.runtime.build import build
 from fxpipe.runtime.target import where
+from fxpipe.runtime.transport.mesh import launched_world
 from fxpipe.simulate.fit import fit
 
 __all__ = ["compile"]
@@ -133,6 +135,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
                                                 "data_parallel_shard": data_parallel_shard,
                                                 "tensor_parallel": tensor_parallel, "tracer": tracer},
                               runtime == "distributed", mesh)
+        if runtime == "distributed" and mesh is None:
+            _refuse_plan_world(plan, layout, stages_per_rank, data_parallel, tensor_parallel, n_stages)
         chunks, schedule, checkpoint = layout["chunks"], layout["schedule"], layout["checkpoint"]
         stages_per_rank, data_parallel = layout["stages_per_rank"], layout["data_parallel"]
         data_parallel_shard, tensor_parallel = layout["data_parallel_shard"], layout["tensor_parallel"]
@@ -162,3 +166,26 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     pipe.__dict__["_save"] = options.save  # what fxpipe.simulate(pipe) predicts selective recomputation keeps
     log.info("compiled %s into %d stages\n%s", type(model).__name__, n_stages, pipe_plan)
     return pipe
+
+
+def _refuse_plan_world(plan: PlanLike, layout: dict[str, Any], stages_per_rank: int, data_parallel: int,
+                       tensor_parallel: int, n_stages: int) -> None:
+    """Refuse a launched world that cannot hold the layout taken from a saved plan, naming the plan as its source.
+
+    Passing ``data_parallel=1`` (a default) cannot undo a plan's replicas, so the fix is another
+    launch or another plan, not the argument the generic message suggests.
+    """
+    spr, dp, tp = layout["stages_per_rank"], layout["data_parallel"], layout["tensor_parallel"]
+    world = launched_world()
+    if (spr, dp, tp) == (stages_per_rank, data_parallel, tensor_parallel) or world is None or n_stages % spr:
+        return
+    want = n_stages // spr * dp * tp
+    if world == want:
+        return
+    name = f" {os.fspath(plan)!r}" if isinstance(plan, (str, os.PathLike)) else ""
+    parts = [f"{n_stages // spr} pipeline ranks", *([f"{dp} replicas"] if dp > 1 else []),
+             *([f"{tp} tensor-parallel ranks"] if tp > 1 else [])]
+    raise ValueError(f"the plan{name} lays the model out on {want} processes ({' x '.join(parts)}, {spr} stage(s) per "
+                     f"rank) but {world} are running: launch with --nproc-per-node {want}, or make a plan for {world} "
+                     f"(fxpipe plan MODEL --gpus {world} --json plan.json); arguments at their defaults take the plan's "
+                     "values, so data_parallel=1 cannot undo its replicas")

@@ -22,6 +22,7 @@ only ``W`` reads are handed to it from the backward's own arguments, never passe
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -81,6 +82,11 @@ def split_weight_grads(backward: torch.fx.GraphModule, weight_outputs: Iterable[
     input_pos = [k for k in range(len(outs)) if k not in weight_pos]
     for_inputs = _ancestors(outs[k] for k in input_pos)
     only_weights = _ancestors(outs[k] for k in weight_pos) - for_inputs
+    # An element of a tuple I computes (a batch norm's backward: the input's, the weight's and the bias's
+    # gradients) is taken in I, so that I hands W tensors, never the tuple (inductor returns tensors only).
+    for_inputs |= {n for n in only_weights if n.op == "call_function" and n.target is operator.getitem
+                   and n.args[0] in for_inputs}
+    only_weights -= for_inputs
     w_nodes = [n for n in graph.nodes if n in only_weights and n.op != "placeholder"]
     in_w = set(w_nodes)
     w_results = {outs[k] for k in weight_pos}

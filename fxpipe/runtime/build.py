@@ -43,6 +43,7 @@ from fxpipe.runtime.dataparallel import GradSync
 from fxpipe.runtime.distributed import DistributedRuntime
 from fxpipe.runtime.local import LocalRuntime
 from fxpipe.runtime.placement import move_owned, named_tensors, ownership, stage_callable
+from fxpipe.runtime.replicanorms import norms_of
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import defer_batch_norm
 from fxpipe.runtime.stage.compiled import CompiledStage
@@ -248,6 +249,8 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
         tied.mine = [(g, [swapped.get(id(p), p) for p in ps], first) for g, ps, first in tied.mine]
     if deferred_batch_norm:
         engine.deferred = defer_batch_norm({id(m): m for st in held for m in st.modules()}.values())
+    if layout.dp > 1:
+        engine.norms = norms_of(held)
     keep = {id(t) for st in held for _, t in named_tensors(st)} | unread  # after the move: moved buffers are new
     release(model, keep, also=[gm, *stages])
     return engine, keep

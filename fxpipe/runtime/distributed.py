@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.fx
 
 from fxpipe import passes
-from fxpipe.errors import PeerFailure, PipelineInputError, ScheduleError
+from fxpipe.errors import PeerFailure, ScheduleError
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime import gradnorm
 from fxpipe.runtime.binding import Binding
@@ -46,6 +46,7 @@ from fxpipe.runtime.contract import Place
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import gather, micro_losses
+from fxpipe.runtime.replicanorms import sync_norms
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
 from fxpipe.runtime.stage.stagecall import StageCall
@@ -97,8 +98,9 @@ class DistributedRuntime:
         self.sync = True  # reduce gradients over replicas and ties this step (off inside pipe.no_sync())
         self.summed: dict[int, torch.Tensor] | None = None  # tied gradients already summed (fxpipe.runtime.tiedgrads)
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
+        self.norms: list = []  # data parallel: the batch norms kept equal over the replicas
         self.broken: str | None = None  # why the last step failed, until every rank is back
-        self.target_checked = False  # that the loss's rank has the target when the first rank has one
+        self.target_checked = False  # that the loss's rank has the target when another rank has one
 
     @property
     def tied(self) -> list[tuple[Any, list, bool]]:
@@ -164,12 +166,13 @@ class DistributedRuntime:
              target: Any = None):
         """Run one step's actions on this rank; return the runner."""
         if self.rank == self.first:
-            header, mbs = steplayout.publish(self, args, kwargs, training, has_target=target is not None)
+            header, mbs = steplayout.publish(self, args, kwargs, training, has_target=target is not None,
+                                             stepping=losses_for is not None)
         else:
             header, mbs = steplayout.receive(self), []
         m = len(header["specs"])
-        if losses_for is not None and header.get("target_on_first") and not self.target_checked:
-            self._check_target(target)
+        if losses_for is not None and not self.target_checked:
+            steplayout.check_target(self, target, bool(header.get("target_on_first")))
 
         kind = "train" if grad else "forward"
         try:
@@ -200,30 +203,10 @@ class DistributedRuntime:
         transport.finish()
         self.comm.flush()
         if training:
+            if self.layout.dp > 1:  # running statistics: the global batch's, or the first replica's
+                sync_norms(self.norms, self.deferred, self.layout.dp_group, self.comm.wait)
             commit_batch_norm(self.deferred)
         return runner
-
-    def _check_target(self, target: Any) -> None:
-        """Refuse on every rank a step whose target was passed on the first rank but not on the loss's rank.
-
-        Asked once per pipe (a script passes its arguments the same way every step), before
-        anything is computed: the loss's rank tells every rank whether it has a target.
-        """
-        if self.first == self.last_rank:
-            return
-        if self.last:
-            verdict = None if target is not None else (
-                f"pipe.step got a target on rank {self.layout.global_ranks[self.first]}, which splits the inputs, "
-                f"but target=None on rank {self.layout.global_ranks[self.rank]}, which computes the loss: pass the "
-                f"target on {steplayout.holders(self, self.last_rank, 'the last stage')} (pipe.plan.stages[-1]"
-                f".on_rank is its pipeline rank); passing the inputs and the target on every rank is fine")
-            steplayout.tell_all(self, verdict)
-            self.comm.flush()
-        else:
-            verdict = self.comm.recv_object(self.last_rank, "waiting for the loss rank's check of the target")
-        if verdict is not None:
-            raise on_every_rank(PipelineInputError(verdict))
-        self.target_checked = True
 
     def ready(self) -> None:
         """After a failed step, meet every rank again on fresh connections; raise if one is gone."""

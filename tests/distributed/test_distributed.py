@@ -152,6 +152,18 @@ def test_data_parallel_refusals(tmp_path, launch):
             "replica 0 has a batch of 4 rows but replica 1 has 3" in res["batch"]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b:deferred", "zb:plain:shard"])
+def test_data_parallel_keeps_batch_norm_statistics_equal_over_replicas(schedule, tmp_path, launch):
+    # DDP broadcasts buffers in its forward, which the pipeline never calls, and FSDP2 leaves them alone:
+    # each replica's running statistics drifted to its own share of the batch
+    results = launch("dp_batch_norm", 4, schedule, tmp_path, limit=120)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert res["stats"] and res["stats"] == results[r % 2]["stats"], f"rank {r} differs from replica 0"
+        if schedule.endswith("deferred"):  # the global batch's statistics
+            assert max(res["errors"].values()) < 1e-5, (r, res["errors"])
+
+
 def test_loss_scaling_skips_the_same_steps_on_every_rank(tmp_path, launch):
     results = launch("scaler", 2, "zb", tmp_path)
     for r, res in enumerate(results):

@@ -36,6 +36,21 @@ def test_a_failed_step_leaves_the_pipe_usable(schedule, world, tmp_path, launch)
             assert max(res[label]) < 1e-5, (r, label, res[label])
 
 
+def test_zbv_target_only_on_the_highest_rank_is_refused_on_every_rank(tmp_path, launch):
+    # under ZB-V rank 0 computes the loss; a target on the highest rank only once reached loss_fn as None there
+    results = launch("longrun_cases:misuse_zbv", 2, "zbv", tmp_path, limit=90)
+    _ok(results)
+    for r, res in enumerate(results):
+        kind, message, seconds = res["target_on_highest"]
+        assert kind == "PipelineInputError" and seconds < 5, (r, res)
+        assert "target=None on rank 0, which computes the loss (it holds the first and the last stage), but a " \
+               "target on rank 1: pass the target on rank 0" in message
+        kind, message, seconds = res["forward_without_inputs"]
+        assert kind == "PipelineInputError" and message.startswith("pipe(...) got no inputs on rank 0"), (r, res)
+        assert "the output comes back on rank 0" in message
+        assert max(res["after"]) < 1e-5, (r, res["after"])
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_inputs_or_target_on_the_wrong_rank_are_refused_on_every_rank(world, tmp_path, launch):
     results = launch("longrun_cases:misuse", world, "1f1b", tmp_path, limit=90)

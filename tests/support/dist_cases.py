@@ -555,7 +555,30 @@ def dp_refusals(rank, world, schedule):
     return out
 
 
-CASES.update(dp_train=dp_train, dp_accumulate=dp_accumulate, dp_refusals=dp_refusals)
+def dp_batch_norm(rank, world, schedule):
+    """Batch norm in training under 2 replicas: running statistics equal on both replicas, and with deferred
+    batch norm equal to one process running the global batch's micro-batches (schedule: 'name:deferred|plain[:shard]')."""
+    schedule, mode, *shard = schedule.split(":")
+    torch.manual_seed(0)
+    model = CNN().train()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 3, 8, 8) * 2 + 1, torch.randint(0, 5, (8,))
+    replica, pp_rank = rank // 2, rank % 2
+    xs, ys = x[replica * 4:(replica + 1) * 4], y[replica * 4:(replica + 1) * 4]
+    pipe = fxpipe.compile(model, 2, example_inputs=(xs,), runtime="distributed", timeout=60, schedule=schedule,
+                          chunks=2, data_parallel=2, data_parallel_shard=bool(shard),
+                          deferred_batch_norm=mode == "deferred")
+    pipe.step(xs, target=ys, loss_fn=F.cross_entropy)
+    stats = {k: v.tolist() for k, v in pipe.state_dict().items() if "running" in k or "num_batches" in k}
+    one = fxpipe.compile(reference, 2, example_inputs=(x,), chunks=4, devices=["cpu"] * 2, schedule=schedule,
+                         deferred_batch_norm=True)  # the global batch's 4 micro-batches in one process
+    one.step(x, target=y, loss_fn=F.cross_entropy)
+    expected = reference.state_dict()
+    errors = {k: max_relative_error(torch.tensor(v), expected[k].to(torch.float64)) for k, v in stats.items()}
+    return {"stats": stats, "errors": errors}
+
+
+CASES.update(dp_train=dp_train, dp_accumulate=dp_accumulate, dp_refusals=dp_refusals, dp_batch_norm=dp_batch_norm)
 
 
 def scaler(rank, world, schedule):

@@ -7,8 +7,10 @@ import os
 import time
 
 import torch
+import torch.nn.functional as F
 from models import token_loss
 from rope import RopeLM, rope_init
+from torch import nn
 
 import fxpipe
 from fxpipe.testing import max_relative_error
@@ -108,6 +110,27 @@ def misuse(rank, world, schedule):
     else:
         ids, target = ids[rank // 2 * 4:][:4], target[rank // 2 * 4:][:4]  # each replica its half
         out["after"] = float(pipe.step(ids, target=target, loss_fn=token_loss))
+    return out
+
+
+def misuse_zbv(rank, world, schedule):
+    """ZB-V, whose loss is on rank 0: the target on the highest rank only; inputs missing for pipe(x); then a step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2 * world)])
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    pipe = fxpipe.compile(model, 2 * world, example_inputs=(x,), chunks=world, runtime="distributed", timeout=20,
+                          schedule="zbv", stages_per_rank=2)
+    out = {}
+    for label, call in [("target_on_highest", lambda: pipe.step(x if rank == 0 else None, loss_fn=F.mse_loss,
+                                                                target=y if rank == world - 1 else None)),
+                        ("forward_without_inputs", lambda: pipe(x if rank == world - 1 else None))]:
+        start = time.monotonic()
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    out["after"] = _compare(pipe, model, eager, rank, x, y, loss_fn=F.mse_loss)
     return out
 
 

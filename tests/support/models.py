@@ -40,6 +40,21 @@ class CNN(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
+class NormLadder(nn.Module):
+    """Conv-BN-ReLU blocks of widening channels: more batch norms of distinct widths than torch.compile's
+    recompile limit (8), as in a real CNN's stage."""
+
+    def __init__(self, widths: tuple[int, ...] = (4, 5, 6, 7, 8, 9, 10, 11, 12, 13)) -> None:
+        super().__init__()
+        pairs = zip((3, *widths[:-1]), widths)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.BatchNorm2d(b), nn.ReLU())
+                                      for a, b in pairs])
+        self.head = nn.Linear(widths[-1], 5)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean((2, 3)))
+
+
 class Inception(nn.Module):
     """Four parallel branches merged by concatenation."""
 

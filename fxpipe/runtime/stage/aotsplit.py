@@ -30,6 +30,7 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from fxpipe.errors import CompileError
 from fxpipe.options import TorchCompile
 from fxpipe.passes.gradsplit import GradSplit, split_weight_grads
 
@@ -40,6 +41,7 @@ class Deferral(Protocol):
     """What the backend asks of its compiled stage: its config, where ``W`` work goes, the time spent."""
 
     config: TorchCompile
+    index: int  # the stage's index, which errors name
     store: list | None  # while set, the backward queues its W work here
     split: list[tuple[int, int]]  # per split backward: nodes in I, nodes in W
 
@@ -128,13 +130,27 @@ def _split_backend(stage: Deferral, params: dict[int, nn.Parameter]) -> Callable
 
     def split_compiler(compile_part: Callable[[torch.fx.GraphModule, list, dict, bool], Callable]) -> Callable:
         def bw_compiler(bw: torch.fx.GraphModule, example_inputs: Sequence, **kwargs: Any) -> Callable:
+            try:
+                return split(bw, example_inputs, **kwargs)
+            except Exception as exc:  # named with the stage, the original chained
+                first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+                raise CompileError(f"stage {stage.index}: torch.compile ({config.name}) cannot compile the stage's "
+                                   f"backward split into I and W for zero bubble: {type(exc).__name__}: {first[:300]}; "
+                                   "try backend='aot_eager' to tell the graph from the backend, or a schedule "
+                                   "without W (1f1b)") from exc
+
+        def split(bw: torch.fx.GraphModule, example_inputs: Sequence, **kwargs: Any) -> Callable:
             start = time.perf_counter()
             weight_of = _weight_outputs(bw, params)
             cut = split_weight_grads(bw, weight_of)
             stage.split.append((len(cut.inputs.graph.nodes), len(cut.weights.graph.nodes)))
             with _donating(lambda idxs: [k for k in idxs if k not in cut.taken]):
                 run_i = compile_part(cut.inputs, list(example_inputs), kwargs, False)
-            w_examples = [n.meta.get("val") for n in cut.weights.graph.nodes if n.op == "placeholder"]
+            # W reads the backward's own inputs at their runtime layout (a tangent may come channels-last,
+            # unlike its traced value), and what I hands it as I's graph last saw it
+            out = next(n for n in reversed(cut.inputs.graph.nodes) if n.op == "output")
+            w_examples = [example_inputs[k] for k in cut.taken] + \
+                [n.meta.get("val") for n in out.args[0][len(cut.input_positions):]]
             with _donating(lambda idxs: []):
                 run_w = compile_part(cut.weights, w_examples, kwargs, True)
             stage.spent(time.perf_counter() - start)
@@ -153,7 +169,7 @@ def _split_backend(stage: Deferral, params: dict[int, nn.Parameter]) -> Callable
         return backend
 
     from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner, fake_tensor_prop
     from torch._inductor.utils import BoxedBool
 
     def inductor_part(gm: torch.fx.GraphModule, examples: list, kwargs: dict, weights: bool) -> Callable:
@@ -165,6 +181,8 @@ def _split_backend(stage: Deferral, params: dict[int, nn.Parameter]) -> Callable
                                                 if visible and isinstance(v, torch.fx.Node)]
         if weights:  # W's inputs are I's results, never the parameters: nothing static, no CUDA graph
             kwargs = {**kwargs, "static_input_idxs": [], "cudagraphs": BoxedBool(False)}
+        else:  # I's values at the layouts of the runtime's inputs (inductor keeps them for visible outputs)
+            fake_tensor_prop(gm, examples)
         return compile_fx_inner(gm, examples, **kwargs)
 
     def inner_compile(gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs: Any) -> Any:

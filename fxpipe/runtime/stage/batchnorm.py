@@ -9,6 +9,12 @@ running statistics equal eager's on the full batch (torchgpipe, section 3.4). Re
 for checkpointing does not count twice, and neither does a run on fake tensors (the distributed
 runtime propagates each new micro-batch layout's shapes through the graph).
 
+Inside a compiled stage (``torch_compile=``) the forward cannot read whether it recomputes without
+a graph break (and torch.compile would compile the code after that break once per batch norm, up
+to its recompile limit). There each batch norm adds its sums into a staging tensor inside the
+graph, unconditionally; the compiled stage puts the staging tensors back as they were after a
+recomputation (:func:`unstaged`), and the commit folds them into the sums.
+
 The modules keep their class, their identity and their state_dict keys: the deferred forward
 is an instance attribute, and the sums are plain attributes.
 """
@@ -16,7 +22,8 @@ is an instance attribute, and the sums are plain attributes.
 from __future__ import annotations
 
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Protocol, cast
 
 import torch
@@ -27,7 +34,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from fxpipe.runtime.stage.recompute import is_recomputing
 
-__all__ = ["commit_batch_norm", "defer_batch_norm", "discard_batch_norm"]
+__all__ = ["commit_batch_norm", "defer_batch_norm", "discard_batch_norm", "fold_staged", "staging", "unstaged"]
 
 
 class _Sums(Protocol):
@@ -36,6 +43,7 @@ class _Sums(Protocol):
     _fxpipe_sum: torch.Tensor | None
     _fxpipe_sum_squares: torch.Tensor | None
     _fxpipe_count: int
+    _fxpipe_staged: torch.Tensor | None  # compiled stages: rows sum, sum of squares, count (in every column)
 
 
 def _sums(bn: _BatchNorm) -> _Sums:
@@ -60,6 +68,9 @@ def _reset(bn: _BatchNorm) -> None:
     sums._fxpipe_sum = None
     sums._fxpipe_sum_squares = None
     sums._fxpipe_count = 0
+    staged = vars(bn).get("_fxpipe_staged")
+    if staged is not None:
+        staged.zero_()
 
 
 def _deferred_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +79,9 @@ def _deferred_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     if not self.training:
         return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
                             False, 0.0, self.eps)
-    if not is_recomputing() and not isinstance(x, FakeTensor):
+    if torch.compiler.is_compiling():
+        _stage(self, x)
+    elif not is_recomputing() and not isinstance(x, FakeTensor):
         with torch.no_grad():
             dims = [d for d in range(x.dim()) if d != 1]
             total = x.sum(dims, dtype=torch.float64)  # float64 sums: no cancellation in the variance
@@ -83,6 +96,59 @@ def _deferred_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
 
 
+def _stage(bn: _BatchNorm, x: torch.Tensor) -> None:
+    """Inside a compiled graph: add a micro-batch's sums to the staging tensor, recomputation or not."""
+    staged = vars(bn).get("_fxpipe_staged")
+    if staged is None:
+        raise RuntimeError("a deferred batch norm ran inside torch.compile without its staging tensor; "
+                           "compile the stage through fxpipe.compile(..., torch_compile=)")
+    with torch.no_grad():
+        dims = [d for d in range(x.dim()) if d != 1]
+        total = x.sum(dims, dtype=torch.float64)
+        squares = (x * x).sum(dims, dtype=torch.float64)
+        staged.add_(torch.stack([total, squares, torch.full_like(total, x.numel() // x.shape[1])]))
+
+
+def staging(modules: Iterable[nn.Module]) -> list[_BatchNorm]:
+    """Give each deferred batch norm among ``modules`` a staging tensor for compiled stages; return them."""
+    found = []
+    for bn in modules:
+        if isinstance(bn, _BatchNorm) and "_fxpipe_count" in vars(bn):
+            if vars(bn).get("_fxpipe_staged") is None:
+                assert bn.running_mean is not None  # deferred batch norms track running statistics
+                vars(bn)["_fxpipe_staged"] = torch.zeros(3, bn.num_features, dtype=torch.float64,
+                                                         device=bn.running_mean.device)
+            found.append(bn)
+    return found
+
+
+@contextmanager
+def unstaged(modules: list[_BatchNorm], drop: bool) -> Iterator[None]:
+    """Run the block; if ``drop`` (a recomputation), put the staging tensors back as they were before it."""
+    before = [vars(bn)["_fxpipe_staged"].clone() for bn in modules] if drop else []
+    yield
+    for bn, staged in zip(modules, before):
+        vars(bn)["_fxpipe_staged"].copy_(staged)
+
+
+def fold_staged(modules: Iterable[_BatchNorm]) -> None:
+    """Add what compiled stages staged into each batch norm's sums, and clear the staging tensors."""
+    for bn in modules:
+        staged = vars(bn).get("_fxpipe_staged")
+        if staged is None:
+            continue
+        n = int(staged[2, 0].item())
+        if n:
+            sums = _sums(bn)
+            if sums._fxpipe_sum is None or sums._fxpipe_sum_squares is None:
+                sums._fxpipe_sum, sums._fxpipe_sum_squares = staged[0].clone(), staged[1].clone()
+            else:
+                sums._fxpipe_sum += staged[0]
+                sums._fxpipe_sum_squares += staged[1]
+            sums._fxpipe_count += n
+            staged.zero_()
+
+
 def discard_batch_norm(modules: Iterable[_BatchNorm]) -> None:
     """Drop the sums a failed step accumulated: the running statistics stay as they were."""
     for bn in modules:
@@ -91,6 +157,8 @@ def discard_batch_norm(modules: Iterable[_BatchNorm]) -> None:
 
 def commit_batch_norm(modules: Iterable[_BatchNorm]) -> None:
     """Update each deferred batch norm's running statistics once from its accumulated sums."""
+    modules = list(modules)
+    fold_staged(modules)
     with torch.no_grad():
         for bn in modules:
             sums = _sums(bn)

@@ -44,6 +44,8 @@ from fxpipe.errors import CompileError
 from fxpipe.options import TorchCompile
 from fxpipe.runtime.observe.blame import call_wrapper_code, describe_node, node_in_stack
 from fxpipe.runtime.stage.aotsplit import stage_backend
+from fxpipe.runtime.stage.batchnorm import staging, unstaged
+from fxpipe.runtime.stage.recompute import is_recomputing
 
 __all__ = ["CompiledStage"]
 
@@ -68,6 +70,7 @@ class CompiledStage:
         self.seconds = 0.0  # wall time of the calls that compiled, and of backwards compiled later
         self.breaks: list[str] = []  # where and why a graph ended at a graph break
         self.split: list[tuple[int, int]] = []  # per split backward graph: nodes in I and in W
+        self.norms: list | None = None  # the stage's deferred batch norms, found at the first call
         _step_over(call_wrapper_code())
         if not isinstance(fn, torch.nn.Module) and hasattr(fn, "__code__"):
             _step_over(fn.__code__)  # a wrapper shared by stages (foreign parameters): compile what it calls
@@ -79,9 +82,12 @@ class CompiledStage:
         inputs = _at_offset_zero(inputs)
         if self.config.dynamic is None and not self.static_first:
             _mark_batch_dynamic(inputs)
+        if self.norms is None:  # deferred batch norms stage their sums inside the graph
+            self.norms = staging(self.gm.modules())
         before, start = self.graphs, time.perf_counter()
         try:
-            out = self._fn(*inputs)
+            with unstaged(self.norms, bool(self.norms) and is_recomputing()):
+                out = self._fn(*inputs)
         except torch._dynamo.exc.TorchDynamoException as exc:
             raise self._failure(exc) from exc
         if self.graphs > before:

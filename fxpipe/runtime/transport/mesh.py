@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["Layout", "check_launched_world", "check_world", "init_distributed", "setup_distributed"]
+__all__ = ["Layout", "check_launched_world", "check_world", "init_distributed", "launched_world", "setup_distributed"]
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +187,12 @@ def check_launched_world(n_stages: int, stages_per_rank: Any, data_parallel: Any
                for v in (stages_per_rank, data_parallel, tensor_parallel))
     if mesh is not None or not ints or n_stages % stages_per_rank:
         return
+    check_world(launched_world(), n_stages, stages_per_rank, data_parallel, tensor_parallel)
+
+
+def launched_world() -> int | None:
+    """Return the number of processes launched (the process group's, or torchrun's WORLD_SIZE); None if unknown."""
     if dist.is_available() and dist.is_initialized():
-        world: int | None = dist.get_world_size()
-    else:
-        size = os.environ.get("WORLD_SIZE", "")
-        world = int(size) if size.isdigit() else None
-    check_world(world, n_stages, stages_per_rank, data_parallel, tensor_parallel)
+        return dist.get_world_size()
+    size = os.environ.get("WORLD_SIZE", "")
+    return int(size) if size.isdigit() else None

@@ -65,6 +65,7 @@ def tied_groups(stages: Sequence[torch.fx.GraphModule], rank_of: Sequence[int], 
             ties.members.append(members)
             group = dist.new_group(members, timeout=timedelta(seconds=timeout))
             if row is rows[layout.row] and layout.rank in ranks:
+                assert isinstance(group, dist.ProcessGroup)  # a member's group (torch 2.14 types a non-member's too)
                 for t in by_ranks[ranks]:  # a DTensor's shard: the same tp index holds the same one
                     dist.broadcast(t.data.to_local() if hasattr(t.data, "to_local") else t.data, src=members[0],
                                    group=group)

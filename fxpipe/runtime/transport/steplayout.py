@@ -66,14 +66,16 @@ def holders(runtime: Any, pipeline_rank: int, what: str) -> str:
     return f"ranks {', '.join(map(str, ranks))} ({what} in each of the {len(ranks)} {each})"
 
 
-def _refuse_missing_inputs(runtime: Any, values: list[Any]) -> None:
+def _refuse_missing_inputs(runtime: Any, values: list[Any], stepping: bool) -> None:
     """Refuse a step whose inputs are missing on the rank that splits them, naming the ranks that need them."""
     if values and all(v is None for v in values) and any(
             isinstance(leaf, TensorSpec) for leaf in tree_flatten(runtime.example)[0]):
+        last = (f"the target goes to {holders(runtime, runtime.last_rank, 'the last stage, which computes the loss')}"
+                if stepping else f"the output comes back on {holders(runtime, runtime.last_rank, 'the last stage')}")
         raise PipelineInputError(
-            f"pipe.step got no inputs on rank {dist.get_rank()}, which splits them into micro-batches: pass "
-            f"the inputs on {holders(runtime, runtime.first, 'the first stage')}; the other ranks may pass "
-            f"None (the target goes to {holders(runtime, runtime.last_rank, 'the last stage, which computes the loss')})")
+            f"{'pipe.step' if stepping else 'pipe(...)'} got no inputs on rank {dist.get_rank()}, which splits them "
+            f"into micro-batches: pass the inputs on {holders(runtime, runtime.first, 'the first stage')}; the other "
+            f"ranks may pass None ({last})")
 
 
 def _agree_on_batch(batch: int | None, group: Any, replica: int) -> None:
@@ -87,8 +89,8 @@ def _agree_on_batch(batch: int | None, group: Any, replica: int) -> None:
                 "replica averages its gradients with the others', so give each the same batch size")
 
 
-def publish(runtime: Any, args: tuple, kwargs: dict, training: bool,
-            has_target: bool = False) -> tuple[dict, list[list[Any]]]:
+def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target: bool = False,
+            stepping: bool = True) -> tuple[dict, list[list[Any]]]:
     """On the first stage's rank: check and split the inputs, send the layout; return it and the micro-batches.
 
     The layout carries, for each micro-batch layout the pipeline has not seen, the spec of every
@@ -98,7 +100,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool,
     args, kwargs = from_tp_leader(runtime, (args, kwargs))
     try:
         values = runtime.binding.bind(args, kwargs)
-        _refuse_missing_inputs(runtime, values)
+        _refuse_missing_inputs(runtime, values, stepping)
         check_signature(runtime.binding.names, spec_of(values), runtime.example)
         mbs, batch = runtime.binding.split(args, kwargs, runtime.plan.chunks, training, runtime.device)
         specs = [spec_of(mb) for mb in mbs]
@@ -114,6 +116,47 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool,
     header = {"batch": batch, "specs": specs, "layouts": new, "target_on_first": has_target}
     tell_all(runtime, header)
     return header, mbs
+
+
+def check_target(runtime: Any, target: Any, on_first: bool) -> None:
+    """Refuse on every rank a step whose loss's rank has no target while another rank was given one.
+
+    Asked once per pipe (a script passes its arguments the same way every step), before anything
+    is computed. When the first rank (whose header says whether it has a target) has one, the
+    loss's rank tells every rank whether it has one too. When the first rank computes the loss
+    itself (``schedule="zbv"``: rank 0 holds the first and the last stage) and has none, the other
+    ranks tell it whether they were given one, and it tells them its verdict.
+    """
+    loss_rank, ranks = runtime.last_rank, runtime.layout.global_ranks
+    fix = (f"pass the target on {holders(runtime, loss_rank, 'the last stage')} (pipe.plan.stages[-1].on_rank is its "
+           "pipeline rank); passing the inputs and the target on every rank is fine")
+    if runtime.first != loss_rank and on_first:
+        if runtime.last:
+            verdict = None if target is not None else (
+                f"pipe.step got a target on rank {ranks[runtime.first]}, which splits the inputs, but target=None on "
+                f"rank {ranks[runtime.rank]}, which computes the loss: {fix}")
+            tell_all(runtime, verdict)
+            runtime.comm.flush()
+        else:
+            verdict = runtime.comm.recv_object(loss_rank, "waiting for the loss rank's check of the target")
+    elif runtime.first == loss_rank and not on_first:
+        if runtime.last:
+            given = [ranks[r] for r in range(runtime.world) if r != runtime.rank and
+                     runtime.comm.recv_object(r, "waiting for the other ranks to say whether they have a target")]
+            verdict = None if not given else (
+                f"pipe.step got target=None on rank {ranks[runtime.rank]}, which computes the loss (it holds the "
+                f"first and the last stage), but a target on rank {', '.join(map(str, given))}: {fix}")
+            tell_all(runtime, verdict)
+            runtime.comm.flush()
+        else:
+            runtime.comm.send_object(target is not None, loss_rank)
+            runtime.comm.flush()
+            verdict = runtime.comm.recv_object(loss_rank, "waiting for the loss rank's check of the target")
+    else:
+        return
+    if verdict is not None:
+        raise on_every_rank(PipelineInputError(verdict))
+    runtime.target_checked = True
 
 
 def from_tp_leader(runtime: Any, value: Any) -> Any:

@@ -158,3 +158,19 @@ def test_a_saved_plan_fills_the_layout_arguments_left_at_their_defaults(tmp_path
     assert (again.plan.chunks, again.plan.schedule, again.plan.policies()) == (4, "1f1b", ["never", "always"])
     given = fxpipe.compile(MLP(), 2, example_inputs=(x,), devices=["cpu"] * 2, plan=str(path), chunks=2)
     assert given.plan.chunks == 2 and given.plan.schedule == "1f1b"  # an argument given another value wins
+
+
+def test_a_world_that_cannot_hold_a_saved_plan_s_replicas_names_the_plan(tmp_path, monkeypatch):
+    # the generic message suggested data_parallel=1, which cannot undo a plan's replicas (a default takes the plan's)
+    plan = fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2).plan
+    plan.layout = {"runtime": "distributed", "data_parallel": 2, "data_parallel_shard": False, "tensor_parallel": 1,
+                   "stages_per_rank": 1}
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun with --nproc-per-node 2, before the group is joined
+    with pytest.raises(ValueError, match=re.escape(
+            f"the plan '{path}' lays the model out on 4 processes (2 pipeline ranks x 2 replicas, 1 stage(s) per "
+            "rank) but 2 are running: launch with --nproc-per-node 4, or make a plan for 2")) as info:
+        fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), runtime="distributed", plan=str(path),
+                       data_parallel=1)
+    assert "data_parallel=1 cannot undo its replicas" in str(info.value)

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from models import CNN, Stack, TiedTransformer, token_loss
+from models import CNN, NormLadder, Stack, TiedTransformer, token_loss
 from schedules import CUSTOM
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -357,6 +357,26 @@ def test_deferred_batch_norm_and_autocast_compiled_match_uncompiled():
         assert max_relative_error(b.float(), c.float()) < 1e-5, name
 
 
+@pytest.mark.parametrize("checkpoint", ["except_last", "never"])
+def test_deferred_batch_norm_compiles_without_a_graph_break_per_norm(checkpoint):
+    # a deferred batch norm once read is_recomputing() past a graph break: torch.compile then compiled
+    # the code after the break once per batch norm, hit its recompile limit (8) and ran the rest eagerly
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 3, 6, 6), torch.randint(0, 5, (12,))
+    plain, compiled = NormLadder().train(), NormLadder().train()
+    compiled.load_state_dict(plain.state_dict())
+    kw = dict(example_inputs=(x[:8],), chunks=4, devices=["cpu"], deferred_batch_norm=True, checkpoint=checkpoint)
+    pipes = [fxpipe.compile(plain, 1, **kw), fxpipe.compile(compiled, 1, torch_compile=AOT, **kw)]
+    for rows in (8, 12):  # micro-batches of 2 rows, then 3
+        losses = [p.step(x[:rows], target=y[:rows], loss_fn=F.cross_entropy) for p in pipes]
+        assert max_relative_error(losses[1], losses[0]) < 1e-5
+    stats = pipes[1].compile_stats[0]
+    assert stats["breaks"] == [] and stats["compiles"] <= 2, stats
+    for (name, b), c in zip(compiled.named_buffers(), plain.buffers()):  # each micro-batch counted once
+        assert max_relative_error(b.float(), c.float()) < 1e-5, name
+    assert int(compiled.blocks[0][1].num_batches_tracked) == 2
+
+
 class _Broken(nn.Module):
     """Scale, a graph break, scale again: every instance runs the graph after the break torch.compile made once."""
 
@@ -429,3 +449,14 @@ def test_inductor_compiled_stages_equal_eager(schedule):
     pipe = _check_step(Stack(), x, y, F.mse_loss, tol=1e-4, n_stages=2, chunks=4, schedule=schedule,
                        devices=["cpu"] * 2, torch_compile=True)
     assert all(s["backend"] == "inductor" for s in pipe.compile_stats.values())
+
+
+@pytest.mark.slow
+def test_inductor_zero_bubble_splits_a_cnn_s_backward():
+    # a batch norm's backward returns a tuple, which I handed W whole (inductor returns tensors only); and
+    # inductor lays convolutions out channels-last, so W was compiled for strides its inputs did not have
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))
+    pipe = _check_step(CNN().eval(), x, y, F.cross_entropy, tol=1e-4, n_stages=2, chunks=2, schedule="zb",
+                       devices=["cpu"] * 2, split_points=["convs.1"], torch_compile=True)
+    assert all(s["split"] for s in pipe.compile_stats.values())

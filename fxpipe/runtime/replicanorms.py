@@ -1,0 +1,87 @@
+"""Batch norm running statistics kept equal across data-parallel replicas, once per training run.
+
+Each replica normalizes its micro-batches by their own statistics (as DDP does), but the
+running mean and variance are state every replica must agree on: ``fxpipe.save`` writes one
+copy, and evaluation on any replica must give the same outputs. The gradient engines do not
+keep them equal here (DDP broadcasts buffers in its forward, which the pipeline never calls;
+FSDP2 leaves buffers alone), so after each training run of the pipeline:
+
+- deferred batch norms (``deferred_batch_norm=True``): their accumulated sums and counts are
+  summed over the replicas before the commit, so the running statistics are those of the
+  global batch, equal to eager training on all the replicas' rows at once;
+- the other batch norms: their running statistics (and ``num_batches_tracked``) are broadcast
+  from the first replica, as DDP's ``broadcast_buffers=True`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from fxpipe.runtime.stage.batchnorm import fold_staged
+
+__all__ = ["norms_of", "sync_norms"]
+
+
+def norms_of(modules: Iterable[nn.Module]) -> list[_BatchNorm]:
+    """Return the batch norms tracking running statistics in ``modules`` and their submodules, once each."""
+    found: dict[int, _BatchNorm] = {}
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, _BatchNorm) and m.track_running_stats and m.running_mean is not None:
+                found.setdefault(id(m), m)
+    return list(found.values())
+
+
+def sync_norms(norms: Sequence[_BatchNorm], deferred: Sequence[_BatchNorm], group: Any,
+               wait: Callable[[list, str], None]) -> None:
+    """Sum the deferred norms' sums over ``group`` (the replicas); broadcast the others' statistics from its first rank.
+
+    ``wait(works, what)`` waits for the collectives, bounded by the pipe's timeout.
+    """
+    mine = {id(bn) for bn in deferred}
+    if deferred:
+        _sum_deferred(list(deferred), group, wait)
+    others = [bn for bn in norms if id(bn) not in mine]
+    if others:
+        _broadcast(others, group, wait)
+
+
+def _sum_deferred(deferred: list[_BatchNorm], group: Any, wait: Callable[[list, str], None]) -> None:
+    """Replace each deferred norm's sums and count by their totals over the replicas."""
+    fold_staged(deferred)
+    parts = []
+    for bn in deferred:
+        sums = vars(bn)
+        assert bn.running_mean is not None  # deferred batch norms track running statistics
+        zeros = torch.zeros(bn.num_features, dtype=torch.float64, device=bn.running_mean.device)
+        total, squares = sums.get("_fxpipe_sum"), sums.get("_fxpipe_sum_squares")
+        parts.append(torch.cat([zeros if total is None else total, zeros if squares is None else squares,
+                                zeros[:1] + sums.get("_fxpipe_count", 0)]))
+    flat = torch.cat(parts)
+    wait([dist.all_reduce(flat, group=group, async_op=True)], "summing batch norm statistics over the replicas")
+    for bn, part in zip(deferred, flat.split([2 * bn.num_features + 1 for bn in deferred])):
+        c = bn.num_features
+        count = int(part[2 * c].item())
+        vars(bn).update(_fxpipe_sum=part[:c].clone() if count else None,
+                        _fxpipe_sum_squares=part[c:2 * c].clone() if count else None, _fxpipe_count=count)
+
+
+def _broadcast(norms: list[_BatchNorm], group: Any, wait: Callable[[list, str], None]) -> None:
+    """Copy the first replica's running statistics to every replica: one broadcast per dtype."""
+    buffers = [b for bn in norms for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+               if b is not None and not hasattr(b, "to_local")]
+    src = dist.get_global_rank(group, 0)
+    for dtype in dict.fromkeys(b.dtype for b in buffers):
+        same = [b for b in buffers if b.dtype == dtype]
+        flat = torch.cat([b.reshape(-1) for b in same])
+        wait([dist.broadcast(flat, src=src, group=group, async_op=True)],
+             "copying the first replica's batch norm statistics")
+        with torch.no_grad():
+            for b, part in zip(same, flat.split([b.numel() for b in same])):
+                b.copy_(part.view_as(b))
