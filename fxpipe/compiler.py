@@ -24,6 +24,7 @@ from fxpipe.runtime.build import build
 from fxpipe.runtime.target import where
 from fxpipe.runtime.transport.mesh import launched_world
 from fxpipe.simulate.fit import fit
+from fxpipe.simulate.measure import retain_anywhere
 
 __all__ = ["compile"]
 
@@ -156,6 +157,9 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     if options.checkpoint == AUTO:  # the policies, and maybe a boundary moved, for max_memory
         chosen = fit(front, options, target.devices, target.schedule, options.distributed, saved, not front.fixed)
     target.check_graph(model, front.gm, n_stages)
+    policies = chosen.policies if chosen is not None else options.checkpoint
+    if options.save is None and "selective" in ([policies] if isinstance(policies, str) else list(policies)):
+        retain_anywhere(front.gm)  # what backward keeps, which selective recomputation's swaps read (selectswap)
     pipe_plan, stages = make_plan(front, options, target.devices, target.schedule.name, target.schedule.ranks, saved)
     if chosen is not None:
         for s, policy, peak in zip(pipe_plan.stages, chosen.policies, chosen.peaks):

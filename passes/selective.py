@@ -33,6 +33,7 @@ import torch.fx
 import torch.nn.functional as F
 from fxpipe.passes.inplace import static_mutations
 from fxpipe.passes.mutates import aliases
+from fxpipe.passes.selectswap import swaps
 from fxpipe.passes.spec import TensorSpec
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -127,20 +128,37 @@ def selective_plan(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node] | No
 
     ``nodes`` are one stage's compute nodes in graph order; a value read by a node outside
     them (another stage, the output) crosses. ``save(node)`` tells which nodes keep their
-    results (default :func:`expensive`). ``mutations`` is ``static_mutations(gm)`` when the
-    caller has it already.
+    results (default :func:`expensive`, and the cheap values :func:`fxpipe.passes.selectswap.swaps`
+    keeps instead of recomputing). ``mutations`` is ``static_mutations(gm)`` when the caller has it
+    already.
     """
     if nodes is None:
         nodes = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
-    save = save or expensive
     index = {n: k for k, n in enumerate(nodes)}
-    saved = [bool(save(n)) or _stateful(n) for n in nodes]
+    saved = [bool((save or expensive)(n)) or _stateful(n) for n in nodes]
     for node, written in (static_mutations(gm) if mutations is None else mutations).items():
         if node not in index:  # the value written, and everything up to the write
             continue
         first = min((index[w] for w in written if w in index), default=index[node])
         for k in range(first, index[node] + 1):
             saved[k] = True
+    segment, crossing = _levels(nodes, index, saved)
+    if save is None:  # the default rule: keep a cheap value where recomputing it saves nothing (selectswap)
+        chosen = swaps(nodes, saved, [saved[k] or crossing[k] for k in range(len(nodes))])
+        if chosen:
+            saved = [saved[k] or k in chosen for k in range(len(nodes))]
+            segment, crossing = _levels(nodes, index, saved)
+    run, current = [], -1
+    for k in range(len(nodes)):
+        if not saved[k] and (k == 0 or segment[k - 1] != segment[k]):
+            current += 1
+        run.append(-1 if saved[k] else current)
+    return SelectivePlan([n.name for n in nodes], saved, segment, crossing, run)
+
+
+def _levels(nodes: Sequence[torch.fx.Node], index: Mapping[torch.fx.Node, int], saved: Sequence[bool]
+            ) -> tuple[list[int], list[bool]]:
+    """Return each node's segment (its level; -1 if kept) and whether its value crosses levels."""
     level: list[int] = []
     for k, n in enumerate(nodes):
         below = max((level[index[a]] for a in n.all_input_nodes if a in index), default=0)
@@ -148,12 +166,7 @@ def selective_plan(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node] | No
     segment = [-1 if saved[k] else level[k] for k in range(len(nodes))]
     crossing = [not saved[k] and any(index.get(u) is None or (not saved[index[u]] and level[index[u]] != level[k])
                                      for u in n.users) for k, n in enumerate(nodes)]
-    run, current = [], -1
-    for k in range(len(nodes)):
-        if not saved[k] and (k == 0 or segment[k - 1] != segment[k]):
-            current += 1
-        run.append(-1 if saved[k] else current)
-    return SelectivePlan([n.name for n in nodes], saved, segment, crossing, run)
+    return segment, crossing
 
 
 @dataclass

@@ -213,6 +213,30 @@ class DecoderBlock(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
+class RotaryBuffers(nn.Module):
+    """Rotary embedding from cos/sin tables made once in ``__init__`` (buffers), sliced per call."""
+
+    def __init__(self, head_dim: int, seq: int, base: float = 10000.0) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(seq, dtype=torch.float32),
+                            1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x):  # (batch, heads, tokens, head_dim)
+        cos, sin = self.cos[: x.shape[-2]], self.sin[: x.shape[-2]]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class TableDecoderBlock(DecoderBlock):
+    """:class:`DecoderBlock` with rotary tables kept as buffers (recomputing rope then needs only q and k)."""
+
+    def __init__(self, d: int, heads: int, hidden: int, seq: int) -> None:
+        super().__init__(d, heads, hidden, seq)
+        self.rope = RotaryBuffers(d // heads, seq)
+
+
 class RopeDecoder(nn.Module):
     """A Llama-style decoder whose ``__init__`` makes every value: an embedding with ``padding_idx``,
     RMSNorms (ones), rotary tables and masks (non-persistent buffers), a post-init like Hugging

@@ -30,6 +30,7 @@ import torch.fx
 from torch import nn
 from torch.fx.node import map_arg
 
+from fxpipe.passes.mutates import aliases
 from fxpipe.passes.selective import SelectivePlan
 from fxpipe.runtime.stage.marks import COMPUTE, made, recording
 from fxpipe.runtime.stage.tape import Tape, unpack
@@ -59,6 +60,7 @@ class Program:
         for k, r in enumerate(plan.run):
             if r >= 0:
                 self.members[r].append(k)
+        self.release = _releases(self)  # node -> the kept values to let go after it unless recomputation may read them
 
     def state(self) -> list[torch.Tensor]:
         """Return the stage's parameters, buffers and tensor constants (kept as they are)."""
@@ -95,6 +97,37 @@ class Program:
         with recording(tape), torch.autograd.graph.saved_tensors_hooks(tape.pack, unpack):
             yield
         tape.finish()
+
+
+def _releases(program: Program) -> dict[int, list[tuple[int, frozenset[int]]]]:
+    """Map a node to the kept values whose fate is settled once it has run, each with its *region*.
+
+    A kept value ``k`` is read by recomputation only through the nodes reachable from it up to
+    kept nodes with storage of their own (its region, with the other nodes of their runs, which
+    replay together; crossing values and views are followed through, as a box may be made on a
+    storage they share).
+    Their boxes are all made once the region's nodes and every reader of their values have run;
+    if then none is live, no recomputation will read ``k`` and the tape lets it go at once,
+    instead of holding it to the end of the forward beside what was kept in its place.
+    """
+    users = [[program.position[u] for u in n.users if u in program.position] for n in program.nodes]
+    release: dict[int, list[tuple[int, frozenset[int]]]] = {}
+    for k, kept in enumerate(program.candidates):
+        if not kept:
+            continue
+        region: set[int] = set()
+        stack = [k]
+        while stack:
+            for c in users[stack.pop()]:
+                if c in region or (program.plan.saved[c] and not aliases(program.nodes[c])):
+                    continue  # a kept node's own storage: saves of it are kept, never boxes
+                region.add(c)
+                stack.append(c)
+        for r in {program.plan.run[c] for c in region if program.plan.run[c] >= 0}:
+            region.update(program.members[r])
+        settled = max([k, *region, *(c for u in region for c in users[u])])
+        release.setdefault(settled, []).append((k, frozenset(region)))
+    return release
 
 
 class _Holder(nn.Module):

@@ -164,6 +164,9 @@ class Tape:
             self.pending = []
         if candidate:
             self.env[k] = _detach(value)
+        for c, region in self.program.release.get(k, ()):  # kept values no recomputation can read any more
+            if c in self.env and not any(r() is not None for j in region for r in self.boxes.get(j, ())):
+                del self.env[c]
         self.current = k + 1
         r = self.starts[k]
         if r >= 0:

@@ -3,12 +3,13 @@
 import torch
 from fxpipe.passes.selective import expensive, selective_plan
 from fxpipe.passes.shift import neighbours
-from models import DecoderBlock
+from models import DecoderBlock, TableDecoderBlock
 from torch import nn
 
 import fxpipe
 from fxpipe import passes
 from fxpipe.plan.assign import annotate_graph
+from fxpipe.simulate.measure import retain_anywhere
 
 
 def _plan(model, x, annotate=True, save=None):
@@ -77,6 +78,27 @@ def test_an_in_place_write_and_what_it_writes_are_kept():
 def test_running_statistics_are_updated_once():
     _gm, plan = _plan(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), torch.randn(2, 3, 8, 8))
     assert plan.saved == [True, True, False]
+
+
+def _kept_with_retains(model, save=None):
+    """Return the nodes selective recomputation keeps once backward's retained values are annotated."""
+    gm, _plan0 = _plan(model, torch.randn(2, 16, 32))
+    retain_anywhere(gm)
+    plan = selective_plan(gm, save=save)
+    return {n for n, s in zip(plan.names, plan.saved) if s}
+
+
+def test_rotary_outputs_are_kept_instead_of_q_and_k_when_the_tables_are_buffers():
+    # recomputing rope from q and k only hands its outputs back to attention's backward: keeping the
+    # outputs (as big as q and k, which are then freed) recomputes nothing
+    kept = _kept_with_retains(TableDecoderBlock(32, 4, 96, 16))
+    assert kept == {"q", "k", "v", "o", "gate", "up", "down", "scaled_dot_product_attention", "stack", "stack_1"}
+
+
+def test_no_swap_where_rope_makes_its_tables_per_call_or_a_predicate_decides():
+    # tables made per call are retained by rope's own backward: recomputing them needs q and k kept anyway
+    assert "stack" not in _kept_with_retains(DecoderBlock(32, 4, 96, 16))
+    assert _kept_with_retains(TableDecoderBlock(32, 4, 96, 16), save=lambda n: n.name == "down") == {"down"}
 
 
 def test_a_predicate_decides_instead():
