@@ -12,6 +12,12 @@ Each is the median of a few repetitions after a warm-up; the two sizes give the 
 tensor-parallel groups (``tp_latency``, ``tp_bandwidth``). Every rank must call it (it runs
 collectives), as every rank calls ``fxpipe.simulate`` on a distributed pipe; every rank gets
 rank 0's fit.
+
+It also measures how the ranks share this machine's cores (``slots``): a GEMM loop timed on
+rank 0 alone, then on every rank at once. ``g`` ranks that each take ``together`` seconds for
+what one takes ``alone`` seconds by itself compute like ``g x alone / together`` ranks at full
+speed: 4 ranks on 2 cores measured 1.8 here, not the 2 the core count says (caches and memory
+bandwidth are shared too, and the scheduler switches between the ranks).
 """
 
 from __future__ import annotations
@@ -52,6 +58,17 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _local_median(fn, repeats: int) -> float:
+    """Return the median seconds of ``fn`` over ``repeats`` calls after a warm-up call, in this rank alone."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _ping_pong(nbytes: int, repeats: int) -> float:
     """Return one way's seconds of a ``nbytes`` message between ranks 0 and 1 (0 on the others)."""
     import torch.distributed as dist
@@ -78,6 +95,23 @@ def _all_reduce(nbytes: int, repeats: int) -> float:
     return _median(lambda: dist.all_reduce(buf), repeats)
 
 
+def _sharing(repeats: int) -> float:
+    """Return how many ranks' worth of compute every rank at once gets on this machine (``slots``)."""
+    import torch.distributed as dist
+
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+
+    def gemms() -> None:
+        for _ in range(4):
+            torch.mm(a, b)
+
+    alone = _local_median(gemms, repeats) if dist.get_rank() == 0 else 0.0
+    dist.barrier()
+    times = torch.tensor([_local_median(gemms, repeats)], dtype=torch.float64)
+    dist.all_reduce(times)  # the ranks' mean
+    return dist.get_world_size() * alone / (float(times) / dist.get_world_size())
+
+
 def measure_links(model: DeviceModel, repeats: int = 7) -> DeviceModel:
     """Return ``model`` with the default process group's point-to-point and collective links measured.
 
@@ -92,15 +126,16 @@ def measure_links(model: DeviceModel, repeats: int = 7) -> DeviceModel:
     g = dist.get_world_size()
     hop = [_ping_pong(n, repeats) for n in SIZES]
     ring = [_all_reduce(n, repeats) for n in SIZES]
-    fit = torch.tensor([*hop, *ring], dtype=torch.float64)
+    fit = torch.tensor([*hop, *ring, _sharing(repeats)], dtype=torch.float64)
     dist.broadcast(fit, 0)  # rank 0's, on every rank: each rank predicts the same step
     hop_latency, hop_bandwidth = _line(float(fit[0]), float(fit[1]))
     ring_latency, ring_bandwidth = _line(float(fit[2]), float(fit[3]))
     steps = 2 * (g - 1)
     measured = model.replace(link_latency=hop_latency, link_bandwidth=hop_bandwidth,
                              inter_latency=hop_latency, inter_bandwidth=hop_bandwidth,
-                             tp_latency=ring_latency / steps, tp_bandwidth=ring_bandwidth * steps / g)
+                             tp_latency=ring_latency / steps, tp_bandwidth=ring_bandwidth * steps / g,
+                             slots=min(float(fit[4]), float(g)) if model.slots > 0 else 0.0)
     log.info("links measured over %d ranks: a message %.0f us + %.2f GB/s; a collective step %.0f us, "
-             "%.2f GB/s", g, hop_latency * 1e6, hop_bandwidth / 1e9, ring_latency / steps * 1e6,
-             ring_bandwidth * steps / g / 1e9)
+             "%.2f GB/s; the ranks compute like %.2f at full speed", g, hop_latency * 1e6, hop_bandwidth / 1e9,
+             ring_latency / steps * 1e6, ring_bandwidth * steps / g / 1e9, measured.slots)
     return measured
