@@ -159,7 +159,11 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     target.check_graph(model, front.gm, n_stages)
     policies = chosen.policies if chosen is not None else options.checkpoint
     if options.save is None and "selective" in ([policies] if isinstance(policies, str) else list(policies)):
-        retain_anywhere(front.gm)  # what backward keeps, which selective recomputation's swaps read (selectswap)
+        try:  # what backward keeps, which selective recomputation's swaps read (selectswap)
+            retain_anywhere(front.gm)
+        except Exception as e:  # noqa: BLE001 -- an optional refinement: without it nothing is swapped
+            log.info("selective recomputation keeps the default rule: what backward keeps could not be "
+                     "traced (%s: %s)", type(e).__name__, e)
     pipe_plan, stages = make_plan(front, options, target.devices, target.schedule.name, target.schedule.ranks, saved)
     if chosen is not None:
         for s, policy, peak in zip(pipe_plan.stages, chosen.policies, chosen.peaks):
