@@ -67,6 +67,7 @@ class DeviceModel:
     inter_bandwidth: float = 50e9  # bytes/s per device to other nodes, one direction (400 Gb/s)
     inter_latency: float = 5e-6  # seconds per message between nodes
     slots: float = 0.0  # ranks of one node that compute at full speed at once (0: each rank its own device)
+    wake_latency: float = 0.0  # seconds a rank that waited for a message takes to resume (an idle CPU waking)
 
     def flops_per_second(self, dtype: torch.dtype | str, kind: str, d: float | None = None) -> float:
         """Return the FLOP/s a ``kind`` kernel of smallest dimension ``d`` reaches in ``dtype``."""

@@ -24,6 +24,10 @@ Two ways to run the lists:
       2 slots, 4 ranks busy:    each at half speed      ─▶ a rank waiting on a message
       2 slots, 1 rank busy:     it alone, at full speed     gives its core to the others
 
+- ``wake=`` (either way across ranks): an action that had to wait for a message starts that
+  many seconds after the message is in (a CPU core that went idle, or a rank descheduled while
+  it waited, takes that long to run again; measured by :mod:`fxpipe.simulate.linktime`).
+
 - ``clocked=True`` (one process, :mod:`fxpipe.runtime.local`): actions run clock by clock, as
   :func:`~fxpipe.runtime.schedules.actions.clocks` places them with unit times; the actions of one
   clock on one device run one after another, devices in parallel, and the next clock starts
@@ -84,7 +88,8 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
         n_stages: int | None = None, rank_of: Sequence[int] | None = None,
         delay: Delay | None = None, feeds: Sequence[Sequence[int]] | None = None,
         reads: Sequence[Sequence[int]] | None = None, clocked: bool = False,
-        device_of: Sequence[int] | None = None, slots: float = 0.0, weight: int = 1) -> list[Span]:
+        device_of: Sequence[int] | None = None, slots: float = 0.0, weight: int = 1,
+        wake: float = 0.0) -> list[Span]:
     """Place every compute action of ``ranks`` in time; return the spans in start order.
 
     ``duration(a)`` gives an action's seconds; ``delay(src, dst, kind, mb)`` the seconds a
@@ -92,8 +97,9 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
     ``feeds``/``reads`` list, per stage, the stages it receives values from / sends values
     to (default: a chain). With ``clocked=True``, ``device_of[r]`` names the device of rank
     ``r`` (default: all on one), and messages cross only between devices. ``slots`` > 0: the
-    ranks (each ``weight`` processes) share that many processors (see the module). Raises
-    :class:`ScheduleError` for a schedule that cannot finish.
+    ranks (each ``weight`` processes) share that many processors (see the module). ``wake``:
+    seconds a rank that had to wait for a message takes to resume once it is there (a CPU core
+    gone idle waking up). Raises :class:`ScheduleError` for a schedule that cannot finish.
     """
     rows = [[a for a in row if a.kind in COMPUTE] for row in ranks]
     n = n_stages if n_stages is not None else 1 + max((a.stage for row in rows for a in row), default=-1)
@@ -118,7 +124,7 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
     if clocked:
         return _clocked(rows, n, ready, duration, devices)
     if slots > 0 and len(rows) * weight > slots:
-        return _shared(rows, n, ready, duration, slots / weight)
+        return _shared(rows, n, ready, duration, slots / weight, wake)
     done: dict[tuple[int, str, int], float] = {}
     spans: list[Span] = []
     pos, free = [0] * len(rows), [0.0] * len(rows)
@@ -130,7 +136,7 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
                 t = ready(a, done)
                 if t is None:
                     break
-                start = max(free[r], t)
+                start = t + wake if t > free[r] else free[r]
                 end = start + duration(a)
                 spans.append(Span(a, r, start, end))
                 done[a.key] = free[r] = end
@@ -143,12 +149,13 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
 
 
 def _shared(rows: list[list[Action]], n: int, ready: Callable, duration: Callable[[Action], float],
-            slots: float) -> list[Span]:
+            slots: float, wake: float = 0.0) -> list[Span]:
     """Run every rank on as soon as it can, the busy ranks sharing ``slots`` processors equally."""
     done: dict[tuple[int, str, int], float] = {}
     spans: list[Span] = []
     pos = [0] * len(rows)
     running: dict[int, list] = {}  # rank -> [action, work left (seconds alone), start]
+    free = [0.0] * len(rows)  # when each rank's last action ended
     t = 0.0
     while True:
         arrivals = []
@@ -156,6 +163,8 @@ def _shared(rows: list[list[Action]], n: int, ready: Callable, duration: Callabl
             if r in running or pos[r] >= len(row):
                 continue
             at = ready(row[pos[r]], done)
+            if at is not None and at > free[r]:  # it waits for a message: it resumes once awake
+                at += wake
             if at is not None and at <= t:
                 running[r] = [row[pos[r]], duration(row[pos[r]]), t]
                 pos[r] += 1
@@ -179,7 +188,7 @@ def _shared(rows: list[list[Action]], n: int, ready: Callable, duration: Callabl
             if ends[r] <= step * (1 + 1e-9):
                 a, _, start = running.pop(r)
                 spans.append(Span(a, r, start, t))
-                done[a.key] = t
+                done[a.key] = free[r] = t
             else:
                 running[r][1] -= step * rate
 

@@ -112,6 +112,32 @@ def _sharing(repeats: int) -> float:
     return dist.get_world_size() * alone / (float(times) / dist.get_world_size())
 
 
+def _wake(repeats: int, round_trip: float) -> float:
+    """Return what a message costs ranks 0 and 1 beyond an idle exchange when both computed up to it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    out, into = torch.zeros(SIZES[0] // 4), torch.zeros(SIZES[0] // 4)
+
+    def gemms() -> None:
+        if rank < 2:
+            for _ in range(4):
+                torch.mm(a, b)
+
+    def once() -> None:
+        gemms()
+        if rank < 2:  # as the runtime does: the receive posted, then the send, then the wait
+            work = dist.irecv(into, 1 - rank)
+            dist.send(out, 1 - rank)
+            assert work is not None  # a member of the default group gets its work
+            work.wait()
+
+    compute = _median(gemms, repeats)
+    total = _median(once, repeats)
+    return max(total - compute - round_trip / 2, 0.0)
+
+
 def measure_links(model: DeviceModel, repeats: int = 7) -> DeviceModel:
     """Return ``model`` with the default process group's point-to-point and collective links measured.
 
@@ -126,16 +152,18 @@ def measure_links(model: DeviceModel, repeats: int = 7) -> DeviceModel:
     g = dist.get_world_size()
     hop = [_ping_pong(n, repeats) for n in SIZES]
     ring = [_all_reduce(n, repeats) for n in SIZES]
-    fit = torch.tensor([*hop, *ring, _sharing(repeats)], dtype=torch.float64)
+    fit = torch.tensor([*hop, *ring, _sharing(repeats), _wake(repeats, 2 * hop[0])], dtype=torch.float64)
     dist.broadcast(fit, 0)  # rank 0's, on every rank: each rank predicts the same step
     hop_latency, hop_bandwidth = _line(float(fit[0]), float(fit[1]))
     ring_latency, ring_bandwidth = _line(float(fit[2]), float(fit[3]))
     steps = 2 * (g - 1)
     measured = model.replace(link_latency=hop_latency, link_bandwidth=hop_bandwidth,
                              inter_latency=hop_latency, inter_bandwidth=hop_bandwidth,
-                             tp_latency=ring_latency / steps, tp_bandwidth=ring_bandwidth * steps / g,
-                             slots=min(float(fit[4]), float(g)) if model.slots > 0 else 0.0)
+                             tp_latency=ring_latency / steps + float(fit[5]), tp_bandwidth=ring_bandwidth * steps / g,
+                             slots=min(float(fit[4]), float(g)) if model.slots > 0 else 0.0,
+                             wake_latency=float(fit[5]))
     log.info("links measured over %d ranks: a message %.0f us + %.2f GB/s; a collective step %.0f us, "
-             "%.2f GB/s; the ranks compute like %.2f at full speed", g, hop_latency * 1e6, hop_bandwidth / 1e9,
-             ring_latency / steps * 1e6, ring_bandwidth * steps / g / 1e9, measured.slots)
+             "%.2f GB/s; the ranks compute like %.2f at full speed; a waiting rank resumes in %.0f us", g,
+             hop_latency * 1e6, hop_bandwidth / 1e9, measured.tp_latency * 1e6, ring_bandwidth * steps / g / 1e9,
+             measured.slots, measured.wake_latency * 1e6)
     return measured

@@ -219,7 +219,8 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
     spans = eventsim.run(actions, duration, n_stages=n, rank_of=rank_of, delay=delay, feeds=feeds, reads=reads,
                          clocked=runtime == "local",
                          device_of=[device_of[_first_stage(row, r)] for r, row in enumerate(actions)],
-                         slots=model.slots if runtime == "distributed" else 0.0, weight=grid.dp * grid.tp)
+                         slots=model.slots if runtime == "distributed" else 0.0, weight=grid.dp * grid.tp,
+                         wake=model.wake_latency if runtime == "distributed" else 0.0)
     spans = [Span(s.action, s.rank, s.start + model.step_overhead, s.end + model.step_overhead) for s in spans]
     step = max((s.end for s in spans), default=0.0)
     if runtime == "distributed":

@@ -108,3 +108,14 @@ def test_a_chain_that_never_overlaps_loses_nothing_to_sharing():
 def test_one_processor_runs_the_whole_work_back_to_back():
     assert _step(SCHEDULES["1f1b"](4, 8), {"F": 1, "B": 2}, slots=1) == pytest.approx(4 * 8 * 3)
     assert _step(SCHEDULES["1f1b"](4, 8), {"F": 1, "B": 2}, slots=2) < 4 * 8 * 3
+
+
+@pytest.mark.parametrize("slots", [0.0, 4.0, 1.0])
+def test_a_rank_that_waited_for_a_message_resumes_after_waking(slots):
+    # GPipe over 2 ranks, 1 micro-batch: F0 -> F1 -> B1 -> B0; rank 1 waits for F0 and rank 0 for B1
+    rows = [[Action(0, "F", 0), Action(0, "B", 0)], [Action(1, "F", 0), Action(1, "B", 0)]]
+    spans = {(s.action.stage, s.action.kind): s for s in run(rows, lambda a: 1.0, slots=slots, wake=0.25)}
+    assert spans[1, "F"].start == 1.25  # waited for stage 0's output
+    assert spans[1, "B"].start == 2.25  # its own F ended: nothing to wait for, no waking
+    assert spans[0, "B"].start == 3.5
+    assert run(rows, lambda a: 1.0, slots=slots)[-1].end == 4.0  # no waking: back to back
