@@ -18,6 +18,15 @@ rank 0 alone, then on every rank at once. ``g`` ranks that each take ``together`
 what one takes ``alone`` seconds by itself compute like ``g x alone / together`` ranks at full
 speed: 4 ranks on 2 cores measured 1.8 here, not the 2 the core count says (caches and memory
 bandwidth are shared too, and the scheduler switches between the ranks).
+
+And what a message costs a rank that computed up to it (``wake_latency``): ranks 0 and 1 both
+run the GEMM loop, then exchange a small message as the runtime does (receive posted, send,
+wait); the time beyond the compute and an idle one-way message is the waiting rank's
+resumption. On this machine's virtual cores it came to 1-2.5 ms, where the same exchange between
+ranks doing nothing else takes 0.1 ms (gloo's receiving thread and the woken rank wait for a
+core). The simulator charges it to every action that waits for a message and to every ring step
+of a collective (``tp_latency``, which replicas' and tensor-parallel groups' collectives cross:
+each step waits for a peer).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -95,16 +105,22 @@ def _all_reduce(nbytes: int, repeats: int) -> float:
     return _median(lambda: dist.all_reduce(buf), repeats)
 
 
+def _gemm_loop(busy: bool) -> Callable[[], None]:
+    """Return a few milliseconds of GEMMs to time (nothing where ``busy`` is false)."""
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+
+    def gemms() -> None:
+        for _ in range(4 if busy else 0):
+            torch.mm(a, b)
+
+    return gemms
+
+
 def _sharing(repeats: int) -> float:
     """Return how many ranks' worth of compute every rank at once gets on this machine (``slots``)."""
     import torch.distributed as dist
 
-    a, b = torch.randn(256, 512), torch.randn(512, 512)
-
-    def gemms() -> None:
-        for _ in range(4):
-            torch.mm(a, b)
-
+    gemms = _gemm_loop(True)
     alone = _local_median(gemms, repeats) if dist.get_rank() == 0 else 0.0
     dist.barrier()
     times = torch.tensor([_local_median(gemms, repeats)], dtype=torch.float64)
@@ -117,13 +133,8 @@ def _wake(repeats: int, round_trip: float) -> float:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    gemms = _gemm_loop(rank < 2)
     out, into = torch.zeros(SIZES[0] // 4), torch.zeros(SIZES[0] // 4)
-
-    def gemms() -> None:
-        if rank < 2:
-            for _ in range(4):
-                torch.mm(a, b)
 
     def once() -> None:
         gemms()
