@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 import torch
 
+from fxpipe.passes.timing import median_seconds
 from fxpipe.simulate.devices import DeviceModel
 
 __all__ = ["measure_links"]
@@ -62,17 +63,6 @@ def _median(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _local_median(fn, repeats: int) -> float:
-    """Return the median seconds of ``fn`` over ``repeats`` calls after a warm-up call, in this rank alone."""
-    fn()
-    times = []
-    for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -121,9 +111,9 @@ def _sharing(repeats: int) -> float:
     import torch.distributed as dist
 
     gemms = _gemm_loop(True)
-    alone = _local_median(gemms, repeats) if dist.get_rank() == 0 else 0.0
+    alone = median_seconds(gemms, repeats=repeats) if dist.get_rank() == 0 else 0.0
     dist.barrier()
-    times = torch.tensor([_local_median(gemms, repeats)], dtype=torch.float64)
+    times = torch.tensor([median_seconds(gemms, repeats=repeats)], dtype=torch.float64)
     dist.all_reduce(times)  # the ranks' mean
     return dist.get_world_size() * alone / (float(times) / dist.get_world_size())
 
