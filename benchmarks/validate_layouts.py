@@ -7,11 +7,15 @@ Layouts: pp4 (1F1B); pp2 x dp2 replicated and sharded (FSDP2); pp2 x 2 stages pe
 interleaved and ZB-V; dp4; pp2 x tp2; pp4 zero bubble. Models: a deep MLP, and two Llama-style
 decoders (``benchmarks/llama.py``: "small", "medium", real weights). Each layout runs for real:
 every rank compiles it, runs warm-up steps, then ``--reps`` steps timed barrier to barrier (the
-median is the measured step); the peak resident growth of one step (gradients set to None before
-it) is each rank's measured memory. The prediction is ``fxpipe.simulate(pipe, device="cpu",
-measured=True)`` on every rank, as a user would call it: rank 0 times the nodes of a plain copy
-of the whole model alone, and the CPU device model shares the machine's cores among the ranks
-computing at once (4 ranks on 2 cores: each at half speed while all four compute).
+median is the measured step). Then new ranks run it again with every allocation above 4 KiB its
+own mapping (``MALLOC_MMAP_THRESHOLD_=4096``, so the resident set follows live memory), and the
+peak resident growth of one step (gradients set to None before it) is each rank's measured
+memory; the timed ranks keep glibc's default, as a user's do (a page fault on every allocation
+slowed the small models' steps by up to 1.4x). The prediction is ``fxpipe.simulate(pipe,
+device="cpu", measured=True)`` on every rank of the timed run, as a user would call it: rank 0
+times the nodes of a plain copy of the whole model alone, the ranks time their links, and the
+CPU device model shares the machine's cores among the ranks computing at once (4 ranks on 2
+cores: each at about half speed while all four compute).
 
 Printed per layout: measured and predicted step, their ratio; per rank measured and predicted
 growth. Then the summary the issue asks for: step error at the median and worst, the share of
@@ -84,8 +88,8 @@ def parse(name: str) -> dict:
     return out
 
 
-def _rank(rank: int, port: int, model_name: str, layout: str, reps: int, chunks: int, out: str) -> None:
-    """One rank: compile the layout, time steps, measure a step's memory, predict both."""
+def _rank(rank: int, port: int, model_name: str, layout: str, reps: int, chunks: int, out: str, what: str) -> None:
+    """One rank: compile the layout, then time steps and predict (``what="time"``) or measure a step's memory."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -108,20 +112,23 @@ def _rank(rank: int, port: int, model_name: str, layout: str, reps: int, chunks:
 
     for _ in range(2):
         step()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    with peak_growth() as growth:
-        step()
-    # as a user asks: rank 0 times the nodes alone, the others waiting; the model shares the cores among ranks
-    sim = fxpipe.simulate(pipe, device="cpu", measured=True, optimizer="sgd")
-    where = pipe.plan.stages_of(pp_rank)[0]
-    result = {"measured": statistics.median(times), "predicted": sim.step_time, "growth": growth["bytes"],
-              "predicted_growth": sim.devices[sim.stages[where].rank].growth}
+    if what == "memory":
+        with peak_growth() as growth:
+            step()
+        result: dict = {"growth": growth["bytes"]}
+    else:
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+        # as a user asks: rank 0 times the nodes alone, the others waiting; the model shares the cores among ranks
+        sim = fxpipe.simulate(pipe, device="cpu", measured=True, optimizer="sgd")
+        where = pipe.plan.stages_of(pp_rank)[0]
+        result = {"measured": statistics.median(times), "predicted": sim.step_time,
+                  "predicted_growth": sim.devices[sim.stages[where].rank].growth}
     every = [None] * WORLD
     dist.all_gather_object(every, result)
     if rank == 0:
@@ -131,12 +138,29 @@ def _rank(rank: int, port: int, model_name: str, layout: str, reps: int, chunks:
 
 
 def run_layout(model_name: str, layout: str, reps: int, chunks: int) -> list[dict] | None:
-    """Run one layout on 4 spawned ranks; return each rank's result (None if it failed)."""
+    """Run one layout on 4 spawned ranks, timed then (new processes) its memory; return each rank's result
+    (None if it failed)."""
+    timed = _spawn(model_name, layout, reps, chunks, "time")
+    # read at a process's start: RSS follows live memory (every block above 4 KiB its own mapping); the
+    # timed run keeps glibc's default, as a user's does (page faults on every allocation slow a step down)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "4096"
+    try:
+        grown = _spawn(model_name, layout, reps, chunks, "memory")
+    finally:
+        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+    if timed is None or grown is None:
+        return None
+    return [t | g for t, g in zip(timed, grown)]
+
+
+def _spawn(model_name: str, layout: str, reps: int, chunks: int, what: str) -> list[dict] | None:
+    """Run :func:`_rank` on 4 spawned ranks; return each rank's result (None if it failed)."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        procs = [ctx.Process(target=_rank, args=(r, port, model_name, layout, reps, chunks, out)) for r in range(WORLD)]
+        procs = [ctx.Process(target=_rank, args=(r, port, model_name, layout, reps, chunks, out, what))
+                 for r in range(WORLD)]
         for p in procs:
             p.start()
         for p in procs:
@@ -153,9 +177,6 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15, help="timed steps per layout (default 15)")
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches (default 4)")
     args = parser.parse_args()
-    # read at a process's start: RSS follows live memory in the ranks (both the timed steps and the node times
-    # the prediction starts from run under it, so each block allocated costs both its page faults alike)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "4096"
     models = ["mlp"] if args.quick else list(MODELS)
     layouts = LAYOUTS[:3] if args.quick else LAYOUTS
     reps = 3 if args.quick else args.reps

@@ -13,10 +13,11 @@ tensor-parallel groups (``tp_latency``, ``tp_bandwidth``). Every rank must call 
 collectives), as every rank calls ``fxpipe.simulate`` on a distributed pipe; every rank gets
 rank 0's fit.
 
-It also measures how the ranks share this machine's cores (``slots``): a GEMM loop timed on
-rank 0 alone, then on every rank at once. ``g`` ranks that each take ``together`` seconds for
-what one takes ``alone`` seconds by itself compute like ``g x alone / together`` ranks at full
-speed: 4 ranks on 2 cores measured 1.8 here, not the 2 the core count says (caches and memory
+It also measures how the ranks share this machine's cores (``slots``): a loop of GEMMs timed on
+rank 0 alone, then on every rank at once, five times in turn (whole loops: the ranks'
+throughput, which a median of short bursts overstates when a burst fits in one time slice).
+``g`` ranks that each take ``together`` seconds for what one takes ``alone`` seconds by itself
+compute like ``g x alone / together`` ranks at full speed: 4 ranks on 2 cores measured 1.8 here, not the 2 the core count says (caches and memory
 bandwidth are shared too, and the scheduler switches between the ranks).
 
 And what a message costs a rank that computed up to it (``wake_latency``): ranks 0 and 1 both
@@ -27,25 +28,32 @@ ranks doing nothing else takes 0.1 ms (gloo's receiving thread and the woken ran
 core). The simulator charges it to every action that waits for a message and to every ring step
 of a collective (``tp_latency``, which replicas' and tensor-parallel groups' collectives cross:
 each step waits for a peer).
+
+Last, the other collectives FSDP2 runs, reduce-scatter and all-gather, at the large size: their
+seconds over what the ring formula gives from the all-reduce's fit are the device model's
+``collective_scale`` (gloo has no ring reduce-scatter of its own: it measured about 2.5x here).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-from fxpipe.passes.timing import median_seconds
+from fxpipe.passes.timing import seconds
 from fxpipe.simulate.devices import DeviceModel
+from fxpipe.simulate.network import ring_seconds
 
 __all__ = ["measure_links"]
 
 log = logging.getLogger(__name__)
 
-SIZES = (16 * 2**10, 2 * 2**20)  # bytes: a small message and a large one
+SIZES = (16 * 2**10, 8 * 2**20)  # bytes: a small message and one large enough that bandwidth stands above the noise
+KINDS = ("reduce_scatter", "all_gather")  # timed at the large size against the all-reduce's ring
 
 
 def _line(small: float, large: float) -> tuple[float, float]:
@@ -95,48 +103,84 @@ def _all_reduce(nbytes: int, repeats: int) -> float:
     return _median(lambda: dist.all_reduce(buf), repeats)
 
 
-def _gemm_loop(busy: bool) -> Callable[[], None]:
-    """Return a few milliseconds of GEMMs to time (nothing where ``busy`` is false)."""
+def _collective(kind: str, nbytes: int, repeats: int) -> float:
+    """Return the seconds of a ``kind`` collective (``reduce_scatter``, ``all_gather``) of ``nbytes`` over every rank."""
+    import torch.distributed as dist
+
+    g = dist.get_world_size()
+    full, shard = torch.zeros(nbytes // 4 // g * g), torch.zeros(nbytes // 4 // g)
+    if kind == "reduce_scatter":
+        return _median(lambda: dist.reduce_scatter_tensor(shard, full), repeats)
+    return _median(lambda: dist.all_gather_into_tensor(full, shard), repeats)
+
+
+def _gemm_loop(busy: bool, calls: int = 1) -> Callable[[], None]:
+    """Return ``calls`` times a few milliseconds of GEMMs to time (nothing where ``busy`` is false)."""
     a, b = torch.randn(256, 512), torch.randn(512, 512)
 
     def gemms() -> None:
-        for _ in range(4 if busy else 0):
+        for _ in range(4 * calls if busy else 0):
             torch.mm(a, b)
 
     return gemms
 
 
-def _sharing(repeats: int) -> float:
-    """Return how many ranks' worth of compute every rank at once gets on this machine (``slots``)."""
+def _sharing(trials: int = 5, calls: int = 10) -> float:
+    """Return how many ranks' worth of compute every rank at once gets on this machine (``slots``).
+
+    Each trial times a loop of ``calls`` GEMM bursts on rank 0 alone, then on every rank at
+    once; the ratio is of whole loops (throughput), not of single bursts: a burst shorter than
+    the scheduler's time slice often runs uninterrupted while four ranks share two cores, so
+    a median of bursts finds sharing that the ranks' actions do not get. The median of the
+    trials' ratios is returned (alone and together alternate, so a change of load hits both),
+    at most the cores this process may run on (a slow trial alone can find more).
+    """
     import torch.distributed as dist
 
-    gemms = _gemm_loop(True)
-    alone = median_seconds(gemms, repeats=repeats) if dist.get_rank() == 0 else 0.0
-    dist.barrier()
-    times = torch.tensor([median_seconds(gemms, repeats=repeats)], dtype=torch.float64)
-    dist.all_reduce(times)  # the ranks' mean
-    return dist.get_world_size() * alone / (float(times) / dist.get_world_size())
+    loop = _gemm_loop(True, calls)
+    loop()
+    g, ratios = dist.get_world_size(), []
+    for _ in range(trials):
+        dist.barrier()
+        alone = seconds(loop) if dist.get_rank() == 0 else 0.0
+        dist.barrier()
+        together = torch.tensor([seconds(loop)], dtype=torch.float64)
+        dist.all_reduce(together)  # the ranks' sum
+        ratios.append(g * alone / (float(together) / g))
+    return min(statistics.median(ratios), float(len(os.sched_getaffinity(0))))
 
 
-def _wake(repeats: int, round_trip: float) -> float:
-    """Return what a message costs ranks 0 and 1 beyond an idle exchange when both computed up to it."""
+def _wake(trials: int, round_trip: float, calls: int = 8) -> float:
+    """Return what a message costs ranks 0 and 1 beyond an idle exchange when both computed up to it.
+
+    Each trial times ``calls`` rounds of (a GEMM burst, then a small exchange) and ``calls``
+    GEMM bursts alone, both as whole loops; the median over trials of the difference per
+    round, less the idle exchange, is returned.
+    """
     import torch.distributed as dist
 
     rank = dist.get_rank()
     gemms = _gemm_loop(rank < 2)
     out, into = torch.zeros(SIZES[0] // 4), torch.zeros(SIZES[0] // 4)
 
-    def once() -> None:
-        gemms()
-        if rank < 2:  # as the runtime does: the receive posted, then the send, then the wait
-            work = dist.irecv(into, 1 - rank)
-            dist.send(out, 1 - rank)
-            assert work is not None  # a member of the default group gets its work
-            work.wait()
+    def rounds(talk: bool) -> None:
+        for _ in range(calls):
+            gemms()
+            if talk and rank < 2:  # as the runtime does: the receive posted, then the send, then the wait
+                work = dist.irecv(into, 1 - rank)
+                dist.send(out, 1 - rank)
+                assert work is not None  # a member of the default group gets its work
+                work.wait()
 
-    compute = _median(gemms, repeats)
-    total = _median(once, repeats)
-    return max(total - compute - round_trip / 2, 0.0)
+    rounds(True)
+    extra = []
+    for _ in range(trials):
+        dist.barrier()
+        compute = seconds(lambda: rounds(False))
+        dist.barrier()
+        total = seconds(lambda: rounds(True))
+        extra.append((total - compute) / calls - round_trip / 2)
+    return max(statistics.median(extra), 0.0)
 
 
 def measure_links(model: DeviceModel, repeats: int = 7) -> DeviceModel:
@@ -153,18 +197,22 @@ def measure_links(model: DeviceModel, repeats: int = 7) -> DeviceModel:
     g = dist.get_world_size()
     hop = [_ping_pong(n, repeats) for n in SIZES]
     ring = [_all_reduce(n, repeats) for n in SIZES]
-    fit = torch.tensor([*hop, *ring, _sharing(repeats), _wake(repeats, 2 * hop[0])], dtype=torch.float64)
+    kinds = [_collective(k, SIZES[1], repeats) for k in KINDS]
+    fit = torch.tensor([*hop, *ring, _sharing(), _wake(5, 2 * hop[0]), *kinds], dtype=torch.float64)
     dist.broadcast(fit, 0)  # rank 0's, on every rank: each rank predicts the same step
     hop_latency, hop_bandwidth = _line(float(fit[0]), float(fit[1]))
     ring_latency, ring_bandwidth = _line(float(fit[2]), float(fit[3]))
     steps = 2 * (g - 1)
+    scale = {k: float(t) / ring_seconds(k, SIZES[1], g, ring_bandwidth * steps / g, ring_latency / steps)
+             for k, t in zip(KINDS, fit[6:])}
     measured = model.replace(link_latency=hop_latency, link_bandwidth=hop_bandwidth,
                              inter_latency=hop_latency, inter_bandwidth=hop_bandwidth,
                              tp_latency=ring_latency / steps + float(fit[5]), tp_bandwidth=ring_bandwidth * steps / g,
                              slots=min(float(fit[4]), float(g)) if model.slots > 0 else 0.0,
-                             wake_latency=float(fit[5]))
+                             wake_latency=float(fit[5]), collective_scale=scale)
     log.info("links measured over %d ranks: a message %.0f us + %.2f GB/s; a collective step %.0f us, "
-             "%.2f GB/s; the ranks compute like %.2f at full speed; a waiting rank resumes in %.0f us", g,
+             "%.2f GB/s; the ranks compute like %.2f at full speed; a waiting rank resumes in %.0f us; "
+             "reduce-scatter and all-gather %.2fx and %.2fx the ring's", g,
              hop_latency * 1e6, hop_bandwidth / 1e9, measured.tp_latency * 1e6, ring_bandwidth * steps / g / 1e9,
-             measured.slots, measured.wake_latency * 1e6)
+             measured.slots, measured.wake_latency * 1e6, scale["reduce_scatter"], scale["all_gather"])
     return measured

@@ -15,7 +15,9 @@ slowest link any two neighbours of the group share::
     all-reduce                   2 (g - 1) / g x bytes / bandwidth + 2 (g - 1) x latency
     reduce-scatter, all-gather     (g - 1) / g x bytes / bandwidth +   (g - 1) x latency
 
-``bytes`` is the whole value's (a full gradient; a full parameter for all-gather).
+``bytes`` is the whole value's (a full gradient; a full parameter for all-gather). A device
+model's ``collective_scale`` multiplies a kind whose library runs it otherwise (gloo's
+reduce-scatter costs more than an all-reduce, as ``measured=True`` finds on CPUs).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class Layout:
     def dp_seconds(self, kind: str, nbytes: float, device: DeviceModel, p: int = 0) -> float:
         """Return the seconds of a ``kind`` collective of ``nbytes`` over the replicas of pipeline rank ``p``."""
         bandwidth, latency = self._link([self.rank(d, p) for d in range(self.dp)], device, True)
-        return ring_seconds(kind, nbytes, self.dp, bandwidth, latency)
+        return ring_seconds(kind, nbytes, self.dp, bandwidth, latency) * device.collective_scale.get(kind, 1.0)
 
     def tp_link(self, device: DeviceModel) -> DeviceModel:
         """Return ``device`` with its collective link set to what a tp group crosses (inside a node if it fits)."""

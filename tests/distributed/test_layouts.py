@@ -24,6 +24,8 @@ def test_simulate_measured_on_every_rank(layout, tmp_path, launch):
     assert all(0 < v < float("inf") for v in first["links"]) and first["links"][2] > 0  # tp_latency: measured
     assert 0.5 <= first["links"][4] <= 4  # slots: 4 ranks share this machine's cores, measured
     assert all(r["wake"] == first["wake"] for r in results) and 0 <= first["wake"] < 0.1  # a waiting rank's resumption
+    assert all(r["scale"] == first["scale"] for r in results)  # reduce-scatter and all-gather against the ring
+    assert set(first["scale"]) == {"reduce_scatter", "all_gather"} and all(v > 0 for v in first["scale"].values())
     dp = 4 if "dp4" in layout else 2 if "dp2" in layout else 1
     assert first["dp"] == dp and first["layout"]["data_parallel"] == dp
     assert first["shard"] == (":shard" in layout)

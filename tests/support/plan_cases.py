@@ -59,7 +59,8 @@ def simulate_layout(rank, world, name):
             "params": [s.memory.params for s in sim.stages], "optimizer": [s.memory.optimizer for s in sim.stages],
             "throughput": sim.throughput, "layout": pipe.plan.layout,
             "links": [sim.device.link_latency, sim.device.link_bandwidth, sim.device.tp_latency,
-                      sim.device.tp_bandwidth, sim.device.slots], "wake": sim.device.wake_latency}
+                      sim.device.tp_bandwidth, sim.device.slots], "wake": sim.device.wake_latency,
+            "scale": sim.device.collective_scale}
 
 
 def written_plan(rank, world, wanted):

@@ -35,6 +35,13 @@ def test_replicas_cross_nodes_on_the_slower_link():
     assert Layout(pp=1, tp=4).tp_link(UNIT).tp_bandwidth == UNIT.inter_bandwidth  # a tp group wider than a node
 
 
+def test_a_measured_collective_scale_multiplies_its_kind_only():
+    slow = UNIT.replace(collective_scale={"reduce_scatter": 2.5})
+    grid = Layout(dp=2, pp=1)
+    assert grid.dp_seconds("reduce_scatter", 1e8, slow) == pytest.approx(2.5 * grid.dp_seconds("reduce_scatter", 1e8, UNIT))
+    assert grid.dp_seconds("all_reduce", 1e8, slow) == pytest.approx(grid.dp_seconds("all_reduce", 1e8, UNIT))
+
+
 def test_replicas_add_their_reduction_and_count_every_row():
     pipe = _pipe()
     alone = fxpipe.simulate(pipe, device=UNIT, runtime="distributed")
