@@ -112,8 +112,12 @@ def rescale(alone: dict[str, tuple[float, float]], forward: float, backward: flo
 
 
 def measure_nodes(gm: torch.fx.GraphModule, rows: int, example_inputs: tuple | None = None,
-                  device: str | torch.device = "cpu", repeats: int = 3) -> dict[str, tuple[float, float]]:
+                  device: str | torch.device = "cpu", repeats: int = 3, whole: int | None = None
+                  ) -> dict[str, tuple[float, float]]:
     """Return ``{node name: (forward, backward)}`` seconds for a micro-batch of ``rows`` rows on ``device``.
+
+    Each node alone is timed ``repeats`` times (its share of the pass), the whole graph ``whole``
+    times (default ``max(repeats, 3)``: the pass's seconds, what sets every prediction's scale).
 
     ``gm`` must be annotated (:func:`fxpipe.passes.annotate`); its measured times from an earlier
     ``balance_by="time"`` profile are left as they were.
@@ -122,7 +126,7 @@ def measure_nodes(gm: torch.fx.GraphModule, rows: int, example_inputs: tuple | N
     args = inputs_of_rows(gm, rows, example_inputs)
     alone = node_profile(gm, args, dev, repeats)
     moved = tuple(tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, args))
-    return rescale(alone, *whole_graph(gm, moved, dev, repeats=max(repeats, 3)))
+    return rescale(alone, *whole_graph(gm, moved, dev, repeats=whole or max(repeats, 3)))
 
 
 def _plain(t: torch.Tensor, meta: bool = False) -> torch.Tensor:
@@ -197,9 +201,12 @@ def measure_everywhere(gm: torch.fx.GraphModule, rows: int, example_inputs: tupl
     Across ranks (``torch.distributed`` initialised, world > 1) rank 0 times a :func:`plain_copy`
     while the others wait, and the times are broadcast: a rank holds only its own stages (the
     rest on meta), FSDP2 and tensor parallelism hold DTensors, and ranks measuring at once on
-    shared cores would slow each other down. In one process: ``gm`` itself, or its plain copy
-    if some tensors have no data here.
+    shared cores would slow each other down. The whole graph is timed ``3 x repeats`` times
+    there: a step of the ranks is timed over many repetitions, and one short burst on a shared
+    machine drifted by up to 1.5x from one run to the next. In one process: ``gm`` itself, or
+    its plain copy if some tensors have no data here.
     """
     if not _across():
         return measure_nodes(plain_copy(gm) if _needs_copy(gm) else gm, rows, example_inputs, repeats=repeats)
-    return dict(agreed(lambda: measure_nodes(plain_copy(gm), rows, example_inputs, repeats=repeats)))
+    return dict(agreed(lambda: measure_nodes(plain_copy(gm), rows, example_inputs, repeats=repeats,
+                                             whole=3 * repeats)))
