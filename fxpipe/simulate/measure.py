@@ -27,8 +27,8 @@ from fxpipe import passes
 from fxpipe.passes.spec import TensorSpec
 from fxpipe.passes.timing import seconds
 
-__all__ = ["agreed", "inputs_of_rows", "measure_everywhere", "measure_nodes", "node_profile", "plain_copy", "rescale",
-           "retain_anywhere", "whole_graph"]
+__all__ = ["agreed", "inputs_of_rows", "measure_everywhere", "measure_nodes", "node_profile", "passes_of", "plain_copy",
+           "rescale", "retain_anywhere", "whole_graph"]
 
 _KEYS = ("fxpipe.time_fwd", "fxpipe.time_bwd", "fxpipe.time")
 
@@ -58,8 +58,10 @@ def inputs_of_rows(gm: torch.fx.GraphModule, rows: int, example_inputs: tuple | 
     return tuple(out)
 
 
-def whole_graph(gm: torch.fx.GraphModule, args: tuple, device: torch.device, repeats: int = 5) -> tuple[float, float]:
-    """Return the seconds of the graph's forward (building autograd's graph) and of its backward."""
+def passes_of(gm: torch.fx.GraphModule, args: tuple, device: torch.device) -> tuple[Callable[[], Any],
+                                                                                 Callable[[], None]]:
+    """Return the graph's forward (building autograd's graph) and its forward then backward, run on copies
+    of its parameters and buffers on ``device``."""
     params = {k: v.detach().to(device, copy=True).requires_grad_(v.requires_grad) for k, v in gm.named_parameters()}
     buffers = {k: v.detach().to(device, copy=True) for k, v in gm.named_buffers()}
     state = params | buffers
@@ -74,6 +76,12 @@ def whole_graph(gm: torch.fx.GraphModule, args: tuple, device: torch.device, rep
         if outs and wrt:  # gradients add into the copies' .grad, as a pipeline's micro-batches do
             torch.stack([t.float().mean() for t in outs]).sum().backward()
 
+    return forward, both
+
+
+def whole_graph(gm: torch.fx.GraphModule, args: tuple, device: torch.device, repeats: int = 5) -> tuple[float, float]:
+    """Return the seconds of the graph's forward (building autograd's graph) and of its backward."""
+    forward, both = passes_of(gm, args, device)
     f_times, b_times = [], []
     forward()
     both()

@@ -90,7 +90,8 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     rank of a distributed pipe: rank 0 times a copy of the whole model on plain tensors of the
     parameters' full shapes (other ranks hold only their own stages) and sends the times to all,
     so every rank predicts the same step; with ``device="cpu"`` the ranks also time their links
-    (a ping-pong and an all-reduce, :mod:`fxpipe.simulate.linktime`) in place of the CPU model's.
+    (a ping-pong and an all-reduce, :mod:`fxpipe.simulate.linktime`) in place of the CPU model's,
+    and how they share the cores on the model's own passes (:mod:`fxpipe.simulate.sharing`).
     """
     check_factor(compiled)
     gm, plan = graph_and_plan(pipe_or_plan)
@@ -120,6 +121,10 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
             raise ValueError("measured=True times the model's nodes; pass the compiled Pipe, not a plan")
         from fxpipe.simulate.measure import measure_everywhere
         measured = measure_everywhere(gm, max(round(batch / m), 1))
+        if isinstance(name_, str) and name_.lower() == "cpu" and model.slots > 0:  # the ranks share these cores
+            from fxpipe.simulate.sharing import model_sharing
+            share = model_sharing(gm, max(round(batch / m), 1))
+            model = model.replace(slots=share) if share else model
     record, sharded = tp_record(gm, plan, tensor_parallel)
     layout = layout_of(plan, record, data_parallel, shard) if runtime == "distributed" else None
     if layout is not None and layout.tp > 1:

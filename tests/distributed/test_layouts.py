@@ -1,6 +1,8 @@
 """fxpipe.simulate(pipe, measured=True) on every rank of every layout of 4 gloo ranks: it answers, the same on
 every rank, and follows the layout (replicas, FSDP2 shards, several stages per rank, tensor parallelism)."""
 
+import os
+
 import pytest
 
 pytestmark = pytest.mark.distributed
@@ -22,7 +24,7 @@ def test_simulate_measured_on_every_rank(layout, tmp_path, launch):
     assert all(r["step"] == first["step"] > 0 for r in results)  # rank 0 measured, every rank predicts alike
     assert all(r["links"] == first["links"] for r in results)  # the links measured, rank 0's fit everywhere
     assert all(0 < v < float("inf") for v in first["links"]) and first["links"][2] > 0  # tp_latency: measured
-    assert 0.5 <= first["links"][4] <= 4  # slots: 4 ranks share this machine's cores, measured
+    assert 0.5 <= first["links"][4] <= min(4, len(os.sched_getaffinity(0)))  # slots: measured, at most the cores
     assert all(r["wake"] == first["wake"] for r in results) and 0 <= first["wake"] < 0.1  # a waiting rank's resumption
     assert all(r["scale"] == first["scale"] for r in results)  # reduce-scatter and all-gather against the ring
     assert set(first["scale"]) == {"reduce_scatter", "all_gather"} and all(v > 0 for v in first["scale"].values())
