@@ -18,7 +18,8 @@ rank 0 alone, then on every rank at once, five times in turn (whole loops: the r
 throughput, which a median of short bursts overstates when a burst fits in one time slice).
 ``g`` ranks that each take ``together`` seconds for what one takes ``alone`` seconds by itself
 compute like ``g x alone / together`` ranks at full speed: 4 ranks on 2 cores measured 1.8 here, not the 2 the core count says (caches and memory
-bandwidth are shared too, and the scheduler switches between the ranks).
+bandwidth are shared too, and the scheduler switches between the ranks). ``fxpipe.simulate``
+replaces it with the sharing of the model's own passes where it can (:mod:`fxpipe.simulate.sharing`).
 
 And what a message costs a rank that computed up to it (``wake_latency``): ranks 0 and 1 both
 run the GEMM loop, then exchange a small message as the runtime does (receive posted, send,
@@ -109,9 +110,11 @@ def _collective(kind: str, nbytes: int, repeats: int) -> float:
 
     g = dist.get_world_size()
     full, shard = torch.zeros(nbytes // 4 // g * g), torch.zeros(nbytes // 4 // g)
-    if kind == "reduce_scatter":
-        return _median(lambda: dist.reduce_scatter_tensor(shard, full), repeats)
-    return _median(lambda: dist.all_gather_into_tensor(full, shard), repeats)
+    if kind == "reduce_scatter":  # the *_single names from torch 2.13 (the older ones warn there)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return _median(lambda: scatter(shard, full), repeats)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return _median(lambda: gather(full, shard), repeats)
 
 
 def _gemm_loop(busy: bool, calls: int = 1) -> Callable[[], None]:
