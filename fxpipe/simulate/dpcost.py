@@ -6,6 +6,10 @@ As the runtime does it (:mod:`fxpipe.runtime.dataparallel`), per stage and step:
                            are ready: the reduction runs beside that backward and ends at most one
                            bucket (25 MiB) after it, or when the ring is done if that is later
                                end = max(B_end + bucket, B_start + all-reduce(grads))
+                           on ranks that share a machine's cores (``slots``: gloo on CPUs) the
+                           reduction's copies and sums run on the cores the backward needs, so
+                           they follow it: end = B_end + all-reduce(grads) (measured on 4 ranks
+                           on 2 cores, DDP's step was the backward's plus the all-reduce's or more)
     replicate, with tp     the rank's gradients all-reduced once all its backwards are done
                                end = last B_end + all-reduce(grads of its stages)
     shard (FSDP2)          all-gather the parameters before the stage's first forward (on that F),
@@ -62,6 +66,8 @@ def reduction_end(spans: Sequence[Span], costs: Sequence[StageCost], rank_of: Se
             span, nbytes = last[j], costs[j].grads
             if layout.shard:
                 free = max(free, span.end) + layout.dp_seconds("reduce_scatter", nbytes, model, r)
+            elif model.slots > 0:  # ranks sharing a machine's cores: gloo's copies and sums take them from compute
+                free = max(free, span.end) + layout.dp_seconds("all_reduce", nbytes, model, r)
             else:
                 ring = layout.dp_seconds("all_reduce", nbytes, model, r)
                 tail = layout.dp_seconds("all_reduce", min(nbytes, DDP_BUCKET), model, r)

@@ -54,6 +54,22 @@ def test_replicas_add_their_reduction_and_count_every_row():
     assert two.gpus == 4
 
 
+def test_ranks_sharing_cores_reduce_after_the_last_backward():
+    from fxpipe.simulate.dpcost import reduction_end
+
+    pipe = _pipe()
+    own, shared = UNIT, UNIT.replace(slots=2.0)
+    sim = fxpipe.simulate(pipe, device=own, runtime="distributed", data_parallel=2)
+    grid = Layout(dp=2, pp=2)
+    ends = []
+    for j in (0, 1):
+        last = max((s for s in sim.spans if s.action.stage == j and s.action.is_backward), key=lambda s: s.end)
+        ends.append(last.end + grid.dp_seconds("all_reduce", sim.costs[j].grads, own, j))
+    after = reduction_end(sim.spans, sim.costs, [0, 1], grid, shared)
+    assert after == pytest.approx(max(ends))  # gloo's sums on the cores the backward needs: one after the other
+    assert after >= reduction_end(sim.spans, sim.costs, [0, 1], grid, own)  # an accelerator's ride beside it
+
+
 def test_fsdp_gathers_before_the_first_forward_and_shards_the_optimizer():
     pipe = _pipe()
     ddp = fxpipe.simulate(pipe, device=NOMINAL["h100"], runtime="distributed", data_parallel=4, optimizer="adam")
