@@ -17,9 +17,10 @@ It also measures how the ranks share this machine's cores (``slots``): a loop of
 rank 0 alone, then on every rank at once, five times in turn (whole loops: the ranks'
 throughput, which a median of short bursts overstates when a burst fits in one time slice).
 ``g`` ranks that each take ``together`` seconds for what one takes ``alone`` seconds by itself
-compute like ``g x alone / together`` ranks at full speed: 4 ranks on 2 cores measured 1.8 here, not the 2 the core count says (caches and memory
-bandwidth are shared too, and the scheduler switches between the ranks). ``fxpipe.simulate``
-replaces it with the sharing of the model's own passes where it can (:mod:`fxpipe.simulate.sharing`).
+compute like ``g x alone / together`` ranks at full speed: 4 ranks on 2 cores measured 1.8-2.0
+here (caches and memory bandwidth are shared too, and the scheduler switches between the ranks).
+``fxpipe.simulate`` replaces it with the sharing of the model's own passes where it can
+(:mod:`fxpipe.simulate.sharing`).
 
 And what a message costs a rank that computed up to it (``wake_latency``): ranks 0 and 1 both
 run the GEMM loop, then exchange a small message as the runtime does (receive posted, send,
@@ -38,7 +39,6 @@ seconds over what the ring formula gives from the all-reduce's fit are the devic
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -48,6 +48,7 @@ import torch
 from fxpipe.passes.timing import seconds
 from fxpipe.simulate.devices import DeviceModel
 from fxpipe.simulate.network import ring_seconds
+from fxpipe.simulate.sharing import slots_of
 
 __all__ = ["measure_links"]
 
@@ -136,21 +137,11 @@ def _sharing(trials: int = 5, calls: int = 10) -> float:
     the scheduler's time slice often runs uninterrupted while four ranks share two cores, so
     a median of bursts finds sharing that the ranks' actions do not get. The median of the
     trials' ratios is returned (alone and together alternate, so a change of load hits both),
-    at most the cores this process may run on (a slow trial alone can find more).
+    at most the cores this process may run on (a slow trial alone can find more) and the ranks.
     """
-    import torch.distributed as dist
-
     loop = _gemm_loop(True, calls)
     loop()
-    g, ratios = dist.get_world_size(), []
-    for _ in range(trials):
-        dist.barrier()
-        alone = seconds(loop) if dist.get_rank() == 0 else 0.0
-        dist.barrier()
-        together = torch.tensor([seconds(loop)], dtype=torch.float64)
-        dist.all_reduce(together)  # the ranks' sum
-        ratios.append(g * alone / (float(together) / g))
-    return min(statistics.median(ratios), float(len(os.sched_getaffinity(0))))
+    return slots_of(loop, trials)
 
 
 def _wake(trials: int, round_trip: float, calls: int = 8) -> float:
@@ -211,7 +202,7 @@ def measure_links(model: DeviceModel, repeats: int = 7) -> DeviceModel:
     measured = model.replace(link_latency=hop_latency, link_bandwidth=hop_bandwidth,
                              inter_latency=hop_latency, inter_bandwidth=hop_bandwidth,
                              tp_latency=ring_latency / steps + float(fit[5]), tp_bandwidth=ring_bandwidth * steps / g,
-                             slots=min(float(fit[4]), float(g)) if model.slots > 0 else 0.0,
+                             slots=float(fit[4]) if model.slots > 0 else 0.0,
                              wake_latency=float(fit[5]), collective_scale=scale)
     log.info("links measured over %d ranks: a message %.0f us + %.2f GB/s; a collective step %.0f us, "
              "%.2f GB/s; the ranks compute like %.2f at full speed; a waiting rank resumes in %.0f us; "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -29,7 +30,7 @@ import torch.fx
 from fxpipe.passes.timing import seconds
 from fxpipe.simulate.measure import inputs_of_rows, passes_of, plain_copy
 
-__all__ = ["model_sharing"]
+__all__ = ["model_sharing", "slots_of"]
 
 
 def _broadcast(value: float) -> float:
@@ -64,6 +65,17 @@ def model_sharing(gm: torch.fx.GraphModule, rows: int, example_inputs: tuple | N
         for _ in range(k):
             both()
 
+    return _broadcast(slots_of(loop, trials))
+
+
+def slots_of(loop: Callable[[], None], trials: int) -> float:
+    """Return ``g x alone / mean(together)`` of ``loop`` timed on rank 0 alone, then on every rank at once,
+    ``trials`` times in turn (the median; at most the cores this process may run on and ``g``).
+
+    Every rank must call it; only rank 0's value is its measurement (the others' lack ``alone``).
+    """
+    import torch.distributed as dist
+
     g, ratios = dist.get_world_size(), []
     for _ in range(trials):  # alone and together in turn, so a change of the host's speed hits both
         dist.barrier()
@@ -72,5 +84,4 @@ def model_sharing(gm: torch.fx.GraphModule, rows: int, example_inputs: tuple | N
         together = torch.tensor([seconds(loop)], dtype=torch.float64)
         dist.all_reduce(together)  # the ranks' sum
         ratios.append(g * alone / (float(together) / g))
-    cores = float(len(os.sched_getaffinity(0)))
-    return _broadcast(min(statistics.median(ratios), cores, float(g)))
+    return min(statistics.median(ratios), float(len(os.sched_getaffinity(0))), float(g))
