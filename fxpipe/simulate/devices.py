@@ -68,7 +68,7 @@ class DeviceModel:
     inter_latency: float = 5e-6  # seconds per message between nodes
     slots: float = 0.0  # ranks of one node that compute at full speed at once (0: each rank its own device)
     wake_latency: float = 0.0  # seconds a rank that waited for a message takes to resume (an idle CPU waking)
-    # a collective kind's measured seconds over the ring formula's ("reduce_scatter": 2.5 on gloo); absent: 1
+    # a collective kind's measured seconds over the ring formula's ("reduce_scatter": 2-5 on gloo); absent: 1
     collective_scale: dict[str, float] = field(default_factory=dict)
 
     def flops_per_second(self, dtype: torch.dtype | str, kind: str, d: float | None = None) -> float:

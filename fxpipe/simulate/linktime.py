@@ -33,7 +33,7 @@ each step waits for a peer).
 
 Last, the other collectives FSDP2 runs, reduce-scatter and all-gather, at the large size: their
 seconds over what the ring formula gives from the all-reduce's fit are the device model's
-``collective_scale`` (gloo has no ring reduce-scatter of its own: it measured about 2.5x here).
+``collective_scale`` (gloo has no ring reduce-scatter of its own: it measured 1.9-5.3x here).
 """
 
 from __future__ import annotations
