@@ -13,19 +13,13 @@ tensor-parallel groups (``tp_latency``, ``tp_bandwidth``). Every rank must call 
 collectives), as every rank calls ``fxpipe.simulate`` on a distributed pipe; every rank gets
 rank 0's fit.
 
-It also measures how the ranks share this machine's cores (``slots``): a loop of GEMMs timed on
-rank 0 alone, then on every rank at once, five times in turn (whole loops: the ranks'
-throughput, which a median of short bursts overstates when a burst fits in one time slice).
-``g`` ranks that each take ``together`` seconds for what one takes ``alone`` seconds by itself
-compute like ``g x alone / together`` ranks at full speed: 4 ranks on 2 cores measured 1.8-2.0
-here (caches and memory bandwidth are shared too, and the scheduler switches between the ranks).
-``fxpipe.simulate`` replaces it with the sharing of the model's own passes where it can
-(:mod:`fxpipe.simulate.sharing`).
+How the ranks share the machine's cores (``slots``) is measured beside it, by
+:mod:`fxpipe.simulate.sharing`.
 
-And what a message costs a rank that computed up to it (``wake_latency``): ranks 0 and 1 both
-run the GEMM loop, then exchange a small message as the runtime does (receive posted, send,
+It measures what a message costs a rank that computed up to it (``wake_latency``): ranks 0 and
+1 both run a GEMM loop, then exchange a small message as the runtime does (receive posted, send,
 wait); the time beyond the compute and an idle one-way message is the waiting rank's
-resumption. On this machine's virtual cores it came to 1-2.5 ms, where the same exchange between
+resumption. On this machine's virtual cores it came to 0.3-4.7 ms, where the same exchange between
 ranks doing nothing else takes 0.1 ms (gloo's receiving thread and the woken rank wait for a
 core). The simulator charges it to every action that waits for a message and to every ring step
 of a collective (``tp_latency``, which replicas' and tensor-parallel groups' collectives cross:
@@ -48,9 +42,8 @@ import torch
 from fxpipe.passes.timing import seconds
 from fxpipe.simulate.devices import DeviceModel
 from fxpipe.simulate.network import ring_seconds
-from fxpipe.simulate.sharing import slots_of
 
-__all__ = ["measure_links"]
+__all__ = ["gemm_loop", "measure_links"]
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +111,7 @@ def _collective(kind: str, nbytes: int, repeats: int) -> float:
     return _median(lambda: gather(full, shard), repeats)
 
 
-def _gemm_loop(busy: bool, calls: int = 1) -> Callable[[], None]:
+def gemm_loop(busy: bool, calls: int = 1) -> Callable[[], None]:
     """Return ``calls`` times a few milliseconds of GEMMs to time (nothing where ``busy`` is false)."""
     a, b = torch.randn(256, 512), torch.randn(512, 512)
 
@@ -127,21 +120,6 @@ def _gemm_loop(busy: bool, calls: int = 1) -> Callable[[], None]:
             torch.mm(a, b)
 
     return gemms
-
-
-def _sharing(trials: int = 5, calls: int = 10) -> float:
-    """Return how many ranks' worth of compute every rank at once gets on this machine (``slots``).
-
-    Each trial times a loop of ``calls`` GEMM bursts on rank 0 alone, then on every rank at
-    once; the ratio is of whole loops (throughput), not of single bursts: a burst shorter than
-    the scheduler's time slice often runs uninterrupted while four ranks share two cores, so
-    a median of bursts finds sharing that the ranks' actions do not get. The median of the
-    trials' ratios is returned (alone and together alternate, so a change of load hits both),
-    at most the cores this process may run on (a slow trial alone can find more) and the ranks.
-    """
-    loop = _gemm_loop(True, calls)
-    loop()
-    return slots_of(loop, trials)
 
 
 def _wake(trials: int, round_trip: float, calls: int = 8) -> float:
@@ -154,7 +132,7 @@ def _wake(trials: int, round_trip: float, calls: int = 8) -> float:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    gemms = _gemm_loop(rank < 2)
+    gemms = gemm_loop(rank < 2)
     out, into = torch.zeros(SIZES[0] // 4), torch.zeros(SIZES[0] // 4)
 
     def rounds(talk: bool) -> None:
@@ -192,21 +170,20 @@ def measure_links(model: DeviceModel, repeats: int = 7) -> DeviceModel:
     hop = [_ping_pong(n, repeats) for n in SIZES]
     ring = [_all_reduce(n, repeats) for n in SIZES]
     kinds = [_collective(k, SIZES[1], repeats) for k in KINDS]
-    fit = torch.tensor([*hop, *ring, _sharing(), _wake(5, 2 * hop[0]), *kinds], dtype=torch.float64)
+    fit = torch.tensor([*hop, *ring, _wake(5, 2 * hop[0]), *kinds], dtype=torch.float64)
     dist.broadcast(fit, 0)  # rank 0's, on every rank: each rank predicts the same step
     hop_latency, hop_bandwidth = _line(float(fit[0]), float(fit[1]))
     ring_latency, ring_bandwidth = _line(float(fit[2]), float(fit[3]))
     steps = 2 * (g - 1)
     scale = {k: float(t) / ring_seconds(k, SIZES[1], g, ring_bandwidth * steps / g, ring_latency / steps)
-             for k, t in zip(KINDS, fit[6:])}
+             for k, t in zip(KINDS, fit[5:])}
     measured = model.replace(link_latency=hop_latency, link_bandwidth=hop_bandwidth,
                              inter_latency=hop_latency, inter_bandwidth=hop_bandwidth,
-                             tp_latency=ring_latency / steps + float(fit[5]), tp_bandwidth=ring_bandwidth * steps / g,
-                             slots=float(fit[4]) if model.slots > 0 else 0.0,
-                             wake_latency=float(fit[5]), collective_scale=scale)
+                             tp_latency=ring_latency / steps + float(fit[4]), tp_bandwidth=ring_bandwidth * steps / g,
+                             wake_latency=float(fit[4]), collective_scale=scale)
     log.info("links measured over %d ranks: a message %.0f us + %.2f GB/s; a collective step %.0f us, "
-             "%.2f GB/s; the ranks compute like %.2f at full speed; a waiting rank resumes in %.0f us; "
+             "%.2f GB/s; a waiting rank resumes in %.0f us; "
              "reduce-scatter and all-gather %.2fx and %.2fx the ring's", g,
              hop_latency * 1e6, hop_bandwidth / 1e9, measured.tp_latency * 1e6, ring_bandwidth * steps / g / 1e9,
-             measured.slots, measured.wake_latency * 1e6, scale["reduce_scatter"], scale["all_gather"])
+             measured.wake_latency * 1e6, scale["reduce_scatter"], scale["all_gather"])
     return measured

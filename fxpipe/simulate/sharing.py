@@ -14,7 +14,7 @@ runs the model itself::
 
 ``k`` makes rank 0's loop last about 50 ms (a throughput, not one pass that may fit in a
 scheduler time slice). Models whose parameters exceed ``limit`` bytes are not copied to every
-rank; the caller keeps the GEMM loop's value (:mod:`fxpipe.simulate.linktime`).
+rank: a loop of GEMM bursts stands in for their passes (10 bursts of about 5 ms).
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import torch
 import torch.fx
 
 from fxpipe.passes.timing import seconds
+from fxpipe.simulate.linktime import gemm_loop
 from fxpipe.simulate.measure import inputs_of_rows, passes_of, plain_copy
 
-__all__ = ["model_sharing", "slots_of"]
+__all__ = ["measure_sharing", "slots_of"]
 
 
 def _broadcast(value: float) -> float:
@@ -42,10 +43,10 @@ def _broadcast(value: float) -> float:
     return float(box)
 
 
-def model_sharing(gm: torch.fx.GraphModule, rows: int, example_inputs: tuple | None = None, trials: int = 5,
-                  limit: float = 2**30) -> float | None:
-    """Return how many ranks' worth of compute every rank at once gets on the model's own passes, the same
-    on every rank (None in one process, or where the model's parameters exceed ``limit`` bytes).
+def measure_sharing(gm: torch.fx.GraphModule, rows: int, example_inputs: tuple | None = None, trials: int = 5,
+                    limit: float = 2**30) -> float | None:
+    """Return how many ranks' worth of compute every rank at once gets, on the model's own passes (a GEMM
+    loop where its parameters exceed ``limit`` bytes), the same on every rank; None in one process.
 
     Every rank of the default process group must call it.
     """
@@ -54,18 +55,20 @@ def model_sharing(gm: torch.fx.GraphModule, rows: int, example_inputs: tuple | N
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
     if sum(p.numel() * p.element_size() for p in gm.parameters()) > limit:
-        return None
+        loop = gemm_loop(True, calls=10)
+        loop()
+        return _broadcast(slots_of(loop, trials))
     copy = plain_copy(gm)
     _, both = passes_of(copy, inputs_of_rows(copy, rows, example_inputs), torch.device("cpu"))
     both()
     one = seconds(both) if dist.get_rank() == 0 else 0.0
     k = max(1, math.ceil(0.05 / max(_broadcast(one), 1e-6)))
 
-    def loop() -> None:
+    def passes() -> None:
         for _ in range(k):
             both()
 
-    return _broadcast(slots_of(loop, trials))
+    return _broadcast(slots_of(passes, trials))
 
 
 def slots_of(loop: Callable[[], None], trials: int) -> float:

@@ -120,10 +120,11 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
         if gm is None:
             raise ValueError("measured=True times the model's nodes; pass the compiled Pipe, not a plan")
         from fxpipe.simulate.measure import measure_everywhere
-        measured = measure_everywhere(gm, max(round(batch / m), 1))
+        rows = max(round(batch / m), 1)
+        measured = measure_everywhere(gm, rows)
         if isinstance(name_, str) and name_.lower() == "cpu" and model.slots > 0:  # the ranks share these cores
-            from fxpipe.simulate.sharing import model_sharing
-            share = model_sharing(gm, max(round(batch / m), 1))
+            from fxpipe.simulate.sharing import measure_sharing
+            share = measure_sharing(gm, rows)
             model = model.replace(slots=share) if share else model
     record, sharded = tp_record(gm, plan, tensor_parallel)
     layout = layout_of(plan, record, data_parallel, shard) if runtime == "distributed" else None

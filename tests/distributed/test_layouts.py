@@ -38,6 +38,15 @@ def test_simulate_measured_on_every_rank(layout, tmp_path, launch):
         assert again["params"][0] > 0
 
 
+def test_sharing_is_measured_alike_on_every_rank_on_the_model_or_a_gemm_loop(launch, tmp_path):
+    results = launch("plan_cases:sharing_both_ways", 4, "", tmp_path)
+    _ok(results)
+    cores = min(4, len(os.sched_getaffinity(0)))
+    for key in ("model", "gemm"):  # the model's own passes; a GEMM loop for a model over the limit
+        assert all(r[key] == results[0][key] for r in results)  # rank 0's, on every rank
+        assert 0.5 <= results[0][key] <= cores
+
+
 @pytest.mark.parametrize("wanted", ["dp2xpp2", "pp2xtp2", "pp2:v2xdp2"])
 def test_the_written_plan_compiles_to_the_chosen_layout(wanted, tmp_path, launch):
     results = launch("plan_cases:written_plan", 4, wanted, tmp_path)

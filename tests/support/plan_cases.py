@@ -92,3 +92,19 @@ def written_plan(rank, world, wanted):
             "same_split": [st.nodes for st in pipe.plan.stages] == [st.nodes for st in saved.stages],
             "ranks": [st.on_rank for st in pipe.plan.stages], "chosen_ranks": [st.on_rank for st in saved.stages],
             "policies": pipe.plan.policies(), "chosen_policies": saved.policies(), "loss": float(loss)}
+
+
+def sharing_both_ways(rank, world, _):
+    """Measure the ranks' sharing of the cores on the tiny MLP's passes, then on the GEMM loop (limit 0)."""
+    import torch.distributed as dist
+
+    from fxpipe import passes
+    from fxpipe.simulate.sharing import measure_sharing
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+    model, x, _ = _mlp()
+    gm = fxpipe.trace(model)
+    passes.annotate(gm, (x,))
+    return {"model": measure_sharing(gm, 16, trials=2), "gemm": measure_sharing(gm, 16, trials=2, limit=0)}

@@ -32,9 +32,9 @@ def test_inputs_of_rows_repeat_or_cut_the_example_and_fill_from_shapes():
     assert made.shape == (4, 5) and made.dtype == torch.int64 and made.abs().sum() == 0  # valid indices
 
 
-def test_model_sharing_needs_a_process_group():
-    from fxpipe.simulate.sharing import model_sharing
+def test_measure_sharing_needs_a_process_group():
+    from fxpipe.simulate.sharing import measure_sharing
 
     gm = fxpipe.trace(nn.Linear(8, 8))
     passes.annotate(gm, (torch.randn(4, 8),))
-    assert model_sharing(gm, 4) is None  # one process: nothing shares the cores
+    assert measure_sharing(gm, 4) is None  # one process: nothing shares the cores
