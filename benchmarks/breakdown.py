@@ -9,7 +9,8 @@ Across ranks (the residual MLP of ``benchmarks/distributed.py`` at d = 128, hidd
 anew every repetition and barrier to barrier, one fxpipe step of every schedule, the same
 stages' forward and backward kernels under plain autograd over the same micro-batches (fused,
 and split into I and W for the schedules that split), and eager over the micro-batches on rank
-0 (the bound). Probes around :class:`fxpipe.runtime.transport.comm.Comm` count the messages and
+0 (the bound), plus a hand-written 1F1B of the same stages over raw gloo (the floor: no fxpipe
+runtime at all). Probes around :class:`fxpipe.runtime.transport.comm.Comm` count the messages and
 the main thread's CPU time posting and waiting for them. Per rank and schedule, with medians::
 
     step          wall time, barrier to barrier
@@ -148,6 +149,54 @@ def plain(pipe, seen: dict, split: bool):
     return run
 
 
+def floor_1f1b(pipe, seen: dict, rank: int):
+    """Return a hand-written 1F1B of this rank's stage: plain autograd and raw gloo, no fxpipe runtime.
+
+    The leanest 1F1B two ranks can run on these cores: every receive is posted up front into a
+    buffer of its own, sends are ``isend`` and waited for at the end, and each stage is the same
+    GraphModule fxpipe runs (called directly). What fxpipe's 1F1B spends beyond this is its own;
+    what this spends beyond the bound is the messages' and the cores'.
+    """
+    (j, calls), = seen.items()
+    fn, peer = pipe._runtime.workers[j].call.fn, 1 - rank
+    m = len(calls)
+    first = rank == 0
+    probe_in = calls[0]["inputs"][0]
+    with torch.no_grad():
+        probe_out = fn(probe_in)
+    if first:
+        if not isinstance(probe_out, (tuple, list)) or len(probe_out) != 1 or len(calls[0]["inputs"]) != 1:
+            raise SystemExit("floor_1f1b: expects one tensor into and out of each stage")
+        probe_out = probe_out[0]
+
+    def run():
+        bufs = [torch.empty_like(probe_out if first else probe_in) for _ in range(m)]
+        recvs = [dist.irecv(b, peer, tag=i) for i, b in enumerate(bufs)]
+        sends, outs = [], {}
+        if first:
+            def fwd(i):
+                outs[i] = fn(calls[i]["inputs"][0])[0]
+                sends.append(dist.isend(outs[i].detach(), peer, tag=i))
+
+            def bwd(i):
+                recvs[i].wait()
+                torch.autograd.backward(outs.pop(i), bufs[i])
+            fwd(0)
+            for i in range(1, m):
+                fwd(i)
+                bwd(i - 1)
+            bwd(m - 1)
+        else:
+            for i in range(m):
+                recvs[i].wait()
+                leaf = bufs[i].requires_grad_()
+                calls[i]["loss"](fn(leaf)).backward()
+                sends.append(dist.isend(leaf.grad, peer, tag=i))
+        for w in sends:
+            w.wait()
+    return run
+
+
 class _nothing:
     def __enter__(self):
         return None
@@ -212,6 +261,8 @@ def _dist_rank(rank: int, port: int, args, out: str) -> None:
         runs[f"kernels {s}"] = plain(pipes[s], seen, split=False)
         if pipes[s].schedule.deferring(args.chunks):
             runs[f"split {s}"] = plain(pipes[s], seen, split=True)
+        if s == "1f1b":
+            runs["floor 1f1b"] = floor_1f1b(pipes[s], seen, rank)
     rows: dict[str, dict[str, list[float]]] = {k: defaultdict(list) for k in runs}
     for fn in runs.values():
         fn()
@@ -282,6 +333,10 @@ def report_dist(args, per_rank: list[dict]) -> None:
     print(f"\nbound of 1F1B, (m + p - 1)/m x eager over the micro-batches / p: fxpipe 1f1b / bound = "
           f"{med['1f1b'] / bound:.3f}" if "1f1b" in med else "")
     print("each schedule / the same bound: " + ", ".join(f"{s} {v / bound:.3f}" for s, v in med.items()))
+    if "floor 1f1b" in per_rank[0]:
+        floor = per_rank[0]["floor 1f1b"]["wall"]
+        print(f"hand-written 1F1B (plain autograd, raw gloo isend/irecv, receives posted up front): "
+              f"{floor * 1e3:.1f} ms = {floor / bound:.3f} x the bound; fxpipe 1f1b / it = {med['1f1b'] / floor:.3f}")
     if "zb" in med and "1f1b" in med:
         print(f"zb / 1f1b: {med['zb'] / med['1f1b']:.3f}")
     print("calls/action: Python calls per action beyond plain autograd's; allocs: tensors fxpipe allocates "
