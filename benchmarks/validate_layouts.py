@@ -11,7 +11,9 @@ median is the measured step). Then new ranks run it again with every allocation 
 own mapping (``MALLOC_MMAP_THRESHOLD_=4096``, so the resident set follows live memory), and the
 peak resident growth of one step (gradients set to None before it) is each rank's measured
 memory; the timed ranks keep glibc's default, as a user's do (a page fault on every allocation
-slowed the small models' steps by up to 1.4x). The prediction is ``fxpipe.simulate(pipe,
+slowed the small models' steps by up to 1.4x), or with ``--keep-pages`` start with glibc keeping
+the pages it frees (no faults from a heap given back to the kernel and filled again, which the
+W/I split and schedules that hold several micro-batches meet: docs/benchmarks/breakdown.md). The prediction is ``fxpipe.simulate(pipe,
 device="cpu", measured=True)`` on every rank of the timed run, as a user would call it: rank 0
 times the nodes of a plain copy of the whole model alone, the ranks time their links, and the
 CPU device model shares the machine's cores among the ranks computing at once (4 ranks on 2
@@ -137,10 +139,19 @@ def _rank(rank: int, port: int, model_name: str, layout: str, reps: int, chunks:
     dist.destroy_process_group()
 
 
-def run_layout(model_name: str, layout: str, reps: int, chunks: int) -> list[dict] | None:
+KEEP_PAGES = {"MALLOC_TRIM_THRESHOLD_": str(2**30), "MALLOC_MMAP_THRESHOLD_": str(2**30)}  # glibc keeps freed pages
+
+
+def run_layout(model_name: str, layout: str, reps: int, chunks: int, keep_pages: bool = False) -> list[dict] | None:
     """Run one layout on 4 spawned ranks, timed then (new processes) its memory; return each rank's result
-    (None if it failed)."""
-    timed = _spawn(model_name, layout, reps, chunks, "time")
+    (None if it failed). With ``keep_pages`` the timed ranks start with glibc keeping the pages it frees."""
+    if keep_pages:
+        os.environ.update(KEEP_PAGES)
+    try:
+        timed = _spawn(model_name, layout, reps, chunks, "time")
+    finally:
+        for k in KEEP_PAGES if keep_pages else ():
+            del os.environ[k]
     # read at a process's start: RSS follows live memory (every block above 4 KiB its own mapping); the
     # timed run keeps glibc's default, as a user's does (page faults on every allocation slow a step down)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "4096"
@@ -176,6 +187,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 model, 3 layouts, 3 steps")
     parser.add_argument("--reps", type=int, default=15, help="timed steps per layout (default 15)")
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches (default 4)")
+    parser.add_argument("--keep-pages", action="store_true",
+                        help="time the steps with glibc keeping the pages it frees (MALLOC_TRIM_THRESHOLD_ and "
+                             "MALLOC_MMAP_THRESHOLD_ at 1 GiB): no page faults from a heap given back and refilled")
     args = parser.parse_args()
     models = ["mlp"] if args.quick else list(MODELS)
     layouts = LAYOUTS[:3] if args.quick else LAYOUTS
@@ -184,7 +198,7 @@ def main() -> None:
     for m in models:
         runs = {}
         for layout in layouts:
-            res = run_layout(m, layout, reps, args.chunks)
+            res = run_layout(m, layout, reps, args.chunks, args.keep_pages)
             if res is None:
                 print(f"{m:13s} {layout:24s} failed (see the ranks' output above)", flush=True)
                 continue
