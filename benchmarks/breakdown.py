@@ -161,16 +161,18 @@ def floor_1f1b(pipe, seen: dict, rank: int):
     fn, peer = pipe._runtime.workers[j].call.fn, 1 - rank
     m = len(calls)
     first = rank == 0
-    probe_in = calls[0]["inputs"][0]
-    with torch.no_grad():
-        probe_out = fn(probe_in)
+    if len(calls[0]["inputs"]) != 1:
+        raise SystemExit("floor_1f1b: expects one tensor into and out of each stage")
+    like = calls[0]["inputs"][0]  # what the last stage receives: its input
     if first:
-        if not isinstance(probe_out, (tuple, list)) or len(probe_out) != 1 or len(calls[0]["inputs"]) != 1:
+        with torch.no_grad():
+            made = fn(like)
+        if not isinstance(made, (tuple, list)) or len(made) != 1:
             raise SystemExit("floor_1f1b: expects one tensor into and out of each stage")
-        probe_out = probe_out[0]
+        like = made[0]  # what the first stage receives: its output's gradient
 
     def run():
-        bufs = [torch.empty_like(probe_out if first else probe_in) for _ in range(m)]
+        bufs = [torch.empty_like(like) for _ in range(m)]
         recvs = [dist.irecv(b, peer, tag=i) for i, b in enumerate(bufs)]
         sends, outs = [], {}
         if first:

@@ -17,7 +17,9 @@ W/I split and schedules that hold several micro-batches meet: docs/benchmarks/br
 device="cpu", measured=True)`` on every rank of the timed run, as a user would call it: rank 0
 times the nodes of a plain copy of the whole model alone, the ranks time their links, and the
 CPU device model shares the machine's cores among the ranks computing at once (4 ranks on 2
-cores: each at about half speed while all four compute).
+cores: each at about half speed while all four compute). With ``--rounds k`` it predicts k
+times, each before its share of the timed steps, and compares the median prediction (the first
+one's ratio is printed beside it).
 
 Printed per layout: measured and predicted step, their ratio; per rank measured and predicted
 growth. Then the summary the issue asks for: step error at the median and worst, the share of
@@ -90,7 +92,8 @@ def parse(name: str) -> dict:
     return out
 
 
-def _rank(rank: int, port: int, model_name: str, layout: str, reps: int, chunks: int, out: str, what: str) -> None:
+def _rank(rank: int, port: int, model_name: str, layout: str, reps: int, chunks: int, out: str, what: str,
+          rounds: int = 1) -> None:
     """One rank: compile the layout, then time steps and predict (``what="time"``) or measure a step's memory."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank))
@@ -119,18 +122,20 @@ def _rank(rank: int, port: int, model_name: str, layout: str, reps: int, chunks:
             step()
         result: dict = {"growth": growth["bytes"]}
     else:
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            dist.barrier()
-            times.append(time.perf_counter() - start)
-        # as a user asks: rank 0 times the nodes alone, the others waiting; the model shares the cores among ranks
-        sim = fxpipe.simulate(pipe, device="cpu", measured=True, optimizer="sgd")
+        times, predicted = [], []
+        for block in range(rounds):
+            # as a user asks: rank 0 times the nodes alone, the others waiting; the model shares the cores among ranks
+            sim = fxpipe.simulate(pipe, device="cpu", measured=True, optimizer="sgd")
+            predicted.append(sim.step_time)
+            for _ in range(reps // rounds + (block < reps % rounds)):
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                dist.barrier()
+                times.append(time.perf_counter() - start)
         where = pipe.plan.stages_of(pp_rank)[0]
-        result = {"measured": statistics.median(times), "predicted": sim.step_time,
-                  "predicted_growth": sim.devices[sim.stages[where].rank].growth}
+        result = {"measured": statistics.median(times), "predicted": statistics.median(predicted),
+                  "first_prediction": predicted[0], "predicted_growth": sim.devices[sim.stages[where].rank].growth}
     every = [None] * WORLD
     dist.all_gather_object(every, result)
     if rank == 0:
@@ -142,13 +147,14 @@ def _rank(rank: int, port: int, model_name: str, layout: str, reps: int, chunks:
 KEEP_PAGES = {"MALLOC_TRIM_THRESHOLD_": str(2**30), "MALLOC_MMAP_THRESHOLD_": str(2**30)}  # glibc keeps freed pages
 
 
-def run_layout(model_name: str, layout: str, reps: int, chunks: int, keep_pages: bool = False) -> list[dict] | None:
+def run_layout(model_name: str, layout: str, reps: int, chunks: int, keep_pages: bool = False,
+               rounds: int = 1) -> list[dict] | None:
     """Run one layout on 4 spawned ranks, timed then (new processes) its memory; return each rank's result
     (None if it failed). With ``keep_pages`` the timed ranks start with glibc keeping the pages it frees."""
     if keep_pages:
         os.environ.update(KEEP_PAGES)
     try:
-        timed = _spawn(model_name, layout, reps, chunks, "time")
+        timed = _spawn(model_name, layout, reps, chunks, "time", rounds)
     finally:
         for k in KEEP_PAGES if keep_pages else ():
             del os.environ[k]
@@ -164,13 +170,13 @@ def run_layout(model_name: str, layout: str, reps: int, chunks: int, keep_pages:
     return [t | g for t, g in zip(timed, grown)]
 
 
-def _spawn(model_name: str, layout: str, reps: int, chunks: int, what: str) -> list[dict] | None:
+def _spawn(model_name: str, layout: str, reps: int, chunks: int, what: str, rounds: int = 1) -> list[dict] | None:
     """Run :func:`_rank` on 4 spawned ranks; return each rank's result (None if it failed)."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        procs = [ctx.Process(target=_rank, args=(r, port, model_name, layout, reps, chunks, out, what))
+        procs = [ctx.Process(target=_rank, args=(r, port, model_name, layout, reps, chunks, out, what, rounds))
                  for r in range(WORLD)]
         for p in procs:
             p.start()
@@ -190,25 +196,30 @@ def main() -> None:
     parser.add_argument("--keep-pages", action="store_true",
                         help="time the steps with glibc keeping the pages it frees (MALLOC_TRIM_THRESHOLD_ and "
                              "MALLOC_MMAP_THRESHOLD_ at 1 GiB): no page faults from a heap given back and refilled")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="predict this many times, each before its share of the timed steps, and compare the "
+                             "median prediction (the first one is printed too): the host's speed drifts between a "
+                             "prediction's measurement and steps timed later")
     args = parser.parse_args()
     models = ["mlp"] if args.quick else list(MODELS)
     layouts = LAYOUTS[:3] if args.quick else LAYOUTS
     reps = 3 if args.quick else args.reps
-    errors, memory, choice = [], [], {}
+    errors, firsts, memory, choice = [], [], [], {}
     for m in models:
         runs = {}
         for layout in layouts:
-            res = run_layout(m, layout, reps, args.chunks, args.keep_pages)
+            res = run_layout(m, layout, reps, args.chunks, args.keep_pages, args.rounds)
             if res is None:
                 print(f"{m:13s} {layout:24s} failed (see the ranks' output above)", flush=True)
                 continue
             meas, pred = res[0]["measured"], res[0]["predicted"]
             runs[layout] = (meas, pred)
             errors.append(pred / meas - 1)
+            firsts.append(res[0]["first_prediction"] / meas - 1)
             mem = [(r["growth"], r["predicted_growth"]) for r in res]
             memory += [p / g - 1 for g, p in mem if g > 0]
             print(f"{m:13s} {layout:24s} step measured {meas * 1e3:8.2f} ms, predicted {pred * 1e3:8.2f} ms "
-                  f"({pred / meas:.3f}x); memory MiB measured | predicted: "
+                  f"({pred / meas:.3f}x, first {res[0]['first_prediction'] / meas:.3f}x); memory MiB measured | predicted: "
                   + " ".join(f"{g / 2**20:.1f}|{p / 2**20:.1f}" for g, p in mem), flush=True)
         if runs:
             best = min(runs, key=lambda k: runs[k][1])
@@ -218,6 +229,9 @@ def main() -> None:
     worst = max(errors, key=abs)
     print(f"\nstep: {len(errors)} layouts, error at the median {statistics.median(abs(e) for e in errors):.1%}, "
           f"worst {worst:+.1%}")
+    if args.rounds > 1:
+        print(f"      (the first of the {args.rounds} predictions alone: error at the median "
+              f"{statistics.median(abs(e) for e in firsts):.1%}, worst {max(firsts, key=abs):+.1%})")
     print(f"peak memory growth: {sum(abs(e) <= 0.15 for e in memory)} of {len(memory)} ranks within 15% "
           f"(median error {statistics.median(abs(e) for e in memory):.1%})")
     for m, (best, ratio) in choice.items():
