@@ -13,11 +13,12 @@ peak resident growth of one step (gradients set to None before it) is each rank'
 memory; the timed ranks keep glibc's default, as a user's do (a page fault on every allocation
 slowed the small models' steps by up to 1.4x), or with ``--keep-pages`` start with glibc keeping
 the pages it frees (no faults from a heap given back to the kernel and filled again, which the
-W/I split and schedules that hold several micro-batches meet: docs/benchmarks/breakdown.md). The prediction is ``fxpipe.simulate(pipe,
-device="cpu", measured=True)`` on every rank of the timed run, as a user would call it: rank 0
-times the nodes of a plain copy of the whole model alone, the ranks time their links, and the
-CPU device model shares the machine's cores among the ranks computing at once (4 ranks on 2
-cores: each at about half speed while all four compute). With ``--rounds k`` it predicts k
+W/I split and schedules that hold several micro-batches meet: docs/benchmarks/breakdown.md).
+The prediction is ``fxpipe.simulate(pipe, device="cpu", measured=True)`` on every rank of the
+timed run, as a user would call it: rank 0 times the nodes of a plain copy of the whole model
+alone, the ranks time their links, and the CPU device model shares the machine's cores among
+the ranks computing at once (4 ranks on 2 cores: each at about half speed while all four
+compute). With ``--rounds k`` it predicts k
 times, each before its share of the timed steps, and compares the median prediction (the first
 one's ratio is printed beside it).
 
@@ -30,12 +31,14 @@ fastest over the fastest measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -145,26 +148,29 @@ def _rank(rank: int, port: int, model_name: str, layout: str, reps: int, chunks:
 
 
 KEEP_PAGES = {"MALLOC_TRIM_THRESHOLD_": str(2**30), "MALLOC_MMAP_THRESHOLD_": str(2**30)}  # glibc keeps freed pages
+FOLLOW_LIVE = {"MALLOC_MMAP_THRESHOLD_": "4096"}  # every block above 4 KiB its own mapping: RSS follows live memory
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` in the environment the spawned ranks start with (glibc reads them at a process's start)."""
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k in values:
+            del os.environ[k]
 
 
 def run_layout(model_name: str, layout: str, reps: int, chunks: int, keep_pages: bool = False,
                rounds: int = 1) -> list[dict] | None:
     """Run one layout on 4 spawned ranks, timed then (new processes) its memory; return each rank's result
-    (None if it failed). With ``keep_pages`` the timed ranks start with glibc keeping the pages it frees."""
-    if keep_pages:
-        os.environ.update(KEEP_PAGES)
-    try:
+    (None if it failed). The timed ranks keep glibc's default, as a user's do (page faults on every allocation
+    slow a step down), or with ``keep_pages`` start with glibc keeping the pages it frees."""
+    with _environ(KEEP_PAGES if keep_pages else {}):
         timed = _spawn(model_name, layout, reps, chunks, "time", rounds)
-    finally:
-        for k in KEEP_PAGES if keep_pages else ():
-            del os.environ[k]
-    # read at a process's start: RSS follows live memory (every block above 4 KiB its own mapping); the
-    # timed run keeps glibc's default, as a user's does (page faults on every allocation slow a step down)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "4096"
-    try:
+    with _environ(FOLLOW_LIVE):
         grown = _spawn(model_name, layout, reps, chunks, "memory")
-    finally:
-        del os.environ["MALLOC_MMAP_THRESHOLD_"]
     if timed is None or grown is None:
         return None
     return [t | g for t, g in zip(timed, grown)]
@@ -219,7 +225,7 @@ def main() -> None:
             mem = [(r["growth"], r["predicted_growth"]) for r in res]
             memory += [p / g - 1 for g, p in mem if g > 0]
             print(f"{m:13s} {layout:24s} step measured {meas * 1e3:8.2f} ms, predicted {pred * 1e3:8.2f} ms "
-                  f"({pred / meas:.3f}x, first {res[0]['first_prediction'] / meas:.3f}x); memory MiB measured | predicted: "
+                  f"({pred / meas:.3f}x, first {firsts[-1] + 1:.3f}x); memory MiB measured | predicted: "
                   + " ".join(f"{g / 2**20:.1f}|{p / 2**20:.1f}" for g, p in mem), flush=True)
         if runs:
             best = min(runs, key=lambda k: runs[k][1])
