@@ -1,4 +1,4 @@
-"""A free TCP port for the benchmarks' spawned ranks (the tests' own), and two spawned ranks run to a deadline."""
+"""A free TCP port for the benchmarks' spawned ranks (the tests' own), spawned ranks run to the end, and two run to a deadline."""
 
 from __future__ import annotations
 
@@ -14,7 +14,24 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "support"))
 from launch import free_port, start_and_join
 
-__all__ = ["free_port", "run_two_ranks"]
+__all__ = ["free_port", "run_ranks", "run_two_ranks"]
+
+
+def run_ranks(rank: Callable, world: int, *args: Any) -> Any:
+    """Spawn ``rank(r, port, *args, out)`` on ``world`` ranks and wait for them; return out's JSON (None if one failed)."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        procs = [ctx.Process(target=rank, args=(r, port, *args, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs) or not os.path.exists(out):
+            return None
+        with open(out) as f:
+            return json.load(f)
 
 
 def run_two_ranks(rank: Callable, seconds: float, share: float, standin: bool, name: str, what: str) -> Any:

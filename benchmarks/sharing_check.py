@@ -26,16 +26,14 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), HERE]
-from ports import free_port
+from ports import run_ranks
 from validate_layouts import _mlp
 
 import fxpipe
@@ -52,7 +50,7 @@ def _rank(rank: int, port: int, reps: int, out: str) -> None:
     model, x, y, loss_fn = _mlp()
     rows = x.shape[0] // WORLD
     xs, ys = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
-    plain, ddp = copy.deepcopy(model), None
+    plain = copy.deepcopy(model)
     pipe = fxpipe.compile(model, 1, example_inputs=(xs,), runtime="distributed", chunks=CHUNKS,
                           checkpoint="never", data_parallel=WORLD)
     ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(plain))
@@ -107,18 +105,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args()
-    port, ctx = free_port(), mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        procs = [ctx.Process(target=_rank, args=(r, port, args.reps, out)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise SystemExit("a rank failed (see its output above)")
-        with open(out) as f:
-            res = json.load(f)
+    res = run_ranks(_rank, WORLD, args.reps)
+    if res is None:
+        raise SystemExit("a rank failed (see its output above)")
     print(f"dp{WORLD} of validate_layouts' MLP, {CHUNKS} micro-batches, {args.reps} alternating repetitions, "
           f"medians barrier to barrier")
     for k in ("plain, alone", "plain, every rank", "all-reduce", "plain, then all-reduce", "plain DDP", "fxpipe dp4"):

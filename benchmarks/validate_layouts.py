@@ -36,20 +36,18 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), HERE]
 from llama import build
-from ports import free_port
+from ports import run_ranks
 from rss import peak_growth
 
 import fxpipe
@@ -95,8 +93,8 @@ def parse(name: str) -> dict:
     return out
 
 
-def _rank(rank: int, port: int, model_name: str, layout: str, reps: int, chunks: int, out: str, what: str,
-          rounds: int = 1) -> None:
+def _rank(rank: int, port: int, model_name: str, layout: str, reps: int, chunks: int, what: str, rounds: int,
+          out: str) -> None:
     """One rank: compile the layout, then time steps and predict (``what="time"``) or measure a step's memory."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank))
@@ -178,20 +176,7 @@ def run_layout(model_name: str, layout: str, reps: int, chunks: int, keep_pages:
 
 def _spawn(model_name: str, layout: str, reps: int, chunks: int, what: str, rounds: int = 1) -> list[dict] | None:
     """Run :func:`_rank` on 4 spawned ranks; return each rank's result (None if it failed)."""
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        procs = [ctx.Process(target=_rank, args=(r, port, model_name, layout, reps, chunks, out, what, rounds))
-                 for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs) or not os.path.exists(out):
-            return None
-        with open(out) as f:
-            return json.load(f)
+    return run_ranks(_rank, WORLD, model_name, layout, reps, chunks, what, rounds)
 
 
 def main() -> None:
