@@ -24,6 +24,14 @@ Two ways to run the lists:
       2 slots, 4 ranks busy:    each at half speed      ─▶ a rank waiting on a message
       2 slots, 1 rank busy:     it alone, at full speed     gives its core to the others
 
+- ``hold=`` (either way across ranks): after an action's compute its rank may stay blocked,
+  waiting on a collective it started (DDP's all-reduce or FSDP2's reduce-scatter at the end of
+  a stage's last backward): ``hold(a, seconds)`` more seconds, taking no processor. The action,
+  what it sends and the rank's next action all wait for it::
+
+      B(3, last) ████████░░░░░░░  ─▶ B(1, last) on the same rank; its gradients sent
+                 compute  reduce      (sent after the backward call returns)
+
 - ``wake=`` (either way across ranks): an action that had to wait for a message starts that
   many seconds after the message is in (a CPU core that went idle, or a rank descheduled while
   it waited, takes that long to run again; measured by :mod:`fxpipe.simulate.linktime`).
@@ -53,6 +61,8 @@ __all__ = ["Span", "default_links", "placement_map", "run", "schedule_rows"]
 
 # (stage that sends, stage that receives, "F" for values or "B" for gradients, micro-batch) -> seconds
 Delay = Callable[[int, int, str, int], float]
+# (action, seconds its compute took) -> seconds its rank stays blocked after it, on no processor
+Hold = Callable[[Action, float], float]
 
 
 @dataclass(frozen=True)
@@ -89,7 +99,7 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
         delay: Delay | None = None, feeds: Sequence[Sequence[int]] | None = None,
         reads: Sequence[Sequence[int]] | None = None, clocked: bool = False,
         device_of: Sequence[int] | None = None, slots: float = 0.0, weight: int = 1,
-        wake: float = 0.0) -> list[Span]:
+        wake: float = 0.0, hold: Hold | None = None) -> list[Span]:
     """Place every compute action of ``ranks`` in time; return the spans in start order.
 
     ``duration(a)`` gives an action's seconds; ``delay(src, dst, kind, mb)`` the seconds a
@@ -99,7 +109,9 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
     ``r`` (default: all on one), and messages cross only between devices. ``slots`` > 0: the
     ranks (each ``weight`` processes) share that many processors (see the module). ``wake``:
     seconds a rank that had to wait for a message takes to resume once it is there (a CPU core
-    gone idle waking up). Raises :class:`ScheduleError` for a schedule that cannot finish.
+    gone idle waking up). ``hold(a, seconds)``: seconds the rank stays blocked after ``a``'s compute,
+    on no processor (a collective it waits for; across ranks only). Raises :class:`ScheduleError` for
+    a schedule that cannot finish.
     """
     rows = [[a for a in row if a.kind in COMPUTE] for row in ranks]
     n = n_stages if n_stages is not None else 1 + max((a.stage for row in rows for a in row), default=-1)
@@ -124,7 +136,7 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
     if clocked:
         return _clocked(rows, n, ready, duration, devices)
     if slots > 0 and len(rows) * weight > slots:
-        return _shared(rows, n, ready, duration, slots / weight, wake)
+        return _shared(rows, n, ready, duration, slots / weight, wake, hold)
     done: dict[tuple[int, str, int], float] = {}
     spans: list[Span] = []
     pos, free = [0] * len(rows), [0.0] * len(rows)
@@ -137,7 +149,8 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
                 if t is None:
                     break
                 start = t + wake if t > free[r] else free[r]
-                end = start + duration(a)
+                busy = duration(a)
+                end = start + busy + (hold(a, busy) if hold is not None else 0.0)
                 spans.append(Span(a, r, start, end))
                 done[a.key] = free[r] = end
                 pos[r] += 1
@@ -149,18 +162,29 @@ def run(ranks: Sequence[Sequence[Action]], duration: Callable[[Action], float], 
 
 
 def _shared(rows: list[list[Action]], n: int, ready: Callable, duration: Callable[[Action], float],
-            slots: float, wake: float = 0.0) -> list[Span]:
-    """Run every rank on as soon as it can, the busy ranks sharing ``slots`` processors equally."""
+            slots: float, wake: float = 0.0, hold: Hold | None = None) -> list[Span]:
+    """Run every rank on as soon as it can, the busy ranks sharing ``slots`` processors equally
+    (a rank held after its compute shares none)."""
     done: dict[tuple[int, str, int], float] = {}
     spans: list[Span] = []
     pos = [0] * len(rows)
     running: dict[int, list] = {}  # rank -> [action, work left (seconds alone), start]
+    held: dict[int, tuple[Action, float, float]] = {}  # rank -> (action, start, when its hold ends)
     free = [0.0] * len(rows)  # when each rank's last action ended
     t = 0.0
+
+    def finish(r: int, a: Action, start: float, end: float) -> None:
+        """Place ``a`` on rank ``r`` from ``start`` to ``end``: what it sends leaves then."""
+        spans.append(Span(a, r, start, end))
+        done[a.key] = free[r] = end
+
     while True:
-        arrivals = []
+        for r in [r for r, (_, _, until) in held.items() if until <= t]:
+            a, start, until = held.pop(r)
+            finish(r, a, start, until)
+        arrivals = [until for _, _, until in held.values()]
         for r, row in enumerate(rows):
-            if r in running or pos[r] >= len(row):
+            if r in running or r in held or pos[r] >= len(row):
                 continue
             at = ready(row[pos[r]], done)
             if at is not None and at > free[r]:  # it waits for a message: it resumes once awake
@@ -187,8 +211,11 @@ def _shared(rows: list[list[Action]], n: int, ready: Callable, duration: Callabl
         for r in list(running):
             if ends[r] <= step * (1 + 1e-9):
                 a, _, start = running.pop(r)
-                spans.append(Span(a, r, start, t))
-                done[a.key] = free[r] = t
+                wait = hold(a, t - start) if hold is not None else 0.0
+                if wait > 0:
+                    held[r] = (a, start, t + wait)
+                else:
+                    finish(r, a, start, t)
             else:
                 running[r][1] -= step * rate
 

@@ -26,7 +26,14 @@ from fxpipe.runtime.schedules.finals import final_backwards
 from fxpipe.simulate import eventsim, memsim
 from fxpipe.simulate.compiledtime import check_factor, compile_factor
 from fxpipe.simulate.devices import DeviceModel, device_model
-from fxpipe.simulate.dpcost import gather_seconds, reduction_end, sharded_memory
+from fxpipe.simulate.dpcost import (
+    SMALL,
+    gather_seconds,
+    reduction_end,
+    reduction_hold,
+    sharded_memory,
+    step_collectives,
+)
 from fxpipe.simulate.eventsim import Span
 from fxpipe.simulate.measure import retain_anywhere
 from fxpipe.simulate.network import Layout
@@ -226,11 +233,15 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
                          clocked=runtime == "local",
                          device_of=[device_of[_first_stage(row, r)] for r, row in enumerate(actions)],
                          slots=model.slots if runtime == "distributed" else 0.0, weight=grid.dp * grid.tp,
-                         wake=model.wake_latency if runtime == "distributed" else 0.0)
-    spans = [Span(s.action, s.rank, s.start + model.step_overhead, s.end + model.step_overhead) for s in spans]
+                         wake=model.wake_latency if runtime == "distributed" else 0.0,
+                         hold=reduction_hold(actions, costs, rank_of, grid, model) if runtime == "distributed" else None)
+    agree, average = step_collectives(grid, model, rank_of[0], rank_of[-1]) if runtime == "distributed" else (0.0, 0.0)
+    begin = model.step_overhead + agree
+    spans = [Span(s.action, s.rank, s.start + begin, s.end + begin) for s in spans]
     step = max((s.end for s in spans), default=0.0)
     if runtime == "distributed":
-        step = max(step, reduction_end(spans, costs, rank_of, grid, model))
+        step = max(step, reduction_end(spans, costs, rank_of, grid, model), _loss_told(spans, rank_of, grid, model,
+                                                                                       average))
     if runtime == "distributed":  # what messages between ranks hold
         held = [dataclasses.replace(
             c, pinned_f=sum(b for k, b in c.sends.items() if rank_of[k] != rank_of[j]),
@@ -254,6 +265,18 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
     bubble = 1 - sum(busy_dev.values()) / (len(busy_dev) * step) if step else 0.0
     return Simulation(step, bubble, results, dev_mem, spans, name, m, describe(policies), runtime, model, costs,
                       batch, policies, grid.tp, None, grid.dp, grid.shard)
+
+
+def _loss_told(spans: list[Span], rank_of: list[int], grid: Layout, model: DeviceModel, average: float) -> float:
+    """Return when every rank has the step's loss: the last stage's rank averages it over the replicas, then
+    sends it to the other ranks of its pipeline (a small message, to ranks that wait for it)."""
+    ends = [s.end for s in spans if s.rank == rank_of[-1]]
+    if not ends:
+        return 0.0
+    told = max(ends) + average
+    if len(set(rank_of)) > 1:
+        told += grid.hop_seconds(rank_of[-1], rank_of[0], SMALL, model) + model.wake_latency
+    return told
 
 
 def _first_stage(row: list[Action], r: int) -> int:

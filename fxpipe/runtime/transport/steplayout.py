@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
@@ -78,8 +79,17 @@ def _refuse_missing_inputs(runtime: Any, values: list[Any], stepping: bool) -> N
             f"ranks may pass None ({last})")
 
 
-def _agree_on_batch(batch: int | None, group: Any, replica: int) -> None:
-    """Refuse a step whose replicas hold different batch sizes, naming two of them."""
+def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.device) -> None:
+    """Refuse a step whose replicas hold different batch sizes, naming two of them.
+
+    One all-reduce of two integers (the largest size and the negated smallest) per step; only
+    when they differ are the sizes gathered, to name the replicas.
+    """
+    size = -1 if batch is None else batch
+    bounds = torch.tensor([size, -size], dtype=torch.int64, device=device)  # NCCL reduces on the GPU
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    if int(bounds[0]) == -int(bounds[1]):
+        return
     sizes: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(sizes, batch, group=group)
     for other, size in enumerate(sizes):
@@ -105,7 +115,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         mbs, batch = runtime.binding.split(args, kwargs, runtime.plan.chunks, training, runtime.device)
         specs = [spec_of(mb) for mb in mbs]
         if runtime.layout.dp > 1:
-            _agree_on_batch(batch, runtime.layout.dp_group, runtime.layout.replica)
+            _agree_on_batch(batch, runtime.layout.dp_group, runtime.layout.replica, runtime.device)
         new = _propagate(runtime, specs)
     except (TypeError, ValueError, PropagationError) as exc:
         tell_all(runtime, {"error": (type(exc).__name__, str(exc))})

@@ -42,32 +42,64 @@ def test_a_measured_collective_scale_multiplies_its_kind_only():
     assert grid.dp_seconds("all_reduce", 1e8, slow) == pytest.approx(grid.dp_seconds("all_reduce", 1e8, UNIT))
 
 
-def test_replicas_add_their_reduction_and_count_every_row():
+def _last_backwards(sim):
+    return {j: max((s for s in sim.spans if s.action.stage == j and s.action.is_backward), key=lambda s: s.end)
+            for j in range(len(sim.costs))}
+
+
+def test_replicas_hold_each_last_backward_until_reduced_and_count_every_row():
+    from fxpipe.simulate.dpcost import step_collectives
+
     pipe = _pipe()
     alone = fxpipe.simulate(pipe, device=UNIT, runtime="distributed")
     two = fxpipe.simulate(pipe, device=UNIT, runtime="distributed", data_parallel=2)
-    grads = 2 * 64 * 64 * 4  # a stage's gradients, bytes
+    grads = 2 * 64 * 64 * 4  # a stage's gradients, bytes: one DDP bucket, reduced after the backward
     ring = 2 * 0.5 * grads / UNIT.inter_bandwidth  # replicas on other nodes (2 GPUs per node, pp=2)
-    assert two.step_time > alone.step_time
-    assert two.step_time <= alone.step_time + ring + 1e-9  # overlapped with the last backward
+    held, plain = _last_backwards(two), _last_backwards(alone)
+    for j in (0, 1):  # DDP's backward returns once its buckets are reduced
+        assert held[j].end - held[j].start == pytest.approx(plain[j].end - plain[j].start + ring)
+    assert held[0].start >= held[1].end  # the gradients stage 0 needs leave after stage 1's reduction
+    agree, average = step_collectives(Layout(dp=2, pp=2), UNIT, 0, 1)
+    assert agree > 0 and average > 0  # the replicas' batch-size check and loss average
+    told = max(s.end for s in two.spans if s.rank == 1) + average + UNIT.link_latency + 16 / UNIT.link_bandwidth
+    assert two.step_time == pytest.approx(max(told, max(s.end for s in two.spans)))  # the loss averaged, then sent
     assert two.throughput == pytest.approx(2 * 32 / two.step_time)
     assert two.gpus == 4
 
 
 def test_ranks_sharing_cores_reduce_after_the_last_backward():
+    import dataclasses
+
+    from fxpipe.simulate.dpcost import reduction_hold
+
+    pipe = _pipe()
+    sim = fxpipe.simulate(pipe, device=UNIT, runtime="distributed", data_parallel=2)
+    rows = [[s.action for s in sim.spans if s.rank == r] for r in (0, 1)]
+    costs = [dataclasses.replace(c, grads=100 * 2**20) for c in sim.costs]  # four DDP buckets
+    grid = Layout(dp=2, pp=2)
+    ring = grid.dp_seconds("all_reduce", 100 * 2**20, UNIT, 1)
+    bucket = grid.dp_seconds("all_reduce", 25 * 2**20, UNIT, 1)
+    last, earlier = rows[1][-1], next(a for a in rows[1] if a.is_backward)
+    shared = reduction_hold(rows, costs, [0, 1], grid, UNIT.replace(slots=2.0))
+    own = reduction_hold(rows, costs, [0, 1], grid, UNIT)
+    assert shared(last, 1e3) == pytest.approx(ring)  # gloo's sums on the cores the backward needs: after it
+    assert own(last, 0.0) == pytest.approx(ring)  # an accelerator's ride beside the backward ...
+    assert own(last, 1e3) == pytest.approx(bucket)  # ... all but the last bucket
+    assert own(earlier, 0.0) == 0.0  # only a stage's last backward reduces
+    assert reduction_hold(rows, costs, [0, 1], Layout(dp=2, pp=2, tp=2), UNIT) is None  # tp: after the step
+    assert reduction_hold(rows, costs, [0, 1], Layout(dp=2, pp=2, shard=True), UNIT) is None  # FSDP2: beside
+
+
+def test_fsdp_reduce_scatters_after_each_last_backward_one_after_another():
     from fxpipe.simulate.dpcost import reduction_end
 
     pipe = _pipe()
-    own, shared = UNIT, UNIT.replace(slots=2.0)
-    sim = fxpipe.simulate(pipe, device=own, runtime="distributed", data_parallel=2)
-    grid = Layout(dp=2, pp=2)
-    ends = []
-    for j in (0, 1):
-        last = max((s for s in sim.spans if s.action.stage == j and s.action.is_backward), key=lambda s: s.end)
-        ends.append(last.end + grid.dp_seconds("all_reduce", sim.costs[j].grads, own, j))
-    after = reduction_end(sim.spans, sim.costs, [0, 1], grid, shared)
-    assert after == pytest.approx(max(ends))  # gloo's sums on the cores the backward needs: one after the other
-    assert after >= reduction_end(sim.spans, sim.costs, [0, 1], grid, own)  # an accelerator's ride beside it
+    sim = fxpipe.simulate(pipe, device=UNIT, runtime="distributed", data_parallel=2, shard=True)
+    grid = Layout(dp=2, pp=2, shard=True)
+    last = _last_backwards(sim)
+    ends = [last[j].end + grid.dp_seconds("reduce_scatter", sim.costs[j].grads, UNIT, j) for j in (0, 1)]
+    assert reduction_end(sim.spans, sim.costs, [0, 1], grid, UNIT) == pytest.approx(max(ends))
+    assert sim.step_time >= max(ends)
 
 
 def test_fsdp_gathers_before_the_first_forward_and_shards_the_optimizer():
