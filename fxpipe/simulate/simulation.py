@@ -90,8 +90,9 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
 
     The pipe's whole layout is followed (``runtime="distributed"``): its replicas
     (``data_parallel``, default the pipe's, each on ``batch`` rows of its own) and their gradient
-    reduction, DDP's overlapped with each stage's last backward or FSDP2's (``shard``, default the
-    pipe's) gathers before the first forward and reduce-scatters after the last backward, its
+    reduction, DDP's overlapped with each stage's last backward and holding its rank until done, or
+    FSDP2's (``shard``, default the pipe's) gathers before the first forward and reduce-scatters after
+    the last backward, the step's batch-size check and loss average over the replicas, its
     stages per rank and its tensor parallelism, placed on the device model's two-level network
     (:mod:`fxpipe.simulate.network`, :mod:`fxpipe.simulate.dpcost`). ``measured=True`` works on every
     rank of a distributed pipe: rank 0 times a copy of the whole model on plain tensors of the
