@@ -101,6 +101,18 @@ def test_processes_per_rank_count_against_the_processors():
     assert [s.end for s in spans] == [2.0, 2.0]
 
 
+def test_a_held_rank_takes_no_processor_and_its_next_action_waits():
+    rows = [[Action(0, "F", 0), Action(0, "F", 1)], [Action(1, "F", 0)]]
+    hold = lambda a, seconds: 2.0 if a == Action(0, "F", 0) else 0.0  # noqa: E731 - waits 2 s on a collective
+    spans = run(rows, lambda a: float(1 + 2 * a.stage), feeds=[[], []], reads=[[], []], slots=1, hold=hold)
+    at = {(s.action.stage, s.action.mb): (s.start, s.end) for s in spans}
+    assert at[(0, 0)] == (0.0, 4.0)  # 1 s of work shared (2 s), then held 2 s
+    assert at[(1, 0)] == (0.0, 4.0)  # 1 s shared, then its other 2 s alone while rank 0 is held
+    assert at[(0, 1)] == (4.0, 5.0)  # after the hold, alone
+    plain = run(rows, lambda a: 1.0, feeds=[[], []], reads=[[], []], hold=hold)  # each rank its own processor
+    assert [(s.start, s.end) for s in plain if s.action.stage == 0] == [(0.0, 3.0), (3.0, 4.0)]
+
+
 def test_a_chain_that_never_overlaps_loses_nothing_to_sharing():
     assert _step(SCHEDULES["gpipe"](4, 1), {"F": 1, "B": 2}, slots=1) == 4 * 3
 
