@@ -72,15 +72,19 @@ def reduction_hold(actions: Sequence[Sequence[Action]], costs: Sequence[StageCos
             if a.is_backward:
                 last[a.stage] = a  # a stage's actions are in its rank's order
 
+    ring, tail = {}, {}  # per stage: the whole all-reduce, and its last bucket's
+    for j in last:
+        nbytes, r = costs[j].grads, rank_of[j]
+        ring[j] = layout.dp_seconds("all_reduce", nbytes, model, r)
+        tail[j] = layout.dp_seconds("all_reduce", min(nbytes, DDP_BUCKET), model, r)
+
     def hold(a: Action, seconds: float) -> float:
         """Return the seconds ``a`` (its compute ``seconds`` long) waits for its stage's reduction."""
         if last.get(a.stage) != a:
             return 0.0
-        nbytes, r = costs[a.stage].grads, rank_of[a.stage]
-        ring = layout.dp_seconds("all_reduce", nbytes, model, r)
         if model.slots > 0:  # ranks sharing a machine's cores: gloo's copies and sums follow the backward
-            return ring
-        return max(layout.dp_seconds("all_reduce", min(nbytes, DDP_BUCKET), model, r), ring - seconds)
+            return ring[a.stage]
+        return max(tail[a.stage], ring[a.stage] - seconds)
 
     return hold
 

@@ -25,8 +25,8 @@ Two ways to run the lists:
       2 slots, 1 rank busy:     it alone, at full speed     gives its core to the others
 
 - ``hold=`` (either way across ranks): after an action's compute its rank may stay blocked,
-  waiting on a collective it started (DDP's all-reduce or FSDP2's reduce-scatter at the end of
-  a stage's last backward): ``hold(a, seconds)`` more seconds, taking no processor. The action,
+  waiting on a collective it started (DDP's all-reduce at the end of a stage's last backward,
+  :mod:`fxpipe.simulate.dpcost`): ``hold(a, seconds)`` more seconds, taking no processor. The action,
   what it sends and the rank's next action all wait for it::
 
       B(3, last) ████████░░░░░░░  ─▶ B(1, last) on the same rank; its gradients sent
