@@ -11,6 +11,8 @@ quarter of its batch in 4 micro-batches, and times, alternating and barrier to b
     plain, then all-reduce the two in turn
     plain DDP              ``DistributedDataParallel``, ``no_sync`` on all but the last micro-batch
     fxpipe dp4             ``fxpipe.compile(..., data_parallel=4)``'s step
+    batch check, gathered  the replicas' batch sizes by ``all_gather_object`` (what fxpipe's step ran)
+    batch check, reduced   one all-reduce (MAX) of the largest and the negated smallest (what it runs now)
 
 then ``fxpipe.simulate(pipe, device="cpu", measured=True)``. It prints the medians, the sharing
 a synchronized step sees (4 x alone / every rank at once) beside the ``slots`` the simulator
@@ -74,7 +76,9 @@ def _rank(rank: int, port: int, reps: int, out: str) -> None:
 
     runs = {"plain, every rank": lambda: micro(plain, "plain"), "all-reduce": lambda: dist.all_reduce(flat),
             "plain, then all-reduce": lambda: (micro(plain, "plain"), dist.all_reduce(flat)),
-            "plain DDP": lambda: micro(ddp, "ddp", sync_last=True), "fxpipe dp4": fx}
+            "plain DDP": lambda: micro(ddp, "ddp", sync_last=True), "fxpipe dp4": fx,
+            "batch check, gathered": lambda: dist.all_gather_object([None] * WORLD, rows),
+            "batch check, reduced": lambda: dist.all_reduce(torch.tensor([rows, -rows]), op=dist.ReduceOp.MAX)}
     for fn in runs.values():
         fn()
         fn()
@@ -110,13 +114,15 @@ def main() -> None:
         raise SystemExit("a rank failed (see its output above)")
     print(f"dp{WORLD} of validate_layouts' MLP, {CHUNKS} micro-batches, {args.reps} alternating repetitions, "
           f"medians barrier to barrier")
-    for k in ("plain, alone", "plain, every rank", "all-reduce", "plain, then all-reduce", "plain DDP", "fxpipe dp4"):
-        print(f"  {k:24s} {res[k] * 1e3:8.1f} ms")
+    for k in ("plain, alone", "plain, every rank", "all-reduce", "plain, then all-reduce", "plain DDP", "fxpipe dp4",
+              "batch check, gathered", "batch check, reduced"):
+        print(f"  {k:24s} {res[k] * 1e3:8.2f} ms")
     print(f"sharing in a synchronized step, {WORLD} x alone / every rank: {WORLD * res['plain, alone'] / res['plain, every rank']:.2f}"
           f"; measured for the prediction (slots, by the ranks' mean): {res['slots']:.2f}")
     print(f"fxpipe dp4 / plain DDP: {res['fxpipe dp4'] / res['plain DDP']:.3f}; plain DDP / plain, then all-reduce: "
           f"{res['plain DDP'] / res['plain, then all-reduce']:.3f}")
     print(f"predicted {res['predicted'] * 1e3:.1f} ms: {res['predicted'] / res['fxpipe dp4']:.3f}x fxpipe's step")
+    print(f"batch check, gathered / reduced: {res['batch check, gathered'] / res['batch check, reduced']:.1f}x")
 
 
 if __name__ == "__main__":
