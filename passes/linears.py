@@ -7,7 +7,9 @@ Writes: nothing.
 The runtime rewrites exactly these nodes to defer their weight gradients
 (``fxpipe.runtime.stage.wgrad``), and the simulator gives exactly these a ``W`` share of their
 backward, so both agree: a frozen weight (no gradient wanted) and a run under autocast (the
-runtime then computes the gradients at once) defer nothing.
+runtime then computes the gradients at once) defer nothing. A rewritten linear defers only when
+its input requires a gradient, which a stage's inputs from other stages do and the model's own
+inputs do not: :func:`model_defers` says which linears of the whole model defer.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LINEARS", "defers_weight_grad"]
+__all__ = ["LINEARS", "defers_weight_grad", "model_defers"]
 
 LINEARS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
 
@@ -49,4 +51,26 @@ def defers_weight_grad(gm: torch.fx.GraphModule, node: torch.fx.Node, autocast: 
         weight = node.kwargs.get("weight", args[1])
         bias = node.kwargs.get("bias", args[2])
         return _wants_grad(gm, weight) and _wants_grad(gm, bias)
+    return False
+
+
+def model_defers(gm: torch.fx.GraphModule, node: torch.fx.Node, autocast: bool = False) -> bool:
+    """Tell whether ``node`` of the whole model defers its weight gradient: its input must need a gradient too."""
+    return defers_weight_grad(gm, node, autocast) and bool(node.args) and _needs_grad(gm, node.args[0])
+
+
+def _needs_grad(gm: torch.fx.GraphModule, value: object) -> bool:
+    """Tell whether ``value`` (a linear's input) reaches back to a parameter that wants a gradient."""
+    seen: set[torch.fx.Node] = set()
+    todo = [value] if isinstance(value, torch.fx.Node) else []
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(n.target)).parameters()):
+            return True
+        if n.op == "get_attr" and _wants_grad(gm, n):
+            return True
+        todo += n.all_input_nodes
     return False

@@ -70,6 +70,7 @@ class DeviceModel:
     wake_latency: float = 0.0  # seconds a rank that waited for a message takes to resume (an idle CPU waking)
     # a collective kind's measured seconds over the ring formula's ("reduce_scatter": 2-5 on gloo); absent: 1
     collective_scale: dict[str, float] = field(default_factory=dict)
+    pooled_receives: bool = False  # the runtime keeps receive buffers across steps (on CPU: a step doesn't grow by them)
 
     def flops_per_second(self, dtype: torch.dtype | str, kind: str, d: float | None = None) -> float:
         """Return the FLOP/s a ``kind`` kernel of smallest dimension ``d`` reaches in ``dtype``."""
@@ -184,7 +185,7 @@ def calibrate_cpu(reps: int = 15) -> DeviceModel:
         efficiency={"gemm": 1.0, "conv": conv / gemm}, d_half={"gemm": gemm_half, "conv": conv_half},
         element_seconds=element, kernel_overhead=forward, backward_overhead=max(both - forward, 0.0),
         action_overhead=40e-6, message_overhead=300e-6, step_overhead=200e-6, nominal=False,
-        gpus_per_node=1 << 20, inter_bandwidth=1.5e9, inter_latency=60e-6, slots=_slots(),
+        gpus_per_node=1 << 20, inter_bandwidth=1.5e9, inter_latency=60e-6, slots=_slots(), pooled_receives=True,
         source=f"calibrated on this CPU with {torch.get_num_threads()} thread(s): GEMM {gemm / 1e9:.0f} "
                f"GFLOP/s, convolution {conv / 1e9:.0f} GFLOP/s, {element * 1e9:.2f} ns per element, "
                f"{forward * 1e6:.1f}/{max(both - forward, 0.0) * 1e6:.1f} us per kernel forward/backward")

@@ -4,17 +4,21 @@ Per micro-batch ``i`` of stage ``j`` (bytes from :class:`~fxpipe.simulate.stagec
 
     after F     + kept                  (checkpointed micro-batches: + inputs instead)
     during B/I  + kept, recomputed      (checkpointed only) + transient (the backward's workspace)
+                + accumulate            (a B after the stage's first: a fresh weight gradient)
     after B     - what F added
     after I     - what F added, + wstore    (the linears' inputs and output gradients W needs)
     after W     - wstore
-    first backward of the stage: + grads, held to the end of the step
+    first backward of the stage: + grads, held to the end of the step (the deferred linears' at
+                the first W, which adds into them in place)
 
 Across ranks messages hold memory too, each receive posted one micro-batch ahead
 (``ahead_f``, ``ahead_b`` during F and B), and a send held until the peer is known to have it
 (the runtime lets a send go when the peer sends something after receiving it): the values a
 stage sends (``pinned_f``) until the gradients of that micro-batch come back, at its B or I;
 the gradients it sends back (``pinned_b``) until its next input that the stage before sent
-after starting that micro-batch's backward (or the end of the step).
+after starting that micro-batch's backward (or the end of the step). On CPU the runtime keeps
+its receive buffers from step to step (``pooled``): they are there before a step starts, so the
+step's growth leaves them out and its peak counts the most of them in use at once.
 
 A device holding several stages (one process on one CPU, or several stages per rank) adds
 theirs up in the order the actions run, so its peak is the most that is live at once, not the
@@ -54,12 +58,16 @@ class Memory:
 
 
 def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int | Sequence[int], device_of: Sequence[int],
-         optimizer: str = "none") -> tuple[list[Memory], dict[int, Memory]]:
+         optimizer: str = "none", pooled: bool = False) -> tuple[list[Memory], dict[int, Memory]]:
     """Return each stage's :class:`Memory` and each device's, from the spans of one step.
 
     Micro-batches below ``stop`` (one number, or one per stage) are checkpointed; ``device_of[j]``
     names stage ``j``'s device. A selective or offloaded stage comes with its costs set for it
     (:func:`fxpipe.simulate.stagecost.under`): what it keeps, and what its backward adds.
+
+    ``pooled``: received values land in buffers the runtime keeps from step to step (on CPU), so
+    a step's growth leaves out the received bytes in use, and the peak counts the most of them
+    in use at once as there throughout.
     """
     states = OPTIMIZER_STATES.get(optimizer)
     if states is None:
@@ -70,25 +78,45 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int | Sequence
     peak = [0.0] * n
     growth = [0.0] * n
     grads_on = [False] * n
+    grads = [0.0] * n  # the gradients stage j holds so far this step
+    backed = [False] * n  # the stage has run a backward (B or I) this step
+    weighed = [False] * n  # ... and a W
     held: dict[tuple[int, int], float] = {}
     devices = sorted(set(device_of))
     dev_live = {d: 0.0 for d in devices}
     dev_peak = {d: 0.0 for d in devices}
     dev_growth = {d: 0.0 for d in devices}
     dev_grads = {d: 0.0 for d in devices}  # gradients live on each device (its stages past their first backward)
+    # received bytes in use (pooled: the buffers outlive the step, so a step's growth leaves them out)
+    got = [0.0] * n
+    got_held: dict[tuple[int, int], float] = {}
+    dev_got = {d: 0.0 for d in devices}
+    pool = [0.0] * n  # the most received bytes in use at once
+    dev_pool = {d: 0.0 for d in devices}
 
-    def note(j: int, extra: float) -> None:
-        """Record stage ``j``'s live bytes (plus ``extra`` in flight) as a candidate peak."""
+    def note(j: int, extra: float, received: float = 0.0) -> None:
+        """Record stage ``j``'s live bytes (plus ``extra`` in flight, ``received`` of it received) as a peak."""
         d = device_of[j]
-        peak[j] = max(peak[j], live[j] + extra)
-        growth[j] = max(growth[j], live[j] + extra + (costs[j].grads if grads_on[j] else 0.0))
-        dev_peak[d] = max(dev_peak[d], dev_live[d] + extra)
-        dev_growth[d] = max(dev_growth[d], dev_live[d] + extra + dev_grads[d])
+        pool[j] = max(pool[j], got[j] + received)
+        dev_pool[d] = max(dev_pool[d], dev_got[d] + received)
+        own = (got[j] + received) if pooled else 0.0
+        dev_own = (dev_got[d] + received) if pooled else 0.0
+        peak[j] = max(peak[j], live[j] + extra - own)
+        growth[j] = max(growth[j], live[j] + extra - own + grads[j])
+        dev_peak[d] = max(dev_peak[d], dev_live[d] + extra - dev_own)
+        dev_growth[d] = max(dev_growth[d], dev_live[d] + extra - dev_own + dev_grads[d])
 
-    def add(j: int, nbytes: float) -> None:
-        """Change stage ``j``'s live activations by ``nbytes``."""
+    def gain(j: int, nbytes: float) -> None:
+        """Add ``nbytes`` of gradients to stage ``j``'s (held to the end of the step)."""
+        grads[j] += nbytes
+        dev_grads[device_of[j]] += nbytes
+
+    def add(j: int, nbytes: float, received: float = 0.0) -> None:
+        """Change stage ``j``'s live activations by ``nbytes``, ``received`` of them received."""
         live[j] += nbytes
         dev_live[device_of[j]] += nbytes
+        got[j] += received
+        dev_got[device_of[j]] += received
 
     let_go = _grads_let_go(spans)
     pinned_b: dict[tuple[int, int], float] = {}  # (stage, micro-batch whose F lets them go) -> bytes
@@ -98,23 +126,36 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int | Sequence
         ckpt = i < stops[j]
         if a.kind == "F":
             add(j, -pinned_b.pop((j, i), 0.0))
-            note(j, c.ahead_f + (c.inputs if ckpt else 0.0))
+            note(j, c.ahead_f + (c.inputs if ckpt else 0.0), c.ahead_f)
             held[(j, i)] = c.inputs + c.pinned_f if ckpt else c.kept  # the sent outputs are among those kept
-            add(j, held[(j, i)])
+            got_held[(j, i)] = c.ahead_f  # this micro-batch's inputs from other ranks, among those held
+            add(j, held[(j, i)], got_held[(j, i)])
             note(j, 0.0)
         elif a.kind in ("B", "I"):
             if not grads_on[j]:
                 grads_on[j] = True
-                dev_grads[device_of[j]] += c.grads
-            note(j, (c.kept if ckpt else 0.0) + c.transient + c.ahead_b)
-            add(j, -held.pop((j, i), 0.0) + (c.wstore if a.kind == "I" else 0.0) + c.pinned_b)
+                gain(j, c.grads if a.kind == "B" else c.grads - c.grads_w)  # deferred linears': at the first W
+            fresh = (c.accumulate if a.kind == "B" else c.accumulate_i) if backed[j] else 0.0  # to add to the held
+            backed[j] = True
+            note(j, (c.kept if ckpt else 0.0) + c.transient + fresh + c.ahead_b, c.ahead_b)
+            stored = min(c.wstore_in, c.ahead_f) if a.kind == "I" else 0.0  # received inputs W still reads
+            if stored:
+                got_held[(j, -1 - i)] = stored
+            add(j, -held.pop((j, i), 0.0) + (c.wstore if a.kind == "I" else 0.0) + c.pinned_b,
+                stored - got_held.pop((j, i), 0.0))
             if (j, i) in let_go:
                 key = (j, let_go[(j, i)])
                 pinned_b[key] = pinned_b.get(key, 0.0) + c.pinned_b
             note(j, 0.0)
         elif a.kind == "W":
-            note(j, c.transient / 2)
-            add(j, -c.wstore)
+            if not weighed[j]:
+                weighed[j] = True
+                gain(j, c.grads_w)
+            note(j, c.transient / 2)  # W adds into .grad in place (addmm_): no fresh gradient
+            add(j, -c.wstore, -got_held.pop((j, -1 - i), 0.0))
+    if pooled:  # the pool's buffers are there at the peak, in use or idle
+        peak = [p + q for p, q in zip(peak, pool)]
+        dev_peak = {d: dev_peak[d] + dev_pool[d] for d in devices}
     stages = [Memory(c.params, c.grads, states * c.grads, peak[j], growth[j]) for j, c in enumerate(costs)]
     per_device = {}
     for d in devices:

@@ -23,7 +23,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxpipe.passes.linears import defers_weight_grad
+from fxpipe.passes.linears import model_defers
 from fxpipe.passes.spec import TensorSpec
 from fxpipe.simulate.devices import DeviceModel
 
@@ -119,7 +119,7 @@ def node_times(gm: torch.fx.GraphModule, device: DeviceModel, scale: float, dtyp
             rate = device.flops_per_second(dtype, kind, d)
             fwd = device.kernel_overhead + flops / rate
             bwd = device.backward_overhead + flops_bwd / rate if flops_bwd else 0.0
-            weight = min(flops / rate, bwd) if defers_weight_grad(gm, node) else 0.0
+            weight = min(flops / rate, bwd) if model_defers(gm, node) else 0.0
         if measured is not None and node.name in measured:
             mf, mb = measured[node.name]
             weight = weight / bwd * mb if bwd else 0.0

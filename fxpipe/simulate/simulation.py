@@ -253,7 +253,8 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
     else:  # one process: a value handed to a stage on the same device is the same tensor
         held = [dataclasses.replace(c, kept=c.kept - sum(
             costs[p].sends.get(j, 0.0) for p in feeds[j] if device_of[p] == device_of[j])) for j, c in enumerate(costs)]
-    stage_mem, dev_mem = memsim.walk(spans, held, stop, device_of, optimizer)  # a value shared on a device once
+    stage_mem, dev_mem = memsim.walk(spans, held, stop, device_of, optimizer,  # a value shared on a device once
+                                     pooled=runtime == "distributed" and model.pooled_receives)
     stage_mem = [sharded_memory(mem, grid) for mem in stage_mem]
     dev_mem = {d: sharded_memory(mem, grid) for d, mem in dev_mem.items()}
     busy = [0.0] * n

@@ -21,6 +21,10 @@ Bytes per micro-batch (:class:`StageCost`)::
     wstore     what it holds from I to W: each deferred linear's input and output gradient
     transient  the backward's own workspace: at most one node's output gradient and its inputs'
                gradients at once, before the saved values behind them are freed
+    accumulate what a later micro-batch's backward adds on top: a node's fresh weight gradient,
+               before autograd adds it into the one held (the first backward keeps its own);
+               ``accumulate_i`` the same in I, whose deferred linears leave theirs to W, which
+               adds them into ``.grad`` in place (``grads_w`` of the gradients appear at W)
 
 The model's inputs are the caller's tensors, there before the step: neither counts them.
 """
@@ -37,7 +41,7 @@ import torch.fx
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.passes.inplace import static_mutations
-from fxpipe.passes.linears import defers_weight_grad
+from fxpipe.passes.linears import model_defers
 from fxpipe.passes.retain import retain
 from fxpipe.passes.selective import selective_bytes, selective_plan
 from fxpipe.passes.spec import TensorSpec
@@ -59,7 +63,11 @@ class StageCost:
     kept: float = 0.0
     inputs: float = 0.0
     wstore: float = 0.0
+    wstore_in: float = 0.0  # the part of ``wstore`` that is the stage's own inputs
     transient: float = 0.0
+    accumulate: float = 0.0
+    accumulate_i: float = 0.0
+    grads_w: float = 0.0  # the gradients of the deferred linears (zero bubble makes them at the first W)
     sel_kept: float = 0.0
     sel_redo: float = 0.0
     sel_forward: float = 0.0
@@ -133,7 +141,7 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
                     kept[v] = max(kept.get(v, 0.0), nbytes * bytes_scale)
                 else:
                     internal += nbytes * bytes_scale
-        deferred = [n for n in mine if defers_weight_grad(gm, n)]
+        deferred = [n for n in mine if model_defers(gm, n)]
         xs = {a.name for n in deferred for a in n.args[:1] if isinstance(a, torch.fx.Node)} - placeholders
         sends: dict[int, float] = {}
         for v in s.outputs:
@@ -148,6 +156,10 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
         if ("state", key) not in memo:
             memo[("state", key)] = _state_bytes(gm, mine)
         params, grads = memo[("state", key)]
+        if ("fresh", key) not in memo:  # each node's trainable bytes: its weight gradient, fresh
+            memo[("fresh", key)] = {n.name: _state_bytes(gm, [n])[1] for n in mine if n.op != "placeholder"}
+        fresh = memo[("fresh", key)]
+        later = {n.name for n in deferred}
         last = size[""] if s.index == plan.n_stages - 1 else 0.0
         out_elems = last / item
         compute = [n for n in mine if n.op in ("call_module", "call_function", "call_method")]
@@ -156,6 +168,10 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
             memo[("selective", key)] = selective_plan(gm, compute, save, mutations)
         sel = selective_bytes(compute, memo[("selective", key)], size, free, bytes_scale)
         ends = sum(v for k, v in kept.items() if k in s.inputs or k in s.outputs)  # its inputs and outputs
+        # per node, what its backward holds at once: its output gradient and its inputs' gradients
+        work = {n.name: size[n.name] + sum(size.get(a.name, 0.0) for a in n.all_input_nodes if a.name not in placeholders)
+                for n in mine}
+        transient = max(work.values(), default=0.0)
         costs.append(StageCost(
             forward=sum(x.forward for x in t), backward=sum(x.backward for x in t),
             weight=sum(x.weight for x in t),
@@ -165,8 +181,12 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
             sel_forward=sum(times[v].forward for v in sel.rerun if v in times), stay=ends + last,
             inputs=sum(size.get(v, 0.0) for v in s.inputs if v not in placeholders),
             wstore=sum(size.get(x, 0.0) for x in xs) + sum(size[n.name] for n in deferred),
-            transient=max((size[n.name] + sum(size.get(a.name, 0.0) for a in n.all_input_nodes
-                                               if a.name not in placeholders) for n in mine), default=0.0),
+            wstore_in=sum(size.get(x, 0.0) for x in xs if x in s.inputs),
+            transient=transient,
+            accumulate=max((w + fresh.get(v, 0.0) for v, w in work.items()), default=0.0) - transient,
+            accumulate_i=max((w + (0.0 if v in later else fresh.get(v, 0.0)) for v, w in work.items()),
+                             default=0.0) - transient,
+            grads_w=sum(fresh.get(v, 0.0) for v in later),
             params=params, grads=grads, sends=sends, grads_back=grads_back))
     return costs
 

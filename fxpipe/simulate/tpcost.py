@@ -97,10 +97,12 @@ def with_tensor_parallel(costs: list[StageCost], gm: torch.fx.GraphModule, plan:
         shard = sum(b for fqn, b in weights.items() if any(stage_of.get(n) == s.index for n in sites[fqn].nodes))
         c = costs[s.index]
         split = _sharded_kept(gm, s.nodes, sharded) * bytes_scale * (1 - 1 / t)  # saved values that are shards
+        grads = max(c.grads - shard * (1 - 1 / t), 0)
+        part = grads / c.grads if c.grads else 1.0  # what a rank keeps of the stage's weights: its fresh gradients too
         out.append(dataclasses.replace(
             c, forward=c.forward - saved_f + comm.forward_seconds, backward=c.backward - saved_b + comm.backward_seconds,
-            weight=c.weight - saved_w, params=c.params - shard * (1 - 1 / t), grads=max(c.grads - shard * (1 - 1 / t), 0),
-            kept=max(c.kept - split, c.inputs), sel_kept=max(c.sel_kept - split, c.inputs)))
+            weight=c.weight - saved_w, params=c.params - shard * (1 - 1 / t), grads=grads,
+            accumulate=c.accumulate * part, accumulate_i=c.accumulate_i * part, grads_w=c.grads_w * part, kept=max(c.kept - split, c.inputs), sel_kept=max(c.sel_kept - split, c.inputs)))
         comms.append(comm)
     return out, comms
 

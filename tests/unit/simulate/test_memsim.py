@@ -5,6 +5,8 @@ import pytest
 from fxpipe.options import checkpoint_stop
 from fxpipe.runtime.schedules.builtin import PRODUCERS as SCHEDULES
 from fxpipe.simulate import eventsim, memsim
+from fxpipe.runtime.schedules.actions import Action
+from fxpipe.simulate.eventsim import Span
 from fxpipe.simulate.stagecost import StageCost
 
 
@@ -83,3 +85,37 @@ def test_messages_are_held_until_the_peer_has_them_not_to_the_end_of_the_step():
     stages, _ = memsim.walk(spans, costs, 0, [0, 1])
     assert stages[0].activations == 2.0  # two micro-batches in flight, their sent outputs among them
     assert stages[1].activations == 2.0  # one micro-batch kept, one gradient not yet known to have arrived
+
+
+def _spans(*kinds):
+    """Return one stage's spans running ``kinds`` ("F0", "I0", "W0", ...) one after another."""
+    return [Span(Action(0, k[0], int(k[1:])), 0, t, t + 1.0) for t, k in enumerate(kinds)]
+
+
+def test_a_later_backward_adds_a_fresh_weight_gradient_before_accumulating_it():
+    # F0 B0 F1 B1: B0's weight gradient becomes .grad; B1's is made apart, then added into it
+    cost = StageCost(1.0, 2.0, 1.0, kept=1.0, accumulate=0.5)
+    stages, _ = memsim.walk(_spans("F0", "B0", "F1", "B1"), [cost], 0, [0])
+    assert stages[0].activations == 1.5
+
+
+def test_zero_bubble_makes_the_deferred_linears_gradients_at_the_first_w():
+    # I makes the gradients of what it does not defer (1 of 4), the first W the deferred linears' (3),
+    # adding into them in place: W1 makes no fresh gradient
+    cost = StageCost(1.0, 2.0, 1.0, kept=1.0, wstore=0.5, grads=4.0, grads_w=3.0, accumulate=3.0, accumulate_i=0.25)
+    stages, _ = memsim.walk(_spans("F0", "F1", "I0", "I1", "W0", "W1"), [cost], 0, [0])
+    # after I1: 2 stores (1.0) + 1 of gradients, I1 with 1 kept and a fresh 0.25; then W0: 1.0 + 4
+    assert stages[0].growth == 5.0
+    stages, _ = memsim.walk(_spans("F0", "F1", "I0", "I1"), [cost], 0, [0])
+    assert stages[0].growth == 2.0 + 1.0  # F0 F1, then I0 with its kept: no deferred gradient yet
+
+
+def test_pooled_receive_buffers_are_there_before_the_step_and_at_its_peak():
+    # stage 1 keeps 1 per micro-batch, 0.25 of it the input it received (a pooled buffer on CPU)
+    costs = [StageCost(1.0, 2.0, 1.0, kept=1.0), StageCost(1.0, 2.0, 1.0, kept=1.0, ahead_f=0.25)]
+    spans = eventsim.run(SCHEDULES["gpipe"](2, 2), lambda a: 1.0, device_of=[0, 1])
+    plain, _ = memsim.walk(spans, costs, 0, [0, 1])
+    pooled, _ = memsim.walk(spans, costs, 0, [0, 1], pooled=True)
+    assert plain[1].growth == 2.0  # two micro-batches kept
+    assert pooled[1].growth == 1.5  # less their two inputs, in buffers there before the step
+    assert pooled[1].activations == 1.5 + 0.5  # the pool's buffers count at the peak

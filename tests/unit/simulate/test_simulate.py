@@ -76,9 +76,16 @@ def test_kept_bytes_are_what_autograd_saves_not_every_output():
     c = fxpipe.simulate(pipe, device=UNIT).costs[0]
     assert c.kept == 4 * 8 * 256 + 4 * 8 * 64  # and what the loss saves: as much as the output
     assert c.inputs == 0
-    # W holds each linear's input (the first's is the caller's) and output gradient
-    assert c.wstore == 4 * 8 * 256 + 4 * 8 * (256 + 64)
+    # W holds each deferred linear's input and output gradient: the second's alone, since the first
+    # reads the caller's batch, which needs no gradient (the runtime then keeps its weight gradient in I)
+    assert c.wstore == 4 * 8 * 256 + 4 * 8 * 64
     assert c.transient == 4 * 8 * (256 + 256)  # the ReLU's output gradient and its input's, at once
+    # a later backward makes a linear's weight gradient apart before adding it in: the second's, beside its
+    # output gradient and its input's, is the most
+    assert c.transient + c.accumulate == 4 * 8 * (64 + 256) + (256 * 64 + 64) * 4
+    # in I the second linear leaves its weight gradient to W (which makes it there): the first's counts
+    assert c.transient + c.accumulate_i == 4 * 8 * 256 + (64 * 256 + 256) * 4
+    assert c.grads_w == (256 * 64 + 64) * 4
 
 
 def test_local_gpipe_runs_the_last_micro_batch_s_backward_first():
@@ -116,7 +123,10 @@ def test_optimizer_state_and_bigger_batches_scale_memory():
     s = sim.stages[0].memory
     assert s.optimizer == 2 * s.grads == 2 * 2 * 64 * 64 * 4
     big = fxpipe.simulate(pipe, device=UNIT, optimizer="adam", checkpoint="never", batch=64)
-    assert big.stages[0].memory.activations == pytest.approx(2 * s.activations)
+    assert big.costs[0].kept == pytest.approx(2 * sim.costs[0].kept)
+    a, b = sim.costs[0], big.costs[0]
+    assert (b.transient + b.accumulate) - (a.transient + a.accumulate) == b.transient - a.transient  # weights: no
+    assert big.stages[0].memory.activations > s.activations
 
 
 def test_placements_map_stages_to_ranks():
