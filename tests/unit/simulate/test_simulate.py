@@ -248,6 +248,8 @@ def test_tensor_parallel_divides_the_work_and_counts_its_collectives():
     assert all(c.forward_seconds > 0 and c.backward_seconds > 0 for c in two.tp)
     for a, b in zip(one.stages, two.stages):
         assert 0.5 < b.memory.params / a.memory.params < 0.6  # norms and positions stay whole
+    for a, b in zip(one.costs, two.costs):  # a rank's fresh weight gradients are of its shards
+        assert b.accumulate == pytest.approx(a.accumulate * b.grads / a.grads)
     assert "tensor parallel over 2 ranks, collectives per micro-batch:" in str(two)
     with pytest.raises(ValueError, match="tensor_parallel=0"):
         fxpipe.simulate(pipe, device="h100", tensor_parallel=0)
