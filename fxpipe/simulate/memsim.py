@@ -77,7 +77,6 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int | Sequence
     live = [0.0] * n  # activations held per stage
     peak = [0.0] * n
     growth = [0.0] * n
-    grads_on = [False] * n
     grads = [0.0] * n  # the gradients stage j holds so far this step
     backed = [False] * n  # the stage has run a backward (B or I) this step
     weighed = [False] * n  # ... and a W
@@ -132,8 +131,7 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int | Sequence
             add(j, held[(j, i)], got_held[(j, i)])
             note(j, 0.0)
         elif a.kind in ("B", "I"):
-            if not grads_on[j]:
-                grads_on[j] = True
+            if not backed[j]:
                 gain(j, c.grads if a.kind == "B" else c.grads - c.grads_w)  # deferred linears': at the first W
             fresh = (c.accumulate if a.kind == "B" else c.accumulate_i) if backed[j] else 0.0  # to add to the held
             backed[j] = True
