@@ -2,7 +2,8 @@
 
 Reads:  call_module nodes of modules of exactly type ``nn.Linear`` and call_function nodes of
         ``F.linear`` (``aten.linear`` from ``torch.export``), and their weights.
-Writes: nothing.
+Writes: ``node.meta["fxpipe.needs_grad"]`` on every node, the first time :func:`model_defers`
+        asks (whether its value reaches back to a parameter that wants a gradient).
 
 The runtime rewrites exactly these nodes to defer their weight gradients
 (``fxpipe.runtime.stage.wgrad``), and the simulator gives exactly these a ``W`` share of their
@@ -61,16 +62,12 @@ def model_defers(gm: torch.fx.GraphModule, node: torch.fx.Node, autocast: bool =
 
 def _needs_grad(gm: torch.fx.GraphModule, value: object) -> bool:
     """Tell whether ``value`` (a linear's input) reaches back to a parameter that wants a gradient."""
-    seen: set[torch.fx.Node] = set()
-    todo = [value] if isinstance(value, torch.fx.Node) else []
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(n.target)).parameters()):
-            return True
-        if n.op == "get_attr" and _wants_grad(gm, n):
-            return True
-        todo += n.all_input_nodes
-    return False
+    if not isinstance(value, torch.fx.Node):
+        return False
+    if "fxpipe.needs_grad" not in value.meta:  # once per graph, in its (topological) order
+        for n in gm.graph.nodes:
+            n.meta["fxpipe.needs_grad"] = (
+                n.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(n.target)).parameters())
+                or n.op == "get_attr" and _wants_grad(gm, n)
+                or any(a.meta["fxpipe.needs_grad"] for a in n.all_input_nodes))
+    return bool(value.meta["fxpipe.needs_grad"])

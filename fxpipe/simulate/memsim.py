@@ -88,7 +88,8 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int | Sequence
     dev_grads = {d: 0.0 for d in devices}  # gradients live on each device (its stages past their first backward)
     # received bytes in use (pooled: the buffers outlive the step, so a step's growth leaves them out)
     got = [0.0] * n
-    got_held: dict[tuple[int, int], float] = {}
+    got_held: dict[tuple[int, int], float] = {}  # (stage, micro-batch) -> received bytes held from F to B/I
+    got_stored: dict[tuple[int, int], float] = {}  # ... from I to W (a deferred linear's received input)
     dev_got = {d: 0.0 for d in devices}
     pool = [0.0] * n  # the most received bytes in use at once
     dev_pool = {d: 0.0 for d in devices}
@@ -138,7 +139,7 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int | Sequence
             note(j, (c.kept if ckpt else 0.0) + c.transient + fresh + c.ahead_b, c.ahead_b)
             stored = min(c.wstore_in, c.ahead_f) if a.kind == "I" else 0.0  # received inputs W still reads
             if stored:
-                got_held[(j, -1 - i)] = stored
+                got_stored[(j, i)] = stored
             add(j, -held.pop((j, i), 0.0) + (c.wstore if a.kind == "I" else 0.0) + c.pinned_b,
                 stored - got_held.pop((j, i), 0.0))
             if (j, i) in let_go:
@@ -150,7 +151,7 @@ def walk(spans: Sequence[Span], costs: Sequence[StageCost], stop: int | Sequence
                 weighed[j] = True
                 gain(j, c.grads_w)
             note(j, c.transient / 2)  # W adds into .grad in place (addmm_): no fresh gradient
-            add(j, -c.wstore, -got_held.pop((j, -1 - i), 0.0))
+            add(j, -c.wstore, -got_stored.pop((j, i), 0.0))
     if pooled:  # the pool's buffers are there at the peak, in use or idle
         peak = [p + q for p, q in zip(peak, pool)]
         dev_peak = {d: dev_peak[d] + dev_pool[d] for d in devices}
