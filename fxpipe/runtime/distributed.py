@@ -53,7 +53,7 @@ from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.worker import StageWorker
 from fxpipe.runtime.tensorparallel import local_specs, match_grads
 from fxpipe.runtime.tiedgrads import open_window, sum_tied
-from fxpipe.runtime.transport import steplayout
+from fxpipe.runtime.transport import release, steplayout
 from fxpipe.runtime.transport.comm import Comm, on_every_rank
 from fxpipe.runtime.transport.messages import DistTransport
 from fxpipe.runtime.transport.procgroup import Layout, Ties, reopen_pipeline
@@ -101,6 +101,8 @@ class DistributedRuntime:
         self.norms: list = []  # data parallel: the batch norms kept equal over the replicas
         self.broken: str | None = None  # why the last step failed, until every rank is back
         self.target_checked = False  # that the loss's rank has the target when another rank has one
+        self.released = False  # its process groups let go of at interpreter exit (transport.release)
+        release.track(self)
 
     @property
     def tied(self) -> list[tuple[Any, list, bool]]:
@@ -210,6 +212,9 @@ class DistributedRuntime:
 
     def ready(self) -> None:
         """After a failed step, meet every rank again on fresh connections; raise if one is gone."""
+        if self.released:
+            raise RuntimeError("this pipe let go of its process groups when the interpreter began to exit; "
+                               "run its steps before the script ends (not from an atexit handler)")
         if self.broken is None:
             return
         if self.layout.dp > 1 or self.layout.tp > 1:
@@ -222,6 +227,19 @@ class DistributedRuntime:
         self.comm.reopen(reopen_pipeline(self.layout, self.comm.timeout))
         self.ties.reopen()
         self.broken = None
+
+    def release(self) -> None:
+        """Drop every reference this rank holds to a process group, so they are freed before Python is not."""
+        self.released = True
+        self._transports.clear()
+        self.comm.pending = []
+        self.comm.group = None
+        self.ties.mine = [(None, params, first) for _, params, first in self.ties.mine]
+        self.layout.pp_group = self.layout.dp_group = self.layout.tp_group = None
+        self.layout.mesh = self.layout.tp_mesh = None  # a DeviceMesh holds its groups too
+        if self.grad_sync is not None:
+            self.grad_sync.wrapped.clear()  # DDP's reducer holds the replicas' group
+            self.grad_sync.group = None
 
     def _abandon(self, exc: BaseException) -> None:
         """Close this rank's connections and drop the failed step's state (see the module's picture)."""
