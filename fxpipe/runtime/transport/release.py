@@ -5,7 +5,10 @@ pipeline's, DDP's reducer, the ties') inside reference cycles (a traced graph is
 without help they are freed only by the interpreter's last collection, while it tears itself
 down; a gloo thread that then drops the last reference to a tensor needs the GIL, which a
 finalizing interpreter no longer hands out, and the process aborts
-("terminate called without an active exception") after the script has finished::
+("terminate called without an active exception") after the script has finished. Seen on
+pp1 x dp4: the device mesh's ``dp`` dimension spans every rank, so it reuses the world group,
+which the pipe then keeps past ``destroy_process_group()``; the worker finishing the script's
+last ``all_gather_object`` freed its tensors during finalization (a core dump's stacks)::
 
     script ends ──▶ finalization frees the pipe ──▶ gloo thread frees a tensor ──▶ abort (exit -6)
     script ends ──▶ atexit: pipes drop their groups, gc ──▶ threads joined ──▶ clean exit
