@@ -39,7 +39,7 @@ from fxpipe.options import SPLIT_BACKENDS, CompileOptions, TorchCompile
 from fxpipe.passes.selective import selective_plan
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.binding import Binding
-from fxpipe.runtime.dataparallel import GradSync
+from fxpipe.runtime.dataparallel import GradSync, views_sent_only
 from fxpipe.runtime.distributed import DistributedRuntime
 from fxpipe.runtime.local import LocalRuntime
 from fxpipe.runtime.placement import move_owned, named_tensors, ownership, stage_callable
@@ -245,6 +245,9 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     engine = DistributedRuntime(plan, gm, layout, calls, link, Binding(gm), tied, schedule)
     if layout.dp > 1:  # after the tied tensors are equal: DDP, FSDP2 (or TP's own all-reduce) start from these
         engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()])
+        for call in calls:
+            if shard and not call.last:
+                call.around = views_sent_only
         swapped = engine.grad_sync.swapped  # tied parameters FSDP2 sharded: sum the shards' gradients
         tied.mine = [(g, [swapped.get(id(p), p) for p in ps], first) for g, ps, first in tied.mine]
     if deferred_batch_norm:

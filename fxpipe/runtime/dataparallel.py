@@ -27,7 +27,9 @@ accumulation over several steps.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -36,7 +38,7 @@ from torch import nn
 from fxpipe.runtime.placement import register_everywhere
 from fxpipe.runtime.schedules.finals import final_backwards
 
-__all__ = ["GradSync", "final_backwards"]
+__all__ = ["GradSync", "final_backwards", "views_sent_only"]
 
 
 class GradSync:
@@ -102,3 +104,18 @@ class GradSync:
     def local(self, grad: torch.Tensor) -> torch.Tensor:
         """Return the part of a gradient this process holds (a shard's, under FSDP2)."""
         return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+@contextmanager
+def views_sent_only() -> Iterator[None]:
+    """Silence FSDP2's warning that a stage returned a view, where only fxpipe reads the outputs.
+
+    FSDP2 warns because an in-place op on a returned view would drop its pre-backward hook.
+    The outputs of a stage that is not the last are only detached and sent (or handed to the
+    next stage as a new leaf), never changed in place; the last stage's outputs reach the
+    user's ``loss_fn``, so its warning stays.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
+                                category=UserWarning)
+        yield

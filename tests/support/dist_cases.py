@@ -555,6 +555,26 @@ def dp_refusals(rank, world, schedule):
     return out
 
 
+def dp_views(rank, world, schedule):
+    """FSDP2 under stages that return views: quiet where fxpipe alone reads the outputs, loud at the last."""
+    import warnings
+
+    def make():
+        model = nn.Sequential(nn.Linear(8, 16), nn.Unflatten(1, (4, 4)), nn.Tanh(), nn.Flatten(), nn.Linear(16, 4),
+                              nn.Unflatten(1, (2, 2)))
+        return model, torch.randn(8, 8), torch.randn(8, 2, 2), F.mse_loss
+    pipe, _, eager, x, y, xs, ys, loss_fn, step, held = _dp_setup(rank, world, make, schedule, chunks=2,
+                                                                       split_points=["2"])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loss = step(xs, ys)
+    expected = loss_fn(eager(x), y)
+    expected.backward()
+    views = [str(w.message) for w in seen if "returned a view tensor" in str(w.message)]
+    return {"loss_error": max_relative_error(loss, expected), "grad_errors": _grad_errors(held, eager),
+            "views": len(views), "view_output": pipe.stages[0].code.strip().splitlines()[-1]}
+
+
 def dp_batch_norm(rank, world, schedule):
     """Batch norm in training under 2 replicas: running statistics equal on both replicas, and with deferred
     batch norm equal to one process running the global batch's micro-batches (schedule: 'name:deferred|plain[:shard]')."""
@@ -578,7 +598,8 @@ def dp_batch_norm(rank, world, schedule):
     return {"stats": stats, "errors": errors}
 
 
-CASES.update(dp_train=dp_train, dp_accumulate=dp_accumulate, dp_refusals=dp_refusals, dp_batch_norm=dp_batch_norm)
+CASES.update(dp_train=dp_train, dp_accumulate=dp_accumulate, dp_refusals=dp_refusals, dp_batch_norm=dp_batch_norm,
+             dp_views=dp_views)
 
 
 def scaler(rank, world, schedule):

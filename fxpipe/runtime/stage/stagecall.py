@@ -71,6 +71,7 @@ class StageCall:
         self._copy_streams: list[AbstractStream] = []
         # where the saved tensors of a "selective" or "offload" forward go (the stage's policy), or None
         self.saver: Any = None
+        self.around: Callable[[], Any] = nullcontext  # a context every call of the stage runs in
 
     def copy_stream(self, i: int) -> AbstractStream:
         """Return this stage's copy stream for micro-batch ``i`` (None on CPU)."""
@@ -98,7 +99,7 @@ class StageCall:
                 (restore_rng(self.device, replay.rng) if replay is not None else nullcontext()), \
                 (autocast_as(replay.autocast) if replay is not None else nullcontext()), \
                 (timeline.span_at("recompute", replay.where) if replay is not None else nullcontext()), \
-                (self.saver.recording(i, inputs) if how in SAVING else nullcontext()) as record:
+                (self.saver.recording(i, inputs) if how in SAVING else nullcontext()) as record, self.around():
             try:
                 out = self.fn(*inputs)
             except Exception as exc:
