@@ -10,6 +10,7 @@ __all__ = [
     "CheckpointError",
     "CompileError",
     "DeferredInitError",
+    "GraphMismatchError",
     "MemoryBudgetError",
     "MutationError",
     "NoFeasibleCut",
@@ -37,6 +38,10 @@ class TraceError(TypeError):
 
 class PlanMismatchError(ValueError):
     """A saved plan does not match the model's graph; says what differs."""
+
+
+class GraphMismatchError(ValueError):
+    """Ranks traced different graphs of one model; names the first differing node and the fix."""
 
 
 class PipelineInputError(ValueError):

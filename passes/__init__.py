@@ -10,6 +10,7 @@ torch.fx and networkx, and nothing of fxpipe outside ``fxpipe.passes``.
 from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
+from fxpipe.passes.fingerprint import fingerprint, first_difference
 from fxpipe.passes.gradsplit import GradSplit, split_weight_grads
 from fxpipe.passes.infer import Propagator, value_specs
 from fxpipe.passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
@@ -51,6 +52,8 @@ __all__ = [
                               "compute_nodes",
                               "copy_on_write",
                               "cut_widths",
+                              "fingerprint",
+                              "first_difference",
                               "group_costs",
                               "is_mutating",
                               "memory_factors",

@@ -69,6 +69,9 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     # A batch of one would be specialised to the constant 1; export with two rows instead.
     if any(_batched(t) and t.shape[0] == 1 for t in tree_flatten((args, kwargs))[0]):
         args, kwargs = tree_map(lambda t: torch.cat([t, t]) if _batched(t) else t, (args, kwargs))
+    # A view (``ids[:, :8]``) would be guarded on its base's sizes, which real inputs do not have.
+    args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t,
+                            (args, kwargs))
     try:
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as exc:

@@ -101,6 +101,16 @@ def test_a_rank_that_raises_stops_the_others(schedule, tmp_path, launch):
         assert "rank 1 (stage 1) raised RuntimeError: boom in the bomb" in results[r]["message"]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])  # fx, export
+def test_ranks_that_trace_different_graphs_are_refused_naming_the_fix(schedule, tmp_path, launch):
+    # ModernBERT builds its rotary tables iterating a set of strings: the order, and so which node
+    # name means which table, follows each process's hash seed
+    for r, res in enumerate(launch("graph_differs", 2, schedule, tmp_path, limit=90)):
+        assert res["type"] == "GraphMismatchError", (r, res)
+        assert "rank 1 traced another graph of the model than rank 0" in res["message"], res["message"]
+        assert "PYTHONHASHSEED=0 torchrun" in res["message"] and "sliding" in res["message"], res["message"]
+
+
 def test_a_rank_that_dies_stops_the_others(tmp_path, launch):
     start = time.monotonic()
     results = launch("dies", 3, "1f1b", tmp_path, limit=90)

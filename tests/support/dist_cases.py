@@ -143,6 +143,26 @@ def dies(rank, world, schedule):
     return raises(rank, world, schedule)
 
 
+class RankOrdered(nn.Module):
+    """Build its two tables in an order that depends on the process, as iterating a set of strings does."""
+
+    def __init__(self):
+        super().__init__()
+        self.full, self.sliding, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        order = ["full", "sliding"] if torch.distributed.get_rank() == 0 else ["sliding", "full"]
+        tables = {kind: torch.tanh(getattr(self, kind)(x)) for kind in order}
+        return self.out(tables["full"] + 2 * tables["sliding"])
+
+
+def graph_differs(rank, world, schedule):
+    """Ranks that trace different graphs of one model: refused on every rank before any step."""
+    fxpipe.compile(RankOrdered(), world, example_inputs=(torch.randn(4, 8),), runtime="distributed", timeout=60,
+                   schedule=schedule, tracer="export" if schedule == "gpipe" else "fx")
+    return {}
+
+
 def values(rank, world, schedule):
     """Values of every kind across a boundary, each model, cut and schedule: pipe(x) and pipe.step."""
     results = {}
@@ -418,7 +438,7 @@ def on_gpus(case):
 
 
 CASES = {"values": values, "unet": unet, "tied": tied, "unet4": unet4, "tied4": tied4, "shape": shape,
-         "raises": raises, "dies": dies, "meta": meta, "deferred": deferred, "resume_first": resume_first, "resume_second": resume_second,
+         "raises": raises, "dies": dies, "graph_differs": graph_differs, "meta": meta, "deferred": deferred, "resume_first": resume_first, "resume_second": resume_second,
          "marked": marked, "sends_let_go": sends_let_go,
          "unet_nccl": on_gpus(unet), "tied_nccl": on_gpus(tied)}
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.fx
 
 from fxpipe import passes
+from fxpipe.errors import GraphMismatchError
 from fxpipe.runtime.placement import named_tensors
 from fxpipe.runtime.transport.mesh import Layout, check_launched_world, check_world, init_distributed, setup_distributed
 
@@ -29,13 +30,32 @@ log = logging.getLogger(__name__)
 
 
 def agree_on_stages(gm: torch.fx.GraphModule, n_stages: int) -> None:
-    """Make every process use global rank 0's stage assignment (measured costs may differ by rank)."""
+    """Make every process use global rank 0's stage assignment (measured costs may differ by rank).
+
+    The assignment is by node name, so every rank must have traced the same graph: one that
+    differs (:mod:`fxpipe.passes.fingerprint`) is refused on every rank with a
+    :class:`GraphMismatchError` naming the ranks, the first differing node and the fix.
+    """
     mine = {n.name: n.meta["fxpipe.stage"] for n in passes.compute_nodes(gm)}
-    box = [mine]
+    shape = passes.fingerprint(gm)
+    box = [(mine, shape)]
     dist.broadcast_object_list(box, src=0)
-    if box[0] != mine:
+    chosen, first = box[0]
+    verdicts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, passes.first_difference(first, shape))
+    differ = {r: d for r, d in enumerate(verdicts) if d is not None}
+    if differ:
+        r, what = next(iter(differ.items()))
+        raise GraphMismatchError(
+            f"rank {r} traced another graph of the model than rank 0 (ranks differing: {sorted(differ)}): "
+            f"rank {r} has {what}. A pipeline cuts every rank's graph by node name, so the ranks would "
+            "exchange the wrong values. The model's forward depends on the process: most often it "
+            "iterates over a set of strings, whose order follows each process's hash seed (transformers' "
+            "ModernBERT does, for its rotary tables). Launch every rank with the same seed "
+            "(PYTHONHASHSEED=0 torchrun ...), and give every rank the same example inputs")
+    if chosen != mine:
         log.info("rank %d adopts rank 0's stage assignment", dist.get_rank())
-        passes.assign_by_name(gm, box[0], n_stages)
+        passes.assign_by_name(gm, chosen, n_stages)
 
 
 def tied_groups(stages: Sequence[torch.fx.GraphModule], rank_of: Sequence[int], layout: Layout,
