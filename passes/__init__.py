@@ -8,6 +8,7 @@ torch.fx and networkx, and nothing of fxpipe outside ``fxpipe.passes``.
 """
 
 from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
+from fxpipe.passes.batchrows import batch_coupled_outputs
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from fxpipe.passes.fingerprint import fingerprint, first_difference
@@ -46,6 +47,7 @@ __all__ = [
                               "assign_by_name",
                               "assign_stages",
                               "balanced_cut",
+                              "batch_coupled_outputs",
                               "bind_placeholders",
                               "candidate_orders",
                               "comm_weights",

@@ -9,6 +9,7 @@ buffers only for data-dependent ops), and only ``balance_by="time"`` measures ke
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,8 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
         batch = batch_size(passes.bind_placeholders(gm, args, kwargs), names)
         micro = len(micro_sizes(batch, chunks))
         annotate_graph(gm, args, kwargs)
+        if batch is not None and micro > 1:
+            _note_coupled(gm, batch, micro_sizes(batch, chunks)[0], chunks)
     else:
         passes.annotate_params(gm)
         micro = chunks
@@ -122,6 +125,18 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
         cut = passes.partition(gm, n_stages, balance_by=balance_by, comm=comm, max_memory=max_memory,
                                checkpoint=checkpoint, micro_batches=micro)
     return Assignment(gm, cut, micro, balance_by, fixed=saved is not None or split_points is not None)
+
+
+def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int) -> None:
+    """Record in ``gm.meta`` the outputs that couple a batch's rows; warn that micro-batches change them."""
+    coupled = passes.batch_coupled_outputs(gm, batch, rows)
+    gm.meta["fxpipe.coupled"] = coupled
+    if coupled:
+        warnings.warn(
+            f"the model's output couples the rows of a batch: {'; '.join(coupled)}. Each of the {chunks} "
+            "micro-batches computes it over its own rows only: pipe.step's loss_fn sees those per-micro-batch "
+            "values (a contrastive loss then has the micro-batch's negatives, not the batch's), and pipe(x) "
+            "refuses to join them. Use chunks=1 for the model's own values", stacklevel=5)
 
 
 def annotate_graph(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:

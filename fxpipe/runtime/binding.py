@@ -9,7 +9,8 @@ import torch
 import torch.fx
 
 from fxpipe import passes
-from fxpipe.runtime.microbatch import batch_size, scatter, to_device
+from fxpipe.errors import PipelineInputError
+from fxpipe.runtime.microbatch import batch_size, gather, scatter, to_device
 from fxpipe.runtime.validate import check_inputs
 
 __all__ = ["Binding"]
@@ -24,6 +25,7 @@ class Binding:
         info = getattr(gm.graph._codegen, "pytree_info", None)
         self.flattens_outputs = info is not None and info.out_spec is not None
         self.warned = False  # that a batch smaller than chunks runs fewer micro-batches (said once)
+        self.coupled: list[str] = gm.meta.get("fxpipe.coupled", [])  # outputs that couple a batch's rows
 
     def bind(self, args: tuple, kwargs: dict) -> list[Any]:
         """Return one value per placeholder for a call with ``args`` and ``kwargs``."""
@@ -43,6 +45,15 @@ class Binding:
         if device is not None:
             mbs = [[to_device(v, device) for v in mb] for mb in mbs]
         return mbs, batch
+
+    def gather(self, outputs: list[Any]) -> Any:
+        """Join the micro-batches' outputs on dim 0; refuse outputs that couple a batch's rows."""
+        if len(outputs) > 1 and self.coupled:
+            raise PipelineInputError(
+                f"the model's output couples the rows of a batch, so the micro-batches' outputs cannot be "
+                f"joined into it: {'; '.join(self.coupled)}. Run this forward on a pipe compiled with "
+                "chunks=1, or return per-row values (embeddings) and couple them after the pipeline")
+        return gather(outputs)
 
     def finish(self, output: Any) -> Any:
         """Rebuild the model's output structure where the graph returns flat outputs."""

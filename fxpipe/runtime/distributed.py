@@ -45,7 +45,7 @@ from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.contract import Place
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
-from fxpipe.runtime.microbatch import gather, micro_losses
+from fxpipe.runtime.microbatch import micro_losses
 from fxpipe.runtime.replicanorms import sync_norms
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
@@ -303,6 +303,6 @@ class DistributedRuntime:
         def body() -> Any:
             runner = self._run(args, kwargs, None, training, grad=False)
             if self.last:
-                return self.binding.finish(gather([runner.outputs[i] for i in sorted(runner.outputs)]))
+                return self.binding.finish(self.binding.gather([runner.outputs[i] for i in sorted(runner.outputs)]))
             return None
         return self._guarded(body)

@@ -23,7 +23,7 @@ from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.codegen import compile_source, gpipe_source
 from fxpipe.runtime.contract import Place
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
-from fxpipe.runtime.microbatch import gather, micro_losses
+from fxpipe.runtime.microbatch import micro_losses
 from fxpipe.runtime.observe import timeline
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
@@ -119,7 +119,7 @@ class LocalRuntime:
     def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
         """Run the model's forward over micro-batches; return the model's output structure."""
         mbs, _ = self.binding.split(args, kwargs, self.plan.chunks, training, self.devices[0])
-        output = gather(self.run(mbs, training))
+        output = self.binding.gather(self.run(mbs, training))
         if training:
             commit_batch_norm(self.deferred)
         return self.binding.finish(output)

@@ -1,0 +1,83 @@
+"""Tell which outputs of a graph do not follow the batch row by row, and so cannot be gathered.
+
+Reads:  ``fxpipe.value`` of the placeholders and of the nodes the output returns (the example
+        batch's specs, from :mod:`fxpipe.passes.annotate`), and the graph, which it runs once
+        more on fake tensors for a micro-batch's rows (:mod:`fxpipe.passes.infer`).
+Writes: nothing; :func:`batch_coupled_outputs` returns one description per such output.
+
+A pipeline runs each micro-batch alone and joins the outputs on dim 0. That is the model's
+output only when every output row comes from its own input rows. An output whose other dims
+follow the batch (CLIP's ``logits_per_image``, each image against every text of the batch:
+``(B, B)``), or whose dim 0 does not (a mean over the batch), couples the rows of a batch: per
+micro-batch it is another value than on the whole batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx
+from fxpipe.passes.infer import Propagator
+from fxpipe.passes.spec import TensorSpec
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map, tree_unflatten
+
+__all__ = ["batch_coupled_outputs"]
+
+log = logging.getLogger(__name__)
+
+
+def _leaves(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Node]]:
+    """Return each node the graph outputs, named by its place in the model's output structure."""
+    out = gm.graph.output_node()
+    flat = [(keystr(path), leaf) for path, leaf in tree_flatten_with_path(out.args[0])[0]]
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None and info.out_spec is not None:  # torch.export: flat outputs of the model's structure
+        try:
+            paths = [keystr(p) for p, _ in tree_flatten_with_path(tree_unflatten(list(range(len(flat))),
+                                                                                 info.out_spec))[0]]
+            flat = [(paths[k], leaf) for k, (_, leaf) in enumerate(flat)]
+        except Exception as exc:  # noqa: BLE001 - names are for the message only
+            log.debug("outputs named by position: %s", exc)
+    return [(name or "the output", leaf) for name, leaf in flat if isinstance(leaf, torch.fx.Node)]
+
+
+def _scaled(value: Any, batch: int, rows: int) -> Any:
+    """Return a placeholder's spec with ``rows`` rows where the example has ``batch``."""
+    def scale(s: Any) -> Any:
+        if isinstance(s, TensorSpec) and len(s.shape) > 0 and s.shape[0] == batch:
+            return TensorSpec((rows, *s.shape[1:]), s.dtype, s.requires_grad)
+        return s
+    return tree_map(scale, value, is_leaf=lambda v: isinstance(v, TensorSpec))
+
+
+def batch_coupled_outputs(gm: torch.fx.GraphModule, batch: int, rows: int) -> list[str]:
+    """Return a description of each output whose shape does not follow ``batch`` -> ``rows`` on dim 0 alone.
+
+    An empty list when every output does, and when the graph cannot run for ``rows`` rows on
+    fake tensors (nothing then is known; the runtime's own checks apply).
+    """
+    if rows == batch:
+        return []
+    leaves = [(name, node) for name, node in _leaves(gm) if isinstance(node.meta.get("fxpipe.value"), TensorSpec)]
+    if not leaves:
+        return []
+    inputs = [_scaled(n.meta.get("fxpipe.value"), batch, rows) for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        specs = Propagator(gm, {node.name for _, node in leaves})(inputs)
+    except Exception as exc:  # noqa: BLE001 - a model fixed to its example's batch: nothing to compare
+        log.debug("outputs not compared for %d rows: %s: %s", rows, type(exc).__name__, exc)
+        return []
+    found = []
+    for name, node in leaves:
+        whole, part = node.meta["fxpipe.value"].shape, getattr(specs.get(node.name), "shape", None)
+        if part is None or len(part) != len(whole) or not whole:
+            continue
+        moved = [d for d in range(1, len(whole)) if whole[d] != part[d]]
+        if moved or whole[0] == part[0]:
+            why = (f"dim {moved[0]} follows the batch too" if moved
+                   else "dim 0 does not follow the batch")
+            found.append(f"{name} (node '{node.name}'): shape {tuple(whole)} for {batch} rows but "
+                         f"{tuple(part)} for {rows}: {why}")
+    return found

@@ -1,0 +1,79 @@
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.fx
+from torch import nn
+
+import fxpipe
+from fxpipe import passes
+
+
+class Contrastive(nn.Module):
+    """Embed two views and score each row against every row of the batch, as CLIP's logits do."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        u, v = self.a(x), self.b(y)
+        return {"embeds": u, "logits": u @ v.t()}
+
+
+class BatchMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h, h.mean(0)
+
+
+class PerRow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x).reshape(-1, 2, 4)
+        return self.b(h.flatten(1)), h.flatten(0, 1)  # (B, 8) and (2 B, 4): dim 0 follows the batch
+
+
+def _annotated(model, *inputs):
+    gm = torch.fx.symbolic_trace(model)
+    passes.annotate(gm, inputs, {})
+    return gm
+
+
+def test_an_output_scoring_every_row_against_the_batch_is_named():
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    found = passes.batch_coupled_outputs(_annotated(Contrastive(), x, y), 6, 3)
+    assert len(found) == 1 and found[0].startswith("['logits'] (node 'matmul'): shape (6, 6) for 6 rows but (3, 3)")
+    assert "dim 1 follows the batch too" in found[0]
+
+
+def test_an_output_reduced_over_the_batch_is_named():
+    found = passes.batch_coupled_outputs(_annotated(BatchMean(), torch.randn(6, 8)), 6, 2)
+    assert len(found) == 1 and "[1]" in found[0] and "dim 0 does not follow the batch" in found[0], found
+
+
+def test_outputs_that_follow_the_batch_row_by_row_are_not_named():
+    gm = _annotated(PerRow(), torch.randn(6, 8))
+    assert passes.batch_coupled_outputs(gm, 6, 2) == [] and passes.batch_coupled_outputs(gm, 6, 6) == []
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_coupled_output_is_warned_at_compile_and_refused_by_pipe_call(tracer):
+    torch.manual_seed(0)
+    model, x, y = Contrastive(), torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.warns(UserWarning, match=r"couples the rows of a batch: \['logits'\].*Use chunks=1"):
+        pipe = fxpipe.compile(copy.deepcopy(model), 2, example_inputs=(x, y), chunks=2, tracer=tracer)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"cannot be joined.*\['logits'\].*chunks=1"):
+        pipe(x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one micro-batch: nothing to warn of, and equal to eager
+        whole = fxpipe.compile(copy.deepcopy(model), 2, example_inputs=(x, y), chunks=1, tracer=tracer)
+    torch.testing.assert_close(whole(x, y)["logits"], model(x, y)["logits"])
