@@ -43,13 +43,15 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             mesh: Any = None, weights: Any = None,
             init: Callable[[nn.Module], Any] | None = None, seed: int = 0,
             split_spec: dict[str, Any] | None = None, torch_compile: bool | dict[str, Any] = False,
-            save: Callable[[torch.fx.Node], bool] | None = None) -> Pipe:
+            save: Callable[[torch.fx.Node], bool] | None = None, unbatched: Sequence[str] = ()) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
     ``torch.fx.GraphModule``, used as is. ``example_inputs`` (and ``example_kwargs``) give
     shapes for the cost model; nothing real is computed with them. ``devices`` gives one
-    device per stage. ``chunks`` is the number of micro-batches; ``checkpoint`` is how each
+    device per stage. ``chunks`` is the number of micro-batches: every tensor input is split on dim 0,
+    but the inputs named in ``unbatched`` (the forward's parameter names; Flux's ``img_ids``, a
+    ``position_ids`` of one row) go whole to every micro-batch. ``checkpoint`` is how each
     stage trades memory for recomputation (docs/guide/memory.md): ``"always"``, ``"except_last"``
     or ``"never"`` recompute whole micro-batches of a stage (all, all but the last, none);
     ``"selective"`` keeps what the expensive nodes (GEMMs, convolutions, attention; or those
@@ -148,7 +150,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         schedule=schedule, leaf_modules=leaf_modules, tracer=tracer, plan=plan, runtime=runtime, timeout=timeout,
         deferred_batch_norm=deferred_batch_norm, stages_per_rank=stages_per_rank, data_parallel=data_parallel,
         data_parallel_shard=data_parallel_shard, tensor_parallel=tensor_parallel, tp_plan=tp_plan, mesh=mesh,
-        weights=weights, init=init, seed=seed, split_spec=split_spec, torch_compile=torch_compile, save=save)
+        weights=weights, init=init, seed=seed, split_spec=split_spec, torch_compile=torch_compile, save=save,
+        unbatched=unbatched)
     options.check()
     target = where(model, options)  # the schedule, the devices, and across ranks this process's place
     saved = None if plan is None else load_plan(plan)

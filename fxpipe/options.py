@@ -149,6 +149,7 @@ class CompileOptions:
     split_spec: dict[str, Any] | None = None
     torch_compile: Any = False  # check() makes it a TorchCompile, or None
     save: Callable[[Any], bool] | None = None
+    unbatched: Sequence[str] = ()
 
     @property
     def compiled(self) -> TorchCompile | None:
@@ -215,6 +216,10 @@ class CompileOptions:
                             f"checkpoint='selective' keeps, got {type(self.save).__name__}")
         if self.balance_by not in BALANCE_BY:
             raise ValueError(f"balance_by={self.balance_by!r}; use one of {', '.join(map(repr, BALANCE_BY))}")
+        names = self.unbatched
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"unbatched= must be a list of the forward's input names given whole to every "
+                            f"micro-batch, got {names!r}")
         points = self.split_points
         if points is not None and (isinstance(points, str) or not all(isinstance(p, str) for p in points)):
             raise TypeError(f"split_points must be a list of module or node names, got {points!r}")

@@ -15,6 +15,7 @@ micro-batch it is another value than on the whole batch.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -52,10 +53,11 @@ def _scaled(value: Any, batch: int, rows: int) -> Any:
     return tree_map(scale, value, is_leaf=lambda v: isinstance(v, TensorSpec))
 
 
-def batch_coupled_outputs(gm: torch.fx.GraphModule, batch: int, rows: int) -> list[str]:
+def batch_coupled_outputs(gm: torch.fx.GraphModule, batch: int, rows: int,
+                          unbatched: Collection[str] = ()) -> list[str]:
     """Return a description of each output whose shape does not follow ``batch`` -> ``rows`` on dim 0 alone.
 
-    An empty list when every output does, and when the graph cannot run for ``rows`` rows on
+    The inputs named in ``unbatched`` keep their example's shapes. An empty list when every output does, and when the graph cannot run for ``rows`` rows on
     fake tensors (nothing then is known; the runtime's own checks apply).
     """
     if rows == batch:
@@ -63,7 +65,8 @@ def batch_coupled_outputs(gm: torch.fx.GraphModule, batch: int, rows: int) -> li
     leaves = [(name, node) for name, node in _leaves(gm) if isinstance(node.meta.get("fxpipe.value"), TensorSpec)]
     if not leaves:
         return []
-    inputs = [_scaled(n.meta.get("fxpipe.value"), batch, rows) for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = [n.meta.get("fxpipe.value") if n.target in unbatched else _scaled(n.meta.get("fxpipe.value"), batch, rows)
+              for n in gm.graph.nodes if n.op == "placeholder"]
     try:
         specs = Propagator(gm, {node.name for _, node in leaves})(inputs)
     except Exception as exc:  # noqa: BLE001 - a model fixed to its example's batch: nothing to compare

@@ -34,6 +34,8 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+from collections.abc import Collection
+from functools import partial
 from typing import Any
 
 import torch
@@ -57,33 +59,49 @@ def _batched(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() > 0
 
 
-def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None) -> torch.fx.GraphModule:
+def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None,
+                 unbatched: Collection[str] = ()) -> torch.fx.GraphModule:
     """Export ``model`` with a dynamic batch dim; return the flat GraphModule over its own state.
 
-    Meta tensors of the model (and meta example inputs) are exported as fake tensors on the
-    example inputs' device, else on ``device`` (the stages'), else on CPU; see :mod:`fxpipe.frontend.exportmeta`.
+    The inputs named in ``unbatched`` have no batch dim (every dim ``Dim.AUTO``). Meta tensors
+    of the model (and meta example inputs) are exported as fake tensors on the example inputs'
+    device, else on ``device`` (the stages'), else on CPU; see :mod:`fxpipe.frontend.exportmeta`.
     """
+    needs = ("tracer='export' needs example_inputs= (or example_kwargs=) holding at least one tensor with a "
+             "batch dimension: torch.export traces with them")
     if not any(_batched(t) for t in tree_flatten((args, kwargs))[0]):
-        raise ValueError("tracer='export' needs example_inputs= (or example_kwargs=) holding at "
-                         "least one tensor with a batch dimension: torch.export traces with them")
+        raise ValueError(needs)
+    signature = inspect.signature(model.forward)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"the example inputs do not match {type(model).__name__}.forward: {exc}") from None
+    whole = {id(t) for name in unbatched if name in bound.arguments for t in tree_flatten(bound.arguments[name])[0]}
+
+    def split(t: Any) -> bool:  # a tensor split into micro-batches (not an unbatched= input's)
+        return _batched(t) and id(t) not in whole
+
+    if not any(split(t) for t in tree_flatten((args, kwargs))[0]):
+        raise ValueError(needs + f", besides the unbatched= inputs {sorted(unbatched)}")
     # A batch of one would be specialised to the constant 1; export with two rows instead.
-    if any(_batched(t) and t.shape[0] == 1 for t in tree_flatten((args, kwargs))[0]):
-        args, kwargs = tree_map(lambda t: torch.cat([t, t]) if _batched(t) else t, (args, kwargs))
+    if any(split(t) and t.shape[0] == 1 for t in tree_flatten((args, kwargs))[0]):
+        args, kwargs = tree_map(lambda t: torch.cat([t, t]) if split(t) else t, (args, kwargs))
+    rows = next(t.shape[0] for t in tree_flatten((args, kwargs))[0] if split(t))
     # A view (``ids[:, :8]``) would be guarded on its base's sizes, which real inputs do not have.
     args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t,
                             (args, kwargs))
-    try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    except TypeError as exc:
-        raise TypeError(f"the example inputs do not match {type(model).__name__}.forward: {exc}") from None
-    rows = next(t.shape[0] for t in tree_flatten((args, kwargs))[0] if _batched(t))
+    bound = signature.bind(*args, **kwargs)
     target = target_device(args, kwargs, device)
     args, kwargs = fake_inputs(args, kwargs, target)
 
+    def dims(name: str, t: Any, *, batch: Any) -> Any:
+        """Return the dynamic dims of one input tensor: the batch's and ``Dim.AUTO`` (all AUTO if unbatched)."""
+        if name in unbatched and isinstance(t, torch.Tensor):
+            return {d: torch.export.Dim.AUTO for d in range(t.dim())}
+        return {0: batch, **{d: torch.export.Dim.AUTO for d in range(1, t.dim())}} if _batched(t) else None
+
     def export(batch: Any) -> torch.export.ExportedProgram:
-        dynamic = {name: tree_map(lambda t: {0: batch, **{d: torch.export.Dim.AUTO for d in range(1, t.dim())}}
-                                  if _batched(t) else None, value)
-                   for name, value in bound.arguments.items()}
+        dynamic = {name: tree_map(partial(dims, name, batch=batch), value) for name, value in bound.arguments.items()}
         return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
 
     with fake_state(model, target) as faked:

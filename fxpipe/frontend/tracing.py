@@ -63,14 +63,15 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
           concrete_args: dict[str, Any] | None = None,
           tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
           example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None,
-          device: Any = None) -> torch.fx.GraphModule:
+          device: Any = None, unbatched: Iterable[str] = ()) -> torch.fx.GraphModule:
     """Trace ``model`` into the GraphModule whose node names a plan uses.
 
     ``tracer="fx"`` (the default) traces symbolically: ``leaf_modules`` lists module classes
     or qualified names (``"encoder.block3"``) to keep as single ``call_module`` nodes, for
     example because their forward has data-dependent control flow, and ``concrete_args``
     fixes inputs to constants, as in :func:`torch.fx.symbolic_trace`. ``tracer="export"``
-    uses ``torch.export`` on ``example_inputs``/``example_kwargs`` with dim 0 dynamic (see
+    uses ``torch.export`` on ``example_inputs``/``example_kwargs`` with dim 0 dynamic (but for
+    the inputs named in ``unbatched``; see
     :mod:`fxpipe.frontend.export`); a model built on meta is exported with its tensors as fake
     tensors on the example inputs' device (``device`` where they are on meta too, else CPU),
     so code branching on ``x.device.type`` sees a real device type. A callable
@@ -86,7 +87,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
 
         args = example_inputs if isinstance(example_inputs, tuple) else (
             () if example_inputs is None else (example_inputs,))
-        return export_trace(model, args, dict(example_kwargs or {}), device=device)
+        return export_trace(model, args, dict(example_kwargs or {}), device=device, unbatched=frozenset(unbatched))
     if callable(tracer):
         gm = tracer(model)
         if not isinstance(gm, torch.fx.GraphModule):

@@ -8,6 +8,7 @@ buffers only for data-dependent ops), and only ``balance_by="time"`` measures ke
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from collections.abc import Sequence
@@ -78,20 +79,21 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
         gm = model
     else:
         if tracer == "export":
-            batch_size([args, kwargs], ["example_inputs", "example_kwargs"])
+            _check_example_batch(model, args, kwargs, options.unbatched)
         gm = trace(model, leaf_modules=options.leaf_modules, tracer=tracer, example_inputs=args,
-                   example_kwargs=kwargs, device=devices[0] if devices else None)
+                   example_kwargs=kwargs, device=devices[0] if devices else None, unbatched=options.unbatched)
+    whole = _mark_unbatched(gm, options.unbatched)
 
     # torch.distributed.pipelining's markers (pipe_split(), split_spec=) as split points
     split_points = resolve_split_points(gm, n_stages, options.split_points, options.split_spec, saved is not None)
 
     if has_inputs:
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-        batch = batch_size(passes.bind_placeholders(gm, args, kwargs), names)
+        batch = batch_size(passes.bind_placeholders(gm, args, kwargs), names, whole)
         micro = len(micro_sizes(batch, chunks))
         annotate_graph(gm, args, kwargs)
         if batch is not None and micro > 1:
-            _note_coupled(gm, batch, micro_sizes(batch, chunks)[0], chunks)
+            _note_coupled(gm, batch, micro_sizes(batch, chunks)[0], chunks, whole)
     else:
         passes.annotate_params(gm)
         micro = chunks
@@ -127,9 +129,34 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
     return Assignment(gm, cut, micro, balance_by, fixed=saved is not None or split_points is not None)
 
 
-def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int) -> None:
+def _check_example_batch(model: nn.Module, args: tuple, kwargs: dict, unbatched: Sequence[str]) -> None:
+    """Refuse example inputs whose batch sizes disagree (but ``unbatched=`` ones), before exporting."""
+    signature = inspect.signature(model.forward)
+    unknown = [n for n in unbatched if n not in signature.parameters]
+    if unknown:
+        raise ValueError(f"unbatched={list(unbatched)!r} names {unknown}, which {type(model).__name__}.forward "
+                         f"does not take; its inputs are {list(signature.parameters)}")
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return  # the front end names the mismatch
+    batch_size(list(bound.arguments.values()), list(bound.arguments), set(unbatched))
+
+
+def _mark_unbatched(gm: torch.fx.GraphModule, unbatched: Sequence[str]) -> frozenset[str]:
+    """Record the inputs every micro-batch gets whole in ``gm.meta``; refuse a name the graph has no input for."""
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    unknown = [n for n in unbatched if n not in names]
+    if unknown:
+        raise ValueError(f"unbatched={list(unbatched)!r} names {unknown}, which the traced model has no input for; "
+                         f"its inputs are {names}")
+    gm.meta["fxpipe.unbatched"] = sorted(unbatched)
+    return frozenset(unbatched)
+
+
+def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int, whole: frozenset[str]) -> None:
     """Record in ``gm.meta`` the outputs that couple a batch's rows; warn that micro-batches change them."""
-    coupled = passes.batch_coupled_outputs(gm, batch, rows)
+    coupled = passes.batch_coupled_outputs(gm, batch, rows, whole)
     gm.meta["fxpipe.coupled"] = coupled
     if coupled:
         warnings.warn(

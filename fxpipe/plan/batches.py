@@ -1,14 +1,14 @@
 """How a batch splits into micro-batches: its size, and the rows of each micro-batch.
 
 Every tensor with at least one dimension is split on dim 0 (tuples, lists, dicts and nesting
-are followed); a batch of B rows with ``chunks`` > B gives B micro-batches; uneven batches give
+are followed), but those of the inputs named in ``unbatched=``, which every micro-batch gets whole; a batch of B rows with ``chunks`` > B gives B micro-batches; uneven batches give
 sizes that differ by at most one row. The plan counts micro-batches with these; the runtime
 splits and gathers values by them (:mod:`fxpipe.runtime.microbatch`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -24,13 +24,16 @@ def is_batched(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() > 0
 
 
-def batch_size(values: Sequence[Any], names: Sequence[str]) -> int | None:
+def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[str] = ()) -> int | None:
     """Return the common dim-0 size of the batched tensors in ``values``, or None if there are none.
 
-    Raises :class:`PipelineInputError` naming the argument whose batch size disagrees.
+    The values named in ``whole`` (``unbatched=``) are not split and do not count. Raises
+    :class:`PipelineInputError` naming the argument whose batch size disagrees.
     """
     first: tuple[str, int] | None = None
     for value, name in zip(values, names):
+        if name in whole:
+            continue
         for path, leaf in tree_flatten_with_path(value)[0]:
             if not is_batched(leaf):
                 continue
@@ -41,7 +44,8 @@ def batch_size(values: Sequence[Any], names: Sequence[str]) -> int | None:
                 raise PipelineInputError(
                     f"batch sizes disagree: '{first[0]}' has {first[1]} rows on dim 0 but "
                     f"'{where}' has {leaf.shape[0]}; every tensor input is split into micro-batches "
-                    "on dim 0, so give them the same batch size")
+                    "on dim 0, so give them the same batch size, or name an input that has no batch "
+                    "dimension in fxpipe.compile(..., unbatched=[...]) to give it whole to every micro-batch")
     if first is not None and first[1] == 0:
         raise PipelineInputError(f"'{first[0]}' has batch size 0; a pipeline needs at least one row")
     return None if first is None else first[1]

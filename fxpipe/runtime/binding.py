@@ -26,6 +26,7 @@ class Binding:
         self.flattens_outputs = info is not None and info.out_spec is not None
         self.warned = False  # that a batch smaller than chunks runs fewer micro-batches (said once)
         self.coupled: list[str] = gm.meta.get("fxpipe.coupled", [])  # outputs that couple a batch's rows
+        self.unbatched = frozenset(gm.meta.get("fxpipe.unbatched", ()))  # inputs every micro-batch gets whole
 
     def bind(self, args: tuple, kwargs: dict) -> list[Any]:
         """Return one value per placeholder for a call with ``args`` and ``kwargs``."""
@@ -35,9 +36,9 @@ class Binding:
               device: torch.device | None = None) -> tuple[list[list[Any]], int | None]:
         """Bind, check and split the inputs; return the micro-batches (on ``device``) and the batch size."""
         values = self.bind(args, kwargs)
-        batch = batch_size(values, self.names)
-        check_inputs(self.gm, values, self.names, training)
-        mbs = scatter(values, self.names, chunks)
+        batch = batch_size(values, self.names, self.unbatched)
+        check_inputs(self.gm, values, self.names, training, self.unbatched)
+        mbs = scatter(values, self.names, chunks, self.unbatched)
         if batch is not None and len(mbs) < chunks and not self.warned:
             self.warned = True
             warnings.warn(f"a batch of {batch} row(s) runs as {len(mbs)} micro-batch(es), fewer than chunks={chunks}: "

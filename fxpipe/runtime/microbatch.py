@@ -7,7 +7,7 @@ and each micro-batch's loss is weighted by its share of the rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -28,13 +28,19 @@ def to_device(value: Any, device: torch.device) -> Any:
                     if isinstance(t, torch.Tensor) and t.device != device else t, value)
 
 
-def scatter(values: Sequence[Any], names: Sequence[str], chunks: int) -> list[list[Any]]:
-    """Split each value into micro-batches; return one list of values per micro-batch."""
-    batch = batch_size(values, names)
+def scatter(values: Sequence[Any], names: Sequence[str], chunks: int, whole: Collection[str] = ()) -> list[list[Any]]:
+    """Split each value into micro-batches (those named in ``whole`` go whole to each); return one list per micro-batch."""
+    batch = batch_size(values, names, whole)
     m = len(micro_sizes(batch, chunks))
-    leaves, spec = tree_flatten(list(values))
+    kept = [None if name in whole else value for value, name in zip(values, names)]
+    leaves, spec = tree_flatten(kept)
     columns = [torch.tensor_split(leaf, m) if is_batched(leaf) else [leaf] * m for leaf in leaves]
-    return [tree_unflatten([col[i] for col in columns], spec) for i in range(m)]
+    mbs = [tree_unflatten([col[i] for col in columns], spec) for i in range(m)]
+    for k, name in enumerate(names):
+        if name in whole:
+            for mb in mbs:
+                mb[k] = values[k]
+    return mbs
 
 
 def gather(outputs: Sequence[Any]) -> Any:

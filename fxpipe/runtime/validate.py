@@ -8,7 +8,7 @@ mismatch is refused here with the input's name, rather than failing deep inside 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ __all__ = ["check_inputs"]
 
 
 def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequence[str],
-                 training: bool) -> None:
+                 training: bool, unbatched: Collection[str] = ()) -> None:
     """Raise :class:`PipelineInputError` if the inputs or the mode differ from an exported graph's."""
     meta = getattr(gm, "meta", {})
     exported = meta.get("fxpipe.training")
@@ -36,7 +36,7 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
     for node, value, name in zip(placeholders, values, names):
         expected = node.meta.get("val")  # a fake tensor where torch.export or dynamo traced
         if isinstance(expected, FakeTensor) and isinstance(value, torch.Tensor):
-            _check_static_dims(name, value, expected)
+            _check_static_dims(name, value, expected, first=0 if name in unbatched else 1)
 
 
 def _fixed(d: Any) -> int | None:
@@ -61,12 +61,12 @@ def _range(d: Any) -> tuple[int, int | None] | None:
     return int(bounds.lower), upper
 
 
-def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Compare the dims an exported placeholder fixed, and the range of its dynamic ones (not the batch's)."""
+def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor, first: int = 1) -> None:
+    """Compare the dims an exported placeholder fixed from dim ``first`` on (1: not the batch's), and their ranges."""
     if actual.dim() != expected.dim():
         raise PipelineInputError(f"input '{where}' has {actual.dim()} dims but the exported graph "
                                  f"takes {expected.dim()}; give it the example's shape")
-    for k, d in list(enumerate(expected.shape))[1:]:
+    for k, d in list(enumerate(expected.shape))[first:]:
         bounds = None if _fixed(d) is not None else _range(d)
         if bounds is not None and not (bounds[0] <= actual.shape[k] and (bounds[1] is None or actual.shape[k] <= bounds[1])):
             raise PipelineInputError(

@@ -101,6 +101,13 @@ def test_a_rank_that_raises_stops_the_others(schedule, tmp_path, launch):
         assert "rank 1 (stage 1) raised RuntimeError: boom in the bomb" in results[r]["message"]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])  # fx, export
+def test_an_unbatched_input_crosses_ranks_whole(schedule, tmp_path, launch):
+    for r, res in enumerate(launch("unbatched", 2, schedule, tmp_path, limit=90)):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert res["loss_error"] < 1e-5 and res["grad_errors"] and max(res["grad_errors"].values()) < 1e-5, (r, res)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])  # fx, export
 def test_ranks_that_trace_different_graphs_are_refused_naming_the_fix(schedule, tmp_path, launch):
     # ModernBERT builds its rotary tables iterating a set of strings: the order, and so which node

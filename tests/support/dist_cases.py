@@ -143,6 +143,36 @@ def dies(rank, world, schedule):
     return raises(rank, world, schedule)
 
 
+class Positions(nn.Module):
+    """Read a table of positions without a batch dim in the first and the last stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, pos):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x + pos)))) * pos)
+
+
+def unbatched(rank, world, schedule):
+    """``unbatched=["pos"]``: the first rank sends the table whole with each micro-batch; equal to eager."""
+    torch.manual_seed(0)
+    model, x, pos, target = Positions(), torch.randn(6, 5, 8), torch.randn(5, 8), torch.randn(6, 5, 8)
+    eager = copy.deepcopy(model)
+    expected = F.mse_loss(eager(x, pos), target)
+    expected.backward()
+    pipe = fxpipe.compile(model, world, example_inputs=(x, pos), chunks=3, runtime="distributed", timeout=60,
+                          schedule=schedule, unbatched=["pos"], tracer="export" if schedule == "zb" else "fx")
+    last = rank == pipe.plan.stages[-1].on_rank
+    loss = pipe.step(x if rank == 0 else None, pos if rank == 0 else None, target=target if last else None,
+                     loss_fn=F.mse_loss)
+    held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
+    grads = dict(eager.named_parameters())
+    return {"loss_error": max_relative_error(loss, expected),
+            "grad_errors": {n: max_relative_error(p.grad, grads[n].grad) for n, p in model.named_parameters()
+                            if id(p) in held}}
+
+
 class RankOrdered(nn.Module):
     """Build its two tables in an order that depends on the process, as iterating a set of strings does."""
 
@@ -438,7 +468,7 @@ def on_gpus(case):
 
 
 CASES = {"values": values, "unet": unet, "tied": tied, "unet4": unet4, "tied4": tied4, "shape": shape,
-         "raises": raises, "dies": dies, "graph_differs": graph_differs, "meta": meta, "deferred": deferred, "resume_first": resume_first, "resume_second": resume_second,
+         "raises": raises, "dies": dies, "graph_differs": graph_differs, "unbatched": unbatched, "meta": meta, "deferred": deferred, "resume_first": resume_first, "resume_second": resume_second,
          "marked": marked, "sends_let_go": sends_let_go,
          "unet_nccl": on_gpus(unet), "tied_nccl": on_gpus(tied)}
 

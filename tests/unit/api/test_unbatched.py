@@ -1,0 +1,66 @@
+"""``unbatched=``: inputs without a batch dimension go whole to every micro-batch (Flux's ``img_ids``)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from fxpipe.testing import max_relative_error
+
+
+class Positions(nn.Module):
+    """Add a table of positions (no batch dim) before and after a block, as rotary ids are read by every layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, pos):
+        h = torch.tanh(self.a(x + pos))
+        h = torch.tanh(self.b(h))
+        return self.c(h * pos.sum(-1, keepdim=True))
+
+
+def _inputs(rows=6):
+    torch.manual_seed(0)
+    return torch.randn(rows, 5, 8), torch.randn(5, 8)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_an_unbatched_input_reaches_every_micro_batch_whole(tracer, schedule):
+    model, (x, pos) = Positions(), _inputs()
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 3, example_inputs=(x, pos), chunks=3, tracer=tracer, schedule=schedule,
+                          devices=["cpu"] * 3, unbatched=["pos"])
+    torch.testing.assert_close(pipe(x, pos), eager(x, pos))
+    target = torch.randn(6, 5, 8)
+    loss = pipe.step(x, pos, target=target, loss_fn=F.mse_loss)
+    expected = F.mse_loss(eager(x, pos), target)
+    expected.backward()
+    assert max_relative_error(loss, expected) < 1e-5
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
+    x7 = torch.randn(7, 5, 8)  # another batch size, uneven micro-batches: pos still whole
+    torch.testing.assert_close(pipe(x7, pos), eager(x7, pos))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_without_unbatched_the_batch_mismatch_names_the_option(tracer):
+    model, (x, pos) = Positions(), _inputs()
+    with pytest.raises(fxpipe.PipelineInputError, match=r"'pos.*has 5.*unbatched=\[\.\.\.\]"):
+        pipe = fxpipe.compile(model, 2, example_inputs=(x, pos), chunks=2, tracer=tracer)
+        pipe(x, pos)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_unbatched_names_must_be_inputs(tracer):
+    model, (x, pos) = Positions(), _inputs()
+    with pytest.raises(ValueError, match=r"names \['position'\].*inputs are \['x', 'pos'\]"):
+        fxpipe.compile(model, 2, example_inputs=(x, pos), chunks=2, tracer=tracer, unbatched=["pos", "position"])
+    with pytest.raises(TypeError, match="unbatched= must be a list of the forward's input names"):
+        fxpipe.compile(model, 2, example_inputs=(x, pos), unbatched="pos")
