@@ -135,7 +135,11 @@ def plan_fill(model: nn.Module, table: dict[int, TensorInfo], source: WeightSour
         raise WeightsError(f"{source.description} does not fit the model: {'; '.join(mismatched[:_SHOWN])}"  # type: ignore[union-attr]
                            f"{_more(mismatched)}. Give weights saved from this model (same shapes and dtypes){cast}")
     if missing:
-        raise WeightsError(f"{source.description} lacks {len(missing)} FQN(s) of the model: {_show(missing)}; "  # type: ignore[union-attr]
+        renamed = (f"; it holds {len(unexpected)} other key(s) ({_show(unexpected)}), so it names the tensors "
+                   "in another layout (transformers 5 saves some models, Mixtral's experts among them, in an "
+                   "older layout that from_pretrained converts at load): give weights= a state dict under the "
+                   "model's own names (from_pretrained(...).state_dict(), or your own mapping)") if unexpected else ""
+        raise WeightsError(f"{source.description} lacks {len(missing)} FQN(s) of the model: {_show(missing)}{renamed}; "  # type: ignore[union-attr]
                            "give a source that holds them, or init= to initialise what it lacks")
     modules = [(fqn, m, keys) for fqn, m, keys in ((f, m, _own_keys(m)) for f, m in model.named_modules())
                if any(k in to_init for k in keys)]

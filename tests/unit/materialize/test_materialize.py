@@ -371,6 +371,16 @@ def test_a_missing_fqn_is_named_before_anything_is_allocated():
     assert all_meta(model)
 
 
+
+def test_weights_under_other_names_are_said_to_be_in_another_layout():
+    # transformers 5 saves Mixtral's experts as block_sparse_moe.experts.N.w1 and fuses them at load
+    state = MLP().state_dict()
+    state["old.layers.3.bias"] = state.pop("layers.3.bias")
+    with pytest.warns(UserWarning, match="holds 1 key"), \
+            pytest.raises(fxpipe.WeightsError, match=r"lacks 1 FQN\(s\) of the model: 'layers.3.bias'; it holds 1 "
+                                                    r"other key\(s\) \('old.layers.3.bias'\).*another layout"):
+        fxpipe.materialize(on_meta(MLP), weights=state)
+
 def test_shape_and_dtype_mismatches_name_the_fqn_and_both():
     state = MLP().state_dict()
     state["layers.1.weight"] = torch.zeros(16, 8)
