@@ -63,10 +63,11 @@ def test_inputs_or_target_on_the_wrong_rank_are_refused_on_every_rank(world, tmp
                    "stage)" in message
         else:
             assert "pass the target on ranks 1, 3 (the last stage in each of the 2 replicas)" in message
-        kind, message, seconds = res["inputs_on_last"]
-        assert kind == "PipelineInputError" and seconds < 5, (r, res)
         first = "rank 0 (the first stage)" if world == 2 else "ranks 0, 2 (the first stage in each of the 2 replicas)"
-        assert f"which splits them into micro-batches: pass the inputs on {first}" in message
+        for label in ("inputs_on_last", "keywords_on_last"):
+            kind, message, seconds = res[label]
+            assert kind == "PipelineInputError" and seconds < 5, (r, label, res)
+            assert f"which splits them into micro-batches: pass the inputs on {first}" in message, (label, message)
         if world == 2:
             assert max(res["after"]) < 1e-5
         else:

@@ -87,7 +87,7 @@ def recover(rank, world, schedule):
 
 
 def misuse(rank, world, schedule):
-    """The target on the first rank only; the inputs on the last rank only; then a correct step."""
+    """The target on the first rank only; the inputs on the last rank only (positional, then as keywords); a correct step."""
     torch.manual_seed(0)
     model = RopeLM()
     eager = copy.deepcopy(model)
@@ -105,6 +105,11 @@ def misuse(rank, world, schedule):
             pipe.step(x, target=y, loss_fn=token_loss)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    start = time.monotonic()
+    try:  # keywords only, on the last rank: the first rank has nothing to bind
+        pipe.step(**({"ids": ids} if me == last else {}), target=target, loss_fn=token_loss)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["keywords_on_last"] = [type(exc).__name__, str(exc), time.monotonic() - start]
     if dp == 1:
         out["after"] = _compare(pipe, model, eager, rank, ids, target)
     else:

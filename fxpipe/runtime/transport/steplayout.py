@@ -109,6 +109,8 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
     """
     args, kwargs = from_tp_leader(runtime, (args, kwargs))
     try:
+        if not args and not kwargs:  # a model taking keywords only gets nothing to bind on this rank
+            _refuse_missing_inputs(runtime, [None], stepping)
         values = runtime.binding.bind(args, kwargs)
         _refuse_missing_inputs(runtime, values, stepping)
         check_signature(runtime.binding.names, spec_of(values), runtime.example)
