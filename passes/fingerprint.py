@@ -1,24 +1,29 @@
 """The structure of a graph as plain data, to tell whether two processes traced the same graph.
 
 Reads:  the graph (node names, ops, targets, and each node's arguments: nodes by name, constants).
-Writes: nothing; :func:`fingerprint` returns one line per node, :func:`first_difference`
-        names the first node at which two fingerprints differ.
+Writes: nothing, but :func:`rename_like`, which rebuilds the graph (same nodes, their
+        ``node.meta`` kept) in another trace's order and names. :func:`fingerprint` returns one
+        line per node, :func:`first_difference` names the first node at which two fingerprints
+        differ, :func:`structure` keys each node by what it computes.
 
 Two processes tracing the same model get the same graph unless the model's forward depends on
 the process: Python iterating a set of strings (whose order follows the process's hash seed),
 as transformers' ModernBERT does to build its rotary tables per attention type. Both graphs are
 then valid, with the same node names meaning different values; a pipeline whose ranks cut
-them by name would exchange the wrong values.
+them by name would exchange the wrong values. When they compute the same values in another
+order, :func:`rename_like` gives one trace the other's names.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
 from typing import Any
 
 import torch
 import torch.fx
 
-__all__ = ["fingerprint", "first_difference"]
+__all__ = ["fingerprint", "first_difference", "rename_like", "structure"]
 
 
 def _target(target: Any) -> str:
@@ -30,14 +35,14 @@ def _target(target: Any) -> str:
     return f"{module}.{name}" if name else str(target)
 
 
-def _arg(a: Any) -> str:
-    """Write one argument of a node: a node by its name, a constant by its value, other objects by type."""
+def _arg(a: Any, keys: dict[torch.fx.Node, str] | None = None) -> str:
+    """Write one argument of a node: a node by its name (or its key), a constant by its value, other objects by type."""
     if isinstance(a, torch.fx.Node):
-        return a.name
+        return a.name if keys is None else f"<{keys[a]}>"
     if isinstance(a, (list, tuple)):
-        return "[" + ", ".join(_arg(v) for v in a) + "]"
+        return "[" + ", ".join(_arg(v, keys) for v in a) + "]"
     if isinstance(a, dict):
-        return "{" + ", ".join(f"{k}: {_arg(v)}" for k, v in a.items()) + "}"
+        return "{" + ", ".join(f"{k}: {_arg(v, keys)}" for k, v in a.items()) + "}"
     if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)):
         return repr(a)
     return type(a).__name__
@@ -57,3 +62,60 @@ def first_difference(expected: list[str], got: list[str]) -> str | None:
     if len(expected) != len(got):
         return f"{len(got)} nodes where the other has {len(expected)}"
     return None
+
+
+def structure(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
+    """Return ``(name, key)`` per node, where the key hashes what the node computes, not its name.
+
+    A node's key covers its op, its target, its constant arguments and its arguments' keys
+    (placeholders are keyed by name, attributes by their path), so two nodes computing the same
+    value in two traces of a model share a key whatever they were named or where they stand.
+    """
+    keys: dict[torch.fx.Node, str] = {}
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            text = f"placeholder {n.target}"
+        else:
+            text = f"{n.op} {_target(n.target)}({_arg([list(n.args), n.kwargs], keys)})"
+        keys[n] = hashlib.sha1(text.encode()).hexdigest()[:16]
+        out.append((n.name, keys[n]))
+    return out
+
+
+def rename_like(gm: torch.fx.GraphModule, reference: list[tuple[str, str]]) -> bool:
+    """Rebuild ``gm``'s graph in ``reference``'s node order and names, matching nodes by key.
+
+    ``reference`` is another trace's :func:`structure`. Returns False, leaving ``gm`` as it
+    was, when the two graphs do not compute the same values (a key without its match).
+    """
+    mine: dict[str, list[torch.fx.Node]] = {}
+    key_of: dict[torch.fx.Node, str] = {}
+    for n, (_, key) in zip(gm.graph.nodes, structure(gm)):
+        mine.setdefault(key, []).append(n)
+        key_of[n] = key
+    if sorted((k, len(v)) for k, v in mine.items()) != sorted(Counter(k for _, k in reference).items()):
+        return False
+    graph = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
+    graph._codegen = gm.graph._codegen
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    made: dict[str, torch.fx.Node] = {}  # the first new node of each key: nodes of one key compute one value
+
+    def new_of(a: torch.fx.Node) -> torch.fx.Node:  # its own copy if made yet, else one of its key
+        return env[a] if a in env else made[key_of[a]]
+
+    for name, key in reference:
+        old = mine[key].pop(0)
+        try:
+            args = torch.fx.node.map_arg((old.args, old.kwargs), new_of)
+        except KeyError:  # an argument comes later in the reference's order
+            return False
+        new = graph.create_node(old.op, old.target, args[0], args[1], name=name, type_expr=old.type)
+        new.meta = old.meta
+        env[old] = new
+        made.setdefault(key, new)
+    if [n.name for n in graph.nodes] != [name for name, _ in reference]:
+        return False
+    gm.graph = graph
+    gm.recompile()
+    return True

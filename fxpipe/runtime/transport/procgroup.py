@@ -32,28 +32,34 @@ log = logging.getLogger(__name__)
 def agree_on_stages(gm: torch.fx.GraphModule, n_stages: int) -> None:
     """Make every process use global rank 0's stage assignment (measured costs may differ by rank).
 
-    The assignment is by node name, so every rank must have traced the same graph: one that
-    differs (:mod:`fxpipe.passes.fingerprint`) is refused on every rank with a
-    :class:`GraphMismatchError` naming the ranks, the first differing node and the fix.
+    The assignment is by node name, so every rank must have traced the same graph. A rank whose
+    trace computes the same values in another order (a forward iterating a set of strings,
+    whose order follows the process's hash seed) takes rank 0's node names
+    (:func:`fxpipe.passes.fingerprint.rename_like`); a graph computing other values is refused
+    on every rank with a :class:`GraphMismatchError` naming the ranks, the first differing node
+    and the fix.
     """
-    mine = {n.name: n.meta["fxpipe.stage"] for n in passes.compute_nodes(gm)}
     shape = passes.fingerprint(gm)
-    box = [(mine, shape)]
+    box = [({n.name: n.meta["fxpipe.stage"] for n in passes.compute_nodes(gm)}, shape, passes.structure(gm))]
     dist.broadcast_object_list(box, src=0)
-    chosen, first = box[0]
+    chosen, first, keys = box[0]
+    differ = passes.first_difference(first, shape)
+    renamed = differ is not None and passes.rename_like(gm, keys)
     verdicts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, passes.first_difference(first, shape))
-    differ = {r: d for r, d in enumerate(verdicts) if d is not None}
-    if differ:
-        r, what = next(iter(differ.items()))
+    dist.all_gather_object(verdicts, None if renamed else differ)
+    refused = {r: d for r, d in enumerate(verdicts) if d is not None}
+    if refused:
+        r, what = next(iter(refused.items()))
         raise GraphMismatchError(
-            f"rank {r} traced another graph of the model than rank 0 (ranks differing: {sorted(differ)}): "
-            f"rank {r} has {what}. A pipeline cuts every rank's graph by node name, so the ranks would "
-            "exchange the wrong values. The model's forward depends on the process: most often it "
-            "iterates over a set of strings, whose order follows each process's hash seed (transformers' "
-            "ModernBERT does, for its rotary tables). Launch every rank with the same seed "
-            "(PYTHONHASHSEED=0 torchrun ...), and give every rank the same example inputs")
-    if chosen != mine:
+            f"rank {r} traced another graph of the model than rank 0 (ranks differing: {sorted(refused)}): "
+            f"rank {r} has {what}, and its graph computes other values. A pipeline cuts every rank's graph "
+            "by node name, so the ranks would exchange the wrong values. The model's forward depends on the "
+            "process; give every rank the same example inputs, and if the forward iterates over a set of "
+            "strings, launch every rank with the same hash seed (PYTHONHASHSEED=0 torchrun ...)")
+    if renamed:
+        log.info("rank %d traced the model's nodes in another order than rank 0 (%s); it takes rank 0's names",
+                 dist.get_rank(), differ)
+    if chosen != {n.name: n.meta["fxpipe.stage"] for n in passes.compute_nodes(gm)}:
         log.info("rank %d adopts rank 0's stage assignment", dist.get_rank())
         passes.assign_by_name(gm, chosen, n_stages)
 
