@@ -59,6 +59,13 @@ def _batched(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() > 0
 
 
+def _named(signature: inspect.Signature, bound: inspect.BoundArguments) -> list[tuple[str, Any]]:
+    """Return the bound arguments by name, a ``**kwargs`` parameter's entries by their own names."""
+    return [(k, v) for name, value in bound.arguments.items()
+            for k, v in (value.items() if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD
+                         else [(name, value)])]
+
+
 def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None,
                  unbatched: Collection[str] = ()) -> torch.fx.GraphModule:
     """Export ``model`` with a dynamic batch dim; return the flat GraphModule over its own state.
@@ -76,7 +83,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"the example inputs do not match {type(model).__name__}.forward: {exc}") from None
-    whole = {id(t) for name in unbatched if name in bound.arguments for t in tree_flatten(bound.arguments[name])[0]}
+    whole = {id(t) for name, value in _named(signature, bound) if name in unbatched for t in tree_flatten(value)[0]}
 
     def split(t: Any) -> bool:  # a tensor split into micro-batches (not an unbatched= input's)
         return _batched(t) and id(t) not in whole

@@ -132,15 +132,18 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
 def _check_example_batch(model: nn.Module, args: tuple, kwargs: dict, unbatched: Sequence[str]) -> None:
     """Refuse example inputs whose batch sizes disagree (but ``unbatched=`` ones), before exporting."""
     signature = inspect.signature(model.forward)
-    unknown = [n for n in unbatched if n not in signature.parameters]
-    if unknown:
+    params = signature.parameters
+    unknown = [n for n in unbatched if n not in params]
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         raise ValueError(f"unbatched={list(unbatched)!r} names {unknown}, which {type(model).__name__}.forward "
-                         f"does not take; its inputs are {list(signature.parameters)}")
+                         f"does not take; its inputs are {list(params)}")
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError:
         return  # the front end names the mismatch
-    batch_size(list(bound.arguments.values()), list(bound.arguments), set(unbatched))
+    named = [(k, v) for name, value in bound.arguments.items()  # a **kwargs parameter's entries by their own names
+             for k, v in (value.items() if params[name].kind is params[name].VAR_KEYWORD else [(name, value)])]
+    batch_size([v for _, v in named], [k for k, _ in named], set(unbatched))
 
 
 def _mark_unbatched(gm: torch.fx.GraphModule, unbatched: Sequence[str]) -> frozenset[str]:
