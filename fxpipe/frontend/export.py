@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fxpipe.errors import TraceError
 from fxpipe.frontend.exportmeta import fake_inputs, fake_state, meta_refusal, refuse_stand_ins, target_device
 
-__all__ = ["export_trace"]
+__all__ = ["export_trace", "named_arguments"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def _batched(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() > 0
 
 
-def _named(signature: inspect.Signature, bound: inspect.BoundArguments) -> list[tuple[str, Any]]:
+def named_arguments(signature: inspect.Signature, bound: inspect.BoundArguments) -> list[tuple[str, Any]]:
     """Return the bound arguments by name, a ``**kwargs`` parameter's entries by their own names."""
     return [(k, v) for name, value in bound.arguments.items()
             for k, v in (value.items() if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD
@@ -83,7 +83,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"the example inputs do not match {type(model).__name__}.forward: {exc}") from None
-    whole = {id(t) for name, value in _named(signature, bound) if name in unbatched for t in tree_flatten(value)[0]}
+    whole = {id(t) for name, value in named_arguments(signature, bound) if name in unbatched for t in tree_flatten(value)[0]}
 
     def split(t: Any) -> bool:  # a tensor split into micro-batches (not an unbatched= input's)
         return _batched(t) and id(t) not in whole

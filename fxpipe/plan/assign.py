@@ -22,6 +22,7 @@ from torch._subclasses import fake_tensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from fxpipe import passes
+from fxpipe.frontend.export import named_arguments
 from fxpipe.frontend.markers import resolve_split_points
 from fxpipe.frontend.tracing import trace
 from fxpipe.options import AUTO, CompileOptions, cut_mode
@@ -141,8 +142,7 @@ def _check_example_batch(model: nn.Module, args: tuple, kwargs: dict, unbatched:
         bound = signature.bind(*args, **kwargs)
     except TypeError:
         return  # the front end names the mismatch
-    named = [(k, v) for name, value in bound.arguments.items()  # a **kwargs parameter's entries by their own names
-             for k, v in (value.items() if params[name].kind is params[name].VAR_KEYWORD else [(name, value)])]
+    named = named_arguments(signature, bound)
     batch_size([v for _, v in named], [k for k, _ in named], set(unbatched))
 
 
