@@ -57,8 +57,9 @@ def batch_coupled_outputs(gm: torch.fx.GraphModule, batch: int, rows: int,
                           unbatched: Collection[str] = ()) -> list[str]:
     """Return a description of each output whose shape does not follow ``batch`` -> ``rows`` on dim 0 alone.
 
-    The inputs named in ``unbatched`` keep their example's shapes. An empty list when every output does, and when the graph cannot run for ``rows`` rows on
-    fake tensors (nothing then is known; the runtime's own checks apply).
+    The inputs named in ``unbatched`` keep their example's shapes. An empty list when every
+    output does, and when the graph cannot run for ``rows`` rows on fake tensors (nothing then
+    is known; the runtime's own checks apply).
     """
     if rows == batch:
         return []
