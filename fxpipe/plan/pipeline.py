@@ -26,6 +26,8 @@ class PipelinePlan:
     graph_nodes: list[str] = field(default_factory=list)
     graph_ops: list[str] = field(default_factory=list)  # per graph node, empty in older plans
     graph_targets: list[str] = field(default_factory=list)  # per graph node, empty in older plans
+    # per graph node, what it computes whatever its name (fxpipe.passes.structure); empty in older plans
+    graph_keys: list[str] = field(default_factory=list)
     tensor_parallel: dict[str, Any] | None = None  # size, styles by module, collectives per micro-batch
     # how the pipe runs: runtime, data_parallel, data_parallel_shard, tensor_parallel, stages_per_rank
     # (what fxpipe.compile(plan=) reproduces; None in older plans)

@@ -3,13 +3,17 @@
 A plan records every node of the traced graph by name, op and target. Reusing it writes the
 saved stage of each compute node into ``node.meta["fxpipe.stage"]`` (the partition pass's
 output), so the split and the plan that follow are the same code as for a fresh partition.
-A graph that no longer matches (nodes added, removed or renamed, an op or target changed, a
-different number of stages) is refused with :class:`~fxpipe.errors.PlanMismatchError`.
+A graph that computes the same values in another order (a forward iterating a set of strings,
+whose order follows the process's hash seed) takes the plan's node names first, matched by
+what each node computes (``plan.graph_keys``, :func:`fxpipe.passes.structure`). A graph that
+no longer matches (nodes added, removed or renamed, an op or target changed, a different
+number of stages) is refused with :class:`~fxpipe.errors.PlanMismatchError`.
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from typing import Any, Union, cast
 
@@ -22,6 +26,8 @@ from fxpipe.plan.pipeline import PipelinePlan
 
 __all__ = ["LAYOUT_DEFAULTS", "PlanLike", "adopt_layout", "apply_plan", "differences", "front_end", "graph_signature",
            "load_plan"]
+
+log = logging.getLogger(__name__)
 
 PlanLike = Union[str, "os.PathLike[str]", PipelinePlan]
 
@@ -138,8 +144,9 @@ def differences(plan: PipelinePlan, gm: torch.fx.GraphModule) -> list[str]:
 def apply_plan(gm: torch.fx.GraphModule, plan: PipelinePlan, n_stages: int) -> None:
     """Write ``plan``'s stage of every node into ``gm``'s ``fxpipe.stage`` meta, after checking it fits.
 
-    Reads:  the graph's nodes (names, ops, targets).
-    Writes: ``node.meta["fxpipe.stage"]``, as :func:`fxpipe.passes.partition` does.
+    Reads:  the graph's nodes (names, ops, targets, and what they compute).
+    Writes: ``node.meta["fxpipe.stage"]``, as :func:`fxpipe.passes.partition` does; a graph
+            traced in another order is rebuilt in the plan's order and names first.
     Raises :class:`PlanMismatchError` saying what differs.
     """
     fix = ("make a new plan: call fxpipe.compile without plan= (or run `fxpipe inspect MODEL "
@@ -151,6 +158,11 @@ def apply_plan(gm: torch.fx.GraphModule, plan: PipelinePlan, n_stages: int) -> N
         raise PlanMismatchError(f"the saved plan records no graph nodes, so it cannot be checked "
                                 f"against the model; {fix}")
     diffs = differences(plan, gm)
+    if diffs and len(plan.graph_keys) == len(plan.graph_nodes) and \
+            passes.rename_like(gm, list(zip(plan.graph_nodes, plan.graph_keys))):
+        # the same values traced in another order (a forward iterating a set of strings): take the plan's names
+        log.info("the model traced its nodes in another order than the saved plan's graph; it takes the plan's names")
+        diffs = differences(plan, gm)
     if diffs:
         raise PlanMismatchError("the model's graph no longer matches the saved plan:\n  "
                                 + "\n  ".join(diffs) + f"\nTo pipeline the model as it is now, {fix}.")

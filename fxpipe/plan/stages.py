@@ -93,7 +93,8 @@ def _describe(gm: torch.fx.GraphModule, modules: Sequence[torch.fx.GraphModule],
     names, ops, targets = graph_signature(gm)
     return PipelinePlan(stages=list(stages), skips=list(routes), chunks=chunks, checkpoint=checkpoint,
                         schedule=schedule, balance_by=balance_by,
-                        graph_nodes=names, graph_ops=ops, graph_targets=targets)
+                        graph_nodes=names, graph_ops=ops, graph_targets=targets,
+                        graph_keys=[key for _, key in passes.structure(gm)])
 
 
 def _carries_grad(node: torch.fx.Node) -> bool:

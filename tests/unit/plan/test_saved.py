@@ -52,6 +52,43 @@ def test_plan_records_op_and_target_of_every_node():
     assert PipelinePlan.from_json(plan.to_json()) == plan
 
 
+class _Kinds(nn.Module):
+    """Build one table per kind in the given order, as ModernBERT builds its rotary tables from a set of strings."""
+
+    def __init__(self, order):
+        super().__init__()
+        torch.manual_seed(0)
+        self.order = order
+        self.proj = nn.ModuleDict({k: nn.Linear(8, 8) for k in ("full", "sliding")})
+        self.layers = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+
+    def forward(self, x):
+        tables = {}
+        for kind in self.order:  # the trace's node order, and which name means which table, follow the order
+            tables[kind] = torch.cos(self.proj[kind](x))
+        for i, layer in enumerate(self.layers):
+            x = layer(x) * tables["full" if i % 2 else "sliding"]
+        return x
+
+
+def test_a_plan_applies_to_a_trace_in_another_order(tmp_path):
+    # a plan saved in one process and loaded in another whose hash seed orders the set otherwise
+    x = torch.randn(4, 8)
+    first = fxpipe.compile(_Kinds(["full", "sliding"]), 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    path = tmp_path / "plan.json"
+    first.plan.save(str(path))
+    assert fxpipe.compile(_Kinds(["sliding", "full"]), 2, devices=["cpu"] * 2).plan.graph_nodes != \
+        first.plan.graph_nodes
+    again = assert_pipeline_equivalent(_Kinds(["sliding", "full"]), (x,), n_stages=2, chunks=2,
+                                       devices=["cpu"] * 2, plan=str(path))
+    assert again.plan.graph_nodes == first.plan.graph_nodes and _layout(again.plan) == _layout(first.plan)
+    # a plan from before the keys were recorded cannot tell the orders apart: refused, as before
+    data = json.loads(first.plan.to_json())
+    del data["graph_keys"]
+    with pytest.raises(fxpipe.PlanMismatchError, match="no longer matches the saved plan"):
+        fxpipe.compile(_Kinds(["sliding", "full"]), 2, devices=["cpu"] * 2, plan=PipelinePlan.from_dict(data))
+
+
 def test_plan_without_ops_from_older_versions_loads_and_is_checked_by_name(tmp_path):
     plan = fxpipe.compile(MLP(), 2, devices=["cpu"] * 2).plan
     data = json.loads(plan.to_json())
