@@ -31,10 +31,11 @@ guard in the first stage.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from functools import partial
 from typing import Any
 
@@ -108,10 +109,11 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
         return {0: batch, **{d: torch.export.Dim.AUTO for d in range(1, t.dim())}} if _batched(t) else None
 
     def export(batch: Any) -> torch.export.ExportedProgram:
-        dynamic = {name: tree_map(partial(dims, name, batch=batch), value) for name, value in bound.arguments.items()}
+        named = inspect.signature(model.forward).bind(*args, **kwargs)  # **kwargs' entries by name while exported
+        dynamic = {name: tree_map(partial(dims, name, batch=batch), value) for name, value in named.arguments.items()}
         return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
 
-    with fake_state(model, target) as faked:
+    with fake_state(model, target) as faked, _keywords_by_name(model, signature, bound):
         try:
             program = export(torch.export.Dim("batch", min=1))
         except Exception as exc:  # retried with a bound, or re-raised with the fix
@@ -126,6 +128,40 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     gm.meta["fxpipe.training"] = model.training
     log.debug("exported %s: %d nodes", type(model).__name__, len(gm.graph.nodes))
     return gm
+
+
+@contextlib.contextmanager
+def _keywords_by_name(model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments) -> Iterator[None]:
+    """Give ``model.forward`` a signature naming each ``**kwargs`` entry passed, while it is exported.
+
+    torch.export matches ``dynamic_shapes`` against the forward's arguments in one place by the
+    signature (``kwargs: {"mask": ...}``) and in another by the names passed (``mask``), and
+    fails on a forward taking ``**kwargs``. With the entries named as keyword-only parameters,
+    both agree; the model's own forward runs unchanged.
+    """
+    params = list(signature.parameters.values())
+    var = [p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+    entries = list(bound.arguments.get(var[0], {})) if var else []
+    if not entries:
+        yield
+        return
+    forward = model.forward
+    named = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    named += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in entries]
+
+    def flat(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    flat.__signature__ = signature.replace(parameters=named)  # type: ignore[attr-defined]
+    own = model.__dict__.get("forward")
+    model.__dict__["forward"] = flat
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.__dict__["forward"]
+        else:
+            model.__dict__["forward"] = own
 
 
 def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int) -> torch.export.ExportedProgram:

@@ -198,3 +198,28 @@ def test_export_of_a_sliced_example_input_accepts_fresh_inputs():
     pipe = fxpipe.compile(copy.deepcopy(model), 2, example_inputs=(ids[:, :8],), chunks=2, tracer="export")
     fresh = torch.randint(0, 32, (4, 8))
     torch.testing.assert_close(pipe(fresh), model(fresh))
+
+
+class _Keywords(nn.Module):
+    """Take its mask and bias through ``**kwargs``, as many Hugging Face forwards take theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, **kwargs):
+        h = self.a(x) * kwargs["mask"]
+        return self.b(h + kwargs.get("bias", 0))
+
+
+def test_export_of_a_forward_taking_keywords_through_kwargs():
+    # torch.export matched dynamic shapes once by the signature (kwargs: {mask}) and once by the
+    # names passed (mask), and failed with "Must provide a tree_name when there might be a mismatch"
+    torch.manual_seed(0)
+    x, mask, bias = torch.randn(4, 8), torch.rand(4, 8), torch.randn(8)
+    model = _Keywords()
+    pipe = assert_pipeline_equivalent(model, (x,), example_kwargs={"mask": mask, "bias": bias}, n_stages=2,
+                                      chunks=2, devices=["cpu"] * 2, tracer="export", unbatched=["bias"])
+    assert "forward" not in model.__dict__  # the model's own forward again
+    fresh = (torch.randn(6, 8), torch.rand(6, 8))
+    torch.testing.assert_close(pipe(fresh[0], mask=fresh[1], bias=bias), model(fresh[0], mask=fresh[1], bias=bias))
