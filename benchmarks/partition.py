@@ -232,12 +232,17 @@ def scaling_table(sizes=(1000, 4000, 16000), repeats: int = 3, stages: int = 4) 
     passes.annotate(gm, (x,))
     phases["annotate"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    passes.batch_coupled_outputs(gm, x.shape[0], x.shape[0] // 4)  # what chunks=4 adds: outputs coupling rows
+    phases["coupled-output check"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     passes.partition(gm, stages)
     phases["partition"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     passes.split(gm, stages)
     phases["split"] = time.perf_counter() - t0
     print("\nphases at the largest size: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
+    print(f"the coupled-output check (compile with chunks > 1) against annotation: "
+          f"{phases['coupled-output check'] / phases['annotate']:.2f}x")
 
 
 def main() -> None:

@@ -5,6 +5,9 @@ Reads:  the graph, the module's parameter and buffer shapes (those on ``meta`` s
 Writes: nothing; returns ``{node name: value}`` with tensors as :class:`TensorSpec`; a node
         that fails raises :class:`~fxpipe.passes.failure.PropagationError` naming it.
 
+A node whose signature (:mod:`fxpipe.passes.signature`) matches an earlier node's reuses its
+value, as annotation does, unless the graph may change a value in place.
+
 A runtime that must size receive buffers for a micro-batch of ``b`` rows (the distributed
 runtime) calls this with inputs of ``b`` rows; ``annotate`` keeps its per-node metadata for
 the example batch.
@@ -20,6 +23,9 @@ import torch
 import torch.fx
 from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.passes.failure import explain
+from fxpipe.passes.gcpause import gc_paused
+from fxpipe.passes.mutates import may_mutate
+from fxpipe.passes.signature import node_key, value_key
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -40,15 +46,29 @@ class SpecProp(torch.fx.Interpreter):
         self.wanted = wanted
         self.needed = _ancestors(gm, wanted)
         self.specs: dict[str, Any] = {}
+        # a node whose signature matches an earlier one's reuses its value (repeated layers run once),
+        # unless the graph may change a value in place (mod:`fxpipe.passes.signature`)
+        self.memoize = not any(may_mutate(n) for n in gm.graph.nodes)
+        self.keys: dict[torch.fx.Node, Any] = {}
+        self.modules: dict = {}
+        self.cache: dict = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        """Run one needed node; record its value's spec if it is wanted; name the node if it fails."""
+        """Run one needed node (or reuse an equal earlier node's value); record its spec if wanted."""
         if n.name not in self.needed and n.op != "output":
             return None  # the output node returns the skipped nodes as None
-        try:
-            result = super().run_node(n)
-        except Exception as exc:  # noqa: BLE001 - re-raised naming the node and its module
-            raise explain(self.gm, n, exc, "these inputs", advise=False) from None
+        key = node_key(n, self.keys, self.modules) if self.memoize and n.op.startswith("call_") else None
+        if key is not None and key in self.cache:
+            result = tree_map(lambda v: v, self.cache[key])  # a fresh container for each node
+        else:
+            try:
+                result = super().run_node(n)
+            except Exception as exc:  # noqa: BLE001 - re-raised naming the node and its module
+                raise explain(self.gm, n, exc, "these inputs", advise=False) from None
+            if key is not None:
+                self.cache[key] = result
+        if self.memoize:
+            self.keys[n] = value_key(result)
         if n.name in self.wanted:
             self.specs[n.name] = spec_of(result)
         return result
@@ -93,6 +113,7 @@ class Propagator:
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the tensor, its stand-in)
 
+    @gc_paused
     def __call__(self, inputs: list[Any]) -> dict[str, Any]:
         """Return the spec of each chosen node's value for placeholder values ``inputs``.
 
@@ -118,6 +139,7 @@ class Propagator:
             quiet = logging.getLogger("torch._subclasses.fake_tensor")
             level, quiet.level = quiet.level, logging.CRITICAL  # a failing node is raised, named, not logged too
             self.prop.specs = {}
+            self.prop.keys, self.prop.cache = {}, {}
             try:
                 torch.func.functional_call(self.holder, fake_state, tuple(fake_inputs))
             finally:
