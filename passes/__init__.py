@@ -8,7 +8,7 @@ torch.fx and networkx, and nothing of fxpipe outside ``fxpipe.passes``.
 """
 
 from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
-from fxpipe.passes.batchrows import batch_coupled_outputs
+from fxpipe.passes.batchrows import batch_coupled_outputs, scalar_outputs
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from fxpipe.passes.fingerprint import fingerprint, first_difference, rename_like, structure
@@ -68,6 +68,7 @@ __all__ = [
                               "profile",
                               "rename_like",
                               "retain",
+                              "scalar_outputs",
                               "split",
                               "split_weight_grads",
                               "stage_costs",

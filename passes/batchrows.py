@@ -3,7 +3,8 @@
 Reads:  ``fxpipe.value`` of the placeholders and of the nodes the output returns (the example
         batch's specs, from :mod:`fxpipe.passes.annotate`), and the graph, which it runs once
         more on fake tensors for a micro-batch's rows (:mod:`fxpipe.passes.infer`).
-Writes: nothing; :func:`batch_coupled_outputs` returns one description per such output.
+Writes: nothing; :func:`batch_coupled_outputs` returns one description per such output, and
+        :func:`scalar_outputs` names the 0-dim outputs (reduced over the batch: no dim to join on).
 
 A pipeline runs each micro-batch alone and joins the outputs on dim 0. That is the model's
 output only when every output row comes from its own input rows. An output whose other dims
@@ -24,7 +25,7 @@ from fxpipe.passes.infer import Propagator
 from fxpipe.passes.spec import TensorSpec
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
-__all__ = ["batch_coupled_outputs"]
+__all__ = ["batch_coupled_outputs", "scalar_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,12 @@ def _leaves(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Node]]:
         except Exception as exc:  # noqa: BLE001 - names are for the message only
             log.debug("outputs named by position: %s", exc)
     return [(name or "the output", leaf) for name, leaf in flat if isinstance(leaf, torch.fx.Node)]
+
+
+def scalar_outputs(gm: torch.fx.GraphModule) -> list[str]:
+    """Return the outputs that are 0-dim tensors (a loss the model computes), named by their place in the output."""
+    return [name for name, node in _leaves(gm)
+            if isinstance(spec := node.meta.get("fxpipe.value"), TensorSpec) and len(spec.shape) == 0]
 
 
 def _scaled(value: Any, batch: int, rows: int) -> Any:

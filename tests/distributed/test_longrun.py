@@ -74,6 +74,22 @@ def test_inputs_or_target_on_the_wrong_rank_are_refused_on_every_rank(world, tmp
             assert res["after"] == results[0]["after"]  # the global batch's loss on every rank
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_a_forward_whose_outputs_cannot_be_joined_is_refused_on_every_rank_in_the_same_call(schedule, tmp_path, launch):
+    # found on the last rank after the forwards, the refusal reached the first rank a call late,
+    # and every later call paired with the wrong one (a Hugging Face model's loss from labels=)
+    results = launch("longrun_cases:unjoinable_forward", 2, schedule, tmp_path, limit=90)
+    _ok(results)
+    for r, res in enumerate(results):
+        for label in ("first", "again"):
+            kind, message, seconds = res[label]
+            assert kind == "PipelineInputError" and seconds < 5, (r, label, res)
+            assert "returns a 0-dim tensor (['loss']), which cannot be joined across 2 micro-batches" in message
+            assert "out.loss" in message, message
+        error, seconds = res["step"]
+        assert error < 1e-6 and seconds < 10, (r, res)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_a_rope_model_on_meta_saves_loads_across_ranks_and_resumes_exactly(schedule, tmp_path, launch):
     results = launch("longrun_cases:rope_resume", 2, schedule, tmp_path)

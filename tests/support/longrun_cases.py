@@ -139,6 +139,40 @@ def misuse_zbv(rank, world, schedule):
     return out
 
 
+class _WithLoss(nn.Module):
+    """Return per-row outputs and a loss over the batch, as a Hugging Face model given labels= does."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+
+    def forward(self, x, labels):
+        out = self.layers(x)
+        return {"logits": out, "loss": F.mse_loss(out, labels)}
+
+
+def unjoinable_forward(rank, world, schedule):
+    """pipe(x) of a model returning a 0-dim loss is refused on every rank in the same call; the ranks stay in step."""
+    torch.manual_seed(0)
+    model = _WithLoss()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    pipe = fxpipe.compile(model, world, example_inputs=(x, y), chunks=2, runtime="distributed", timeout=20,
+                          schedule=schedule)
+    out = {}
+    for label in ("first", "again"):  # a refused call, then the same call: each refused on every rank
+        start = time.monotonic()
+        try:
+            pipe(x, y)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    start = time.monotonic()
+    loss = pipe.step(x, y, target=None, loss_fn=lambda o, _: o["loss"])
+    expected = eager(x, y)["loss"]
+    out["step"] = [max_relative_error(loss, expected), time.monotonic() - start]
+    return out
+
+
 def rope_resume(rank, world, schedule):
     """A RoPE decoder on meta with weights= and init=: train, save, load into a fresh pipe, go on."""
     out_dir = os.environ["FXPIPE_TEST_DIR"]

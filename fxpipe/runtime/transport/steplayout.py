@@ -115,6 +115,8 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         _refuse_missing_inputs(runtime, values, stepping)
         check_signature(runtime.binding.names, spec_of(values), runtime.example)
         mbs, batch = runtime.binding.split(args, kwargs, runtime.plan.chunks, training, runtime.device)
+        if not stepping:  # pipe(x): outputs the last rank could not join are refused here, on every rank
+            runtime.binding.check_joinable(len(mbs))
         specs = [spec_of(mb) for mb in mbs]
         if runtime.layout.dp > 1:
             _agree_on_batch(batch, runtime.layout.dp_group, runtime.layout.replica, runtime.device)

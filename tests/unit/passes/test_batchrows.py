@@ -77,3 +77,30 @@ def test_a_coupled_output_is_warned_at_compile_and_refused_by_pipe_call(tracer):
         warnings.simplefilter("error")  # one micro-batch: nothing to warn of, and equal to eager
         whole = fxpipe.compile(copy.deepcopy(model), 2, example_inputs=(x, y), chunks=1, tracer=tracer)
     torch.testing.assert_close(whole(x, y)["logits"], model(x, y)["logits"])
+
+
+class WithLoss(nn.Module):
+    """Return per-row values and a loss over the batch, as a Hugging Face model given labels= does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, labels):
+        out = self.b(torch.tanh(self.a(x)))
+        return {"logits": out, "loss": ((out - labels) ** 2).mean()}
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_0_dim_output_is_refused_by_pipe_call_before_anything_runs(tracer, monkeypatch):
+    model, x, y = WithLoss(), torch.randn(4, 8), torch.randn(4, 8)
+    pipe = fxpipe.compile(copy.deepcopy(model), 2, example_inputs=(x, y), chunks=2, tracer=tracer)
+    assert passes.scalar_outputs(pipe._runtime.binding.gm) == ["['loss']"]
+    monkeypatch.setattr(pipe._runtime, "run", lambda *a: pytest.fail("ran the stages"))
+    with pytest.raises(fxpipe.PipelineInputError, match=r"0-dim tensor \(\['loss'\]\).*2 micro-batches.*out\.loss"):
+        pipe(x, y)
+    monkeypatch.undo()
+    loss = pipe.step(x, y, target=None, loss_fn=lambda out, _: out["loss"])  # what pipe.step trains on
+    torch.testing.assert_close(loss, model(x, y)["loss"])
+    whole = fxpipe.compile(copy.deepcopy(model), 2, example_inputs=(x, y), chunks=1, tracer=tracer)
+    torch.testing.assert_close(whole(x, y)["loss"], model(x, y)["loss"])
