@@ -130,7 +130,11 @@ def _bind_pytree(gm: torch.fx.GraphModule, in_spec, args: tuple, kwargs: dict) -
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
-        raise TypeError(f"the inputs do not match the model's signature {sig}: {exc}") from None
+        hint = ("; torch.export traced the model with the inputs given at compile (example_inputs=, "
+                "example_kwargs=) and takes those only: give every input the pipe will be called with an "
+                "example at compile (an optional one, such as attention_mask=, too)"
+                if gm.meta.get("fxpipe.tracer") == "export" else "")
+        raise TypeError(f"the inputs do not match the model's signature {sig}: {exc}{hint}") from None
     bound.apply_defaults()
     names = list(sig.parameters)
     args_spec, kwargs_spec = (in_spec.children() if hasattr(in_spec, "children")

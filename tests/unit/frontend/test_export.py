@@ -223,3 +223,13 @@ def test_export_of_a_forward_taking_keywords_through_kwargs():
     assert "forward" not in model.__dict__  # the model's own forward again
     fresh = (torch.randn(6, 8), torch.rand(6, 8))
     torch.testing.assert_close(pipe(fresh[0], mask=fresh[1], bias=bias), model(fresh[0], mask=fresh[1], bias=bias))
+
+
+def test_an_input_not_given_at_export_is_refused_naming_the_fix():
+    torch.manual_seed(0)
+    x, mask = torch.randn(4, 8), torch.rand(4, 8)
+    pipe = fxpipe.compile(_Keywords(), 2, example_inputs=(x,), example_kwargs={"mask": mask}, chunks=2,
+                          tracer="export")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'bias'.*takes those only: give every "
+                                        r"input the pipe will be called with an example at compile"):
+        pipe(x, mask=mask, bias=torch.randn(8))
