@@ -17,8 +17,10 @@ So gradients land in the model's ``Parameter`` objects and ``pipe.state_dict()``
 model's keys. A model built on ``meta`` is exported with its meta tensors presented as fake
 tensors on the example inputs' device (:mod:`fxpipe.frontend.exportmeta`); the graph still refers to
 the model's own meta objects, which the stages fill. The graph is fixed to the mode (train or
-eval) the model was in when exported, and to the dims torch.export specialised (a conv's
-channels; a size of 0 or 1): :mod:`fxpipe.runtime.validate` refuses other inputs by name.
+eval) the model was in when exported, to the autocast it was exported under (its casts are
+fixed in the graph, and the dtype checks torch.export writes fail without them), and to the
+dims torch.export specialised (a conv's channels; a size of 0 or 1):
+:mod:`fxpipe.runtime.validate` refuses another mode, another autocast and other inputs by name.
 
 A model may branch on the batch size for speed only (``if x.shape[0] >= 64: x =
 x.contiguous()``, as diffusers' ``Upsample2D`` does): torch.export then refuses an unbounded
@@ -126,6 +128,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     refuse_stand_ins(gm, model)
     gm.meta["fxpipe.tracer"] = "export"
     gm.meta["fxpipe.training"] = model.training
+    gm.meta["fxpipe.autocast"] = autocast_state()
     log.debug("exported %s: %d nodes", type(model).__name__, len(gm.graph.nodes))
     return gm
 
@@ -162,6 +165,11 @@ def _keywords_by_name(model: nn.Module, signature: inspect.Signature, bound: ins
             del model.__dict__["forward"]
         else:
             model.__dict__["forward"] = own
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """Return the device types autocast is enabled for in this thread, each with its dtype."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
 def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int) -> torch.export.ExportedProgram:

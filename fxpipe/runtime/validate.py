@@ -2,7 +2,7 @@
 
 An fx graph is generic in shapes: inputs of other non-batch shapes than the example run
 correctly (the plan's costs were only estimated on the example). A ``torch.export`` graph is
-not: its non-batch dims and its train/eval behaviour are fixed when it is exported, so a
+not: its non-batch dims, its train/eval behaviour and its autocast are fixed when it is exported, so a
 mismatch is refused here with the input's name, rather than failing deep inside a stage.
 """
 
@@ -16,13 +16,14 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpipe.errors import PipelineInputError
+from fxpipe.frontend.export import autocast_state
 
 __all__ = ["check_inputs"]
 
 
 def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequence[str],
                  training: bool, unbatched: Collection[str] = ()) -> None:
-    """Raise :class:`PipelineInputError` if the inputs or the mode differ from an exported graph's."""
+    """Raise :class:`PipelineInputError` if the inputs, the mode or the autocast differ from an exported graph's."""
     meta = getattr(gm, "meta", {})
     exported = meta.get("fxpipe.training")
     if exported is not None and exported != training:
@@ -32,11 +33,25 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
             f"an exported graph keeps the mode it was traced in (dropout, batch norm); call "
             f"model.{'train' if training else 'eval'}() before fxpipe.compile(..., tracer='export'), "
             f"or use tracer='fx'")
+    traced = meta.get("fxpipe.autocast")
+    if traced is not None and tuple(traced) != autocast_state():
+        raise PipelineInputError(
+            f"torch.export traced the model {_autocast(tuple(traced))} but the pipe runs {_autocast(autocast_state())}: "
+            "an exported graph keeps the dtypes it was traced with (an autocast's casts are fixed in it, and its "
+            "checks of the dtypes fail without them); call fxpipe.compile(..., tracer='export') under the same "
+            "torch.autocast as the steps, or use tracer='fx'")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value, name in zip(placeholders, values, names):
         expected = node.meta.get("val")  # a fake tensor where torch.export or dynamo traced
         if isinstance(expected, FakeTensor) and isinstance(value, torch.Tensor):
             _check_static_dims(name, value, expected, first=0 if name in unbatched else 1)
+
+
+def _autocast(state: tuple) -> str:
+    """Describe an autocast state of :func:`~fxpipe.frontend.export.autocast_state`."""
+    if not state:
+        return "without autocast"
+    return "under " + " and ".join(f"torch.autocast({d!r}, dtype={dtype})" for d, dtype in state)
 
 
 def _fixed(d: Any) -> int | None:

@@ -233,3 +233,23 @@ def test_an_input_not_given_at_export_is_refused_naming_the_fix():
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'bias'.*takes those only: give every "
                                         r"input the pipe will be called with an example at compile"):
         pipe(x, mask=mask, bias=torch.randn(8))
+
+
+def test_an_exported_graph_runs_under_the_autocast_it_was_traced_under_and_refuses_another():
+    # torch.export writes dtype checks (and, under autocast, the casts) into the graph: a graph
+    # exported in float32 failed deep in a stage under autocast ("Tensor dtype mismatch")
+    torch.manual_seed(0)
+    model = TiedTransformer()
+    ids = torch.randint(0, 32, (4, 8))
+    plain = fxpipe.compile(copy.deepcopy(model), 2, example_inputs=(ids,), chunks=2, tracer="export")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = fxpipe.compile(copy.deepcopy(model), 2, example_inputs=(ids,), chunks=2, tracer="export")
+        with pytest.raises(fxpipe.PipelineInputError, match=r"traced the model without autocast but the pipe runs "
+                                                            r"under torch.autocast\('cpu', dtype=torch.bfloat16\)"):
+            plain(ids)
+        expected = model(ids)
+        torch.testing.assert_close(under(ids), expected)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"under torch.autocast\('cpu', dtype=torch.bfloat16\) but the "
+                                                        r"pipe runs without autocast.*compile\(\.\.\., tracer='export'\) "
+                                                        r"under the same torch.autocast"):
+        under(ids)
