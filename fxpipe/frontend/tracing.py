@@ -23,8 +23,8 @@ __all__ = ["trace"]
 
 log = logging.getLogger(__name__)
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_FXPIPE_DIR = os.path.dirname(__file__)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # with the separator: torchvision's lines are the user's
+_FXPIPE_DIR = os.path.dirname(__file__) + os.sep
 
 
 class _Proxy(torch.fx.Proxy):

@@ -292,10 +292,11 @@ class DistributedRuntime:
                     total = total.clone()
                     dist.all_reduce(total, group=self.layout.dp_group)
                     total /= self.layout.dp
-                steplayout.tell_all(self, total.item())
+                steplayout.tell_all(self, (total.item(), str(total.dtype).removeprefix("torch.")))
                 self.comm.flush()
                 return total
-            return torch.tensor(self.comm.recv_object(self.last_rank, "waiting for the loss"))
+            value, dtype = self.comm.recv_object(self.last_rank, "waiting for the loss")
+            return torch.tensor(value, dtype=getattr(torch, dtype), device=self.device)  # as the loss's rank has it
         return self._guarded(body)
 
     def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:

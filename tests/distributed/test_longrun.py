@@ -90,6 +90,14 @@ def test_a_forward_whose_outputs_cannot_be_joined_is_refused_on_every_rank_in_th
         assert error < 1e-6 and seconds < 10, (r, res)
 
 
+def test_the_loss_comes_back_in_its_dtype_on_every_rank(tmp_path, launch):
+    # the ranks that do not compute the loss got it as a float32 tensor of the float64 loss's value
+    results = launch("longrun_cases:loss_dtype", 2, "1f1b", tmp_path, limit=60)
+    _ok(results)
+    assert [res["dtype"] for res in results] == ["torch.float64"] * 2
+    assert results[0]["value"] == results[1]["value"] == pytest.approx(results[0]["expected"], rel=1e-12)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_a_rope_model_on_meta_saves_loads_across_ranks_and_resumes_exactly(schedule, tmp_path, launch):
     results = launch("longrun_cases:rope_resume", 2, schedule, tmp_path)

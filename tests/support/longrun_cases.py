@@ -173,6 +173,18 @@ def unjoinable_forward(rank, world, schedule):
     return out
 
 
+def loss_dtype(rank, world, schedule):
+    """A float64 model's loss: the same value and dtype on every rank."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).double()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
+                          schedule=schedule)
+    loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
+    return {"dtype": str(loss.dtype), "value": loss.item(), "expected": F.mse_loss(eager(x), y).item()}
+
+
 def rope_resume(rank, world, schedule):
     """A RoPE decoder on meta with weights= and init=: train, save, load into a fresh pipe, go on."""
     out_dir = os.environ["FXPIPE_TEST_DIR"]

@@ -28,3 +28,24 @@ def test_code_on_a_buffer_alone_is_traced_not_frozen():
     pipe.load_state_dict(state)
     torch.testing.assert_close(pipe(x), model(x))
     assert torch.equal(model.scale, torch.full((4,), 3.0))
+
+
+def test_a_trace_error_in_a_package_beside_torch_names_its_line():
+    # torchvision's files start with torch's directory name (site-packages/torch + "vision/..."):
+    # frames there were taken for torch's own, so FasterRCNN's TraceError named no line
+    import os
+
+    source = ("class Branchy(nn.Module):\n"
+              "    def forward(self, x):\n"
+              "        if x.sum() > 0:\n"
+              "            return x * 2\n"
+              "        return x\n")
+    filename = os.path.dirname(torch.__file__) + "vision/models/branchy.py"
+    namespace = {"nn": nn}
+    exec(compile(source, filename, "exec"), namespace)
+    try:
+        fxpipe.trace(namespace["Branchy"]())
+    except fxpipe.TraceError as exc:
+        assert f'File "{filename}", line 3, in forward' in str(exc), str(exc)
+    else:
+        raise AssertionError("traced a data-dependent branch")
