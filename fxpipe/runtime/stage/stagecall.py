@@ -7,7 +7,8 @@ is the primitive; every pass of every schedule goes through it::
     run(i, inputs, "forward")            grad as the caller's; the activations are kept
     run(i, inputs, "checkpoint")         no_grad, is_checkpointing(); replay_point() before
     run(i, inputs, "recompute", replay)  grad, is_recomputing(), the saved CPU and CUDA RNG
-                                         state and autocast state, a "recompute" event
+                                         state and autocast state, a "recompute" event, and the
+                                         running statistics put back after it (:mod:`keepstate`)
     run(i, inputs, "selective")          grad, is_checkpointing(), saved tensors placed by the
                                          stage's saver (:mod:`fxpipe.runtime.stage.selective`:
                                          the cheap ones recomputed in backward, one segment at a time)
@@ -35,6 +36,7 @@ from fxpipe.runtime.observe import timeline
 from fxpipe.runtime.observe.blame import keep_tracebacks, note_failure
 from fxpipe.runtime.stage.compiled import CompiledStage
 from fxpipe.runtime.stage.copy import wait
+from fxpipe.runtime.stage.keepstate import kept, written_buffers
 from fxpipe.runtime.stage.recompute import checkpointed, in_pass, is_checkpointing, is_recomputing
 from fxpipe.runtime.stage.rng import autocast_as, autocast_state, restore_rng, save_rng
 from fxpipe.runtime.stage.stream import AbstractStream, current_stream, new_stream, on_device
@@ -72,6 +74,7 @@ class StageCall:
         # where the saved tensors of a "selective" or "offload" forward go (the stage's policy), or None
         self.saver: Any = None
         self.around: Callable[[], Any] = nullcontext  # a context every call of the stage runs in
+        self._written: list[str] | None = None  # the buffers a forward updates, kept through a recomputation
 
     def copy_stream(self, i: int) -> AbstractStream:
         """Return this stage's copy stream for micro-batch ``i`` (None on CPU)."""
@@ -99,6 +102,7 @@ class StageCall:
                 (restore_rng(self.device, replay.rng) if replay is not None else nullcontext()), \
                 (autocast_as(replay.autocast) if replay is not None else nullcontext()), \
                 (timeline.span_at("recompute", replay.where) if replay is not None else nullcontext()), \
+                (kept(self.gm, self.written()) if recompute else nullcontext()), \
                 (self.saver.recording(i, inputs) if how in SAVING else nullcontext()) as record, self.around():
             try:
                 out = self.fn(*inputs)
@@ -108,6 +112,12 @@ class StageCall:
             if record is not None:
                 record.outputs = out  # what stays on the device anyway (offload)
             return out
+
+    def written(self) -> list[str]:
+        """Return the names of the buffers a forward of the stage updates (found once)."""
+        if self._written is None:
+            self._written = written_buffers(self.gm)
+        return self._written
 
     def call(self, i: int, inputs: tuple, how: str = "forward") -> Any:
         """Run micro-batch ``i`` with autograd connected across stages (the GPipe program's call).
