@@ -38,6 +38,7 @@ import torch.fx._pytree as fx_pytree
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.propagate import Propagator, fetch
 from fxpipe.passes.spec import TensorSpec, spec_of, value_bytes
+from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
@@ -71,6 +72,13 @@ def annotate(gm: torch.fx.GraphModule, example_args: tuple, example_kwargs: dict
     every node even when an equal one ran before (for checking the memo).
     """
     flat_inputs = bind_placeholders(gm, example_args, example_kwargs or {})
+    with modules_untouched(gm):
+        _propagate(gm, flat_inputs, real, memoize)
+    return annotate_params(gm)
+
+
+def _propagate(gm: torch.fx.GraphModule, flat_inputs: list, real: bool, memoize: bool) -> None:
+    """Run the graph on the inputs (fake tensors unless ``real``), writing each node's ``fxpipe.*`` keys."""
     if real:
         with torch.no_grad():
             Propagator(gm, None).propagate(flat_inputs, memoize=False)
@@ -82,7 +90,6 @@ def annotate(gm: torch.fx.GraphModule, example_args: tuple, example_kwargs: dict
             propagator = Propagator(gm, mode)
             propagator.propagate(fake_inputs, memoize=memoize)
         log.debug("annotated %d nodes, %d from the memo", len(gm.graph.nodes), propagator.hits)
-    return annotate_params(gm)
 
 
 def annotate_params(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -26,6 +26,7 @@ from fxpipe.passes.failure import explain
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.mutates import may_mutate
 from fxpipe.passes.signature import node_key, value_key
+from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -141,7 +142,8 @@ class Propagator:
             self.prop.specs = {}
             self.prop.keys, self.prop.cache = {}, {}
             try:
-                torch.func.functional_call(self.holder, fake_state, tuple(fake_inputs))
+                with modules_untouched(self.holder.gm):  # a module caching a fake tensor would keep it
+                    torch.func.functional_call(self.holder, fake_state, tuple(fake_inputs))
             finally:
                 quiet.setLevel(level)
         return self.prop.specs

@@ -28,6 +28,7 @@ import torch
 import torch.fx
 from fxpipe.passes.annotate import TensorSpec, bind_placeholders
 from fxpipe.passes.gcpause import gc_paused
+from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
@@ -119,7 +120,8 @@ def retain(gm: torch.fx.GraphModule, example_args: tuple | None = None,
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     runner = _Retainer(gm, mode)
     fake = tree_map(lambda v: _fake_input(mode, v), flat, is_leaf=lambda v: isinstance(v, TensorSpec))
-    with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(runner.pack, lambda t: t):
+    with modules_untouched(gm), mode, torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(runner.pack, lambda t: t):
         runner.run(*fake)
     for node in gm.graph.nodes:
         kept: dict[str, int] = {}
