@@ -16,7 +16,8 @@ the example batch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.passes.failure import explain
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.mutates import may_mutate
+from fxpipe.passes.propagate import fetch
 from fxpipe.passes.signature import node_key, value_key
 from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -53,6 +55,23 @@ class SpecProp(torch.fx.Interpreter):
         self.keys: dict[torch.fx.Node, Any] = {}
         self.modules: dict = {}
         self.cache: dict = {}
+        # the stand-in of a module tensor (a fake tensor), made when a node first reads it: a node
+        # served from the memo makes none
+        self.stand_in: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        """Fetch an attribute; a tensor through its stand-in."""
+        value = fetch(self.gm, target)
+        return self.stand_in(value) if isinstance(value, torch.Tensor) else value
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        """Call a module with its parameters and buffers swapped for their stand-ins."""
+        module = self.gm.get_submodule(target)
+        state: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+        state.update(module.named_buffers(remove_duplicate=False))
+        if not state:
+            return module(*args, **kwargs)
+        return torch.func.functional_call(module, {k: self.stand_in(v) for k, v in state.items()}, args, kwargs)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         """Run one needed node (or reuse an equal earlier node's value); record its spec if wanted."""
@@ -89,18 +108,6 @@ def _ancestors(gm: torch.fx.GraphModule, wanted: set[str]) -> set[str]:
     return needed
 
 
-class _Holder(torch.nn.Module):
-    """Let ``functional_call`` swap a GraphModule's state while an interpreter runs it."""
-
-    def __init__(self, gm: torch.fx.GraphModule, prop: SpecProp) -> None:
-        super().__init__()
-        self.gm = gm
-        self.prop = prop
-
-    def forward(self, *args: Any) -> Any:
-        return self.prop.run(*args)
-
-
 class Propagator:
     """Infer the specs of chosen nodes for one input layout after another, on fake tensors.
 
@@ -110,7 +117,6 @@ class Propagator:
 
     def __init__(self, gm: torch.fx.GraphModule, wanted: Iterable[str]) -> None:
         self.prop = SpecProp(gm, set(wanted))
-        self.holder = _Holder(gm, self.prop)
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the tensor, its stand-in)
 
@@ -121,13 +127,11 @@ class Propagator:
         ``inputs`` holds one value per placeholder; tensors may be real tensors or
         :class:`TensorSpec` (made into fake tensors of that shape and dtype).
         """
-        state: dict[str, torch.Tensor] = dict(self.holder.named_parameters(remove_duplicate=False))
-        state.update(self.holder.named_buffers(remove_duplicate=False))
         devices = [v.device for v in tree_flatten(inputs)[0] if isinstance(v, torch.Tensor) and not v.is_meta]
         device = devices[0] if devices else torch.device("cpu")  # of stand-ins for meta tensors (not held here)
         mode = self.mode
         with mode:
-            fake_state = {k: self._stand_in(v, device) for k, v in state.items()}
+            self.prop.stand_in = partial(self._stand_in, device=device)
 
             def fake(v: Any) -> Any:
                 if isinstance(v, TensorSpec):
@@ -142,8 +146,8 @@ class Propagator:
             self.prop.specs = {}
             self.prop.keys, self.prop.cache = {}, {}
             try:
-                with modules_untouched(self.holder.gm):  # a module caching a fake tensor would keep it
-                    torch.func.functional_call(self.holder, fake_state, tuple(fake_inputs))
+                with modules_untouched(self.prop.gm):  # a module caching a fake tensor would keep it
+                    self.prop.run(*fake_inputs)
             finally:
                 quiet.setLevel(level)
         return self.prop.specs

@@ -1,7 +1,8 @@
 """Leave the model's Python state as it was while a pass runs its modules on fake tensors.
 
-Reads:  every module of the GraphModule (its ``__dict__``: attributes, and the dicts, lists and
-        sets they hold).
+Reads:  every module of the GraphModule whose code is not ``torch.nn``'s (its ``__dict__``:
+        attributes, and the dicts, lists and sets they hold, but for the tensors, children and
+        hooks every module holds, which the passes swap and put back themselves).
 Writes: no ``node.meta``; :func:`modules_untouched` puts each module's attributes back after
         the block: attributes added are removed, replaced ones restored, and containers
         emptied and refilled with what they held.
@@ -24,6 +25,12 @@ import torch
 __all__ = ["modules_untouched"]
 
 _CONTAINERS = (dict, list, set)
+_INTERNAL = frozenset(vars(torch.nn.Module()))  # what every module holds: its tensors, children and hooks
+
+
+def _own_code(module: torch.nn.Module) -> bool:
+    """Tell whether a module's forward is code outside ``torch.nn`` (``torch.nn``'s keep no Python state)."""
+    return not type(module).__module__.startswith("torch.nn.")
 
 
 def _copy(value: Any) -> Any:
@@ -58,8 +65,11 @@ def modules_untouched(root: torch.nn.Module) -> Iterator[None]:
     """Put every module of ``root`` back as it was before the block: its attributes and their containers."""
     saved = []
     for module in root.modules():
+        if not _own_code(module):
+            continue
         attrs = vars(module)
-        saved.append((module, dict(attrs), {k: _copy(v) for k, v in attrs.items() if isinstance(v, _CONTAINERS)}))
+        saved.append((module, dict(attrs), {k: _copy(v) for k, v in attrs.items()
+                                            if k not in _INTERNAL and isinstance(v, _CONTAINERS)}))
     try:
         yield
     finally:

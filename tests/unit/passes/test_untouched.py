@@ -43,9 +43,9 @@ def test_a_module_caching_a_tensor_keeps_no_fake_tensor_from_compile():
 
 
 def test_attributes_added_replaced_or_filled_in_the_block_are_put_back():
-    module = nn.Linear(2, 2)
+    module = Cached()  # a module of the model's own code (torch.nn's keep no Python state)
     module.table, module.items, module.flag = {"a": 1}, [1, 2], True
-    table, items, weight = module.table, module.items, module.weight
+    table, items, weight = module.table, module.items, module.bias
     with modules_untouched(module):
         module.table["b"] = 2
         module.items.append(3)
@@ -54,4 +54,4 @@ def test_attributes_added_replaced_or_filled_in_the_block_are_put_back():
         module.items = []
     assert module.table is table and module.table == {"a": 1}
     assert module.items is items and module.items == [1, 2]
-    assert module.flag is True and not hasattr(module, "extra") and module.weight is weight
+    assert module.flag is True and not hasattr(module, "extra") and module.bias is weight
