@@ -183,6 +183,10 @@ def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceErro
                "data-dependent part into a submodule and list it in leaf_modules=, fix the "
                "input with concrete_args=, or use tracer='export', which traces the code the model "
                "runs on example_inputs=.")
+        backbone = getattr(model, "backbone", None)
+        if isinstance(backbone, nn.Module):  # a detector: data-dependent heads on a backbone that traces
+            fix += (" Detection models (torchvision's Faster R-CNN) select boxes by their values as a whole; "
+                    "pipeline the backbone (fxpipe.compile(model.backbone, ...)) and run the rest after it.")
         what = f"the top-level module ({type_name})"
     return TraceError(f"cannot trace {type(model).__name__}: {exc}\n"
                       f"Tracing failed in {what}:{where}\n{fix}{_hugging_face(model)}",

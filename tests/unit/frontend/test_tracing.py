@@ -49,3 +49,23 @@ def test_a_trace_error_in_a_package_beside_torch_names_its_line():
         assert f'File "{filename}", line 3, in forward' in str(exc), str(exc)
     else:
         raise AssertionError("traced a data-dependent branch")
+
+
+def test_a_detector_s_refusal_says_to_pipeline_its_backbone():
+    class Detector(nn.Module):
+        """A backbone, then a head that keeps the boxes by their scores (data-dependent), as Faster R-CNN does."""
+
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+        def forward(self, x):
+            scores = self.backbone(x)
+            return [s[s > 0] for s in scores]
+
+    try:
+        fxpipe.trace(Detector())
+    except fxpipe.TraceError as exc:
+        assert "pipeline the backbone (fxpipe.compile(model.backbone, ...))" in str(exc), str(exc)
+    else:
+        raise AssertionError("traced a data-dependent selection")
