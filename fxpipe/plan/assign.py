@@ -78,6 +78,8 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
     tracer = options.tracer
     if tracer == "fx" and isinstance(model, torch.fx.GraphModule):
         gm = model
+        if not hasattr(gm, "meta"):  # torchvision's create_feature_extractor skips GraphModule.__init__
+            gm.meta = {}
     else:
         if tracer == "export":
             _check_example_batch(model, args, kwargs, options.unbatched)

@@ -1,6 +1,7 @@
 """fxpipe.trace: buffers stay buffers in the graph, so a pipeline follows them when they change."""
 
 import torch
+import torch.fx
 from torch import nn
 
 import fxpipe
@@ -69,3 +70,14 @@ def test_a_detector_s_refusal_says_to_pipeline_its_backbone():
         assert "pipeline the backbone (fxpipe.compile(model.backbone, ...))" in str(exc), str(exc)
     else:
         raise AssertionError("traced a data-dependent selection")
+
+
+def test_a_graph_module_without_meta_compiles():
+    # torchvision's create_feature_extractor builds its GraphModule skipping GraphModule.__init__,
+    # so it has no .meta: compile failed with "'ResNet' object has no attribute 'meta'"
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    gm = torch.fx.symbolic_trace(model)
+    del gm.meta
+    pipe = fxpipe.compile(gm, 2, example_inputs=(torch.randn(4, 4),), chunks=2, unbatched=[])
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(pipe(x), model(x))
