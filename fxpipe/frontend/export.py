@@ -128,7 +128,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     refuse_stand_ins(gm, model)
     gm.meta["fxpipe.tracer"] = "export"
     gm.meta["fxpipe.training"] = model.training
-    gm.meta["fxpipe.autocast"] = autocast_state()
+    gm.meta["fxpipe.autocast"] = enabled_autocast()
     log.debug("exported %s: %d nodes", type(model).__name__, len(gm.graph.nodes))
     return gm
 
@@ -167,8 +167,12 @@ def _keywords_by_name(model: nn.Module, signature: inspect.Signature, bound: ins
             model.__dict__["forward"] = own
 
 
-def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
-    """Return the device types autocast is enabled for in this thread, each with its dtype."""
+def enabled_autocast() -> tuple[tuple[str, torch.dtype], ...]:
+    """Return the device types autocast is enabled for in this thread, each with its dtype.
+
+    What an exported graph was traced under, to compare with a step's (only what is enabled
+    counts; :func:`fxpipe.runtime.stage.rng.autocast_state` keeps the disabled ones too, to replay).
+    """
     return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 

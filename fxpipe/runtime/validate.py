@@ -16,7 +16,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpipe.errors import PipelineInputError
-from fxpipe.frontend.export import autocast_state
+from fxpipe.frontend.export import enabled_autocast
 
 __all__ = ["check_inputs"]
 
@@ -34,9 +34,9 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
             f"model.{'train' if training else 'eval'}() before fxpipe.compile(..., tracer='export'), "
             f"or use tracer='fx'")
     traced = meta.get("fxpipe.autocast")
-    if traced is not None and tuple(traced) != autocast_state():
+    if traced is not None and tuple(traced) != enabled_autocast():
         raise PipelineInputError(
-            f"torch.export traced the model {_autocast(tuple(traced))} but the pipe runs {_autocast(autocast_state())}: "
+            f"torch.export traced the model {_autocast(tuple(traced))} but the pipe runs {_autocast(enabled_autocast())}: "
             "an exported graph keeps the dtypes it was traced with (an autocast's casts are fixed in it, and its "
             "checks of the dtypes fail without them); call fxpipe.compile(..., tracer='export') under the same "
             "torch.autocast as the steps, or use tracer='fx'")
@@ -48,7 +48,7 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
 
 
 def _autocast(state: tuple) -> str:
-    """Describe an autocast state of :func:`~fxpipe.frontend.export.autocast_state`."""
+    """Describe an autocast state of :func:`~fxpipe.frontend.export.enabled_autocast`."""
     if not state:
         return "without autocast"
     return "under " + " and ".join(f"torch.autocast({d!r}, dtype={dtype})" for d, dtype in state)
