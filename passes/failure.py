@@ -56,7 +56,9 @@ def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception, on: s
             "\nIf the model runs on these inputs eagerly, tracing changed its data flow: a check "
             "on a traced value (torch.jit.isinstance(x, torch.Tensor), isinstance(x, torch.Tensor), "
             "x is None) sees a torch.fx Proxy instead of the tensor, so a branch was dropped. Use "
-            f"tracer='export', which traces the code the model really runs{leaf}.")
+            f"tracer='export', which traces the code the model really runs{leaf}. If it does not, the "
+            "example inputs do not fit the model (an image too small for its pooling, a channel count "
+            "its first layer does not take): give inputs the model runs on.")
     return PropagationError(message, node.name, module)
 
 

@@ -64,3 +64,12 @@ def test_an_exported_graph_is_not_told_to_use_export():
     err = passes.failure.explain(gm, node, RuntimeError("shapes cannot be multiplied\nmore"))
     assert str(err).startswith(f"node '{node.name}' (call_function ") and "in module '0'" in str(err)
     assert str(err).endswith("RuntimeError: shapes cannot be multiplied")
+
+
+def test_example_inputs_too_small_for_the_model_are_named_as_a_cause():
+    # Inception-v3's aux head at 160 px: a pooling larger than its input fails on the example,
+    # and the message blamed only the trace
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AvgPool2d(8), torch.nn.Flatten())
+    with pytest.raises(fxpipe.PropagationError, match=r"If it does not, the example inputs do not fit the model "
+                                                      r"\(an image too small for its pooling"):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(2, 3, 6, 6),))
