@@ -26,7 +26,7 @@ from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.passes.failure import explain
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.mutates import may_mutate
-from fxpipe.passes.propagate import fetch
+from fxpipe.passes.propagate import call_with_stand_ins, fetch_stand_in
 from fxpipe.passes.signature import node_key, value_key
 from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -61,17 +61,11 @@ class SpecProp(torch.fx.Interpreter):
 
     def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """Fetch an attribute; a tensor through its stand-in."""
-        value = fetch(self.gm, target)
-        return self.stand_in(value) if isinstance(value, torch.Tensor) else value
+        return fetch_stand_in(self.gm, target, self.stand_in)
 
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """Call a module with its parameters and buffers swapped for their stand-ins."""
-        module = self.gm.get_submodule(target)
-        state: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
-        state.update(module.named_buffers(remove_duplicate=False))
-        if not state:
-            return module(*args, **kwargs)
-        return torch.func.functional_call(module, {k: self.stand_in(v) for k, v in state.items()}, args, kwargs)
+        return call_with_stand_ins(self.gm, target, args, kwargs, self.stand_in)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         """Run one needed node (or reuse an equal earlier node's value); record its spec if wanted."""

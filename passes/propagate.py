@@ -20,6 +20,7 @@ kernels) raises :class:`fxpipe.passes.failure.PropagationError` naming the node 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -38,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["Propagator", "fetch"]
+__all__ = ["Propagator", "call_with_stand_ins", "fetch", "fetch_stand_in"]
 
 _METADATA_OPS = {
     torch.ops.aten.size.default,
@@ -144,18 +145,11 @@ class Propagator(torch.fx.Interpreter):
 
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """Call a module with its state replaced by stand-ins."""
-        module = self.gm.get_submodule(target)
-        state: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
-        state.update(module.named_buffers(remove_duplicate=False))
-        if not state:
-            return module(*args, **kwargs)
-        stand_ins = {k: self._tensor(v) for k, v in state.items()}
-        return torch.func.functional_call(module, stand_ins, args, kwargs)
+        return call_with_stand_ins(self.gm, target, args, kwargs, self._tensor)
 
     def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """Fetch an attribute; a tensor through its stand-in."""
-        value = fetch(self.gm, target)
-        return self._tensor(value) if isinstance(value, torch.Tensor) else value
+        return fetch_stand_in(self.gm, target, self._tensor)
 
     def _compute(self, node: torch.fx.Node) -> _Result:
         """Run a call node under a FLOP counter."""
@@ -257,6 +251,23 @@ def _with_grad_rule(spec: Any, node: torch.fx.Node, args: tuple, kwargs: dict,
     return tree_map(lambda s: TensorSpec(s.shape, s.dtype, grad and (s.dtype.is_floating_point
                                                                      or s.dtype.is_complex))
                     if isinstance(s, TensorSpec) else s, spec)
+
+
+def call_with_stand_ins(gm: torch.fx.GraphModule, target: str, args: tuple, kwargs: dict,
+                        stand_in: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Call submodule ``target`` of ``gm`` with each of its parameters and buffers swapped for ``stand_in(it)``."""
+    module = gm.get_submodule(target)
+    state: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    state.update(module.named_buffers(remove_duplicate=False))
+    if not state:
+        return module(*args, **kwargs)
+    return torch.func.functional_call(module, {k: stand_in(v) for k, v in state.items()}, args, kwargs)
+
+
+def fetch_stand_in(gm: torch.fx.GraphModule, target: str, stand_in: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Fetch a dotted attribute of ``gm``; a tensor as ``stand_in(it)``."""
+    value = fetch(gm, target)
+    return stand_in(value) if isinstance(value, torch.Tensor) else value
 
 
 def fetch(gm: torch.nn.Module, target: str) -> Any:
