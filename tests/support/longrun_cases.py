@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -252,6 +253,11 @@ def dies_then(rank, world, schedule):
             pipe.step(ids, target=target, loss_fn=token_loss)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    # rank 0 hosts the store here; keep it up until rank 2 is done, as torchrun's agent would
+    store = torch.distributed.distributed_c10d._get_default_store()
+    store.set(f"dies_then/done/{rank}", "1")
+    if rank == 0:
+        store.wait(["dies_then/done/2"], timedelta(seconds=30))
     return out
 
 

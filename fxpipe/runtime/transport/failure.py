@@ -43,6 +43,7 @@ class FailureBoard:
         self.size = size  # ranks in the pipeline
         self.timeout = timeout
         self.generation = 0
+        self.death: str | None = None  # a death this rank learned of: no step can run after it
         self.prefix = f"fxpipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_PIPES)}"
 
     def _key(self, *parts: object) -> str:
@@ -54,30 +55,39 @@ class FailureBoard:
         try:
             if not self.store.check([self._key("error")]):
                 self.store.set(self._key("error"), json.dumps({"message": message, "fatal": fatal}))
+                self.death = message if fatal and self.death is None else self.death
+            else:
+                self.read("posting a failure")  # the first reason is every rank's: remember it if a death
         except Exception as exc:  # noqa: BLE001 - the store itself may be down; we are failing anyway
             log.debug("could not post this rank's failure to the store: %s", exc)
+            self.death = message if fatal and self.death is None else self.death
 
     def read(self, what: str) -> dict[str, Any] | None:
         """Return the posted reason of this generation (``message``, ``fatal``), or None."""
         try:
             if not self.store.check([self._key("error")]):
                 return None
-            return json.loads(self.store.get(self._key("error")).decode())
+            reason = json.loads(self.store.get(self._key("error")).decode())
         except Exception as exc:  # noqa: BLE001
             raise PeerFailure(f"rank {self.rank}: lost the rendezvous store while {what} "
                               f"(the process hosting it, usually rank 0 or torchrun's agent, probably "
                               f"died): {exc}") from None
+        if reason["fatal"] and self.death is None:
+            self.death = reason["message"]
+        return reason
 
     def rejoin(self) -> None:
         """Wait until every rank of the pipeline is back after a failed step; then start a new generation.
 
-        Raises :class:`PeerFailure` at once when the failure was a death, or naming the ranks
+        Raises :class:`PeerFailure` at once when the failure was a death (known here first: the
+        store's host may be the rank that died, or may have exited since), or naming the ranks
         that are not back within the timeout.
         """
-        reason = self.read("rejoining after a failed step")
-        if reason is not None and reason["fatal"]:
+        if self.death is None:
+            self.read("rejoining after a failed step")
+        if self.death is not None:
             raise PeerFailure(f"rank {self.rank}: the pipeline lost a rank in an earlier step "
-                              f"({reason['message']}); it cannot go on without it: restart the job "
+                              f"({self.death}); it cannot go on without it: restart the job "
                               "(torchrun --max-restarts) and resume from the last complete checkpoint "
                               "(fxpipe.latest_checkpoint)")
         keys = [self._key("back", r) for r in range(self.size)]

@@ -1,0 +1,58 @@
+"""The failure board: a death learned of once stops every later rejoin, store or no store."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from fxpipe.errors import PeerFailure
+from fxpipe.runtime.transport.failure import FailureBoard
+
+
+class GoneStore:
+    """A store whose host has exited: every call fails."""
+
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise RuntimeError("Connection reset by peer")
+        return fail
+
+
+def test_a_death_posted_by_this_rank_is_named_on_rejoin_after_the_store_is_gone():
+    board = FailureBoard(dist.HashStore(), rank=2, size=3, timeout=1)
+    board.post("rank 1 died (rank 2 lost its connection while receiving)", fatal=True)
+    board.store = GoneStore()  # rank 0 hosted it and has exited since
+    with pytest.raises(PeerFailure, match=r"lost a rank in an earlier step \(rank 1 died"):
+        board.rejoin()
+
+
+def test_a_death_read_from_the_store_is_named_on_rejoin_after_the_store_is_gone():
+    store = dist.HashStore()
+    poster, board = _boards(store, 3, 0, 2)
+    poster.post("rank 1 died (rank 0 lost its connection while receiving)", fatal=True)
+    assert board.read("receiving")["fatal"]
+    board.store = GoneStore()
+    with pytest.raises(PeerFailure, match=r"lost a rank in an earlier step \(rank 1 died"):
+        board.rejoin()
+
+
+def test_a_later_death_does_not_override_the_first_reason_every_rank_reads():
+    store = dist.HashStore()
+    first, second = _boards(store, 2, 0, 1)
+    first.post("rank 0 raised ValueError")
+    second.post("rank 0 died (rank 1 lost its connection)", fatal=True)
+    assert second.death is None  # the ranks agree on the first reason: not a death, they may rejoin
+
+
+def test_without_a_death_a_lost_store_is_named_as_such():
+    board = FailureBoard(GoneStore(), rank=1, size=2, timeout=1)
+    with pytest.raises(PeerFailure, match="lost the rendezvous store while rejoining"):
+        board.rejoin()
+
+
+def _boards(store, size, *ranks):
+    """Return one pipeline's boards for ``ranks`` (sharing its keys, as every rank's do)."""
+    boards = [FailureBoard(store, rank=r, size=size, timeout=1) for r in ranks]
+    for b in boards[1:]:
+        b.prefix = boards[0].prefix
+    return boards
