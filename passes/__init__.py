@@ -30,6 +30,7 @@ from fxpipe.passes.partition import (
 )
 from fxpipe.passes.profile import profile
 from fxpipe.passes.retain import retain
+from fxpipe.passes.spec import differentiable
 from fxpipe.passes.split import SkipRoute, StagePlan, split
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
                               "compute_nodes",
                               "copy_on_write",
                               "cut_widths",
+                              "differentiable",
                               "fingerprint",
                               "first_difference",
                               "group_costs",

@@ -30,7 +30,7 @@ import torch
 import torch.fx
 from fxpipe.passes.annotate import bind_placeholders
 from fxpipe.passes.mutates import is_mutating
-from fxpipe.passes.spec import TensorSpec
+from fxpipe.passes.spec import TensorSpec, differentiable
 from fxpipe.passes.timing import median_seconds
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
@@ -105,7 +105,7 @@ def _needs_grad(node: torch.fx.Node, value: Any) -> bool:
     spec = node.meta.get("fxpipe.value")
     if isinstance(spec, TensorSpec):
         return spec.requires_grad
-    return isinstance(value, torch.Tensor) and value.is_floating_point() and node.op == "get_attr"
+    return isinstance(value, torch.Tensor) and differentiable(value.dtype) and node.op == "get_attr"
 
 
 def _backward_ms(node: torch.fx.Node, call, params: list, env: dict, device: torch.device,
@@ -115,7 +115,7 @@ def _backward_ms(node: torch.fx.Node, call, params: list, env: dict, device: tor
 
     def leaf(a: torch.fx.Node) -> Any:
         v = env[a]
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and _needs_grad(a, v):
+        if isinstance(v, torch.Tensor) and differentiable(v.dtype) and _needs_grad(a, v):
             v = v.detach().requires_grad_(True)
             leaves.append(v)
         return v

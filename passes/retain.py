@@ -28,6 +28,7 @@ import torch
 import torch.fx
 from fxpipe.passes.annotate import TensorSpec, bind_placeholders
 from fxpipe.passes.gcpause import gc_paused
+from fxpipe.passes.spec import differentiable
 from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -56,7 +57,7 @@ class _Retainer(torch.fx.Interpreter):
                     fake = torch.empty(t.shape, dtype=t.dtype)
             else:
                 fake = self.mode.from_tensor(t.detach())
-            if t.requires_grad and fake.is_floating_point():
+            if t.requires_grad and differentiable(fake.dtype):
                 fake.requires_grad_(True)
             self.fakes[id(t)] = fake
             self.state.add(StorageWeakRef(fake.untyped_storage()))

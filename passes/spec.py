@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["TensorSpec", "spec_of", "value_bytes"]
+__all__ = ["TensorSpec", "differentiable", "spec_of", "value_bytes"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,11 @@ class TensorSpec:
         for d in self.shape:
             numel *= int(d)
         return numel * _itemsize(self.dtype)
+
+
+def differentiable(dtype: torch.dtype) -> bool:
+    """Tell whether tensors of ``dtype`` can carry a gradient (floating and complex ones)."""
+    return dtype.is_floating_point or dtype.is_complex
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -102,5 +102,5 @@ def _carries_grad(node: torch.fx.Node) -> bool:
     spec = node.meta.get("fxpipe.value")
     if spec is None:  # not annotated: assume computed floating values do
         return node.op != "placeholder"
-    return any(isinstance(t, passes.TensorSpec) and t.requires_grad and t.dtype.is_floating_point
+    return any(isinstance(t, passes.TensorSpec) and t.requires_grad and passes.differentiable(t.dtype)
                for t in tree_flatten(spec)[0])

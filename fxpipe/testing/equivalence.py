@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe import compiler
 from fxpipe.options import SINGLE_STAGE_SCHEDULES
+from fxpipe.passes.spec import differentiable
 from fxpipe.pipe import Pipe
 
 __all__ = ["assert_pipeline_equivalent", "default_loss", "default_step_loss", "default_tolerance",
@@ -43,8 +44,8 @@ def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
 
 
 def default_loss(output: Any) -> torch.Tensor:
-    """Reduce every floating tensor of an output to one scalar with fixed random weights."""
-    leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    """Reduce every floating (and complex) tensor of an output to one scalar with fixed random weights."""
+    leaves = _real_leaves(output)
     total: Any = 0.0
     for k, t in enumerate(leaves):
         g = torch.Generator().manual_seed(1234 + k)
@@ -53,14 +54,19 @@ def default_loss(output: Any) -> torch.Tensor:
     return total
 
 
+def _real_leaves(output: Any, batched: bool = False) -> list[torch.Tensor]:
+    """Return the output's floating tensors (with a batch dim if ``batched``), complex ones as real views."""
+    return [torch.view_as_real(t) if t.is_complex() else t for t in tree_flatten(output)[0]
+            if isinstance(t, torch.Tensor) and differentiable(t.dtype) and (t.dim() > 0 or not batched)]
+
+
 def default_step_loss(output: Any, target: Any = None) -> torch.Tensor:
     """Average over the batch a fixed random weighting of every floating output (``target`` unused).
 
     The weights depend only on each tensor's shape past dim 0, so the loss of a batch is the
     row-weighted mean of its micro-batches' losses, as :meth:`fxpipe.Pipe.step` needs.
     """
-    leaves = [t for t in tree_flatten(output)[0]
-              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0]
+    leaves = _real_leaves(output, batched=True)
     total: Any = 0.0
     for k, t in enumerate(leaves):
         g = torch.Generator().manual_seed(4321 + k)
@@ -268,7 +274,7 @@ def _difference(actual: torch.Tensor, expected: torch.Tensor, rtol: float | None
     d_rtol, d_atol = default_tolerance(expected.dtype)
     rtol = d_rtol if rtol is None else rtol
     atol = d_atol if atol is None else atol
-    scale = expected.abs().max().item() if expected.numel() and expected.is_floating_point() else 0.0
+    scale = expected.abs().max().item() if expected.numel() and differentiable(expected.dtype) else 0.0
     try:
         torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=0.0, atol=max(atol, rtol * scale))
     except AssertionError as exc:

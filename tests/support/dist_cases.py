@@ -8,7 +8,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from models import CNN, AttnBlock, Carrier, Mixed, RopeDecoder, TiedTransformer, token_loss
+from models import CNN, AttnBlock, Carrier, Mixed, RopeDecoder, Spectral, TiedTransformer, token_loss
 from torch import nn
 from unet import UNet
 
@@ -217,7 +217,8 @@ def values(rank, world, schedule):
             ("carrier fx items", Carrier, (7, 8), "fx", ["b"]),
             ("carrier export", Carrier, (7, 8), "export", ["b"]),
             ("attention fx", AttnBlock, (4, 5, 8), "fx", ["getitem"]),
-            ("attention export", AttnBlock, (4, 5, 8), "export", ["out"])]:
+            ("attention export", AttnBlock, (4, 5, 8), "export", ["out"]),
+            ("complex fx", Spectral, (6, 8), "fx", ["getattr_1"])]:
         for schedule in ("gpipe", "1f1b", "zb"):
             torch.manual_seed(0)
             model, x = make().eval(), torch.randn(shape)

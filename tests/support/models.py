@@ -149,6 +149,18 @@ class Carrier(nn.Module):
         return self.c(h), nested[0], approx
 
 
+class Spectral(nn.Module):
+    """A complex tensor (``fft_fft``) crosses a cut right after it and carries a gradient back to ``a``."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        z = torch.fft.fft(torch.tanh(self.a(x)))
+        return self.b(z.real * z.imag + z.abs())
+
+
 class AttnBlock(nn.Module):
     """``nn.MultiheadAttention(need_weights=False)`` returns ``(out, None)``: a tuple with a None."""
 

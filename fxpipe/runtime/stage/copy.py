@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fxpipe.passes.spec import differentiable
 from fxpipe.runtime.stage.stream import AbstractStream, current_stream, record_stream, use_stream, wait_stream
 
 __all__ = ["Copy", "Wait", "copy", "transfer", "wait"]
@@ -105,7 +106,7 @@ def wait(values: tuple, src: AbstractStream, dst: AbstractStream) -> tuple:
     """Make stream ``dst`` wait for ``src`` before it reads the tensors in ``values`` (at any depth)."""
     if src is None or dst is None or src == dst:
         return values
-    leaves, spec, idx = _tensor_leaves(values, torch.Tensor.is_floating_point)
+    leaves, spec, idx = _tensor_leaves(values, lambda t: differentiable(t.dtype))
     if not idx:
         wait_stream(dst, src)
         return values

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fxpipe.passes.spec import differentiable
+
 __all__ = ["depend", "fork", "get_phony", "join"]
 
 _phonies: dict[tuple[torch.device, bool], torch.Tensor] = {}
@@ -71,7 +73,7 @@ def fork(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def join(x: torch.Tensor, phony: torch.Tensor) -> torch.Tensor:
     """Make ``x`` depend on ``phony`` in backward."""
-    if torch.is_grad_enabled() and (x.requires_grad or phony.requires_grad) and x.is_floating_point():
+    if torch.is_grad_enabled() and (x.requires_grad or phony.requires_grad) and differentiable(x.dtype):
         return Join.apply(x, phony)
     return x
 
@@ -79,7 +81,7 @@ def join(x: torch.Tensor, phony: torch.Tensor) -> torch.Tensor:
 def _first_grad_leaf(leaves: list[Any], need_grad: bool) -> int | None:
     """Return the index of the first floating tensor leaf (requiring grad if asked)."""
     for k, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and (leaf.requires_grad or not need_grad):
+        if isinstance(leaf, torch.Tensor) and differentiable(leaf.dtype) and (leaf.requires_grad or not need_grad):
             return k
     return None
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.passes.spec import differentiable
 from fxpipe.runtime.stage import wgrad
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.stream import on_device
@@ -159,10 +160,10 @@ class StageWorker:
 
 
 def _leaf(value: Any, grad: bool) -> Any:
-    """Detach a received value; make its floating tensors require grad if it carries one."""
+    """Detach a received value; make its floating and complex tensors require grad if it carries one."""
     if isinstance(value, torch.Tensor):
         leaf = value.detach()
-        if grad and leaf.is_floating_point():
+        if grad and differentiable(leaf.dtype):
             leaf.requires_grad_(True)
         return leaf
     if grad:

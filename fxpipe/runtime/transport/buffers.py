@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.passes import TensorSpec
+from fxpipe.passes import TensorSpec, differentiable
 
 __all__ = ["BufferPool", "empty_like_spec", "floating"]
 
@@ -81,8 +81,8 @@ class BufferPool:
 
 
 def floating(spec: Any) -> bool:
-    """Tell whether a spec leaf is a floating tensor (one that carries a gradient)."""
-    return isinstance(spec, TensorSpec) and spec.dtype.is_floating_point
+    """Tell whether a spec leaf is a floating or complex tensor (one that carries a gradient)."""
+    return isinstance(spec, TensorSpec) and differentiable(spec.dtype)
 
 
 def empty_like_spec(spec: Any, pool: BufferPool, floating_only: bool):

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.passes.spec import differentiable
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.microbatch import sum_grads
 from fxpipe.runtime.schedules.actions import Action
@@ -268,7 +269,7 @@ def _tensors(value: Any, floating_only: bool) -> list[torch.Tensor]:
     """Return the (contiguous) tensors of a value in flattening order."""
     leaves, _ = tree_flatten(value)
     return [t.contiguous() for t in leaves if isinstance(t, torch.Tensor)
-            and (t.is_floating_point() or not floating_only)]
+            and (differentiable(t.dtype) or not floating_only)]
 
 
 def _grad_tensors(grad: Any, spec: Any, device: torch.device) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ not a tensor must pass through both untouched (:mod:`fxpipe.runtime.stage.worker
 
 import pytest
 import torch
-from models import AttnBlock, Carrier, Mixed
+from models import AttnBlock, Carrier, Mixed, Spectral
 from torch import nn
 
 from fxpipe import passes
@@ -55,6 +55,20 @@ def test_values_of_every_kind_cross_a_boundary(tracer, split):
     assert {"int tensor", "float tensor without grad", "int"} <= kinds
     if tracer == "fx" and split:
         assert {"None", "str", "float", "dict"} <= kinds
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_complex_tensor_crossing_a_boundary_carries_its_gradient_back(tracer):
+    # 1F1B and zero bubble once gave the stage before a complex value no gradient at all
+    split = ["getattr_1"] if tracer == "fx" else ["real"]  # cut right after the FFT
+    pipe = assert_pipeline_equivalent(Spectral(), (torch.randn(6, 8),), n_stages=2, chunks=2,
+                                      split_points=split, devices=["cpu"] * 2, tracer=tracer)
+    assert pipe.plan.stages[1].grad_inputs == ["fft_fft"]
+
+
+def test_leaf_makes_complex_tensors_require_grad():
+    leaf = _leaf((torch.randn(2, dtype=torch.complex64), torch.arange(2)), True)
+    assert leaf[0].requires_grad and not leaf[1].requires_grad
 
 
 def _kinds_crossing(pipe):
