@@ -16,6 +16,7 @@ import torch.fx
 from torch import nn
 
 from fxpipe.errors import TraceError
+from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.markers import recording_markers
 from fxpipe.options import check_tracer
 
@@ -107,7 +108,8 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     _refuse_wrapped_forward(model, concrete_args)
     fx_tracer = _Tracer(leaf_types, leaf_names)
     try:
-        with recording_markers(fx_tracer):  # pipe_split() calls become marker nodes
+        # pipe_split() calls become marker nodes; assignments to buffers, in-place copies
+        with recording_markers(fx_tracer), recording_assignments(fx_tracer):
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         raise _explain(model, fx_tracer, exc) from exc
