@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.errors import DeferredInitError
+from fxpipe.materialize.initcalls import recording_init_calls
 from fxpipe.materialize.recording import Const, Op, Recording, Ref, ref_of
 
 __all__ = ["deferred_init"]
@@ -193,7 +194,7 @@ def deferred_init() -> Iterator[None]:
     _ACTIVE.on = True
     try:
         recorder = _Recorder(recording)
-        with _Guard(recorder), recorder:
+        with _Guard(recorder), recorder, recording_init_calls(recording, lambda: recorder.paused > 0):
             yield
     finally:
         _ACTIVE.on = False
