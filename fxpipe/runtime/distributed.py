@@ -173,7 +173,7 @@ class DistributedRuntime:
         else:
             header, mbs = steplayout.receive(self), []
         m = len(header["specs"])
-        if losses_for is not None and not self.target_checked:
+        if losses_for is not None:
             steplayout.check_target(self, target, bool(header.get("target_on_first")))
 
         kind = "train" if grad else "forward"

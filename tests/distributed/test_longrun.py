@@ -70,6 +70,10 @@ def test_inputs_or_target_on_the_wrong_rank_are_refused_on_every_rank(world, tmp
             assert f"which splits them into micro-batches: pass the inputs on {first}" in message, (label, message)
         if world == 2:
             assert max(res["after"]) < 1e-5
+            kind, message = res["target_on_first_later"]  # a later step: the loss's rank refuses, the other fails
+            assert kind == ("PipelineInputError" if r == 1 else "PeerFailure"), (r, res)
+            assert "target=None on rank 1, which computes the loss: pass the target on rank 1" in message
+            assert res["recovered"] == results[0]["recovered"]
         else:
             assert res["after"] == results[0]["after"]  # the global batch's loss on every rank
 

@@ -113,6 +113,13 @@ def misuse(rank, world, schedule):
         out["keywords_on_last"] = [type(exc).__name__, str(exc), time.monotonic() - start]
     if dp == 1:
         out["after"] = _compare(pipe, model, eager, rank, ids, target)
+        try:  # the target on the first rank only again, on a later step: the loss's rank refuses it alone
+            pipe.step(ids if me == 0 else None, target=target if me == 0 else None, loss_fn=token_loss)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["target_on_first_later"] = [type(exc).__name__, str(exc)]
+        for p in pipe.parameters():
+            p.grad = None
+        out["recovered"] = float(pipe.step(ids, target=target, loss_fn=token_loss))
     else:
         ids, target = ids[rank // 2 * 4:][:4], target[rank // 2 * 4:][:4]  # each replica its half
         out["after"] = float(pipe.step(ids, target=target, loss_fn=token_loss))

@@ -135,20 +135,26 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
 def check_target(runtime: Any, target: Any, on_first: bool) -> None:
     """Refuse on every rank a step whose loss's rank has no target while another rank was given one.
 
-    Asked once per pipe (a script passes its arguments the same way every step), before anything
-    is computed. When the first rank (whose header says whether it has a target) has one, the
-    loss's rank tells every rank whether it has one too. When the first rank computes the loss
-    itself (``schedule="zbv"``: rank 0 holds the first and the last stage) and has none, the other
-    ranks tell it whether they were given one, and it tells them its verdict.
+    Asked of every rank on a pipe's first step, before anything is computed. When the first rank
+    (whose header says whether it has a target) has one, the loss's rank tells every rank whether
+    it has one too. When the first rank computes the loss itself (``schedule="zbv"``: rank 0 holds
+    the first and the last stage) and has none, the other ranks tell it whether they were given
+    one, and it tells them its verdict. On later steps (a script passes its arguments the same way
+    every step) the loss's rank alone refuses a missing target; the others see its refusal as a
+    failed step.
     """
     loss_rank, ranks = runtime.last_rank, runtime.layout.global_ranks
     fix = (f"pass the target on {holders(runtime, loss_rank, 'the last stage')} (pipe.plan.stages[-1].on_rank is its "
            "pipeline rank); passing the inputs and the target on every rank is fine")
+    missing = (f"pipe.step got a target on rank {ranks[runtime.first]}, which splits the inputs, but target=None on "
+               f"rank {ranks[runtime.rank]}, which computes the loss: {fix}")
+    if runtime.target_checked:
+        if runtime.last and runtime.first != loss_rank and on_first and target is None:
+            raise PipelineInputError(missing)
+        return
     if runtime.first != loss_rank and on_first:
         if runtime.last:
-            verdict = None if target is not None else (
-                f"pipe.step got a target on rank {ranks[runtime.first]}, which splits the inputs, but target=None on "
-                f"rank {ranks[runtime.rank]}, which computes the loss: {fix}")
+            verdict = None if target is not None else missing
             tell_all(runtime, verdict)
             runtime.comm.flush()
         else:
