@@ -87,7 +87,10 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     at its default; an argument given another value wins. Devices come from the arguments.
 
     ``deferred_batch_norm=True`` updates batch norm running statistics once per mini-batch,
-    as eager training on the whole batch would, instead of once per micro-batch.
+    from the sums of every micro-batch's inputs, instead of once per micro-batch (a batch norm
+    whose inputs no earlier batch norm normalized then gets eager's whole-batch statistics;
+    later ones see inputs normalized per micro-batch). Both front ends: fx's batch norm modules
+    and an exported graph's ``aten.batch_norm`` calls.
 
     ``runtime="distributed"`` runs the stages on ``torch.distributed`` ranks (launch the script
     with ``torchrun --nproc-per-node n_stages // stages_per_rank``); it needs ``example_inputs``

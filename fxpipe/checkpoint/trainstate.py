@@ -160,7 +160,7 @@ def batch_norm_state(rank: int, modules: Iterable[nn.Module], model: nn.Module) 
     out = {}
     for bn in modules:
         if getattr(bn, "_fxpipe_count", 0):
-            key = f"{rank}.bn.{names[id(bn)]}"
+            key = f"{rank}.bn.{names[id(bn)] if id(bn) in names else bn.fqn}"
             sums = vars(bn)
             out[f"{key}.sum"] = sums["_fxpipe_sum"]
             out[f"{key}.sum_squares"] = sums["_fxpipe_sum_squares"]
@@ -173,7 +173,7 @@ def set_batch_norm_state(rank: int, modules: Iterable[nn.Module], model: nn.Modu
     """Put back the deferred batch norms' sums saved by :func:`batch_norm_state`."""
     names = {id(m): n for n, m in model.named_modules()}
     for bn in modules:
-        key = f"{rank}.bn.{names[id(bn)]}"
+        key = f"{rank}.bn.{names[id(bn)] if id(bn) in names else bn.fqn}"
         if f"{key}.count" in flat:
             vars(bn).update(_fxpipe_sum=flat[f"{key}.sum"], _fxpipe_sum_squares=flat[f"{key}.sum_squares"],
                             _fxpipe_count=int(flat[f"{key}.count"]))

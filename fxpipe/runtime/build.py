@@ -47,6 +47,7 @@ from fxpipe.runtime.replicanorms import norms_of
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import defer_batch_norm
 from fxpipe.runtime.stage.compiled import CompiledStage
+from fxpipe.runtime.stage.exportedbn import ExportedBatchNorm, defer_exported
 from fxpipe.runtime.stage.marks import instrument
 from fxpipe.runtime.stage.offload import Offload
 from fxpipe.runtime.stage.selective import Program, foreign_wrap
@@ -124,6 +125,17 @@ def _unread(model: nn.Module, stages: Sequence[torch.fx.GraphModule]) -> set[int
     return {id(t) for _, t in named_tensors(model) if id(t) not in read}
 
 
+def _defer_exported(stages: Sequence[torch.fx.GraphModule],
+                    compiled: TorchCompile | None) -> list[ExportedBatchNorm]:
+    """Make the exported stages' batch norm calls defer their updates (before any stage is wrapped)."""
+    found = [record for st in stages for record in defer_exported(st)]
+    if found and compiled is not None:
+        raise CompileError("deferred_batch_norm=True in an exported graph cannot run in compiled stages "
+                           "(torch_compile=): use tracer='fx', whose batch norm modules defer inside "
+                           "compiled stages too, or leave out torch_compile=")
+    return found
+
+
 def _runnable(gm: torch.fx.GraphModule, j: int, defer: set[int], policy: str,
               compiled: TorchCompile | None) -> torch.fx.GraphModule:
     """Return the module stage ``j`` runs: its linears defer weight gradients if its schedule has W,
@@ -194,13 +206,14 @@ def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
     move_owned([model, gm, *stages], own, devices)
     defer = schedule.deferring(plan.chunks)
     policies = plan.policies()
+    exported = _defer_exported(stages, compiled) if deferred_batch_norm else []
     runnables = [_runnable(st, j, defer, policies[j], compiled) for j, st in enumerate(stages)]
     n = plan.n_stages
     calls = [stage_call(j, stages[j], r, policies[j], own.foreign[j], devices[j], j == n - 1, defer, compiled, save)
              for j, r in enumerate(runnables)]
     engine = LocalRuntime(plan, calls, Binding(gm), schedule)
     if deferred_batch_norm:
-        engine.deferred = defer_batch_norm({id(m): m for st in stages for m in st.modules()}.values())
+        engine.deferred = defer_batch_norm({id(m): m for st in stages for m in st.modules()}.values()) + exported
     return engine
 
 
@@ -239,6 +252,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     defer = schedule.deferring(plan.chunks)
     n = plan.n_stages
     policies = plan.policies()
+    exported = _defer_exported(held, compiled) if deferred_batch_norm else []
     runnable = {j: _runnable(stages[j], j, defer, policies[j], compiled) for j in mine}
     calls = [stage_call(j, stages[j], r, policies[j], [], device, j == n - 1, defer, compiled, save)
              for j, r in runnable.items()]
@@ -251,7 +265,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
         swapped = engine.grad_sync.swapped  # tied parameters FSDP2 sharded: sum the shards' gradients
         tied.mine = [(g, [swapped.get(id(p), p) for p in ps], first) for g, ps, first in tied.mine]
     if deferred_batch_norm:
-        engine.deferred = defer_batch_norm({id(m): m for st in held for m in st.modules()}.values())
+        engine.deferred = defer_batch_norm({id(m): m for st in held for m in st.modules()}.values()) + exported
     if layout.dp > 1:
         engine.norms = norms_of(held)
     keep = {id(t) for st in held for _, t in named_tensors(st)} | unread  # after the move: moved buffers are new

@@ -182,7 +182,7 @@ def test_data_parallel_refusals(tmp_path, launch):
             "replica 0 has a batch of 4 rows but replica 1 has 3" in res["batch"]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b:deferred", "zb:plain:shard"])
+@pytest.mark.parametrize("schedule", ["1f1b:deferred", "zb:plain:shard", "zb:deferred:export"])
 def test_data_parallel_keeps_batch_norm_statistics_equal_over_replicas(schedule, tmp_path, launch):
     # DDP broadcasts buffers in its forward, which the pipeline never calls, and FSDP2 leaves them alone:
     # each replica's running statistics drifted to its own share of the batch

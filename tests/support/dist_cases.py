@@ -644,8 +644,10 @@ def dp_views(rank, world, schedule):
 
 def dp_batch_norm(rank, world, schedule):
     """Batch norm in training under 2 replicas: running statistics equal on both replicas, and with deferred
-    batch norm equal to one process running the global batch's micro-batches (schedule: 'name:deferred|plain[:shard]')."""
-    schedule, mode, *shard = schedule.split(":")
+    batch norm equal to one process running the global batch's micro-batches
+    (schedule: 'name:deferred|plain[:shard|:export]')."""
+    schedule, mode, *more = schedule.split(":")
+    shard, tracer = "shard" in more, "export" if "export" in more else "fx"
     torch.manual_seed(0)
     model = CNN().train()
     reference = copy.deepcopy(model)
@@ -653,8 +655,8 @@ def dp_batch_norm(rank, world, schedule):
     replica, pp_rank = rank // 2, rank % 2
     xs, ys = x[replica * 4:(replica + 1) * 4], y[replica * 4:(replica + 1) * 4]
     pipe = fxpipe.compile(model, 2, example_inputs=(xs,), runtime="distributed", timeout=60, schedule=schedule,
-                          chunks=2, data_parallel=2, data_parallel_shard=bool(shard),
-                          deferred_batch_norm=mode == "deferred")
+                          chunks=2, data_parallel=2, data_parallel_shard=shard,
+                          deferred_batch_norm=mode == "deferred", tracer=tracer)
     pipe.step(xs, target=ys, loss_fn=F.cross_entropy)
     stats = {k: v.tolist() for k, v in pipe.state_dict().items() if "running" in k or "num_batches" in k}
     one = fxpipe.compile(reference, 2, example_inputs=(x,), chunks=4, devices=["cpu"] * 2, schedule=schedule,

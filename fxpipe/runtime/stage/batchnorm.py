@@ -5,7 +5,10 @@ default also updates its running mean and variance once per micro-batch, which w
 differently from eager training on the whole batch. With ``deferred_batch_norm=True`` each
 batch norm keeps normalizing per micro-batch but only accumulates ``sum(x)`` and
 ``sum(x * x)`` per channel; after the mini-batch the pipeline commits them once, so the
-running statistics equal eager's on the full batch (torchgpipe, section 3.4). Recomputation
+running statistics equal eager's on the full batch (torchgpipe, section 3.4) for a batch norm
+whose inputs no earlier batch norm normalized per micro-batch; later ones get the statistics
+of the inputs they saw over the mini-batch. Exported graphs hold ``aten.batch_norm`` calls
+instead of modules: :mod:`fxpipe.runtime.stage.exportedbn` defers those. Recomputation
 for checkpointing does not count twice, and neither does a run on fake tensors (the distributed
 runtime propagates each new micro-batch layout's shapes through the graph).
 
@@ -34,7 +37,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from fxpipe.runtime.stage.recompute import is_recomputing
 
-__all__ = ["commit_batch_norm", "defer_batch_norm", "discard_batch_norm", "fold_staged", "staging", "unstaged"]
+__all__ = ["accumulate", "commit_batch_norm", "defer_batch_norm", "discard_batch_norm", "fold_staged", "staging", "unstaged"]
 
 
 class _Sums(Protocol):
@@ -81,19 +84,26 @@ def _deferred_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
                             False, 0.0, self.eps)
     if torch.compiler.is_compiling():
         _stage(self, x)
-    elif not is_recomputing() and not isinstance(x, FakeTensor):
-        with torch.no_grad():
-            dims = [d for d in range(x.dim()) if d != 1]
-            total = x.sum(dims, dtype=torch.float64)  # float64 sums: no cancellation in the variance
-            squares = (x * x).sum(dims, dtype=torch.float64)
-            sums = _sums(self)
-            if sums._fxpipe_sum is None or sums._fxpipe_sum_squares is None:
-                sums._fxpipe_sum, sums._fxpipe_sum_squares = total, squares
-            else:
-                sums._fxpipe_sum += total
-                sums._fxpipe_sum_squares += squares
-            sums._fxpipe_count += x.numel() // x.shape[1]
+    else:
+        accumulate(self, x)
     return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+
+def accumulate(bn: object, x: torch.Tensor) -> None:
+    """Add a micro-batch's per-channel sums to ``bn``'s (not when recomputing, nor on fake tensors)."""
+    if is_recomputing() or isinstance(x, FakeTensor):
+        return
+    with torch.no_grad():
+        dims = [d for d in range(x.dim()) if d != 1]
+        total = x.sum(dims, dtype=torch.float64)  # float64 sums: no cancellation in the variance
+        squares = (x * x).sum(dims, dtype=torch.float64)
+        sums = cast(_Sums, bn)
+        if sums._fxpipe_sum is None or sums._fxpipe_sum_squares is None:
+            sums._fxpipe_sum, sums._fxpipe_sum_squares = total, squares
+        else:
+            sums._fxpipe_sum += total
+            sums._fxpipe_sum_squares += squares
+        sums._fxpipe_count += x.numel() // x.shape[1]
 
 
 def _stage(bn: _BatchNorm, x: torch.Tensor) -> None:
@@ -171,7 +181,7 @@ def commit_batch_norm(modules: Iterable[_BatchNorm]) -> None:
             assert bn.num_batches_tracked is not None
             mean = sums._fxpipe_sum / n
             var = (sums._fxpipe_sum_squares / n - mean ** 2) * (n / max(n - 1, 1))  # unbiased, as eager
-            bn.num_batches_tracked += 1
+            bn.num_batches_tracked.add_(1)
             momentum = bn.momentum
             if momentum is None:  # cumulative moving average
                 momentum = 1.0 / float(bn.num_batches_tracked)

@@ -33,22 +33,23 @@ class Branches(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
+@pytest.mark.parametrize("tracer", ["fx", "export"])  # export: aten.batch_norm calls, no modules
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
-def test_running_statistics_equal_eager(checkpoint, schedule):
+def test_running_statistics_equal_eager(checkpoint, schedule, tracer):
     model = Branches().train()
     eager = copy.deepcopy(model)
     x = torch.randn(10, 3, 8, 8) * 3 + 1
     target = torch.randn(10, 5)
     F.mse_loss(eager(x), target).backward()
     pipe = fxpipe.compile(model, 3, example_inputs=(x,), chunks=4, checkpoint=checkpoint, schedule=schedule,
-                          devices=["cpu"] * 3, deferred_batch_norm=True)
+                          devices=["cpu"] * 3, deferred_batch_norm=True, tracer=tracer)
     pipe.step(x, target=target, loss_fn=F.mse_loss)
-    expected, actual = _stats(eager), _stats(model)
+    expected, actual = _stats(eager), _stats(pipe)
     assert len(expected) == 9 and expected.keys() == actual.keys()
     for k in expected:
         torch.testing.assert_close(actual[k], expected[k], rtol=1e-5, atol=1e-6, msg=k)
-    stages = {j for j, s in enumerate(pipe.plan.stages) for n in s.nodes if n.startswith("bns_")}
+    stages = {j for j, s in enumerate(pipe.plan.stages) for n in s.nodes if n.startswith(("bns_", "batch_norm"))}
     assert len(stages) >= 2  # the batch norms really are spread over stages
 
 

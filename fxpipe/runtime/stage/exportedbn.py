@@ -1,0 +1,101 @@
+"""Deferred batch norm in exported graphs, which hold ``aten.batch_norm`` calls instead of modules.
+
+An exported training graph updates each batch norm's running statistics inside
+``aten.batch_norm`` and counts ``num_batches_tracked`` in an ``add_`` beside it::
+
+    add_(bn.num_batches_tracked, 1)          erased: the commit counts once per mini-batch
+    batch_norm(x, w, b, rm, rv, True, ...)   deferred_batch_norm(x, w, b, rm, rv, True, ..., key)
+
+:func:`defer_exported` rewrites them so; the new call normalizes by the micro-batch's statistics
+and accumulates its sums into an :class:`ExportedBatchNorm` (found by ``key``), which
+:func:`fxpipe.runtime.stage.batchnorm.commit_batch_norm` commits like a module's.
+
+Reads the stage graphs; rewrites their batch norm calls in place (and recompiles them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from fxpipe.runtime.stage.batchnorm import accumulate
+
+__all__ = ["ExportedBatchNorm", "defer_exported", "deferred_batch_norm"]
+
+_BY_KEY: dict[str, ExportedBatchNorm] = {}
+
+
+class ExportedBatchNorm:
+    """The running statistics of one ``aten.batch_norm`` call of an exported stage, and its sums."""
+
+    def __init__(self, gm: torch.fx.GraphModule, prefix: str, momentum: float | None) -> None:
+        self.gm, self.prefix, self.momentum = gm, prefix, momentum
+        self.fqn = prefix.rstrip(".")  # the batch norm module's name in the model
+        self._fxpipe_sum: torch.Tensor | None = None
+        self._fxpipe_sum_squares: torch.Tensor | None = None
+        self._fxpipe_count = 0
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        """Return the stage's buffer ``<prefix>.name`` (looked up each time: a load may replace it)."""
+        return self.gm.get_buffer(f"{self.prefix}{name}")
+
+    @property
+    def running_mean(self) -> torch.Tensor:
+        """Return the running mean buffer."""
+        return self._buffer("running_mean")
+
+    @property
+    def running_var(self) -> torch.Tensor:
+        """Return the running variance buffer."""
+        return self._buffer("running_var")
+
+    @property
+    def num_features(self) -> int:
+        """Return the number of channels."""
+        return self.running_mean.numel()
+
+    @property
+    def num_batches_tracked(self) -> torch.Tensor:
+        """Return the update counter buffer."""
+        return self._buffer("num_batches_tracked")
+
+
+def deferred_batch_norm(x: torch.Tensor, weight: Any, bias: Any, running_mean: Any, running_var: Any,
+                        training: bool, momentum: float, eps: float, cudnn: bool, key: str) -> torch.Tensor:
+    """Normalize as ``aten.batch_norm``; in training accumulate the statistics instead of updating them."""
+    if not training:
+        return torch.ops.aten.batch_norm.default(x, weight, bias, running_mean, running_var, False, momentum,
+                                                 eps, cudnn)
+    accumulate(_BY_KEY[key], x)
+    return torch.ops.aten.batch_norm.default(x, weight, bias, None, None, True, 0.0, eps, cudnn)
+
+
+def defer_exported(gm: torch.fx.GraphModule) -> list[ExportedBatchNorm]:
+    """Rewrite the training batch norm calls of an exported stage to defer their updates; return their records."""
+    found = []
+    adds = {n.args[0]: n for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.aten.add_.Tensor and isinstance(n.args[0], torch.fx.Node)}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.batch_norm.default:
+            continue
+        stats = node.args[3]
+        if not (node.args[5] and isinstance(stats, torch.fx.Node) and stats.op == "get_attr"
+                and str(stats.target).endswith("running_mean")):
+            continue
+        prefix = str(stats.target)[: -len("running_mean")]
+        counter = next((n for n in adds if n.op == "get_attr" and n.target == f"{prefix}num_batches_tracked"), None)
+        if counter is not None:
+            add = adds[counter]
+            add.replace_all_uses_with(counter)
+            gm.graph.erase_node(add)
+        record = ExportedBatchNorm(gm, prefix, node.args[6])
+        key = f"{id(gm)}:{prefix}"
+        _BY_KEY[key] = record
+        node.target = deferred_batch_norm
+        node.args = (*node.args[:9], key)
+        found.append(record)
+    if found:
+        gm.recompile()
+    return found
