@@ -122,3 +122,10 @@ def test_a_run_on_fake_tensors_accumulates_nothing():
     eager(x)
     for k, v in _stats(eager).items():
         torch.testing.assert_close(_stats(model)[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_deferral_in_an_exported_graph_is_refused_with_compiled_stages():
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.raises(fxpipe.CompileError, match="deferred_batch_norm=True in an exported graph cannot run in compiled"):
+        fxpipe.compile(Branches().train(), 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, tracer="export",
+                       deferred_batch_norm=True, torch_compile={"backend": "aot_eager"})
