@@ -154,13 +154,19 @@ def set_rng_state(rank: int, flat: Mapping[str, torch.Tensor]) -> None:
             torch.cuda.set_rng_state(state, int(parts[2]))
 
 
+def _bn_name(names: Mapping[int, str], bn: Any) -> str:
+    """Return a deferred batch norm's name in the model: its module's, or an exported graph's record's."""
+    name = names.get(id(bn))
+    return bn.fqn if name is None else name
+
+
 def batch_norm_state(rank: int, modules: Iterable[nn.Module], model: nn.Module) -> dict[str, torch.Tensor]:
     """Return the deferred batch norms' accumulated, uncommitted sums (none between steps)."""
     names = {id(m): n for n, m in model.named_modules()}
     out = {}
     for bn in modules:
         if getattr(bn, "_fxpipe_count", 0):
-            key = f"{rank}.bn.{names[id(bn)] if id(bn) in names else bn.fqn}"
+            key = f"{rank}.bn.{_bn_name(names, bn)}"
             sums = vars(bn)
             out[f"{key}.sum"] = sums["_fxpipe_sum"]
             out[f"{key}.sum_squares"] = sums["_fxpipe_sum_squares"]
@@ -173,7 +179,7 @@ def set_batch_norm_state(rank: int, modules: Iterable[nn.Module], model: nn.Modu
     """Put back the deferred batch norms' sums saved by :func:`batch_norm_state`."""
     names = {id(m): n for n, m in model.named_modules()}
     for bn in modules:
-        key = f"{rank}.bn.{names[id(bn)] if id(bn) in names else bn.fqn}"
+        key = f"{rank}.bn.{_bn_name(names, bn)}"
         if f"{key}.count" in flat:
             vars(bn).update(_fxpipe_sum=flat[f"{key}.sum"], _fxpipe_sum_squares=flat[f"{key}.sum_squares"],
                             _fxpipe_count=int(flat[f"{key}.count"]))

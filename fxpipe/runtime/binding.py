@@ -11,7 +11,7 @@ import torch.fx
 from fxpipe import passes
 from fxpipe.errors import PipelineInputError
 from fxpipe.runtime.microbatch import batch_size, gather, scatter, to_device
-from fxpipe.runtime.validate import check_inputs
+from fxpipe.runtime.validate import check_inputs, check_micro_batches
 
 __all__ = ["Binding"]
 
@@ -40,6 +40,8 @@ class Binding:
         batch = batch_size(values, self.names, self.unbatched)
         check_inputs(self.gm, values, self.names, training, self.unbatched)
         mbs = scatter(values, self.names, chunks, self.unbatched)
+        if batch is not None:
+            check_micro_batches(self.gm, -(-batch // len(mbs)), batch, chunks, self.names, self.unbatched)
         if batch is not None and len(mbs) < chunks and not self.warned:
             self.warned = True
             warnings.warn(f"a batch of {batch} row(s) runs as {len(mbs)} micro-batch(es), fewer than chunks={chunks}: "

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from fxpipe.errors import PipelineInputError
 from fxpipe.frontend.export import enabled_autocast
 
-__all__ = ["check_inputs"]
+__all__ = ["check_inputs", "check_micro_batches"]
 
 
 def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequence[str],
@@ -32,7 +32,10 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
             f"the pipe is in {mode} mode but torch.export traced the model in {other} mode, and "
             f"an exported graph keeps the mode it was traced in (dropout, batch norm); call "
             f"model.{'train' if training else 'eval'}() before fxpipe.compile(..., tracer='export'), "
-            f"or use tracer='fx'")
+            f"or use tracer='fx'. To evaluate while training, compile a second pipe in {mode} mode: "
+            "fxpipe.save(pipe, path), build the model again under fxpipe.deferred_init() (or on meta), call "
+            f"model.{'train' if training else 'eval'}() and fxpipe.compile(model, ..., tracer='export', "
+            "weights=path)")
     traced = meta.get("fxpipe.autocast")
     if traced is not None and tuple(traced) != enabled_autocast():
         raise PipelineInputError(
@@ -45,6 +48,23 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
         expected = node.meta.get("val")  # a fake tensor where torch.export or dynamo traced
         if isinstance(expected, FakeTensor) and isinstance(value, torch.Tensor):
             _check_static_dims(name, value, expected, first=0 if name in unbatched else 1)
+
+
+def check_micro_batches(gm: torch.fx.GraphModule, rows: int, batch: int, chunks: int, names: Sequence[str],
+                        unbatched: Collection[str] = ()) -> None:
+    """Refuse micro-batches of ``rows`` rows where torch.export bounded the batch dim below them."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, names):
+        expected = node.meta.get("val")
+        if name in unbatched or not isinstance(expected, FakeTensor) or expected.dim() == 0:
+            continue
+        bounds = None if _fixed(expected.shape[0]) is not None else _range(expected.shape[0])
+        if bounds is not None and bounds[1] is not None and rows > bounds[1]:
+            raise PipelineInputError(
+                f"a batch of {batch} rows makes micro-batches of up to {rows} rows (chunks={chunks}), but "
+                f"torch.export bounded input '{name}''s batch dim to at most {bounds[1]} rows (the model "
+                f"branches on the batch size): compile with chunks >= {-(-batch // bounds[1])}, or pass "
+                f"batches of at most {bounds[1] * chunks} rows")
 
 
 def _autocast(state: tuple) -> str:
