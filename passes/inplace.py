@@ -103,10 +103,17 @@ def joined_positions(gm: torch.fx.GraphModule, order: list[torch.fx.Node]) -> se
 
     An in-place op stays in the stage of the values it changes (no cut from the first of them
     up to it); one that changes a model input also stays with every later reader of it, so
-    that its stage alone works on the private copy.
+    that its stage alone works on the private copy. A node marked ``fxpipe.detaches`` (the
+    detach of a value leaving a ``torch.no_grad()`` block) stays with the node it detaches, so
+    that value never crosses a boundary still carrying a gradient.
     """
     pos = {n: i for i, n in enumerate(order)}
     joined: set[int] = set()
+    for node in order:
+        if node.meta.get("fxpipe.detaches"):
+            made = [pos[a] for a in node.all_input_nodes if a in pos]
+            if made:
+                joined.update(range(min(made) + 1, pos[node] + 1))
     for node, group in _mutations(gm).items():
         if node not in pos:
             continue

@@ -18,6 +18,7 @@ from torch import nn
 from fxpipe.errors import TraceError
 from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.markers import recording_markers
+from fxpipe.frontend.nograd import detach_no_grad_blocks
 from fxpipe.options import check_tracer
 
 __all__ = ["trace"]
@@ -52,6 +53,14 @@ class _Tracer(torch.fx.Tracer):
         if isinstance(m, self.leaf_types) or module_qualified_name in self.leaf_names:
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
+                    type_expr: Any = None) -> torch.fx.Node:
+        """Create a node; mark it if the forward made it with grad mode off (a ``torch.no_grad()`` block)."""
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if not torch.is_grad_enabled():
+            node.meta["fxpipe.no_grad"] = True
+        return node
 
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
         """Wrap a node in a proxy that also records index assignment."""
@@ -108,13 +117,16 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     _refuse_wrapped_forward(model, concrete_args)
     fx_tracer = _Tracer(leaf_types, leaf_names)
     try:
-        # pipe_split() calls become marker nodes; assignments to buffers, in-place copies
-        with recording_markers(fx_tracer), recording_assignments(fx_tracer):
+        # pipe_split() calls become marker nodes; assignments to buffers, in-place copies; nodes
+        # made with grad mode off are marked (a forward's torch.no_grad() blocks)
+        with recording_markers(fx_tracer), recording_assignments(fx_tracer), torch.enable_grad():
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         raise _explain(model, fx_tracer, exc) from exc
     name = model.__class__.__name__
     gm = torch.fx.GraphModule(fx_tracer.root, graph, name)
+    if detach_no_grad_blocks(gm):
+        log.info("%s: the values leaving its torch.no_grad() blocks are detached", name)
     log.debug("traced %s: %d nodes", name, len(gm.graph.nodes))
     return gm
 

@@ -1,0 +1,63 @@
+"""Keep a forward's ``torch.no_grad()`` blocks in an fx trace: their values leave them detached.
+
+torch.fx records calls, not grad mode: the code of ``with torch.no_grad():`` (a frozen teacher,
+a position table under ``@torch.no_grad()``) runs at trace time like any other, and the graph
+would let gradients flow through it into parameters eager never trains. While fxpipe traces,
+each node made where grad mode is off is marked (``fxpipe.no_grad``); afterwards every value
+such a block computes is detached right after it (a stage boundary may fall inside the block)::
+
+    with torch.no_grad():                t = a(x)            (marked)
+        t = self.a(x)                    t_1 = detached(t)   read by every node that read t
+    h = self.b(x) + t                    add(b, t_1)
+
+The block's ops still run with autograd on, but nothing after it reaches back through them:
+the gradients equal eager's.
+
+Reads:  ``fxpipe.no_grad`` in ``node.meta`` (written by the tracer while tracing).
+Writes: ``detached`` nodes into the graph, after each marked node that has users, marked
+        ``fxpipe.detaches`` (the partition keeps each in the stage of the node it detaches).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_map
+
+__all__ = ["detach_no_grad_blocks", "detached"]
+
+_CALLS = ("call_function", "call_method", "call_module")
+
+
+def detached(value: Any) -> Any:
+    """Return ``value`` with every tensor in it detached."""
+    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
+
+
+def _marked(node: torch.fx.Node) -> bool:
+    """Tell whether ``node`` was made inside a no-grad block (and computes: not a placeholder nor an attribute)."""
+    return node.op in _CALLS and bool(node.meta.get("fxpipe.no_grad"))
+
+
+def detach_no_grad_blocks(gm: torch.fx.GraphModule) -> int:
+    """Detach each value a no-grad block computes, for every node that reads it; return how many were.
+
+    Every value, not only those read after the block: a stage boundary may fall inside the
+    block, and a value crossing it must not carry a gradient back either.
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not _marked(node) or not node.users:
+            continue
+        users = list(node.users)
+        with gm.graph.inserting_after(node):
+            cut = gm.graph.call_function(detached, (node,))
+        cut.meta["fxpipe.detaches"] = True  # kept in its producer's stage (passes.inplace.joined_positions)
+        for user in users:
+            user.replace_input_with(node, cut)
+        count += 1
+    if count:
+        gm.recompile()
+    return count

@@ -1,0 +1,64 @@
+"""A forward's torch.no_grad() blocks survive the fx trace: no gradient flows through them."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.testing import assert_pipeline_equivalent
+
+
+class Teacher(nn.Module):
+    """A frozen branch computed under ``torch.no_grad()`` beside a trained one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher, self.student, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = torch.tanh(self.teacher(x)) * 2
+        return self.head(torch.relu(self.student(x) + t))
+
+
+class Table(nn.Module):
+    """Scale by a table made in a forward decorated with ``@torch.no_grad()`` (rotary embeddings' way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.freq = nn.Linear(8, 8)
+
+    @torch.no_grad()
+    def forward(self, x):
+        return torch.cos(self.freq(x))
+
+
+class WithTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.table, self.out = nn.Linear(8, 8), Table(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(h * self.table(h))
+
+
+@pytest.mark.parametrize("model", [Teacher, WithTable])
+def test_no_grad_blocks_give_eager_s_gradients(model):
+    torch.manual_seed(0)
+    pipe = assert_pipeline_equivalent(model(), (torch.randn(6, 8),), n_stages=2, chunks=2, devices=["cpu"] * 2)
+    frozen = dict(pipe.named_parameters())["teacher.weight" if model is Teacher else "table.freq.weight"]
+    assert frozen.grad is None  # eager gives it none (an optimizer then skips it); the plain trace gave it one
+
+
+def test_a_model_compiled_under_no_grad_still_trains():
+    model, x = Teacher(), torch.randn(6, 8)
+    eager = copy.deepcopy(model)
+    with torch.no_grad():  # an inference script's habit: it must not mark the whole graph
+        pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    pipe.step(x, target=None, loss_fn=lambda out, _: out.pow(2).mean())
+    eager(x).pow(2).mean().backward()
+    torch.testing.assert_close(model.student.weight.grad, eager.student.weight.grad)
+    assert model.teacher.weight.grad is None
