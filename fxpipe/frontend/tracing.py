@@ -16,6 +16,7 @@ import torch.fx
 from torch import nn
 
 from fxpipe.errors import TraceError
+from fxpipe.frontend.amp import recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.markers import recording_markers
 from fxpipe.frontend.nograd import detach_no_grad_blocks
@@ -116,15 +117,19 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
                          f"{type(model).__name__}; use names from model.named_modules()")
     _refuse_wrapped_forward(model, concrete_args)
     fx_tracer = _Tracer(leaf_types, leaf_names)
+    blocks: list[tuple[str, bool]] = []
     try:
         # pipe_split() calls become marker nodes; assignments to buffers, in-place copies; nodes
-        # made with grad mode off are marked (a forward's torch.no_grad() blocks)
-        with recording_markers(fx_tracer), recording_assignments(fx_tracer), torch.enable_grad():
+        # made with grad mode off are marked (a forward's torch.no_grad() blocks); autocast blocks noted
+        with recording_markers(fx_tracer), recording_assignments(fx_tracer), torch.enable_grad(), \
+                recording_autocast_blocks(blocks):
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         raise _explain(model, fx_tracer, exc) from exc
     name = model.__class__.__name__
     gm = torch.fx.GraphModule(fx_tracer.root, graph, name)
+    if blocks:
+        gm.meta["fxpipe.autocast_blocks"] = blocks
     if detach_no_grad_blocks(gm):
         log.info("%s: the values leaving its torch.no_grad() blocks are detached", name)
     log.debug("traced %s: %d nodes", name, len(gm.graph.nodes))
