@@ -21,6 +21,7 @@ from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.markers import recording_markers
 from fxpipe.frontend.nograd import detach_no_grad_blocks
 from fxpipe.options import check_tracer
+from fxpipe.passes.fingerprint import fingerprint, first_difference
 
 __all__ = ["trace"]
 
@@ -116,6 +117,23 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
         raise ValueError(f"leaf_modules names {unknown} that are not submodules of "
                          f"{type(model).__name__}; use names from model.named_modules()")
     _refuse_wrapped_forward(model, concrete_args)
+    gm, blocks = _fx_trace(model, leaf_types, leaf_names, concrete_args)
+    name = model.__class__.__name__
+    if blocks:
+        gm.meta["fxpipe.autocast_blocks"] = blocks
+    branch = _mode_branch(model, gm, leaf_types, leaf_names, concrete_args)
+    if branch is not None:  # the graph holds the branch of this mode: the other mode is refused
+        gm.meta["fxpipe.training"] = model.training
+        gm.meta["fxpipe.mode_branch"] = branch
+    if detach_no_grad_blocks(gm):
+        log.info("%s: the values leaving its torch.no_grad() blocks are detached", name)
+    log.debug("traced %s: %d nodes", name, len(gm.graph.nodes))
+    return gm
+
+
+def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozenset[str],
+              concrete_args: dict[str, Any] | None) -> tuple[torch.fx.GraphModule, list[tuple[str, bool]]]:
+    """Trace ``model`` with fxpipe's fx tracer; return the GraphModule and the autocast blocks entered."""
     fx_tracer = _Tracer(leaf_types, leaf_names)
     blocks: list[tuple[str, bool]] = []
     try:
@@ -126,14 +144,44 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         raise _explain(model, fx_tracer, exc) from exc
-    name = model.__class__.__name__
-    gm = torch.fx.GraphModule(fx_tracer.root, graph, name)
-    if blocks:
-        gm.meta["fxpipe.autocast_blocks"] = blocks
-    if detach_no_grad_blocks(gm):
-        log.info("%s: the values leaving its torch.no_grad() blocks are detached", name)
-    log.debug("traced %s: %d nodes", name, len(gm.graph.nodes))
-    return gm
+    return torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__), blocks
+
+
+def _mode_branch(model: nn.Module, gm: torch.fx.GraphModule, leaf_types: tuple[type, ...],
+                 leaf_names: frozenset[str], concrete_args: dict[str, Any] | None) -> str | None:
+    """Trace again in the other mode; return the first node where the graphs differ, or None.
+
+    A forward that branches on ``self.training`` in code fx traces through (a drop path, an
+    auxiliary head) gets the branch of the mode it was traced in fixed in its graph; the leaf
+    modules (dropout, batch norm) read the mode when they run, and leave no difference.
+    """
+    if not _may_read_mode(model):
+        return None
+    modes = {m: m.training for m in model.modules()}
+    quiet = logging.getLogger("fxpipe.frontend.assign")
+    level, quiet.level = quiet.level, logging.ERROR  # its warnings were given by the first trace
+    try:
+        model.train(not model.training)
+        other, _ = _fx_trace(model, leaf_types, leaf_names, concrete_args)
+    except Exception as exc:  # noqa: BLE001 - the other mode cannot be traced: nothing is known
+        log.debug("tracing %s in the other mode failed: %s", type(model).__name__, exc)
+        return None
+    finally:
+        quiet.setLevel(level)
+        for m, training in modes.items():
+            m.training = training
+    return first_difference(fingerprint(other), fingerprint(gm))  # "<this mode's line> where the other has <...>"
+
+
+def _may_read_mode(model: nn.Module) -> bool:
+    """Tell whether the source of any module class outside torch.nn mentions ``training`` (else one trace is enough)."""
+    for cls in {type(m) for m in model.modules() if not type(m).__module__.startswith("torch.nn.")}:
+        try:
+            if "training" in inspect.getsource(cls):
+                return True
+        except (OSError, TypeError):  # no source to read: it may
+            return True
+    return False
 
 
 def _hugging_face(model: nn.Module) -> str:

@@ -26,6 +26,14 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
     """Raise :class:`PipelineInputError` if the inputs, the mode or the autocast differ from an exported graph's."""
     meta = getattr(gm, "meta", {})
     exported = meta.get("fxpipe.training")
+    if exported is not None and exported != training and "fxpipe.mode_branch" in meta:
+        mode, other = ("training", "eval") if training else ("eval", "training")
+        raise PipelineInputError(
+            f"the pipe is in {mode} mode but the model's forward branches on self.training, and torch.fx fixed "
+            f"the branch of {other} mode, in which it traced (traced in {other} mode the graph has "
+            f"{meta['fxpipe.mode_branch']}); compile the pipe in the mode it runs in (model.{'train' if training else 'eval'}() "
+            "before fxpipe.compile; to evaluate while training, fxpipe.save(pipe, path) and compile the model "
+            "again in eval mode with weights=path), or list the module that branches in leaf_modules=")
     if exported is not None and exported != training:
         mode, other = ("training", "eval") if training else ("eval", "training")
         raise PipelineInputError(
