@@ -15,6 +15,7 @@ Reads the stage graphs; rewrites their batch norm calls in place (and recompiles
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -24,7 +25,8 @@ from fxpipe.runtime.stage.batchnorm import accumulate
 
 __all__ = ["ExportedBatchNorm", "defer_exported", "deferred_batch_norm"]
 
-_BY_KEY: dict[str, ExportedBatchNorm] = {}
+# key -> record; a record lives as long as its runtime's list of deferred batch norms holds it
+_BY_KEY: weakref.WeakValueDictionary[str, ExportedBatchNorm] = weakref.WeakValueDictionary()
 
 
 class ExportedBatchNorm:
