@@ -13,17 +13,15 @@ Reads and writes no ``node.meta``.
 
 from __future__ import annotations
 
-import os
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["recording_autocast_blocks"]
+from fxpipe.frontend.source import model_line
 
-_SKIP = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+__all__ = ["recording_autocast_blocks"]
 
 
 @contextmanager
@@ -34,9 +32,7 @@ def recording_autocast_blocks(blocks: list[tuple[str, bool]]) -> Iterator[None]:
 
     def enter(self: Any) -> Any:
         """Note where the forward enters this block; then enter it."""
-        user = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(_SKIP)]
-        blocks.append((f"{user[-1].filename}:{user[-1].lineno}" if user else "a torch.autocast block",
-                       bool(getattr(self, "_enabled", True))))
+        blocks.append((model_line() or "a torch.autocast block", bool(getattr(self, "_enabled", True))))
         return original(self)
 
     cls.__enter__ = enter

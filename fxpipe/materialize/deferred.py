@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
-import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.errors import DeferredInitError
+from fxpipe.frontend.source import model_line
 from fxpipe.materialize.initcalls import recording_init_calls
 from fxpipe.materialize.recording import Const, Op, Recording, Ref, ref_of
 
@@ -49,15 +48,13 @@ _VALUE_READS = frozenset({"tolist", "numpy", "item", "__bool__", "__float__", "_
 # methods whose factories (``self.new_empty``) take self's device and dtype: on a real tensor, eager ones
 _LIKE_SELF = frozenset({"new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "new_tensor",
                         "__deepcopy__"})
-_HERE = (os.path.join(os.path.dirname(torch.__file__), ""), os.path.join(os.path.dirname(__file__), ""),
-         contextlib.__file__)
 
 
 def _where() -> str:
     """Name the innermost source line outside torch and fxpipe (the model's code)."""
-    for frame in reversed(traceback.extract_stack()):
-        if not frame.filename.startswith(_HERE):
-            return f" at {frame.filename}:{frame.lineno}"
+    line = model_line()
+    if line is not None:
+        return f" at {line}"
     return ""
 
 
