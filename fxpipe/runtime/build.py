@@ -230,6 +230,9 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     """
     device, mine = layout.device, schedule.stages_of(layout.rank)
     held = [stages[j] for j in mine]
+    if layout.dp > 1:  # every rank asks it of every rank's stages, so all refuse alike
+        for r in sorted(set(schedule.ranks)):
+            _refuse_shared_on_one_rank([stages[j] for j in schedule.stages_of(r)], schedule.stages_of(r))
     unread = _unread(model, stages) if layout.rank == 0 else set()
     tp = gm.meta.get("fxpipe.tp_plan") if layout.tp > 1 else None
     if materials is not None and materials.needed(model):
@@ -247,8 +250,6 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
         shard_stages(model, gm, stages, mine, tp, layout, None)
     move_owned([model, gm, *stages], ownership(held, [device] * len(held)), [device] * len(held))
     tied = tied_groups(stages, schedule.ranks, layout, timeout)
-    if layout.dp > 1:
-        _refuse_shared_on_one_rank(held, mine)
     defer = schedule.deferring(plan.chunks)
     n = plan.n_stages
     policies = plan.policies()

@@ -180,6 +180,13 @@ def test_data_parallel_refusals(tmp_path, launch):
         assert res["batch"].startswith("PipelineInputError"), res["batch"]
         assert "replica 1 has a batch of 3 rows but replica 0 has 4" in res["batch"] or \
             "replica 0 has a batch of 4 rows but replica 1 has 3" in res["batch"]
+        for label in ("inputs", "target"):  # replica 0 refused it too, instead of failing in gloo
+            assert res[label].startswith("PipelineInputError"), (r, label, res[label])
+            if r < 2:
+                assert "replica 1 refused this step" in res[label], (r, label, res[label])
+        assert "pipe.step got no inputs on rank 2" in res["inputs"]
+        assert "target=None on rank 3, which computes the loss" in res["target"]
+        assert "is used by stages 0 and 3, which run on one rank" in res["tie"], (r, res)  # every rank, not 0 and 2
 
 
 @pytest.mark.parametrize("schedule", ["1f1b:deferred", "zb:plain:shard", "zb:deferred:export"])

@@ -604,7 +604,8 @@ def dp_accumulate(rank, world, schedule):
 
 
 def dp_refusals(rank, world, schedule):
-    """A layout the world cannot hold; replicas with different batch sizes (refused on every rank)."""
+    """A layout the world cannot hold; a tie on one rank; replicas with different batch sizes, one replica
+    without its inputs, one without its target (each refused on every rank)."""
     model, x, y, loss_fn = _mlp_pair()
     out = {}
     try:
@@ -615,10 +616,21 @@ def dp_refusals(rank, world, schedule):
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), runtime="distributed", data_parallel=2, timeout=60,
                           split_points=["2"])
     rows = 4 if rank // 2 == 0 else 3
+    for label, xs, ys in [("batch", x[:rows] if rank % 2 == 0 else None, y[:rows] if rank % 2 == 1 else None),
+                          ("inputs", x[:4] if rank == 0 else None, y[:4]),  # replica 1's first rank has none
+                          ("target", x[:4], y[:4] if rank != 3 else None)]:  # nor replica 1's loss rank
+        try:
+            pipe.step(xs, target=ys, loss_fn=loss_fn)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[label] = f"{type(exc).__name__}: {exc}"
+    torch.manual_seed(0)
+    tied = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 16))
+    tied[-1].weight = tied[0].weight  # ZB-V puts the first and the last stage on rank 0
     try:
-        pipe.step(x[:rows] if rank % 2 == 0 else None, target=y[:rows] if rank % 2 == 1 else None, loss_fn=loss_fn)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        out["batch"] = f"{type(exc).__name__}: {exc}"
+        fxpipe.compile(tied, 4, example_inputs=(torch.randint(0, 16, (4, 3)),), runtime="distributed",
+                       data_parallel=2, stages_per_rank=2, schedule="zbv", chunks=2, timeout=60)
+    except ValueError as exc:
+        out["tie"] = str(exc)
     return out
 
 

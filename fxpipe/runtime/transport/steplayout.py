@@ -79,20 +79,29 @@ def _refuse_missing_inputs(runtime: Any, values: list[Any], stepping: bool) -> N
             f"ranks may pass None ({last})")
 
 
-def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.device) -> None:
-    """Refuse a step whose replicas hold different batch sizes, naming two of them.
+def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.device,
+                    failure: str | None = None) -> None:
+    """Refuse a step whose replicas hold different batch sizes, or that another replica refused, naming them.
 
-    One all-reduce of two integers (the largest size and the negated smallest) per step; only
-    when they differ are the sizes gathered, to name the replicas.
+    One all-reduce of three integers (the largest size, the negated smallest, whether a replica
+    refused its inputs) per step; only when they say so are the sizes and refusals gathered. A
+    replica that refused its inputs (``failure``) takes part too, so the others refuse the step
+    with it instead of waiting for it in their gradient reductions.
     """
     size = -1 if batch is None else batch
-    bounds = torch.tensor([size, -size], dtype=torch.int64, device=device)  # NCCL reduces on the GPU
+    bounds = torch.tensor([size, -size, int(failure is not None)], dtype=torch.int64, device=device)  # NCCL: GPU
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-    if int(bounds[0]) == -int(bounds[1]):
+    if int(bounds[0]) == -int(bounds[1]) and not int(bounds[2]):
         return
-    sizes: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(sizes, batch, group=group)
-    for other, size in enumerate(sizes):
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (batch, failure), group=group)
+    if failure is not None:
+        return  # this replica raises its own refusal
+    for other, (_, refused) in enumerate(gathered):
+        if refused is not None:
+            raise PipelineInputError(f"replica {other} refused this step ({refused}); the replicas run each step "
+                                     f"together, so replica {replica} did not run it either")
+    for other, (size, _) in enumerate(gathered):
         if size != batch:
             raise PipelineInputError(
                 f"replica {replica} has a batch of {batch} rows but replica {other} has {size}; every "
@@ -108,6 +117,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
     size their receive buffers for a new sequence length without propagating it themselves.
     """
     args, kwargs = from_tp_leader(runtime, (args, kwargs))
+    agreed = runtime.layout.dp == 1  # the replicas' first ranks meet once per step, refusing or not
     try:
         if not args and not kwargs:  # a model taking keywords only gets nothing to bind on this rank
             _refuse_missing_inputs(runtime, [None], stepping)
@@ -118,10 +128,13 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         if not stepping:  # pipe(x): outputs the last rank could not join are refused here, on every rank
             runtime.binding.check_joinable(len(mbs))
         specs = [spec_of(mb) for mb in mbs]
-        if runtime.layout.dp > 1:
+        if not agreed:
+            agreed = True
             _agree_on_batch(batch, runtime.layout.dp_group, runtime.layout.replica, runtime.device)
         new = _propagate(runtime, specs)
     except (TypeError, ValueError, PropagationError) as exc:
+        if not agreed:
+            _agree_on_batch(None, runtime.layout.dp_group, runtime.layout.replica, runtime.device, failure=str(exc))
         tell_all(runtime, {"error": (type(exc).__name__, str(exc))})
         runtime.comm.flush()  # deliver it before this rank's exception ends the process
         if isinstance(exc, PropagationError):
@@ -173,7 +186,14 @@ def check_target(runtime: Any, target: Any, on_first: bool) -> None:
             runtime.comm.flush()
             verdict = runtime.comm.recv_object(loss_rank, "waiting for the loss rank's check of the target")
     else:
-        return
+        verdict = None
+    if runtime.layout.dp > 1:  # a replica refusing alone would leave the others waiting in their reductions
+        verdicts: list[Any] = [None] * dist.get_world_size(runtime.layout.dp_group)
+        dist.all_gather_object(verdicts, verdict, group=runtime.layout.dp_group)
+        other = next(((r, v) for r, v in enumerate(verdicts) if v is not None), None)
+        if verdict is None and other is not None:
+            verdict = (f"replica {other[0]} refused this step ({other[1]}); the replicas run each step together, "
+                       f"so replica {runtime.layout.replica} did not run it either")
     if verdict is not None:
         raise on_every_rank(PipelineInputError(verdict))
     runtime.target_checked = True
