@@ -113,6 +113,25 @@ def _state(costs: Sequence[StageCost], ranks: Sequence[int], s: Shape, optimizer
     return per[r], r
 
 
+def _shared(gm: torch.fx.GraphModule, plan: PipelinePlan) -> list[tuple[int, int]]:
+    """Return the pairs of stages of ``plan`` that read one parameter (a tie: embedding and head)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    readers: dict[int, set[int]] = {}
+    for j, stage in enumerate(plan.stages):
+        for name in stage.nodes:
+            node = nodes.get(name)
+            if node is None or node.op not in ("get_attr", "call_module"):
+                continue
+            try:
+                params = (list(gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module"
+                          else [gm.get_parameter(str(node.target))])
+            except AttributeError:  # a buffer or a constant: nothing to reduce
+                continue
+            for p in params:
+                readers.setdefault(id(p), set()).add(j)
+    return sorted({(a, b) for stages in readers.values() for a in stages for b in stages if a < b})
+
+
 def _bound(costs: Sequence[StageCost], ranks: Sequence[int], chunks: int) -> float:
     """Return a lower bound of any schedule's step time: the busiest rank's compute, and with a stage per rank
     the fill and drain around it.
@@ -193,6 +212,7 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
     for n in sorted({s.n_stages for s in space}):
         plan = _cut(gm, n, model_)
         found.cuts[n] = plan
+        shared = _shared(gm, plan)
         mine = [s for s in space if s.n_stages == n]
         for tp in sorted({s.tp for s in mine}):
             sizes = sorted({batch / s.dp / s.chunks for s in mine if s.tp == tp})
@@ -204,6 +224,11 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
         for s in mine:
             costs = costs_of[(n, s.tp, batch / s.dp / s.chunks)]
             ranks = PLACEMENTS[s.schedule](n, s.pp) if s.schedule in PLACEMENTS else list(range(n))
+            tie = next(((a, b) for a, b in shared if ranks[a] == ranks[b]), None) if s.dp > 1 else None
+            if tie is not None:  # fxpipe.compile refuses it: each stage reduces its own gradients over replicas
+                found.rejected.append(Choice(s, "", None, False, f"a tensor shared by stages {tie[0]} and {tie[1]}, "
+                                             f"both on rank {ranks[tie[0]]}, under data parallel"))
+                continue
             state, r = _state(costs, ranks, s, optimizer)
             if state > budget:
                 found.rejected.append(Choice(s, "", None, False, f"rank {r}: parameters, gradients and optimizer "

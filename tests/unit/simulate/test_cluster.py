@@ -41,3 +41,16 @@ def test_pruning_keeps_the_fastest_layout():
     assert pruned.simulated < full.simulated and pruned.bounded > 0
     assert pruned.best.sim.step_time == pytest.approx(full.best.sim.step_time)
     assert [c.shape for c in pruned.ranked[:3]] == [c.shape for c in full.ranked[:3]]
+
+
+def test_a_tie_on_one_rank_under_data_parallel_is_rejected_as_compile_would():
+    # ZB-V puts the first and the last stage on rank 0: the embedding and its tied head
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 16))
+    model[-1].weight = model[0].weight
+    found = cluster_search(model, (torch.randint(0, 16, (16, 3)),), gpus=4, gpus_per_node=4, device="h100",
+                           schedules=["zbv"], checkpoints=["never"])
+    assert not [c for c in found.ranked if c.shape.dp > 1 and c.shape.v > 1]
+    reasons = [c.overflow for c in found.rejected if c.shape.dp > 1 and c.shape.v > 1]
+    assert reasons and all("a tensor shared by stages 0 and 3, both on rank 0, under data parallel" in r
+                           for r in reasons)
+    assert [c for c in found.ranked if c.shape.dp == 1 and c.shape.v > 1]  # without replicas it is fine
