@@ -118,8 +118,9 @@ def _check_stages(gm: torch.fx.GraphModule, n_stages: int) -> int:
     """Return the number of compute nodes, refusing more stages than nodes."""
     n = sum(1 for node in gm.graph.nodes if node.op in COMPUTE_OPS)
     if not 1 <= n_stages <= n:
-        raise ValueError(f"n_stages={n_stages} but the model has {n} compute nodes; "
-                         f"use between 1 and {n} stages")
+        most = "1 stage" if n == 1 else f"between 1 and {n} stages"
+        raise ValueError(f"n_stages={n_stages} but the model has {n} compute node{'s' if n != 1 else ''}; "
+                         f"use {most}, or pipeline a larger model")
     return n
 
 
