@@ -90,6 +90,13 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     ``tracer(model)`` may return the GraphModule of any other tracer (Hugging Face's, timm's). Every front end keeps the model's own parameter
     objects and names. The model is not modified. Raises :class:`TraceError` naming the
     module and source line where tracing failed.
+
+    With fx, what torch.fx does not record is kept or noted: a forward's assignments to buffers
+    become in-place copies (:mod:`~fxpipe.frontend.assign`), its ``torch.no_grad()`` blocks are
+    detached (:mod:`~fxpipe.frontend.nograd`), and its ``torch.autocast`` blocks
+    (:mod:`~fxpipe.frontend.amp`) and branches on ``self.training`` (found by tracing the other
+    mode too) are recorded in ``gm.meta``, so that a run they would make differ from eager is
+    refused (:func:`fxpipe.runtime.validate.check_inputs`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.trace expects an nn.Module, got {type(model).__name__}")
@@ -159,7 +166,8 @@ def _mode_branch(model: nn.Module, gm: torch.fx.GraphModule, leaf_types: tuple[t
         return None
     modes = {m: m.training for m in model.modules()}
     quiet = logging.getLogger("fxpipe.frontend.assign")
-    level, quiet.level = quiet.level, logging.ERROR  # its warnings were given by the first trace
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its warnings were given by the first trace
     try:
         model.train(not model.training)
         other, _ = _fx_trace(model, leaf_types, leaf_names, concrete_args)
