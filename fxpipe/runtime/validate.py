@@ -3,7 +3,10 @@
 An fx graph is generic in shapes: inputs of other non-batch shapes than the example run
 correctly (the plan's costs were only estimated on the example). A ``torch.export`` graph is
 not: its non-batch dims, its train/eval behaviour and its autocast are fixed when it is exported, so a
-mismatch is refused here with the input's name, rather than failing deep inside a stage.
+mismatch is refused here with the input's name, rather than failing deep inside a stage. An fx
+graph fixes the branch its forward took on ``self.training`` and does not record the forward's
+own ``torch.autocast`` blocks (:mod:`fxpipe.frontend.tracing` notes both): a run they would make
+differ from eager is refused here too.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ __all__ = ["check_inputs", "check_micro_batches"]
 
 def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequence[str],
                  training: bool, unbatched: Collection[str] = ()) -> None:
-    """Raise :class:`PipelineInputError` if the inputs, the mode or the autocast differ from an exported graph's."""
+    """Raise :class:`PipelineInputError` if the inputs, the mode or the autocast differ from what the graph fixed."""
     meta = getattr(gm, "meta", {})
-    exported = meta.get("fxpipe.training")
-    if exported is not None and exported != training and "fxpipe.mode_branch" in meta:
+    fixed_mode = meta.get("fxpipe.training")  # the mode the graph was fixed in (export; fx with a branch on it)
+    if fixed_mode is not None and fixed_mode != training and "fxpipe.mode_branch" in meta:
         mode, other = ("training", "eval") if training else ("eval", "training")
         raise PipelineInputError(
             f"the pipe is in {mode} mode but the model's forward branches on self.training, and torch.fx fixed "
@@ -34,7 +37,7 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
             f"{meta['fxpipe.mode_branch']}); compile the pipe in the mode it runs in (model.{'train' if training else 'eval'}() "
             "before fxpipe.compile; to evaluate while training, fxpipe.save(pipe, path) and compile the model "
             "again in eval mode with weights=path), or list the module that branches in leaf_modules=")
-    if exported is not None and exported != training:
+    if fixed_mode is not None and fixed_mode != training:
         mode, other = ("training", "eval") if training else ("eval", "training")
         raise PipelineInputError(
             f"the pipe is in {mode} mode but torch.export traced the model in {other} mode, and "
