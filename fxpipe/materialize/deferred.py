@@ -112,9 +112,9 @@ class _Recorder(TorchDispatchMode):
         if func is torch.ops.aten.is_nonzero.default or any(
                 tag in func.tags for tag in (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)):
             raise _refusal(str(func))
-        return self._record(func, leaves, spec, _mutated(func, args, kwargs))
+        return self.record(func, leaves, spec, _mutated(func, args, kwargs))
 
-    def _record(self, func, leaves: list, spec: Any, mutated: list[torch.Tensor]) -> Any:
+    def record(self, func, leaves: list, spec: Any, mutated: list[torch.Tensor]) -> Any:
         """Run ``func`` on meta leaves and keep it if it creates or writes storage."""
         if any(not t.is_meta for t in mutated):
             raise DeferredInitError(f"{func} writes values made under fxpipe.deferred_init() into a real tensor"
@@ -191,7 +191,7 @@ def deferred_init() -> Iterator[None]:
     _ACTIVE.on = True
     try:
         recorder = _Recorder(recording)
-        with _Guard(recorder), recorder, recording_init_calls(recording, lambda: recorder.paused > 0):
+        with _Guard(recorder), recorder, recording_init_calls(recorder):
             yield
     finally:
         _ACTIVE.on = False

@@ -8,7 +8,7 @@ recording, each of them called on a recorded meta tensor becomes one op of the r
 whose function is the init function itself: the replay runs it on the real tensor, drawing
 from the owning module's random stream like any random op.
 
-Reads and writes no ``node.meta``; adds ops to a :class:`~fxpipe.materialize.recording.Recording`.
+Reads and writes no ``node.meta``; adds ops to the recording of :func:`fxpipe.materialize.deferred_init`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
-
-from fxpipe.materialize.recording import Op, Recording, ref_of
 
 __all__ = ["recording_init_calls"]
 
@@ -48,8 +46,12 @@ class InitCall:
 
 
 @contextmanager
-def recording_init_calls(recording: Recording, paused: Callable[[], bool]) -> Iterator[None]:
-    """Record the meta-skipping init functions called on meta tensors into ``recording`` (unless ``paused()``)."""
+def recording_init_calls(recorder: Any) -> Iterator[None]:
+    """Record the meta-skipping init functions called on meta tensors through ``recorder`` (unless it is paused).
+
+    ``recorder`` is :func:`fxpipe.materialize.deferred.deferred_init`'s dispatch mode: its
+    ``record`` keeps the call as it keeps any aten op writing ``tensor``.
+    """
     originals = {name: getattr(torch.nn.init, name) for name in _SKIPPING_META}
 
     def recorded(name: str) -> Callable[..., Any]:
@@ -58,12 +60,9 @@ def recording_init_calls(recording: Recording, paused: Callable[[], bool]) -> It
         def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             """Record the call on a meta tensor (after the function's own checks); run it otherwise."""
             original(tensor, *args, **kwargs)  # checks the arguments; returns at once on meta
-            if isinstance(tensor, torch.Tensor) and tensor.is_meta and not paused():
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta and not recorder.paused:
                 leaves, spec = tree_flatten(((tensor, *args), kwargs))
-                group = recording.group(tensor, new=False)
-                kept = [ref_of(x, recording.group(x, new=False)) if isinstance(x, torch.Tensor) else x
-                        for x in leaves]
-                recording.add(Op(op, spec, kept, [], frozenset({group}), frozenset({group}), None))
+                recorder.record(op, leaves, spec, [tensor])  # runs it on meta (a no-op), keeps it
             return tensor
 
         init.__name__ = init.__qualname__ = name
