@@ -49,8 +49,8 @@ class _Sums(Protocol):
     _fxpipe_staged: torch.Tensor | None  # compiled stages: rows sum, sum of squares, count (in every column)
 
 
-def _sums(bn: _BatchNorm) -> _Sums:
-    """View a batch norm's accumulated sums as typed attributes."""
+def _sums(bn: object) -> _Sums:
+    """View a batch norm's (or an exported graph's record's) accumulated sums as typed attributes."""
     return cast(_Sums, bn)
 
 
@@ -94,16 +94,14 @@ def accumulate(bn: object, x: torch.Tensor) -> None:
     if is_recomputing() or isinstance(x, FakeTensor):
         return
     with torch.no_grad():
-        dims = [d for d in range(x.dim()) if d != 1]
-        total = x.sum(dims, dtype=torch.float64)  # float64 sums: no cancellation in the variance
-        squares = (x * x).sum(dims, dtype=torch.float64)
-        sums = cast(_Sums, bn)
+        total, squares, rows = _channel_sums(x)
+        sums = _sums(bn)
         if sums._fxpipe_sum is None or sums._fxpipe_sum_squares is None:
             sums._fxpipe_sum, sums._fxpipe_sum_squares = total, squares
         else:
             sums._fxpipe_sum += total
             sums._fxpipe_sum_squares += squares
-        sums._fxpipe_count += x.numel() // x.shape[1]
+        sums._fxpipe_count += rows
 
 
 def _stage(bn: _BatchNorm, x: torch.Tensor) -> None:
@@ -113,10 +111,14 @@ def _stage(bn: _BatchNorm, x: torch.Tensor) -> None:
         raise RuntimeError("a deferred batch norm ran inside torch.compile without its staging tensor; "
                            "compile the stage through fxpipe.compile(..., torch_compile=)")
     with torch.no_grad():
-        dims = [d for d in range(x.dim()) if d != 1]
-        total = x.sum(dims, dtype=torch.float64)
-        squares = (x * x).sum(dims, dtype=torch.float64)
-        staged.add_(torch.stack([total, squares, torch.full_like(total, x.numel() // x.shape[1])]))
+        total, squares, rows = _channel_sums(x)
+        staged.add_(torch.stack([total, squares, torch.full_like(total, rows)]))
+
+
+def _channel_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Return ``x``'s per-channel sum and sum of squares (float64: no cancellation in the variance) and rows."""
+    dims = [d for d in range(x.dim()) if d != 1]
+    return x.sum(dims, dtype=torch.float64), (x * x).sum(dims, dtype=torch.float64), x.numel() // x.shape[1]
 
 
 def staging(modules: Iterable[nn.Module]) -> list[_BatchNorm]:
