@@ -53,14 +53,14 @@ class FailureBoard:
     def post(self, message: str, fatal: bool = False) -> None:
         """Post why the step failed, unless a reason is already posted (best effort: the store may be gone)."""
         try:
-            if not self.store.check([self._key("error")]):
-                self.store.set(self._key("error"), json.dumps({"message": message, "fatal": fatal}))
-                self.death = message if fatal and self.death is None else self.death
-            else:
+            if self.store.check([self._key("error")]):
                 self.read("posting a failure")  # the first reason is every rank's: remember it if a death
+                return
+            self.store.set(self._key("error"), json.dumps({"message": message, "fatal": fatal}))
         except Exception as exc:  # noqa: BLE001 - the store itself may be down; we are failing anyway
             log.debug("could not post this rank's failure to the store: %s", exc)
-            self.death = message if fatal and self.death is None else self.death
+        if fatal and self.death is None:  # posted, or the store is gone: this rank's reason stands
+            self.death = message
 
     def read(self, what: str) -> dict[str, Any] | None:
         """Return the posted reason of this generation (``message``, ``fatal``), or None."""
