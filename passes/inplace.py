@@ -105,7 +105,8 @@ def joined_positions(gm: torch.fx.GraphModule, order: list[torch.fx.Node]) -> se
     up to it); one that changes a model input also stays with every later reader of it, so
     that its stage alone works on the private copy. A node marked ``fxpipe.detaches`` (the
     detach of a value leaving a ``torch.no_grad()`` block) stays with the node it detaches, so
-    that value never crosses a boundary still carrying a gradient.
+    that value never crosses a boundary still carrying a gradient. An exported batch norm stays
+    with the ``add_`` of its ``num_batches_tracked``, so that deferring it finds its counter.
     """
     pos = {n: i for i, n in enumerate(order)}
     joined: set[int] = set()
@@ -114,6 +115,8 @@ def joined_positions(gm: torch.fx.GraphModule, order: list[torch.fx.Node]) -> se
             made = [pos[a] for a in node.all_input_nodes if a in pos]
             if made:
                 joined.update(range(min(made) + 1, pos[node] + 1))
+    for counter, norm in _counted_norms(order):  # an exported batch norm and the add_ of its counter
+        joined.update(range(min(pos[counter], pos[norm]) + 1, max(pos[counter], pos[norm]) + 1))
     for node, group in _mutations(gm).items():
         if node not in pos:
             continue
@@ -124,6 +127,24 @@ def joined_positions(gm: torch.fx.GraphModule, order: list[torch.fx.Node]) -> se
             last = max((pos.get(r, -1) for u in group for r in u.users), default=-1)
             joined.update(range(pos[node] + 1, last + 1))
     return joined
+
+
+def _counted_norms(order: list[torch.fx.Node]) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """Pair each ``aten.batch_norm`` on a module's running statistics with the in-place op on that module's counter."""
+    counters: dict[str, torch.fx.Node] = {}
+    for node in order:
+        for v in written_args(node):
+            if isinstance(v, torch.fx.Node) and v.op == "get_attr" and str(v.target).endswith("num_batches_tracked"):
+                counters[str(v.target)[: -len("num_batches_tracked")]] = node
+    pairs = []
+    for node in order:
+        stats = node.args[3] if node.op == "call_function" and node.target is torch.ops.aten.batch_norm.default \
+            and len(node.args) > 3 else None
+        if isinstance(stats, torch.fx.Node) and stats.op == "get_attr" and str(stats.target).endswith("running_mean"):
+            counter = counters.get(str(stats.target)[: -len("running_mean")])
+            if counter is not None:
+                pairs.append((counter, node))
+    return pairs
 
 
 def plan_mutations(gm: torch.fx.GraphModule) -> MutationPlan:

@@ -129,3 +129,17 @@ def test_deferral_in_an_exported_graph_is_refused_with_compiled_stages():
     with pytest.raises(fxpipe.CompileError, match="deferred_batch_norm=True in an exported graph cannot run in compiled"):
         fxpipe.compile(Branches().train(), 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, tracer="export",
                        deferred_batch_norm=True, torch_compile={"backend": "aot_eager"})
+
+
+def test_an_exported_batch_norm_is_cut_with_its_counter():
+    # the balanced cut fell between num_batches_tracked's add_ and the batch norm, whose deferral
+    # then failed to find its counter when committing
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)).train()
+    eager, x = copy.deepcopy(model), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, tracer="export",
+                          deferred_batch_norm=True)
+    pipe.step(x, target=None, loss_fn=lambda out, _: out.pow(2).mean())
+    eager(x)
+    assert int(model[1].num_batches_tracked) == 1
+    torch.testing.assert_close(model[1].running_var, eager[1].running_var)
