@@ -50,6 +50,8 @@ class Pipe(nn.Module):
         # Through __dict__: the model may own submodules of these names (timm's ``stages``).
         self.__dict__["plan"] = plan
         self.__dict__["stages"] = list(stages)
+        for stage in self.stages:  # a graph reading the mode reads its stage's flag (not the model's modules')
+            stage.training = model.training
         self.__dict__["devices"] = list(devices)
         self.__dict__["owned"] = None if owned is None else frozenset(owned)
         self._runtime = runtime

@@ -15,6 +15,7 @@ from fxpipe.passes.fingerprint import fingerprint, first_difference, rename_like
 from fxpipe.passes.gradsplit import GradSplit, split_weight_grads
 from fxpipe.passes.infer import Propagator, value_specs
 from fxpipe.passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
+from fxpipe.passes.modes import merge_modes
 from fxpipe.passes.mutates import is_mutating, written_args
 from fxpipe.passes.order import candidate_orders
 from fxpipe.passes.partition import (
@@ -61,6 +62,7 @@ __all__ = [
                               "group_costs",
                               "is_mutating",
                               "memory_factors",
+                              "merge_modes",
                               "min_bottleneck_cut",
                               "node_cost",
                               "node_costs",

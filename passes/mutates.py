@@ -18,7 +18,8 @@ A node is known to write an argument in place when
                                   ``F.relu(x, True)``), or it is given ``out=``
     a module                      it has ``inplace=True`` (``nn.ReLU(inplace=True)``)
 
-Views are told apart the same way (:func:`aliases`): from the schema's alias sets for ATen
+A node that runs in one mode only (:class:`fxpipe.passes.modes.When`) is judged by the call
+it guards. Views are told apart the same way (:func:`aliases`): from the schema's alias sets for ATen
 ops, by name for Python-level calls.
 """
 
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from fxpipe.passes.modes import unguarded
 
 __all__ = ["VIEW_NAMES", "aliases", "is_mutating", "may_mutate", "op_name", "written_args"]
 
@@ -107,6 +109,7 @@ def _writes(argument: Any) -> bool:
 
 def written_args(node: torch.fx.Node) -> list[Any]:
     """Return the arguments (nodes, or lists of them) that ``node`` changes in place, from the node alone."""
+    node = unguarded(node)
     if node.op == "call_module":
         return [node.args[0]] if node.args and getattr(_module(node), "inplace", False) is True else []
     if node.op not in ("call_function", "call_method"):
@@ -154,6 +157,7 @@ def _module(node: torch.fx.Node) -> torch.nn.Module:
 
 def aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Return the input nodes whose storage ``node``'s value may share (views, in-place results)."""
+    node = unguarded(node)
     if node.op not in ("call_function", "call_method", "call_module"):
         return []
     first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None

@@ -16,11 +16,13 @@ the model's own tensor objects, and whose nodes keep the module they came from i
 So gradients land in the model's ``Parameter`` objects and ``pipe.state_dict()`` has the
 model's keys. A model built on ``meta`` is exported with its meta tensors presented as fake
 tensors on the example inputs' device (:mod:`fxpipe.frontend.exportmeta`); the graph still refers to
-the model's own meta objects, which the stages fill. The graph is fixed to the mode (train or
-eval) the model was in when exported, to the autocast it was exported under (its casts are
-fixed in the graph, and the dtype checks torch.export writes fail without them), and to the
-dims torch.export specialised (a conv's channels; a size of 0 or 1):
-:mod:`fxpipe.runtime.validate` refuses another mode, another autocast and other inputs by name.
+the model's own meta objects, which the stages fill. A model whose modules read
+``self.training`` (dropout and batch norm among them) is exported in both modes and the two
+graphs merged (:mod:`fxpipe.passes.modes`), so the pipe follows ``pipe.train()`` and
+``pipe.eval()``. The graph is fixed to the autocast it was exported under (its casts are fixed
+in the graph, and the dtype checks torch.export writes fail without them), and to the dims
+torch.export specialised (a conv's channels; a size of 0 or 1): :mod:`fxpipe.runtime.validate`
+refuses another autocast, other inputs and a mode that could not be merged, by name.
 
 A model may branch on the batch size for speed only (``if x.shape[0] >= 64: x =
 x.contiguous()``, as diffusers' ``Upsample2D`` does): torch.export then refuses an unbounded
@@ -48,6 +50,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.errors import TraceError
 from fxpipe.frontend.exportmeta import fake_inputs, fake_state, meta_refusal, refuse_stand_ins, target_device
+from fxpipe.frontend.modes import in_other_mode, may_read_mode
+from fxpipe.passes.modes import merge_modes
 
 __all__ = ["export_trace", "named_arguments"]
 
@@ -115,7 +119,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
         dynamic = {name: tree_map(partial(dims, name, batch=batch), value) for name, value in named.arguments.items()}
         return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
 
-    with fake_state(model, target) as faked, _keywords_by_name(model, signature, bound):
+    def exported(faked: Any) -> torch.fx.GraphModule:
         try:
             program = export(torch.export.Dim("batch", min=1))
         except Exception as exc:  # retried with a bound, or re-raised with the fix
@@ -123,14 +127,39 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
             if refusal is not None:
                 raise refusal from exc
             program = _bounded(model, export, exc, rows)
-    gm = program.module()
+        return program.module()
+
+    with fake_state(model, target) as faked, _keywords_by_name(model, signature, bound):
+        gm = exported(faked)
+        difference = _other_mode(model, gm, partial(exported, faked))
     _share_state(gm, model)
     refuse_stand_ins(gm, model)
     gm.meta["fxpipe.tracer"] = "export"
-    gm.meta["fxpipe.training"] = model.training
+    if difference is not None:  # the graph keeps this mode's: the other is refused
+        gm.meta["fxpipe.training"] = model.training
+        gm.meta["fxpipe.mode_branch"] = difference
     gm.meta["fxpipe.autocast"] = enabled_autocast()
     log.debug("exported %s: %d nodes", type(model).__name__, len(gm.graph.nodes))
     return gm
+
+
+def _other_mode(model: nn.Module, gm: torch.fx.GraphModule, exported: Any) -> str | None:
+    """Export ``model`` in its other mode and merge that graph into ``gm``; return what keeps them apart, or None.
+
+    An exported graph holds the mode it was traced in (``aten.dropout(x, p, True)``, a batch
+    norm's ``training`` flag and counter, the branches of the model's own code): merged, it
+    reads the stage's mode when it runs. Costs a second export, only where a module's source
+    mentions ``training``.
+    """
+    if not may_read_mode(model, torch_nn=True):
+        return None
+    try:
+        with in_other_mode(model):
+            other = exported()
+    except Exception as exc:  # noqa: BLE001 - the other mode cannot be exported: it stays refused
+        log.debug("exporting %s in the other mode failed: %s", type(model).__name__, exc)
+        return f"no graph: exporting it in the other mode failed ({type(exc).__name__})"
+    return merge_modes(gm, other, model.training)
 
 
 @contextlib.contextmanager

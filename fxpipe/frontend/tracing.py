@@ -19,9 +19,10 @@ from fxpipe.errors import TraceError
 from fxpipe.frontend.amp import recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.markers import recording_markers
+from fxpipe.frontend.modes import in_other_mode, may_read_mode
 from fxpipe.frontend.nograd import detach_no_grad_blocks
 from fxpipe.options import check_tracer
-from fxpipe.passes.fingerprint import fingerprint, first_difference
+from fxpipe.passes.modes import merge_modes
 
 __all__ = ["trace"]
 
@@ -156,40 +157,27 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
 
 def _mode_branch(model: nn.Module, gm: torch.fx.GraphModule, leaf_types: tuple[type, ...],
                  leaf_names: frozenset[str], concrete_args: dict[str, Any] | None) -> str | None:
-    """Trace again in the other mode; return the first node where the graphs differ, or None.
+    """Trace again in the other mode and merge that graph into ``gm``; return what keeps them apart, or None.
 
-    A forward that branches on ``self.training`` in code fx traces through (a drop path, an
-    auxiliary head) gets the branch of the mode it was traced in fixed in its graph; the leaf
-    modules (dropout, batch norm) read the mode when they run, and leave no difference.
+    A forward that branches on ``self.training`` in code fx traces through (a drop path,
+    ``F.dropout(training=self.training)``) gets the branch of the mode it was traced in fixed
+    in its graph; :func:`fxpipe.passes.modes.merge_modes` makes the graph read the mode when it
+    runs. The leaf modules (dropout, batch norm) read the mode themselves, and leave no difference.
     """
-    if not _may_read_mode(model):
+    if not may_read_mode(model):
         return None
-    modes = {m: m.training for m in model.modules()}
     quiet = logging.getLogger("fxpipe.frontend.assign")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # its warnings were given by the first trace
     try:
-        model.train(not model.training)
-        other, _ = _fx_trace(model, leaf_types, leaf_names, concrete_args)
+        with in_other_mode(model):
+            other, _ = _fx_trace(model, leaf_types, leaf_names, concrete_args)
     except Exception as exc:  # noqa: BLE001 - the other mode cannot be traced: nothing is known
         log.debug("tracing %s in the other mode failed: %s", type(model).__name__, exc)
         return None
     finally:
         quiet.setLevel(level)
-        for m, training in modes.items():
-            m.training = training
-    return first_difference(fingerprint(other), fingerprint(gm))  # "<this mode's line> where the other has <...>"
-
-
-def _may_read_mode(model: nn.Module) -> bool:
-    """Tell whether the source of any module class outside torch.nn mentions ``training`` (else one trace is enough)."""
-    for cls in {type(m) for m in model.modules() if not type(m).__module__.startswith("torch.nn.")}:
-        try:
-            if "training" in inspect.getsource(cls):
-                return True
-        except (OSError, TypeError):  # no source to read: it may
-            return True
-    return False
+    return merge_modes(gm, other, model.training)
 
 
 def _hugging_face(model: nn.Module) -> str:

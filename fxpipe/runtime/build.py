@@ -144,7 +144,20 @@ def _runnable(gm: torch.fx.GraphModule, j: int, defer: set[int], policy: str,
     A compiled stage runs its own module: its compiled backward splits I and W.
     """
     runnable = defer_weight_grads(gm) if j in defer and compiled is None else gm
-    return instrument(runnable) if policy == "selective" else runnable
+    runnable = instrument(runnable) if policy == "selective" else runnable
+    if runnable is not gm:
+        _follow_mode(runnable, gm)
+    return runnable
+
+
+def _follow_mode(copy: torch.fx.GraphModule, stage: torch.fx.GraphModule) -> None:
+    """Make ``copy`` report ``stage``'s mode, which ``pipe.train()``/``pipe.eval()`` set.
+
+    A graph whose model reads ``self.training`` reads its module's ``training`` when it runs
+    (:mod:`fxpipe.passes.modes`); the copy a stage runs is not among the pipe's modules.
+    GraphModule gives every instance a class of its own, so the property is the copy's alone.
+    """
+    type(copy).training = property(lambda _: stage.training, lambda _, mode: None)  # type: ignore[assignment]
 
 
 def _stage_fn(fn: Callable, gm: torch.fx.GraphModule, j: int, defer: set[int],

@@ -3,10 +3,11 @@
 An fx graph is generic in shapes: inputs of other non-batch shapes than the example run
 correctly (the plan's costs were only estimated on the example). A ``torch.export`` graph is
 not: its non-batch dims, its train/eval behaviour and its autocast are fixed when it is exported, so a
-mismatch is refused here with the input's name, rather than failing deep inside a stage. An fx
-graph fixes the branch its forward took on ``self.training`` and does not record the forward's
-own ``torch.autocast`` blocks (:mod:`fxpipe.frontend.tracing` notes both): a run they would make
-differ from eager is refused here too.
+mismatch is refused here with the input's name, rather than failing deep inside a stage. A graph
+follows ``pipe.train()``/``pipe.eval()`` where the model's two modes could be merged into one graph
+(:mod:`fxpipe.passes.modes`); where they could not, the other mode is refused here. An fx graph
+does not record the forward's own ``torch.autocast`` blocks (:mod:`fxpipe.frontend.tracing` notes
+them): a run they would make differ from eager is refused here too.
 """
 
 from __future__ import annotations
@@ -29,24 +30,18 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
     """Raise :class:`PipelineInputError` if the inputs, the mode or the autocast differ from what the graph fixed."""
     meta = getattr(gm, "meta", {})
     fixed_mode = meta.get("fxpipe.training")  # the mode the graph was fixed in (export; fx with a branch on it)
-    if fixed_mode is not None and fixed_mode != training and "fxpipe.mode_branch" in meta:
-        mode, other = ("training", "eval") if training else ("eval", "training")
-        raise PipelineInputError(
-            f"the pipe is in {mode} mode but the model's forward branches on self.training, and torch.fx fixed "
-            f"the branch of {other} mode, in which it traced (traced in {other} mode the graph has "
-            f"{meta['fxpipe.mode_branch']}); compile the pipe in the mode it runs in (model.{'train' if training else 'eval'}() "
-            "before fxpipe.compile; to evaluate while training, fxpipe.save(pipe, path) and compile the model "
-            "again in eval mode with weights=path), or list the module that branches in leaf_modules=")
     if fixed_mode is not None and fixed_mode != training:
         mode, other = ("training", "eval") if training else ("eval", "training")
+        tracer = "torch.export" if meta.get("fxpipe.tracer") == "export" else "torch.fx"
+        fixes = ("or list the module that branches in leaf_modules=, or use tracer='export'" if tracer == "torch.fx"
+                 else "or use tracer='fx'")
         raise PipelineInputError(
-            f"the pipe is in {mode} mode but torch.export traced the model in {other} mode, and "
-            f"an exported graph keeps the mode it was traced in (dropout, batch norm); call "
-            f"model.{'train' if training else 'eval'}() before fxpipe.compile(..., tracer='export'), "
-            f"or use tracer='fx'. To evaluate while training, compile a second pipe in {mode} mode: "
+            f"the pipe is in {mode} mode but it was compiled in {other} mode, and the model's forward differs "
+            f"between the modes in a way one graph cannot follow ({meta.get('fxpipe.mode_branch', 'unknown')}), "
+            f"so {tracer} fixed {other} mode's. Compile the pipe in the mode it runs in (model."
+            f"{'train' if training else 'eval'}() before fxpipe.compile); to evaluate while training, "
             "fxpipe.save(pipe, path), build the model again under fxpipe.deferred_init() (or on meta), call "
-            f"model.{'train' if training else 'eval'}() and fxpipe.compile(model, ..., tracer='export', "
-            "weights=path)")
+            f"model.{'train' if training else 'eval'}() and fxpipe.compile(model, ..., weights=path); {fixes}")
     traced = meta.get("fxpipe.autocast")
     if traced is not None and tuple(traced) != enabled_autocast():
         raise PipelineInputError(

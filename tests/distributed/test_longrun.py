@@ -146,3 +146,13 @@ def test_a_hugging_face_llama_from_a_config_trains_through_all_of_it(tmp_path, l
         assert res["failed"] in ("RuntimeError", "PeerFailure")
         for loss_error, grad_error in res["errors"]:  # 16, 24, 8 tokens; after a failure; after a load
             assert loss_error < 1e-5 and grad_error < 1e-5, res["errors"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_a_pipe_trains_evaluates_and_trains_again_as_eager_does(schedule, tmp_path, launch):
+    # the model's own code and its batch norms differ by mode: fx and export follow pipe.train()/eval()
+    results = launch("longrun_cases:modes", 2, schedule, tmp_path)
+    _ok(results)
+    for res in results:
+        for tracer, errors in res["errors"].items():
+            assert all(e < 1e-5 for row in errors for e in row), (tracer, errors)

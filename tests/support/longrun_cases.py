@@ -308,3 +308,45 @@ def hf_llama(rank, world, schedule):
     fxpipe.load(fresh, path)  # the rotary tables are in no checkpoint: they stay as replayed
     out["errors"].append(_compare(fresh, fresh_model, eager, rank, *tokens(11, 16), loss_fn=loss_fn))
     return out
+
+
+class _Regularized(nn.Module):
+    """A block whose forward differs by mode in its own code and in its batch norm, deterministically."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        h = self.norm(self.lin(x))
+        if self.training:  # nodes of training mode only, joined with the input below
+            h = h + 0.1 * h.tanh()
+        return x + F.dropout(h, 0.0, training=self.training)
+
+
+def modes(rank, world, schedule):
+    """Train, evaluate, train again on one pipe per tracer, each forward and step equal to eager."""
+    out = {}
+    for tracer, split in (("fx", ["mul_1"]), ("export", None)):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[_Regularized() for _ in range(4)], nn.Linear(8, 4)).train()
+        eager = copy.deepcopy(model)
+        x, target = torch.randn(8, 8), torch.randn(8, 4)
+        # fx: cut inside the training-only nodes, so a value of training mode only crosses ranks
+        pipe = _compile(model, world, schedule, example_inputs=(x,), chunks=1, tracer=tracer, split_points=split)
+        errors = []
+        for mode in (True, False, True, False):
+            pipe.train(mode)
+            eager.train(mode)
+            if mode:
+                errors.append(_compare(pipe, model, eager, rank, x, target, loss_fn=F.mse_loss))
+            else:
+                with torch.no_grad():
+                    got, expected = pipe(x if rank == 0 else None), eager(x)
+                errors.append([max_relative_error(got, expected) if got is not None else 0.0])
+        buffers = dict(eager.named_buffers())
+        held = {n for j in pipe.plan.stages_of(rank) for n, _ in pipe.stages[j].named_buffers()}
+        errors.append([max_relative_error(b, buffers[n]) for n, b in model.named_buffers()
+                       if n in held and b.is_floating_point()])
+        out[tracer] = errors
+    return {"errors": out}

@@ -3,7 +3,7 @@
 It checks and splits the inputs, agrees with the other replicas on the batch size, and
 sends every rank of its pipeline the micro-batch layout (batch size and the spec of each
 micro-batch); each rank sizes its receive buffers from the layout (:func:`specs`,
-propagated on fake tensors once per layout and autocast state). Bad input is refused on
+propagated on fake tensors once per layout, autocast state and mode). Bad input is refused on
 every rank of every pipeline with the same error, instead of a mismatched message.
 """
 
@@ -131,7 +131,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         if not agreed:
             agreed = True
             _agree_on_batch(batch, runtime.layout.dp_group, runtime.layout.replica, runtime.device)
-        new = _propagate(runtime, specs)
+        new = _propagate(runtime, specs, training)
     except (TypeError, ValueError, PropagationError) as exc:
         if not agreed:
             _agree_on_batch(None, runtime.layout.dp_group, runtime.layout.replica, runtime.device, failure=str(exc))
@@ -140,7 +140,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         if isinstance(exc, PropagationError):
             exc = PipelineInputError(f"the inputs cannot run through the model: {exc} (found on fake tensors before the step: nothing ran)")
         raise on_every_rank(exc) from None
-    header = {"batch": batch, "specs": specs, "layouts": new, "target_on_first": has_target}
+    header = {"batch": batch, "specs": specs, "layouts": new, "target_on_first": has_target, "training": training}
     tell_all(runtime, header)
     return header, mbs
 
@@ -214,19 +214,29 @@ def from_tp_leader(runtime: Any, value: Any) -> Any:
     return box[0]
 
 
-def _propagate(runtime: Any, specs: list[Any]) -> dict[str, Any]:
+def _propagate(runtime: Any, specs: list[Any], training: bool) -> dict[str, Any]:
     """Propagate the crossing values' specs of every micro-batch layout not seen yet; return the new ones."""
     new: dict[str, Any] = {}
-    for key, layout in zip(_keys(specs), specs):
+    for key, layout in zip(_keys(specs, training), specs):
         if key not in runtime.layouts:
-            runtime.layouts[key] = new[key] = runtime.propagate(list(layout))
+            runtime.layouts[key] = new[key] = _propagated(runtime, layout, training)
     return new
 
 
-def _keys(specs: list[Any]) -> list[str]:
-    """Return the cache key of each micro-batch layout (its specs and the autocast state)."""
+def _propagated(runtime: Any, layout: Any, training: bool) -> dict[str, Any]:
+    """Propagate one layout in the step's mode (a graph merged from both modes reads its module's flag)."""
+    gm, mode = runtime.gm, runtime.gm.training
+    gm.training = training
+    try:
+        return runtime.propagate(list(layout))
+    finally:
+        gm.training = mode
+
+
+def _keys(specs: list[Any], training: bool) -> list[str]:
+    """Return the cache key of each micro-batch layout (its specs, the autocast state and the mode)."""
     state = autocast_state()
-    return [repr((layout, state)) for layout in specs]
+    return [repr((layout, state, training)) for layout in specs]
 
 
 def receive(runtime: Any) -> dict:
@@ -251,10 +261,11 @@ def tell_all(runtime: Any, value: Any) -> None:
 
 def specs_for(runtime: Any, header: dict) -> Callable[[int], dict[str, Any]]:
     """Return micro-batch index -> spec of every crossing value (propagated by the first rank, once per layout)."""
-    keys = _keys(header["specs"])
+    training = header.get("training", True)
+    keys = _keys(header["specs"], training)
 
     def specs(i: int) -> dict[str, Any]:
         if keys[i] not in runtime.layouts:  # the first rank ran under another autocast state
-            runtime.layouts[keys[i]] = runtime.propagate(list(header["specs"][i]))
+            runtime.layouts[keys[i]] = _propagated(runtime, header["specs"][i], training)
         return runtime.local(runtime.layouts[keys[i]])
     return specs

@@ -52,15 +52,17 @@ def test_export_with_a_batch_of_one_keeps_the_batch_dynamic():
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-6)
 
 
-def test_export_fixes_the_mode():
+def test_an_exported_pipe_follows_the_mode_as_eager_does():
     model = CNN()  # training mode: batch norm uses batch statistics
+    eager = copy.deepcopy(model)
     pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 3, 8, 8),), devices=["cpu"] * 2,
                           tracer="export")
-    pipe(torch.randn(4, 3, 8, 8))
+    x = torch.randn(4, 3, 8, 8)
+    torch.testing.assert_close(pipe(x), eager(x))
     pipe.eval()
-    with pytest.raises(fxpipe.PipelineInputError, match="the pipe is in eval mode but torch.export "
-                                                        "traced the model in training mode"):
-        pipe(torch.randn(4, 3, 8, 8))
+    eager.eval()  # the running statistics of one training forward
+    torch.testing.assert_close(pipe(x), eager(x))
+    assert "fxpipe.training" not in pipe._gm.meta
 
 
 class BatchBound(nn.Module):

@@ -1,12 +1,14 @@
-"""A forward branching on self.training: fx fixes the branch of its mode, so the other mode is refused."""
+"""A forward reading self.training: both modes' graphs merged into one that follows pipe.train()/pipe.eval()."""
 
 import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+from fxpipe.passes.modes import merge_modes
 
 
 class DropPath(nn.Module):
@@ -22,37 +24,128 @@ class DropPath(nn.Module):
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.drop, self.b = nn.Linear(8, 8), DropPath(), nn.Linear(8, 8)
+        self.a, self.drop, self.b, self.c = nn.Linear(8, 8), DropPath(), nn.Linear(8, 8), nn.Linear(8, 8)
 
     def forward(self, x):
         h = self.a(x)
-        return self.b(h + self.drop(h))
+        h = self.b(h + self.drop(h))
+        h = F.dropout(h, 0.3, training=self.training)  # the mode as an argument
+        return self.c(h.relu() if self.training else h.tanh())  # a method of each mode
 
 
-def test_the_other_mode_is_refused_naming_the_branch_and_the_fixes():
-    x = torch.randn(6, 8)
-    pipe = fxpipe.compile(Net().train(), 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
-    pipe.eval()
-    with pytest.raises(fxpipe.PipelineInputError, match=r"branches on self.training, and torch.fx fixed the branch "
-                                                        r"of training mode.*getitem.*where the other has .add.*leaf_modules="):
-        pipe(x)  # the plain trace ran the drop path in eval mode too
+class Aux(nn.Module):
+    """An auxiliary head called only in training, as Inception's is: its graphs cannot be merged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.aux = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) + self.aux(h) if self.training else self.b(h)
 
 
-def test_a_pipe_compiled_in_eval_mode_equals_eager_and_a_leaf_follows_the_mode():
-    model, x = Net().eval(), torch.randn(6, 8)
+def _modes(pipe, eager, x, modes, schedule=None):
+    """Run pipe and eager through ``modes`` with equal random numbers; assert equal outputs."""
+    for mode in modes:
+        pipe.train(mode)
+        eager.train(mode)
+        torch.manual_seed(mode)
+        got = pipe(x)
+        torch.manual_seed(mode)
+        torch.testing.assert_close(got, eager(x))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("start", [True, False], ids=["compiled-training", "compiled-eval"])
+def test_a_pipe_follows_train_and_eval_as_eager_does(tracer, start):
+    torch.manual_seed(0)
+    model, x = Net().train(start), torch.randn(6, 8)
     eager = copy.deepcopy(model)
-    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
-    torch.testing.assert_close(pipe(x), eager(x))
+    pipe = fxpipe.compile(model, 3, example_inputs=(x,), devices=["cpu"] * 3, tracer=tracer)
+    assert "fxpipe.training" not in pipe._gm.meta
+    _modes(pipe, eager, x, [start, not start, start])
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_training_steps_after_an_evaluation_equal_eager(schedule, checkpoint):
+    torch.manual_seed(0)
+    model, x, target = Net().eval(), torch.randn(8, 8), torch.randn(8, 8)
+    eager = copy.deepcopy(model).train()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=1, devices=["cpu"] * 2, schedule=schedule,
+                          checkpoint=checkpoint)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), copy.deepcopy(eager).eval()(x))
+    pipe.train()
+    torch.manual_seed(3)
+    loss = pipe.step(x, target=target, loss_fn=F.mse_loss)
+    torch.manual_seed(3)
+    expected = F.mse_loss(eager(x), target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_an_exported_batch_norm_follows_the_mode_and_counts_only_training_steps():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.2), nn.Linear(8, 8)).eval()
+    eager, x = copy.deepcopy(model), torch.randn(6, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, tracer="export")
+    _modes(pipe, eager, x, [False, True, False, True])
+    assert model[1].num_batches_tracked.item() == eager[1].num_batches_tracked.item() == 2
+    torch.testing.assert_close(model[1].running_mean, eager[1].running_mean)
+
+
+def test_the_merged_graph_keeps_the_node_names_and_reads_the_stage_mode():
+    gm = fxpipe.trace(Net().train())
+    code = gm.code
+    assert "training = self.training" in code and "training_only_mul" in code and "eval_only_tanh" in code
+    assert {"a", "b", "c", "add", "dropout"} <= {n.name for n in gm.graph.nodes}
+
+
+def test_graphs_that_cannot_be_merged_refuse_the_other_mode_naming_the_node():
+    x = torch.randn(6, 8)
+    pipe = fxpipe.compile(Aux().train(), 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    pipe.eval()
+    with pytest.raises(fxpipe.PipelineInputError, match=r"compiled in training mode.*aux = call_module aux.*"
+                                                        r"in training mode only.*leaf_modules="):
+        pipe(x)
+    other = fxpipe.trace(Aux().eval())
+    assert "in training mode only" in merge_modes(fxpipe.trace(Aux().train()), other, True)
+
+
+def test_a_leaf_module_follows_the_mode_and_models_without_branches_trace_once():
+    x = torch.randn(6, 8)
     trained = Net().train()
     reference = copy.deepcopy(trained).eval()
     leafy = fxpipe.compile(trained, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, leaf_modules=[DropPath])
     leafy.eval()
-    torch.testing.assert_close(leafy(x), reference(x))  # the leaf reads the mode when it runs: no drop in eval
-
-
-def test_models_without_such_branches_switch_modes_freely():
+    torch.testing.assert_close(leafy(x), reference(x))
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.BatchNorm1d(8), nn.Linear(8, 8))
-    pipe = fxpipe.compile(model.train(), 2, example_inputs=(torch.randn(6, 8),), chunks=2, devices=["cpu"] * 2)
+    gm = fxpipe.trace(model)
+    assert "training = self.training" not in gm.code  # torch.nn's modules read the mode themselves
+
+
+def test_deferred_batch_norm_of_a_pipe_exported_in_eval_mode_defers_in_training():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)).eval()
+    eager, x = copy.deepcopy(model).train(), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, tracer="export",
+                          deferred_batch_norm=True)
+    pipe.train()
+    pipe.step(x, target=None, loss_fn=lambda out, _: out.pow(2).mean())
+    eager(x)  # deferred: the whole batch's statistics, counted once
+    assert model[1].num_batches_tracked.item() == 1
+    torch.testing.assert_close(model[1].running_var, eager[1].running_var)
     pipe.eval()
-    assert pipe(torch.randn(6, 8)).shape == (6, 8)
-    assert "fxpipe.training" not in pipe._gm.meta
+    torch.testing.assert_close(pipe(x), eager.eval()(x))
+
+
+def test_compiled_stages_follow_the_mode():
+    torch.manual_seed(0)
+    model, x = Net().train(), torch.randn(6, 8)
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, torch_compile={"backend": "aot_eager"})
+    _modes(pipe, eager, x, [True, False, True])

@@ -1,0 +1,44 @@
+"""A model in its other mode: whether its graph may depend on the mode, and the model flipped while traced.
+
+A tracer fixes in its graph the mode (``model.training``) the model was in; fxpipe traces the
+model in the other mode too where its code may read the mode, and merges the two graphs
+(:func:`fxpipe.passes.modes.merge_modes`) so the pipe follows ``pipe.train()`` and
+``pipe.eval()`` as eager does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+
+from torch import nn
+
+__all__ = ["in_other_mode", "may_read_mode"]
+
+
+def may_read_mode(model: nn.Module, torch_nn: bool = False) -> bool:
+    """Tell whether the source of a module class of ``model`` mentions ``training`` (else one trace is enough).
+
+    Classes of ``torch.nn`` count only with ``torch_nn`` (torch.export traces into dropout and
+    batch norm; torch.fx keeps them as modules, which read the mode when they run).
+    """
+    for cls in {type(m) for m in model.modules() if torch_nn or not type(m).__module__.startswith("torch.nn.")}:
+        try:
+            if "training" in inspect.getsource(cls):
+                return True
+        except (OSError, TypeError):  # no source to read: it may
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def in_other_mode(model: nn.Module) -> Iterator[None]:
+    """Put ``model`` in the other mode for the block; give every module its own mode back after it."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.train(not model.training)
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
