@@ -36,7 +36,7 @@ import torch
 import torch.fx
 from fxpipe.passes.fingerprint import _target
 
-__all__ = ["When", "merge_modes", "pick", "unguarded"]
+__all__ = ["When", "merge_modes", "pick"]
 
 
 
@@ -70,24 +70,12 @@ class When:
             return getattr(obj, self.fn)(*rest, **kwargs)
         return self.fn(*args, **kwargs)
 
+    def inner_call(self, node: torch.fx.Node) -> tuple[str, Any, tuple, dict]:
+        """Return the op, target, args and kwargs of the call ``node`` (a call of this guard) makes."""
+        return ("call_method" if self.method else "call_function"), self.fn, node.args[1:], dict(node.kwargs)
+
     def __repr__(self) -> str:
         return self.__name__
-
-
-class _Call:
-    """The call a :class:`When` node guards, seen as a node: its op, target and arguments (and the node's graph)."""
-
-    def __init__(self, node: torch.fx.Node, guard: When) -> None:
-        self.op = "call_method" if guard.method else "call_function"
-        self.target, self.args, self.kwargs = guard.fn, node.args[1:], node.kwargs
-        self.name, self.graph, self.meta = node.name, node.graph, node.meta
-
-
-def unguarded(node: torch.fx.Node) -> Any:
-    """Return the call a :class:`When` node guards (with its op, target, args, kwargs), else ``node``."""
-    if node.op == "call_function" and isinstance(node.target, When):
-        return _Call(node, node.target)
-    return node
 
 
 def _shape(a: Any) -> Any:

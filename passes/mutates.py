@@ -18,8 +18,8 @@ A node is known to write an argument in place when
                                   ``F.relu(x, True)``), or it is given ``out=``
     a module                      it has ``inplace=True`` (``nn.ReLU(inplace=True)``)
 
-A node that runs in one mode only (:class:`fxpipe.passes.modes.When`) is judged by the call
-it guards. Views are told apart the same way (:func:`aliases`): from the schema's alias sets for ATen
+A node that wraps a call (a node of one mode only, :class:`fxpipe.passes.modes.When`; a call
+under the forward's autocast, :class:`fxpipe.passes.amp.UnderAutocast`) is judged by that call. Views are told apart the same way (:func:`aliases`): from the schema's alias sets for ATen
 ops, by name for Python-level calls.
 """
 
@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from fxpipe.passes.modes import unguarded
 
 __all__ = ["VIEW_NAMES", "aliases", "is_mutating", "may_mutate", "op_name", "written_args"]
 
@@ -58,6 +57,22 @@ def op_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.name.split("::")[-1]
     return getattr(target, "__name__", str(target))
+
+
+class _Call:
+    """The call a wrapping node makes, seen as a node: its op, target and arguments (and the node's graph)."""
+
+    def __init__(self, node: Any) -> None:
+        self.op, self.target, self.args, self.kwargs = node.target.inner_call(node)
+        self.name, self.graph, self.meta = node.name, node.graph, node.meta
+
+
+def unwrapped(node: torch.fx.Node) -> Any:
+    """Return the call a wrapping node makes (its target has ``inner_call``), seen as a node; else ``node``."""
+    call: Any = node
+    while call.op == "call_function" and hasattr(call.target, "inner_call"):  # a wrapper may wrap another
+        call = _Call(call)
+    return call
 
 
 def _schemas(target: Any) -> list:
@@ -109,7 +124,7 @@ def _writes(argument: Any) -> bool:
 
 def written_args(node: torch.fx.Node) -> list[Any]:
     """Return the arguments (nodes, or lists of them) that ``node`` changes in place, from the node alone."""
-    node = unguarded(node)
+    node = unwrapped(node)
     if node.op == "call_module":
         return [node.args[0]] if node.args and getattr(_module(node), "inplace", False) is True else []
     if node.op not in ("call_function", "call_method"):
@@ -143,8 +158,9 @@ def may_mutate(node: torch.fx.Node) -> bool:
     """
     if is_mutating(node):
         return True
-    if node.op == "call_module":
-        return not type(_module(node)).__module__.startswith("torch.nn")
+    call = unwrapped(node)
+    if call.op == "call_module":
+        return not type(_module(call)).__module__.startswith("torch.nn")
     return False
 
 
@@ -157,7 +173,7 @@ def _module(node: torch.fx.Node) -> torch.nn.Module:
 
 def aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Return the input nodes whose storage ``node``'s value may share (views, in-place results)."""
-    node = unguarded(node)
+    node = unwrapped(node)
     if node.op not in ("call_function", "call_method", "call_module"):
         return []
     first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None

@@ -16,12 +16,13 @@ import torch.fx
 from torch import nn
 
 from fxpipe.errors import TraceError
-from fxpipe.frontend.amp import recording_autocast_blocks
+from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.markers import recording_markers
 from fxpipe.frontend.modes import in_other_mode, may_read_mode
 from fxpipe.frontend.nograd import detach_no_grad_blocks
 from fxpipe.options import check_tracer
+from fxpipe.passes.amp import run_under_autocast
 from fxpipe.passes.modes import merge_modes
 
 __all__ = ["trace"]
@@ -59,10 +60,13 @@ class _Tracer(torch.fx.Tracer):
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
                     type_expr: Any = None) -> torch.fx.Node:
-        """Create a node; mark it if the forward made it with grad mode off (a ``torch.no_grad()`` block)."""
+        """Create a node; mark it if the forward made it with grad mode off or inside its own autocast blocks."""
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if not torch.is_grad_enabled():
             node.meta["fxpipe.no_grad"] = True
+        blocks = autocast_blocks()
+        if blocks:
+            node.meta["fxpipe.autocast"] = blocks
         return node
 
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
@@ -92,12 +96,13 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     objects and names. The model is not modified. Raises :class:`TraceError` naming the
     module and source line where tracing failed.
 
-    With fx, what torch.fx does not record is kept or noted: a forward's assignments to buffers
-    become in-place copies (:mod:`~fxpipe.frontend.assign`), its ``torch.no_grad()`` blocks are
-    detached (:mod:`~fxpipe.frontend.nograd`), and its ``torch.autocast`` blocks
-    (:mod:`~fxpipe.frontend.amp`) and branches on ``self.training`` (found by tracing the other
-    mode too) are recorded in ``gm.meta``, so that a run they would make differ from eager is
-    refused (:func:`fxpipe.runtime.validate.check_inputs`).
+    With fx, what torch.fx does not record is kept: a forward's assignments to buffers become
+    in-place copies (:mod:`~fxpipe.frontend.assign`), its ``torch.no_grad()`` blocks are
+    detached (:mod:`~fxpipe.frontend.nograd`), the calls inside its ``torch.autocast`` blocks
+    run under them (:mod:`~fxpipe.frontend.amp`), and a forward reading ``self.training`` is
+    traced in both modes and the graphs merged (:mod:`fxpipe.passes.modes`; where they cannot
+    be, ``gm.meta`` keeps the difference and the other mode is refused by
+    :func:`fxpipe.runtime.validate.check_inputs`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.trace expects an nn.Module, got {type(model).__name__}")
@@ -125,34 +130,33 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
         raise ValueError(f"leaf_modules names {unknown} that are not submodules of "
                          f"{type(model).__name__}; use names from model.named_modules()")
     _refuse_wrapped_forward(model, concrete_args)
-    gm, blocks = _fx_trace(model, leaf_types, leaf_names, concrete_args)
+    gm = _fx_trace(model, leaf_types, leaf_names, concrete_args)
     name = model.__class__.__name__
-    if blocks:
-        gm.meta["fxpipe.autocast_blocks"] = blocks
     branch = _mode_branch(model, gm, leaf_types, leaf_names, concrete_args)
     if branch is not None:  # the graph holds the branch of this mode: the other mode is refused
         gm.meta["fxpipe.training"] = model.training
         gm.meta["fxpipe.mode_branch"] = branch
     if detach_no_grad_blocks(gm):
         log.info("%s: the values leaving its torch.no_grad() blocks are detached", name)
+    if run_under_autocast(gm):
+        log.info("%s: the calls inside its own torch.autocast blocks run under them", name)
     log.debug("traced %s: %d nodes", name, len(gm.graph.nodes))
     return gm
 
 
 def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozenset[str],
-              concrete_args: dict[str, Any] | None) -> tuple[torch.fx.GraphModule, list[tuple[str, bool]]]:
-    """Trace ``model`` with fxpipe's fx tracer; return the GraphModule and the autocast blocks entered."""
+              concrete_args: dict[str, Any] | None) -> torch.fx.GraphModule:
+    """Trace ``model`` with fxpipe's fx tracer; return the GraphModule."""
     fx_tracer = _Tracer(leaf_types, leaf_names)
-    blocks: list[tuple[str, bool]] = []
     try:
         # pipe_split() calls become marker nodes; assignments to buffers, in-place copies; nodes
-        # made with grad mode off are marked (a forward's torch.no_grad() blocks); autocast blocks noted
+        # made with grad mode off (a forward's torch.no_grad() blocks) or inside autocast blocks are marked
         with recording_markers(fx_tracer), recording_assignments(fx_tracer), torch.enable_grad(), \
-                recording_autocast_blocks(blocks):
+                recording_autocast_blocks():
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         raise _explain(model, fx_tracer, exc) from exc
-    return torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__), blocks
+    return torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__)
 
 
 def _mode_branch(model: nn.Module, gm: torch.fx.GraphModule, leaf_types: tuple[type, ...],
@@ -171,7 +175,7 @@ def _mode_branch(model: nn.Module, gm: torch.fx.GraphModule, leaf_types: tuple[t
     quiet.setLevel(logging.ERROR)  # its warnings were given by the first trace
     try:
         with in_other_mode(model):
-            other, _ = _fx_trace(model, leaf_types, leaf_names, concrete_args)
+            other = _fx_trace(model, leaf_types, leaf_names, concrete_args)
     except Exception as exc:  # noqa: BLE001 - the other mode cannot be traced: nothing is known
         log.debug("tracing %s in the other mode failed: %s", type(model).__name__, exc)
         return None

@@ -2,12 +2,9 @@
 
 An fx graph is generic in shapes: inputs of other non-batch shapes than the example run
 correctly (the plan's costs were only estimated on the example). A ``torch.export`` graph is
-not: its non-batch dims, its train/eval behaviour and its autocast are fixed when it is exported, so a
-mismatch is refused here with the input's name, rather than failing deep inside a stage. A graph
+not: its non-batch dims and its autocast are fixed when it is exported, so a mismatch is refused here with the input's name, rather than failing deep inside a stage. A graph
 follows ``pipe.train()``/``pipe.eval()`` where the model's two modes could be merged into one graph
-(:mod:`fxpipe.passes.modes`); where they could not, the other mode is refused here. An fx graph
-does not record the forward's own ``torch.autocast`` blocks (:mod:`fxpipe.frontend.tracing` notes
-them): a run they would make differ from eager is refused here too.
+(:mod:`fxpipe.passes.modes`); where they could not, the other mode is refused here.
 """
 
 from __future__ import annotations
@@ -49,13 +46,6 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
             "an exported graph keeps the dtypes it was traced with (an autocast's casts are fixed in it, and its "
             "checks of the dtypes fail without them); call fxpipe.compile(..., tracer='export') under the same "
             "torch.autocast as the steps, or use tracer='fx'")
-    blocks = meta.get("fxpipe.autocast_blocks", [])
-    if blocks and (enabled_autocast() or any(enables for _, enables in blocks)):
-        dtype = "the step's autocast dtype" if enabled_autocast() else "float32"
-        raise PipelineInputError(
-            f"the model's forward changes autocast inside ({', '.join(where for where, _ in blocks)}), which "
-            f"torch.fx does not record, so the pipeline would run the block in {dtype} where eager does not; "
-            "list the module holding the block in leaf_modules= (its own forward then runs), or use tracer='export'")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value, name in zip(placeholders, values, names):
         expected = node.meta.get("val")  # a fake tensor where torch.export or dynamo traced
