@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fxpipe.errors import TraceError
 from fxpipe.frontend.exportmeta import fake_inputs, fake_state, meta_refusal, refuse_stand_ins, target_device
 from fxpipe.frontend.modes import in_other_mode, may_read_mode
+from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
 from fxpipe.passes.modes import merge_modes
 
 __all__ = ["export_trace", "named_arguments"]
@@ -129,8 +130,11 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
             program = _bounded(model, export, exc, rows)
         return program.module()
 
+    drawn: list[str] = []
     with fake_state(model, target) as faked, _keywords_by_name(model, signature, bound):
-        gm = exported(faked)
+        with recording_python_random(drawn):
+            gm = exported(faked)
+        warn_python_random(type(model).__name__, drawn, "export")
         difference = _other_mode(model, gm, partial(exported, faked))
     _share_state(gm, model)
     refuse_stand_ins(gm, model)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["in_other_mode", "may_read_mode"]
+__all__ = ["in_other_mode", "may_read_mode", "quieted"]
 
 
 def may_read_mode(model: nn.Module, torch_nn: bool = False) -> bool:
@@ -42,3 +43,16 @@ def in_other_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for m, training in modes.items():
             m.training = training
+
+
+@contextlib.contextmanager
+def quieted(*loggers: str) -> Iterator[None]:
+    """Silence the warnings of ``loggers`` for the block (the first trace gave them)."""
+    levels = [(logging.getLogger(name), logging.getLogger(name).level) for name in loggers]
+    for logger, _ in levels:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in levels:
+            logger.setLevel(level)

@@ -19,8 +19,9 @@ from fxpipe.errors import TraceError
 from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.markers import recording_markers
-from fxpipe.frontend.modes import in_other_mode, may_read_mode
+from fxpipe.frontend.modes import in_other_mode, may_read_mode, quieted
 from fxpipe.frontend.nograd import detach_no_grad_blocks
+from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
 from fxpipe.options import check_tracer
 from fxpipe.passes.amp import run_under_autocast
 from fxpipe.passes.modes import merge_modes
@@ -148,14 +149,16 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
               concrete_args: dict[str, Any] | None) -> torch.fx.GraphModule:
     """Trace ``model`` with fxpipe's fx tracer; return the GraphModule."""
     fx_tracer = _Tracer(leaf_types, leaf_names)
+    drawn: list[str] = []
     try:
         # pipe_split() calls become marker nodes; assignments to buffers, in-place copies; nodes
         # made with grad mode off (a forward's torch.no_grad() blocks) or inside autocast blocks are marked
         with recording_markers(fx_tracer), recording_assignments(fx_tracer), torch.enable_grad(), \
-                recording_autocast_blocks():
+                recording_autocast_blocks(), recording_python_random(drawn):
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         raise _explain(model, fx_tracer, exc) from exc
+    warn_python_random(type(model).__name__, drawn, "fx")
     return torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__)
 
 
@@ -170,17 +173,12 @@ def _mode_branch(model: nn.Module, gm: torch.fx.GraphModule, leaf_types: tuple[t
     """
     if not may_read_mode(model):
         return None
-    quiet = logging.getLogger("fxpipe.frontend.assign")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # its warnings were given by the first trace
     try:
-        with in_other_mode(model):
+        with in_other_mode(model), quieted("fxpipe.frontend.assign", "fxpipe.frontend.pyrandom"):
             other = _fx_trace(model, leaf_types, leaf_names, concrete_args)
     except Exception as exc:  # noqa: BLE001 - the other mode cannot be traced: nothing is known
         log.debug("tracing %s in the other mode failed: %s", type(model).__name__, exc)
         return None
-    finally:
-        quiet.setLevel(level)
     return merge_modes(gm, other, model.training)
 
 
