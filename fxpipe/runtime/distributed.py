@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.fx
 
 from fxpipe import passes
-from fxpipe.errors import PeerFailure, ScheduleError
+from fxpipe.errors import PeerFailure, PipelineInputError, ScheduleError
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime import gradnorm
 from fxpipe.runtime.binding import Binding
@@ -175,6 +175,12 @@ class DistributedRuntime:
         m = len(header["specs"])
         if losses_for is not None:
             steplayout.check_target(self, target, bool(header.get("target_on_first")))
+        if header.get("training", training) != training:  # its peers learn of it as of any failed step
+            mode, first = ("training", "eval") if training else ("eval", "training")
+            raise PipelineInputError(
+                f"rank {self.layout.global_ranks[self.rank]}'s pipe is in {mode} mode but rank "
+                f"{self.layout.global_ranks[self.first]}'s (the first stage's) is in {first} mode: call "
+                "pipe.train() or pipe.eval() on every rank, as every rank calls pipe.step and pipe(x)")
 
         kind = "train" if grad else "forward"
         try:

@@ -349,4 +349,10 @@ def modes(rank, world, schedule):
         errors.append([max_relative_error(b, buffers[n]) for n, b in model.named_buffers()
                        if n in held and b.is_floating_point()])
         out[tracer] = errors
-    return {"errors": out}
+    pipe.train(rank == 0)  # a pipe.eval() on one rank only
+    try:
+        pipe.step(x if rank == 0 else None, target=target, loss_fn=F.mse_loss)
+        refused = None
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+        refused = [type(exc).__name__, str(exc)]
+    return {"errors": out, "refused": refused}
