@@ -89,10 +89,21 @@ def _shape(a: Any) -> Any:
     return type(a).__name__
 
 
+def _structure(a: Any) -> str:
+    """Write the structure of an output: its containers and their lengths, a leaf as ``*``."""
+    if isinstance(a, (list, tuple)):
+        return f"{type(a).__name__}({', '.join(_structure(v) for v in a)})"
+    if isinstance(a, dict):
+        return "{" + ", ".join(f"{k!r}: {_structure(v)}" for k, v in a.items()) + "}"
+    return "*"
+
+
 def _key(n: torch.fx.Node) -> tuple:
     """Key a node for the alignment: what it calls and the shape of its arguments."""
     if n.op in ("placeholder", "get_attr", "call_module"):
         return n.op, str(n.target)
+    if n.op == "output":  # paired whatever it returns: a structure of another shape is named there
+        return (n.op,)
     return n.op, _target(n.target), _shape(n.args), _shape(n.kwargs)
 
 
@@ -195,6 +206,9 @@ def _rewrite(gm: torch.fx.GraphModule, other: torch.fx.GraphModule, training: bo
         if _same(a, b, pairs):
             continue
         new = env[a]
+        if a.op == "output" and _structure(a.args) != _structure(b.args):  # the pipe joins one structure
+            raise _Unmergeable(f"the model's outputs {_structure(a.args[0])} in {'training' if training else 'eval'} "
+                               f"mode where the other mode returns {_structure(b.args[0])}")
         theirs_args = torch.fx.node.map_arg((b.args, b.kwargs), theirs_to_mine)
         with graph.inserting_before(new):
             args, kwargs = _picked(graph, the_mode(), (new.args, new.kwargs), theirs_args, training)

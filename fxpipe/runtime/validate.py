@@ -30,15 +30,15 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
     if fixed_mode is not None and fixed_mode != training:
         mode, other = ("training", "eval") if training else ("eval", "training")
         tracer = "torch.export" if meta.get("fxpipe.tracer") == "export" else "torch.fx"
-        fixes = ("or list the module that branches in leaf_modules=, or use tracer='export'" if tracer == "torch.fx"
-                 else "or use tracer='fx'")
+        fixes = ("; or list the module that branches in leaf_modules=, or use tracer='export'" if tracer == "torch.fx"
+                 else "")
         raise PipelineInputError(
             f"the pipe is in {mode} mode but it was compiled in {other} mode, and the model's forward differs "
             f"between the modes in a way one graph cannot follow ({meta.get('fxpipe.mode_branch', 'unknown')}), "
             f"so {tracer} fixed {other} mode's. Compile the pipe in the mode it runs in (model."
             f"{'train' if training else 'eval'}() before fxpipe.compile); to evaluate while training, "
             "fxpipe.save(pipe, path), build the model again under fxpipe.deferred_init() (or on meta), call "
-            f"model.{'train' if training else 'eval'}() and fxpipe.compile(model, ..., weights=path); {fixes}")
+            f"model.{'train' if training else 'eval'}() and fxpipe.compile(model, ..., weights=path){fixes}")
     traced = meta.get("fxpipe.autocast")
     if traced is not None and tuple(traced) != enabled_autocast():
         raise PipelineInputError(

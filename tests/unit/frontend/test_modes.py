@@ -149,3 +149,25 @@ def test_compiled_stages_follow_the_mode():
     eager = copy.deepcopy(model)
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, torch_compile={"backend": "aot_eager"})
     _modes(pipe, eager, x, [True, False, True])
+
+
+class AuxOutput(nn.Module):
+    """Return an auxiliary output in training only, as Inception-v3 and GoogLeNet do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return (self.b(h), h.mean(-1)) if self.training else self.b(h)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_outputs_of_another_structure_in_the_other_mode_are_refused_naming_both(tracer):
+    x = torch.randn(6, 8)
+    pipe = fxpipe.compile(AuxOutput().train(), 2, example_inputs=(x,), devices=["cpu"] * 2, tracer=tracer)
+    pipe.eval()
+    with pytest.raises(fxpipe.PipelineInputError, match=r"the model's outputs tuple\(\*, \*\) in training mode where "
+                                                        r"the other mode returns (\*|tuple\(\*\))\)"):
+        pipe(x)
