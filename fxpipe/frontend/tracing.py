@@ -176,9 +176,9 @@ def _mode_branch(model: nn.Module, gm: torch.fx.GraphModule, leaf_types: tuple[t
     try:
         with in_other_mode(model), quieted("fxpipe.frontend.assign", "fxpipe.frontend.pyrandom"):
             other = _fx_trace(model, leaf_types, leaf_names, concrete_args)
-    except Exception as exc:  # noqa: BLE001 - the other mode cannot be traced: nothing is known
+    except Exception as exc:  # noqa: BLE001 - the other mode cannot be traced: it is refused
         log.debug("tracing %s in the other mode failed: %s", type(model).__name__, exc)
-        return None
+        return f"no graph: tracing it in the other mode failed ({type(exc).__name__})"
     return merge_modes(gm, other, model.training)
 
 

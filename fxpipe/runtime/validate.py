@@ -2,8 +2,9 @@
 
 An fx graph is generic in shapes: inputs of other non-batch shapes than the example run
 correctly (the plan's costs were only estimated on the example). A ``torch.export`` graph is
-not: its non-batch dims and its autocast are fixed when it is exported, so a mismatch is refused here with the input's name, rather than failing deep inside a stage. A graph
-follows ``pipe.train()``/``pipe.eval()`` where the model's two modes could be merged into one graph
+not: its non-batch dims and its autocast are fixed when it is exported, so a mismatch is
+refused here with the input's name, rather than failing deep inside a stage. A graph follows
+``pipe.train()``/``pipe.eval()`` where the model's two modes could be merged into one graph
 (:mod:`fxpipe.passes.modes`); where they could not, the other mode is refused here.
 """
 

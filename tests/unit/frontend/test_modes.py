@@ -171,3 +171,26 @@ def test_outputs_of_another_structure_in_the_other_mode_are_refused_naming_both(
     with pytest.raises(fxpipe.PipelineInputError, match=r"the model's outputs tuple\(\*, \*\) in training mode where "
                                                         r"the other mode returns (\*|tuple\(\*\))\)"):
         pipe(x)
+
+
+class UntracedEval(nn.Module):
+    """Branch on a value in eval mode only: torch.fx cannot trace that mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if not self.training and h.sum() > 0:
+            h = -h
+        return self.b(h)
+
+
+def test_a_mode_that_cannot_be_traced_is_refused_rather_than_run_in_the_other_s_graph():
+    x = torch.randn(6, 8)
+    pipe = fxpipe.compile(UntracedEval().train(), 2, example_inputs=(x,), devices=["cpu"] * 2)
+    pipe(x)
+    pipe.eval()
+    with pytest.raises(fxpipe.PipelineInputError, match=r"no graph: tracing it in the other mode failed \(TraceError\)"):
+        pipe(x)
