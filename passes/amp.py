@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.fx
-from fxpipe.passes.fingerprint import _target
+from fxpipe.passes.fingerprint import call_name
 
 __all__ = ["UnderAutocast", "run_under_autocast"]
 
@@ -30,8 +30,7 @@ class UnderAutocast:
 
     def __init__(self, fn: Any, blocks: tuple[Block, ...], kind: str = "call_function") -> None:
         self.fn, self.blocks, self.kind = fn, blocks, kind
-        name = str(fn) if kind != "call_function" else _target(fn).rsplit(".", 1)[-1]
-        self.__name__ = "under_autocast_" + "".join(c if c.isalnum() else "_" for c in name)
+        self.__name__ = f"under_autocast_{call_name(fn, kind != 'call_function')}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Enter the blocks, innermost last, and make the call."""

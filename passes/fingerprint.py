@@ -17,13 +17,14 @@ order, :func:`rename_like` gives one trace the other's names.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import Counter
 from typing import Any
 
 import torch
 import torch.fx
 
-__all__ = ["fingerprint", "first_difference", "rename_like", "structure"]
+__all__ = ["call_name", "fingerprint", "first_difference", "rename_like", "structure"]
 
 
 def _target(target: Any) -> str:
@@ -33,6 +34,12 @@ def _target(target: Any) -> str:
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
     return f"{module}.{name}" if name else str(target)
+
+
+def call_name(target: Any, by_name: bool = False) -> str:
+    """Name a call target briefly as an identifier: the last part of its name (``by_name``: a method's or module's name)."""
+    name = str(target) if by_name else _target(target).rsplit(".", 1)[-1]
+    return re.sub(r"\W", "_", name)
 
 
 def _arg(a: Any, keys: dict[torch.fx.Node, str] | None = None) -> str:

@@ -14,7 +14,7 @@ node that reads the stage GraphModule's own ``training`` attribute (a ``get_attr
 into every stage that reads it, so ``pipe.train()`` and ``pipe.eval()`` switch it)::
 
     dropout(x, 0.1, True)   | dropout(x, 0.1, False)   ->  dropout(x, 0.1, training)
-    add_(counter, 1)        | (none)                    ->  add_(counter, training)
+    add_(counter, 1)        | (none)                    ->  add_ = training_only_add_(training, counter, 1)
     d = mul(x, keep)        | (none)                    ->  d = training_only_mul(training, x, keep)
     add(h, d)               | add(h, x)                 ->  add(h, pick(training, d, x))
 
@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import difflib
 import operator
-import re
 from typing import Any
 
 import torch
 import torch.fx
-from fxpipe.passes.fingerprint import _target
+from fxpipe.passes.fingerprint import _target, call_name
 
 __all__ = ["When", "merge_modes", "pick"]
 
@@ -58,8 +57,7 @@ class When:
 
     def __init__(self, fn: Any, expected: bool, method: bool = False) -> None:
         self.fn, self.expected, self.method = fn, expected, method
-        op = re.sub(r"\W", "_", str(fn) if method else _target(fn).rsplit(".", 1)[-1])
-        self.__name__ = f"{'training' if expected else 'eval'}_only_{op}"
+        self.__name__ = f"{'training' if expected else 'eval'}_only_{call_name(fn, method)}"
 
     def __call__(self, training: bool, /, *args: Any, **kwargs: Any) -> Any:
         """Run the node if the mode running is its own."""
@@ -239,13 +237,8 @@ def _picked(graph: torch.fx.Graph, mode: torch.fx.Node, mine: Any, theirs: Any, 
 def _guarded(graph: torch.fx.Graph, the_mode: Any, n: torch.fx.Node, args: Any, kwargs: Any,
              expected: bool) -> torch.fx.Node:
     """Make ``n`` (a node of the mode ``expected`` only) in ``graph``, run only in that mode."""
-    if (n.op == "call_function" and n.target is torch.ops.aten.add_.Tensor and not n.users and not kwargs
-            and len(args) == 2 and args[1] == 1 and type(args[1]) is int and expected):
-        # a counter of training steps (an exported batch norm's num_batches_tracked): add the mode
-        new = graph.create_node("call_function", n.target, (args[0], the_mode()), name=n.name)
-    else:
-        new = graph.create_node("call_function", When(n.target, expected, method=n.op == "call_method"),
-                                (the_mode(), *args), kwargs, name=n.name)
+    new = graph.create_node("call_function", When(n.target, expected, method=n.op == "call_method"),
+                            (the_mode(), *args), kwargs, name=n.name)
     new.meta = {k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")}
     return new
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from fxpipe.passes.mutates import unwrapped
 from fxpipe.runtime.stage.batchnorm import accumulate
 
 __all__ = ["ExportedBatchNorm", "defer_exported", "deferred_batch_norm"]
@@ -77,8 +78,9 @@ def deferred_batch_norm(x: torch.Tensor, weight: Any, bias: Any, running_mean: A
 def defer_exported(gm: torch.fx.GraphModule) -> list[ExportedBatchNorm]:
     """Rewrite the training batch norm calls of an exported stage to defer their updates; return their records."""
     found = []
-    adds = {n.args[0]: n for n in gm.graph.nodes
-            if n.op == "call_function" and n.target is torch.ops.aten.add_.Tensor and isinstance(n.args[0], torch.fx.Node)}
+    calls = {n: unwrapped(n) for n in gm.graph.nodes}  # a counter of training mode only runs through a guard
+    adds = {c.args[0]: n for n, c in calls.items()
+            if c.op == "call_function" and c.target is torch.ops.aten.add_.Tensor and isinstance(c.args[0], torch.fx.Node)}
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.batch_norm.default:
             continue

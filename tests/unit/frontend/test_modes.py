@@ -45,7 +45,7 @@ class Aux(nn.Module):
         return self.b(h) + self.aux(h) if self.training else self.b(h)
 
 
-def _modes(pipe, eager, x, modes, schedule=None):
+def _modes(pipe, eager, x, modes):
     """Run pipe and eager through ``modes`` with equal random numbers; assert equal outputs."""
     for mode in modes:
         pipe.train(mode)
