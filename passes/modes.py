@@ -166,12 +166,14 @@ def _rewrite(gm: torch.fx.GraphModule, other: torch.fx.GraphModule, training: bo
     mine_only, mode = set(only_mine), None
 
     def the_mode() -> torch.fx.Node:
+        """Return the node reading the stage's mode (made at its first use)."""
         nonlocal mode
         if mode is None:
             mode = graph.create_node("get_attr", "training")  # a bool, not state: get_attr would warn
         return mode
 
     def theirs_to_mine(v: torch.fx.Node) -> torch.fx.Node:
+        """Return the new node standing for ``other``'s node ``v``."""
         if v in pairs:
             return env[pairs[v]]
         if v not in env:
@@ -179,6 +181,7 @@ def _rewrite(gm: torch.fx.GraphModule, other: torch.fx.GraphModule, training: bo
         return env[v]
 
     def copy_theirs(n: torch.fx.Node) -> None:
+        """Copy a node of the other mode only into the new graph, guarded (an attribute as it is)."""
         if n.op == "get_attr":
             if not _has_attr(gm, str(n.target)):
                 _set_attr(gm, other, str(n.target))

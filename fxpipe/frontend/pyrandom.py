@@ -45,6 +45,7 @@ def recording_python_random(found: list[str]) -> Iterator[None]:
 
             def noted(*args: Any, _original: Any = original, _name: str = f"{owner.__name__}.{name}",
                       **kwargs: Any) -> Any:
+                """Note the draw's source line; then draw."""
                 found.append(f"{_name} ({model_line() or 'the forward'})")
                 return _original(*args, **kwargs)
 
