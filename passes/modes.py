@@ -164,6 +164,7 @@ def _rewrite(gm: torch.fx.GraphModule, other: torch.fx.GraphModule, training: bo
     for n, anchor in only_theirs:
         after.setdefault(anchor, []).append(n)
     mine_only, mode = set(only_mine), None
+    missing: list[str] = []  # state only the other mode's graph reads, given to gm once merged
 
     def the_mode() -> torch.fx.Node:
         """Return the node reading the stage's mode (made at its first use)."""
@@ -184,8 +185,8 @@ def _rewrite(gm: torch.fx.GraphModule, other: torch.fx.GraphModule, training: bo
         """Copy a node of the other mode only into the new graph, guarded (an attribute as it is)."""
         if n.op == "get_attr":
             if not _has_attr(gm, str(n.target)):
-                _set_attr(gm, other, str(n.target))
-            env[n] = graph.get_attr(str(n.target))
+                missing.append(str(n.target))
+            env[n] = graph.create_node("get_attr", str(n.target))  # the state is given to gm below
             return
         args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), theirs_to_mine)
         env[n] = _guarded(graph, the_mode, n, args, kwargs, not training)
@@ -214,6 +215,8 @@ def _rewrite(gm: torch.fx.GraphModule, other: torch.fx.GraphModule, training: bo
         with graph.inserting_before(new):
             args, kwargs = _picked(graph, the_mode(), (new.args, new.kwargs), theirs_args, training)
         new.args, new.kwargs = args, kwargs
+    for target in missing:  # nothing above can refuse now
+        _set_attr(gm, other, target)
     graph.lint()
     gm.graph = graph
     gm.recompile()
