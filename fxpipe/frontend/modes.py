@@ -9,6 +9,7 @@ model in the other mode too where its code may read the mode, and merges the two
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 from collections.abc import Iterator
@@ -24,13 +25,17 @@ def may_read_mode(model: nn.Module, torch_nn: bool = False) -> bool:
     Classes of ``torch.nn`` count only with ``torch_nn`` (torch.export traces into dropout and
     batch norm; torch.fx keeps them as modules, which read the mode when they run).
     """
-    for cls in {type(m) for m in model.modules() if torch_nn or not type(m).__module__.startswith("torch.nn.")}:
-        try:
-            if "training" in inspect.getsource(cls):
-                return True
-        except (OSError, TypeError):  # no source to read: it may
-            return True
-    return False
+    classes: set[type] = {type(m) for m in model.modules() if torch_nn or not type(m).__module__.startswith("torch.nn.")}
+    return any(_mentions_training(cls) for cls in classes)
+
+
+@functools.cache
+def _mentions_training(cls: type) -> bool:
+    """Tell whether the source of ``cls`` mentions ``training`` (read once per class)."""
+    try:
+        return "training" in inspect.getsource(cls)
+    except (OSError, TypeError):  # no source to read: it may
+        return True
 
 
 @contextlib.contextmanager
