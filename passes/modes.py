@@ -18,11 +18,11 @@ into every stage that reads it, so ``pipe.train()`` and ``pipe.eval()`` switch i
     d = mul(x, keep)        | (none)                    ->  d = training_only_mul(training, x, keep)
     add(h, d)               | add(h, x)                 ->  add(h, pick(training, d, x))
 
-:class:`When` runs a node of one mode only in that mode (``None`` in the other); ``pick`` takes
-the argument of the mode running. Graphs whose placeholders, outputs' structure or module
-calls differ between the modes (an auxiliary head called only in training) are left as
-they are: :func:`merge_modes` returns the first difference, and the caller refuses the
-other mode.
+:class:`When` runs a node of one mode only in that mode (``None`` in the other), a module call
+too (an auxiliary head called only in training: the guard reads the module with a
+``get_attr``); ``pick`` takes the argument of the mode running. Graphs whose placeholders or
+outputs' structure differ between the modes are left as they are: :func:`merge_modes` returns
+the first difference, and the caller refuses the other mode.
 """
 
 from __future__ import annotations
@@ -49,28 +49,32 @@ def pick(training: bool, in_training: Any, in_eval: Any) -> Any:
 
 
 class When:
-    """A node of one mode only: call ``fn`` (or the method ``fn`` of the first argument) in that mode, else give ``None``.
+    """A node of one mode only: call ``fn`` (a function, a method of the first argument, or a module) in that mode, else give ``None``.
 
     A callable object rather than a function taking ``fn``: the graph's code names its target,
     but cannot write a builtin such as ``operator.getitem`` as an argument.
     """
 
-    def __init__(self, fn: Any, expected: bool, method: bool = False) -> None:
-        self.fn, self.expected, self.method = fn, expected, method
-        self.__name__ = f"{'training' if expected else 'eval'}_only_{call_name(fn, method)}"
+    def __init__(self, fn: Any, expected: bool, kind: str = "call_function") -> None:
+        self.fn, self.expected, self.kind = fn, expected, kind
+        self.__name__ = f"{'training' if expected else 'eval'}_only_{call_name(fn, kind != 'call_function')}"
 
     def __call__(self, training: bool, /, *args: Any, **kwargs: Any) -> Any:
         """Run the node if the mode running is its own."""
         if training != self.expected:
             return None
-        if self.method:
-            obj, *rest = args
-            return getattr(obj, self.fn)(*rest, **kwargs)
-        return self.fn(*args, **kwargs)
+        if self.kind == "call_function":
+            return self.fn(*args, **kwargs)
+        obj, *rest = args
+        return getattr(obj, self.fn)(*rest, **kwargs) if self.kind == "call_method" else obj(*rest, **kwargs)
 
     def inner_call(self, node: torch.fx.Node) -> tuple[str, Any, tuple, dict]:
         """Return the op, target, args and kwargs of the call ``node`` (a call of this guard) makes."""
-        return ("call_method" if self.method else "call_function"), self.fn, node.args[1:], dict(node.kwargs)
+        if self.kind == "call_module":  # the module comes from a get_attr after the mode
+            module = node.args[1]
+            return "call_module", (module.target if isinstance(module, torch.fx.Node) else module), node.args[2:], \
+                dict(node.kwargs)
+        return self.kind, self.fn, node.args[1:], dict(node.kwargs)
 
     def __repr__(self) -> str:
         return self.__name__
@@ -123,7 +127,7 @@ def merge_modes(gm: torch.fx.GraphModule, other: torch.fx.GraphModule, training:
         only_mine += mine[i1:i2]
         only_theirs += [(n, mine[i1 - 1] if i1 else None) for n in theirs[j1:j2]]
     for n in [*only_mine, *(n for n, _ in only_theirs)]:
-        if n.op not in ("call_function", "call_method", "get_attr"):
+        if n.op not in ("call_function", "call_method", "call_module", "get_attr"):
             return f"{_line(n)} in {'training' if (n in only_mine) == training else 'eval'} mode only"
     if not only_mine and not only_theirs and all(_same(a, b, pairs) for b, a in pairs.items()):
         return None
@@ -188,6 +192,8 @@ def _rewrite(gm: torch.fx.GraphModule, other: torch.fx.GraphModule, training: bo
                 missing.append(str(n.target))
             env[n] = graph.create_node("get_attr", str(n.target))  # the state is given to gm below
             return
+        if n.op == "call_module" and not _has_attr(gm, str(n.target)):
+            missing.append(str(n.target))  # a module only the other mode calls: given to gm below
         args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), theirs_to_mine)
         env[n] = _guarded(graph, the_mode, n, args, kwargs, not training)
 
@@ -243,8 +249,10 @@ def _picked(graph: torch.fx.Graph, mode: torch.fx.Node, mine: Any, theirs: Any, 
 def _guarded(graph: torch.fx.Graph, the_mode: Any, n: torch.fx.Node, args: Any, kwargs: Any,
              expected: bool) -> torch.fx.Node:
     """Make ``n`` (a node of the mode ``expected`` only) in ``graph``, run only in that mode."""
-    new = graph.create_node("call_function", When(n.target, expected, method=n.op == "call_method"),
-                            (the_mode(), *args), kwargs, name=n.name)
+    mode = the_mode()
+    if n.op == "call_module":  # the guard calls the module it reads, as passes/amp.py's wrapper does
+        args = (graph.create_node("get_attr", n.target, name=f"{n.name}_module"), *args)
+    new = graph.create_node("call_function", When(n.target, expected, kind=n.op), (mode, *args), kwargs, name=n.name)
     new.meta = {k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")}
     return new
 
@@ -274,7 +282,8 @@ def _has_attr(gm: torch.nn.Module, target: str) -> bool:
 def _set_attr(gm: torch.nn.Module, other: torch.nn.Module, target: str) -> None:
     """Give ``gm`` the state ``other`` holds at the dotted path ``target`` (read only in the other mode).
 
-    A tensor is registered as a buffer, as a GraphModule does with the state its graph reads.
+    A tensor is registered as a buffer, as a GraphModule does with the state its graph reads; a
+    module (called in the other mode only) as a submodule.
     """
     *path, name = target.split(".")
     owner: torch.nn.Module = gm

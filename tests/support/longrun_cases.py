@@ -315,12 +315,12 @@ class _Regularized(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+        self.lin, self.norm, self.aux = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)
 
     def forward(self, x):
         h = self.norm(self.lin(x))
-        if self.training:  # nodes of training mode only, joined with the input below
-            h = h + 0.1 * h.tanh()
+        if self.training:  # nodes of training mode only (a module call too), joined with the input below
+            h = h + 0.1 * self.aux(h).tanh()
         return x + F.dropout(h, 0.0, training=self.training)
 
 
@@ -329,7 +329,8 @@ def modes(rank, world, schedule):
     out = {}
     for tracer, split in (("fx", ["mul_1"]), ("export", None)):
         torch.manual_seed(0)
-        model = nn.Sequential(*[_Regularized() for _ in range(4)], nn.Linear(8, 4)).train()
+        # fx compiles in eval mode: the training-only modules come from the other mode's graph
+        model = nn.Sequential(*[_Regularized() for _ in range(4)], nn.Linear(8, 4)).train(tracer == "export")
         eager = copy.deepcopy(model)
         x, target = torch.randn(8, 8), torch.randn(8, 4)
         # fx: cut inside the training-only nodes, so a value of training mode only crosses ranks

@@ -34,11 +34,12 @@ class Net(nn.Module):
 
 
 class Aux(nn.Module):
-    """An auxiliary head called only in training, as Inception's is: its graphs cannot be merged."""
+    """An auxiliary head (two modules) called only in training, as Inception's is."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b, self.aux = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.aux = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
 
     def forward(self, x):
         h = self.a(x)
@@ -105,15 +106,30 @@ def test_the_merged_graph_keeps_the_node_names_and_reads_the_stage_mode():
     assert {"a", "b", "c", "add", "dropout"} <= {n.name for n in gm.graph.nodes}
 
 
-def test_graphs_that_cannot_be_merged_refuse_the_other_mode_naming_the_node():
-    x = torch.randn(6, 8)
-    pipe = fxpipe.compile(Aux().train(), 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
-    pipe.eval()
-    with pytest.raises(fxpipe.PipelineInputError, match=r"compiled in training mode.*aux = call_module aux.*"
-                                                        r"in training mode only.*leaf_modules="):
-        pipe(x)
-    other = fxpipe.trace(Aux().eval())
-    assert "in training mode only" in merge_modes(fxpipe.trace(Aux().train()), other, True)
+@pytest.mark.parametrize("start", [True, False], ids=["compiled-training", "compiled-eval"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_a_module_called_in_one_mode_only_runs_only_in_that_mode(schedule, start):
+    torch.manual_seed(0)
+    model, x = Aux().train(start), torch.randn(6, 8)
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 3, example_inputs=(x,), chunks=2, devices=["cpu"] * 3, schedule=schedule)
+    _modes(pipe, eager, x, [not start, start])
+    pipe.train()
+    eager.train()
+    loss = pipe.step(x, target=x, loss_fn=F.mse_loss)
+    expected = F.mse_loss(eager(x), x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert {k for s in pipe.stages for k in s.state_dict()} >= {"aux.0.weight", "aux.2.bias"}
+
+
+def test_the_head_of_one_mode_is_guarded_keeping_its_node_names():
+    gm = fxpipe.trace(Aux().eval())
+    assert "training_only_aux_0(training, aux_0_module" in gm.code
+    assert {"aux_0", "aux_1", "aux_2", "b"} <= {n.name for n in gm.graph.nodes}
+    assert merge_modes(fxpipe.trace(Aux().train()), fxpipe.trace(Aux().eval()), True) is None
 
 
 def test_a_leaf_module_follows_the_mode_and_models_without_branches_trace_once():
