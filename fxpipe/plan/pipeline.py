@@ -94,11 +94,14 @@ class PipelinePlan:
         ranked = any(s.on_rank != s.index for s in self.stages)  # several stages per rank
         predicted = any(s.peak for s in self.stages)
         policies = self.policies()
+        ops = dict(zip(self.graph_nodes, self.graph_ops))
         rows = []
         for s in self.stages:
+            # first and last: what the stage computes, not the state or mode it reads (get_attr)
+            computed = [v for v in s.nodes if ops.get(v) not in ("get_attr", "placeholder")] or s.nodes
             rows.append([s.index] + ([s.on_rank] if ranked else []) + [
-                s.device, len(s.nodes), _short(s.nodes[0] if s.nodes else ""),
-                _short(s.nodes[-1] if s.nodes else ""), human(s.flops), human(s.params, "B"),
+                s.device, len(s.nodes), _short(computed[0] if computed else ""),
+                _short(computed[-1] if computed else ""), human(s.flops), human(s.params, "B"),
                 human(s.activation_bytes, "B"), human(s.saved_bytes, "B"),
                 human(s.checkpoint_bytes, "B"), human(s.memory, "B"), policies[s.index] or "-",
             ] + ([human(s.peak, "B") if s.peak else "-"] if predicted else []) + (

@@ -26,6 +26,15 @@ def test_table_shows_every_stage_and_route():
         assert f"{r.name}: stage {r.src} -> stage {r.dst}" in text
 
 
+def test_table_names_what_each_stage_computes_first_not_the_state_it_reads():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 8),
+                                torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    pipe = fxpipe.compile(model, 3, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 3, tracer="export")
+    firsts = [line.split()[3] for line in str(pipe.plan).splitlines()[2:5]]
+    ops = dict(zip(pipe.plan.graph_nodes, pipe.plan.graph_ops))
+    assert all(ops[name] not in ("get_attr", "placeholder") for name in firsts), firsts  # not "training", "p_0_weight"
+
+
 def test_json_round_trip(tmp_path):
     plan = _plan()
     again = PipelinePlan.from_json(plan.to_json())
