@@ -39,6 +39,7 @@ __all__ = [
     "joined_positions",
     "plan_mutations",
     "static_mutations",
+    "written_state",
 ]
 
 
@@ -63,8 +64,8 @@ class MutationPlan:
     mutated_model_inputs: list[str] = field(default_factory=list)
 
 
-def static_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx.Node]]:
-    """Find in-place ops from the graph; return each with the earlier nodes that may share its storage."""
+def _storage_groups(gm: torch.fx.GraphModule) -> tuple[Any, dict[torch.fx.Node, list[torch.fx.Node]]]:
+    """Group nodes that may share storage; return the group of a node (a function) and each in-place op's targets."""
     parent: dict[torch.fx.Node, torch.fx.Node] = {}
 
     def root(n: torch.fx.Node) -> torch.fx.Node:
@@ -72,7 +73,6 @@ def static_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch
             n = parent[n]
         return n
 
-    order = {n: k for k, n in enumerate(gm.graph.nodes)}
     found: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         for a in aliases(node):  # views and in-place results share their input's storage
@@ -81,12 +81,26 @@ def static_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch
                    if isinstance(n, torch.fx.Node)]
         if written:
             found[node] = written
+    return root, found
+
+
+def static_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """Find in-place ops from the graph; return each with the earlier nodes that may share its storage."""
+    root, found = _storage_groups(gm)
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
     out = {}
     for node, written in found.items():
         groups = {root(w) for w in written}
         out[node] = [n for n in gm.graph.nodes if order[n] < order[node] and n.op != "get_attr"
                      and root(n) in groups]
     return out
+
+
+def written_state(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Return the ``get_attr`` nodes of buffers the graph writes in place, with every node that may share their storage."""
+    root, found = _storage_groups(gm)
+    groups = {root(w) for written in found.values() for w in written if w.op == "get_attr"}
+    return {n for n in gm.graph.nodes if root(n) in groups}
 
 
 def _mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx.Node]]:

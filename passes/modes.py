@@ -48,6 +48,9 @@ def pick(training: bool, in_training: Any, in_eval: Any) -> Any:
     return in_training if training else in_eval
 
 
+pick.returns_an_argument = (1, 2)  # type: ignore[attr-defined]  # the positions its value may alias (mutates.aliases)
+
+
 class When:
     """A node of one mode only: call ``fn`` (a function, a method of the first argument, or a module) in that mode, else give ``None``.
 

@@ -17,10 +17,13 @@ A node is known to write an argument in place when
                                   it is called with ``inplace=True`` (by keyword or position,
                                   ``F.relu(x, True)``), or it is given ``out=``
     a module                      it has ``inplace=True`` (``nn.ReLU(inplace=True)``)
+    a higher-order op             its body writes the placeholder the argument becomes
+                                  (``wrap_with_set_grad_enabled(False, body, w, u)``)
 
 A node that wraps a call (a node of one mode only, :class:`fxpipe.passes.modes.When`; a call
 under the forward's autocast, :class:`fxpipe.passes.amp.UnderAutocast`) is judged by that call. Views are told apart the same way (:func:`aliases`): from the schema's alias sets for ATen
-ops, by name for Python-level calls.
+ops, by name for Python-level calls; a function marking ``returns_an_argument`` (fxpipe's
+``pick`` of the mode's value) aliases the arguments at those positions.
 """
 
 from __future__ import annotations
@@ -129,6 +132,8 @@ def written_args(node: torch.fx.Node) -> list[Any]:
         return [node.args[0]] if node.args and getattr(_module(node), "inplace", False) is True else []
     if node.op not in ("call_function", "call_method"):
         return []
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return _body_writes(node)
     schemas = _schemas(node.target)
     if schemas:
         return _from_schemas(node, schemas)
@@ -143,6 +148,34 @@ def written_args(node: torch.fx.Node) -> list[Any]:
                     or node.kwargs.get("inplace") is True
                     or (position is not None and len(node.args) > position and node.args[position] is True))
     return [node.args[0], *out] if mutating else out
+
+
+def _body_writes(node: Any) -> list[Any]:
+    """Return the arguments a higher-order op's one body (a GraphModule after them) writes in place.
+
+    torch.export wraps a block under ``torch.no_grad()`` or autocast in a body called as
+    ``wrap_with_set_grad_enabled(False, body, *args)``: the body's placeholders are the
+    arguments after it (a spectral norm's power iteration writes its buffers there, ``out=``).
+    Ops with several bodies (``cond``) are not looked into.
+    """
+    owner = node.graph.owning_module
+    bodies = [k for k, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and a.op == "get_attr"
+              and isinstance(_attr(owner, str(a.target)), torch.fx.GraphModule)]
+    if owner is None or len(bodies) != 1:
+        return []
+    body: torch.fx.GraphModule = _attr(owner, str(node.args[bodies[0]].target))
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    written = {w for n in body.graph.nodes for value in written_args(n)
+               for w in (value if isinstance(value, (list, tuple)) else [value])}
+    return [v for p, v in zip(placeholders, node.args[bodies[0] + 1:]) if p in written]
+
+
+def _attr(owner: Any, target: str) -> Any:
+    """Return the attribute at the dotted path ``target`` of ``owner`` (None where missing)."""
+    obj = owner
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def is_mutating(node: torch.fx.Node) -> bool:
@@ -183,6 +216,8 @@ def aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
     else:
         view = node.op != "call_module" and op_name(node.target) in VIEW_NAMES
     found = [first] if view and first is not None else []
+    positions = getattr(node.target, "returns_an_argument", ())  # fxpipe's pick: the running mode's argument
+    found += [node.args[k] for k in positions if k < len(node.args) and isinstance(node.args[k], torch.fx.Node)]
     for value in written_args(node):
         for n in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(n, torch.fx.Node) and n not in found:

@@ -19,7 +19,9 @@ A cheap value that a cheap node of another level reads (the residual stream) is 
 *crossing* value), so no recomputation reaches back through the stage. Nodes of one level that
 run one after another in the graph form a *run*, the unit in which random numbers are replayed.
 Some nodes are kept whatever the rule says: an in-place write and every node from the value it
-writes to it (a recomputation would write twice), and a norm updating running statistics.
+writes to it (a recomputation would write twice), a norm updating running statistics, and a
+node reading a buffer the stage writes in place (a spectral norm's power iteration: recomputed
+in backward, it would read the value later micro-batches left).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 import torch.nn.functional as F
-from fxpipe.passes.inplace import static_mutations
+from fxpipe.passes.inplace import static_mutations, written_state
 from fxpipe.passes.mutates import aliases
 from fxpipe.passes.selectswap import swaps
 from fxpipe.passes.spec import TensorSpec
@@ -136,7 +138,11 @@ def selective_plan(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node] | No
         nodes = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     index = {n: k for k, n in enumerate(nodes)}
     saved = [bool((save or expensive)(n)) or _stateful(n) for n in nodes]
-    for node, written in (static_mutations(gm) if mutations is None else mutations).items():
+    mutations = static_mutations(gm) if mutations is None else mutations
+    state = written_state(gm)  # buffers written in place and their views
+    for k, n in enumerate(nodes):  # a reader of such a buffer would read a later value when recomputed
+        saved[k] = saved[k] or any(a in state for a in n.all_input_nodes)
+    for node, written in mutations.items():
         if node not in index:  # the value written, and everything up to the write
             continue
         first = min((index[w] for w in written if w in index), default=index[node])

@@ -1,23 +1,32 @@
-"""Keep a stage's running statistics through its recomputation: the checkpointed forward updated them.
+"""Keep a stage's buffers through its recomputation: it starts from their values at the forward, and leaves them as it found them.
 
 Reads:  the stage GraphModule: its batch norms that track running statistics (fx: the
         ``nn.BatchNorm*`` submodules; torch.export: the buffers ``aten.batch_norm`` reads,
-        which it updates in place) and the buffers its in-place ops write (``add_`` on
-        ``num_batches_tracked``).
-Writes: nothing in the graph; :func:`kept` puts those buffers' values back as they were before
-        the block (the same tensor objects, holding a copy made before it).
+        which it updates in place), the buffers its in-place ops write (``add_`` on
+        ``num_batches_tracked``, a power iteration's ``copy_``), and, seen by their version
+        counters, the buffers a leaf module writes inside its own forward (a spectral norm's
+        ``_u`` and ``_v`` traced with fx).
+Writes: nothing in the graph; :func:`replayed` swaps buffers' storage for the block and back.
 
-A whole-stage recomputation runs the stage's forward once more in training mode, and a batch
-norm there updates its running mean, variance and count a second time for the same
-micro-batch (``checkpoint="except_last"``, the default, counted every micro-batch but the last
-twice). The gradients do not depend on the running statistics in training mode, so putting
-them back after the recomputation leaves the model as eager's. (``checkpoint="selective"``
-keeps batch norms out of what it recomputes; deferred batch norm skips recomputations itself.)
+A whole-stage recomputation runs the stage's forward once more in training mode. Two things
+then differ from eager unless the buffers the forward writes are handled::
+
+    checkpointed forward of micro-batch i:   u_i -> u_i+1, weight from u_i+1     (as eager)
+    ... later micro-batches' forwards:        u_i+1 -> ... -> u_k
+    recomputation of i in backward:          must start from u_i (not u_k) to rebuild the
+                                             same weight, and must leave u_k in place
+
+So :meth:`~fxpipe.runtime.stage.stagecall.StageCall.replay_point` copies the buffers whose
+values the forward reads (:func:`snapshot`), and the recomputation runs on those copies and
+puts the buffers back after it. A batch norm's running statistics are not copied: a
+training-mode output does not read them, so the recomputation only needs its updates
+discarded (a scratch copy). ``checkpoint="selective"`` keeps batch norms out of what it
+recomputes; deferred batch norm skips recomputations itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -26,41 +35,66 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from fxpipe.passes.mutates import op_name, written_args
 
-__all__ = ["kept", "written_buffers"]
+__all__ = ["bumped", "norm_statistics", "replayed", "snapshot", "versions", "written_buffers"]
+
+
+def norm_statistics(gm: torch.fx.GraphModule) -> set[str]:
+    """Return the names of ``gm``'s batch norms' running statistics and counters (a training-mode output reads none)."""
+    names: set[str] = set()
+    for path, module in gm.named_modules():
+        if isinstance(module, _NormBase) and module.track_running_stats:
+            names |= {f"{path}.{k}" if path else k for k, b in module.named_buffers(recurse=False) if b is not None}
+    buffers = dict(gm.named_buffers())
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "batch_norm" in op_name(node.target):  # exported: running mean, var
+            names |= {str(a.target) for a in node.all_input_nodes if a.op == "get_attr" and a.target in buffers}
+    return names | {n for n in buffers if n.rsplit(".", 1)[-1] == "num_batches_tracked"}
 
 
 def written_buffers(gm: torch.fx.GraphModule) -> list[str]:
-    """Return the names of the buffers a forward of ``gm`` updates: running statistics and in-place writes."""
-    names: list[str] = []
-    for path, module in gm.named_modules():
-        if isinstance(module, _NormBase) and module.track_running_stats:
-            names += [f"{path}.{k}" if path else k for k, b in module.named_buffers(recurse=False) if b is not None]
+    """Return the names of the buffers the graph of ``gm`` updates: running statistics and in-place writes."""
+    names = sorted(norm_statistics(gm))
     buffers = dict(gm.named_buffers())
     for node in gm.graph.nodes:
-        written = written_args(node)
-        if node.op == "call_function" and "batch_norm" in op_name(node.target):
-            written = node.all_input_nodes  # aten.batch_norm updates its running statistics unannounced
-        for arg in written:
+        for arg in written_args(node):
             if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and arg.target in buffers:
                 names.append(str(arg.target))
     return list(dict.fromkeys(names))
 
 
+def versions(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Return the version counter of each real buffer of ``gm`` (bumped by every in-place write)."""
+    return {n: b._version for n, b in gm.named_buffers() if not b.is_meta}
+
+
+def bumped(gm: torch.fx.GraphModule, before: dict[str, int]) -> list[str]:
+    """Return the buffers of ``gm`` written in place since ``before`` was taken."""
+    return [n for n, v in versions(gm).items() if n in before and v != before[n]]
+
+
+def snapshot(gm: torch.fx.GraphModule, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Copy the buffers ``names`` of ``gm`` as they are now."""
+    buffers = dict(gm.named_buffers())
+    with torch.no_grad():
+        return {n: buffers[n].detach().clone() for n in names if n in buffers and not buffers[n].is_meta}
+
+
 @contextmanager
-def kept(gm: torch.fx.GraphModule, names: list[str]) -> Iterator[None]:
-    """Put the buffers ``names`` of ``gm`` back as they were before the block, after it."""
-    if not names:
+def replayed(gm: torch.fx.GraphModule, names: Sequence[str], before: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Run the block with the buffers ``names`` as copied in ``before`` (scratch copies where not); put them back after."""
+    buffers = dict(gm.named_buffers())
+    tensors = {n: buffers[n] for n in names if n in buffers and not buffers[n].is_meta}
+    if not tensors:
         yield
         return
-    buffers = dict(gm.named_buffers())
-    tensors = [buffers[n] for n in names if n in buffers and not buffers[n].is_meta]
+    # swapped, not copied: autograd may have saved these tensors for the backward being
+    # computed, and an in-place copy would fail its version check
+    current = {n: t.data for n, t in tensors.items()}
     with torch.no_grad():
-        saved = [t.clone() for t in tensors]
+        for n, t in tensors.items():
+            t.data = before[n] if n in before else t.data.clone()
     try:
         yield
     finally:
-        for t, s in zip(tensors, saved):
-            # swapped in, not copied: autograd saved the running statistics for the backward
-            # being computed, and an in-place copy would fail its version check (their values
-            # are not read by a training-mode backward)
-            t.data = s
+        for n, t in tensors.items():
+            t.data = current[n]

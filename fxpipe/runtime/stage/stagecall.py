@@ -7,8 +7,9 @@ is the primitive; every pass of every schedule goes through it::
     run(i, inputs, "forward")            grad as the caller's; the activations are kept
     run(i, inputs, "checkpoint")         no_grad, is_checkpointing(); replay_point() before
     run(i, inputs, "recompute", replay)  grad, is_recomputing(), the saved CPU and CUDA RNG
-                                         state and autocast state, a "recompute" event, and the
-                                         running statistics put back after it (:mod:`keepstate`)
+                                         state and autocast state, a "recompute" event, the
+                                         buffers the forward read as they were then, and every
+                                         buffer it writes put back after it (:mod:`keepstate`)
     run(i, inputs, "selective")          grad, is_checkpointing(), saved tensors placed by the
                                          stage's saver (:mod:`fxpipe.runtime.stage.selective`:
                                          the cheap ones recomputed in backward, one segment at a time)
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from fxpipe.runtime.observe import timeline
 from fxpipe.runtime.observe.blame import keep_tracebacks, note_failure
 from fxpipe.runtime.stage.compiled import CompiledStage
 from fxpipe.runtime.stage.copy import wait
-from fxpipe.runtime.stage.keepstate import kept, written_buffers
+from fxpipe.runtime.stage.keepstate import bumped, norm_statistics, replayed, snapshot, versions, written_buffers
 from fxpipe.runtime.stage.recompute import checkpointed, in_pass, is_checkpointing, is_recomputing
 from fxpipe.runtime.stage.rng import autocast_as, autocast_state, restore_rng, save_rng
 from fxpipe.runtime.stage.stream import AbstractStream, current_stream, new_stream, on_device
@@ -51,11 +52,12 @@ SAVING = ("selective", "offload")  # passes whose saved tensors the stage's save
 
 @dataclass
 class Replay:
-    """What a recomputation needs from its checkpointed forward: RNG and autocast state, the timeline call."""
+    """What a recomputation needs from its checkpointed forward: RNG, autocast and buffer state, the timeline call."""
 
     rng: tuple[torch.Tensor, torch.Tensor | None]
     where: Any  # the recorder's call of the forward, or None when no timeline records
     autocast: tuple = ()
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # copies of the buffers the forward writes
 
 
 class StageCall:
@@ -75,6 +77,7 @@ class StageCall:
         self.saver: Any = None
         self.around: Callable[[], Any] = nullcontext  # a context every call of the stage runs in
         self._written: list[str] | None = None  # the buffers a forward updates, kept through a recomputation
+        self._probed = False  # the first checkpointed forward has shown which buffers its leaf modules write
 
     def copy_stream(self, i: int) -> AbstractStream:
         """Return this stage's copy stream for micro-batch ``i`` (None on CPU)."""
@@ -88,7 +91,13 @@ class StageCall:
 
     def replay_point(self) -> Replay:
         """Capture what a later recomputation of the coming checkpointed forward needs."""
-        return Replay(save_rng(self.device), timeline.where(), autocast_state())
+        if self._probed:
+            names = self.written()
+        else:  # until a forward has shown what it writes: every buffer (once per stage)
+            names = [n for n, _ in self.gm.named_buffers()]
+        keep = norm_statistics(self.gm)  # read by no training-mode output: discarded, not replayed
+        return Replay(save_rng(self.device), timeline.where(), autocast_state(),
+                      snapshot(self.gm, [n for n in names if n not in keep]))
 
     def run(self, i: int, inputs: Any, how: str = "forward", replay: Replay | None = None) -> Any:
         """Call the stage on micro-batch ``i``'s inputs in pass ``how``; see the module docstring."""
@@ -102,10 +111,13 @@ class StageCall:
                 (restore_rng(self.device, replay.rng) if replay is not None else nullcontext()), \
                 (autocast_as(replay.autocast) if replay is not None else nullcontext()), \
                 (timeline.span_at("recompute", replay.where) if replay is not None else nullcontext()), \
-                (kept(self.gm, self.written()) if recompute else nullcontext()), \
+                (replayed(self.gm, self.written(), replay.buffers) if replay is not None else nullcontext()), \
                 (self.saver.recording(i, inputs) if how in SAVING else nullcontext()) as record, self.around():
+            probe = versions(self.gm) if how == "checkpoint" and not self._probed else None
             try:
                 out = self.fn(*inputs)
+                if probe is not None:
+                    self._found(bumped(self.gm, probe))
             except Exception as exc:
                 note_failure(exc, self.gm, self.index, self.device, _pass())
                 raise
@@ -114,10 +126,15 @@ class StageCall:
             return out
 
     def written(self) -> list[str]:
-        """Return the names of the buffers a forward of the stage updates (found once)."""
+        """Return the names of the buffers a forward of the stage updates (its graph's, and those a forward showed)."""
         if self._written is None:
             self._written = written_buffers(self.gm)
         return self._written
+
+    def _found(self, names: list[str]) -> None:
+        """Add the buffers a checkpointed forward wrote in place (a leaf module's own) to those it updates."""
+        self._written = list(dict.fromkeys([*self.written(), *names]))
+        self._probed = True
 
     def call(self, i: int, inputs: tuple, how: str = "forward") -> Any:
         """Run micro-batch ``i`` with autograd connected across stages (the GPipe program's call).
