@@ -357,3 +357,25 @@ def modes(rank, world, schedule):
     except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
         refused = [type(exc).__name__, str(exc)]
     return {"errors": out, "refused": refused}
+
+
+def spectral(rank, world, schedule):
+    """Spectral norms recomputed in backward (their u and v written by forward): two steps equal to eager."""
+    torch.manual_seed(0)
+    norm = nn.utils.parametrizations.spectral_norm
+    model = nn.Sequential(*[m for _ in range(4) for m in (norm(nn.Linear(8, 8)), nn.Tanh())])
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = _compile(model, world, schedule, example_inputs=(x,), chunks=2, checkpoint="always")
+    held = {n for j in pipe.plan.stages_of(rank) for n, _ in pipe.stages[j].named_parameters()}
+    errors = []
+    for _ in range(2):
+        expected = sum(F.mse_loss(eager(a), b) / 2 for a, b in zip(x.chunk(2), y.chunk(2)))  # eager per micro-batch
+        expected.backward()
+        loss = pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss)
+        grads = dict(eager.named_parameters())
+        errors.append([max_relative_error(loss, expected)] + [max_relative_error(p.grad, grads[n].grad)
+                                                             for n, p in model.named_parameters() if n in held])
+        for p in (*model.parameters(), *eager.parameters()):
+            p.grad = None
+    return {"errors": errors}
