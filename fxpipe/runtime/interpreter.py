@@ -143,6 +143,8 @@ class ActionInterpreter:
                 for g in groups:
                     self.run_actions(g)
         self._held.clear()  # the first stage's input gradients: nobody receives them
+        for worker in self.workers.values():  # but a model input requiring grad gets its own
+            worker.release()
 
     def run_actions(self, actions: Sequence[Action]) -> None:
         """Run actions one after another (an offloading stage first fetches its next backward's activations)."""

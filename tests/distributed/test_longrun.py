@@ -169,3 +169,12 @@ def test_spectral_norms_recomputed_across_ranks_equal_eager(schedule, tmp_path, 
     _ok(results)
     for res in results:
         assert all(e < 1e-5 for row in res["errors"] for e in row), res["errors"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_trainable_module_before_the_pipe_gets_its_gradients(schedule, tmp_path, launch):
+    # a model input requiring grad: its gradient goes into the user's graph, once per step
+    results = launch("longrun_cases:input_grads", 2, schedule, tmp_path)
+    _ok(results)
+    assert len(results[0]["errors"]) == 2
+    assert all(e < 1e-6 for row in results[0]["errors"] for e in row), results[0]["errors"]

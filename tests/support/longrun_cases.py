@@ -379,3 +379,22 @@ def spectral(rank, world, schedule):
         for p in (*model.parameters(), *eager.parameters()):
             p.grad = None
     return {"errors": errors}
+
+
+def input_grads(rank, world, schedule):
+    """Embeddings a trainable module makes before the pipe, on the first rank: its gradients equal eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(8, 8), nn.Tanh())])
+    encoder, raw, y = nn.Linear(6, 8), torch.randn(8, 6), torch.randn(8, 8)
+    eager, eager_encoder = copy.deepcopy(model), copy.deepcopy(encoder)
+    pipe = _compile(model, world, schedule, example_inputs=(torch.randn(8, 8),), chunks=2)
+    errors = []
+    for _ in range(2):  # the user's graph is made anew each step
+        F.mse_loss(eager(eager_encoder(raw)), y).backward()
+        pipe.step(encoder(raw) if rank == 0 else None, target=y, loss_fn=F.mse_loss)
+        if rank == 0:
+            errors.append([max_relative_error(p.grad, q.grad) for p, q in zip(encoder.parameters(),
+                                                                             eager_encoder.parameters())])
+        for p in (*model.parameters(), *eager.parameters(), *encoder.parameters(), *eager_encoder.parameters()):
+            p.grad = None
+    return {"errors": errors}

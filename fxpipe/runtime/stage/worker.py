@@ -19,6 +19,16 @@ right after its ``I`` (the first stage of ZB-H1, which sends no input gradients)
 would only cost: the ``W`` would read its inputs back from memory after the whole backward, so
 that micro-batch is not deferred (:attr:`StageWorker.fused`) and its ``I`` is the whole backward. A compiled stage (:mod:`fxpipe.runtime.stage.compiled`)
 splits its backward graph instead: its ``I`` runs the input-gradient half and queues the other.
+
+A model input that requires grad (an adversarial example, embeddings a trainable module made
+before the pipe) reaches the first stage attached to the user's graph. Backpropagating into
+that graph once per micro-batch would traverse its shared part again (an error, or gradients
+summed twice), so the stage runs on a detached leaf, keeps each micro-batch's gradient, and
+:meth:`StageWorker.release` sends them all into the user's graph in one backward at the end
+of the step, as eager's one backward does::
+
+    x ─ split ─┬─ x_0 ··· leaf_0 ─▶ stage 0 ...      backward per micro-batch: leaf_i.grad
+               └─ x_1 ··· leaf_1 ─▶ stage 0 ...      release: backward((x_0, x_1), (g_0, g_1))
 """
 
 from __future__ import annotations
@@ -58,6 +68,10 @@ class StageWorker:
         # the micro-batches whose I the program runs right before their W (nothing between):
         # not deferred (but in a compiled stage), their I is the whole backward, their W finds nothing to do
         self.fused: frozenset[int] = frozenset()
+        # model inputs requiring grad: per micro-batch (user's tensor, the leaf the stage ran on),
+        # then the gradients found, sent into the user's graph by release()
+        self._outside: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._released: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, i: int, inputs: Sequence[Any], *, checkpoint: bool,
                 loss: Callable[[Any], torch.Tensor] | None = None, grad: bool = True, saving: str = "forward") -> Any:
@@ -68,6 +82,8 @@ class StageWorker:
         """
         call = self.call
         leaves = [_leaf(v, g and grad) for v, g in zip(inputs, self.input_grads)]
+        if grad and torch.is_grad_enabled():
+            leaves = self._attached(i, inputs, leaves)
         with call.span("forward", i):
             if not grad:
                 with torch.no_grad():
@@ -113,6 +129,7 @@ class StageWorker:
                 torch.autograd.backward(tensors, grad_tensors)
             if kind == "B" and self.defer:
                 wgrad.run(self._weights.pop(i, []))
+        self._released += [(x, leaf.grad) for x, leaf in self._outside.pop(i, []) if leaf.grad is not None]
         return [_grad_of(leaf) if g else None for leaf, g in zip(leaves, self.input_grads)]
 
     @property
@@ -153,6 +170,34 @@ class StageWorker:
         """Drop what a failed step left: activations awaiting backward, deferred weight gradients."""
         self._saved.clear()
         self._weights.clear()
+        self._outside.clear()
+        self._released.clear()
+
+    def _attached(self, i: int, inputs: Sequence[Any], leaves: list[Any]) -> list[Any]:
+        """Run on detached leaves where a model input requires grad; remember each with its user's tensor."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for k, (value, g) in enumerate(zip(inputs, self.input_grads)):
+            flat, spec = tree_flatten(value)
+            if g or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+                continue
+            new = []
+            for t in flat:
+                if isinstance(t, torch.Tensor):
+                    leaf = t.detach().requires_grad_(t.requires_grad)
+                    if t.requires_grad:
+                        pairs.append((t, leaf))
+                    t = leaf
+                new.append(t)
+            leaves[k] = spec.unflatten(new)
+        if pairs:
+            self._outside[i] = pairs
+        return leaves
+
+    def release(self) -> None:
+        """Backpropagate the step's model-input gradients into the user's graph, in one backward."""
+        pairs, self._released = self._released, []
+        if pairs:
+            torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
 
     def pending(self) -> int:
         """Return how many micro-batches hold activations awaiting backward."""
