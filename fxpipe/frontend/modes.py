@@ -23,10 +23,14 @@ def may_read_mode(model: nn.Module, torch_nn: bool = False) -> bool:
     """Tell whether the source of a module class of ``model`` mentions ``training`` (else one trace is enough).
 
     Classes of ``torch.nn`` count only with ``torch_nn`` (torch.export traces into dropout and
-    batch norm; torch.fx keeps them as modules, which read the mode when they run).
+    batch norm; torch.fx keeps them as modules, which read the mode when they run). A class
+    traced through is read with its bases: a ``forward`` it inherits (``class MyDropout(nn.Dropout)``,
+    whose module is not ``torch.nn``, is traced through by fx) reads the mode too.
     """
     classes: set[type] = {type(m) for m in model.modules() if torch_nn or not type(m).__module__.startswith("torch.nn.")}
-    return any(_mentions_training(cls) for cls in classes)
+    bases = {base for cls in classes for base in cls.__mro__
+             if issubclass(base, nn.Module) and base is not nn.Module}
+    return any(_mentions_training(cls) for cls in bases)
 
 
 @functools.cache
