@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx
 from fxpipe.passes.infer import Propagator
+from fxpipe.passes.modes import pick
 from fxpipe.passes.spec import TensorSpec
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
@@ -30,8 +31,12 @@ __all__ = ["batch_coupled_outputs", "scalar_outputs"]
 log = logging.getLogger(__name__)
 
 
-def _leaves(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Node]]:
-    """Return each node the graph outputs, named by its place in the model's output structure."""
+def _leaves(gm: torch.fx.GraphModule, training: bool | None = None) -> list[tuple[str, torch.fx.Node]]:
+    """Return each node the graph outputs, named by its place in the model's output structure.
+
+    With ``training``, an output that differs by mode (a ``pick`` of a merged graph) is the node
+    of that mode, or left out where that mode returns a constant (``None``).
+    """
     out = gm.graph.output_node()
     flat = [(keystr(path), leaf) for path, leaf in tree_flatten_with_path(out.args[0])[0]]
     info = getattr(gm.graph._codegen, "pytree_info", None)
@@ -42,12 +47,25 @@ def _leaves(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Node]]:
             flat = [(paths[k], leaf) for k, (_, leaf) in enumerate(flat)]
         except Exception as exc:  # noqa: BLE001 - names are for the message only
             log.debug("outputs named by position: %s", exc)
+    if training is not None:
+        flat = [(name, _of_mode(leaf, training)) for name, leaf in flat]
     return [(name or "the output", leaf) for name, leaf in flat if isinstance(leaf, torch.fx.Node)]
 
 
-def scalar_outputs(gm: torch.fx.GraphModule) -> list[str]:
-    """Return the outputs that are 0-dim tensors (a loss the model computes), named by their place in the output."""
-    return [name for name, node in _leaves(gm)
+def _of_mode(value: Any, training: bool) -> Any:
+    """Follow ``pick`` nodes to the value of mode ``training``."""
+    while isinstance(value, torch.fx.Node) and value.op == "call_function" and value.target is pick:
+        value = value.args[1] if training else value.args[2]
+    return value
+
+
+def scalar_outputs(gm: torch.fx.GraphModule, training: bool | None = None) -> list[str]:
+    """Return the outputs that are 0-dim tensors (a loss the model computes), named by their place in the output.
+
+    With ``training``, those of that mode in a graph merged from both (an auxiliary loss of
+    training mode only); the specs read are the compile's (the nodes of both modes carry them).
+    """
+    return [name for name, node in _leaves(gm, training)
             if isinstance(spec := node.meta.get("fxpipe.value"), TensorSpec) and len(spec.shape) == 0]
 
 

@@ -26,7 +26,8 @@ class Binding:
         self.flattens_outputs = info is not None and info.out_spec is not None
         self.warned = False  # that a batch smaller than chunks runs fewer micro-batches (said once)
         self.coupled: list[str] = gm.meta.get("fxpipe.coupled", [])  # outputs that couple a batch's rows
-        self.scalars = passes.scalar_outputs(gm)  # 0-dim outputs (known where compile had example inputs)
+        # 0-dim outputs per mode (known where compile had example inputs)
+        self.scalars = {mode: passes.scalar_outputs(gm, mode) for mode in (True, False)}
         self.unbatched = frozenset(gm.meta.get("fxpipe.unbatched", ()))  # inputs every micro-batch gets whole
 
     def bind(self, args: tuple, kwargs: dict) -> list[Any]:
@@ -50,7 +51,7 @@ class Binding:
             mbs = [[to_device(v, device) for v in mb] for mb in mbs]
         return mbs, batch
 
-    def check_joinable(self, m: int) -> None:
+    def check_joinable(self, m: int, training: bool) -> None:
         """Refuse, before anything runs, a forward of ``m`` micro-batches whose outputs cannot be joined.
 
         Across ranks only the last rank joins the outputs; found there after the forwards, the
@@ -63,16 +64,16 @@ class Binding:
                 f"the model's output couples the rows of a batch, so the micro-batches' outputs cannot be "
                 f"joined into it: {'; '.join(self.coupled)}. Run this forward on a pipe compiled with "
                 "chunks=1, or return per-row values (embeddings) and couple them after the pipeline")
-        if self.scalars:
+        if self.scalars[training]:
             raise PipelineInputError(
-                f"the model returns a 0-dim tensor ({', '.join(self.scalars)}), which cannot be joined across "
+                f"the model returns a 0-dim tensor ({', '.join(self.scalars[training])}), which cannot be joined across "
                 f"{m} micro-batches: each computes it over its own rows. Return per-sample values (reduce after "
                 "the pipeline), or use chunks=1; a loss the model computes (Hugging Face's labels=) is what "
                 "pipe.step(..., loss_fn=lambda out, _: out.loss) trains on")
 
-    def gather(self, outputs: list[Any]) -> Any:
+    def gather(self, outputs: list[Any], training: bool) -> Any:
         """Join the micro-batches' outputs on dim 0; refuse outputs that couple a batch's rows."""
-        self.check_joinable(len(outputs))
+        self.check_joinable(len(outputs), training)
         return gather(outputs)
 
     def finish(self, output: Any) -> Any:

@@ -310,6 +310,6 @@ class DistributedRuntime:
         def body() -> Any:
             runner = self._run(args, kwargs, None, training, grad=False)
             if self.last:
-                return self.binding.finish(self.binding.gather([runner.outputs[i] for i in sorted(runner.outputs)]))
+                return self.binding.finish(self.binding.gather([runner.outputs[i] for i in sorted(runner.outputs)], training))
             return None
         return self._guarded(body)

@@ -119,8 +119,8 @@ class LocalRuntime:
     def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
         """Run the model's forward over micro-batches; return the model's output structure."""
         mbs, _ = self.binding.split(args, kwargs, self.plan.chunks, training, self.devices[0])
-        self.binding.check_joinable(len(mbs))
-        output = self.binding.gather(self.run(mbs, training))
+        self.binding.check_joinable(len(mbs), training)
+        output = self.binding.gather(self.run(mbs, training), training)
         if training:
             commit_batch_norm(self.deferred)
         return self.binding.finish(output)

@@ -126,7 +126,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         check_signature(runtime.binding.names, spec_of(values), runtime.example)
         mbs, batch = runtime.binding.split(args, kwargs, runtime.plan.chunks, training, runtime.device)
         if not stepping:  # pipe(x): outputs the last rank could not join are refused here, on every rank
-            runtime.binding.check_joinable(len(mbs))
+            runtime.binding.check_joinable(len(mbs), training)
         specs = [spec_of(mb) for mb in mbs]
         if not agreed:
             agreed = True

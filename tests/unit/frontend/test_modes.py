@@ -243,3 +243,34 @@ def test_a_mode_read_in_an_inherited_forward_is_followed(tracer, kind):
         assert tracer == "fx" and isinstance(model[1], _MyBatchNorm)
         return
     _modes(pipe, eager, x, [False, True, False])
+
+
+class _AuxLoss(nn.Module):
+    """Returns an auxiliary loss (0-dim) in training mode and None in eval mode, as MONAI's SegResNetVAE does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        y = self.b(h.relu())
+        return (y, h.pow(2).mean()) if self.training else (y, None)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_an_output_0_dim_in_one_mode_only_is_refused_in_that_mode_only(tracer):
+    # the check read the compile mode's outputs: the eval forward was refused for the training loss
+    torch.manual_seed(0)
+    model, x = _AuxLoss().train(), torch.randn(6, 8)
+    eager = copy.deepcopy(model).eval()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, tracer=tracer)
+    pipe.step(x, target=x, loss_fn=lambda out, t: F.mse_loss(out[0], t) + out[1])
+    pipe.eval()
+    with torch.no_grad():
+        got, none = pipe(x)
+    assert none is None
+    torch.testing.assert_close(got, eager(x)[0])
+    pipe.train()
+    with pytest.raises(fxpipe.PipelineInputError, match=r"returns a 0-dim tensor \(\[1\]\)"):
+        pipe(x)
