@@ -28,7 +28,7 @@ def may_read_mode(model: nn.Module, torch_nn: bool = False) -> bool:
     whose module is not ``torch.nn``, is traced through by fx) reads the mode too.
     """
     classes: set[type] = {type(m) for m in model.modules() if torch_nn or not type(m).__module__.startswith("torch.nn.")}
-    bases = {base for cls in classes for base in cls.__mro__
+    bases: set[type] = {base for cls in classes for base in cls.__mro__
              if issubclass(base, nn.Module) and base is not nn.Module}
     return any(_mentions_training(cls) for cls in bases)
 
