@@ -118,6 +118,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = F.linear(x, weight.detach(), None if bias is None else bias.detach())
         y.register_hook(_Queue(store, x, weight, bias))
         return y
+    if x.dim() > 2 and type(x) is torch.Tensor:
+        # F.linear of a 3-D input returns a view; made inside the Function, autograd would refuse
+        # an in-place op on it (Swinv2's ReLU(inplace=True) after a linear of a buffer): view outside
+        y = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias, store)
+        return y.view(*x.shape[:-1], y.shape[-1])
     return _Linear.apply(x, weight, bias, store)
 
 

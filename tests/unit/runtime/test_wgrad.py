@@ -177,3 +177,20 @@ def test_an_input_modified_in_place_after_a_deferred_linear_is_refused_as_autogr
         h.add_(1)
     with pytest.raises(RuntimeError, match="modified in place after the linear ran"):
         y.sum().backward()
+
+
+def test_a_deferred_linear_of_a_3d_input_without_grad_may_be_written_in_place():
+    # Swinv2's position-bias MLP: a linear over a buffer, then ReLU(inplace=True); the output of
+    # F.linear on a 3-D input is a view, which autograd refuses to write when made inside a Function
+    lin, table = nn.Linear(2, 6), torch.randn(3, 3, 2)
+    store = []
+    with wgrad.collecting(store):
+        y = wgrad.linear(table, lin.weight, lin.bias)
+        y.relu_()
+    y.sum().backward()
+    wgrad.run(store)
+    ref = nn.Linear(2, 6)
+    ref.load_state_dict(lin.state_dict())
+    F.relu(ref(table), inplace=True).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
