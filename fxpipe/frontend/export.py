@@ -52,6 +52,7 @@ from fxpipe.errors import TraceError
 from fxpipe.frontend.exportmeta import fake_inputs, fake_state, meta_refusal, refuse_stand_ins, target_device
 from fxpipe.frontend.modes import in_other_mode, may_read_mode
 from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
+from fxpipe.frontend.userframe import user_frame
 from fxpipe.passes.modes import merge_modes
 
 __all__ = ["export_trace", "named_arguments"]
@@ -302,12 +303,28 @@ def _refusal(model: nn.Module, exc: BaseException, fix: str = "") -> TraceError:
             f"returns its key/value cache unless asked not to, so pass example_kwargs={{'use_cache': False}} (or "
             f"build it from a config with use_cache=False, for encoder-decoders too); or register {cls} with "
             "torch.utils._pytree.register_pytree_node. The full torch.export error is chained below.")
+    if not fix and ("data-dependent" in first or type(exc).__name__ == "GuardOnDataDependentSymNode"):
+        return _value_branch(model, exc, first)
     fix = fix or ("fxpipe splits dim 0 of every input into micro-batches, so the model must not "
                   "depend on the batch size; otherwise ")
     return TraceError(
         f"torch.export could not trace {type(model).__name__} with a dynamic batch dimension: "
         f"{first}\n{fix}use the fx front end (tracer='fx'), whose graph is shape-generic. "
         "The full torch.export error is chained below.")
+
+
+def _value_branch(model: nn.Module, exc: BaseException, first: str) -> TraceError:
+    """Explain that the model branches on a tensor's value, which no export keeps (batch size aside)."""
+    frame = user_frame(exc)
+    where = f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})" if frame else ""
+    fx = ("; a transformers 5 model cannot use tracer='fx': pipeline a submodule without the branch, or give "
+          "inputs or a config for which the model does not take it" if type(model).__module__.startswith("transformers.")
+          else ", or use the fx front end (tracer='fx') with the module holding the branch in leaf_modules=")
+    return TraceError(
+        f"torch.export could not trace {type(model).__name__}: its forward branches on a tensor's value{where} "
+        f"({first}). torch.export records one path and cannot keep a branch on values (an `if x.any():` or "
+        f"`.item()`), with any batch size. Rewrite the branch without Python control flow (torch.where, "
+        f"torch.cond){fx}. The full torch.export error is chained below.")
 
 
 def _share_state(gm: torch.fx.GraphModule, model: nn.Module) -> None:

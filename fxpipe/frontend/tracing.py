@@ -7,7 +7,6 @@ import linecache
 import logging
 import operator
 import os
-import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,6 +21,7 @@ from fxpipe.frontend.markers import recording_markers
 from fxpipe.frontend.modes import in_other_mode, may_read_mode, quieted
 from fxpipe.frontend.nograd import detach_no_grad_blocks
 from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
+from fxpipe.frontend.userframe import user_frame
 from fxpipe.options import check_tracer
 from fxpipe.passes.amp import run_under_autocast
 from fxpipe.passes.modes import merge_modes
@@ -30,8 +30,6 @@ __all__ = ["trace"]
 
 log = logging.getLogger(__name__)
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # with the separator: torchvision's lines are the user's
-_FXPIPE_DIR = os.path.dirname(__file__) + os.sep
 
 
 class _Proxy(torch.fx.Proxy):
@@ -231,7 +229,7 @@ def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceErro
     module_path, module_type = "", type(model)
     if tracer.module_stack:
         module_path, module_type = list(tracer.module_stack.values())[-1]
-    frame = _user_frame(exc)
+    frame = user_frame(exc)
     where = ""
     if frame is not None:
         line = linecache.getline(frame.filename, frame.lineno or 0).strip()  # no line number: no line
@@ -260,9 +258,3 @@ def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceErro
                       lineno=frame.lineno if frame else None)
 
 
-def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
-    """Return the innermost traceback frame outside torch and fxpipe."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _FXPIPE_DIR))
-            and not f.filename.startswith("<")]
-    return user[-1] if user else None

@@ -81,6 +81,29 @@ def test_export_of_a_batch_dependent_model_is_refused_clearly():
     assert "use the fx front end" in str(info.value) and info.value.__cause__ is not None
 
 
+class ValueBranch(nn.Module):
+    """Branch on a tensor's value, as Longformer's and LED's global-attention check does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        h = self.a(x)
+        if (mask > 0).any().item():
+            h = h * 2
+        return h
+
+
+def test_a_branch_on_a_value_is_refused_as_such_naming_the_line_not_the_batch_size():
+    # every export failure was said to depend on the batch size
+    with pytest.raises(fxpipe.TraceError, match=r"branches on a tensor's value at .*test_export.py:\d+ "
+                                                r"\(if \(mask > 0\).any\(\).item\(\):\)") as info:
+        fxpipe.compile(ValueBranch(), 2, example_inputs=(torch.randn(4, 8), torch.ones(4, 8)), tracer="export")
+    assert "batch size" not in str(info.value).split(".")[0] and "torch.cond" in str(info.value)
+    assert "leaf_modules=" in str(info.value) and info.value.__cause__ is not None
+
+
 class Cache:
     """An object holding tensors that torch's pytree does not know, as transformers' caches are."""
 

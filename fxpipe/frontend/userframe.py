@@ -1,0 +1,21 @@
+"""Find the user's line in a traceback: the innermost frame outside torch and fxpipe's front end."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+
+__all__ = ["user_frame"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # with the separator: torchvision's lines are the user's
+_FXPIPE_DIR = os.path.dirname(__file__) + os.sep
+
+
+def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """Return the innermost traceback frame outside torch and fxpipe."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _FXPIPE_DIR))
+            and not f.filename.startswith("<")]
+    return user[-1] if user else None
