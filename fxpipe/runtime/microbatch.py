@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxpipe.errors import PipelineInputError
 from fxpipe.plan.batches import batch_size, is_batched, micro_sizes
+from fxpipe.runtime.observe.blame import add_note
 
 __all__ = ["batch_size", "gather", "micro_losses", "micro_sizes", "scatter", "sum_grads", "to_device"]
 
@@ -103,7 +104,15 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
         weight = rows / batch if batch else 1.0
 
         def loss(out: Any, tgt: Any = tgt, weight: float = weight) -> torch.Tensor:
-            return _scalar_loss(loss_fn(finish(out), tgt)) * weight
+            try:
+                value = loss_fn(finish(out), tgt)
+            except Exception as exc:
+                if target is None:  # the likely cause: the target was not given where the loss is computed
+                    add_note(exc, "fxpipe: pipe.step got target=None on the rank computing the loss (the last "
+                             "stage's): pass target= there or on the first stage's rank (which sends it on), or "
+                             "give a loss_fn that needs none (lambda out, _: out.loss)")
+                raise
+            return _scalar_loss(value) * weight
 
         losses[i] = loss
     return losses

@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 import torch.fx
 
-__all__ = ["call_wrapper_code", "describe_node", "failing_node", "keep_tracebacks", "node_in_stack", "note_failure"]
+__all__ = ["add_note", "call_wrapper_code", "describe_node", "failing_node", "keep_tracebacks", "node_in_stack", "note_failure"]
 
 _NOTE = "fxpipe: raised in stage"
 
@@ -126,10 +126,10 @@ def note_failure(exc: BaseException, gm: torch.fx.GraphModule, index: int, devic
     if not any(str(n).startswith(_NOTE) for n in notes):
         node = failing_node(gm, exc)
         at = f", node {describe_node(gm, node)}" if node is not None else ""
-        _add_note(exc, f"{_NOTE} {index} ({device}){at}, in {in_pass}")
+        add_note(exc, f"{_NOTE} {index} ({device}){at}, in {in_pass}")
 
 
-def _add_note(exc: BaseException, note: str) -> None:
+def add_note(exc: BaseException, note: str) -> None:
     """Attach ``note`` to ``exc`` (PEP 678; a plain attribute before Python 3.11)."""
     if hasattr(exc, "add_note"):
         exc.add_note(note)

@@ -118,3 +118,13 @@ def test_step_refuses_a_per_sample_loss_naming_the_fix(schedule):
         pipe.step(x, target=torch.randn(4, 2, 8, 8), loss_fn=per_sample)
     with pytest.raises(fxpipe.PipelineInputError, match="loss_fn returned a tuple; pipe.step needs the loss alone"):
         pipe.step(x, target=torch.randn(4, 2, 8, 8), loss_fn=lambda out, t: (F.mse_loss(out, t), {"mse": 0.0}))
+
+
+def test_a_loss_failing_without_a_target_is_noted_with_where_to_pass_it():
+    # forgetting target= failed in the user's loss_fn naming nothing ('NoneType' has no attribute ...)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 4),), chunks=2, devices=["cpu"] * 2,
+                          schedule="1f1b")
+    with pytest.raises(AttributeError) as info:
+        pipe.step(torch.randn(4, 4), target=None, loss_fn=lambda out, y: F.mse_loss(out, y.flatten()))
+    assert any("got target=None on the rank computing the loss" in n for n in info.value.__notes__)
