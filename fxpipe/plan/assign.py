@@ -23,6 +23,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from fxpipe import passes
 from fxpipe.frontend.export import named_arguments
+from fxpipe.frontend.hooks import warn_lost_hooks
 from fxpipe.frontend.markers import resolve_split_points
 from fxpipe.frontend.tracing import trace
 from fxpipe.options import AUTO, CompileOptions, cut_mode
@@ -85,6 +86,7 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
             _check_example_batch(model, args, kwargs, options.unbatched)
         gm = trace(model, leaf_modules=options.leaf_modules, tracer=tracer, example_inputs=args,
                    example_kwargs=kwargs, device=devices[0] if devices else None, unbatched=options.unbatched)
+        warn_lost_hooks(model, gm)
     whole = _mark_unbatched(gm, options.unbatched)
 
     # torch.distributed.pipelining's markers (pipe_split(), split_spec=) as split points

@@ -282,3 +282,17 @@ def test_an_exported_graph_runs_under_the_autocast_it_was_traced_under_and_refus
                                                         r"pipe runs without autocast.*compile\(\.\.\., tracer='export'\) "
                                                         r"under the same torch.autocast"):
         under(ids)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_hooks_a_traced_graph_does_not_run_are_warned_of(tracer):
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    model = nn.Sequential(block, nn.Linear(8, 8))
+    block.register_forward_hook(lambda mod, inp, out: None)  # traced through: runs at compile only
+    block.register_full_backward_hook(lambda mod, gi, go: None)
+    model[1].register_forward_pre_hook(lambda mod, inp: None)  # fx calls torch.nn's Linear: it runs
+    with pytest.warns(UserWarning, match=r"hooks on modules that were traced through do not run when the pipe "
+                                         r"runs: 0 \(forward hook, backward hook\)(, 1 \(forward pre-hook\))?\.") as w:
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),), tracer=tracer)
+    said = " ".join(str(r.message) for r in w)
+    assert ("1 (forward pre-hook)" in said) == (tracer == "export")

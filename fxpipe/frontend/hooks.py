@@ -1,0 +1,38 @@
+"""Warn of module hooks a traced graph does not run: those on modules the tracer traced through.
+
+A tracer runs the model's Python once. A forward hook (or pre-hook) on a module it traces
+through runs then: what it returns is recorded in the graph, its side effects (appending an
+activation to a list) happen once, at compile. A backward hook never runs. Hooks on a module
+the graph calls as a leaf (fx: torch.nn's modules, ``leaf_modules=``) run at every call, as in
+eager; torch.export calls none.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch.fx
+from torch import nn
+
+__all__ = ["warn_lost_hooks"]
+
+_KINDS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+          ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
+
+
+def warn_lost_hooks(model: nn.Module, gm: torch.fx.GraphModule) -> list[str]:
+    """Warn once naming each hooked module of ``model`` that ``gm`` traced through; return their descriptions."""
+    leaves = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    lost = []
+    for name, module in model.named_modules():
+        kinds = [kind for attr, kind in _KINDS if getattr(module, attr, None)]
+        if kinds and not any(name == leaf or name.startswith(leaf + ".") for leaf in leaves):
+            lost.append(f"{name or 'the model'} ({', '.join(kinds)})")
+    if lost:
+        warnings.warn(
+            f"hooks on modules that were traced through do not run when the pipe runs: {', '.join(lost)}. "
+            "A forward hook ran once while tracing (what it returns is in the graph; its side effects, such as "
+            "saving an activation, do not happen per call); a backward hook never runs. Return what a hook "
+            "collects as a model output, hook a module the graph calls as a leaf (tracer='fx' with "
+            "leaf_modules=), or hook tensors (p.register_hook).", stacklevel=4)
+    return lost
