@@ -37,7 +37,15 @@ from fxpipe.runtime.observe import timeline
 from fxpipe.runtime.observe.blame import keep_tracebacks, note_failure
 from fxpipe.runtime.stage.compiled import CompiledStage
 from fxpipe.runtime.stage.copy import wait
-from fxpipe.runtime.stage.keepstate import bumped, norm_statistics, replayed, snapshot, versions, written_buffers
+from fxpipe.runtime.stage.keepstate import (
+    bumped,
+    leaf_buffers,
+    norm_statistics,
+    replayed,
+    snapshot,
+    versions,
+    written_buffers,
+)
 from fxpipe.runtime.stage.recompute import checkpointed, in_pass, is_checkpointing, is_recomputing
 from fxpipe.runtime.stage.rng import autocast_as, autocast_state, restore_rng, save_rng
 from fxpipe.runtime.stage.stream import AbstractStream, current_stream, new_stream, on_device
@@ -93,8 +101,8 @@ class StageCall:
         """Capture what a later recomputation of the coming checkpointed forward needs."""
         if self._probed:
             names = self.written()
-        else:  # until a forward has shown what it writes: every buffer (once per stage)
-            names = [n for n, _ in self.gm.named_buffers()]
+        else:  # until a forward has shown what it writes: those a leaf module might write too
+            names = [*self.written(), *leaf_buffers(self.gm)]
         keep = norm_statistics(self.gm)  # read by no training-mode output: discarded, not replayed
         return Replay(save_rng(self.device), timeline.where(), autocast_state(),
                       snapshot(self.gm, [n for n in names if n not in keep]))
