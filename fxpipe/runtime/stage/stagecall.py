@@ -86,6 +86,8 @@ class StageCall:
         self.around: Callable[[], Any] = nullcontext  # a context every call of the stage runs in
         self._written: list[str] | None = None  # the buffers a forward updates, kept through a recomputation
         self._probed = False  # the first checkpointed forward has shown which buffers its leaf modules write
+        self._norms: set[str] | None = None  # batch norms' statistics: discarded by a recomputation, not replayed
+        self._replayed: list[str] | None = None  # the buffers a replay point copies, once probed
 
     def copy_stream(self, i: int) -> AbstractStream:
         """Return this stage's copy stream for micro-batch ``i`` (None on CPU)."""
@@ -99,13 +101,20 @@ class StageCall:
 
     def replay_point(self) -> Replay:
         """Capture what a later recomputation of the coming checkpointed forward needs."""
+        return Replay(save_rng(self.device), timeline.where(), autocast_state(), snapshot(self.gm, self._to_copy()))
+
+    def _to_copy(self) -> list[str]:
+        """Return the buffers a replay point copies (found once the first checkpointed forward has run)."""
+        if self._replayed is not None:
+            return self._replayed
+        if self._norms is None:
+            self._norms = norm_statistics(self.gm)  # read by no training-mode output
+        # until a forward has shown what it writes: those a leaf module might write too
+        names = self.written() if self._probed else [*self.written(), *leaf_buffers(self.gm)]
+        names = [n for n in dict.fromkeys(names) if n not in self._norms]
         if self._probed:
-            names = self.written()
-        else:  # until a forward has shown what it writes: those a leaf module might write too
-            names = [*self.written(), *leaf_buffers(self.gm)]
-        keep = norm_statistics(self.gm)  # read by no training-mode output: discarded, not replayed
-        return Replay(save_rng(self.device), timeline.where(), autocast_state(),
-                      snapshot(self.gm, [n for n in names if n not in keep]))
+            self._replayed = names
+        return names
 
     def run(self, i: int, inputs: Any, how: str = "forward", replay: Replay | None = None) -> Any:
         """Call the stage on micro-batch ``i``'s inputs in pass ``how``; see the module docstring."""
