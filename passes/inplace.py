@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.fx
-from fxpipe.passes.mutates import aliases, written_args
+from fxpipe.passes.mutates import aliases, unwrapped, written_args
 from torch.utils._pytree import tree_map
 
 __all__ = [
@@ -152,8 +152,9 @@ def _counted_norms(order: list[torch.fx.Node]) -> list[tuple[torch.fx.Node, torc
                 counters[str(v.target)[: -len("num_batches_tracked")]] = node
     pairs = []
     for node in order:
-        stats = node.args[3] if node.op == "call_function" and node.target is torch.ops.aten.batch_norm.default \
-            and len(node.args) > 3 else None
+        call = unwrapped(node)  # a mode-guarded batch norm too
+        stats = call.args[3] if call.op == "call_function" and call.target is torch.ops.aten.batch_norm.default \
+            and len(call.args) > 3 else None
         if isinstance(stats, torch.fx.Node) and stats.op == "get_attr" and str(stats.target).endswith("running_mean"):
             counter = counters.get(str(stats.target)[: -len("running_mean")])
             if counter is not None:

@@ -30,6 +30,7 @@ import torch
 import torch.fx
 from fxpipe.passes.annotate import bind_placeholders
 from fxpipe.passes.mutates import is_mutating
+from fxpipe.passes.propagate import fetch_stand_in
 from fxpipe.passes.spec import TensorSpec, differentiable
 from fxpipe.passes.timing import median_seconds
 from torch import nn
@@ -164,11 +165,8 @@ class Profiler(torch.fx.Interpreter):
         self.done = 0
 
     def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        """Fetch an attribute; a tensor as a copy on the device."""
-        obj: Any = self.gm
-        for part in target.split("."):
-            obj = getattr(obj, part)
-        return _stand_in(obj, self.device) if isinstance(obj, torch.Tensor) else obj
+        """Fetch an attribute; a tensor as a copy on the device (a module as one calling on copies)."""
+        return fetch_stand_in(self.gm, target, lambda t: _stand_in(t, self.device))
 
     def run_node(self, node: torch.fx.Node) -> Any:
         """Run a node; time a call node's forward and backward into ``node.meta``."""

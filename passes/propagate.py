@@ -264,9 +264,30 @@ def call_with_stand_ins(gm: torch.fx.GraphModule, target: str, args: tuple, kwar
 
 
 def fetch_stand_in(gm: torch.fx.GraphModule, target: str, stand_in: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Fetch a dotted attribute of ``gm``; a tensor as ``stand_in(it)``."""
+    """Fetch a dotted attribute of ``gm``; a tensor as ``stand_in(it)``, a module as one calling on stand-ins."""
     value = fetch(gm, target)
-    return stand_in(value) if isinstance(value, torch.Tensor) else value
+    if isinstance(value, torch.Tensor):
+        return stand_in(value)
+    return _StandInCall(gm, target, stand_in) if isinstance(value, nn.Module) else value
+
+
+class _StandInCall:
+    """A module fetched by a ``get_attr`` (a mode-guarded call): calling it runs the module on stand-ins.
+
+    Calling the real module would write its buffers (batch norm's running statistics and
+    ``num_batches_tracked``) while the graph is only being measured.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, target: str, stand_in: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.gm, self.target, self.stand_in = gm, target, stand_in
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the module with its state swapped for stand-ins."""
+        return call_with_stand_ins(self.gm, self.target, args, kwargs, self.stand_in)
+
+    def __getattr__(self, name: str) -> Any:
+        """Read any other attribute from the module itself."""
+        return getattr(fetch(self.gm, self.target), name)
 
 
 def fetch(gm: torch.nn.Module, target: str) -> Any:

@@ -28,6 +28,7 @@ import torch
 import torch.fx
 from fxpipe.passes.annotate import TensorSpec, bind_placeholders
 from fxpipe.passes.gcpause import gc_paused
+from fxpipe.passes.propagate import fetch_stand_in
 from fxpipe.passes.spec import differentiable
 from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -64,9 +65,8 @@ class _Retainer(torch.fx.Interpreter):
         return self.fakes[id(t)]
 
     def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        """Fetch an attribute, as a fake if it is a tensor."""
-        value = super().get_attr(target, args, kwargs)
-        return self._fake(value) if isinstance(value, torch.Tensor) else value
+        """Fetch an attribute, as a fake if it is a tensor (a module as one calling on fakes)."""
+        return fetch_stand_in(self.module, target, self._fake)
 
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """Call a submodule with fakes of its parameters and buffers."""

@@ -34,7 +34,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from fxpipe.passes.inplace import static_mutations, written_state
-from fxpipe.passes.mutates import aliases
+from fxpipe.passes.mutates import aliases, op_name, unwrapped
 from fxpipe.passes.selectswap import swaps
 from fxpipe.passes.spec import TensorSpec
 from torch import nn
@@ -89,13 +89,25 @@ def expensive(node: torch.fx.Node) -> bool:
     return elements > 0 and flops >= INTENSITY * elements
 
 
+_STATEFUL_OPS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
+                 "instance_norm", "cudnn_batch_norm", "miopen_batch_norm"}  # ATen ops writing running statistics
+
+
 def _stateful(node: torch.fx.Node) -> bool:
     """Tell whether a node updates running statistics (a recomputation would update them twice)."""
-    if node.op == "call_module":
+    call = unwrapped(node)  # a mode-guarded call too
+    if call.op == "call_module":
         owner = node.graph.owning_module
-        module = owner.get_submodule(str(node.target)) if owner is not None else None
+        module = owner.get_submodule(str(call.target)) if owner is not None else None
         return isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
-    return node.op == "call_function" and node.target in (F.batch_norm, F.instance_norm)
+    if call.op != "call_function":
+        return False
+    if call.target in (F.batch_norm, F.instance_norm):
+        return True
+    if not isinstance(call.target, torch._ops.OpOverload) or op_name(call.target) not in _STATEFUL_OPS:
+        return False
+    args = list(call.args) + [None] * 6  # an exported batch norm: stateful with running statistics, in training
+    return op_name(call.target) != "batch_norm" or (isinstance(args[3], torch.fx.Node) and args[5] is not False)
 
 
 @dataclass

@@ -33,7 +33,7 @@ import torch
 import torch.fx
 from torch.nn.modules.batchnorm import _NormBase
 
-from fxpipe.passes.mutates import op_name, written_args
+from fxpipe.passes.mutates import op_name, unwrapped, written_args
 
 __all__ = ["bumped", "leaf_buffers", "norm_statistics", "replayed", "snapshot", "versions", "written_buffers"]
 
@@ -46,7 +46,8 @@ def norm_statistics(gm: torch.fx.GraphModule) -> set[str]:
             names |= {f"{path}.{k}" if path else k for k, b in module.named_buffers(recurse=False) if b is not None}
     buffers = dict(gm.named_buffers())
     for node in gm.graph.nodes:
-        if node.op == "call_function" and "batch_norm" in op_name(node.target):  # exported: running mean, var
+        call = unwrapped(node)  # a mode-guarded batch norm too
+        if call.op == "call_function" and "batch_norm" in op_name(call.target):  # exported: running mean, var
             names |= {str(a.target) for a in node.all_input_nodes if a.op == "get_attr" and a.target in buffers}
     return names | {n for n in buffers if n.rsplit(".", 1)[-1] == "num_batches_tracked"}
 

@@ -142,6 +142,35 @@ def test_a_module_called_in_one_mode_only_runs_only_in_that_mode(schedule, start
     assert {k for s in pipe.stages for k in s.state_dict()} >= {"aux.0.weight", "aux.2.bias"}
 
 
+class _AuxNorm(nn.Module):
+    """An auxiliary head holding a batch norm, as GoogLeNet's does."""
+
+    def __init__(self, momentum: float | None) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.aux = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4, momentum=momentum))
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        return self.b(h) + self.aux(h).mean(1, keepdim=True) if self.training else self.b(h)
+
+
+@pytest.mark.parametrize("checkpoint", ["except_last", "selective"])
+@pytest.mark.parametrize("tracer, momentum", [("fx", None), ("export", 0.1)])  # export cannot trace None's .item()
+def test_compiling_leaves_the_buffers_of_a_head_of_one_mode_as_they_were(tracer, momentum, checkpoint):
+    torch.manual_seed(0)
+    model, x = _AuxNorm(momentum).train(), torch.randn(6, 8)
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, schedule="1f1b",
+                          tracer=tracer, checkpoint=checkpoint)
+    assert int(model.aux[1].num_batches_tracked) == 0  # measuring the graph ran no real batch norm
+    pipe.step(x, target=x, loss_fn=F.mse_loss)
+    for xi in x.chunk(2):
+        (F.mse_loss(eager(xi), xi) / 2).backward()
+    for name, buf in eager.aux[1].named_buffers():
+        torch.testing.assert_close(getattr(model.aux[1], name), buf, msg=name)
+
+
 def test_the_head_of_one_mode_is_guarded_keeping_its_node_names():
     gm = fxpipe.trace(Aux().eval())
     assert "training_only_aux_0(training, aux_0_module" in gm.code

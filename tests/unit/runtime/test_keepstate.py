@@ -19,7 +19,7 @@ def _model():
 
 @pytest.mark.parametrize("tracer", ["fx", "export"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
-@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+@pytest.mark.parametrize("checkpoint", ["except_last", "always", "selective"])
 def test_recomputation_leaves_running_statistics_as_eager_on_the_micro_batches(tracer, schedule, checkpoint):
     # a whole-stage recomputation ran the batch norms' forward once more in training mode:
     # running mean and variance moved twice and num_batches_tracked counted 3 or 4 for 2 micro-batches
