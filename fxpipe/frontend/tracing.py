@@ -97,9 +97,9 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
 
     With fx, what torch.fx does not record is kept: a forward's assignments to buffers become
     in-place copies (:mod:`~fxpipe.frontend.assign`), its ``torch.no_grad()`` blocks are
-    detached (:mod:`~fxpipe.frontend.nograd`), the calls inside its ``torch.autocast`` blocks
-    run under them (:mod:`~fxpipe.frontend.amp`), and a forward reading ``self.training`` is
-    traced in both modes and the graphs merged (:mod:`fxpipe.passes.modes`; where they cannot
+    detached (:mod:`~fxpipe.frontend.nograd`), and the calls inside its ``torch.autocast`` blocks
+    run under them (:mod:`~fxpipe.frontend.amp`). With fx or a callable tracer, a forward reading
+    ``self.training`` is traced in both modes and the graphs merged (:mod:`fxpipe.passes.modes`; where they cannot
     be, ``gm.meta`` keeps the difference and the other mode is refused by
     :func:`fxpipe.runtime.validate.check_inputs`).
     """
@@ -113,10 +113,8 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
             () if example_inputs is None else (example_inputs,))
         return export_trace(model, args, dict(example_kwargs or {}), device=device, unbatched=frozenset(unbatched))
     if callable(tracer):
-        gm = tracer(model)
-        if not isinstance(gm, torch.fx.GraphModule):
-            raise TypeError(f"tracer={getattr(tracer, '__name__', tracer)!r} returned "
-                            f"{type(gm).__name__}; a tracer must return a torch.fx.GraphModule")
+        gm = _user_trace(model, tracer)
+        _note_mode_branch(model, gm, lambda: _user_trace(model, tracer))
         return gm
     leaf_modules = list(leaf_modules)
     bad = [m for m in leaf_modules if not (isinstance(m, str) or (isinstance(m, type) and issubclass(m, nn.Module)))]
@@ -131,10 +129,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     _refuse_wrapped_forward(model, concrete_args)
     gm = _fx_trace(model, leaf_types, leaf_names, concrete_args)
     name = model.__class__.__name__
-    branch = _mode_branch(model, gm, leaf_types, leaf_names, concrete_args)
-    if branch is not None:  # the graph holds the branch of this mode: the other mode is refused
-        gm.meta["fxpipe.training"] = model.training
-        gm.meta["fxpipe.mode_branch"] = branch
+    _note_mode_branch(model, gm, lambda: _fx_trace(model, leaf_types, leaf_names, concrete_args))
     if detach_no_grad_blocks(gm):
         log.info("%s: the values leaving its torch.no_grad() blocks are detached", name)
     if run_under_autocast(gm):
@@ -160,11 +155,27 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
     return torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__)
 
 
-def _mode_branch(model: nn.Module, gm: torch.fx.GraphModule, leaf_types: tuple[type, ...],
-                 leaf_names: frozenset[str], concrete_args: dict[str, Any] | None) -> str | None:
+def _user_trace(model: nn.Module, tracer: Callable[[nn.Module], torch.fx.GraphModule]) -> torch.fx.GraphModule:
+    """Trace ``model`` with a user's tracer (Hugging Face's, timm's); refuse anything but a GraphModule."""
+    gm = tracer(model)
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise TypeError(f"tracer={getattr(tracer, '__name__', tracer)!r} returned "
+                        f"{type(gm).__name__}; a tracer must return a torch.fx.GraphModule")
+    return gm
+
+
+def _note_mode_branch(model: nn.Module, gm: torch.fx.GraphModule, retrace: Callable[[], torch.fx.GraphModule]) -> None:
+    """Merge the other mode's graph into ``gm``; where it cannot be, record in ``gm.meta`` what keeps them apart."""
+    branch = _mode_branch(model, gm, retrace)
+    if branch is not None:  # the graph holds the branch of this mode: the other mode is refused
+        gm.meta["fxpipe.training"] = model.training
+        gm.meta["fxpipe.mode_branch"] = branch
+
+
+def _mode_branch(model: nn.Module, gm: torch.fx.GraphModule, retrace: Callable[[], torch.fx.GraphModule]) -> str | None:
     """Trace again in the other mode and merge that graph into ``gm``; return what keeps them apart, or None.
 
-    A forward that branches on ``self.training`` in code fx traces through (a drop path,
+    A forward that branches on ``self.training`` in code the tracer traces through (a drop path,
     ``F.dropout(training=self.training)``) gets the branch of the mode it was traced in fixed
     in its graph; :func:`fxpipe.passes.modes.merge_modes` makes the graph read the mode when it
     runs. The leaf modules (dropout, batch norm) read the mode themselves, and leave no difference.
@@ -173,7 +184,7 @@ def _mode_branch(model: nn.Module, gm: torch.fx.GraphModule, leaf_types: tuple[t
         return None
     try:
         with in_other_mode(model), quieted("fxpipe.frontend.assign", "fxpipe.frontend.pyrandom"):
-            other = _fx_trace(model, leaf_types, leaf_names, concrete_args)
+            other = retrace()
     except Exception as exc:  # noqa: BLE001 - the other mode cannot be traced: it is refused
         log.debug("tracing %s in the other mode failed: %s", type(model).__name__, exc)
         return f"no graph: tracing it in the other mode failed ({type(exc).__name__})"

@@ -112,15 +112,21 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
                              "stage's): pass target= there or on the first stage's rank (which sends it on), or "
                              "give a loss_fn that needs none (lambda out, _: out.loss)")
                 raise
-            return _scalar_loss(value) * weight
+            return _scalar_loss(value, out) * weight
 
         losses[i] = loss
     return losses
 
 
-def _scalar_loss(value: Any) -> torch.Tensor:
-    """Return ``value`` if it is one number as a tensor; refuse a per-sample loss or a non-tensor."""
+def _scalar_loss(value: Any, out: Any) -> torch.Tensor:
+    """Return ``value`` if it is one number as a tensor; refuse a per-sample loss, a non-tensor or a cut-off one."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
+        if torch.is_grad_enabled() and not value.requires_grad and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0]):
+            raise PipelineInputError("loss_fn returned a loss that does not require grad although the model's "
+                                     "output does: it was detached (.detach(), .item(), torch.no_grad() or a "
+                                     "new tensor), so no gradient would reach the model; compute the loss from "
+                                     "the output with differentiable ops (log metrics from another function)")
         return value
     if not isinstance(value, torch.Tensor):
         raise PipelineInputError(f"loss_fn returned a {type(value).__name__}; pipe.step needs the loss alone, "

@@ -74,13 +74,19 @@ def _modes(pipe, eager, x, modes):
         torch.testing.assert_close(got, eager(x))
 
 
-@pytest.mark.parametrize("tracer", ["fx", "export"])
+def _own_tracer(model):
+    """A user's tracer (as timm's and Hugging Face's are): plain torch.fx."""
+    return torch.fx.GraphModule(model, torch.fx.Tracer().trace(model))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export", "callable"])
 @pytest.mark.parametrize("start", [True, False], ids=["compiled-training", "compiled-eval"])
 def test_a_pipe_follows_train_and_eval_as_eager_does(tracer, start):
     torch.manual_seed(0)
     model, x = Net().train(start), torch.randn(6, 8)
     eager = copy.deepcopy(model)
-    pipe = fxpipe.compile(model, 3, example_inputs=(x,), devices=["cpu"] * 3, tracer=tracer)
+    pipe = fxpipe.compile(model, 3, example_inputs=(x,), devices=["cpu"] * 3,
+                          tracer=_own_tracer if tracer == "callable" else tracer)
     assert "fxpipe.training" not in pipe._gm.meta
     _modes(pipe, eager, x, [start, not start, start])
 

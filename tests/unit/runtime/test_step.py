@@ -128,3 +128,19 @@ def test_a_loss_failing_without_a_target_is_noted_with_where_to_pass_it():
     with pytest.raises(AttributeError) as info:
         pipe.step(torch.randn(4, 4), target=None, loss_fn=lambda out, y: F.mse_loss(out, y.flatten()))
     assert any("got target=None on the rank computing the loss" in n for n in info.value.__notes__)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "interleaved"])
+def test_step_refuses_a_detached_loss_rather_than_leave_every_gradient_none(schedule):
+    # 1f1b/zb/interleaved returned the loss and left every gradient None; gpipe raised torch's bare error
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    extra = {"stages_per_rank": 2} if schedule == "interleaved" else {}
+    pipe = fxpipe.compile(model, 4, example_inputs=(x,), chunks=2, devices=["cpu"] * 4,
+                          schedule=schedule, **extra)
+    with pytest.raises(fxpipe.PipelineInputError, match="does not require grad although the model's output does"):
+        pipe.step(x, target=y, loss_fn=lambda out, t: F.mse_loss(out, t).detach())
+    assert all(p.grad is None for p in model.parameters())
+    loss = pipe.step(x, target=y, loss_fn=F.mse_loss)  # a failed step leaves the next one as it should be
+    expected = F.mse_loss(copy.deepcopy(model)(x), y)
+    torch.testing.assert_close(loss, expected.detach())
