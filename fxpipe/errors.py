@@ -14,6 +14,7 @@ __all__ = [
     "MemoryBudgetError",
     "MutationError",
     "NoFeasibleCut",
+    "OptionMismatchError",
     "PeerFailure",
     "PipelineInputError",
     "PlanMismatchError",
@@ -42,6 +43,10 @@ class PlanMismatchError(ValueError):
 
 class GraphMismatchError(ValueError):
     """Ranks traced different graphs of one model; names the first differing node and the fix."""
+
+
+class OptionMismatchError(ValueError):
+    """Ranks of one pipeline were compiled with different options (schedule, chunks, ...); names the first."""
 
 
 class PipelineInputError(ValueError):

@@ -16,6 +16,7 @@ import torch
 
 from fxpipe.pipe import Pipe
 from fxpipe.runtime.contract import Runtime
+from fxpipe.runtime.transport.together import together
 
 __all__ = ["clip_grad_norm_", "grad_scaler"]
 
@@ -42,7 +43,8 @@ def clip_grad_norm_(pipe: Any, max_norm: float, norm_type: float = 2.0,
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
     runtime.ready()  # after a failed step: every rank back on fresh connections
     norm_type = float(norm_type)
-    total = runtime.grad_norm(params, norm_type)
+    with together("fxpipe.clip_grad_norm_", runtime.place().rank):
+        total = runtime.grad_norm(params, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), "
                            "so they cannot be clipped; pass error_if_nonfinite=False to clip anyway")

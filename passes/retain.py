@@ -22,7 +22,7 @@ and buffers are never counted (they are the stage's state, not per micro-batch).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -66,7 +66,7 @@ class _Retainer(torch.fx.Interpreter):
 
     def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """Fetch an attribute, as a fake if it is a tensor (a module as one calling on fakes)."""
-        return fetch_stand_in(self.module, target, self._fake)
+        return fetch_stand_in(cast(torch.fx.GraphModule, self.module), target, self._fake)
 
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """Call a submodule with fakes of its parameters and buffers."""

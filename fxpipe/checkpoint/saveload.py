@@ -63,6 +63,7 @@ from fxpipe.materialize.fill import fill
 from fxpipe.materialize.fillplan import tensor_table
 from fxpipe.materialize.weights import PARTIAL, open_weights
 from fxpipe.pipe import Pipe
+from fxpipe.runtime.transport.together import together
 
 __all__ = ["load", "load_state_dict", "save"]
 
@@ -85,15 +86,16 @@ class _Where:
             dist.barrier(group=self.group)
 
     def agree(self, error: Exception | None, what: str, same: str | None = None) -> None:
-        """Raise on every rank when any rank could not get ready, instead of leaving the others waiting.
+        """Raise on every rank when any rank could not get ready (or did not call ``fxpipe.save``), naming it.
 
         ``same`` is a short description of a value every rank must pass alike (``extra=``); ranks
         that differ are refused on every rank too, naming them.
         """
         if self.distributed:
             told: list[Any] = [None] * self.world
-            dist.all_gather_object(told, (None if error is None else f"{type(error).__name__}: {error}", same),
-                                   group=self.group)
+            with together("fxpipe.save", dist.get_rank()):
+                dist.all_gather_object(told, (None if error is None else f"{type(error).__name__}: {error}", same),
+                                       group=self.group)
             failed = [(r, m) for r, (m, _) in enumerate(told) if m is not None]
             if failed and error is None:
                 r, message = failed[0]

@@ -100,6 +100,7 @@ class DistributedRuntime:
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
         self.norms: list = []  # data parallel: the batch norms kept equal over the replicas
         self.broken: str | None = None  # why the last step failed, until every rank is back
+        self.unconfirmed = False  # its last call was a pipe(...) this rank finished before the last stage did
         self.target_checked = False  # that the loss's rank has the target when another rank has one
         self.released = False  # its process groups let go of at interpreter exit (transport.release)
         release.track(self)
@@ -173,6 +174,13 @@ class DistributedRuntime:
         else:
             header, mbs = steplayout.receive(self), []
         m = len(header["specs"])
+        stepping = losses_for is not None
+        if header.get("call", steplayout.call_name(stepping)) != steplayout.call_name(stepping):
+            raise PipelineInputError(
+                f"rank {self.layout.global_ranks[self.rank]} called {steplayout.call_name(stepping)} but rank "
+                f"{self.layout.global_ranks[self.first]} (the first stage's) called {header['call']}: every rank "
+                "of a pipeline makes the same call, pipe.step(x, target=, loss_fn=) to train and pipe(x) to "
+                "infer (the other ranks may pass None as inputs)")
         if losses_for is not None:
             steplayout.check_target(self, target, bool(header.get("target_on_first")))
         if header.get("training", training) != training:  # its peers learn of it as of any failed step
@@ -221,6 +229,13 @@ class DistributedRuntime:
         if self.released:
             raise RuntimeError("this pipe let go of its process groups when the interpreter began to exit; "
                                "run its steps before the script ends (not from an atexit handler)")
+        if self.broken is None and self.unconfirmed:  # a peer may have failed the call this rank finished
+            reason = self.comm.board.read("starting a call")
+            if reason is not None:
+                log.warning("rank %d: its last pipe(...) call failed on another rank (%s); rejoining",
+                            self.layout.global_ranks[self.rank], reason["message"])
+                self._abandon(PeerFailure(reason["message"]))
+        self.unconfirmed = False
         if self.broken is None:
             return
         if self.layout.dp > 1 or self.layout.tp > 1:
@@ -309,6 +324,7 @@ class DistributedRuntime:
         """Run inference over micro-batches; return the output on the last rank, None elsewhere."""
         def body() -> Any:
             runner = self._run(args, kwargs, None, training, grad=False)
+            self.unconfirmed = not self.last  # nothing told this rank that the later stages finished
             if self.last:
                 return self.binding.finish(self.binding.gather([runner.outputs[i] for i in sorted(runner.outputs)], training))
             return None

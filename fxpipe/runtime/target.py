@@ -26,6 +26,7 @@ from fxpipe.runtime.placement import resolve_devices
 from fxpipe.runtime.schedules.builtin import Schedule, resolve
 from fxpipe.runtime.transport.comm import Comm
 from fxpipe.runtime.transport.procgroup import Layout, agree_on_stages, check_launched_world, setup_distributed
+from fxpipe.runtime.transport.sameoptions import agree_on_options
 
 __all__ = ["Target", "where"]
 
@@ -62,6 +63,7 @@ def where(model: nn.Module, options: CompileOptions) -> Target:
     if options.distributed:
         layout = setup_distributed(n, options.timeout, options.stages_per_rank, options.data_parallel, options.mesh,
                                    options.tensor_parallel)
+        agree_on_options(options)
         link = Comm(layout.rank, options.timeout, layout.pp_group, layout.device, layout.global_ranks)
         devices = [torch.device(layout.device.type, r) for r in schedule.ranks]
         return Target(schedule, devices, layout.device, weights, layout, link)

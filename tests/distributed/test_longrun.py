@@ -178,3 +178,28 @@ def test_a_trainable_module_before_the_pipe_gets_its_gradients(schedule, tmp_pat
     _ok(results)
     assert len(results[0]["errors"]) == 2
     assert all(e < 1e-6 for row in results[0]["errors"] for e in row), results[0]["errors"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_given_other_options_or_making_other_calls_are_told_at_once(world, tmp_path, launch):
+    # another schedule on one rank, or pipe(x) on one rank and pipe.step on the others, waited for the timeout
+    results = launch("longrun_cases:calls_differ", world, "1f1b", tmp_path, limit=90)
+    _ok(results)
+    for r, res in enumerate(results):
+        kind, message, seconds = res["options"]
+        assert kind == "OptionMismatchError" and seconds < 10, (r, res)
+        assert message.startswith("fxpipe.compile got schedule='1f1b' on rank 0 but schedule='gpipe' on rank 1")
+        assert "pass the same compile options on every rank" in message
+        kind, message, seconds = res["calls"]
+        assert seconds < 10, (r, res)
+        if world == 2 and r == 1:
+            assert kind == "PipelineInputError", res
+            assert message.startswith("rank 1 called pipe.step but rank 0 (the first stage's) called pipe(...)")
+        elif world == 2:  # rank 0 finished its forward before rank 1 refused it: rank 0 returned
+            assert kind in ("returned", "PeerFailure"), res
+        else:
+            assert kind == "PipelineInputError", res
+            assert "called pipe(...) but replica" in message or "called pipe.step but replica" in message, message
+        if world == 2:
+            error, seconds = res["again"]
+            assert error < 1e-5 and seconds < 10, (r, res)

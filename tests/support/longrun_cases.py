@@ -398,3 +398,35 @@ def input_grads(rank, world, schedule):
         for p in (*model.parameters(), *eager.parameters(), *encoder.parameters(), *eager_encoder.parameters()):
             p.grad = None
     return {"errors": errors}
+
+
+def calls_differ(rank, world, schedule):
+    """Ranks given another schedule at compile; then rank 0 calling pipe(x) while the others call pipe.step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    dp = 2 if world == 4 else 1
+    out = {}
+    start = time.monotonic()
+    try:
+        fxpipe.compile(model, world // dp, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
+                       schedule=schedule if rank == 0 else "gpipe", data_parallel=dp)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["options"] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    pipe = fxpipe.compile(model, world // dp, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
+                          schedule=schedule, data_parallel=dp)
+    start = time.monotonic()
+    try:  # the mistake: pipe(x) on one rank (a whole replica under data parallel), pipe.step on the others
+        if rank == 0:
+            pipe(x)
+        else:
+            pipe.step(x, target=y, loss_fn=F.mse_loss)
+        out["calls"] = ["returned", "", time.monotonic() - start]
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["calls"] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    if dp == 1:  # every rank steps again, together
+        start = time.monotonic()
+        loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
+        out["again"] = [max_relative_error(loss, F.mse_loss(eager(x), y)), time.monotonic() - start]
+    return out

@@ -21,7 +21,7 @@ from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.runtime.stage.stagecall import autocast_state
 from fxpipe.runtime.transport.comm import on_every_rank
 
-__all__ = ["check_signature", "from_tp_leader", "holders", "publish", "receive", "specs_for", "tell_all"]
+__all__ = ["call_name", "check_signature", "from_tp_leader", "holders", "publish", "receive", "specs_for", "tell_all"]
 
 
 def check_signature(names: list[str], spec: list[Any], example: list[Any]) -> None:
@@ -79,29 +79,41 @@ def _refuse_missing_inputs(runtime: Any, values: list[Any], stepping: bool) -> N
             f"ranks may pass None ({last})")
 
 
-def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.device,
-                    failure: str | None = None) -> None:
-    """Refuse a step whose replicas hold different batch sizes, or that another replica refused, naming them.
+def call_name(stepping: bool) -> str:
+    """Name the call a rank made: ``pipe.step`` or ``pipe(...)``."""
+    return "pipe.step" if stepping else "pipe(...)"
 
-    One all-reduce of three integers (the largest size, the negated smallest, whether a replica
-    refused its inputs) per step; only when they say so are the sizes and refusals gathered. A
-    replica that refused its inputs (``failure``) takes part too, so the others refuse the step
-    with it instead of waiting for it in their gradient reductions.
+
+def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.device,
+                    failure: str | None = None, stepping: bool = True) -> None:
+    """Refuse a step whose replicas hold different batch sizes or calls, or that another replica refused, naming them.
+
+    One all-reduce of five integers (the largest size, the negated smallest, whether a replica
+    refused its inputs, the largest and negated smallest call kind) per step; only when they
+    say so are the sizes and refusals gathered. A replica that refused its inputs (``failure``)
+    takes part too, so the others refuse the step with it instead of waiting for it in their
+    gradient reductions.
     """
     size = -1 if batch is None else batch
-    bounds = torch.tensor([size, -size, int(failure is not None)], dtype=torch.int64, device=device)  # NCCL: GPU
+    bounds = torch.tensor([size, -size, int(failure is not None), int(stepping), -int(stepping)], dtype=torch.int64,
+                          device=device)  # NCCL: on the GPU
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-    if int(bounds[0]) == -int(bounds[1]) and not int(bounds[2]):
+    if int(bounds[0]) == -int(bounds[1]) and not int(bounds[2]) and int(bounds[3]) == -int(bounds[4]):
         return
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (batch, failure), group=group)
+    dist.all_gather_object(gathered, (batch, failure, stepping), group=group)
     if failure is not None:
         return  # this replica raises its own refusal
-    for other, (_, refused) in enumerate(gathered):
+    for other, (_, refused, _) in enumerate(gathered):
         if refused is not None:
             raise PipelineInputError(f"replica {other} refused this step ({refused}); the replicas run each step "
                                      f"together, so replica {replica} did not run it either")
-    for other, (size, _) in enumerate(gathered):
+    for other, (_, _, called) in enumerate(gathered):
+        if called != stepping:
+            raise PipelineInputError(
+                f"replica {replica} called {call_name(stepping)} but replica {other} called {call_name(called)}; "
+                "the replicas run each step together: make the same call on every rank")
+    for other, (size, _, _) in enumerate(gathered):
         if size != batch:
             raise PipelineInputError(
                 f"replica {replica} has a batch of {batch} rows but replica {other} has {size}; every "
@@ -130,17 +142,20 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         specs = [spec_of(mb) for mb in mbs]
         if not agreed:
             agreed = True
-            _agree_on_batch(batch, runtime.layout.dp_group, runtime.layout.replica, runtime.device)
+            _agree_on_batch(batch, runtime.layout.dp_group, runtime.layout.replica, runtime.device,
+                            stepping=stepping)
         new = _propagate(runtime, specs, training)
     except (TypeError, ValueError, PropagationError) as exc:
         if not agreed:
-            _agree_on_batch(None, runtime.layout.dp_group, runtime.layout.replica, runtime.device, failure=str(exc))
+            _agree_on_batch(None, runtime.layout.dp_group, runtime.layout.replica, runtime.device, failure=str(exc),
+                            stepping=stepping)
         tell_all(runtime, {"error": (type(exc).__name__, str(exc))})
         runtime.comm.flush()  # deliver it before this rank's exception ends the process
         if isinstance(exc, PropagationError):
             exc = PipelineInputError(f"the inputs cannot run through the model: {exc} (found on fake tensors before the step: nothing ran)")
         raise on_every_rank(exc) from None
-    header = {"batch": batch, "specs": specs, "layouts": new, "target_on_first": has_target, "training": training}
+    header = {"batch": batch, "specs": specs, "layouts": new, "target_on_first": has_target, "training": training,
+              "call": call_name(stepping)}
     tell_all(runtime, header)
     return header, mbs
 

@@ -1,0 +1,54 @@
+"""Refuse, on every rank and at compile, a pipeline whose ranks were given different options.
+
+Every rank runs the same plan: a rank compiled with another ``schedule=``, ``chunks=`` or
+``checkpoint=`` than its peers would wait for messages they never send, until the timeout.
+One ``all_gather_object`` of a few strings per compile compares them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+import torch.distributed as dist
+
+from fxpipe.errors import OptionMismatchError
+
+__all__ = ["agree_on_options", "summary"]
+
+_COMPARED = ("n_stages", "schedule", "chunks", "checkpoint", "stages_per_rank", "data_parallel",
+             "data_parallel_shard", "tensor_parallel", "deferred_batch_norm", "balance_by", "split_points",
+             "max_memory", "tracer", "torch_compile")
+
+
+def _describe(value: Any) -> str:
+    """Describe an option's value so that equal values give equal text on every rank."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if callable(value) and not isinstance(value, (list, tuple)):
+        return f"a callable {getattr(value, '__qualname__', type(value).__name__)}"
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(list(value)) if isinstance(value, (list, tuple)) else repr(value))
+    if isinstance(value, (list, tuple)) and len(text) > 120:  # a user's action list: its length and a digest
+        return f"a list of {len(value)} entries (digest {hashlib.sha1(text.encode()).hexdigest()[:10]})"
+    return text
+
+
+def summary(options: Any) -> dict[str, str]:
+    """Return the options every rank must agree on, each described as text."""
+    return {name: _describe(getattr(options, name)) for name in _COMPARED}
+
+
+def agree_on_options(options: Any) -> None:
+    """Compare this rank's options with every other rank's; refuse on every rank where they differ."""
+    mine = summary(options)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    for rank, theirs in enumerate(gathered):
+        differ = [k for k in _COMPARED if theirs.get(k) != gathered[0].get(k)]
+        if differ:
+            k = differ[0]
+            raise OptionMismatchError(
+                f"fxpipe.compile got {k}={gathered[0][k]} on rank 0 but {k}={theirs[k]} on rank {rank} (options "
+                f"differing: {', '.join(differ)}); every rank runs one plan and would wait for messages its peers "
+                "never send: pass the same compile options on every rank (only devices and data may differ)")

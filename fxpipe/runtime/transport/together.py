@@ -1,0 +1,42 @@
+"""Name the cause when a call every rank makes together (``fxpipe.save``, ``clip_grad_norm_``) times out.
+
+A rank that calls it alone (``if rank == 0: fxpipe.save(...)``) waits in the call's first
+collective until the process group's timeout, and gloo or NCCL then raise their own
+``Timed out waiting ... for send operation`` naming neither the call nor the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from fxpipe.errors import PeerFailure
+
+__all__ = ["together"]
+
+_SIGNS = ("timed out", "timeout", "connection closed", "connection reset", "gloo", "nccl")
+
+
+def _communication(exc: BaseException) -> bool:
+    """Tell whether ``exc`` is a failed collective rather than a refusal of fxpipe's or the user's."""
+    if isinstance(exc, PeerFailure):
+        return False
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc).lower() for s in _SIGNS)
+
+
+@contextmanager
+def together(call: str, rank: int) -> Iterator[None]:
+    """Run the block, a collective every rank enters; a failed collective becomes a :class:`PeerFailure` naming ``call``."""
+    try:
+        yield
+    except Exception as exc:
+        if not _communication(exc):
+            raise
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise PeerFailure(f"rank {rank}: {call} is called by every rank together, but the other ranks did not "
+                          f"join it ({first}): call it on every rank, not under `if rank == 0:` (a rank that "
+                          "died or is still in another call gives this too)") from exc
