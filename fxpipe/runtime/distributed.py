@@ -57,6 +57,7 @@ from fxpipe.runtime.transport import release, steplayout
 from fxpipe.runtime.transport.comm import Comm, on_every_rank
 from fxpipe.runtime.transport.messages import DistTransport
 from fxpipe.runtime.transport.procgroup import Layout, Ties, reopen_pipeline
+from fxpipe.runtime.transport.together import communication_failed, first_line
 
 __all__ = ["DistributedRuntime"]
 
@@ -279,14 +280,24 @@ class DistributedRuntime:
         self.ready()
         try:
             return body()
-        except BaseException as exc:
+        except BaseException as caught:
+            exc = caught
             if getattr(exc, "fxpipe_on_every_rank", False):
                 raise  # every rank raised it itself, at the same point: nothing is in flight
+            me = self.layout.global_ranks[self.rank]
+            if self.layout.dp > 1 and communication_failed(exc):  # a collective over the replicas
+                reason = self.comm.board.read("reducing over the replicas")  # the replicas share the board's keys
+                cause = f"because {reason['message']}" if reason else "another replica's step failed, and its " \
+                    "ranks raise the cause"
+                exc = PeerFailure(f"rank {me}: a collective over the replicas failed ({first_line(exc)}) {cause}")
             if not isinstance(exc, PeerFailure):
                 held = ", ".join(map(str, self.workers))
-                self.comm.fail(f"rank {self.layout.global_ranks[self.rank]} (stage{'s' if len(self.workers) > 1 else ''} "
-                               f"{held}) raised {type(exc).__name__}: {exc}")
+                notes = "".join(f" ({n})" for n in getattr(exc, "__notes__", ()))
+                self.comm.fail(f"rank {me} (stage{'s' if len(self.workers) > 1 else ''} "
+                               f"{held}) raised {type(exc).__name__}: {exc}{notes}")
             self._abandon(exc)
+            if exc is not caught:
+                raise exc from caught
             raise
 
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:

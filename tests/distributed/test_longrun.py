@@ -203,3 +203,18 @@ def test_ranks_given_other_options_or_making_other_calls_are_told_at_once(world,
         if world == 2:
             error, seconds = res["again"]
             assert error < 1e-5 and seconds < 10, (r, res)
+
+
+def test_a_target_missing_on_one_replica_is_named_on_every_rank_of_every_replica(tmp_path, launch):
+    # replica 0's loss rank got gloo's bare 'Connection closed by peer' from the gradient reduction
+    results = launch("longrun_cases:target_on_one_replica", 4, "1f1b", tmp_path, limit=90)
+    _ok(results)
+    for r, res in enumerate(results):
+        kind, message, seconds = res["failed"]
+        assert seconds < 10, (r, res)
+        if r == 3:
+            assert kind == "AttributeError", res
+            continue
+        assert kind == "PeerFailure", (r, res)
+        assert f"rank {r}" in message and "because rank 3 (stage 1) raised AttributeError" in message, (r, message)
+        assert "pipe.step got target=None on the rank computing the loss" in message, (r, message)

@@ -430,3 +430,19 @@ def calls_differ(rank, world, schedule):
         loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
         out["again"] = [max_relative_error(loss, F.mse_loss(eager(x), y)), time.monotonic() - start]
     return out
+
+
+def target_on_one_replica(rank, world, schedule):
+    """Two replicas; the target passed on replica 0 only (``target=y if replica == 0 else None``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
+                          schedule=schedule, data_parallel=2)
+    replica = rank // 2
+    start = time.monotonic()
+    try:
+        pipe.step(x[4 * replica:][:4], target=y[:4] if replica == 0 else None, loss_fn=F.mse_loss)
+        return {"failed": ["returned", "", time.monotonic() - start]}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"failed": [type(exc).__name__, str(exc), time.monotonic() - start]}

@@ -47,18 +47,24 @@ class Comm:
 
     def __init__(self, rank: int, timeout: float, group: Any, device: torch.device,
                  global_ranks: Sequence[int] | None = None, size: int | None = None) -> None:
-        self.rank = rank  # the pipeline rank; peers are named by pipeline rank too
+        self.rank = rank  # the pipeline rank (messages name ranks by their global rank: name())
         self.global_ranks = list(global_ranks) if global_ranks is not None else None
         self.timeout = timeout
         self.group = group
         self.device = device  # where messages live: CPU for gloo, the rank's GPU for NCCL
         self.store = dist.distributed_c10d._get_default_store()
-        self.board = FailureBoard(self.store, rank, size or len(self.global_ranks or ()) or 1, timeout)
+        self.board = FailureBoard(self.store, rank, size or len(self.global_ranks or ()) or 1, timeout,
+                                  self.global_ranks)
         self.pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive until sent)
         self._coalescing: bool | None = None  # whether the group's backend batches sends and receives
         self._ranks: dict[int, int] = {}  # pipeline rank -> rank in the group
 
     # -- failure signalling ----------------------------------------------------------
+    def name(self, rank: int | None = None) -> str:
+        """Name pipeline rank ``rank`` (this one by default) by its global rank, as torchrun numbers it."""
+        r = self.rank if rank is None else rank
+        return f"rank {self.global_ranks[r] if self.global_ranks and r < len(self.global_ranks) else r}"
+
     def fail(self, message: str) -> None:
         """Tell every rank that this one failed (best effort: the store may be gone too)."""
         self.board.post(message)
@@ -67,7 +73,7 @@ class Comm:
         """Raise :class:`PeerFailure` if a peer has posted an error."""
         reason = self.board.read(what)
         if reason is not None:
-            raise PeerFailure(f"rank {self.rank} stopped while {what} because {reason['message']}")
+            raise PeerFailure(f"{self.name()} stopped while {what} because {reason['message']}")
 
     def close(self) -> None:
         """Drop this rank's connections of the pipeline: every peer waiting on it fails at once.
@@ -103,14 +109,14 @@ class Comm:
         """Name the cause of a failed operation: a peer's posted error, the timeout, or a death."""
         self.check(what)
         if "imed out" in str(exc):
-            message = (f"rank {self.rank}: nothing arrived for {self.timeout:.0f} s while {what}; "
+            message = (f"{self.name()}: nothing arrived for {self.timeout:.0f} s while {what}; "
                        "a peer is stuck or dead (raise fxpipe.compile(..., timeout=) if a stage is this slow)")
             self.board.post(message)
             return PeerFailure(message)
-        who = f"rank {peer}" if peer is not None else "a peer"
-        message = (f"rank {self.rank}: communication failed while {what} ({who} probably died, "
+        who = self.name(peer) if peer is not None else "a peer"
+        message = (f"{self.name()}: communication failed while {what} ({who} probably died, "
                    f"posting no error): {exc}")
-        self.board.post(f"{who} died (rank {self.rank} lost its connection while {what})", fatal=True)
+        self.board.post(f"{who} died ({self.name()} lost its connection while {what})", fatal=True)
         return PeerFailure(message)
 
     # -- tensors -----------------------------------------------------------------------
@@ -148,7 +154,7 @@ class Comm:
         rank per tensor, so they go straight to the group's ``send`` and ``recv``.
         """
         if self.group is None:
-            raise PeerFailure(f"rank {self.rank}: the pipeline's connections are closed after a failed step "
+            raise PeerFailure(f"{self.name()}: the pipeline's connections are closed after a failed step "
                               f"(while {what}); call pipe.step or pipe(x) again on every rank to go on")
         if not sends and not recvs:
             return []

@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -37,9 +38,11 @@ _PIPES = itertools.count()  # every rank compiles its pipes in the same order: t
 class FailureBoard:
     """The store keys through which the ranks of one pipeline report failures and rejoin."""
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: float) -> None:
+    def __init__(self, store: Any, rank: int, size: int, timeout: float,
+                 global_ranks: Sequence[int] | None = None) -> None:
         self.store = store
         self.rank = rank  # pipeline rank
+        self.global_ranks = list(global_ranks) if global_ranks else list(range(size))  # how errors name ranks
         self.size = size  # ranks in the pipeline
         self.timeout = timeout
         self.generation = 0
@@ -69,7 +72,7 @@ class FailureBoard:
                 return None
             reason = json.loads(self.store.get(self._key("error")).decode())
         except Exception as exc:  # noqa: BLE001
-            raise PeerFailure(f"rank {self.rank}: lost the rendezvous store while {what} "
+            raise PeerFailure(f"rank {self.global_ranks[self.rank]}: lost the rendezvous store while {what} "
                               f"(the process hosting it, usually rank 0 or torchrun's agent, probably "
                               f"died): {exc}") from None
         if reason["fatal"] and self.death is None:
@@ -86,7 +89,7 @@ class FailureBoard:
         if self.death is None:
             self.read("rejoining after a failed step")
         if self.death is not None:
-            raise PeerFailure(f"rank {self.rank}: the pipeline lost a rank in an earlier step "
+            raise PeerFailure(f"rank {self.global_ranks[self.rank]}: the pipeline lost a rank in an earlier step "
                               f"({self.death}); it cannot go on without it: restart the job "
                               "(torchrun --max-restarts) and resume from the last complete checkpoint "
                               "(fxpipe.latest_checkpoint)")
@@ -95,8 +98,9 @@ class FailureBoard:
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout))
         except Exception:  # noqa: BLE001 - the timeout, or the store lost: say which ranks are missing
-            missing = [r for r, k in enumerate(keys) if not self._has(k)]
-            raise PeerFailure(f"rank {self.rank}: after a failed step, rank(s) {missing} did not come back "
+            missing = [self.global_ranks[r] for r, k in enumerate(keys) if not self._has(k)]
+            raise PeerFailure(f"rank {self.global_ranks[self.rank]}: after a failed step, rank(s) {missing} did not "
+                              "come back "
                               f"within {self.timeout:.0f} s (dead, or not calling pipe.step/pipe(x) again); "
                               "every rank must catch the error and go on together") from None
         self.generation += 1

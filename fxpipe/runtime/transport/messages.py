@@ -188,7 +188,7 @@ class DistTransport:
         works, deliver = self.pending.pop(key)
         j, kind, i = key
         what = f"stage {j}'s {'outputs' if kind == 'F' else 'input gradients'} of micro-batch {i}"
-        self.comm.wait(works, f"receiving {what} on rank {self.rank}", q)
+        self.comm.wait(works, f"receiving {what} on {self.comm.name(self.rank)}", q)
         deliver()
         self.arrived.add(key)
         self._let_go(q, key)

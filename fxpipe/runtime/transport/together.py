@@ -14,12 +14,12 @@ import torch.distributed as dist
 
 from fxpipe.errors import PeerFailure
 
-__all__ = ["together"]
+__all__ = ["communication_failed", "first_line", "together"]
 
 _SIGNS = ("timed out", "timeout", "connection closed", "connection reset", "gloo", "nccl")
 
 
-def _communication(exc: BaseException) -> bool:
+def communication_failed(exc: BaseException) -> bool:
     """Tell whether ``exc`` is a failed collective rather than a refusal of fxpipe's or the user's."""
     if isinstance(exc, PeerFailure):
         return False
@@ -28,15 +28,20 @@ def _communication(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in str(exc).lower() for s in _SIGNS)
 
 
+def first_line(exc: BaseException) -> str:
+    """Return the first line of an exception's message (its type's name if it has none), cut to 300 characters."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
 @contextmanager
 def together(call: str, rank: int) -> Iterator[None]:
     """Run the block, a collective every rank enters; a failed collective becomes a :class:`PeerFailure` naming ``call``."""
     try:
         yield
     except Exception as exc:
-        if not _communication(exc):
+        if not communication_failed(exc):
             raise
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         raise PeerFailure(f"rank {rank}: {call} is called by every rank together, but the other ranks did not "
-                          f"join it ({first}): call it on every rank, not under `if rank == 0:` (a rank that "
+                          f"join it ({first_line(exc)}): call it on every rank, not under `if rank == 0:` (a rank that "
                           "died or is still in another call gives this too)") from exc
