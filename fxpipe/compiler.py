@@ -135,6 +135,10 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.compile expects an nn.Module or a torch.fx.GraphModule, "
                         f"got {type(model).__name__}")
+    if isinstance(model, Pipe):
+        raise TypeError("fxpipe.compile got a Pipe, which is compiled already: compile the model it was "
+                        "compiled from (in one process the pipe shares its parameters; across ranks build the "
+                        "model again and pass weights= a checkpoint fxpipe.save wrote)")
     if plan is not None:  # what the plan records of the layout fills the arguments left at their defaults
         layout = adopt_layout(load_plan(plan), {"chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
                                                 "stages_per_rank": stages_per_rank, "data_parallel": data_parallel,

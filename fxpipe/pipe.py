@@ -121,6 +121,9 @@ class Pipe(nn.Module):
         scaled once, where it is computed, so every stage's gradients come out scaled; the
         loss returned is not. Across replicas (``data_parallel``) it is the global batch's.
         """
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a function (output, target) -> loss, got {type(loss_fn).__name__}: "
+                            "pass e.g. loss_fn=torch.nn.functional.cross_entropy")
         if scaler is not None and scaler.is_enabled():
             base = loss_fn
             device = next((d for d in self.devices if d.type != "meta"), torch.device("cpu"))

@@ -454,3 +454,13 @@ def test_example_inputs_as_a_list_says_to_pass_a_tuple():
     with pytest.raises(fxpipe.PropagationError, match="^example_inputs is a list, so the model got it as its one "
                                                       "input; to give several inputs pass a tuple"):
         fxpipe.compile(model, 2, example_inputs=[torch.randn(4, 8)], devices=["cpu"] * 2)
+
+
+def test_a_pipe_given_to_compile_and_a_loss_fn_that_is_no_function_are_refused_naming_the_fix():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    x = torch.randn(4, 4)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    with pytest.raises(TypeError, match="fxpipe.compile got a Pipe, which is compiled already: compile the model"):
+        fxpipe.compile(pipe, 2, example_inputs=(x,))
+    with pytest.raises(TypeError, match=r"loss_fn must be a function \(output, target\) -> loss, got str"):
+        pipe.step(x, target=x, loss_fn="mse")
