@@ -131,3 +131,19 @@ def test_autocast_and_loss_scaling(tmp_path, launch):
         assert res["bf16_loss_error"] < 1e-2 and res["bf16_vs_fp32"] > 1e-5, (r, res)  # bf16 really ran
         assert res["skipped"] and res["scale"] == 512.0 and res["then_stepped"], (r, res)
     assert len({res["fp16_loss"] for res in results}) == 1
+
+
+def test_inputs_or_target_on_the_wrong_rank_of_a_tensor_parallel_group_are_refused_on_every_rank(tmp_path, launch):
+    # the target on the first stage's ranks only was checked by one pipeline row of the group and not the other:
+    # the two ranks of the last stage's group then parted ways in their collectives (gloo's raw error)
+    results = launch("tp_cases:misuse", 4, "1f1b", tmp_path, limit=120)
+    _ok(results)
+    for r, res in enumerate(results):
+        kind, message = res["target_on_first"]
+        assert kind == "PipelineInputError" and "target=None on rank 2, which computes the loss" in message, (r, res)
+        assert "pass the target on rank 2 (the last stage: the first rank of its tensor-parallel group" in message
+        kind, message = res["inputs_on_second"]
+        assert kind == "PipelineInputError", (r, res)
+        assert message.startswith("pipe.step got no inputs on rank 0 (the first stage: the first rank of its "
+                                  "tensor-parallel group, whose inputs and target every rank of the group uses)")
+        assert max(res["after"]) < 1e-5, (r, res)

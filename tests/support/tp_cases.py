@@ -269,3 +269,22 @@ def policies(rank, world, schedule):
         out[name] = {"loss_error": max_relative_error(loss, expected), "grad_errors": _errors(held, eager),
                      "policies": pipe.plan.policies()}
     return out
+
+
+def misuse(rank, world, schedule):
+    """pp2 x tp2: the target on the first stage's ranks only; the inputs on a group's second rank only; then a step."""
+    pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "mlp", schedule)
+    _, p, k, _ = _place(rank, world, 2, 2)
+    out = {}
+    for label, a, b in [("target_on_first", x if p == 0 else None, y if p == 0 else None),
+                        ("inputs_on_second", x if p == 0 and k == 1 else None, y)]:
+        try:
+            pipe.step(a, target=b, loss_fn=loss_fn)
+            out[label] = ["returned", ""]
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[label] = [type(exc).__name__, str(exc)]
+    loss = step()
+    expected = loss_fn(eager(x), y)
+    expected.backward()
+    out["after"] = [max_relative_error(loss, expected), max(_errors(held, eager).values())]
+    return out

@@ -60,11 +60,15 @@ def _describe(value: Any) -> str:
 def holders(runtime: Any, pipeline_rank: int, what: str) -> str:
     """Name the global rank(s) at ``pipeline_rank`` of every replica, saying they hold ``what``."""
     layout = runtime.layout
-    ranks = [row[pipeline_rank] for row in layout.pipelines()]
+    rows = layout.pipelines()  # replica-major, then tp index
+    if layout.tp > 1:  # a tensor-parallel group's first rank's inputs and target are the group's
+        ranks = [rows[d * layout.tp][pipeline_rank] for d in range(len(rows) // layout.tp)]
+        return (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ({what}: the first rank of its "
+                "tensor-parallel group, whose inputs and target every rank of the group uses)")
+    ranks = [row[pipeline_rank] for row in rows]
     if len(ranks) == 1:
         return f"rank {ranks[0]} ({what})"
-    each = "replicas" if layout.tp == 1 else "pipelines (replicas x tensor-parallel ranks)"
-    return f"ranks {', '.join(map(str, ranks))} ({what} in each of the {len(ranks)} {each})"
+    return f"ranks {', '.join(map(str, ranks))} ({what} in each of the {len(ranks)} replicas)"
 
 
 def _refuse_missing_inputs(runtime: Any, values: list[Any], stepping: bool) -> None:
@@ -73,6 +77,11 @@ def _refuse_missing_inputs(runtime: Any, values: list[Any], stepping: bool) -> N
             isinstance(leaf, TensorSpec) for leaf in tree_flatten(runtime.example)[0]):
         last = (f"the target goes to {holders(runtime, runtime.last_rank, 'the last stage, which computes the loss')}"
                 if stepping else f"the output comes back on {holders(runtime, runtime.last_rank, 'the last stage')}")
+        if runtime.layout.tp > 1:  # the group's first rank's inputs are every rank's of the group
+            raise PipelineInputError(
+                f"{'pipe.step' if stepping else 'pipe(...)'} got no inputs on "
+                f"{holders(runtime, runtime.first, 'the first stage')}: pass the inputs there (or on every rank); "
+                f"the other ranks may pass None ({last})")
         raise PipelineInputError(
             f"{'pipe.step' if stepping else 'pipe(...)'} got no inputs on rank {dist.get_rank()}, which splits them "
             f"into micro-batches: pass the inputs on {holders(runtime, runtime.first, 'the first stage')}; the other "
@@ -128,8 +137,8 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
     value crossing a stage boundary (propagated here on fake tensors), so that the other ranks
     size their receive buffers for a new sequence length without propagating it themselves.
     """
-    args, kwargs = from_tp_leader(runtime, (args, kwargs))
-    agreed = runtime.layout.dp == 1  # the replicas' first ranks meet once per step, refusing or not
+    args, kwargs, has_target = from_tp_leader(runtime, (args, kwargs, has_target))  # the target's too: each
+    agreed = runtime.layout.dp == 1  # pipeline row of the group then checks the same target  # the replicas' first ranks meet once per step, refusing or not
     try:
         if not args and not kwargs:  # a model taking keywords only gets nothing to bind on this rank
             _refuse_missing_inputs(runtime, [None], stepping)
@@ -171,7 +180,7 @@ def check_target(runtime: Any, target: Any, on_first: bool) -> None:
     every step) the loss's rank alone refuses a missing target; the others see its refusal as a
     failed step.
     """
-    loss_rank, ranks = runtime.last_rank, runtime.layout.global_ranks
+    loss_rank, ranks = runtime.last_rank, _speaking(runtime)
     fix = (f"pass the target on {holders(runtime, loss_rank, 'the last stage')} (pipe.plan.stages[-1].on_rank is its "
            "pipeline rank); passing the inputs and the target on every rank is fine")
     missing = (f"pipe.step got a target on rank {ranks[runtime.first]}, which splits the inputs, but target=None on "
@@ -212,6 +221,14 @@ def check_target(runtime: Any, target: Any, on_first: bool) -> None:
     if verdict is not None:
         raise on_every_rank(PipelineInputError(verdict))
     runtime.target_checked = True
+
+
+def _speaking(runtime: Any) -> list[int]:
+    """Return the global rank whose inputs and target count at each pipeline rank: its group's first under tensor parallel."""
+    layout = runtime.layout
+    if layout.tp == 1:
+        return list(layout.global_ranks)
+    return layout.pipelines()[layout.replica * layout.tp]
 
 
 def from_tp_leader(runtime: Any, value: Any) -> Any:
