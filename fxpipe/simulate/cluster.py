@@ -191,6 +191,11 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
     budget = memory if memory is not None else model_.memory
     tps = {1: (None, None), **_tp_sizes(gm, gpus_per_node, gpus)}
     if tensor_parallel is not None:
+        missing = sorted(set(tensor_parallel) - set(tps))
+        if missing:
+            raise ValueError(f"tensor_parallel={missing[0]}: the automatic TP plan cannot split this model over "
+                             f"{missing[0]} ranks (its heads or features do not divide, or it exceeds "
+                             f"gpus_per_node={gpus_per_node}); sizes that fit: {sorted(tps)}")
         tps = {t: v for t, v in tps.items() if t in tensor_parallel}
     blocks = len(passes.compute_nodes(gm))
     if only is not None:

@@ -54,3 +54,10 @@ def test_a_tie_on_one_rank_under_data_parallel_is_rejected_as_compile_would():
     assert reasons and all("a tensor shared by stages 0 and 3, both on rank 0, under data parallel" in r
                            for r in reasons)
     assert [c for c in found.ranked if c.shape.dp == 1 and c.shape.v > 1]  # without replicas it is fine
+
+
+def test_a_tensor_parallel_size_the_model_cannot_take_is_refused_naming_the_sizes_that_fit():
+    # a size the automatic TP plan does not split over was a KeyError from the search
+    with pytest.raises(ValueError, match=r"tensor_parallel=3: the automatic TP plan cannot split this model over 3 "
+                                         r"ranks .* sizes that fit: \[1, 2, 4\]"):
+        cluster_search(_mlp(), (torch.randn(32, 64),), gpus=4, gpus_per_node=4, device="h100", tensor_parallel=[3])
