@@ -169,7 +169,8 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
                    schedules: Sequence[str] | None = None, checkpoints: Sequence[str] = (*POLICIES, AUTO),
                    tensor_parallel: Sequence[int] | None = None, keep: int = 10, tokens: int = 1,
                    leaf_modules: Sequence[Any] = (), only: Sequence[Shape] | None = None,
-                   max_stages: int = 128, exact_sizes: int = 2, tracer: Any = "fx") -> ClusterSearch:
+                   max_stages: int = 128, exact_sizes: int = 2, tracer: Any = "fx",
+                   stages: Sequence[int] | None = None, chunks: Sequence[int] | None = None) -> ClusterSearch:
     """Simulate the layouts of ``model`` on ``gpus`` devices (``gpus_per_node`` to a node); return them ranked.
 
     ``memory`` is each device's budget (default: the device model's); ``batch`` the global rows
@@ -208,7 +209,12 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
         keep = len(space)
     else:
         space = list(shapes(gpus, gpus_per_node, batch, min(blocks, max_stages), tps=sorted(tps),
-                            schedules=schedules))
+                            schedules=schedules, stages=stages, chunk_counts=chunks))
+        if not space and (stages is not None or chunks is not None):
+            raise ValueError(f"no layout of {gpus} GPUs has stages in {list(stages or []) or 'any'} and chunks in "
+                             f"{list(chunks or []) or 'any'} for a global batch of {batch} rows and a model of "
+                             f"{blocks} cuttable blocks: a stage count is pp x stages per rank (pp divides the "
+                             "GPUs), and chunks divide each replica's rows and are at least pp")
     modes = sorted((c for c in checkpoints if c != AUTO), key=lambda c: POLICIES.index(c) if c in POLICIES else 0)
     found = ClusterSearch([], [], gm, model_, gpus, gpus_per_node, batch, budget, tokens, layouts=len(space))
     costs_of: dict[tuple[int, int, float], list[StageCost]] = {}

@@ -59,11 +59,13 @@ def _powers(limit: int) -> list[int]:
 
 
 def shapes(gpus: int, gpus_per_node: int, batch: int, blocks: int, *, tps: Sequence[int] | None = None,
-           schedules: Sequence[str] | None = None, max_chunks: int = 512) -> Iterator[Shape]:
+           schedules: Sequence[str] | None = None, max_chunks: int = 512,
+           stages: Sequence[int] | None = None, chunk_counts: Sequence[int] | None = None) -> Iterator[Shape]:
     """Yield every layout of ``gpus`` for a global batch of ``batch`` rows and a model of ``blocks`` cuttable blocks.
 
     ``tps`` are the tensor-parallel sizes the model takes (default: powers of two up to a node);
-    ``schedules`` the schedules to try (default: all).
+    ``schedules`` the schedules to try (default: all); ``stages`` the stage counts (``pp x v``)
+    and ``chunk_counts`` the micro-batch counts to keep (default: any).
     """
     tp_sizes = [t for t in (tps or _powers(gpus_per_node)) if t <= gpus_per_node and gpus % t == 0]
     for tp in tp_sizes:
@@ -82,7 +84,11 @@ def shapes(gpus: int, gpus_per_node: int, batch: int, blocks: int, *, tps: Seque
                     if schedules is not None and schedule not in schedules and pp > 1:
                         continue
                     least = pp if v > 1 else 1
+                    if stages is not None and pp * v not in stages:
+                        continue
                     counts = [m for m in _powers(min(rows, max_chunks)) if m >= max(least, pp) and rows % m == 0]
-                    for chunks in counts[:CHUNK_STEPS]:
+                    counts = counts[:CHUNK_STEPS] if chunk_counts is None else \
+                        [m for m in chunk_counts if m >= max(least, pp) and rows % m == 0]
+                    for chunks in counts:
                         for shard in ((False, True) if dp > 1 else (False,)):
                             yield Shape(dp, pp, tp, v, schedule, chunks, shard)

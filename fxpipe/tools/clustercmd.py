@@ -82,7 +82,8 @@ def run_cluster(args: argparse.Namespace, device: Any, memory: float | None, dty
                            memory=memory, batch=args.global_batch, kwargs=kwargs or None, dtype=dtype,
                            optimizer=args.optimizer, schedules=schedules, checkpoints=args.checkpoint,
                            tensor_parallel=args.tp, keep=max(args.top, 10), tokens=tokens,
-                           leaf_modules=args.leaf_modules or (), tracer=args.tracer)
+                           leaf_modules=args.leaf_modules or (), tracer=args.tracer, stages=args.stages,
+                           chunks=args.chunks)
     unit = "tokens/s/GPU" if tokens > 1 else "samples/s/GPU"
     nodes = -(-args.gpus // args.gpus_per_node)
     print(f"{type(model).__name__} ({args.model}) on {args.gpus} x {device.name}{' (nominal)' if device.nominal else ''}"

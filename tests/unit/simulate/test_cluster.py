@@ -61,3 +61,12 @@ def test_a_tensor_parallel_size_the_model_cannot_take_is_refused_naming_the_size
     with pytest.raises(ValueError, match=r"tensor_parallel=3: the automatic TP plan cannot split this model over 3 "
                                          r"ranks .* sizes that fit: \[1, 2, 4\]"):
         cluster_search(_mlp(), (torch.randn(32, 64),), gpus=4, gpus_per_node=4, device="h100", tensor_parallel=[3])
+
+
+def test_the_stages_and_chunks_asked_for_bound_the_search():
+    # fxpipe plan --gpus ignored --stages and --chunks
+    x = torch.randn(32, 64)
+    found = cluster_search(_mlp(), (x,), gpus=4, gpus_per_node=4, device="h100", batch=32, stages=[4], chunks=[8])
+    assert found.ranked and all(c.shape.n_stages == 4 and c.shape.chunks == 8 for c in found.ranked + found.rejected)
+    with pytest.raises(ValueError, match=r"no layout of 4 GPUs has stages in \[3\] and chunks in any"):
+        cluster_search(_mlp(), (x,), gpus=4, gpus_per_node=4, device="h100", batch=32, stages=[3])
