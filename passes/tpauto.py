@@ -165,7 +165,9 @@ def _embeddings(gm: torch.fx.GraphModule, sites: Mapping[str, Site], roles: dict
             log.debug("tensor parallel: embedding '%s' stays replicated (its weight is tied to %s)", site.fqn,
                       [s.fqn for s in tied])
             continue
-        if site.out_features % t:
-            raise indivisible("the vocabulary", site.fqn, site.out_features, t)
+        if site.out_features % t:  # GPT-2's 50257: the blocks are still split, the embedding stays whole
+            log.info("tensor parallel: embedding '%s' stays replicated (%d ranks do not divide its vocabulary of %d)",
+                     site.fqn, t, site.out_features)
+            continue
         roles[site.fqn] = "vocab"
         roles.update({s.fqn: "gather" for s in tied})

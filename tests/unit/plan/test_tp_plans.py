@@ -127,13 +127,18 @@ def test_a_dimension_t_does_not_divide_is_refused_with_the_sizes_that_fit():
         plan_tensor_parallel(_decoder(), 3, {"blocks.*.attn.q": ColwiseParallel()})
 
 
-def test_the_vocabulary_t_does_not_divide_is_refused():
+def test_a_vocabulary_t_does_not_divide_stays_whole_under_auto_and_is_refused_in_a_written_plan():
+    # GPT-2's vocabulary (50257) is prime: 'auto' refused the whole model, naming sizes its heads cannot take
     model = tm.TiedDecoder()
     model.embed = nn.Embedding(63, 32)
     model.head = nn.Linear(32, 63, bias=False)
     model.head.weight = model.embed.weight
-    with pytest.raises(TensorParallelError, match=r"does not divide the vocabulary of 'embed' \(63\).*\(1, 3, 7, 9, 21"):
-        plan_tensor_parallel(_graph(model, torch.randint(0, 63, (2, 8))), 2, "auto")
+    gm = _graph(model, torch.randint(0, 63, (2, 8)))
+    plan = plan_tensor_parallel(gm, 2, "auto")
+    assert "embed" not in plan.styles and "head" not in plan.styles
+    assert any(k.startswith("blocks.") for k in plan.styles)  # the blocks are split all the same
+    with pytest.raises(TensorParallelError, match=r"does not divide the .* of 'embed' \(63\).*\(1, 3, 7, 9, 21"):
+        plan_tensor_parallel(_graph(model, torch.randint(0, 63, (2, 8))), 2, {"embed": RowwiseParallel(input_layouts=Replicate())})
 
 
 def test_tensor_parallel_needs_ranks():
