@@ -31,6 +31,7 @@ from fxpipe.passes.spec import value_bytes
 from fxpipe.passes.tpauto import TensorParallelError, auto_roles
 from fxpipe.passes.tplayout import Conflict, Rule, propagate, site_input
 from fxpipe.passes.tpsites import Site, find_sites
+from fxpipe.plan.tpcoverage import warn_little_split
 from fxpipe.plan.tpstyles import STYLE_OF_ROLE, collectives, rule_of, style_text, weight_placement
 
 __all__ = ["TensorParallelPlan", "plan_tensor_parallel"]
@@ -92,6 +93,8 @@ def plan_tensor_parallel(gm: torch.fx.GraphModule, t: int, tp_plan: Any, record:
     plan = TensorParallelPlan(t, styles, sites, rules, auto=tp_plan == "auto",
                               layouts={n: v for n, v in layouts.items() if isinstance(v, int)})
     plan.calls = _calls(gm, plan, layouts)
+    if record and plan.auto:
+        warn_little_split(gm, plan)
     log.info("tensor parallel over %d ranks: %d module(s) styled, %d left whole", t, len(styles),
              len(plan.record(1)["replicated"]))
     return plan

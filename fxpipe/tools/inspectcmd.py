@@ -172,12 +172,16 @@ def _print_tp(pipe: Any, t: int) -> None:
     from fxpipe.errors import TensorParallelError
     from fxpipe.plan.pipeline import tp_lines
     from fxpipe.plan.tensorparallel import plan_tensor_parallel
+    from fxpipe.plan.tpcoverage import little_split
 
     try:
         tp = plan_tensor_parallel(pipe._gm, t, "auto", record=False)
     except TensorParallelError as exc:
         raise Failure(str(exc)) from None
     print("\n".join(tp_lines(tp.record(pipe.plan.chunks))))
+    note = little_split(pipe._gm, tp)
+    if note is not None:
+        print(f"  note: {note}")
 
 
 def _batch(inputs: tuple) -> int | None:

@@ -170,3 +170,24 @@ def test_a_reshape_that_splits_a_shard_unevenly_says_why():
     assert size == 3 and "2 ranks do not divide" in why
     why, size = reshape_dim((2, 8, 32), (2, 256), 2, 2)
     assert size is None and "not the leading dim" in why
+
+
+class _Conv1D(nn.Module):
+    """A projection written as addmm on its own (in, out) weight, as transformers' GPT-2 Conv1D is."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) * 0.1)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x, self.weight)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_plan_that_splits_little_is_warned_of_naming_the_layers_left_whole(tracer):
+    # GPT-2 under tensor_parallel=2 split nothing and said nothing: both ranks computed everything
+    model = nn.Sequential(_Conv1D(16, 64), nn.ReLU(), _Conv1D(64, 16))
+    with pytest.warns(UserWarning, match=r"tensor_parallel=2 with tp_plan='auto' splits 0% of the parameters: every "
+                                         r"rank computes the rest whole, e.g. '0' \(5\d%\), '2' \(\d\d%\).*Conv1D"):
+        plan_tensor_parallel(_graph(model, torch.randn(4, 16), tracer), 2, "auto")
