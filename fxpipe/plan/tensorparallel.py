@@ -130,7 +130,16 @@ def _no_match(gm: torch.fx.GraphModule, sites: Mapping[str, Site], key: str) -> 
             f"tp_plan key '{key}' names a module the trace went through (its forward is inlined in the graph), "
             f"so a style on it would never run; style the modules inside it (such as {inner[:3]}), or keep it "
             "whole with leaf_modules=")
-    names = list(sites) + [n for n, _ in gm.named_modules() if n]
+    owners = [n.rsplit(".", 1)[0] for n, _ in gm.named_parameters() if "." in n]  # modules exported graphs flatten
+    names = list(dict.fromkeys([*sites, *(n for n, _ in gm.named_modules() if n), *owners]))
+    exists = [n for n in names if _matches(key, n) and n not in sites]
+    if exists:
+        return TensorParallelError(
+            f"tp_plan key '{key}' names {exists[:3]}, which the graph holds as no module call, so no style can "
+            "apply: an exported graph keeps only nn.Linear and nn.Embedding as module calls (a norm under "
+            "SequenceParallel needs tracer='fx', where the norm is a leaf), and layers written otherwise "
+            "(transformers' Conv1D, an addmm on a parameter) take no style; leave it out of the plan, where it "
+            "stays whole on every rank")
     near = difflib.get_close_matches(key, names, n=5, cutoff=0.4) or [s for s in sites][:5]
     return TensorParallelError(f"tp_plan key '{key}' matches no module of the model; the nearest FQNs are {near}")
 

@@ -184,6 +184,14 @@ class _Conv1D(nn.Module):
         return torch.addmm(self.bias, x, self.weight)
 
 
+def test_a_plan_key_naming_a_module_the_graph_does_not_call_says_so():
+    # it said 'matches no module of the model', listing that very module among the nearest FQNs
+    model = nn.Sequential(_Conv1D(16, 64), nn.ReLU(), _Conv1D(64, 16))
+    with pytest.raises(TensorParallelError, match=r"tp_plan key '0' names \['0'\], which the graph holds as no module "
+                                                  r"call.*Conv1D.*leave it out of the plan"):
+        plan_tensor_parallel(_graph(model, torch.randn(4, 16), "export"), 2, {"0": ColwiseParallel()})
+
+
 @pytest.mark.parametrize("tracer", ["fx", "export"])
 def test_a_plan_that_splits_little_is_warned_of_naming_the_layers_left_whole(tracer):
     # GPT-2 under tensor_parallel=2 split nothing and said nothing: both ranks computed everything
