@@ -55,7 +55,7 @@ class TensorParallelPlan:
         """Return the plan as JSON data: styles by module, the modules left whole, collectives per micro-batch."""
         per = max(micro, 1)
         shown = [{**c, "collectives": [[p, k, b // per] for p, k, b in c["collectives"]]} for c in self.calls]
-        return {"size": self.size, "auto": self.auto,
+        return {"size": self.size, "auto": self.auto, "micro": per,
                 "modules": {fqn: style_text(s) for fqn, s in self.styles.items()},
                 "replicated": [s.fqn for s in self.sites.values()
                                if s.kind in ("linear", "embedding") and s.fqn not in self.styles],

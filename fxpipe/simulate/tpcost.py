@@ -126,7 +126,7 @@ def tp_record(gm: Any, plan: PipelinePlan, size: int | None) -> tuple[dict[str, 
 
     The shards are the nodes whose values a rank holds a shard of (None: read them off the graph).
     """
-    own = plan.tensor_parallel
+    own = _whole_batch(plan.tensor_parallel, plan.chunks)
     if size is None:
         return own, None
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
@@ -139,6 +139,18 @@ def tp_record(gm: Any, plan: PipelinePlan, size: int | None) -> tuple[dict[str, 
         raise ValueError("tensor_parallel= reads the model's graph; simulate the compiled Pipe, not a plan")
     tp = plan_tensor_parallel(gm, size, "auto", record=False)
     return tp.record(1), set(tp.layouts)
+
+
+def _whole_batch(record: dict[str, Any] | None, chunks: int) -> dict[str, Any] | None:
+    """Return a plan's record with its collectives' bytes for the whole example batch, as the simulation scales them.
+
+    The plan records them per micro-batch of the example (``record["micro"]`` of them).
+    """
+    if record is None:
+        return None
+    per = int(record.get("micro") or chunks)
+    calls = [{**c, "collectives": [[p, k, b * per] for p, k, b in c["collectives"]]} for c in record["calls"]]
+    return {**record, "calls": calls, "micro": 1}
 
 
 def tp_table(t: int, comms: list[TPCost]) -> str:

@@ -253,3 +253,21 @@ def test_tensor_parallel_divides_the_work_and_counts_its_collectives():
     assert "tensor parallel over 2 ranks, collectives per micro-batch:" in str(two)
     with pytest.raises(ValueError, match="tensor_parallel=0"):
         fxpipe.simulate(pipe, device="h100", tensor_parallel=0)
+
+
+def test_a_tensor_parallel_plan_of_the_pipe_counts_the_bytes_the_automatic_one_does():
+    """The plan records its collectives per micro-batch; simulating it divided them by the chunks a second time."""
+    import tpmodels as tm
+
+    from fxpipe.plan.tensorparallel import plan_tensor_parallel
+
+    torch.manual_seed(0)
+    pipe = fxpipe.compile(tm.TiedDecoder(layers=2), 2, example_inputs=(torch.randint(0, 64, (8, 16)),), chunks=4,
+                          schedule="1f1b")
+    auto = fxpipe.simulate(pipe, device="h100", runtime="distributed", tensor_parallel=2)
+    pipe.plan.tensor_parallel = plan_tensor_parallel(pipe._gm, 2, "auto", record=False).record(4)  # as compile does
+    own = fxpipe.simulate(pipe, device="h100", runtime="distributed")
+    assert own.tensor_parallel == 2
+    for a, b in zip(auto.tp, own.tp):
+        assert b.forward_bytes == pytest.approx(a.forward_bytes, rel=0.01) and a.forward_bytes > 0
+        assert b.backward_bytes == pytest.approx(a.backward_bytes, rel=0.01)
