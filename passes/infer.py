@@ -26,7 +26,7 @@ from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.passes.failure import explain
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.mutates import may_mutate
-from fxpipe.passes.propagate import call_with_stand_ins, fetch_stand_in
+from fxpipe.passes.propagate import _DATA_DEPENDENT, call_with_stand_ins, fetch_stand_in
 from fxpipe.passes.signature import node_key, value_key
 from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -77,6 +77,10 @@ class SpecProp(torch.fx.Interpreter):
         else:
             try:
                 result = super().run_node(n)
+            except _DATA_DEPENDENT as exc:  # a leaf branching on a value: its example's value, resized
+                result = self._like_example(n)
+                if result is None:
+                    raise explain(self.gm, n, exc, "these inputs", advise=False) from None
             except Exception as exc:  # noqa: BLE001 - re-raised naming the node and its module
                 raise explain(self.gm, n, exc, "these inputs", advise=False) from None
             if key is not None:
@@ -86,6 +90,37 @@ class SpecProp(torch.fx.Interpreter):
         if n.name in self.wanted:
             self.specs[n.name] = spec_of(result)
         return result
+
+
+    def _like_example(self, n: torch.fx.Node) -> Any:
+        """Return ``n``'s value from the example's (``node.meta``) when its inputs differ from the example's in dim 0 only.
+
+        Fake tensors cannot follow a data-dependent op (a leaf module branching on a value),
+        which compile annotated on real kernels; a rank holding one stage cannot run the others'
+        kernels, but a node whose inputs changed only in their rows gives what it gave for the
+        example with those rows. Anything else: None (refused, naming the node).
+        """
+        example = n.meta.get("fxpipe.value")
+        base = rows = None
+        for a in n.all_input_nodes:
+            v, spec = self.env.get(a), a.meta.get("fxpipe.value")
+            if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                continue
+            if not isinstance(spec, TensorSpec) or len(spec.shape) != v.dim() or tuple(spec.shape[1:]) != tuple(v.shape[1:]):
+                return None
+            if base is None:
+                base, rows = int(spec.shape[0]), int(v.shape[0])
+            elif int(spec.shape[0]) != int(v.shape[0]) and (int(spec.shape[0]), int(v.shape[0])) != (base, rows):
+                return None
+        if example is None or base is None:
+            return None
+
+        def make(s: Any) -> Any:
+            if not isinstance(s, TensorSpec):
+                return s
+            shape = [rows if k == 0 and d == base else d for k, d in enumerate(s.shape)]
+            return torch.empty(shape, dtype=s.dtype).requires_grad_(s.requires_grad)
+        return tree_map(make, example, is_leaf=lambda v: isinstance(v, TensorSpec))
 
 
 def _ancestors(gm: torch.fx.GraphModule, wanted: set[str]) -> set[str]:

@@ -218,3 +218,11 @@ def test_a_target_missing_on_one_replica_is_named_on_every_rank_of_every_replica
         assert kind == "PeerFailure", (r, res)
         assert f"rank {r}" in message and "because rank 3 (stage 1) raised AttributeError" in message, (r, message)
         assert "pipe.step got target=None on the rank computing the loss" in message, (r, message)
+
+
+def test_a_leaf_branching_on_a_value_trains_across_ranks(tmp_path, launch):
+    # every step was refused: a new micro-batch's layout was propagated on fake tensors, which cannot follow it
+    results = launch("longrun_cases:data_dependent_leaf", 2, "1f1b", tmp_path)
+    _ok(results)
+    for res in results:
+        assert max(res["errors"]) < 1e-5, res

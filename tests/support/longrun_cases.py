@@ -446,3 +446,33 @@ def target_on_one_replica(rank, world, schedule):
         return {"failed": ["returned", "", time.monotonic() - start]}
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return {"failed": [type(exc).__name__, str(exc), time.monotonic() - start]}
+
+
+class _Gate(nn.Module):
+    """A leaf module branching on a value (the documented fix for fx's refusal): fake tensors cannot follow it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if bool((h > -1e9).all()):
+            h = torch.relu(h)
+        return self.b(h) + x
+
+
+def data_dependent_leaf(rank, world, schedule):
+    """A model with a data-dependent leaf: steps of 8 and 6 rows against eager on the same micro-batches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Gate(), _Gate(), _Gate(), nn.Linear(8, 4))
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, world, example_inputs=(torch.randn(8, 8),), chunks=2, runtime="distributed",
+                          timeout=20, schedule=schedule, leaf_modules=[_Gate])
+    errors = []
+    for rows in (8, 6):
+        x, y = torch.randn(rows, 8), torch.randn(rows, 4)
+        loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
+        expected = sum(F.mse_loss(eager(xi), yi) * len(xi) / rows for xi, yi in zip(x.chunk(2), y.chunk(2)))
+        errors.append(max_relative_error(loss, expected))
+    return {"errors": errors}
