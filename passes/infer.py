@@ -112,13 +112,14 @@ class SpecProp(torch.fx.Interpreter):
                 base, rows = int(spec.shape[0]), int(v.shape[0])
             elif int(spec.shape[0]) != int(v.shape[0]) and (int(spec.shape[0]), int(v.shape[0])) != (base, rows):
                 return None
-        if example is None or base is None:
+        if example is None or base is None or rows is None:
             return None
+        grown: int = rows
 
         def make(s: Any) -> Any:
             if not isinstance(s, TensorSpec):
                 return s
-            shape = [rows if k == 0 and d == base else d for k, d in enumerate(s.shape)]
+            shape = [grown if k == 0 and d == base else d for k, d in enumerate(s.shape)]
             return torch.empty(shape, dtype=s.dtype).requires_grad_(s.requires_grad)
         return tree_map(make, example, is_leaf=lambda v: isinstance(v, TensorSpec))
 
