@@ -22,13 +22,14 @@ and buffers are never counted (they are the stage's state, not per micro-batch).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, cast
 
 import torch
 import torch.fx
 from fxpipe.passes.annotate import TensorSpec, bind_placeholders
 from fxpipe.passes.gcpause import gc_paused
-from fxpipe.passes.propagate import fetch_stand_in
+from fxpipe.passes.propagate import _DATA_DEPENDENT, fetch_stand_in
 from fxpipe.passes.spec import differentiable
 from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -36,6 +37,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["retain"]
+
+log = logging.getLogger(__name__)
 
 
 class _Retainer(torch.fx.Interpreter):
@@ -49,6 +52,7 @@ class _Retainer(torch.fx.Interpreter):
         self.owner: dict[StorageWeakRef, str] = {}  # storage -> the node whose output it is
         self.current: torch.fx.Node | None = None
         self.saved: dict[torch.fx.Node, dict[StorageWeakRef, int]] = {}
+        self.guessed: dict[torch.fx.Node, int] = {}  # data-dependent nodes: what they save, from their output
 
     def _fake(self, t: torch.Tensor) -> torch.Tensor:
         """Return the fake stand-in of a parameter or buffer, made once."""
@@ -81,7 +85,12 @@ class _Retainer(torch.fx.Interpreter):
         """Run one node, noting the storages it saves and the ones its output holds."""
         self.current = n
         self.saved[n] = {}
-        out = super().run_node(n)
+        try:
+            out = super().run_node(n)
+        except _DATA_DEPENDENT:  # a leaf branching on a value (annotated on real kernels): its example value
+            out = tree_map(_stand_in_for, n.meta.get("fxpipe.value"), is_leaf=lambda v: isinstance(v, TensorSpec))
+            self.guessed[n] = int(n.meta.get("fxpipe.saved_bytes") or 0)
+            log.debug("retain: node %s is data-dependent; counting its output as what it saves", n.name)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.owner.setdefault(StorageWeakRef(t.untyped_storage()), n.name)
@@ -94,6 +103,13 @@ class _Retainer(torch.fx.Interpreter):
             if ref not in self.state:
                 self.saved[self.current][ref] = int(t.untyped_storage().nbytes())
         return t
+
+
+def _stand_in_for(spec: Any) -> Any:
+    """Return an empty tensor (a fake one, under the fake mode) for a :class:`TensorSpec`; other values as they are."""
+    if not isinstance(spec, TensorSpec):
+        return spec
+    return torch.empty(spec.shape, dtype=spec.dtype).requires_grad_(spec.requires_grad and differentiable(spec.dtype))
 
 
 def _fake_input(mode: FakeTensorMode, value: Any) -> Any:
@@ -129,5 +145,7 @@ def retain(gm: torch.fx.GraphModule, example_args: tuple | None = None,
         for ref, nbytes in runner.saved.get(node, {}).items():
             name = runner.owner.get(ref, "")
             kept[name] = kept.get(name, 0) + nbytes if name == "" else nbytes
+        if node in runner.guessed:
+            kept[node.name] = kept.get(node.name, 0) + runner.guessed[node]
         node.meta["fxpipe.retains"] = kept
     return gm

@@ -1,4 +1,4 @@
-"""Specs of the values crossing stages for new input layouts, on fake tensors (what a rank sizes its buffers by)."""
+"""Propagation for a leaf module fake tensors cannot follow: crossing values for new layouts, and the memory pass."""
 
 import pytest
 import torch
@@ -42,3 +42,15 @@ def test_a_data_dependent_leaf_gives_its_example_value_with_the_new_rows():
 def test_a_data_dependent_leaf_with_other_than_new_rows_is_refused_naming_it():
     with pytest.raises(PropagationError, match="node '_0'"):
         value_specs(_graph(), [TensorSpec((3, 4, 16), torch.float32)], ["_0"])
+
+
+def test_checkpoint_auto_plans_a_model_with_a_data_dependent_leaf():
+    # the memory pass ran on fake tensors only: a raw DataDependentOutputException out of fxpipe.compile
+    torch.manual_seed(0)
+    model = nn.Sequential(Gate(), Gate(), nn.Linear(16, 4))
+    x = torch.randn(8, 16)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, leaf_modules=[Gate],
+                          checkpoint="auto", max_memory=1e9)
+    assert all(n.meta["fxpipe.retains"].get("_0", 0) > 0 for n in pipe._gm.graph.nodes if n.name == "_0")
+    loss = pipe.step(x, target=torch.zeros(8, 4), loss_fn=torch.nn.functional.mse_loss)
+    assert torch.isfinite(loss)
