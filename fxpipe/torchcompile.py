@@ -8,6 +8,7 @@ the other options.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,9 @@ __all__ = ["SPLIT_BACKENDS", "TORCH_COMPILE_KEYS", "TorchCompile", "torch_compil
 
 TORCH_COMPILE_KEYS = ("backend", "mode", "dynamic", "options", "fullgraph")  # what torch_compile={...} takes
 SPLIT_BACKENDS = ("inductor", "aot_eager")  # the backends whose backward fxpipe splits into I and W
+_PACKAGES = {"tvm": "tvm", "openxla": "torch_xla", "openxla_eval": "torch_xla", "onnxrt": "onnxruntime",
+             "tensorrt": "torch_tensorrt", "torch_tensorrt": "torch_tensorrt",
+             "ipex": "intel_extension_for_pytorch"}  # a registered backend -> the package it imports lazily
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,13 @@ def torch_compile_config(value: Any) -> TorchCompile | None:
 
 def _load_backend(config: TorchCompile) -> None:
     """Import the backend and check ``mode`` and ``options`` against it (CompileError naming what fails)."""
+    if config.mode is not None and config.options:
+        raise CompileError("torch_compile got both mode= and options=, which torch.compile refuses together; give "
+                           "one (a mode's settings can be written as options=)")
+    if isinstance(config.backend, str) and "cudagraphs" in config.backend:
+        raise CompileError(f"torch_compile backend={config.backend!r} captures CUDA graphs, whose replays reuse one "
+                           "memory pool: with several micro-batches in flight a replay would overwrite activations "
+                           "that a pending backward still needs; use backend='inductor' (its default mode)")
     if (config.mode is not None or config.options) and config.backend != "inductor":
         raise CompileError(f"torch_compile mode= and options= configure inductor, but backend={config.name!r}; "
                            "drop them or use backend='inductor'")
@@ -85,6 +96,9 @@ def _load_backend(config: TorchCompile) -> None:
             torch._dynamo.lookup_backend(config.backend)
             if config.backend == "inductor":
                 import torch._inductor.compile_fx
+            package = _PACKAGES.get(config.backend)  # imported by the backend only when it first compiles
+            if package is not None and importlib.util.find_spec(package) is None:
+                raise ImportError(f"it needs the package {package!r}, which is not installed")
         except Exception as exc:
             raise CompileError(f"torch_compile backend={config.backend!r} cannot be loaded ({type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''}); the backends torch knows here: "
@@ -97,6 +111,7 @@ def _load_backend(config: TorchCompile) -> None:
         raise CompileError(f"torch_compile options: {str(exc).split(', known options')[0]} (inductor's config: "
                            "torch._inductor.config)") from None
     if patches.get("triton.cudagraphs"):
-        raise CompileError(f"torch_compile mode={config.mode!r} captures CUDA graphs, whose replays reuse one memory "
+        asked = f"mode={config.mode!r}" if config.mode is not None else "options={'triton.cudagraphs': True}"
+        raise CompileError(f"torch_compile {asked} captures CUDA graphs, whose replays reuse one memory "
                            "pool: with several micro-batches in flight a replay would overwrite activations that a "
                            "pending backward still needs; use mode='max-autotune-no-cudagraphs' or the default")

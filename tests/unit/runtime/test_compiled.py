@@ -287,6 +287,12 @@ class _Untraceable(nn.Module):
     ({"backend": "aot_eager", "mode": "max-autotune"}, fxpipe.CompileError, "mode= and options= configure inductor"),
     ({"mode": "reduce-overhead"}, fxpipe.CompileError, "captures CUDA graphs"),
     ({"options": {"no_such_option": 1}}, fxpipe.CompileError, "Unexpected optimization option no_such_option"),
+    ({"options": {"triton.cudagraphs": True}}, fxpipe.CompileError,
+     r"options=\{'triton.cudagraphs': True\} captures CUDA graphs"),
+    ({"backend": "cudagraphs"}, fxpipe.CompileError, "backend='cudagraphs' captures CUDA graphs"),
+    ({"mode": "max-autotune-no-cudagraphs", "options": {"max_autotune": True}}, fxpipe.CompileError,
+     "got both mode= and options="),
+    ({"backend": "tvm"}, fxpipe.CompileError, "backend='tvm' cannot be loaded .*needs the package 'tvm'"),
 ])
 def test_bad_torch_compile_values_are_refused_before_tracing(value, error, message):
     with pytest.raises(error, match=message):
