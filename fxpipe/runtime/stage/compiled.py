@@ -19,7 +19,9 @@ for static shapes at the first micro-batch size; a second size makes torch.compi
 again with dim 0 dynamic (its automatic dynamic shapes), and every later size reuses that
 graph. Static kernels are faster (on the CPU benchmark 0.985x against 1.10x ``torch.compile``
 of the model with dim 0 dynamic). A stage that recomputes runs two graphs, so there dim 0 of
-each input is marked dynamic from the first call: each graph compiles once.
+each input is marked dynamic from the first call, and so is each input that is a Python int
+(a batch size the stage before passes on, as exported Hugging Face models do): each graph
+compiles once.
 
 Recomputation replays the stage's random numbers as in eager: the RNG state is restored
 around the call, and the compiled graphs draw from it as eager ops would (inductor draws its
@@ -84,9 +86,11 @@ class CompiledStage:
             _mark_batch_dynamic(inputs)
         if self.norms is None:  # deferred batch norms stage their sums inside the graph
             self.norms = staging(self.gm.modules())
+        sources = _int_sources(self.gm, inputs) if self.config.dynamic is None and not self.static_first else ""
         before, start = self.graphs, time.perf_counter()
         try:
-            with unstaged(self.norms, bool(self.norms) and is_recomputing()):
+            with unstaged(self.norms, bool(self.norms) and is_recomputing()), \
+                    torch.compiler.config.patch(dynamic_sources=sources):
                 out = self._fn(*inputs)
         except torch._dynamo.exc.TorchDynamoException as exc:
             raise self._failure(exc) from exc
@@ -189,6 +193,17 @@ def _at_offset_zero(inputs: tuple) -> tuple:
         return inputs
     return tuple(tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.storage_offset() != 0 else t,
                           inputs))
+
+
+def _int_sources(gm: torch.fx.GraphModule, inputs: tuple) -> str:
+    """Name, as dynamo's sources, the stage's inputs that are Python ints (a batch size crossing from the stage before).
+
+    Dynamo specializes an int input at its first value; marked dynamic like dim 0 of the
+    tensors, a new batch size reuses the graph instead of compiling it again.
+    """
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    return ",".join(f"L['{name}']" for name, v in zip(names, inputs)
+                    if isinstance(v, int) and not isinstance(v, bool))
 
 
 def _mark_batch_dynamic(inputs: tuple) -> None:

@@ -466,3 +466,27 @@ def test_inductor_zero_bubble_splits_a_cnn_s_backward():
     pipe = _check_step(CNN().eval(), x, y, F.cross_entropy, tol=1e-4, n_stages=2, chunks=2, schedule="zb",
                        devices=["cpu"] * 2, split_points=["convs.1"], torch_compile=True)
     assert all(s["split"] for s in pipe.compile_stats.values())
+
+
+class _SizeAcross(nn.Module):
+    """Passes the batch size to the next stage as a Python int (every exported Hugging Face model does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        b = x.size(0)
+        h = torch.relu(self.b(torch.relu(self.a(x)).reshape(-1, 32)))
+        return self.c(h.view(b, -1, 32))
+
+
+def test_an_int_crossing_stages_does_not_compile_a_recomputing_stage_again_per_batch_size():
+    # dynamo specialized the int: the second batch size compiled both graphs of the stage again (4, not 2)
+    torch.manual_seed(0)
+    pipe = fxpipe.compile(_SizeAcross(), 2, example_inputs=(torch.randn(4, 3, 16),), chunks=2, schedule="1f1b",
+                          checkpoint="always", devices=["cpu"] * 2, torch_compile={"backend": "aot_eager"},
+                          split_points=["b"])
+    for rows in (4, 6, 8):
+        pipe.step(torch.randn(rows, 3, 16), target=torch.randn(rows, 3, 4), loss_fn=F.mse_loss)
+    assert all(v["compiles"] <= 2 for v in pipe.compile_stats.values()), pipe.compile_stats
