@@ -73,6 +73,7 @@ class CompiledStage:
         self.breaks: list[str] = []  # where and why a graph ended at a graph break
         self.split: list[tuple[int, int]] = []  # per split backward graph: nodes in I and in W
         self.norms: list | None = None  # the stage's deferred batch norms, found at the first call
+        _room_for_stages(index + 1)
         _step_over(call_wrapper_code())
         if not isinstance(fn, torch.nn.Module) and hasattr(fn, "__code__"):
             _step_over(fn.__code__)  # a wrapper shared by stages (foreign parameters): compile what it calls
@@ -167,6 +168,23 @@ class CompiledStage:
                "try backend='aot_eager' to tell the graph from the backend, or torch_compile=False")
         return CompileError(f"stage {self.index}: torch.compile ({self.config.name}) cannot compile the stage{at}: "
                             f"{first}; {fix}")
+
+
+def _room_for_stages(stages: int) -> None:
+    """Raise dynamo's recompile limit to hold ``stages`` stages' graphs on code they share.
+
+    User code a graph break resumes in (a leaf module's forward after a ``.item()``) is one code
+    object for every stage calling it, and each stage adds its own cache entries there (its
+    backend, the no-grad and recomputed forwards, eval): past ``recompile_limit`` (8) dynamo
+    runs that code eagerly, silently. Eight entries per stage leave room.
+    """
+    config = torch._dynamo.config
+    wanted = 8 * stages
+    if config.recompile_limit < wanted:
+        log.info("raising torch._dynamo.config.recompile_limit from %d to %d for %d compiled stages",
+                 config.recompile_limit, wanted, stages)
+        config.recompile_limit = wanted
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * wanted)
 
 
 def _step_over(code: Any) -> None:

@@ -490,3 +490,33 @@ def test_an_int_crossing_stages_does_not_compile_a_recomputing_stage_again_per_b
     for rows in (4, 6, 8):
         pipe.step(torch.randn(rows, 3, 16), target=torch.randn(rows, 3, 4), loss_fn=F.mse_loss)
     assert all(v["compiles"] <= 2 for v in pipe.compile_stats.values()), pipe.compile_stats
+
+
+class _BreakingGate(nn.Module):
+    """A leaf whose forward breaks the graph (.item()): its code after the break is shared by every stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if bool((h > -1e9).all()):
+            h = torch.relu(h)
+        return self.b(h) + x
+
+
+def test_stages_sharing_code_after_a_graph_break_all_stay_compiled(caplog):
+    # eight stages' cache entries on the shared code passed dynamo's recompile limit (8): the rest ran eagerly
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_BreakingGate() for _ in range(8)])
+    x = torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 8, example_inputs=(x,), chunks=8, schedule="1f1b", devices=["cpu"] * 8,
+                          torch_compile={"backend": "aot_eager"}, leaf_modules=[_BreakingGate])
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        pipe.step(x, target=x, loss_fn=F.mse_loss)
+        pipe.eval()
+        with torch.no_grad():
+            pipe(x)
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+    assert torch._dynamo.config.recompile_limit >= 64
