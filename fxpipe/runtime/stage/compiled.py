@@ -91,7 +91,7 @@ class CompiledStage:
         before, start = self.graphs, time.perf_counter()
         try:
             with unstaged(self.norms, bool(self.norms) and is_recomputing()), \
-                    torch.compiler.config.patch(dynamic_sources=sources):
+                    torch.compiler.config.patch(dynamic_sources=sources):  # type: ignore[attr-defined]
                 out = self._fn(*inputs)
         except torch._dynamo.exc.TorchDynamoException as exc:
             raise self._failure(exc) from exc
