@@ -58,6 +58,7 @@ from fxpipe.runtime.transport.comm import Comm, on_every_rank
 from fxpipe.runtime.transport.messages import DistTransport
 from fxpipe.runtime.transport.procgroup import Layout, Ties, reopen_pipeline
 from fxpipe.runtime.transport.together import communication_failed, first_line
+from fxpipe.runtime.transport.tpinputs import from_tp_holder
 
 __all__ = ["DistributedRuntime"]
 
@@ -305,7 +306,7 @@ class DistributedRuntime:
         def body() -> torch.Tensor:
             if not torch.is_grad_enabled():
                 raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
-            tgt = steplayout.from_tp_leader(self, target) if self.last else target
+            tgt = from_tp_holder(self, target, target is not None)[0] if self.last else target
             if self.summed is None:  # the first step since the last sum: what that sum made equal stays out
                 self.summed = open_window(self.tied)
             runner = self._run(args, kwargs, lambda batch, m: micro_losses(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -162,6 +163,8 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
         world = 1 + max(s.on_rank for s in plan.stages)  # several stages per rank: as compiled
         ranks = world if world < n else None
     name, actions, rank_of = eventsim.schedule_rows(schedule, n, m, placement, ranks)
+    if ranks is None and placement is None and name != "custom":
+        _say_other_ranks(schedule, plan, 1 + max(rank_of))
     if layout is not None and layout.dp > 1:  # as the runtime runs it: each stage's last backward a full B
         actions = final_backwards(actions)[0]
     device_of = local_devices(plan, model, rank_of) if runtime == "local" else rank_of
@@ -173,6 +176,21 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     if record is not None:
         result.tensor_parallel, result.tp = int(record["size"]), tp
     return result
+
+
+def _say_other_ranks(schedule: str, plan: Any, simulated: int) -> None:
+    """Warn when ``schedule`` puts the plan's stages on another number of ranks than the plan runs on."""
+    world = 1 + max(s.on_rank for s in plan.stages)
+    if simulated == world:
+        return
+    n = plan.n_stages
+    per = "two stages on each rank" if schedule in ("interleaved", "zbv") else "one stage on each rank"
+    warnings.warn(
+        f"schedule={schedule!r} puts {per}: the {n} stages are simulated on {simulated} rank(s), but the pipe runs "
+        f"them on {world}. To compare schedules on the same {world} rank(s), compile with "
+        f"n_stages={world * (2 if schedule in ('interleaved', 'zbv') else 1)}"
+        f"{', stages_per_rank=2' if schedule in ('interleaved', 'zbv') else ''} and simulate that pipe; pass "
+        "ranks= to simulate on another number of ranks on purpose", stacklevel=3)
 
 
 def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int], device_of: list[int],

@@ -272,19 +272,21 @@ def policies(rank, world, schedule):
 
 
 def misuse(rank, world, schedule):
-    """pp2 x tp2: the target on the first stage's ranks only; the inputs on a group's second rank only; then a step."""
+    """pp2 x tp2: the target on the first stage's ranks only (refused); inputs and target on each group's second rank."""
     pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "mlp", schedule)
     _, p, k, _ = _place(rank, world, 2, 2)
+    last = pipe.plan.stages[-1].on_rank == p
     out = {}
     for label, a, b in [("target_on_first", x if p == 0 else None, y if p == 0 else None),
-                        ("inputs_on_second", x if p == 0 and k == 1 else None, y)]:
+                        ("on_second", x if p == 0 and k == 1 else None, y if last and k == 1 else None)]:
         try:
-            pipe.step(a, target=b, loss_fn=loss_fn)
-            out[label] = ["returned", ""]
+            out[label] = ["returned", pipe.step(a, target=b, loss_fn=loss_fn).item()]
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out[label] = [type(exc).__name__, str(exc)]
+    pipe.zero_grad()
     loss = step()
     expected = loss_fn(eager(x), y)
     expected.backward()
+    out["expected"] = expected.item()
     out["after"] = [max_relative_error(loss, expected), max(_errors(held, eager).values())]
     return out

@@ -20,8 +20,9 @@ from fxpipe.errors import PipelineInputError, PropagationError
 from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.runtime.stage.stagecall import autocast_state
 from fxpipe.runtime.transport.comm import on_every_rank
+from fxpipe.runtime.transport.tpinputs import from_tp_holder, group_names, inputs_given
 
-__all__ = ["call_name", "check_signature", "from_tp_leader", "holders", "publish", "receive", "specs_for", "tell_all"]
+__all__ = ["call_name", "check_signature", "holders", "publish", "receive", "specs_for", "tell_all"]
 
 
 def check_signature(names: list[str], spec: list[Any], example: list[Any]) -> None:
@@ -61,10 +62,11 @@ def holders(runtime: Any, pipeline_rank: int, what: str) -> str:
     """Name the global rank(s) at ``pipeline_rank`` of every replica, saying they hold ``what``."""
     layout = runtime.layout
     rows = layout.pipelines()  # replica-major, then tp index
-    if layout.tp > 1:  # a tensor-parallel group's first rank's inputs and target are the group's
-        ranks = [rows[d * layout.tp][pipeline_rank] for d in range(len(rows) // layout.tp)]
-        return (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ({what}: the first rank of its "
-                "tensor-parallel group, whose inputs and target every rank of the group uses)")
+    if layout.tp > 1:  # a tensor-parallel group takes the inputs and the target from whichever of its ranks has them
+        groups = [" or ".join(str(rows[d * layout.tp + k][pipeline_rank]) for k in range(layout.tp))
+                  for d in range(len(rows) // layout.tp)]
+        return (f"rank {'; '.join(groups)} ({what}: any rank of {'each' if len(groups) > 1 else 'its'} "
+                "tensor-parallel group, whose ranks all use the values given on one)")
     ranks = [row[pipeline_rank] for row in rows]
     if len(ranks) == 1:
         return f"rank {ranks[0]} ({what})"
@@ -77,7 +79,7 @@ def _refuse_missing_inputs(runtime: Any, values: list[Any], stepping: bool) -> N
             isinstance(leaf, TensorSpec) for leaf in tree_flatten(runtime.example)[0]):
         last = (f"the target goes to {holders(runtime, runtime.last_rank, 'the last stage, which computes the loss')}"
                 if stepping else f"the output comes back on {holders(runtime, runtime.last_rank, 'the last stage')}")
-        if runtime.layout.tp > 1:  # the group's first rank's inputs are every rank's of the group
+        if runtime.layout.tp > 1:  # no rank of the group had inputs: any of them may hold the group's
             raise PipelineInputError(
                 f"{'pipe.step' if stepping else 'pipe(...)'} got no inputs on "
                 f"{holders(runtime, runtime.first, 'the first stage')}: pass the inputs there (or on every rank); "
@@ -137,8 +139,8 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
     value crossing a stage boundary (propagated here on fake tensors), so that the other ranks
     size their receive buffers for a new sequence length without propagating it themselves.
     """
-    args, kwargs, has_target = from_tp_leader(runtime, (args, kwargs, has_target))  # the target's too: each
-    agreed = runtime.layout.dp == 1  # pipeline row of the group then checks the same target  # the replicas' first ranks meet once per step, refusing or not
+    (args, kwargs), has_target = from_tp_holder(runtime, (args, kwargs), inputs_given(args, kwargs), has_target)
+    agreed = runtime.layout.dp == 1  # the replicas' first ranks meet once per step, refusing or not
     try:
         if not args and not kwargs:  # a model taking keywords only gets nothing to bind on this rank
             _refuse_missing_inputs(runtime, [None], stepping)
@@ -180,11 +182,12 @@ def check_target(runtime: Any, target: Any, on_first: bool) -> None:
     every step) the loss's rank alone refuses a missing target; the others see its refusal as a
     failed step.
     """
-    loss_rank, ranks = runtime.last_rank, _speaking(runtime)
+    loss_rank, ranks = runtime.last_rank, group_names(runtime)
     fix = (f"pass the target on {holders(runtime, loss_rank, 'the last stage')} (pipe.plan.stages[-1].on_rank is its "
            "pipeline rank); passing the inputs and the target on every rank is fine")
-    missing = (f"pipe.step got a target on rank {ranks[runtime.first]}, which splits the inputs, but target=None on "
-               f"rank {ranks[runtime.rank]}, which computes the loss: {fix}")
+    missing = (f"pipe.step got a target on {ranks[runtime.first]}, which split{'s' if runtime.layout.tp == 1 else ''} "
+               f"the inputs, but target=None on {ranks[runtime.rank]}, which compute{'s' if runtime.layout.tp == 1 else ''} "
+               f"the loss: {fix}")
     if runtime.target_checked:
         if runtime.last and runtime.first != loss_rank and on_first and target is None:
             raise PipelineInputError(missing)
@@ -198,15 +201,16 @@ def check_target(runtime: Any, target: Any, on_first: bool) -> None:
             verdict = runtime.comm.recv_object(loss_rank, "waiting for the loss rank's check of the target")
     elif runtime.first == loss_rank and not on_first:
         if runtime.last:
-            given = [ranks[r] for r in range(runtime.world) if r != runtime.rank and
+            given = [ranks[r].removeprefix("ranks ").removeprefix("rank ") for r in range(runtime.world)
+                     if r != runtime.rank and
                      runtime.comm.recv_object(r, "waiting for the other ranks to say whether they have a target")]
             verdict = None if not given else (
-                f"pipe.step got target=None on rank {ranks[runtime.rank]}, which computes the loss (it holds the "
+                f"pipe.step got target=None on {ranks[runtime.rank]}, which computes the loss (it holds the "
                 f"first and the last stage), but a target on rank {', '.join(map(str, given))}: {fix}")
             tell_all(runtime, verdict)
             runtime.comm.flush()
         else:
-            runtime.comm.send_object(target is not None, loss_rank)
+            runtime.comm.send_object(from_tp_holder(runtime, None, False, target is not None)[1], loss_rank)
             runtime.comm.flush()
             verdict = runtime.comm.recv_object(loss_rank, "waiting for the loss rank's check of the target")
     else:
@@ -221,29 +225,6 @@ def check_target(runtime: Any, target: Any, on_first: bool) -> None:
     if verdict is not None:
         raise on_every_rank(PipelineInputError(verdict))
     runtime.target_checked = True
-
-
-def _speaking(runtime: Any) -> list[int]:
-    """Return the global rank whose inputs and target count at each pipeline rank: its group's first under tensor parallel."""
-    layout = runtime.layout
-    if layout.tp == 1:
-        return list(layout.global_ranks)
-    return layout.pipelines()[layout.replica * layout.tp]
-
-
-def from_tp_leader(runtime: Any, value: Any) -> Any:
-    """Return the first rank's ``value`` on every rank of this stage's tensor-parallel group.
-
-    The ranks of a group compute on the same inputs (and the same target): they take those of
-    the group's first rank (tp index 0), which the other ranks may leave ``None``.
-    """
-    layout = runtime.layout
-    if layout.tp == 1:
-        return value
-    box = [value if layout.tp_index == 0 else None]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(layout.tp_group, 0), group=layout.tp_group,
-                               device=runtime.device)
-    return box[0]
 
 
 def _propagate(runtime: Any, specs: list[Any], training: bool) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """fxpipe.simulate on compiled pipes and plans: step time, timeline, memory, device models."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -202,6 +203,23 @@ def test_an_odd_stage_count_under_interleaved_asks_for_the_ranks():
     with pytest.raises(fxpipe.ScheduleError, match="places several of the 3 stages on each rank; .* ranks="):
         fxpipe.simulate(pipe, schedule="interleaved", device=UNIT)
     assert [s.rank for s in fxpipe.simulate(pipe, schedule="interleaved", ranks=3, device=UNIT).stages] == [0, 1, 2]
+
+
+def test_a_schedule_putting_the_stages_on_other_ranks_than_the_pipe_s_says_so():
+    # interleaved on a 2-stage pipe of 2 ranks simulated one rank holding both stages, silently
+    pipe = _pipe(_mlp(layers=4), torch.randn(8, 64), n=2, chunks=4)
+    with pytest.warns(UserWarning, match=r"simulated on 1 rank\(s\), but the pipe runs them on 2\. .* compile with "
+                                         r"n_stages=4, stages_per_rank=2"):
+        sim = fxpipe.simulate(pipe, schedule="interleaved", device=UNIT)
+    assert [s.rank for s in sim.stages] == [0, 0]
+    looped = _pipe(_mlp(layers=4), torch.randn(8, 64), n=4, chunks=4, schedule="interleaved", stages_per_rank=2)
+    with pytest.warns(UserWarning, match=r"schedule='1f1b' puts one stage on each rank: the 4 stages are simulated on 4"):
+        fxpipe.simulate(looped, schedule="1f1b", device=UNIT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxpipe.simulate(pipe, schedule="zb", device=UNIT)
+        fxpipe.simulate(looped, schedule="zbv", device=UNIT)
+        fxpipe.simulate(pipe, schedule="interleaved", ranks=1, device=UNIT)  # asked for
 
 
 def test_zbv_on_other_than_half_the_stages_names_the_ranks_to_give():
