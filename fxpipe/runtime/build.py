@@ -52,6 +52,7 @@ from fxpipe.runtime.stage.marks import instrument
 from fxpipe.runtime.stage.offload import Offload
 from fxpipe.runtime.stage.selective import Program, foreign_wrap
 from fxpipe.runtime.stage.stagecall import StageCall
+from fxpipe.runtime.stage.unfrozen import watch_frozen
 from fxpipe.runtime.stage.wgrad import defer_weight_grads
 from fxpipe.runtime.target import Target
 from fxpipe.runtime.tensorparallel import shard_stages
@@ -225,6 +226,7 @@ def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
     calls = [stage_call(j, stages[j], r, policies[j], own.foreign[j], devices[j], j == n - 1, defer, compiled, save)
              for j, r in enumerate(runnables)]
     engine = LocalRuntime(plan, calls, Binding(gm), schedule)
+    engine.unfrozen = watch_frozen(plan, gm, dict(enumerate(stages)))
     if deferred_batch_norm:
         engine.deferred = defer_batch_norm({id(m): m for st in stages for m in st.modules()}.values()) + exported
     return engine
@@ -282,6 +284,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
         engine.deferred = defer_batch_norm({id(m): m for st in held for m in st.modules()}.values()) + exported
     if layout.dp > 1:
         engine.norms = norms_of(held)
+    engine.unfrozen = watch_frozen(plan, gm, {j: stages[j] for j in mine})  # after FSDP2 swapped the parameters
     keep = {id(t) for st in held for _, t in named_tensors(st)} | unread  # after the move: moved buffers are new
     release(model, keep, also=[gm, *stages])
     return engine, keep

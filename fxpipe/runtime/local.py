@@ -31,6 +31,7 @@ from fxpipe.runtime.stage.copy import copy
 from fxpipe.runtime.stage.dependency import depend
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.threads import DeviceThreads
+from fxpipe.runtime.stage.unfrozen import refuse_unfrozen
 from fxpipe.runtime.stage.worker import StageWorker
 from fxpipe.runtime.transport.mailbox import LocalTransport
 
@@ -52,6 +53,7 @@ class LocalRuntime:
         self.checkpointing = False
         self.passes = [saving_pass(p) for p in plan.policies()]  # per stage: its forward's pass when training
         self.sync = True  # pipe.no_sync(): nothing to reduce in one process
+        self.unfrozen: list = []  # parameters frozen at compile whose gradient could not come back (unfrozen.py)
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
         self._programs: dict[tuple[str, int], tuple[str, Any]] = {}
         self.threads: DeviceThreads | None = None
@@ -142,6 +144,7 @@ class LocalRuntime:
             total = sum((losses[i](out) for i, out in enumerate(outputs[1:], 1)), losses[0](outputs[0]))
             total.backward()
             return total.detach()
+        refuse_unfrozen(self.unfrozen)  # the action lists send a gradient back only where one was at compile
         transport = LocalTransport(self.plan, self.calls)
         transport.inputs = mbs
         interpreter = ActionInterpreter(self.plan, self.workers, transport, self.threads)

@@ -1,0 +1,60 @@
+"""Refuse a step after a parameter frozen at compile is unfrozen where no gradient can reach it.
+
+The compiler decides once which values crossing stages carry a gradient back (each stage's
+``grad_inputs``, from the parameters' ``requires_grad`` when it traced): a stage whose outputs
+depend on frozen parameters only sends them without one, and the ranks skip those backward
+messages. Unfreezing such a parameter afterwards (gradual unfreezing) would leave it without a
+gradient under every action schedule, silently::
+
+    stage 0 (frozen at compile) --x--> stage 1        x carries no gradient back
+    p.requires_grad_(True) on stage 0               -> p.grad stays None
+
+Such steps are refused instead, naming the parameter and the fixes. Only the parameters frozen
+at compile in such stages are watched: a model with none costs nothing per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from fxpipe import passes
+from fxpipe.errors import PipelineInputError
+
+__all__ = ["refuse_unfrozen", "watch_frozen"]
+
+
+def watch_frozen(plan: Any, gm: torch.fx.GraphModule, stages: Mapping[int, torch.nn.Module]
+                 ) -> list[tuple[int, str, torch.nn.Parameter]]:
+    """Return ``(stage, name, parameter)`` for each frozen parameter of a stage sending a floating value without a gradient."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    consumers = plan.consumers()
+    watched = []
+    for j, stage in stages.items():
+        dead = [v for v in plan.stages[j].outputs for c in consumers.get(v, ())
+                if c != j and v not in plan.stages[c].grad_inputs and _floating(nodes.get(v))]
+        if dead:
+            watched += [(j, name, p) for name, p in stage.named_parameters() if not p.requires_grad]
+    return watched
+
+
+def refuse_unfrozen(watched: list[tuple[int, str, torch.nn.Parameter]]) -> None:
+    """Raise if a watched parameter requires grad now."""
+    for j, name, p in watched:
+        if p.requires_grad:
+            raise PipelineInputError(
+                f"parameter '{name}' (stage {j}) requires grad now but did not when the pipe was compiled: the "
+                f"compiler then found that stage {j}'s outputs carry no gradient back, so it would get none. "
+                "Set requires_grad before fxpipe.compile: to start frozen, leave the parameter out of the "
+                "optimizer (or give its group lr=0) and unfreeze it by adding it; or build a new pipe after "
+                "unfreezing (fxpipe.save, fxpipe.compile, fxpipe.load)")
+
+
+def _floating(node: torch.fx.Node | None) -> bool:
+    """Tell whether a value crossing a boundary holds a tensor a gradient could flow through."""
+    spec = None if node is None else node.meta.get("fxpipe.value")
+    return spec is None or any(isinstance(t, passes.TensorSpec) and passes.differentiable(t.dtype)
+                               for t in tree_flatten(spec)[0])
