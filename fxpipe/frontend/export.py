@@ -52,6 +52,7 @@ from fxpipe.errors import TraceError
 from fxpipe.frontend.exportmeta import fake_inputs, fake_state, meta_refusal, refuse_stand_ins, target_device
 from fxpipe.frontend.modes import in_other_mode, may_read_mode
 from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
+from fxpipe.frontend.specialised import recording_specialisations, specialising_line
 from fxpipe.frontend.userframe import user_frame
 from fxpipe.passes.modes import merge_modes
 
@@ -122,13 +123,15 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
         return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
 
     def exported(faked: Any) -> torch.fx.GraphModule:
+        fixed: list[Any] = []  # the sizes the model's code fixed to a constant, with its line
         try:
-            program = export(torch.export.Dim("batch", min=1))
+            with recording_specialisations(fixed):
+                program = export(torch.export.Dim("batch", min=1))
         except Exception as exc:  # retried with a bound, or re-raised with the fix
             refusal = meta_refusal(model, exc, target, faked)
             if refusal is not None:
                 raise refusal from exc
-            program = _bounded(model, export, exc, rows)
+            program = _bounded(model, export, exc, rows, fixed)
         return program.module()
 
     drawn: list[str] = []
@@ -210,13 +213,17 @@ def enabled_autocast() -> tuple[tuple[str, torch.dtype], ...]:
     return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
-def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int) -> torch.export.ExportedProgram:
-    """Export again with the batch bound torch suggests (or ``Dim.AUTO``) if it admits 1 to ``rows`` rows."""
+def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int, fixed: list[Any]
+             ) -> torch.export.ExportedProgram:
+    """Export again with the batch bound torch suggests (or ``Dim.AUTO``) if it admits 1 to ``rows`` rows.
+
+    ``fixed`` holds the sizes the first export fixed to constants, with the model's lines.
+    """
     if "Constraints violated" not in str(exc):
         raise _refusal(model, exc) from exc
     suggested = _suggested_batch(str(exc))
     if isinstance(suggested, int):  # specialised to a constant: no bound keeps the batch dynamic
-        raise _refusal(model, exc) from exc
+        raise _refusal(model, exc, where=specialising_line(fixed, suggested)) from exc
     lo: int
     hi: int | None
     try:
@@ -291,7 +298,7 @@ def _size(bound: Any) -> int:
         return _UNBOUNDED
 
 
-def _refusal(model: nn.Module, exc: BaseException, fix: str = "") -> TraceError:
+def _refusal(model: nn.Module, exc: BaseException, fix: str = "", where: str = "") -> TraceError:
     """Explain that torch.export cannot keep the batch dim dynamic for ``model`` (or flatten what it returns)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     unknown = _UNKNOWN_TYPE.search(first)
@@ -305,12 +312,18 @@ def _refusal(model: nn.Module, exc: BaseException, fix: str = "") -> TraceError:
             "torch.utils._pytree.register_pytree_node. The full torch.export error is chained below.")
     if not fix and ("data-dependent" in first or type(exc).__name__ == "GuardOnDataDependentSymNode"):
         return _value_branch(model, exc, first)
+    line = f"The model's code fixes the batch size to a constant{where}. " if where else ""
     fix = fix or ("fxpipe splits dim 0 of every input into micro-batches, so the model must not "
                   "depend on the batch size; otherwise ")
+    if type(model).__module__.startswith("transformers."):  # whose models fx cannot trace
+        other = ("pipeline a submodule without that code (a vision-language model's language model, fed "
+                 "inputs_embeds), or rewrite the line without a loop over the batch; tracer='fx' cannot "
+                 "trace transformers 5 models")
+    else:
+        other = "use the fx front end (tracer='fx'), whose graph is shape-generic"
     return TraceError(
         f"torch.export could not trace {type(model).__name__} with a dynamic batch dimension: "
-        f"{first}\n{fix}use the fx front end (tracer='fx'), whose graph is shape-generic. "
-        "The full torch.export error is chained below.")
+        f"{first}\n{line}{fix}{other}. The full torch.export error is chained below.")
 
 
 def _value_branch(model: nn.Module, exc: BaseException, first: str) -> TraceError:

@@ -7,7 +7,7 @@ import traceback
 
 import torch
 
-__all__ = ["user_frame"]
+__all__ = ["outside_torch", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # with the separator: torchvision's lines are the user's
 _FXPIPE_DIR = os.path.dirname(__file__) + os.sep
@@ -15,7 +15,11 @@ _FXPIPE_DIR = os.path.dirname(__file__) + os.sep
 
 def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """Return the innermost traceback frame outside torch and fxpipe."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    return outside_torch(traceback.extract_tb(exc.__traceback__))
+
+
+def outside_torch(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """Return the innermost of ``frames`` outside torch and fxpipe (and not generated code)."""
     user = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _FXPIPE_DIR))
             and not f.filename.startswith("<")]
     return user[-1] if user else None

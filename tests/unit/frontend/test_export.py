@@ -296,3 +296,31 @@ def test_hooks_a_traced_graph_does_not_run_are_warned_of(tracer):
         fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),), tracer=tracer)
     said = " ".join(str(r.message) for r in w)
     assert ("1 (forward pre-hook)" in said) == (tracer == "export")
+
+
+class _PerRow(nn.Module):
+    """Loops over the batch in Python, as LLaVA's ``list(image_features)``: export fixes the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        rows = list(x)  # fixes the batch size
+        return self.fc(torch.stack([r * 2 for r in rows]))
+
+
+def test_a_batch_fixed_to_a_constant_names_the_line_that_fixed_it():
+    # torch's refusal names no line ("specialized it to be a constant (4)"): fxpipe records where
+    with pytest.raises(fxpipe.TraceError, match=r"fixes the batch size to a constant at .*test_export\.py:\d+ "
+                                                r"\(rows = list\(x\).*use the fx front end"):
+        fxpipe.compile(_PerRow(), 2, example_inputs=(torch.randn(4, 8),), tracer="export")
+
+
+def test_a_transformers_model_fixing_the_batch_is_not_sent_to_fx():
+    # fx refuses every transformers 5 model: the export refusal once sent LLaVA there, and fx sent it back
+    cls = type("LlavaLike", (_PerRow,), {"__module__": "transformers.models.llava.modeling_llava"})
+    with pytest.raises(fxpipe.TraceError, match=r"pipeline a submodule without that code .* tracer='fx' cannot trace "
+                                                r"transformers 5 models") as info:
+        fxpipe.compile(cls(), 2, example_inputs=(torch.randn(4, 8),), tracer="export")
+    assert "use the fx front end" not in str(info.value)
