@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import traceback
 from collections.abc import Iterator
+from typing import Any
 
 from fxpipe.frontend.userframe import outside_torch
 
@@ -28,14 +29,14 @@ def recording_specialisations(found: list[tuple[int, traceback.FrameSummary]]) -
         yield
         return
 
-    def record(self: ShapeEnv, a: object, tgt: object, *args: object, **kwargs: object) -> object:
+    def record(self: ShapeEnv, a: Any, tgt: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(tgt, "is_Integer", False):
             frame = outside_torch(traceback.extract_stack()[:-1])
             if frame is not None:
-                found.append((int(tgt), frame))  # type: ignore[call-overload]
+                found.append((int(tgt), frame))
         return original(self, a, tgt, *args, **kwargs)
 
-    ShapeEnv._set_replacement = record  # type: ignore[method-assign]
+    ShapeEnv._set_replacement = record  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
