@@ -125,6 +125,7 @@ class Pipe(nn.Module):
             raise TypeError(f"loss_fn must be a function (output, target) -> loss, got {type(loss_fn).__name__}: "
                             "pass e.g. loss_fn=torch.nn.functional.cross_entropy")
         if scaler is not None and scaler.is_enabled():
+            _refuse_lone_scaler(self._runtime, scaler)
             base = loss_fn
             device = next((d for d in self.devices if d.type != "meta"), torch.device("cpu"))
             scaler.scale(torch.zeros((), device=device))  # start its scale on every rank, not just the loss's
@@ -148,3 +149,14 @@ class Pipe(nn.Module):
             yield
         finally:
             self._runtime.sync = previous
+
+
+def _refuse_lone_scaler(runtime: Runtime, scaler: Any) -> None:
+    """Refuse, across ranks, a gradient scaler whose inf/NaN check each rank makes alone."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    if runtime.place().distributed and not isinstance(scaler, ShardedGradScaler):
+        raise TypeError(
+            f"scaler= is a {type(scaler).__name__}, whose inf/NaN check each rank makes alone: a step skipped on one "
+            "rank only would leave the ranks' weights and scales apart. Across ranks use scaler = "
+            "fxpipe.grad_scaler(pipe), which agrees on every rank (FSDP's ShardedGradScaler)")

@@ -206,6 +206,9 @@ def test_loss_scaling_skips_the_same_steps_on_every_rank(tmp_path, launch):
     for r, res in enumerate(results):
         assert res["ok"], f"rank {r}: {res.get('traceback')}"
         assert res["type"] == "ShardedGradScaler" and res["skipped"] and res["scale"] == 512.0, (r, res)
+        # torch.amp.GradScaler let each rank skip alone: the ranks' scales then parted (65536 against 32768)
+        assert res["plain"].startswith("scaler= is a GradScaler, whose inf/NaN check each rank makes alone"), res
+        assert "fxpipe.grad_scaler(pipe)" in res["plain"]
     assert results[0]["loss"] == results[1]["loss"] < 10  # unscaled, the same on both ranks
 
 
