@@ -31,6 +31,7 @@ from fxpipe.passes.partition import (
 )
 from fxpipe.passes.profile import profile
 from fxpipe.passes.retain import retain
+from fxpipe.passes.scalarrows import coupled_scalars
 from fxpipe.passes.spec import differentiable
 from fxpipe.passes.split import SkipRoute, StagePlan, split
 
@@ -55,6 +56,7 @@ __all__ = [
                               "comm_weights",
                               "compute_nodes",
                               "copy_on_write",
+                              "coupled_scalars",
                               "cut_widths",
                               "differentiable",
                               "fingerprint",

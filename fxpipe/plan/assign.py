@@ -165,12 +165,15 @@ def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int, 
     """Record in ``gm.meta`` the outputs that couple a batch's rows; warn that micro-batches change them."""
     coupled = passes.batch_coupled_outputs(gm, batch, rows, whole)
     gm.meta["fxpipe.coupled"] = coupled
-    if coupled:
+    scalars = passes.coupled_scalars(gm, batch, rows, whole)
+    if coupled or scalars:
         warnings.warn(
-            f"the model's output couples the rows of a batch: {'; '.join(coupled)}. Each of the {chunks} "
+            f"the model's output couples the rows of a batch: {'; '.join(coupled + scalars)}. Each of the {chunks} "
             "micro-batches computes it over its own rows only: pipe.step's loss_fn sees those per-micro-batch "
-            "values (a contrastive loss then has the micro-batch's negatives, not the batch's), and pipe(x) "
-            "refuses to join them. Use chunks=1 for the model's own values", stacklevel=5)
+            "values (a contrastive loss then has the micro-batch's negatives, not the batch's; a load-balancing "
+            "loss, its micro-batch's balance), so the loss and gradients differ from eager's on the whole batch"
+            f"{', and pipe(x) refuses to join them' if coupled else ''}. Use chunks=1 for the model's own values",
+            stacklevel=5)
 
 
 def annotate_graph(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:

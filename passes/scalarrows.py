@@ -1,0 +1,131 @@
+"""Tell which 0-dim outputs of a graph are not a mean (or sum) of per-row terms.
+
+Reads:  ``fxpipe.value`` of every node (the example batch's specs), and the graph, which it
+        runs once more on fake tensors for a micro-batch's rows (:mod:`fxpipe.passes.infer`).
+Writes: nothing; :func:`coupled_scalars` returns one description per such output.
+
+``pipe.step`` averages a loss over the micro-batches, weighted by their rows: the batch's value
+when the loss is a mean over rows of terms each row makes alone (a cross-entropy, a
+mean-squared error). A 0-dim output that combines values reduced over the batch is not: a
+mixture-of-experts load-balancing loss multiplies each expert's share of the batch's tokens
+by its mean router probability; per micro-batch that product is another number. Shapes
+cannot tell (both are 0-dim), so the nodes are classed by what they do with the batch::
+
+    R  rows: its shape follows the batch (it changes for a micro-batch's rows)
+    L  a linear reduction of rows: sum / mean / a loss over R, then sums and scalings of L
+    C  coupled: two reductions multiplied or divided, a reduction fed back into rows, a
+       non-linear function of one, a row picked out (x[0]), a max over the batch
+    K  independent of the batch: parameters, constants, sizes
+
+A 0-dim output of class C is reported. Batch norm counts as row-wise here (it is documented
+on its own); ops this pass does not know are C when they take an L or R input and keep their
+shape, so an unknown op warns rather than passes silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Collection
+from typing import Any
+
+import torch
+import torch.fx
+from fxpipe.passes.batchrows import _leaves, _scaled
+from fxpipe.passes.infer import Propagator
+from fxpipe.passes.spec import TensorSpec
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["coupled_scalars"]
+
+log = logging.getLogger(__name__)
+
+# Ops taking L (and K) values to an L value: sums, scalings by a constant, casts and views.
+_LINEAR = {"add", "sub", "rsub", "neg", "mul", "div", "truediv", "true_divide", "iadd", "isub", "imul", "itruediv",
+           "clone", "detach", "alias", "to", "_to_copy", "float", "double", "half", "bfloat16", "type_as", "contiguous",
+           "view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "flatten", "expand", "getitem", "stack", "cat",
+           "sum", "mean", "nansum", "lift_fresh_copy", "copy", "pick", "positive", "add_", "sub_", "mul_", "div_"}
+_REDUCTIONS = {"sum", "mean", "nansum", "nanmean"}  # of rows, linear (a loss: any op named *loss*, *entropy*)
+_SIZED = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "size", "dim", "numel"}  # take dtype, device
+_ROWWISE = {"batch_norm", "_native_batch_norm_legit_functional", "_native_batch_norm_legit",
+            "native_batch_norm", "_batch_norm_with_update", "_batch_norm_no_update", "BatchNorm1d", "BatchNorm2d",
+            "BatchNorm3d", "SyncBatchNorm"}
+
+
+def coupled_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = ()) -> list[str]:
+    """Return a description of each 0-dim output that couples the rows of a batch (class C above).
+
+    The inputs named in ``unbatched`` keep their example's shapes. Empty when no output is
+    0-dim, and when the graph cannot run for ``rows`` rows on fake tensors.
+    """
+    scalars = [(name, node) for name, node in _leaves(gm)
+               if isinstance(spec := node.meta.get("fxpipe.value"), TensorSpec) and len(spec.shape) == 0]
+    if rows == batch or not scalars:
+        return []
+    inputs = [n.meta.get("fxpipe.value") if n.target in unbatched else _scaled(n.meta.get("fxpipe.value"), batch, rows)
+              for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        part = Propagator(gm, [n.name for n in gm.graph.nodes if n.op != "output"])(inputs)
+    except Exception as exc:  # noqa: BLE001 - a model fixed to its example's batch: nothing to compare
+        log.debug("0-dim outputs not classed for %d rows: %s: %s", rows, type(exc).__name__, exc)
+        return []
+    kinds: dict[torch.fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            kinds[node] = _kind(node, kinds, part)
+    return [f"{name} (node '{node.name}'): a 0-dim output that is not a mean over the rows (it combines values "
+            "reduced over the batch, as a load-balancing loss does)" for name, node in scalars if kinds[node] == "C"]
+
+
+def _kind(node: torch.fx.Node, kinds: dict[torch.fx.Node, str], part: dict[str, Any]) -> str:
+    """Class one node from its inputs' classes and whether its shape follows the batch."""
+    if node.op == "get_attr":
+        return "K"
+    follows = _follows(node.meta.get("fxpipe.value"), part.get(node.name))
+    if node.op == "placeholder":
+        return "R" if follows else "K"
+    if follows is None:  # no tensor (a size, a flag, None): scales at most
+        return "K"
+    name = _name(node)
+    deps = [a for a in node.all_input_nodes if kinds.get(a, "K") != "K"]
+    classes = {kinds[a] for a in deps}
+    if not deps or name in _SIZED:
+        return "K"
+    if "C" in classes:
+        return "C"
+    if follows:  # rows: from rows alone (batch norm's batch statistics aside), else a reduction fed back
+        return "R" if classes == {"R"} or name in _ROWWISE else "C"
+    if "R" in classes:  # the batch reduced away
+        linear = name in _REDUCTIONS or "loss" in name.lower() or "entropy" in name.lower()
+        return "L" if linear and classes == {"R"} else "C"
+    if name not in _LINEAR:
+        return "C"
+    if name in ("mul", "imul", "mul_") and len(deps) > 1:
+        return "C"
+    if name in ("div", "truediv", "true_divide", "itruediv", "div_") and len(node.args) > 1 and node.args[1] in deps:
+        return "C"
+    return "L"
+
+
+def _follows(whole: Any, part: Any) -> bool | None:
+    """Tell whether a value's tensor shapes differ between the batch and a micro-batch (None: no tensor)."""
+    a = [t for t in tree_flatten(whole)[0] if isinstance(t, TensorSpec)]
+    b = [t for t in tree_flatten(part)[0] if isinstance(t, TensorSpec)]
+    if not a:
+        return None
+    return len(a) != len(b) or any(tuple(x.shape) != tuple(y.shape) for x, y in zip(a, b))
+
+
+def _name(node: torch.fx.Node) -> str:
+    """Return an op's bare name: ``sum`` for ``torch.sum``, ``aten.sum.dim_IntList`` and ``x.sum()``."""
+    target = node.target
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        return type(owner.get_submodule(str(target))).__name__ if owner is not None else str(target)
+    if node.op == "call_method":
+        return str(target)
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    if target is operator.getitem:
+        return "getitem"
+    return getattr(target, "__name__", str(target)).split(".")[-1]

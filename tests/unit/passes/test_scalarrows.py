@@ -1,0 +1,61 @@
+"""0-dim outputs that are not a mean over the rows (a load-balancing loss) are warned of at compile."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+
+
+class Routed(nn.Module):
+    """A router and its load-balancing loss, as a mixture of experts computes it (Switch, Mixtral, Qwen-MoE)."""
+
+    def __init__(self, aux=True, coupled=True):
+        super().__init__()
+        self.router, self.head = nn.Linear(8, 4), nn.Linear(8, 2)
+        self.aux, self.coupled = aux, coupled
+
+    def forward(self, x, y):
+        probs = F.softmax(self.router(x), dim=-1)
+        share = F.one_hot(probs.argmax(-1), 4).float().mean(0)  # each expert's share of the batch's rows
+        if self.coupled:
+            balance = 4 * (share * probs.mean(0)).sum()  # a product of two batch means: not a mean over rows
+        else:
+            balance = 4 * (probs * probs).sum(-1).mean()  # a mean over rows of per-row terms
+        loss = F.cross_entropy(self.head(x), y)
+        if self.aux:
+            loss = loss + 0.1 * balance
+        return {"loss": loss, "balance": balance}
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_load_balancing_loss_is_warned_of_at_compile(tracer):
+    # the micro-batches' mean of a product of batch means is another number: the loss and the router's
+    # gradients differed from eager's, and nothing said so
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
+    with pytest.warns(UserWarning, match=r"\['loss'\] .*a 0-dim output that is not a mean over the rows .*"
+                                         r"\['balance'\] .*differ from eager's on the whole batch"):
+        pipe = fxpipe.compile(Routed(), 2, example_inputs=(x, y), chunks=2, tracer=tracer)
+    eager = Routed()
+    eager.load_state_dict(pipe.state_dict())
+    # what the warning says: the step's loss is the micro-batches' mean, not the whole batch's
+    loss = pipe.step(x, y, target=None, loss_fn=lambda out, _: out["loss"])
+    assert abs(loss - eager(x, y)["loss"]) > 1e-6
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_mean_over_rows_is_not_warned_of(tracer):
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
+    model = Routed(coupled=False)
+    eager = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe = fxpipe.compile(model, 2, example_inputs=(x, y), chunks=2, tracer=tracer)
+    loss = pipe.step(x, y, target=None, loss_fn=lambda out, _: out["loss"])
+    assert abs(loss - eager(x, y)["loss"]) < 1e-6
