@@ -43,7 +43,7 @@ def clip_grad_norm_(pipe: Any, max_norm: float, norm_type: float = 2.0,
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
     runtime.ready()  # after a failed step: every rank back on fresh connections
     norm_type = float(norm_type)
-    with together("fxpipe.clip_grad_norm_", runtime.place().rank):
+    with together("fxpipe.clip_grad_norm_", runtime.place().rank, runtime.broke):
         total = runtime.grad_norm(params, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), "

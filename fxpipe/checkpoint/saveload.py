@@ -79,6 +79,7 @@ class _Where:
     group: Any = None  # the process group; None: one process, no collectives
     distributed: bool = False
     deferred: tuple = ()
+    broke: Any = None  # the runtime's: a failed collective counts as a failed step there
 
     def barrier(self) -> None:
         """Wait for every rank (nothing in one process)."""
@@ -93,7 +94,7 @@ class _Where:
         """
         if self.distributed:
             told: list[Any] = [None] * self.world
-            with together("fxpipe.save", dist.get_rank()):
+            with together("fxpipe.save", dist.get_rank(), self.broke):
                 dist.all_gather_object(told, (None if error is None else f"{type(error).__name__}: {error}", same),
                                        group=self.group)
             failed = [(r, m) for r, (m, _) in enumerate(told) if m is not None]
@@ -117,7 +118,8 @@ def _where(target: nn.Module) -> _Where:
     runtime = target.runtime
     runtime.ready()  # after a failed step: every rank back on fresh connections
     place = runtime.place()
-    return _Where(target._model, place.rank, place.world, place.group, place.distributed, tuple(runtime.deferred))
+    return _Where(target._model, place.rank, place.world, place.group, place.distributed, tuple(runtime.deferred),
+                  runtime.broke)
 
 
 def _bytes(value: Any) -> torch.Tensor:

@@ -313,6 +313,11 @@ def _refusal(model: nn.Module, exc: BaseException, fix: str = "", where: str = "
     if not fix and ("data-dependent" in first or type(exc).__name__ == "GuardOnDataDependentSymNode"):
         return _value_branch(model, exc, first)
     line = f"The model's code fixes the batch size to a constant{where}. " if where else ""
+    frame = user_frame(exc) if type(exc).__module__ == "builtins" else None
+    if frame is not None and not fix:  # the model's own code raised: say where, and that eager should run
+        first = (f"its forward raised {type(exc).__name__}: {first} at {frame.filename}:{frame.lineno} "
+                 f"({(frame.line or '').strip()}). Check that the model runs eagerly on the example inputs; if it "
+                 "does, that line may depend on the batch size")
     fix = fix or ("fxpipe splits dim 0 of every input into micro-batches, so the model must not "
                   "depend on the batch size; otherwise ")
     if type(model).__module__.startswith("transformers."):  # whose models fx cannot trace

@@ -59,6 +59,10 @@ class Runtime(Protocol):
         """Make the runtime ready for a collective after a failed step (every rank meets again)."""
         ...
 
+    def broke(self, exc: BaseException) -> None:
+        """Count a collective that failed outside a step (``fxpipe.save`` on one rank) as a failed step."""
+        ...
+
     def place(self) -> Place:
         """Return where this process sits among the pipe's processes."""
         ...

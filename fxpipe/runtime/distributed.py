@@ -253,6 +253,16 @@ class DistributedRuntime:
         self.ties.reopen()
         self.broken = None
 
+    def broke(self, exc: BaseException) -> None:
+        """Close this rank's connections after a collective failed outside a step, so its next call rejoins.
+
+        A rank alone in ``fxpipe.save`` waits out the timeout while its peer's step fails; without
+        this its next step would run on the closed connections and fail too, and the ranks' calls
+        would drift one step apart.
+        """
+        if self.broken is None:
+            self._abandon(exc)
+
     def release(self) -> None:
         """Drop every reference this rank holds to a process group, so they are freed before Python is not."""
         self.released = True

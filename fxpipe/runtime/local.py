@@ -67,6 +67,9 @@ class LocalRuntime:
     def ready(self) -> None:
         """Nothing to rejoin in one process."""
 
+    def broke(self, exc: BaseException) -> None:
+        """Nothing to close in one process."""
+
     def place(self) -> Place:
         """Return one process, no group."""
         return Place()

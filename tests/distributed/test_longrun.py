@@ -205,6 +205,17 @@ def test_ranks_given_other_options_or_making_other_calls_are_told_at_once(world,
             assert error < 1e-5 and seconds < 10, (r, res)
 
 
+def test_a_save_on_one_rank_fails_one_call_on_each_rank_and_the_steps_stay_aligned(tmp_path, launch):
+    # rank 0's save failed, and its next step failed too on the connections the save's peer had closed: from then on
+    # rank 0's step k ran with rank 1's step k - 1, inputs of one batch against the target of the other, silently
+    results = launch("longrun_cases:save_on_one_rank", 2, "1f1b", tmp_path, limit=90)
+    _ok(results)
+    for r, res in enumerate(results):
+        failed = [k for k, e in res["steps"] if isinstance(e, str)]
+        assert failed == [1], (r, res)
+        assert all(e < 1e-5 for k, e in res["steps"] if k != 1), (r, res)  # each later step equal to eager's
+
+
 def test_a_target_missing_on_one_replica_is_named_on_every_rank_of_every_replica(tmp_path, launch):
     # replica 0's loss rank got gloo's bare 'Connection closed by peer' from the gradient reduction
     results = launch("longrun_cases:target_on_one_replica", 4, "1f1b", tmp_path, limit=90)

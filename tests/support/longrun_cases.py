@@ -432,6 +432,27 @@ def calls_differ(rank, world, schedule):
     return out
 
 
+def save_on_one_rank(rank, world, schedule):
+    """fxpipe.save on rank 0 alone while rank 1 steps; both catch the failure and train on, batch by batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(8, 8),), chunks=2, runtime="distributed", timeout=4,
+                          schedule=schedule)
+    out = {"steps": []}
+    for k in range(4):
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+        try:
+            if k == 1 and rank == 0:  # the mistake: a save under `if rank == 0:`
+                fxpipe.save(pipe, os.path.join(os.environ["FXPIPE_TEST_DIR"], "alone"))
+            loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
+            out["steps"].append([k, max_relative_error(loss, F.mse_loss(eager(x), y))])
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["steps"].append([k, type(exc).__name__])
+    return out
+
+
 def target_on_one_replica(rank, world, schedule):
     """Two replicas; the target passed on replica 0 only (``target=y if replica == 0 else None``)."""
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ collective until the process group's timeout, and gloo or NCCL then raise their 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch.distributed as dist
@@ -35,13 +35,18 @@ def first_line(exc: BaseException) -> str:
 
 
 @contextmanager
-def together(call: str, rank: int) -> Iterator[None]:
-    """Run the block, a collective every rank enters; a failed collective becomes a :class:`PeerFailure` naming ``call``."""
+def together(call: str, rank: int, broke: Callable[[BaseException], None] | None = None) -> Iterator[None]:
+    """Run the block, a collective every rank enters; a failed collective becomes a :class:`PeerFailure` naming ``call``.
+
+    ``broke`` (the runtime's) is told of the failure, so the rank's next call rejoins its peers.
+    """
     try:
         yield
     except Exception as exc:
         if not communication_failed(exc):
             raise
+        if broke is not None:
+            broke(exc)
         raise PeerFailure(f"rank {rank}: {call} is called by every rank together, but the other ranks did not "
                           f"join it ({first_line(exc)}): call it on every rank, not under `if rank == 0:` (a rank that "
                           "died or is still in another call gives this too)") from exc

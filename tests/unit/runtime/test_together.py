@@ -16,12 +16,22 @@ def test_a_timed_out_collective_becomes_a_peer_failure_naming_the_call_and_the_f
             raise RuntimeError("[gloo] Timed out waiting 20000ms for send operation to complete")
 
 
+def test_a_failed_collective_is_counted_by_the_runtime_as_a_failed_step():
+    # so the rank's next call rejoins its peers instead of failing again on the closed connections
+    told = []
+    with pytest.raises(PeerFailure):
+        with together("fxpipe.save", 0, told.append):
+            raise RuntimeError("Connection closed by peer")
+    assert len(told) == 1 and "Connection closed" in str(told[0])
+
+
 @pytest.mark.parametrize("exc", [ValueError("a refusal"), RuntimeError("a user's bug"), PeerFailure("rank 1 died")])
 def test_other_failures_pass_through_as_they_are(exc):
+    told = []
     with pytest.raises(type(exc)) as info:
-        with together("fxpipe.clip_grad_norm_", 0):
+        with together("fxpipe.clip_grad_norm_", 0, told.append):
             raise exc
-    assert info.value is exc
+    assert info.value is exc and not told
 
 
 def test_the_compared_options_describe_equal_values_alike_and_action_lists_briefly():
