@@ -128,4 +128,5 @@ def _name(node: torch.fx.Node) -> str:
         return target._schema.name.split("::")[-1]
     if target is operator.getitem:
         return "getitem"
-    return getattr(target, "__name__", str(target)).split(".")[-1]
+    name = getattr(target, "__name__", str(target)).split(".")[-1]
+    return name.removeprefix("training_only_").removeprefix("eval_only_")  # a node of one mode (passes/modes.When)

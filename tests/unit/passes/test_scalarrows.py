@@ -59,3 +59,23 @@ def test_a_mean_over_rows_is_not_warned_of(tracer):
         pipe = fxpipe.compile(model, 2, example_inputs=(x, y), chunks=2, tracer=tracer)
     loss = pipe.step(x, y, target=None, loss_fn=lambda out, _: out["loss"])
     assert abs(loss - eager(x, y)["loss"]) < 1e-6
+
+
+class _TrainingOnlyPenalty(nn.Module):
+    """A 0-dim penalty in training mode only: a mean over rows inside a mode guard (passes/modes.When)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return (h, h.pow(2).mean()) if self.training else (h, None)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_mean_inside_a_mode_guard_is_not_warned_of(tracer):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxpipe.compile(_TrainingOnlyPenalty().train(), 2, example_inputs=(torch.randn(6, 8),), chunks=2,
+                       devices=["cpu"] * 2, tracer=tracer)
