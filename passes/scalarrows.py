@@ -33,6 +33,7 @@ import torch
 import torch.fx
 from fxpipe.passes.batchrows import _leaves, _scaled
 from fxpipe.passes.infer import Propagator
+from fxpipe.passes.modes import When
 from fxpipe.passes.spec import TensorSpec
 from torch.utils._pytree import tree_flatten
 
@@ -118,15 +119,19 @@ def _follows(whole: Any, part: Any) -> bool | None:
 
 def _name(node: torch.fx.Node) -> str:
     """Return an op's bare name: ``sum`` for ``torch.sum``, ``aten.sum.dim_IntList`` and ``x.sum()``."""
-    target = node.target
-    if node.op == "call_module":
+    op, target = node.op, node.target
+    if isinstance(target, When):  # a node of one mode only: the call it guards
+        op, target, _, _ = target.inner_call(node)
+    if op == "call_module":
         owner = node.graph.owning_module
-        return type(owner.get_submodule(str(target))).__name__ if owner is not None else str(target)
-    if node.op == "call_method":
+        try:
+            return type(owner.get_submodule(str(target))).__name__ if owner is not None else str(target)
+        except AttributeError:
+            return str(target)
+    if op == "call_method":
         return str(target)
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.name.split("::")[-1]
     if target is operator.getitem:
         return "getitem"
-    name = getattr(target, "__name__", str(target)).split(".")[-1]
-    return name.removeprefix("training_only_").removeprefix("eval_only_")  # a node of one mode (passes/modes.When)
+    return getattr(target, "__name__", str(target)).split(".")[-1]
