@@ -13,13 +13,15 @@ cannot tell (both are 0-dim), so the nodes are classed by what they do with the 
 
     R  rows: its shape follows the batch (it changes for a micro-batch's rows)
     L  a linear reduction of rows: sum / mean / a loss over R, then sums and scalings of L
-    C  coupled: two reductions multiplied or divided, a reduction fed back into rows, a
-       non-linear function of one, a row picked out (x[0]), a max over the batch
+    C  coupled: two reductions multiplied or divided, a non-linear function of one, a row
+       picked out (x[0]), a max over the batch
     K  independent of the batch: parameters, constants, sizes
 
-A 0-dim output of class C is reported. Batch norm counts as row-wise here (it is documented
-on its own); ops this pass does not know are C when they take an L or R input and keep their
-shape, so an unknown op warns rather than passes silently.
+A 0-dim output of class C is reported. A value whose shape follows the batch is R even where
+a reduction feeds back into it (batch norm's statistics, a mixture of experts' token counts
+used to dispatch the rows): such coupling is batch norm's, documented on its own, and the
+rows a router dispatches stay each its own. Ops this pass does not know are C when they take
+an L or R input and keep their shape, so an unknown op warns rather than passes silently.
 """
 
 from __future__ import annotations
@@ -48,10 +50,6 @@ _LINEAR = {"add", "sub", "rsub", "neg", "mul", "div", "truediv", "true_divide", 
            "sum", "mean", "nansum", "lift_fresh_copy", "copy", "pick", "positive", "add_", "sub_", "mul_", "div_"}
 _REDUCTIONS = {"sum", "mean", "nansum", "nanmean"}  # of rows, linear (a loss: any op named *loss*, *entropy*)
 _SIZED = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "size", "dim", "numel"}  # take dtype, device
-_ROWWISE = {"batch_norm", "_native_batch_norm_legit_functional", "_native_batch_norm_legit",
-            "native_batch_norm", "_batch_norm_with_update", "_batch_norm_no_update", "BatchNorm1d", "BatchNorm2d",
-            "BatchNorm3d", "SyncBatchNorm"}
-
 
 def coupled_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = ()) -> list[str]:
     """Return a description of each 0-dim output that couples the rows of a batch (class C above).
@@ -92,10 +90,10 @@ def _kind(node: torch.fx.Node, kinds: dict[torch.fx.Node, str], part: dict[str, 
     classes = {kinds[a] for a in deps}
     if not deps or name in _SIZED:
         return "K"
+    if follows:  # rows, even where a reduction feeds back (batch norm, a router's counts): not this pass's
+        return "R"
     if "C" in classes:
         return "C"
-    if follows:  # rows: from rows alone (batch norm's batch statistics aside), else a reduction fed back
-        return "R" if classes == {"R"} or name in _ROWWISE else "C"
     if "R" in classes:  # the batch reduced away
         linear = name in _REDUCTIONS or "loss" in name.lower() or "entropy" in name.lower()
         return "L" if linear and classes == {"R"} else "C"
