@@ -4,7 +4,8 @@ A tracer runs the model's Python once. A forward hook (or pre-hook) on a module 
 through runs then: what it returns is recorded in the graph, its side effects (appending an
 activation to a list) happen once, at compile. A backward hook never runs. Hooks on a module
 the graph calls as a leaf (fx: torch.nn's modules, ``leaf_modules=``) run at every call, as in
-eager; torch.export calls none.
+eager; torch.export calls none. transformers' own hooks, which capture outputs the model
+returns (``output_router_logits=True``), are recorded in the graph and not warned of.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def warn_lost_hooks(model: nn.Module, gm: torch.fx.GraphModule) -> list[str]:
     leaves = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
     lost = []
     for name, module in model.named_modules():
-        kinds = [kind for attr, kind in _KINDS if getattr(module, attr, None)]
+        kinds = [kind for attr, kind in _KINDS if any(not _captures(h) for h in getattr(module, attr, {}).values())]
         if kinds and not any(name == leaf or name.startswith(leaf + ".") for leaf in leaves):
             lost.append(f"{name or 'the model'} ({', '.join(kinds)})")
     if lost:
@@ -36,3 +37,9 @@ def warn_lost_hooks(model: nn.Module, gm: torch.fx.GraphModule) -> list[str]:
             "collects as a model output, hook a module the graph calls as a leaf (tracer='fx' with "
             "leaf_modules=), or hook tensors (p.register_hook).", stacklevel=4)
     return lost
+
+
+def _captures(hook: object) -> bool:
+    """Tell whether a hook is transformers' own output capture (router logits, attentions), which the graph records."""
+    fn = getattr(hook, "func", hook)  # a functools.partial's function
+    return str(getattr(fn, "__module__", "") or "").startswith("transformers.")
