@@ -7,12 +7,14 @@ import linecache
 import logging
 import operator
 import os
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
+from torch.autograd.function import FunctionCtx
 
 from fxpipe.errors import TraceError
 from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
@@ -61,7 +63,7 @@ class _Tracer(torch.fx.Tracer):
                     type_expr: Any = None) -> torch.fx.Node:
         """Create a node; mark it if the forward made it with grad mode off or inside its own autocast blocks."""
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and not _in_function_forward():
             node.meta["fxpipe.no_grad"] = True
         blocks = autocast_blocks()
         if blocks:
@@ -269,3 +271,16 @@ def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceErro
                       lineno=frame.lineno if frame else None)
 
 
+def _in_function_forward() -> bool:
+    """Tell whether tracing is inside an autograd Function's forward, which autograd runs with grad off.
+
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` (transformers' gradient
+    checkpointing) runs its block so: eager differentiates it, by recomputing, so its values must
+    not be detached as a user's ``torch.no_grad()`` block's are.
+    """
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "forward" and isinstance(frame.f_locals.get("ctx"), FunctionCtx):
+            return True
+        frame = frame.f_back
+    return False

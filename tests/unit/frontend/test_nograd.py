@@ -62,3 +62,25 @@ def test_a_model_compiled_under_no_grad_still_trains():
     eager(x).pow(2).mean().backward()
     torch.testing.assert_close(model.student.weight.grad, eager.student.weight.grad)
     assert model.teacher.weight.grad is None
+
+
+class _Reentrant(nn.Module):
+    """Checkpoints a block itself, as transformers' gradient checkpointing does (use_reentrant=True)."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = self.a(x)
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=self.reentrant)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_model_checkpointing_a_block_itself_trains_every_parameter(reentrant):
+    # autograd runs a reentrant checkpoint's block with grad off: it was detached as a no-grad block, and every
+    # parameter before the block's end got no gradient
+    torch.manual_seed(0)
+    assert_pipeline_equivalent(_Reentrant(reentrant), (torch.randn(8, 4),), n_stages=2, chunks=2, devices=["cpu"] * 2)
