@@ -278,7 +278,7 @@ def _in_function_forward() -> bool:
     checkpointing) runs its block so: eager differentiates it, by recomputing, so its values must
     not be detached as a user's ``torch.no_grad()`` block's are.
     """
-    frame = sys._getframe(2)
+    frame: Any = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == "forward" and isinstance(frame.f_locals.get("ctx"), FunctionCtx):
             return True
