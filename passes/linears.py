@@ -20,7 +20,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LINEARS", "defers_weight_grad", "model_defers"]
+__all__ = ["LINEARS", "defers_weight_grad", "hooked", "model_defers"]
 
 LINEARS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
 
@@ -46,13 +46,19 @@ def defers_weight_grad(gm: torch.fx.GraphModule, node: torch.fx.Node, autocast: 
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
         return type(mod) is nn.Linear and not node.kwargs and mod.weight.requires_grad \
-            and (mod.bias is None or mod.bias.requires_grad)
+            and (mod.bias is None or mod.bias.requires_grad) and not hooked(mod)
     if node.op == "call_function" and node.target in LINEARS:
         args = list(node.args) + [None] * 3
         weight = node.kwargs.get("weight", args[1])
         bias = node.kwargs.get("bias", args[2])
         return _wants_grad(gm, weight) and _wants_grad(gm, bias)
     return False
+
+
+def hooked(mod: nn.Module) -> bool:
+    """Tell whether a module has hooks of its own, which a call of ``linear`` in its place would skip."""
+    return any(getattr(mod, attr, None) for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                     "_backward_pre_hooks"))
 
 
 def model_defers(gm: torch.fx.GraphModule, node: torch.fx.Node, autocast: bool = False) -> bool:

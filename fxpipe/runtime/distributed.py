@@ -50,7 +50,7 @@ from fxpipe.runtime.replicanorms import sync_norms
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
 from fxpipe.runtime.stage.stagecall import StageCall
-from fxpipe.runtime.stage.unfrozen import refuse_unfrozen
+from fxpipe.runtime.stage.unfrozen import refuse_changed_linears, refuse_unfrozen
 from fxpipe.runtime.stage.worker import StageWorker
 from fxpipe.runtime.tensorparallel import local_specs, match_grads
 from fxpipe.runtime.tiedgrads import open_window, sum_tied
@@ -100,6 +100,7 @@ class DistributedRuntime:
         self.grad_sync: GradSync | None = None  # data parallel, set by the build
         self.sync = True  # reduce gradients over replicas and ties this step (off inside pipe.no_sync())
         self.unfrozen: list = []  # parameters frozen at compile whose gradient could not come back (unfrozen.py)
+        self.replacing = {c.index: c.gm for c in calls if c.gm.meta.get("fxpipe.replaced_modules")}
         self.summed: dict[int, torch.Tensor] | None = None  # tied gradients already summed (fxpipe.runtime.tiedgrads)
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
         self.norms: list = []  # data parallel: the batch norms kept equal over the replicas
@@ -319,6 +320,7 @@ class DistributedRuntime:
             if not torch.is_grad_enabled():
                 raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
             refuse_unfrozen(self.unfrozen)
+            refuse_changed_linears(self.replacing)
             tgt = from_tp_holder(self, target, target is not None)[0] if self.last else target
             if self.summed is None:  # the first step since the last sum: what that sum made equal stays out
                 self.summed = open_window(self.tied)

@@ -31,7 +31,7 @@ from fxpipe.runtime.stage.copy import copy
 from fxpipe.runtime.stage.dependency import depend
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.threads import DeviceThreads
-from fxpipe.runtime.stage.unfrozen import refuse_unfrozen
+from fxpipe.runtime.stage.unfrozen import refuse_changed_linears, refuse_unfrozen
 from fxpipe.runtime.stage.worker import StageWorker
 from fxpipe.runtime.transport.mailbox import LocalTransport
 
@@ -54,6 +54,7 @@ class LocalRuntime:
         self.passes = [saving_pass(p) for p in plan.policies()]  # per stage: its forward's pass when training
         self.sync = True  # pipe.no_sync(): nothing to reduce in one process
         self.unfrozen: list = []  # parameters frozen at compile whose gradient could not come back (unfrozen.py)
+        self.replacing = {c.index: c.gm for c in self.calls if c.gm.meta.get("fxpipe.replaced_modules")}
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
         self._programs: dict[tuple[str, int], tuple[str, Any]] = {}
         self.threads: DeviceThreads | None = None
@@ -148,6 +149,7 @@ class LocalRuntime:
             total.backward()
             return total.detach()
         refuse_unfrozen(self.unfrozen)  # the action lists send a gradient back only where one was at compile
+        refuse_changed_linears(self.replacing)
         transport = LocalTransport(self.plan, self.calls)
         transport.inputs = mbs
         interpreter = ActionInterpreter(self.plan, self.workers, transport, self.threads)

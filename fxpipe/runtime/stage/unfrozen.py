@@ -23,8 +23,9 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe import passes
 from fxpipe.errors import PipelineInputError
+from fxpipe.passes.linears import hooked
 
-__all__ = ["refuse_unfrozen", "watch_frozen"]
+__all__ = ["refuse_changed_linears", "refuse_unfrozen", "watch_frozen"]
 
 
 def watch_frozen(plan: Any, gm: torch.fx.GraphModule, stages: Mapping[int, torch.nn.Module]
@@ -58,3 +59,20 @@ def _floating(node: torch.fx.Node | None) -> bool:
     spec = None if node is None else node.meta.get("fxpipe.value")
     return spec is None or any(isinstance(t, passes.TensorSpec) and passes.differentiable(t.dtype)
                                for t in tree_flatten(spec)[0])
+
+
+def refuse_changed_linears(runnables: Mapping[int, torch.fx.GraphModule]) -> None:
+    """Raise if a linear zero bubble calls as a function got hooks or a parametrization after compile.
+
+    A stage whose schedule defers weight gradients calls such a module's ``linear`` itself,
+    so hooks and parametrizations added to it afterwards would be skipped, silently.
+    """
+    for j, gm in runnables.items():
+        for name, mod in gm.meta.get("fxpipe.replaced_modules", ()):
+            added = "a parametrization" if type(mod) is not torch.nn.Linear else "hooks" if hooked(mod) else None
+            if added is not None:
+                raise PipelineInputError(
+                    f"module '{name}' (stage {j}) got {added} after the pipe was compiled; under a schedule with W "
+                    "steps its stage calls the linear's function itself (to defer the weight gradient), so they "
+                    "would not run. Register hooks and parametrizations before fxpipe.compile (a hooked or "
+                    "parametrized linear is left to its module there)")

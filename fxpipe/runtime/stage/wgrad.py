@@ -198,6 +198,7 @@ def defer_weight_grads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
+    replaced: list[tuple[str, torch.nn.Module]] = []  # module calls the copy makes as calls of linear
     for node in gm.graph.nodes:
         deferred = defers_weight_grad(gm, node)
         if deferred and node.op == "call_module" and hasattr(gm.get_submodule(node.target).weight, "to_local"):
@@ -205,6 +206,7 @@ def defer_weight_grads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             env[node] = graph.node_copy(node, env.__getitem__)
         elif deferred and node.op == "call_module":
             mod = gm.get_submodule(node.target)
+            replaced.append((str(node.target), mod))
             x = env[node.args[0]]
             w = graph.get_attr(f"{node.target}.weight")
             b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
@@ -215,4 +217,6 @@ def defer_weight_grads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
         env[node].meta = node.meta
-    return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    copy = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    copy.meta["fxpipe.replaced_modules"] = replaced  # a hook or parametrization added later is refused
+    return copy
