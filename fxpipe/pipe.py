@@ -13,6 +13,7 @@ from torch import nn
 
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.contract import Runtime
+from fxpipe.runtime.stage.reshare import reshare
 
 __all__ = ["Pipe"]
 
@@ -55,6 +56,8 @@ class Pipe(nn.Module):
         self.__dict__["devices"] = list(devices)
         self.__dict__["owned"] = None if owned is None else frozenset(owned)
         self._runtime = runtime
+        # after a load (assign=True replaces tensors), even one through a module holding the pipe
+        self.register_load_state_dict_post_hook(lambda pipe, _: pipe._reshare())
 
     @property
     def runtime(self) -> Runtime:
@@ -98,6 +101,33 @@ class Pipe(nn.Module):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self._model).__name__} on this rank: "
                                f"missing keys {result.missing_keys}")
         return result
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> Pipe:
+        """Cast (``double()``, ``to(dtype)``, ``to_empty``) in one process; refuse it on a distributed rank."""
+        if self.owned is not None:
+            raise TypeError(
+                "a distributed pipe cannot be cast or moved after compile: its plan (the dtypes and devices of the "
+                "values its ranks exchange, the parameters each rank holds) was built for the model as compiled. "
+                "Cast or move the model before fxpipe.compile (or build it in that dtype)")
+        super()._apply(fn, recurse)
+        self._reshare()
+        return self
+
+    def to(self, *args: Any, **kwargs: Any) -> Pipe:
+        """Cast the pipe's tensors (``to(torch.bfloat16)``); refuse a move of its stages to another device."""
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None and any(torch.device(device) != d for d in self.devices):
+            raise TypeError(
+                f"pipe.to({str(device)!r}) would move every stage onto one device, but the stages run on "
+                f"{[str(d) for d in self.devices]}; pass devices= to fxpipe.compile instead (a dtype alone, "
+                "pipe.to(torch.bfloat16), is fine)")
+        return super().to(*args, **kwargs)
+
+    def _reshare(self) -> None:
+        """Point every stage this process runs at the model's current tensors (see :mod:`fxpipe.runtime.stage.reshare`)."""
+        runtime = self.__dict__.get("_runtime")
+        if runtime is not None:
+            reshare(self._model, [*self.stages, *runtime.runs()])
 
     def train(self, mode: bool = True) -> Pipe:
         """Set training mode on the pipe, the model and every stage."""

@@ -82,3 +82,7 @@ class Runtime(Protocol):
     def compile_stats(self) -> dict[int, dict[str, Any]]:
         """Return torch.compile's record of each compiled stage this process runs (empty: none compiled)."""
         ...
+
+    def runs(self) -> list[Any]:
+        """Return the GraphModule each stage of this process runs (the stage's own, or its zero-bubble copy)."""
+        ...

@@ -87,6 +87,10 @@ class LocalRuntime:
         """Return ``torch.amp.GradScaler`` for ``device``."""
         return torch.amp.GradScaler(device, **kwargs)
 
+    def runs(self) -> list[Any]:
+        """Return the GraphModule each stage of this process runs."""
+        return [w.call.gm for _, w in sorted(self.workers.items())]
+
     def compile_stats(self) -> dict[int, dict[str, Any]]:
         """Return torch.compile's record of each compiled stage this process runs (``torch_compile=``)."""
         return {j: w.call.compiled.stats() for j, w in sorted(self.workers.items()) if w.call.compiled is not None}

@@ -2,8 +2,10 @@
 
 import copy
 
+import pytest
 import torch
 from models import CNN, TiedTransformer
+from torch import nn
 
 import fxpipe
 
@@ -84,3 +86,49 @@ def test_trace_returns_named_nodes_without_modifying_model():
     assert names[0] == "x" and names[-1] == "output"
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+class _Direct(nn.Module):
+    """Reads a parameter and a buffer directly in forward (fx: get_attr), as a gain or a shift does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.gain = nn.Parameter(torch.ones(4))
+        self.register_buffer("shift", torch.zeros(4))
+
+    def forward(self, x):
+        return self.b(self.a(x) * self.gain + self.shift)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb"])
+def test_load_state_dict_with_assign_reaches_every_stage(schedule):
+    # assign=True replaced the model's tensors; the stages kept the old ones (zb: every linear's), silently
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe = fxpipe.compile(_Direct(), 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, schedule=schedule)
+    new = _Direct()
+    with torch.no_grad():
+        new.gain.fill_(3.0), new.shift.fill_(1.0)
+    pipe.load_state_dict(new.state_dict(), assign=True)
+    with torch.no_grad():
+        assert torch.allclose(pipe(x), new(x))
+    loss = pipe.step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+    expected = torch.nn.functional.mse_loss(new(x), y)
+    expected.backward()
+    assert abs(loss - expected) < 1e-6
+    for name, p in pipe.named_parameters():
+        assert p.grad is not None and torch.allclose(p.grad, new.get_parameter(name).grad, atol=1e-6), name
+
+
+def test_a_cast_after_compile_reaches_every_stage_and_a_move_is_refused():
+    # pipe.double() left a buffer read in forward at float32 in its stage; bfloat16 then failed in a stage
+    torch.manual_seed(0)
+    model, x = _Direct(), torch.randn(8, 4)
+    eager = copy.deepcopy(model).to(torch.bfloat16)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    pipe.to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(pipe(x.bfloat16()), eager(x.bfloat16()))
+    with pytest.raises(TypeError, match=r"pipe.to\('meta'\) would move every stage onto one device.*pass devices="):
+        pipe.to("meta")
