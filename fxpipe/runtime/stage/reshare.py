@@ -55,7 +55,5 @@ def _tensor(model: nn.Module, name: str) -> torch.Tensor | None:
         owner = model.get_submodule(prefix) if prefix else model
     except AttributeError:
         return None
-    value = owner._parameters.get(field)
-    if value is None:
-        value = owner._buffers.get(field)
-    return value
+    param = owner._parameters.get(field)
+    return param if param is not None else owner._buffers.get(field)
