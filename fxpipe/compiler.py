@@ -15,6 +15,8 @@ import torch
 import torch.fx
 from torch import nn
 
+from fxpipe.errors import CompileError
+from fxpipe.materialize.metatensors import released
 from fxpipe.options import AUTO, CompileOptions
 from fxpipe.pipe import Pipe
 from fxpipe.plan.assign import assign_stages
@@ -139,6 +141,12 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         raise TypeError("fxpipe.compile got a Pipe, which is compiled already: compile the model it was "
                         "compiled from (in one process the pipe shares its parameters; across ranks build the "
                         "model again and pass weights= a checkpoint fxpipe.save wrote)")
+    if released(model):
+        raise CompileError(
+            f"this {type(model).__name__} was compiled with runtime='distributed' on this rank already, which left "
+            "only this rank's stages' tensors real (the others are on meta): compiling it again would initialise "
+            "those anew. Build the model again and pass weights= a checkpoint fxpipe.save wrote (or compile it "
+            "once, with the layout you want)")
     if plan is not None:  # what the plan records of the layout fills the arguments left at their defaults
         layout = adopt_layout(load_plan(plan), {"chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
                                                 "stages_per_rank": stages_per_rank, "data_parallel": data_parallel,

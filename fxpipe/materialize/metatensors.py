@@ -8,6 +8,7 @@ does not keep for a meta one of the same shape, so it holds only its own stages.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +18,9 @@ from torch import nn
 from fxpipe.errors import WeightsError
 from fxpipe.materialize.fillplan import tensor_table
 
-__all__ = ["refuse_meta_constants", "release"]
+__all__ = ["refuse_meta_constants", "release", "released"]
+
+_RELEASED: weakref.WeakSet = weakref.WeakSet()  # models a distributed compile swapped other ranks' tensors of
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,11 @@ def refuse_meta_constants(model: nn.Module, gm: torch.fx.GraphModule) -> None:
             "or build the model on a real device")
 
 
+def released(model: nn.Module) -> bool:
+    """Tell whether a distributed compile on this process made the other ranks' tensors of ``model`` meta."""
+    return model in _RELEASED
+
+
 def release(model: nn.Module, keep: set[int], also: Sequence[nn.Module] = ()) -> int:
     """Swap every real tensor of ``model`` outside ``keep`` for a meta one; return the bytes freed.
 
@@ -56,6 +64,7 @@ def release(model: nn.Module, keep: set[int], also: Sequence[nn.Module] = ()) ->
     ``model`` and ``also`` (the traced graph, the stages) that holds it: a rank must hold no
     real copy of another rank's tensor, or a save would write that stale copy beside the owner's.
     """
+    _RELEASED.add(model)
     freed = 0
     replaced: dict[int, torch.Tensor] = {}
     for key, info in tensor_table(model).items():

@@ -216,6 +216,15 @@ def test_a_save_on_one_rank_fails_one_call_on_each_rank_and_the_steps_stay_align
         assert all(e < 1e-5 for k, e in res["steps"] if k != 1), (r, res)  # each later step equal to eager's
 
 
+def test_a_model_compiled_across_ranks_is_not_compiled_again(tmp_path, launch):
+    # the other ranks' tensors were meta on each rank: a second compile initialised them anew, silently
+    results = launch("longrun_cases:compile_twice", 2, "1f1b", tmp_path, limit=60)
+    _ok(results)
+    for res in results:
+        assert res["again"].startswith("CompileError: this Sequential was compiled with runtime='distributed' on "
+                                       "this rank already"), res
+
+
 def test_a_target_missing_on_one_replica_is_named_on_every_rank_of_every_replica(tmp_path, launch):
     # replica 0's loss rank got gloo's bare 'Connection closed by peer' from the gradient reduction
     results = launch("longrun_cases:target_on_one_replica", 4, "1f1b", tmp_path, limit=90)

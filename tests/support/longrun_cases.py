@@ -453,6 +453,20 @@ def save_on_one_rank(rank, world, schedule):
     return out
 
 
+def compile_twice(rank, world, schedule):
+    """A model compiled across ranks, then compiled again (another cut): refused, not initialised anew."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(8, 8)
+    fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20, schedule=schedule)
+    try:
+        fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
+                       schedule=schedule, split_points=["3"])
+        return {"again": "compiled"}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"again": f"{type(exc).__name__}: {exc}"}
+
+
 def target_on_one_replica(rank, world, schedule):
     """Two replicas; the target passed on replica 0 only (``target=y if replica == 0 else None``)."""
     torch.manual_seed(0)

@@ -167,13 +167,14 @@ def check_world(world: int | None, n_stages: int, stages_per_rank: int = 1, data
         raise ValueError(f"n_stages={n_stages} but {world} ranks are running; {per}, so launch with "
                          f"--nproc-per-node {want} (or compile with n_stages={world * stages_per_rank})")
     if tensor_parallel == 1:
+        other = (f"pass data_parallel={world // pp}" if world % pp == 0 else
+                 f"launch a multiple of {pp} processes")
         raise ValueError(f"world {world} cannot hold {pp} pipeline ranks x {data_parallel} replicas ({per}); "
-                         f"launch {want} processes, or pass data_parallel="
-                         f"{world // pp if world % pp == 0 else '?'}")
-    fits = world // (pp * tensor_parallel) if world % (pp * tensor_parallel) == 0 else "?"
+                         f"launch {want} processes, or {other}")
+    other = (f"pass data_parallel={world // (pp * tensor_parallel)}" if world % (pp * tensor_parallel) == 0 else
+             f"launch a multiple of {pp * tensor_parallel} processes")
     raise ValueError(f"world {world} cannot hold {pp} pipeline ranks x {data_parallel} replicas x "
-                     f"{tensor_parallel} tensor-parallel ranks ({per}); launch {want} processes, or pass "
-                     f"data_parallel={fits}")
+                     f"{tensor_parallel} tensor-parallel ranks ({per}); launch {want} processes, or {other}")
 
 
 def check_launched_world(n_stages: int, stages_per_rank: Any, data_parallel: Any, mesh: Any,
