@@ -199,6 +199,14 @@ class DistributedRuntime:
                 f"{self.layout.global_ranks[self.first]}'s (the first stage's) is in {first} mode: call "
                 "pipe.train() or pipe.eval() on every rank, as every rank calls pipe.step and pipe(x)")
 
+        if header.get("autocast", []) != steplayout.enabled_autocast():  # its buffers would have another dtype
+            def said(state: list[str]) -> str:
+                return f"under torch.autocast ({', '.join(state)})" if state else "without autocast"
+            raise PipelineInputError(
+                f"rank {self.layout.global_ranks[self.rank]} runs {said(steplayout.enabled_autocast())} but rank "
+                f"{self.layout.global_ranks[self.first]} (the first stage's) runs {said(header['autocast'])}: the "
+                "ranks exchange values in the autocast dtype, so enter the same torch.autocast on every rank")
+
         kind = "train" if grad else "forward"
         try:
             programs = self._programs_for(kind, m)

@@ -216,6 +216,16 @@ def test_a_save_on_one_rank_fails_one_call_on_each_rank_and_the_steps_stay_align
         assert all(e < 1e-5 for k, e in res["steps"] if k != 1), (r, res)  # each later step equal to eager's
 
 
+def test_autocast_on_one_rank_only_is_refused_and_the_pipe_steps_on(tmp_path, launch):
+    # the ranks' buffers had other dtypes: gloo aborted the process (received data size doesn't match)
+    results = launch("longrun_cases:autocast_on_one_rank", 2, "1f1b", tmp_path, limit=60)
+    _ok(results)
+    for res in results:
+        assert "rank 1 runs without autocast but rank 0 (the first stage's) runs under torch.autocast " \
+               "(cpu:torch.bfloat16)" in res["mixed"], res
+        assert res["after"] < 1e-5, res
+
+
 def test_a_model_compiled_across_ranks_is_not_compiled_again(tmp_path, launch):
     # the other ranks' tensors were meta on each rank: a second compile initialised them anew, silently
     results = launch("longrun_cases:compile_twice", 2, "1f1b", tmp_path, limit=60)

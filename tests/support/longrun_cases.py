@@ -467,6 +467,27 @@ def compile_twice(rank, world, schedule):
         return {"again": f"{type(exc).__name__}: {exc}"}
 
 
+def autocast_on_one_rank(rank, world, schedule):
+    """torch.autocast around pipe.step on rank 0 only; then a step on every rank without it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
+                          schedule=schedule)
+    out = {}
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=rank == 0):
+            pipe.step(x, target=y, loss_fn=F.mse_loss)
+        out["mixed"] = "returned"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["mixed"] = f"{type(exc).__name__}: {exc}"
+    pipe.zero_grad()
+    loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
+    out["after"] = max_relative_error(loss, F.mse_loss(eager(x), y))
+    return out
+
+
 def target_on_one_replica(rank, world, schedule):
     """Two replicas; the target passed on replica 0 only (``target=y if replica == 0 else None``)."""
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ from fxpipe.runtime.stage.stagecall import autocast_state
 from fxpipe.runtime.transport.comm import on_every_rank
 from fxpipe.runtime.transport.tpinputs import from_tp_holder, group_names, inputs_given
 
-__all__ = ["call_name", "check_signature", "holders", "publish", "receive", "specs_for", "tell_all"]
+__all__ = ["call_name", "check_signature", "enabled_autocast", "holders", "publish", "receive", "specs_for", "tell_all"]
 
 
 def check_signature(names: list[str], spec: list[Any], example: list[Any]) -> None:
@@ -166,7 +166,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
             exc = PipelineInputError(f"the inputs cannot run through the model: {exc} (found on fake tensors before the step: nothing ran)")
         raise on_every_rank(exc) from None
     header = {"batch": batch, "specs": specs, "layouts": new, "target_on_first": has_target, "training": training,
-              "call": call_name(stepping)}
+              "call": call_name(stepping), "autocast": enabled_autocast()}
     tell_all(runtime, header)
     return header, mbs
 
@@ -282,3 +282,8 @@ def specs_for(runtime: Any, header: dict) -> Callable[[int], dict[str, Any]]:
             runtime.layouts[keys[i]] = _propagated(runtime, header["specs"][i], training)
         return runtime.local(runtime.layouts[keys[i]])
     return specs
+
+
+def enabled_autocast() -> list[str]:
+    """Name the autocast this thread runs under (``cpu:torch.bfloat16``), for the ranks to compare."""
+    return [f"{d}:{torch.get_autocast_dtype(d)}" for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
