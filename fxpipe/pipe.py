@@ -139,7 +139,20 @@ class Pipe(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward over micro-batches; return the model's output structure."""
+        self._follow_model()
         return self._runtime.forward(args, kwargs, self.training)
+
+    def _follow_model(self) -> None:
+        """Take the model's mode where ``model.eval()``/``model.train()`` was called on the model, not the pipe.
+
+        Its modules (batch norm, dropout modules) follow at once, as the pipe shares them; the
+        flag a merged graph reads (``self.training`` in the model's code) is the stages' own.
+        """
+        mode = self._model.training
+        if mode != self.training:
+            self.training = mode
+            for stage in self.stages:
+                stage.training = mode
 
     def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
              scaler: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -151,6 +164,7 @@ class Pipe(nn.Module):
         scaled once, where it is computed, so every stage's gradients come out scaled; the
         loss returned is not. Across replicas (``data_parallel``) it is the global batch's.
         """
+        self._follow_model()
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be a function (output, target) -> loss, got {type(loss_fn).__name__}: "
                             "pass e.g. loss_fn=torch.nn.functional.cross_entropy")

@@ -132,3 +132,30 @@ def test_a_cast_after_compile_reaches_every_stage_and_a_move_is_refused():
         assert torch.equal(pipe(x.bfloat16()), eager(x.bfloat16()))
     with pytest.raises(TypeError, match=r"pipe.to\('meta'\) would move every stage onto one device.*pass devices="):
         pipe.to("meta")
+
+
+class _ReadsMode(nn.Module):
+    """Reads self.training in its own code (merged graph: the stage's flag) beside a batch norm module."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.nn.functional.dropout(self.bn(self.a(x)), 0.5, training=self.training)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_model_eval_on_the_model_puts_the_whole_pipe_in_eval_mode(tracer):
+    # the batch norm (shared) followed model.eval(), the dropout the graph reads did not: outputs random, 0.75 off
+    torch.manual_seed(0)
+    model, x = _ReadsMode().train(), torch.randn(8, 4)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, tracer=tracer)
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(pipe(x), model(x), atol=1e-6) and torch.equal(pipe(x), pipe(x))
+    assert not pipe.training
+    model.train()
+    with torch.no_grad():
+        assert not torch.equal(pipe(x), pipe(x))  # dropout on again
