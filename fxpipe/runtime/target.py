@@ -55,6 +55,11 @@ def where(model: nn.Module, options: CompileOptions) -> Target:
         raise ValueError("balance_by='time' measures the model's kernels, which a model on meta cannot "
                          "run; use balance_by='flops'")
     n = options.n_stages
+    if options.distributed and options.devices is not None:  # each rank runs on its own device
+        raise ValueError(
+            f"devices={list(options.devices)!r} places the stages of one process; with runtime='distributed' each "
+            "rank runs its stages on its own device (the GPU of its LOCAL_RANK with NCCL, the CPU with gloo): "
+            "leave devices= out (set the GPU a rank uses with CUDA_VISIBLE_DEVICES or torch.cuda.set_device)")
     if options.distributed:  # too few or many processes first: the schedule's needs depend on the world
         check_launched_world(n, options.stages_per_rank, options.data_parallel, options.mesh, options.tensor_parallel)
     schedule = resolve(options.schedule, n, options.chunks, options.stages_per_rank)

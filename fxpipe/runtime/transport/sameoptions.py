@@ -51,4 +51,4 @@ def agree_on_options(options: Any) -> None:
             raise OptionMismatchError(
                 f"fxpipe.compile got {k}={gathered[0][k]} on rank 0 but {k}={theirs[k]} on rank {rank} (options "
                 f"differing: {', '.join(differ)}); every rank runs one plan and would wait for messages its peers "
-                "never send: pass the same compile options on every rank (only devices and data may differ)")
+                "never send: pass the same compile options on every rank (only the data may differ)")

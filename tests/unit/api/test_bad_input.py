@@ -464,3 +464,13 @@ def test_a_pipe_given_to_compile_and_a_loss_fn_that_is_no_function_are_refused_n
         fxpipe.compile(pipe, 2, example_inputs=(x,))
     with pytest.raises(TypeError, match=r"loss_fn must be a function \(output, target\) -> loss, got str"):
         pipe.step(x, target=x, loss_fn="mse")
+
+
+def test_devices_with_the_distributed_runtime_are_refused_naming_the_fix():
+    # they were ignored: cuda:0 and cuda:1 on a machine without GPUs ran on the CPU, silently
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"devices=\['cuda:0', 'cuda:1'\] places the stages of one process; with "
+                                         r"runtime='distributed' each rank runs its stages on its own device.*leave "
+                                         r"devices= out"):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 4),), runtime="distributed",
+                       devices=["cuda:0", "cuda:1"])
