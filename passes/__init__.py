@@ -11,7 +11,7 @@ from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_p
 from fxpipe.passes.batchrows import batch_coupled_outputs, scalar_outputs
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
-from fxpipe.passes.fingerprint import fingerprint, first_difference, rename_like, structure
+from fxpipe.passes.fingerprint import fingerprint, first_difference, rename_like, state_signature, structure
 from fxpipe.passes.gradsplit import GradSplit, split_weight_grads
 from fxpipe.passes.infer import Propagator, value_specs
 from fxpipe.passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
@@ -78,6 +78,7 @@ __all__ = [
                               "split",
                               "split_weight_grads",
                               "stage_costs",
+                              "state_signature",
                               "static_mutations",
                               "structure",
                               "value_bytes",

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["call_name", "fingerprint", "first_difference", "rename_like", "structure"]
+__all__ = ["call_name", "fingerprint", "first_difference", "rename_like", "state_signature", "structure"]
 
 
 def _target(target: Any) -> str:
@@ -59,6 +59,23 @@ def fingerprint(gm: torch.fx.GraphModule) -> list[str]:
     """Return one line per node: ``name = op target(its arguments, nodes by name)``."""
     return [f"{n.name} = {n.op} {_target(n.target)}({_arg(list(n.args))[1:-1]}{', ' if n.args and n.kwargs else ''}"
             f"{_arg(n.kwargs)[1:-1]})" for n in gm.graph.nodes]
+
+
+def state_signature(gm: torch.fx.GraphModule) -> list[str]:
+    """Return one line per tensor (name, shape, dtype) and per module the graph calls (its settings).
+
+    What a graph's lines cannot show: two ranks building a model from different configs trace
+    the same nodes when only a size (a 10-class head for a 4-class one), a dtype or a leaf
+    module's setting (``LeakyReLU(negative_slope=0.5)``) differs.
+    """
+    lines = [f"tensor {name}: {tuple(t.shape)} {t.dtype}"
+             for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]]
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            mod = gm.get_submodule(str(node.target))
+            settings = re.sub(r" at 0x[0-9a-fA-F]+", "", mod.extra_repr())  # no object addresses
+            lines.append(f"module {node.target}: {type(mod).__name__}({settings})")
+    return lines
 
 
 def first_difference(expected: list[str], got: list[str]) -> str | None:

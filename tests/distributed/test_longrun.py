@@ -226,6 +226,18 @@ def test_autocast_on_one_rank_only_is_refused_and_the_pipe_steps_on(tmp_path, la
         assert res["after"] < 1e-5, res
 
 
+def test_ranks_that_built_the_model_from_other_configs_are_refused(tmp_path, launch):
+    # the graphs had the same nodes: a 10-class head on rank 1 for rank 0's 4 trained silently on the wrong model
+    results = launch("longrun_cases:built_otherwise", 2, "1f1b", tmp_path, limit=60)
+    _ok(results)
+    for res in results:
+        kind, message, seconds = res["built"]
+        assert kind == "GraphMismatchError" and seconds < 15, res
+        assert message.startswith("rank 1 built another model than rank 0 (ranks differing: [1]): rank 1 has "
+                                  "'tensor 4.weight: (10, 8) torch.float32' where the other has 'tensor 4.weight: "
+                                  "(4, 8) torch.float32'"), message
+
+
 def test_a_model_compiled_across_ranks_is_not_compiled_again(tmp_path, launch):
     # the other ranks' tensors were meta on each rank: a second compile initialised them anew, silently
     results = launch("longrun_cases:compile_twice", 2, "1f1b", tmp_path, limit=60)

@@ -488,6 +488,19 @@ def autocast_on_one_rank(rank, world, schedule):
     return out
 
 
+def built_otherwise(rank, world, schedule):
+    """Rank 1 builds the head with 10 classes where rank 0 builds 4 (a config read per rank)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4 if rank == 0 else 10))
+    start = time.monotonic()
+    try:
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(8, 8),), chunks=2, runtime="distributed", timeout=20,
+                       schedule=schedule)
+        return {"built": ["compiled", "", time.monotonic() - start]}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"built": [type(exc).__name__, str(exc), time.monotonic() - start]}
+
+
 def target_on_one_replica(rank, world, schedule):
     """Two replicas; the target passed on replica 0 only (``target=y if replica == 0 else None``)."""
     torch.manual_seed(0)

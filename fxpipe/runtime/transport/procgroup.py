@@ -39,14 +39,23 @@ def agree_on_stages(gm: torch.fx.GraphModule, n_stages: int) -> None:
     on every rank with a :class:`GraphMismatchError` naming the ranks, the first differing node
     and the fix.
     """
-    shape = passes.fingerprint(gm)
-    box = [({n.name: n.meta["fxpipe.stage"] for n in passes.compute_nodes(gm)}, shape, passes.structure(gm))]
+    shape, state = passes.fingerprint(gm), passes.state_signature(gm)
+    box = [({n.name: n.meta["fxpipe.stage"] for n in passes.compute_nodes(gm)}, shape, passes.structure(gm), state)]
     dist.broadcast_object_list(box, src=0)
-    chosen, first, keys = box[0]
+    chosen, first, keys, first_state = box[0]
     differ = passes.first_difference(first, shape)
     renamed = differ is not None and passes.rename_like(gm, keys)
+    built = passes.first_difference(first_state, state) if differ is None or renamed else None
     verdicts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, None if renamed else differ)
+    dist.all_gather_object(verdicts, ("built", built) if built else None if renamed else differ)
+    built_by = {r: v[1] for r, v in enumerate(verdicts) if isinstance(v, tuple)}
+    if built_by:
+        r, what = next(iter(built_by.items()))
+        raise GraphMismatchError(
+            f"rank {r} built another model than rank 0 (ranks differing: {sorted(built_by)}): rank {r} has {what}. "
+            "Its graph has the same nodes, but a stage would hold other sizes, dtypes or settings on each rank "
+            "(and ranks exchanging values of other sizes fail, or train silently on the wrong model). Build the "
+            "model from the same config, in the same dtype, on every rank")
     refused = {r: d for r, d in enumerate(verdicts) if d is not None}
     if refused:
         r, what = next(iter(refused.items()))
