@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from typing import cast
 
 import torch
@@ -137,9 +138,13 @@ def _bind_pytree(gm: torch.fx.GraphModule, in_spec, args: tuple, kwargs: dict) -
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
+        missing = re.search(r"missing a required argument: '(\w+)'", str(exc))
         hint = ("; torch.export traced the model with the inputs given at compile (example_inputs=, "
-                "example_kwargs=) and takes those only: give every input the pipe will be called with an "
-                "example at compile (an optional one, such as attention_mask=, too)"
+                "example_kwargs=) and takes those only: "
+                + (f"pass {missing.group(1)}= to this call as at compile (pipe.step(..., {missing.group(1)}=...), "
+                   "also a constant such as use_cache=False), or leave it out of the example"
+                   if missing else "give every input the pipe will be called with an example at compile (an "
+                   "optional one, such as attention_mask=, too)")
                 if gm.meta.get("fxpipe.tracer") == "export" else "")
         raise TypeError(f"the inputs do not match the model's signature {sig}: {exc}{hint}") from None
     bound.apply_defaults()

@@ -337,3 +337,21 @@ def test_a_transformers_model_fixing_the_batch_is_not_sent_to_fx():
                                                 r"transformers 5 models") as info:
         fxpipe.compile(cls(), 2, example_inputs=(torch.randn(4, 8),), tracer="export")
     assert "use the fx front end" not in str(info.value)
+
+
+class _Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, use_cache=True):
+        return self.fc(x) if use_cache is False else self.fc(x) * 2
+
+
+def test_an_input_given_at_compile_and_left_out_of_the_call_is_named_with_the_fix():
+    # the hint said to give every input an example at compile, which the user had done
+    pipe = fxpipe.compile(_Flagged(), 2, example_inputs=(torch.randn(4, 8),), example_kwargs={"use_cache": False},
+                          chunks=2, tracer="export")
+    with pytest.raises(TypeError, match=r"missing a required argument: 'use_cache'.* pass use_cache= to this call as "
+                                        r"at compile"):
+        pipe(torch.randn(4, 8))
