@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -58,6 +59,19 @@ class Pipe(nn.Module):
         self._runtime = runtime
         # after a load (assign=True replaces tensors), even one through a module holding the pipe
         self.register_load_state_dict_post_hook(lambda pipe, _: pipe._reshare())
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refuse pickling (``torch.save(pipe)``): what loads it back could not rebuild the stages."""
+        raise TypeError("a Pipe cannot be pickled (torch.save(pipe), pickle.dumps): its stages and runtime are "
+                        "made by fxpipe.compile. Save its weights with fxpipe.save(pipe, path) or "
+                        "torch.save(pipe.state_dict(), path), and compile the model again to load them")
+
+    def __deepcopy__(self, memo: dict) -> Pipe:
+        """Copy the pipe as deepcopy copies any module (pickling is refused, copying is not)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return new
 
     @property
     def runtime(self) -> Runtime:

@@ -159,3 +159,23 @@ def test_model_eval_on_the_model_puts_the_whole_pipe_in_eval_mode(tracer):
     model.train()
     with torch.no_grad():
         assert not torch.equal(pipe(x), pipe(x))  # dropout on again
+
+
+def test_a_pipe_is_copied_but_not_pickled():
+    # torch.save(pipe) wrote a file torch.load could not read back (the tracer is not rebuildable)
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    model, x, y = _Direct(), torch.randn(8, 4), torch.randn(8, 4)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, schedule="zb")
+    with pytest.raises(TypeError, match=r"a Pipe cannot be pickled .* fxpipe.save\(pipe, path\)"):
+        torch.save(pipe, io.BytesIO())
+    with pytest.raises(TypeError, match="a Pipe cannot be pickled"):
+        pickle.dumps(pipe)
+    twin = copy.deepcopy(pipe)
+    twin.step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+    assert all(p.grad is None for p in pipe.parameters()) and all(p.grad is not None for p in twin.parameters())
+    pipe.step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+    for p, q in zip(pipe.parameters(), twin.parameters()):
+        assert p is not q and torch.equal(p.grad, q.grad)
