@@ -44,7 +44,7 @@ def recommend_auto_balance(message: str) -> str:
             "fxpipe.compat.torchgpipe.balance finds one, e.g.\n"
             "  from fxpipe.compat.torchgpipe.balance import balance_by_time\n"
             "  balance = balance_by_time(n_partitions, model, sample, device=...)\n"
-            "or use compiler.compile(model, n_stages, example_inputs=...), which needs no balance and "
+            "or use fxpipe.compile(model, n_stages, example_inputs=...), which needs no balance and "
             "no nn.Sequential.")
 
 

@@ -77,3 +77,10 @@ def test_balance_by_time_feeds_skips_to_the_layers_that_pop_them():
     assert balance_by_time(3, model, torch.randn(8, 4), timeout=0.3, device="cpu") == [2, 1, 2]
     assert not model.training
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_balance_by_size_profiles_a_batch_norm_in_training_mode():
+    # it profiled one row, which a batch norm in training mode refuses ("Expected more than 1 value per channel")
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8)).train()
+    balance = balance_by_size(2, model, torch.randn(16, 8), chunks=2, device="cpu")
+    assert sum(balance) == 5 and len(balance) == 2

@@ -118,15 +118,16 @@ def profile_sizes(module: nn.Sequential, input: Any, chunks: int, param_scale: f
                   device: torch.device) -> list[int]:
     """Return each layer's memory in bytes: what its forward keeps alive per micro-batch, plus parameters.
 
-    Each layer runs once, with grad, on the first row of ``input``; the storage it leaves
+    Each layer runs once, with grad, on the first two rows of ``input``; the storage it leaves
     alive (its output and what autograd keeps for backward, in allocation blocks) is scaled to
     a micro-batch of ``len(input) / chunks`` rows, and its parameters count ``param_scale``
     times (weights, gradients, optimizer state).
     """
     gm, _ = _layer_graph(module, device)
     first = next(t for t in tree_flatten(input)[0] if isinstance(t, torch.Tensor))
-    rows_per_micro = first.size(0) / chunks
-    value = _to(tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, input), device)
+    rows = min(first.size(0), 2)  # two rows: a batch norm in training mode refuses one
+    rows_per_micro = first.size(0) / chunks / rows
+    value = _to(tree_map(lambda t: t[:rows] if isinstance(t, torch.Tensor) else t, input), device)
     calls = dict(gm.named_modules())
     sizes = []
     skips: dict[str, Any] = {}
