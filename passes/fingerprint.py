@@ -75,7 +75,7 @@ def state_signature(gm: torch.fx.GraphModule) -> list[str]:
             mod = gm.get_submodule(str(node.target))
             settings = re.sub(r" at 0x[0-9a-fA-F]+", "", mod.extra_repr())  # no object addresses
             lines.append(f"module {node.target}: {type(mod).__name__}({settings})")
-    return lines
+    return sorted(set(lines))  # by name: a model may register its modules in another order on each rank
 
 
 def first_difference(expected: list[str], got: list[str]) -> str | None:
