@@ -168,3 +168,11 @@ def test_deferred_batch_norm_commits_once_per_chunks_calls():
     assert torch.allclose(deferred.running_mean, bn.running_mean, rtol=1e-5)
     assert torch.allclose(deferred.running_var, bn.running_var, rtol=1e-5)
     assert int(deferred.num_batches_tracked) == 1
+
+
+def test_deferred_batch_norm_has_torchgpipe_s_state_dict_keys():
+    # torchgpipe's class keeps its accumulation in persistent buffers: a state dict of one loads into the other
+    from fxpipe.compat.torchgpipe.batchnorm import DeferredBatchNorm
+
+    keys = set(DeferredBatchNorm(4, chunks=2).state_dict())
+    assert keys == {"weight", "bias", "running_mean", "running_var", "num_batches_tracked", "sum", "sum_squares"}
