@@ -58,7 +58,7 @@ class Pipe(nn.Module):
         self.__dict__["owned"] = None if owned is None else frozenset(owned)
         self._runtime = runtime
         # after a load (assign=True replaces tensors), even one through a module holding the pipe
-        self.register_load_state_dict_post_hook(lambda pipe, _: pipe._reshare())
+        self.register_load_state_dict_post_hook(_after_load)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Refuse pickling (``torch.save(pipe)``): what loads it back could not rebuild the stages."""
@@ -207,6 +207,19 @@ class Pipe(nn.Module):
             yield
         finally:
             self._runtime.sync = previous
+
+
+def _after_load(pipe: Pipe, incompatible: Any) -> None:
+    """After a load reaching the pipe (itself, or a module holding it): point the stages at the loaded tensors,
+    and on a distributed rank drop from the missing keys those of the other ranks' stages."""
+    pipe._reshare()
+    if pipe.owned is None or not incompatible.missing_keys:
+        return
+    names = [n for n, _ in pipe._model.named_parameters(remove_duplicate=False)] + \
+            [n for n, _ in pipe._model.named_buffers(remove_duplicate=False)]
+    others = {n for n in names if n not in pipe.owned}
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys
+                                    if not any(k == f or k.endswith("." + f) for f in others)]
 
 
 def _refuse_lone_scaler(runtime: Runtime, scaler: Any) -> None:

@@ -238,6 +238,16 @@ def test_ranks_that_built_the_model_from_other_configs_are_refused(tmp_path, lau
                                   "(4, 8) torch.float32'"), message
 
 
+def test_a_module_holding_a_distributed_pipe_loads_its_own_state_dict(tmp_path, launch):
+    # torch's recursive load reached the pipe's modules directly: the other rank's keys were missing, strictly
+    results = launch("longrun_cases:wrapped_state_dict", 2, "1f1b", tmp_path, limit=60)
+    _ok(results)
+    for r, res in enumerate(results):
+        assert res["keys"] and all(k.startswith(f"pipe.{2 * r}.") or k.startswith(f"pipe.{2 * r + 1}.")
+                                   for k in res["keys"]), res
+        assert res["loaded"] is True, res
+
+
 def test_a_model_compiled_across_ranks_is_not_compiled_again(tmp_path, launch):
     # the other ranks' tensors were meta on each rank: a second compile initialised them anew, silently
     results = launch("longrun_cases:compile_twice", 2, "1f1b", tmp_path, limit=60)

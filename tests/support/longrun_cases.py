@@ -501,6 +501,24 @@ def built_otherwise(rank, world, schedule):
         return {"built": [type(exc).__name__, str(exc), time.monotonic() - start]}
 
 
+def wrapped_state_dict(rank, world, schedule):
+    """A module holding the pipe: its state dict (this rank's keys) loads back strictly, and assign=True reaches the stages."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(8, 8),), chunks=2, runtime="distributed", timeout=20,
+                          schedule=schedule)
+    wrapper = nn.Module()
+    wrapper.pipe = pipe
+    state = {k: v.clone() + 1 for k, v in wrapper.state_dict().items()}
+    out = {"keys": sorted(state)}
+    try:
+        wrapper.load_state_dict(state, assign=True)
+        out["loaded"] = all(torch.equal(wrapper.state_dict()[k], v) for k, v in state.items())
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["loaded"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def target_on_one_replica(rank, world, schedule):
     """Two replicas; the target passed on replica 0 only (``target=y if replica == 0 else None``)."""
     torch.manual_seed(0)
