@@ -44,8 +44,8 @@ class DeferredBatchNorm(_BatchNorm):
         self.tracked = 0
         # torchgpipe's state-dict keys: it accumulates there; fxpipe accumulates in the deferral, so they
         # stay zero between mini-batches (as torchgpipe's are after each commit) and load either way
-        self.register_buffer("sum", torch.zeros_like(self.running_mean))
-        self.register_buffer("sum_squares", torch.zeros_like(self.running_var))
+        self.register_buffer("sum", torch.zeros(num_features))
+        self.register_buffer("sum_squares", torch.zeros(num_features))
         defer_batch_norm([self])
         self.register_forward_hook(_count)
 
