@@ -243,6 +243,9 @@ class DistributedRuntime:
 
     def ready(self) -> None:
         """After a failed step, meet every rank again on fresh connections; raise if one is gone."""
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed's process group was destroyed (destroy_process_group()) before "
+                               "this call of the pipe: destroy it after the pipe's last step")
         if self.released:
             raise RuntimeError("this pipe let go of its process groups when the interpreter began to exit; "
                                "run its steps before the script ends (not from an atexit handler)")

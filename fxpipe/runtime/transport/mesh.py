@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fxpipe.runtime.transport.together import together
+
 __all__ = ["Layout", "check_launched_world", "check_world", "init_distributed", "launched_world", "setup_distributed"]
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,13 @@ def init_distributed(timeout: float = 300.0) -> None:
         log.warning("local rank %d has no GPU of its own (%d visible): running on CPU with gloo",
                     local, torch.cuda.device_count())
     wait = timedelta(seconds=timeout)
+    with together("fxpipe.compile (joining the process group)",
+                  int(os.environ.get("RANK", "0"))):
+        _join(backend, wait)
+
+
+def _join(backend: str, wait: timedelta) -> None:
+    """Initialize the default process group, each restart round under a store prefix of its own."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
