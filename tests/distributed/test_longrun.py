@@ -234,8 +234,8 @@ def test_ranks_that_built_the_model_from_other_configs_are_refused(tmp_path, lau
         kind, message, seconds = res["built"]
         assert kind == "GraphMismatchError" and seconds < 15, res
         assert message.startswith("rank 1 built another model than rank 0 (ranks differing: [1]): rank 1 has "
-                                  "'tensor 4.weight: (10, 8) torch.float32' where the other has 'tensor 4.weight: "
-                                  "(4, 8) torch.float32'"), message
+                                  "'module 4: Linear(in_features=8, out_features=10, bias=True)' where the other "
+                                  "has 'module 4: Linear(in_features=8, out_features=4, bias=True)'"), message
 
 
 def test_a_module_holding_a_distributed_pipe_loads_its_own_state_dict(tmp_path, launch):
