@@ -11,6 +11,10 @@ gradient under every action schedule, silently::
 
 Such steps are refused instead, naming the parameter and the fixes. Only the parameters frozen
 at compile in such stages are watched: a model with none costs nothing per step.
+
+Of the same kind, :func:`refuse_changed_linears`: a linear that zero bubble calls as a function
+(to defer its weight gradient) and that got hooks or a parametrization after compile, which
+that call would skip.
 """
 
 from __future__ import annotations
