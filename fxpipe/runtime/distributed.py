@@ -39,6 +39,7 @@ import torch.fx
 
 from fxpipe import passes
 from fxpipe.errors import PeerFailure, PipelineInputError, ScheduleError
+from fxpipe.frontend.export import enabled_autocast
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime import gradnorm
 from fxpipe.runtime.binding import Binding
@@ -60,6 +61,7 @@ from fxpipe.runtime.transport.messages import DistTransport
 from fxpipe.runtime.transport.procgroup import Layout, Ties, reopen_pipeline
 from fxpipe.runtime.transport.together import communication_failed, first_line
 from fxpipe.runtime.transport.tpinputs import from_tp_holder
+from fxpipe.runtime.validate import describe_autocast
 
 __all__ = ["DistributedRuntime"]
 
@@ -199,13 +201,12 @@ class DistributedRuntime:
                 f"{self.layout.global_ranks[self.first]}'s (the first stage's) is in {first} mode: call "
                 "pipe.train() or pipe.eval() on every rank, as every rank calls pipe.step and pipe(x)")
 
-        if header.get("autocast", []) != steplayout.enabled_autocast():  # its buffers would have another dtype
-            def said(state: list[str]) -> str:
-                return f"under torch.autocast ({', '.join(state)})" if state else "without autocast"
+        if tuple(header.get("autocast", ())) != enabled_autocast():  # its buffers would have another dtype
             raise PipelineInputError(
-                f"rank {self.layout.global_ranks[self.rank]} runs {said(steplayout.enabled_autocast())} but rank "
-                f"{self.layout.global_ranks[self.first]} (the first stage's) runs {said(header['autocast'])}: the "
-                "ranks exchange values in the autocast dtype, so enter the same torch.autocast on every rank")
+                f"rank {self.layout.global_ranks[self.rank]} runs {describe_autocast(enabled_autocast())} but rank "
+                f"{self.layout.global_ranks[self.first]} (the first stage's) runs "
+                f"{describe_autocast(tuple(header['autocast']))}: the ranks exchange values in the autocast dtype, "
+                "so enter the same torch.autocast on every rank")
 
         kind = "train" if grad else "forward"
         try:

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from fxpipe.errors import PipelineInputError
 from fxpipe.frontend.export import enabled_autocast
 
-__all__ = ["check_inputs", "check_micro_batches"]
+__all__ = ["check_inputs", "check_micro_batches", "describe_autocast"]
 
 
 def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequence[str],
@@ -43,7 +43,7 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
     traced = meta.get("fxpipe.autocast")
     if traced is not None and tuple(traced) != enabled_autocast():
         raise PipelineInputError(
-            f"torch.export traced the model {_autocast(tuple(traced))} but the pipe runs {_autocast(enabled_autocast())}: "
+            f"torch.export traced the model {describe_autocast(tuple(traced))} but the pipe runs {describe_autocast(enabled_autocast())}: "
             "an exported graph keeps the dtypes it was traced with (an autocast's casts are fixed in it, and its "
             "checks of the dtypes fail without them); call fxpipe.compile(..., tracer='export') under the same "
             "torch.autocast as the steps, or use tracer='fx'")
@@ -71,7 +71,7 @@ def check_micro_batches(gm: torch.fx.GraphModule, rows: int, batch: int, chunks:
                 f"batches of at most {bounds[1] * chunks} rows")
 
 
-def _autocast(state: tuple) -> str:
+def describe_autocast(state: tuple) -> str:
     """Describe an autocast state of :func:`~fxpipe.frontend.export.enabled_autocast`."""
     if not state:
         return "without autocast"

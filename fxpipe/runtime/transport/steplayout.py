@@ -17,12 +17,13 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import PipelineInputError, PropagationError
+from fxpipe.frontend.export import enabled_autocast
 from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.runtime.stage.stagecall import autocast_state
 from fxpipe.runtime.transport.comm import on_every_rank
 from fxpipe.runtime.transport.tpinputs import from_tp_holder, group_names, inputs_given
 
-__all__ = ["call_name", "check_signature", "enabled_autocast", "holders", "publish", "receive", "specs_for", "tell_all"]
+__all__ = ["call_name", "check_signature", "holders", "publish", "receive", "specs_for", "tell_all"]
 
 
 def check_signature(names: list[str], spec: list[Any], example: list[Any]) -> None:
@@ -282,8 +283,3 @@ def specs_for(runtime: Any, header: dict) -> Callable[[int], dict[str, Any]]:
             runtime.layouts[keys[i]] = _propagated(runtime, header["specs"][i], training)
         return runtime.local(runtime.layouts[keys[i]])
     return specs
-
-
-def enabled_autocast() -> list[str]:
-    """Name the autocast this thread runs under (``cpu:torch.bfloat16``), for the ranks to compare."""
-    return [f"{d}:{torch.get_autocast_dtype(d)}" for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
