@@ -8,7 +8,7 @@ torch.fx and networkx, and nothing of fxpipe outside ``fxpipe.passes``.
 """
 
 from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
-from fxpipe.passes.batchrows import batch_coupled_outputs, scalar_outputs
+from fxpipe.passes.batchrows import batch_coupled_outputs, micro_specs, scalar_outputs
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from fxpipe.passes.fingerprint import fingerprint, first_difference, rename_like, state_signature, structure
@@ -65,6 +65,7 @@ __all__ = [
                               "is_mutating",
                               "memory_factors",
                               "merge_modes",
+                              "micro_specs",
                               "min_bottleneck_cut",
                               "node_cost",
                               "node_costs",

@@ -26,7 +26,7 @@ from fxpipe.passes.modes import pick
 from fxpipe.passes.spec import TensorSpec
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
-__all__ = ["batch_coupled_outputs", "scalar_outputs"]
+__all__ = ["batch_coupled_outputs", "micro_specs", "scalar_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -78,25 +78,37 @@ def _scaled(value: Any, batch: int, rows: int) -> Any:
     return tree_map(scale, value, is_leaf=lambda v: isinstance(v, TensorSpec))
 
 
+def micro_specs(gm: torch.fx.GraphModule, batch: int, rows: int,
+                unbatched: Collection[str] = ()) -> dict[str, Any] | None:
+    """Return every node's spec for a micro-batch of ``rows`` rows where the example has ``batch``.
+
+    The inputs named in ``unbatched`` keep their example's shapes. None when the graph cannot
+    run for ``rows`` rows on fake tensors (a model fixed to its example's batch).
+    """
+    inputs = [n.meta.get("fxpipe.value") if n.target in unbatched else _scaled(n.meta.get("fxpipe.value"), batch, rows)
+              for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        return Propagator(gm, [n.name for n in gm.graph.nodes if n.op != "output"])(inputs)
+    except Exception as exc:  # noqa: BLE001 - nothing to compare: the runtime's own checks apply
+        log.debug("the graph does not run for %d rows: %s: %s", rows, type(exc).__name__, exc)
+        return None
+
+
 def batch_coupled_outputs(gm: torch.fx.GraphModule, batch: int, rows: int,
-                          unbatched: Collection[str] = ()) -> list[str]:
+                          unbatched: Collection[str] = (), part: dict[str, Any] | None = None) -> list[str]:
     """Return a description of each output whose shape does not follow ``batch`` -> ``rows`` on dim 0 alone.
 
-    The inputs named in ``unbatched`` keep their example's shapes. An empty list when every
-    output does, and when the graph cannot run for ``rows`` rows on fake tensors (nothing then
-    is known; the runtime's own checks apply).
+    ``part`` holds :func:`micro_specs`' answer when the caller has it (computed here otherwise).
+    An empty list when every output does, and when the graph cannot run for ``rows`` rows on
+    fake tensors (nothing then is known; the runtime's own checks apply).
     """
     if rows == batch:
         return []
     leaves = [(name, node) for name, node in _leaves(gm) if isinstance(node.meta.get("fxpipe.value"), TensorSpec)]
     if not leaves:
         return []
-    inputs = [n.meta.get("fxpipe.value") if n.target in unbatched else _scaled(n.meta.get("fxpipe.value"), batch, rows)
-              for n in gm.graph.nodes if n.op == "placeholder"]
-    try:
-        specs = Propagator(gm, {node.name for _, node in leaves})(inputs)
-    except Exception as exc:  # noqa: BLE001 - a model fixed to its example's batch: nothing to compare
-        log.debug("outputs not compared for %d rows: %s: %s", rows, type(exc).__name__, exc)
+    specs = part if part is not None else micro_specs(gm, batch, rows, unbatched)
+    if specs is None:
         return []
     found = []
     for name, node in leaves:

@@ -26,22 +26,18 @@ an L or R input and keep their shape, so an unknown op warns rather than passes 
 
 from __future__ import annotations
 
-import logging
 import operator
 from collections.abc import Collection
 from typing import Any
 
 import torch
 import torch.fx
-from fxpipe.passes.batchrows import _leaves, _scaled
-from fxpipe.passes.infer import Propagator
+from fxpipe.passes.batchrows import _leaves, micro_specs
 from fxpipe.passes.modes import When
 from fxpipe.passes.spec import TensorSpec
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["coupled_scalars"]
-
-log = logging.getLogger(__name__)
 
 # Ops taking L (and K) values to an L value: sums, scalings by a constant, casts and views.
 _LINEAR = {"add", "sub", "rsub", "neg", "mul", "div", "truediv", "true_divide", "iadd", "isub", "imul", "itruediv",
@@ -51,22 +47,20 @@ _LINEAR = {"add", "sub", "rsub", "neg", "mul", "div", "truediv", "true_divide", 
 _REDUCTIONS = {"sum", "mean", "nansum", "nanmean"}  # of rows, linear (a loss: any op named *loss*, *entropy*)
 _SIZED = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "size", "dim", "numel"}  # take dtype, device
 
-def coupled_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = ()) -> list[str]:
+def coupled_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),
+                    part: dict[str, Any] | None = None) -> list[str]:
     """Return a description of each 0-dim output that couples the rows of a batch (class C above).
 
-    The inputs named in ``unbatched`` keep their example's shapes. Empty when no output is
-    0-dim, and when the graph cannot run for ``rows`` rows on fake tensors.
+    ``part`` holds :func:`~fxpipe.passes.batchrows.micro_specs`' answer when the caller has it
+    (computed here otherwise). Empty when no output is 0-dim, and when the graph cannot run for
+    ``rows`` rows on fake tensors.
     """
     scalars = [(name, node) for name, node in _leaves(gm)
                if isinstance(spec := node.meta.get("fxpipe.value"), TensorSpec) and len(spec.shape) == 0]
     if rows == batch or not scalars:
         return []
-    inputs = [n.meta.get("fxpipe.value") if n.target in unbatched else _scaled(n.meta.get("fxpipe.value"), batch, rows)
-              for n in gm.graph.nodes if n.op == "placeholder"]
-    try:
-        part = Propagator(gm, [n.name for n in gm.graph.nodes if n.op != "output"])(inputs)
-    except Exception as exc:  # noqa: BLE001 - a model fixed to its example's batch: nothing to compare
-        log.debug("0-dim outputs not classed for %d rows: %s: %s", rows, type(exc).__name__, exc)
+    part = part if part is not None else micro_specs(gm, batch, rows, unbatched)
+    if part is None:
         return []
     kinds: dict[torch.fx.Node, str] = {}
     for node in gm.graph.nodes:

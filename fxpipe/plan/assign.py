@@ -163,9 +163,10 @@ def _mark_unbatched(gm: torch.fx.GraphModule, unbatched: Sequence[str]) -> froze
 
 def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int, whole: frozenset[str]) -> None:
     """Record in ``gm.meta`` the outputs that couple a batch's rows; warn that micro-batches change them."""
-    coupled = passes.batch_coupled_outputs(gm, batch, rows, whole)
+    part = passes.micro_specs(gm, batch, rows, whole) if rows != batch else None  # one propagation for both
+    coupled = passes.batch_coupled_outputs(gm, batch, rows, whole, part)
     gm.meta["fxpipe.coupled"] = coupled
-    scalars = passes.coupled_scalars(gm, batch, rows, whole)
+    scalars = passes.coupled_scalars(gm, batch, rows, whole, part)
     if coupled or scalars:
         warnings.warn(
             f"the model's output couples the rows of a batch: {'; '.join(coupled + scalars)}. Each of the {chunks} "
