@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.options import checkpoint_stop
+from fxpipe.options import MULTI_STAGE_SCHEDULES, checkpoint_stop
 from fxpipe.runtime.schedules.actions import Action
 from fxpipe.runtime.schedules.finals import final_backwards
 from fxpipe.simulate import eventsim, memsim
@@ -183,14 +183,13 @@ def _say_other_ranks(schedule: str, plan: Any, simulated: int) -> None:
     world = 1 + max(s.on_rank for s in plan.stages)
     if simulated == world:
         return
-    n = plan.n_stages
-    per = "two stages on each rank" if schedule in ("interleaved", "zbv") else "one stage on each rank"
+    multi = schedule in MULTI_STAGE_SCHEDULES
     warnings.warn(
-        f"schedule={schedule!r} puts {per}: the {n} stages are simulated on {simulated} rank(s), but the pipe runs "
-        f"them on {world}. To compare schedules on the same {world} rank(s), compile with "
-        f"n_stages={world * (2 if schedule in ('interleaved', 'zbv') else 1)}"
-        f"{', stages_per_rank=2' if schedule in ('interleaved', 'zbv') else ''} and simulate that pipe; pass "
-        "ranks= to simulate on another number of ranks on purpose", stacklevel=3)
+        f"schedule={schedule!r} puts {'two stages' if multi else 'one stage'} on each rank: the {plan.n_stages} "
+        f"stages are simulated on {simulated} rank(s), but the pipe runs them on {world}. To compare schedules on "
+        f"the same {world} rank(s), compile with n_stages={world * (2 if multi else 1)}"
+        f"{', stages_per_rank=2' if multi else ''} and simulate that pipe; pass ranks= to simulate on another "
+        "number of ranks on purpose", stacklevel=3)
 
 
 def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int], device_of: list[int],
