@@ -181,7 +181,7 @@ class DistributedRuntime:
         """Run one step's actions on this rank; return the runner."""
         if self.rank == self.first:
             header, mbs = steplayout.publish(self, args, kwargs, training, has_target=target is not None,
-                                             stepping=losses_for is not None)
+                                             stepping=losses_for is not None, target=target)
         else:
             header, mbs = steplayout.receive(self), []
         m = len(header["specs"])

@@ -17,7 +17,7 @@ from fxpipe.errors import PipelineInputError
 from fxpipe.plan.batches import batch_size, is_batched, micro_sizes
 from fxpipe.runtime.observe.blame import add_note
 
-__all__ = ["batch_size", "gather", "micro_losses", "micro_sizes", "scatter", "sum_grads", "to_device"]
+__all__ = ["batch_size", "check_target_rows", "gather", "micro_losses", "micro_sizes", "scatter", "sum_grads", "to_device"]
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -82,6 +82,14 @@ def _differs(a: Any, b: Any) -> bool:
         return a is not b
 
 
+def check_target_rows(target: Any, batch: int | None) -> None:
+    """Refuse a target whose batched tensors have another number of rows than the inputs."""
+    target_batch = batch_size([target], ["target"])
+    if batch is not None and target_batch is not None and target_batch != batch:
+        raise PipelineInputError(f"target has {target_batch} rows on dim 0 but the inputs have "
+                                 f"{batch}; give the target the inputs' batch size")
+
+
 def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch: int | None,
                  m: int, device: torch.device, finish: Callable[[Any], Any] = lambda out: out
                  ) -> dict[int, Callable[[Any], torch.Tensor]]:
@@ -90,10 +98,7 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
     Micro-batch ``i`` of ``rows_i`` rows contributes ``loss_fn(out_i, target_i) * rows_i / B``,
     so for a mean-reduced loss the sum equals ``loss_fn`` on the whole batch.
     """
-    target_batch = batch_size([target], ["target"])
-    if batch is not None and target_batch is not None and target_batch != batch:
-        raise PipelineInputError(f"target has {target_batch} rows on dim 0 but the inputs have "
-                                 f"{batch}; give the target the inputs' batch size")
+    check_target_rows(target, batch)
     sizes = micro_sizes(batch, m) if batch is not None else [0] * m
     targets = scatter([target], ["target"], m)
     if len(targets) == 1:  # no batched tensor in the target (None, a constant): every micro-batch gets it

@@ -79,13 +79,15 @@ def test_values_of_every_kind_cross_ranks_under_every_schedule(tmp_path, launch)
                 assert case["out_error"] < 1e-5 and case["out_rest"], (label, case)
 
 
-def test_a_new_size_runs_and_another_dtype_is_refused_on_every_rank(tmp_path, launch):
+def test_a_new_size_runs_and_another_dtype_or_target_size_is_refused_on_every_rank(tmp_path, launch):
     results = launch("shape", 2, "gpipe", tmp_path)
     for res in results:
         assert res["ok"] and res["resized_error"] < 1e-5, res
         assert res["type"] == "PipelineInputError", res
         assert "input 'x' has shape (4, 3, 16, 12) and dtype torch.float64" in res["message"]
         assert "and dtype torch.float32; sizes may change from step to step" in res["message"]
+        assert res["target_rows"] == ("PipelineInputError: target has 3 rows on dim 0 but the inputs have 4; "
+                                      "give the target the inputs' batch size"), res
         assert res["after"] == results[0]["after"]
     assert results[1]["later"] == "RuntimeError: broken loss"
     assert "rank 1 (stage 1) raised RuntimeError: broken loss" in results[0]["later"], results[0]["later"]

@@ -71,7 +71,7 @@ def tied4(rank, world, schedule):
 
 
 def shape(rank, world, schedule):
-    """Another spatial size runs equal to eager; another dtype is refused on every rank; the pipe goes on."""
+    """Another spatial size runs equal to eager; another dtype or a target of other rows is refused on every rank; the pipe goes on."""
     torch.manual_seed(0)
     model = UNet(depth=2, base=4).eval()
     eager = copy.deepcopy(model)
@@ -84,6 +84,10 @@ def shape(rank, world, schedule):
         pipe.step(x.double() if rank == 0 else None, target=y.double(), loss_fn=F.mse_loss)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out.update(type=type(exc).__name__, message=str(exc))
+    try:  # a target of another batch size, given on every rank: the same refusal everywhere
+        pipe.step(x if rank == 0 else None, target=y[:3], loss_fn=F.mse_loss)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["target_rows"] = f"{type(exc).__name__}: {exc}"
     x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 2, 16, 16)
     out["after"] = float(pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss))  # the refusal did no harm
 

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import PipelineInputError, PropagationError
 from fxpipe.frontend.export import enabled_autocast
 from fxpipe.passes.annotate import TensorSpec, spec_of
+from fxpipe.runtime.microbatch import check_target_rows
 from fxpipe.runtime.stage.stagecall import autocast_state
 from fxpipe.runtime.transport.comm import on_every_rank
 from fxpipe.runtime.transport.tpinputs import from_tp_holder, group_names, inputs_given
@@ -133,8 +134,11 @@ def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.d
 
 
 def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target: bool = False,
-            stepping: bool = True) -> tuple[dict, list[list[Any]]]:
+            stepping: bool = True, target: Any = None) -> tuple[dict, list[list[Any]]]:
     """On the first stage's rank: check and split the inputs, send the layout; return it and the micro-batches.
+
+    A ``target`` given here is checked against the inputs' batch size, so that a wrong one is
+    refused on every rank with the same error (not first met on the loss's rank).
 
     The layout carries, for each micro-batch layout the pipeline has not seen, the spec of every
     value crossing a stage boundary (propagated here on fake tensors), so that the other ranks
@@ -149,6 +153,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         _refuse_missing_inputs(runtime, values, stepping)
         check_signature(runtime.binding.names, spec_of(values), runtime.example)
         mbs, batch = runtime.binding.split(args, kwargs, runtime.plan.chunks, training, runtime.device)
+        check_target_rows(target, batch)
         if not stepping:  # pipe(x): outputs the last rank could not join are refused here, on every rank
             runtime.binding.check_joinable(len(mbs), training)
         specs = [spec_of(mb) for mb in mbs]
