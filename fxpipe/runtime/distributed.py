@@ -307,6 +307,7 @@ class DistributedRuntime:
 
     def _guarded(self, body: Callable[[], Any]) -> Any:
         """Run ``body``; on any failure here, tell the other ranks and close the connections, then re-raise."""
+        self.comm.board.enter(self.layout.global_ranks[self.rank])
         self.ready()
         try:
             return body()

@@ -278,3 +278,15 @@ def test_a_leaf_branching_on_a_value_trains_across_ranks(tmp_path, launch):
     _ok(results)
     for res in results:
         assert max(res["errors"]) < 1e-5, res
+
+
+def test_pipes_called_in_another_order_on_each_rank_are_named_at_the_timeout(tmp_path, launch):
+    # before: "a peer is stuck or dead (raise fxpipe.compile(..., timeout=) ...)", which sent users the wrong way
+    results = launch("order_cases:out_of_order", 2, "1f1b", tmp_path, limit=90)
+    _ok(results)
+    for r, res in enumerate(results):
+        kind, message, seconds = res["first"]
+        assert kind == "PeerFailure" and seconds < 30, (r, res)
+        assert "every rank must call its pipes in the same order" in message, (r, message)
+    assert "this rank is calling pipe #1" in results[0]["first"][1]
+    assert "rank 1 is calling pipe #2" in results[0]["first"][1]

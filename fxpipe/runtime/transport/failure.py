@@ -6,6 +6,8 @@ round, a pipe or an earlier failure is read in another::
 
     fxpipe/<restart round>/<pipe>/<generation>/error        why the step failed (first writer wins)
     fxpipe/<restart round>/<pipe>/<generation>/back/<rank>  this rank is ready again
+    fxpipe/<restart round>/where/<global rank>            the pipe this process called last
+
 
     rank r raises   ──▶ posts why, closes its connections (its peers' waits fail at once)
     a peer's wait   ──▶ reads why: PeerFailure naming rank r; closes its own connections, so
@@ -33,6 +35,7 @@ __all__ = ["FailureBoard"]
 log = logging.getLogger(__name__)
 
 _PIPES = itertools.count()  # every rank compiles its pipes in the same order: the same number for each
+_entered: list[str | None] = [None]  # the prefix of the pipe this process called last (written on a change)
 
 
 class FailureBoard:
@@ -52,6 +55,40 @@ class FailureBoard:
     def _key(self, *parts: object) -> str:
         """Return the store key of ``parts`` in this generation."""
         return "/".join([self.prefix, str(self.generation), *map(str, parts)])
+
+    def enter(self, me: int) -> None:
+        """Note on the store that global rank ``me`` now calls this pipe, if its last call was to another.
+
+        One store write per change of pipe (none while a script calls one pipe): what a peer that
+        times out reads to tell a rank calling another pipe from a slow or dead one (:meth:`elsewhere`).
+        """
+        if _entered[0] != self.prefix:
+            try:
+                self.store.set(self._where(me), self.prefix)
+                _entered[0] = self.prefix
+            except Exception as exc:  # noqa: BLE001 - only a better message depends on it
+                log.debug("could not note this rank's pipe on the store: %s", exc)
+
+    def elsewhere(self, me: int) -> list[tuple[int, int]]:
+        """Return ``(global rank, pipe number)`` of each peer whose last call was to another pipe."""
+        found = []
+        for rank in self.global_ranks:
+            try:
+                if rank != me and self.store.check([self._where(rank)]):
+                    prefix = self.store.get(self._where(rank)).decode()
+                    if prefix != self.prefix:
+                        found.append((rank, int(prefix.rsplit("/", 1)[-1])))
+            except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
+                return found
+        return found
+
+    def number(self) -> int:
+        """Return this pipe's number: how many pipes this process made before it."""
+        return int(self.prefix.rsplit("/", 1)[-1])
+
+    def _where(self, rank: int) -> str:
+        """Return the store key naming the pipe global rank ``rank`` called last."""
+        return f"{self.prefix.rsplit('/', 1)[0]}/where/{rank}"
 
     def post(self, message: str, fatal: bool = False) -> None:
         """Post why the step failed, unless a reason is already posted (best effort: the store may be gone)."""
