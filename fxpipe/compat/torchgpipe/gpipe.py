@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from fxpipe import compiler
 from fxpipe.compat.torchgpipe.lowering import check_tensors, lower
@@ -139,6 +140,9 @@ class GPipe(nn.Module):
                                   deferred_batch_norm=deferred_batch_norm)
             pipe.training = self.training  # the layers keep their own modes until train()/eval()
             self.__dict__["_pipe"] = pipe
+        if deferred_batch_norm:
+            self._register_state_dict_hook(_add_deferred_sums)
+            self.register_load_state_dict_pre_hook(_drop_deferred_sums)
 
     @property
     def pipe(self) -> Pipe | None:
@@ -193,6 +197,32 @@ class GPipe(nn.Module):
         if self._pipe is None:
             return input  # an empty sequential module
         return self._pipe(input)
+
+
+def _deferred_norms(gpipe: GPipe) -> Iterator[tuple[str, _BatchNorm]]:
+    """Yield the batch norms torchgpipe would have made deferred, by their names under ``partitions``."""
+    for name, module in gpipe.partitions.named_modules(prefix="partitions"):
+        if isinstance(module, _BatchNorm) and module.track_running_stats and "sum" not in module._buffers:
+            yield name, module
+
+
+def _add_deferred_sums(gpipe: GPipe, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """Add torchgpipe's ``sum`` and ``sum_squares`` keys of each deferred batch norm, zero between mini-batches.
+
+    torchgpipe's ``deferred_batch_norm=True`` swaps every batch norm for its ``DeferredBatchNorm``,
+    which accumulates in those persistent buffers and zeroes them at each commit; fxpipe defers the
+    model's own batch norms, so a state dict of either loads into the other with ``strict=True``.
+    """
+    for name, bn in _deferred_norms(gpipe):
+        for key in ("sum", "sum_squares"):
+            state[f"{prefix}{name}.{key}"] = torch.zeros_like(bn.running_mean)
+
+
+def _drop_deferred_sums(gpipe: GPipe, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Drop torchgpipe's ``sum`` and ``sum_squares`` keys before loading: between mini-batches they are zero."""
+    for name, _bn in _deferred_norms(gpipe):
+        for key in ("sum", "sum_squares"):
+            state.pop(f"{prefix}{name}.{key}", None)
 
 
 def _moving_denied() -> TypeError:

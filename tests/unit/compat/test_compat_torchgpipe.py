@@ -176,3 +176,27 @@ def test_deferred_batch_norm_has_torchgpipe_s_state_dict_keys():
 
     keys = set(DeferredBatchNorm(4, chunks=2).state_dict())
     assert keys == {"weight", "bias", "running_mean", "running_var", "num_batches_tracked", "sum", "sum_squares"}
+
+
+def test_gpipe_with_deferred_batch_norm_has_torchgpipe_s_state_dict_keys():
+    # torchgpipe swaps each batch norm for its DeferredBatchNorm (sum, sum_squares); fxpipe defers the model's own
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
+
+    gpipe = GPipe(model(), [2, 2], devices=["cpu"] * 2, chunks=2, deferred_batch_norm=True)
+    gpipe(torch.randn(8, 4))
+    state = gpipe.state_dict()
+    assert {"partitions.0.1.sum", "partitions.0.1.sum_squares"} <= set(state)
+    assert not state["partitions.0.1.sum"].any()
+    assert "sum" not in gpipe.partitions[0][1].state_dict()  # the batch norm itself is not changed
+    fresh = GPipe(model(), [2, 2], devices=["cpu"] * 2, chunks=2, deferred_batch_norm=True)
+    fresh.load_state_dict(state)  # strict
+    assert torch.equal(fresh.partitions[0][1].running_mean, gpipe.partitions[0][1].running_mean)
+    plain = GPipe(model(), [2, 2], devices=["cpu"] * 2, chunks=2)
+    assert not any(k.endswith("sum") for k in plain.state_dict())
+    torchgpipe = pytest.importorskip("torchgpipe")
+    theirs = torchgpipe.GPipe(model(), [2, 2], devices=["cpu"] * 2, chunks=2, deferred_batch_norm=True)
+    assert set(theirs.state_dict()) == set(state)
+    theirs.load_state_dict(state)
+    fresh.load_state_dict(theirs.state_dict())
