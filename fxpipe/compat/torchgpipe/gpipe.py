@@ -215,7 +215,7 @@ def _add_deferred_sums(gpipe: GPipe, state: dict[str, Any], prefix: str, local_m
     """
     for name, bn in _deferred_norms(gpipe):
         for key in ("sum", "sum_squares"):
-            state[f"{prefix}{name}.{key}"] = torch.zeros_like(bn.running_mean)
+            state[f"{prefix}{name}.{key}"] = torch.zeros_like(cast(torch.Tensor, bn.running_mean))
 
 
 def _drop_deferred_sums(gpipe: GPipe, state: dict[str, Any], prefix: str, *_: Any) -> None:
