@@ -29,6 +29,7 @@ script itself, and its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -66,8 +67,10 @@ class Clock:
 def run_tests(out: str, seconds: float, rows: list) -> bool:
     """Run ``pytest -m cuda`` in a subprocess within ``seconds``; add a row; return whether all passed."""
     xml, log = os.path.join(out, "pytest.xml"), os.path.join(out, "pytest.log")
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-rfEs", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-rfEs", "-p", "no:cacheprovider", "--durations=15",
            f"--junitxml={xml}", "tests"]
+    if importlib.util.find_spec("pytest_timeout") is not None:  # one hanging test must not eat the others' time
+        cmd.insert(-1, "--timeout=60")
     start = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
