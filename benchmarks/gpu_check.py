@@ -44,7 +44,7 @@ import torch
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path[:0] = [ROOT, BENCH]
-from gpu_measure import measure_copies, measure_speedup, overlap  # noqa: E402
+from gpu_measure import measure_copies, measure_speedup, overlap
 
 __all__ = ["main", "overlap"]
 
