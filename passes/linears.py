@@ -20,7 +20,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LINEARS", "defers_weight_grad", "hooked", "model_defers"]
+__all__ = ["HOOK_KINDS", "LINEARS", "defers_weight_grad", "hooked", "model_defers"]
 
 LINEARS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
 
@@ -55,10 +55,14 @@ def defers_weight_grad(gm: torch.fx.GraphModule, node: torch.fx.Node, autocast: 
     return False
 
 
+#: A module's own hook dictionaries, and what each holds (the front end names them in its warning).
+HOOK_KINDS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+              ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
+
+
 def hooked(mod: nn.Module) -> bool:
     """Tell whether a module has hooks of its own, which a call of ``linear`` in its place would skip."""
-    return any(getattr(mod, attr, None) for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                                     "_backward_pre_hooks"))
+    return any(getattr(mod, attr, None) for attr, _ in HOOK_KINDS)
 
 
 def model_defers(gm: torch.fx.GraphModule, node: torch.fx.Node, autocast: bool = False) -> bool:

@@ -15,10 +15,9 @@ import warnings
 import torch.fx
 from torch import nn
 
-__all__ = ["warn_lost_hooks"]
+from fxpipe.passes.linears import HOOK_KINDS
 
-_KINDS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
-          ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
+__all__ = ["warn_lost_hooks"]
 
 
 def warn_lost_hooks(model: nn.Module, gm: torch.fx.GraphModule) -> list[str]:
@@ -26,7 +25,7 @@ def warn_lost_hooks(model: nn.Module, gm: torch.fx.GraphModule) -> list[str]:
     leaves = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
     lost = []
     for name, module in model.named_modules():
-        kinds = [kind for attr, kind in _KINDS if any(not _captures(h) for h in getattr(module, attr, {}).values())]
+        kinds = [kind for attr, kind in HOOK_KINDS if any(not _captures(h) for h in getattr(module, attr, {}).values())]
         if kinds and not any(name == leaf or name.startswith(leaf + ".") for leaf in leaves):
             lost.append(f"{name or 'the model'} ({', '.join(kinds)})")
     if lost:
