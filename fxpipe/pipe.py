@@ -14,6 +14,7 @@ from torch import nn
 
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.contract import Runtime
+from fxpipe.runtime.microbatch import is_summed, summed
 from fxpipe.runtime.stage.reshare import reshare
 
 __all__ = ["Pipe"]
@@ -169,27 +170,38 @@ class Pipe(nn.Module):
                 stage.training = mode
 
     def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-             scaler: Any = None, **kwargs: Any) -> torch.Tensor:
+             scaler: Any = None, loss_reduction: str = "mean", **kwargs: Any) -> torch.Tensor:
         """Run forward and backward of one mini-batch with a loss per micro-batch; return the loss.
 
         For a mean-reduced ``loss_fn`` the loss and the gradients equal those of
-        ``loss_fn(model(*args, **kwargs), target).backward()``. With ``scaler`` (a
-        ``torch.amp.GradScaler``, or :func:`fxpipe.grad_scaler`'s across ranks) the loss is
-        scaled once, where it is computed, so every stage's gradients come out scaled; the
-        loss returned is not. Across replicas (``data_parallel``) it is the global batch's.
+        ``loss_fn(model(*args, **kwargs), target).backward()``: each micro-batch's loss is
+        weighted by its share of the rows. ``loss_reduction="sum"`` adds the micro-batches'
+        losses as ``loss_fn`` returns them instead, for a loss normalised by a count of the whole
+        batch (its tokens that are not ignored: ``F.cross_entropy(..., reduction="sum") / n``).
+        With ``scaler`` (a ``torch.amp.GradScaler``, or :func:`fxpipe.grad_scaler`'s across
+        ranks) the loss is scaled once, where it is computed, so every stage's gradients come
+        out scaled; the loss returned is not. Across replicas (``data_parallel``) it is the
+        global batch's (the replicas' mean).
         """
         self._follow_model()
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be a function (output, target) -> loss, got {type(loss_fn).__name__}: "
                             "pass e.g. loss_fn=torch.nn.functional.cross_entropy")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction={loss_reduction!r} is not 'mean' (loss_fn returns each micro-batch's "
+                             "mean over its rows) or 'sum' (loss_fn returns each micro-batch's share of the batch's "
+                             "loss, and the shares are added)")
+        if loss_reduction == "sum":
+            loss_fn = summed(loss_fn)
         if scaler is not None and scaler.is_enabled():
             _refuse_lone_scaler(self._runtime, scaler)
             base = loss_fn
             device = next((d for d in self.devices if d.type != "meta"), torch.device("cpu"))
             scaler.scale(torch.zeros((), device=device))  # start its scale on every rank, not just the loss's
 
-            def loss_fn(out: Any, tgt: Any) -> torch.Tensor:
+            def scaled(out: Any, tgt: Any) -> torch.Tensor:
                 return scaler.scale(base(out, tgt))
+            loss_fn = summed(scaled) if is_summed(base) else scaled
             scale = float(scaler.get_scale())
             return self._runtime.step(args, kwargs, target, loss_fn, self.training) / scale
         return self._runtime.step(args, kwargs, target, loss_fn, self.training)

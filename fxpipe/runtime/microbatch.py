@@ -17,7 +17,8 @@ from fxpipe.errors import PipelineInputError
 from fxpipe.plan.batches import batch_size, is_batched, micro_sizes
 from fxpipe.runtime.observe.blame import add_note
 
-__all__ = ["batch_size", "check_target_rows", "gather", "micro_losses", "micro_sizes", "scatter", "sum_grads", "to_device"]
+__all__ = ["batch_size", "check_target_rows", "gather", "is_summed", "micro_losses", "micro_sizes", "scatter",
+           "sum_grads", "summed", "to_device"]
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -82,6 +83,19 @@ def _differs(a: Any, b: Any) -> bool:
         return a is not b
 
 
+def summed(loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
+    """Return ``loss_fn`` marked as giving each micro-batch's share of the batch's loss, to be added unweighted."""
+    def share(out: Any, tgt: Any) -> torch.Tensor:
+        return loss_fn(out, tgt)
+    vars(share)["fxpipe_summed"] = True
+    return share
+
+
+def is_summed(loss_fn: Callable[[Any, Any], torch.Tensor]) -> bool:
+    """Tell whether ``loss_fn`` was marked by :func:`summed`."""
+    return bool(getattr(loss_fn, "fxpipe_summed", False))
+
+
 def check_target_rows(target: Any, batch: int | None) -> None:
     """Refuse a target whose batched tensors have another number of rows than the inputs."""
     target_batch = batch_size([target], ["target"])
@@ -96,7 +110,8 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
     """Return, per micro-batch, a function from its output to its share of the batch loss.
 
     Micro-batch ``i`` of ``rows_i`` rows contributes ``loss_fn(out_i, target_i) * rows_i / B``,
-    so for a mean-reduced loss the sum equals ``loss_fn`` on the whole batch.
+    so for a mean-reduced loss the sum equals ``loss_fn`` on the whole batch; a ``loss_fn``
+    marked :func:`summed` contributes ``loss_fn(out_i, target_i)`` as it is.
     """
     check_target_rows(target, batch)
     sizes = micro_sizes(batch, m) if batch is not None else [0] * m
@@ -106,7 +121,7 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
     losses: dict[int, Callable[[Any], torch.Tensor]] = {}
     for i, (tgt, rows) in enumerate(zip(targets, sizes)):
         tgt = to_device(tgt[0], device)
-        weight = rows / batch if batch else 1.0
+        weight = rows / batch if batch and not is_summed(loss_fn) else 1.0
 
         def loss(out: Any, tgt: Any = tgt, weight: float = weight) -> torch.Tensor:
             try:

@@ -144,3 +144,56 @@ def test_step_refuses_a_detached_loss_rather_than_leave_every_gradient_none(sche
     loss = pipe.step(x, target=y, loss_fn=F.mse_loss)  # a failed step leaves the next one as it should be
     expected = F.mse_loss(copy.deepcopy(model)(x), y)
     torch.testing.assert_close(loss, expected.detach())
+
+
+def _padded_tokens():
+    """Return tokens and labels whose rows have 8, 6, 1, 3, ... tokens that count (the rest -100)."""
+    torch.manual_seed(0)
+    tokens, labels = torch.randint(0, 32, (7, 8)), torch.randint(0, 32, (7, 8))
+    for row, keep in enumerate([8, 6, 1, 3, 8, 2, 5]):
+        labels[row, keep:] = -100
+    return tokens, labels
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "interleaved"])
+def test_a_loss_normalised_by_the_batch_s_token_count_equals_eager_with_loss_reduction_sum(schedule):
+    # cross-entropy over the tokens that count: each micro-batch's mean, weighted by rows, is not the batch's mean
+    model, (tokens, labels) = TiedTransformer(), _padded_tokens()
+    eager = copy.deepcopy(model)
+    expected = token_loss(eager(tokens), labels)  # ignore_index=-100: the mean over the 33 tokens that count
+    expected.backward()
+    n = (labels != -100).sum()
+
+    def share(logits, tgt):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum") / n
+
+    ranks = 2 if schedule == "interleaved" else 4
+    pipe = fxpipe.compile(model, 4, example_inputs=(tokens,), chunks=3, devices=["cpu"] * 4, schedule=schedule,
+                          stages_per_rank=4 // ranks)
+    loss = pipe.step(tokens, target=labels, loss_fn=share, loss_reduction="sum")
+    assert max_relative_error(loss, expected) < 1e-5
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
+    model.zero_grad()
+    mean = pipe.step(tokens, target=labels, loss_fn=token_loss)  # the default weighting: not eager's here
+    assert max_relative_error(mean, expected) > 1e-2
+
+
+def test_loss_reduction_sum_keeps_a_scaler_s_scaling_and_other_reductions_are_refused():
+    model, (tokens, labels) = TiedTransformer(), _padded_tokens()
+    eager = copy.deepcopy(model)
+    n = (labels != -100).sum()
+
+    def share(logits, tgt):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum") / n
+
+    pipe = fxpipe.compile(model, 2, example_inputs=(tokens,), chunks=3, devices=["cpu"] * 2, schedule="1f1b")
+    scaler = fxpipe.grad_scaler(pipe, init_scale=64.0)
+    loss = pipe.step(tokens, target=labels, loss_fn=share, loss_reduction="sum", scaler=scaler)
+    expected = token_loss(eager(tokens), labels)
+    (expected * 64.0).backward()
+    assert max_relative_error(loss, expected) < 1e-5
+    assert max_relative_error(model.embed.weight.grad, eager.embed.weight.grad) < 1e-5
+    with pytest.raises(ValueError, match="loss_reduction='none' is not 'mean'"):
+        pipe.step(tokens, target=labels, loss_fn=share, loss_reduction="none")
