@@ -25,6 +25,7 @@ class Binding:
         info = getattr(gm.graph._codegen, "pytree_info", None)
         self.flattens_outputs = info is not None and info.out_spec is not None
         self.warned = False  # that a batch smaller than chunks runs fewer micro-batches (said once)
+        self.targets_checked = False  # for ignored entries shared unequally by the micro-batches (once)
         self.coupled: list[str] = gm.meta.get("fxpipe.coupled", [])  # outputs that couple a batch's rows
         # 0-dim outputs per mode (known where compile had example inputs)
         self.scalars = {mode: passes.scalar_outputs(gm, mode) for mode in (True, False)}

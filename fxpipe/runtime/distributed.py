@@ -45,6 +45,7 @@ from fxpipe.runtime import gradnorm
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.contract import Place
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
+from fxpipe.runtime.ignored import warn_uneven_ignored
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import micro_losses
 from fxpipe.runtime.replicanorms import sync_norms
@@ -341,8 +342,12 @@ class DistributedRuntime:
             tgt = from_tp_holder(self, target, target is not None)[0] if self.last else target
             if self.summed is None:  # the first step since the last sum: what that sum made equal stays out
                 self.summed = open_window(self.tied)
-            runner = self._run(args, kwargs, lambda batch, m: micro_losses(
-                loss_fn, tgt, batch, m, self.device, self.binding.finish), training, grad=True, target=tgt)
+            def losses_for(batch: int | None, m: int) -> dict[int, Callable[[Any], torch.Tensor]]:
+                if not self.binding.targets_checked:  # on the loss's rank, which holds the target
+                    self.binding.targets_checked = warn_uneven_ignored(
+                        {"target": tgt, "labels": kwargs.get("labels")}, batch, m, loss_fn)
+                return micro_losses(loss_fn, tgt, batch, m, self.device, self.binding.finish)
+            runner = self._run(args, kwargs, losses_for, training, grad=True, target=tgt)
             if self.layout.tp > 1:
                 match_grads([p for w in self.workers.values() for p in w.call.gm.parameters()])
             if self.sync:  # replicas reduced and a tie's accumulated gradients summed once, at the synced step

@@ -22,6 +22,7 @@ from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.codegen import compile_source, gpipe_source
 from fxpipe.runtime.contract import Place
+from fxpipe.runtime.ignored import warn_uneven_ignored
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import micro_losses
 from fxpipe.runtime.observe import timeline
@@ -140,6 +141,9 @@ class LocalRuntime:
         if not torch.is_grad_enabled():
             raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
         mbs, batch = self.binding.split(args, kwargs, self.plan.chunks, training, self.devices[0])
+        if not self.binding.targets_checked:
+            self.binding.targets_checked = warn_uneven_ignored(
+                {"target": target, "labels": kwargs.get("labels")}, batch, len(mbs), loss_fn)
         losses = micro_losses(loss_fn, target, batch, len(mbs), self.devices[-1], self.binding.finish)
         if self.plan.schedule == "gpipe":
             try:

@@ -176,7 +176,9 @@ def test_a_loss_normalised_by_the_batch_s_token_count_equals_eager_with_loss_red
     for name, p in model.named_parameters():
         assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
     model.zero_grad()
-    mean = pipe.step(tokens, target=labels, loss_fn=token_loss)  # the default weighting: not eager's here
+    with pytest.warns(UserWarning, match=r"target marks entries -100 \(ignore_index\) in unequal shares of the "
+                      r"micro-batches \(44% to 69% .*Pass loss_reduction='sum'"):
+        mean = pipe.step(tokens, target=labels, loss_fn=token_loss)  # the default weighting: not eager's here
     assert max_relative_error(mean, expected) > 1e-2
 
 
@@ -197,3 +199,14 @@ def test_loss_reduction_sum_keeps_a_scaler_s_scaling_and_other_reductions_are_re
     assert max_relative_error(model.embed.weight.grad, eager.embed.weight.grad) < 1e-5
     with pytest.raises(ValueError, match="loss_reduction='none' is not 'mean'"):
         pipe.step(tokens, target=labels, loss_fn=share, loss_reduction="none")
+
+
+def test_ignored_entries_shared_equally_or_absent_are_not_warned_of(recwarn):
+    model, (tokens, _) = TiedTransformer(), _padded_tokens()
+    pipe = fxpipe.compile(model, 2, example_inputs=(tokens,), chunks=3, devices=["cpu"] * 2, schedule="1f1b")
+    pipe.step(tokens, target=torch.randint(0, 32, (7, 8)), loss_fn=token_loss)  # no -100: checked, silent
+    even = torch.randint(0, 32, (7, 8))
+    even[:, 6:] = -100  # every row counts 6 of 8: each micro-batch's mean weighs as its rows
+    pipe = fxpipe.compile(model, 2, example_inputs=(tokens,), chunks=3, devices=["cpu"] * 2, schedule="1f1b")
+    pipe.step(tokens, target=even, loss_fn=token_loss)
+    assert not [w for w in recwarn if "ignore_index" in str(w.message)]
