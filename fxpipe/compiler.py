@@ -16,6 +16,7 @@ import torch.fx
 from torch import nn
 
 from fxpipe.errors import CompileError
+from fxpipe.frontend.compiledmodule import unwrap_compiled
 from fxpipe.materialize.metatensors import released
 from fxpipe.options import AUTO, CompileOptions
 from fxpipe.pipe import Pipe
@@ -137,6 +138,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.compile expects an nn.Module or a torch.fx.GraphModule, "
                         f"got {type(model).__name__}")
+    model = unwrap_compiled(model)
     if isinstance(model, Pipe):
         raise TypeError("fxpipe.compile got a Pipe, which is compiled already: compile the model it was "
                         "compiled from (in one process the pipe shares its parameters; across ranks build the "

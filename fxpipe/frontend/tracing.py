@@ -19,6 +19,7 @@ from torch.autograd.function import FunctionCtx
 from fxpipe.errors import TraceError
 from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
+from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
 from fxpipe.frontend.markers import recording_markers
 from fxpipe.frontend.modes import in_other_mode, may_read_mode, quieted
 from fxpipe.frontend.nograd import detach_no_grad_blocks
@@ -55,8 +56,8 @@ class _Tracer(torch.fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         """Treat torch.nn's own modules and the user's leaf modules as single calls."""
-        if isinstance(m, self.leaf_types) or module_qualified_name in self.leaf_names:
-            return True
+        if isinstance(m, self.leaf_types) or module_qualified_name in self.leaf_names or is_compiled_module(m):
+            return True  # a torch.compile'd submodule: fx cannot trace dynamo's frames, it runs compiled
         return super().is_leaf_module(m, module_qualified_name)
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
@@ -107,6 +108,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.trace expects an nn.Module, got {type(model).__name__}")
+    model = unwrap_compiled(model)
     check_tracer(tracer)
     if tracer == "export":
         from fxpipe.frontend.export import export_trace
