@@ -88,6 +88,15 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
              "batch dimension: torch.export traces with them")
     if not any(_batched(t) for t in tree_flatten((args, kwargs))[0]):
         raise ValueError(needs)
+    scripted: list[str] = []  # the outermost scripted modules
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule) and not any(name.startswith(f"{o}.") for o in scripted):
+            scripted.append(name or "the model")
+    if scripted:  # torch.export calls its forward with the wrong arguments, blamed on the batch
+        raise TraceError(f"torch.export cannot trace {type(model).__name__}: {', '.join(map(repr, scripted[:3]))} "
+                         f"{'is a' if len(scripted) == 1 else 'are'} torch.jit.ScriptModule, which it cannot "
+                         "export; use tracer='fx' (which calls a scripted module as one call), or build the model "
+                         "without torch.jit.script", module=type(model).__name__)
     signature = inspect.signature(model.forward)
     try:
         bound = signature.bind(*args, **kwargs)

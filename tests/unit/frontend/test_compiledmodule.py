@@ -1,4 +1,4 @@
-"""Modules compiled with torch.compile before fxpipe sees them: a whole model, a submodule."""
+"""Modules compiled before fxpipe sees them: torch.compile (a whole model, a submodule), torch.jit.script."""
 
 import copy
 
@@ -55,3 +55,22 @@ def test_a_torch_compiled_submodule_runs_compiled_as_one_call_under_fx(schedule)
     expected = F.mse_loss(eager(x), y)
     expected.backward()
     assert max_relative_error(loss, expected) < 1e-5 and _grads_equal(model, eager)
+
+
+def test_a_scripted_submodule_is_refused_by_export_naming_it_and_runs_under_fx():
+    # export's failure read "Sequential.forward() takes 2 positional arguments ... may depend on the batch size"
+    class Scripted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.h = torch.jit.script(nn.Sequential(nn.Linear(8, 16), nn.Tanh())), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.h(self.a(x))
+
+    x = torch.randn(6, 8)
+    with pytest.raises(fxpipe.TraceError, match="'a' is a torch.jit.ScriptModule, which it cannot export; use "
+                                                "tracer='fx'"):
+        fxpipe.compile(Scripted(), 2, example_inputs=(x,), devices=["cpu"] * 2, tracer="export")
+    model = Scripted()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=2)
+    assert max_relative_error(pipe(x), model(x)) < 1e-6
