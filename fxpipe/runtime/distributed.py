@@ -336,7 +336,8 @@ class DistributedRuntime:
         """Run one training step; return the mini-batch loss on every rank."""
         def body() -> torch.Tensor:
             if not torch.is_grad_enabled():
-                raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
+                raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad() and "
+                                   "torch.inference_mode() (use pipe(x) to infer)")
             refuse_unfrozen(self.unfrozen)
             refuse_changed_linears(self.replacing)
             tgt = from_tp_holder(self, target, target is not None)[0] if self.last else target

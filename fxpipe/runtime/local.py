@@ -139,7 +139,8 @@ class LocalRuntime:
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
         """Run forward and backward of one mini-batch with a loss per micro-batch; return the loss."""
         if not torch.is_grad_enabled():
-            raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad()")
+            raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad() and "
+                               "torch.inference_mode() (use pipe(x) to infer)")
         mbs, batch = self.binding.split(args, kwargs, self.plan.chunks, training, self.devices[0])
         if not self.binding.targets_checked:
             self.binding.targets_checked = warn_uneven_ignored(
