@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from fxpipe.passes.records import register_records
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["TensorSpec", "differentiable", "spec_of", "value_bytes"]
@@ -46,7 +47,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def spec_of(value: Any) -> Any:
-    """Replace every tensor in ``value`` by its :class:`TensorSpec`."""
+    """Replace every tensor in ``value`` by its :class:`TensorSpec` (a dataclass's too: see :mod:`.records`)."""
+    register_records(value)
     return tree_map(
         lambda v: TensorSpec(tuple(int(d) for d in v.shape), v.dtype, bool(v.requires_grad))
         if isinstance(v, torch.Tensor)

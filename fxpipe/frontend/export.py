@@ -36,9 +36,11 @@ guard in the first stage.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import re
+import sys
 from collections.abc import Collection, Iterator
 from functools import partial
 from typing import Any
@@ -46,7 +48,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 
 from fxpipe.errors import TraceError
 from fxpipe.frontend.exportmeta import fake_inputs, fake_state, meta_refusal, refuse_stand_ins, target_device
@@ -55,13 +57,34 @@ from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
 from fxpipe.frontend.specialised import recording_specialisations, specialising_line
 from fxpipe.frontend.userframe import user_frame
 from fxpipe.passes.modes import merge_modes
+from fxpipe.passes.records import register_record_type
 
 __all__ = ["export_trace", "named_arguments"]
 
 log = logging.getLogger(__name__)
 
 _UNBOUNDED = 2 ** 63 - 2  # torch's own largest bound of a size
+_RECORDS = 8  # exports tried while each names a dataclass to register (nested records name one each)
 _UNKNOWN_TYPE = re.compile(r"Found <class '([\w.]+)'> in (output|input)")  # a type pytree cannot flatten
+
+
+def _registered_record(exc: BaseException) -> bool:
+    """Register the dataclass torch.export could not flatten (``exc`` names it); return whether one was."""
+    unknown = _UNKNOWN_TYPE.search(str(exc))
+    if unknown is None:
+        return False
+    parts = unknown.group(1).split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest prefix that is an imported module
+        found: Any = sys.modules.get(".".join(parts[:cut]))
+        if found is None:
+            continue
+        for name in parts[cut:]:
+            found = getattr(found, name, None)
+        if isinstance(found, type) and dataclasses.is_dataclass(found) and found not in SUPPORTED_NODES:
+            register_record_type(found)
+            return True
+        return False
+    return False
 
 
 def _batched(x: Any) -> bool:
@@ -132,15 +155,20 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
         return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
 
     def exported(faked: Any) -> torch.fx.GraphModule:
-        fixed: list[Any] = []  # the sizes the model's code fixed to a constant, with its line
-        try:
-            with recording_specialisations(fixed):
-                program = export(torch.export.Dim("batch", min=1))
-        except Exception as exc:  # retried with a bound, or re-raised with the fix
-            refusal = meta_refusal(model, exc, target, faked)
-            if refusal is not None:
-                raise refusal from exc
-            program = _bounded(model, export, exc, rows, fixed)
+        for _ in range(_RECORDS):  # each dataclass the model takes or returns unregistered costs one more try
+            fixed: list[Any] = []  # the sizes the model's code fixed to a constant, with its line
+            try:
+                with recording_specialisations(fixed):
+                    program = export(torch.export.Dim("batch", min=1))
+                break
+            except Exception as exc:  # retried with a bound, or re-raised with the fix
+                if _registered_record(exc):
+                    continue
+                refusal = meta_refusal(model, exc, target, faked)
+                if refusal is not None:
+                    raise refusal from exc
+                program = _bounded(model, export, exc, rows, fixed)
+                break
         return program.module()
 
     drawn: list[str] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import linecache
 import logging
@@ -28,6 +29,7 @@ from fxpipe.frontend.userframe import user_frame
 from fxpipe.options import check_tracer
 from fxpipe.passes.amp import run_under_autocast
 from fxpipe.passes.modes import merge_modes
+from fxpipe.passes.records import register_graph_records
 
 __all__ = ["trace"]
 
@@ -70,6 +72,17 @@ class _Tracer(torch.fx.Tracer):
         if blocks:
             node.meta["fxpipe.autocast"] = blocks
         return node
+
+    def create_arg(self, a: Any) -> Any:
+        """Record a dataclass that is also a dict (a Hugging Face-style ``ModelOutput``) as its constructor's call.
+
+        torch.fx records a plain dataclass so, but takes one that is a dict for a dict, and the
+        model's ``out.logits`` would meet a plain dict.
+        """
+        if isinstance(a, dict) and dataclasses.is_dataclass(a) and not isinstance(a, type):
+            kwargs = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if f.init}
+            return self.create_node("call_function", type(a), (), kwargs)
+        return super().create_arg(a)
 
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
         """Wrap a node in a proxy that also records index assignment."""
@@ -156,7 +169,9 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
     except Exception as exc:
         raise _explain(model, fx_tracer, exc) from exc
     warn_python_random(type(model).__name__, drawn, "fx")
-    return torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__)
+    gm = torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__)
+    register_graph_records(gm)  # a record the model builds is split, sent and joined field by field
+    return gm
 
 
 def _user_trace(model: nn.Module, tracer: Callable[[nn.Module], torch.fx.GraphModule]) -> torch.fx.GraphModule:

@@ -223,3 +223,12 @@ def test_tied_gradients_accumulate_over_steps_like_eager(tmp_path, launch):
         assert res["tied_here"] > 0, r
         for when in ("two_steps", "no_sync_then_synced", "after_zero_grad"):
             assert res[when] < 1e-5, (r, when, res[when])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb"])
+def test_dataclass_records_cross_ranks_and_come_back_as_records(schedule, tmp_path, launch):
+    # before: the first rank's gradients 3x too small (gpipe), and pipe(x) refused on the last rank only
+    results = launch("record_cases:records", 2, schedule, tmp_path)
+    for res in results:
+        assert res["loss"] < 1e-5 and res["grads"] < 1e-5, res
+    assert results[0]["out"] is None and results[1]["out"][0] == "Out" and results[1]["out"][1] < 1e-5

@@ -1,0 +1,65 @@
+"""Dataclass values (a model's output record, what a module returns) as pytree nodes.
+
+Reads:  a value, or a graph's ``call_function`` nodes whose target is a dataclass.
+Writes: torch's pytree registry: each dataclass type met that is not a pytree node yet is
+        registered as one (its ``init`` fields are its children), as ``torch.export`` asks users
+        to do (``register_dataclass``).
+
+fxpipe splits, sends, checkpoints and joins values through torch's pytree. An unregistered
+dataclass is one opaque leaf to it: a model returning ``Out(logits=...)`` had its outputs
+refused as differing between micro-batches, and a record crossing a stage boundary reached
+the next stage without a path back for the gradients (its tensors were not seen as tensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch.fx
+from torch.utils import _pytree as pytree
+
+__all__ = ["register_graph_records", "register_record_type", "register_records"]
+
+log = logging.getLogger(__name__)
+
+
+def register_records(value: Any) -> None:
+    """Register as pytree nodes the dataclass types of every record inside ``value``."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            register_records(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            register_records(item)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        register_record_type(type(value))
+        for field in dataclasses.fields(value):
+            register_records(getattr(value, field.name, None))
+
+
+def register_graph_records(gm: torch.fx.GraphModule) -> None:
+    """Register the dataclass types a graph constructs (torch.fx records ``Out(logits=...)`` as a call)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, type) and dataclasses.is_dataclass(node.target):
+            register_record_type(node.target)
+
+
+def register_record_type(cls: type) -> None:
+    """Register one dataclass type, unless torch's pytree knows it already."""
+    if cls in pytree.SUPPORTED_NODES:
+        return
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+
+    def flatten(obj: Any) -> tuple[list[Any], Any]:
+        return [getattr(obj, n) for n in names], names
+
+    def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
+        return [(pytree.GetAttrKey(n), getattr(obj, n)) for n in names], names
+
+    def unflatten(values: Any, context: Any) -> Any:
+        return cls(**dict(zip(context, values)))
+
+    pytree.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
+    log.info("registered dataclass %s.%s as a pytree node (fields %s)", cls.__module__, cls.__qualname__, names)

@@ -1,0 +1,107 @@
+"""Dataclass values: a model's output record, a record crossing stages, a Hugging Face-style ModelOutput."""
+
+import collections
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from fxpipe.testing import max_relative_error
+
+
+@dataclass
+class Out:
+    logits: torch.Tensor
+    steps: int = 3
+
+
+@dataclass
+class Pair:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class ModelOutput(collections.OrderedDict):
+    """The essentials of transformers' ModelOutput: a dict that is also a dataclass."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+
+@dataclass
+class HFOut(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class Returns(nn.Module):
+    def __init__(self, record):
+        super().__init__()
+        self.record = record
+        self.l1, self.l2, self.l3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.record(logits=self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x))))))
+
+
+class Enc(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.l(x))
+        return Pair(h, h * 2)
+
+
+class Crosses(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.blocks = Enc(), nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        p = self.enc(x)
+        return self.blocks(p.a) + p.b[:, :4]
+
+
+def _step_equals_eager(model, loss_fn, **kw):
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=3, **kw)
+    loss = pipe.step(x, target=y, loss_fn=loss_fn)
+    expected = loss_fn(eager(x), y)
+    expected.backward()
+    assert max_relative_error(loss, expected) < 1e-5
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert max_relative_error(p.grad, q.grad) < 1e-5, name
+    return pipe, x, eager
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("record", [Out, HFOut])
+@pytest.mark.parametrize(("schedule", "checkpoint"), [("gpipe", "except_last"), ("gpipe", "always"), ("zb", "always")])
+def test_a_model_returning_a_record_trains_and_infers_as_eager(record, tracer, schedule, checkpoint):
+    # Out: gradients 0.29 off under gpipe (autograd error with "always"), pipe(x) refused as batch-dependent;
+    # HFOut: fx made it a plain dict, so out.logits failed in loss_fn
+    pipe, x, eager = _step_equals_eager(Returns(record), lambda out, y: F.mse_loss(out.logits, y), tracer=tracer,
+                                        schedule=schedule, checkpoint=checkpoint)
+    with torch.no_grad():
+        out = pipe(x)
+    assert type(out) is record and max_relative_error(out.logits, eager(x).logits) < 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_a_record_crossing_a_stage_boundary_carries_its_gradients(schedule):
+    # the first stage's parameters got gradients 3x too small: the record's tensors crossed without a path back
+    _step_equals_eager(Crosses(), F.mse_loss, schedule=schedule, leaf_modules=[Enc], split_points=["blocks"])
