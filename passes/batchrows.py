@@ -94,9 +94,17 @@ def micro_specs(gm: torch.fx.GraphModule, batch: int, rows: int,
         return None
 
 
+def _is_int(value: Any) -> bool:
+    """Tell whether ``value`` is a Python int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def batch_coupled_outputs(gm: torch.fx.GraphModule, batch: int, rows: int,
                           unbatched: Collection[str] = (), part: dict[str, Any] | None = None) -> list[str]:
     """Return a description of each output whose shape does not follow ``batch`` -> ``rows`` on dim 0 alone.
+
+    An int output that changes with the rows (``x.shape[0]``) is one too: joined, the micro-batches'
+    values would give a micro-batch's size, or be refused where they differ.
 
     ``part`` holds :func:`micro_specs`' answer when the caller has it (computed here otherwise).
     An empty list when every output does, and when the graph cannot run for ``rows`` rows on
@@ -104,7 +112,8 @@ def batch_coupled_outputs(gm: torch.fx.GraphModule, batch: int, rows: int,
     """
     if rows == batch:
         return []
-    leaves = [(name, node) for name, node in _leaves(gm) if isinstance(node.meta.get("fxpipe.value"), TensorSpec)]
+    leaves = [(name, node) for name, node in _leaves(gm)
+              if isinstance(node.meta.get("fxpipe.value"), TensorSpec) or _is_int(node.meta.get("fxpipe.value"))]
     if not leaves:
         return []
     specs = part if part is not None else micro_specs(gm, batch, rows, unbatched)
@@ -112,6 +121,11 @@ def batch_coupled_outputs(gm: torch.fx.GraphModule, batch: int, rows: int,
         return []
     found = []
     for name, node in leaves:
+        if _is_int(node.meta["fxpipe.value"]):  # a size the model returns (x.shape[0])
+            if _is_int(specs.get(node.name)) and specs[node.name] != node.meta["fxpipe.value"]:
+                found.append(f"{name} (node '{node.name}'): {node.meta['fxpipe.value']} for {batch} rows but "
+                             f"{specs[node.name]} for {rows}: an int that follows the batch size")
+            continue
         whole, part = node.meta["fxpipe.value"].shape, getattr(specs.get(node.name), "shape", None)
         if part is None or len(part) != len(whole) or not whole:
             continue

@@ -104,3 +104,27 @@ def test_a_0_dim_output_is_refused_by_pipe_call_before_anything_runs(tracer, mon
     torch.testing.assert_close(loss, model(x, y)["loss"])
     whole = fxpipe.compile(copy.deepcopy(model), 2, example_inputs=(x, y), chunks=1, tracer=tracer)
     torch.testing.assert_close(whole(x, y)["loss"], model(x, y)["loss"])
+
+
+class Sized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return {"logits": self.b(h), "batch": h.shape[0]}
+
+
+def test_an_int_output_following_the_batch_size_is_warned_and_refused_by_pipe_call():
+    # equal micro-batches returned the micro-batch's size (2 for a batch of 6), silently
+    x = torch.randn(6, 8)
+    with pytest.warns(UserWarning, match=r"\['batch'\] \(node 'getitem'\): 6 for 6 rows but 2 for 2: an int that "
+                                         r"follows the batch size"):
+        pipe = fxpipe.compile(Sized(), 2, example_inputs=(x,), chunks=3, devices=["cpu"] * 2)
+    with pytest.raises(fxpipe.PipelineInputError, match="cannot be joined into it: .*an int that follows the batch"):
+        pipe(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one micro-batch: the model's own value, nothing to warn of
+        model = Sized()
+        assert fxpipe.compile(model, 2, example_inputs=(x,), chunks=1, devices=["cpu"] * 2)(x)["batch"] == 6
