@@ -109,8 +109,11 @@ def _cut(gm: torch.fx.GraphModule, n: int, device: DeviceModel, micro: int = 1, 
          checkpoint: str | list[str] = "except_last") -> PipelinePlan:
     """Cut ``gm`` into ``n`` FLOP-balanced stages (communication weighed) and return their plan."""
     devices = _devices(device, n)
-    cut = passes.partition(gm, n, balance_by="flops", comm=passes.comm_weights(devices, "flops"),
-                           checkpoint=cut_mode(checkpoint), micro_batches=micro)
+    comm = passes.comm_weights(devices, "flops")
+    if device.name != "cpu":  # a crossing byte at this device model's FLOP rate over its link, not passes' PCIe
+        comm = [device.peak_flops["float32"] / device.link_bandwidth for _ in comm]
+    cut = passes.partition(gm, n, balance_by="flops", comm=comm, checkpoint=cut_mode(checkpoint),
+                           micro_batches=micro)
     options = CompileOptions(n, chunks=chunks, checkpoint=checkpoint, balance_by="flops")
     return make_plan(Assignment(gm, cut, micro, "flops"), options, devices, "gpipe", list(range(n)), None)[0]
 

@@ -76,3 +76,32 @@ def test_selective_and_a_policy_per_stage_are_searched():
     assert all(max(c.peaks) <= budget for c in found.ranked)
     plan = found.plan(found.best)
     assert plan.policies() == found.best.policies and all(s.peak for s in plan.stages)
+
+
+class _Block(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+class _Decoder(nn.Module):
+    def __init__(self, vocab=64, d=32, n=4, seq=8):
+        super().__init__()
+        self.embed, self.blocks, self.head = nn.Embedding(vocab, d), nn.Sequential(*[_Block(d) for _ in range(n)]), \
+            nn.Linear(d, vocab)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+
+    def forward(self, ids):
+        return self.head(self.blocks(self.embed(ids) + self.pos[: ids.shape[1]]))
+
+
+def test_a_gpu_plan_weighs_a_crossing_byte_by_the_device_model_s_link():
+    # h100 cut a small decoder as [the ids alone | everything]: a byte weighed PCIe's 2000 FLOPs, not NVLink's 149
+    torch.manual_seed(0)
+    found = search(_Decoder(), (torch.randint(0, 64, (8, 8)),), ranks=2, device="h100", chunks=[1], stages=[2],
+                   schedules=["gpipe"], checkpoints=["never"])
+    flops = [s.flops for s in found.plan(found.best).stages]
+    assert min(flops) > 0.4 * sum(flops), flops
