@@ -112,9 +112,11 @@ class Pipe(nn.Module):
         result = super().load_state_dict({k: v for k, v in state_dict.items() if k in self.owned},
                                          strict=False, assign=assign)
         result.missing_keys[:] = [k for k in result.missing_keys if k in self.owned]
-        if strict and result.missing_keys:
+        known = set(self._model.state_dict(keep_vars=True))  # every rank's FQNs (the others' on meta)
+        result.unexpected_keys[:] = [k for k in state_dict if k not in known]  # the same on every rank
+        if strict and (result.missing_keys or result.unexpected_keys):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self._model).__name__} on this rank: "
-                               f"missing keys {result.missing_keys}")
+                               f"missing keys {result.missing_keys}, unexpected keys {result.unexpected_keys}")
         return result
 
     def _apply(self, fn: Callable, recurse: bool = True) -> Pipe:

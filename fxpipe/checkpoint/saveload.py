@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
 import shutil
@@ -61,7 +62,7 @@ from fxpipe.checkpoint.trainstate import (
 from fxpipe.errors import CheckpointError
 from fxpipe.materialize.fill import fill
 from fxpipe.materialize.fillplan import tensor_table
-from fxpipe.materialize.weights import PARTIAL, open_weights
+from fxpipe.materialize.weights import MANIFEST, PARTIAL, open_weights
 from fxpipe.pipe import Pipe
 from fxpipe.runtime.transport.together import together
 
@@ -103,8 +104,10 @@ class _Where:
                 raise CheckpointError(f"rank {r} could not {what} ({message}); nothing was written")
             if not failed and len({v for _, v in told}) > 1:
                 shown = "; ".join(f"rank {r}: {v}" for r, (_, v) in enumerate(told))
-                raise CheckpointError(f"the ranks passed different extra= to fxpipe.save ({shown}); a checkpoint "
-                                      "holds one extra=, so pass the same value on every rank. Nothing was written")
+                raise CheckpointError(f"the ranks passed different paths or extra= to fxpipe.save ({shown}); a "
+                                      "checkpoint is one directory holding one extra=, so pass the same path and "
+                                      "value on every rank (a name made from the time or the rank differs). Nothing "
+                                      "was written")
         if error is not None:
             raise error
 
@@ -125,7 +128,11 @@ def _where(target: nn.Module) -> _Where:
 def _bytes(value: Any) -> torch.Tensor:
     """Serialize ``value`` as torch.save does, into a uint8 tensor."""
     buffer = io.BytesIO()
-    torch.save(value, buffer)
+    try:
+        torch.save(value, buffer)
+    except Exception as exc:  # noqa: BLE001 - a lambda, a lock, an open file: re-raised naming the argument
+        raise TypeError(f"extra= must hold what torch.load(weights_only=True) reads back (numbers, strings, "
+                        f"lists, dicts, tensors); it cannot even be saved: {type(exc).__name__}: {exc}") from None
     data = buffer.getvalue()
     try:
         torch.load(io.BytesIO(data), weights_only=True)
@@ -153,7 +160,7 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
         "rng": rng_state(where.rank),
     }
     error: Exception | None = None
-    same = "None"
+    same = f"path {path!r}, extra=None"
     try:  # a refusal on one rank (its optimizer, extra=, the directory) is told to all
         if optimizer is not None:
             state["optim"] = optimizer_state(optimizer, where.model)
@@ -162,9 +169,11 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
             state["fxpipe"] = in_flight
         if extra is not None:  # written once, by rank 0; every rank must pass the same
             packed = _bytes(extra)
-            same = f"{_short(extra)} (sha256 {hashlib.sha256(packed.numpy().tobytes()).hexdigest()[:12]})"
+            digest = hashlib.sha256(bytes(packed.tolist())).hexdigest()[:12]
+            same = f"path {path!r}, extra={_short(extra)} (sha256 {digest})"
             if where.rank == 0:
                 state["extra"] = packed
+        _refuse_foreign(path)  # on every rank: each sees the path (a node-local one differs: told to all)
         if where.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # what a killed save left
             os.makedirs(partial)
@@ -186,6 +195,27 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
                                  "optimizer": None if optimizer is None else type(optimizer).__name__})
     where.barrier()
     log.info("saved %s (rank %d of %d)", path, where.rank, where.world)
+
+
+def _refuse_foreign(path: str) -> None:
+    """Refuse to replace ``path`` unless it is absent, an empty directory or an fxpipe checkpoint."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        entries = os.listdir(path)
+        if not entries:
+            return
+        try:
+            with open(os.path.join(path, MANIFEST)) as f:
+                if json.load(f).get("format") == FORMAT:
+                    return
+        except (OSError, ValueError):
+            pass
+        raise CheckpointError(f"{path!r} holds {len(entries)} entries and is not an fxpipe checkpoint "
+                              f"({_some(sorted(entries), 5)}); fxpipe.save replaces the directory it is given "
+                              "whole, so pass a new name inside it (fxpipe.save(pipe, 'ckpt/step-500')) or remove it")
+    raise CheckpointError(f"{path!r} is a file, not a checkpoint directory; fxpipe.save would replace it. "
+                          "Pass another path")
 
 
 def _short(value: Any, width: int = 60) -> str:
@@ -242,6 +272,7 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     where = _where(pipe)
     path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": its ".incomplete" goes beside it
     manifest = read_manifest(path)
+    _refuse_missing_files(path)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     table = tensor_table(where.model)
     source = open_weights(path)
@@ -276,13 +307,24 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     if "extra" not in meta:
         return None
     raw = read_keys(path, allocate(meta, ["extra"]))["extra"]
-    return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
+    return torch.load(io.BytesIO(bytes(raw.tolist())), weights_only=True)
+
+
+def _refuse_missing_files(path: str) -> None:
+    """Refuse a checkpoint whose metadata names files it lacks (ranks that wrote elsewhere, a partial copy)."""
+    storage = dcp.FileSystemReader(path).read_metadata().storage_data or {}
+    named = {str(info.relative_path) for info in storage.values() if getattr(info, "relative_path", None)}
+    missing = sorted(n for n in named if not os.path.exists(os.path.join(path, n)))
+    if missing:
+        raise CheckpointError(f"checkpoint {path!r} lacks {missing}, written by other ranks (did every rank pass "
+                              "the same path, on a file system every rank sees?); nothing was loaded")
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Return the model's ``state_dict`` saved in a checkpoint, in this process (tied FQNs included)."""
     path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": its ".incomplete" goes beside it
     manifest = read_manifest(path)
+    _refuse_missing_files(path)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state = nest(read_keys(path, allocate(meta, under(meta, "model"))), "model")
     for alias, name in manifest.get("aliases", {}).items():

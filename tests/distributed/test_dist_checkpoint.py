@@ -59,3 +59,14 @@ def test_pipeline_and_data_parallel_save_together_and_resume_replicated_and_shar
             assert res[mode] and all(res[mode].values()), (r, mode, res[mode])
     state = fxpipe.load_state_dict(tmp_path / "dp1")  # the sharded one, whole, in one process
     assert sorted(state) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
+
+
+def test_ranks_saving_to_different_paths_are_refused_and_a_strict_load_names_foreign_keys(tmp_path, launch):
+    # before: rank 0 published a checkpoint lacking rank 1's file, and a strict load on a rank ignored foreign keys
+    results = launch("ckpt_cases:paths_differ", 2, "1f1b", tmp_path)
+    for res in results:
+        assert res["paths"].startswith("CheckpointError: the ranks passed different paths or extra= to "
+                                       "fxpipe.save (rank 0: path "), res
+        assert "Nothing was written" in res["paths"]
+        assert "unexpected keys ['5.weight']" in res["strict"], res
+    assert "step-10" in results[0]["listing"] and not [f for f in results[0]["listing"] if f.startswith("step-10-")]

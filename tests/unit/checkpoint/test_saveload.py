@@ -242,3 +242,36 @@ def test_an_optimizer_state_holding_lists_comes_back_whole(tmp_path):
     fxpipe.load(model, tmp_path / "ckpt", optimizer=fresh)
     assert isinstance(fresh.state[model[0].weight]["old_dirs"], list)  # LBFGS's history of tensors
     assert torch.equal(step(model, fresh), expected)
+
+
+def test_a_directory_or_file_that_is_not_a_checkpoint_is_never_replaced(tmp_path):
+    # fxpipe.save("ckpt") on a directory holding step-1, step-2 and a config deleted them all
+    _, pipe, _ = dropnet_pipe(2)
+    ckpt = tmp_path / "ckpt"
+    fxpipe.save(pipe, ckpt / "step-1")
+    (ckpt / "run-config.yaml").write_text("lr: 0.1\n")
+    with pytest.raises(fxpipe.CheckpointError, match=r"holds 2 entries and is not an fxpipe checkpoint .*"
+                                                     r"fxpipe.save\(pipe, 'ckpt/step-500'\)"):
+        fxpipe.save(pipe, ckpt)
+    assert sorted(os.listdir(ckpt)) == ["run-config.yaml", "step-1"]
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(fxpipe.CheckpointError, match="is a file, not a checkpoint directory"):
+        fxpipe.save(pipe, tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    fxpipe.save(pipe, ckpt / "step-1")  # an fxpipe checkpoint is replaced, an empty directory is used
+    (tmp_path / "empty").mkdir()
+    fxpipe.save(pipe, tmp_path / "empty")
+    assert fxpipe.latest_checkpoint(ckpt) == str(ckpt / "step-1")
+
+
+def test_a_checkpoint_missing_a_rank_s_file_and_an_extra_that_cannot_be_pickled_are_refused(tmp_path):
+    _, pipe, _ = dropnet_pipe(2)
+    with pytest.raises(TypeError, match="extra= must hold what torch.load.*it cannot even be saved"):
+        fxpipe.save(pipe, tmp_path / "x", extra={"f": lambda: 1})
+    fxpipe.save(pipe, tmp_path / "ok")
+    (shard,) = [f for f in os.listdir(tmp_path / "ok") if f.endswith(".distcp")]
+    os.remove(tmp_path / "ok" / shard)  # a rank that wrote elsewhere (another path, a node-local disk)
+    with pytest.raises(fxpipe.CheckpointError, match=rf"lacks \['{shard}'\], written by other ranks"):
+        fxpipe.load(pipe, tmp_path / "ok")
+    with pytest.raises(fxpipe.CheckpointError, match="written by other ranks"):
+        fxpipe.load_state_dict(tmp_path / "ok")
