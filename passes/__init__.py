@@ -8,7 +8,7 @@ torch.fx and networkx, and nothing of fxpipe outside ``fxpipe.passes``.
 """
 
 from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
-from fxpipe.passes.batchrows import batch_coupled_outputs, micro_specs, scalar_outputs
+from fxpipe.passes.batchrows import batch_coupled_outputs, micro_specs, scalar_outputs, sequence_first_splits
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from fxpipe.passes.fingerprint import fingerprint, first_difference, rename_like, state_signature, structure
@@ -50,7 +50,7 @@ __all__ = [
                               "assign_by_name",
                               "assign_stages",
                               "balanced_cut",
-                              "batch_coupled_outputs",
+                              "batch_coupled_outputs", "sequence_first_splits",
                               "bind_placeholders",
                               "candidate_orders",
                               "comm_weights",

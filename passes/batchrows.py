@@ -26,7 +26,7 @@ from fxpipe.passes.modes import pick
 from fxpipe.passes.spec import TensorSpec
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
-__all__ = ["batch_coupled_outputs", "micro_specs", "scalar_outputs"]
+__all__ = ["batch_coupled_outputs", "micro_specs", "scalar_outputs", "sequence_first_splits"]
 
 log = logging.getLogger(__name__)
 
@@ -136,3 +136,39 @@ def batch_coupled_outputs(gm: torch.fx.GraphModule, batch: int, rows: int,
             found.append(f"{name} (node '{node.name}'): shape {tuple(whole)} for {batch} rows but "
                          f"{tuple(part)} for {rows}: {why}")
     return found
+
+
+def sequence_first_splits(gm: torch.fx.GraphModule, batch: int, rows: int, part: dict[str, Any] | None) -> list[str]:
+    """Return a description of each sequence-first module (``batch_first=False``) whose dim 0 is the split one.
+
+    torch's attention and recurrent modules default to ``(seq, batch, ...)`` inputs. Where the
+    model's own dim 0 reaches such a module's dim 0 (its input has ``rows`` there for a
+    micro-batch of ``rows`` rows), the micro-batches split the sequence, not the batch: each
+    attends over its own slice of positions. A model transposing to sequence-first before the
+    module is not named (its batch reaches dim 1).
+    """
+    if part is None or rows == batch:
+        return []
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        first = _batch_first(gm.get_submodule(str(node.target)))
+        whole, split = node.args[0].meta.get("fxpipe.value"), part.get(node.args[0].name)
+        if first is not False or not isinstance(whole, TensorSpec) or not isinstance(split, TensorSpec):
+            continue
+        if len(whole.shape) == 3 and whole.shape[0] == batch and split.shape[0] == rows and \
+                whole.shape[1] == split.shape[1]:
+            found.append(f"'{node.target}' ({type(gm.get_submodule(str(node.target))).__name__}, batch_first=False) "
+                         f"reads dim 0 of its input {tuple(whole.shape)} as the sequence")
+    return found
+
+
+def _batch_first(module: torch.nn.Module) -> bool | None:
+    """Return a module's ``batch_first`` (its own, or its first attention or recurrent layer's); None if it has none."""
+    if isinstance(getattr(module, "batch_first", None), bool):
+        return bool(module.batch_first)
+    for sub in module.modules():
+        if isinstance(sub, (torch.nn.MultiheadAttention, torch.nn.RNNBase)):
+            return bool(sub.batch_first)
+    return None

@@ -167,6 +167,13 @@ def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int, 
     coupled = passes.batch_coupled_outputs(gm, batch, rows, whole, part)
     gm.meta["fxpipe.coupled"] = coupled
     scalars = passes.coupled_scalars(gm, batch, rows, whole, part)
+    sequences = passes.sequence_first_splits(gm, batch, rows, part)
+    if sequences:
+        warnings.warn(
+            f"fxpipe splits every input on dim 0 into micro-batches, but {'; '.join(sequences)}: each micro-batch "
+            "would hold a slice of the sequence for the whole batch, and attend or recur over that slice only, so "
+            "outputs and gradients differ from eager's. Pass batch-first inputs (batch_first=True on the module, or "
+            "transpose inside the model before it), or use chunks=1", stacklevel=5)
     if coupled or scalars:
         warnings.warn(
             f"the model's output couples the rows of a batch: {'; '.join(coupled + scalars)}. Each of the {chunks} "

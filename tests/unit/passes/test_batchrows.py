@@ -128,3 +128,31 @@ def test_an_int_output_following_the_batch_size_is_warned_and_refused_by_pipe_ca
         warnings.simplefilter("error")  # one micro-batch: the model's own value, nothing to warn of
         model = Sized()
         assert fxpipe.compile(model, 2, example_inputs=(x,), chunks=1, devices=["cpu"] * 2)(x)["batch"] == 6
+
+
+class SeqFirst(nn.Module):
+    def __init__(self, transpose: bool):
+        super().__init__()
+        self.transpose = transpose
+        self.enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)  # batch_first=False, torch's default
+        self.rnn = nn.GRU(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = x.transpose(0, 1) if self.transpose else x
+        h = self.rnn(self.enc(h))[0]
+        return self.head(h.transpose(0, 1) if self.transpose else h)
+
+
+def test_sequence_first_modules_reading_the_split_dim_are_warned_of():
+    # (seq, batch, dim) inputs were split on the sequence: each micro-batch attended over its slice, silently
+    x = torch.randn(6, 3, 16)
+    with pytest.warns(UserWarning, match=r"'enc' \(TransformerEncoderLayer, batch_first=False\) reads dim 0 of its "
+                                         r"input \(6, 3, 16\) as the sequence; 'rnn' \(GRU, batch_first=False\)"):
+        fxpipe.compile(SeqFirst(transpose=False).eval(), 2, example_inputs=(x,), chunks=3, devices=["cpu"] * 2)
+    with warnings.catch_warnings():  # batch-first inputs transposed inside the model: the batch reaches dim 1
+        warnings.simplefilter("error")
+        model = SeqFirst(transpose=True).eval()
+        pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=3, devices=["cpu"] * 2)
+        with torch.no_grad():
+            assert (pipe(x) - model(x)).abs().max() < 1e-5
