@@ -20,6 +20,7 @@ import torch.fx
 from torch import nn
 from torch._subclasses import fake_tensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils._pytree import tree_flatten
 
 from fxpipe import passes
 from fxpipe.frontend.export import named_arguments
@@ -28,7 +29,7 @@ from fxpipe.frontend.markers import resolve_split_points
 from fxpipe.frontend.tracing import trace
 from fxpipe.options import AUTO, CompileOptions, cut_mode
 from fxpipe.passes.failure import PropagationError
-from fxpipe.plan.batches import batch_size, micro_sizes
+from fxpipe.plan.batches import batch_size, is_batched, micro_sizes
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.plan.saved import apply_plan
 
@@ -94,7 +95,14 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
 
     if has_inputs:
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-        batch = batch_size(passes.bind_placeholders(gm, args, kwargs), names, whole)
+        values = passes.bind_placeholders(gm, args, kwargs)
+        batch = batch_size(values, names, whole)
+        if batch is None and chunks > 1 and any(is_batched(leaf) for value, name in zip(values, names)
+                                                if name in whole for leaf in tree_flatten(value)[0]):
+            warnings.warn(f"unbatched={sorted(whole)} leaves no input to split into micro-batches: every step "
+                          f"runs as one micro-batch, whatever chunks={chunks} says, so nothing is pipelined. Name "
+                          "only the inputs without a batch dimension (a table inside a dict input: pass it as an "
+                          "argument of its own)", stacklevel=4)
         micro = len(micro_sizes(batch, chunks))
         annotate_graph(gm, args, kwargs)
         if batch is not None and micro > 1:

@@ -41,11 +41,16 @@ def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[st
             if first is None:
                 first = (where, leaf.shape[0])
             elif leaf.shape[0] != first[1]:
+                fix = ("name an input that has no batch dimension in fxpipe.compile(..., unbatched=[...]) to give "
+                       "it whole to every micro-batch")
+                if path:  # a leaf inside an input: unbatched= names whole inputs only
+                    fix = (f"pass '{where}' to the forward as an argument of its own, named in "
+                           f"fxpipe.compile(..., unbatched=[...]) to give it whole to every micro-batch (unbatched= "
+                           f"names whole inputs, and naming '{name}' would leave all of it unsplit)")
                 raise PipelineInputError(
                     f"batch sizes disagree: '{first[0]}' has {first[1]} rows on dim 0 but "
                     f"'{where}' has {leaf.shape[0]}; every tensor input is split into micro-batches "
-                    "on dim 0, so give them the same batch size, or name an input that has no batch "
-                    "dimension in fxpipe.compile(..., unbatched=[...]) to give it whole to every micro-batch")
+                    f"on dim 0, so give them the same batch size, or {fix}")
     if first is not None and first[1] == 0:
         raise PipelineInputError(f"'{first[0]}' has batch size 0; a pipeline needs at least one row")
     return None if first is None else first[1]

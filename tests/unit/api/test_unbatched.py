@@ -64,3 +64,23 @@ def test_unbatched_names_must_be_inputs(tracer):
         fxpipe.compile(model, 2, example_inputs=(x, pos), chunks=2, tracer=tracer, unbatched=["pos", "position"])
     with pytest.raises(TypeError, match="unbatched= must be a list of the forward's input names"):
         fxpipe.compile(model, 2, example_inputs=(x, pos), unbatched="pos")
+
+
+class DictInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, batch):
+        return self.lin(batch["x"]) + batch["table"].sum()
+
+
+def test_a_table_inside_a_dict_input_is_named_and_unbatching_every_input_is_warned_of():
+    # the refusal said to name the leaf in unbatched=, which takes whole inputs; unbatched=["batch"] then ran the
+    # whole batch as one micro-batch, silently
+    batch = {"x": torch.randn(6, 8), "table": torch.randn(8, 3)}
+    with pytest.raises(fxpipe.PipelineInputError, match=r"pass 'batch\['table'\]' to the forward as an argument of "
+                                                        r"its own, named in fxpipe.compile\(..., unbatched="):
+        fxpipe.compile(DictInput(), 2, example_inputs=(batch,), chunks=3, devices=["cpu"] * 2)
+    with pytest.warns(UserWarning, match=r"unbatched=\['batch'\] leaves no input to split into micro-batches"):
+        fxpipe.compile(DictInput(), 2, example_inputs=(batch,), chunks=3, devices=["cpu"] * 2, unbatched=["batch"])
