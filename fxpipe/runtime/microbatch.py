@@ -129,8 +129,8 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
             except Exception as exc:
                 if target is None:  # the likely cause: the target was not given where the loss is computed
                     add_note(exc, "fxpipe: pipe.step got target=None on the rank computing the loss (the last "
-                             "stage's): pass target= there or on the first stage's rank (which sends it on), or "
-                             "give a loss_fn that needs none (lambda out, _: out.loss)")
+                             "stage's): pass target= there (passing it on every rank is fine), or give a loss_fn "
+                             "that needs none (lambda out, _: out.loss)")
                 raise
             return _scalar_loss(value, out) * weight
 
