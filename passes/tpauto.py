@@ -21,6 +21,7 @@ output head) is column-wise with its logits gathered, so that both hold the same
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 
 import torch.fx
@@ -63,9 +64,20 @@ def auto_roles(gm: torch.fx.GraphModule, t: int) -> dict[str, str]:
     sites = find_sites(gm)
     of_node = {name: s for s in sites.values() for name in s.nodes}
     roles: dict[str, str] = {}
+    refused: list[TensorParallelError] = []  # regions t does not divide: left whole if another one splits
+    whole: dict[str, str] = {}  # their sites, which no other region takes
     for site in sites.values():
-        if site.kind == "linear" and site.fqn not in roles:
-            roles.update(_grow(gm, sites, of_node, roles, site, t))
+        if site.kind == "linear" and site.fqn not in roles and site.fqn not in whole:
+            try:
+                roles.update(_grow(gm, sites, of_node, {**roles, **whole}, site, t))
+            except TensorParallelError as exc:
+                refused.append(exc)
+                whole.update(dict.fromkeys(getattr(exc, "region", (site.fqn,)), "whole"))
+    if refused and not roles:
+        raise refused[0]
+    for message in dict.fromkeys(str(exc).split("; use ")[0] for exc in refused):
+        warnings.warn(f"tp_plan='auto' leaves a region whole: {message}; the regions it divides are split "
+                      "(write tp_plan= yourself to choose otherwise)", stacklevel=2)
     _embeddings(gm, sites, roles, t)
     _, left = propagate(gm, role_rules(sites, roles), t)
     assert not left, f"the automatic plan left conflicts: {left[:3]}"
@@ -82,15 +94,19 @@ def _grow(gm: torch.fx.GraphModule, sites: Mapping[str, Site], of_node: Mapping[
             for fqn, role in region.items():
                 size = sites[fqn].out_features if role == "colwise" else sites[fqn].in_features
                 if size % t:
-                    raise indivisible("the output features" if role == "colwise" else "the input features",
+                    exc = indivisible("the output features" if role == "colwise" else "the input features",
                                       fqn, size, t)
+                    exc.region = list(region)  # type: ignore[attr-defined]
+                    raise exc
             return region
         grown = _grown(gm, sites, of_node, taken, region, conflicts)
         if grown is None:
             for c in conflicts:
                 if c.kind == "indivisible" and c.size:
-                    raise indivisible(f"the heads (or another sharded dim) that node '{c.node}' reshapes", c.module,
+                    exc = indivisible(f"the heads (or another sharded dim) that node '{c.node}' reshapes", c.module,
                                       c.size, t)
+                    exc.region = list(region)  # type: ignore[attr-defined]
+                    raise exc
             log.debug("tensor parallel: '%s' stays replicated (%s)", start.fqn, conflicts[0].message)
             return {}
         region.update(grown)

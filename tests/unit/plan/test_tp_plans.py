@@ -199,3 +199,22 @@ def test_a_plan_that_splits_little_is_warned_of_naming_the_layers_left_whole(tra
     with pytest.warns(UserWarning, match=r"tensor_parallel=2 with tp_plan='auto' splits 0% of the parameters: every "
                                          r"rank computes the rest whole, e.g. '0' \(5\d%\), '2' \(\d\d%\).*Conv1D"):
         plan_tensor_parallel(_graph(model, torch.randn(4, 16), tracer), 2, "auto")
+
+
+class _TwoWidths(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 33), nn.Linear(33, 16)  # 33: two ranks do not divide it
+        self.up2, self.down2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.down2(torch.nn.functional.gelu(self.up2(torch.tanh(self.down(torch.nn.functional.gelu(
+            self.up(x)))))))
+
+
+def test_auto_leaves_a_region_t_does_not_divide_whole_and_splits_the_others():
+    # auto refused the whole model naming 'up', and its fix ("leave 'up' out of the plan") has no plan to apply to
+    with pytest.warns(UserWarning, match=r"tp_plan='auto' leaves a region whole: tensor_parallel=2 does not divide "
+                                         r"the output features of 'up' \(33\)"):
+        plan = plan_tensor_parallel(_graph(_TwoWidths(), torch.randn(4, 16)), 2, "auto")
+    assert _styles(plan) == {"up2": "ColwiseParallel()", "down2": "RowwiseParallel()"}
