@@ -11,6 +11,7 @@ The names the options take (schedules, checkpoint modes, balance metrics) are li
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -214,6 +215,10 @@ class CompileOptions:
         if self.save is not None and not callable(self.save):
             raise TypeError(f"save= must be a function save(node) -> bool telling which nodes "
                             f"checkpoint='selective' keeps, got {type(self.save).__name__}")
+        modes = [self.checkpoint] if isinstance(self.checkpoint, str) else list(self.checkpoint)
+        if self.save is not None and not {"selective", "auto"} & set(modes):
+            warnings.warn(f"save= tells which nodes checkpoint='selective' keeps, but checkpoint={self.checkpoint!r} "
+                          "has no selective stage: it is not used", stacklevel=3)
         if self.balance_by not in BALANCE_BY:
             raise ValueError(f"balance_by={self.balance_by!r}; use one of {', '.join(map(repr, BALANCE_BY))}")
         names = self.unbatched

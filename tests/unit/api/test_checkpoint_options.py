@@ -28,6 +28,9 @@ def test_bad_checkpoint_is_refused_naming_the_fix(checkpoint, error, text):
 def test_save_must_be_a_predicate():
     with pytest.raises(TypeError, match="save= must be a function"):
         _compile(checkpoint="selective", save="linear")
+    # it was accepted without a word where no stage recomputes selectively
+    with pytest.warns(UserWarning, match="checkpoint='always' has no selective stage: it is not used"):
+        _compile(checkpoint="always", save=lambda node: True)
 
 
 @pytest.mark.parametrize("checkpoint", ["selective", ["selective", "always"], ("never", "selective")])
