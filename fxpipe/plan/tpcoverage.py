@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 import torch.fx
+from torch import nn
 
 __all__ = ["SPLIT_AT_LEAST", "little_split", "warn_little_split"]
 
@@ -40,8 +41,21 @@ def little_split(gm: torch.fx.GraphModule, plan: Any) -> str | None:
             owners[owner] = owners.get(owner, 0) + p.numel()
     largest = sorted(owners.items(), key=lambda kv: -kv[1])[:4]
     shown = ", ".join(f"'{m}' ({100 * n / total:.0f}%)" for m, n in largest)
-    return (
-        f"tensor_parallel={plan.size} with tp_plan='auto' splits {100 * done / total:.0f}% of the parameters: every "
-        f"rank computes the rest whole, e.g. {shown}. The automatic plan splits nn.Linear and nn.Embedding "
-        "(aten.linear, aten.embedding); layers written otherwise (transformers' Conv1D, a matmul or addmm on a "
-        "parameter) stay whole: replace them by nn.Linear, or use tensor_parallel=1")
+    head = (f"tensor_parallel={plan.size} with tp_plan='auto' splits {100 * done / total:.0f}% of the parameters: "
+            f"every rank computes the rest whole, e.g. {shown}. ")
+    if all(isinstance(_module(gm, m), nn.Linear) for m, _ in largest):  # linears whose pairing did not close
+        return head + ("They are nn.Linear layers the automatic plan could not pair column-wise then row-wise: the "
+                       "shard of a layer's output meets an op that needs it whole (a residual add, a norm, a "
+                       "reduction) before a layer that could take it row-wise. Write tp_plan= yourself, or use "
+                       "tensor_parallel=1")
+    return head + ("The automatic plan splits nn.Linear and nn.Embedding (aten.linear, aten.embedding); layers "
+                   "written otherwise (transformers' Conv1D, a matmul or addmm on a parameter) stay whole: replace "
+                   "them by nn.Linear, or use tensor_parallel=1")
+
+
+def _module(gm: torch.fx.GraphModule, name: str) -> Any:
+    """Return ``gm``'s submodule ``name``, or None where the graph keeps no such module (an exported one)."""
+    try:
+        return gm.get_submodule(name)
+    except AttributeError:
+        return None

@@ -218,3 +218,20 @@ def test_auto_leaves_a_region_t_does_not_divide_whole_and_splits_the_others():
                                          r"the output features of 'up' \(33\)"):
         plan = plan_tensor_parallel(_graph(_TwoWidths(), torch.randn(4, 16)), 2, "auto")
     assert _styles(plan) == {"up2": "ColwiseParallel()", "down2": "RowwiseParallel()"}
+
+
+class _ResidualLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = x + self.a(x)  # each shard would meet the residual add whole: no column-then-row pair closes
+        return x + self.b(x)
+
+
+def test_linears_whose_pairing_does_not_close_are_named_as_such_not_as_other_layers():
+    # the warning told the user to replace them by nn.Linear, which they are
+    with pytest.warns(UserWarning, match=r"splits 0% of the parameters.*They are nn.Linear layers the automatic "
+                                         r"plan could not pair column-wise then row-wise"):
+        plan_tensor_parallel(_graph(_ResidualLinears(), torch.randn(4, 16)), 2, "auto")
