@@ -229,12 +229,17 @@ def test_non_tensor_outputs():
                                       devices=["cpu"] * 2)
     out = pipe(torch.randn(6, 4))
     assert (out["label"], out["width"], out["none"]) == ("logits", 4, None)
-    pipe = fxpipe.compile(NonTensorOutputs(batch_dependent=True), 2, example_inputs=(torch.randn(5, 4),),
-                          chunks=3, devices=["cpu"] * 2)
+    with pytest.warns(UserWarning, match="an int that follows the batch size"):  # seen at compile
+        pipe = fxpipe.compile(NonTensorOutputs(batch_dependent=True), 2, example_inputs=(torch.randn(5, 4),),
+                              chunks=3, devices=["cpu"] * 2)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"\['width'\] \(node 'getitem'\): 5 for 5 rows but 2 for 2: "
+                                                        r"an int that follows the batch size"):
+        pipe(torch.randn(5, 4))  # refused before anything runs
+    assert pipe.plan.chunks == 3
+    pipe = fxpipe.compile(NonTensorOutputs(batch_dependent=True), 2, chunks=3, devices=["cpu"] * 2)
     with pytest.raises(ValueError, match=r"output leaf 2 is a int that differs between micro-batches "
                                          r"\(2 in the first, 1 in another\)"):
-        pipe(torch.randn(5, 4))  # micro-batches of 2, 2 and 1 rows
-    assert pipe.plan.chunks == 3
+        pipe(torch.randn(5, 4))  # without example inputs: found when joined (micro-batches of 2, 2 and 1 rows)
     fxpipe.compile(NonTensorOutputs(batch_dependent=True), 2, chunks=1, devices=["cpu"] * 2)
 
 
