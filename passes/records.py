@@ -59,7 +59,14 @@ def register_record_type(cls: type) -> None:
         return [(pytree.GetAttrKey(n), getattr(obj, n)) for n in names], names
 
     def unflatten(values: Any, context: Any) -> Any:
-        return cls(**dict(zip(context, values)))
+        fields = dict(zip(context, values))
+        try:
+            return cls(**fields)
+        except Exception:  # noqa: BLE001 - a __post_init__ checking its fields' types meets TensorSpecs
+            record = object.__new__(cls)
+            for name, value in fields.items():
+                object.__setattr__(record, name, value)  # a frozen dataclass's too
+            return record
 
     pytree.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
     log.info("registered dataclass %s.%s as a pytree node (fields %s)", cls.__module__, cls.__qualname__, names)

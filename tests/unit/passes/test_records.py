@@ -105,3 +105,25 @@ def test_a_model_returning_a_record_trains_and_infers_as_eager(record, tracer, s
 def test_a_record_crossing_a_stage_boundary_carries_its_gradients(schedule):
     # the first stage's parameters got gradients 3x too small: the record's tensors crossed without a path back
     _step_equals_eager(Crosses(), F.mse_loss, schedule=schedule, leaf_modules=[Enc], split_points=["blocks"])
+
+
+@dataclass(frozen=True)
+class Checked:
+    logits: torch.Tensor
+
+    def __post_init__(self):
+        if not isinstance(self.logits, torch.Tensor):
+            raise TypeError("logits must be a tensor")
+
+
+def test_a_frozen_record_checking_its_fields_is_rebuilt_around_specs_too():
+    # compile rebuilds records around TensorSpecs; a __post_init__ checking types must not break it
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return Checked(self.a(x))
+
+    _step_equals_eager(Model(), lambda out, y: F.mse_loss(out.logits, y), tracer="export")
