@@ -111,7 +111,8 @@ def test_a_rope_model_on_meta_saves_loads_across_ranks_and_resumes_exactly(sched
         assert res["before"] == res["unbroken"][:3]
         kind, message, written = res["differs"]
         assert kind == "CheckpointError" and not written
-        assert "the ranks passed different extra= to fxpipe.save (rank 0: {'rank': 0}" in message
+        assert "the ranks passed different paths or extra= to fxpipe.save (rank 0: path " in message
+        assert "extra={'rank': 0}" in message and "extra={'rank': 1}" in message
         assert res["latest"] == str(tmp_path / "ckpt")
 
 

@@ -285,7 +285,7 @@ def _meta_step(rank, world, factory, reference, x, target, loss_fn, **kw):
     errors = {name: max_relative_error(p.grad, grads[name].grad)
               for name, p in model.named_parameters(remove_duplicate=False) if id(p) in held}
     own = pipe.state_dict()
-    pipe.load_state_dict({**own, "not.a.key": torch.zeros(1)})  # a rank loads its own FQNs, ignores others
+    pipe.load_state_dict({**reference.state_dict(), **own})  # every rank's FQNs: its own loaded, the others' ignored
     buffers = dict(reference.named_buffers())
     buffer_errors = {name: max_relative_error(b.double(), buffers[name].double())
                      for name, b in model.named_buffers() if id(b) in held}
