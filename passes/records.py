@@ -63,7 +63,7 @@ def register_record_type(cls: type) -> None:
         try:
             return cls(**fields)
         except Exception:  # noqa: BLE001 - a __post_init__ checking its fields' types meets TensorSpecs
-            record = object.__new__(cls)
+            record: Any = object.__new__(cls)
             for name, value in fields.items():
                 object.__setattr__(record, name, value)  # a frozen dataclass's too
             return record
