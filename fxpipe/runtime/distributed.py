@@ -45,7 +45,7 @@ from fxpipe.runtime import gradnorm
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.contract import Place
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
-from fxpipe.runtime.ignored import warn_uneven_ignored
+from fxpipe.runtime.ignored import check_targets_once
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import micro_losses
 from fxpipe.runtime.replicanorms import sync_norms
@@ -344,9 +344,7 @@ class DistributedRuntime:
             if self.summed is None:  # the first step since the last sum: what that sum made equal stays out
                 self.summed = open_window(self.tied)
             def losses_for(batch: int | None, m: int) -> dict[int, Callable[[Any], torch.Tensor]]:
-                if not self.binding.targets_checked:  # on the loss's rank, which holds the target
-                    self.binding.targets_checked = warn_uneven_ignored(
-                        {"target": tgt, "labels": kwargs.get("labels")}, batch, m, loss_fn)
+                check_targets_once(self.binding, tgt, kwargs, batch, m, loss_fn)
                 return micro_losses(loss_fn, tgt, batch, m, self.device, self.binding.finish)
             runner = self._run(args, kwargs, losses_for, training, grad=True, target=tgt)
             if self.layout.tp > 1:

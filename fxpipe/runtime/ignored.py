@@ -18,7 +18,7 @@ import torch
 from fxpipe.plan.batches import micro_sizes
 from fxpipe.runtime.microbatch import is_summed
 
-__all__ = ["IGNORE_INDEX", "warn_uneven_ignored"]
+__all__ = ["IGNORE_INDEX", "check_targets_once", "warn_uneven_ignored"]
 
 IGNORE_INDEX = -100  # torch's and transformers' ignore_index
 
@@ -48,3 +48,10 @@ def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_
             "class your loss counts (said once per pipe)", stacklevel=4)
         break
     return True
+
+
+def check_targets_once(binding: Any, target: Any, kwargs: dict, batch: int | None, m: int, loss_fn: Callable) -> None:
+    """Look at the step's target and ``labels=`` input until one step of a mean loss was looked at (per pipe)."""
+    if not binding.targets_checked:
+        binding.targets_checked = warn_uneven_ignored({"target": target, "labels": kwargs.get("labels")}, batch, m,
+                                                      loss_fn)

@@ -22,7 +22,7 @@ from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.codegen import compile_source, gpipe_source
 from fxpipe.runtime.contract import Place
-from fxpipe.runtime.ignored import warn_uneven_ignored
+from fxpipe.runtime.ignored import check_targets_once
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import micro_losses
 from fxpipe.runtime.observe import timeline
@@ -142,9 +142,7 @@ class LocalRuntime:
             raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad() and "
                                "torch.inference_mode() (use pipe(x) to infer)")
         mbs, batch = self.binding.split(args, kwargs, self.plan.chunks, training, self.devices[0])
-        if not self.binding.targets_checked:
-            self.binding.targets_checked = warn_uneven_ignored(
-                {"target": target, "labels": kwargs.get("labels")}, batch, len(mbs), loss_fn)
+        check_targets_once(self.binding, target, kwargs, batch, len(mbs), loss_fn)
         losses = micro_losses(loss_fn, target, batch, len(mbs), self.devices[-1], self.binding.finish)
         if self.plan.schedule == "gpipe":
             try:
