@@ -31,7 +31,7 @@ from fxpipe.passes.partition import (
 )
 from fxpipe.passes.profile import profile
 from fxpipe.passes.retain import retain
-from fxpipe.passes.scalarrows import coupled_scalars
+from fxpipe.passes.scalarrows import coupled_scalars, summed_scalars
 from fxpipe.passes.spec import differentiable
 from fxpipe.passes.split import SkipRoute, StagePlan, split
 
@@ -83,6 +83,7 @@ __all__ = [
                               "state_signature",
                               "static_mutations",
                               "structure",
+                              "summed_scalars",
                               "value_bytes",
                               "value_specs",
                               "written_args",

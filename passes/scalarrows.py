@@ -2,7 +2,8 @@
 
 Reads:  ``fxpipe.value`` of every node (the example batch's specs), and the graph, which it
         runs once more on fake tensors for a micro-batch's rows (:mod:`fxpipe.passes.infer`).
-Writes: nothing; :func:`coupled_scalars` returns one description per such output.
+Writes: nothing; :func:`coupled_scalars` returns one description per such output, and
+        :func:`summed_scalars` the 0-dim outputs that are sums over the rows.
 
 ``pipe.step`` averages a loss over the micro-batches, weighted by their rows: the batch's value
 when the loss is a mean over rows of terms each row makes alone (a cross-entropy, a
@@ -12,12 +13,15 @@ by its mean router probability; per micro-batch that product is another number. 
 cannot tell (both are 0-dim), so the nodes are classed by what they do with the batch::
 
     R  rows: its shape follows the batch (it changes for a micro-batch's rows)
-    L  a linear reduction of rows: sum / mean / a loss over R, then sums and scalings of L
+    M  a mean over rows: mean / a mean-reduced loss over R, then sums and constant scalings of M
+    S  a sum over rows: sum / a sum-reduced loss over R, then sums and constant scalings of S
+    L  linear in the rows otherwise: M and S mixed, or scaled by a value of the model
     C  coupled: two reductions multiplied or divided, a non-linear function of one, a row
        picked out (x[0]), a max over the batch
     K  independent of the batch: parameters, constants, sizes
 
-A 0-dim output of class C is reported. A value whose shape follows the batch is R even where
+A 0-dim output of class C is reported (:func:`coupled_scalars`), and one of class S
+(:func:`summed_scalars`): ``pipe.step`` must add its micro-batches' values, not average them. A value whose shape follows the batch is R even where
 a reduction feeds back into it (batch norm's statistics, a mixture of experts' token counts
 used to dispatch the rows): such coupling is batch norm's, documented on its own, and the
 rows a router dispatches stay each its own. Ops this pass does not know are C when they take
@@ -37,14 +41,15 @@ from fxpipe.passes.modes import When
 from fxpipe.passes.spec import TensorSpec
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["coupled_scalars"]
+__all__ = ["coupled_scalars", "summed_scalars"]
 
 # Ops taking L (and K) values to an L value: sums, scalings by a constant, casts and views.
 _LINEAR = {"add", "sub", "rsub", "neg", "mul", "div", "truediv", "true_divide", "iadd", "isub", "imul", "itruediv",
            "clone", "detach", "alias", "to", "_to_copy", "float", "double", "half", "bfloat16", "type_as", "contiguous",
            "view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "flatten", "expand", "getitem", "stack", "cat",
            "sum", "mean", "nansum", "lift_fresh_copy", "copy", "pick", "positive", "add_", "sub_", "mul_", "div_"}
-_REDUCTIONS = {"sum", "mean", "nansum", "nanmean"}  # of rows, linear (a loss: any op named *loss*, *entropy*)
+_MEANS, _SUMS = {"mean", "nanmean"}, {"sum", "nansum"}  # of rows, linear (a loss: any op named *loss*, *entropy*)
+_SCALINGS = {"mul", "imul", "mul_", "div", "truediv", "true_divide", "itruediv", "div_"}
 _SIZED = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "size", "dim", "numel"}  # take dtype, device
 
 def coupled_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),
@@ -55,6 +60,20 @@ def coupled_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: 
     (computed here otherwise). Empty when no output is 0-dim, and when the graph cannot run for
     ``rows`` rows on fake tensors.
     """
+    return [f"{name} (node '{node.name}'): a 0-dim output that is not a mean over the rows (it combines values "
+            "reduced over the batch, as a load-balancing loss does)"
+            for name, node, kind in _scalar_kinds(gm, batch, rows, unbatched, part) if kind == "C"]
+
+
+def summed_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),
+                   part: dict[str, Any] | None = None) -> list[str]:
+    """Return the name of each 0-dim output that is a sum over the rows (class S above)."""
+    return [name for name, _, kind in _scalar_kinds(gm, batch, rows, unbatched, part) if kind == "S"]
+
+
+def _scalar_kinds(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str],
+                  part: dict[str, Any] | None) -> list[tuple[str, torch.fx.Node, str]]:
+    """Class each 0-dim output: (its name, its node, its class); empty where the classes cannot be told."""
     scalars = [(name, node) for name, node in _leaves(gm)
                if isinstance(spec := node.meta.get("fxpipe.value"), TensorSpec) and len(spec.shape) == 0]
     if rows == batch or not scalars:
@@ -66,8 +85,7 @@ def coupled_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: 
     for node in gm.graph.nodes:
         if node.op != "output":
             kinds[node] = _kind(node, kinds, part)
-    return [f"{name} (node '{node.name}'): a 0-dim output that is not a mean over the rows (it combines values "
-            "reduced over the batch, as a load-balancing loss does)" for name, node in scalars if kinds[node] == "C"]
+    return [(name, node, kinds[node]) for name, node in scalars]
 
 
 def _kind(node: torch.fx.Node, kinds: dict[torch.fx.Node, str], part: dict[str, Any]) -> str:
@@ -89,15 +107,45 @@ def _kind(node: torch.fx.Node, kinds: dict[torch.fx.Node, str], part: dict[str, 
     if "C" in classes:
         return "C"
     if "R" in classes:  # the batch reduced away
-        linear = name in _REDUCTIONS or "loss" in name.lower() or "entropy" in name.lower()
-        return "L" if linear and classes == {"R"} else "C"
+        reduced = _reduction(node, name)
+        return reduced if reduced is not None and classes == {"R"} else "C"
     if name not in _LINEAR:
         return "C"
     if name in ("mul", "imul", "mul_") and len(deps) > 1:
         return "C"
     if name in ("div", "truediv", "true_divide", "itruediv", "div_") and len(node.args) > 1 and node.args[1] in deps:
         return "C"
-    return "L"
+    if len(classes) > 1 or (name in _SCALINGS and any(a not in deps for a in node.all_input_nodes)):
+        return "L"  # a mean and a sum added, or scaled by a value of the model (a size, a parameter)
+    return classes.pop()
+
+
+def _reduction(node: torch.fx.Node, name: str) -> str | None:
+    """Class a reduction of rows: M for a mean, S for a sum, None for an op that is not linear in them."""
+    if name in _MEANS:
+        return "M"
+    if name in _SUMS:
+        return "S"
+    if "loss" not in name.lower() and "entropy" not in name.lower():
+        return None
+    how = _loss_reduction(node)
+    return "S" if how in ("sum", 2) else "M" if how in ("mean", 1, None) else None
+
+
+def _loss_reduction(node: torch.fx.Node) -> Any:
+    """Return a loss's ``reduction`` (a name, aten's enum, or None for the default mean)."""
+    if node.op == "call_module" and (owner := node.graph.owning_module) is not None:
+        try:
+            return getattr(owner.get_submodule(str(node.target)), "reduction", None)
+        except AttributeError:
+            return None
+    if "reduction" in node.kwargs:
+        return node.kwargs["reduction"]
+    if isinstance(node.target, torch._ops.OpOverload):
+        names = [a.name for a in node.target._schema.arguments]
+        if "reduction" in names and names.index("reduction") < len(node.args):
+            return node.args[names.index("reduction")]
+    return None
 
 
 def _follows(whole: Any, part: Any) -> bool | None:

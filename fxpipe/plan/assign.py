@@ -175,6 +175,7 @@ def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int, 
     coupled = passes.batch_coupled_outputs(gm, batch, rows, whole, part)
     gm.meta["fxpipe.coupled"] = coupled
     scalars = passes.coupled_scalars(gm, batch, rows, whole, part)
+    gm.meta["fxpipe.summed"] = passes.summed_scalars(gm, batch, rows, whole, part)
     sequences = passes.sequence_first_splits(gm, batch, rows, part)
     if sequences:
         warnings.warn(

@@ -26,7 +26,9 @@ class Binding:
         self.flattens_outputs = info is not None and info.out_spec is not None
         self.warned = False  # that a batch smaller than chunks runs fewer micro-batches (said once)
         self.targets_checked = False  # for ignored entries shared unequally by the micro-batches (once)
+        self.summed_checked = False  # for 0-dim outputs summing over the rows under a mean loss_fn (once)
         self.coupled: list[str] = gm.meta.get("fxpipe.coupled", [])  # outputs that couple a batch's rows
+        self.summed: list[str] = gm.meta.get("fxpipe.summed", [])  # 0-dim outputs that sum over the rows
         # 0-dim outputs per mode (known where compile had example inputs)
         self.scalars = {mode: passes.scalar_outputs(gm, mode) for mode in (True, False)}
         self.unbatched = frozenset(gm.meta.get("fxpipe.unbatched", ()))  # inputs every micro-batch gets whole

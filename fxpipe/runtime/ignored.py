@@ -1,10 +1,12 @@
-"""Warn when a target's ignored entries (``-100``) are shared unequally by the micro-batches.
+"""Warn when a mean loss's weighting by rows cannot give eager's loss: ignored entries, summed outputs.
 
 ``pipe.step`` weights each micro-batch's loss by its share of the rows, which gives the
 batch's mean for a loss averaged over rows. A cross-entropy that skips ``ignore_index=-100``
 averages over the entries that count instead: when the micro-batches hold different shares of
 them (padded rows of several lengths), the weighted means are not the batch's mean, and
-nothing else would say so. Checked once per pipe, on the first step.
+nothing else would say so. A model returning its loss as a sum over the rows gives each
+micro-batch's sum, which the weighting shrinks by the number of micro-batches. Checked once
+per pipe, on the first step.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from fxpipe.plan.batches import micro_sizes
 from fxpipe.runtime.microbatch import is_summed
 
-__all__ = ["IGNORE_INDEX", "check_targets_once", "warn_uneven_ignored"]
+__all__ = ["IGNORE_INDEX", "check_targets_once", "warn_summed_outputs", "warn_uneven_ignored"]
 
 IGNORE_INDEX = -100  # torch's and transformers' ignore_index
 
@@ -50,8 +52,24 @@ def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_
     return True
 
 
+def warn_summed_outputs(summed: list[str], m: int, loss_fn: Callable) -> None:
+    """Warn that 0-dim outputs summing over the rows are weighted as means under a mean ``loss_fn``."""
+    if summed and m > 1 and not is_summed(loss_fn):
+        warnings.warn(
+            f"the model returns {', '.join(summed)}: a sum over the rows. pipe.step weights each micro-batch's loss "
+            f"by its share of the rows (a mean's weighting), so a loss_fn returning that sum gives 1/{m} of eager's "
+            "loss and gradients (for even micro-batches). Pass loss_reduction='sum' to add the micro-batches' losses "
+            "(said once per pipe)", stacklevel=4)
+
+
 def check_targets_once(binding: Any, target: Any, kwargs: dict, batch: int | None, m: int, loss_fn: Callable) -> None:
-    """Look at the step's target and ``labels=`` input until one step of a mean loss was looked at (per pipe)."""
+    """Look at the step's target and ``labels=`` input until one step of a mean loss was looked at (per pipe).
+
+    The first step also warns of outputs that sum over the rows (:func:`warn_summed_outputs`).
+    """
+    if not binding.summed_checked:
+        binding.summed_checked = True
+        warn_summed_outputs(binding.summed, m, loss_fn)
     if not binding.targets_checked:
         binding.targets_checked = warn_uneven_ignored({"target": target, "labels": kwargs.get("labels")}, batch, m,
                                                       loss_fn)

@@ -79,3 +79,60 @@ def test_a_mean_inside_a_mode_guard_is_not_warned_of(tracer):
         warnings.simplefilter("error")
         fxpipe.compile(_TrainingOnlyPenalty().train(), 2, example_inputs=(torch.randn(6, 8),), chunks=2,
                        devices=["cpu"] * 2, tracer=tracer)
+
+
+class _SelfLoss(nn.Module):
+    """A model computing its own loss, reduced over the rows as ``how`` says."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.a, self.how = nn.Linear(8, 3), how
+        self.crit = nn.CrossEntropyLoss(reduction="sum")
+
+    def forward(self, x, y):
+        out = self.a(x)
+        if self.how == "sum":
+            return (out - 1).pow(2).sum()
+        if self.how == "loss_sum":
+            return F.cross_entropy(out, y, reduction="sum") * 0.5
+        if self.how == "module_sum":
+            return self.crit(out, y)
+        if self.how == "rows_mean":
+            return out.pow(2).sum(-1).mean()  # a sum over features, then a mean over rows
+        if self.how == "by_size":
+            return out.pow(2).sum() / x.shape[0]  # a mean, written as a sum over a size
+        return F.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("how", ["sum", "loss_sum", "module_sum"])
+def test_a_loss_summed_over_rows_is_warned_of_and_sums_with_loss_reduction_sum(tracer, how):
+    # the micro-batches' sums were averaged by rows: 1/chunks of eager's loss and gradients, silently
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    model = _SelfLoss(how)
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x, y), chunks=3, tracer=tracer)
+    with pytest.warns(UserWarning, match=r"the model returns the output: a sum over the rows\..*1/3 of eager's.*"
+                                         r"loss_reduction='sum'"):
+        pipe.step(x, y, target=None, loss_fn=lambda out, _: out)
+    pipe.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = pipe.step(x, y, target=None, loss_fn=lambda out, _: out, loss_reduction="sum")
+    expected = eager(x, y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(pipe.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("how", ["mean", "rows_mean", "by_size"])
+def test_a_loss_averaged_over_rows_is_not_warned_of(tracer, how):
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe = fxpipe.compile(_SelfLoss(how), 2, example_inputs=(x, y), chunks=3, tracer=tracer)
+        pipe.step(x, y, target=None, loss_fn=lambda out, _: out)
