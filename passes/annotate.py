@@ -110,8 +110,11 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
     values: list = []
     positional, keywords = list(args), dict(kwargs)  # what is left to bind
     for node in placeholders:
-        name = node.target
-        if name.startswith("*"):
+        name, variadic = node.target, node.meta.get("fxpipe.variadic")
+        if variadic == "**":  # the one input of forward's **kwargs: the keywords left
+            values.append(keywords)
+            keywords = {}
+        elif variadic == "*":  # of forward's *args: the positional inputs left
             values.append(tuple(positional))
             positional = []
         elif positional:

@@ -169,9 +169,24 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
     except Exception as exc:
         raise _explain(model, fx_tracer, exc) from exc
     warn_python_random(type(model).__name__, drawn, "fx")
+    _name_variadic_inputs(graph)
     gm = torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__)
     register_graph_records(gm)  # a record the model builds is split, sent and joined field by field
     return gm
+
+
+def _name_variadic_inputs(graph: torch.fx.Graph) -> None:
+    """Name forward's ``*args`` and ``**kwargs`` placeholders plainly; mark them in ``node.meta["fxpipe.variadic"]``.
+
+    An fx Interpreter gives a placeholder named ``*args`` (or ``**kwargs``) a list of every input
+    left, where the graph reads a tuple (or a dict): each becomes one input, bound to what a call
+    leaves for it (:func:`fxpipe.passes.bind_placeholders`).
+    """
+    for node in graph.nodes:
+        if node.op == "placeholder" and str(node.target).startswith("*"):
+            target = str(node.target)
+            node.meta["fxpipe.variadic"] = target[:len(target) - len(target.lstrip("*"))]
+            node.target = target.lstrip("*")
 
 
 def _user_trace(model: nn.Module, tracer: Callable[[nn.Module], torch.fx.GraphModule]) -> torch.fx.GraphModule:
