@@ -20,6 +20,7 @@ __all__ = [
     "PlanMismatchError",
     "PropagationError",
     "ScheduleError",
+    "SearchSpaceError",
     "TensorParallelError",
     "TraceError",
     "WeightsError",
@@ -80,6 +81,11 @@ class CheckpointError(ValueError):
 class CompileError(ValueError):
     """``torch.compile`` cannot compile a stage as asked (a backend that does not load, a graph break under
     ``fullgraph=True``, a backend that fails); names the stage, the node and the fix."""
+
+
+class SearchSpaceError(ValueError):
+    """The planner's options leave no layout to try (stage or chunk counts, tensor-parallel sizes the model
+    or the GPUs cannot take); names the option and what would be searched."""
 
 
 class MemoryBudgetError(ValueError):

@@ -30,6 +30,7 @@ import torch.fx
 from torch import nn
 
 from fxpipe import passes
+from fxpipe.errors import SearchSpaceError
 from fxpipe.options import AUTO, POLICIES
 from fxpipe.plan.pipeline import PipelinePlan, human
 from fxpipe.plan.tensorparallel import plan_tensor_parallel
@@ -194,7 +195,7 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
     if tensor_parallel is not None:
         missing = sorted(set(tensor_parallel) - set(tps))
         if missing:
-            raise ValueError(f"tensor_parallel={missing[0]}: the automatic TP plan cannot split this model over "
+            raise SearchSpaceError(f"tensor_parallel={missing[0]}: the automatic TP plan cannot split this model over "
                              f"{missing[0]} ranks (its heads or features do not divide, or it exceeds "
                              f"gpus_per_node={gpus_per_node}); sizes that fit: {sorted(tps)}")
         tps = {t: v for t, v in tps.items() if t in tensor_parallel}
@@ -211,7 +212,7 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
         space = list(shapes(gpus, gpus_per_node, batch, min(blocks, max_stages), tps=sorted(tps),
                             schedules=schedules, stages=stages, chunk_counts=chunks))
         if not space and (stages is not None or chunks is not None):
-            raise ValueError(f"no layout of {gpus} GPUs has stages in {list(stages or []) or 'any'} and chunks in "
+            raise SearchSpaceError(f"no layout of {gpus} GPUs has stages in {list(stages or []) or 'any'} and chunks in "
                              f"{list(chunks or []) or 'any'} for a global batch of {batch} rows and a model of "
                              f"{blocks} cuttable blocks: a stage count is pp x stages per rank (pp divides the "
                              "GPUs), and chunks divide each replica's rows and are at least pp")

@@ -24,6 +24,7 @@ import torch.fx
 from torch import nn
 
 from fxpipe import passes
+from fxpipe.errors import SearchSpaceError
 from fxpipe.frontend.tracing import trace
 from fxpipe.options import AUTO, POLICIES, SINGLE_STAGE_SCHEDULES, CompileOptions, cut_mode
 from fxpipe.passes.retain import retain
@@ -147,6 +148,7 @@ def search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, ranks: int,
     budget = memory if memory is not None else model_.memory
     stage_counts = list(stages) if stages else [d for d in range(1, ranks + 1) if ranks % d == 0]
     chunk_counts = list(chunks) if chunks else [c for c in (1, 2, 4, 8, 16, 32, 64) if c <= batch]
+    _check_space(stage_counts, chunk_counts, ranks, len(passes.compute_nodes(gm)), batch)
     measured: dict[int, dict[str, tuple[float, float]]] = {}
     ranked: list[Candidate] = []
     rejected: list[Candidate] = []
@@ -180,3 +182,19 @@ def search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, ranks: int,
     ranked.sort(key=key)
     rejected.sort(key=key)
     return Search(ranked, rejected, gm, model_, batch, budget)
+
+
+def _check_space(stage_counts: list[int], chunk_counts: list[int], ranks: int, blocks: int, batch: int) -> None:
+    """Refuse stage and chunk counts that leave nothing to simulate, naming what would be searched."""
+    over = [n for n in stage_counts if n > ranks]
+    if over:
+        raise SearchSpaceError(f"stages={over[0]} on {ranks} ranks: this search places one stage per rank; give "
+                               f"stage counts up to {ranks}, or search several stages per rank with the cluster "
+                               "search (fxpipe.simulate.cluster_search, fxpipe plan --gpus)")
+    if not any(n <= blocks for n in stage_counts):
+        raise SearchSpaceError(f"stages={stage_counts}: the model has {blocks} cuttable blocks, so at most {blocks} "
+                               "stages; give fewer stages, or list fewer leaf modules so the model cuts finer")
+    big = [m for m in chunk_counts if m > batch]
+    if big:
+        raise SearchSpaceError(f"chunks={big[0]} with a global batch of {batch} rows: a micro-batch holds at least "
+                               f"one row; give chunks up to {batch}, or a larger global batch")

@@ -18,7 +18,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from fxpipe.errors import TraceError
+from fxpipe.errors import SearchSpaceError, TraceError
 from fxpipe.tools import inspectcmd, plancmd
 from fxpipe.tools.cliargs import Failure, UsageError, trace_hint
 from fxpipe.tools.factory import FactoryError, ModelSpecError
@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     try:
         return args.run(args)
-    except (UsageError, ModelSpecError) as exc:
+    except (UsageError, ModelSpecError, SearchSpaceError) as exc:
         print(f"fxpipe {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except (Failure, FactoryError) as exc:

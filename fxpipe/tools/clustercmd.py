@@ -18,7 +18,7 @@ from typing import Any
 from tabulate import tabulate
 
 from fxpipe.plan.pipeline import human
-from fxpipe.tools.cliargs import Failure, UsageError, counts
+from fxpipe.tools.cliargs import Failure, UsageError, counts, positive
 
 __all__ = ["add_arguments", "bandwidth", "run_cluster"]
 
@@ -49,7 +49,7 @@ def add_arguments(p: Any) -> None:
                    help="devices per node (tp stays inside a node; default 8)")
     p.add_argument("--inter-node-bandwidth", type=bandwidth, metavar="SPEED",
                    help="bandwidth per GPU between nodes, e.g. 400Gb/s (default) or 50GB/s")
-    p.add_argument("--seq", type=int, metavar="S", help="sequence length: passed to the factory as seq=S, "
+    p.add_argument("--seq", type=positive, metavar="S", help="sequence length: passed to the factory as seq=S, "
                    "and the tokens per row of the throughput")
     p.add_argument("--tp", type=counts, metavar="T,...", help="tensor-parallel sizes to try (default: powers of "
                    "two up to --gpus-per-node that the automatic TP plan takes)")
