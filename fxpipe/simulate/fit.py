@@ -200,8 +200,15 @@ def _refusal(f: Fit, front: Assignment, options: CompileOptions, devices: Sequen
     more = _more_stages(front, options, model, batch, schedule)
     if more:
         hints.append(more)
-    hints.append("or raise max_memory")
-    lines.append("what would fit: " + "; ".join(hints))
+    fitting = [h for h in hints if "(fits:" in h]
+    if fitting:
+        lines.append("what would fit: " + "; ".join(fitting) + "; or raise max_memory")
+    others = [h for h in hints if h not in fitting]
+    if others:
+        lines.append(("also tried" if fitting else "nothing tried fits") + ": " + "; ".join(others)
+                     + ("" if fitting else "; raise max_memory"))
+    if not hints:
+        lines.append("what would fit: raise max_memory")
     return "\n".join(lines)
 
 
