@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-__all__ = ["Failure", "UsageError", "add_tracer", "names", "positive", "shape", "trace_hint"]
+from torch import nn
+
+__all__ = ["Failure", "UsageError", "add_tracer", "leaf_modules", "names", "positive", "shape", "trace_hint"]
 
 
 class UsageError(Exception):
@@ -43,6 +46,20 @@ def names(text: str) -> list[str]:
     if not names:
         raise argparse.ArgumentTypeError(f"{text!r} names nothing; separate names with commas")
     return names
+
+
+def leaf_modules(model: Any, given: list[str] | None) -> list[Any]:
+    """Read ``--leaf-modules``: a submodule's qualified name stays a name, a class name becomes the class.
+
+    ``--leaf-modules LlamaDecoderLayer`` keeps every module of that class as one call, as
+    ``fxpipe.compile(leaf_modules=[LlamaDecoderLayer])`` does. A name that is neither is left
+    for the tracer to refuse, listing the model's submodules.
+    """
+    if not given or not isinstance(model, nn.Module):
+        return list(given or [])
+    qualified = {name for name, _ in model.named_modules()}
+    classes = {type(m).__name__: type(m) for _, m in model.named_modules()}
+    return [n if n in qualified or n not in classes else classes[n] for n in given]
 
 
 def shape(text: str) -> tuple[int, ...]:

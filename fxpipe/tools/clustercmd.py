@@ -18,7 +18,7 @@ from typing import Any
 from tabulate import tabulate
 
 from fxpipe.plan.pipeline import human
-from fxpipe.tools.cliargs import Failure, UsageError, counts, positive
+from fxpipe.tools.cliargs import Failure, UsageError, counts, leaf_modules, positive
 
 __all__ = ["add_arguments", "bandwidth", "run_cluster"]
 
@@ -82,7 +82,7 @@ def run_cluster(args: argparse.Namespace, device: Any, memory: float | None, dty
                            memory=memory, batch=args.global_batch, kwargs=kwargs or None, dtype=dtype,
                            optimizer=args.optimizer, schedules=schedules, checkpoints=args.checkpoint,
                            tensor_parallel=args.tp, keep=max(args.top, 10), tokens=tokens,
-                           leaf_modules=args.leaf_modules or (), tracer=args.tracer, stages=args.stages,
+                           leaf_modules=leaf_modules(model, args.leaf_modules), tracer=args.tracer, stages=args.stages,
                            chunks=args.chunks)
     unit = "tokens/s/GPU" if tokens > 1 else "samples/s/GPU"
     nodes = -(-args.gpus // args.gpus_per_node)

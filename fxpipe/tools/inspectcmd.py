@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from fxpipe.tools.cliargs import Failure, UsageError, add_tracer, names, positive, shape, trace_hint
+from fxpipe.tools.cliargs import Failure, UsageError, add_tracer, leaf_modules, names, positive, shape, trace_hint
 from fxpipe.tools.factory import EXAMPLE, make_model
 
 __all__ = ["register", "run"]
@@ -44,7 +44,8 @@ def register(commands: Any) -> None:
     p.add_argument("--stages-per-rank", type=positive, default=1, metavar="V",
                    help="stages on each rank (lane) of the schedule: 2 for interleaved or zbv (default 1)")
     p.add_argument("--devices", type=names, metavar="D,...", help="one device per stage, or one for all")
-    p.add_argument("--leaf-modules", type=names, metavar="A,B", help="submodules to keep as one call")
+    p.add_argument("--leaf-modules", type=names, metavar="A,B",
+                   help="submodules (qualified names) or module classes (class names) to keep as one call")
     add_tracer(p)
     p.add_argument("--input-shape", type=shape, action="append", metavar="8,3,224,224",
                    help="a random float input of this shape (repeat for several inputs)")
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         pipe = compiler.compile(model, n_stages, example_inputs=inputs, example_kwargs=kwargs or None,
                               devices=devices, chunks=chunks, checkpoint=args.checkpoint,
                               balance_by=args.balance_by, split_points=args.split_points,
-                              leaf_modules=args.leaf_modules or (), tracer=args.tracer, plan=saved,
+                              leaf_modules=leaf_modules(model, args.leaf_modules), tracer=args.tracer, plan=saved,
                               schedule=args.schedule,
                               stages_per_rank=args.stages_per_rank, max_memory=max_memory,
                               torch_compile={"backend": args.torch_compile} if args.torch_compile else False)

@@ -20,7 +20,7 @@ from typing import Any
 from tabulate import tabulate
 
 from fxpipe.plan.pipeline import human
-from fxpipe.tools.cliargs import Failure, UsageError, add_tracer, counts, names, positive, shape
+from fxpipe.tools.cliargs import Failure, UsageError, add_tracer, counts, leaf_modules, names, positive, shape
 from fxpipe.tools.clustercmd import add_arguments, run_cluster
 
 __all__ = ["register"]
@@ -61,7 +61,8 @@ def register(commands: Any) -> None:
     p.add_argument("--top", type=positive, default=10, metavar="K", help="configurations to print (default 10)")
     p.add_argument("--json", metavar="FILE", help="save the first choice's plan as JSON")
     p.add_argument("--trace", metavar="FILE", help="write the first choice's simulated step as a Chrome trace")
-    p.add_argument("--leaf-modules", type=names, metavar="A,B", help="submodules to keep as one call")
+    p.add_argument("--leaf-modules", type=names, metavar="A,B",
+                   help="submodules (qualified names) or module classes (class names) to keep as one call")
     p.add_argument("--input-shape", type=shape, action="append", metavar="8,3,224,224",
                    help="a random float input of this shape (repeat for several inputs)")
     add_tracer(p)
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     found = search(model, inputs, ranks=args.ranks, device=device, memory=memory, batch=args.global_batch,
                    kwargs=kwargs or None, stages=args.stages, chunks=args.chunks, schedules=args.schedules,
                    checkpoints=args.checkpoint, optimizer=args.optimizer, dtype=dtype, measure=args.measure,
-                   leaf_modules=args.leaf_modules or (), tracer=args.tracer)
+                   leaf_modules=leaf_modules(model, args.leaf_modules), tracer=args.tracer)
     total = len(found.ranked) + len(found.rejected)
     print(f"{type(model).__name__} ({args.model}) on {args.ranks} x {device.name}"
           f"{' (nominal)' if device.nominal else ' (calibrated here)'}, {human(found.memory, 'B')} per device, "

@@ -277,3 +277,14 @@ def test_inspect_tp_prints_the_automatic_plan_and_its_collectives(tmp_path, caps
     assert "per micro-batch, forward: 6 collective(s)" in out
     assert cli.main(["inspect", f"{path}:decoder", "--stages", "2", "--tp", "3"]) == 1
     assert "tensor_parallel=3 does not divide" in capsys.readouterr().err
+
+
+def test_leaf_modules_take_a_class_name_as_well_as_a_qualified_name(models, capsys):
+    # a class name (as fxpipe.compile's leaf_modules=[DataDependent] takes the class) was refused as "not a
+    # submodule"; it keeps every module of that class as one call
+    assert cli.main(["inspect", f"{models}:untraceable", "--stages", "2", "--leaf-modules", "DataDependent"]) == 0
+    by_class = capsys.readouterr().out
+    assert cli.main(["inspect", f"{models}:untraceable", "--stages", "2", "--leaf-modules", "gate"]) == 0
+    assert capsys.readouterr().out == by_class
+    assert cli.main(["inspect", f"{models}:untraceable", "--stages", "2", "--leaf-modules", "Nothing"]) == 1
+    assert "leaf_modules names ['Nothing'] that are not submodules of Gated" in capsys.readouterr().err
