@@ -31,7 +31,7 @@ from fxpipe.passes.partition import (
 )
 from fxpipe.passes.profile import profile
 from fxpipe.passes.retain import retain
-from fxpipe.passes.scalarrows import coupled_scalars, summed_scalars
+from fxpipe.passes.scalarrows import coupled_scalars, independent_outputs, summed_scalars
 from fxpipe.passes.spec import differentiable
 from fxpipe.passes.split import SkipRoute, StagePlan, split
 
@@ -62,6 +62,7 @@ __all__ = [
                               "fingerprint",
                               "first_difference",
                               "group_costs",
+                              "independent_outputs",
                               "is_mutating",
                               "memory_factors",
                               "merge_modes",

@@ -2,8 +2,9 @@
 
 Reads:  ``fxpipe.value`` of every node (the example batch's specs), and the graph, which it
         runs once more on fake tensors for a micro-batch's rows (:mod:`fxpipe.passes.infer`).
-Writes: nothing; :func:`coupled_scalars` returns one description per such output, and
-        :func:`summed_scalars` the 0-dim outputs that are sums over the rows.
+Writes: nothing; :func:`coupled_scalars` returns one description per such output,
+        :func:`summed_scalars` the 0-dim outputs that are sums over the rows, and
+        :func:`independent_outputs` the outputs the batch does not change at all.
 
 ``pipe.step`` averages a loss over the micro-batches, weighted by their rows: the batch's value
 when the loss is a mean over rows of terms each row makes alone (a cross-entropy, a
@@ -21,7 +22,9 @@ cannot tell (both are 0-dim), so the nodes are classed by what they do with the 
     K  independent of the batch: parameters, constants, sizes
 
 A 0-dim output of class C is reported (:func:`coupled_scalars`), and one of class S
-(:func:`summed_scalars`): ``pipe.step`` must add its micro-batches' values, not average them. A value whose shape follows the batch is R even where
+(:func:`summed_scalars`): ``pipe.step`` must add its micro-batches' values, not average them. An
+output of class K (a learned temperature, an input every micro-batch gets whole) is every
+micro-batch's alike: ``pipe(x)`` takes the first's (:func:`independent_outputs`). A value whose shape follows the batch is R even where
 a reduction feeds back into it (batch norm's statistics, a mixture of experts' token counts
 used to dispatch the rows): such coupling is batch norm's, documented on its own, and the
 rows a router dispatches stay each its own. Ops this pass does not know are C when they take
@@ -41,7 +44,7 @@ from fxpipe.passes.modes import When
 from fxpipe.passes.spec import TensorSpec
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["coupled_scalars", "summed_scalars"]
+__all__ = ["coupled_scalars", "independent_outputs", "summed_scalars"]
 
 # Ops taking L (and K) values to an L value: sums, scalings by a constant, casts and views.
 _LINEAR = {"add", "sub", "rsub", "neg", "mul", "div", "truediv", "true_divide", "iadd", "isub", "imul", "itruediv",
@@ -69,6 +72,34 @@ def summed_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: C
                    part: dict[str, Any] | None = None) -> list[str]:
     """Return the name of each 0-dim output that is a sum over the rows (class S above)."""
     return [name for name, _, kind in _scalar_kinds(gm, batch, rows, unbatched, part) if kind == "S"]
+
+
+def independent_outputs(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),
+                        part: dict[str, Any] | None = None) -> list[tuple[int, str]]:
+    """Return ``(position, name)`` of each tensor output the batch does not change (class K above).
+
+    The position is the output's leaf in ``tree_flatten`` of the graph's output, which is where
+    it lies among the micro-batch's output leaves while every output node holds one value. Where
+    one holds several (a record, a module's tuple), nothing is returned: positions would shift.
+    """
+    out = gm.graph.output_node()
+    flat = tree_flatten(out.args[0])[0]
+    nodes = [leaf for leaf in flat if isinstance(leaf, torch.fx.Node)]
+    if rows == batch or not nodes or any(tree_flatten(n.meta.get("fxpipe.value"))[0] != [n.meta.get("fxpipe.value")]
+                                         for n in nodes):
+        return []
+    part = part if part is not None else micro_specs(gm, batch, rows, unbatched)
+    if part is None:
+        return []
+    kinds: dict[torch.fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            kinds[node] = _kind(node, kinds, part)
+    names = dict(_leaves(gm))
+    by_node = {id(node): name for name, node in names.items()}
+    return [(k, by_node.get(id(leaf), f"output {k}")) for k, leaf in enumerate(flat)
+            if isinstance(leaf, torch.fx.Node) and isinstance(leaf.meta.get("fxpipe.value"), TensorSpec)
+            and kinds.get(leaf) == "K"]
 
 
 def _scalar_kinds(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str],

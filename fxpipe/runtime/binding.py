@@ -30,7 +30,10 @@ class Binding:
         self.coupled: list[str] = gm.meta.get("fxpipe.coupled", [])  # outputs that couple a batch's rows
         self.summed: list[str] = gm.meta.get("fxpipe.summed", [])  # 0-dim outputs that sum over the rows
         # 0-dim outputs per mode (known where compile had example inputs)
-        self.scalars = {mode: passes.scalar_outputs(gm, mode) for mode in (True, False)}
+        independent = gm.meta.get("fxpipe.independent", [])  # outputs every micro-batch computes alike
+        self.independent = frozenset(k for k, _ in independent)
+        alike = {name for _, name in independent}
+        self.scalars = {mode: [s for s in passes.scalar_outputs(gm, mode) if s not in alike] for mode in (True, False)}
         self.unbatched = frozenset(gm.meta.get("fxpipe.unbatched", ()))  # inputs every micro-batch gets whole
 
     def bind(self, args: tuple, kwargs: dict) -> list[Any]:
@@ -77,7 +80,7 @@ class Binding:
     def gather(self, outputs: list[Any], training: bool) -> Any:
         """Join the micro-batches' outputs on dim 0; refuse outputs that couple a batch's rows."""
         self.check_joinable(len(outputs), training)
-        return gather(outputs)
+        return gather(outputs, self.independent)
 
     def finish(self, output: Any) -> Any:
         """Rebuild the model's output structure where the graph returns flat outputs."""

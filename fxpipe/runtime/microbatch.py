@@ -45,8 +45,12 @@ def scatter(values: Sequence[Any], names: Sequence[str], chunks: int, whole: Col
     return mbs
 
 
-def gather(outputs: Sequence[Any]) -> Any:
-    """Concatenate per-micro-batch outputs on dim 0 into one output of the same structure."""
+def gather(outputs: Sequence[Any], alike: Collection[int] = ()) -> Any:
+    """Concatenate per-micro-batch outputs on dim 0 into one output of the same structure.
+
+    The leaves at positions ``alike`` do not depend on the batch (a learned temperature): the
+    first micro-batch's is taken.
+    """
     if len(outputs) == 1:
         return outputs[0]
     flat = [tree_flatten(out) for out in outputs]
@@ -58,7 +62,9 @@ def gather(outputs: Sequence[Any]) -> Any:
     merged = []
     for k, leaf in enumerate(flat[0][0]):
         column = [leaves[k] for leaves, _ in flat]
-        if isinstance(leaf, torch.Tensor):
+        if k in alike:
+            merged.append(leaf)
+        elif isinstance(leaf, torch.Tensor):
             if leaf.dim() == 0:
                 raise ValueError("the model returns a 0-dim tensor, which cannot be gathered across "
                                  "micro-batches; return per-sample values (reduce after the "

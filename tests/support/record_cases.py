@@ -1,4 +1,4 @@
-"""What each rank runs in the test of dataclass records across ranks (imported by spawned processes)."""
+"""What each rank runs in the tests of output structures across ranks: records, batch-independent outputs."""
 
 from __future__ import annotations
 
@@ -64,3 +64,35 @@ def records(rank, world, schedule):
         out = pipe(x)
     return {"loss": max_relative_error(loss, expected), "grads": max(grads),
             "out": None if out is None else [type(out).__name__, max_relative_error(out.logits, eager(x).logits)]}
+
+
+class Tempered(nn.Module):
+    """Logits and a learned temperature that no row changes (a CLIP-like logit scale)."""
+
+    def __init__(self, shape=()):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.scale = nn.Parameter(torch.full(shape, 0.5))
+
+    def forward(self, x):
+        return {"logits": self.b(torch.tanh(self.a(x))), "scale": self.scale.exp()}
+
+
+def independent(rank, world, schedule):
+    """Infer, then train a step on the temperature; return the errors against eager on this rank."""
+    torch.manual_seed(0)
+    model = Tempered()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    loss_fn = lambda out, t: F.mse_loss(out["logits"] * out["scale"], t)  # noqa: E731
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), chunks=3, runtime="distributed", timeout=60,
+                          schedule=schedule)
+    with torch.no_grad():
+        out, want = pipe(x), eager(x)
+    loss = pipe.step(x, target=y, loss_fn=loss_fn)
+    expected = loss_fn(eager(x), y)
+    expected.backward()
+    held = dict(eager.named_parameters())
+    grads = [max_relative_error(p.grad, held[n].grad) for n, p in model.named_parameters() if p.device.type != "meta"]
+    return {"loss": max_relative_error(loss, expected), "grads": max(grads),
+            "out": None if out is None else [max_relative_error(out[k], want[k]) for k in ("logits", "scale")]}

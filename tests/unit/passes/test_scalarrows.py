@@ -136,3 +136,55 @@ def test_a_loss_averaged_over_rows_is_not_warned_of(tracer, how):
         warnings.simplefilter("error")
         pipe = fxpipe.compile(_SelfLoss(how), 2, example_inputs=(x, y), chunks=3, tracer=tracer)
         pipe.step(x, y, target=None, loss_fn=lambda out, _: out)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("shape", [(), (1,), (3,)])
+def test_an_output_no_row_changes_is_taken_from_the_first_micro_batch(tracer, shape):
+    # pipe(x) refused a learned temperature: a 0-dim one as "computed over its own rows", a (1,) or (3,)
+    # one as coupling the rows of the batch, though no row changes it
+    from record_cases import Tempered
+
+    torch.manual_seed(0)
+    model, x = Tempered(shape), torch.randn(6, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=3, tracer=tracer)
+    with torch.no_grad():
+        out, want = pipe(x), model(x)
+    torch.testing.assert_close(out["logits"], want["logits"])
+    torch.testing.assert_close(out["scale"], want["scale"])
+
+
+def test_an_unbatched_input_returned_whole_comes_back_once():
+    class Echo(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x, table):
+            return self.a(x) + table.sum(), table
+
+    x, table = torch.randn(6, 4), torch.randn(5, 2)
+    model = Echo()
+    pipe = fxpipe.compile(model, 1, example_inputs=(x, table), chunks=3, unbatched=["table"])
+    out = pipe(x, table)
+    torch.testing.assert_close(out[0], model(x, table)[0])
+    assert out[1].shape == (5, 2) and torch.equal(out[1], table)
+
+
+def test_a_coupled_output_is_still_refused_beside_an_independent_one():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.t = nn.Linear(4, 4), nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            h = self.a(x)
+            return h @ h.T, self.t * 2  # a batch x batch similarity couples the rows
+
+    x = torch.randn(6, 4)
+    with pytest.warns(UserWarning, match="couples the rows"):
+        pipe = fxpipe.compile(Mixed(), 2, example_inputs=(x,), chunks=3)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"\[0\] \(node"):
+        pipe(x)
