@@ -145,15 +145,15 @@ class LocalRuntime:
         check_targets_once(self.binding, target, kwargs, batch, len(mbs), loss_fn)
         losses = micro_losses(loss_fn, target, batch, len(mbs), self.devices[-1], self.binding.finish)
         if self.plan.schedule == "gpipe":
-            try:
+            try:  # the loss and backward may raise too: commit only a step that finished
                 outputs = self.run(mbs, training)
+                total = sum((losses[i](out) for i, out in enumerate(outputs[1:], 1)), losses[0](outputs[0]))
+                total.backward()
             except BaseException:
                 discard_batch_norm(self.deferred)
                 raise
             if training:
                 commit_batch_norm(self.deferred)
-            total = sum((losses[i](out) for i, out in enumerate(outputs[1:], 1)), losses[0](outputs[0]))
-            total.backward()
             return total.detach()
         refuse_unfrozen(self.unfrozen)  # the action lists send a gradient back only where one was at compile
         refuse_changed_linears(self.replacing)

@@ -143,3 +143,23 @@ def test_an_exported_batch_norm_is_cut_with_its_counter():
     eager(x)
     assert int(model[1].num_batches_tracked) == 1
     torch.testing.assert_close(model[1].running_var, eager[1].running_var)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_a_step_whose_loss_fails_keeps_no_statistics(schedule):
+    # gpipe in one process committed the step's sums before its loss ran: a loss_fn raising (a NaN
+    # guard) still moved running_mean and num_batches_tracked, where every other schedule dropped them
+    model = Branches()
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(8, 3, 6, 6),), chunks=4, schedule=schedule,
+                          devices=["cpu"] * 2, deferred_batch_norm=True)
+    before = _stats(model)
+
+    def guard(out, y):
+        raise FloatingPointError("the loss is NaN")
+
+    with pytest.raises(FloatingPointError):
+        pipe.step(torch.randn(8, 3, 6, 6), target=torch.randint(0, 5, (8,)), loss_fn=guard)
+    for k, v in _stats(model).items():
+        assert torch.equal(v, before[k]), k
+    pipe.step(torch.randn(8, 3, 6, 6), target=torch.randint(0, 5, (8,)), loss_fn=F.cross_entropy)
+    assert int(model.bns[0].num_batches_tracked) == 1
