@@ -3,7 +3,7 @@
 Reads:  ``fxpipe.value`` of every node (the example batch's specs), and the graph, which it
         runs once more on fake tensors for a micro-batch's rows (:mod:`fxpipe.passes.infer`).
 Writes: nothing; :func:`coupled_scalars` returns one description per such output,
-        :func:`summed_scalars` the 0-dim outputs that are sums over the rows, and
+        :func:`summed_scalars` the 0-dim outputs that are sums or means over the rows, and
         :func:`independent_outputs` the outputs the batch does not change at all.
 
 ``pipe.step`` averages a loss over the micro-batches, weighted by their rows: the batch's value
@@ -69,9 +69,11 @@ def coupled_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: 
 
 
 def summed_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),
-                   part: dict[str, Any] | None = None) -> list[str]:
-    """Return the name of each 0-dim output that is a sum over the rows (class S above)."""
-    return [name for name, _, kind in _scalar_kinds(gm, batch, rows, unbatched, part) if kind == "S"]
+                   part: dict[str, Any] | None = None) -> dict[str, list[str]]:
+    """Return the names of the 0-dim outputs that are sums (``"sum"``, class S) and means (``"mean"``, M) of rows."""
+    kinds = _scalar_kinds(gm, batch, rows, unbatched, part)
+    return {"sum": [name for name, _, kind in kinds if kind == "S"],
+            "mean": [name for name, _, kind in kinds if kind == "M"]}
 
 
 def independent_outputs(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),

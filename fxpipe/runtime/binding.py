@@ -26,9 +26,11 @@ class Binding:
         self.flattens_outputs = info is not None and info.out_spec is not None
         self.warned = False  # that a batch smaller than chunks runs fewer micro-batches (said once)
         self.targets_checked = False  # for ignored entries shared unequally by the micro-batches (once)
-        self.summed_checked = False  # for 0-dim outputs summing over the rows under a mean loss_fn (once)
+        self.summed_checked = False  # for 0-dim sums under a mean loss_fn, means under a summed one (once)
         self.coupled: list[str] = gm.meta.get("fxpipe.coupled", [])  # outputs that couple a batch's rows
-        self.summed: list[str] = gm.meta.get("fxpipe.summed", [])  # 0-dim outputs that sum over the rows
+        reduced = gm.meta.get("fxpipe.summed", {})  # 0-dim outputs that sum, and that average, over the rows
+        self.summed: list[str] = reduced.get("sum", [])
+        self.means: list[str] = reduced.get("mean", [])
         # 0-dim outputs per mode (known where compile had example inputs)
         independent = gm.meta.get("fxpipe.independent", [])  # outputs every micro-batch computes alike
         self.independent = frozenset(k for k, _ in independent)

@@ -5,8 +5,8 @@ batch's mean for a loss averaged over rows. A cross-entropy that skips ``ignore_
 averages over the entries that count instead: when the micro-batches hold different shares of
 them (padded rows of several lengths), the weighted means are not the batch's mean, and
 nothing else would say so. A model returning its loss as a sum over the rows gives each
-micro-batch's sum, which the weighting shrinks by the number of micro-batches. Checked once
-per pipe, on the first step.
+micro-batch's sum, which the weighting shrinks by the number of micro-batches; a mean added
+under ``loss_reduction="sum"`` grows by it. Checked once per pipe, on the first step.
 """
 
 from __future__ import annotations
@@ -52,8 +52,16 @@ def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_
     return True
 
 
-def warn_summed_outputs(summed: list[str], m: int, loss_fn: Callable) -> None:
-    """Warn that 0-dim outputs summing over the rows are weighted as means under a mean ``loss_fn``."""
+def warn_summed_outputs(summed: list[str], means: list[str], m: int, loss_fn: Callable) -> None:
+    """Warn of 0-dim sums over the rows under a mean ``loss_fn``, and of means under a summed one."""
+    if means and m > 1 and is_summed(loss_fn) and not summed:
+        warnings.warn(
+            f"the model returns {', '.join(means)}: a mean over the rows. With loss_reduction='sum' pipe.step adds "
+            f"the micro-batches' losses as loss_fn returns them, so a loss_fn returning that mean gives {m}x eager's "
+            "loss and gradients (for even micro-batches). Leave loss_reduction at 'mean' for it; 'sum' is for a "
+            "loss_fn returning its micro-batch's share of the batch's loss (a sum divided by the whole batch's "
+            "count). A model that ignores num_items_in_batch= (T5, an encoder-decoder) returns such a mean "
+            "(said once per pipe)", stacklevel=4)
     if summed and m > 1 and not is_summed(loss_fn):
         warnings.warn(
             f"the model returns {', '.join(summed)}: a sum over the rows. pipe.step weights each micro-batch's loss "
@@ -65,11 +73,12 @@ def warn_summed_outputs(summed: list[str], m: int, loss_fn: Callable) -> None:
 def check_targets_once(binding: Any, target: Any, kwargs: dict, batch: int | None, m: int, loss_fn: Callable) -> None:
     """Look at the step's target and ``labels=`` input until one step of a mean loss was looked at (per pipe).
 
-    The first step also warns of outputs that sum over the rows (:func:`warn_summed_outputs`).
+    The first step also warns of outputs that sum over the rows under a mean ``loss_fn``, and that
+    average over them under a summed one (:func:`warn_summed_outputs`).
     """
     if not binding.summed_checked:
         binding.summed_checked = True
-        warn_summed_outputs(binding.summed, m, loss_fn)
+        warn_summed_outputs(binding.summed, binding.means, m, loss_fn)
     if not binding.targets_checked:
         binding.targets_checked = warn_uneven_ignored({"target": target, "labels": kwargs.get("labels")}, batch, m,
                                                       loss_fn)

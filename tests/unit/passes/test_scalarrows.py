@@ -127,6 +127,36 @@ def test_a_loss_summed_over_rows_is_warned_of_and_sums_with_loss_reduction_sum(t
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+class _SharedLoss(nn.Module):
+    """A model dividing its summed loss by a count of the whole batch, given as an input (num_items_in_batch=)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 3)
+
+    def forward(self, x, y, n):
+        return F.cross_entropy(self.a(x), y, reduction="sum") / n
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_mean_loss_added_under_loss_reduction_sum_is_warned_of(tracer):
+    # the recipe for a model's own loss (loss_reduction='sum') on a model whose loss is a mean per call
+    # (T5 ignores num_items_in_batch=): chunks x eager's loss, silently
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    pipe = fxpipe.compile(_SelfLoss("mean"), 2, example_inputs=(x, y), chunks=3, tracer=tracer)
+    with pytest.warns(UserWarning, match=r"a mean over the rows\. With loss_reduction='sum' .* gives 3x eager's"):
+        pipe.step(x, y, target=None, loss_fn=lambda out, _: out, loss_reduction="sum")
+    n = torch.tensor(6.0)
+    model = _SharedLoss()
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x, y, n), chunks=3, tracer=tracer, unbatched=["n"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = pipe.step(x, y, n, target=None, loss_fn=lambda out, _: out, loss_reduction="sum")
+    torch.testing.assert_close(loss, eager(x, y, n).detach())
+
+
 @pytest.mark.parametrize("tracer", ["fx", "export"])
 @pytest.mark.parametrize("how", ["mean", "rows_mean", "by_size"])
 def test_a_loss_averaged_over_rows_is_not_warned_of(tracer, how):
