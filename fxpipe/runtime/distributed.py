@@ -58,6 +58,7 @@ from fxpipe.runtime.tensorparallel import local_specs, match_grads
 from fxpipe.runtime.tiedgrads import open_window, sum_tied
 from fxpipe.runtime.transport import release, steplayout
 from fxpipe.runtime.transport.comm import Comm, on_every_rank
+from fxpipe.runtime.transport.layoutcache import LayoutCache
 from fxpipe.runtime.transport.messages import DistTransport
 from fxpipe.runtime.transport.procgroup import Layout, Ties, reopen_pipeline
 from fxpipe.runtime.transport.together import communication_failed, first_line
@@ -92,7 +93,7 @@ class DistributedRuntime:
                         for c in calls}
         self.example = [n.meta.get("fxpipe.value") for n in gm.graph.nodes if n.op == "placeholder"]
         self.crossing = sorted({v for s in plan.stages for v in s.outputs})
-        self.layouts: dict[str, dict[str, Any]] = {}  # crossing values' specs per micro-batch layout
+        self.layouts = LayoutCache()  # crossing values' specs per micro-batch layout (the latest 256)
         self.propagate = passes.Propagator(gm, self.crossing)  # a new layout's crossing specs, on fake tensors
         nodes = {n.name: n for n in gm.graph.nodes}  # tensor parallel: which crossing values are shards
         self.shards = {v: nodes[v].meta["fxpipe.tp"] for v in self.crossing if "fxpipe.tp" in nodes[v].meta}

@@ -17,6 +17,17 @@ def test_sequence_lengths_change_from_step_to_step(schedule, world, tmp_path, la
             assert loss_error < 1e-5 and grad_error < 1e-5, res["errors"]
 
 
+def test_layouts_dropped_from_a_bounded_cache_come_back_equal(tmp_path, launch):
+    # every new sequence length's specs were kept for ever: a job padding to each batch's length grew
+    # each rank's memory without bound (17 MB over 300 lengths on a tiny decoder)
+    results = launch("longrun_cases:seqlens_few_kept", 2, "1f1b", tmp_path)
+    _ok(results)
+    for rank, res in enumerate(results):
+        assert res["kept"] == 2 - rank
+        for loss_error, grad_error in res["errors"]:
+            assert loss_error < 1e-5 and grad_error < 1e-5, res["errors"]
+
+
 @pytest.mark.parametrize("schedule,world", [("1f1b", 2), ("zb", 4)])
 def test_a_failed_step_leaves_the_pipe_usable(schedule, world, tmp_path, launch):
     results = launch("longrun_cases:recover", world, schedule, tmp_path)

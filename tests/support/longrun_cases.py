@@ -59,6 +59,17 @@ def seqlens(rank, world, schedule):
     return {"errors": errors, "seconds": seconds}
 
 
+def seqlens_few_kept(rank, world, schedule):
+    """Lengths coming back after their layouts were dropped, with another cache limit on each rank."""
+    torch.manual_seed(0)
+    model = RopeLM()
+    eager = copy.deepcopy(model)
+    pipe = _compile(model, world, schedule)
+    pipe._runtime.layouts.limit = 2 - rank  # rank 1 drops what rank 0 keeps and does not send again
+    errors = [_compare(pipe, model, eager, rank, *tokens(step, t)) for step, t in enumerate([16, 24, 8, 24, 16, 8])]
+    return {"errors": errors, "kept": len(pipe._runtime.layouts)}
+
+
 def recover(rank, world, schedule):
     """A loss that raises on the loss's rank, a batch the model cannot take; then steps equal to eager."""
     torch.manual_seed(0)
