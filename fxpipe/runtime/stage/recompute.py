@@ -110,7 +110,13 @@ class Checkpoint(torch.autograd.Function):
         ctx.record = record
         ctx.save_for_backward(*inputs)
         record.replay_point = record.call.replay_point()
-        return record.flatten(record.call.run(record.i, record.rebuild(inputs), "checkpoint"))
+        outputs = record.flatten(record.call.run(record.i, record.rebuild(inputs), "checkpoint"))
+        # A tensor this call did not make (a parameter or buffer returned as is, a graph constant)
+        # is one object shared by every call: autograd would set its grad_fn to this node, turning
+        # a Parameter into a non-leaf and chaining every micro-batch's Checkpoint through it. Return
+        # an alias instead (inputs returned as is are aliased by autograd itself).
+        held = _held(record.call.gm)
+        return tuple(o.view_as(o) if id(o) in held else o for o in outputs)
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -122,6 +128,12 @@ class Checkpoint(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None) + tuple(x.grad if x.requires_grad else None for x in leaves)
+
+
+def _held(gm: torch.nn.Module) -> set[int]:
+    """The ids of the tensors ``gm`` holds: parameters, buffers and graph constants (``_tensor_constant0``)."""
+    held = {id(t) for t in gm.parameters()} | {id(t) for t in gm.buffers()}
+    return held | {id(v) for v in vars(gm).values() if isinstance(v, torch.Tensor)}
 
 
 class Recompute(torch.autograd.Function):

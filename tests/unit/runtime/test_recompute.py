@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
@@ -127,3 +128,39 @@ def test_checkpointed_values_do_not_outlive_their_use():
     assert len(refs) == 16  # 4 micro-batches x 2 stages, forward and recomputation
     assert all(r() is None for r in refs), sum(r() is not None for r in refs)
     assert out.grad_fn is not None  # the graph is still there; only the values are gone
+
+
+class _Held(nn.Module):
+    """Logits and a tensor the model holds, returned as is: a learned temperature, or a constant."""
+
+    def __init__(self, constant=False):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.temp = nn.Parameter(torch.tensor(0.7))
+        self.constant = constant
+
+    def forward(self, x):
+        logits = self.b(torch.relu(self.a(x)))
+        return (logits, torch.ones(4)) if self.constant else (logits, self.temp)
+
+
+@pytest.mark.parametrize("checkpoint,chunks", [("except_last", 3), ("always", 1), ("always", 3)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+@pytest.mark.parametrize("constant", [False, True])
+def test_a_tensor_the_model_holds_returned_as_is_trains_like_eager(checkpoint, chunks, schedule, constant):
+    # the checkpointed call returned the parameter itself: autograd made it a non-leaf whose grad_fn chained
+    # every micro-batch's checkpoint, and gpipe's backward recursed for ever
+    torch.manual_seed(0)
+    model = _Held(constant)
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    loss_fn = lambda out, t: F.cross_entropy(out[0] / out[1].reshape(-1)[0], t)  # noqa: E731
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                          devices=["cpu"] * 2)
+    loss = pipe.step(x, target=y, loss_fn=loss_fn)
+    assert model.temp.is_leaf
+    expected = loss_fn(eager(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
