@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -14,6 +15,7 @@ from torch import nn
 
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.contract import Runtime
+from fxpipe.runtime.drift import changes, describe, snapshot
 from fxpipe.runtime.microbatch import is_summed, summed
 from fxpipe.runtime.stage.reshare import reshare
 
@@ -58,6 +60,8 @@ class Pipe(nn.Module):
         self.__dict__["devices"] = list(devices)
         self.__dict__["owned"] = None if owned is None else frozenset(owned)
         self._runtime = runtime
+        self.__dict__["_snapshot"] = snapshot(model, gm)  # what a change after compile is told from
+        self.__dict__["_told"] = []  # the changes last warned of
         # after a load (assign=True replaces tensors), even one through a module holding the pipe
         self.register_load_state_dict_post_hook(_after_load)
 
@@ -162,9 +166,16 @@ class Pipe(nn.Module):
     def _follow_model(self) -> None:
         """Take the model's mode where ``model.eval()``/``model.train()`` was called on the model, not the pipe.
 
+        A change the pipe does not follow (a submodule replaced, an attribute the trace read) is
+        warned of, once per change (:mod:`fxpipe.runtime.drift`).
+
         Its modules (batch norm, dropout modules) follow at once, as the pipe shares them; the
         flag a merged graph reads (``self.training`` in the model's code) is the stages' own.
         """
+        found = changes(self.__dict__["_snapshot"])
+        if found and found != self.__dict__["_told"]:
+            self.__dict__["_told"] = found
+            warnings.warn(describe(found), stacklevel=3)
         mode = self._model.training
         if mode != self.training:
             self.training = mode

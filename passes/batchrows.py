@@ -131,8 +131,12 @@ def batch_coupled_outputs(gm: torch.fx.GraphModule, batch: int, rows: int,
             continue
         moved = [d for d in range(1, len(whole)) if whole[d] != part[d]]
         if moved or whole[0] == part[0]:
-            why = (f"dim {moved[0]} follows the batch too" if moved
-                   else "dim 0 does not follow the batch")
+            if moved and whole[0] == part[0] and len(moved) == 1 and whole[moved[0]] == batch:
+                why = (f"the batch is on dim {moved[0]}, and micro-batches are joined on dim 0: return it "
+                       f"batch-first (.transpose(0, {moved[0]})) and transpose it back after the pipeline")
+            else:
+                why = (f"dim {moved[0]} follows the batch too" if moved
+                       else "dim 0 does not follow the batch")
             found.append(f"{name} (node '{node.name}'): shape {tuple(whole)} for {batch} rows but "
                          f"{tuple(part)} for {rows}: {why}")
     return found

@@ -122,6 +122,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.trace expects an nn.Module, got {type(model).__name__}")
     model = unwrap_compiled(model)
+    _refuse_parallel_wrapper(model)
     check_tracer(tracer)
     if tracer == "export":
         from fxpipe.frontend.export import export_trace
@@ -144,6 +145,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
         raise ValueError(f"leaf_modules names {unknown} that are not submodules of "
                          f"{type(model).__name__}; use names from model.named_modules()")
     _refuse_wrapped_forward(model, concrete_args)
+    _refuse_tensor_defaults(model, concrete_args)
     gm = _fx_trace(model, leaf_types, leaf_names, concrete_args)
     name = model.__class__.__name__
     _note_mode_branch(model, gm, lambda: _fx_trace(model, leaf_types, leaf_names, concrete_args))
@@ -257,6 +259,44 @@ def _refuse_wrapped_forward(model: nn.Module, concrete_args: dict[str, Any] | No
             f"wrapped.{_hugging_face(model)}")
 
 
+def _refuse_parallel_wrapper(model: nn.Module) -> None:
+    """Refuse a model already wrapped in DDP, FSDP (1) or DataParallel, naming ``.module`` and ``data_parallel=``."""
+    wrappers: list[type] = [nn.DataParallel]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.nn.parallel import DistributedDataParallel
+        wrappers += [DistributedDataParallel, FullyShardedDataParallel]
+    except ImportError:  # a torch built without distributed
+        pass
+    if isinstance(model, tuple(wrappers)):
+        raise TypeError(f"the model is wrapped in {type(model).__name__}, which fxpipe cannot trace through (its "
+                        "forward syncs and scatters across ranks): pass the wrapped model, model.module, and let "
+                        "fxpipe add data parallel around each stage with data_parallel=N (data_parallel_shard=True "
+                        "for FSDP2)")
+
+
+def _refuse_tensor_defaults(model: nn.Module, concrete_args: dict[str, Any] | None) -> None:
+    """Refuse a forward argument whose default is a tensor: torch.fx writes it as a name its code cannot see.
+
+    torch.fx keeps the default as a constant of the graph module, but the generated
+    ``forward``'s signature names it before the module exists (``NameError:
+    name '_tensor_constant0' is not defined``).
+    """
+    try:
+        params = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return
+    tensors = [n for n, p in params.items()
+               if isinstance(p.default, torch.Tensor) and n not in (concrete_args or {})]
+    if tensors:
+        name = type(model).__name__
+        raise TraceError(
+            f"cannot trace {name} with torch.fx: {name}.forward's argument {tensors[0]!r} has a tensor default, "
+            "which torch.fx cannot write into the traced code (its NameError: name '_tensor_constant0' is not "
+            f"defined). Use tracer='export' (pass {tensors[0]}= in example_kwargs=, or leave it out to trace the "
+            "default), or default it to None and make the tensor inside forward")
+
+
 def _arguments(fn: Any, shown: int = 4) -> str:
     """List the first ``shown`` argument names of ``fn`` after ``self``."""
     names = list(inspect.signature(fn).parameters)[1:]
@@ -289,7 +329,8 @@ def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceErro
     else:
         fix = ("The failure is in the top-level forward, which cannot be a leaf: move the "
                "data-dependent part into a submodule and list it in leaf_modules=, fix the "
-               "input with concrete_args=, or use tracer='export', which traces the code the model "
+               "input to a constant (gm = fxpipe.trace(model, concrete_args={'<input>': value}), then "
+               "fxpipe.compile(gm, ...)), or use tracer='export', which traces the code the model "
                "runs on example_inputs=.")
         backbone = getattr(model, "backbone", None)
         if isinstance(backbone, nn.Module):  # a detector: data-dependent heads on a backbone that traces

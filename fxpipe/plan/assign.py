@@ -62,11 +62,17 @@ def assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePlan
     try:
         return _assign_stages(model, options, saved, devices, profile_device)
     except PropagationError as exc:
-        if not isinstance(options.example_inputs, list):
+        given = options.example_inputs
+        if isinstance(given, list):
+            hint = ("example_inputs is a list, so the model got it as its one input; to give several inputs pass a "
+                    "tuple, example_inputs=tuple(...)")
+        elif isinstance(given, dict):
+            hint = (f"example_inputs is a dict, so the model got it as its one input; to give inputs by name pass "
+                    f"example_kwargs={{{', '.join(repr(k) for k in list(given)[:3])}{', ...' if len(given) > 3 else ''}: "
+                    "...} (example_kwargs=the dict)")
+        else:
             raise
-        raise PropagationError(f"example_inputs is a list, so the model got it as its one input; to give "
-                               f"several inputs pass a tuple, example_inputs=tuple(...)\n{exc}",
-                               exc.node, exc.module) from None
+        raise PropagationError(f"{hint}\n{exc}", exc.node, exc.module) from None
 
 
 def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePlan | None,

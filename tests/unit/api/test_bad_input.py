@@ -461,6 +461,14 @@ def test_example_inputs_as_a_list_says_to_pass_a_tuple():
         fxpipe.compile(model, 2, example_inputs=[torch.randn(4, 8)], devices=["cpu"] * 2)
 
 
+def test_example_inputs_as_a_dict_says_to_pass_example_kwargs():
+    # the hint was the generic one: "a branch was dropped, use tracer='export'"
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    with pytest.raises(fxpipe.PropagationError, match=r"^example_inputs is a dict, so the model got it as its one "
+                                                      r"input; to give inputs by name pass example_kwargs=\{'input': "):
+        fxpipe.compile(model, 2, example_inputs={"input": torch.randn(4, 8)}, devices=["cpu"] * 2)
+
+
 def test_a_pipe_given_to_compile_and_a_loss_fn_that_is_no_function_are_refused_naming_the_fix():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     x = torch.randn(4, 4)
@@ -479,3 +487,11 @@ def test_devices_with_the_distributed_runtime_are_refused_naming_the_fix():
                                          r"devices= out"):
         fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 4),), runtime="distributed",
                        devices=["cuda:0", "cuda:1"])
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_model_wrapped_for_data_parallel_is_refused_naming_model_module(tracer):
+    # a DDP-wrapped model got a TraceError pointing into torch's DDP source, suggesting leaf_modules=
+    model = nn.DataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+    with pytest.raises(TypeError, match=r"wrapped in DataParallel.*model\.module.*data_parallel=N"):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2, tracer=tracer)

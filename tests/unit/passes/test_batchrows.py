@@ -60,6 +60,20 @@ def test_an_output_reduced_over_the_batch_is_named():
     assert len(found) == 1 and "[1]" in found[0] and "dim 0 does not follow the batch" in found[0], found
 
 
+def test_an_output_with_the_batch_on_dim_1_is_named_with_the_transpose():
+    # it was said to "couple the rows", with chunks=1 as the fix
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.a(x).t()
+
+    found = passes.batch_coupled_outputs(_annotated(Transposed(), torch.randn(6, 8)), 6, 2)
+    assert len(found) == 1 and "the batch is on dim 1" in found[0] and ".transpose(0, 1)" in found[0], found
+
+
 def test_outputs_that_follow_the_batch_row_by_row_are_not_named():
     gm = _annotated(PerRow(), torch.randn(6, 8))
     assert passes.batch_coupled_outputs(gm, 6, 2) == [] and passes.batch_coupled_outputs(gm, 6, 6) == []

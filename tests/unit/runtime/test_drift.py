@@ -1,0 +1,68 @@
+"""A model changed after compile in a way the pipe does not follow is warned of at the next call."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+
+
+class Flags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.drop = nn.Dropout(0.0)
+        self.scale, self.use_relu = 2.0, True
+
+    def forward(self, x):
+        h = self.l1(x)
+        if self.use_relu:
+            h = torch.relu(h)
+        return self.l2(self.drop(h)) * self.scale
+
+
+def _pipe(tracer="fx"):
+    model = Flags()
+    x = torch.randn(6, 8)
+    return model, x, fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, tracer=tracer)
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda m: setattr(m, "scale", 5.0), "scale was 2.0, is 5.0"),
+    (lambda m: setattr(m, "use_relu", False), "use_relu was True, is False"),
+    (lambda m: setattr(m, "l2", nn.Linear(8, 4)), "l2 was replaced"),
+])
+def test_a_change_the_pipe_does_not_follow_is_warned_of_once(change, named):
+    # the pipe silently kept the model of compile: 0.6 to 1.35 off eager, and nothing said so
+    model, x, pipe = _pipe()
+    change(model)
+    with pytest.warns(UserWarning, match=f"the model changed after fxpipe.compile: {named}.*Compile the model again"):
+        pipe(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(x)  # said once per change
+        pipe.step(x, target=torch.randn(6, 4), loss_fn=torch.nn.functional.mse_loss)
+
+
+def test_what_the_pipe_follows_is_not_warned_of():
+    model, x, pipe = _pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.eval()
+        model.drop.p = 0.5  # a leaf module's own attribute: fx calls the module, which reads it
+        model.l1.weight = nn.Parameter(torch.randn(8, 8))
+        model.l2.requires_grad_(False)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_a_deep_copy_of_the_pipe_follows_its_own_model():
+    import copy
+
+    _, x, pipe = _pipe()
+    twin = copy.deepcopy(pipe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        twin(x)
