@@ -52,9 +52,9 @@ def changes(snap: Snapshot) -> list[str]:
             found.append(f"{name} was {'replaced' if now is not None else 'removed'}")
             continue
         if attributes and _attributes(module, True) != attributes:
-            now = dict(_attributes(module, True))
-            found += [f"{name + '.' if name else ''}{k} was {v!r}, is {now.get(k, '(deleted)')!r}"
-                      for k, v in attributes if now.get(k, _Missing) != v]
+            current = dict(_attributes(module, True))
+            found += [f"{name + '.' if name else ''}{k} was {v!r}, is {current.get(k, '(deleted)')!r}"
+                      for k, v in attributes if current.get(k, _Missing) != v]
     return found
 
 
