@@ -15,59 +15,67 @@ attributes (bools, numbers, strings); :func:`changes` names what differs at a ca
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.fx
 from torch import nn
 
 __all__ = ["Snapshot", "changes", "describe", "snapshot"]
 
 _PLAIN = (bool, int, float, str, type(None))
-Snapshot = list[tuple[str, nn.Module, str, nn.Module, tuple]]  # (name, parent, key, module, attributes)
 
 
-def _attributes(module: nn.Module, read: bool) -> tuple:
-    """Return the module's plain public attributes that a trace read (none for a module the graph calls)."""
-    if not read:
-        return ()
-    return tuple((k, v) for k, v in vars(module).items()
-                 if type(v) in _PLAIN and not k.startswith("_") and k != "training")
+class _Missing:
+    """Stands for a submodule or an attribute deleted since the snapshot."""
+
+
+class Snapshot:
+    """Each submodule's place in its parent and the plain attributes its traced code read, at compile."""
+
+    def __init__(self, model: nn.Module, gm: torch.fx.GraphModule) -> None:
+        called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+        # (the parent's registry, the key, the module, its name): a registry changes in place on setattr
+        self.places: list[tuple[Any, str, nn.Module, str]] = []
+        # (the module's __dict__, the attribute, its value, the module's name)
+        self.values: list[tuple[dict, str, Any, str]] = [(vars(model), k, v, "") for k, v in _plain(model)]
+        for name, parent in model.named_modules():
+            for key, child in parent._modules.items():
+                if child is None:
+                    continue
+                full = f"{name}.{key}" if name else key
+                self.places.append((parent._modules, key, child, full))
+                if full not in called:  # a module the graph calls reads its own attributes when run
+                    self.values += [(vars(child), k, v, full) for k, v in _plain(child)]
+
+
+def _plain(module: nn.Module) -> list[tuple[str, Any]]:
+    """Return the module's plain public attributes (bools, numbers, strings, None) but its mode."""
+    return [(k, v) for k, v in vars(module).items() if type(v) in _PLAIN and not k.startswith("_") and k != "training"]
 
 
 def snapshot(model: nn.Module, gm: torch.fx.GraphModule) -> Snapshot:
     """Record each submodule's place and the plain attributes its traced code read, at compile."""
-    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
-    out: Snapshot = [("", model, "", model, _attributes(model, True))]
-    for name, parent in model.named_modules():
-        for key, child in parent._modules.items():
-            if child is not None:
-                full = f"{name}.{key}" if name else key
-                out.append((full, parent, key, child, _attributes(child, full not in called)))
-    return out
+    return Snapshot(model, gm)
+
+
+def _get(registry: Any, key: str) -> Any:
+    """Return ``registry[key]`` (a ScriptModule's registry has no ``get``), or the missing marker."""
+    try:
+        return registry[key]
+    except KeyError:
+        return _Missing
 
 
 def changes(snap: Snapshot) -> list[str]:
     """Name each submodule replaced or removed, and each recorded attribute changed, since the snapshot."""
-    found: list[str] = []
-    for name, parent, key, module, attributes in snap:
-        if key and (now := _child(parent, key)) is not module:
-            found.append(f"{name} was {'replaced' if now is not None else 'removed'}")
-            continue
-        if attributes and _attributes(module, True) != attributes:
-            current = dict(_attributes(module, True))
-            found += [f"{name + '.' if name else ''}{k} was {v!r}, is {current.get(k, '(deleted)')!r}"
-                      for k, v in attributes if current.get(k, _Missing) != v]
+    if all(_get(r, k) is m for r, k, m, _ in snap.places) and \
+            all((now := state.get(k, _Missing)) is v or now == v for state, k, v, _ in snap.values):
+        return []
+    found = [f"{name} was {'removed' if _get(r, k) in (None, _Missing) else 'replaced'}"
+             for r, k, m, name in snap.places if _get(r, k) is not m]
+    found += [f"{name + '.' if name else ''}{k} was {v!r}, is {state.get(k, '(deleted)')!r}"
+              for state, k, v, name in snap.values if (now := state.get(k, _Missing)) is not v and now != v]
     return found
-
-
-def _child(parent: nn.Module, key: str) -> nn.Module | None:
-    """Return ``parent``'s submodule ``key`` (a ScriptModule's registry has no ``get``), or None."""
-    try:
-        return parent._modules[key]
-    except KeyError:
-        return None
-
-
-class _Missing:
-    """Stands for an attribute deleted since the snapshot."""
 
 
 def describe(found: list[str]) -> str:
