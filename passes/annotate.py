@@ -129,7 +129,16 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
     if positional:
         raise TypeError(f"the model takes {len(placeholders)} inputs but {len(placeholders) + len(positional)} "
                         "were given positionally")
+    fixed = {n.target[:-2]: n.args[0] for n in placeholders  # torch.fx's concrete_args: `flag_1 = value`
+             if n.target.endswith("_1") and n.target[:-2] in keywords and n.args}
+    for name in [k for k, v in fixed.items() if type(keywords[k]) is type(v) and keywords[k] == v]:
+        del keywords[name], fixed[name]  # the value it was traced with: nothing to bind
     if keywords:
+        if fixed:
+            name, value = next(iter(fixed.items()))
+            raise TypeError(f"{name}= was fixed to {value!r} when the model was traced (concrete_args=), so the "
+                            f"pipe takes no {name}= input: leave it out for {value!r}, or trace again with "
+                            f"concrete_args={{{name!r}: ...}} for another value")
         raise TypeError(f"unexpected keyword input(s) {sorted(keywords)}; the model's inputs are "
                         f"{[n.target for n in placeholders]}")
     return values

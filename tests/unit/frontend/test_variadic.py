@@ -73,3 +73,23 @@ def test_a_tensor_default_is_refused_under_fx_naming_it_and_traced_by_export():
     model = _TensorDefault()
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, tracer="export")
     torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_an_input_fixed_by_concrete_args_is_named_when_given_another_value():
+    # it was refused as an unexpected keyword, the inputs listed as ['x', 'mask', 'return_dict_1']
+    class Flagged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x, return_dict=True):
+            y = self.a(x)
+            return {"y": y} if return_dict else (y,)
+
+    x = torch.randn(4, 4)
+    model = Flagged()
+    pipe = fxpipe.compile(fxpipe.trace(model, concrete_args={"return_dict": True}), 2,
+                          example_inputs=(x,), chunks=2)
+    torch.testing.assert_close(pipe(x, return_dict=True)["y"], model(x)["y"])
+    with pytest.raises(TypeError, match=r"return_dict= was fixed to True when the model was traced"):
+        pipe(x, return_dict=False)
