@@ -9,6 +9,7 @@ import logging
 import operator
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -126,6 +127,11 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     check_tracer(tracer)
     if tracer == "export":
         from fxpipe.frontend.export import export_trace
+
+        if list(leaf_modules):
+            warnings.warn(f"leaf_modules={list(leaf_modules)!r} is ignored under tracer='export': torch.export traces "
+                          "every module through to ATen ops. Use split_points= to choose where stages begin, or "
+                          "tracer='fx' to keep modules whole", stacklevel=3)
 
         args = example_inputs if isinstance(example_inputs, tuple) else (
             () if example_inputs is None else (example_inputs,))

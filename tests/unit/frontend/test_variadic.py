@@ -1,4 +1,4 @@
-"""Forward signatures under fx: ``*args`` and ``**kwargs`` are one input each; a tensor default is refused."""
+"""Forward signatures (``*args``, ``**kwargs``, tensor defaults, fixed inputs) and tracer options at the front end."""
 
 import copy
 
@@ -93,3 +93,9 @@ def test_an_input_fixed_by_concrete_args_is_named_when_given_another_value():
     torch.testing.assert_close(pipe(x, return_dict=True)["y"], model(x)["y"])
     with pytest.raises(TypeError, match=r"return_dict= was fixed to True when the model was traced"):
         pipe(x, return_dict=False)
+
+
+def test_leaf_modules_under_export_are_said_to_be_ignored():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.warns(UserWarning, match=r"leaf_modules=\['0'\] is ignored under tracer='export'"):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 4),), tracer="export", leaf_modules=["0"])
