@@ -47,15 +47,17 @@ def total_norm(runtime: Any, params: Sequence[torch.Tensor], norm_type: float) -
                and not (whole_elsewhere and not _sharded_over_tp(p))]
     device = runtime.device
     part = torch.nn.utils.get_total_norm(counted, norm_type) if counted else torch.zeros((), device=device)
-    part = part.to(device=device, dtype=torch.float32)
+    # reduced in float64 (a float64 model's norm was rounded to float32), with a flag beside it saying
+    # whether any rank's gradients are float64: every rank then returns eager's dtype, the same everywhere
+    wide = float(bool(counted) and part.dtype == torch.float64)
+    if norm_type != float("inf"):
+        part = part.double() ** norm_type
+    both = torch.stack([part.to(device=device, dtype=torch.float64), torch.tensor(wide, device=device,
+                                                                                   dtype=torch.float64)])
     groups = [layout.pp_group] + ([layout.dp_group] if runtime.grad_sync is not None and runtime.grad_sync.shard
                                   else [])  # replicated gradients are equal on every replica: count one
     groups += [layout.tp_group] if layout.tp > 1 else []
-    if norm_type == float("inf"):
-        for group in groups:
-            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
-        return part
-    power = part ** norm_type
-    for group in groups:
-        dist.all_reduce(power, group=group)
-    return power ** (1.0 / norm_type)
+    for group in groups:  # the flag adds (inf: takes the max): above 0 where any rank's is float64
+        dist.all_reduce(both, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM, group=group)
+    norm = both[0] if norm_type == float("inf") else both[0] ** (1.0 / norm_type)
+    return norm.to(torch.float64 if bool(both[1] > 0) else torch.float32)

@@ -772,3 +772,18 @@ def export_meta(rank, world, schedule):
 
 
 CASES.update(export_meta=export_meta)
+
+
+def clip_float64(rank, world, schedule):
+    """Clip a float64 model's gradients across ranks; return the norm's dtype and its error against eager's."""
+    torch.manual_seed(0)
+    model, x, y, loss_fn = _mlp_pair()
+    model = model.double()
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, world, example_inputs=(x.double(),), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule)
+    pipe.step(x.double(), target=y.double(), loss_fn=loss_fn)
+    loss_fn(eager(x.double()), y.double()).backward()
+    norm = fxpipe.clip_grad_norm_(pipe, 0.05)
+    want = torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.05)
+    return {"dtype": str(norm.dtype), "error": float((norm - want).abs() / want)}
