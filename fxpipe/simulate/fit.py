@@ -244,4 +244,8 @@ def _more_stages(front: Assignment, options: CompileOptions, model: DeviceModel,
                                  ranks, model, float(options.max_memory or 0.0), name=schedule.name,
                                  runtime="distributed", batch=batch, layout=_layout(plan, more, "distributed"))
     peak = max(mem.peak for mem in sim.devices.values())
-    return f"n_stages={n}, a rank each ({'fits' if fits else 'still over'}: largest predicted peak {human(peak, 'B')})"
+    world = n * options.dp * options.tp
+    needs = (f", {world} ranks at data_parallel={options.dp}"
+             + (f", tensor_parallel={options.tp}" if options.tp > 1 else "") if options.dp * options.tp > 1 else "")
+    return (f"n_stages={n}, a rank each{needs} ({'fits' if fits else 'still over'}: largest predicted peak "
+            f"{human(peak, 'B')})")
