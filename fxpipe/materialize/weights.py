@@ -201,6 +201,10 @@ def _open_directory(path: str) -> WeightSource:
     why = (f"it holds {len(indexes)} *.index.json files" if indexes else
            f"it holds {len(files)} weights files and no *.index.json" if files else
            "it holds no weights files")
+    saved = sorted(n for n in names if os.path.exists(os.path.join(path, n, ".metadata")))
+    if not files and not indexes and saved:  # a directory of checkpoints (ckpt/step-500, ...)
+        why += (f" but checkpoints saved by fxpipe.save ({', '.join(saved[:3])}{', ...' if len(saved) > 3 else ''}): "
+                f"give one of them, e.g. weights=fxpipe.latest_checkpoint({path!r}) for the newest")
     raise WeightsError(f"weights={path!r} is a directory that fxpipe cannot read: {why}. Give a "
                        "checkpoint saved by fxpipe.save, a directory of shards with one *.index.json "
                        "(the Hugging Face layout), or a single weights file")

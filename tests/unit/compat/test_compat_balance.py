@@ -84,3 +84,11 @@ def test_balance_by_size_profiles_a_batch_norm_in_training_mode():
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8)).train()
     balance = balance_by_size(2, model, torch.randn(16, 8), chunks=2, device="cpu")
     assert sum(balance) == 5 and len(balance) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default is CUDA where there is one")
+def test_the_default_device_is_the_cpu_on_a_machine_without_cuda():
+    # torchgpipe's default (cuda) raised "Torch not compiled with CUDA enabled" for the snippet as written
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert sum(balance_by_time(2, model, torch.randn(8, 4), timeout=0.1)) == 3
+    assert sum(balance_by_size(2, model, torch.randn(8, 4))) == 3

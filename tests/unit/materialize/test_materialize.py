@@ -421,6 +421,16 @@ def test_bad_arguments_fail_before_tracing(tmp_path):
         fxpipe.compile(on_meta(MLP), 2, example_inputs=(x,), balance_by="time")
 
 
+def test_a_directory_of_checkpoints_names_latest_checkpoint(tmp_path):
+    # the README saves ckpt/step-500 and loads weights="ckpt/": the refusal did not say what to give instead
+    fxpipe.save(MLP(), str(tmp_path / "ckpt" / "step-500"))
+    with pytest.raises(fxpipe.WeightsError, match=r"checkpoints saved by fxpipe.save \(step-500\): give one of them, "
+                                                  r"e.g. weights=fxpipe.latest_checkpoint\("):
+        fxpipe.materialize(on_meta(MLP), weights=tmp_path / "ckpt")
+    model = fxpipe.materialize(on_meta(MLP), weights=fxpipe.latest_checkpoint(tmp_path / "ckpt"))
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
 def test_a_failed_compile_can_be_retried(tmp_path):
     model = on_meta(MLP)
     bad = MLP().state_dict()
