@@ -157,7 +157,10 @@ def divergence(pipe, reference: nn.Module, args: tuple, kwargs: dict, rtol: floa
             return "\n".join(lines)
     lines.append("the stage graphs reproduce the traced graph node by node, forward and backward, "
                  "on micro-batch 0: the difference comes from the runtime (math that depends on the "
-                 "batch composition, such as batch norm in training mode; checkpointing; copies)")
+                 "batch composition, such as batch norm in training mode; checkpointing; copies), or from "
+                 "float32 rounding on both sides: a gradient summing many terms that cancel (a convolution's "
+                 "bias over every position of the batch) can carry more rounding in eager than the tolerance "
+                 "allows. Compare in float64 (model.double() and double inputs) to tell which")
     random = [n.name for n in gm.graph.nodes if draws_random(gm, n)]
     if pipe.training and random and pipe.plan.chunks > 1:
         lines.append(f"the model draws random numbers in training mode ({', '.join(map(repr, random[:3]))}"
