@@ -259,6 +259,8 @@ class DistributedRuntime:
                             self.layout.global_ranks[self.rank], reason["message"])
                 self._abandon(PeerFailure(reason["message"]))
         self.unconfirmed = False
+        if self.broken is None and self.comm.board.death is not None and self.comm.board.crossed:
+            self.comm.board.rejoin()  # the ranks' calls crossed between pipes (posted here by another): refused
         if self.broken is None:
             return
         if self.layout.dp > 1 or self.layout.tp > 1:

@@ -300,5 +300,10 @@ def test_pipes_called_in_another_order_on_each_rank_are_named_at_the_timeout(tmp
         kind, message, seconds = res["first"]
         assert kind == "PeerFailure" and seconds < 30, (r, res)
         assert "every rank must call its pipes in the same order" in message, (r, message)
-    assert "this rank is calling pipe #1" in results[0]["first"][1]
-    assert "rank 1 is calling pipe #2" in results[0]["first"][1]
+    for res in results:  # each names both pipes (in its own words, or in the peer's that timed out first)
+        assert "pipe #1" in res["first"][1] and "pipe #2" in res["first"][1], res
+    # going on after it paired one rank's call with another's next one (inputs of batch i against the target of
+    # batch i + 1, silently): every later call is refused on every rank, naming the order
+    for r, res in enumerate(results):
+        assert res["next"][0] == "PeerFailure" and "every rank must call its pipes in the same order" in res["next"][1]
+        assert res["after"][0] == "PeerFailure" and "called their pipes in different orders" in res["after"][1], res

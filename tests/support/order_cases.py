@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -32,4 +33,22 @@ def out_of_order(rank, world, schedule):
         out["first"] = ["returned", "", time.monotonic() - start]
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out["first"] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    for when in ("next", "after"):  # every rank goes on with the first pipe, as a loop catching errors would
+        try:
+            x = torch.randn(4, 8)
+            pipes[0][0].step(x, target=torch.randn_like(x), loss_fn=F.mse_loss)
+            out[when] = ["returned", ""]
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[when] = [type(exc).__name__, str(exc)]
+    _wait_for_all(rank, world)  # rank 0 hosts the store: it stays until every rank is done with it
     return out
+
+
+def _wait_for_all(rank, world, limit=60.0):
+    """Wait until every rank got here, through files (the pipeline's own groups are closed by now)."""
+    folder = os.environ["FXPIPE_TEST_DIR"]
+    open(os.path.join(folder, f"done{rank}"), "w").close()
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(folder, f"done{r}"))
+                                                   for r in range(world)):
+        time.sleep(0.05)

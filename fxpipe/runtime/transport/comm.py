@@ -109,8 +109,12 @@ class Comm:
         """Name the cause of a failed operation: a peer's posted error, the timeout, or a death."""
         self.check(what)
         if "imed out" in str(exc):
-            message = f"{self.name()}: nothing arrived for {self.timeout:.0f} s while {what}; " + self._why_silent()
-            self.board.post(message)
+            why, others = self._why_silent()
+            message = f"{self.name()}: nothing arrived for {self.timeout:.0f} s while {what}; " + why
+            if others:  # the ranks' calls crossed between pipes: fatal on this pipe and on theirs
+                self.board.post_crossed(message, others)
+            else:
+                self.board.post(message)
             return PeerFailure(message)
         who = self.name(peer) if peer is not None else "a peer"
         message = (f"{self.name()}: communication failed while {what} ({who} probably died, "
@@ -118,18 +122,18 @@ class Comm:
         self.board.post(f"{who} died ({self.name()} lost its connection while {what})", fatal=True)
         return PeerFailure(message)
 
-    def _why_silent(self) -> str:
-        """Say why a peer sent nothing: it calls another pipe (read off the store), or it is stuck, dead or slow."""
+    def _why_silent(self) -> tuple[str, list[int]]:
+        """Say why a peer sent nothing: it calls another pipe (read off the store; their numbers), or is stuck."""
         me = self.global_ranks[self.rank] if self.global_ranks else self.rank
         others = self.board.elsewhere(me)
         if others:
             mine = self.board.number()
             where = ", ".join(f"rank {r} is calling pipe #{n + 1}" for r, n in others)
-            return (f"this rank is calling pipe #{mine + 1} (pipes are numbered in the order each rank made them) "
+            return ((f"this rank is calling pipe #{mine + 1} (pipes are numbered in the order each rank made them) "
                     f"but {where}: every rank must call its pipes in the same order, since a pipe's step or "
-                    "call runs on all of its ranks at once")
-        return ("a peer is stuck, dead, or calling another pipe (every rank must call its pipes in the same "
-                "order); raise fxpipe.compile(..., timeout=) if a stage is this slow")
+                    "call runs on all of its ranks at once"), [n for _, n in others])
+        return (("a peer is stuck, dead, or calling another pipe (every rank must call its pipes in the same "
+                "order); raise fxpipe.compile(..., timeout=) if a stage is this slow"), [])
 
     # -- tensors -----------------------------------------------------------------------
     def exchange(self, sends: Sequence[tuple[torch.Tensor, int, int]],

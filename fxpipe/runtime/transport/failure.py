@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 _PIPES = itertools.count()  # every rank compiles its pipes in the same order: the same number for each
 _entered: list[str | None] = [None]  # the prefix of the pipe this process called last (written on a change)
+_BOARDS: weakref.WeakValueDictionary[str, FailureBoard] = weakref.WeakValueDictionary()  # this process's, by prefix
 
 
 class FailureBoard:
@@ -50,7 +52,9 @@ class FailureBoard:
         self.timeout = timeout
         self.generation = 0
         self.death: str | None = None  # a death this rank learned of: no step can run after it
+        self.crossed = False  # that death is the ranks' calls crossed between pipes, not a lost rank
         self.prefix = f"fxpipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_PIPES)}"
+        _BOARDS[self.prefix] = self
 
     def _key(self, *parts: object) -> str:
         """Return the store key of ``parts`` in this generation."""
@@ -82,6 +86,20 @@ class FailureBoard:
                 return found
         return found
 
+    def post_crossed(self, message: str, numbers: Sequence[int]) -> None:
+        """Post a crossing of the ranks' calls on this pipe and on the pipes ``numbers`` the peers were in.
+
+        A peer that timed out first may already have gone on to call the pipe this rank is
+        in; its board must hold the crossing too, or that peer's next call would pair with
+        this rank's call after it.
+        """
+        self.post(message, crossed=True)
+        base = self.prefix.rsplit("/", 1)[0]
+        for n in set(numbers):
+            board = _BOARDS.get(f"{base}/{n}")
+            if board is not None and board is not self:
+                board.post(message, crossed=True)
+
     def number(self) -> int:
         """Return this pipe's number: how many pipes this process made before it."""
         return int(self.prefix.rsplit("/", 1)[-1])
@@ -90,17 +108,23 @@ class FailureBoard:
         """Return the store key naming the pipe global rank ``rank`` called last."""
         return f"{self.prefix.rsplit('/', 1)[0]}/where/{rank}"
 
-    def post(self, message: str, fatal: bool = False) -> None:
-        """Post why the step failed, unless a reason is already posted (best effort: the store may be gone)."""
+    def post(self, message: str, fatal: bool = False, crossed: bool = False) -> None:
+        """Post why the step failed, unless a reason is already posted (best effort: the store may be gone).
+
+        ``crossed``: the ranks called their pipes in different orders, which is fatal too: after
+        it their calls can pair off by one (a rank's inputs of one batch with another's target
+        of the next), so no later call may run.
+        """
+        fatal = fatal or crossed
         try:
             if self.store.check([self._key("error")]):
                 self.read("posting a failure")  # the first reason is every rank's: remember it if a death
                 return
-            self.store.set(self._key("error"), json.dumps({"message": message, "fatal": fatal}))
+            self.store.set(self._key("error"), json.dumps({"message": message, "fatal": fatal, "crossed": crossed}))
         except Exception as exc:  # noqa: BLE001 - the store itself may be down; we are failing anyway
             log.debug("could not post this rank's failure to the store: %s", exc)
         if fatal and self.death is None:  # posted, or the store is gone: this rank's reason stands
-            self.death = message
+            self.death, self.crossed = message, crossed
 
     def read(self, what: str) -> dict[str, Any] | None:
         """Return the posted reason of this generation (``message``, ``fatal``), or None."""
@@ -113,7 +137,7 @@ class FailureBoard:
                               f"(the process hosting it, usually rank 0 or torchrun's agent, probably "
                               f"died): {exc}") from None
         if reason["fatal"] and self.death is None:
-            self.death = reason["message"]
+            self.death, self.crossed = reason["message"], bool(reason.get("crossed"))
         return reason
 
     def rejoin(self) -> None:
@@ -125,6 +149,12 @@ class FailureBoard:
         """
         if self.death is None:
             self.read("rejoining after a failed step")
+        if self.death is not None and self.crossed:
+            raise PeerFailure(f"rank {self.global_ranks[self.rank]}: an earlier call of this pipe timed out because "
+                              f"the ranks called their pipes in different orders ({self.death}); after that their "
+                              "calls cannot be paired again (one rank's inputs would meet another's next target): "
+                              "fix the order, restart the job and resume from the last complete checkpoint "
+                              "(fxpipe.latest_checkpoint)")
         if self.death is not None:
             raise PeerFailure(f"rank {self.global_ranks[self.rank]}: the pipeline lost a rank in an earlier step "
                               f"({self.death}); it cannot go on without it: restart the job "
