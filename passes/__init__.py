@@ -31,7 +31,7 @@ from fxpipe.passes.partition import (
 )
 from fxpipe.passes.profile import profile
 from fxpipe.passes.retain import retain
-from fxpipe.passes.scalarrows import coupled_scalars, independent_outputs, summed_scalars
+from fxpipe.passes.scalarrows import Outputs, classify_outputs, coupled_scalars
 from fxpipe.passes.spec import differentiable
 from fxpipe.passes.split import SkipRoute, StagePlan, split
 
@@ -40,6 +40,7 @@ __all__ = [
                               "GradSplit",
                               "MutationPlan",
                               "NoFeasibleCut",
+                              "Outputs",
                               "Partition",
                               "Propagator",
                               "SkipRoute",
@@ -53,6 +54,7 @@ __all__ = [
                               "batch_coupled_outputs",
                               "bind_placeholders",
                               "candidate_orders",
+                              "classify_outputs",
                               "comm_weights",
                               "compute_nodes",
                               "copy_on_write",
@@ -62,7 +64,6 @@ __all__ = [
                               "fingerprint",
                               "first_difference",
                               "group_costs",
-                              "independent_outputs",
                               "is_mutating",
                               "memory_factors",
                               "merge_modes",
@@ -84,7 +85,6 @@ __all__ = [
                               "state_signature",
                               "static_mutations",
                               "structure",
-                              "summed_scalars",
                               "value_bytes",
                               "value_specs",
                               "written_args",

@@ -2,9 +2,8 @@
 
 Reads:  ``fxpipe.value`` of every node (the example batch's specs), and the graph, which it
         runs once more on fake tensors for a micro-batch's rows (:mod:`fxpipe.passes.infer`).
-Writes: nothing; :func:`coupled_scalars` returns one description per such output,
-        :func:`summed_scalars` the 0-dim outputs that are sums or means over the rows, and
-        :func:`independent_outputs` the outputs the batch does not change at all.
+Writes: nothing; :func:`classify_outputs` returns one description per such output, the 0-dim
+        outputs that are sums or means over the rows, and the outputs the batch does not change.
 
 ``pipe.step`` averages a loss over the micro-batches, weighted by their rows: the batch's value
 when the loss is a mean over rows of terms each row makes alone (a cross-entropy, a
@@ -21,10 +20,10 @@ cannot tell (both are 0-dim), so the nodes are classed by what they do with the 
        picked out (x[0]), a max over the batch
     K  independent of the batch: parameters, constants, sizes
 
-A 0-dim output of class C is reported (:func:`coupled_scalars`), and one of class S
-(:func:`summed_scalars`): ``pipe.step`` must add its micro-batches' values, not average them. An
+A 0-dim output of class C is reported, and one of class S: ``pipe.step`` must add its
+micro-batches' values, not average them (M under ``loss_reduction="sum"`` is the converse). An
 output of class K (a learned temperature, an input every micro-batch gets whole) is every
-micro-batch's alike: ``pipe(x)`` takes the first's (:func:`independent_outputs`). A value whose shape follows the batch is R even where
+micro-batch's alike: ``pipe(x)`` takes the first's. A value whose shape follows the batch is R even where
 a reduction feeds back into it (batch norm's statistics, a mixture of experts' token counts
 used to dispatch the rows): such coupling is batch norm's, documented on its own, and the
 rows a router dispatches stay each its own. Ops this pass does not know are C when they take
@@ -35,7 +34,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Collection
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -44,7 +43,7 @@ from fxpipe.passes.modes import When
 from fxpipe.passes.spec import TensorSpec
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["coupled_scalars", "independent_outputs", "summed_scalars"]
+__all__ = ["Outputs", "classify_outputs", "coupled_scalars"]
 
 # Ops taking L (and K) values to an L value: sums, scalings by a constant, casts and views.
 _LINEAR = {"add", "sub", "rsub", "neg", "mul", "div", "truediv", "true_divide", "iadd", "isub", "imul", "itruediv",
@@ -55,70 +54,66 @@ _MEANS, _SUMS = {"mean", "nanmean"}, {"sum", "nansum"}  # of rows, linear (a los
 _SCALINGS = {"mul", "imul", "mul_", "div", "truediv", "true_divide", "itruediv", "div_"}
 _SIZED = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "size", "dim", "numel"}  # take dtype, device
 
-def coupled_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),
-                    part: dict[str, Any] | None = None) -> list[str]:
-    """Return a description of each 0-dim output that couples the rows of a batch (class C above).
+class Outputs(NamedTuple):
+    """What :func:`classify_outputs` found: each list empty where nothing could be told."""
+
+    coupled: list[str]  # a description of each 0-dim output of class C
+    summed: list[str]  # the names of the 0-dim outputs of class S
+    means: list[str]  # the names of the 0-dim outputs of class M
+    independent: list[tuple[int, str]]  # (leaf position, name) of each tensor output of class K
+
+
+def classify_outputs(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),
+                     part: dict[str, Any] | None = None) -> Outputs:
+    """Class the graph's outputs by what they do with the batch (one walk of the graph; see above).
 
     ``part`` holds :func:`~fxpipe.passes.batchrows.micro_specs`' answer when the caller has it
-    (computed here otherwise). Empty when no output is 0-dim, and when the graph cannot run for
-    ``rows`` rows on fake tensors.
+    (computed here otherwise). Nothing is found when ``rows == batch``, and when the graph
+    cannot run for ``rows`` rows on fake tensors.
     """
-    return [f"{name} (node '{node.name}'): a 0-dim output that is not a mean over the rows (it combines values "
-            "reduced over the batch, as a load-balancing loss does)"
-            for name, node, kind in _scalar_kinds(gm, batch, rows, unbatched, part) if kind == "C"]
+    none = Outputs([], [], [], [])
+    leaves = _leaves(gm)
+    if rows == batch or not leaves:
+        return none
+    part = part if part is not None else micro_specs(gm, batch, rows, unbatched)
+    if part is None:
+        return none
+    kinds: dict[torch.fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            kinds[node] = _kind(node, kinds, part)
+    scalars = [(name, node, kinds[node]) for name, node in leaves
+               if isinstance(spec := node.meta.get("fxpipe.value"), TensorSpec) and len(spec.shape) == 0]
+    return Outputs(
+        [f"{name} (node '{node.name}'): a 0-dim output that is not a mean over the rows (it combines values "
+         "reduced over the batch, as a load-balancing loss does)" for name, node, kind in scalars if kind == "C"],
+        [name for name, _, kind in scalars if kind == "S"],
+        [name for name, _, kind in scalars if kind == "M"],
+        _independent(gm, kinds, leaves))
 
 
-def summed_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),
-                   part: dict[str, Any] | None = None) -> dict[str, list[str]]:
-    """Return the names of the 0-dim outputs that are sums (``"sum"``, class S) and means (``"mean"``, M) of rows."""
-    kinds = _scalar_kinds(gm, batch, rows, unbatched, part)
-    return {"sum": [name for name, _, kind in kinds if kind == "S"],
-            "mean": [name for name, _, kind in kinds if kind == "M"]}
+def coupled_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),
+                    part: dict[str, Any] | None = None) -> list[str]:
+    """Return a description of each 0-dim output that couples the rows of a batch (class C above)."""
+    return classify_outputs(gm, batch, rows, unbatched, part).coupled
 
 
-def independent_outputs(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),
-                        part: dict[str, Any] | None = None) -> list[tuple[int, str]]:
+def _independent(gm: torch.fx.GraphModule, kinds: dict[torch.fx.Node, str],
+                 leaves: list[tuple[str, torch.fx.Node]]) -> list[tuple[int, str]]:
     """Return ``(position, name)`` of each tensor output the batch does not change (class K above).
 
     The position is the output's leaf in ``tree_flatten`` of the graph's output, which is where
     it lies among the micro-batch's output leaves while every output node holds one value. Where
     one holds several (a record, a module's tuple), nothing is returned: positions would shift.
     """
-    out = gm.graph.output_node()
-    flat = tree_flatten(out.args[0])[0]
+    flat = tree_flatten(gm.graph.output_node().args[0])[0]
     nodes = [leaf for leaf in flat if isinstance(leaf, torch.fx.Node)]
-    if rows == batch or not nodes or any(tree_flatten(n.meta.get("fxpipe.value"))[0] != [n.meta.get("fxpipe.value")]
-                                         for n in nodes):
+    if any(tree_flatten(n.meta.get("fxpipe.value"))[0] != [n.meta.get("fxpipe.value")] for n in nodes):
         return []
-    part = part if part is not None else micro_specs(gm, batch, rows, unbatched)
-    if part is None:
-        return []
-    kinds: dict[torch.fx.Node, str] = {}
-    for node in gm.graph.nodes:
-        if node.op != "output":
-            kinds[node] = _kind(node, kinds, part)
-    names = dict(_leaves(gm))
-    by_node = {id(node): name for name, node in names.items()}
+    by_node = {id(node): name for name, node in leaves}
     return [(k, by_node.get(id(leaf), f"output {k}")) for k, leaf in enumerate(flat)
             if isinstance(leaf, torch.fx.Node) and isinstance(leaf.meta.get("fxpipe.value"), TensorSpec)
             and kinds.get(leaf) == "K"]
-
-
-def _scalar_kinds(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str],
-                  part: dict[str, Any] | None) -> list[tuple[str, torch.fx.Node, str]]:
-    """Class each 0-dim output: (its name, its node, its class); empty where the classes cannot be told."""
-    scalars = [(name, node) for name, node in _leaves(gm)
-               if isinstance(spec := node.meta.get("fxpipe.value"), TensorSpec) and len(spec.shape) == 0]
-    if rows == batch or not scalars:
-        return []
-    part = part if part is not None else micro_specs(gm, batch, rows, unbatched)
-    if part is None:
-        return []
-    kinds: dict[torch.fx.Node, str] = {}
-    for node in gm.graph.nodes:
-        if node.op != "output":
-            kinds[node] = _kind(node, kinds, part)
-    return [(name, node, kinds[node]) for name, node in scalars]
 
 
 def _kind(node: torch.fx.Node, kinds: dict[torch.fx.Node, str], part: dict[str, Any]) -> str:

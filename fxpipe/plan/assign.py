@@ -178,13 +178,13 @@ def _mark_unbatched(gm: torch.fx.GraphModule, unbatched: Sequence[str]) -> froze
 def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int, whole: frozenset[str]) -> None:
     """Record in ``gm.meta`` the outputs that couple a batch's rows; warn that micro-batches change them."""
     part = passes.micro_specs(gm, batch, rows, whole) if rows != batch else None  # one propagation for both
-    independent = passes.independent_outputs(gm, batch, rows, whole, part)
-    gm.meta["fxpipe.independent"] = independent  # (leaf position, name): every micro-batch's alike
-    alike = tuple(f"{name} (node " for _, name in independent)
+    found = passes.classify_outputs(gm, batch, rows, whole, part)
+    gm.meta["fxpipe.independent"] = found.independent  # (leaf position, name): every micro-batch's alike
+    alike = tuple(f"{name} (node " for _, name in found.independent)
     coupled = [c for c in passes.batch_coupled_outputs(gm, batch, rows, whole, part) if not c.startswith(alike)]
     gm.meta["fxpipe.coupled"] = coupled
-    scalars = passes.coupled_scalars(gm, batch, rows, whole, part)
-    gm.meta["fxpipe.summed"] = passes.summed_scalars(gm, batch, rows, whole, part)
+    scalars = found.coupled
+    gm.meta["fxpipe.summed"] = {"sum": found.summed, "mean": found.means}
     sequences = passes.sequence_first_splits(gm, batch, rows, part)
     if sequences:
         warnings.warn(
