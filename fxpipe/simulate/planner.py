@@ -148,12 +148,13 @@ def search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, ranks: int,
     budget = memory if memory is not None else model_.memory
     stage_counts = list(stages) if stages else [d for d in range(1, ranks + 1) if ranks % d == 0]
     chunk_counts = list(chunks) if chunks else [c for c in (1, 2, 4, 8, 16, 32, 64) if c <= batch]
-    _check_space(stage_counts, chunk_counts, ranks, len(passes.compute_nodes(gm)), batch)
+    blocks = len(passes.compute_nodes(gm))
+    _check_space(stage_counts, chunk_counts, ranks, blocks, batch)
     measured: dict[int, dict[str, tuple[float, float]]] = {}
     ranked: list[Candidate] = []
     rejected: list[Candidate] = []
     for n in stage_counts:
-        if n > len(passes.compute_nodes(gm)):
+        if n > blocks:
             continue
         plan = _cut(gm, n, model_)
         rank_of = placement_map(None, n, None)
