@@ -20,12 +20,14 @@ pass it is in (in a compiled stage, at the cost of a graph break where they are 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.runtime.stage.dependency import fork, get_phony, join
@@ -115,6 +117,8 @@ class Checkpoint(torch.autograd.Function):
         # is one object shared by every call: autograd would set its grad_fn to this node, turning
         # a Parameter into a non-leaf and chaining every micro-batch's Checkpoint through it. Return
         # an alias instead (inputs returned as is are aliased by autograd itself).
+        if not _returns_held(record.call.gm):
+            return outputs
         held = _held(record.call.gm)
         return tuple(o.view_as(o) if id(o) in held else o for o in outputs)
 
@@ -128,6 +132,24 @@ class Checkpoint(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None) + tuple(x.grad if x.requires_grad else None for x in leaves)
+
+
+_RETURNS_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stage graph -> _returns_held's answer
+
+
+def _returns_held(gm: Any) -> bool:
+    """Tell whether the stage graph may return a tensor it holds: an output read straight off an attribute.
+
+    Read once per graph; most return none, and :func:`_held` (a walk of every parameter) is
+    then skipped on this path, which runs once per micro-batch and stage.
+    """
+    if gm not in _RETURNS_HELD:
+        graph = getattr(gm, "graph", None)
+        leaves = tree_flatten(graph.output_node().args[0])[0] if graph is not None else []
+        nodes = [a for leaf in leaves if isinstance(leaf, torch.fx.Node)
+                 for a in (leaf, *(leaf.all_input_nodes if getattr(leaf.target, "returns_an_argument", None) else ()))]
+        _RETURNS_HELD[gm] = graph is None or any(n.op == "get_attr" for n in nodes)
+    return _RETURNS_HELD[gm]
 
 
 def _held(gm: torch.nn.Module) -> set[int]:
