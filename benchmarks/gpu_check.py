@@ -1,4 +1,4 @@
-"""Check fxpipe on this machine's GPUs in under six minutes: the CUDA tests, then what overlaps.
+"""Check fxpipe on this machine's GPUs in about seven minutes: the CUDA tests, then what overlaps.
 
     python benchmarks/gpu_check.py OUT_DIR     # OUT_DIR gets the test log, the traces, the summary
 
@@ -15,7 +15,10 @@
 5. compiled (one GPU or more) compiled stages (``torch_compile=``, inductor) against eager, zero
             bubble, 2 stages on cuda:0: step times, compile time, gradients, W after I
             (:mod:`gpu_compiled`).
-6. tp       (two GPUs or more) tensor parallelism: one decoder stage over 2 GPUs (tensor_parallel=2,
+6. overhead (one GPU or more) every stage on cuda:0 (1, 2 and 4 stages, GPipe and 1F1B)
+            against eager over the whole batch and over the same micro-batches (the limit):
+            fxpipe's own cost on a GPU (:mod:`gpu_overhead`).
+7. tp       (two GPUs or more) tensor parallelism: one decoder stage over 2 GPUs (tensor_parallel=2,
             tp_plan="auto") against the whole model on one: the loss, the collectives against the
             plan's count, the step times (:mod:`gpu_tp`).
 
@@ -48,8 +51,9 @@ from gpu_measure import measure_copies, measure_speedup, overlap
 
 __all__ = ["main", "overlap"]
 
-PARTS = ("tests", "copies", "speedup", "nccl", "compiled", "tp")
-BUDGET_S = {"tests": 120, "copies": 45, "speedup": 50, "nccl": 60, "compiled": 60, "tp": 45}  # 380 s; one GPU 225 s
+PARTS = ("tests", "copies", "overhead", "speedup", "nccl", "compiled", "tp")
+BUDGET_S = {"tests": 120, "copies": 45, "overhead": 40, "speedup": 50, "nccl": 60, "compiled": 60,
+            "tp": 45}  # 420 s; one GPU 265 s
 
 
 class Clock:
@@ -114,13 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="directory for the test log, the traces and the summary")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--standin", action="store_true", help="CPU devices stand in for GPUs (checks the script)")
-    parser.add_argument("--total", type=float, default=390.0, help="seconds for the whole check")
+    parser.add_argument("--total", type=float, default=430.0, help="seconds for the whole check")
+    parser.add_argument("--compiled-batch", type=int, default=None,
+                        help="the compiled part's batch (default 4096; 16384 makes it bound by the GPU)")
+    parser.add_argument("--tf32", action="store_true", help="let float32 matrix products use TF32")
     args = parser.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
     if not args.standin and not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         print(f"gpu_check: no CUDA device on this machine (torch {torch.__version__}, {build}); "
               "nothing to check. Run it where a GPU is present.")
         return 0
+    if importlib.util.find_spec("fxpipe") is None or importlib.util.find_spec("fxpipe.passes") is None:
+        print("gpu_check: fxpipe is not installed here (its passes/ folder installs as fxpipe.passes); "
+              "run `pip install --no-deps -e .` in the repository first.")
+        return 2
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
@@ -140,10 +152,14 @@ def main(argv: list[str] | None = None) -> int:
                 ok &= run_tests(args.out, seconds, rows)
             elif part == "copies":
                 measure_copies(args.out, seconds, rows, args.standin)
+            elif part == "overhead":
+                from gpu_overhead import measure_overhead
+
+                measure_overhead(seconds, rows, args.standin)
             elif part == "compiled":
                 from gpu_compiled import measure_compiled
 
-                measure_compiled(args.out, seconds, rows, args.standin)
+                measure_compiled(args.out, seconds, rows, args.standin, args.compiled_batch)
             elif len(gpus) < 2:
                 rows.append([part, "skipped", "needs 2 GPUs", f"{len(gpus)} here"])
             elif part == "speedup":

@@ -19,13 +19,13 @@ import torch
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path[:0] = [ROOT, BENCH, os.path.join(ROOT, "tests", "support"), os.path.join(ROOT, "examples")]
-from gpu_measure import race  # noqa: E402
+from gpu_measure import race
 
 SIZES = {"gpu": {"d": 1024, "hidden": 4096, "layers": 8, "batch": 4096, "m": 8},
          "standin": {"d": 32, "hidden": 64, "layers": 4, "batch": 32, "m": 4}}
 
 
-def measure_compiled(out: str, seconds: float, rows: list, standin: bool) -> None:
+def measure_compiled(out: str, seconds: float, rows: list, standin: bool, batch: int | None = None) -> None:
     """Time the compiled zero-bubble pipe against the eager one on one GPU; check it; add rows."""
     import torch.nn.functional as F
     from models import Stack
@@ -33,7 +33,7 @@ def measure_compiled(out: str, seconds: float, rows: list, standin: bool) -> Non
     import fxpipe
     from fxpipe.testing import max_relative_error
 
-    size = SIZES["standin" if standin else "gpu"]
+    size = dict(SIZES["standin" if standin else "gpu"], **({"batch": batch} if batch else {}))
     gpu = "cpu:0" if standin else "cuda:0"
     backend = "aot_eager" if standin else "inductor"
     torch.manual_seed(0)
@@ -65,10 +65,46 @@ def measure_compiled(out: str, seconds: float, rows: list, standin: bool) -> Non
     weight_ms = sum(e["dur"] for e in tl.events if e["cat"] == "weight") / 1e3
     backward_ms = sum(e["dur"] for e in tl.events if e["cat"] in ("backward", "weight")) / 1e3
     times = race({"compiled": lambda: step("compiled"), "eager": lambda: step("eager")}, seconds / 2, [gpu])
-    what = f"2 stages on {gpu}, zb, Stack d={size['d']} hidden={size['hidden']} x{size['layers']}, m={size['m']}"
+    what = (f"2 stages on {gpu}, zb, Stack d={size['d']} hidden={size['hidden']} x{size['layers']}, "
+            f"batch {size['batch']}, m={size['m']}")
     rows.append(["compiled", f"zb step, {backend} / eager", f"{times['compiled'] / times['eager']:.3f}x",
                  f"{what}; {times['compiled'] * 1e3:.1f} vs {times['eager'] * 1e3:.1f} ms"])
     rows.append(["compiled", "first step's compile time", f"{compile_s:.1f} s", "all stages, forward and backward"])
-    rows.append(["compiled", "gradients against eager (max relative error)", f"{error:.1e}", "float32, no TF32"])
+    rows.append(["compiled", "gradients against eager (max relative error)", f"{error:.1e}",
+                 "float32, TF32" if torch.backends.cuda.matmul.allow_tf32 else "float32, no TF32"])
     rows.append(["compiled", "W after its I; W's share of backward time", f"{'yes' if ordered else 'NO'}; "
                  f"{weight_ms / backward_ms:.0%}" if backward_ms else "no backward", "compiled_zb.json"])
+
+    if not standin:  # where the time goes: GEMMs or the kernels inductor fuses
+        for kind in ("compiled", "eager"):
+            gemm, other, launched = kernels(lambda kind=kind: step(kind), os.path.join(out, f"kernels_{kind}.txt"))
+            rows.append(["compiled", f"{kind}: GPU time per step in GEMMs / other kernels",
+                         f"{gemm:.1f} / {other:.1f} ms", f"{launched} kernels; kernels_{kind}.txt"])
+
+
+def kernels(step, path: str) -> tuple[float, float, int]:
+    """Profile one step: return its GPU milliseconds in GEMMs and in other kernels, and the kernel count.
+
+    The 20 kernels with the most GPU time go to ``path``: why a compiled step is slower or
+    faster than the eager one shows there (which GEMMs, which fused kernels, how many launches).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    gemm = other = 0.0
+    launched = 0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        launched += 1
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        if any(w in e.name.lower() for w in ("gemm", "cutlass", "matmul", "sm90_xmma", "cublas")):
+            gemm += us
+        else:
+            other += us
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="device_time_total", row_limit=20))
+    return gemm / 1e3, other / 1e3, launched

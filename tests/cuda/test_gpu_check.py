@@ -84,3 +84,13 @@ def test_the_tensor_parallel_part_runs_on_cpu_standins(gpu_check, tmp_path):
     assert float(rows["tp=2 loss against one GPU's, relative"]) < 1e-5
     counted, planned = rows["collectives counted / planned"].split(" / ")
     assert counted == planned and int(counted) > 0
+
+
+@pytest.mark.slow
+def test_the_overhead_part_runs_on_cpu_standins(gpu_check, tmp_path):
+    assert gpu_check.main(["--standin", "--parts", "overhead", "--total", "30", str(tmp_path)]) == 0
+    rows = {r["measurement"]: r["value"] for r in json.loads((tmp_path / "summary.json").read_text())["rows"]
+            if r["part"] == "overhead"}
+    assert "eager step over the m micro-batches (the limit)" in rows
+    ratios = [float(v) for k, v in rows.items() if k.startswith("fxpipe")]
+    assert len(ratios) == 5 and all(r > 0 for r in ratios)

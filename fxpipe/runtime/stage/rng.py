@@ -4,6 +4,13 @@ A recomputation in backward draws the same random numbers as the forward it repe
 keeps its mask) and computes in the same precision: :func:`save_rng` and :func:`autocast_state`
 capture both before the forward, :func:`restore_rng` and :func:`autocast_as` put them back
 around the recomputation (and, for the RNG, restore the state from before it afterwards).
+
+A stage replays the generator of its own device only. A stage on a GPU leaves the CPU's
+generator alone: its forward and its recomputation run on that GPU's thread (the device
+threads, autograd's device thread) while a stage on the CPU draws from the CPU's generator on
+another thread, and setting the CPU's state from the GPU's thread would change the masks the
+CPU stage draws (seen on an H200 with ``devices=["cuda:0", "cpu"]``). Random numbers that a
+GPU stage draws on the CPU are therefore not replayed.
 """
 
 from __future__ import annotations
@@ -17,30 +24,37 @@ import torch
 __all__ = ["autocast_as", "autocast_state", "restore_rng", "same_rng", "save_rng"]
 
 
-def save_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Capture the CPU RNG state and that of ``device`` if it is a CUDA device."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+RngState = tuple[torch.Tensor | None, torch.Tensor | None]  # (the CPU's, the CUDA device's): one is None
 
 
-def same_rng(a: tuple[torch.Tensor, torch.Tensor | None], b: tuple[torch.Tensor, torch.Tensor | None]) -> bool:
+def save_rng(device: torch.device) -> RngState:
+    """Capture the RNG state of ``device``: its CUDA generator's, or the CPU's for any other device."""
+    if device.type == "cuda":
+        return None, torch.cuda.get_rng_state(device)
+    return torch.get_rng_state(), None
+
+
+def same_rng(a: RngState, b: RngState) -> bool:
     """Tell whether two captured RNG states are equal (no random number was drawn between them)."""
-    if not torch.equal(a[0], b[0]):
-        return False
-    if a[1] is None or b[1] is None:
-        return a[1] is None and b[1] is None
-    return torch.equal(a[1], b[1])
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in zip(a, b))
 
 
 @contextmanager
-def restore_rng(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> Iterator[None]:
+def restore_rng(device: torch.device, state: RngState) -> Iterator[None]:
     """Run the block with a saved RNG state, then put back the state from before."""
     cpu, cuda = state
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
+    if cuda is not None:
+        before = torch.cuda.get_rng_state(device)
+        torch.cuda.set_rng_state(cuda, device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_rng_state(before, device)
+        return
+    with torch.random.fork_rng(devices=[]):
+        if cpu is not None:
+            torch.set_rng_state(cpu)
         yield
 
 

@@ -62,7 +62,7 @@ SAVING = ("selective", "offload")  # passes whose saved tensors the stage's save
 class Replay:
     """What a recomputation needs from its checkpointed forward: RNG, autocast and buffer state, the timeline call."""
 
-    rng: tuple[torch.Tensor, torch.Tensor | None]
+    rng: tuple[torch.Tensor | None, torch.Tensor | None]
     where: Any  # the recorder's call of the forward, or None when no timeline records
     autocast: tuple = ()
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # copies of the buffers the forward writes
