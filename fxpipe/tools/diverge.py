@@ -160,7 +160,8 @@ def divergence(pipe, reference: nn.Module, args: tuple, kwargs: dict, rtol: floa
                  "batch composition, such as batch norm in training mode; checkpointing; copies), or from "
                  "float32 rounding on both sides: a gradient summing many terms that cancel (a convolution's "
                  "bias over every position of the batch) can carry more rounding in eager than the tolerance "
-                 "allows. Compare in float64 (model.double() and double inputs) to tell which")
+                 "allows. The float64 line above, where the report has one, tells which; else compare in float64 "
+                 "(model.double() and double inputs)")
     random = [n.name for n in gm.graph.nodes if draws_random(gm, n)]
     if pipe.training and random and pipe.plan.chunks > 1:
         lines.append(f"the model draws random numbers in training mode ({', '.join(map(repr, random[:3]))}"

@@ -74,7 +74,8 @@ def _checkpoint(text: str) -> str | list[str]:
 def run(args: argparse.Namespace) -> int:
     """Compile the model, print the plan, and write what the options ask for."""
     from fxpipe import compiler
-    from fxpipe.errors import PlanMismatchError, TraceError
+    from fxpipe.errors import PlanMismatchError, ScheduleError, TraceError
+    from fxpipe.options import CompileOptions
     from fxpipe.plan import PipelinePlan
     from fxpipe.plan.pipeline import human
 
@@ -102,6 +103,13 @@ def run(args: argparse.Namespace) -> int:
         max_memory = parse_bytes(args.max_memory) if args.max_memory else None
     except ValueError as exc:
         raise UsageError(f"--max-memory: {exc}") from None
+    compiled = {"backend": args.torch_compile} if args.torch_compile else False
+    try:  # an option value no model could use is the command line's mistake: exit 2, before tracing
+        CompileOptions(n_stages, chunks=chunks, checkpoint=args.checkpoint, balance_by=args.balance_by,
+                       max_memory=max_memory, schedule=args.schedule, stages_per_rank=args.stages_per_rank,
+                       torch_compile=compiled).check()
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
     try:
         pipe = compiler.compile(model, n_stages, example_inputs=inputs, example_kwargs=kwargs or None,
                               devices=devices, chunks=chunks, checkpoint=args.checkpoint,
@@ -109,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
                               leaf_modules=leaf_modules(model, args.leaf_modules), tracer=args.tracer, plan=saved,
                               schedule=args.schedule,
                               stages_per_rank=args.stages_per_rank, max_memory=max_memory,
-                              torch_compile={"backend": args.torch_compile} if args.torch_compile else False)
+                              torch_compile=compiled)
+    except ScheduleError as exc:  # the schedule's name or file, against the stages
+        raise UsageError(str(exc)) from None
     except TraceError as exc:
         raise Failure(f"{exc}{trace_hint(exc)}") from None
     except (PlanMismatchError, ValueError, TypeError) as exc:

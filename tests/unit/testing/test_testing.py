@@ -215,3 +215,29 @@ def test_calling_it_twice_on_one_model_compares_each_run_alone():
     x = torch.randn(6, 16)
     assert_pipeline_equivalent(model, (x,), n_stages=2, chunks=2, devices=["cpu"] * 2, schedules=())
     assert_pipeline_equivalent(model, (x,), n_stages=2, chunks=3, devices=["cpu"] * 2, tracer="export")
+
+
+def _conv_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(32, 32, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+def test_eager_s_own_float32_rounding_is_settled_by_a_float64_run():
+    # the last conv's bias gradient sums 16 x 32 x 32 positions: eager's float32 rounding of it
+    # exceeds the default tolerance against the pipeline's, which is as close to float64 as eager
+    model, x = _conv_net(), torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(AssertionError, match="gradient of 4.bias differs from eager"):
+        assert_pipeline_equivalent(_conv_net(), (x,), n_stages=2, chunks=4, schedules=(), diagnose=False,
+                                   rtol=1e-5)  # a tolerance given: compared as asked, no arbiter
+    assert_pipeline_equivalent(model, (x,), n_stages=2, chunks=4, schedules=("1f1b",), diagnose=False)
+
+
+def test_a_real_difference_still_fails_and_names_both_errors_against_float64():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))  # per-micro-batch statistics
+    with pytest.raises(AssertionError) as info:
+        assert_pipeline_equivalent(model, (torch.randn(6, 8),), n_stages=2, chunks=2, devices=["cpu"] * 2,
+                                   diagnose=False)
+    msg = str(info.value)
+    assert msg.startswith("output leaf 0 differs from eager")
+    assert "against a float64 run of the model, eager is " in msg and "a pass needs the pipeline within 4x" in msg

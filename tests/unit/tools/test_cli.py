@@ -145,6 +145,17 @@ def test_in_process_errors(models, capsys):
     assert info.value.code == 2
 
 
+@pytest.mark.parametrize("options, says", [
+    (["--schedule", "foo"], "schedule='foo'; use one of"),
+    (["--stages-per-rank", "2", "--schedule", "1f1b"], "with stages_per_rank=2 use 'interleaved' or 'zbv'"),
+    (["--checkpoint", "auto"], "pass max_memory="),
+    (["--torch-compile", "nosuchbackend"], "backend='nosuchbackend' cannot be loaded"),
+])
+def test_an_option_value_compile_refuses_exits_2_as_plan_does(models, capsys, options, says):
+    assert cli.main(["inspect", f"{models}:only_model", "--stages", "2", *options]) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_input_shape_makes_inputs_and_code_prints_the_executor(models, capsys):
     assert cli.main(["inspect", f"{models}:only_model", "--stages", "2", "--chunks", "3",
                      "--input-shape", "6,4", "--code"]) == 0
