@@ -110,7 +110,7 @@ NOMINAL: dict[str, DeviceModel] = {
         source=_NVIDIA.format(part="H100 SXM5 80GB")),
     "h200": DeviceModel(
         "h200", {"float32": 67e12, "tfloat32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},
-        memory_bandwidth=4800 * _GB, memory=141 * 2**30, link_bandwidth=450 * _GB, link_latency=10e-6,
+        memory_bandwidth=4800 * _GB, memory=143771 * 2**20, link_bandwidth=450 * _GB, link_latency=10e-6,  # nvidia-smi, one H200
         source=_NVIDIA.format(part="H200 SXM 141GB")),
 }
 

@@ -102,9 +102,12 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
     Each tensor is compared with ``rtol`` relative to its largest eager magnitude
     (micro-batching changes the order of float sums, so elements that cancel to near zero
     carry the rounding of their larger terms), or ``atol``, whichever is larger (for
-    gradients, ``atol`` defaults to at least ``rtol`` times the model's largest gradient: a
-    gradient that is zero in exact arithmetic, such as a bias before a normalization, holds
-    only that rounding); the model's existing gradients are dropped first; by default both follow the tensor's dtype (:func:`default_tolerance`). Mappings of
+    gradients, ``atol`` defaults to the smaller of the dtype's and its epsilon times the
+    model's largest gradient: each gradient is held to its own scale); by default both follow
+    the tensor's dtype (:func:`default_tolerance`). Where a low-precision value differs and
+    neither is given, a float64 run of the model settles it (:mod:`~fxpipe.testing.arbiter`):
+    a gradient that is zero in exact arithmetic, such as a bias before a normalization, holds
+    only rounding, as eager's does. The model's existing gradients are dropped first. Mappings of
     different types with the same keys (a tracer's ``dict`` for a ``ModelOutput``) compare
     equal. On a difference, the message names the first stage and node where values diverge
     (``diagnose=False`` skips that). Returns the compiled pipe (the one of ``pipe(x)``).
@@ -241,9 +244,12 @@ def _grad_difference(reference: nn.Module, model: nn.Module, rtol: float | None,
     """Return a message for the first parameter whose gradient differs from eager's, or None."""
     ref_params = dict(reference.named_parameters())
     grads = [q.grad for q in ref_params.values() if q.grad is not None and q.grad.is_floating_point()]
-    if grads and atol is None:  # an exactly-zero gradient (a bias before a norm) carries the model's rounding
-        d_rtol, d_atol = default_tolerance(grads[0].dtype)
-        atol = max(d_atol, (d_rtol if rtol is None else rtol) * max(g.abs().max().item() for g in grads))
+    if grads and atol is None:  # each gradient at rtol of its own scale, above a floor for gradients that are
+        # zero in exact arithmetic (a bias before a norm: the float64 run settles what exceeds it); rtol of the
+        # largest gradient as the floor let a 33x smaller gradient be zeroed unnoticed in bfloat16
+        dtype = grads[0].dtype
+        eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+        atol = min(default_tolerance(dtype)[1], eps * max(g.abs().max().item() for g in grads))
     for name, p in model.named_parameters():
         q = ref_params[name]
         if q.grad is None:

@@ -227,7 +227,7 @@ def test_eager_s_own_float32_rounding_is_settled_by_a_float64_run():
     # the last conv's bias gradient sums 16 x 32 x 32 positions: eager's float32 rounding of it
     # exceeds the default tolerance against the pipeline's, which is as close to float64 as eager
     model, x = _conv_net(), torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(AssertionError, match="gradient of 4.bias differs from eager"):
+    with pytest.raises(AssertionError, match=r"gradient of \d.bias differs from eager"):
         assert_pipeline_equivalent(_conv_net(), (x,), n_stages=2, chunks=4, schedules=(), diagnose=False,
                                    rtol=1e-5)  # a tolerance given: compared as asked, no arbiter
     assert_pipeline_equivalent(model, (x,), n_stages=2, chunks=4, schedules=("1f1b",), diagnose=False)
@@ -241,3 +241,35 @@ def test_a_real_difference_still_fails_and_names_both_errors_against_float64():
     msg = str(info.value)
     assert msg.startswith("output leaf 0 differs from eager")
     assert "against a float64 run of the model, eager is " in msg and "a pass needs the pipeline within 4x" in msg
+
+
+class _SmallFirstGradient(nn.Module):
+    """Conv layers whose first weight's gradient is far smaller than the head's (74x here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.c2(torch.relu(self.c1(x)))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("dtype, factor", [(torch.bfloat16, 0.0), (torch.bfloat16, 2.0), (torch.float32, 1.001)])
+def test_a_wrong_small_gradient_fails_at_its_own_scale(monkeypatch, dtype, factor):
+    # the floor was rtol times the model's largest gradient: in bfloat16 it exceeded c1's whole gradient
+    from fxpipe.testing import equivalence
+
+    real = equivalence.compiler.compile
+
+    def defective(model, *args, **kwargs):  # a "pipeline" that scales one gradient
+        pipe = real(model, *args, **kwargs)
+        model.c1.weight.register_hook(lambda g: g * factor)
+        return pipe
+
+    monkeypatch.setattr(equivalence.compiler, "compile", defective)
+    torch.manual_seed(0)
+    model, x = _SmallFirstGradient().to(dtype), torch.randn(16, 3, 16, 16).to(dtype)
+    with pytest.raises(AssertionError, match="gradient of c1.weight differs from eager"):
+        assert_pipeline_equivalent(model, (x,), n_stages=2, chunks=4, devices=["cpu"] * 2, schedules=(),
+                                   diagnose=False)
