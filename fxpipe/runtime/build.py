@@ -225,6 +225,11 @@ def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
     n = plan.n_stages
     calls = [stage_call(j, stages[j], r, policies[j], own.foreign[j], devices[j], j == n - 1, defer, compiled, save)
              for j, r in enumerate(runnables)]
+    if any(torch.device(d).type == "cpu" for d in devices):  # a CPU stage draws on another thread: stage/rng.py
+        for call in calls:
+            call.replay_cpu = torch.device(call.device).type != "cuda"
+            if isinstance(call.saver, Program):
+                call.saver.replay_cpu = call.replay_cpu
     engine = LocalRuntime(plan, calls, Binding(gm), schedule)
     engine.unfrozen = watch_frozen(plan, gm, dict(enumerate(stages)))
     if deferred_batch_norm:

@@ -5,12 +5,12 @@ keeps its mask) and computes in the same precision: :func:`save_rng` and :func:`
 capture both before the forward, :func:`restore_rng` and :func:`autocast_as` put them back
 around the recomputation (and, for the RNG, restore the state from before it afterwards).
 
-A stage replays the generator of its own device only. A stage on a GPU leaves the CPU's
-generator alone: its forward and its recomputation run on that GPU's thread (the device
-threads, autograd's device thread) while a stage on the CPU draws from the CPU's generator on
-another thread, and setting the CPU's state from the GPU's thread would change the masks the
-CPU stage draws (seen on an H200 with ``devices=["cuda:0", "cpu"]``). Random numbers that a
-GPU stage draws on the CPU are therefore not replayed.
+A stage on a GPU replays its GPU's generator and the CPU's, except in one process whose
+pipe also runs stages on the CPU (``replay_cpu=False``): there the GPU stage's forward and
+recomputation run on that GPU's thread (the device threads, autograd's device thread) while
+the CPU stage draws from the CPU's generator on another, and setting the CPU's state from the
+GPU's thread changed the masks the CPU stage drew (seen on an H200 with
+``devices=["cuda:0", "cpu"]``). Such a GPU stage's draws on the CPU are not replayed.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ import torch
 __all__ = ["autocast_as", "autocast_state", "restore_rng", "same_rng", "save_rng"]
 
 
-RngState = tuple[torch.Tensor | None, torch.Tensor | None]  # (the CPU's, the CUDA device's): one is None
+RngState = tuple[torch.Tensor | None, torch.Tensor | None]  # (the CPU's, the CUDA device's), None if not kept
 
 
-def save_rng(device: torch.device) -> RngState:
-    """Capture the RNG state of ``device``: its CUDA generator's, or the CPU's for any other device."""
-    if device.type == "cuda":
-        return None, torch.cuda.get_rng_state(device)
-    return torch.get_rng_state(), None
+def save_rng(device: torch.device, replay_cpu: bool = True) -> RngState:
+    """Capture the RNG state of ``device`` if it is a CUDA device, and the CPU's unless ``replay_cpu`` is False."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return (torch.get_rng_state() if replay_cpu or cuda is None else None), cuda
 
 
 def same_rng(a: RngState, b: RngState) -> bool:
@@ -44,17 +43,13 @@ def same_rng(a: RngState, b: RngState) -> bool:
 def restore_rng(device: torch.device, state: RngState) -> Iterator[None]:
     """Run the block with a saved RNG state, then put back the state from before."""
     cpu, cuda = state
-    if cuda is not None:
-        before = torch.cuda.get_rng_state(device)
-        torch.cuda.set_rng_state(cuda, device)
-        try:
-            yield
-        finally:
-            torch.cuda.set_rng_state(before, device)
-        return
-    with torch.random.fork_rng(devices=[]):
+    with contextlib.ExitStack() as stack:
         if cpu is not None:
+            stack.enter_context(torch.random.fork_rng(devices=[]))
             torch.set_rng_state(cpu)
+        if cuda is not None:
+            stack.callback(torch.cuda.set_rng_state, torch.cuda.get_rng_state(device), device)
+            torch.cuda.set_rng_state(cuda, device)
         yield
 
 

@@ -47,6 +47,7 @@ class Program:
     def __init__(self, gm: torch.fx.GraphModule, plan: SelectivePlan, device: torch.device, index: int,
                  wrap: Callable[[Callable[[], None]], None] | None = None) -> None:
         self.gm, self.plan, self.device, self.index = gm, plan, device, index
+        self.replay_cpu = True  # as StageCall.replay_cpu
         self.wrap = wrap or (lambda fn: fn())  # a stage reading tensors of other devices: swap in copies
         self.nodes = [n for n in gm.graph.nodes if n.op in COMPUTE and n.target is not made]
         assert [n.name for n in self.nodes] == plan.names, "the plan was made for another graph"

@@ -80,6 +80,7 @@ class StageCall:
         keep_tracebacks(gm)
         self.device = device
         self.last = last
+        self.replay_cpu = True  # False for a GPU stage beside a CPU stage in one process (stage/rng.py)
         self._copy_streams: list[AbstractStream] = []
         # where the saved tensors of a "selective" or "offload" forward go (the stage's policy), or None
         self.saver: Any = None
@@ -101,7 +102,7 @@ class StageCall:
 
     def replay_point(self) -> Replay:
         """Capture what a later recomputation of the coming checkpointed forward needs."""
-        return Replay(save_rng(self.device), timeline.where(), autocast_state(), snapshot(self.gm, self._to_copy()))
+        return Replay(save_rng(self.device, self.replay_cpu), timeline.where(), autocast_state(), snapshot(self.gm, self._to_copy()))
 
     def _to_copy(self) -> list[str]:
         """Return the buffers a replay point copies (found once the first checkpointed forward has run)."""
