@@ -36,8 +36,9 @@ class Snapshot:
         called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
         # (the parent's registry, the key, the module, its name): a registry changes in place on setattr
         self.places: list[tuple[Any, str, nn.Module, str]] = []
-        # (the module's __dict__, the attribute, its value, the module's name)
-        self.values: list[tuple[dict, str, Any, str]] = [(vars(model), k, v, "") for k, v in _plain(model)]
+        # (the module, the attribute, its value, the module's name): the module, not its __dict__, which a
+        # deepcopy of the pipe would copy apart from the copied module's own
+        self.values: list[tuple[nn.Module, str, Any, str]] = [(model, k, v, "") for k, v in _plain(model)]
         for name, parent in model.named_modules():
             for key, child in parent._modules.items():
                 if child is None:
@@ -45,7 +46,7 @@ class Snapshot:
                 full = f"{name}.{key}" if name else key
                 self.places.append((parent._modules, key, child, full))
                 if full not in called:  # a module the graph calls reads its own attributes when run
-                    self.values += [(vars(child), k, v, full) for k, v in _plain(child)]
+                    self.values += [(child, k, v, full) for k, v in _plain(child)]
 
 
 def _plain(module: nn.Module) -> list[tuple[str, Any]]:
@@ -69,12 +70,12 @@ def _get(registry: Any, key: str) -> Any:
 def changes(snap: Snapshot) -> list[str]:
     """Name each submodule replaced or removed, and each recorded attribute changed, since the snapshot."""
     if all(_get(r, k) is m for r, k, m, _ in snap.places) and \
-            all((now := state.get(k, _Missing)) is v or now == v for state, k, v, _ in snap.values):
+            all((now := vars(m).get(k, _Missing)) is v or now == v for m, k, v, _ in snap.values):
         return []
     found = [f"{name} was {'removed' if _get(r, k) in (None, _Missing) else 'replaced'}"
              for r, k, m, name in snap.places if _get(r, k) is not m]
-    found += [f"{name + '.' if name else ''}{k} was {v!r}, is {state.get(k, '(deleted)')!r}"
-              for state, k, v, name in snap.values if (now := state.get(k, _Missing)) is not v and now != v]
+    found += [f"{name + '.' if name else ''}{k} was {v!r}, is {vars(m).get(k, '(deleted)')!r}"
+              for m, k, v, name in snap.values if (now := vars(m).get(k, _Missing)) is not v and now != v]
     return found
 
 

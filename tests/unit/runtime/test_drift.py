@@ -66,3 +66,16 @@ def test_a_deep_copy_of_the_pipe_follows_its_own_model():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         twin(x)
+
+
+def test_a_deep_copy_of_the_pipe_warns_of_a_change_to_its_own_model():
+    import copy
+
+    model, x, pipe = _pipe()
+    twin = copy.deepcopy(pipe)
+    twin.__dict__["_model"].scale = 5.0  # the copy's model; a deepcopy copied each module's __dict__ apart
+    with pytest.warns(UserWarning, match="scale was 2.0, is 5.0"):
+        twin(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(x)  # the original model is unchanged
