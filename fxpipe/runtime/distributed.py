@@ -195,7 +195,7 @@ class DistributedRuntime:
                 "of a pipeline makes the same call, pipe.step(x, target=, loss_fn=) to train and pipe(x) to "
                 "infer (the other ranks may pass None as inputs)")
         if losses_for is not None:
-            steplayout.check_target(self, target, bool(header.get("target_on_first")))
+            steplayout.check_target(self, target, bool(header.get("target_on_first")), header.get("batch"))
         if header.get("training", training) != training:  # its peers learn of it as of any failed step
             mode, first = ("training", "eval") if training else ("eval", "training")
             raise PipelineInputError(

@@ -137,6 +137,32 @@ def misuse(rank, world, schedule):
     return out
 
 
+def target_on_loss_rank_only(rank, world, schedule):
+    """The target only where the loss is computed, as the docs show: first of another batch size, then (2
+    replicas) missing on replica 1's loss rank alone; then a correct step."""
+    torch.manual_seed(0)
+    model = RopeLM()
+    dp = 2 if world == 4 else 1
+    pipe = fxpipe.compile(model, world // dp, example_inputs=(tokens(0, 16)[0],), chunks=2,
+                          runtime="distributed", timeout=20, schedule=schedule, data_parallel=dp)
+    me, replica = rank % (world // dp), rank // (world // dp)
+    last = pipe.plan.stages[-1].on_rank
+    ids, target = tokens(1, 16)
+    cases = [("short_target", target[:3])]
+    if dp == 2:
+        cases.append(("missing_on_one_replica", target if replica == 0 else None))
+    out = {}
+    for label, y in cases:
+        start = time.monotonic()
+        try:
+            pipe.step(ids if me == 0 else None, target=y if me == last else None, loss_fn=token_loss)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    out["after"] = float(pipe.step(ids if me == 0 else None, target=target if me == last else None,
+                                   loss_fn=token_loss) or 0.0)
+    return out
+
+
 def misuse_zbv(rank, world, schedule):
     """ZB-V, whose loss is on rank 0: the target on the highest rank only; inputs missing for pipe(x); then a step."""
     torch.manual_seed(0)

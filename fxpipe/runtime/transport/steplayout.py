@@ -177,16 +177,19 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
     return header, mbs
 
 
-def check_target(runtime: Any, target: Any, on_first: bool) -> None:
+def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = None) -> None:
     """Refuse on every rank a step whose loss's rank has no target while another rank was given one.
 
     Asked of every rank on a pipe's first step, before anything is computed. When the first rank
     (whose header says whether it has a target) has one, the loss's rank tells every rank whether
     it has one too. When the first rank computes the loss itself (``schedule="zbv"``: rank 0 holds
     the first and the last stage) and has none, the other ranks tell it whether they were given
-    one, and it tells them its verdict. On later steps (a script passes its arguments the same way
-    every step) the loss's rank alone refuses a missing target; the others see its refusal as a
-    failed step.
+    one, and it tells them its verdict. When only the loss's rank may hold the target (the way
+    the docs show), it checks the target's rows against the header's ``batch`` and tells every
+    rank. Under data parallel the replicas then compare verdicts and whether each loss's rank has
+    a target, so that one replica's missing target is refused by all. On later steps (a script
+    passes its arguments the same way every step) the loss's rank alone refuses a missing
+    target; the others see its refusal as a failed step.
     """
     loss_rank, ranks = runtime.last_rank, group_names(runtime)
     fix = (f"pass the target on {holders(runtime, loss_rank, 'the last stage')} (pipe.plan.stages[-1].on_rank is its "
@@ -198,6 +201,8 @@ def check_target(runtime: Any, target: Any, on_first: bool) -> None:
         if runtime.last and runtime.first != loss_rank and on_first and target is None:
             raise PipelineInputError(missing)
         return
+    verdict: str | None = None
+    has = on_first  # whether this replica's loss rank has a target (told where only it knows)
     if runtime.first != loss_rank and on_first:
         if runtime.last:
             verdict = None if target is not None else missing
@@ -219,18 +224,49 @@ def check_target(runtime: Any, target: Any, on_first: bool) -> None:
             runtime.comm.send_object(from_tp_holder(runtime, None, False, target is not None)[1], loss_rank)
             runtime.comm.flush()
             verdict = runtime.comm.recv_object(loss_rank, "waiting for the loss rank's check of the target")
-    else:
-        verdict = None
+    elif runtime.first != loss_rank:  # only the loss's rank may hold the target: it checks it before anything runs
+        if runtime.last:
+            verdict, has = _loss_rank_verdict(runtime, target, batch)
+            tell_all(runtime, (verdict, has))
+            runtime.comm.flush()
+        else:
+            verdict, has = runtime.comm.recv_object(loss_rank, "waiting for the loss rank's check of the target")
     if runtime.layout.dp > 1:  # a replica refusing alone would leave the others waiting in their reductions
-        verdicts: list[Any] = [None] * dist.get_world_size(runtime.layout.dp_group)
-        dist.all_gather_object(verdicts, verdict, group=runtime.layout.dp_group)
-        other = next(((r, v) for r, v in enumerate(verdicts) if v is not None), None)
-        if verdict is None and other is not None:
-            verdict = (f"replica {other[0]} refused this step ({other[1]}); the replicas run each step together, "
-                       f"so replica {runtime.layout.replica} did not run it either")
+        verdict = _replicas_verdict(runtime, verdict, has, fix)
     if verdict is not None:
         raise on_every_rank(PipelineInputError(verdict))
     runtime.target_checked = True
+
+
+def _loss_rank_verdict(runtime: Any, target: Any, batch: int | None) -> tuple[str | None, bool]:
+    """On the loss's rank: refuse a target whose rows are not the inputs'; say whether it has one."""
+    try:
+        check_target_rows(target, batch)
+        verdict = None
+    except ValueError as exc:
+        verdict = str(exc)
+    _, has = from_tp_holder(runtime, None, False, target is not None)  # tensor parallel: any rank of the stage's
+    _, bad = from_tp_holder(runtime, None, False, verdict is not None)
+    if bad and verdict is None:
+        verdict = "another rank of the last stage's tensor-parallel group was given a target of another batch size"
+    return verdict, has
+
+
+def _replicas_verdict(runtime: Any, verdict: str | None, has: bool, fix: str) -> str | None:
+    """Compare every replica's verdict and whether its loss's rank has a target; return this rank's verdict."""
+    seen: list[Any] = [None] * dist.get_world_size(runtime.layout.dp_group)
+    dist.all_gather_object(seen, (verdict, has), group=runtime.layout.dp_group)
+    if verdict is not None:
+        return verdict
+    given = [r for r, (_, had) in enumerate(seen) if had]
+    if given and not has:
+        return (f"pipe.step got target=None on {group_names(runtime)[runtime.last_rank]}, which computes replica "
+                f"{runtime.layout.replica}'s loss, but a target on replica {', '.join(map(str, given))}'s: {fix}")
+    other = next(((r, v) for r, (v, had) in enumerate(seen) if v is not None or (given and not had)), None)
+    if other is not None:
+        return (f"replica {other[0]} refused this step ({other[1] or 'its loss rank has no target'}); the "
+                f"replicas run each step together, so replica {runtime.layout.replica} did not run it either")
+    return None
 
 
 def _propagate(runtime: Any, specs: list[Any], training: bool) -> dict[str, Any]:
