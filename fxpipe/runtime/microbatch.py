@@ -130,10 +130,14 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
         weight = rows / batch if batch and not is_summed(loss_fn) else 1.0
 
         def loss(out: Any, tgt: Any = tgt, weight: float = weight) -> torch.Tensor:
+            given = finish(out)
             try:
-                value = loss_fn(finish(out), tgt)
+                value = loss_fn(given, tgt)
             except Exception as exc:
-                if target is None:  # the likely cause: the target was not given where the loss is computed
+                missing = _missing_field(exc, given)
+                if missing is not None:  # the output lacks what loss_fn reads (a loss the model does not compute)
+                    add_note(exc, missing)
+                elif target is None:  # the likely cause: the target was not given where the loss is computed
                     add_note(exc, "fxpipe: pipe.step got target=None on the rank computing the loss (the last "
                              "stage's): pass target= there (passing it on every rank is fine), or give a loss_fn "
                              "that needs none (lambda out, _: out.loss)")
@@ -142,6 +146,22 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
 
         losses[i] = loss
     return losses
+
+
+def _missing_field(exc: Exception, out: Any) -> str | None:
+    """Name what a ``loss_fn`` read that the model's output lacks (``out.loss`` of a model given no labels), or None."""
+    if isinstance(exc, AttributeError) and exc.obj is out and hasattr(out, "keys"):
+        field = exc.name
+    elif isinstance(exc, KeyError) and isinstance(out, dict) and exc.args and exc.args[0] not in out:
+        field = exc.args[0]
+    else:
+        return None
+    if field is None:
+        return None
+    hint = (" A model computes its own loss only when given its labels: pass labels= at compile (example_kwargs=) "
+            "and to every pipe.step, or compute the loss from the logits in loss_fn" if field == "loss" else "")
+    return (f"fxpipe: the model's output has no {field!r} (it holds {', '.join(map(repr, out.keys()))}), which "
+            f"loss_fn reads.{hint}")
 
 
 def _scalar_loss(value: Any, out: Any) -> torch.Tensor:

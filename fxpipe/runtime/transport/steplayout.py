@@ -149,7 +149,13 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
     try:
         if not args and not kwargs:  # a model taking keywords only gets nothing to bind on this rank
             _refuse_missing_inputs(runtime, [None], stepping)
-        values = runtime.binding.bind(args, kwargs)
+        try:
+            values = runtime.binding.bind(args, kwargs)
+        except TypeError as exc:  # some inputs given here, others not: they may have gone to another rank
+            raise TypeError(f"{exc}; on rank {dist.get_rank()}, which splits the inputs into micro-batches. Every "
+                            f"input of the model (labels= too, where the model computes its own loss) goes to "
+                            f"{holders(runtime, runtime.first, 'the first stage')}; only target= goes to "
+                            f"{holders(runtime, runtime.last_rank, 'the last stage')}") from None
         _refuse_missing_inputs(runtime, values, stepping)
         check_signature(runtime.binding.names, spec_of(values), runtime.example)
         mbs, batch = runtime.binding.split(args, kwargs, runtime.plan.chunks, training, runtime.device)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import TiedTransformer, token_loss
+from torch import nn
 from unet import UNet
 
 import fxpipe
@@ -98,7 +99,7 @@ def test_zero_bubble_step_after_a_failed_one_adds_no_stale_weight_gradients():
     with pytest.raises(RuntimeError, match="loss failed"):
         pipe.step(tokens, target=tokens, loss_fn=failing)
     pipe.zero_grad(set_to_none=True)
-    loss_fn = lambda out, t: out.logsumexp(-1).mean()  # noqa: E731
+    loss_fn = lambda out, t: out.logsumexp(-1).mean()
     eager = copy.deepcopy(model)
     loss_fn(eager(tokens), tokens).backward()
     pipe.step(tokens, target=tokens, loss_fn=loss_fn)
@@ -112,7 +113,7 @@ def test_step_refuses_a_per_sample_loss_naming_the_fix(schedule):
     model = UNet(depth=2, base=4).eval()
     x = torch.randn(4, 3, 8, 8)
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, schedule=schedule)
-    per_sample = lambda out, t: F.mse_loss(out, t, reduction="none")  # noqa: E731
+    per_sample = lambda out, t: F.mse_loss(out, t, reduction="none")
     with pytest.raises(fxpipe.PipelineInputError, match=r"loss_fn returned a tensor of shape \(2, 2, 8, 8\);"
                                                         r".*reduction='mean'"):
         pipe.step(x, target=torch.randn(4, 2, 8, 8), loss_fn=per_sample)
@@ -210,3 +211,23 @@ def test_ignored_entries_shared_equally_or_absent_are_not_warned_of(recwarn):
     pipe = fxpipe.compile(model, 2, example_inputs=(tokens,), chunks=3, devices=["cpu"] * 2, schedule="1f1b")
     pipe.step(tokens, target=even, loss_fn=token_loss)
     assert not [w for w in recwarn if "ignore_index" in str(w.message)]
+
+
+class _DictOut(nn.Module):
+    """Return a dict without a loss (a model given no labels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return {"logits": self.b(self.a(x))}
+
+
+def test_a_loss_fn_reading_a_loss_the_model_does_not_compute_is_named_not_blamed_on_target():
+    pipe = fxpipe.compile(_DictOut(), 2, example_inputs=(torch.randn(4, 4),), devices=["cpu"] * 2, chunks=2)
+    with pytest.raises(KeyError) as info:
+        pipe.step(torch.randn(4, 4), target=None, loss_fn=lambda out, _: out["loss"])
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "the model's output has no 'loss' (it holds 'logits'), which loss_fn reads" in notes
+    assert "pass labels= at compile" in notes and "target=None" not in notes
