@@ -130,7 +130,8 @@ def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.d
         if size != batch:
             raise PipelineInputError(
                 f"replica {replica} has a batch of {batch} rows but replica {other} has {size}; every "
-                "replica averages its gradients with the others', so give each the same batch size")
+                "replica averages its gradients with the others', so give each the same batch size (drop the uneven "
+                "last batch: DistributedSampler(..., drop_last=True) or DataLoader(..., drop_last=True); or pad it)")
 
 
 def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target: bool = False,
