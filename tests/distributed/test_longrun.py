@@ -108,6 +108,16 @@ def test_a_bad_target_on_the_loss_rank_alone_is_refused_on_every_rank_and_the_pi
     assert len(losses) == 1, results  # the step after the refusals ran, with one loss wherever it is returned
 
 
+def test_a_replica_waiting_on_a_failed_peer_gives_up_after_timeout(tmp_path, launch):
+    # the replicas' groups came from init_device_mesh with torch's default 30-minute timeout: rank 1 waited in
+    # its gradient reduction until rank 3's process exited
+    results = launch("longrun_cases:replica_peer_stuck", 4, "1f1b", tmp_path, limit=90)
+    _ok(results)
+    kind, message, seconds = results[1]["failed"]
+    assert kind == "PeerFailure" and seconds < 10, results[1]
+    assert results[3]["failed"][0] == "RuntimeError"
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
 def test_a_forward_whose_outputs_cannot_be_joined_is_refused_on_every_rank_in_the_same_call(schedule, tmp_path, launch):
     # found on the last rank after the forwards, the refusal reached the first rank a call late,

@@ -163,6 +163,32 @@ def target_on_loss_rank_only(rank, world, schedule):
     return out
 
 
+def replica_peer_stuck(rank, world, schedule):
+    """pp2 x dp2; on the second step rank 3's loss_fn raises and its process lingers: rank 1, waiting in the
+    replicas' gradient reduction, must give up after timeout= (5 s), not torch's default 30 minutes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, runtime="distributed", timeout=5,
+                          schedule=schedule, data_parallel=2)
+    pipe.step(x, target=y, loss_fn=F.mse_loss)
+
+    def failing(out, tgt):
+        if rank == 3:
+            raise RuntimeError("rank 3's loss fails")
+        return F.mse_loss(out, tgt)
+
+    start = time.monotonic()
+    try:
+        pipe.step(x, target=y, loss_fn=failing)
+        out = {"failed": ["returned", "", time.monotonic() - start]}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out = {"failed": [type(exc).__name__, str(exc), time.monotonic() - start]}
+    if rank == 3:
+        time.sleep(12)  # a script that logs the error and lingers before it exits
+    return out
+
+
 def misuse_zbv(rank, world, schedule):
     """ZB-V, whose loss is on rank 0: the target on the highest rank only; inputs missing for pipe(x); then a step."""
     torch.manual_seed(0)

@@ -89,6 +89,7 @@ def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1, d
     check_world(world, n_stages, stages_per_rank, data_parallel, tensor_parallel)
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    made = mesh is None  # a mesh fxpipe makes gets timeout= on its groups; a user's keeps its own
     if mesh is None and tensor_parallel > 1:
         mesh = init_device_mesh(device.type, (data_parallel, pp, tensor_parallel), mesh_dim_names=("dp", "pp", "tp"))
     elif mesh is None and data_parallel > 1:
@@ -104,11 +105,29 @@ def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1, d
     layout.pp_group = groups[k]
     if mesh is not None:
         layout.dp_group = mesh.get_group("dp")
+        if made:
+            bound_waits(layout.dp_group, timeout)
     if tensor_parallel > 1:
         assert mesh is not None
         layout.tp_mesh = mesh["tp"]
         layout.tp_group = mesh.get_group("tp")
+        if made:
+            bound_waits(layout.tp_group, timeout)
     return layout
+
+
+def bound_waits(group: Any, timeout: float) -> None:
+    """Give a device mesh's group ``timeout=`` seconds per collective (DDP's and FSDP's reductions wait on it).
+
+    ``init_device_mesh`` makes its groups with torch's default timeout (30 minutes on gloo, 10 on
+    NCCL): a replica whose peer failed would wait that long in its gradient reduction.
+    """
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timedelta(seconds=timeout), group)
+    except Exception as exc:  # noqa: BLE001 - a torch without it: the mesh keeps torch's default timeout
+        log.info("the device mesh's groups keep torch's default timeout: %s: %s", type(exc).__name__, exc)
 
 
 def init_distributed(timeout: float = 300.0) -> None:
