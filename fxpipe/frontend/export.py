@@ -359,8 +359,10 @@ def _refusal(model: nn.Module, exc: BaseException, fix: str = "", where: str = "
                   "depend on the batch size; otherwise ")
     if type(model).__module__.startswith("transformers."):  # whose models fx cannot trace
         other = ("pipeline a submodule without that code (a vision-language model's language model, fed "
-                 "inputs_embeds), or rewrite the line without a loop over the batch; tracer='fx' cannot "
-                 "trace transformers 5 models")
+                 "inputs_embeds), or rewrite the line so it does not depend on the batch size; where the line "
+                 "computes a loss over the whole batch's rows (CLIP's contrastive loss, return_loss=True), "
+                 "leave the loss out of the model and compute it from the logits in loss_fn (with chunks=1 "
+                 "it sees the whole batch); tracer='fx' cannot trace transformers 5 models")
     else:
         other = "use the fx front end (tracer='fx'), whose graph is shape-generic"
     return TraceError(
