@@ -273,3 +273,11 @@ def test_a_wrong_small_gradient_fails_at_its_own_scale(monkeypatch, dtype, facto
     with pytest.raises(AssertionError, match="gradient of c1.weight differs from eager"):
         assert_pipeline_equivalent(model, (x,), n_stages=2, chunks=4, devices=["cpu"] * 2, schedules=(),
                                    diagnose=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_correct_low_precision_model_passes_with_small_gradients_held_to_their_scale(dtype):
+    torch.manual_seed(0)
+    model, x = _SmallFirstGradient().to(dtype), torch.randn(16, 3, 16, 16).to(dtype)
+    assert_pipeline_equivalent(model, (x,), n_stages=2, chunks=4, devices=["cpu"] * 2, schedules=("1f1b",),
+                               diagnose=False)
