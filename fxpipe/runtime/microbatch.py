@@ -152,7 +152,8 @@ def _missing_field(exc: Exception, out: Any) -> str | None:
     """Name what a ``loss_fn`` read that the model's output lacks (``out.loss`` of a model given no labels), or None."""
     if isinstance(exc, AttributeError) and exc.obj is out and hasattr(out, "keys"):
         field = exc.name
-    elif isinstance(exc, KeyError) and isinstance(out, dict) and exc.args and exc.args[0] not in out:
+    elif isinstance(exc, KeyError) and isinstance(out, dict) and exc.args and isinstance(exc.args[0], str) \
+            and exc.args[0] not in out:
         field = exc.args[0]
     else:
         return None
