@@ -57,7 +57,17 @@ def run(rank: int, world: int, port: int, case: str, schedule: str, outdir: str,
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     if not result["ok"] and case.rpartition(":")[2] == "raises":
+        if rank == 0:  # rank 0 hosts the store the others read the failure from (torchrun's agent outlives them)
+            _outlive(outdir, world)
         raise SystemExit(1)  # a failing rank exits like a script with an uncaught exception
+
+
+def _outlive(outdir: str, world: int, limit: float = 30.0) -> None:
+    """Wait until every rank has written its result (at most ``limit`` seconds)."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end and not all(os.path.exists(os.path.join(outdir, f"rank{r}.json"))
+                                             for r in range(world)):
+        time.sleep(0.05)
 
 
 def start_and_join(procs: list, limit: float) -> list[int]:
