@@ -16,7 +16,6 @@ still fails. Random numbers are drawn per dtype, so a model that draws them in t
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -38,17 +37,14 @@ def to_float64(value: Any) -> Any:
                     if isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION else t, value)
 
 
-def exact_values(source: nn.Module, inputs: tuple, kwargs: dict, loss: Callable[[Any], torch.Tensor],
+def exact_values(model: nn.Module, inputs: tuple, kwargs: dict, loss: Callable[[Any], torch.Tensor],
                  seeded: Callable[[], Any]) -> dict[str, torch.Tensor] | None:
-    """Run a float64 copy of ``source`` forward and backward; return its values by the report's labels.
+    """Run ``model`` (a fresh copy without gradients, made float64 here) forward and backward; return its values.
 
-    The labels are those of the comparison: ``"output leaf k"``, ``"the loss"`` and
+    The values are keyed by the report's labels: ``"output leaf k"``, ``"the loss"`` and
     ``"gradient of NAME"``. None where the model cannot run in float64.
     """
-    model = copy.deepcopy(source).double()
-    model.train(source.training)
-    for p in model.parameters():
-        p.grad = None
+    model = model.double()
     try:
         with seeded():
             out = model(*to_float64(inputs), **to_float64(kwargs))

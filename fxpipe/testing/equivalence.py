@@ -132,7 +132,7 @@ def assert_pipeline_equivalent(model: nn.Module, example_inputs: tuple = (), *, 
 
     failure = _first_difference(expected, actual, reference, model, rtol, atol)
     if failure is not None and _arbitrated(rtol, atol, expected):
-        exact = exact_values(reference, _clone(example_inputs), _clone(kwargs), loss, _seeded)
+        exact = exact_values(_copy(reference), _clone(example_inputs), _clone(kwargs), loss, _seeded)
         failure = _first_difference(expected, actual, reference, model, rtol, atol, exact)
     if failure is not None:
         if diagnose:
@@ -183,7 +183,7 @@ def _step_difference(pristine: nn.Module, inputs: tuple, kwargs: dict, schedules
                    or _grad_difference(reference, model, rtol, atol))
         if problem and _arbitrated(rtol, atol, expected):
             if exact is None:
-                exact = exact_values(pristine, _clone(inputs), _clone(kwargs),
+                exact = exact_values(_copy(pristine), _clone(inputs), _clone(kwargs),
                                      functools.partial(_step_loss_on, step_loss, to_float64(target)), _seeded) or {}
             problem = (_difference(actual.detach(), expected.detach(), rtol, atol, "the loss", exact)
                        or _grad_difference(reference, model, rtol, atol, exact))
