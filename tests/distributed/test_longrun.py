@@ -8,6 +8,13 @@ def _ok(results):
         assert res["ok"], f"rank {r}: {res.get('traceback')}"
 
 
+def _refused(res, label, rank):
+    """Return the message of the refusal a rank recorded under ``label``, asserting it came within seconds."""
+    kind, message, seconds = res[label]
+    assert kind == "PipelineInputError" and seconds < 5, (rank, label, res)
+    return message
+
+
 @pytest.mark.parametrize("schedule,world", [("1f1b", 2), ("zb", 2), ("interleaved", 2), ("1f1b", 4)])
 def test_sequence_lengths_change_from_step_to_step(schedule, world, tmp_path, launch):
     results = launch("longrun_cases:seqlens", world, schedule, tmp_path)
@@ -52,8 +59,7 @@ def test_zbv_target_only_on_the_highest_rank_is_refused_on_every_rank(tmp_path, 
     results = launch("longrun_cases:misuse_zbv", 2, "zbv", tmp_path, limit=90)
     _ok(results)
     for r, res in enumerate(results):
-        kind, message, seconds = res["target_on_highest"]
-        assert kind == "PipelineInputError" and seconds < 5, (r, res)
+        message = _refused(res, "target_on_highest", r)
         assert "target=None on rank 0, which computes the loss (it holds the first and the last stage), but a " \
                "target on rank 1: pass the target on rank 0" in message
         kind, message, seconds = res["forward_without_inputs"]
@@ -67,8 +73,7 @@ def test_inputs_or_target_on_the_wrong_rank_are_refused_on_every_rank(world, tmp
     results = launch("longrun_cases:misuse", world, "1f1b", tmp_path, limit=90)
     _ok(results)
     for r, res in enumerate(results):
-        kind, message, seconds = res["target_on_first"]
-        assert kind == "PipelineInputError" and seconds < 5, (r, res)
+        message = _refused(res, "target_on_first", r)
         if world == 2:
             assert "target=None on rank 1, which computes the loss: pass the target on rank 1 (the last " \
                    "stage)" in message
@@ -76,8 +81,7 @@ def test_inputs_or_target_on_the_wrong_rank_are_refused_on_every_rank(world, tmp
             assert "pass the target on ranks 1, 3 (the last stage in each of the 2 replicas)" in message
         first = "rank 0 (the first stage)" if world == 2 else "ranks 0, 2 (the first stage in each of the 2 replicas)"
         for label in ("inputs_on_last", "keywords_on_last"):
-            kind, message, seconds = res[label]
-            assert kind == "PipelineInputError" and seconds < 5, (r, label, res)
+            message = _refused(res, label, r)
             assert f"which splits them into micro-batches: pass the inputs on {first}" in message, (label, message)
         if world == 2:
             assert max(res["after"]) < 1e-5
@@ -96,12 +100,10 @@ def test_a_bad_target_on_the_loss_rank_alone_is_refused_on_every_rank_and_the_pi
     results = launch("longrun_cases:target_on_loss_rank_only", world, "1f1b", tmp_path, limit=90)
     _ok(results)
     for r, res in enumerate(results):
-        kind, message, seconds = res["short_target"]
-        assert kind == "PipelineInputError" and seconds < 5, (r, res)
+        message = _refused(res, "short_target", r)
         assert "target has 3 rows on dim 0 but the inputs have 8" in message, (r, message)
         if world == 4:
-            kind, message, seconds = res["missing_on_one_replica"]
-            assert kind == "PipelineInputError" and seconds < 5, (r, res)
+            message = _refused(res, "missing_on_one_replica", r)
             assert ("target=None on rank 3, which computes replica 1's loss, but a target on replica 0's"
                     if r in (2, 3) else "replica 1 refused this step") in message, (r, message)
     losses = {round(res["after"], 6) for res in results if res["after"]}
@@ -113,7 +115,7 @@ def test_a_replica_waiting_on_a_failed_peer_gives_up_after_timeout(tmp_path, lau
     # its gradient reduction until rank 3's process exited
     results = launch("longrun_cases:replica_peer_stuck", 4, "1f1b", tmp_path, limit=90)
     _ok(results)
-    kind, message, seconds = results[1]["failed"]
+    kind, _, seconds = results[1]["failed"]
     assert kind == "PeerFailure" and seconds < 10, results[1]
     assert results[3]["failed"][0] == "RuntimeError"
 
@@ -126,8 +128,7 @@ def test_a_forward_whose_outputs_cannot_be_joined_is_refused_on_every_rank_in_th
     _ok(results)
     for r, res in enumerate(results):
         for label in ("first", "again"):
-            kind, message, seconds = res[label]
-            assert kind == "PipelineInputError" and seconds < 5, (r, label, res)
+            message = _refused(res, label, r)
             assert "returns a 0-dim tensor (['loss']), which cannot be joined across 2 micro-batches" in message
             assert "out.loss" in message, message
         error, seconds = res["step"]
