@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["autocast_as", "autocast_state", "restore_rng", "same_rng", "save_rng"]
+__all__ = ["RngState", "autocast_as", "autocast_state", "restore_rng", "same_rng", "save_rng"]
 
 
 RngState = tuple[torch.Tensor | None, torch.Tensor | None]  # (the CPU's, the CUDA device's), None if not kept

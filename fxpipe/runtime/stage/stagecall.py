@@ -47,7 +47,7 @@ from fxpipe.runtime.stage.keepstate import (
     written_buffers,
 )
 from fxpipe.runtime.stage.recompute import checkpointed, in_pass, is_checkpointing, is_recomputing
-from fxpipe.runtime.stage.rng import autocast_as, autocast_state, restore_rng, save_rng
+from fxpipe.runtime.stage.rng import RngState, autocast_as, autocast_state, restore_rng, save_rng
 from fxpipe.runtime.stage.stream import AbstractStream, current_stream, new_stream, on_device
 
 __all__ = ["Replay", "StageCall", "autocast_as", "autocast_state", "restore_rng", "save_rng"]
@@ -62,7 +62,7 @@ SAVING = ("selective", "offload")  # passes whose saved tensors the stage's save
 class Replay:
     """What a recomputation needs from its checkpointed forward: RNG, autocast and buffer state, the timeline call."""
 
-    rng: tuple[torch.Tensor | None, torch.Tensor | None]
+    rng: RngState
     where: Any  # the recorder's call of the forward, or None when no timeline records
     autocast: tuple = ()
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # copies of the buffers the forward writes

@@ -108,8 +108,8 @@ class Tape:
         self.env: dict[int, tuple[list, Any, list[bool]]] = {}  # kept values a recomputation reads
         self.pending: list[_Box] = []  # the running node's own saves, told apart once it is done
         self.boxes: dict[int, list[weakref.ref]] = {}  # node -> its boxes (its saves, or slices of its value)
-        start = save_rng(program.device, program.replay_cpu)
-        self.rng = {0: start} if self.plan.run[:1] == [0] else {}  # per run, at its start
+        self.rng = ({0: save_rng(program.device, program.replay_cpu)}  # per run, at its start
+                    if self.plan.run[:1] == [0] else {})
         self.autocast = autocast_state()
         self.deferring = wgrad.active()
         self.rerun: set[int] = set()  # the nodes recomputation may run
