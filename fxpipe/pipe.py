@@ -78,6 +78,25 @@ class Pipe(nn.Module):
         new.__setstate__(copy.deepcopy(self.__dict__, memo))
         return new
 
+    def __getattr__(self, name: str) -> Any:
+        """Return a parameter, buffer or submodule, else the model's own attribute (``pipe.config``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_model")
+            if model is None or name.startswith("_") or name not in vars(model):
+                raise
+            return vars(model)[name]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Set a model attribute on the model (``pipe.scale = 5.0``), where the next call warns of it."""
+        model = self.__dict__.get("_model")
+        if model is not None and name in vars(model) and name not in self.__dict__ and not name.startswith("_") \
+                and not hasattr(type(self), name):
+            setattr(model, name, value)
+        else:
+            super().__setattr__(name, value)
+
     @property
     def runtime(self) -> Runtime:
         """Return the runtime running the stages (one process, or this rank's share): its contract."""

@@ -79,3 +79,17 @@ def test_a_deep_copy_of_the_pipe_warns_of_a_change_to_its_own_model():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pipe(x)  # the original model is unchanged
+
+
+def test_the_models_attributes_read_and_set_through_the_pipe():
+    # pipe.scale raised AttributeError, and pipe.scale = 5.0 set an attribute nothing read, silently
+    model, x, pipe = _pipe()
+    assert pipe.scale == 2.0 and pipe.use_relu is True
+    pipe.scale = 5.0
+    assert model.scale == 5.0 and "scale" not in pipe.__dict__
+    with pytest.warns(UserWarning, match="scale was 2.0, is 5.0"):
+        pipe(x)
+    pipe.note = "mine"  # a name the model lacks stays the pipe's
+    assert pipe.note == "mine" and not hasattr(model, "note")
+    with pytest.raises(AttributeError, match="no attribute 'absent'"):
+        pipe.absent
