@@ -282,8 +282,13 @@ def test_real_model_zero_bubble_step_equals_eager(case):
     loss = pipe.step(*args, target=None, loss_fn=_mean_of_outputs, **kwargs)
     assert max_relative_error(loss, expected) < 1e-5
     grads = dict(eager.named_parameters())
+    # a gradient zero in exact arithmetic (attention's key bias: softmax ignores a constant) is rounding
+    # noise in both runs: held to the scale of the model's largest gradient, not to its own
+    noise = 1e-6 * max(float(p.grad.abs().max()) for p in eager.parameters() if p.grad is not None)
     for name, p in model.named_parameters():
         if grads[name].grad is None:
             assert p.grad is None or not p.grad.any(), name
+        elif grads[name].grad.abs().max() < noise:
+            assert p.grad.abs().max() < noise, name
         else:
             assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
