@@ -44,7 +44,7 @@ from fxpipe.runtime.observe.timeline import Timeline, timeline
 from fxpipe.runtime.stage.recompute import is_checkpointing, is_recomputing
 from fxpipe.runtime.transport.procgroup import init_distributed
 from fxpipe.simulate.simulation import Simulation, simulate
-from fxpipe.training import clip_grad_norm_, grad_scaler
+from fxpipe.training import clip_grad_norm_, data_shard, grad_scaler
 
 __version__ = "0.1.0"
 
@@ -74,6 +74,7 @@ __all__ = [
     "WeightsError",
     "clip_grad_norm_",
     "compile",
+    "data_shard",
     "deferred_init",
     "grad_scaler",
     "init_distributed",

@@ -6,6 +6,8 @@ different factor. :func:`clip_grad_norm_` computes the norm over all stages, rep
 shards and tied parameters (counted once), equal to ``clip_grad_norm_`` on the whole
 unpipelined model, and clips every rank by it. :func:`grad_scaler` returns a gradient
 scaler whose inf/NaN check agrees across all ranks, so every rank skips the same steps.
+:func:`data_shard` says which share of the data this rank's replica reads: every rank of one
+pipeline reads the same rows.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from fxpipe.pipe import Pipe
 from fxpipe.runtime.contract import Runtime
 from fxpipe.runtime.transport.together import together
 
-__all__ = ["clip_grad_norm_", "grad_scaler"]
+__all__ = ["clip_grad_norm_", "data_shard", "grad_scaler"]
 
 
 def _runtime(pipe: Any, what: str, instead: str) -> Runtime:
@@ -67,3 +69,15 @@ def grad_scaler(pipe: Any, **kwargs: Any) -> Any:
     runtime = _runtime(pipe, "grad_scaler", "torch.amp.GradScaler()")
     device = str(next((d.type for d in pipe.devices if d.type != "meta"), "cpu"))
     return runtime.grad_scaler(device, **kwargs)
+
+
+def data_shard(pipe: Any) -> tuple[int, int]:
+    """Return ``(replicas, this rank's replica)``: ``DistributedSampler(dataset, *fxpipe.data_shard(pipe))``.
+
+    The ranks of one pipeline train on one batch (the first stage's inputs, the last stage's
+    target), so data is sharded over the replicas (``data_parallel``), not over every rank as a
+    ``DistributedSampler`` does by default. In one process, and without replicas: ``(1, 0)``.
+    """
+    runtime = _runtime(pipe, "data_shard", "DistributedSampler(dataset)")
+    layout = getattr(runtime, "layout", None)
+    return (1, 0) if layout is None else (int(layout.dp), int(layout.replica))

@@ -172,7 +172,16 @@ class PipelinePlan:
     def load(cls, path: str) -> PipelinePlan:
         """Read a plan written by :meth:`save`."""
         with open(path) as f:
-            return cls.from_json(f.read())
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path!r} is not a plan (not JSON: {exc}); pass a file plan.save(path) or "
+                             "fxpipe plan --json FILE wrote") from None
+        if not isinstance(data, dict):  # the file's content is wrong, not an argument's type
+            raise ValueError(f"{path!r} is not a plan (JSON of a {type(data).__name__}); pass a file "  # noqa: TRY004
+                             "plan.save(path) or fxpipe plan --json FILE wrote")
+        return cls.from_dict(data)
 
 
 _METRIC_NAMES = {"flops": "FLOPs f+b", "time_ms": "measured ms", "params": "parameter bytes",

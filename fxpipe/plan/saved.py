@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import warnings
 from typing import Any, Union, cast
 
 import torch.fx
@@ -57,6 +58,10 @@ def adopt_layout(plan: PipelinePlan, given: dict[str, Any], distributed: bool, m
     if plan.schedule != "custom":
         recorded["schedule"] = plan.schedule
     out = dict(given)
+    dropped = [f"{k}={recorded[k]!r}" for k in _REPLICAS if k in recorded and recorded[k] != LAYOUT_DEFAULTS[k]]
+    if dropped and not distributed:
+        warnings.warn(f"the plan records {', '.join(dropped)}, which run across ranks: this pipe runs in one process "
+                      "without them (under torchrun, pass runtime='distributed' to take them)", stacklevel=3)
     for key, default in LAYOUT_DEFAULTS.items():
         if key not in recorded or (key in _REPLICAS and (not distributed or mesh is not None)):
             continue

@@ -56,7 +56,7 @@ from fxpipe.runtime.stage.unfrozen import refuse_changed_linears, refuse_unfroze
 from fxpipe.runtime.stage.worker import StageWorker
 from fxpipe.runtime.tensorparallel import local_specs, match_grads
 from fxpipe.runtime.tiedgrads import open_window, sum_tied
-from fxpipe.runtime.transport import release, steplayout
+from fxpipe.runtime.transport import release, samebatch, steplayout
 from fxpipe.runtime.transport.comm import Comm, on_every_rank
 from fxpipe.runtime.transport.layoutcache import LayoutCache
 from fxpipe.runtime.transport.messages import DistTransport
@@ -111,6 +111,7 @@ class DistributedRuntime:
         self.broken: str | None = None  # why the last step failed, until every rank is back
         self.unconfirmed = False  # its last call was a pipe(...) this rank finished before the last stage did
         self.target_checked = False  # that the loss's rank has the target when another rank has one
+        self.batch_checked: set[bool] = set()  # the calls (step: True) whose ranks were found to share one batch
         self.released = False  # its process groups let go of at interpreter exit (transport.release)
         release.track(self)
 
@@ -183,7 +184,8 @@ class DistributedRuntime:
         """Run one step's actions on this rank; return the runner."""
         if self.rank == self.first:
             header, mbs = steplayout.publish(self, args, kwargs, training, has_target=target is not None,
-                                             stepping=losses_for is not None, target=target)
+                                             stepping=losses_for is not None, target=target,
+                                             check_batch=(losses_for is not None) not in self.batch_checked)
         else:
             header, mbs = steplayout.receive(self), []
         m = len(header["specs"])
@@ -196,6 +198,9 @@ class DistributedRuntime:
                 "infer (the other ranks may pass None as inputs)")
         if losses_for is not None:
             steplayout.check_target(self, target, bool(header.get("target_on_first")), header.get("batch"))
+        if "digest" in header:  # the call's first: a sampler sharding over every rank is refused, not run
+            samebatch.agree_on_batch(self, args, kwargs, target, header)
+            self.batch_checked.add(stepping)
         if header.get("training", training) != training:  # its peers learn of it as of any failed step
             mode, first = ("training", "eval") if training else ("eval", "training")
             raise PipelineInputError(

@@ -211,7 +211,7 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
     else:
         space = list(shapes(gpus, gpus_per_node, batch, min(blocks, max_stages), tps=sorted(tps),
                             schedules=schedules, stages=stages, chunk_counts=chunks))
-        if not space and (stages is not None or chunks is not None):
+        if not space:
             raise SearchSpaceError(f"no layout of {gpus} GPUs has stages in {list(stages or []) or 'any'} and chunks in "
                              f"{list(chunks or []) or 'any'} for a global batch of {batch} rows and a model of "
                              f"{blocks} cuttable blocks: a stage count is pp x stages per rank (pp divides the "

@@ -122,6 +122,11 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     runtime = runtime or default_runtime(plan, model)
     if runtime not in ("local", "distributed"):
         raise ValueError(f"runtime={runtime!r}; use 'local' (one process) or 'distributed' (a rank per stage)")
+    asked = [f"{k}={v!r}" for k, v in (("data_parallel", data_parallel), ("tensor_parallel", tensor_parallel))
+             if v is not None and v != 1] + (["shard=True"] if shard else [])
+    if runtime == "local" and asked:  # they were ignored, silently
+        raise ValueError(f"{', '.join(asked)} predict{'s' if len(asked) == 1 else ''} ranks, which one process "
+                         "does not have: pass runtime='distributed' as well")
     base = (example_rows(gm) if gm is not None else None) or batch or chunks
     batch = batch or base
     m = min(chunks, batch)

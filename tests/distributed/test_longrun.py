@@ -334,3 +334,20 @@ def test_pipes_called_in_another_order_on_each_rank_are_named_at_the_timeout(tmp
     for r, res in enumerate(results):
         assert res["next"][0] == "PeerFailure" and "every rank must call its pipes in the same order" in res["next"][1]
         assert res["after"][0] == "PeerFailure" and "called their pipes in different orders" in res["after"][1], res
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_of_one_pipeline_given_different_rows_are_refused_and_data_shard_shards_over_replicas(
+        world, tmp_path, launch):
+    # DistributedSampler(ds) shards over every rank: rank 0's inputs trained against rank 1's targets, silently
+    results = launch("longrun_cases:sharded_per_rank", world, "1f1b", tmp_path, limit=90)
+    _ok(results)
+    for r, res in enumerate(results):
+        assert res["shard"] == ([1, 0] if world == 2 else [2, r // 2]), res
+        message = _refused(res, "every_rank_own_rows", r)
+        assert ("another input 'ids' than rank" in message or "replica" in message) and \
+            "DistributedSampler(dataset, *fxpipe.data_shard(pipe))" in message, (r, message)
+        message = _refused(res, "target_alone_differs", r)
+        assert "another target than rank" in message or "refused this step" in message, (r, message)
+        assert "another input 'ids'" in _refused(res, "forward_own_rows", r) or world == 4
+        assert res["loss_error"] < 1e-5, res

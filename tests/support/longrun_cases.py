@@ -626,3 +626,42 @@ def data_dependent_leaf(rank, world, schedule):
         expected = sum(F.mse_loss(eager(xi), yi) * len(xi) / rows for xi, yi in zip(x.chunk(2), y.chunk(2)))
         errors.append(max_relative_error(loss, expected))
     return {"errors": errors}
+
+
+def sharded_per_rank(rank, world, schedule):
+    """A DistributedSampler left to its defaults gives each rank of a pipeline its own rows: refused on the first
+    step (inputs, then a target alone) and the first pipe(x); then a loader sharded by fxpipe.data_shard steps."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    torch.manual_seed(0)
+    model = RopeLM()
+    eager = copy.deepcopy(model)
+    dp = 2 if world == 4 else 1
+    pipe = fxpipe.compile(model, world // dp, example_inputs=(tokens(0, 16)[0],), chunks=2,
+                          runtime="distributed", timeout=20, schedule=schedule, data_parallel=dp)
+    me = rank % (world // dp)
+    data = TensorDataset(*tokens(1, 16, batch=32))
+    out = {"shard": list(fxpipe.data_shard(pipe))}
+    own = next(iter(DataLoader(data, batch_size=8, sampler=DistributedSampler(data, shuffle=False))))  # per rank
+    ids, target = tokens(2, 16)
+    calls = [("every_rank_own_rows", lambda: pipe.step(own[0], target=own[1], loss_fn=token_loss)),
+             ("target_alone_differs", lambda: pipe.step(ids if me == 0 else None,
+                                                        target=target if me == 0 else tokens(3, 16)[1],
+                                                        loss_fn=token_loss)),
+             ("forward_own_rows", lambda: pipe(own[0]))]
+    for label, call in calls:
+        start = time.monotonic()
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    sampler = DistributedSampler(data, *fxpipe.data_shard(pipe), shuffle=False)
+    x, y = next(iter(DataLoader(data, batch_size=8, sampler=sampler)))
+    loss = float(pipe.step(x, target=y, loss_fn=token_loss))  # every rank passes its loader's batch
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, (x, y))
+    firsts = [gathered[r * (world // dp)] for r in range(dp)]  # each replica's first rank's rows
+    with torch.no_grad():
+        expected = sum(float(token_loss(eager(a), b)) for a, b in firsts) / dp
+    out["loss_error"] = abs(loss - expected) / abs(expected)
+    return out

@@ -22,6 +22,7 @@ from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.runtime.microbatch import check_target_rows
 from fxpipe.runtime.stage.stagecall import autocast_state
 from fxpipe.runtime.transport.comm import on_every_rank
+from fxpipe.runtime.transport.samebatch import digest
 from fxpipe.runtime.transport.tpinputs import from_tp_holder, group_names, inputs_given
 
 __all__ = ["call_name", "check_signature", "holders", "publish", "receive", "specs_for", "tell_all"]
@@ -135,7 +136,7 @@ def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.d
 
 
 def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target: bool = False,
-            stepping: bool = True, target: Any = None) -> tuple[dict, list[list[Any]]]:
+            stepping: bool = True, target: Any = None, check_batch: bool = False) -> tuple[dict, list[list[Any]]]:
     """On the first stage's rank: check and split the inputs, send the layout; return it and the micro-batches.
 
     A ``target`` given here is checked against the inputs' batch size, so that a wrong one is
@@ -144,6 +145,8 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
     The layout carries, for each micro-batch layout the pipeline has not seen, the spec of every
     value crossing a stage boundary (propagated here on fake tensors), so that the other ranks
     size their receive buffers for a new sequence length without propagating it themselves.
+    With ``check_batch`` it carries digests of the inputs and the target, which the other ranks
+    compare with theirs (:mod:`~fxpipe.runtime.transport.samebatch`).
     """
     (args, kwargs), has_target = from_tp_holder(runtime, (args, kwargs), inputs_given(args, kwargs), has_target)
     agreed = runtime.layout.dp == 1  # the replicas' first ranks meet once per step, refusing or not
@@ -180,6 +183,9 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         raise on_every_rank(exc) from None
     header = {"batch": batch, "specs": specs, "layouts": new, "target_on_first": has_target, "training": training,
               "call": call_name(stepping), "autocast": enabled_autocast()}
+    if check_batch:
+        header["digest"] = digest(values)
+        header["target_digest"] = None if target is None else digest(target)
     tell_all(runtime, header)
     return header, mbs
 

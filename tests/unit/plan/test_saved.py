@@ -211,3 +211,24 @@ def test_a_world_that_cannot_hold_a_saved_plan_s_replicas_names_the_plan(tmp_pat
         fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), runtime="distributed", plan=str(path),
                        data_parallel=1)
     assert "data_parallel=1 cannot undo its replicas" in str(info.value)
+
+
+def test_a_plan_s_replicas_compiled_in_one_process_are_warned_of(tmp_path):
+    # compile(plan=) in one process dropped the plan's dp x tp, silently
+    plan = fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2).plan
+    plan.layout = {"runtime": "distributed", "data_parallel": 2, "data_parallel_shard": False, "tensor_parallel": 2,
+                   "stages_per_rank": 1}
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    with pytest.warns(UserWarning, match=r"records data_parallel=2, tensor_parallel=2, which run across ranks: "
+                                         r"this pipe runs in one process without them") as record:
+        fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2, plan=str(path))
+    assert record[0].filename == __file__  # pointed at the caller's line
+
+
+def test_a_file_that_is_not_a_plan_is_named(tmp_path):
+    # "Expecting value: line 1 column 1 (char 0)", naming nothing
+    path = tmp_path / "model.py"
+    path.write_text("import torch\n")
+    with pytest.raises(ValueError, match=r"model.py' is not a plan \(not JSON: Expecting value"):
+        fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2, plan=str(path))

@@ -271,6 +271,9 @@ def test_tensor_parallel_divides_the_work_and_counts_its_collectives():
     assert "tensor parallel over 2 ranks, collectives per micro-batch:" in str(two)
     with pytest.raises(ValueError, match="tensor_parallel=0"):
         fxpipe.simulate(pipe, device="h100", tensor_parallel=0)
+    # in one process the replicas and tp were ignored, silently: the same step as without them
+    with pytest.raises(ValueError, match="data_parallel=4, shard=True predict ranks.*runtime='distributed'"):
+        fxpipe.simulate(pipe, device="h100", runtime="local", data_parallel=4, shard=True)
 
 
 def test_a_tensor_parallel_plan_of_the_pipe_counts_the_bytes_the_automatic_one_does():

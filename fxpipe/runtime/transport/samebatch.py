@@ -1,0 +1,124 @@
+"""Refuse, on a pipe's first call, the ranks of one pipeline given different batches.
+
+A ``DistributedSampler`` left to its defaults shards the data over every rank, so the ranks
+of one pipeline get different rows, and the first stage's inputs would be trained against
+another shard's target, silently. On the first ``pipe.step`` and the first ``pipe(x)`` the
+first stage's rank sends a digest of its inputs (and its target) with the step's layout; every
+other rank that was given inputs or a target compares its own, and the pipeline agrees on one
+verdict (under data parallel the replicas do too, so none waits for another in a reduction)::
+
+    rank 0 (first stage)  digest(x0), digest(y0) ──▶ header ──▶ rank 1 .. p-1: digest(own) == ?
+                          ◀── each rank's verdict ──┘
+                          the first refusal ──────────────────▶ every rank raises it
+
+Ranks that pass ``None`` compare nothing. Without tensor parallelism only: a tensor-parallel
+group takes its values from whichever of its ranks holds them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.errors import PipelineInputError
+from fxpipe.runtime.transport.comm import on_every_rank
+from fxpipe.runtime.transport.tpinputs import inputs_given
+
+__all__ = ["agree_on_batch", "digest"]
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _leaf(value: Any) -> Any:
+    """Return one leaf's fingerprint: a tensor's shape, dtype and row-weighted sum; a plain value itself."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        t = torch.view_as_real(t) if t.is_complex() else t
+        if t.device.type == "meta":
+            return None
+        rows = t.reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1)
+        weights = torch.arange(1, rows.shape[0] + 1, dtype=torch.float64, device=t.device)
+        return (tuple(value.shape), str(value.dtype), float((rows.double().sum(1) * weights).sum()))
+    return value if type(value) in _PLAIN else None  # another object's repr may differ between processes
+
+
+def digest(value: Any) -> list[Any]:
+    """Return a cheap fingerprint of a structure of values: one entry per leaf (``None`` where not compared)."""
+    leaves, _ = tree_flatten(value)
+    return [_leaf(v) for v in leaves]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Return whether two leaves' fingerprints agree (sums within float64 rounding of a layout change)."""
+    if a is None or b is None:
+        return True
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        (sa, da, xa), (sb, db, xb) = a, b
+        return sa == sb and da == db and (xa == xb or (math.isnan(xa) and math.isnan(xb))
+                                          or math.isclose(xa, xb, rel_tol=1e-9, abs_tol=1e-12))
+    return a == b
+
+
+def _differs(mine: list[Any], theirs: list[Any] | None) -> int | None:
+    """Return the index of the first leaf that differs, -1 for another structure, ``None`` when they agree."""
+    if theirs is None:
+        return None
+    if len(mine) != len(theirs):
+        return -1
+    return next((i for i, (a, b) in enumerate(zip(mine, theirs)) if not _same(a, b)), None)
+
+
+def _verdict(runtime: Any, args: tuple, kwargs: dict, target: Any, header: dict) -> str | None:
+    """On a rank other than the first stage's: compare the inputs and the target it was given with the first's."""
+    me, first = runtime.layout.global_ranks[runtime.rank], runtime.layout.global_ranks[runtime.first]
+    what = None
+    if inputs_given(args, kwargs):
+        try:
+            values = runtime.binding.bind(args, kwargs)
+        except TypeError:
+            values = None  # not the model's inputs: the first rank's are the ones that run
+        at = None if values is None else _differs(digest(values), header.get("digest"))
+        if at is not None:
+            names = runtime.binding.names
+            what = "inputs" if at < 0 or at >= len(names) else f"input {names[at]!r}"
+    if what is None and target is not None:
+        at = _differs(digest(target), header.get("target_digest"))
+        what = None if at is None else "target"
+    if what is None:
+        return None
+    return (f"rank {me} was given another {what} than rank {first}, which splits the inputs: the ranks of one "
+            f"pipeline train on one batch (the first stage's inputs with the last stage's target). A "
+            f"DistributedSampler with its default num_replicas and rank gives every rank its own rows; shard over "
+            f"the replicas instead: DistributedSampler(dataset, *fxpipe.data_shard(pipe)), or pass None on the ranks "
+            f"that do not split the inputs")
+
+
+def agree_on_batch(runtime: Any, args: tuple, kwargs: dict, target: Any, header: dict) -> None:
+    """Refuse on every rank a first call whose pipeline's ranks were given different batches (see above)."""
+    if runtime.layout.tp > 1 or runtime.world == 1 or "digest" not in header:
+        return
+    if runtime.rank == runtime.first:
+        found = [runtime.comm.recv_object(r, "waiting for the other ranks' check of the batch")
+                 for r in range(runtime.world) if r != runtime.rank]
+        verdict = next((v for v in found if v is not None), None)
+        for r in range(runtime.world):
+            if r != runtime.rank:
+                runtime.comm.send_object(verdict, r)
+        runtime.comm.flush()
+    else:
+        runtime.comm.send_object(_verdict(runtime, args, kwargs, target, header), runtime.first)
+        runtime.comm.flush()
+        verdict = runtime.comm.recv_object(runtime.first, "waiting for the first rank's check of the batch")
+    if runtime.layout.dp > 1:  # a replica refusing alone would leave the others waiting in their reductions
+        seen: list[Any] = [None] * dist.get_world_size(runtime.layout.dp_group)
+        dist.all_gather_object(seen, verdict, group=runtime.layout.dp_group)
+        other = next(((r, v) for r, v in enumerate(seen) if v is not None), None)
+        if verdict is None and other is not None:
+            verdict = (f"replica {other[0]} refused this step ({other[1]}); the replicas run each step together, "
+                       f"so replica {runtime.layout.replica} did not run it either")
+    if verdict is not None:
+        raise on_every_rank(PipelineInputError(verdict))
