@@ -335,6 +335,9 @@ def _size(bound: Any) -> int:
         return _UNBOUNDED
 
 
+_FACTORY = re.compile(r"\btorch\.(randn|rand|randint|empty|zeros|ones|full|normal)\(")
+
+
 def _refusal(model: nn.Module, exc: BaseException, fix: str = "", where: str = "") -> TraceError:
     """Explain that torch.export cannot keep the batch dim dynamic for ``model`` (or flatten what it returns)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -351,13 +354,22 @@ def _refusal(model: nn.Module, exc: BaseException, fix: str = "", where: str = "
         return _value_branch(model, exc, first)
     line = f"The model's code fixes the batch size to a constant{where}. " if where else ""
     frame = user_frame(exc) if type(exc).__module__ == "builtins" else None
+    made = frame is not None and "concrete integers" in str(exc) and _FACTORY.search(frame.line or "")
     if frame is not None and not fix:  # the model's own code raised: say where, and that eager should run
         first = (f"its forward raised {type(exc).__name__}: {first} at {frame.filename}:{frame.lineno} "
-                 f"({(frame.line or '').strip()}). Check that the model runs eagerly on the example inputs; if it "
-                 "does, that line may depend on the batch size")
+                 f"({(frame.line or '').strip()})" + ("" if made else ". Check that the model runs eagerly on the "
+                                                      "example inputs; if it does, that line may depend on the "
+                                                      "batch size"))
+    if made and not fix:  # torch.randn(shape, layout=...): a tensor sized by a tuple, not a batch-dependent model
+        fix = ("a tensor made from a shape tuple with a symbolic batch size cannot be traced there (the model "
+               "does not depend on the batch size): make it from a tensor of the batch instead (torch.randn_like(t), "
+               "t.new_zeros(...)), or draw it outside the pipe and pass it in; otherwise ")
     fix = fix or ("fxpipe splits dim 0 of every input into micro-batches, so the model must not "
                   "depend on the batch size; otherwise ")
-    if type(model).__module__.startswith("transformers."):  # whose models fx cannot trace
+    if type(model).__module__.startswith("diffusers."):  # whose models fx rarely traces
+        other = ("pipeline a submodule without that line (an autoencoder's encoder and decoder, with the sampling "
+                 "between them in your code); tracer='fx' cannot trace most diffusers models")
+    elif type(model).__module__.startswith("transformers."):  # whose models fx cannot trace
         other = ("pipeline a submodule without that code (a vision-language model's language model, fed "
                  "inputs_embeds), or rewrite the line so it does not depend on the batch size; where the line "
                  "computes a loss over the whole batch's rows (CLIP's contrastive loss, return_loss=True), "

@@ -52,6 +52,22 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
         expected = node.meta.get("val")  # a fake tensor where torch.export or dynamo traced
         if isinstance(expected, FakeTensor) and isinstance(value, torch.Tensor):
             _check_static_dims(name, value, expected, first=0 if name in unbatched else 1)
+        elif meta.get("fxpipe.tracer") == "export":
+            _check_constant(name, value, expected)
+
+
+def _check_constant(name: str, value: Any, expected: Any) -> None:
+    """Refuse a number where an exported graph takes a tensor, or another value of a number it fixed."""
+    if isinstance(expected, FakeTensor) and value is not None and not isinstance(value, torch.Tensor):
+        raise PipelineInputError(
+            f"input '{name}' is {value!r} (a {type(value).__name__}) but the exported graph takes a tensor there "
+            f"(the example was a {expected.dim()}-dim {expected.dtype} tensor): pass torch.tensor({value!r}), "
+            "as at compile")
+    if type(expected) in (bool, int, float) and not isinstance(value, torch.Tensor) and value != expected:
+        raise PipelineInputError(
+            f"input '{name}' is {value!r} but torch.export fixed it to the example's {expected!r}: a Python number "
+            f"is a constant in an exported graph. Pass it as a tensor (torch.tensor({value!r}), at compile too) so "
+            "each call's value is used (a diffusion timestep), or use tracer='fx'")
 
 
 def check_micro_batches(gm: torch.fx.GraphModule, rows: int, batch: int, chunks: int, names: Sequence[str],

@@ -158,4 +158,5 @@ def _policy(c: Any) -> str:
 
 def _describe(c: Any) -> str:
     """Name a configuration in one phrase."""
-    return f"{c.stages} stages, chunks={c.chunks}, schedule={c.schedule!r}, checkpoint={c.setting!r}"
+    return (f"{c.stages} stage{'s' if c.stages != 1 else ''}, chunks={c.chunks}, schedule={c.schedule!r}, "
+            f"checkpoint={c.setting!r}")

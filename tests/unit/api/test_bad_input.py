@@ -283,6 +283,33 @@ def test_an_exported_graph_keeps_only_the_dims_the_model_fixes():
     assert pipe(torch.randn(3, 3, 8, 8)).shape == (3, 5)  # another batch size is fine
 
 
+class _Timestep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.emb = nn.Linear(8, 8), nn.Linear(8, 8), nn.Embedding(1000, 8)
+
+    def forward(self, x, t):
+        if not torch.is_tensor(t):  # a diffusion model's timestep: an int, a float or a tensor
+            t = torch.tensor([t], device=x.device)
+        return self.b(torch.relu(self.a(x) + self.emb(t.expand(x.shape[0]))))
+
+
+def test_a_python_number_an_exported_graph_fixed_is_refused_naming_the_input():
+    # torch's own "Guard failed: t == 10" from inside stage 0 on the second step of every denoising loop
+    model, x = _Timestep(), torch.randn(4, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x, 10), chunks=2, devices=["cpu"] * 2, tracer="export")
+    torch.testing.assert_close(pipe(x, 10), model(x, 10))
+    with pytest.raises(fxpipe.PipelineInputError, match=r"input 't' is 500 but torch.export fixed it to the "
+                                                        r"example's 10: .*torch.tensor\(500\), at compile too"):
+        pipe(x, 500)
+    by_tensor = fxpipe.compile(model, 2, example_inputs=(x, torch.tensor(10)), chunks=2, devices=["cpu"] * 2,
+                               tracer="export")
+    torch.testing.assert_close(by_tensor(x, torch.tensor(500)), model(x, 500))
+    with pytest.raises(fxpipe.PipelineInputError, match=r"input 't' is 500 \(a int\) but the exported graph "
+                                                        r"takes a tensor there"):
+        by_tensor(x, 500)  # was aten::expand's "Expected a value of type 'Tensor'" from inside stage 0
+
+
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_float64_model(chunks):
     model = TiedTransformer().double()

@@ -82,6 +82,26 @@ def test_export_of_a_batch_dependent_model_is_refused_clearly():
     assert "use the fx front end" in str(info.value) and info.value.__cause__ is not None
 
 
+class ShapedNoise(nn.Module):
+    """Draw noise from a shape tuple with layout=, as diffusers' randn_tensor does for a VAE's posterior."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h + torch.randn(h.shape, generator=None, device=h.device, dtype=h.dtype, layout=torch.strided))
+
+
+def test_a_tensor_made_from_a_shape_tuple_is_refused_naming_randn_like():
+    # the message said the line "may depend on the batch size" and sent the user to fx, which sent them back
+    with pytest.raises(fxpipe.TraceError, match=r"a tensor made from a shape tuple .* \(torch.randn_like\(t\)") \
+            as info:
+        fxpipe.compile(ShapedNoise(), 2, example_inputs=(torch.randn(4, 8),), tracer="export")
+    assert "may depend on the batch size" not in str(info.value)
+
+
 class ValueBranch(nn.Module):
     """Branch on a tensor's value, as Longformer's and LED's global-attention check does."""
 
