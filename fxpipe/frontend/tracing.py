@@ -140,7 +140,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
         gm = _user_trace(model, tracer)
         _note_mode_branch(model, gm, lambda: _user_trace(model, tracer))
         return gm
-    leaf_modules = list(leaf_modules)
+    leaf_modules = list(leaf_modules or ())  # None: none, as the default
     bad = [m for m in leaf_modules if not (isinstance(m, str) or (isinstance(m, type) and issubclass(m, nn.Module)))]
     if bad:
         raise TypeError(f"leaf_modules must hold nn.Module classes or qualified module names, got {bad!r}")

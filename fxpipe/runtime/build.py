@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from fxpipe.errors import CompileError, PeerFailure
 from fxpipe.materialize.fill import fill
@@ -47,7 +48,7 @@ from fxpipe.runtime.replicanorms import norms_of
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import defer_batch_norm
 from fxpipe.runtime.stage.compiled import CompiledStage
-from fxpipe.runtime.stage.exportedbn import ExportedBatchNorm, defer_exported
+from fxpipe.runtime.stage.exportedbn import ExportedBatchNorm, defer_exported, defer_traced
 from fxpipe.runtime.stage.marks import instrument
 from fxpipe.runtime.stage.offload import Offload
 from fxpipe.runtime.stage.selective import Program, foreign_wrap
@@ -128,13 +129,35 @@ def _unread(model: nn.Module, stages: Sequence[torch.fx.GraphModule]) -> set[int
 
 def _defer_exported(stages: Sequence[torch.fx.GraphModule],
                     compiled: TorchCompile | None) -> list[ExportedBatchNorm]:
-    """Make the exported stages' batch norm calls defer their updates (before any stage is wrapped)."""
-    found = [record for st in stages for record in defer_exported(st)]
-    if found and compiled is not None:
+    """Make the stages' batch norm calls (exported; fx through a subclass's forward) defer their updates.
+
+    Run before any stage is wrapped.
+    """
+    exported = [record for st in stages for record in defer_exported(st)]
+    if exported and compiled is not None:
         raise CompileError("deferred_batch_norm=True in an exported graph cannot run in compiled stages "
                            "(torch_compile=): use tracer='fx', whose batch norm modules defer inside "
                            "compiled stages too, or leave out torch_compile=")
-    return found
+    traced = [record for st in stages for record in defer_traced(st)]
+    if traced and compiled is not None:
+        raise CompileError(f"deferred_batch_norm=True cannot defer {traced[0].fqn} (a batch norm subclass with its "
+                           "own forward, which fx traced through) in compiled stages (torch_compile=): leave out "
+                           "torch_compile= or deferred_batch_norm=")
+    return exported + traced
+
+
+def _modules_to_defer(stages: Sequence[torch.fx.GraphModule], records: Sequence[ExportedBatchNorm],
+                      compiled: TorchCompile | None) -> list:
+    """Defer the stages' batch norm modules, once each, but those whose calls a record defers already."""
+    covered = {id(r.running_mean) for r in records}
+    modules = [m for m in {id(m): m for st in stages for m in st.modules()}.values()
+               if id(getattr(m, "running_mean", None)) not in covered]
+    own = next((m for m in modules if isinstance(m, _BatchNorm) and type(m).forward is not _BatchNorm.forward), None)
+    if own is not None and compiled is not None:
+        raise CompileError(f"deferred_batch_norm=True cannot defer {type(own).__name__} (a batch norm subclass with "
+                           "its own forward, kept whole) in compiled stages (torch_compile=): leave out "
+                           "torch_compile= or deferred_batch_norm=")
+    return defer_batch_norm(modules)
 
 
 def _runnable(gm: torch.fx.GraphModule, j: int, defer: set[int], policy: str,
@@ -233,7 +256,7 @@ def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
     engine = LocalRuntime(plan, calls, Binding(gm), schedule)
     engine.unfrozen = watch_frozen(plan, gm, dict(enumerate(stages)))
     if deferred_batch_norm:
-        engine.deferred = defer_batch_norm({id(m): m for st in stages for m in st.modules()}.values()) + exported
+        engine.deferred = _modules_to_defer(stages, exported, compiled) + exported
     return engine
 
 
@@ -286,7 +309,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
         swapped = engine.grad_sync.swapped  # tied parameters FSDP2 sharded: sum the shards' gradients
         tied.mine = [(g, [swapped.get(id(p), p) for p in ps], first) for g, ps, first in tied.mine]
     if deferred_batch_norm:
-        engine.deferred = defer_batch_norm({id(m): m for st in held for m in st.modules()}.values()) + exported
+        engine.deferred = _modules_to_defer(held, exported, compiled) + exported
     if layout.dp > 1:
         engine.norms = norms_of(held)
     engine.unfrozen = watch_frozen(plan, gm, {j: stages[j] for j in mine})  # after FSDP2 swapped the parameters

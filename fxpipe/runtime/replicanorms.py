@@ -44,10 +44,10 @@ def sync_norms(norms: Sequence[_BatchNorm], deferred: Sequence[_BatchNorm], grou
 
     ``wait(works, what)`` waits for the collectives, bounded by the pipe's timeout.
     """
-    mine = {id(bn) for bn in deferred}
+    mine = {id(bn.running_mean) for bn in deferred}  # a module, or the record of a call reading its buffers
     if deferred:
         _sum_deferred(list(deferred), group, wait)
-    others = [bn for bn in norms if id(bn) not in mine]
+    others = [bn for bn in norms if id(bn.running_mean) not in mine]
     if others:
         _broadcast(others, group, wait)
 

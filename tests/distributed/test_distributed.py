@@ -192,7 +192,7 @@ def test_data_parallel_refusals(tmp_path, launch):
         assert "is used by stages 0 and 3, which run on one rank" in res["tie"], (r, res)  # every rank, not 0 and 2
 
 
-@pytest.mark.parametrize("schedule", ["1f1b:deferred", "zb:plain:shard", "zb:deferred:export"])
+@pytest.mark.parametrize("schedule", ["1f1b:deferred", "zb:plain:shard", "zb:deferred:export", "1f1b:deferred:subclass"])
 def test_data_parallel_keeps_batch_norm_statistics_equal_over_replicas(schedule, tmp_path, launch):
     # DDP broadcasts buffers in its forward, which the pipeline never calls, and FSDP2 leaves them alone:
     # each replica's running statistics drifted to its own share of the batch

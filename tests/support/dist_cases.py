@@ -8,7 +8,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from models import CNN, AttnBlock, Carrier, Mixed, RopeDecoder, Spectral, TiedTransformer, token_loss
+from models import CNN, AttnBlock, BNAct, Carrier, Mixed, RopeDecoder, Spectral, TiedTransformer, token_loss
 from torch import nn
 from unet import UNet
 
@@ -673,11 +673,14 @@ def dp_views(rank, world, schedule):
 def dp_batch_norm(rank, world, schedule):
     """Batch norm in training under 2 replicas: running statistics equal on both replicas, and with deferred
     batch norm equal to one process running the global batch's micro-batches
-    (schedule: 'name:deferred|plain[:shard|:export]')."""
+    (schedule: 'name:deferred|plain[:shard|:export|:subclass]'; subclass: two of the batch norms are BNAct, whose
+    forward fx traces through)."""
     schedule, mode, *more = schedule.split(":")
     shard, tracer = "shard" in more, "export" if "export" in more else "fx"
     torch.manual_seed(0)
     model = CNN().train()
+    if "subclass" in more:
+        model.bns[0], model.bns[2] = BNAct(8), BNAct(8)
     reference = copy.deepcopy(model)
     x, y = torch.randn(8, 3, 8, 8) * 2 + 1, torch.randint(0, 5, (8,))
     replica, pp_rank = rank // 2, rank % 2

@@ -40,6 +40,18 @@ class CNN(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
+class BNAct(nn.BatchNorm2d):
+    """A batch norm subclass with its own forward, as timm's BatchNormAct2d: the update spelled out, then an
+    activation (fx traces through it unless it is a leaf)."""
+
+    def forward(self, x):
+        if self.training and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+                         self.momentum, self.eps)
+        return F.relu(x) - 0.5
+
+
 class NormLadder(nn.Module):
     """Conv-BN-ReLU blocks of widening channels: more batch norms of distinct widths than torch.compile's
     recompile limit (8), as in a real CNN's stage."""

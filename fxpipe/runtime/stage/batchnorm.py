@@ -55,14 +55,65 @@ def _sums(bn: object) -> _Sums:
 
 
 def defer_batch_norm(modules: Iterable[nn.Module]) -> list[_BatchNorm]:
-    """Make every batch norm among ``modules`` defer its running-statistics update; return them."""
+    """Make every batch norm among ``modules`` defer its running-statistics update; return them.
+
+    A subclass with its own ``forward`` (timm's ``BatchNormAct2d``: batch norm, then its
+    activation) keeps it: :func:`_own_forward` runs it on scratch running statistics.
+    """
     deferred = []
     for bn in modules:
         if isinstance(bn, _BatchNorm) and bn.track_running_stats and "forward" not in bn.__dict__:
-            bn.__dict__["forward"] = types.MethodType(_deferred_forward, bn)
+            own = type(bn).forward is not _BatchNorm.forward
+            bn.__dict__["forward"] = types.MethodType(_own_forward if own else _deferred_forward, bn)
             _reset(bn)
             deferred.append(bn)
     return deferred
+
+
+def _own_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """Run a subclass's own forward with scratch running statistics; accumulate what its batch norm saw.
+
+    With momentum 1 the scratch statistics come out as the micro-batch's mean and unbiased
+    variance (through ``F.batch_norm`` or ``torch.batch_norm``), which give its sums; the real
+    ones and ``num_batches_tracked`` stay as they were.
+    """
+    forward = type(self).forward
+    if not self.training:
+        return forward(self, x)
+    if torch.compiler.is_compiling():
+        raise TypeError(f"deferred_batch_norm=True cannot defer {type(self).__name__} inside a compiled stage: a "
+                        "batch norm subclass with its own forward runs on scratch statistics there. Leave out "
+                        "torch_compile=, or deferred_batch_norm=")
+    if x.dim() < 2 or x.shape[1] != self.num_features:
+        raise TypeError(f"deferred_batch_norm=True cannot defer {type(self).__name__}: its own forward takes an "
+                        f"input of shape {tuple(x.shape)}, not channels on dim 1, so the rows its batch norm "
+                        "normalizes are unknown; leave out deferred_batch_norm=")
+    real = self.running_mean, self.running_var, self.num_batches_tracked, self.momentum
+    assert real[0] is not None and real[1] is not None  # deferred batch norms track running statistics
+    unset = torch.finfo(real[0].dtype).max  # momentum 1 replaces it exactly (0 x max is 0)
+    mean, var = torch.full_like(real[0], unset), torch.full_like(real[1], unset)
+    self.running_mean, self.running_var, self.momentum = mean, var, 1.0
+    if real[2] is not None:
+        self.num_batches_tracked = real[2].clone()
+    try:
+        out = forward(self, x)
+    finally:
+        self.running_mean, self.running_var, self.num_batches_tracked, self.momentum = real
+    if "_fxpipe_checked" not in vars(self):  # once (a sync): its forward ran the update as asked
+        untouched, own = torch.stack([(mean == unset).all(), (mean.abs() > unset / 2).any()]).tolist()
+        if untouched:  # it did not update running statistics (this time)
+            return out
+        if own:
+            raise TypeError(f"deferred_batch_norm=True cannot defer {type(self).__name__}: its own forward updates "
+                            "the running statistics with a momentum of its own, not self.momentum, so what it "
+                            "saw cannot be read back; leave out deferred_batch_norm=")
+        vars(self)["_fxpipe_checked"] = True
+    if not is_recomputing() and not isinstance(x, FakeTensor):
+        rows = x.numel() // self.num_features
+        with torch.no_grad():
+            mean, var = mean.double(), var.double() * (rows - 1) / rows  # unbiased back to biased
+            _add(self, mean * rows, (var + mean * mean) * rows, rows)
+    return out
 
 
 def _reset(bn: _BatchNorm) -> None:
@@ -94,14 +145,18 @@ def accumulate(bn: object, x: torch.Tensor) -> None:
     if is_recomputing() or isinstance(x, FakeTensor):
         return
     with torch.no_grad():
-        total, squares, rows = _channel_sums(x)
-        sums = _sums(bn)
-        if sums._fxpipe_sum is None or sums._fxpipe_sum_squares is None:
-            sums._fxpipe_sum, sums._fxpipe_sum_squares = total, squares
-        else:
-            sums._fxpipe_sum += total
-            sums._fxpipe_sum_squares += squares
-        sums._fxpipe_count += rows
+        _add(bn, *_channel_sums(x))
+
+
+def _add(bn: object, total: torch.Tensor, squares: torch.Tensor, rows: int) -> None:
+    """Add per-channel sums of ``rows`` rows to ``bn``'s."""
+    sums = _sums(bn)
+    if sums._fxpipe_sum is None or sums._fxpipe_sum_squares is None:
+        sums._fxpipe_sum, sums._fxpipe_sum_squares = total, squares
+    else:
+        sums._fxpipe_sum += total
+        sums._fxpipe_sum_squares += squares
+    sums._fxpipe_count += rows
 
 
 def _stage(bn: _BatchNorm, x: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Deferred batch norm in exported graphs, which hold ``aten.batch_norm`` calls instead of modules.
+"""Deferred batch norm in graphs that hold batch norm calls instead of modules.
 
 An exported training graph updates each batch norm's running statistics inside
 ``aten.batch_norm`` and counts ``num_batches_tracked`` in an ``add_`` beside it::
@@ -8,23 +8,28 @@ An exported training graph updates each batch norm's running statistics inside
 
 :func:`defer_exported` rewrites them so; the new call normalizes by the micro-batch's statistics
 and accumulates its sums into an :class:`ExportedBatchNorm` (found by ``key``), which
-:func:`fxpipe.runtime.stage.batchnorm.commit_batch_norm` commits like a module's.
+:func:`fxpipe.runtime.stage.batchnorm.commit_batch_norm` commits like a module's. An fx graph
+holds such a call where fx traced through a batch norm subclass's own ``forward`` (timm's
+``BatchNormAct2d``): ``F.batch_norm(x, bn.running_mean, ...)`` beside ``bn.num_batches_tracked.add_(1)``;
+:func:`defer_traced` rewrites those the same way.
 
 Reads the stage graphs; rewrites their batch norm calls in place (and recompiles them).
 """
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
 from fxpipe.passes.mutates import unwrapped
 from fxpipe.runtime.stage.batchnorm import accumulate
 
-__all__ = ["ExportedBatchNorm", "defer_exported", "deferred_batch_norm"]
+__all__ = ["ExportedBatchNorm", "defer_exported", "defer_traced", "deferred_batch_norm", "deferred_functional"]
 
 # key -> record; a record lives as long as its runtime's list of deferred batch norms holds it
 _BY_KEY: weakref.WeakValueDictionary[str, ExportedBatchNorm] = weakref.WeakValueDictionary()
@@ -75,31 +80,71 @@ def deferred_batch_norm(x: torch.Tensor, weight: Any, bias: Any, running_mean: A
     return torch.ops.aten.batch_norm.default(x, weight, bias, None, None, True, 0.0, eps, cudnn)
 
 
+def deferred_functional(x: torch.Tensor, running_mean: Any, running_var: Any, weight: Any, bias: Any,
+                        training: bool, momentum: float, eps: float, key: str) -> torch.Tensor:
+    """Normalize as ``F.batch_norm``; in training accumulate the statistics instead of updating them."""
+    if not training:
+        return F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps)
+    accumulate(_BY_KEY[key], x)
+    return F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
+
+
+def _counters(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Map each tensor a graph adds to in place (``add_``, seen through a guard of training mode) to the add."""
+    calls = {n: unwrapped(n) for n in gm.graph.nodes}  # a counter of training mode only runs through a guard
+    return {c.args[0]: n for n, c in calls.items() if c.args and isinstance(c.args[0], torch.fx.Node) and (
+        (c.op == "call_function" and c.target is torch.ops.aten.add_.Tensor) or (c.op == "call_method" and c.target == "add_"))}
+
+
+def _record(gm: torch.fx.GraphModule, adds: dict, stats: Any, momentum: Any) -> tuple[str, ExportedBatchNorm] | None:
+    """Make the record of a call whose running mean is ``stats`` (a buffer), erasing its counter's add; or None."""
+    if not (isinstance(stats, torch.fx.Node) and stats.op == "get_attr" and str(stats.target).endswith("running_mean")):
+        return None
+    prefix = str(stats.target)[: -len("running_mean")]
+    counter = next((n for n in adds if n.op == "get_attr" and n.target == f"{prefix}num_batches_tracked"), None)
+    if counter is not None:
+        add = adds.pop(counter)
+        add.replace_all_uses_with(counter)
+        gm.graph.erase_node(add)
+    key = f"{id(gm)}:{prefix}"
+    _BY_KEY[key] = record = ExportedBatchNorm(gm, prefix, momentum)
+    return key, record
+
+
 def defer_exported(gm: torch.fx.GraphModule) -> list[ExportedBatchNorm]:
     """Rewrite the training batch norm calls of an exported stage to defer their updates; return their records."""
     found = []
-    calls = {n: unwrapped(n) for n in gm.graph.nodes}  # a counter of training mode only runs through a guard
-    adds = {c.args[0]: n for n, c in calls.items()
-            if c.op == "call_function" and c.target is torch.ops.aten.add_.Tensor and isinstance(c.args[0], torch.fx.Node)}
+    adds = _counters(gm)
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.batch_norm.default:
+        if node.op != "call_function" or node.target is not torch.ops.aten.batch_norm.default or not node.args[5]:
             continue
-        stats = node.args[3]
-        if not (node.args[5] and isinstance(stats, torch.fx.Node) and stats.op == "get_attr"
-                and str(stats.target).endswith("running_mean")):
+        made = _record(gm, adds, node.args[3], node.args[6])
+        if made is not None:
+            node.target, node.args = deferred_batch_norm, (*node.args[:9], made[0])
+            found.append(made[1])
+    if found:
+        gm.recompile()
+    return found
+
+
+def defer_traced(gm: torch.fx.GraphModule) -> list[ExportedBatchNorm]:
+    """Rewrite the ``F.batch_norm`` calls of an fx stage that read a buffer's running mean; return their records."""
+    found = []
+    adds = _counters(gm)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not F.batch_norm:
             continue
-        prefix = str(stats.target)[: -len("running_mean")]
-        counter = next((n for n in adds if n.op == "get_attr" and n.target == f"{prefix}num_batches_tracked"), None)
-        if counter is not None:
-            add = adds[counter]
-            add.replace_all_uses_with(counter)
-            gm.graph.erase_node(add)
-        record = ExportedBatchNorm(gm, prefix, node.args[6])
-        key = f"{id(gm)}:{prefix}"
-        _BY_KEY[key] = record
-        node.target = deferred_batch_norm
-        node.args = (*node.args[:9], key)
-        found.append(record)
+        bound = inspect.signature(F.batch_norm).bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if a["training"] is False:
+            continue
+        made = _record(gm, adds, a["running_mean"], a["momentum"])
+        if made is not None:
+            node.target, node.kwargs = deferred_functional, {}
+            node.args = (a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"], a["training"],
+                         a["momentum"], a["eps"], made[0])
+            found.append(made[1])
     if found:
         gm.recompile()
     return found

@@ -124,6 +124,72 @@ def test_a_run_on_fake_tensors_accumulates_nothing():
         torch.testing.assert_close(_stats(model)[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
+class BNAct(nn.BatchNorm2d):
+    """A subclass with its own forward, as timm's BatchNormAct2d: the update spelled out, then an activation."""
+
+    def forward(self, x):
+        if self.training and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+                         self.momentum, self.eps)
+        return torch.relu(x) - 0.5
+
+
+class ActBranches(Branches):
+    def __init__(self):
+        super().__init__()
+        self.bns = nn.ModuleList([BNAct(4), nn.BatchNorm2d(4), BNAct(4)])
+
+
+@pytest.mark.parametrize("leaf", [False, True])  # fx traces through its forward / keeps it whole (timm's tracer)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_a_batch_norm_subclass_with_its_own_forward_defers_and_keeps_its_forward(leaf, schedule):
+    # traced through: the update ran per micro-batch (num_batches_tracked = chunks), and replicas drifted apart;
+    # kept whole: its forward was replaced by a plain batch norm (the activation gone, in training and eval)
+    model = ActBranches().train()
+    x, target = torch.randn(8, 3, 8, 8) * 3 + 1, torch.randn(8, 5)
+    whole, micro = copy.deepcopy(model), copy.deepcopy(model)
+    whole(x)  # one update from the whole batch
+    expected = sum(F.mse_loss(micro(a), b) / 4 for a, b in zip(x.split(2), target.split(2)))
+    expected.backward()
+    pipe = fxpipe.compile(model, 3, example_inputs=(x,), chunks=4, schedule=schedule, devices=["cpu"] * 3,
+                          deferred_batch_norm=True, leaf_modules=[BNAct] if leaf else None)
+    torch.testing.assert_close(pipe.step(x, target=target, loss_fn=F.mse_loss), expected.detach())
+    grads = dict(micro.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+    for k, v in _stats(whole).items():
+        torch.testing.assert_close(_stats(model)[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    pipe.eval()
+    whole.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), whole(x))
+
+
+@pytest.mark.parametrize("momentum", ["own", "fixed"])
+def test_a_batch_norm_subclass_kept_whole_calling_torch_batch_norm(momentum):
+    class Direct(nn.BatchNorm2d):
+        def forward(self, x):  # the ATen op itself
+            m = self.momentum if momentum == "own" else 0.1
+            return torch.batch_norm(x, self.weight, self.bias, self.running_mean, self.running_var, self.training,
+                                    m, self.eps, False) * 2
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), Direct(4), nn.Flatten(), nn.Linear(144, 5)).train()
+    whole = copy.deepcopy(model)
+    x = torch.randn(8, 3, 8, 8)
+    whole(x)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=4, devices=["cpu"] * 2, deferred_batch_norm=True,
+                          leaf_modules=[Direct])
+    if momentum == "fixed":  # what it saw cannot be read back: refused, not committed wrong
+        with pytest.raises(TypeError, match="cannot defer Direct: its own forward updates the running statistics "
+                                            "with a momentum of its own"):
+            pipe(x)
+        return
+    pipe(x)
+    torch.testing.assert_close(model[1].running_mean, whole[1].running_mean)
+    torch.testing.assert_close(model[1].running_var, whole[1].running_var)
+
+
 def test_deferral_in_an_exported_graph_is_refused_with_compiled_stages():
     x = torch.randn(4, 3, 8, 8)
     with pytest.raises(fxpipe.CompileError, match="deferred_batch_norm=True in an exported graph cannot run in compiled"):
@@ -163,3 +229,13 @@ def test_a_step_whose_loss_fails_keeps_no_statistics(schedule):
         assert torch.equal(v, before[k]), k
     pipe.step(torch.randn(8, 3, 6, 6), target=torch.randint(0, 5, (8,)), loss_fn=F.cross_entropy)
     assert int(model.bns[0].num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("leaf", [False, True])
+def test_a_batch_norm_subclass_with_its_own_forward_is_refused_with_compiled_stages(leaf):
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.raises(fxpipe.CompileError, match=r"cannot defer (bns.0|BNAct) \(a batch norm subclass with its own "
+                                                  r"forward.*leave out torch_compile= or deferred_batch_norm="):
+        fxpipe.compile(ActBranches().train(), 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2,
+                       deferred_batch_norm=True, torch_compile={"backend": "aot_eager"},
+                       leaf_modules=[BNAct] if leaf else None)
