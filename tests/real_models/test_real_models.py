@@ -292,3 +292,37 @@ def test_real_model_zero_bubble_step_equals_eager(case):
             assert p.grad.abs().max() < noise, name
         else:
             assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("tracer", ["fx", "timm"])  # fx traces through BatchNormAct2d; timm's tracer keeps it whole
+def test_timm_batch_norm_act_defers_in_training(tracer):
+    """deferred_batch_norm=True on timm's BatchNormAct2d (batch norm, then its activation), in training: the loss
+    and gradients of eager over the same micro-batches, the first batch norm's running statistics those of one
+    update from the whole batch (it updated per micro-batch, or lost its activation, before)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    import fxpipe
+
+    pytest.importorskip("timm")
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("mobilenetv3_small_050", num_classes=10).train()
+    x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
+    whole, micro = copy.deepcopy(model), copy.deepcopy(model)
+    whole(x)
+    expected = sum(F.cross_entropy(micro(a), b) / 2 for a, b in zip(x.chunk(2), y.chunk(2)))
+    expected.backward()
+    pipe = fxpipe.compile(model, 3, example_inputs=(x,), chunks=2, devices=["cpu"] * 3, deferred_batch_norm=True,
+                          tracer=timm_trace if tracer == "timm" else "fx", schedule="1f1b")
+    assert type(model.bn1).__name__ == "BatchNormAct2d"
+    torch.testing.assert_close(pipe.step(x, target=y, loss_fn=F.cross_entropy), expected.detach())
+    grads = dict(micro.named_parameters())
+    noise = 1e-6 * max(float(p.grad.abs().max()) for p in micro.parameters() if p.grad is not None)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=noise, msg=name)
+    torch.testing.assert_close(model.bn1.running_mean, whole.bn1.running_mean)
+    torch.testing.assert_close(model.bn1.running_var, whole.bn1.running_var)
+    assert all(int(m.num_batches_tracked) == 1 for m in model.modules() if hasattr(m, "num_batches_tracked"))
