@@ -95,8 +95,11 @@ class Simulation:
                  human(s.memory.params, "B"),
                  human(s.memory.grads, "B"), human(s.memory.optimizer, "B"), human(s.memory.activations, "B"),
                  human(s.memory.peak, "B")] for s in self.stages]
+        layout = "".join([f", {self.data_parallel} replicas ({'FSDP2' if self.shard else 'DDP'})"
+                          if self.data_parallel > 1 else "",
+                          f", tensor parallel {self.tensor_parallel}" if self.tensor_parallel > 1 else ""])
         head = (f"predicted step ({self.schedule}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
-                f"{self.runtime}, {self.device.name}{' nominal' if self.device.nominal else ''}): "
+                f"{self.runtime}{layout}, {self.device.name}{' nominal' if self.device.nominal else ''}): "
                 f"{self.step_time * 1e3:.2f} ms, {self.throughput:.1f} samples/s, bubble {self.bubble:.1%}")
         table = head + "\n" + tabulate(rows, headers=["stage", "rank", "checkpoint", "busy ms", "idle ms", "params",
                                                       "grads", "optimizer", "activations", "peak"], tablefmt="simple")

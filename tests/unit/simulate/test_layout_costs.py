@@ -56,6 +56,7 @@ def test_replicas_hold_each_last_backward_until_reduced_and_count_every_row():
     grads = 2 * 64 * 64 * 4  # a stage's gradients, bytes: one DDP bucket, reduced after the backward
     ring = 2 * 0.5 * grads / UNIT.inter_bandwidth  # replicas on other nodes (2 GPUs per node, pp=2)
     held, plain = _last_backwards(two), _last_backwards(alone)
+    assert "distributed, 2 replicas (DDP)," in str(two) and "replicas" not in str(alone)  # the printed layout
     for j in (0, 1):  # DDP's backward returns once its buckets are reduced
         assert held[j].end - held[j].start == pytest.approx(plain[j].end - plain[j].start + ring)
     assert held[0].start >= held[1].end  # the gradients stage 0 needs leave after stage 1's reduction
