@@ -36,11 +36,11 @@ _PLAIN = (bool, int, float, str, type(None))
 def _leaf(value: Any) -> Any:
     """Return one leaf's fingerprint: a tensor's shape, dtype and row-weighted sum; a plain value itself."""
     if isinstance(value, torch.Tensor):
+        if value.device.type == "meta" or value.layout != torch.strided or value.is_quantized:
+            return None  # not compared: no values, or no plain sum
         t = value.detach()
         t = torch.view_as_real(t) if t.is_complex() else t
-        if t.device.type == "meta":
-            return None
-        rows = t.reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1)
+        rows = t.reshape(t.shape[0], t[:1].numel()) if t.dim() else t.reshape(1, 1)
         weights = torch.arange(1, rows.shape[0] + 1, dtype=torch.float64, device=t.device)
         return (tuple(value.shape), str(value.dtype), float((rows.double().sum(1) * weights).sum()))
     return value if type(value) in _PLAIN else None  # another object's repr may differ between processes
