@@ -16,11 +16,13 @@ from typing import Any
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import PipelineInputError
 from fxpipe.frontend.export import enabled_autocast
+from fxpipe.passes.annotate import TensorSpec, spec_of
 
-__all__ = ["check_inputs", "check_micro_batches", "describe_autocast"]
+__all__ = ["check_inputs", "check_micro_batches", "check_signature", "describe_autocast"]
 
 
 def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequence[str],
@@ -48,6 +50,10 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
             "checks of the dtypes fail without them); call fxpipe.compile(..., tracer='export') under the same "
             "torch.autocast as the steps, or use tracer='fx'")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    known = [(name, value, node.meta["fxpipe.value"]) for node, value, name in zip(placeholders, values, names)
+             if "fxpipe.value" in node.meta]  # the example's, where compile had example inputs
+    check_signature([k[0] for k in known], [spec_of(k[1]) for k in known], [k[2] for k in known],
+                    kinds=False)  # in one process a pipe may be cast after compile
     for node, value, name in zip(placeholders, values, names):
         expected = node.meta.get("val")  # a fake tensor where torch.export or dynamo traced
         if isinstance(expected, FakeTensor) and isinstance(value, torch.Tensor):
@@ -139,3 +145,46 @@ def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor,
     if actual.dtype != expected.dtype:
         raise PipelineInputError(f"input '{where}' has dtype {actual.dtype} but the exported graph "
                                  f"takes {expected.dtype}")
+
+
+def check_signature(names: list[str], spec: list[Any], example: list[Any], kinds: bool = True) -> None:
+    """Refuse inputs the plan cannot serve: another structure, number of dimensions or dtype (``kinds``) than the example's.
+
+    Other sizes are served: the values crossing the stages are propagated anew for each new
+    micro-batch layout (:func:`specs_for`).
+    """
+    for name, got, want in zip(names, spec, example):
+        got_leaves, got_tree = tree_flatten(got)
+        want_leaves, want_tree = tree_flatten(want)
+        if got_tree != want_tree:
+            raise PipelineInputError(
+                f"input '{name}' is {_describe(got)}, but the plan was built for {_describe(want)}; the "
+                "stages were traced for that structure, so pass the same kind of value (or compile with "
+                "example inputs of the kind you run)")
+        for g, w in zip(got_leaves, want_leaves):
+            if (g is None) != (w is None) and isinstance(g if w is None else w, TensorSpec):
+                raise PipelineInputError(
+                    f"input '{name}' is {_describe(got)}, but the plan was built for {_describe(want)}: the stages "
+                    f"were traced {'with' if g is None else 'without'} it, so "
+                    f"{'they would read a tensor that is not there' if g is None else 'it would be ignored'}. "
+                    + ("Across ranks every input of the model (labels= too, where the model computes its own loss) "
+                       "goes to the first stage's rank, pipe.plan.stages[0].on_rank; only target= goes to the "
+                       "loss's rank. " if g is None else "")
+                    + "Compile with example inputs of the kind you run (a model called both ways needs a pipe "
+                    "for each)")
+            if kinds and isinstance(w, TensorSpec) and isinstance(g, TensorSpec) and (
+                    g.dtype != w.dtype or len(g.shape) != len(w.shape)):
+                raise PipelineInputError(
+                    f"input '{name}' has shape {tuple(g.shape)} and dtype {g.dtype}, but the plan was "
+                    f"built for {len(w.shape)} dimension(s) ({', '.join(map(str, w.shape))} in the example) "
+                    f"and dtype {w.dtype}; sizes may change from step to step, the number of dimensions "
+                    "and the dtype may not: cast the input, or compile with example inputs of that kind")
+
+
+def _describe(value: Any) -> str:
+    """Describe a value's kind briefly, for a refusal."""
+    if isinstance(value, TensorSpec):
+        return f"a tensor of {len(value.shape)} dimension(s)"
+    if isinstance(value, (tuple, list, dict)):
+        return f"a {type(value).__name__} of {len(value)} item(s)"
+    return "None" if value is None else f"a {type(value).__name__}"

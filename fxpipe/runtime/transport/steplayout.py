@@ -24,41 +24,9 @@ from fxpipe.runtime.stage.stagecall import autocast_state
 from fxpipe.runtime.transport.comm import on_every_rank
 from fxpipe.runtime.transport.samebatch import digest
 from fxpipe.runtime.transport.tpinputs import from_tp_holder, group_names, inputs_given
+from fxpipe.runtime.validate import check_signature
 
 __all__ = ["call_name", "check_signature", "holders", "publish", "receive", "specs_for", "tell_all"]
-
-
-def check_signature(names: list[str], spec: list[Any], example: list[Any]) -> None:
-    """Refuse inputs the plan cannot serve: another structure, number of dimensions or dtype than the example's.
-
-    Other sizes are served: the values crossing the stages are propagated anew for each new
-    micro-batch layout (:func:`specs_for`).
-    """
-    for name, got, want in zip(names, spec, example):
-        got_leaves, got_tree = tree_flatten(got)
-        want_leaves, want_tree = tree_flatten(want)
-        if got_tree != want_tree:
-            raise PipelineInputError(
-                f"input '{name}' is {_describe(got)}, but the plan was built for {_describe(want)}; the "
-                "stages were traced for that structure, so pass the same kind of value (or compile with "
-                "example inputs of the kind you run)")
-        for g, w in zip(got_leaves, want_leaves):
-            if isinstance(w, TensorSpec) and isinstance(g, TensorSpec) and (
-                    g.dtype != w.dtype or len(g.shape) != len(w.shape)):
-                raise PipelineInputError(
-                    f"input '{name}' has shape {tuple(g.shape)} and dtype {g.dtype}, but the plan was "
-                    f"built for {len(w.shape)} dimension(s) ({', '.join(map(str, w.shape))} in the example) "
-                    f"and dtype {w.dtype}; sizes may change from step to step, the number of dimensions "
-                    "and the dtype may not: cast the input, or compile with example inputs of that kind")
-
-
-def _describe(value: Any) -> str:
-    """Describe a value's kind briefly, for a refusal."""
-    if isinstance(value, TensorSpec):
-        return f"a tensor of {len(value.shape)} dimension(s)"
-    if isinstance(value, (tuple, list, dict)):
-        return f"a {type(value).__name__} of {len(value)} item(s)"
-    return "None" if value is None else f"a {type(value).__name__}"
 
 
 def holders(runtime: Any, pipeline_rank: int, what: str) -> str:

@@ -310,6 +310,33 @@ def test_a_python_number_an_exported_graph_fixed_is_refused_naming_the_input():
         by_tensor(x, 500)  # was aten::expand's "Expected a value of type 'Tensor'" from inside stage 0
 
 
+class _Optional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, labels=None):  # a Hugging Face model's own loss
+        h = self.b(torch.relu(self.a(x)))
+        return {"loss": torch.nn.functional.mse_loss(h, labels) if labels is not None else h.sum() * 0, "h": h}
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_none_where_the_plan_has_a_tensor_and_back_is_refused_naming_the_input(tracer):
+    # None where compile had labels: AttributeError 'NoneType' object has no attribute 'size' from inside stage 1
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = fxpipe.compile(_Optional(), 2, example_kwargs={"x": x, "labels": y}, chunks=2, devices=["cpu"] * 2,
+                          tracer=tracer)
+    with pytest.raises(fxpipe.PipelineInputError, match="input 'labels' is None, but the plan was built for a tensor "
+                                                        "of 2 dimension"):
+        pipe(x=x, labels=None)
+    if tracer == "export":  # compiled with labels=None, a tensor later was ignored: another loss, silently
+        pipe = fxpipe.compile(_Optional(), 2, example_kwargs={"x": x, "labels": None}, chunks=2,
+                              devices=["cpu"] * 2, tracer=tracer)
+        with pytest.raises(fxpipe.PipelineInputError, match="input 'labels' is a tensor of 2 dimension.*built for "
+                                                            "None: the stages were traced without it"):
+            pipe(x=x, labels=y)
+
+
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_float64_model(chunks):
     model = TiedTransformer().double()
