@@ -141,6 +141,17 @@ def _run(recording: Recording, order: Sequence[int], recipes: Sequence[Recipe], 
     an ``empty`` made, and which is that whole storage, is replayed into its tensor in ``into``
     (allocated already), so no second copy of it is made.
     """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(recording.default_dtype)  # a factory without dtype= makes what it made on meta
+    try:
+        return _run_ops(recording, order, recipes, device, into, streams, stream_of)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _run_ops(recording: Recording, order: Sequence[int], recipes: Sequence[Recipe], device: torch.device,
+             into: Sequence[torch.Tensor | None], streams: _Streams, stream_of: Callable[[int], str]) -> list[torch.Tensor]:
+    """:func:`_run` under the default dtype of the recording."""
     env: dict[int, torch.Tensor] = {}
     targets = {r.view.group: t for r, t in zip(recipes, into) if t is not None and t.device == device}
     for i in order:
@@ -158,9 +169,9 @@ def _run(recording: Recording, order: Sequence[int], recipes: Sequence[Recipe], 
             made = outs[j]
             if ref_of(made, ref.group) != ref:
                 raise DeferredInitError(f"{op.func} replayed on {device} (recorded for {op.device}) made a tensor of "
-                                        f"shape {tuple(made.shape)}, strides {tuple(made.stride())}, where meta made "
-                                        f"{ref.size}, {ref.stride}; it cannot be replayed there: pass init=, or build "
-                                        "the model on a real device")
+                                        f"shape {tuple(made.shape)}, strides {tuple(made.stride())}, dtype {made.dtype}, "
+                                        f"where meta made {ref.size}, {ref.stride}, {ref.dtype}; it cannot be replayed "
+                                        "there: pass init=, or build the model on a real device")
             env[ref.group] = made
     return [_view(env[r.view.group], r.view) for r in recipes]
 

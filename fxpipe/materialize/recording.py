@@ -59,6 +59,7 @@ class Recording:
 
     def __init__(self) -> None:
         self.serial = next(_SERIAL)
+        self.default_dtype = torch.get_default_dtype()  # factories without dtype= replay with it, not with the replay's
         self.ops: list[Op] = []
         self.writers: dict[int, list[int]] = {}
         self.foreign: set[int] = set()  # groups of meta storages made elsewhere: nothing can replay them

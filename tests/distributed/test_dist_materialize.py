@@ -32,6 +32,11 @@ def test_meta_models_across_two_ranks_hold_and_read_only_their_stage_or_refuse(t
         kind, message, untouched = res["missing"]
         assert kind == "WeightsError" and "lacks 1 FQN(s) of the model: 'norm.weight'" in message
         assert untouched
+    # a path only rank 0 sees: rank 1 refused it, and rank 0 waited out timeout= for a raw DistStoreError
+    kind, message, seconds = results[1]["one_rank_path"]
+    assert kind == "WeightsError" and "tied.pt.elsewhere" in message, message
+    kind, message, seconds = results[0]["one_rank_path"]
+    assert kind == "PeerFailure" and "rank 1 refused its weights=" in message and seconds < 20, (message, seconds)
 
 
 def test_two_ranks_materialize_only_their_stage_equal_to_one_process(tmp_path, launch):

@@ -311,7 +311,23 @@ def meta(rank, world, schedule):
     x, target = torch.randn(6, 3, 8, 8), torch.randn(6, 5)
     c = _meta_step(rank, world, CNN, cnn_ref, x, target, F.mse_loss, chunks=1, schedule=schedule, seed=2,
                    deferred_batch_norm=True)
-    return {"unet": a, "tied": b, "cnn": c, "read": source.keys, "missing": _refusal(path, rank, world)}
+    return {"unet": a, "tied": b, "cnn": c, "read": source.keys, "missing": _refusal(path, rank, world),
+            "one_rank_path": _path_on_rank_0(path, rank, world)}
+
+
+def _path_on_rank_0(path, rank, world):
+    """Compile with a weights= path that only rank 0 sees (a node's local disk); return the error and its seconds."""
+    import time
+
+    with torch.device("meta"):
+        model = TiedTransformer()
+    start = time.monotonic()
+    try:
+        fxpipe.compile(model, world, example_inputs=(torch.randint(0, 32, (7, 8)),), runtime="distributed",
+                       timeout=60, weights=path if rank == 0 else path + ".elsewhere")
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return [type(exc).__name__, str(exc), time.monotonic() - start]
+    return None
 
 
 def deferred(rank, world, schedule):

@@ -286,3 +286,27 @@ def test_hugging_face_llama_needs_no_init():
 
 
 # -- across ranks ----------------------------------------------------------------------------------
+
+
+def test_a_default_dtype_set_around_the_build_is_the_one_replayed():
+    # the usual pattern: set the default dtype, build, restore it. The replay ran under the restored one and failed
+    # with "made a tensor of shape (32,) ... where meta made (32,)": two equal shapes, the dtype not named
+    class Scale(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))  # a factory without dtype=
+
+        def forward(self, x):
+            return x * self.weight
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with fxpipe.deferred_init():
+            model = nn.Sequential(nn.Linear(32, 32), Scale(32))
+    finally:
+        torch.set_default_dtype(before)
+    fxpipe.materialize(model)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.equal(model[1].weight, torch.ones(32, dtype=torch.bfloat16))
+    assert torch.get_default_dtype() == before  # the replay's default is put back
