@@ -155,6 +155,10 @@ def plan_fill(model: nn.Module, table: dict[int, TensorInfo], source: WeightSour
     return FillPlan(from_source, to_init, modules, recipes)
 
 
+_CAST = (" (a model built under fxpipe.deferred_init() and then cast or moved, as model.to(dtype) does, holds new "
+         "tensors the context did not record: cast inside the context, or set the default dtype before building)")
+
+
 def _check_init_paths(table: dict[int, TensorInfo], pending: set[int],
                       modules: list[tuple[str, nn.Module, list[int]]], deferred: bool = False) -> None:
     """Refuse modules whose meta tensors neither weights, a recipe nor a ``reset_parameters()`` fill."""
@@ -174,14 +178,14 @@ def _check_init_paths(table: dict[int, TensorInfo], pending: set[int],
             f"buffer(s) {_show(hidden)} are not persistent, so no checkpoint holds them, and their "
             "module has no reset_parameters() to compute them; pass init= a function init(module) that "
             "sets them (it runs on each module a stage owns, after allocation), give the module a "
-            "reset_parameters(), or build the model under fxpipe.deferred_init(), which records them")
+            "reset_parameters(), or build the model under fxpipe.deferred_init(), which records them" + _CAST)
     listed = [f"{repr(fqn) if fqn else 'the root module'} ({type(m).__name__}: "
               f"{', '.join(table[k].names[0] for k in keys)})" for fqn, m, keys in stuck]
     raise WeightsError(
         f"the model is on meta and {len(stuck)} module(s) hold tensors that neither weights= nor an init "
         f"fills (they have no reset_parameters()): {_show(listed)}; pass weights= holding them, init= a "
         "function init(module) that fills them, give those modules a reset_parameters(), or build the "
-        "model under fxpipe.deferred_init(), which records the values its __init__ gives them")
+        "model under fxpipe.deferred_init(), which records the values its __init__ gives them" + _CAST)
 
 
 def _show(names: list[str]) -> str:

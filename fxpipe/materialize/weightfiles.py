@@ -74,6 +74,12 @@ class TorchFile(WeightSource):
     """A ``torch.save`` file of a state dict, memory-mapped."""
 
     def __init__(self, path: str) -> None:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if not head.startswith((b"PK", b"\x80")):  # a zip (torch.save), or a pickle (its legacy format)
+            raise WeightsError(f"weights={path!r} is not a weights file (it starts {head!r}): pass a .safetensors file, "
+                               "a torch.save file of a state dict, a directory of them (Hugging Face's "
+                               "save_pretrained), or a checkpoint fxpipe.save wrote")
         try:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - re-raised naming the file

@@ -66,3 +66,17 @@ def test_a_safetensors_float8_file_is_refused_naming_its_real_dtype(tmp_path):
     with pytest.raises(fxpipe.WeightsError, match=r"'model.0.weight' has dtype torch.float8_e4m3fn there but "
                                                   r"torch.float32 in the model.*cast the model to it first"):
         fxpipe.materialize(on_meta(), weights=tmp_path / "fp8.safetensors")
+
+
+def test_a_file_that_is_not_weights_is_named_as_such(tmp_path):
+    # a config.json passed as weights=: torch's mmap note asked to re-save it with _use_new_zipfile_serialization
+    import fxpipe
+    from fxpipe.errors import WeightsError
+
+    path = tmp_path / "config.json"
+    path.write_text('{"hidden": 8}')
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(WeightsError, match=r"config.json' is not a weights file \(it starts b'\{\"hi'\): pass a "
+                                           r"\.safetensors file"):
+        fxpipe.materialize(model, weights=str(path))
