@@ -152,7 +152,8 @@ def _modules_to_defer(stages: Sequence[torch.fx.GraphModule], records: Sequence[
     covered = {id(r.running_mean) for r in records}
     modules = [m for m in {id(m): m for st in stages for m in st.modules()}.values()
                if id(getattr(m, "running_mean", None)) not in covered]
-    own = next((m for m in modules if isinstance(m, _BatchNorm) and type(m).forward is not _BatchNorm.forward), None)
+    own = next((m for m in modules if isinstance(m, _BatchNorm) and m.track_running_stats
+                and type(m).forward is not _BatchNorm.forward), None)
     if own is not None and compiled is not None:
         raise CompileError(f"deferred_batch_norm=True cannot defer {type(own).__name__} (a batch norm subclass with "
                            "its own forward, kept whole) in compiled stages (torch_compile=): leave out "

@@ -178,6 +178,10 @@ class DistributedRuntime:
                                          for r in range(self.world)]
         return self._programs[(kind, m)]
 
+    def _checks_batch(self, stepping: bool) -> bool:
+        """Say whether this call is the first of its kind whose ranks' batches are compared (:mod:`samebatch`)."""
+        return stepping not in self.batch_checked and self.world > 1 and self.layout.tp == 1
+
     # -- running ----------------------------------------------------------------------------
     def _run(self, args: tuple, kwargs: dict, losses_for: Callable | None, training: bool, grad: bool,
              target: Any = None):
@@ -185,7 +189,7 @@ class DistributedRuntime:
         if self.rank == self.first:
             header, mbs = steplayout.publish(self, args, kwargs, training, has_target=target is not None,
                                              stepping=losses_for is not None, target=target,
-                                             check_batch=(losses_for is not None) not in self.batch_checked)
+                                             check_batch=self._checks_batch(losses_for is not None))
         else:
             header, mbs = steplayout.receive(self), []
         m = len(header["specs"])

@@ -18,7 +18,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxpipe.errors import PeerFailure, WeightsError
+from fxpipe.errors import WeightsError
 from fxpipe.materialize.fillplan import tensor_table
 from fxpipe.materialize.metatensors import refuse_meta_constants
 from fxpipe.materialize.weights import check_weights
@@ -50,20 +50,6 @@ class Target:
             agree_on_stages(gm, n_stages)
 
 
-def _agree_on_weights(refused: Exception | None) -> None:
-    """Raise this rank's weights= refusal, or a PeerFailure naming the ranks that refused theirs, on every rank."""
-    import torch.distributed as dist
-    told: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(told, None if refused is None else str(refused))
-    if refused is not None:
-        raise refused
-    others = [(r, m) for r, m in enumerate(told) if m is not None]
-    if others:
-        r, m = others[0]
-        raise PeerFailure(f"rank {dist.get_rank()} stopped because rank {r} refused its weights=: {m} (every rank "
-                          "reads weights= itself: give a path that every rank sees, e.g. on a shared file system)")
-
-
 def where(model: nn.Module, options: CompileOptions) -> Target:
     """Resolve the schedule and the devices, join the process groups across ranks; return the :class:`Target`."""
     if options.balance_by == "time" and any(info.tensor.is_meta for info in tensor_table(model).values()):
@@ -89,8 +75,7 @@ def where(model: nn.Module, options: CompileOptions) -> Target:
     if options.distributed:
         layout = setup_distributed(n, options.timeout, options.stages_per_rank, options.data_parallel, options.mesh,
                                    options.tensor_parallel)
-        agree_on_options(options)
-        _agree_on_weights(refused)
+        agree_on_options(options, refused)
         link = Comm(layout.rank, options.timeout, layout.pp_group, layout.device, layout.global_ranks)
         devices = [torch.device(layout.device.type, r) for r in schedule.ranks]
         return Target(schedule, devices, layout.device, weights, layout, link)

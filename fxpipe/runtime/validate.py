@@ -69,7 +69,7 @@ def _check_constant(name: str, value: Any, expected: Any) -> None:
             f"input '{name}' is {value!r} (a {type(value).__name__}) but the exported graph takes a tensor there "
             f"(the example was a {expected.dim()}-dim {expected.dtype} tensor): pass torch.tensor({value!r}), "
             "as at compile")
-    if type(expected) in (bool, int, float) and not isinstance(value, torch.Tensor) and value != expected:
+    if type(expected) in (bool, int, float) and isinstance(value, (bool, int, float)) and value != expected:
         raise PipelineInputError(
             f"input '{name}' is {value!r} but torch.export fixed it to the example's {expected!r}: a Python number "
             f"is a constant in an exported graph. Pass it as a tensor (torch.tensor({value!r}), at compile too) so "

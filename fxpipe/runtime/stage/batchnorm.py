@@ -93,12 +93,14 @@ def _own_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     unset = torch.finfo(real[0].dtype).max  # momentum 1 replaces it exactly (0 x max is 0)
     mean, var = torch.full_like(real[0], unset), torch.full_like(real[1], unset)
     self.running_mean, self.running_var, self.momentum = mean, var, 1.0
-    if real[2] is not None:
-        self.num_batches_tracked = real[2].clone()
+    counter = None if real[2] is None else real[2].clone()
+    self.num_batches_tracked = counter
     try:
         out = forward(self, x)
     finally:
         self.running_mean, self.running_var, self.num_batches_tracked, self.momentum = real
+    if counter is not None and "_fxpipe_counts" not in vars(self):  # the commit counts where its forward does
+        vars(self)["_fxpipe_counts"] = bool(counter != real[2])
     if "_fxpipe_checked" not in vars(self):  # once (a sync): its forward ran the update as asked
         untouched, own = torch.stack([(mean == unset).all(), (mean.abs() > unset / 2).any()]).tolist()
         if untouched:  # it did not update running statistics (this time)
@@ -235,13 +237,14 @@ def commit_batch_norm(modules: Iterable[_BatchNorm]) -> None:
             # deferred batch norms track running stats, and a count above 0 means both sums are set
             assert sums._fxpipe_sum is not None and sums._fxpipe_sum_squares is not None
             assert bn.running_mean is not None and bn.running_var is not None
-            assert bn.num_batches_tracked is not None
             mean = sums._fxpipe_sum / n
             var = (sums._fxpipe_sum_squares / n - mean ** 2) * (n / max(n - 1, 1))  # unbiased, as eager
-            bn.num_batches_tracked.add_(1)
+            counter = bn.num_batches_tracked if vars(bn).get("_fxpipe_counts", True) else None  # None: not counted
+            if counter is not None:
+                counter.add_(1)
             momentum = bn.momentum
             if momentum is None:  # cumulative moving average
-                momentum = 1.0 / float(bn.num_batches_tracked)
+                momentum = 1.0 / float(counter) if counter is not None else 1.0
             bn.running_mean.mul_(1 - momentum).add_(mean.to(bn.running_mean.dtype), alpha=momentum)
             bn.running_var.mul_(1 - momentum).add_(var.to(bn.running_var.dtype), alpha=momentum)
             _reset(bn)

@@ -65,9 +65,12 @@ class ExportedBatchNorm:
         return self.running_mean.numel()
 
     @property
-    def num_batches_tracked(self) -> torch.Tensor:
-        """Return the update counter buffer."""
-        return self._buffer("num_batches_tracked")
+    def num_batches_tracked(self) -> torch.Tensor | None:
+        """Return the update counter buffer (None where the graph never reads it: a subclass that does not count)."""
+        try:
+            return self._buffer("num_batches_tracked")
+        except AttributeError:
+            return None
 
 
 def deferred_batch_norm(x: torch.Tensor, weight: Any, bias: Any, running_mean: Any, running_var: Any,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from fxpipe.errors import PeerFailure
 from fxpipe.runtime.transport.failure import FailureBoard
 
-__all__ = ["Comm", "on_every_rank"]
+__all__ = ["Comm", "on_every_rank", "tell_all"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,13 @@ def on_every_rank(exc: BaseException) -> BaseException:
     """
     vars(exc)["fxpipe_on_every_rank"] = True
     return exc
+
+
+def tell_all(runtime: Any, value: Any) -> None:
+    """Send a small value from this rank to every other rank of its pipeline (``runtime.comm``)."""
+    for r in range(runtime.world):
+        if r != runtime.rank:
+            runtime.comm.send_object(value, r)
 
 
 class Comm:

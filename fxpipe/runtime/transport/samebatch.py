@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import PipelineInputError
-from fxpipe.runtime.transport.comm import on_every_rank
+from fxpipe.runtime.transport.comm import on_every_rank, tell_all
 from fxpipe.runtime.transport.tpinputs import inputs_given
 
 __all__ = ["agree_on_batch", "digest"]
@@ -99,15 +99,13 @@ def _verdict(runtime: Any, args: tuple, kwargs: dict, target: Any, header: dict)
 
 def agree_on_batch(runtime: Any, args: tuple, kwargs: dict, target: Any, header: dict) -> None:
     """Refuse on every rank a first call whose pipeline's ranks were given different batches (see above)."""
-    if runtime.layout.tp > 1 or runtime.world == 1 or "digest" not in header:
+    if "digest" not in header:  # published only where it is checked (one pipeline rank per stage group)
         return
     if runtime.rank == runtime.first:
         found = [runtime.comm.recv_object(r, "waiting for the other ranks' check of the batch")
                  for r in range(runtime.world) if r != runtime.rank]
         verdict = next((v for v in found if v is not None), None)
-        for r in range(runtime.world):
-            if r != runtime.rank:
-                runtime.comm.send_object(verdict, r)
+        tell_all(runtime, verdict)
         runtime.comm.flush()
     else:
         runtime.comm.send_object(_verdict(runtime, args, kwargs, target, header), runtime.first)

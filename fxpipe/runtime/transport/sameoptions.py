@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fxpipe.errors import OptionMismatchError
+from fxpipe.errors import OptionMismatchError, PeerFailure
 
 __all__ = ["agree_on_options", "summary"]
 
@@ -39,11 +39,15 @@ def summary(options: Any) -> dict[str, str]:
     return {name: _describe(getattr(options, name)) for name in _COMPARED}
 
 
-def agree_on_options(options: Any) -> None:
-    """Compare this rank's options with every other rank's; refuse on every rank where they differ."""
-    mine = summary(options)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+def agree_on_options(options: Any, refused: Exception | None = None) -> None:
+    """Compare this rank's options with every other rank's; refuse on every rank where they differ.
+
+    ``refused`` is what this rank refused before joining (a ``weights=`` path it cannot see, on a
+    node's local disk): it is raised here, and the other ranks raise a :class:`PeerFailure` naming it.
+    """
+    told: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(told, (summary(options), None if refused is None else str(refused)))
+    gathered = [t[0] for t in told]
     for rank, theirs in enumerate(gathered):
         differ = [k for k in _COMPARED if theirs.get(k) != gathered[0].get(k)]
         if differ:
@@ -52,3 +56,10 @@ def agree_on_options(options: Any) -> None:
                 f"fxpipe.compile got {k}={gathered[0][k]} on rank 0 but {k}={theirs[k]} on rank {rank} (options "
                 f"differing: {', '.join(differ)}); every rank runs one plan and would wait for messages its peers "
                 "never send: pass the same compile options on every rank (only the data may differ)")
+    if refused is not None:
+        raise refused
+    other = next(((r, why) for r, (_, why) in enumerate(told) if why is not None), None)
+    if other is not None:
+        raise PeerFailure(f"rank {dist.get_rank()} stopped because rank {other[0]} refused its weights=: {other[1]} "
+                          "(every rank reads weights= itself: give a path that every rank sees, such as one on a "
+                          "shared file system)")

@@ -21,7 +21,7 @@ from fxpipe.frontend.export import enabled_autocast
 from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.runtime.microbatch import check_target_rows
 from fxpipe.runtime.stage.stagecall import autocast_state
-from fxpipe.runtime.transport.comm import on_every_rank
+from fxpipe.runtime.transport.comm import on_every_rank, tell_all
 from fxpipe.runtime.transport.samebatch import digest
 from fxpipe.runtime.transport.tpinputs import from_tp_holder, group_names, inputs_given
 from fxpipe.runtime.validate import check_signature
@@ -286,13 +286,6 @@ def receive(runtime: Any) -> dict:
         raise on_every_rank((TypeError if kind == "TypeError" else PipelineInputError)(message))
     runtime.layouts.update(header["layouts"])
     return header
-
-
-def tell_all(runtime: Any, value: Any) -> None:
-    """Send a small value from this rank to every other rank of its pipeline."""
-    for r in range(runtime.world):
-        if r != runtime.rank:
-            runtime.comm.send_object(value, r)
 
 
 def specs_for(runtime: Any, header: dict) -> Callable[[int], dict[str, Any]]:

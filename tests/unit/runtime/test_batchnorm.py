@@ -188,6 +188,25 @@ def test_a_batch_norm_subclass_kept_whole_calling_torch_batch_norm(momentum):
     pipe(x)
     torch.testing.assert_close(model[1].running_mean, whole[1].running_mean)
     torch.testing.assert_close(model[1].running_var, whole[1].running_var)
+    assert int(model[1].num_batches_tracked) == int(whole[1].num_batches_tracked) == 0  # it does not count
+
+
+class NoCount(nn.BatchNorm2d):
+    def forward(self, x):  # traced through: the graph never reads num_batches_tracked
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+                            self.momentum, self.eps) * 2
+
+
+def test_a_traced_batch_norm_subclass_that_does_not_count_defers_without_counting():
+    # its record looked the counter up in a stage that never reads it: AttributeError at the commit
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), NoCount(4), nn.Flatten(), nn.Linear(144, 5)).train()
+    whole = copy.deepcopy(model)
+    x = torch.randn(8, 3, 8, 8)
+    whole(x)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=4, devices=["cpu"] * 2, deferred_batch_norm=True)
+    pipe(x)
+    for k, v in _stats(whole).items():
+        torch.testing.assert_close(_stats(model)[k], v, msg=k)
 
 
 def test_deferral_in_an_exported_graph_is_refused_with_compiled_stages():
