@@ -68,7 +68,7 @@ def annotate(gm: torch.fx.GraphModule, example_args: tuple, example_kwargs: dict
 
     ``example_args`` and ``example_kwargs`` bind to the graph's placeholders as they would
     in a call of ``gm``. With ``real=False`` (the default) everything runs on fake tensors;
-    ``real=True`` runs the real kernels, without autograd, on copies of the buffers (for
+    ``real=True`` runs the real kernels, with autograd as the fake run has it, on copies of the buffers (for
     models whose data-dependent ops fake tensors cannot follow). ``memoize=False`` runs
     every node even when an equal one ran before (for checking the memo).
     """
@@ -80,8 +80,8 @@ def annotate(gm: torch.fx.GraphModule, example_args: tuple, example_kwargs: dict
 
 def _propagate(gm: torch.fx.GraphModule, flat_inputs: list, real: bool, memoize: bool) -> None:
     """Run the graph on the inputs (fake tensors unless ``real``), writing each node's ``fxpipe.*`` keys."""
-    if real:
-        with torch.no_grad():
+    if real:  # with autograd on, as on fake tensors: each node's requires_grad says which boundaries carry gradients
+        with torch.enable_grad():
             Propagator(gm, None).propagate(flat_inputs, memoize=False)
     else:
         mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -69,6 +69,12 @@ def _check_constant(name: str, value: Any, expected: Any) -> None:
             f"input '{name}' is {value!r} (a {type(value).__name__}) but the exported graph takes a tensor there "
             f"(the example was a {expected.dim()}-dim {expected.dtype} tensor): pass torch.tensor({value!r}), "
             "as at compile")
+    if type(expected) in (bool, int, float) and isinstance(value, torch.Tensor) and not (
+            value.numel() == 1 and float(value) == expected):
+        raise PipelineInputError(
+            f"input '{name}' is a tensor of shape {tuple(value.shape)} but torch.export fixed it to the example's "
+            f"{expected!r}: a Python number is a constant in an exported graph. Give a tensor at compile too "
+            f"(torch.tensor({expected!r})) so each call's value is used, or use tracer='fx'")
     if type(expected) in (bool, int, float) and isinstance(value, (bool, int, float)) and value != expected:
         raise PipelineInputError(
             f"input '{name}' is {value!r} but torch.export fixed it to the example's {expected!r}: a Python number "

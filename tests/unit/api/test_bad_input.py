@@ -302,6 +302,10 @@ def test_a_python_number_an_exported_graph_fixed_is_refused_naming_the_input():
     with pytest.raises(fxpipe.PipelineInputError, match=r"input 't' is 500 but torch.export fixed it to the "
                                                         r"example's 10: .*torch.tensor\(500\), at compile too"):
         pipe(x, 500)
+    torch.testing.assert_close(pipe(x, torch.tensor(10)), model(x, 10))  # the value it fixed, as a tensor
+    with pytest.raises(fxpipe.PipelineInputError, match=r"input 't' is a tensor of shape \(\) but torch.export "
+                                                        r"fixed it to the example's 10"):
+        pipe(x, torch.tensor(500))  # was torch's "Guard failed: t == 10" from inside stage 0
     by_tensor = fxpipe.compile(model, 2, example_inputs=(x, torch.tensor(10)), chunks=2, devices=["cpu"] * 2,
                                tracer="export")
     torch.testing.assert_close(by_tensor(x, torch.tensor(500)), model(x, 500))

@@ -9,6 +9,9 @@ def test_one_batch_agrees_and_another_s_rows_or_order_differ():
     x = torch.randn(8, 4)
     assert _differs(digest([x, 3, "s", None]), digest([x.clone(), 3, "s", None])) is None
     assert _differs(digest([x.t().contiguous().t()]), digest([x])) is None  # another layout, the same values
+    assert _differs(digest([x.double()]), digest([x])) is None  # another dtype, the same rows
+    ids = torch.randint(0, 9, (8, 3))
+    assert _differs(digest([ids.int()]), digest([ids])) is None
     assert _differs(digest([x]), digest([torch.randn(8, 4)])) == 0  # another shard's rows
     assert _differs(digest([x]), digest([x.flip(0)])) == 0  # the same rows in another order pair other targets
     assert _differs(digest([x, 1]), digest([x, 2])) == 1
