@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from models import CNN
+from models import BNAct, CNN
 from torch import nn
 
 import fxpipe
@@ -122,17 +122,6 @@ def test_a_run_on_fake_tensors_accumulates_nothing():
     eager(x)
     for k, v in _stats(eager).items():
         torch.testing.assert_close(_stats(model)[k], v, rtol=1e-5, atol=1e-6, msg=k)
-
-
-class BNAct(nn.BatchNorm2d):
-    """A subclass with its own forward, as timm's BatchNormAct2d: the update spelled out, then an activation."""
-
-    def forward(self, x):
-        if self.training and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
-                         self.momentum, self.eps)
-        return torch.relu(x) - 0.5
 
 
 class ActBranches(Branches):
