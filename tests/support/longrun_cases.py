@@ -98,14 +98,20 @@ def recover(rank, world, schedule):
     return out
 
 
-def misuse(rank, world, schedule):
-    """The target on the first rank only; the inputs on the last rank only (positional, then as keywords); a correct step."""
+def _rope_pipes(world, schedule):
+    """Return a RopeLM, an eager copy, its pipe (one pipeline of 2 ranks; 2 replicas of 2 on 4) and the replicas."""
     torch.manual_seed(0)
     model = RopeLM()
     eager = copy.deepcopy(model)
     dp = 2 if world == 4 else 1
     pipe = fxpipe.compile(model, world // dp, example_inputs=(tokens(0, 16)[0],), chunks=2,
                           runtime="distributed", timeout=20, schedule=schedule, data_parallel=dp)
+    return model, eager, pipe, dp
+
+
+def misuse(rank, world, schedule):
+    """The target on the first rank only; the inputs on the last rank only (positional, then as keywords); a correct step."""
+    model, eager, pipe, dp = _rope_pipes(world, schedule)
     last = pipe.plan.stages[-1].on_rank
     me = rank % (world // dp)  # pipeline rank
     ids, target = tokens(1, 16)
@@ -140,11 +146,7 @@ def misuse(rank, world, schedule):
 def target_on_loss_rank_only(rank, world, schedule):
     """The target only where the loss is computed, as the docs show: first of another batch size, then (2
     replicas) missing on replica 1's loss rank alone; then a correct step."""
-    torch.manual_seed(0)
-    model = RopeLM()
-    dp = 2 if world == 4 else 1
-    pipe = fxpipe.compile(model, world // dp, example_inputs=(tokens(0, 16)[0],), chunks=2,
-                          runtime="distributed", timeout=20, schedule=schedule, data_parallel=dp)
+    _, _, pipe, dp = _rope_pipes(world, schedule)
     me, replica = rank % (world // dp), rank // (world // dp)
     last = pipe.plan.stages[-1].on_rank
     ids, target = tokens(1, 16)
@@ -633,12 +635,7 @@ def sharded_per_rank(rank, world, schedule):
     step (inputs, then a target alone) and the first pipe(x); then a loader sharded by fxpipe.data_shard steps."""
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    torch.manual_seed(0)
-    model = RopeLM()
-    eager = copy.deepcopy(model)
-    dp = 2 if world == 4 else 1
-    pipe = fxpipe.compile(model, world // dp, example_inputs=(tokens(0, 16)[0],), chunks=2,
-                          runtime="distributed", timeout=20, schedule=schedule, data_parallel=dp)
+    _, eager, pipe, dp = _rope_pipes(world, schedule)
     me = rank % (world // dp)
     data = TensorDataset(*tokens(1, 16, batch=32))
     out = {"shard": list(fxpipe.data_shard(pipe))}
