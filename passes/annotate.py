@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -43,7 +43,8 @@ from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "spec_of", "value_bytes"]
+__all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "same_constant", "spec_of",
+           "value_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +145,30 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
     return values
 
 
+def _with_defaults(sig: inspect.Signature, defaults: dict[str, Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Drop keywords given as the model's default that the graph was exported without; add those it was exported with.
+
+    ``torch.export`` keeps the inputs given at compile only; eager takes ``mask=None`` passed
+    or left out alike, and so does the pipe where ``None`` (or the constant) is the default.
+    """
+    kwargs = {k: v for k, v in kwargs.items()
+              if k in sig.parameters or k not in defaults or not same_constant(v, defaults[k])}
+    given = set(list(sig.parameters)[:len(args)]) | set(kwargs)
+    for name, p in sig.parameters.items():
+        if name not in given and name in defaults and p.kind is not inspect.Parameter.POSITIONAL_ONLY:
+            kwargs[name] = defaults[name]
+    return args, kwargs
+
+
+def same_constant(value: Any, default: Any) -> bool:
+    """Return whether ``value`` is ``default`` (``None``) or a constant of the same type and value."""
+    return value is default or (type(value) is type(default) and value == default)
+
+
 def _bind_pytree(gm: torch.fx.GraphModule, in_spec, args: tuple, kwargs: dict) -> list:
     """Flatten a call of a GraphModule whose codegen flattens inputs (``torch.export``)."""
     sig = inspect.signature(gm.forward)
+    args, kwargs = _with_defaults(sig, gm.meta.get("fxpipe.defaults", {}), args, kwargs)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:

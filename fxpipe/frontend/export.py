@@ -56,6 +56,7 @@ from fxpipe.frontend.modes import in_other_mode, may_read_mode
 from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
 from fxpipe.frontend.specialised import recording_specialisations, specialising_line
 from fxpipe.frontend.userframe import user_frame
+from fxpipe.passes.annotate import same_constant
 from fxpipe.passes.modes import merge_modes
 from fxpipe.passes.records import register_record_type
 
@@ -97,6 +98,19 @@ def named_arguments(signature: inspect.Signature, bound: inspect.BoundArguments)
     return [(k, v) for name, value in bound.arguments.items()
             for k, v in (value.items() if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD
                          else [(name, value)])]
+
+
+def constant_defaults(signature: inspect.Signature, bound: inspect.BoundArguments) -> dict[str, Any]:
+    """Return the forward's parameters exported as their default, a constant (``None``, a number, a string), by name.
+
+    An exported graph takes the inputs it was exported with only; a call may still leave out an
+    input exported as its default, or pass its default for one left out, as eager allows
+    (:func:`fxpipe.passes.bind_placeholders`).
+    """
+    return {name: p.default for name, p in signature.parameters.items()
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            and (p.default is None or type(p.default) in (bool, int, float, str))
+            and (name not in bound.arguments or same_constant(bound.arguments[name], p.default))}
 
 
 def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None,
@@ -184,6 +198,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
         gm.meta["fxpipe.training"] = model.training
         gm.meta["fxpipe.mode_branch"] = difference
     gm.meta["fxpipe.autocast"] = enabled_autocast()
+    gm.meta["fxpipe.defaults"] = constant_defaults(signature, bound)
     log.debug("exported %s: %d nodes", type(model).__name__, len(gm.graph.nodes))
     return gm
 

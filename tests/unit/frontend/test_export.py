@@ -375,3 +375,32 @@ def test_an_input_given_at_compile_and_left_out_of_the_call_is_named_with_the_fi
     with pytest.raises(TypeError, match=r"missing a required argument: 'use_cache'.* pass use_cache= to this call as "
                                         r"at compile"):
         pipe(torch.randn(4, 8))
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, mask=None, scale=None):
+        h = self.a(x)
+        return self.b(h if mask is None else h * mask)
+
+
+def test_an_input_passed_or_left_out_as_its_default_is_taken_as_eager_takes_it():
+    # torch.export keeps the inputs given at compile only: mask=None passed where compile left it
+    # out (or left out where compile passed None) was refused as an unexpected (missing) argument
+    torch.manual_seed(0)
+    model, x, mask = _Masked(), torch.randn(4, 8), torch.rand(4, 8)
+    for example in ({}, {"mask": None}):
+        pipe = fxpipe.compile(model, 2, example_inputs=(x,), example_kwargs=example, chunks=2, tracer="export")
+        for call in ({}, {"mask": None}, {"scale": None}):
+            torch.testing.assert_close(pipe(x, **call), model(x, **call))
+        with pytest.raises((TypeError, ValueError), match=r"input 'mask' is a tensor .* built for None" if example else
+                           r"unexpected keyword argument 'mask'.*an optional one, such as attention_mask=, too"):
+            pipe(x, mask=mask)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), example_kwargs={"mask": mask}, chunks=2, tracer="export")
+    with pytest.raises(TypeError, match=r"missing a required argument: 'mask'"):
+        pipe(x)  # a tensor at compile: not the default
+    with pytest.raises(fxpipe.PipelineInputError, match=r"input 'mask' is None, but the plan was built for a tensor"):
+        pipe(x, mask=None)
