@@ -216,17 +216,13 @@ class Pipe(nn.Module):
         global batch's (the replicas' mean).
         """
         self._follow_model()
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be a function (output, target) -> loss, got {type(loss_fn).__name__}: "
-                            "pass e.g. loss_fn=torch.nn.functional.cross_entropy")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction={loss_reduction!r} is not 'mean' (loss_fn returns each micro-batch's "
-                             "mean over its rows) or 'sum' (loss_fn returns each micro-batch's share of the batch's "
-                             "loss, and the shares are added)")
+        try:
+            _check_step_arguments(self._runtime, loss_fn, scaler, loss_reduction)
+        except (TypeError, ValueError) as exc:
+            self._runtime.refuse(exc)  # across ranks the others are in their step, waiting for this rank
         if loss_reduction == "sum":
             loss_fn = summed(loss_fn)
         if scaler is not None and scaler.is_enabled():
-            _refuse_lone_scaler(self._runtime, scaler)
             base = loss_fn
             device = next((d for d in self.devices if d.type != "meta"), torch.device("cpu"))
             scaler.scale(torch.zeros((), device=device))  # start its scale on every rank, not just the loss's
@@ -264,6 +260,20 @@ def _after_load(pipe: Pipe, incompatible: Any) -> None:
     others = {n for n in names if n not in pipe.owned}
     incompatible.missing_keys[:] = [k for k in incompatible.missing_keys
                                     if not any(k == f or k.endswith("." + f) for f in others)]
+
+
+def _check_step_arguments(runtime: Runtime, loss_fn: Any, scaler: Any, loss_reduction: str) -> None:
+    """Refuse ``pipe.step``'s own arguments: a ``loss_fn`` that is no function, another reduction, a lone scaler."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function (output, target) -> loss, got {type(loss_fn).__name__}: "
+                        "pass e.g. loss_fn=torch.nn.functional.cross_entropy (on every rank, also those without "
+                        "the loss's stage)")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction={loss_reduction!r} is not 'mean' (loss_fn returns each micro-batch's "
+                         "mean over its rows) or 'sum' (loss_fn returns each micro-batch's share of the batch's "
+                         "loss, and the shares are added)")
+    if scaler is not None and scaler.is_enabled():
+        _refuse_lone_scaler(runtime, scaler)
 
 
 def _refuse_lone_scaler(runtime: Runtime, scaler: Any) -> None:

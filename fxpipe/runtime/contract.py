@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 
@@ -57,6 +57,10 @@ class Runtime(Protocol):
 
     def ready(self) -> None:
         """Make the runtime ready for a collective after a failed step (every rank meets again)."""
+        ...
+
+    def refuse(self, exc: BaseException) -> NoReturn:
+        """Raise ``exc``, a refusal of a call's own arguments, telling the other ranks first (they are in the call)."""
         ...
 
     def broke(self, exc: BaseException) -> None:

@@ -31,7 +31,7 @@ import logging
 import traceback
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -282,6 +282,17 @@ class DistributedRuntime:
         self.comm.reopen(reopen_pipeline(self.layout, self.comm.timeout))
         self.ties.reopen()
         self.broken = None
+
+    def refuse(self, exc: BaseException) -> NoReturn:
+        """Raise ``exc`` as a failed step: the other ranks, waiting in theirs, raise ``PeerFailure`` naming it.
+
+        Raised before the step (``pipe.step(..., loss_fn=None)`` on one rank), the others would
+        pair their step with this rank's next call: its inputs against their target.
+        """
+        def body() -> NoReturn:
+            raise exc
+        self._guarded(body)
+        raise exc  # not reached: _guarded re-raises
 
     def broke(self, exc: BaseException) -> None:
         """Close this rank's connections after a collective failed outside a step, so its next call rejoins.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -68,6 +68,10 @@ class LocalRuntime:
     # -- the contract's hooks (fxpipe.runtime.contract) ----------------------------------------
     def ready(self) -> None:
         """Nothing to rejoin in one process."""
+
+    def refuse(self, exc: BaseException) -> NoReturn:
+        """Raise ``exc``: no other rank waits."""
+        raise exc
 
     def broke(self, exc: BaseException) -> None:
         """Nothing to close in one process."""

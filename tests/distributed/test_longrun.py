@@ -50,6 +50,11 @@ def test_a_failed_step_leaves_the_pipe_usable(schedule, world, tmp_path, launch)
             assert f"because rank {last} (stage {last}) raised RuntimeError: broken loss" in message
         assert res["refused"][0] == "PipelineInputError"
         assert res["refused"][1].startswith("the inputs cannot run through the model: node ")
+        # loss_fn=None on rank 0 alone: raised before its step, it left the others to pair their step with
+        # its next call (its inputs against their target), silently
+        kind, message, seconds = res["no_loss_fn"]
+        assert seconds < 10 and "loss_fn must be a function (output, target) -> loss, got NoneType" in message, res
+        assert kind == ("TypeError" if r == 0 else "PeerFailure"), (r, kind)
         for label in ("before", "after", "again"):
             assert max(res[label]) < 1e-5, (r, label, res[label])
 
@@ -85,7 +90,7 @@ def test_inputs_or_target_on_the_wrong_rank_are_refused_on_every_rank(world, tmp
             assert f"which splits them into micro-batches: pass the inputs on {first}" in message, (label, message)
         if world == 2:
             assert max(res["after"]) < 1e-5
-            kind, message = res["target_on_first_later"]  # a later step: the loss's rank refuses, the other fails
+            kind, message, _ = res["target_on_first_later"]  # a later step: the loss's rank refuses, the other fails
             assert kind == ("PipelineInputError" if r == 1 else "PeerFailure"), (r, res)
             assert "target=None on rank 1, which computes the loss: pass the target on rank 1" in message
             assert res["recovered"] == results[0]["recovered"]

@@ -31,6 +31,16 @@ def _compile(model, world, schedule, **kw):
                           stages_per_rank=per, **kw)
 
 
+def _attempt(call):
+    """Run ``call``; return what it raised (type, message, seconds taken), or ``["returned", "", seconds]``."""
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return [type(exc).__name__, str(exc), time.monotonic() - start]
+    return ["returned", "", time.monotonic() - start]
+
+
 def _compare(pipe, model, eager, rank, ids, target, loss_fn=token_loss, inputs_everywhere=False):
     """Run one step on the pipe and on eager; return the loss error and this rank's worst gradient error."""
     expected = loss_fn(eager(ids), target)
@@ -81,19 +91,17 @@ def recover(rank, world, schedule):
     def broken(logits, target):
         raise RuntimeError("broken loss")
 
-    start = time.monotonic()
-    try:
-        pipe.step(tokens(2, 16)[0] if rank == 0 else None, target=tokens(2, 16)[1], loss_fn=broken)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        out["failed"] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    out["failed"] = _attempt(lambda: pipe.step(tokens(2, 16)[0] if rank == 0 else None, target=tokens(2, 16)[1],
+                                               loss_fn=broken))
     for p in model.parameters():  # the failed step's gradients are partial: drop them, as a loop would
         p.grad = None
     out["after"] = _compare(pipe, model, eager, rank, *tokens(3, 16))
     ids, target = tokens(4, 40)  # longer than the rotary tables: the model itself cannot run it
-    try:
-        pipe.step(ids if rank == 0 else None, target=target, loss_fn=token_loss)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        out["refused"] = [type(exc).__name__, str(exc)]
+    out["refused"] = _attempt(lambda: pipe.step(ids if rank == 0 else None, target=target, loss_fn=token_loss))
+    # loss_fn=None on the first rank alone (it computes no loss): the others, in their step, must not pair it
+    # with the first rank's next call, its inputs against this step's target
+    out["no_loss_fn"] = _attempt(lambda: pipe.step(ids[:, :16] if rank == 0 else None, target=target[:, :16],
+                                                   loss_fn=None if rank == 0 else token_loss))
     out["again"] = _compare(pipe, model, eager, rank, *tokens(5, 24))
     return out
 
@@ -118,22 +126,15 @@ def misuse(rank, world, schedule):
     out = {}
     for label, x, y in [("target_on_first", ids if me == 0 else None, target if me == 0 else None),
                         ("inputs_on_last", ids if me == last else None, target if me == last else None)]:
-        start = time.monotonic()
-        try:
-            pipe.step(x, target=y, loss_fn=token_loss)
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
-    start = time.monotonic()
-    try:  # keywords only, on the last rank: the first rank has nothing to bind
-        pipe.step(**({"ids": ids} if me == last else {}), target=target, loss_fn=token_loss)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        out["keywords_on_last"] = [type(exc).__name__, str(exc), time.monotonic() - start]
+        out[label] = _attempt(lambda: pipe.step(x, target=y, loss_fn=token_loss))  # noqa: B023 - called at once
+    # keywords only, on the last rank: the first rank has nothing to bind
+    out["keywords_on_last"] = _attempt(lambda: pipe.step(**({"ids": ids} if me == last else {}), target=target,
+                                                         loss_fn=token_loss))
     if dp == 1:
         out["after"] = _compare(pipe, model, eager, rank, ids, target)
-        try:  # the target on the first rank only again, on a later step: the loss's rank refuses it alone
-            pipe.step(ids if me == 0 else None, target=target if me == 0 else None, loss_fn=token_loss)
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out["target_on_first_later"] = [type(exc).__name__, str(exc)]
+        # the target on the first rank only again, on a later step: the loss's rank refuses it alone
+        out["target_on_first_later"] = _attempt(lambda: pipe.step(ids if me == 0 else None, loss_fn=token_loss,
+                                                                  target=target if me == 0 else None))
         for p in pipe.parameters():
             p.grad = None
         out["recovered"] = float(pipe.step(ids, target=target, loss_fn=token_loss))
@@ -155,11 +156,8 @@ def target_on_loss_rank_only(rank, world, schedule):
         cases.append(("missing_on_one_replica", target if replica == 0 else None))
     out = {}
     for label, y in cases:
-        start = time.monotonic()
-        try:
-            pipe.step(ids if me == 0 else None, target=y if me == last else None, loss_fn=token_loss)
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+        out[label] = _attempt(lambda: pipe.step(ids if me == 0 else None, loss_fn=token_loss,
+                                                target=y if me == last else None))  # noqa: B023 - called at once
     out["after"] = float(pipe.step(ids if me == 0 else None, target=target if me == last else None,
                                    loss_fn=token_loss) or 0.0)
     return out
@@ -180,12 +178,7 @@ def replica_peer_stuck(rank, world, schedule):
             raise RuntimeError("rank 3's loss fails")
         return F.mse_loss(out, tgt)
 
-    start = time.monotonic()
-    try:
-        pipe.step(x, target=y, loss_fn=failing)
-        out = {"failed": ["returned", "", time.monotonic() - start]}
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        out = {"failed": [type(exc).__name__, str(exc), time.monotonic() - start]}
+    out = {"failed": _attempt(lambda: pipe.step(x, target=y, loss_fn=failing))}
     if rank == 3:
         time.sleep(12)  # a script that logs the error and lingers before it exits
     return out
@@ -203,11 +196,7 @@ def misuse_zbv(rank, world, schedule):
     for label, call in [("target_on_highest", lambda: pipe.step(x if rank == 0 else None, loss_fn=F.mse_loss,
                                                                 target=y if rank == world - 1 else None)),
                         ("forward_without_inputs", lambda: pipe(x if rank == world - 1 else None))]:
-        start = time.monotonic()
-        try:
-            call()
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+        out[label] = _attempt(call)
     out["after"] = _compare(pipe, model, eager, rank, x, y, loss_fn=F.mse_loss)
     return out
 
@@ -234,11 +223,7 @@ def unjoinable_forward(rank, world, schedule):
                           schedule=schedule)
     out = {}
     for label in ("first", "again"):  # a refused call, then the same call: each refused on every rank
-        start = time.monotonic()
-        try:
-            pipe(x, y)
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+        out[label] = _attempt(lambda: pipe(x, y))
     start = time.monotonic()
     loss = pipe.step(x, y, target=None, loss_fn=lambda o, _: o["loss"])
     expected = eager(x, y)["loss"]
@@ -320,11 +305,7 @@ def dies_then(rank, world, schedule):
         os._exit(3)
     out = {}
     for label in ("first", "again"):
-        start = time.monotonic()
-        try:
-            pipe.step(ids, target=target, loss_fn=token_loss)
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+        out[label] = _attempt(lambda: pipe.step(ids, target=target, loss_fn=token_loss))
     # rank 0 hosts the store here; keep it up until rank 2 is done, as torchrun's agent would
     store = torch.distributed.distributed_c10d._get_default_store()
     store.set(f"dies_then/done/{rank}", "1")
@@ -473,23 +454,13 @@ def calls_differ(rank, world, schedule):
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     dp = 2 if world == 4 else 1
     out = {}
-    start = time.monotonic()
-    try:
-        fxpipe.compile(model, world // dp, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
-                       schedule=schedule if rank == 0 else "gpipe", data_parallel=dp)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        out["options"] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    out["options"] = _attempt(lambda: fxpipe.compile(model, world // dp, example_inputs=(x,), chunks=2, timeout=20,
+                                                     runtime="distributed", data_parallel=dp,
+                                                     schedule=schedule if rank == 0 else "gpipe"))
     pipe = fxpipe.compile(model, world // dp, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
                           schedule=schedule, data_parallel=dp)
-    start = time.monotonic()
-    try:  # the mistake: pipe(x) on one rank (a whole replica under data parallel), pipe.step on the others
-        if rank == 0:
-            pipe(x)
-        else:
-            pipe.step(x, target=y, loss_fn=F.mse_loss)
-        out["calls"] = ["returned", "", time.monotonic() - start]
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        out["calls"] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    # the mistake: pipe(x) on one rank (a whole replica under data parallel), pipe.step on the others
+    out["calls"] = _attempt(lambda: pipe(x) if rank == 0 else pipe.step(x, target=y, loss_fn=F.mse_loss))
     if dp == 1:  # every rank steps again, together
         start = time.monotonic()
         loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
@@ -557,13 +528,8 @@ def built_otherwise(rank, world, schedule):
     """Rank 1 builds the head with 10 classes where rank 0 builds 4 (a config read per rank)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4 if rank == 0 else 10))
-    start = time.monotonic()
-    try:
-        fxpipe.compile(model, 2, example_inputs=(torch.randn(8, 8),), chunks=2, runtime="distributed", timeout=20,
-                       schedule=schedule)
-        return {"built": ["compiled", "", time.monotonic() - start]}
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return {"built": [type(exc).__name__, str(exc), time.monotonic() - start]}
+    return {"built": _attempt(lambda: fxpipe.compile(model, 2, example_inputs=(torch.randn(8, 8),), chunks=2,
+                                                     runtime="distributed", timeout=20, schedule=schedule))}
 
 
 def wrapped_state_dict(rank, world, schedule):
@@ -592,12 +558,8 @@ def target_on_one_replica(rank, world, schedule):
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
                           schedule=schedule, data_parallel=2)
     replica = rank // 2
-    start = time.monotonic()
-    try:
-        pipe.step(x[4 * replica:][:4], target=y[:4] if replica == 0 else None, loss_fn=F.mse_loss)
-        return {"failed": ["returned", "", time.monotonic() - start]}
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return {"failed": [type(exc).__name__, str(exc), time.monotonic() - start]}
+    return {"failed": _attempt(lambda: pipe.step(x[4 * replica:][:4], target=y[:4] if replica == 0 else None,
+                                                 loss_fn=F.mse_loss))}
 
 
 class _Gate(nn.Module):
@@ -647,11 +609,7 @@ def sharded_per_rank(rank, world, schedule):
                                                         loss_fn=token_loss)),
              ("forward_own_rows", lambda: pipe(own[0]))]
     for label, call in calls:
-        start = time.monotonic()
-        try:
-            call()
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+        out[label] = _attempt(call)
     sampler = DistributedSampler(data, *fxpipe.data_shard(pipe), shuffle=False)
     x, y = next(iter(DataLoader(data, batch_size=8, sampler=sampler)))
     loss = float(pipe.step(x, target=y, loss_fn=token_loss))  # every rank passes its loader's batch
