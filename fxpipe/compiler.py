@@ -169,7 +169,6 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         data_parallel_shard=data_parallel_shard, tensor_parallel=tensor_parallel, tp_plan=tp_plan, mesh=mesh,
         weights=weights, init=init, seed=seed, split_spec=split_spec, torch_compile=torch_compile, save=save,
         unbatched=unbatched)
-    options.check()
     target = where(model, options)  # the schedule, the devices, and across ranks this process's place
     saved = None if plan is None else load_plan(plan)
     front = assign_stages(model, options, saved, target.devices, target.device)

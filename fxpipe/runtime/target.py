@@ -12,13 +12,12 @@ plans with the same devices so that every rank makes the same plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.fx
 from torch import nn
 
-from fxpipe.errors import WeightsError
 from fxpipe.materialize.fillplan import tensor_table
 from fxpipe.materialize.metatensors import refuse_meta_constants
 from fxpipe.materialize.weights import check_weights
@@ -26,7 +25,14 @@ from fxpipe.options import CompileOptions
 from fxpipe.runtime.placement import resolve_devices
 from fxpipe.runtime.schedules.builtin import Schedule, resolve
 from fxpipe.runtime.transport.comm import Comm
-from fxpipe.runtime.transport.procgroup import Layout, agree_on_stages, check_launched_world, setup_distributed
+from fxpipe.runtime.transport.mesh import launched_world
+from fxpipe.runtime.transport.procgroup import (
+    Layout,
+    agree_on_stages,
+    check_launched_world,
+    join_default_group,
+    setup_distributed,
+)
 from fxpipe.runtime.transport.sameoptions import agree_on_options
 
 __all__ = ["Target", "where"]
@@ -50,32 +56,56 @@ class Target:
             agree_on_stages(gm, n_stages)
 
 
-def where(model: nn.Module, options: CompileOptions) -> Target:
-    """Resolve the schedule and the devices, join the process groups across ranks; return the :class:`Target`."""
+def _checked(model: nn.Module, options: CompileOptions) -> tuple[Schedule, Any]:
+    """Refuse options no layer could use; return the resolved schedule and the checked weights."""
+    options.check()
     if options.balance_by == "time" and any(info.tensor.is_meta for info in tensor_table(model).values()):
         raise ValueError("balance_by='time' measures the model's kernels, which a model on meta cannot "
                          "run; use balance_by='flops'")
-    n = options.n_stages
     if options.distributed and options.devices is not None:  # each rank runs on its own device
         raise ValueError(
             f"devices={list(options.devices)!r} places the stages of one process; with runtime='distributed' each "
             "rank runs its stages on its own device (the GPU of its LOCAL_RANK with NCCL, the CPU with gloo): "
             "leave devices= out (set the GPU a rank uses with CUDA_VISIBLE_DEVICES or torch.cuda.set_device)")
+    n = options.n_stages
     if options.distributed:  # too few or many processes first: the schedule's needs depend on the world
         check_launched_world(n, options.stages_per_rank, options.data_parallel, options.mesh, options.tensor_parallel)
     schedule = resolve(options.schedule, n, options.chunks, options.stages_per_rank)
     options.check_layout()
-    refused: Exception | None = None
+    return schedule, check_weights(options.weights)
+
+
+def _refuse_together(options: CompileOptions, refused: Exception) -> NoReturn:
+    """Raise ``refused`` after joining the other ranks, which raise naming it (or the option that differs)."""
     try:
-        weights = check_weights(options.weights)
-    except WeightsError as exc:  # across ranks: join first, so that every rank refuses (a path on one node only)
-        if not options.distributed:
+        join_default_group(options.timeout, launched_world())
+    except Exception as exc:
+        raise refused from exc
+    agree_on_options(options, refused)
+    raise refused  # not reached: agree_on_options raises it
+
+
+def where(model: nn.Module, options: CompileOptions) -> Target:
+    """Check the options, resolve the schedule and the devices, join the process groups across ranks; return the :class:`Target`.
+
+    Across ranks an option refused on one rank only (a typo in a script that reads its options
+    per rank, a ``weights=`` path on one node's disk) is refused after the ranks have joined:
+    there the others raise :class:`OptionMismatchError` or :class:`PeerFailure` naming it at
+    once, where they would wait out ``timeout=`` for a rank that never joins.
+    """
+    try:
+        schedule, weights = _checked(model, options)
+    except (TypeError, ValueError) as exc:
+        if options.runtime != "distributed":
             raise
-        refused, weights = exc, None
+        _refuse_together(options, exc)
+    n = options.n_stages
     if options.distributed:
+        join_default_group(options.timeout, n // options.stages_per_rank * options.data_parallel
+                           * options.tensor_parallel)
+        agree_on_options(options)
         layout = setup_distributed(n, options.timeout, options.stages_per_rank, options.data_parallel, options.mesh,
                                    options.tensor_parallel)
-        agree_on_options(options, refused)
         link = Comm(layout.rank, options.timeout, layout.pp_group, layout.device, layout.global_ranks)
         devices = [torch.device(layout.device.type, r) for r in schedule.ranks]
         return Target(schedule, devices, layout.device, weights, layout, link)

@@ -237,6 +237,14 @@ def test_ranks_given_other_options_or_making_other_calls_are_told_at_once(world,
         assert kind == "OptionMismatchError" and seconds < 10, (r, res)
         assert message.startswith("fxpipe.compile got schedule='1f1b' on rank 0 but schedule='gpipe' on rank 1")
         assert "pass the same compile options on every rank" in message
+        # refused on one rank before joining: the others waited out timeout= for it to join
+        kind, message, seconds = res["invalid"]
+        assert kind == "OptionMismatchError" and seconds < 10, (r, res)
+        assert message.startswith(f"fxpipe.compile got chunks=2 on rank 0 but chunks=0 on rank {world - 1}"), message
+        kind, message, seconds = res["weights"]  # the same options otherwise: the refusal, named on every rank
+        assert seconds < 10 and (kind == "TypeError" if r else kind == "PeerFailure"), (r, res)
+        assert "rank 1 refused its fxpipe.compile arguments (TypeError: weights=" in message if r == 0 else \
+            message.startswith("weights="), message
         kind, message, seconds = res["calls"]
         assert seconds < 10, (r, res)
         if world == 2 and r == 1:

@@ -457,6 +457,13 @@ def calls_differ(rank, world, schedule):
     out["options"] = _attempt(lambda: fxpipe.compile(model, world // dp, example_inputs=(x,), chunks=2, timeout=20,
                                                      runtime="distributed", data_parallel=dp,
                                                      schedule=schedule if rank == 0 else "gpipe"))
+    # an option no rank could use, on the last rank only (read per rank): refused there before joining
+    out["invalid"] = _attempt(lambda: fxpipe.compile(model, world // dp, example_inputs=(x,), timeout=20,
+                                                     runtime="distributed", data_parallel=dp, schedule=schedule,
+                                                     chunks=0 if rank == world - 1 else 2))
+    out["weights"] = _attempt(lambda: fxpipe.compile(model, world // dp, example_inputs=(x,), timeout=20, chunks=2,
+                                                     runtime="distributed", data_parallel=dp, schedule=schedule,
+                                                     weights=None if rank == 0 else 7))
     pipe = fxpipe.compile(model, world // dp, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
                           schedule=schedule, data_parallel=dp)
     # the mistake: pipe(x) on one rank (a whole replica under data parallel), pipe.step on the others

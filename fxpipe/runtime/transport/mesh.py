@@ -26,7 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fxpipe.runtime.transport.together import together
 
-__all__ = ["Layout", "check_launched_world", "check_world", "init_distributed", "launched_world", "setup_distributed"]
+__all__ = ["Layout", "check_launched_world", "check_world", "init_distributed", "join_default_group", "launched_world",
+           "setup_distributed"]
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +78,7 @@ def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1, d
         raise ValueError("runtime='distributed' needs torch.distributed, which this PyTorch build lacks")
     if mesh is not None:
         data_parallel, tensor_parallel = _check_mesh(mesh, pp, n_stages, stages_per_rank, tensor_parallel)
-    want = pp * data_parallel * tensor_parallel
-    if not dist.is_initialized():
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            raise ValueError(f"runtime='distributed' needs a process group: launch with "
-                             f"`torchrun --nproc-per-node {want} script.py` (missing {missing}) "
-                             "or call fxpipe.init_distributed() first")
-        init_distributed(timeout)
+    join_default_group(timeout, pp * data_parallel * tensor_parallel)
     world, me = dist.get_world_size(), dist.get_rank()
     check_world(world, n_stages, stages_per_rank, data_parallel, tensor_parallel)
     backend = dist.get_backend()
@@ -114,6 +108,23 @@ def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1, d
         if made:
             bound_waits(layout.tp_group, timeout)
     return layout
+
+
+def join_default_group(timeout: float, want: Any = None) -> None:
+    """Join the default process group from torchrun's environment, unless joined; refuse without one.
+
+    ``want``: the processes the layout needs, named in the refusal's launch line.
+    """
+    if not dist.is_available():
+        raise ValueError("runtime='distributed' needs torch.distributed, which this PyTorch build lacks")
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(f"runtime='distributed' needs a process group: launch with "
+                         f"`torchrun --nproc-per-node {want if isinstance(want, int) else 'N'} script.py` "
+                         f"(missing {missing}) or call fxpipe.init_distributed() first")
+    init_distributed(timeout)
 
 
 def bound_waits(group: Any, timeout: float) -> None:

@@ -21,10 +21,17 @@ import torch.fx
 from fxpipe import passes
 from fxpipe.errors import GraphMismatchError
 from fxpipe.runtime.placement import named_tensors
-from fxpipe.runtime.transport.mesh import Layout, check_launched_world, check_world, init_distributed, setup_distributed
+from fxpipe.runtime.transport.mesh import (
+    Layout,
+    check_launched_world,
+    check_world,
+    init_distributed,
+    join_default_group,
+    setup_distributed,
+)
 
 __all__ = ["Layout", "Ties", "agree_on_stages", "check_launched_world", "check_world", "init_distributed",
-           "reopen_pipeline", "setup_distributed", "tied_groups"]
+           "join_default_group", "reopen_pipeline", "setup_distributed", "tied_groups"]
 
 log = logging.getLogger(__name__)
 

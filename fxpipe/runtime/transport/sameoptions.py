@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fxpipe.errors import OptionMismatchError, PeerFailure
+from fxpipe.errors import OptionMismatchError, PeerFailure, WeightsError
 
 __all__ = ["agree_on_options", "summary"]
 
@@ -36,17 +36,23 @@ def _describe(value: Any) -> str:
 
 def summary(options: Any) -> dict[str, str]:
     """Return the options every rank must agree on, each described as text."""
-    return {name: _describe(getattr(options, name)) for name in _COMPARED}
+    values = {name: getattr(options, name) for name in _COMPARED}
+    if values["torch_compile"] is False:  # as check() leaves it (a rank refused before check() keeps False)
+        values["torch_compile"] = None
+    return {name: _describe(value) for name, value in values.items()}
 
 
 def agree_on_options(options: Any, refused: Exception | None = None) -> None:
     """Compare this rank's options with every other rank's; refuse on every rank where they differ.
 
     ``refused`` is what this rank refused before joining (a ``weights=`` path it cannot see, on a
-    node's local disk): it is raised here, and the other ranks raise a :class:`PeerFailure` naming it.
+    node's local disk; an option read per rank, wrong on one): it is raised here, and the other
+    ranks raise a :class:`PeerFailure` naming it (an :class:`OptionMismatchError` where the options
+    differ, on every rank).
     """
     told: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(told, (summary(options), None if refused is None else str(refused)))
+    why = None if refused is None else (type(refused).__name__, str(refused), isinstance(refused, WeightsError))
+    dist.all_gather_object(told, (summary(options), why))
     gathered = [t[0] for t in told]
     for rank, theirs in enumerate(gathered):
         differ = [k for k in _COMPARED if theirs.get(k) != gathered[0].get(k)]
@@ -59,7 +65,13 @@ def agree_on_options(options: Any, refused: Exception | None = None) -> None:
     if refused is not None:
         raise refused
     other = next(((r, why) for r, (_, why) in enumerate(told) if why is not None), None)
-    if other is not None:
-        raise PeerFailure(f"rank {dist.get_rank()} stopped because rank {other[0]} refused its weights=: {other[1]} "
+    if other is None:
+        return
+    rank, (kind, message, weights) = other
+    if weights:
+        raise PeerFailure(f"rank {dist.get_rank()} stopped because rank {rank} refused its weights=: {message} "
                           "(every rank reads weights= itself: give a path that every rank sees, such as one on a "
                           "shared file system)")
+    raise PeerFailure(f"rank {dist.get_rank()} stopped because rank {rank} refused its fxpipe.compile arguments "
+                      f"({kind}: {message}); every rank compiles together, so every rank stops: fix the arguments "
+                      "on that rank (and pass the same ones on every rank)")
