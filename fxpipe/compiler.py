@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from fxpipe.errors import CompileError
 from fxpipe.frontend.compiledmodule import unwrap_compiled
@@ -34,6 +36,23 @@ __all__ = ["compile"]
 log = logging.getLogger(__name__)
 
 
+def _outside_inference_mode(fn: Callable[..., Pipe]) -> Callable[..., Pipe]:
+    """Run ``fn`` with inference mode off, on normal copies of the inference tensors among its arguments.
+
+    Under ``torch.inference_mode()`` (an evaluation script) every value tracing makes would be an
+    inference tensor, which has no version counter (read to find in-place ops) and cannot be
+    saved for the backward the annotation records.
+    """
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Pipe:
+        with torch.inference_mode(False):  # example inputs made under it, too
+            args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t,
+                                    (args, kwargs))
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+@_outside_inference_mode
 def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             example_kwargs: dict[str, Any] | None = None, devices: Sequence[Any] | None = None,
             chunks: int = 1, checkpoint: str | Sequence[str] = "except_last", balance_by: str = "auto",

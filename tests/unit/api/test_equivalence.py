@@ -1,7 +1,14 @@
 """Outputs and every gradient equal eager for every model, stage count, chunks and checkpoint mode."""
 
+import copy
+
 import pytest
+import torch
+import torch.nn.functional as F
 from models import FACTORIES
+from torch import nn
+
+import fxpipe
 
 from fxpipe.options import SINGLE_STAGE_SCHEDULES as SCHEDULES
 from fxpipe.testing import assert_pipeline_equivalent
@@ -24,3 +31,20 @@ def test_equal_to_eager(name, n_stages, chunks, checkpoint):
                                       chunks=chunks, checkpoint=checkpoint, devices=["cpu"] * n_stages,
                                       schedules=[SCHEDULES[k // 3 % 3]] if stepped else ())
     assert len(pipe.stages) == n_stages
+
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_model_compiled_under_inference_mode_equals_eager(tracer):
+    # every value tracing made was an inference tensor: "Inference tensors do not track version counter"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8)).eval()
+    with torch.inference_mode():
+        x = torch.randn(4, 8)
+        pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, tracer=tracer)
+        torch.testing.assert_close(pipe(x), model(x))
+    model = model[:3].train()  # an example made under inference mode, compiled outside it for training
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, tracer=tracer)
+    x = x.clone()
+    torch.testing.assert_close(pipe.step(x, target=x, loss_fn=F.mse_loss), F.mse_loss(eager(x), x))
