@@ -84,7 +84,11 @@ class Pipe(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             model = self.__dict__.get("_model")
-            if model is None or name.startswith("_") or name not in vars(model):
+            if model is None or name.startswith("_"):
+                raise
+            if name not in vars(model):
+                if hasattr(type(model), name):
+                    raise _model_method(model, name) from None
                 raise
             return vars(model)[name]
 
@@ -247,6 +251,17 @@ class Pipe(nn.Module):
             yield
         finally:
             self._runtime.sync = previous
+
+
+def _model_method(model: nn.Module, name: str) -> AttributeError:
+    """Say that ``pipe.<name>`` is the model's class's method or property, which the pipe does not run."""
+    kind = "property" if isinstance(getattr(type(model), name, None), property) else "method"
+    return AttributeError(
+        f"'Pipe' object has no attribute '{name}': {type(model).__name__}.{name} is a {kind} of the model's class, "
+        "and the pipe runs the traced forward only (pipe(x), pipe.step). Call it on the model itself: in one process "
+        "the pipe shares the model's parameters; across ranks each rank holds only its stages' (the others are on "
+        "meta). To generate, run the model unpipelined (the traced graph keeps no key/value cache); to save "
+        "(save_pretrained), fxpipe.save(pipe, path), then fxpipe.load(model, path) into a model built whole")
 
 
 def _after_load(pipe: Pipe, incompatible: Any) -> None:

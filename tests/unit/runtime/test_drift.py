@@ -22,6 +22,13 @@ class Flags(nn.Module):
             h = torch.relu(h)
         return self.l2(self.drop(h)) * self.scale
 
+    def generate(self, x):
+        return self(x).argmax(-1)
+
+    @property
+    def width(self):
+        return self.l1.in_features
+
 
 def _pipe(tracer="fx"):
     model = Flags()
@@ -91,5 +98,12 @@ def test_the_models_attributes_read_and_set_through_the_pipe():
         pipe(x)
     pipe.note = "mine"  # a name the model lacks stays the pipe's
     assert pipe.note == "mine" and not hasattr(model, "note")
-    with pytest.raises(AttributeError, match="no attribute 'absent'"):
+    with pytest.raises(AttributeError, match="no attribute 'absent'$"):
         pipe.absent
+    # the model's class's methods and properties: a bare AttributeError (pipe.generate, pipe.save_pretrained)
+    with pytest.raises(AttributeError, match=r"Flags.generate is a method of the model's class, and the pipe runs "
+                                             r"the traced forward only .* To generate, run the model unpipelined"):
+        pipe.generate(x)
+    with pytest.raises(AttributeError, match="Flags.width is a property of the model's class"):
+        pipe.width
+    assert not hasattr(pipe, "generate")
