@@ -88,6 +88,17 @@ class GradSync:
         elif reduce:
             wrapped.reducer.prepare_for_backward([])
 
+    def reshard(self) -> None:
+        """Put FSDP2's sharded parameters (the optimizer's) back on the stages after a call with no last backward.
+
+        With ``reshard_after_forward=False`` only a stage's last backward reshards: after
+        ``pipe(x)`` (or a failed step) the modules would keep the gathered full parameters, which
+        ``pipe.parameters()``, ``state_dict()`` and ``fxpipe.save(..., optimizer=)`` then read.
+        """
+        if self.shard:
+            for wrapped in self.wrapped.values():
+                wrapped.reshard()
+
     def reduce(self) -> None:
         """Average the gradients reduced after the step (tensor parallel, replicated): one all-reduce per dtype."""
         import torch.distributed as dist

@@ -244,9 +244,13 @@ class DistributedRuntime:
         except BaseException:
             transport.abandon()
             runner.begin(m, {}, checkpointing=False)  # hold nothing of the failed step
+            if self.grad_sync is not None:
+                self.grad_sync.reshard()
             raise
         transport.finish()
         self.comm.flush()
+        if self.grad_sync is not None and not grad:  # no backward resharded FSDP2's parameters
+            self.grad_sync.reshard()
         if training:
             if self.layout.dp > 1:  # running statistics: the global batch's, or the first replica's
                 sync_norms(self.norms, self.deferred, self.layout.dp_group, self.comm.wait)

@@ -750,7 +750,7 @@ CASES.update(scaler=scaler)
 
 
 def dp_resume(rank, world, schedule):
-    """2 replicas x 2 ranks, replicated then sharded: 2 steps, save, load into a fresh pipe, a step equal."""
+    """2 replicas x 2 ranks, replicated then sharded: 2 steps, pipe(x), save, load into a fresh pipe, a step equal."""
     out, results = os.environ["FXPIPE_TEST_DIR"], {}
     for shard in (False, True):
         runs = []
@@ -763,6 +763,8 @@ def dp_resume(rank, world, schedule):
             opt.zero_grad()
             step(xs, ys)
             opt.step()
+        with torch.no_grad():  # an evaluation: no backward reshards FSDP2's gathered parameters, fxpipe must
+            pipe(xs if rank % 2 == 0 else None)
         path = os.path.join(out, f"dp{int(shard)}")
         fxpipe.save(pipe, path, optimizer=opt)
         fxpipe.load(runs[1][0], path, optimizer=runs[1][2])
