@@ -39,6 +39,7 @@ ROLES = {  # role -> (what the site reads, what it gives, the PyTorch style it i
     "vocab": Rule("R", "R", "RowwiseParallel(input_layouts=Replicate())"),
     "gather": Rule("R", "R", "ColwiseParallel(output_layouts=Replicate())"),
 }
+_RESHAPES = {"view", "reshape", "_unsafe_view", "flatten", "contiguous", "clone"}
 _WALK = POINTWISE | {"view", "reshape", "_unsafe_view", "transpose", "permute", "unsqueeze", "expand", "slice",
                      "cat", "getitem", "contiguous", "t", "flatten", "unflatten", "squeeze", "repeat_interleave"}
 
@@ -65,17 +66,26 @@ def auto_roles(gm: torch.fx.GraphModule, t: int) -> dict[str, str]:
     of_node = {name: s for s in sites.values() for name in s.nodes}
     roles: dict[str, str] = {}
     refused: list[TensorParallelError] = []  # regions t does not divide: left whole if another one splits
+    unclosed: list[str] = []  # regions of several linears that did not close: left whole, warned of
     whole: dict[str, str] = {}  # their sites, which no other region takes
     for site in sites.values():
         if site.kind == "linear" and site.fqn not in roles and site.fqn not in whole:
             try:
-                roles.update(_grow(gm, sites, of_node, {**roles, **whole}, site, t))
+                grown = _grow(gm, sites, of_node, {**roles, **whole}, site, t)
             except TensorParallelError as exc:
                 refused.append(exc)
                 whole.update(dict.fromkeys(getattr(exc, "region", (site.fqn,)), "whole"))
+                continue
+            if isinstance(grown, _Unclosed):
+                unclosed.append(grown.message)
+                whole.update(dict.fromkeys(grown.region, "whole"))
+            else:
+                roles.update(grown)
     if refused and not roles:
         raise refused[0]
-    for message in dict.fromkeys(str(exc).split("; use ")[0] for exc in refused):
+    if len(unclosed) > 1:  # one per layer of a deep model: the first, counted
+        unclosed = [f"{unclosed[0]}; and {len(unclosed) - 1} more region(s) like it"]
+    for message in dict.fromkeys([str(exc).split("; use ")[0] for exc in refused] + unclosed):
         warnings.warn(f"tp_plan='auto' leaves a region whole: {message}; the regions it divides are split "
                       "(write tp_plan= yourself to choose otherwise)", stacklevel=2)
     _embeddings(gm, sites, roles, t)
@@ -84,9 +94,21 @@ def auto_roles(gm: torch.fx.GraphModule, t: int) -> dict[str, str]:
     return roles
 
 
+class _Unclosed:
+    """A region of several linears whose shards meet a whole value no linear makes: it stays whole."""
+
+    def __init__(self, region: Mapping[str, str], message: str) -> None:
+        self.region = list(region)
+        names = ", ".join(f"'{fqn}'" for fqn in sorted(region))
+        self.message = (f"the linears {names} split together do not close into one column-wise/row-wise region "
+                        f"({message}); a head count tensor_parallel does not divide (multi-query attention's one "
+                        "key/value head) shards inside a head, which attention cannot take")
+
+
 def _grow(gm: torch.fx.GraphModule, sites: Mapping[str, Site], of_node: Mapping[str, Site],
-          taken: Mapping[str, str], start: Site, t: int) -> dict[str, str]:
-    """Grow a column-wise/row-wise region from ``start``; return its roles, or none if it does not close."""
+          taken: Mapping[str, str], start: Site, t: int) -> dict[str, str] | _Unclosed:
+    """Grow a column-wise/row-wise region from ``start``; return its roles, none if one linear's does not close,
+    or :class:`_Unclosed` if several linears' does not."""
     region = {start.fqn: "colwise"}
     for _ in range(4 * len(sites) + 4):
         _, conflicts = propagate(gm, role_rules(sites, region), t)
@@ -108,7 +130,7 @@ def _grow(gm: torch.fx.GraphModule, sites: Mapping[str, Site], of_node: Mapping[
                     exc.region = list(region)  # type: ignore[attr-defined]
                     raise exc
             log.debug("tensor parallel: '%s' stays replicated (%s)", start.fqn, conflicts[0].message)
-            return {}
+            return _Unclosed(region, conflicts[0].message) if len(region) > 1 else {}
         region.update(grown)
     return {}
 
@@ -169,11 +191,19 @@ def _fetch(gm: torch.fx.GraphModule, target: str) -> object:
     return obj
 
 
+def _through_reshapes(node: object) -> object:
+    """Return the value a node reshapes (GPT-2's ``input_ids.view(-1, n)``), through every reshape, else the node."""
+    while isinstance(node, torch.fx.Node) and op_name(node) in _RESHAPES and node.args \
+            and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
 def _embeddings(gm: torch.fx.GraphModule, sites: Mapping[str, Site], roles: dict[str, str], t: int) -> None:
     """Make the token embedding vocabulary-parallel, and a linear tied to it column-wise with its logits gathered."""
     nodes = {n.name: n for n in gm.graph.nodes}
     for site in sites.values():
-        reads = [site_input(nodes[name]) for name in site.nodes]
+        reads = [_through_reshapes(site_input(nodes[name])) for name in site.nodes]
         if site.kind != "embedding" or not all(isinstance(r, torch.fx.Node) and r.op == "placeholder" for r in reads):
             continue
         tied = [s for s in sites.values() if s is not site and s.weight is site.weight]

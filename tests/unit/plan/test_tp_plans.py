@@ -57,6 +57,20 @@ def test_decoder_plan_pairs_attention_and_ties_the_head():
     assert styles["head"] == "ColwiseParallel(output_layouts=Replicate())"  # tied to it: the same shard, gathered
 
 
+class _ViewedIds(tm.TiedDecoder):
+    """GPT-2's way in: the token ids viewed (``ids.view(-1, n)``) before the embedding reads them."""
+
+    def forward(self, ids):
+        return super().forward(ids.view(-1, ids.shape[-1]))
+
+
+def test_an_embedding_reading_a_view_of_the_ids_is_made_vocabulary_parallel():
+    # GPT-2's wte stayed whole (with its tied head): the embedding read a view, not the input itself
+    styles = _styles(plan_tensor_parallel(_graph(_ViewedIds(), torch.randint(0, 64, (2, 8))), 2, "auto"))
+    assert styles["embed"] == "RowwiseParallel(input_layouts=Replicate())"
+    assert styles["head"] == "ColwiseParallel(output_layouts=Replicate())"
+
+
 def test_hard_coded_head_counts_become_local():
     """view(b, s, 4, 8) after a column-wise projection is view(b, s, 2, 8) on each of 2 ranks."""
     gm = _decoder()
@@ -235,3 +249,30 @@ def test_linears_whose_pairing_does_not_close_are_named_as_such_not_as_other_lay
     with pytest.warns(UserWarning, match=r"splits 0% of the parameters.*They are nn.Linear layers the automatic "
                                          r"plan could not pair column-wise then row-wise"):
         plan_tensor_parallel(_graph(_ResidualLinears(), torch.randn(4, 16)), 2, "auto")
+
+
+class _MultiQuery(nn.Module):
+    """Multi-query attention (4 query heads, 1 key/value head) and an MLP, with residual adds."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.k, self.v = nn.Linear(32, 8, bias=False), nn.Linear(32, 8)
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 4, 8).transpose(1, 2)
+        k = self.k(x).view(b, s, 1, 8).transpose(1, 2).expand(b, 4, s, 8)
+        v = self.v(x).view(b, s, 1, 8).transpose(1, 2).expand(b, 4, s, 8)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, s, 32))
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def test_multi_query_attention_left_whole_is_warned_of():
+    # one key/value head: the attention's linears stayed whole and nothing said so (the MLP split)
+    with pytest.warns(UserWarning, match=r"leaves a region whole: the linears 'k', 'q', 'v' split together do not "
+                                         r"close .* \(multi-query attention's one key\/value head\)"):
+        plan = plan_tensor_parallel(_graph(_MultiQuery(), torch.randn(2, 6, 32)), 2, "auto")
+    assert _styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
