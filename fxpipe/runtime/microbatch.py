@@ -103,7 +103,13 @@ def is_summed(loss_fn: Callable[[Any, Any], torch.Tensor]) -> bool:
 
 
 def check_target_rows(target: Any, batch: int | None) -> None:
-    """Refuse a target whose batched tensors have another number of rows than the inputs."""
+    """Refuse a target whose batched tensors have another number of rows than the inputs, or a list of per-row numbers."""
+    if isinstance(target, (list, tuple)) and batch is not None and batch > 1 and len(target) == batch \
+            and all(type(v) in (bool, int, float) for v in target):
+        raise PipelineInputError(
+            f"target is a {type(target).__name__} of {batch} Python numbers, one per row of the batch: pipe.step "
+            "splits tensors into micro-batches, and a number (or a list of them) goes whole to every micro-batch, "
+            f"where its rows would not match the micro-batch's. Pass torch.tensor(target)")
     target_batch = batch_size([target], ["target"])
     if batch is not None and target_batch is not None and target_batch != batch:
         raise PipelineInputError(f"target has {target_batch} rows on dim 0 but the inputs have "

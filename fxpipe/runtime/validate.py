@@ -150,7 +150,8 @@ def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor,
             f"Export with an example of this shape, or use tracer='fx', whose graph is shape-generic")
     if actual.dtype != expected.dtype:
         raise PipelineInputError(f"input '{where}' has dtype {actual.dtype} but the exported graph "
-                                 f"takes {expected.dtype}")
+                                 f"takes {expected.dtype} (torch.export fixed the example's dtype): cast it "
+                                 f"({where}.to({expected.dtype})), or compile with an example of dtype {actual.dtype}")
 
 
 def check_signature(names: list[str], spec: list[Any], example: list[Any], kinds: bool = True) -> None:

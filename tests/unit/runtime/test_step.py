@@ -69,6 +69,17 @@ def test_step_rejects_a_target_of_another_batch_size():
         pipe.step(torch.randn(4, 3, 8, 8), target=torch.randn(3, 2, 8, 8), loss_fn=F.mse_loss)
 
 
+def test_step_refuses_a_target_given_as_a_list_of_per_row_numbers():
+    # each micro-batch got the whole list: "Expected input batch_size (2) to match target batch_size (6)" from loss_fn
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(6, 8),), chunks=3, devices=["cpu"] * 2)
+    loss_fn = lambda out, t: F.cross_entropy(out, torch.as_tensor(t))  # noqa: E731
+    with pytest.raises(fxpipe.PipelineInputError, match=r"target is a list of 6 Python numbers, one per row .* "
+                                                        r"Pass torch.tensor\(target\)"):
+        pipe.step(torch.randn(6, 8), target=[0, 1, 2, 0, 1, 2], loss_fn=loss_fn)
+    pipe.step(torch.randn(6, 8), target=torch.tensor([0, 1, 2, 0, 1, 2]), loss_fn=loss_fn)
+
+
 def test_step_with_an_unbatched_target_covers_every_micro_batch():
     model = UNet(depth=2, base=4).eval()
     x = torch.randn(6, 3, 8, 8)
