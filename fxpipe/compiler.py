@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -36,23 +35,16 @@ __all__ = ["compile"]
 log = logging.getLogger(__name__)
 
 
-def _outside_inference_mode(fn: Callable[..., Pipe]) -> Callable[..., Pipe]:
-    """Run ``fn`` with inference mode off, on normal copies of the inference tensors among its arguments.
+def _normal(values: Any) -> Any:
+    """Return ``values`` with each inference tensor (made under ``torch.inference_mode()``) copied to a normal one.
 
-    Under ``torch.inference_mode()`` (an evaluation script) every value tracing makes would be an
-    inference tensor, which has no version counter (read to find in-place ops) and cannot be
-    saved for the backward the annotation records.
+    Under inference mode every value tracing makes would be an inference tensor, which has no
+    version counter (read to find in-place ops) and cannot be saved for the backward the
+    annotation records: :func:`compile` runs with it off, on such copies of the example inputs.
     """
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Pipe:
-        with torch.inference_mode(False):  # example inputs made under it, too
-            args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t,
-                                    (args, kwargs))
-            return fn(*args, **kwargs)
-    return wrapper
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t, values)
 
 
-@_outside_inference_mode
 def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             example_kwargs: dict[str, Any] | None = None, devices: Sequence[Any] | None = None,
             chunks: int = 1, checkpoint: str | Sequence[str] = "except_last", balance_by: str = "auto",
@@ -154,64 +146,67 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
 
     If compile fails, the model is left unmoved and unmodified.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"fxpipe.compile expects an nn.Module or a torch.fx.GraphModule, "
-                        f"got {type(model).__name__}")
-    model = unwrap_compiled(model)
-    if isinstance(model, Pipe):
-        raise TypeError("fxpipe.compile got a Pipe, which is compiled already: compile the model it was "
-                        "compiled from (in one process the pipe shares its parameters; across ranks build the "
-                        "model again and pass weights= a checkpoint fxpipe.save wrote)")
-    if released(model):
-        raise CompileError(
-            f"this {type(model).__name__} was compiled with runtime='distributed' on this rank already, which left "
-            "only this rank's stages' tensors real (the others are on meta): compiling it again would initialise "
-            "those anew. Build the model again and pass weights= a checkpoint fxpipe.save wrote (or compile it "
-            "once, with the layout you want)")
-    if plan is not None:  # what the plan records of the layout fills the arguments left at their defaults
-        layout = adopt_layout(load_plan(plan), {"chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
-                                                "stages_per_rank": stages_per_rank, "data_parallel": data_parallel,
-                                                "data_parallel_shard": data_parallel_shard,
-                                                "tensor_parallel": tensor_parallel, "tracer": tracer},
-                              runtime == "distributed", mesh)
-        if runtime == "distributed" and mesh is None:
-            _refuse_plan_world(plan, layout, stages_per_rank, data_parallel, tensor_parallel, n_stages)
-        chunks, schedule, checkpoint = layout["chunks"], layout["schedule"], layout["checkpoint"]
-        stages_per_rank, data_parallel = layout["stages_per_rank"], layout["data_parallel"]
-        data_parallel_shard, tensor_parallel = layout["data_parallel_shard"], layout["tensor_parallel"]
-        tracer = layout["tracer"]
-    options = CompileOptions(
-        n_stages, example_inputs=example_inputs, example_kwargs=example_kwargs, devices=devices, chunks=chunks,
-        checkpoint=checkpoint, balance_by=balance_by, split_points=split_points, max_memory=max_memory,
-        schedule=schedule, leaf_modules=leaf_modules, tracer=tracer, plan=plan, runtime=runtime, timeout=timeout,
-        deferred_batch_norm=deferred_batch_norm, stages_per_rank=stages_per_rank, data_parallel=data_parallel,
-        data_parallel_shard=data_parallel_shard, tensor_parallel=tensor_parallel, tp_plan=tp_plan, mesh=mesh,
-        weights=weights, init=init, seed=seed, split_spec=split_spec, torch_compile=torch_compile, save=save,
-        unbatched=unbatched)
-    target = where(model, options)  # the schedule, the devices, and across ranks this process's place
-    saved = None if plan is None else load_plan(plan)
-    front = assign_stages(model, options, saved, target.devices, target.device)
-    chosen = None
-    if options.checkpoint == AUTO:  # the policies, and maybe a boundary moved, for max_memory
-        chosen = fit(front, options, target.devices, target.schedule, options.distributed, saved, not front.fixed)
-    target.check_graph(model, front.gm, n_stages)
-    policies = chosen.policies if chosen is not None else options.checkpoint
-    if options.save is None and "selective" in ([policies] if isinstance(policies, str) else list(policies)):
-        try:  # what backward keeps, which selective recomputation's swaps read (selectswap)
-            retain_anywhere(front.gm)
-        except Exception as e:  # noqa: BLE001 -- an optional refinement: without it nothing is swapped
-            log.info("selective recomputation keeps the default rule: what backward keeps could not be "
-                     "traced (%s: %s)", type(e).__name__, e)
-    pipe_plan, stages = make_plan(front, options, target.devices, target.schedule.name, target.schedule.ranks, saved)
-    if chosen is not None:
-        for s, policy, peak in zip(pipe_plan.stages, chosen.policies, chosen.peaks):
-            s.checkpoint, s.peak = policy, int(peak)
-        log.info("checkpoint='auto' for max_memory=%s: %s", options.max_memory, chosen.policies)
-    built = build(model, front.gm, pipe_plan, stages, options, target)
-    pipe = Pipe(model, front.gm, pipe_plan, stages, built.devices, built.runtime, built.owned)
-    pipe.__dict__["_save"] = options.save  # what fxpipe.simulate(pipe) predicts selective recomputation keeps
-    log.info("compiled %s into %d stages\n%s", type(model).__name__, n_stages, pipe_plan)
-    return pipe
+    with torch.inference_mode(False):  # an evaluation script: tracing needs version counters, autograd
+        example_inputs, example_kwargs = _normal((example_inputs, example_kwargs))
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"fxpipe.compile expects an nn.Module or a torch.fx.GraphModule, "
+                            f"got {type(model).__name__}")
+        model = unwrap_compiled(model)
+        if isinstance(model, Pipe):
+            raise TypeError("fxpipe.compile got a Pipe, which is compiled already: compile the model it was "
+                            "compiled from (in one process the pipe shares its parameters; across ranks build the "
+                            "model again and pass weights= a checkpoint fxpipe.save wrote)")
+        if released(model):
+            raise CompileError(
+                f"this {type(model).__name__} was compiled with runtime='distributed' on this rank already, which left "
+                "only this rank's stages' tensors real (the others are on meta): compiling it again would initialise "
+                "those anew. Build the model again and pass weights= a checkpoint fxpipe.save wrote (or compile it "
+                "once, with the layout you want)")
+        if plan is not None:  # what the plan records of the layout fills the arguments left at their defaults
+            layout = adopt_layout(load_plan(plan), {"chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
+                                                    "stages_per_rank": stages_per_rank, "data_parallel": data_parallel,
+                                                    "data_parallel_shard": data_parallel_shard,
+                                                    "tensor_parallel": tensor_parallel, "tracer": tracer},
+                                  runtime == "distributed", mesh)
+            if runtime == "distributed" and mesh is None:
+                _refuse_plan_world(plan, layout, stages_per_rank, data_parallel, tensor_parallel, n_stages)
+            chunks, schedule, checkpoint = layout["chunks"], layout["schedule"], layout["checkpoint"]
+            stages_per_rank, data_parallel = layout["stages_per_rank"], layout["data_parallel"]
+            data_parallel_shard, tensor_parallel = layout["data_parallel_shard"], layout["tensor_parallel"]
+            tracer = layout["tracer"]
+        options = CompileOptions(
+            n_stages, example_inputs=example_inputs, example_kwargs=example_kwargs, devices=devices, chunks=chunks,
+            checkpoint=checkpoint, balance_by=balance_by, split_points=split_points, max_memory=max_memory,
+            schedule=schedule, leaf_modules=leaf_modules, tracer=tracer, plan=plan, runtime=runtime, timeout=timeout,
+            deferred_batch_norm=deferred_batch_norm, stages_per_rank=stages_per_rank, data_parallel=data_parallel,
+            data_parallel_shard=data_parallel_shard, tensor_parallel=tensor_parallel, tp_plan=tp_plan, mesh=mesh,
+            weights=weights, init=init, seed=seed, split_spec=split_spec, torch_compile=torch_compile, save=save,
+            unbatched=unbatched)
+        target = where(model, options)  # the schedule, the devices, and across ranks this process's place
+        saved = None if plan is None else load_plan(plan)
+        front = assign_stages(model, options, saved, target.devices, target.device)
+        chosen = None
+        if options.checkpoint == AUTO:  # the policies, and maybe a boundary moved, for max_memory
+            chosen = fit(front, options, target.devices, target.schedule, options.distributed, saved, not front.fixed)
+        target.check_graph(model, front.gm, n_stages)
+        policies = chosen.policies if chosen is not None else options.checkpoint
+        if options.save is None and "selective" in ([policies] if isinstance(policies, str) else list(policies)):
+            try:  # what backward keeps, which selective recomputation's swaps read (selectswap)
+                retain_anywhere(front.gm)
+            except Exception as e:  # noqa: BLE001 -- an optional refinement: without it nothing is swapped
+                log.info("selective recomputation keeps the default rule: what backward keeps could not be "
+                         "traced (%s: %s)", type(e).__name__, e)
+        pipe_plan, stages = make_plan(front, options, target.devices, target.schedule.name, target.schedule.ranks,
+                                      saved)
+        if chosen is not None:
+            for s, policy, peak in zip(pipe_plan.stages, chosen.policies, chosen.peaks):
+                s.checkpoint, s.peak = policy, int(peak)
+            log.info("checkpoint='auto' for max_memory=%s: %s", options.max_memory, chosen.policies)
+        built = build(model, front.gm, pipe_plan, stages, options, target)
+        pipe = Pipe(model, front.gm, pipe_plan, stages, built.devices, built.runtime, built.owned)
+        pipe.__dict__["_save"] = options.save  # what fxpipe.simulate(pipe) predicts selective recomputation keeps
+        log.info("compiled %s into %d stages\n%s", type(model).__name__, n_stages, pipe_plan)
+        return pipe
 
 
 def _refuse_plan_world(plan: PlanLike, layout: dict[str, Any], stages_per_rank: int, data_parallel: int,
