@@ -168,8 +168,9 @@ def test_data_parallel_fsdp2_warns_of_returned_views_only_at_the_last_stage(tmp_
         assert (res["views"] > 0) == (r % 2 == 1), (r, res["views"], res["view_output"])
 
 
-def test_data_parallel_accumulation_and_autocast(tmp_path, launch):
-    for r, res in enumerate(launch("dp_accumulate", 4, "1f1b", tmp_path, limit=180)):
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b:shard"])
+def test_data_parallel_accumulation_and_autocast(schedule, tmp_path, launch):
+    for r, res in enumerate(launch("dp_accumulate", 4, schedule, tmp_path, limit=180)):
         assert res["ok"], f"rank {r}: {res.get('traceback')}"
         assert max(res["grad_errors"].values()) < 1e-5, (r, res["grad_errors"])
         assert res["autocast_loss_error"] < 1e-5 and max(res["autocast_grad_errors"].values()) < 1e-5, (r, res)

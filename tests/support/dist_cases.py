@@ -606,8 +606,12 @@ def dp_train(rank, world, schedule):
 
 
 def dp_accumulate(rank, world, schedule):
-    """Two steps (the first inside no_sync) equal eager's two backwards; autocast bf16 equals eager's math."""
-    pipe, model, eager, x, y, xs, ys, loss_fn, step, held = _dp_setup(rank, world, _mlp_pair, schedule, chunks=1,
+    """Two steps (the first inside no_sync) equal eager's two backwards; autocast bf16 equals eager's math.
+
+    Two micro-batches per replica: under one autocast around the step, a micro-batch reused an
+    earlier one's cached cast of a weight, and FSDP2 dropped the last micro-batch's weight gradient.
+    """
+    pipe, model, eager, x, y, xs, ys, loss_fn, step, held = _dp_setup(rank, world, _mlp_pair, schedule, chunks=2,
                                                                        split_points=["2"])
     x2, y2 = torch.randn_like(x), torch.randn_like(y)
     rows = xs.shape[0]
@@ -623,10 +627,10 @@ def dp_accumulate(rank, world, schedule):
     eager.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = step(xs, ys)
-        halves = [loss_fn(eager(x[r * rows:(r + 1) * rows]), y[r * rows:(r + 1) * rows]) for r in range(2)]
-    for h in halves:
-        (h / 2).backward()
-    out["autocast_loss_error"] = max_relative_error(got, sum(h.detach() for h in halves) / 2)
+        quarters = [loss_fn(eager(a), b) for a, b in zip(x.split(rows // 2), y.split(rows // 2))]  # the micro-batches
+    for q in quarters:
+        (q / 4).backward()
+    out["autocast_loss_error"] = max_relative_error(got, sum(q.detach() for q in quarters) / 4)
     out["autocast_grad_errors"] = _grad_errors(held, eager)
     float32 = copy.deepcopy(eager)  # the same step without autocast: float32 gradients
     float32.zero_grad()

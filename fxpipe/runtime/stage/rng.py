@@ -60,9 +60,14 @@ def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
 
 @contextmanager
 def autocast_as(state: tuple[tuple[str, bool, torch.dtype], ...]) -> Iterator[None]:
-    """Run the block under a saved autocast state (another thread's, or a forward's for its recompute)."""
+    """Run the block under a saved autocast state (another thread's, or a forward's for its recompute).
+
+    Its casts are not cached: under one ``torch.autocast`` around ``pipe.step`` a micro-batch would
+    reuse an earlier one's cast of a weight, whose autograd node FSDP2's post-backward hook of a
+    later stage input has passed by then: that micro-batch's weight gradient was dropped.
+    """
     with contextlib.ExitStack() as stack:
         for device_type, enabled, dtype in state:
             if enabled or torch.is_autocast_enabled(device_type):
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False))
         yield

@@ -127,7 +127,7 @@ class StageCall:
         replay = replay if recompute else None  # only a recomputation replays
         with on_device(self.device), _GRAD[how](), (in_pass(_FLAG[how]) if how in _FLAG else nullcontext()), \
                 (restore_rng(self.device, replay.rng) if replay is not None else nullcontext()), \
-                (autocast_as(replay.autocast) if replay is not None else nullcontext()), \
+                autocast_as(replay.autocast if replay is not None else autocast_state()), \
                 (timeline.span_at("recompute", replay.where) if replay is not None else nullcontext()), \
                 (replayed(self.gm, self.written(), replay.buffers) if replay is not None else nullcontext()), \
                 (self.saver.recording(i, inputs) if how in SAVING else nullcontext()) as record, self.around():
