@@ -326,3 +326,35 @@ def test_timm_batch_norm_act_defers_in_training(tracer):
     torch.testing.assert_close(model.bn1.running_mean, whole.bn1.running_mean)
     torch.testing.assert_close(model.bn1.running_var, whole.bn1.running_var)
     assert all(int(m.num_batches_tracked) == 1 for m in model.modules() if hasattr(m, "num_batches_tracked"))
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_exported_batch_norms_reading_statistics_through_a_mode_choice_are_kept_and_deferred(deferred):
+    """ShuffleNet under torch.export: its training and eval graphs merge out of step, so batch norms read their
+    running statistics through pick(training, ...) or run as training-only nodes. The recomputation updated those
+    a second time (40 buffers off, up to 0.8 relative), and deferral skipped them (counted once per micro-batch);
+    loss, gradients and eval outputs were right, so nothing showed until evaluation. Deferred, the statistics
+    are those of fx's graph (each batch norm reads activations normalised per micro-batch)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    import fxpipe
+
+    tvm = pytest.importorskip("torchvision.models")
+    x, y = torch.randn(4, 3, 32, 32, dtype=torch.float64), torch.randint(0, 10, (4,))
+    models = {}
+    for tracer in ("export", "fx"):
+        torch.manual_seed(0)
+        models[tracer] = model = tvm.shufflenet_v2_x0_5(num_classes=10).double()
+        eager = copy.deepcopy(model)
+        pipe = fxpipe.compile(model, 3, example_inputs=(x,), chunks=2, tracer=tracer, schedule="1f1b",
+                              checkpoint="always", deferred_batch_norm=deferred, devices=["cpu"] * 3)
+        pipe.step(x, target=y, loss_fn=F.cross_entropy)
+        if not deferred:
+            for part in x.chunk(2):  # eager over the same micro-batches
+                eager(part)
+            models["fx"] = eager
+            break
+    for (name, got), (_, want) in zip(models["export"].named_buffers(), models["fx"].named_buffers()):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=name)

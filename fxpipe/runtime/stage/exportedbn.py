@@ -26,6 +26,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from fxpipe.passes.modes import When, pick
 from fxpipe.passes.mutates import unwrapped
 from fxpipe.runtime.stage.batchnorm import accumulate
 
@@ -101,6 +102,8 @@ def _counters(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
 
 def _record(gm: torch.fx.GraphModule, adds: dict, stats: Any, momentum: Any) -> tuple[str, ExportedBatchNorm] | None:
     """Make the record of a call whose running mean is ``stats`` (a buffer), erasing its counter's add; or None."""
+    while isinstance(stats, torch.fx.Node) and stats.op == "call_function" and stats.target is pick:
+        stats = stats.args[1]  # the buffer the training graph reads, where the modes merged out of step
     if not (isinstance(stats, torch.fx.Node) and stats.op == "get_attr" and str(stats.target).endswith("running_mean")):
         return None
     prefix = str(stats.target)[: -len("running_mean")]
@@ -119,12 +122,19 @@ def defer_exported(gm: torch.fx.GraphModule) -> list[ExportedBatchNorm]:
     found = []
     adds = _counters(gm)
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.batch_norm.default or not node.args[5]:
+        guard = node.target if node.op == "call_function" and isinstance(node.target, When) else None
+        call, args = (guard.fn if guard.kind == "call_function" else None, node.args[1:]) if guard is not None \
+            else (node.target if node.op == "call_function" else None, node.args)
+        if call is not torch.ops.aten.batch_norm.default or not args[5] or (guard is not None and not guard.expected):
             continue
-        made = _record(gm, adds, node.args[3], node.args[6])
-        if made is not None:
-            node.target, node.args = deferred_batch_norm, (*node.args[:9], made[0])
-            found.append(made[1])
+        made = _record(gm, adds, args[3], args[6])
+        if made is None:
+            continue
+        if guard is not None:  # a batch norm of training mode only (the modes merged out of step)
+            node.target, node.args = When(deferred_batch_norm, True), (node.args[0], *args[:9], made[0])
+        else:
+            node.target, node.args = deferred_batch_norm, (*args[:9], made[0])
+        found.append(made[1])
     if found:
         gm.recompile()
     return found

@@ -48,8 +48,25 @@ def norm_statistics(gm: torch.fx.GraphModule) -> set[str]:
     for node in gm.graph.nodes:
         call = unwrapped(node)  # a mode-guarded batch norm too
         if call.op == "call_function" and "batch_norm" in op_name(call.target):  # exported: running mean, var
-            names |= {str(a.target) for a in node.all_input_nodes if a.op == "get_attr" and a.target in buffers}
+            names |= {str(a.target) for a in through_picks(node.all_input_nodes)
+                      if a.op == "get_attr" and a.target in buffers}
     return names | {n for n in buffers if n.rsplit(".", 1)[-1] == "num_batches_tracked"}
+
+
+def through_picks(nodes: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+    """Return ``nodes`` with each mode-merged choice (``pick``) among them replaced by what it may return.
+
+    Where torch.export's training and eval graphs merge out of step (ShuffleNet), a batch norm
+    reads its running statistics through ``pick(training, buffer, other)``.
+    """
+    found: list[torch.fx.Node] = []
+    for node in nodes:
+        positions = getattr(node.target, "returns_an_argument", None) if node.op == "call_function" else None
+        if positions is None:
+            found.append(node)
+            continue
+        found += through_picks([a for i, a in enumerate(node.args) if i in positions and isinstance(a, torch.fx.Node)])
+    return found
 
 
 def written_buffers(gm: torch.fx.GraphModule) -> list[str]:

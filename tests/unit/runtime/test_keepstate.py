@@ -83,3 +83,41 @@ def test_selective_recomputation_keeps_what_reads_a_buffer_written_in_place():
     readers = [n.name for n in gm.graph.nodes if n.op == "call_function"
                and any(a.op == "get_attr" and a.target.endswith(("_u", "_v")) for a in n.all_input_nodes)]
     assert readers and all(plan.saved[plan.names.index(name)] for name in readers)
+
+
+def _merged_out_of_step():
+    """An exported batch norm as a merge of out-of-step modes leaves it: a training-only call reading its
+    running statistics through pick(training, ...), its counter's add_ beside it."""
+    from fxpipe.passes.modes import When, pick
+
+    root = nn.Module()
+    root.register_buffer("bn_running_mean", torch.zeros(4))
+    root.register_buffer("bn_running_var", torch.ones(4))
+    root.register_buffer("bn_num_batches_tracked", torch.tensor(0))
+    graph = torch.fx.Graph()
+    training, x = graph.placeholder("training"), graph.placeholder("x")
+    rm, rv, n = (graph.get_attr(f"bn_{k}") for k in ("running_mean", "running_var", "num_batches_tracked"))
+    graph.call_function(When(torch.ops.aten.add_.Tensor, True), (training, n, 1))
+    picked = [graph.call_function(pick, (training, s, s)) for s in (rm, rv)]
+    out = graph.call_function(When(torch.ops.aten.batch_norm.default, True),
+                              (training, x, None, None, *picked, True, 0.1, 1e-5, False))
+    graph.output(out)
+    return torch.fx.GraphModule(root, graph)
+
+
+def test_statistics_read_through_a_mode_choice_are_kept_and_deferred():
+    # ShuffleNet under torch.export: recomputation updated these statistics twice, and deferral skipped them
+    from fxpipe.runtime.stage.batchnorm import commit_batch_norm
+    from fxpipe.runtime.stage.exportedbn import defer_exported
+
+    assert set(written_buffers(_merged_out_of_step())) >= {"bn_running_mean", "bn_running_var"}
+    gm = _merged_out_of_step()
+    records = defer_exported(gm)
+    assert len(records) == 1  # the training-only call, rewritten
+    x = torch.randn(8, 4)
+    for part in x.chunk(2):
+        gm(True, part)
+    assert int(gm.bn_num_batches_tracked) == 0 and torch.equal(gm.bn_running_mean, torch.zeros(4))  # deferred
+    commit_batch_norm(records)
+    torch.testing.assert_close(gm.bn_running_mean, 0.1 * x.mean(0))
+    assert int(gm.bn_num_batches_tracked) == 1
