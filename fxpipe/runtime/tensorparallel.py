@@ -123,6 +123,7 @@ def _module_call(st: torch.fx.GraphModule, node: torch.fx.Node, site: Any) -> tu
         module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse = options  # type: ignore[assignment]
         module.weight = site.weight
         x = node.args[1] if node.target is torch.ops.aten.embedding.default else node.args[0]
+    _keep_other_tensors(st, site.fqn, module)
     _install(st, site.fqn, module)
     with st.graph.inserting_before(node):
         call = st.graph.call_module(site.fqn, (x,))
@@ -175,6 +176,32 @@ def _unhooked(gm: torch.fx.GraphModule, plan: TensorParallelPlan, styled: set[in
                 copy.__dict__[hooks] = type(copy.__dict__[hooks])()
         copy._parameters = dict(module._parameters)
         _install(gm, fqn, copy)
+
+
+def _keep_other_tensors(st: torch.fx.GraphModule, fqn: str, module: nn.Module) -> None:
+    """Point the graph's reads of other tensors under ``fqn`` (Gemma's ``embed_tokens.embed_scale``) at the stage's root.
+
+    The styled module replaces the one at ``fqn``: a read of another tensor there would find
+    nothing, and one registered on the styled module would be distributed by ``parallelize_module``.
+    """
+    try:
+        before = st.get_submodule(fqn)
+    except AttributeError:
+        return
+    for node in st.graph.nodes:
+        rest = str(node.target)[len(fqn) + 1:] if node.op == "get_attr" and str(node.target).startswith(f"{fqn}.") \
+            else None
+        if rest is None or rest in module._parameters:
+            continue
+        *path, name = rest.split(".")
+        owner = before.get_submodule(".".join(path))
+        tensor = getattr(owner, name)
+        flat = "_fxpipe_" + str(node.target).replace(".", "_")
+        if isinstance(tensor, nn.Parameter):
+            st.register_parameter(flat, tensor)
+        else:
+            st.register_buffer(flat, tensor, persistent=False)  # the model's own keeps it in its state dict
+        node.target = flat
 
 
 def _install(root: nn.Module, fqn: str, module: nn.Module) -> None:

@@ -42,6 +42,12 @@ def test_a_vocabulary_parallel_padding_row_learns_nothing_as_in_eager(tmp_path, 
     _equal(launch("tp_cases:equal", 4, "padded,padded_export/1f1b", tmp_path, limit=240), "padded,padded_export")
 
 
+def test_an_embedding_holding_another_tensor_is_made_vocabulary_parallel(tmp_path, launch):
+    """Gemma's embedding scales its output by a buffer of its own (embed_scale): the read of it was left
+    pointing at the replaced module, and compile failed in torch.fx's lint."""
+    _equal(launch("tp_cases:equal", 4, "scaled/1f1b", tmp_path, limit=240), "scaled")
+
+
 @pytest.mark.parametrize("models, schedule", [("mlp", "1f1b"), ("decoder", "zb:shard"),
                                               ("decoder", "interleaved")])
 def test_pp2_dp2_tp2_equals_eager(models, schedule, tmp_path, launch):

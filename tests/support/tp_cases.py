@@ -13,6 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 import tpmodels as tm
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxpipe
@@ -49,10 +50,30 @@ def _padded():
     return model, ids, torch.randint(0, 64, (4, 8)), tm.token_loss
 
 
+class _ScaledEmbedding(nn.Embedding):
+    """Gemma's embedding: its output scaled by a buffer of its own."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.register_buffer("embed_scale", torch.tensor(32 ** 0.5), persistent=False)
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale
+
+
+def _scaled():
+    """The tied decoder with Gemma's scaled embedding, exported (the graph reads embed.embed_scale)."""
+    model = tm.TiedDecoder()
+    model.embed = _ScaledEmbedding(64, 32)
+    model.head.weight = model.embed.weight
+    return model, torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), tm.token_loss
+
+
 MODELS = {"mlp": (_mlp, tm.MLP_PLAN, {}), "decoder": (_decoder, tm.DECODER_PLAN, {}),
           "llama": (_llama, tm.LLAMA_PLAN, {"tracer": "export"}),
           "sp": (_sp, tm.SP_PLAN, {"split_points": ["blocks.1"]}),
-          "padded": (_padded, tm.DECODER_PLAN, {}), "padded_export": (_padded, tm.DECODER_PLAN, {"tracer": "export"})}  # sequence parallel: its own plan
+          "padded": (_padded, tm.DECODER_PLAN, {}), "padded_export": (_padded, tm.DECODER_PLAN, {"tracer": "export"}),
+          "scaled": (_scaled, tm.DECODER_PLAN, {"tracer": "export"})}  # sequence parallel: its own plan
 
 
 def _place(rank, world, pp, tp):
