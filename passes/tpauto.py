@@ -125,8 +125,9 @@ def _grow(gm: torch.fx.GraphModule, sites: Mapping[str, Site], of_node: Mapping[
         if grown is None:
             for c in conflicts:
                 if c.kind == "indivisible" and c.size:
-                    exc = indivisible(f"the heads (or another sharded dim) that node '{c.node}' reshapes", c.module,
-                                      c.size, t)
+                    what = (f"the heads (or another sharded dim) that node '{c.node}' reshapes" if c.module else
+                            f"the sharded dim that node '{c.node}' reshapes outside any module, in the region")
+                    exc = indivisible(what, c.module or min(region), c.size, t)
                     exc.region = list(region)  # type: ignore[attr-defined]
                     raise exc
             log.debug("tensor parallel: '%s' stays replicated (%s)", start.fqn, conflicts[0].message)

@@ -43,11 +43,17 @@ def little_split(gm: torch.fx.GraphModule, plan: Any) -> str | None:
     shown = ", ".join(f"'{m}' ({100 * n / total:.0f}%)" for m, n in largest)
     head = (f"tensor_parallel={plan.size} with tp_plan='auto' splits {100 * done / total:.0f}% of the parameters: "
             f"every rank computes the rest whole, e.g. {shown}. ")
-    if all(isinstance(_module(gm, m), nn.Linear) for m, _ in largest):  # linears whose pairing did not close
+    sites = getattr(plan, "sites", {})  # an exported graph keeps no modules: its linear calls are the plan's sites
+
+    def linear(m: str) -> bool:
+        return isinstance(_module(gm, m), nn.Linear) or getattr(sites.get(m), "kind", None) == "linear"
+
+    if all(linear(m) for m, _ in largest):  # linears whose pairing did not close
         return head + ("They are nn.Linear layers the automatic plan could not pair column-wise then row-wise: the "
                        "shard of a layer's output meets an op that needs it whole (a residual add, a norm, a "
-                       "reduction) before a layer that could take it row-wise. Write tp_plan= yourself, or use "
-                       "tensor_parallel=1")
+                       "reduction, a fused projection such as qkv_proj or gate_up_proj split along the sharded dim) "
+                       "before a layer that could take it row-wise. Write tp_plan= yourself (a fused projection "
+                       "split into one nn.Linear each pairs), or use tensor_parallel=1")
     return head + ("The automatic plan splits nn.Linear and nn.Embedding (aten.linear, aten.embedding); layers "
                    "written otherwise (transformers' Conv1D, a matmul or addmm on a parameter) stay whole: replace "
                    "them by nn.Linear, or use tensor_parallel=1")

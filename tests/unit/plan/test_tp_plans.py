@@ -244,11 +244,13 @@ class _ResidualLinears(nn.Module):
         return x + self.b(x)
 
 
-def test_linears_whose_pairing_does_not_close_are_named_as_such_not_as_other_layers():
-    # the warning told the user to replace them by nn.Linear, which they are
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_linears_whose_pairing_does_not_close_are_named_as_such_not_as_other_layers(tracer):
+    # the warning told the user to replace them by nn.Linear, which they are (under export always: its graph
+    # keeps no modules, so Phi-3's fused qkv_proj was sent to nn.Linear)
     with pytest.warns(UserWarning, match=r"splits 0% of the parameters.*They are nn.Linear layers the automatic "
                                          r"plan could not pair column-wise then row-wise"):
-        plan_tensor_parallel(_graph(_ResidualLinears(), torch.randn(4, 16)), 2, "auto")
+        plan_tensor_parallel(_graph(_ResidualLinears(), torch.randn(4, 16), tracer), 2, "auto")
 
 
 class _MultiQuery(nn.Module):
@@ -275,4 +277,24 @@ def test_multi_query_attention_left_whole_is_warned_of():
     with pytest.warns(UserWarning, match=r"leaves a region whole: the linears 'k', 'q', 'v' split together do not "
                                          r"close .* \(multi-query attention's one key\/value head\)"):
         plan = plan_tensor_parallel(_graph(_MultiQuery(), torch.randn(2, 6, 32)), 2, "auto")
+    assert _styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
+
+
+class _ReshapedHead(nn.Module):
+    """A head of 5 classes whose logits the model's own code reshapes (a loss computed in forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.head = nn.Linear(16, 64), nn.Linear(64, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(self.down(F.gelu(self.up(x)))).view(-1, 5)
+
+
+def test_a_size_left_whole_outside_any_module_names_the_region():
+    # the warning named module 'None' ("reshapes of 'None' (5)"): the reshape is the model's own code
+    with pytest.warns(UserWarning, match=r"leaves a region whole: tensor_parallel=2 does not divide the sharded dim "
+                                         r"that node 'view' reshapes outside any module, in the region of 'head' "
+                                         r"\(5\)"):
+        plan = plan_tensor_parallel(_graph(_ReshapedHead(), torch.randn(4, 16)), 2, "auto")
     assert _styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
