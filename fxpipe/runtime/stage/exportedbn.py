@@ -123,9 +123,12 @@ def defer_exported(gm: torch.fx.GraphModule) -> list[ExportedBatchNorm]:
     adds = _counters(gm)
     for node in list(gm.graph.nodes):
         guard = node.target if node.op == "call_function" and isinstance(node.target, When) else None
-        call, args = (guard.fn if guard.kind == "call_function" else None, node.args[1:]) if guard is not None \
-            else (node.target if node.op == "call_function" else None, node.args)
-        if call is not torch.ops.aten.batch_norm.default or not args[5] or (guard is not None and not guard.expected):
+        if guard is not None:  # a call of one mode only: a training-mode batch norm is deferred
+            call = guard.fn if guard.kind == "call_function" and guard.expected else None
+            args = node.args[1:]
+        else:
+            call, args = (node.target if node.op == "call_function" else None), node.args
+        if call is not torch.ops.aten.batch_norm.default or not args[5]:
             continue
         made = _record(gm, adds, args[3], args[6])
         if made is None:
