@@ -102,18 +102,37 @@ def is_summed(loss_fn: Callable[[Any, Any], torch.Tensor]) -> bool:
     return bool(getattr(loss_fn, "fxpipe_summed", False))
 
 
-def check_target_rows(target: Any, batch: int | None) -> None:
-    """Refuse a target whose batched tensors have another number of rows than the inputs, or a list of per-row numbers."""
-    if isinstance(target, (list, tuple)) and batch is not None and batch > 1 and len(target) == batch \
-            and all(type(v) in (bool, int, float) for v in target):
+def check_target_rows(target: Any, batch: int | None, m: int = 2) -> None:
+    """Refuse a target whose batched tensors have another number of rows than the inputs, or rows not in tensors.
+
+    Over ``m`` > 1 micro-batches, per-row labels in a list of numbers or a NumPy array would go
+    whole to every micro-batch (only tensors are split).
+    """
+    rows = _rows_not_in_tensors(target, batch) if batch is not None and batch > 1 and m > 1 else None
+    if rows is not None:
         raise PipelineInputError(
-            f"target is a {type(target).__name__} of {batch} Python numbers, one per row of the batch: pipe.step "
-            "splits tensors into micro-batches, and a number (or a list of them) goes whole to every micro-batch, "
-            f"where its rows would not match the micro-batch's. Pass torch.tensor(target)")
+            f"target{rows} holds {batch} numbers, one per row of the batch, outside a tensor: pipe.step splits "
+            "tensors into micro-batches, and anything else goes whole to every micro-batch, where its rows would "
+            "not match the micro-batch's. Make it a tensor (torch.as_tensor(...))")
     target_batch = batch_size([target], ["target"])
     if batch is not None and target_batch is not None and target_batch != batch:
         raise PipelineInputError(f"target has {target_batch} rows on dim 0 but the inputs have "
                                  f"{batch}; give the target the inputs' batch size")
+
+
+def _rows_not_in_tensors(value: Any, batch: int, where: str = "") -> str | None:
+    """Return where in ``value`` a list of ``batch`` numbers or a NumPy array of ``batch`` rows is (``""``: itself)."""
+    if type(value).__module__ == "numpy" and getattr(value, "shape", ())[:1] == (batch,):
+        return f"{where} (a NumPy array)"
+    if isinstance(value, (list, tuple)) and len(value) == batch and all(
+            isinstance(v, (bool, int, float)) or type(v).__module__ == "numpy" for v in value):
+        return f"{where} (a {type(value).__name__})"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        found = _rows_not_in_tensors(item, batch, f"{where}[{key!r}]")
+        if found is not None:
+            return found
+    return None
 
 
 def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch: int | None,
@@ -125,7 +144,7 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
     so for a mean-reduced loss the sum equals ``loss_fn`` on the whole batch; a ``loss_fn``
     marked :func:`summed` contributes ``loss_fn(out_i, target_i)`` as it is.
     """
-    check_target_rows(target, batch)
+    check_target_rows(target, batch, m)
     sizes = micro_sizes(batch, m) if batch is not None else [0] * m
     targets = scatter([target], ["target"], m)
     if len(targets) == 1:  # no batched tensor in the target (None, a constant): every micro-batch gets it

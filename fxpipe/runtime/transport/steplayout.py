@@ -131,7 +131,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         _refuse_missing_inputs(runtime, values, stepping)
         check_signature(runtime.binding.names, spec_of(values), runtime.example)
         mbs, batch = runtime.binding.split(args, kwargs, runtime.plan.chunks, training, runtime.device)
-        check_target_rows(target, batch)
+        check_target_rows(target, batch, len(mbs))
         if not stepping:  # pipe(x): outputs the last rank could not join are refused here, on every rank
             runtime.binding.check_joinable(len(mbs), training)
         specs = [spec_of(mb) for mb in mbs]
@@ -222,7 +222,7 @@ def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = 
 def _loss_rank_verdict(runtime: Any, target: Any, batch: int | None) -> tuple[str | None, bool]:
     """On the loss's rank: refuse a target whose rows are not the inputs'; say whether it has one."""
     try:
-        check_target_rows(target, batch)
+        check_target_rows(target, batch, min(runtime.plan.chunks, batch or 1))  # the micro-batches: at most a row each
         verdict = None
     except ValueError as exc:
         verdict = str(exc)

@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,10 +75,17 @@ def test_step_refuses_a_target_given_as_a_list_of_per_row_numbers():
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
     pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(6, 8),), chunks=3, devices=["cpu"] * 2)
     loss_fn = lambda out, t: F.cross_entropy(out, torch.as_tensor(t))  # noqa: E731
-    with pytest.raises(fxpipe.PipelineInputError, match=r"target is a list of 6 Python numbers, one per row .* "
-                                                        r"Pass torch.tensor\(target\)"):
-        pipe.step(torch.randn(6, 8), target=[0, 1, 2, 0, 1, 2], loss_fn=loss_fn)
-    pipe.step(torch.randn(6, 8), target=torch.tensor([0, 1, 2, 0, 1, 2]), loss_fn=loss_fn)
+    labels = [0, 1, 2, 0, 1, 2]
+    for target, where in [(labels, r" \(a list\)"), (np.array(labels), r" \(a NumPy array\)"),
+                          ({"labels": labels}, r"\['labels'\] \(a list\)"),
+                          ([np.int64(v) for v in labels], r" \(a list\)")]:
+        with pytest.raises(fxpipe.PipelineInputError, match=rf"target{where} holds 6 numbers, one per row of the "
+                                                            r"batch, outside a tensor: .*torch.as_tensor"):
+            pipe.step(torch.randn(6, 8), target=target, loss_fn=lambda out, t: F.cross_entropy(out, torch.as_tensor(
+                t["labels"] if isinstance(t, dict) else np.asarray(t))))
+    pipe.step(torch.randn(6, 8), target=torch.tensor(labels), loss_fn=loss_fn)
+    one = fxpipe.compile(model, 2, example_inputs=(torch.randn(6, 8),), chunks=1, devices=["cpu"] * 2)
+    one.step(torch.randn(6, 8), target=labels, loss_fn=loss_fn)  # one micro-batch: the list is its target, as eager
 
 
 def test_step_with_an_unbatched_target_covers_every_micro_batch():
