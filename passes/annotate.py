@@ -145,18 +145,29 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
     return values
 
 
-def _with_defaults(sig: inspect.Signature, defaults: dict[str, Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Drop keywords given as the model's default that the graph was exported without; add those it was exported with.
+def _with_defaults(sig: inspect.Signature, gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Drop inputs given as the model's default that the graph was exported without; add those it was exported with.
 
     ``torch.export`` keeps the inputs given at compile only; eager takes ``mask=None`` passed
-    or left out alike, and so does the pipe where ``None`` (or the constant) is the default.
+    (by keyword or by position) or left out alike, and so does the pipe where ``None`` (or the
+    constant) is the default.
     """
-    kwargs = {k: v for k, v in kwargs.items()
-              if k in sig.parameters or k not in defaults or not same_constant(v, defaults[k])}
-    given = set(list(sig.parameters)[:len(args)]) | set(kwargs)
-    for name, p in sig.parameters.items():
-        if name not in given and name in defaults and p.kind is not inspect.Parameter.POSITIONAL_ONLY:
+    defaults, order = gm.meta.get("fxpipe.defaults", {}), gm.meta.get("fxpipe.positional", [])
+    taken = sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                for p in sig.parameters.values())
+    while len(args) > taken and len(args) <= len(order) and order[len(args) - 1] in defaults \
+            and same_constant(args[-1], defaults[order[len(args) - 1]]):
+        args = args[:-1]  # a trailing positional default the graph does not take
+    open_keywords = gm.meta.get("fxpipe.keywords", False)  # forward(..., **kwargs): an entry's default is None
+    kwargs = {k: v for k, v in kwargs.items() if k in sig.parameters or not (
+        same_constant(v, defaults[k]) if k in defaults else open_keywords and v is None)}
+    for k, (name, p) in enumerate(sig.parameters.items()):
+        if k < len(args) or name in kwargs or name not in defaults:
+            continue
+        if p.kind is not inspect.Parameter.POSITIONAL_ONLY:
             kwargs[name] = defaults[name]
+        elif k == len(args):
+            args = (*args, defaults[name])
     return args, kwargs
 
 
@@ -168,7 +179,7 @@ def same_constant(value: Any, default: Any) -> bool:
 def _bind_pytree(gm: torch.fx.GraphModule, in_spec, args: tuple, kwargs: dict) -> list:
     """Flatten a call of a GraphModule whose codegen flattens inputs (``torch.export``)."""
     sig = inspect.signature(gm.forward)
-    args, kwargs = _with_defaults(sig, gm.meta.get("fxpipe.defaults", {}), args, kwargs)
+    args, kwargs = _with_defaults(sig, gm, args, kwargs)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:

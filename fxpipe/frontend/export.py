@@ -107,10 +107,14 @@ def constant_defaults(signature: inspect.Signature, bound: inspect.BoundArgument
     input exported as its default, or pass its default for one left out, as eager allows
     (:func:`fxpipe.passes.bind_placeholders`).
     """
-    return {name: p.default for name, p in signature.parameters.items()
-            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-            and (p.default is None or type(p.default) in (bool, int, float, str))
-            and (name not in bound.arguments or same_constant(bound.arguments[name], p.default))}
+    found = {name: p.default for name, p in signature.parameters.items()
+             if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+             and (p.default is None or type(p.default) in (bool, int, float, str))
+             and (name not in bound.arguments or same_constant(bound.arguments[name], p.default))}
+    var = next((name for name, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    if var is not None:  # a **kwargs entry passed as None: as absent to kwargs.get(name), the way such forwards read
+        found.update({k: None for k, v in bound.arguments.get(var, {}).items() if v is None})
+    return found
 
 
 def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None,
@@ -199,6 +203,9 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
         gm.meta["fxpipe.mode_branch"] = difference
     gm.meta["fxpipe.autocast"] = enabled_autocast()
     gm.meta["fxpipe.defaults"] = constant_defaults(signature, bound)
+    gm.meta["fxpipe.keywords"] = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    gm.meta["fxpipe.positional"] = [name for name, p in signature.parameters.items() if p.kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]  # a call's positions
     log.debug("exported %s: %d nodes", type(model).__name__, len(gm.graph.nodes))
     return gm
 

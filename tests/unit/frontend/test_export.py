@@ -387,6 +387,20 @@ class _Masked(nn.Module):
         return self.b(h if mask is None else h * mask)
 
 
+class _Forwarding(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, **kwargs):
+        return self.inner(x, **kwargs)
+
+
+class _PositionalMask(_Masked):
+    def forward(self, x, mask=None, /):
+        return super().forward(x, mask)
+
+
 def test_an_input_passed_or_left_out_as_its_default_is_taken_as_eager_takes_it():
     # torch.export keeps the inputs given at compile only: mask=None passed where compile left it
     # out (or left out where compile passed None) was refused as an unexpected (missing) argument
@@ -399,6 +413,18 @@ def test_an_input_passed_or_left_out_as_its_default_is_taken_as_eager_takes_it()
         with pytest.raises((TypeError, ValueError), match=r"input 'mask' is a tensor .* built for None" if example else
                            r"unexpected keyword argument 'mask'.*an optional one, such as attention_mask=, too"):
             pipe(x, mask=mask)
+    positional = _PositionalMask()
+    for example in ((x,), (x, None)):  # passed by position, into a forward taking it only so
+        pipe = fxpipe.compile(positional, 2, example_inputs=example, chunks=2, tracer="export")
+        for call in ((x,), (x, None)):
+            torch.testing.assert_close(pipe(*call), positional(*call))
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, tracer="export")
+    torch.testing.assert_close(pipe(x, None), model(x))
+    wrapped = _Forwarding(model)  # a forward taking **kwargs, as Hugging Face's pass them on
+    for example in ({}, {"mask": None}):
+        pipe = fxpipe.compile(wrapped, 2, example_inputs=(x,), example_kwargs=example, chunks=2, tracer="export")
+        for call in ({}, {"mask": None}):
+            torch.testing.assert_close(pipe(x, **call), model(x))
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), example_kwargs={"mask": mask}, chunks=2, tracer="export")
     with pytest.raises(TypeError, match=r"missing a required argument: 'mask'"):
         pipe(x)  # a tensor at compile: not the default
