@@ -21,7 +21,8 @@ from fxpipe.torchcompile import SPLIT_BACKENDS, TorchCompile, torch_compile_conf
 
 __all__ = ["AUTO", "BALANCE_BY", "CHECKPOINT_MODES", "MULTI_STAGE_SCHEDULES", "POLICIES", "RUNTIMES", "SCHEDULES",
            "SINGLE_STAGE_SCHEDULES", "SPLIT_BACKENDS", "TRACERS", "CompileOptions", "TorchCompile", "check_checkpoint",
-           "check_init", "check_tracer", "checkpoint_stop", "cut_mode", "saving_pass", "torch_compile_config"]
+           "check_init", "check_tracer", "checkpoint_stop", "cut_mode", "saving_pass", "torch_compile_config",
+           "valid_timeout"]
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b", "zb")  # one stage per rank
 MULTI_STAGE_SCHEDULES = ("interleaved", "zbv")  # several stages per rank
@@ -96,6 +97,11 @@ def check_checkpoint(checkpoint: Any, n_stages: int, max_memory: Any = None) -> 
         if mode not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint[{j}]={mode!r}; each stage takes one of {modes} "
                              "('auto' chooses for all stages at once)")
+
+
+def valid_timeout(value: Any) -> bool:
+    """Tell whether ``value`` is a number of seconds above 0 (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _count(value: Any) -> bool:
@@ -211,6 +217,9 @@ class CompileOptions:
             raise ValueError(f"n_stages={self.n_stages!r}; use an integer of at least 1")
         if not _count(self.chunks):
             raise ValueError(f"chunks={self.chunks!r}; use an integer of at least 1 (the number of micro-batches)")
+        if not valid_timeout(self.timeout):
+            raise ValueError(f"timeout={self.timeout!r}; use a number of seconds above 0 (how long a rank waits "
+                             "for its peers; 300 by default)")
         check_checkpoint(self.checkpoint, self.n_stages, self.max_memory)
         if self.save is not None and not callable(self.save):
             raise TypeError(f"save= must be a function save(node) -> bool telling which nodes "

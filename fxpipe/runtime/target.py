@@ -21,7 +21,7 @@ from torch import nn
 from fxpipe.materialize.fillplan import tensor_table
 from fxpipe.materialize.metatensors import refuse_meta_constants
 from fxpipe.materialize.weights import check_weights
-from fxpipe.options import CompileOptions
+from fxpipe.options import CompileOptions, valid_timeout
 from fxpipe.runtime.placement import resolve_devices
 from fxpipe.runtime.schedules.builtin import Schedule, resolve
 from fxpipe.runtime.transport.comm import Comm
@@ -77,8 +77,8 @@ def _checked(model: nn.Module, options: CompileOptions) -> tuple[Schedule, Any]:
 
 def _refuse_together(options: CompileOptions, refused: Exception) -> NoReturn:
     """Raise ``refused`` after joining the other ranks, which raise naming it (or the option that differs)."""
-    try:
-        join_default_group(options.timeout, launched_world())
+    try:  # a timeout= refused itself cannot time the join
+        join_default_group(options.timeout if valid_timeout(options.timeout) else 300.0, launched_world())
     except Exception as exc:
         raise refused from exc
     agree_on_options(options, refused)

@@ -83,6 +83,13 @@ def test_bad_chunks(chunks):
         fxpipe.compile(MLP(), 2, chunks=chunks)
 
 
+@pytest.mark.parametrize("timeout", [0, -1, "60", True])
+def test_bad_timeout(timeout):
+    # a negative timeout= was read as a rank that never joined ("call it on every rank, not under if rank == 0:")
+    with pytest.raises(ValueError, match=r"timeout=.*use a number of seconds above 0"):
+        fxpipe.compile(MLP(), 2, timeout=timeout)
+
+
 def test_bad_checkpoint_and_balance():
     with pytest.raises(ValueError, match="checkpoint='sometimes'; use one of 'always', 'except_last', 'never'"):
         fxpipe.compile(MLP(), 2, checkpoint="sometimes")
