@@ -156,6 +156,13 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             raise TypeError("fxpipe.compile got a Pipe, which is compiled already: compile the model it was "
                             "compiled from (in one process the pipe shares its parameters; across ranks build the "
                             "model again and pass weights= a checkpoint fxpipe.save wrote)")
+        made = next((n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_inference()), None)
+        if made is not None:
+            raise CompileError(
+                f"{type(model).__name__}'s tensors were made under torch.inference_mode() ('{made}'): they have "
+                "no version counter and cannot be saved for backward, which tracing needs. Build the model "
+                "outside torch.inference_mode() (torch.no_grad() serves evaluation as well), then compile it "
+                "under either")
         if released(model):
             raise CompileError(
                 f"this {type(model).__name__} was compiled with runtime='distributed' on this rank already, which left "

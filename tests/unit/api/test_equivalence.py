@@ -48,3 +48,13 @@ def test_a_model_compiled_under_inference_mode_equals_eager(tracer):
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, tracer=tracer)
     x = x.clone()
     torch.testing.assert_close(pipe.step(x, target=x, loss_fn=F.mse_loss), F.mse_loss(eager(x), x))
+
+
+def test_a_model_built_under_inference_mode_is_refused_naming_the_fix():
+    # the tensors of a model built under inference mode failed tracing with torch's "Inference tensors cannot be
+    # saved for backward" from a graph pass (fx) or from torch.export
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)).eval()
+        with pytest.raises(fxpipe.CompileError, match=r"Sequential's tensors were made under torch.inference_mode\(\) "
+                                                      r"\('0.weight'\).* Build the model outside"):
+            fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),), chunks=2)
