@@ -122,21 +122,20 @@ def defer_exported(gm: torch.fx.GraphModule) -> list[ExportedBatchNorm]:
     found = []
     adds = _counters(gm)
     for node in list(gm.graph.nodes):
-        guard = node.target if node.op == "call_function" and isinstance(node.target, When) else None
-        if guard is not None:  # a call of one mode only: a training-mode batch norm is deferred
-            call = guard.fn if guard.kind == "call_function" and guard.expected else None
-            args = node.args[1:]
-        else:
-            call, args = (node.target if node.op == "call_function" else None), node.args
-        if call is not torch.ops.aten.batch_norm.default or not args[5]:
+        call = unwrapped(node)  # a call of training mode only too (the modes merged out of step)
+        guarded = call is not node
+        if call.op != "call_function" or call.target is not torch.ops.aten.batch_norm.default or not call.args[5] \
+                or (guarded and not (isinstance(node.target, When) and node.target.expected
+                                     and node.target.fn is call.target)):  # one guard, of training mode
             continue
-        made = _record(gm, adds, args[3], args[6])
+        made = _record(gm, adds, call.args[3], call.args[6])
         if made is None:
             continue
-        if guard is not None:  # a batch norm of training mode only (the modes merged out of step)
-            node.target, node.args = When(deferred_batch_norm, True), (node.args[0], *args[:9], made[0])
+        args = (*call.args[:9], made[0])
+        if guarded:
+            node.target, node.args = When(deferred_batch_norm, True), (node.args[0], *args)
         else:
-            node.target, node.args = deferred_batch_norm, (*args[:9], made[0])
+            node.target, node.args = deferred_batch_norm, args
         found.append(made[1])
     if found:
         gm.recompile()
