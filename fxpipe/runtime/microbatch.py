@@ -102,7 +102,7 @@ def is_summed(loss_fn: Callable[[Any, Any], torch.Tensor]) -> bool:
     return bool(getattr(loss_fn, "fxpipe_summed", False))
 
 
-def check_target_rows(target: Any, batch: int | None, m: int = 2) -> None:
+def check_target_rows(target: Any, batch: int | None, m: int) -> None:
     """Refuse a target whose batched tensors have another number of rows than the inputs, or rows not in tensors.
 
     Over ``m`` > 1 micro-batches, per-row labels in a list of numbers or a NumPy array would go
