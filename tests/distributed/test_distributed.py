@@ -53,6 +53,15 @@ def test_a_sent_tensor_is_let_go_once_its_peer_has_it(schedule, tmp_path, launch
         assert res["most_held"] <= 4, (r, res["most_held"])
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_a_sent_gradient_is_not_changed_by_a_later_backward(schedule, tmp_path, launch):
+    # the table's .grad shared memory with the gradient sent back: the next micro-batch's backward
+    # changed it while gloo sent it (wrong upstream gradients on a loaded machine)
+    results = launch("sends_unchanged", 2, schedule, tmp_path)
+    _assert_equal_to_eager(results)
+    assert [res["changed"] for res in results] == [0, 0]
+
+
 def test_a_custom_schedule_from_text_runs_across_ranks(tmp_path, launch):
     from schedules import CUSTOM  # stage 0 splits its backward into I and W, stage 1 does not
 

@@ -480,6 +480,36 @@ def sends_let_go(rank, world, schedule):
     return {**result, "most_held": most[0]}
 
 
+def sends_unchanged(rank, world, schedule):
+    """An adaLN table added to a one-row stage input: no sent gradient changes before the step ends."""
+    from fxpipe.runtime.transport.messages import DistTransport
+
+    class AdaLN(nn.Module):  # PixArt's table[None] + t.view(1, 6, -1): the table's .grad and t's share memory
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(8, 24)
+            self.table = nn.Parameter(torch.randn(6, 4))
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            t = torch.tanh(self.embed(x))
+            return self.proj(self.table[None] + t.reshape(-1, 6, 4)).sum(1)
+
+    sent = []
+    send = DistTransport._send
+
+    def keeping(self, key, sends, what):
+        sent.extend((t, t.clone()) for t, _, _ in sends)
+        send(self, key, sends, what)
+
+    DistTransport._send = keeping
+    torch.manual_seed(0)
+    x, target = torch.randn(4, 8), torch.randn(4, 4)
+    result, _ = _check_step(rank, world, AdaLN(), x, target, F.mse_loss, chunks=4, schedule=schedule,
+                            split_points=["getitem"])
+    return {**result, "changed": sum(not torch.equal(t, kept) for t, kept in sent)}
+
+
 def marked(rank, world, schedule):
     """torch.distributed.pipelining's markers: pipe_split() and split_spec cut across ranks."""
     from torch.distributed.pipelining import SplitPoint, pipe_split
@@ -518,7 +548,7 @@ def on_gpus(case):
 
 CASES = {"values": values, "unet": unet, "tied": tied, "unet4": unet4, "tied4": tied4, "shape": shape,
          "raises": raises, "dies": dies, "graph_differs": graph_differs, "unbatched": unbatched, "meta": meta, "deferred": deferred, "resume_first": resume_first, "resume_second": resume_second,
-         "marked": marked, "sends_let_go": sends_let_go,
+         "marked": marked, "sends_let_go": sends_let_go, "sends_unchanged": sends_unchanged,
          "unet_nccl": on_gpus(unet), "tied_nccl": on_gpus(tied)}
 
 

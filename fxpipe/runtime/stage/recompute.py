@@ -31,6 +31,7 @@ import torch.fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.runtime.stage.dependency import fork, get_phony, join
+from fxpipe.runtime.stage.owned import owned, unshare_grads
 
 __all__ = [
     "checkpointed",
@@ -130,8 +131,24 @@ class Checkpoint(torch.autograd.Function):
         outputs, leaves = record.recomputed.pop()
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         if pairs:
+            # a gradient of another micro-batch may still be pending in the outer graph, sharing
+            # memory with a parameter's .grad that this backward adds into (stage.owned)
+            unshare_grads(_trained(record.call.gm))
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None) + tuple(x.grad if x.requires_grad else None for x in leaves)
+        # autograd holds these until the previous stage runs; a later Checkpoint's backward must
+        # not change them through a parameter's .grad (stage.owned)
+        return (None, None) + tuple(owned(x.grad) if x.requires_grad else None for x in leaves)
+
+
+_TRAINED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stage graph -> its parameters that train
+
+
+def _trained(gm: Any) -> list[torch.Tensor]:
+    """Return the parameters of a stage graph that require grad (once per graph)."""
+    params = _TRAINED.get(gm)
+    if params is None:
+        params = _TRAINED[gm] = [p for p in gm.parameters() if p.requires_grad]
+    return params
 
 
 _RETURNS_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stage graph -> _returns_held's answer

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.passes.spec import differentiable
 from fxpipe.runtime.stage import wgrad
+from fxpipe.runtime.stage.owned import owned
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.stream import on_device
 
@@ -129,8 +130,10 @@ class StageWorker:
                 torch.autograd.backward(tensors, grad_tensors)
             if kind == "B" and self.defer:
                 wgrad.run(self._weights.pop(i, []))
-        self._released += [(x, leaf.grad) for x, leaf in self._outside.pop(i, []) if leaf.grad is not None]
-        return [_grad_of(leaf) if g else None for leaf, g in zip(leaves, self.input_grads)]
+        # the gradients wait (a send, the hand-over, the end of the step) while later backwards
+        # accumulate into the parameters' .grad: none may share memory with one (stage.owned)
+        self._released += [(x, owned(leaf.grad)) for x, leaf in self._outside.pop(i, []) if leaf.grad is not None]
+        return [owned(_grad_of(leaf)) if g else None for leaf, g in zip(leaves, self.input_grads)]
 
     @property
     def fetches(self) -> bool:
