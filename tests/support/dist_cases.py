@@ -8,7 +8,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from models import CNN, AttnBlock, BNAct, Carrier, Mixed, RopeDecoder, Spectral, TiedTransformer, token_loss
+from models import CNN, AdaLN, AttnBlock, BNAct, Carrier, Mixed, RopeDecoder, Spectral, TiedTransformer, token_loss
 from torch import nn
 from unet import UNet
 
@@ -484,17 +484,6 @@ def sends_unchanged(rank, world, schedule):
     """An adaLN table added to a one-row stage input: no sent gradient changes before the step ends."""
     from fxpipe.runtime.transport.messages import DistTransport
 
-    class AdaLN(nn.Module):  # PixArt's table[None] + t.view(1, 6, -1): the table's .grad and t's share memory
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Linear(8, 24)
-            self.table = nn.Parameter(torch.randn(6, 4))
-            self.proj = nn.Linear(4, 4)
-
-        def forward(self, x):
-            t = torch.tanh(self.embed(x))
-            return self.proj(self.table[None] + t.reshape(-1, 6, 4)).sum(1)
-
     sent = []
     send = DistTransport._send
 
@@ -635,6 +624,18 @@ def dp_train(rank, world, schedule):
     return out
 
 
+def dp_adaln(rank, world, schedule):
+    """A one-row micro-batch per replica through an adaLN table: DDP's reduction wrote into t's gradient."""
+    schedule, _, chunks = schedule.partition("-")
+    make = lambda: (AdaLN(), torch.randn(2 * int(chunks), 8), torch.randn(2 * int(chunks), 4), F.mse_loss)  # noqa: E731
+    pipe, model, eager, x, y, xs, ys, loss_fn, step, held = _dp_setup(rank, world, make, schedule, chunks=int(chunks),
+                                                                       split_points=["getitem"])
+    loss = step(xs, ys)
+    expected = loss_fn(eager(x), y)
+    expected.backward()
+    return {"loss_error": max_relative_error(loss, expected), "grad_errors": _grad_errors(held, eager)}
+
+
 def dp_accumulate(rank, world, schedule):
     """Two steps (the first inside no_sync) equal eager's two backwards; autocast bf16 equals eager's math.
 
@@ -748,7 +749,7 @@ def dp_batch_norm(rank, world, schedule):
     return {"stats": stats, "errors": errors}
 
 
-CASES.update(dp_train=dp_train, dp_accumulate=dp_accumulate, dp_refusals=dp_refusals, dp_batch_norm=dp_batch_norm,
+CASES.update(dp_train=dp_train, dp_adaln=dp_adaln, dp_accumulate=dp_accumulate, dp_refusals=dp_refusals, dp_batch_norm=dp_batch_norm,
              dp_views=dp_views)
 
 

@@ -98,6 +98,25 @@ class InceptionNet(nn.Module):
         return self.fc(x.mean(dim=(2, 3)))
 
 
+class AdaLN(nn.Module):
+    """PixArt's adaLN table added to a crossing value: ``table[None] + t.view(1, 6, -1)``.
+
+    With one row per micro-batch the table's ``.grad`` and ``t``'s gradient share memory
+    (cut at ``getitem``: ``t`` crosses, the table is on the later stage).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.embed = nn.Linear(8, 24)
+        self.table = nn.Parameter(torch.randn(6, 4))
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = torch.tanh(self.embed(self.pre(x)))
+        return self.proj(self.table[None] + t.reshape(-1, 6, 4)).sum(1)
+
+
 def TiedTransformer() -> GPT:
     """Return a small decoder whose output projection shares the input embedding's weight."""
     return GPT(vocab=32, d=16, layers=3, heads=2, seq=8)

@@ -13,11 +13,14 @@ incoming gradient rather than copy it when nothing else holds it::
                                            └─▶ t.grad = dy.view(1, 6d)  (sent back)
     next micro-batch's backward:  table.grad += dy'   ── changes t.grad in place
 
-The next backward's accumulation into ``table.grad`` then changes the gradient this stage
-sent, before (or while) the producing stage reads it: wrong gradients upstream, on a
-distributed pipe only when the send is slow (a loaded machine). :func:`owned` copies a
-gradient whose memory is shared; one that is the only tensor on its storage (nearly all)
-goes as it is.
+The next backward's accumulation into ``table.grad`` (or, with one micro-batch, DDP writing
+the replicas' mean into it at the end of this very backward) then changes the gradient this
+stage sent, before (or while) the producing stage reads it: wrong gradients upstream, on a
+distributed pipe only when the send is slow (a loaded machine). So a stage's leaves carry
+:func:`owned` as a hook, which copies a gradient whose memory is shared as autograd makes it
+(a view counts as shared: its base may be what the parameter keeps); one alone on its storage
+(nearly all) goes as it is. The same holds for the output gradient a deferred weight gradient
+queues for ``W`` (:mod:`fxpipe.runtime.stage.wgrad`).
 
 The same happens inside one autograd graph (``pipe(x)``'s GPipe program): a micro-batch that is
 not checkpointed leaves its input gradient pending in autograd's buffers while the next

@@ -35,6 +35,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from fxpipe.passes.linears import defers_weight_grad
+from fxpipe.runtime.stage.owned import owned
 
 __all__ = ["active", "collecting", "defer_weight_grads", "linear", "run"]
 
@@ -149,7 +150,19 @@ class _Queue:
             raise RuntimeError("the input of a linear whose weight gradient is deferred was modified in place "
                                "after the linear ran (autograd would refuse this too); compute the update "
                                "out of place (x = x + h rather than x += h)")
-        self.store.append((self.x, dy.detach(), self.weight, self.bias))
+        self.store.append((self.x, _kept(dy), self.weight, self.bias))
+
+
+def _kept(dy: torch.Tensor) -> torch.Tensor:
+    """Return the output gradient ``dy`` to queue for ``W``, safe from later backwards.
+
+    Autograd may give a parameter's ``.grad`` the memory of ``dy`` (a table broadcast-added to
+    the linear's output, with a micro-batch of one row), and the next backward would add into
+    it before ``W`` reads it: a view sharing memory is copied (:func:`~fxpipe.runtime.stage.owned.owned`),
+    and ``dy`` itself is queued, not a detached alias, so that ``AccumulateGrad`` sees it held
+    and copies rather than keeps it.
+    """
+    return owned(dy.detach() if dy.requires_grad else dy)
 
 
 def _deferrable(p: torch.Tensor) -> bool:
@@ -175,7 +188,7 @@ class _Linear(torch.autograd.Function):
         if weight.dtype != dy.dtype:
             weight = weight.to(dy.dtype)
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
-        ctx.store.append((x.detach(), dy.detach(), ctx.params[0], ctx.params[1]))
+        ctx.store.append((x.detach(), _kept(dy), ctx.params[0], ctx.params[1]))
         return dx, None, None, None
 
 

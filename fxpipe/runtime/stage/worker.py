@@ -131,7 +131,8 @@ class StageWorker:
             if kind == "B" and self.defer:
                 wgrad.run(self._weights.pop(i, []))
         # the gradients wait (a send, the hand-over, the end of the step) while later backwards
-        # accumulate into the parameters' .grad: none may share memory with one (stage.owned)
+        # accumulate into the parameters' .grad: none may share memory with one (stage.owned; the
+        # leaves' hooks copied those that did as autograd made them, this checks once more)
         self._released += [(x, owned(leaf.grad)) for x, leaf in self._outside.pop(i, []) if leaf.grad is not None]
         return [owned(_grad_of(leaf)) if g else None for leaf, g in zip(leaves, self.input_grads)]
 
@@ -188,6 +189,7 @@ class StageWorker:
                 if isinstance(t, torch.Tensor):
                     leaf = t.detach().requires_grad_(t.requires_grad)
                     if t.requires_grad:
+                        leaf.register_hook(owned)
                         pairs.append((t, leaf))
                     t = leaf
                 new.append(t)
@@ -213,6 +215,7 @@ def _leaf(value: Any, grad: bool) -> Any:
         leaf = value.detach()
         if grad and differentiable(leaf.dtype):
             leaf.requires_grad_(True)
+            leaf.register_hook(owned)  # its gradient waits: none may share a parameter's .grad (stage.owned)
         return leaf
     if grad:
         leaves, spec = tree_flatten(value)
