@@ -18,7 +18,8 @@ the replicas' mean into it at the end of this very backward) then changes the gr
 stage sent, before (or while) the producing stage reads it: wrong gradients upstream, on a
 distributed pipe only when the send is slow (a loaded machine). So a stage's leaves carry
 :func:`owned` as a hook, which copies a gradient whose memory is shared as autograd makes it
-(a view counts as shared: its base may be what the parameter keeps); one alone on its storage
+(a view counts as alone only where nothing else holds its base: autograd may
+still hand that base to the parameter); one alone on its storage
 (nearly all) goes as it is. The same holds for the output gradient a deferred weight gradient
 queues for ``W`` (:mod:`fxpipe.runtime.stage.wgrad`).
 
@@ -45,9 +46,18 @@ def _holders(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-try:  # the count of a tensor alone on its storage, measured the way it is checked
+def _view_alone() -> tuple[int, int]:
+    """Return the counts of a view alone with its base (nothing else holds either), measured as checked."""
+    base = torch.empty(2)
+    view = base.view(1, 2)
+    del base
+    return _holders(view), view._base._use_count()  # type: ignore[union-attr]
+
+
+try:  # the count of a tensor alone on its storage, and of a view alone with its base
     _ALONE: int | None = _holders(torch.empty(1))
-except (AttributeError, RuntimeError):  # a torch without the count: copy every gradient
+    _VIEW_ALONE: tuple[int, int] = _view_alone()
+except (AttributeError, RuntimeError):  # a torch without the counts: copy every gradient
     _ALONE = None
 
 
@@ -66,8 +76,14 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     local = getattr(t, "_local_tensor", t)  # a DTensor's shard is where its memory is
     if local.layout != torch.strided or type(local) is not torch.Tensor:
         return t  # a sparse gradient: never kept as a dense parameter's .grad
-    if _ALONE is not None and _holders(local) <= _ALONE:
+    if _ALONE is None:
+        return t.clone()
+    n = _holders(local)
+    if n <= _ALONE:
         return t
+    base = local._base
+    if base is not None and n == _VIEW_ALONE[0] and base._use_count() <= _VIEW_ALONE[1]:  # type: ignore[attr-defined]
+        return t  # a view of a base nothing else holds (the logits' gradient reshaped): alone too
     return t.clone()
 
 
