@@ -25,6 +25,7 @@ from fxpipe.passes.tpops import (
     op_name,
     shape_of,
 )
+from fxpipe.passes.tppartial import activation_beside_shard
 from fxpipe.passes.tpshape import SHAPE_RULES, Refusal, call_arg, dim_index
 
 __all__ = ["Refusal", "through"]
@@ -82,6 +83,10 @@ def _pointwise(node: torch.fx.Node, layout: Callable) -> Any:
     blocking = [a for a in tensors if layout(a) is None and _size_at(a, d, out) != 1]
     if blocking:
         raise Refusal("mixed", f"it combines a shard of dim {d} with the whole of '{blocking[0].name}'", blocking)
+    graded = [a for a in tensors if layout(a) is None and activation_beside_shard(a)]
+    if graded:  # each rank would backpropagate its shard's part of that value's gradient only
+        raise Refusal("mixed", f"it combines a shard of dim {d} with '{graded[0].name}', an activation whose "
+                               "gradient each rank would compute only in part", graded)
     return d
 
 

@@ -56,6 +56,7 @@ from fxpipe.runtime.stage.unfrozen import refuse_changed_linears, refuse_unfroze
 from fxpipe.runtime.stage.worker import StageWorker
 from fxpipe.runtime.tensorparallel import local_specs, match_grads
 from fxpipe.runtime.tiedgrads import open_window, sum_tied
+from fxpipe.runtime.tppartial import PartialGrads
 from fxpipe.runtime.transport import release, samebatch, steplayout
 from fxpipe.runtime.transport.comm import Comm, on_every_rank
 from fxpipe.runtime.transport.layoutcache import LayoutCache
@@ -102,6 +103,7 @@ class DistributedRuntime:
         self._transports: dict[tuple[str, int], DistTransport] = {}  # per step kind, kept across steps
         self.layout = layout
         self.grad_sync: GradSync | None = None  # data parallel, set by the build
+        self.partial: PartialGrads | None = None  # tensor parallel: whole parameters beside shards, summed
         self.sync = True  # reduce gradients over replicas and ties this step (off inside pipe.no_sync())
         self.unfrozen: list = []  # parameters frozen at compile whose gradient could not come back (unfrozen.py)
         self.replacing = {c.index: c.gm for c in calls if c.gm.meta.get("fxpipe.replaced_modules")}
@@ -317,6 +319,7 @@ class DistributedRuntime:
         self.ties.mine = [(None, params, first) for _, params, first in self.ties.mine]
         self.layout.pp_group = self.layout.dp_group = self.layout.tp_group = None
         self.layout.mesh = self.layout.tp_mesh = None  # a DeviceMesh holds its groups too
+        self.partial = None  # holds the tensor-parallel group
         if self.grad_sync is not None:
             self.grad_sync.wrapped.clear()  # DDP's reducer holds the replicas' group
             self.grad_sync.group = None
@@ -373,9 +376,15 @@ class DistributedRuntime:
             def losses_for(batch: int | None, m: int) -> dict[int, Callable[[Any], torch.Tensor]]:
                 check_targets_once(self.binding, tgt, kwargs, batch, m, loss_fn)
                 return micro_losses(loss_fn, tgt, batch, m, self.device, self.binding.finish)
+            if self.layout.tp > 1 and self.partial is None:
+                self.partial = PartialGrads([w.call.gm for w in self.workers.values()], self.layout.tp_group)
+            if self.partial is not None:
+                self.partial.before()
             runner = self._run(args, kwargs, losses_for, training, grad=True, target=tgt)
             if self.layout.tp > 1:
                 match_grads([p for w in self.workers.values() for p in w.call.gm.parameters()])
+            if self.partial is not None:
+                self.partial.after()
             if self.sync:  # replicas reduced and a tie's accumulated gradients summed once, at the synced step
                 if self.grad_sync is not None:
                     self.grad_sync.reduce()

@@ -70,6 +70,13 @@ def _counts(seen, when):
     return Counter(k for k, p in seen if p == when)
 
 
+@pytest.mark.parametrize("schedule", ["zb", "1f1b:shard"])
+def test_whole_weights_beside_a_shard_get_the_groups_summed_gradient(schedule, tmp_path, launch):
+    """Qwen3's per-head q_norm/k_norm: each rank's gradient covered its own heads only (53-100% off)."""
+    _equal(launch("tp_cases:equal", 4 if ":" not in schedule else 8, f"qknorm/{schedule}", tmp_path, limit=240),
+           "qknorm")
+
+
 def test_sequence_parallel_plan_equals_eager(tmp_path, launch):
     """torchtitan's sequence-parallel plan (norms on DTensors, the residual stream a shard of the sequence), zb."""
     _equal(launch("tp_cases:equal", 4, "sp/zb", tmp_path), "sp")

@@ -33,6 +33,14 @@ def _decoder():
     return tm.TiedDecoder(), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), tm.token_loss
 
 
+def _qknorm():
+    """The tied decoder with Qwen3's per-head q_norm and k_norm in every attention."""
+    model = tm.TiedDecoder()
+    for block in model.blocks:
+        block.attn = tm.QKNormAttention()
+    return model, torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), tm.token_loss
+
+
 def _llama():
     return tm.llama(), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), tm.token_loss
 
@@ -73,7 +81,8 @@ MODELS = {"mlp": (_mlp, tm.MLP_PLAN, {}), "decoder": (_decoder, tm.DECODER_PLAN,
           "llama": (_llama, tm.LLAMA_PLAN, {"tracer": "export"}),
           "sp": (_sp, tm.SP_PLAN, {"split_points": ["blocks.1"]}),
           "padded": (_padded, tm.DECODER_PLAN, {}), "padded_export": (_padded, tm.DECODER_PLAN, {"tracer": "export"}),
-          "scaled": (_scaled, tm.DECODER_PLAN, {"tracer": "export"})}  # sequence parallel: its own plan
+          "scaled": (_scaled, tm.DECODER_PLAN, {"tracer": "export"}),
+          "qknorm": (_qknorm, tm.DECODER_PLAN, {})}  # sequence parallel: its own plan
 
 
 def _place(rank, world, pp, tp):

@@ -63,6 +63,42 @@ class Attention(nn.Module):
         return self.o(y)
 
 
+class HeadNorm(nn.Module):
+    """Qwen3's per-head RMS norm, written out (traced through: its weight is a get_attr beside a shard)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d) + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class QKNormAttention(Attention):
+    """Attention with Qwen3's q_norm and k_norm over each head: weights left whole beside the heads' shard.
+
+    Each rank computes their gradient over its own heads only; the runtime sums the group's parts.
+    ``q_norm`` is traced through, ``k_norm`` is ``nn.RMSNorm`` (a leaf module call on the shard).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_norm = HeadNorm(8)
+        self.k_norm = nn.RMSNorm(8, eps=1e-6)
+        with torch.no_grad():
+            self.k_norm.weight.add_(0.1 * torch.randn(8))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_norm(self.q(x).view(b, s, 4, 8)).transpose(1, 2)
+        k = self.k_norm(self.k(x).view(b, s, 4, 8)).transpose(1, 2)
+        v = self.v(x).view(b, s, 4, 8).transpose(1, 2)
+        mask = torch.triu(torch.full((s, s), float("-inf"), device=x.device), 1)
+        att = torch.softmax(q @ k.transpose(-2, -1) * 8 ** -0.5 + mask, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, s, 32)
+        return self.o(y)
+
+
 class MLP2(nn.Module):
     """The decoder block's MLP."""
 
