@@ -31,6 +31,7 @@ from fxpipe.passes.spec import value_bytes
 from fxpipe.passes.tpauto import TensorParallelError, auto_roles
 from fxpipe.passes.tplayout import Conflict, Rule, propagate, site_input
 from fxpipe.passes.tpsites import Site, find_sites
+from fxpipe.plan.hfstyles import from_name
 from fxpipe.plan.tpcoverage import warn_little_split
 from fxpipe.plan.tpstyles import STYLE_OF_ROLE, collectives, rule_of, style_text, weight_placement
 
@@ -110,6 +111,10 @@ def _resolve(gm: torch.fx.GraphModule, sites: Mapping[str, Site], tp_plan: Mappi
     """Map every key of a written plan to the sites it names; refuse a key that names none."""
     styles: dict[str, Any] = {}
     for key, style in tp_plan.items():
+        if isinstance(style, str):  # a Hugging Face model's own plan names its styles
+            style = from_name(style, key)
+            if style is None:
+                continue
         hits = [fqn for fqn in sites if _matches(key, fqn)]
         if not hits:
             raise _no_match(gm, sites, key)
