@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["activation_beside_shard", "params_only", "partial_params"]
+__all__ = ["activation_beside_shard", "mixed_params", "params_only", "partial_params"]
 
 
 def _sharded(layout: Any) -> bool:
@@ -69,19 +69,38 @@ def partial_params(gm: torch.fx.GraphModule) -> list[str]:
     styled site). A styled site's weights may be among the names: they are DTensors at run
     time, whose gradients PyTorch reduces itself, and the runtime skips them.
     """
-    names: dict[str, None] = {}
+    return list(_uses(gm)[0])
+
+
+def mixed_params(gm: torch.fx.GraphModule) -> dict[str, tuple[str, str]]:
+    """Return the parameters used both beside a shard and on whole values: name -> (a sharded use, a whole one).
+
+    Summing such a gradient over the group would count its whole part once per rank; the plan refuses them.
+    """
+    beside, whole = _uses(gm)
+    return {name: (beside[name], whole[name]) for name in beside if name in whole}
+
+
+def _uses(gm: torch.fx.GraphModule) -> tuple[dict[str, str], dict[str, str]]:
+    """Return, per trainable parameter left whole, a node that uses it beside a shard, and one that uses it whole."""
+    beside: dict[str, str] = {}
+    whole: dict[str, str] = {}
     for node in gm.graph.nodes:
-        if not _sharded(node.meta.get("fxpipe.tp")):
-            continue
-        if node.op == "call_module" and any(_sharded(a.meta.get("fxpipe.tp")) for a in node.all_input_nodes):
-            prefix = f"{node.target}."
+        if node.op == "get_attr" or (node.op != "call_module" and params_only(node)):
+            continue  # ops on parameters alone: their users decide
+        sharded = _sharded(node.meta.get("fxpipe.tp"))
+        if node.op == "call_module":
+            on_shard = any(_sharded(a.meta.get("fxpipe.tp")) for a in node.all_input_nodes)
+            mine = beside if sharded and on_shard else whole
             for name, p in gm.get_submodule(str(node.target)).named_parameters():
                 if p.requires_grad:
-                    names[prefix + name] = None
+                    mine.setdefault(f"{node.target}.{name}", node.name)
+        mine = beside if sharded else whole
         for a in node.all_input_nodes:
             if a.meta.get("fxpipe.tp") is None and params_only(a):
-                names.update(dict.fromkeys(_params_under(gm, a)))
-    return list(names)
+                for name in _params_under(gm, a):
+                    mine.setdefault(name, node.name)
+    return beside, whole
 
 
 def _params_under(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[str]:

@@ -85,8 +85,8 @@ def _pointwise(node: torch.fx.Node, layout: Callable) -> Any:
         raise Refusal("mixed", f"it combines a shard of dim {d} with the whole of '{blocking[0].name}'", blocking)
     graded = [a for a in tensors if layout(a) is None and activation_beside_shard(a)]
     if graded:  # each rank would backpropagate its shard's part of that value's gradient only
-        raise Refusal("mixed", f"it combines a shard of dim {d} with '{graded[0].name}', an activation whose "
-                               "gradient each rank would compute only in part", graded)
+        raise Refusal("unsupported", f"it combines a shard of dim {d} with '{graded[0].name}', an activation "
+                                     "whose gradient each rank would compute only in part")
     return d
 
 

@@ -18,7 +18,7 @@ from fxpipe.errors import TensorParallelError
 
 __all__ = ["WHOLE", "from_name"]
 
-WHOLE = "replicated_with_grad_allreduce"  # left whole: fxpipe sums its gradient over the group
+WHOLE = ("replicated_with_grad_allreduce", "replicate")  # left whole (fxpipe sums such gradients itself)
 
 _STYLES = {
     "colwise": lambda: ColwiseParallel(),
@@ -26,18 +26,19 @@ _STYLES = {
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
 }
 
 
 def from_name(name: str, key: str) -> Any:
     """Return the PyTorch style a Hugging Face plan's ``name`` stands for (None: leave the module whole)."""
-    if name == WHOLE:
+    if name in WHOLE:
         return None
     make = _STYLES.get(name)
     if make is None:
         raise TensorParallelError(
             f"tp_plan['{key}'] = '{name}' is Hugging Face's notation, and fxpipe reads only "
-            f"{', '.join(repr(n) for n in [*_STYLES, WHOLE])} of it; write that module's style as a "
+            f"{', '.join(repr(n) for n in [*_STYLES, *WHOLE])} of it; write that module's style as a "
             "PyTorch style object (ColwiseParallel(), RowwiseParallel(...)), or pass tp_plan='auto'")
     return make()

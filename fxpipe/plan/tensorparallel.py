@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 from fxpipe.passes.spec import value_bytes
 from fxpipe.passes.tpauto import TensorParallelError, auto_roles
 from fxpipe.passes.tplayout import Conflict, Rule, propagate, site_input
+from fxpipe.passes.tppartial import mixed_params
 from fxpipe.passes.tpsites import Site, find_sites
 from fxpipe.plan.hfstyles import from_name
 from fxpipe.plan.tpcoverage import warn_little_split
@@ -93,12 +94,32 @@ def plan_tensor_parallel(gm: torch.fx.GraphModule, t: int, tp_plan: Any, record:
     _check_crossing(gm, layouts)
     plan = TensorParallelPlan(t, styles, sites, rules, auto=tp_plan == "auto",
                               layouts={n: v for n, v in layouts.items() if isinstance(v, int)})
+    if record:
+        _check_mixed_use(gm, plan)
     plan.calls = _calls(gm, plan, layouts)
     if record and plan.auto:
         warn_little_split(gm, plan)
     log.info("tensor parallel over %d ranks: %d module(s) styled, %d left whole", t, len(styles),
              len(plan.record(1)["replicated"]))
     return plan
+
+
+def _check_mixed_use(gm: torch.fx.GraphModule, plan: TensorParallelPlan) -> None:
+    """Refuse a weight left whole that is used both beside a shard and on a whole value.
+
+    Each rank computes the first use's gradient over its own shard only, which the runtime sums
+    over the group (:mod:`fxpipe.passes.tppartial`); the second use's is whole on every rank and
+    would be counted once per rank by that sum.
+    """
+    styled = plan.sharded_weights()
+    for name, (shard_use, whole_use) in mixed_params(gm).items():
+        if id(gm.get_parameter(name)) in styled:
+            continue
+        raise TensorParallelError(
+            f"'{name}' is used beside a shard (node '{shard_use}') and on a whole value (node '{whole_use}'): "
+            "each rank would compute the first part of its gradient over its own shard only, and fxpipe cannot sum "
+            "that part alone; give the two uses separate parameters, or leave the linears that make the shard "
+            "out of tp_plan")
 
 
 def _matches(pattern: str, fqn: str) -> bool:

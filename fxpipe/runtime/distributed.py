@@ -332,6 +332,8 @@ class DistributedRuntime:
         self.comm.close()
         self.ties.close()
         self.summed = None
+        if self.partial is not None:
+            self.partial.discard()
         for worker in self.workers.values():
             worker.discard()
         discard_batch_norm(self.deferred)
@@ -377,14 +379,16 @@ class DistributedRuntime:
                 check_targets_once(self.binding, tgt, kwargs, batch, m, loss_fn)
                 return micro_losses(loss_fn, tgt, batch, m, self.device, self.binding.finish)
             if self.layout.tp > 1 and self.partial is None:
-                self.partial = PartialGrads([w.call.gm for w in self.workers.values()], self.layout.tp_group)
+                sharded = self.grad_sync is not None and self.grad_sync.shard  # FSDP2: sums at the synced step
+                self.partial = PartialGrads([w.call.gm for w in self.workers.values()], self.layout.tp_group,
+                                            window=sharded)
             if self.partial is not None:
                 self.partial.before()
             runner = self._run(args, kwargs, losses_for, training, grad=True, target=tgt)
             if self.layout.tp > 1:
                 match_grads([p for w in self.workers.values() for p in w.call.gm.parameters()])
             if self.partial is not None:
-                self.partial.after()
+                self.partial.after(self.sync)
             if self.sync:  # replicas reduced and a tie's accumulated gradients summed once, at the synced step
                 if self.grad_sync is not None:
                     self.grad_sync.reduce()

@@ -77,6 +77,15 @@ def test_whole_weights_beside_a_shard_get_the_groups_summed_gradient(schedule, t
            "qknorm")
 
 
+@pytest.mark.parametrize("schedule", ["1f1b:shard", "zb"])
+def test_whole_weights_beside_a_shard_accumulate_over_a_no_sync_step(schedule, tmp_path, launch):
+    """FSDP2 keeps a no_sync step's gradients unsharded until the synced step: the sum covers both (114% off)."""
+    results = launch("tp_cases:accumulate", 4, schedule, tmp_path, limit=240)
+    _ok(results)
+    for r, res in enumerate(results):
+        assert max(res["grad_errors"].values()) < 1e-5, (r, res["grad_errors"])
+
+
 def test_sequence_parallel_plan_equals_eager(tmp_path, launch):
     """torchtitan's sequence-parallel plan (norms on DTensors, the residual stream a shard of the sequence), zb."""
     _equal(launch("tp_cases:equal", 4, "sp/zb", tmp_path), "sp")

@@ -146,6 +146,20 @@ def _equal(rank, world, name, schedule):
     return out
 
 
+def accumulate(rank, world, schedule):
+    """tp2 x dp2 (pp1): a step inside pipe.no_sync(), then a synced one, equal eager's two backwards (q_norm too)."""
+    pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "qknorm", schedule, pp=1)
+    x2, y2 = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(2)), torch.roll(y, 1, 0)
+    replica, _, _, dp = _place(rank, world, 1, 2)
+    rows = x.shape[0] // dp
+    with pipe.no_sync():
+        step()
+    step(x2[replica * rows:(replica + 1) * rows], y2[replica * rows:(replica + 1) * rows])
+    loss_fn(eager(x), y).backward()
+    loss_fn(eager(x2), y2).backward()
+    return {"grad_errors": _errors(held, eager)}
+
+
 def plans(rank, world, schedule):
     """The automatic plan equals the written one for each model (compiled on 4 ranks, no step)."""
     out = {}

@@ -54,3 +54,25 @@ def test_a_whole_activation_carrying_a_gradient_beside_a_shard_is_refused_in_a_w
     plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
     with pytest.raises(TensorParallelError, match="gradient each rank would compute only in part"):
         _planned(_Gated(), torch.randn(2, 4, 16), plan)
+
+
+class _Shared(nn.Module):
+    """One scale multiplies the heads' shard and the whole input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 4) * self.scale
+        return self.o(q.reshape(b, t, 16)) + (x.view(b, t, 4, 4) * self.scale).reshape(b, t, 16)
+
+
+def test_a_whole_weight_used_beside_a_shard_and_on_a_whole_value_is_refused():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    # the group's sum would count the whole use's gradient once per rank (111% off)
+    with pytest.raises(TensorParallelError, match=r"'scale' is used beside a shard .* and on a whole value"):
+        _planned(_Shared(), torch.randn(2, 4, 16), {"q": ColwiseParallel(), "o": RowwiseParallel()})

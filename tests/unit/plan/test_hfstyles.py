@@ -33,4 +33,5 @@ def test_a_name_fxpipe_does_not_read_is_refused_naming_the_fix():
     with pytest.raises(TensorParallelError, match=r"tp_plan\['x'\] = 'local_colwise' is Hugging Face's notation.*"
                                                   r"PyTorch style object"):
         from_name("local_colwise", "x")
-    assert from_name("replicated_with_grad_allreduce", "x") is None
+    assert from_name("replicated_with_grad_allreduce", "x") is None and from_name("replicate", "x") is None
+    assert style_text(from_name("rowwise_split_input", "x")) == "RowwiseParallel(input_layouts=Replicate())"
