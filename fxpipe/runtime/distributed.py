@@ -182,12 +182,16 @@ class DistributedRuntime:
 
     def _checks_batch(self, stepping: bool) -> bool:
         """Say whether this call is the first of its kind whose ranks' batches are compared (:mod:`samebatch`)."""
-        return stepping not in self.batch_checked and self.world > 1 and self.layout.tp == 1
+        return stepping not in self.batch_checked and self.world * self.layout.tp > 1
 
     # -- running ----------------------------------------------------------------------------
     def _run(self, args: tuple, kwargs: dict, losses_for: Callable | None, training: bool, grad: bool,
-             target: Any = None):
-        """Run one step's actions on this rank; return the runner."""
+             target: Any = None, own_target: Any = None):
+        """Run one step's actions on this rank; return the runner.
+
+        ``target`` is the loss's (under tensor parallelism the group's, taken from its first rank
+        given one); ``own_target`` the one this rank was given, which the batch check compares.
+        """
         if self.rank == self.first:
             header, mbs = steplayout.publish(self, args, kwargs, training, has_target=target is not None,
                                              stepping=losses_for is not None, target=target,
@@ -205,7 +209,7 @@ class DistributedRuntime:
         if losses_for is not None:
             steplayout.check_target(self, target, bool(header.get("target_on_first")), header.get("batch"))
         if "digest" in header:  # the call's first: a sampler sharding over every rank is refused, not run
-            samebatch.agree_on_batch(self, args, kwargs, target, header)
+            samebatch.agree_on_batch(self, args, kwargs, own_target, header)
             self.batch_checked.add(stepping)
         if header.get("training", training) != training:  # its peers learn of it as of any failed step
             mode, first = ("training", "eval") if training else ("eval", "training")
@@ -384,7 +388,7 @@ class DistributedRuntime:
                                             window=sharded)
             if self.partial is not None:
                 self.partial.before()
-            runner = self._run(args, kwargs, losses_for, training, grad=True, target=tgt)
+            runner = self._run(args, kwargs, losses_for, training, grad=True, target=tgt, own_target=target)
             if self.layout.tp > 1:
                 match_grads([p for w in self.workers.values() for p in w.call.gm.parameters()])
             if self.partial is not None:

@@ -164,6 +164,13 @@ def test_inputs_or_target_on_the_wrong_rank_of_a_tensor_parallel_group_are_refus
         kind, message = res["target_on_first"]
         assert kind == "PipelineInputError" and "target=None on ranks 2, 3, which compute the loss" in message, (r, res)
         assert "pass the target on rank 2 or 3 (the last stage: any rank of its tensor-parallel group" in message
+        # every rank given its own rows: each group took its first rank's, so rank 1's and rank 3's rows were lost
+        # and rank 2's target trained against rank 0's inputs, silently
+        kind, message = res["own_rows"]
+        assert kind == "PipelineInputError" and "rank 1 was given another input 'x' than rank 0, the first of its " \
+            "tensor-parallel group (ranks 0, 1)" in message and "fxpipe.data_shard(pipe)" in message, (r, res)
+        kind, message = res["group_targets_differ"]
+        assert kind == "PipelineInputError" and "rank 3 was given another target than rank 2" in message, (r, res)
         # the inputs and the target on each group's second rank only (the target on the world's last rank, as a
         # script without tensor parallelism passes it): the group takes them from that rank
         kind, loss = res["on_second"]

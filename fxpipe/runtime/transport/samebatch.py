@@ -11,8 +11,11 @@ verdict (under data parallel the replicas do too, so none waits for another in a
                           ◀── each rank's verdict ──┘
                           the first refusal ──────────────────▶ every rank raises it
 
-Ranks that pass ``None`` compare nothing. Without tensor parallelism only: a tensor-parallel
-group takes its values from whichever of its ranks holds them.
+Ranks that pass ``None`` compare nothing. Under tensor parallelism a group takes its values
+from its first rank given them (:mod:`tpinputs`): its ranks first compare what each was given
+with that rank's (one ``all_gather`` in the group), each tensor-parallel index then runs the
+above over its own ranks, and the groups agree on the first refusal, so that no rank of a
+group waits alone in a collective.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from fxpipe.runtime.transport.tpinputs import inputs_given
 __all__ = ["agree_on_batch", "digest"]
 
 _PLAIN = (bool, int, float, str, type(None))
+_FIX = ("A DistributedSampler with its default num_replicas and rank gives every rank its own rows; shard over the "
+        "replicas instead: DistributedSampler(dataset, *fxpipe.data_shard(pipe))")
 
 
 def _leaf(value: Any) -> Any:
@@ -72,51 +77,91 @@ def _differs(mine: list[Any], theirs: list[Any] | None) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(mine, theirs)) if not _same(a, b)), None)
 
 
-def _verdict(runtime: Any, args: tuple, kwargs: dict, target: Any, header: dict) -> str | None:
-    """On a rank other than the first stage's: compare the inputs and the target it was given with the first's."""
-    me, first = runtime.layout.global_ranks[runtime.rank], runtime.layout.global_ranks[runtime.first]
-    what = None
+def _given(runtime: Any, args: tuple, kwargs: dict, target: Any) -> tuple[list | None, list | None]:
+    """Return the digests of the inputs and the target this rank was given (``None`` for what it was not)."""
+    values = None
     if inputs_given(args, kwargs):
         try:
-            values = runtime.binding.bind(args, kwargs)
+            values = digest(runtime.binding.bind(args, kwargs))
         except TypeError:
-            values = None  # not the model's inputs: the first rank's are the ones that run
-        at = None if values is None else _differs(digest(values), header.get("digest"))
-        if at is not None:
-            names = runtime.binding.names
-            what = "inputs" if at < 0 or at >= len(names) else f"input {names[at]!r}"
-    if what is None and target is not None:
-        at = _differs(digest(target), header.get("target_digest"))
-        what = None if at is None else "target"
+            pass  # not the model's inputs: the first rank's are the ones that run
+    return values, None if target is None else digest(target)
+
+
+def _what_differs(runtime: Any, mine: tuple[list | None, list | None], inputs: list | None,
+                  target: list | None) -> str | None:
+    """Name what of this rank's (inputs, target) differs from the given digests; ``None`` when nothing does."""
+    at = None if mine[0] is None else _differs(mine[0], inputs)
+    if at is not None:
+        names = runtime.binding.names
+        return "inputs" if at < 0 or at >= len(names) else f"input {names[at]!r}"
+    at = None if mine[1] is None else _differs(mine[1], target)
+    return None if at is None else "target"
+
+
+def _verdict(runtime: Any, mine: tuple[list | None, list | None], header: dict) -> str | None:
+    """On a rank other than the first stage's: compare the inputs and the target it was given with the first's."""
+    what = _what_differs(runtime, mine, header.get("digest"), header.get("target_digest"))
     if what is None:
         return None
+    me, first = runtime.layout.global_ranks[runtime.rank], runtime.layout.global_ranks[runtime.first]
     return (f"rank {me} was given another {what} than rank {first}, which splits the inputs: the ranks of one "
-            f"pipeline train on one batch (the first stage's inputs with the last stage's target). A "
-            f"DistributedSampler with its default num_replicas and rank gives every rank its own rows; shard over "
-            f"the replicas instead: DistributedSampler(dataset, *fxpipe.data_shard(pipe)), or pass None on the ranks "
-            f"that do not split the inputs")
+            f"pipeline train on one batch (the first stage's inputs with the last stage's target). {_FIX}, or pass "
+            f"None on the ranks that do not split the inputs")
+
+
+def _group_verdict(runtime: Any, mine: tuple[list | None, list | None]) -> str | None:
+    """Under tensor parallelism: compare what each rank of this rank's group was given with its first holder's."""
+    layout = runtime.layout
+    seen: list[Any] = [None] * layout.tp
+    dist.all_gather_object(seen, mine, group=layout.tp_group)
+    ranks = [dist.get_global_rank(layout.tp_group, i) for i in range(layout.tp)]
+    for part in (0, 1):  # the group takes each from its first rank given it (tpinputs)
+        holder = next((i for i, given in enumerate(seen) if given[part] is not None), None)
+        for i, given in enumerate(seen):
+            if holder is None or given[part] is None:
+                continue
+            other = (given[0], None) if part == 0 else (None, given[1])
+            what = _what_differs(runtime, other, seen[holder][0], seen[holder][1])
+            if what is not None:
+                return (f"rank {ranks[i]} was given another {what} than rank {ranks[holder]}, the first of its "
+                        f"tensor-parallel group (ranks {', '.join(map(str, ranks))}) given one, whose values the "
+                        f"group computes on: the ranks of one pipeline, its tensor-parallel groups included, train "
+                        f"on one batch. {_FIX}, or pass the inputs and the target on one rank of each group")
+    return None
+
+
+def _first_of(verdict: str | None, group: Any) -> tuple[int, str] | None:
+    """Return the first refusal among a process group's ranks and its index there (every rank gets the same)."""
+    seen: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, verdict, group=group)
+    return next(((i, v) for i, v in enumerate(seen) if v is not None), None)
 
 
 def agree_on_batch(runtime: Any, args: tuple, kwargs: dict, target: Any, header: dict) -> None:
     """Refuse on every rank a first call whose pipeline's ranks were given different batches (see above)."""
     if "digest" not in header:  # published only where it is checked (one pipeline rank per stage group)
         return
+    layout = runtime.layout
+    mine = _given(runtime, args, kwargs, target)
+    group = _group_verdict(runtime, mine) if layout.tp > 1 else None  # the same on every rank of the group
     if runtime.rank == runtime.first:
-        found = [runtime.comm.recv_object(r, "waiting for the other ranks' check of the batch")
-                 for r in range(runtime.world) if r != runtime.rank]
+        found = [group] + [runtime.comm.recv_object(r, "waiting for the other ranks' check of the batch")
+                           for r in range(runtime.world) if r != runtime.rank]
         verdict = next((v for v in found if v is not None), None)
         tell_all(runtime, verdict)
         runtime.comm.flush()
     else:
-        runtime.comm.send_object(_verdict(runtime, args, kwargs, target, header), runtime.first)
+        runtime.comm.send_object(group or _verdict(runtime, mine, header), runtime.first)
         runtime.comm.flush()
         verdict = runtime.comm.recv_object(runtime.first, "waiting for the first rank's check of the batch")
-    if runtime.layout.dp > 1:  # a replica refusing alone would leave the others waiting in their reductions
-        seen: list[Any] = [None] * dist.get_world_size(runtime.layout.dp_group)
-        dist.all_gather_object(seen, verdict, group=runtime.layout.dp_group)
-        other = next(((r, v) for r, v in enumerate(seen) if v is not None), None)
+    if layout.tp > 1:  # each index's ranks agreed; a stage's group spans the indices
+        found_in_group = _first_of(verdict, layout.tp_group)
+        verdict = None if found_in_group is None else found_in_group[1]
+    if layout.dp > 1:  # a replica refusing alone would leave the others waiting in their reductions
+        other = _first_of(verdict, layout.dp_group)
         if verdict is None and other is not None:
             verdict = (f"replica {other[0]} refused this step ({other[1]}); the replicas run each step together, "
-                       f"so replica {runtime.layout.replica} did not run it either")
+                       f"so replica {layout.replica} did not run it either")
     if verdict is not None:
         raise on_every_rank(PipelineInputError(verdict))
