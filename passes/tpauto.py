@@ -21,6 +21,7 @@ output head) is column-wise with its logits gathered, so that both hold the same
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from collections.abc import Mapping
 
@@ -53,11 +54,12 @@ def role_rules(sites: Mapping[str, Site], roles: Mapping[str, str]) -> dict[str,
     return {name: ROLES[role] for fqn, role in roles.items() for name in sites[fqn].nodes}
 
 
-def indivisible(what: str, fqn: str | None, size: int, t: int) -> TensorParallelError:
-    """Return the refusal of a dimension of ``size`` that ``t`` ranks do not divide."""
+def indivisible(what: str, fqn: str | None, size: int, t: int, container: bool = False) -> TensorParallelError:
+    """Return the refusal of a dimension of ``size`` that ``t`` ranks do not divide (``container``: not a linear)."""
     fits = ", ".join(map(str, divisors(size)))
+    leave = f"the linears in '{fqn}'" if container else f"'{fqn}'"
     return TensorParallelError(f"tensor_parallel={t} does not divide {what} of '{fqn}' ({size}); use a "
-                               f"tensor_parallel that divides it ({fits}), or leave '{fqn}' out of the plan")
+                               f"tensor_parallel that divides it ({fits}), or leave {leave} out of the plan")
 
 
 def auto_roles(gm: torch.fx.GraphModule, t: int) -> dict[str, str]:
@@ -67,6 +69,7 @@ def auto_roles(gm: torch.fx.GraphModule, t: int) -> dict[str, str]:
     roles: dict[str, str] = {}
     refused: list[TensorParallelError] = []  # regions t does not divide: left whole if another one splits
     unclosed: list[str] = []  # regions of several linears that did not close: left whole, warned of
+    alone: list[str] = []  # linears no region takes (a norm over the shard, a returned output): logged
     whole: dict[str, str] = {}  # their sites, which no other region takes
     for site in sites.values():
         if site.kind == "linear" and site.fqn not in roles and site.fqn not in whole:
@@ -76,22 +79,40 @@ def auto_roles(gm: torch.fx.GraphModule, t: int) -> dict[str, str]:
                 refused.append(exc)
                 whole.update(dict.fromkeys(getattr(exc, "region", (site.fqn,)), "whole"))
                 continue
-            if isinstance(grown, _Unclosed):
+            if isinstance(grown, _Alone):
+                alone.append(grown.message)
+            elif isinstance(grown, _Unclosed):
                 unclosed.append(grown.message)
                 whole.update(dict.fromkeys(grown.region, "whole"))
             else:
                 roles.update(grown)
     if refused and not roles:
         raise refused[0]
-    if len(unclosed) > 1:  # one per layer of a deep model: the first, counted
-        unclosed = [f"{unclosed[0]}; and {len(unclosed) - 1} more region(s) like it"]
-    for message in dict.fromkeys([str(exc).split("; use ")[0] for exc in refused] + unclosed):
+    for message in _counted([str(exc).split("; use ")[0] for exc in refused] + unclosed):
         warnings.warn(f"tp_plan='auto' leaves a region whole: {message}; the regions it divides are split "
                       "(write tp_plan= yourself to choose otherwise)", stacklevel=2)
+    for message in _counted(alone):
+        log.info("tensor parallel (auto): %s", message)
     _embeddings(gm, sites, roles, t)
     _, left = propagate(gm, role_rules(sites, roles), t)
     assert not left, f"the automatic plan left conflicts: {left[:3]}"
     return roles
+
+
+def _counted(messages: list[str]) -> list[str]:
+    """Return one message per kind (names aside), counting the regions like it: one per layer of a deep model."""
+    kinds: dict[str, list[str]] = {}
+    for message in messages:
+        kinds.setdefault(re.sub(r"'[^']*'|\d+", "_", message), []).append(message)
+    return [same[0] if len(same) == 1 else f"{same[0]}; and {len(same) - 1} more region(s) like it"
+            for same in kinds.values()]
+
+
+class _Alone:
+    """A linear whose shard no region around it can close: it stays whole."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 class _Unclosed:
@@ -106,9 +127,9 @@ class _Unclosed:
 
 
 def _grow(gm: torch.fx.GraphModule, sites: Mapping[str, Site], of_node: Mapping[str, Site],
-          taken: Mapping[str, str], start: Site, t: int) -> dict[str, str] | _Unclosed:
-    """Grow a column-wise/row-wise region from ``start``; return its roles, none if one linear's does not close,
-    or :class:`_Unclosed` if several linears' does not."""
+          taken: Mapping[str, str], start: Site, t: int) -> dict[str, str] | _Unclosed | _Alone:
+    """Grow a column-wise/row-wise region from ``start``; return its roles, :class:`_Alone` if one linear's does not
+    close, or :class:`_Unclosed` if several linears' does not."""
     region = {start.fqn: "colwise"}
     for _ in range(4 * len(sites) + 4):
         _, conflicts = propagate(gm, role_rules(sites, region), t)
@@ -127,11 +148,11 @@ def _grow(gm: torch.fx.GraphModule, sites: Mapping[str, Site], of_node: Mapping[
                 if c.kind == "indivisible" and c.size:
                     what = (f"the heads (or another sharded dim) that node '{c.node}' reshapes" if c.module else
                             f"the sharded dim that node '{c.node}' reshapes outside any module, in the region")
-                    exc = indivisible(what, c.module or min(region), c.size, t)
+                    exc = indivisible(what, c.module or min(region), c.size, t, container=bool(c.module))
                     exc.region = list(region)  # type: ignore[attr-defined]
                     raise exc
-            log.debug("tensor parallel: '%s' stays replicated (%s)", start.fqn, conflicts[0].message)
-            return _Unclosed(region, conflicts[0].message) if len(region) > 1 else {}
+            return _Unclosed(region, conflicts[0].message) if len(region) > 1 else \
+                _Alone(f"'{start.fqn}' stays whole ({conflicts[0].message})")
         region.update(grown)
     return {}
 

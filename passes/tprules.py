@@ -25,7 +25,7 @@ from fxpipe.passes.tpops import (
     op_name,
     shape_of,
 )
-from fxpipe.passes.tppartial import activation_beside_shard
+from fxpipe.passes.tppartial import activation_beside_shard, params_only
 from fxpipe.passes.tpshape import SHAPE_RULES, Refusal, call_arg, dim_index
 
 __all__ = ["Refusal", "through"]
@@ -82,12 +82,28 @@ def _pointwise(node: torch.fx.Node, layout: Callable) -> Any:
     d = dims.pop()
     blocking = [a for a in tensors if layout(a) is None and _size_at(a, d, out) != 1]
     if blocking:
-        raise Refusal("mixed", f"it combines a shard of dim {d} with the whole of '{blocking[0].name}'", blocking)
+        behind = _weight_behind(blocking[0])
+        raise Refusal("mixed", f"it combines a shard of dim {d} with the whole of '{blocking[0].name}'" + (
+            f" ({behind}, as large as the unsharded dim: a weight with an entry per head or per feature would have to "
+            "be split with the shard, which no style does)" if behind else ""), blocking)
     graded = [a for a in tensors if layout(a) is None and activation_beside_shard(a)]
     if graded:  # each rank would backpropagate its shard's part of that value's gradient only
         raise Refusal("unsupported", f"it combines a shard of dim {d} with '{graded[0].name}', an activation "
                                      "whose gradient each rank would compute only in part")
     return d
+
+
+def _weight_behind(node: torch.fx.Node) -> str:
+    """Name the parameter a whole value is read from (through casts and views): ``parameter 'fqn', shape (...)``."""
+    for _ in range(8):
+        if node.op == "get_attr":
+            shape = shape_of(node)
+            return f"parameter '{node.target}'" + ("" if shape is None else f", shape {tuple(shape)}")
+        inputs = [a for a in node.all_input_nodes if params_only(a)]  # not a dtype read off an input
+        if len(inputs) != 1:
+            return ""
+        node = inputs[0]
+    return ""
 
 
 def _size_at(a: torch.fx.Node, d: int, out: int) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import logging
+import warnings
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -131,19 +132,30 @@ def _matches(pattern: str, fqn: str) -> bool:
 def _resolve(gm: torch.fx.GraphModule, sites: Mapping[str, Site], tp_plan: Mapping[str, Any]) -> dict[str, Any]:
     """Map every key of a written plan to the sites it names; refuse a key that names none."""
     styles: dict[str, Any] = {}
+    absent: list[str] = []  # a Hugging Face plan's keys for modules this model has none of
     for key, style in tp_plan.items():
-        if isinstance(style, str):  # a Hugging Face model's own plan names its styles
+        named = isinstance(style, str)
+        if named:  # a Hugging Face model's own plan names its styles
             style = from_name(style, key)
             if style is None:
                 continue
         hits = [fqn for fqn in sites if _matches(key, fqn)]
         if not hits:
-            raise _no_match(gm, sites, key)
+            exc = _no_match(gm, sites, key)
+            if not (named and getattr(exc, "absent", False)):
+                raise exc
+            absent.append(key)  # transformers skips them too (Qwen3-MoE's plan keeps the dense MLP's keys)
+            continue
         for fqn in hits:
             if fqn in styles and style_text(styles[fqn]) != style_text(style):
                 raise TensorParallelError(f"tp_plan gives '{fqn}' two styles: {style_text(styles[fqn])} and "
                                           f"{style_text(style)} (key '{key}'); keep one")
             styles[fqn] = style
+    if absent and not styles:
+        raise _no_match(gm, sites, absent[0])
+    if absent:
+        warnings.warn(f"tp_plan: {len(absent)} key(s) of the Hugging Face plan name no module of this model and are "
+                      f"skipped, as transformers skips them: {absent}", stacklevel=2)
     return styles
 
 
@@ -167,7 +179,9 @@ def _no_match(gm: torch.fx.GraphModule, sites: Mapping[str, Site], key: str) -> 
             "(transformers' Conv1D, an addmm on a parameter) take no style; leave it out of the plan, where it "
             "stays whole on every rank")
     near = difflib.get_close_matches(key, names, n=5, cutoff=0.4) or [s for s in sites][:5]
-    return TensorParallelError(f"tp_plan key '{key}' matches no module of the model; the nearest FQNs are {near}")
+    exc = TensorParallelError(f"tp_plan key '{key}' matches no module of the model; the nearest FQNs are {near}")
+    exc.absent = True  # type: ignore[attr-defined]
+    return exc
 
 
 def _check_ties(gm: torch.fx.GraphModule, sites: Mapping[str, Site], styles: Mapping[str, Any]) -> None:
@@ -208,8 +222,11 @@ def _refusal(c: Conflict, auto: bool, t: int) -> TensorParallelError:
     where = f"node '{c.node}'" + (f" in module '{c.module}'" if c.module else "")
     if c.kind == "indivisible" and c.size:
         from fxpipe.passes.tpauto import indivisible
-        return indivisible(f"the heads (or another sharded dim) that node '{c.node}' reshapes", c.module, c.size, t)
-    return TensorParallelError(f"tp_plan{' (auto)' if auto else ''} cannot run {where}: {c.message}")
+        return indivisible(f"the heads (or another sharded dim) that node '{c.node}' reshapes", c.module, c.size, t,
+                           container=c.module is not None)
+    fix = ("; leave the linears that make this shard out of the plan (that region then runs whole), or pass "
+           "tp_plan='auto', which leaves such a region whole" if c.kind == "mixed" and not auto else "")
+    return TensorParallelError(f"tp_plan{' (auto)' if auto else ''} cannot run {where}: {c.message}{fix}")
 
 
 def _check_crossing(gm: torch.fx.GraphModule, layouts: Mapping[str, Any]) -> None:

@@ -76,3 +76,25 @@ def test_a_whole_weight_used_beside_a_shard_and_on_a_whole_value_is_refused():
     # the group's sum would count the whole use's gradient once per rank (111% off)
     with pytest.raises(TensorParallelError, match=r"'scale' is used beside a shard .* and on a whole value"):
         _planned(_Shared(), torch.randn(2, 4, 16), {"q": ColwiseParallel(), "o": RowwiseParallel()})
+
+
+class _PerHeadScale(nn.Module):
+    """Cohere's qk-norm: a weight with a row per head on the heads' shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.scale = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        return self.o((self.q(x).view(b, s, 4, 8) * self.scale.to(x.dtype)).reshape(b, s, 32))
+
+
+def test_a_weight_per_head_beside_the_heads_shard_is_refused_naming_it_and_the_fix():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"q": ColwiseParallel(), "o": RowwiseParallel()}
+    with pytest.raises(TensorParallelError, match=r"\(parameter 'scale', shape \(4, 8\), as large as the "
+                                                  r"unsharded dim.*leave the linears that make this shard out of the plan"):
+        _planned(_PerHeadScale(), torch.randn(2, 3, 32), plan)

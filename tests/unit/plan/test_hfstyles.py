@@ -35,3 +35,15 @@ def test_a_name_fxpipe_does_not_read_is_refused_naming_the_fix():
         from_name("local_colwise", "x")
     assert from_name("replicated_with_grad_allreduce", "x") is None and from_name("replicate", "x") is None
     assert style_text(from_name("rowwise_split_input", "x")) == "RowwiseParallel(input_layouts=Replicate())"
+
+
+def test_a_hugging_face_key_for_a_module_the_model_lacks_is_skipped_with_a_warning():
+    # Qwen3-MoE's own plan keeps the dense MLP's keys though every layer is a mixture of experts: it was refused
+    with pytest.warns(UserWarning, match=r"1 key\(s\) of the Hugging Face plan name no module .*'blocks\.\*\.mlp\."
+                                         r"gate_proj'"):
+        assert _styles({**_NAMES, "blocks.*.mlp.gate_proj": "colwise"}) == _styles(tm.DECODER_PLAN)
+    with pytest.raises(TensorParallelError, match="matches no module of the model"):
+        _styles({"blocks.*.mlp.gate_proj": "colwise"})  # nothing at all matches: a plan for another model
+    written = {**tm.DECODER_PLAN, "blocks.*.mlp.gate_proj": tm.DECODER_PLAN["blocks.*.mlp.fc1"]}
+    with pytest.raises(TensorParallelError, match="'blocks.\\*.mlp.gate_proj' matches no module"):
+        _styles(written)  # a style object written by hand: a typo is refused

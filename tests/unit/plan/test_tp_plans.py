@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -232,6 +234,15 @@ def test_auto_leaves_a_region_t_does_not_divide_whole_and_splits_the_others():
                                          r"the output features of 'up' \(33\)"):
         plan = plan_tensor_parallel(_graph(_TwoWidths(), torch.randn(4, 16)), 2, "auto")
     assert _styles(plan) == {"up2": "ColwiseParallel()", "down2": "RowwiseParallel()"}
+
+
+def test_auto_warns_once_of_regions_left_whole_alike_in_every_layer():
+    # Mistral at tensor_parallel=4 (2 key/value heads) warned once per reshape: 8 times per rank
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plan_tensor_parallel(_graph(nn.Sequential(*(_TwoWidths() for _ in range(3))), torch.randn(4, 16)), 2, "auto")
+    whole = [str(w.message) for w in seen if "leaves a region whole" in str(w.message)]
+    assert len(whole) == 1 and "of '0.up' (33); and 2 more region(s) like it" in whole[0], whole
 
 
 class _ResidualLinears(nn.Module):
