@@ -88,20 +88,19 @@ def _given(runtime: Any, args: tuple, kwargs: dict, target: Any) -> tuple[list |
     return values, None if target is None else digest(target)
 
 
-def _what_differs(runtime: Any, mine: tuple[list | None, list | None], inputs: list | None,
-                  target: list | None) -> str | None:
-    """Name what of this rank's (inputs, target) differs from the given digests; ``None`` when nothing does."""
-    at = None if mine[0] is None else _differs(mine[0], inputs)
+def _what_differs(runtime: Any, mine: tuple[list | None, list | None],
+                  theirs: tuple[list | None, list | None]) -> str | None:
+    """Name what of this rank's (inputs, target) digests differs from ``theirs``; ``None`` when nothing does."""
+    at = None if mine[0] is None else _differs(mine[0], theirs[0])
     if at is not None:
         names = runtime.binding.names
         return "inputs" if at < 0 or at >= len(names) else f"input {names[at]!r}"
-    at = None if mine[1] is None else _differs(mine[1], target)
-    return None if at is None else "target"
+    return None if mine[1] is None or _differs(mine[1], theirs[1]) is None else "target"
 
 
 def _verdict(runtime: Any, mine: tuple[list | None, list | None], header: dict) -> str | None:
     """On a rank other than the first stage's: compare the inputs and the target it was given with the first's."""
-    what = _what_differs(runtime, mine, header.get("digest"), header.get("target_digest"))
+    what = _what_differs(runtime, mine, (header.get("digest"), header.get("target_digest")))
     if what is None:
         return None
     me, first = runtime.layout.global_ranks[runtime.rank], runtime.layout.global_ranks[runtime.first]
@@ -115,19 +114,17 @@ def _group_verdict(runtime: Any, mine: tuple[list | None, list | None]) -> str |
     layout = runtime.layout
     seen: list[Any] = [None] * layout.tp
     dist.all_gather_object(seen, mine, group=layout.tp_group)
-    ranks = [dist.get_global_rank(layout.tp_group, i) for i in range(layout.tp)]
-    for part in (0, 1):  # the group takes each from its first rank given it (tpinputs)
-        holder = next((i for i, given in enumerate(seen) if given[part] is not None), None)
-        for i, given in enumerate(seen):
-            if holder is None or given[part] is None:
-                continue
-            other = (given[0], None) if part == 0 else (None, given[1])
-            what = _what_differs(runtime, other, seen[holder][0], seen[holder][1])
-            if what is not None:
-                return (f"rank {ranks[i]} was given another {what} than rank {ranks[holder]}, the first of its "
-                        f"tensor-parallel group (ranks {', '.join(map(str, ranks))}) given one, whose values the "
-                        f"group computes on: the ranks of one pipeline, its tensor-parallel groups included, train "
-                        f"on one batch. {_FIX}, or pass the inputs and the target on one rank of each group")
+    holders = [next((i for i, given in enumerate(seen) if given[part] is not None), 0) for part in (0, 1)]
+    reference = (seen[holders[0]][0], seen[holders[1]][1])  # the group takes each from its first rank given it
+    for i, given in enumerate(seen):
+        what = _what_differs(runtime, given, reference)
+        if what is not None:
+            ranks = [dist.get_global_rank(layout.tp_group, j) for j in range(layout.tp)]
+            holder = ranks[holders[what == "target"]]
+            return (f"rank {ranks[i]} was given another {what} than rank {holder}, the first of its tensor-parallel "
+                    f"group (ranks {', '.join(map(str, ranks))}) given one, whose values the group computes on: the "
+                    f"ranks of one pipeline, its tensor-parallel groups included, train on one batch. {_FIX}, or pass "
+                    f"the inputs and the target on one rank of each group")
     return None
 
 
