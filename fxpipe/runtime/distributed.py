@@ -197,6 +197,7 @@ class DistributedRuntime:
                                              stepping=losses_for is not None, target=target,
                                              check_batch=self._checks_batch(losses_for is not None))
         else:
+            steplayout.tell_target_given(self, losses_for is not None, target)
             header, mbs = steplayout.receive(self), []
         m = len(header["specs"])
         stepping = losses_for is not None

@@ -132,15 +132,16 @@ def misuse(rank, world, schedule):
                                                          loss_fn=token_loss))
     if dp == 1:
         out["after"] = _compare(pipe, model, eager, rank, ids, target)
-        # the target on the first rank only again, on a later step: the loss's rank refuses it alone
-        out["target_on_first_later"] = _attempt(lambda: pipe.step(ids if me == 0 else None, loss_fn=token_loss,
-                                                                  target=target if me == 0 else None))
-        for p in pipe.parameters():
-            p.grad = None
-        out["recovered"] = float(pipe.step(ids, target=target, loss_fn=token_loss))
     else:
         ids, target = ids[rank // 2 * 4:][:4], target[rank // 2 * 4:][:4]  # each replica its half
         out["after"] = float(pipe.step(ids, target=target, loss_fn=token_loss))
+    # the target on the first rank only again, on a later step: the loss's rank refused it alone, the others
+    # failed in their sends, and under data parallel the pipe was dead for every later step
+    out["target_on_first_later"] = _attempt(lambda: pipe.step(ids if me == 0 else None, loss_fn=token_loss,
+                                                              target=target if me == 0 else None))
+    for p in pipe.parameters():
+        p.grad = None
+    out["recovered"] = float(pipe.step(ids, target=target, loss_fn=token_loss))
     return out
 
 

@@ -317,7 +317,8 @@ def policies(rank, world, schedule):
 
 def misuse(rank, world, schedule):
     """pp2 x tp2: the target on the first stage's ranks only, every rank's own rows, a group's two targets (all
-    refused on every rank); then inputs and target on each group's second rank (the group takes them from it)."""
+    refused on every rank); then inputs and target on each group's second rank (the group takes them from it); then
+    the target on the first stage's ranks only again, on a later step (refused on every rank, and the pipe steps on)."""
     pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "mlp", schedule)
     _, p, k, _ = _place(rank, world, 2, 2)
     last = pipe.plan.stages[-1].on_rank == p
@@ -325,7 +326,8 @@ def misuse(rank, world, schedule):
     for label, a, b in [("target_on_first", x if p == 0 else None, y if p == 0 else None),
                         ("own_rows", x + rank, y + rank),  # DistributedSampler(ds) over every rank
                         ("group_targets_differ", x if p == 0 and k == 0 else None, y + k if last else None),
-                        ("on_second", x if p == 0 and k == 1 else None, y if last and k == 1 else None)]:
+                        ("on_second", x if p == 0 and k == 1 else None, y if last and k == 1 else None),
+                        ("target_on_first_later", x if p == 0 else None, y if p == 0 else None)]:
         try:
             out[label] = ["returned", pipe.step(a, target=b, loss_fn=loss_fn).item()]
         except Exception as exc:  # noqa: BLE001 - reported to the test

@@ -117,6 +117,9 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
     compare with theirs (:mod:`~fxpipe.runtime.transport.samebatch`).
     """
     (args, kwargs), has_target = from_tp_holder(runtime, (args, kwargs), inputs_given(args, kwargs), has_target)
+    loss_has = True  # after the first step, the loss's rank says (tell_target_given)
+    if stepping and runtime.target_checked and runtime.last_rank != runtime.rank:
+        loss_has = runtime.comm.recv_object(runtime.last_rank, "waiting for the loss rank to say whether it has a target")
     agreed = runtime.layout.dp == 1  # the replicas' first ranks meet once per step, refusing or not
     try:
         if not args and not kwargs:  # a model taking keywords only gets nothing to bind on this rank
@@ -129,6 +132,8 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
                             f"{holders(runtime, runtime.first, 'the first stage')}; only target= goes to "
                             f"{holders(runtime, runtime.last_rank, 'the last stage')}") from None
         _refuse_missing_inputs(runtime, values, stepping)
+        if has_target and not loss_has:
+            raise PipelineInputError(_missing_target(runtime))
         check_signature(runtime.binding.names, spec_of(values), runtime.example)
         mbs, batch = runtime.binding.split(args, kwargs, runtime.plan.chunks, training, runtime.device)
         check_target_rows(target, batch, len(mbs))
@@ -158,6 +163,31 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
     return header, mbs
 
 
+def _target_fix(runtime: Any) -> str:
+    """Say where the target goes."""
+    return (f"pass the target on {holders(runtime, runtime.last_rank, 'the last stage')} (pipe.plan.stages[-1].on_rank "
+            "is its pipeline rank); passing the inputs and the target on every rank is fine")
+
+
+def _missing_target(runtime: Any) -> str:
+    """Refuse a target given on the first stage's rank(s) that the loss's rank(s) lack."""
+    ranks, one = group_names(runtime), runtime.layout.tp == 1
+    return (f"pipe.step got a target on {ranks[runtime.first]}, which split{'s' if one else ''} the inputs, but "
+            f"target=None on {ranks[runtime.last_rank]}, which compute{'s' if one else ''} the loss: "
+            f"{_target_fix(runtime)}")
+
+
+def tell_target_given(runtime: Any, stepping: bool, target: Any) -> None:
+    """On the loss's rank, after the first step: tell the first rank whether this step has a target (see above).
+
+    Steps only: the first rank of ``pipe(x)`` runs on without waiting for the last rank's
+    previous call. The first stage's rank finishes a step last, so its wait costs nothing.
+    """
+    if stepping and runtime.target_checked and runtime.rank == runtime.last_rank != runtime.first:
+        runtime.comm.send_object(target is not None, runtime.first)
+        runtime.comm.flush()
+
+
 def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = None) -> None:
     """Refuse on every rank a step whose loss's rank has no target while another rank was given one.
 
@@ -168,20 +198,15 @@ def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = 
     one, and it tells them its verdict. When only the loss's rank may hold the target (the way
     the docs show), it checks the target's rows against the header's ``batch`` and tells every
     rank. Under data parallel the replicas then compare verdicts and whether each loss's rank has
-    a target, so that one replica's missing target is refused by all. On later steps (a script
-    passes its arguments the same way every step) the loss's rank alone refuses a missing
-    target; the others see its refusal as a failed step.
+    a target, so that one replica's missing target is refused by all. Later steps cost less (a
+    script passes its arguments the same way every step): the loss's rank tells the first rank
+    whether it has a target before the layout is sent (:func:`tell_target_given`), and
+    :func:`publish` refuses a target on the first rank that the loss's lacks, on every rank.
     """
-    loss_rank, ranks = runtime.last_rank, group_names(runtime)
-    fix = (f"pass the target on {holders(runtime, loss_rank, 'the last stage')} (pipe.plan.stages[-1].on_rank is its "
-           "pipeline rank); passing the inputs and the target on every rank is fine")
-    missing = (f"pipe.step got a target on {ranks[runtime.first]}, which split{'s' if runtime.layout.tp == 1 else ''} "
-               f"the inputs, but target=None on {ranks[runtime.rank]}, which compute{'s' if runtime.layout.tp == 1 else ''} "
-               f"the loss: {fix}")
     if runtime.target_checked:
-        if runtime.last and runtime.first != loss_rank and on_first and target is None:
-            raise PipelineInputError(missing)
         return
+    loss_rank, ranks, fix = runtime.last_rank, group_names(runtime), _target_fix(runtime)
+    missing = _missing_target(runtime)
     verdict: str | None = None
     has = on_first  # whether this replica's loss rank has a target (told where only it knows)
     if runtime.first != loss_rank and on_first:
