@@ -260,6 +260,13 @@ def test_ranks_given_other_options_or_making_other_calls_are_told_at_once(world,
         if world == 2:
             error, seconds = res["again"]
             assert error < 1e-5 and seconds < 10, (r, res)
+            for label in ("calls_later",):  # after a step: the loss's rank tells the first rank of its target
+                kind, message, seconds = res[label]
+                assert seconds < 10 and kind in ("PipelineInputError", "PeerFailure", "returned"), (r, label, res)
+                if kind == "PipelineInputError":
+                    assert "called pipe.step but rank" in message or "called pipe(...) but rank" in message, message
+                error, seconds = res[f"{label}_again"]
+                assert error < 1e-5 and seconds < 10, (r, label, res)
 
 
 def test_a_save_on_one_rank_fails_one_call_on_each_rank_and_the_steps_stay_aligned(tmp_path, launch):

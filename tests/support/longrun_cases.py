@@ -473,6 +473,14 @@ def calls_differ(rank, world, schedule):
         start = time.monotonic()
         loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
         out["again"] = [max_relative_error(loss, F.mse_loss(eager(x), y)), time.monotonic() - start]
+        # the same mistake after a step (the loss's rank then tells the first rank of its target at each step)
+        for label, infers in [("calls_later", 0)]:
+            out[label] = _attempt(lambda: pipe(x) if rank == infers else  # noqa: B023 - called at once
+                                  pipe.step(x, target=y, loss_fn=F.mse_loss))
+            pipe.zero_grad()
+            start = time.monotonic()
+            loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
+            out[f"{label}_again"] = [max_relative_error(loss, F.mse_loss(eager(x), y)), time.monotonic() - start]
     return out
 
 

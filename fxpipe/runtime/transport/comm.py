@@ -191,7 +191,8 @@ class Comm:
             works = [send([_wire(t)], rank_of(peer), tag) for t, peer, tag in sends]
             return works + [recv([_wire(t)], rank_of(peer), tag) for t, peer, tag in recvs]
         except Exception as exc:  # noqa: BLE001 - a send to a closed connection fails at once
-            raise self._explain(exc, what) from None
+            peers = {peer for _, peer, _ in (*sends, *recvs)}  # one peer: that is the one who died
+            raise self._explain(exc, what, peers.pop() if len(peers) == 1 else None) from None
 
     def _coalesces(self) -> bool:
         """Tell whether the group's backend for this rank's device batches point-to-point operations (NCCL)."""
