@@ -11,24 +11,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from models import AdaLN
 from torch import nn
 
 import fxpipe
 from fxpipe.runtime.stage.owned import owned, unshare_grads
-
-
-class _AdaLN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.pre = nn.Linear(8, 8)
-        self.embed = nn.Linear(8, 24)
-        self.table = nn.Parameter(torch.randn(6, 4))
-        self.proj = nn.Linear(4, 4)
-
-    def forward(self, x):
-        t = torch.tanh(self.embed(self.pre(x)))
-        shifted = self.table[None] + t.reshape(-1, 6, 4)  # stage 1 starts here: t crosses
-        return self.proj(shifted).sum(1)
 
 
 class _InputTable(nn.Module):
@@ -45,7 +32,7 @@ class _InputTable(nn.Module):
 
 def _compare(schedule, checkpoint, input_grad):
     torch.manual_seed(0)
-    model = _InputTable() if input_grad else _AdaLN()
+    model = _InputTable() if input_grad else AdaLN()  # t crosses at getitem
     eager = copy.deepcopy(model)
     n = 4 if schedule in ("interleaved", "zbv") else 2
     points = ["tanh"] if input_grad else ["getitem"] if n == 2 else ["embed", "tanh", "getitem"]
@@ -112,7 +99,7 @@ def test_a_weight_gradient_deferred_to_w_reads_its_own_output_gradient(schedule)
 
 def test_the_pipe_call_then_backward_gets_eager_gradients():
     torch.manual_seed(0)
-    model = _AdaLN()
+    model = AdaLN()
     eager = copy.deepcopy(model)
     pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(1, 8),), chunks=4, devices=["cpu"] * 2,
                           checkpoint="except_last", split_points=["getitem"])
