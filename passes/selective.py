@@ -135,6 +135,19 @@ class SelectivePlan:
         return 1 + max(self.run, default=-1)
 
 
+def _judged(save: Callable[[torch.fx.Node], bool] | None, node: torch.fx.Node) -> bool:
+    """Ask ``save`` (default :func:`expensive`) whether ``node`` keeps its result, naming the node if it raises."""
+    if save is None:
+        return bool(expensive(node))
+    try:
+        return bool(save(node))
+    except Exception as err:
+        raise TypeError(f"save= raised {type(err).__name__}: {err} on node {node.name!r} "
+                        f"(op={node.op!r}, target={getattr(node.target, '__name__', node.target)!r}): save(node) "
+                        f"receives every call node of a stage (call_module, call_function and call_method), so "
+                        f"check node.op before reading node.target") from err
+
+
 def selective_plan(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node] | None = None,
                    save: Callable[[torch.fx.Node], bool] | None = None,
                    mutations: Mapping[torch.fx.Node, Sequence[torch.fx.Node]] | None = None) -> SelectivePlan:
@@ -149,7 +162,7 @@ def selective_plan(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node] | No
     if nodes is None:
         nodes = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     index = {n: k for k, n in enumerate(nodes)}
-    saved = [bool((save or expensive)(n)) or _stateful(n) for n in nodes]
+    saved = [_judged(save, n) or _stateful(n) for n in nodes]
     mutations = static_mutations(gm) if mutations is None else mutations
     state = written_state(gm)  # buffers written in place and their views
     for k, n in enumerate(nodes):  # a reader of such a buffer would read a later value when recomputed

@@ -33,6 +33,23 @@ def test_save_must_be_a_predicate():
         _compile(checkpoint="always", save=lambda node: True)
 
 
+class _Functional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_save_predicate_that_raises_is_named_with_the_node():
+    # a predicate reading node.target as a string met a function's target: it was a bare AttributeError
+    with pytest.raises(TypeError, match=r"save= raised AttributeError: .* on node 'relu' \(op='call_function'.*"
+                                        r"check node.op before reading node.target"):
+        fxpipe.compile(_Functional(), 2, example_inputs=(torch.randn(4, 4),), devices=["cpu"] * 2,
+                       checkpoint="selective", save=lambda node: node.target.startswith("a"))
+
+
 @pytest.mark.parametrize("checkpoint", ["selective", ["selective", "always"], ("never", "selective")])
 def test_good_settings_give_each_stage_its_policy(checkpoint):
     pipe = _compile(checkpoint=checkpoint, chunks=2)
