@@ -23,6 +23,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_flatten
 
 from fxpipe import passes
+from fxpipe.errors import TraceError
 from fxpipe.frontend.export import named_arguments
 from fxpipe.frontend.hooks import warn_lost_hooks
 from fxpipe.frontend.markers import resolve_split_points
@@ -62,17 +63,27 @@ def assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePlan
     try:
         return _assign_stages(model, options, saved, devices, profile_device)
     except PropagationError as exc:
-        given = options.example_inputs
-        if isinstance(given, list):
-            hint = ("example_inputs is a list, so the model got it as its one input; to give several inputs pass a "
-                    "tuple, example_inputs=tuple(...)")
-        elif isinstance(given, dict):
-            hint = (f"example_inputs is a dict, so the model got it as its one input; to give inputs by name pass "
-                    f"example_kwargs={{{', '.join(repr(k) for k in list(given)[:3])}{', ...' if len(given) > 3 else ''}: "
-                    "...} (example_kwargs=the dict)")
-        else:
+        hint = _container_hint(options.example_inputs)
+        if hint is None:
             raise
         raise PropagationError(f"{hint}\n{exc}", exc.node, exc.module) from None
+    except TraceError as exc:  # torch.export's front end: the same mistake fails while tracing
+        hint = _container_hint(options.example_inputs)
+        if hint is None:
+            raise
+        raise TraceError(f"{hint}\n{exc}", module=exc.module, filename=exc.filename, lineno=exc.lineno) from None
+
+
+def _container_hint(given: Any) -> str | None:
+    """Say how to pass several inputs when ``example_inputs`` was a list or a dict (the model got it whole)."""
+    if isinstance(given, list):
+        return ("example_inputs is a list, so the model got it as its one input; to give several inputs pass a "
+                "tuple, example_inputs=tuple(...)")
+    if isinstance(given, dict):
+        keys = ", ".join(f"{k!r}: ..." for k in list(given)[:3]) + (", ..." if len(given) > 3 else "")
+        return (f"example_inputs is a dict, so the model got it as its one input; to give inputs by name pass "
+                f"example_kwargs={{{keys}}} (example_kwargs=the dict)")
+    return None
 
 
 def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePlan | None,
