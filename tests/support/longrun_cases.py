@@ -69,6 +69,19 @@ def seqlens(rank, world, schedule):
     return {"errors": errors, "seconds": seconds}
 
 
+def small_batches(rank, world, schedule):
+    """Batches of 8, 1, 3 and 8 rows at chunks=4: a last batch with fewer rows than ranks, each step equal to eager."""
+    torch.manual_seed(0)
+    model = RopeLM()
+    eager = copy.deepcopy(model)
+    pipe = _compile(model, world, schedule)
+    errors = []
+    for step, rows in enumerate([8, 1, 3, 8]):
+        ids, target = tokens(step, 16)
+        errors.append(_compare(pipe, model, eager, rank, ids[:rows], target[:rows]))
+    return {"errors": errors}
+
+
 def seqlens_few_kept(rank, world, schedule):
     """Lengths coming back after their layouts were dropped, with another cache limit on each rank."""
     torch.manual_seed(0)

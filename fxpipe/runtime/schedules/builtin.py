@@ -29,6 +29,7 @@ bubble. 2 stages, 4 micro-batches, every action one unit::
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +38,9 @@ from typing import Any
 from fxpipe.errors import ScheduleError
 from fxpipe.options import MULTI_STAGE_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES
 from fxpipe.runtime.schedules.actions import Action, check, is_token, load_schedule, needs
-from fxpipe.runtime.schedules.multistage import interleaved, loop_placement, min_chunks, v_placement, zbv
+from fxpipe.runtime.schedules.multistage import interleaved, loop_placement, v_placement, zbv
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["MULTI_PRODUCERS", "PLACEMENTS", "PRODUCERS", "Schedule", "check_name", "gpipe", "one_f_one_b", "resolve",
            "zero_bubble"]
@@ -194,10 +197,10 @@ def resolve(schedule: Any, n: int, chunks: int, stages_per_rank: int = 1) -> Sch
             if schedule == "zbv" and v != 2:
                 raise ScheduleError(f"schedule='zbv' places two stages on each rank (rank r: stages r and "
                                     f"2 world - 1 - r); use stages_per_rank=2, not {v}")
-            least = min_chunks(schedule, world)
-            if chunks < least:
-                raise ScheduleError(f"schedule={schedule!r} on {world} ranks needs at least {least} micro-batches; "
-                                    f"use chunks={least} or more (got {chunks})")
+            if chunks < world:
+                logger.warning("schedule=%r with chunks=%d on %d ranks: fewer micro-batches than ranks leaves "
+                               "every rank idle most of the step; chunks=%d or more fills the pipeline",
+                               schedule, chunks, world, world)
             return Schedule(schedule, None, PLACEMENTS[schedule](n, world))
         if v != 1:
             raise ScheduleError(f"schedule={schedule!r} runs one stage per rank; with stages_per_rank={v} use "

@@ -10,7 +10,8 @@ first, smaller stage instead of a whole rank's share. Where the stages go:
 
 Interleaved 1F1B (Narayanan et al., 2021, Megatron-LM) runs forwards in groups of ``world``
 micro-batches through each of a rank's stages in turn, then 1F1B; its bubble is
-``(p - 1) / (v m)`` of the step instead of ``(p - 1) / m``. ZB-V (Qi et al., 2024) puts the
+``(p - 1) / (v m)`` of the step instead of ``(p - 1) / m``. Both run any number of
+micro-batches; with fewer than ``world`` (a last batch of few rows) the ranks idle more. ZB-V (Qi et al., 2024) puts the
 first and last stage on rank 0, splits backward into ``I`` and ``W``, and fills the rest of
 the bubble with ``W``; built here by list scheduling with unit-time actions under 1F1B's
 activation memory.
@@ -21,7 +22,7 @@ from __future__ import annotations
 from fxpipe.errors import ScheduleError
 from fxpipe.runtime.schedules.actions import Action, needs
 
-__all__ = ["interleaved", "loop_placement", "min_chunks", "v_placement", "zbv"]
+__all__ = ["interleaved", "loop_placement", "v_placement", "zbv"]
 
 
 def loop_placement(n: int, world: int) -> list[int]:
@@ -37,22 +38,10 @@ def v_placement(n: int, world: int) -> list[int]:
     return [s if s < world else 2 * world - 1 - s for s in range(n)]
 
 
-def min_chunks(name: str, world: int) -> int:
-    """Return the fewest micro-batches schedule ``name`` runs on ``world`` ranks."""
-    return world if name in ("interleaved", "zbv") else 1
-
-
-def _check_chunks(name: str, m: int, world: int) -> None:
-    """Refuse too few micro-batches for a schedule, saying the least it needs."""
-    least = min_chunks(name, world)
-    if m < least:
-        raise ScheduleError(f"schedule={name!r} on {world} ranks needs at least {least} micro-batches, got {m}: "
-                            f"a batch of fewer rows than chunks gives one micro-batch per row; use chunks={least} "
-                            f"or more and a batch of at least {least} rows")
-
-
 def _groups(m: int, world: int) -> list[list[int]]:
-    """Split micro-batches into groups of ``world``, the first one taking the remainder."""
+    """Split micro-batches into groups of ``world``, the first one taking the remainder (all of them when fewer)."""
+    if m < world:  # a last batch of fewer rows than ranks: one group, the ranks idle more of the step
+        return [list(range(m))]
     first = world + m % world
     return [list(range(first))] + [list(range(g, g + world)) for g in range(first, m, world)]
 
@@ -67,7 +56,6 @@ def interleaved(n: int, m: int, world: int) -> list[list[Action]]:
     """
     if n % world:
         raise ScheduleError(f"n_stages={n} is not a multiple of the {world} ranks; give each rank as many stages")
-    _check_chunks("interleaved", m, world)
     v = n // world
     out = []
     for r in range(world):
@@ -92,7 +80,6 @@ def zbv(n: int, m: int, world: int) -> list[list[Action]]:
     rank in units of half a stage; else a pending weight step (``W``); else it waits.
     """
     rank = v_placement(n, world)
-    _check_chunks("zbv", m, world)
     mine = [[s for s in range(n) if rank[s] == r] for r in range(world)]
     limit = 2 * world
     todo = {r: {Action(s, k, i) for s in mine[r] for i in range(m) for k in ("F", "I")} for r in range(world)}
