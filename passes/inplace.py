@@ -37,6 +37,7 @@ __all__ = [
     "clone_tree",
     "copy_on_write",
     "joined_positions",
+    "known_mutations",
     "plan_mutations",
     "static_mutations",
     "written_state",
@@ -93,6 +94,23 @@ def static_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch
         groups = {root(w) for w in written}
         out[node] = [n for n in gm.graph.nodes if order[n] < order[node] and n.op != "get_attr"
                      and root(n) in groups]
+    return out
+
+
+def known_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """Return :func:`static_mutations` joined with what annotation saw change (``fxpipe.mutates``, by storage).
+
+    Annotation names every earlier value living in the storage an op changed, which the graph
+    alone may not show: a module returning its input (timm's ``GroupNormAct``: norm, an
+    ``nn.Identity``, then an in-place activation writes the norm's output).
+    """
+    out = static_mutations(gm)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for node in gm.graph.nodes:
+        seen = [by_name[v] for v in node.meta.get("fxpipe.mutates") or () if v in by_name]
+        if seen:
+            have = out.setdefault(node, [])
+            have += [n for n in seen if n not in have]
     return out
 
 

@@ -22,7 +22,8 @@ A node is known to write an argument in place when
 
 A node that wraps a call (a node of one mode only, :class:`fxpipe.passes.modes.When`; a call
 under the forward's autocast, :class:`fxpipe.passes.amp.UnderAutocast`) is judged by that call. Views are told apart the same way (:func:`aliases`): from the schema's alias sets for ATen
-ops, by name for Python-level calls; a function marking ``returns_an_argument`` (fxpipe's
+ops, by name for Python-level calls, by class for modules that may return their input (``nn.Identity``,
+a dropout, ``nn.Flatten``); a function marking ``returns_an_argument`` (fxpipe's
 ``pick`` of the mode's value) aliases the arguments at those positions.
 """
 
@@ -204,6 +205,19 @@ def _module(node: torch.fx.Node) -> torch.nn.Module:
     return owner.get_submodule(str(node.target))
 
 
+# modules whose output may be their input or a view of it: nn.Identity, a dropout (its input
+# itself at p=0, as timm's and Hugging Face's drop_rate=0.0 make it, and in eval), flattening
+_PASS_THROUGH = (torch.nn.Identity, torch.nn.modules.dropout._DropoutNd, torch.nn.Flatten, torch.nn.Unflatten)
+
+
+def _passes_through(node: torch.fx.Node) -> bool:
+    """Tell whether a ``call_module`` node's module may return its input's storage (see ``_PASS_THROUGH``)."""
+    try:
+        return isinstance(_module(node), _PASS_THROUGH)
+    except (AssertionError, AttributeError):  # a graph without its module: nothing to judge by
+        return False
+
+
 def aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Return the input nodes whose storage ``node``'s value may share (views, in-place results)."""
     node = unwrapped(node)
@@ -213,8 +227,10 @@ def aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
     schemas = _schemas(node.target) if node.op == "call_function" else []
     if schemas:  # a view returns an alias of ``self`` that it does not write: ``Tensor(a)``
         view = any(r.alias_info is not None and not r.alias_info.is_write for s in schemas for r in s.returns)
+    elif node.op == "call_module":
+        view = _passes_through(node)
     else:
-        view = node.op != "call_module" and op_name(node.target) in VIEW_NAMES
+        view = op_name(node.target) in VIEW_NAMES
     found = [first] if view and first is not None else []
     positions = getattr(node.target, "returns_an_argument", ())  # fxpipe's pick: the running mode's argument
     found += [node.args[k] for k in positions if k < len(node.args) and isinstance(node.args[k], torch.fx.Node)]

@@ -1,7 +1,8 @@
 """Selective recomputation's view of a stage: which nodes keep their results, how the others group.
 
 Reads:  the graph; ``fxpipe.flops`` and ``fxpipe.value`` (from :func:`fxpipe.passes.annotate`)
-        when present; in-place writes (:mod:`fxpipe.passes.mutates`); ``fxpipe.retains``
+        when present; in-place writes (:mod:`fxpipe.passes.mutates`, and ``fxpipe.mutates``
+        from annotation: :func:`fxpipe.passes.inplace.known_mutations`); ``fxpipe.retains``
         (from :func:`fxpipe.passes.retain`) in :func:`selective_bytes`.
 Writes: nothing.
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 import torch.nn.functional as F
-from fxpipe.passes.inplace import static_mutations, written_state
+from fxpipe.passes.inplace import known_mutations, written_state
 from fxpipe.passes.mutates import aliases, op_name, unwrapped
 from fxpipe.passes.selectswap import swaps
 from fxpipe.passes.spec import TensorSpec
@@ -156,14 +157,14 @@ def selective_plan(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node] | No
     ``nodes`` are one stage's compute nodes in graph order; a value read by a node outside
     them (another stage, the output) crosses. ``save(node)`` tells which nodes keep their
     results (default :func:`expensive`, and the cheap values :func:`fxpipe.passes.selectswap.swaps`
-    keeps instead of recomputing). ``mutations`` is ``static_mutations(gm)`` when the caller has it
+    keeps instead of recomputing). ``mutations`` is ``known_mutations(gm)`` when the caller has it
     already.
     """
     if nodes is None:
         nodes = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     index = {n: k for k, n in enumerate(nodes)}
     saved = [_judged(save, n) or _stateful(n) for n in nodes]
-    mutations = static_mutations(gm) if mutations is None else mutations
+    mutations = known_mutations(gm) if mutations is None else mutations
     state = written_state(gm)  # buffers written in place and their views
     for k, n in enumerate(nodes):  # a reader of such a buffer would read a later value when recomputed
         saved[k] = saved[k] or any(a in state for a in n.all_input_nodes)

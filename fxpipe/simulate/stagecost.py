@@ -40,7 +40,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.passes.inplace import static_mutations
+from fxpipe.passes.inplace import known_mutations
 from fxpipe.passes.linears import model_defers
 from fxpipe.passes.retain import retain
 from fxpipe.passes.selective import selective_bytes, selective_plan
@@ -123,7 +123,7 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     memo = {} if memo is None else memo
     if "mutations" not in memo:
-        memo["mutations"] = static_mutations(gm)
+        memo["mutations"] = known_mutations(gm)
     mutations = memo["mutations"]
     costs = []
     for s in plan.stages:
