@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
+import torch
+
+from fxpipe import passes
 from fxpipe.passes.cut import NoFeasibleCut
 from fxpipe.passes.failure import PropagationError
 from fxpipe.passes.tpauto import TensorParallelError
@@ -90,3 +96,15 @@ class SearchSpaceError(ValueError):
 
 class MemoryBudgetError(ValueError):
     """No policy per stage fits ``max_memory``: says which stage overflows, by how much, and what would fit."""
+
+
+_INSIDE = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules[__package__], passes, torch)
+                if m.__file__)
+
+
+def user_stacklevel() -> int:
+    """Return the ``stacklevel`` that points a warning raised by the caller at the user's line (outside fxpipe and torch)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from fxpipe import passes
-from fxpipe.errors import PipelineInputError
+from fxpipe.errors import PipelineInputError, user_stacklevel
 from fxpipe.runtime.microbatch import batch_size, gather, scatter, to_device
 from fxpipe.runtime.validate import check_inputs, check_micro_batches
 
@@ -54,7 +54,7 @@ class Binding:
         if batch is not None and len(mbs) < chunks and not self.warned:
             self.warned = True
             warnings.warn(f"a batch of {batch} row(s) runs as {len(mbs)} micro-batch(es), fewer than chunks={chunks}: "
-                          "a micro-batch holds at least one row (said once per pipe)", stacklevel=5)
+                          "a micro-batch holds at least one row (said once per pipe)", stacklevel=user_stacklevel())
         if device is not None:
             mbs = [[to_device(v, device) for v in mb] for mb in mbs]
         return mbs, batch

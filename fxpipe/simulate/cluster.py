@@ -212,10 +212,16 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
         space = list(shapes(gpus, gpus_per_node, batch, min(blocks, max_stages), tps=sorted(tps),
                             schedules=schedules, stages=stages, chunk_counts=chunks))
         if not space:
-            raise SearchSpaceError(f"no layout of {gpus} GPUs has stages in {list(stages or []) or 'any'} and chunks in "
-                             f"{list(chunks or []) or 'any'} for a global batch of {batch} rows and a model of "
-                             f"{blocks} cuttable blocks: a stage count is pp x stages per rank (pp divides the "
-                             "GPUs), and chunks divide each replica's rows and are at least pp")
+            asked = "".join(f" with {what} in {list(given)}" for what, given in (("stages", stages), ("chunks", chunks))
+                            if given)
+            near = next((b for b in sorted(range(1, 2 * batch + 1), key=lambda b: (abs(b - batch), -b)) if b != batch
+                         and next(iter(shapes(gpus, gpus_per_node, b, min(blocks, max_stages), tps=sorted(tps),
+                                              schedules=schedules, stages=stages, chunk_counts=chunks)), None)),
+                        None)
+            raise SearchSpaceError(f"no layout of {gpus} GPUs{asked} takes a global batch of {batch} rows on a model "
+                                   f"of {blocks} cuttable blocks: a stage count is pp x stages per rank (pp divides "
+                                   "the GPUs), and chunks divide each replica's rows and are at least pp"
+                                   + (f"; a global batch of {near} rows has layouts" if near else ""))
     modes = sorted((c for c in checkpoints if c != AUTO), key=lambda c: POLICIES.index(c) if c in POLICIES else 0)
     found = ClusterSearch([], [], gm, model_, gpus, gpus_per_node, batch, budget, tokens, layouts=len(space))
     costs_of: dict[tuple[int, int, float], list[StageCost]] = {}

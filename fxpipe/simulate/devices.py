@@ -231,4 +231,7 @@ def parse_bytes(text: str | float) -> float:
         value = -1.0
     if unit not in _UNITS or value <= 0:
         raise ValueError(f"{text!r} is not a memory size; write e.g. 80GB, 80GiB or 512MB")
+    if not unit and value < 2**20:  # '80' meant 80GB, not 80 bytes
+        raise ValueError(f"{text!r} has no unit, so it would be {value:g} bytes; write the unit, e.g. {digits}GB "
+                         f"or {digits}GiB")
     return value * _UNITS[unit]

@@ -14,9 +14,11 @@ pipelined as asked (it does not trace, its factory raises, a saved plan no longe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 
 from fxpipe.errors import SearchSpaceError, TraceError
 from fxpipe.tools import inspectcmd, plancmd
@@ -35,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:  # torch logs a traceback when a fake kernel rejects the shapes; we explain
         logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     try:
-        return args.run(args)
+        with _warnings_as_lines(args.command):
+            return args.run(args)
     except (UsageError, ModelSpecError, SearchSpaceError) as exc:
         print(f"fxpipe {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -53,6 +56,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fxpipe {args.command}: error: {type(exc).__name__}: {exc}\n"
               "(run again with --traceback to see where)", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def _warnings_as_lines(command: str) -> Iterator[None]:
+    """Print each ``UserWarning`` as one line, ``fxpipe COMMAND: warning: ...``, not Python's file:line format."""
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+        if not issubclass(category, UserWarning):
+            return default(message, category, filename, lineno, file, line)
+        print(f"fxpipe {command}: warning: {message}", file=sys.stderr if file is None else file)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = default
 
 
 def _parser() -> argparse.ArgumentParser:

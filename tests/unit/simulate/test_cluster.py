@@ -68,7 +68,7 @@ def test_the_stages_and_chunks_asked_for_bound_the_search():
     x = torch.randn(32, 64)
     found = cluster_search(_mlp(), (x,), gpus=4, gpus_per_node=4, device="h100", batch=32, stages=[4], chunks=[8])
     assert found.ranked and all(c.shape.n_stages == 4 and c.shape.chunks == 8 for c in found.ranked + found.rejected)
-    with pytest.raises(ValueError, match=r"no layout of 4 GPUs has stages in \[3\] and chunks in any"):
+    with pytest.raises(ValueError, match=r"no layout of 4 GPUs with stages in \[3\] takes a global batch of 32 rows"):
         cluster_search(_mlp(), (x,), gpus=4, gpus_per_node=4, device="h100", batch=32, stages=[3])
 
 
@@ -76,6 +76,8 @@ def test_a_global_batch_no_layout_can_split_is_refused_as_such_not_as_memory():
     # 4 GPUs and 6 rows: the CLI said "no layout fits in 85.9GB per device" with an empty list of the closest
     from fxpipe import SearchSpaceError
 
-    with pytest.raises(SearchSpaceError, match="for a global batch of 6 rows.*chunks divide each replica's rows"):
+    # then it said "stages in any and chunks in any" and no batch that would do
+    with pytest.raises(SearchSpaceError, match="takes a global batch of 6 rows.*chunks divide each replica's rows "
+                                               "and are at least pp; a global batch of 8 rows has layouts"):
         cluster_search(nn.Sequential(*[nn.Conv2d(4, 4, 3, padding=1) for _ in range(6)]),  # no TP plan
                        (torch.randn(8, 4, 8, 8),), gpus=4, gpus_per_node=4, device="h100", batch=6)

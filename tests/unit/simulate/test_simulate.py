@@ -148,6 +148,10 @@ def test_device_models():
     assert parse_bytes("80GB") == 80e9 and parse_bytes("1GiB") == 2**30
     with pytest.raises(ValueError, match="memory size"):
         parse_bytes("lots")
+    # --memory 80 was taken as 80 bytes ("no configuration fits in 80B per device")
+    with pytest.raises(ValueError, match="'80' has no unit, so it would be 80 bytes; write the unit, e.g. 80GB"):
+        parse_bytes("80")
+    assert parse_bytes("16000000000") == 16e9 and parse_bytes(80) == 80.0  # a byte count, a number given in Python
 
 
 def test_cpu_model_is_calibrated_here():

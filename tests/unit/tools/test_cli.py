@@ -299,3 +299,11 @@ def test_leaf_modules_take_a_class_name_as_well_as_a_qualified_name(models, caps
     assert capsys.readouterr().out == by_class
     assert cli.main(["inspect", f"{models}:untraceable", "--stages", "2", "--leaf-modules", "Nothing"]) == 1
     assert "leaf_modules names ['Nothing'] that are not submodules of Gated" in capsys.readouterr().err
+
+
+def test_warnings_print_as_one_line_naming_the_command(models, capsys):
+    # a UserWarning came out in Python's format: "fxpipe/plan/assign.py:64: UserWarning: ..." and its source line
+    assert cli.main(["inspect", f"{models}:only_model", "--stages", "2", "--input-shape", "4,4",
+                     "--tracer", "export", "--leaf-modules", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "fxpipe inspect: warning: leaf_modules" in err and "UserWarning" not in err, err

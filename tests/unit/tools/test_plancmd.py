@@ -142,7 +142,7 @@ def test_the_cluster_search_names_what_overflows(models, capsys):
     (["--ranks", "2", "--seq", "8"], "--seq, --tp and --inter-node-bandwidth go with --gpus"),
     # these exited 1 with "error: ValueError: ..." (or min() of an empty sequence), as if the model had failed
     (["--gpus", "4", "--gpus-per-node", "4", "--tp", "3"], "tensor_parallel=3: the automatic TP plan cannot split"),
-    (["--gpus", "4", "--stages", "3"], "no layout of 4 GPUs has stages in [3]"),
+    (["--gpus", "4", "--stages", "3"], "no layout of 4 GPUs with stages in [3] takes a global batch"),
     (["--gpus", "4", "--seq", "0"], "argument --seq: '0' is not a positive integer"),
     (["--ranks", "2", "--stages", "4"], "stages=4 on 2 ranks: this search places one stage per rank"),
     (["--ranks", "2", "--chunks", "64"], "chunks=64 with a global batch of 32 rows: a micro-batch holds at least"),
