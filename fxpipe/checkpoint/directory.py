@@ -65,7 +65,12 @@ def read_manifest(path: str) -> dict:
     if not os.path.isdir(path):
         old = " (an overwrite of it was interrupted: the previous one is in '" + path + ".old')" \
             if os.path.isdir(path + ".old") else ""
-        raise CheckpointError(f"no checkpoint at {path!r}{old}")
+        near = os.path.dirname(os.path.abspath(path))
+        saves = sorted(n for n in os.listdir(near) if os.path.exists(os.path.join(near, n, MANIFEST))) \
+            if os.path.isdir(near) else []
+        where = f"; checkpoints beside it: {', '.join(saves[-3:])}" if saves else ""
+        raise CheckpointError(f"no checkpoint at {path!r}{old}{where}: pass the directory fxpipe.save wrote "
+                              "(fxpipe.latest_checkpoint(folder) gives the newest one under a folder)")
     if not os.path.exists(os.path.join(path, MANIFEST)):
         raise CheckpointError(f"{path!r} is not a complete fxpipe checkpoint: it lacks {MANIFEST}, which "
                               "fxpipe.save writes last (load a plain DCP directory as weights= instead)")

@@ -121,8 +121,12 @@ def test_optimizer_refusals(tmp_path):
 
 def test_what_is_not_a_checkpoint_is_refused(tmp_path):
     model, pipe, _ = dropnet_pipe(2)
-    with pytest.raises(fxpipe.CheckpointError, match="no checkpoint at"):
+    with pytest.raises(fxpipe.CheckpointError, match=r"no checkpoint at .*nothing'.*: pass the directory fxpipe.save "
+                                                     r"wrote \(fxpipe.latest_checkpoint\(folder\) gives the newest"):
         fxpipe.load(pipe, tmp_path / "nothing")
+    fxpipe.save(pipe, tmp_path / "step-3")  # a typo beside real saves names them
+    with pytest.raises(fxpipe.CheckpointError, match="checkpoints beside it: step-3: pass the directory"):
+        fxpipe.load(pipe, tmp_path / "step-30")
     import torch.distributed.checkpoint as dcp
 
     dcp.save({"model": dict(model.state_dict())}, checkpoint_id=tmp_path / "bare", no_dist=True)
