@@ -214,8 +214,9 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
         if not space:
             asked = "".join(f" with {what} in {list(given)}" for what, given in (("stages", stages), ("chunks", chunks))
                             if given)
-            near = next((b for b in sorted(range(1, 2 * batch + 1), key=lambda b: (abs(b - batch), -b)) if b != batch
-                         and next(iter(shapes(gpus, gpus_per_node, b, min(blocks, max_stages), tps=sorted(tps),
+            tried = [b for d in range(1, 129) for b in (batch + d, batch - d) if b >= 1]  # the nearest, larger first
+            near = next((b for b in tried
+                         if next(iter(shapes(gpus, gpus_per_node, b, min(blocks, max_stages), tps=sorted(tps),
                                               schedules=schedules, stages=stages, chunk_counts=chunks)), None)),
                         None)
             raise SearchSpaceError(f"no layout of {gpus} GPUs{asked} takes a global batch of {batch} rows on a model "

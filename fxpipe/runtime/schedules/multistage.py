@@ -10,11 +10,11 @@ first, smaller stage instead of a whole rank's share. Where the stages go:
 
 Interleaved 1F1B (Narayanan et al., 2021, Megatron-LM) runs forwards in groups of ``world``
 micro-batches through each of a rank's stages in turn, then 1F1B; its bubble is
-``(p - 1) / (v m)`` of the step instead of ``(p - 1) / m``. Both run any number of
-micro-batches; with fewer than ``world`` (a last batch of few rows) the ranks idle more. ZB-V (Qi et al., 2024) puts the
+``(p - 1) / (v m)`` of the step instead of ``(p - 1) / m``. ZB-V (Qi et al., 2024) puts the
 first and last stage on rank 0, splits backward into ``I`` and ``W``, and fills the rest of
 the bubble with ``W``; built here by list scheduling with unit-time actions under 1F1B's
-activation memory.
+activation memory. Both run any number of micro-batches; with fewer than ``world`` (a last
+batch of few rows) the ranks idle more.
 """
 
 from __future__ import annotations
