@@ -53,7 +53,7 @@ from fxpipe.runtime.stage.marks import instrument
 from fxpipe.runtime.stage.offload import Offload
 from fxpipe.runtime.stage.selective import Program, foreign_wrap
 from fxpipe.runtime.stage.stagecall import StageCall
-from fxpipe.runtime.stage.unfrozen import watch_frozen
+from fxpipe.runtime.stage.unfrozen import watch_frozen, watch_inputs
 from fxpipe.runtime.stage.wgrad import defer_weight_grads
 from fxpipe.runtime.target import Target
 from fxpipe.runtime.tensorparallel import shard_stages
@@ -256,6 +256,7 @@ def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
                 call.saver.replay_cpu = call.replay_cpu
     engine = LocalRuntime(plan, calls, Binding(gm), schedule)
     engine.unfrozen = watch_frozen(plan, gm, dict(enumerate(stages)))
+    engine.routeless = watch_inputs(plan, gm)
     if deferred_batch_norm:
         engine.deferred = _modules_to_defer(stages, exported, compiled) + exported
     return engine
@@ -314,6 +315,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     if layout.dp > 1:
         engine.norms = norms_of(held)
     engine.unfrozen = watch_frozen(plan, gm, {j: stages[j] for j in mine})  # after FSDP2 swapped the parameters
+    engine.routeless = watch_inputs(plan, gm)
     keep = {id(t) for st in held for _, t in named_tensors(st)} | unread  # after the move: moved buffers are new
     release(model, keep, also=[gm, *stages])
     return engine, keep

@@ -106,6 +106,7 @@ class DistributedRuntime:
         self.partial: PartialGrads | None = None  # tensor parallel: whole parameters beside shards, summed
         self.sync = True  # reduce gradients over replicas and ties this step (off inside pipe.no_sync())
         self.unfrozen: list = []  # parameters frozen at compile whose gradient could not come back (unfrozen.py)
+        self.routeless: list = []  # model inputs later stages read with no gradient route back (unfrozen.py)
         self.replacing = {c.index: c.gm for c in calls if c.gm.meta.get("fxpipe.replaced_modules")}
         self.summed: dict[int, torch.Tensor] | None = None  # tied gradients already summed (fxpipe.runtime.tiedgrads)
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch

@@ -32,7 +32,7 @@ from fxpipe.runtime.stage.copy import copy
 from fxpipe.runtime.stage.dependency import depend
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.threads import DeviceThreads
-from fxpipe.runtime.stage.unfrozen import refuse_changed_linears, refuse_unfrozen
+from fxpipe.runtime.stage.unfrozen import refuse_changed_linears, refuse_input_grads, refuse_unfrozen
 from fxpipe.runtime.stage.worker import StageWorker
 from fxpipe.runtime.transport.mailbox import LocalTransport
 
@@ -55,6 +55,7 @@ class LocalRuntime:
         self.passes = [saving_pass(p) for p in plan.policies()]  # per stage: its forward's pass when training
         self.sync = True  # pipe.no_sync(): nothing to reduce in one process
         self.unfrozen: list = []  # parameters frozen at compile whose gradient could not come back (unfrozen.py)
+        self.routeless: list = []  # model inputs later stages read with no gradient route back (unfrozen.py)
         self.replacing = {c.index: c.gm for c in self.calls if c.gm.meta.get("fxpipe.replaced_modules")}
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
         self._programs: dict[tuple[str, int], tuple[str, Any]] = {}
@@ -161,6 +162,8 @@ class LocalRuntime:
             return total.detach()
         refuse_unfrozen(self.unfrozen)  # the action lists send a gradient back only where one was at compile
         refuse_changed_linears(self.replacing)
+        if mbs:
+            refuse_input_grads(self.routeless, mbs[0])
         transport = LocalTransport(self.plan, self.calls)
         transport.inputs = mbs
         interpreter = ActionInterpreter(self.plan, self.workers, transport, self.threads)

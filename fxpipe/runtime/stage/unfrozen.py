@@ -12,6 +12,12 @@ gradient under every action schedule, silently::
 Such steps are refused instead, naming the parameter and the fixes. Only the parameters frozen
 at compile in such stages are watched: a model with none costs nothing per step.
 
+A model input is watched the same way (:func:`watch_inputs`): one that did not require grad at
+compile and that a later stage reads directly (a skip from the input) has no gradient route
+back from that stage, so passing it requiring grad (an adversarial example, a saliency map)
+would leave that stage's share out of its ``.grad``; such a step is refused too. The first
+stage's share needs no route: the stage hands it to the user's graph itself.
+
 Of the same kind, :func:`refuse_changed_linears`: a linear that zero bubble calls as a function
 (to defer its weight gradient) and that got hooks or a parametrization after compile, which
 that call would skip.
@@ -29,7 +35,7 @@ from fxpipe import passes
 from fxpipe.errors import PipelineInputError
 from fxpipe.passes.linears import hooked
 
-__all__ = ["refuse_changed_linears", "refuse_unfrozen", "watch_frozen"]
+__all__ = ["refuse_changed_linears", "refuse_input_grads", "refuse_unfrozen", "watch_frozen", "watch_inputs"]
 
 
 def watch_frozen(plan: Any, gm: torch.fx.GraphModule, stages: Mapping[int, torch.nn.Module]
@@ -56,6 +62,30 @@ def refuse_unfrozen(watched: list[tuple[int, str, torch.nn.Parameter]]) -> None:
                 "Set requires_grad before fxpipe.compile: to start frozen, leave the parameter out of the "
                 "optimizer (or give its group lr=0) and unfreeze it by adding it; or build a new pipe after "
                 "unfreezing (fxpipe.save, fxpipe.compile, fxpipe.load)")
+
+
+def watch_inputs(plan: Any, gm: torch.fx.GraphModule) -> list[tuple[int, str, list[int]]]:
+    """Return ``(position, name, stages)`` for each floating model input later stages read without a gradient route."""
+    watched = []
+    for k, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        later = [j for j, s in enumerate(plan.stages)
+                 if j > 0 and node.name in s.inputs and node.name not in s.grad_inputs]
+        if later and _floating(node):
+            watched.append((k, str(node.target), later))
+    return watched
+
+
+def refuse_input_grads(watched: list[tuple[int, str, list[int]]], micro_batch: list[Any]) -> None:
+    """Raise if a watched model input requires grad in this step (``micro_batch``: one value per input)."""
+    for k, name, later in watched:
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(micro_batch[k])[0]):
+            where = ", ".join(map(str, later))
+            raise PipelineInputError(
+                f"model input '{name}' requires grad now but did not in the example inputs at compile, and stage"
+                f"{'s' if len(later) > 1 else ''} {where} read{'' if len(later) > 1 else 's'} it directly: the "
+                f"compiler routed no gradient back from there, so {name}.grad would miss {'their' if len(later) > 1 else 'its'} "
+                f"share. Compile with the input requiring grad (example_inputs=({name}.requires_grad_(), ...), or "
+                f"example_kwargs) so that its gradient is routed; or, in one process, use schedule='gpipe'")
 
 
 def _floating(node: torch.fx.Node | None) -> bool:

@@ -21,6 +21,7 @@ from fxpipe.frontend.export import enabled_autocast
 from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.runtime.microbatch import check_target_rows
 from fxpipe.runtime.stage.stagecall import autocast_state
+from fxpipe.runtime.stage.unfrozen import refuse_input_grads
 from fxpipe.runtime.transport.comm import on_every_rank, tell_all
 from fxpipe.runtime.transport.samebatch import digest
 from fxpipe.runtime.transport.tpinputs import from_tp_holder, group_names, inputs_given
@@ -137,6 +138,8 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         check_signature(runtime.binding.names, spec_of(values), runtime.example)
         mbs, batch = runtime.binding.split(args, kwargs, runtime.plan.chunks, training, runtime.device)
         check_target_rows(target, batch, len(mbs))
+        if stepping and mbs:  # a model input requiring grad that a later stage reads without a route back
+            refuse_input_grads(runtime.routeless, mbs[0])
         if not stepping:  # pipe(x): outputs the last rank could not join are refused here, on every rank
             runtime.binding.check_joinable(len(mbs), training)
         specs = [spec_of(mb) for mb in mbs]

@@ -1,4 +1,7 @@
-"""A model input requiring grad: its gradient reaches the user's graph under every schedule, as eager's does."""
+"""A model input requiring grad: its gradient reaches the user's graph under every schedule, as eager's does.
+
+A later stage reading it directly needs it to require grad at compile (a route back), or the step is refused.
+"""
 
 import copy
 
@@ -8,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+from fxpipe.testing import max_relative_error
 
 
 def _stack():
@@ -60,3 +64,77 @@ def test_inputs_requiring_grad_in_a_dict_and_whole_to_every_micro_batch(schedule
     F.mse_loss(eager(x, scale_eager, extra={"e": extra_eager}), y).backward()
     torch.testing.assert_close(scale.grad, scale_eager.grad)  # summed over the micro-batches it went to whole
     torch.testing.assert_close(extra.grad, extra_eager.grad)
+
+
+class Skipping(nn.Module):
+    """Four linears; the input is read again by the last stage and a shared bias by the second."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+
+    def forward(self, x, bias):
+        h = self.l[1](self.l[0](x)) + bias
+        return self.l[3](self.l[2](h)) + x * 2
+
+
+def _skipping(schedule, grad_at_compile):
+    torch.manual_seed(0)
+    model = Skipping()
+    x, bias = torch.randn(8, 16), torch.randn(16)
+    example = (x.clone().requires_grad_(grad_at_compile), bias.clone().requires_grad_(grad_at_compile))
+    extra = {"stages_per_rank": 2} if schedule in ("interleaved", "zbv") else {}
+    pipe = fxpipe.compile(model, 4, example_inputs=example, chunks=4, schedule=schedule, devices=["cpu"] * 4,
+                          unbatched=["bias"], split_points=["l.1", "l.2", "l.3"], **extra)
+    return model, pipe, x, bias, torch.randn(8, 16)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "interleaved", "zbv"])
+def test_inputs_requiring_grad_at_compile_get_every_stages_share(schedule):
+    model, pipe, x, bias, y = _skipping(schedule, True)
+    eager = copy.deepcopy(model)
+    x1, b1 = x.clone().requires_grad_(), bias.clone().requires_grad_()
+    x2, b2 = x.clone().requires_grad_(), bias.clone().requires_grad_()
+    pipe.step(x1, b1, target=y, loss_fn=F.mse_loss)
+    F.mse_loss(eager(x2, b2), y).backward()
+    assert max_relative_error(x1.grad, x2.grad) < 1e-5
+    assert max_relative_error(b1.grad, b2.grad) < 1e-5
+    model.zero_grad(), eager.zero_grad()
+    pipe.step(x, bias, target=y, loss_fn=F.mse_loss)  # and without: the parameters as eager's
+    F.mse_loss(eager(x, bias), y).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert max_relative_error(p.grad, q.grad) < 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "interleaved"])
+def test_an_input_requiring_grad_only_at_the_step_is_refused_where_a_later_stage_reads_it(schedule):
+    # no gradient route from stage 3 back to x: x.grad held stage 0's share only, and bias.grad was None
+    _model, pipe, x, bias, y = _skipping(schedule, False)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"model input 'x' requires grad now but did not in the "
+                                                        r"example inputs at compile, and stage 3 reads it directly.*"
+                                                        r"example_inputs=\(x.requires_grad_\(\), ...\)"):
+        pipe.step(x.clone().requires_grad_(), bias, target=y, loss_fn=F.mse_loss)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"model input 'bias' .* stage 1 reads it"):
+        pipe.step(x, bias.clone().requires_grad_(), target=y, loss_fn=F.mse_loss)
+    pipe.step(x, bias, target=y, loss_fn=F.mse_loss)  # neither requiring grad: the pipe runs
+
+
+def test_an_input_only_the_first_stage_reads_needs_no_route():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=4, schedule="1f1b", devices=["cpu"] * 2)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    pipe.step(x1, target=y, loss_fn=F.mse_loss)
+    F.mse_loss(eager(x2), y).backward()
+    assert max_relative_error(x1.grad, x2.grad) < 1e-5
+
+
+def test_gpipe_in_one_process_gives_every_share_without_it_at_compile():
+    model, pipe, x, bias, y = _skipping("gpipe", False)
+    eager = copy.deepcopy(model)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    pipe.step(x1, bias, target=y, loss_fn=F.mse_loss)
+    F.mse_loss(eager(x2, bias), y).backward()
+    assert max_relative_error(x1.grad, x2.grad) < 1e-5
