@@ -116,9 +116,13 @@ def test_a_rank_that_raises_stops_the_others(schedule, tmp_path, launch):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])  # fx, export
 def test_an_unbatched_input_crosses_ranks_whole(schedule, tmp_path, launch):
-    for r, res in enumerate(launch("unbatched", 2, schedule, tmp_path, limit=90)):
+    results = launch("unbatched", 2, schedule, tmp_path, limit=90)
+    for r, res in enumerate(results):
         assert res["ok"], f"rank {r}: {res.get('traceback')}"
         assert res["loss_error"] < 1e-5 and res["grad_errors"] and max(res["grad_errors"].values()) < 1e-5, (r, res)
+        assert "model input 'pos' requires grad now but did not" in res["refused"], (r, res["refused"])
+        assert "example_inputs=(pos.requires_grad_(), ...)" in res["refused"], (r, res["refused"])
+    assert max(results[0]["input_grad_errors"]) < 1e-5, results[0]  # routed when it required grad at compile
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])  # fx, export

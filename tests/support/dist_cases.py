@@ -167,7 +167,7 @@ class Positions(nn.Module):
         self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
 
     def forward(self, x, pos):
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x + pos)))) * pos)
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x + pos))))) * pos
 
 
 def unbatched(rank, world, schedule):
@@ -178,15 +178,33 @@ def unbatched(rank, world, schedule):
     expected = F.mse_loss(eager(x, pos), target)
     expected.backward()
     pipe = fxpipe.compile(model, world, example_inputs=(x, pos), chunks=3, runtime="distributed", timeout=60,
-                          schedule=schedule, unbatched=["pos"], tracer="export" if schedule == "zb" else "fx")
+                          schedule=schedule, unbatched=["pos"], tracer="export" if schedule == "zb" else "fx",
+                          split_points=["c"])
     last = rank == pipe.plan.stages[-1].on_rank
     loss = pipe.step(x if rank == 0 else None, pos if rank == 0 else None, target=target if last else None,
                      loss_fn=F.mse_loss)
     held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
     grads = dict(eager.named_parameters())
-    return {"loss_error": max_relative_error(loss, expected),
-            "grad_errors": {n: max_relative_error(p.grad, grads[n].grad) for n, p in model.named_parameters()
-                            if id(p) in held}}
+    result = {"loss_error": max_relative_error(loss, expected),
+              "grad_errors": {n: max_relative_error(p.grad, grads[n].grad) for n, p in model.named_parameters()
+                              if id(p) in held}}
+    # pos requiring grad at the step only: the last stage has no gradient route back for it, refused on both ranks
+    try:
+        pipe.step(x if rank == 0 else None, pos.clone().requires_grad_() if rank == 0 else None,
+                  target=target if last else None, loss_fn=F.mse_loss)
+    except (fxpipe.PipelineInputError, fxpipe.PeerFailure) as exc:
+        result["refused"] = str(exc)
+    # requiring grad at compile routes it: the inputs' gradients (on the first rank) equal eager's
+    rg = [t.clone().requires_grad_() for t in (x, pos)]
+    pipe = fxpipe.compile(copy.deepcopy(eager), world, example_inputs=tuple(rg), chunks=3, runtime="distributed",
+                          timeout=60, schedule=schedule, unbatched=["pos"], tracer="export" if schedule == "zb" else "fx",
+                          split_points=["c"])
+    pipe.step(*(rg if rank == 0 else (None, None)), target=target if last else None, loss_fn=F.mse_loss)
+    if rank == 0:
+        ex, ep = (t.clone().requires_grad_() for t in (x, pos))
+        F.mse_loss(copy.deepcopy(eager)(ex, ep), target).backward()
+        result["input_grad_errors"] = [max_relative_error(a.grad, b.grad) for a, b in zip(rg, (ex, ep))]
+    return result
 
 
 class RankOrdered(nn.Module):

@@ -13,8 +13,9 @@ Such steps are refused instead, naming the parameter and the fixes. Only the par
 at compile in such stages are watched: a model with none costs nothing per step.
 
 A model input is watched the same way (:func:`watch_inputs`): one that did not require grad at
-compile and that a later stage reads directly (a skip from the input) has no gradient route
-back from that stage, so passing it requiring grad (an adversarial example, a saliency map)
+compile and that a later stage reads, directly (a skip from the input) or through values
+computed from it alone (``xs = x * 2`` read again at the end), has no gradient route back from
+that stage, so passing it requiring grad (an adversarial example, a saliency map)
 would leave that stage's share out of its ``.grad``; such a step is refused too. The first
 stage's share needs no route: the stage hands it to the user's graph itself.
 
@@ -64,28 +65,51 @@ def refuse_unfrozen(watched: list[tuple[int, str, torch.nn.Parameter]]) -> None:
                 "unfreezing (fxpipe.save, fxpipe.compile, fxpipe.load)")
 
 
-def watch_inputs(plan: Any, gm: torch.fx.GraphModule) -> list[tuple[int, str, list[int]]]:
-    """Return ``(position, name, stages)`` for each floating model input later stages read without a gradient route."""
+def watch_inputs(plan: Any, gm: torch.fx.GraphModule) -> list[tuple[int, str, list[tuple[int, str]]]]:
+    """Return ``(position, name, [(stage, value)])`` per floating model input whose later readers have no gradient route.
+
+    A later stage reads the input directly, or a floating value computed from it (and from no
+    parameter, or the value would carry a gradient anyway), without that value carrying one back.
+    """
     watched = []
     for k, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
-        later = [j for j, s in enumerate(plan.stages)
-                 if j > 0 and node.name in s.inputs and node.name not in s.grad_inputs]
-        if later and _floating(node):
+        if not _floating(node):
+            continue
+        made = _made_from(node)
+        later = [(j, v) for j, s in enumerate(plan.stages) if j > 0
+                 for v in s.inputs if v in made and v not in s.grad_inputs]
+        if later:
             watched.append((k, str(node.target), later))
     return watched
 
 
-def refuse_input_grads(watched: list[tuple[int, str, list[int]]], micro_batch: list[Any]) -> None:
+def refuse_input_grads(watched: list[tuple[int, str, list[tuple[int, str]]]], micro_batch: list[Any]) -> None:
     """Raise if a watched model input requires grad in this step (``micro_batch``: one value per input)."""
     for k, name, later in watched:
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(micro_batch[k])[0]):
-            where = ", ".join(map(str, later))
+            stages = sorted({j for j, _ in later})
+            values = ", ".join(f"'{v}' (stage {j})" for j, v in later)
             raise PipelineInputError(
-                f"model input '{name}' requires grad now but did not in the example inputs at compile, and stage"
-                f"{'s' if len(later) > 1 else ''} {where} read{'' if len(later) > 1 else 's'} it directly: the "
-                f"compiler routed no gradient back from there, so {name}.grad would miss {'their' if len(later) > 1 else 'its'} "
-                f"share. Compile with the input requiring grad (example_inputs=({name}.requires_grad_(), ...), or "
-                f"example_kwargs) so that its gradient is routed; or, in one process, use schedule='gpipe'")
+                f"model input '{name}' requires grad now but did not in the example inputs at compile, and "
+                f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} read{'' if len(stages) > 1 else 's'} "
+                f"it or a value computed from it alone ({values}): the compiler routed no gradient back from there, "
+                f"so {name}.grad would miss that share. Compile with the input requiring grad "
+                f"(example_inputs=({name}.requires_grad_(), ...), or example_kwargs) so that its gradient is routed; "
+                "or, in one process, use schedule='gpipe'")
+
+
+def _made_from(node: torch.fx.Node) -> set[str]:
+    """Return the names of ``node`` and the floating values computed from it (a gradient could flow through)."""
+    made, todo = {node.name}, [node]
+    while todo:
+        for user in todo.pop().users:
+            if user.name not in made and _floating(user) and user.target not in _DETACHING:
+                made.add(user.name)
+                todo.append(user)
+    return made
+
+
+_DETACHING = {"detach", torch.detach, torch.Tensor.detach, torch.ops.aten.detach.default}
 
 
 def _floating(node: torch.fx.Node | None) -> bool:

@@ -111,10 +111,11 @@ def test_an_input_requiring_grad_only_at_the_step_is_refused_where_a_later_stage
     # no gradient route from stage 3 back to x: x.grad held stage 0's share only, and bias.grad was None
     _model, pipe, x, bias, y = _skipping(schedule, False)
     with pytest.raises(fxpipe.PipelineInputError, match=r"model input 'x' requires grad now but did not in the "
-                                                        r"example inputs at compile, and stage 3 reads it directly.*"
+                                                        r"example inputs at compile, and stage 3 reads it or a value "
+                                                        r"computed from it alone \('x' \(stage 3\)\).*"
                                                         r"example_inputs=\(x.requires_grad_\(\), ...\)"):
         pipe.step(x.clone().requires_grad_(), bias, target=y, loss_fn=F.mse_loss)
-    with pytest.raises(fxpipe.PipelineInputError, match=r"model input 'bias' .* stage 1 reads it"):
+    with pytest.raises(fxpipe.PipelineInputError, match=r"model input 'bias' .* stage 1 reads it .*'bias' \(stage 1\)"):
         pipe.step(x, bias.clone().requires_grad_(), target=y, loss_fn=F.mse_loss)
     pipe.step(x, bias, target=y, loss_fn=F.mse_loss)  # neither requiring grad: the pipe runs
 
@@ -137,4 +138,33 @@ def test_gpipe_in_one_process_gives_every_share_without_it_at_compile():
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     pipe.step(x1, bias, target=y, loss_fn=F.mse_loss)
     F.mse_loss(eager(x2, bias), y).backward()
+    assert max_relative_error(x1.grad, x2.grad) < 1e-5
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+
+    def forward(self, x):
+        xs = x * 2  # made from the input alone in stage 0, read again by the last stage
+        return self.l[3](self.l[2](self.l[1](self.l[0](xs)))) + xs
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_a_value_made_from_the_input_alone_and_read_later_needs_the_route_too(schedule):
+    # xs carried no gradient back from stage 3: x.grad was 0.97x off eager, silently
+    torch.manual_seed(0)
+    model = _Scaled()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    pipe = fxpipe.compile(model, 4, example_inputs=(x,), chunks=4, schedule=schedule, devices=["cpu"] * 4)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"model input 'x' .* stage 3 reads it or a value computed "
+                                                        r"from it alone \('mul' \(stage 3\)\)"):
+        pipe.step(x.clone().requires_grad_(), target=y, loss_fn=F.mse_loss)
+    pipe = fxpipe.compile(model, 4, example_inputs=(x.clone().requires_grad_(),), chunks=4, schedule=schedule,
+                          devices=["cpu"] * 4)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    pipe.step(x1, target=y, loss_fn=F.mse_loss)
+    F.mse_loss(eager(x2), y).backward()
     assert max_relative_error(x1.grad, x2.grad) < 1e-5
