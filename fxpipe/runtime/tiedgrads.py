@@ -40,6 +40,8 @@ def sum_tied(tied: list[tuple[Any, list, bool]], before: dict[int, torch.Tensor]
     for group, params, _ in tied:
         works = []
         for p in params:
+            if not p.requires_grad:  # frozen (on every rank, as the model is the same): None, as eager's
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             elif not gradnorm.local(p.grad).is_contiguous():  # a transposed product (a DTensor's shard)

@@ -239,13 +239,13 @@ def test_loss_scaling_skips_the_same_steps_on_every_rank(tmp_path, launch):
 
 
 def test_tied_gradients_accumulate_over_steps_like_eager(tmp_path, launch):
-
     results = launch("tie_cases:accumulate", 2, "1f1b", tmp_path, limit=60)
     for r, res in enumerate(results):
         assert res["ok"], f"rank {r}: {res.get('traceback')}"
         assert res["tied_here"] > 0, r
-        for when in ("two_steps", "no_sync_then_synced", "after_zero_grad"):
+        for when in ("two_steps", "no_sync_then_synced", "after_zero_grad", "frozen_tie_others"):
             assert res[when] < 1e-5, (r, when, res[when])
+        assert res["frozen_tie_grads"] == [], (r, res["frozen_tie_grads"])  # frozen: None, as eager's
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zb"])

@@ -51,6 +51,16 @@ def accumulate(rank, world, schedule):
     eager.zero_grad()
     both(0)
     out["after_zero_grad"] = errors()
+    # the tie frozen: no gradient on any rank, as eager (a zero one let AdamW's weight decay move it)
+    for m in (model, eager):
+        m.zero_grad(set_to_none=True)
+        m.embed.weight.requires_grad_(False)
+    both(1)
+    out["frozen_tie_grads"] = [n for n, p in model.named_parameters(remove_duplicate=False)
+                               if id(p) in held and id(p) in tied and p.grad is not None]
+    out["frozen_tie_others"] = max(max_relative_error(p.grad, own[n].grad)
+                                   for n, p in model.named_parameters(remove_duplicate=False)
+                                   if id(p) in held and id(p) not in tied)
     return out
 
 
