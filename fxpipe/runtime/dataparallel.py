@@ -53,6 +53,9 @@ class GradSync:
         self.after: list[torch.Tensor] = []  # tensor parallel, replicated: reduced after the step
         self.wrapped: dict[int, Any] = {}
         self.swapped: dict[int, nn.Parameter] = {}  # id of a parameter FSDP2 replaced -> its replacement
+        self.layout = layout
+        self.modules = dict(modules)
+        self.trainable = {j: _trainable(m) for j, m in modules.items()}  # what each wrapper was built for
         for j, module in modules.items():
             if not any(p.requires_grad for p in module.parameters()):
                 continue  # nothing to reduce
@@ -69,11 +72,44 @@ class GradSync:
                 register_everywhere(share_with, swapped)
                 self.swapped.update(swapped)
             else:
-                from torch.nn.parallel import DistributedDataParallel
+                self.wrapped[j] = self._ddp(module)
 
-                device_ids = [layout.device.index] if layout.device.type == "cuda" else None
-                self.wrapped[j] = DistributedDataParallel(module, device_ids=device_ids,
-                                                          process_group=layout.dp_group)
+    def _ddp(self, module: nn.Module) -> Any:
+        """Wrap ``module`` in DDP over the replicas (its reducer takes the parameters requiring grad now)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.layout.device.index] if self.layout.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, process_group=self.layout.dp_group)
+
+    def refresh(self) -> None:
+        """Follow parameters frozen or unfrozen since the stages were wrapped, before a step.
+
+        DDP's reducer waits for the gradients of the parameters that required grad when it was
+        built: one frozen since never comes, so the others were left unaveraged and the next step
+        failed inside DDP. Such a stage is wrapped again (every replica freezes at the same step,
+        as it runs the same script); one frozen whole needs no reduction. FSDP2 takes a frozen
+        parameter as it comes, but a stage with none trainable when compiled was never sharded.
+        """
+        from fxpipe.errors import PipelineInputError
+
+        for j, module in self.modules.items():
+            now = _trainable(module)
+            if now == self.trainable[j]:
+                continue
+            if self.layout.tp > 1 and not self.shard:
+                known = {id(p) for p in self.after}
+                self.after += [p for p in module.parameters() if p.requires_grad and id(p) not in known]
+            elif self.shard and j not in self.wrapped and any(now):
+                raise PipelineInputError(
+                    f"stage {j} had no parameter requiring grad when the pipe was compiled, so FSDP2 did not shard "
+                    "it and its gradients would not be reduced over the replicas; unfreezing it is refused. Compile "
+                    "with the parameters requiring grad (leave them out of the optimizer until they train), or "
+                    "build a new pipe after unfreezing (fxpipe.save, fxpipe.compile, fxpipe.load)")
+            elif not self.shard:
+                self.wrapped.pop(j, None)  # its reducer goes with it
+                if any(now):
+                    self.wrapped[j] = self._ddp(module)
+            self.trainable[j] = now
 
     def before_backward(self, j: int, final: bool) -> None:
         """Arm or hold stage ``j``'s reduction for the coming backward (``final``: its last of the step)."""
@@ -115,6 +151,11 @@ class GradSync:
     def local(self, grad: torch.Tensor) -> torch.Tensor:
         """Return the part of a gradient this process holds (a shard's, under FSDP2)."""
         return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def _trainable(module: nn.Module) -> tuple[bool, ...]:
+    """Return which of ``module``'s parameters require grad."""
+    return tuple(p.requires_grad for p in module.parameters())
 
 
 @contextmanager

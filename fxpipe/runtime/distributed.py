@@ -378,6 +378,8 @@ class DistributedRuntime:
                                    "torch.inference_mode() (use pipe(x) to infer)")
             refuse_unfrozen(self.unfrozen)
             refuse_changed_linears(self.replacing)
+            if self.grad_sync is not None:  # parameters frozen since compile: DDP wrapped again
+                self.grad_sync.refresh()
             tgt = from_tp_holder(self, target, target is not None)[0] if self.last else target
             if self.summed is None:  # the first step since the last sum: what that sum made equal stays out
                 self.summed = open_window(self.tied)
@@ -398,6 +400,7 @@ class DistributedRuntime:
             if self.sync:  # replicas reduced and a tie's accumulated gradients summed once, at the synced step
                 if self.grad_sync is not None:
                     self.grad_sync.reduce()
+                    self.grad_sync.reshard()  # a stage frozen whole ran no backward, which reshards FSDP2's
                 sum_tied(self.tied, self.summed or {}, self.comm.wait)
                 self.summed = None
             if self.last:

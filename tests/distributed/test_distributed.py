@@ -150,6 +150,32 @@ def test_a_rank_that_dies_stops_the_others(tmp_path, launch):
         assert "(rank 1 probably died, posting no error)" in message or "because rank 1 died (rank" in message
 
 
+
+@pytest.mark.parametrize("mode", ["ddp", "shard"])
+def test_parameters_frozen_after_compile_train_as_eager_over_replicas(mode, tmp_path, launch):
+    # DDP's reducer waited for the frozen parameters: the others went unaveraged, then DDP raised a step later;
+    # FSDP2 left a stage frozen whole unsharded, and fxpipe.save(optimizer=) then refused the optimizer
+    results = launch("freeze_cases:frozen_later", 4, "1f1b" + (":shard" if mode == "shard" else ""), tmp_path)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert max(res["errors"]) < 1e-5, (r, res["errors"])
+        assert res["still_sharded"] and res["replaced"] == [], (r, res)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "shard"])
+def test_a_stage_frozen_whole_at_compile_and_unfrozen(mode, tmp_path, launch):
+    results = launch("freeze_cases:unfrozen_later", 4, "1f1b" + (":shard" if mode == "shard" else ""), tmp_path)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        if mode == "ddp":  # wrapped when it needs it: reduced over the replicas
+            assert res["refused"] is None and res["error"] < 1e-5, (r, res)
+        elif r % 2:  # stage 1's ranks find it; the others hear of it (PeerFailure)
+            assert "stage 1 had no parameter requiring grad when the pipe was compiled" in res["refused"], res
+            assert "build a new pipe after unfreezing" in res["refused"], (r, res["refused"])
+        else:
+            assert res["refused"].startswith("PeerFailure"), (r, res["refused"])
+
+
 # -- pipeline x data parallel (4 gloo ranks: 2 replicas x 2 pipeline ranks) --------------------
 def _dp_equal(results, collectives=None):
     for r, res in enumerate(results):
