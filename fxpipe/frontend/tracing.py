@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 import linecache
@@ -78,11 +79,13 @@ class _Tracer(torch.fx.Tracer):
         """Record a dataclass that is also a dict (a Hugging Face-style ``ModelOutput``) as its constructor's call.
 
         torch.fx records a plain dataclass so, but takes one that is a dict for a dict, and the
-        model's ``out.logits`` would meet a plain dict.
+        model's ``out.logits`` would meet a plain dict. An ``OrderedDict`` is kept as one too.
         """
         if isinstance(a, dict) and dataclasses.is_dataclass(a) and not isinstance(a, type):
             kwargs = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if f.init}
             return self.create_node("call_function", type(a), (), kwargs)
+        if type(a) is collections.OrderedDict:  # torchvision's segmentation models: fx would return a plain dict
+            return self.create_node("call_function", collections.OrderedDict, (super().create_arg(dict(a)),), {})
         return super().create_arg(a)
 
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:

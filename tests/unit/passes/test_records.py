@@ -103,3 +103,34 @@ def test_a_frozen_record_checking_its_fields_is_rebuilt_around_specs_too():
             return Checked(self.a(x))
 
     _step_equals_eager(Model(), lambda out, y: F.mse_loss(out.logits, y), tracer="export")
+
+
+class _Segmenter(nn.Module):
+    """Return an OrderedDict, as torchvision's segmentation models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x)))
+        out = collections.OrderedDict()
+        out["out"] = self.c(h)
+        out["aux"] = h
+        return out
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("schedule", ["gpipe", "zb"])
+def test_an_ordered_dict_comes_back_as_one(tracer, schedule):
+    # fx wrote the output as a dict literal: pipe(x) returned a plain dict
+    torch.manual_seed(0)
+    model, x = _Segmenter(), torch.randn(6, 8)
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=3, schedule=schedule, devices=["cpu"] * 2,
+                          tracer=tracer)
+    out = pipe(x)
+    assert type(out) is collections.OrderedDict and list(out) == ["out", "aux"]
+    assert max_relative_error(out["out"], eager(x)["out"]) < 1e-6
+    pipe.eval()
+    assert type(pipe(x)) is collections.OrderedDict
