@@ -48,8 +48,9 @@ from fxpipe.runtime.replicanorms import norms_of
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import defer_batch_norm
 from fxpipe.runtime.stage.compiled import CompiledStage
-from fxpipe.runtime.stage.exportedbn import ExportedBatchNorm, defer_exported, defer_traced
+from fxpipe.runtime.stage.exportedbn import ExportedBatchNorm, defer_exported, defer_traced, share_counters
 from fxpipe.runtime.stage.marks import instrument
+from fxpipe.runtime.stage.normcalls import called_more_than_once, per_call, warn_spread
 from fxpipe.runtime.stage.offload import Offload
 from fxpipe.runtime.stage.selective import Program, foreign_wrap
 from fxpipe.runtime.stage.stagecall import StageCall
@@ -143,14 +144,18 @@ def _defer_exported(stages: Sequence[torch.fx.GraphModule],
         raise CompileError(f"deferred_batch_norm=True cannot defer {traced[0].fqn} (a batch norm subclass with its "
                            "own forward, which fx traced through) in compiled stages (torch_compile=): leave out "
                            "torch_compile= or deferred_batch_norm=")
+    share_counters(exported + traced)
     return exported + traced
 
 
-def _modules_to_defer(stages: Sequence[torch.fx.GraphModule], records: Sequence[ExportedBatchNorm],
+def _modules_to_defer(stages: Mapping[int, torch.fx.GraphModule], records: Sequence[ExportedBatchNorm],
                       compiled: TorchCompile | None) -> list:
-    """Defer the stages' batch norm modules, once each, but those whose calls a record defers already."""
+    """Defer the stages' batch norm modules, once each, but those whose calls a record defers already.
+
+    A module called more than once gets an update per call (:mod:`~fxpipe.runtime.stage.normcalls`).
+    """
     covered = {id(r.running_mean) for r in records}
-    modules = [m for m in {id(m): m for st in stages for m in st.modules()}.values()
+    modules = [m for m in {id(m): m for st in stages.values() for m in st.modules()}.values()
                if id(getattr(m, "running_mean", None)) not in covered]
     own = next((m for m in modules if isinstance(m, _BatchNorm) and m.track_running_stats
                 and type(m).forward is not _BatchNorm.forward), None)
@@ -158,7 +163,14 @@ def _modules_to_defer(stages: Sequence[torch.fx.GraphModule], records: Sequence[
         raise CompileError(f"deferred_batch_norm=True cannot defer {type(own).__name__} (a batch norm subclass with "
                            "its own forward, kept whole) in compiled stages (torch_compile=): leave out "
                            "torch_compile= or deferred_batch_norm=")
-    return defer_batch_norm(modules)
+    deferred = per_call(defer_batch_norm(modules), stages)
+    twice = called_more_than_once(deferred)
+    if twice and compiled is not None:
+        names = {id(m): n for st in stages.values() for n, m in st.named_modules()}
+        raise CompileError(f"deferred_batch_norm=True cannot tell the calls of batch norm '{names.get(id(twice[0]))}' "
+                           "apart in compiled stages (torch_compile=): it is called more than once per forward, and "
+                           "each call updates the running statistics. Leave out torch_compile= or deferred_batch_norm=")
+    return deferred
 
 
 def _runnable(gm: torch.fx.GraphModule, j: int, defer: set[int], policy: str,
@@ -255,10 +267,11 @@ def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
             if isinstance(call.saver, Program):
                 call.saver.replay_cpu = call.replay_cpu
     engine = LocalRuntime(plan, calls, Binding(gm), schedule)
+    warn_spread(stages, deferred_batch_norm)
     engine.unfrozen = watch_frozen(plan, gm, dict(enumerate(stages)))
     engine.routeless = watch_inputs(plan, gm)
     if deferred_batch_norm:
-        engine.deferred = _modules_to_defer(stages, exported, compiled) + exported
+        engine.deferred = _modules_to_defer(dict(enumerate(stages)), exported, compiled) + exported
     return engine
 
 
@@ -303,6 +316,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     calls = [stage_call(j, stages[j], r, policies[j], [], device, j == n - 1, defer, compiled, save)
              for j, r in runnable.items()]
     engine = DistributedRuntime(plan, gm, layout, calls, link, Binding(gm), tied, schedule)
+    warn_spread(stages, deferred_batch_norm, [s.on_rank for s in plan.stages])
     if layout.dp > 1:  # after the tied tensors are equal: DDP, FSDP2 (or TP's own all-reduce) start from these
         engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()])
         for call in calls:
@@ -311,7 +325,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
         swapped = engine.grad_sync.swapped  # tied parameters FSDP2 sharded: sum the shards' gradients
         tied.mine = [(g, [swapped.get(id(p), p) for p in ps], first) for g, ps, first in tied.mine]
     if deferred_batch_norm:
-        engine.deferred = _modules_to_defer(held, exported, compiled) + exported
+        engine.deferred = _modules_to_defer({j: stages[j] for j in mine}, exported, compiled) + exported
     if layout.dp > 1:
         engine.norms = norms_of(held)
     engine.unfrozen = watch_frozen(plan, gm, {j: stages[j] for j in mine})  # after FSDP2 swapped the parameters

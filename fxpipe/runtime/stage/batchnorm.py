@@ -7,7 +7,8 @@ batch norm keeps normalizing per micro-batch but only accumulates ``sum(x)`` and
 ``sum(x * x)`` per channel; after the mini-batch the pipeline commits them once, so the
 running statistics equal eager's on the full batch (torchgpipe, section 3.4) for a batch norm
 whose inputs no earlier batch norm normalized per micro-batch; later ones get the statistics
-of the inputs they saw over the mini-batch. Exported graphs hold ``aten.batch_norm`` calls
+of the inputs they saw over the mini-batch. A module called more than once per forward gets an
+update per call, in the calls' order (:mod:`fxpipe.runtime.stage.normcalls`). Exported graphs hold ``aten.batch_norm`` calls
 instead of modules: :mod:`fxpipe.runtime.stage.exportedbn` defers those. Recomputation
 for checkpointing does not count twice, and neither does a run on fake tensors (the distributed
 runtime propagates each new micro-batch layout's shapes through the graph).
@@ -35,6 +36,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from fxpipe.runtime.stage.normcalls import Call, slot
 from fxpipe.runtime.stage.recompute import is_recomputing
 
 __all__ = ["accumulate", "commit_batch_norm", "defer_batch_norm", "discard_batch_norm", "fold_staged", "staging", "unstaged"]
@@ -151,8 +153,8 @@ def accumulate(bn: object, x: torch.Tensor) -> None:
 
 
 def _add(bn: object, total: torch.Tensor, squares: torch.Tensor, rows: int) -> None:
-    """Add per-channel sums of ``rows`` rows to ``bn``'s."""
-    sums = _sums(bn)
+    """Add per-channel sums of ``rows`` rows to ``bn``'s (or this call's, for a module called more than once)."""
+    sums = _sums(slot(bn))
     if sums._fxpipe_sum is None or sums._fxpipe_sum_squares is None:
         sums._fxpipe_sum, sums._fxpipe_sum_squares = total, squares
     else:
@@ -255,7 +257,8 @@ def commit_batch_norm(modules: Iterable[_BatchNorm]) -> None:
             assert bn.running_mean is not None and bn.running_var is not None
             mean = sums._fxpipe_sum / n
             var = (sums._fxpipe_sum_squares / n - mean ** 2) * (n / max(n - 1, 1))  # unbiased, as eager
-            counter = bn.num_batches_tracked if vars(bn).get("_fxpipe_counts", True) else None  # None: not counted
+            owner = bn.bn if isinstance(bn, Call) else bn  # a further call counts where its module's forward does
+            counter = bn.num_batches_tracked if vars(owner).get("_fxpipe_counts", True) else None  # None: not counted
             if counter is not None:
                 counter.add_(1)
             momentum = bn.momentum

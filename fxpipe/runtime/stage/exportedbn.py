@@ -19,6 +19,7 @@ Reads the stage graphs; rewrites their batch norm calls in place (and recompiles
 from __future__ import annotations
 
 import inspect
+import itertools
 import weakref
 from typing import Any
 
@@ -30,10 +31,12 @@ from fxpipe.passes.modes import When, pick
 from fxpipe.passes.mutates import unwrapped
 from fxpipe.runtime.stage.batchnorm import accumulate
 
-__all__ = ["ExportedBatchNorm", "defer_exported", "defer_traced", "deferred_batch_norm", "deferred_functional"]
+__all__ = ["ExportedBatchNorm", "defer_exported", "defer_traced", "deferred_batch_norm", "deferred_functional",
+           "share_counters"]
 
 # key -> record; a record lives as long as its runtime's list of deferred batch norms holds it
 _BY_KEY: weakref.WeakValueDictionary[str, ExportedBatchNorm] = weakref.WeakValueDictionary()
+_SERIAL = itertools.count()
 
 
 class ExportedBatchNorm:
@@ -45,6 +48,7 @@ class ExportedBatchNorm:
         self._fxpipe_sum: torch.Tensor | None = None
         self._fxpipe_sum_squares: torch.Tensor | None = None
         self._fxpipe_count = 0
+        self.counted_by: ExportedBatchNorm | None = None  # the record of a call whose stage holds the counter
 
     def _buffer(self, name: str) -> torch.Tensor:
         """Return the stage's buffer ``<prefix>.name`` (looked up each time: a load may replace it)."""
@@ -71,7 +75,7 @@ class ExportedBatchNorm:
         try:
             return self._buffer("num_batches_tracked")
         except AttributeError:
-            return None
+            return None if self.counted_by is None else self.counted_by.num_batches_tracked
 
 
 def deferred_batch_norm(x: torch.Tensor, weight: Any, bias: Any, running_mean: Any, running_var: Any,
@@ -93,11 +97,16 @@ def deferred_functional(x: torch.Tensor, running_mean: Any, running_var: Any, we
     return F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
 
 
-def _counters(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
-    """Map each tensor a graph adds to in place (``add_``, seen through a guard of training mode) to the add."""
+def _counters(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """Map each tensor a graph adds to in place (``add_``, seen through a guard of training mode) to the adds."""
     calls = {n: unwrapped(n) for n in gm.graph.nodes}  # a counter of training mode only runs through a guard
-    return {c.args[0]: n for n, c in calls.items() if c.args and isinstance(c.args[0], torch.fx.Node) and (
-        (c.op == "call_function" and c.target is torch.ops.aten.add_.Tensor) or (c.op == "call_method" and c.target == "add_"))}
+    adds: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for n, c in calls.items():
+        if c.args and isinstance(c.args[0], torch.fx.Node) and (
+                (c.op == "call_function" and c.target is torch.ops.aten.add_.Tensor)
+                or (c.op == "call_method" and c.target == "add_")):
+            adds.setdefault(c.args[0], []).append(n)  # a module called twice adds twice
+    return adds
 
 
 def _record(gm: torch.fx.GraphModule, adds: dict, stats: Any, momentum: Any) -> tuple[str, ExportedBatchNorm] | None:
@@ -107,12 +116,14 @@ def _record(gm: torch.fx.GraphModule, adds: dict, stats: Any, momentum: Any) -> 
     if not (isinstance(stats, torch.fx.Node) and stats.op == "get_attr" and str(stats.target).endswith("running_mean")):
         return None
     prefix = str(stats.target)[: -len("running_mean")]
-    counter = next((n for n in adds if n.op == "get_attr" and n.target == f"{prefix}num_batches_tracked"), None)
-    if counter is not None:
-        add = adds.pop(counter)
-        add.replace_all_uses_with(counter)
-        gm.graph.erase_node(add)
-    key = f"{id(gm)}:{prefix}"
+    for counter in [n for n in adds if n.op == "get_attr" and n.target == f"{prefix}num_batches_tracked"]:
+        chain = [counter]  # a second call adds to the first add's result
+        while chain:
+            for add in adds.pop(chain.pop(), []):
+                chain.append(add)
+                add.replace_all_uses_with(counter)
+                gm.graph.erase_node(add)
+    key = f"{id(gm)}:{prefix}:{next(_SERIAL)}"  # one per call: a module called twice updates twice
     _BY_KEY[key] = record = ExportedBatchNorm(gm, prefix, momentum)
     return key, record
 
@@ -163,3 +174,11 @@ def defer_traced(gm: torch.fx.GraphModule) -> list[ExportedBatchNorm]:
     if found:
         gm.recompile()
     return found
+
+
+def share_counters(records: list[ExportedBatchNorm]) -> None:
+    """Let a call whose stage does not hold its module's counter count on the one of a call that does."""
+    holders = {id(r.running_mean): r for r in records if r.num_batches_tracked is not None}
+    for r in records:
+        if r.num_batches_tracked is None and id(r.running_mean) in holders:
+            r.counted_by = holders[id(r.running_mean)]

@@ -46,6 +46,7 @@ from fxpipe.runtime.stage.keepstate import (
     versions,
     written_buffers,
 )
+from fxpipe.runtime.stage.normcalls import counting
 from fxpipe.runtime.stage.recompute import checkpointed, in_pass, is_checkpointing, is_recomputing
 from fxpipe.runtime.stage.rng import RngState, autocast_as, autocast_state, restore_rng, save_rng
 from fxpipe.runtime.stage.stream import AbstractStream, current_stream, new_stream, on_device
@@ -133,7 +134,8 @@ class StageCall:
                 (self.saver.recording(i, inputs) if how in SAVING else nullcontext()) as record, self.around():
             probe = versions(self.gm) if how == "checkpoint" and not self._probed else None
             try:
-                out = self.fn(*inputs)
+                with counting(self.index):  # a deferred batch norm's calls, told apart (stage.normcalls)
+                    out = self.fn(*inputs)
                 if probe is not None:
                     self._found(bumped(self.gm, probe))
             except Exception as exc:

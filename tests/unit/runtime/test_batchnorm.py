@@ -304,3 +304,46 @@ def test_a_mean_large_against_the_spread_keeps_the_variance(tracer):
     eager(x)  # one update from the whole batch: what deferral gives
     torch.testing.assert_close(model.bn.running_var, eager.bn.running_var, rtol=1e-5, atol=0)
     torch.testing.assert_close(model.bn.running_mean, eager.bn.running_mean, rtol=1e-6, atol=0)
+
+
+class _Twice(nn.Module):
+    """One batch norm called twice per forward, on inputs the other call did not normalize."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(2, 4, 3, padding=1)
+        self.bn, self.out = nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        a = self.bn(self.c1(x))
+        return self.out(a + self.bn(self.c2(x) * 2 + 1))
+
+
+@pytest.mark.parametrize("split", [None, ["c2"]], ids=["one_stage", "two_stages"])
+@pytest.mark.parametrize(("schedule", "tracer"), [("gpipe", "fx"), ("1f1b", "fx"), ("zb", "fx"), ("1f1b", "export")])
+def test_a_deferred_batch_norm_called_twice_updates_once_per_call(split, schedule, tracer):
+    # both calls' sums went into one update of their mixed inputs, counted once
+    torch.manual_seed(0)
+    model = _Twice()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 2, 8, 8), torch.randn(8, 2, 8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=4, deferred_batch_norm=True,
+                          schedule=schedule, split_points=split, checkpoint="except_last", tracer=tracer)
+    for _ in range(2):
+        pipe.step(x, target=y, loss_fn=F.mse_loss)
+        eager(x)  # the whole batch: an update per call
+    state = pipe.state_dict()
+    assert int(state["bn.num_batches_tracked"]) == int(eager.bn.num_batches_tracked) == 4
+    torch.testing.assert_close(state["bn.running_mean"], eager.bn.running_mean, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(state["bn.running_var"], eager.bn.running_var, rtol=1e-5, atol=1e-7)
+
+
+def test_a_batch_norm_several_stages_call_is_warned_of_where_its_statistics_cannot_be_eagers():
+    from fxpipe.runtime.stage.normcalls import warn_spread
+
+    x = torch.randn(8, 2, 8, 8)
+    with pytest.warns(UserWarning, match=r"batch norm 'bn' is called by stages \[0, 1\]: without deferral .* "
+                                         r"deferred_batch_norm=True updates them once per call"):
+        pipe = fxpipe.compile(_Twice(), 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=2, split_points=["c2"])
+    with pytest.warns(UserWarning, match=r"on ranks \[0, 1\]: each rank keeps its own running statistics"):
+        warn_spread(pipe.stages, True, [0, 1])  # across ranks: deferred or not
