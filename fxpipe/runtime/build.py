@@ -43,7 +43,7 @@ from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.dataparallel import GradSync, views_sent_only
 from fxpipe.runtime.distributed import DistributedRuntime
 from fxpipe.runtime.local import LocalRuntime
-from fxpipe.runtime.placement import move_owned, named_tensors, ownership, stage_callable
+from fxpipe.runtime.placement import move_owned, named_tensors, ownership, stage_callable, warn_shared_storage
 from fxpipe.runtime.replicanorms import norms_of
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import defer_batch_norm
@@ -288,6 +288,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     """
     device, mine = layout.device, schedule.stages_of(layout.rank)
     held = [stages[j] for j in mine]
+    warn_shared_storage(stages, schedule.ranks)  # before the moves, which part what shared storage
     if layout.dp > 1:  # every rank asks it of every rank's stages, so all refuse alike
         for r in sorted(set(schedule.ranks)):
             _refuse_shared_on_one_rank([stages[j] for j in schedule.stages_of(r)], schedule.stages_of(r))

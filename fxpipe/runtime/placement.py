@@ -10,6 +10,7 @@ the model's own ``Parameter`` objects stay the ones that receive gradients.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,9 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxpipe.errors import user_stacklevel
 from fxpipe.plan.stages import named_tensors
 
-__all__ = ["Ownership", "move_owned", "named_tensors", "ownership", "register_everywhere", "resolve_devices",
+__all__ = ["Ownership", "move_owned", "named_tensors", "ownership", "register_everywhere", "resolve_devices", "warn_shared_storage",
            "stage_callable"]
 
 log = logging.getLogger(__name__)
@@ -140,3 +142,27 @@ def register_everywhere(roots: Sequence[nn.Module], swapped: dict[int, nn.Parame
             for name, p in list(module._parameters.items()):
                 if p is not None and id(p) in swapped and swapped[id(p)] is not p:
                     module._parameters[name] = swapped[id(p)]
+
+
+def warn_shared_storage(stages: Sequence[nn.Module], rank_of: Sequence[int]) -> None:
+    """Warn of two parameters sharing storage (``nn.Parameter(a.weight.data)``) in stages on different ranks.
+
+    One tensor read by several ranks is tied: fxpipe keeps its copies equal. Two parameter objects
+    sharing storage are not the same tensor; each rank holds its own copy, so an update of one no
+    longer reaches the other, as it does in one process.
+    """
+    seen: dict[int, tuple[str, int, int]] = {}  # storage -> (name, stage, id) of the first parameter met
+    for j, st in enumerate(stages):
+        for name, p in st.named_parameters():
+            if p.device.type == "meta":
+                continue
+            ptr = p.untyped_storage().data_ptr()
+            first = seen.setdefault(ptr, (name, j, id(p)))
+            if first[2] != id(p) and rank_of[first[1]] != rank_of[j]:
+                warnings.warn(
+                    f"parameters '{first[0]}' (stage {first[1]}, rank {rank_of[first[1]]}) and '{name}' (stage {j}, rank "
+                    f"{rank_of[j]}) share storage but are different Parameters: each rank holds its own copy, so an "
+                    f"update of one no longer reaches the other. Tie them as one Parameter ('{name}' = '{first[0]}'), "
+                    "whose copies fxpipe keeps equal across ranks, or give each its own storage (.clone())",
+                    stacklevel=user_stacklevel())
+                seen[ptr] = (name, j, id(p))  # once per pair
