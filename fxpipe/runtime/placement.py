@@ -21,8 +21,8 @@ from torch import nn
 from fxpipe.errors import user_stacklevel
 from fxpipe.plan.stages import named_tensors
 
-__all__ = ["Ownership", "move_owned", "named_tensors", "ownership", "register_everywhere", "resolve_devices", "warn_shared_storage",
-           "stage_callable"]
+__all__ = ["Ownership", "move_owned", "named_tensors", "ownership", "register_everywhere", "resolve_devices",
+           "stage_callable", "warn_shared_storage"]
 
 log = logging.getLogger(__name__)
 
