@@ -43,7 +43,6 @@ class Call:
         self._fxpipe_sum: torch.Tensor | None = None
         self._fxpipe_sum_squares: torch.Tensor | None = None
         self._fxpipe_count = 0
-        self._fxpipe_counts = vars(bn).get("_fxpipe_counts", True)
 
     def __getattr__(self, name: str) -> Any:
         """Read the module's attributes (its buffers, momentum, number of features)."""
