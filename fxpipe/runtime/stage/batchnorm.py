@@ -8,8 +8,9 @@ batch norm keeps normalizing per micro-batch but only accumulates ``sum(x)`` and
 running statistics equal eager's on the full batch (torchgpipe, section 3.4) for a batch norm
 whose inputs no earlier batch norm normalized per micro-batch; later ones get the statistics
 of the inputs they saw over the mini-batch. A module called more than once per forward gets an
-update per call, in the calls' order (:mod:`fxpipe.runtime.stage.normcalls`). Exported graphs hold ``aten.batch_norm`` calls
-instead of modules: :mod:`fxpipe.runtime.stage.exportedbn` defers those. Recomputation
+update per call, in the calls' order (:mod:`fxpipe.runtime.stage.normcalls`). Exported graphs
+hold ``aten.batch_norm`` calls instead of modules: :mod:`fxpipe.runtime.stage.exportedbn`
+defers those (a record per call). Recomputation
 for checkpointing does not count twice, and neither does a run on fake tensors (the distributed
 runtime propagates each new micro-batch layout's shapes through the graph).
 
