@@ -52,6 +52,7 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 
 from fxpipe.errors import TraceError
 from fxpipe.frontend.exportmeta import fake_inputs, fake_state, meta_refusal, refuse_stand_ins, target_device
+from fxpipe.frontend.leftovers import no_proxies_left
 from fxpipe.frontend.modes import in_other_mode, may_read_mode
 from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
 from fxpipe.frontend.specialised import recording_specialisations, specialising_line
@@ -170,7 +171,8 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     def export(batch: Any) -> torch.export.ExportedProgram:
         named = inspect.signature(model.forward).bind(*args, **kwargs)  # **kwargs' entries by name while exported
         dynamic = {name: tree_map(partial(dims, name, batch=batch), value) for name, value in named.arguments.items()}
-        return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
+        with no_proxies_left(model):  # a cache the forward filled holds fake tensors
+            return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
 
     def exported(faked: Any) -> torch.fx.GraphModule:
         for _ in range(_RECORDS):  # each dataclass the model takes or returns unregistered costs one more try

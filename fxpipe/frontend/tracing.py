@@ -23,6 +23,7 @@ from fxpipe.errors import TraceError
 from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
+from fxpipe.frontend.leftovers import no_proxies_left
 from fxpipe.frontend.markers import recording_markers
 from fxpipe.frontend.modes import in_other_mode, may_read_mode, quieted
 from fxpipe.frontend.nograd import detach_no_grad_blocks
@@ -175,7 +176,7 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
         # pipe_split() calls become marker nodes; assignments to buffers, in-place copies; nodes
         # made with grad mode off (a forward's torch.no_grad() blocks) or inside autocast blocks are marked
         with recording_markers(fx_tracer), recording_assignments(fx_tracer), torch.enable_grad(), \
-                recording_autocast_blocks(), recording_python_random(drawn):
+                recording_autocast_blocks(), recording_python_random(drawn), no_proxies_left(model):
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         raise _explain(model, fx_tracer, exc) from exc
