@@ -151,7 +151,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         if not isinstance(model, nn.Module):
             raise TypeError(f"fxpipe.compile expects an nn.Module or a torch.fx.GraphModule, "
                             f"got {type(model).__name__}")
-        model = unwrap_compiled(model)
+        model = unwrap_compiled(model, torch_compile not in (None, False))
         if isinstance(model, Pipe):
             raise TypeError("fxpipe.compile got a Pipe, which is compiled already: compile the model it was "
                             "compiled from (in one process the pipe shares its parameters; across ranks build the "

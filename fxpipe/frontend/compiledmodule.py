@@ -23,14 +23,16 @@ def is_compiled_module(module: nn.Module) -> bool:
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
-def unwrap_compiled(model: nn.Module) -> nn.Module:
+def unwrap_compiled(model: nn.Module, stages_compiled: bool = False) -> nn.Module:
     """Return the module a ``torch.compile``'d model wraps, warning that fxpipe compiles stages itself."""
     if not is_compiled_module(model):
         return model
     inner = model._orig_mod
     assert isinstance(inner, nn.Module), "torch.compile wraps a module as _orig_mod"
+    fix = ("torch_compile= compiles each stage instead" if stages_compiled else
+           "To compile each stage, pass fxpipe.compile(..., torch_compile=True) or a dict of torch.compile's "
+           "arguments")
     warnings.warn(f"fxpipe got a torch.compile'd {type(inner).__name__}: it pipelines the module that wraps "
-                  "(state-dict keys without '_orig_mod.'), and torch.compile's options do not apply. To compile "
-                  "each stage, pass fxpipe.compile(..., torch_compile=True) or a dict of torch.compile's arguments "
+                  f"(state-dict keys without '_orig_mod.'), and torch.compile's options do not apply. {fix} "
                   "(docs/guide/compiled.md)", stacklevel=3)
     return inner

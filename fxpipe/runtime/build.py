@@ -105,7 +105,8 @@ def build(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan, stages
           options: CompileOptions, target: Target) -> Built:
     """Start ``plan``'s runtime where ``target`` says: every stage in this process, or this rank's."""
     materials = Materials(target.weights, options.init, options.seed)
-    check_policies(plan, [target.layout.device] * plan.n_stages if target.layout is not None else target.devices)
+    check_policies(plan, [target.layout.device] * plan.n_stages if target.layout is not None else target.devices,
+                   compiled=options.compiled is not None)
     if target.layout is None:
         local = build_local(model, gm, plan, stages, target.devices, target.schedule, options.deferred_batch_norm,
                             materials, options.compiled, save=options.save)
@@ -214,14 +215,14 @@ def _stage_fn(fn: Callable, gm: torch.fx.GraphModule, j: int, defer: set[int],
     return CompiledStage(fn, gm, j, compiled, defer=j in defer, static_first=policy in ("never", "offload"))
 
 
-def check_policies(plan: PipelinePlan, devices: Sequence[torch.device]) -> None:
+def check_policies(plan: PipelinePlan, devices: Sequence[torch.device], compiled: bool = False) -> None:
     """Refuse ``"offload"`` for a stage whose device is not a CUDA device (before anything moves)."""
     for j, policy in enumerate(plan.policies()):
         if policy == "offload" and torch.device(devices[j]).type != "cuda":
+            others = "'except_last' or 'always'" if compiled else "'selective', 'except_last' or 'always'"
             raise ValueError(f"checkpoint='offload' moves stage {j}'s saved activations to pinned host memory on "
                              f"a side stream, which needs a CUDA device, but stage {j} runs on "
-                             f"{torch.device(devices[j])}; use 'selective', 'except_last' or 'always' there "
-                             "to save its activation memory")
+                             f"{torch.device(devices[j])}; use {others} there to save its activation memory")
 
 
 def stage_call(j: int, stage: torch.fx.GraphModule, runnable: torch.fx.GraphModule, policy: str,
