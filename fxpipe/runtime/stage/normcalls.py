@@ -81,14 +81,8 @@ def per_call(deferred: Sequence[Any], stages: Mapping[int, torch.fx.GraphModule]
     module followed by its calls in the order the graph makes them, which the commit follows.
     """
     places: dict[int, list[tuple[int, int]]] = {}
-    for j in sorted(stages):
-        seen: dict[int, int] = {}
-        for node in stages[j].graph.nodes:
-            if node.op == "call_module":
-                m = stages[j].get_submodule(node.target)
-                k = seen.get(id(m), 0)
-                seen[id(m)] = k + 1
-                places.setdefault(id(m), []).append((j, k))
+    for j, k, _, m in _module_calls(stages):
+        places.setdefault(id(m), []).append((j, k))
     ordered: list[Any] = []
     for bn in deferred:
         ordered.append(bn)
@@ -110,15 +104,23 @@ def norms_in_several_stages(stages: Sequence[torch.fx.GraphModule]) -> list[tupl
     from torch.nn.modules.batchnorm import _BatchNorm
 
     found: dict[str, list[int]] = {}  # by name: across ranks each rank's stages hold their own module
-    for j, st in enumerate(stages):
-        for node in st.graph.nodes:
-            if node.op == "call_module":
-                m = st.get_submodule(node.target)
-                if isinstance(m, _BatchNorm) and m.track_running_stats:
-                    where = found.setdefault(str(node.target), [])
-                    if j not in where:
-                        where.append(j)
+    for j, _, name, m in _module_calls(dict(enumerate(stages))):
+        if isinstance(m, _BatchNorm) and m.track_running_stats:
+            where = found.setdefault(name, [])
+            if j not in where:
+                where.append(j)
     return [(name, where) for name, where in found.items() if len(where) > 1]
+
+
+def _module_calls(stages: Mapping[int, torch.fx.GraphModule]) -> Iterator[tuple[int, int, str, Any]]:
+    """Yield ``(stage, k, name, module)`` per ``call_module`` node, stage by stage: its ``k``-th call in that stage."""
+    for j in sorted(stages):
+        seen: dict[int, int] = {}
+        for node in stages[j].graph.nodes:
+            if node.op == "call_module":
+                m = stages[j].get_submodule(node.target)
+                k = seen[id(m)] = seen.get(id(m), -1) + 1
+                yield j, k, str(node.target), m
 
 
 def warn_spread(stages: Sequence[torch.fx.GraphModule], deferred: bool, rank_of: Sequence[int] | None = None) -> None:
