@@ -281,8 +281,10 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
         if not under(meta, "optim"):
             raise CheckpointError(f"checkpoint {path!r} holds no optimizer state; load it without optimizer=")
         if manifest.get("optimizer") not in (None, type(optimizer).__name__):
-            raise CheckpointError(f"checkpoint {path!r} holds the state of a {manifest['optimizer']}; the "
-                                  f"optimizer given is a {type(optimizer).__name__}")
+            raise CheckpointError(f"checkpoint {path!r} holds {manifest['optimizer']} state; the optimizer given is "
+                                  f"{type(optimizer).__name__}: build the optimizer it was saved with "
+                                  f"(class {manifest['optimizer']}) to load it, or load without optimizer= "
+                                  "(the weights alone)")
         params = {table[id(p)].names[0]: p for p in where.model.parameters()
                   if not (where.distributed and p.is_meta)}  # what the fill below makes real
         keys = [k for k in under(meta, "optim") if split_key(k[len("optim."):])[1] in params]
