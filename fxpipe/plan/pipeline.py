@@ -32,6 +32,8 @@ class PipelinePlan:
     # how the pipe runs: runtime, data_parallel, data_parallel_shard, tensor_parallel, stages_per_rank
     # (what fxpipe.compile(plan=) reproduces; None in older plans)
     layout: dict[str, Any] | None = None
+    # the batch the stages' costs were made for (fxpipe.simulate scales them to another; None in older plans)
+    example_rows: int | None = None
 
     @property
     def n_stages(self) -> int:

@@ -22,7 +22,7 @@ from fxpipe.plan.pipeline import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.plan.saved import front_end, graph_signature
 from fxpipe.plan.tensorparallel import plan_tensor_parallel
 
-__all__ = ["make_plan", "named_tensors", "split_stages"]
+__all__ = ["example_rows", "make_plan", "named_tensors", "split_stages"]
 
 
 def named_tensors(module: nn.Module):
@@ -92,9 +92,20 @@ def _describe(gm: torch.fx.GraphModule, modules: Sequence[torch.fx.GraphModule],
         r.bytes = int(nodes[r.name].meta.get("fxpipe.bytes", 0) // per_micro)
     names, ops, targets = graph_signature(gm)
     return PipelinePlan(stages=list(stages), skips=list(routes), chunks=chunks, checkpoint=checkpoint,
-                        schedule=schedule, balance_by=balance_by,
+                        schedule=schedule, balance_by=balance_by, example_rows=example_rows(gm),
                         graph_nodes=names, graph_ops=ops, graph_targets=targets,
                         graph_keys=[key for _, key in passes.structure(gm)])
+
+
+def example_rows(gm: torch.fx.GraphModule) -> int | None:
+    """Return the dim-0 size of the first batched placeholder the annotations were made for."""
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        for leaf in tree_flatten(n.meta.get("fxpipe.value"))[0]:
+            if isinstance(leaf, passes.TensorSpec) and leaf.shape:
+                return int(leaf.shape[0])
+    return None
 
 
 def _carries_grad(node: torch.fx.Node) -> bool:

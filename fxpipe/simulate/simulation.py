@@ -127,7 +127,7 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     if runtime == "local" and asked:  # they were ignored, silently
         raise ValueError(f"{', '.join(asked)} predict{'s' if len(asked) == 1 else ''} ranks, which one process "
                          "does not have: pass runtime='distributed' as well")
-    base = (example_rows(gm) if gm is not None else None) or batch or chunks
+    base = (example_rows(gm) if gm is not None else plan.example_rows) or batch or chunks
     batch = batch or base
     m = min(chunks, batch)
     if measured is True:

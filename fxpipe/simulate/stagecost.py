@@ -38,14 +38,13 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
 
 from fxpipe.passes.inplace import known_mutations
 from fxpipe.passes.linears import model_defers
 from fxpipe.passes.retain import retain
 from fxpipe.passes.selective import selective_bytes, selective_plan
-from fxpipe.passes.spec import TensorSpec
 from fxpipe.plan.pipeline import PipelinePlan
+from fxpipe.plan.stages import example_rows
 from fxpipe.simulate.devices import DeviceModel
 from fxpipe.simulate.nodetime import node_times
 
@@ -81,17 +80,6 @@ class StageCost:
     pinned_b: float = 0.0  # gradients sent back to other ranks, likewise
     ahead_f: float = 0.0  # the next micro-batch's receive buffers, posted while this one computes
     ahead_b: float = 0.0
-
-
-def example_rows(gm: torch.fx.GraphModule) -> int | None:
-    """Return the dim-0 size of the first batched placeholder the annotations were made for."""
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        for leaf in tree_flatten(n.meta.get("fxpipe.value"))[0]:
-            if isinstance(leaf, TensorSpec) and leaf.shape:
-                return int(leaf.shape[0])
-    return None
 
 
 def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceModel, rows: float,

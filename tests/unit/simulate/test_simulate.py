@@ -117,6 +117,18 @@ def test_a_saved_plan_simulates_without_the_model(tmp_path):
     assert "1f1b" in str(sim)
 
 
+def test_a_saved_plan_predicts_the_example_batch_and_scales_to_another(tmp_path):
+    # a plan (no graph) took batch=chunks for the example's and scaled nothing: 4x the batch, 4x the samples/s free
+    x = torch.randn(32, 64)
+    pipe = _pipe(_mlp(), x, chunks=4)
+    pipe.plan.save(str(tmp_path / "p.json"))
+    plan = str(tmp_path / "p.json")
+    assert fxpipe.simulate(plan, device="a100").batch == 32
+    small, big = (fxpipe.simulate(plan, device=UNIT, batch=b) for b in (32, 128))
+    assert big.step_time > 2 * small.step_time
+    assert big.stages[0].memory.activations > 2 * small.stages[0].memory.activations
+
+
 def test_optimizer_state_and_bigger_batches_scale_memory():
     x = torch.randn(32, 64)
     pipe = _pipe(_mlp(), x, chunks=4)
