@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 
 from fxpipe.errors import SearchSpaceError, TraceError
 from fxpipe.tools import inspectcmd, plancmd
-from fxpipe.tools.cliargs import Failure, UsageError, trace_hint
+from fxpipe.tools.cliargs import Failure, UsageError, option_hint, trace_hint
 from fxpipe.tools.factory import FactoryError, ModelSpecError
 
 __all__ = ["main"]
@@ -40,10 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _warnings_as_lines(args.command):
             return args.run(args)
     except (UsageError, ModelSpecError, SearchSpaceError) as exc:
-        print(f"fxpipe {args.command}: error: {exc}", file=sys.stderr)
+        print(f"fxpipe {args.command}: error: {exc}{option_hint(str(exc))}", file=sys.stderr)
         return 2
     except (Failure, FactoryError) as exc:
-        print(f"fxpipe {args.command}: error: {exc}", file=sys.stderr)
+        print(f"fxpipe {args.command}: error: {exc}{option_hint(str(exc))}", file=sys.stderr)
         return 1
     except TraceError as exc:  # the model cannot be traced as asked: say which options fix it
         print(f"fxpipe {args.command}: error: TraceError: {exc}{trace_hint(exc)}", file=sys.stderr)

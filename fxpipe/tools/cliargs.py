@@ -7,7 +7,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Failure", "UsageError", "add_tracer", "leaf_modules", "names", "positive", "shape", "trace_hint"]
+__all__ = ["Failure", "UsageError", "add_tracer", "leaf_modules", "names", "option_hint", "positive", "shape",
+           "trace_hint"]
 
 
 class UsageError(Exception):
@@ -87,3 +88,14 @@ def trace_hint(exc: Exception) -> str:
     if "tracer='export'" in str(exc):
         hints.append("--tracer export")
     return f"\nOn the command line: {' or '.join(hints)}" if hints else ""
+
+
+# the keyword a library message names, and the option of `fxpipe inspect` that sets it
+_OPTIONS = {"max_memory": "--max-memory", "n_stages=": "--stages", "chunks=": "--chunks",
+            "split_points=": "--split-points", "stages_per_rank=": "--stages-per-rank"}
+
+
+def option_hint(message: str) -> str:
+    """Say which command-line options set the keywords a library message names (``max_memory=`` is ``--max-memory``)."""
+    hints = list(dict.fromkeys(option for keyword, option in _OPTIONS.items() if keyword in message))
+    return f"\nOn the command line: {', '.join(hints)}" if hints else ""
