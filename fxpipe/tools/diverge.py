@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.passes.order import draws_random
 from fxpipe.runtime.microbatch import to_device
@@ -155,6 +155,10 @@ def divergence(pipe, reference: nn.Module, args: tuple, kwargs: dict, rtol: floa
                          f"flowing back into it from {users} has relative error {err:.2e} against "
                          f"the traced graph on micro-batch 0")
             return "\n".join(lines)
+    if lines:  # the tracer changed the model: the split and the runtime reproduce what it traced
+        lines.append("the stage graphs reproduce the traced graph node by node, forward and backward, on "
+                     "micro-batch 0: the difference is the tracer's (above), not the pipeline's")
+        return "\n".join(lines)
     lines.append("the stage graphs reproduce the traced graph node by node, forward and backward, "
                  "on micro-batch 0: the difference comes from the runtime (math that depends on the "
                  "batch composition, such as batch norm in training mode; checkpointing; copies), or from "
@@ -177,14 +181,21 @@ def _finish(pipe, output: Any) -> Any:
 
 
 def _call_eager(reference: nn.Module, gm, names: list[str], mb: list, args: tuple, kwargs: dict) -> Any:
-    """Call the eager reference on micro-batch 0 when the graph's inputs are its plain arguments."""
-    if getattr(gm.graph._codegen, "pytree_info", None) is not None:
-        return None  # flattened inputs (torch.export): rebuilding the call is not worth it here
+    """Call the eager reference on micro-batch 0 (the graph's inputs, or its flattened ones rebuilt under torch.export)."""
     device = next((t.device for t in reference.parameters()), torch.device("cpu"))
     mb = to_device(list(mb), device)
-    n_args = len(args)
-    call_args = mb[:n_args]
-    call_kwargs = {name: value for name, value in zip(names[n_args:], mb[n_args:]) if name in kwargs}
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None:  # flattened inputs (torch.export): the call's structure is the graph's input spec
+        if info.in_spec is None:
+            return None
+        try:
+            call_args, call_kwargs = tree_unflatten(mb, info.in_spec)
+        except Exception:  # noqa: BLE001 - a diagnostic; the caller still fails on the real comparison
+            return None
+    else:
+        n_args = len(args)
+        call_args = mb[:n_args]
+        call_kwargs = {name: value for name, value in zip(names[n_args:], mb[n_args:]) if name in kwargs}
     try:
         with torch.no_grad():
             return reference(*call_args, **call_kwargs)
