@@ -3,8 +3,9 @@
 A forward that caches a value in a plain attribute (timm's LeViT keeps its attention biases in
 ``attention_bias_cache`` in eval mode, filled on first use) fills it, while fx traces it, with a
 ``Proxy`` (under torch.export, a fake tensor): the user's model then held one after
-``fxpipe.compile``, and failed in its next eval call or ``torch.save(model)``. :func:`no_proxies_left` snapshots every module's attributes
-(containers by their contents) and puts back each that holds a proxy after the block.
+``fxpipe.compile``, and failed in its next eval call or ``torch.save(model)``.
+:func:`no_proxies_left` snapshots every module's attributes (containers by their contents)
+and puts back each that holds a tracing value after the block.
 
 Reads and writes the modules' ``__dict__``, but their parameters, buffers and submodules.
 """

@@ -160,8 +160,8 @@ def warn_shared_storage(stages: Sequence[nn.Module], rank_of: Sequence[int]) -> 
             first = seen.setdefault(ptr, (name, j, id(p)))
             if first[2] != id(p) and rank_of[first[1]] != rank_of[j]:
                 warnings.warn(
-                    f"parameters '{first[0]}' (stage {first[1]}, rank {rank_of[first[1]]}) and '{name}' (stage {j}, rank "
-                    f"{rank_of[j]}) share storage but are different Parameters: each rank holds its own copy, so an "
+                    f"parameters '{first[0]}' (stage {first[1]}, rank {rank_of[first[1]]}) and '{name}' "
+                    f"(stage {j}, rank {rank_of[j]}) share storage but are different Parameters: each rank holds its own copy, so an "
                     f"update of one no longer reaches the other. Tie them as one Parameter ('{name}' = '{first[0]}'), "
                     "whose copies fxpipe keeps equal across ranks, or give each its own storage (.clone())",
                     stacklevel=user_stacklevel())

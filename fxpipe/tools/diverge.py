@@ -181,7 +181,7 @@ def _finish(pipe, output: Any) -> Any:
 
 
 def _call_eager(reference: nn.Module, gm, names: list[str], mb: list, args: tuple, kwargs: dict) -> Any:
-    """Call the eager reference on micro-batch 0 (the graph's inputs, or its flattened ones rebuilt under torch.export)."""
+    """Call the eager reference on micro-batch 0 (its inputs; under torch.export, rebuilt from the flat ones)."""
     device = next((t.device for t in reference.parameters()), torch.device("cpu"))
     mb = to_device(list(mb), device)
     info = getattr(gm.graph._codegen, "pytree_info", None)

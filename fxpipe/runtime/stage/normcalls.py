@@ -37,9 +37,8 @@ _HERE = threading.local()  # the stage whose forward runs on this thread, and it
 class Call:
     """A further call of a deferred batch norm module: its own sums; the module's statistics."""
 
-    def __init__(self, bn: Any, where: tuple[int, int]) -> None:
+    def __init__(self, bn: Any) -> None:
         self.bn = bn
-        self.where = where  # (stage, place among the stage's calls of the module)
         self._fxpipe_sum: torch.Tensor | None = None
         self._fxpipe_sum_squares: torch.Tensor | None = None
         self._fxpipe_count = 0
@@ -88,7 +87,7 @@ def per_call(deferred: Sequence[Any], stages: Mapping[int, torch.fx.GraphModule]
         ordered.append(bn)
         where = places.get(id(bn), [])
         if len(where) > 1:
-            calls = {where[0]: bn, **{w: Call(bn, w) for w in where[1:]}}
+            calls = {where[0]: bn, **{w: Call(bn) for w in where[1:]}}
             vars(bn)["_fxpipe_calls"] = calls
             ordered += [calls[w] for w in where[1:]]
     return ordered

@@ -66,7 +66,7 @@ def refuse_unfrozen(watched: list[tuple[int, str, torch.nn.Parameter]]) -> None:
 
 
 def watch_inputs(plan: Any, gm: torch.fx.GraphModule) -> list[tuple[int, str, list[tuple[int, str]]]]:
-    """Return ``(position, name, [(stage, value)])`` per floating model input whose later readers have no gradient route.
+    """Return ``(position, name, [(stage, value)])`` per floating model input later readers have no gradient route from.
 
     A later stage reads the input directly, or a floating value computed from it (and from no
     parameter, or the value would carry a gradient anyway), without that value carrying one back.
@@ -89,10 +89,10 @@ def refuse_input_grads(watched: list[tuple[int, str, list[tuple[int, str]]]], mi
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(micro_batch[k])[0]):
             stages = sorted({j for j, _ in later})
             values = ", ".join(f"'{v}' (stage {j})" for j, v in later)
+            who = f"stages {', '.join(map(str, stages))} read" if len(stages) > 1 else f"stage {stages[0]} reads"
             raise PipelineInputError(
                 f"model input '{name}' requires grad now but did not in the example inputs at compile, and "
-                f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} read{'' if len(stages) > 1 else 's'} "
-                f"it or a value computed from it alone ({values}): the compiler routed no gradient back from there, "
+                f"{who} it or a value computed from it alone ({values}): the compiler routed no gradient back from there, "
                 f"so {name}.grad would miss that share. Compile with the input requiring grad "
                 f"(example_inputs=({name}.requires_grad_(), ...), or example_kwargs) so that its gradient is routed; "
                 "or, in one process, use schedule='gpipe'")
