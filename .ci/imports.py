@@ -9,7 +9,7 @@ annotations only and not counted):
 
     0   fxpipe.passes                         pure graph passes (the top-level passes/ folder)
     1   fxpipe.errors, fxpipe.options,        what can go wrong; what compile accepts
-        fxpipe.torchcompile
+        fxpipe.torchcompile, fxpipe.unknownargs
     2   fxpipe.frontend                       a model becomes a GraphModule
     3   fxpipe.plan                           the GraphModule becomes stages and a PipelinePlan
     4   fxpipe.runtime.schedules,             the runtime's data: action lists, and what a run
@@ -38,7 +38,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS = [  # (rank, name, the packages and modules in it)
     (0, "passes", ["fxpipe.passes"]),
-    (1, "vocabulary", ["fxpipe.errors", "fxpipe.options", "fxpipe.torchcompile"]),
+    (1, "vocabulary", ["fxpipe.errors", "fxpipe.options", "fxpipe.torchcompile",
+                          "fxpipe.unknownargs"]),
     (2, "frontend", ["fxpipe.frontend"]),
     (3, "plan", ["fxpipe.plan"]),
     (4, "runtime data", ["fxpipe.runtime.schedules", "fxpipe.runtime.observe"]),

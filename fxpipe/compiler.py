@@ -29,6 +29,7 @@ from fxpipe.runtime.target import where
 from fxpipe.runtime.transport.mesh import launched_world
 from fxpipe.simulate.fit import fit
 from fxpipe.simulate.measure import retain_anywhere
+from fxpipe.unknownargs import refuse_unknown
 
 __all__ = ["compile"]
 
@@ -57,7 +58,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             mesh: Any = None, weights: Any = None,
             init: Callable[[nn.Module], Any] | None = None, seed: int = 0,
             split_spec: dict[str, Any] | None = None, torch_compile: bool | dict[str, Any] = False,
-            save: Callable[[torch.fx.Node], bool] | None = None, unbatched: Sequence[str] = ()) -> Pipe:
+            save: Callable[[torch.fx.Node], bool] | None = None, unbatched: Sequence[str] = (),
+            **unknown: Any) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -144,8 +146,11 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     graph break is logged naming the stage and node (``fullgraph=True``: a
     :class:`CompileError`); ``pipe.compile_stats`` says what was compiled and how long it took. See :mod:`fxpipe.runtime.stage.compiled`.
 
-    If compile fails, the model is left unmoved and unmodified.
+    If compile fails, the model is left unmoved and unmodified. A keyword it does not take (torchgpipe's
+    ``balance=``, ``torch.distributed.pipelining``'s ``n_microbatches=``, a typo) raises a ``TypeError``
+    naming the argument meant.
     """
+    refuse_unknown(compile, unknown)
     with torch.inference_mode(False):  # an evaluation script: tracing needs version counters, autograd
         example_inputs, example_kwargs = _normal((example_inputs, example_kwargs))
         if not isinstance(model, nn.Module):

@@ -229,7 +229,12 @@ class CompileOptions:
             warnings.warn(f"save= tells which nodes checkpoint='selective' keeps, but checkpoint={self.checkpoint!r} "
                           "has no selective stage: it is not used", stacklevel=3)
         if self.balance_by not in BALANCE_BY:
-            raise ValueError(f"balance_by={self.balance_by!r}; use one of {', '.join(map(repr, BALANCE_BY))}")
+            hint = ""
+            if isinstance(self.balance_by, (list, tuple)):
+                hint = ("; to place the stages by hand, pass split_points= (the module or node names where "
+                        "stages begin), or, for an nn.Sequential, torchgpipe's layer counts through "
+                        "fxpipe.compat.torchgpipe.GPipe(module, balance=...)")
+            raise ValueError(f"balance_by={self.balance_by!r}; use one of {', '.join(map(repr, BALANCE_BY))}{hint}")
         names = self.unbatched
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):
             raise TypeError(f"unbatched= must be a list of the forward's input names given whole to every "

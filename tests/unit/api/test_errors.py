@@ -95,6 +95,21 @@ def test_bad_checkpoint_and_balance():
         fxpipe.compile(MLP(), 2, checkpoint="sometimes")
     with pytest.raises(ValueError, match="balance_by='luck'"):
         fxpipe.compile(MLP(), 2, balance_by="luck")
+    with pytest.raises(ValueError, match=r"balance_by=\[1, 2\].*split_points=.*GPipe\(module, balance="):
+        fxpipe.compile(MLP(), 2, balance_by=[1, 2])
+
+
+@pytest.mark.parametrize("keyword, meant", [("balance", r"split_points= .*GPipe\(module, balance"),
+                                            ("n_microbatches", "chunks="), ("chunk", r"did you mean chunks=\?"),
+                                            ("chekpoint", "did you mean checkpoint="), ("foo", "no such argument")])
+def test_a_keyword_from_elsewhere_names_the_argument_meant(keyword, meant):
+    with pytest.raises(TypeError, match=rf"fxpipe.compile\(\) got unexpected keyword arguments: {keyword}= \(.*{meant}"):
+        fxpipe.compile(MLP(), 2, **{keyword: 1})
+
+
+def test_a_schedule_file_that_is_missing_is_named(tmp_path):
+    with pytest.raises(fxpipe.ScheduleError, match="looks like the path of a schedule file, and no such file exists"):
+        fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), schedule=str(tmp_path / "mine.txt"))
 
 
 def test_batch_sizes_disagree_names_the_argument():

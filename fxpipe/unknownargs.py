@@ -1,0 +1,51 @@
+"""Name the fxpipe argument a keyword from torchgpipe, ``torch.distributed.pipelining`` or a typo means."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+# keywords other pipeline libraries (or habit) use, and what fxpipe calls them
+ELSEWHERE = {
+    "balance": "split_points= (the module or node names where stages begin) or balance_by= (what stages balance); "
+               "torchgpipe's layer counts work on an nn.Sequential through fxpipe.compat.torchgpipe.GPipe(module, "
+               "balance=...)",
+    "micro_batches": "chunks= (the number of micro-batches)",
+    "n_microbatches": "chunks= (the number of micro-batches)",
+    "num_microbatches": "chunks= (the number of micro-batches)",
+    "microbatches": "chunks= (the number of micro-batches)",
+    "num_stages": "n_stages (the second argument)",
+    "stages": "n_stages (the second argument)",
+    "device": "devices= (one device per stage, e.g. [\"cuda:0\", \"cuda:1\"])",
+    "checkpoint_stop": "checkpoint= ('always', 'except_last', 'never', 'selective', 'auto' or one per stage)",
+    "activation_checkpointing": "checkpoint= ('always', 'except_last', 'never', 'selective', 'auto' or one per "
+                                "stage)",
+    "compiled": "torch_compile= (True, or a dict of torch.compile's arguments)",
+    "use_compile": "torch_compile= (True, or a dict of torch.compile's arguments)",
+    "split_policy": "split_points= (the module or node names where stages begin) or balance_by=",
+    "example_args": "example_inputs= (a tuple of the forward's positional inputs)",
+    "example_input": "example_inputs= (a tuple of the forward's positional inputs)",
+    "sample_input": "example_inputs= (a tuple of the forward's positional inputs)",
+    "loss_fn": "pipe.step(..., target=, loss_fn=): the loss is given at each step, not at compile",
+    "optimizer": "an optimizer built from pipe.parameters() after compile, stepped after pipe.step",
+    "world_size": "data_parallel=, tensor_parallel= and n_stages / stages_per_rank (their product is the world)",
+}
+
+
+def refuse_unknown(function: Callable[..., Any], unknown: Mapping[str, Any]) -> None:
+    """Raise a TypeError naming the argument each unknown keyword of ``function`` stands for."""
+    if not unknown:
+        return
+    known = [p for p in inspect.signature(function).parameters if p not in ("unknown", "kwargs")]
+    lines = []
+    for key in unknown:
+        if key in ELSEWHERE:
+            lines.append(f"{key}= (use {ELSEWHERE[key]})")
+        else:
+            close = difflib.get_close_matches(key, known, n=2, cutoff=0.6)
+            lines.append(f"{key}= (did you mean {' or '.join(c + '=' for c in close)}?)" if close
+                         else f"{key}= (no such argument)")
+    raise TypeError(f"fxpipe.{function.__qualname__}() got unexpected keyword arguments: " + "; ".join(lines)
+                    + f". Its arguments: {', '.join(known)}")
