@@ -6,6 +6,7 @@ round, a pipe or an earlier failure is read in another::
 
     fxpipe/<restart round>/<pipe>/<generation>/error        why the step failed (first writer wins)
     fxpipe/<restart round>/<pipe>/<generation>/back/<rank>  this rank is ready again
+    fxpipe/<restart round>/<pipe>/parted                    a rank gave up rejoining: no call may run
     fxpipe/<restart round>/where/<global rank>            the pipe this process called last
 
 
@@ -15,7 +16,9 @@ round, a pipe or an earlier failure is read in another::
                         on died; it posts that, marked fatal
     the next step   ──▶ every rank posts ``back`` and waits for all; then fresh connections,
                         generation + 1. A fatal reason, or a rank not back within the timeout,
-                        raises PeerFailure naming it instead
+                        raises PeerFailure naming it instead; the rank that gave up posts
+                        ``parted``, so the late rank's next call is refused as well rather
+                        than paired with a later call of the others
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class FailureBoard:
         self.generation = 0
         self.death: str | None = None  # a death this rank learned of: no step can run after it
         self.crossed = False  # that death is the ranks' calls crossed between pipes, not a lost rank
+        self.parted = False  # that death is a rank given up on while rejoining: the calls no longer pair
         self.prefix = f"fxpipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_PIPES)}"
         _BOARDS[self.prefix] = self
 
@@ -149,6 +153,13 @@ class FailureBoard:
         """
         if self.death is None:
             self.read("rejoining after a failed step")
+        if self.death is None and self._has(self._parted()):
+            self.death, self.parted = self.store.get(self._parted()).decode(), True
+        if self.parted:
+            raise PeerFailure(f"rank {self.global_ranks[self.rank]}: {self.death}; from then on one rank's calls "
+                              "no longer pair with the others' (a rank's inputs would meet another's next target), so "
+                              "this pipe refuses every call: restart the job and resume from the last complete "
+                              "checkpoint (fxpipe.latest_checkpoint), with timeout= above the longest stall")
         if self.death is not None and self.crossed:
             raise PeerFailure(f"rank {self.global_ranks[self.rank]}: an earlier call of this pipe timed out because "
                               f"the ranks called their pipes in different orders ({self.death}); after that their "
@@ -166,13 +177,31 @@ class FailureBoard:
             self.store.wait(keys, timedelta(seconds=self.timeout))
         except Exception:  # noqa: BLE001 - the timeout, or the store lost: say which ranks are missing
             missing = [self.global_ranks[r] for r, k in enumerate(keys) if not self._has(k)]
-            raise PeerFailure(f"rank {self.global_ranks[self.rank]}: after a failed step, rank(s) {missing} did not "
-                              "come back "
-                              f"within {self.timeout:.0f} s (dead, or not calling pipe.step/pipe(x) again); "
-                              "every rank must catch the error and go on together") from None
+            if missing:
+                self._part(missing)
+                raise PeerFailure(f"rank {self.global_ranks[self.rank]}: after a failed step, rank(s) {missing} did "
+                                  f"not come back within {self.timeout:.0f} s (dead, stalled, or not calling "
+                                  "pipe.step/pipe(x) again; every rank must catch the error and go on together). "
+                                  "A rank back later would pair its calls with the others' next ones, so this pipe "
+                                  "refuses every later call on every rank: restart the job and resume from the last "
+                                  "complete checkpoint (fxpipe.latest_checkpoint)") from None
         self.generation += 1
         log.info("pipeline rank %d rejoined its pipeline after a failed step (generation %d)",
                  self.rank, self.generation)
+
+    def _parted(self) -> str:
+        """Return the store key a rank that gave up rejoining writes (one per pipe, every generation's)."""
+        return f"{self.prefix}/parted"
+
+    def _part(self, missing: Sequence[int]) -> None:
+        """Post that this rank gave up waiting for ``missing`` to rejoin, and refuse every later call here."""
+        self.death = (f"rank {self.global_ranks[self.rank]} gave up waiting for rank(s) {list(missing)} to rejoin "
+                      f"after a failed step ({self.timeout:.0f} s, the pipe's timeout=)")
+        self.parted = True
+        try:
+            self.store.set(self._parted(), self.death)
+        except Exception as exc:  # noqa: BLE001 - the store is gone: the late rank cannot rejoin anyway
+            log.debug("could not post the parting to the store: %s", exc)
 
     def _has(self, key: str) -> bool:
         """Tell whether ``key`` is in the store (False if the store is gone)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch.distributed as dist
 
@@ -48,6 +50,30 @@ def test_without_a_death_a_lost_store_is_named_as_such():
     board = FailureBoard(GoneStore(), rank=1, size=2, timeout=1)
     with pytest.raises(PeerFailure, match="lost the rendezvous store while rejoining"):
         board.rejoin()
+
+
+def test_a_rank_given_up_on_while_rejoining_is_refused_when_it_comes_back():
+    store = dist.HashStore()
+    waiting, late = _boards(store, 2, 0, 1)
+    waiting.post("rank 0: nothing arrived for 1 s")  # the step both ranks failed
+    with pytest.raises(PeerFailure, match=r"rank\(s\) \[1\] did not come back within 1 s.*refuses every later call"):
+        waiting.rejoin()  # rank 1 stalls past the timeout
+    with pytest.raises(PeerFailure, match=r"rank 0 gave up waiting for rank\(s\) \[1\].*restart the job"):
+        waiting.rejoin()  # its next call: refused, not paired with rank 1's late one
+    with pytest.raises(PeerFailure, match=r"rank 1: rank 0 gave up waiting .*no longer pair"):
+        late.rejoin()  # rank 1 back at last: refused at once instead of running its step with rank 0's next
+    assert waiting.generation == late.generation == 0
+
+
+def test_ranks_back_within_the_timeout_start_a_new_generation():
+    store = dist.HashStore()
+    first, second = _boards(store, 2, 0, 1)
+    first.post("rank 1 raised ValueError")
+    joined = threading.Thread(target=second.rejoin)
+    joined.start()
+    first.rejoin()
+    joined.join()
+    assert first.generation == second.generation == 1 and first.death is None and second.death is None
 
 
 def _boards(store, size, *ranks):
