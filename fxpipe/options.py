@@ -295,6 +295,10 @@ class CompileOptions:
                                                                                       for k in plan)):
             raise TypeError(f"tp_plan must be 'auto' or a dict of module FQN patterns to parallel styles "
                             f"(ColwiseParallel(), RowwiseParallel(), ...), got {type(plan).__name__}")
+        if t > 1 and isinstance(plan, dict) and not plan:
+            raise ValueError(f"tp_plan={{}} splits nothing: with tensor_parallel={t} every rank of a stage would hold "
+                             "and compute all of it (a model's _tp_plan is empty where the model has none); pass "
+                             "tp_plan='auto' (the default) or a dict naming the modules to split")
         if t > 1 and not self.distributed:  # tp_plan= with one rank per stage is a no-op
             raise ValueError(f"tensor_parallel={t} splits each stage's layers over {t} ranks; use "
                              "runtime='distributed' (launched with torchrun; world = data_parallel x "

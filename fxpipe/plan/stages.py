@@ -49,7 +49,7 @@ def make_plan(front: Assignment, options: CompileOptions, devices: Sequence[Any]
     styles of the modules and their collectives (recorded on the graph's nodes before the split, so
     the stages carry them).
     """
-    tp = plan_tensor_parallel(front.gm, options.tp, options.tp_plan or "auto") if options.tp > 1 else None
+    tp = plan_tensor_parallel(front.gm, options.tp, "auto" if options.tp_plan is None else options.tp_plan) if options.tp > 1 else None
     front.gm.meta["fxpipe.tp_plan"] = tp  # the build styles each rank's stages from it
     modules, stages, routes = split_stages(front.gm, options.n_stages)
     checkpoint = options.checkpoint if isinstance(options.checkpoint, str) else "per stage"

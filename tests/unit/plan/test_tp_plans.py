@@ -309,3 +309,9 @@ def test_a_size_left_whole_outside_any_module_names_the_region():
                                          r"\(5\)"):
         plan = plan_tensor_parallel(_graph(_ReshapedHead(), torch.randn(4, 16)), 2, "auto")
     assert _styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
+
+
+def test_an_empty_plan_is_refused_not_read_as_auto():
+    with pytest.raises(ValueError, match=r"tp_plan=\{\} splits nothing.*pass tp_plan='auto'"):
+        fxpipe.compile(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), 2, example_inputs=(torch.randn(4, 8),),
+                       tensor_parallel=2, tp_plan={})
