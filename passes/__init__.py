@@ -12,6 +12,7 @@ from fxpipe.passes.batchrows import batch_coupled_outputs, micro_specs, scalar_o
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from fxpipe.passes.fingerprint import fingerprint, first_difference, rename_like, state_signature, structure
+from fxpipe.passes.gradreach import maybe_without_grad
 from fxpipe.passes.gradsplit import GradSplit, split_weight_grads
 from fxpipe.passes.infer import Propagator, value_specs
 from fxpipe.passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
@@ -65,6 +66,7 @@ __all__ = [
                               "first_difference",
                               "group_costs",
                               "is_mutating",
+                              "maybe_without_grad",
                               "memory_factors",
                               "merge_modes",
                               "micro_specs",

@@ -65,6 +65,10 @@ class StagePlan:
     rank: int | None = None  # the rank (in one process, the schedule's lane) it runs on; None: its index
     checkpoint: str = ""  # its recomputation policy ("" in older plans: the plan's checkpoint)
     peak: int = 0  # its predicted peak memory in bytes under that policy along the schedule (0: not predicted)
+    # inputs among grad_inputs, and attributes or modules it reads, that may get no gradient at a step
+    # (they do not reach every output a loss could read: passes.maybe_without_grad)
+    maybe_no_grad: list[str] = field(default_factory=list)
+    maybe_unused: list[str] = field(default_factory=list)
 
     @property
     def on_rank(self) -> int:

@@ -72,6 +72,7 @@ def _describe(gm: torch.fx.GraphModule, modules: Sequence[torch.fx.GraphModule],
     nodes = {n.name: n for n in gm.graph.nodes}
     per_micro = max(micro, 1)
     profiled = any("fxpipe.time" in n.meta for n in gm.graph.nodes)
+    ghostly = passes.maybe_without_grad(gm)
     for j, (module, s) in enumerate(zip(modules, stages)):
         tensors = {id(t): t for _, t in named_tensors(module)}
         held = [nodes[v] for v in s.nodes]
@@ -88,6 +89,8 @@ def _describe(gm: torch.fx.GraphModule, modules: Sequence[torch.fx.GraphModule],
             assert saved_plan is not None  # without a cut, the stages come from a saved plan
             s.memory, s.cost = saved_plan.stages[j].memory, saved_plan.stages[j].cost
         s.grad_inputs = [v for v in s.inputs if j > 0 and _carries_grad(nodes[v])]
+        s.maybe_no_grad = [v for v in s.grad_inputs if v in ghostly]
+        s.maybe_unused = _maybe_unused(gm, held, ghostly)
     for r in routes:
         r.bytes = int(nodes[r.name].meta.get("fxpipe.bytes", 0) // per_micro)
     names, ops, targets = graph_signature(gm)
@@ -106,6 +109,28 @@ def example_rows(gm: torch.fx.GraphModule) -> int | None:
             if isinstance(leaf, passes.TensorSpec) and leaf.shape:
                 return int(leaf.shape[0])
     return None
+
+
+def _maybe_unused(gm: torch.fx.GraphModule, held: Sequence[torch.fx.Node], ghostly: set[str]) -> list[str]:
+    """Return the attributes and modules with trainable parameters that ``held`` reads and that may get no gradient."""
+    read = {a for n in held for a in (n, *n.all_input_nodes) if a.op in ("get_attr", "call_module")}
+    found = set()
+    for a in read:
+        if a.name not in ghostly:
+            continue
+        target = str(a.target)
+        held_params = gm.get_submodule(target).parameters() if a.op == "call_module" else [_attr(gm, target)]
+        if any(isinstance(p, nn.Parameter) and p.requires_grad for p in held_params):
+            found.add(target)
+    return sorted(found)
+
+
+def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    """Return the attribute ``target`` (a dotted path) of ``gm``, or None."""
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def _carries_grad(node: torch.fx.Node) -> bool:

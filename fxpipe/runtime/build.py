@@ -320,7 +320,8 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     engine = DistributedRuntime(plan, gm, layout, calls, link, Binding(gm), tied, schedule)
     warn_spread(stages, deferred_batch_norm, [s.on_rank for s in plan.stages])
     if layout.dp > 1:  # after the tied tensors are equal: DDP, FSDP2 (or TP's own all-reduce) start from these
-        engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()])
+        engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()],
+                                    after_step=[j for j in runnable if plan.stages[j].maybe_unused])
         for call in calls:
             if shard and not call.last:
                 call.around = views_sent_only

@@ -18,6 +18,9 @@ engines:
   step's local gradients (shards) are all-reduced over the replicas once the step's backwards
   are done (:meth:`GradSync.reduce`), flattened per dtype into one all-reduce. FSDP2 shards
   DTensors as torchtitan does (``fully_shard`` after ``parallelize_module``, over ``mesh["dp"]``).
+- replicate, a stage with parameters a loss may not reach (only outputs it can ignore depend on
+  them, :func:`fxpipe.passes.maybe_without_grad`): reduced after the step the same way, skipping
+  the gradients that are None on every replica, where DDP's reducer would wait for them.
 
 Either way a stage's last backward must see every weight gradient, so a schedule with
 ``W`` steps has that stage's other ``W`` run before it and computes its own weights in it
@@ -28,7 +31,7 @@ accumulation over several steps.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,7 +48,7 @@ class GradSync:
     """Reduce the gradients of this rank's stage modules over its data-parallel group."""
 
     def __init__(self, modules: Mapping[int, nn.Module], layout: Any, shard: bool,
-                 share_with: Sequence[nn.Module] = ()) -> None:
+                 share_with: Sequence[nn.Module] = (), after_step: Collection[int] = ()) -> None:
         self.shard = shard
         self.sync = True  # off inside pipe.no_sync()
         self.group = layout.dp_group
@@ -56,10 +59,12 @@ class GradSync:
         self.layout = layout
         self.modules = dict(modules)
         self.trainable = {j: _trainable(m) for j, m in modules.items()}  # what each wrapper was built for
+        # stages with parameters the loss may not reach: DDP's reducer would wait for their gradients
+        self.manual = {j for j in after_step if not shard}
         for j, module in modules.items():
             if not any(p.requires_grad for p in module.parameters()):
                 continue  # nothing to reduce
-            if layout.tp > 1 and not shard:
+            if (layout.tp > 1 and not shard) or j in self.manual:
                 known = {id(p) for p in self.after}
                 self.after += [p for p in module.parameters() if p.requires_grad and id(p) not in known]
             elif shard:
@@ -96,7 +101,7 @@ class GradSync:
             now = _trainable(module)
             if now == self.trainable[j]:
                 continue
-            if self.layout.tp > 1 and not self.shard:
+            if (self.layout.tp > 1 and not self.shard) or j in self.manual:
                 known = {id(p) for p in self.after}
                 self.after += [p for p in module.parameters() if p.requires_grad and id(p) not in known]
             elif self.shard and j not in self.wrapped and any(now):
@@ -136,7 +141,8 @@ class GradSync:
                 wrapped.reshard()
 
     def reduce(self) -> None:
-        """Average the gradients reduced after the step (tensor parallel, replicated): one all-reduce per dtype."""
+        """Average the gradients reduced after the step (tensor parallel, replicated; stages whose parameters the
+        loss may not reach, left None as eager leaves them): one all-reduce per dtype."""
         import torch.distributed as dist
 
         grads = [self.local(p.grad) for p in self.after if p.grad is not None]

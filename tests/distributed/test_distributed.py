@@ -296,3 +296,14 @@ def test_a_float64_model_s_gradient_norm_is_eager_s_in_float64_on_every_rank(tmp
     # the norm was reduced in float32 across ranks: 6.5e-9 off eager's, and clipped runs drifted at 1e-7
     for res in launch("dist_cases:clip_float64", 2, "1f1b", tmp_path):
         assert res["dtype"] == "torch.float64" and res["error"] < 1e-14, res
+
+
+@pytest.mark.parametrize("world, schedule", [(3, "1f1b"), (3, "zb"), (2, "zbv"), (4, "1f1b:ddp")])
+def test_parameters_only_an_ignored_output_reads_keep_no_gradient(world, schedule, tmp_path, launch):
+    # a parameter read early by an output the loss ignores got zeros through the skip (AdamW then decayed it),
+    # and under DDP one read late left the reducer waiting: "Expected to mark a variable ready only once"
+    results = launch("unreached_cases:ignored", world, schedule, tmp_path)
+    for r, res in enumerate(results):
+        assert res["errors"] and max(res["errors"]) < 1e-5, (r, res)
+        assert all(pipe_none and eager_none for _, pipe_none, eager_none in res["nones"]), (r, res["nones"])
+    assert {n for res in results for n, _, _ in res["nones"]} == {"scale", "tail"}

@@ -173,7 +173,7 @@ def check_name(schedule: Any) -> None:
             and not is_token(schedule.strip())
     else:
         bad = not isinstance(schedule, (os.PathLike, list, tuple))
-    if bad and (os.sep in schedule or schedule.endswith(".txt")):
+    if bad and isinstance(schedule, str) and (os.sep in schedule or schedule.endswith(".txt")):
         raise ScheduleError(f"schedule={schedule!r} looks like the path of a schedule file, and no such file "
                             "exists; check the path (relative paths are read from the working directory "
                             f"{os.getcwd()!r}), or name a schedule: {', '.join(map(repr, SCHEDULES))}")

@@ -53,6 +53,7 @@ class Copy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, src: AbstractStream, dst: AbstractStream, to: torch.device, *tensors):  # type: ignore[override]
         ctx.src, ctx.dst = src, dst
+        ctx.set_materialize_grads(False)  # a tensor the loss does not reach passes None back, not zeros
         ctx.back = tensors[0].device
         return transfer(tensors, src, dst, to, current_stream(to))
 
@@ -67,6 +68,7 @@ class Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, src: AbstractStream, dst: AbstractStream, *tensors):  # type: ignore[override]
         ctx.src, ctx.dst = src, dst
+        ctx.set_materialize_grads(False)
         wait_stream(dst, src)
         return tuple(x.detach() for x in tensors)
 

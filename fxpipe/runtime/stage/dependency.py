@@ -44,6 +44,7 @@ class Fork(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor):  # type: ignore[override]
+        ctx.set_materialize_grads(False)  # x's gradient stays None where the loss does not reach it
         phony = get_phony(x.device, requires_grad=False)
         return x.detach(), phony.detach()
 

@@ -232,11 +232,9 @@ def _detached(out: Any) -> Any:
 
 
 def _grad_of(leaf: Any) -> Any:
-    """Return the gradient of a leaf (zeros where autograd produced none)."""
+    """Return the gradient of a leaf (None where autograd produced none: no path to the loss)."""
     if isinstance(leaf, torch.Tensor):
-        if not leaf.requires_grad:
-            return None
-        return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        return leaf.grad if leaf.requires_grad else None
     leaves, spec = tree_flatten(leaf)
     if spec.is_leaf():  # None, a number, a string: no gradient
         return None

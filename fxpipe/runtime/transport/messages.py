@@ -6,6 +6,10 @@ relayed through the stages between. Between two stages on one rank the value is 
 over in memory; between ranks it is one message per (sending stage, micro-batch, receiving
 rank), holding the values that rank reads, in the sender's order of outputs.
 
+A gradient the loss may not reach (``StagePlan.maybe_no_grad``: the value feeds only outputs a
+loss could ignore) is followed in its message by a byte per such value saying whether it came;
+one that did not is delivered as None, not zeros, so the parameters behind it keep no gradient.
+
 Receive buffers are sized from the plan: :func:`fxpipe.passes.value_specs` gives the shape
 of every crossing value for a micro-batch (on fake tensors, once per layout), and a buffer
 nothing refers to any more is reused by a later message (:mod:`fxpipe.runtime.transport.buffers`).
@@ -84,6 +88,8 @@ class DistTransport:
                 if q != s.on_rank:
                     bwd.setdefault(q, []).append(v)
             self.fwd_to[s.index], self.bwd_to[s.index] = fwd, bwd
+        # gradients that may not come (the loss may not reach them): a flag per message says which did
+        self.optional = {s.index: set(s.maybe_no_grad) for s in plan.stages}
         # what the programs say: each peer's messages to this rank in its order, and what each acknowledges
         # (the same every step of the same programs: pass back ``self.routes`` to skip reading them again)
         self.routes = routes or self._read_routes(programs)
@@ -203,12 +209,18 @@ class DistTransport:
             build, tensors = empty_like_spec(specs[v], self.pool, floating_only=kind == "B")
             built.append(build)
             bufs += tensors
+        flagged = [v for v in names if v in self.optional[j]] if kind == "B" else []
+        if flagged:  # after the gradients: which of them came (the others are None, not zeros)
+            bufs.append(torch.empty(len(flagged), dtype=torch.uint8, device=self.device))
         peer = self.rank_of[j]
         works = self.comm.post([], [(b, peer, FORWARD_TAG if kind == "F" else BACKWARD_TAG) for b in bufs],
                                f"posting the receives of stage {j}'s micro-batch {i}")
 
         def deliver() -> None:
+            absent = {v for v, came in zip(flagged, bufs[-1].tolist()) if not came} if flagged else set()
             for v, build in zip(names, built):
+                if v in absent:
+                    continue
                 value = build()
                 if kind == "F":
                     for c in self.consumers.get(v, ()):
@@ -262,6 +274,10 @@ class DistTransport:
         for q, names in self.bwd_to[j].items():
             for v in names:
                 sends += [(t, q, BACKWARD_TAG) for t in _grad_tensors(by_name.get(v), specs[v], self.device)]
+            flagged = [v for v in names if v in self.optional[j]]
+            if flagged:
+                came = [any(isinstance(t, torch.Tensor) for t in tree_flatten(by_name.get(v))[0]) for v in flagged]
+                sends.append((torch.tensor(came, dtype=torch.uint8, device=self.device), q, BACKWARD_TAG))
         self._send((j, "B", i), sends, f"sending micro-batch {i}'s input gradients of stage {j}")
 
 

@@ -31,7 +31,9 @@ def test_leaf_makes_floats_in_a_structure_require_grad():
     value = (torch.randn(2), None, {"a": torch.arange(2), "b": "x"})
     leaf = _leaf(value, True)
     assert leaf[0].requires_grad and leaf[1] is None and not leaf[2]["a"].requires_grad
-    assert _grad_of(leaf)[0].shape == (2,) and _grad_of(leaf)[2] == {"a": None, "b": None}
+    assert _grad_of(leaf)[0] is None and _grad_of(leaf)[2] == {"a": None, "b": None}  # no backward reached it
+    leaf[0].sum().backward()
+    assert _grad_of(leaf)[0].shape == (2,)
 
 
 # pipe(x) and pipe.step under every schedule (the fixture runs both); exported graphs (whose

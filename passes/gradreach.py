@@ -1,0 +1,58 @@
+"""Find the values and parameters whose gradient depends on which outputs the loss reads.
+
+Reads:  ``node.meta["fxpipe.value"]`` (from :func:`fxpipe.passes.annotate`: which values carry
+        a gradient).
+Writes: nothing; returns names.
+
+A model with several outputs (a dict of logits and auxiliary values, CLIP's embeddings and
+logits) may be trained on some of them only. A value that reaches only the outputs the loss
+ignores then gets no gradient at all, and neither do the parameters only it depends on:
+eager PyTorch leaves their ``.grad`` at ``None``. The runtime must not turn that absence into
+zeros (AdamW would still decay such a parameter). Which outputs the loss reads is known only
+at the step, so this pass names the values and parameters for which it *may* matter: those
+that do not reach, along values carrying a gradient, every output that carries one::
+
+    x ─▶ a ─▶ h ─▶ b ─▶ main ───────────▶ output["main"]   (read by the loss)
+              └──▶ * scale ─▶ side ─────▶ output["side"]   (maybe not: side, scale named)
+
+A value reaching no output at all (read only through a comparison, say) is named too. Missing
+a path (an in-place write the graph does not show as a use) names more than needed, which
+costs the runtime a check, never a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+from fxpipe.passes.annotate import TensorSpec
+from fxpipe.passes.spec import differentiable
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["maybe_without_grad"]
+
+
+def _carries(node: torch.fx.Node) -> bool:
+    """Tell whether ``node``'s value carries a gradient (assumed so where not annotated)."""
+    spec = node.meta.get("fxpipe.value")
+    if spec is None:
+        return node.op not in ("placeholder", "output")
+    return any(isinstance(t, TensorSpec) and t.requires_grad and differentiable(t.dtype) for t in tree_flatten(spec)[0])
+
+
+def maybe_without_grad(gm: torch.fx.GraphModule) -> set[str]:
+    """Return the names of the nodes that do not reach every gradient-carrying output leaf."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    direct: dict[torch.fx.Node, set[int]] = {}
+    for k, leaf in enumerate(tree_flatten(output.args[0])[0]):
+        if isinstance(leaf, torch.fx.Node) and _carries(leaf):
+            direct.setdefault(leaf, set()).add(k)
+    every = set().union(*direct.values()) if direct else set()
+    reach: dict[torch.fx.Node, set[int]] = {}
+    for n in reversed(gm.graph.nodes):
+        if n.op == "output":
+            continue
+        r = set(direct.get(n, ()))
+        for u in n.users:
+            if u.op != "output" and _carries(u):
+                r |= reach.get(u, set())
+        reach[n] = r
+    return {n.name for n, r in reach.items() if not r >= every}

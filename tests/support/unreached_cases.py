@@ -1,0 +1,64 @@
+"""What each rank runs in the tests of parameters the loss does not reach: None, as eager leaves them."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.testing import max_relative_error
+
+
+class Sided(nn.Module):
+    """A main path the loss reads, and a side output made early (``scale``) and late (``tail``) it ignores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+        self.scale = nn.Parameter(torch.full((1,), 2.0))
+        self.tail = nn.Parameter(torch.full((1,), 3.0))
+
+    def forward(self, x):
+        h = self.a(x)
+        side = h * self.scale
+        h = self.d(self.c(self.b(h)))
+        return {"main": h, "side": side + h * self.tail}
+
+
+def main_only(out, target):
+    """Return a loss of the main output only."""
+    return (out["main"] - target).pow(2).mean()
+
+
+SPLITS = {2: ["b"], 3: ["b", "c"], 4: ["b", "c", "d"]}
+
+
+def ignored(rank, world, schedule):
+    """Train two steps reading the main output only; return the gradient errors and which grads are None."""
+    schedule, _, mode = schedule.partition(":")
+    dp = 2 if mode else 1
+    v = 2 if schedule in ("interleaved", "zbv") else 1
+    n = world // dp * v
+    torch.manual_seed(0)
+    model = Sided()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, n, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule, stages_per_rank=v, split_points=SPLITS[n], data_parallel=dp,
+                          data_parallel_shard=mode == "shard")
+    for _ in range(2):
+        pipe.step(x, target=y, loss_fn=main_only)
+        main_only(eager(x), y).backward()
+    held = dict(eager.named_parameters())
+    errors, nones = [], []
+    for name, p in model.named_parameters():
+        grad = getattr(p.grad, "full_tensor", lambda: p.grad)()
+        if p.device.type == "meta":  # another rank's
+            continue
+        if grad is None or held[name].grad is None:
+            nones.append((name, grad is None, held[name].grad is None))
+        else:
+            errors.append(max_relative_error(grad, held[name].grad))
+    return {"errors": errors, "nones": nones}
