@@ -184,14 +184,19 @@ def _bind_pytree(gm: torch.fx.GraphModule, in_spec, args: tuple, kwargs: dict) -
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
         missing = re.search(r"missing a required argument: '(\w+)'", str(exc))
+        extra = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
         hint = ("; torch.export traced the model with the inputs given at compile (example_inputs=, "
                 "example_kwargs=) and takes those only: "
                 + (f"pass {missing.group(1)}= to this call as at compile (pipe.step(..., {missing.group(1)}=...), "
                    "also a constant such as use_cache=False), or leave it out of the example"
-                   if missing else "give every input the pipe will be called with an example at compile (an "
+                   if missing else
+                   f"{extra.group(1)}= had no example at compile, so the exported graph has no such input: compile "
+                   f"with example_kwargs={{'{extra.group(1)}': ...}} (the value this call passes; a constant such as "
+                   "return_dict=False is traced as that constant)" if extra else
+                   "give every input the pipe will be called with an example at compile (an "
                    "optional one, such as attention_mask=, too)")
                 if gm.meta.get("fxpipe.tracer") == "export" else "")
-        raise TypeError(f"the inputs do not match the model's signature {sig}: {exc}{hint}") from None
+        raise TypeError(f"the inputs do not match the traced graph's inputs {sig}: {exc}{hint}") from None
     bound.apply_defaults()
     names = list(sig.parameters)
     args_spec, kwargs_spec = (in_spec.children() if hasattr(in_spec, "children")
