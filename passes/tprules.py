@@ -169,7 +169,9 @@ def _attention(node: torch.fx.Node, lx: Any, layout: Callable, t: int) -> Any:
     sharded = {la for la in lays if isinstance(la, int)}
     if len(sharded) > 1 or sharded & {nd - 1, nd - 2}:
         raise Refusal("unsupported", f"attention's query, key and value are sharded on dims {lays}, not all on "
-                                     "one head dim")
+                                     f"one head dim (with fewer key/value heads than tensor_parallel={t}, as in "
+                                     "multi-query attention, their projections are cut inside a head: leave those "
+                                     "out of the plan)")
     d = sharded.pop()
     missing = [a for a, la in zip((q, k, v), lays) if la is None]
     mask = call_arg(node, 3, "attn_mask")

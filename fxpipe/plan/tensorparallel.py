@@ -226,6 +226,9 @@ def _refusal(c: Conflict, auto: bool, t: int) -> TensorParallelError:
                            container=c.module is not None)
     fix = ("; leave the linears that make this shard out of the plan (that region then runs whole), or pass "
            "tp_plan='auto', which leaves such a region whole" if c.kind == "mixed" and not auto else "")
+    if fix and "att" in (c.module or "").lower():
+        fix += (f". In attention the usual cause is fewer key/value heads than tensor_parallel={t} (multi-query "
+                "attention's one, or grouped-query attention's few): their projections would be cut inside a head")
     return TensorParallelError(f"tp_plan{' (auto)' if auto else ''} cannot run {where}: {c.message}{fix}")
 
 

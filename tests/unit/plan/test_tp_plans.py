@@ -291,6 +291,14 @@ def test_multi_query_attention_left_whole_is_warned_of():
     assert _styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
 
 
+def test_multi_query_attention_in_a_written_plan_names_the_heads():
+    # the refusal named only the node where a shard met a whole value (rotary's mul in Llama)
+    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+    with pytest.raises(TensorParallelError, match=r"not all on one head dim \(with fewer key/value heads than "
+                                                  r"tensor_parallel=2, as in multi-query attention"):
+        plan_tensor_parallel(_graph(_MultiQuery(), torch.randn(2, 6, 32)), 2, plan)
+
+
 class _ReshapedHead(nn.Module):
     """A head of 5 classes whose logits the model's own code reshapes (a loss computed in forward)."""
 
