@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import sys
 import warnings
@@ -31,7 +32,9 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``fxpipe`` command line; return the exit status."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the option meant, with the subcommand's usage (the top-level one lists no options)
+        _refuse_unknown(parser, args.command, extra)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="fxpipe: %(levelname)s: %(message)s")
     if not args.verbose:  # torch logs a traceback when a fake kernel rejects the shapes; we explain
@@ -73,6 +76,17 @@ def _warnings_as_lines(command: str) -> Iterator[None]:
         yield
     finally:
         warnings.showwarning = default
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str, extra: Sequence[str]) -> None:
+    """Exit with the subcommand's usage, naming for each unknown option the closest one it has."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    known = list(sub._option_string_actions)
+    named = []
+    for word in extra:
+        close = difflib.get_close_matches(word.split("=")[0], known, n=1) if word.startswith("-") else []
+        named.append(f"{word} (did you mean {close[0]}?)" if close else word)
+    sub.error(f"unrecognized arguments: {' '.join(named)}")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -19,6 +19,7 @@ from typing import Any
 __all__ = ["EXAMPLE", "FactoryError", "ModelSpecError", "load_factory", "make_model"]
 
 EXAMPLE = "fxpipe inspect examples/unet.py:factory --stages 4 --chunks 4"
+MODEL = "examples/unet.py:factory (a file, and the function in it that returns the model)"
 
 
 class ModelSpecError(ValueError):
@@ -33,10 +34,10 @@ def load_factory(spec: str) -> Callable[[], Any]:
     """Import the factory named by ``path/to/file.py:name`` or ``package.module:name``."""
     where, _, name = spec.rpartition(":")
     if not where or not name.isidentifier():
-        raise ModelSpecError(f"MODEL {spec!r} is not FILE.py:FACTORY or MODULE:FACTORY; for example: {EXAMPLE}")
+        raise ModelSpecError(f"MODEL {spec!r} is not FILE.py:FACTORY or MODULE:FACTORY; for example: {MODEL}")
     if where.endswith(".py") or "/" in where or os.sep in where:
         if not os.path.isfile(where):
-            raise ModelSpecError(f"MODEL {spec!r}: there is no file {where!r}; for example: {EXAMPLE}")
+            raise ModelSpecError(f"MODEL {spec!r}: there is no file {where!r}; for example: {MODEL}")
         module = _run_user(f"importing {where}", _import_file, where)
     else:
         if os.getcwd() not in sys.path:
@@ -45,7 +46,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
             module = importlib.import_module(where)
         except ModuleNotFoundError as exc:
             if exc.name and (where == exc.name or where.startswith(exc.name + ".")):
-                raise ModelSpecError(f"MODEL {spec!r}: no module named {exc.name!r}; for example: {EXAMPLE}") from None
+                raise ModelSpecError(f"MODEL {spec!r}: no module named {exc.name!r}; for example: {MODEL}") from None
             raise FactoryError(f"importing {where} raised {_describe(exc)}") from None
         except Exception as exc:  # noqa: BLE001 - the user's module failed to import
             raise FactoryError(f"importing {where} raised {_describe(exc)}") from None
@@ -53,7 +54,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
     if not callable(factory):
         what = "is not callable" if factory is not None else "is not defined there"
         raise ModelSpecError(f"MODEL {spec!r}: {name!r} {what}; name a function returning a model, "
-                         f"for example: {EXAMPLE}")
+                         f"for example: {MODEL}")
     return factory
 
 

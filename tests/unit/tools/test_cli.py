@@ -94,8 +94,8 @@ def test_bad_model_spec_is_one_line_with_an_example_and_exit_2(capsys, monkeypat
     done = _run("inspect", "examples/unet.py", "--stages", "2")
     assert done.returncode == 2
     assert done.stderr == ("fxpipe inspect: error: MODEL 'examples/unet.py' is not FILE.py:FACTORY or "
-                           "MODULE:FACTORY; for example: fxpipe inspect examples/unet.py:factory --stages 4 "
-                           "--chunks 4\n")
+                           "MODULE:FACTORY; for example: examples/unet.py:factory (a file, and the function in "
+                           "it that returns the model)\n")
     assert done.stdout == ""
     monkeypatch.chdir(ROOT)
     for spec, why in [("examples/nothere.py:factory", "there is no file 'examples/nothere.py'"),
@@ -105,7 +105,17 @@ def test_bad_model_spec_is_one_line_with_an_example_and_exit_2(capsys, monkeypat
         assert cli.main(["inspect", spec, "--stages", "2"]) == 2
         err = capsys.readouterr().err
         assert why in err and len(err.strip().splitlines()) == 1, err
-        assert err.rstrip().endswith("for example: fxpipe inspect examples/unet.py:factory --stages 4 --chunks 4")
+        assert err.rstrip().endswith("for example: examples/unet.py:factory (a file, and the function in it that "
+                                     "returns the model)")
+
+
+@pytest.mark.parametrize("command, wrong, meant", [("inspect", "--stagse", "--stages"), ("plan", "--devise", "--device")])
+def test_a_misspelled_option_names_the_one_meant_with_the_command_s_usage(capsys, command, wrong, meant):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, "examples/unet.py:factory", wrong, "2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"usage: fxpipe {command} " in err
+    assert f"fxpipe {command}: error: unrecognized arguments: {wrong} (did you mean {meant}?) 2" in err
 
 
 @pytest.mark.slow  # about 2 s or more: left out of the fast loop
