@@ -27,6 +27,20 @@ class Sided(nn.Module):
         return {"main": h, "side": side + h * self.tail}
 
 
+class Headed(nn.Module):
+    """An auxiliary head made in stage 0 and returned beside the main output: the first output the loss ignores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1, self.l2, self.ha = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        h0 = self.l0(x)
+        a = self.ha(h0)
+        h2 = self.l2(self.l1(h0))
+        return {"main": h2, "aux": a + h2}
+
+
 def main_only(out, target):
     """Return a loss of the main output only."""
     return (out["main"] - target).pow(2).mean()

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from unreached_cases import SPLITS, Sided, main_only
+from unreached_cases import SPLITS, Headed, Sided, main_only
 
 import fxpipe
 from fxpipe import passes
@@ -34,6 +34,24 @@ def test_a_parameter_only_an_ignored_output_reads_keeps_none(schedule, checkpoin
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
     opt.step()
     assert model.scale.item() == 2.0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", ["except_last", "always", "never"])
+def test_a_head_whose_value_is_a_stage_s_first_ignored_output_keeps_none(schedule, checkpoint):
+    # before: under gpipe with recomputation the phony join on the stage's first output (the ignored head's)
+    # handed zeros back, so 'ha' (BertForPreTraining's other head, CLIP's logit_scale) got a zero gradient
+    model = Headed()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=2, schedule=schedule,
+                          checkpoint=checkpoint, split_points=["l2"])
+    pipe.step(x, target=y, loss_fn=main_only)
+    main_only(eager(x), y).backward()
+    assert model.ha.weight.grad is None and model.ha.bias.grad is None
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        if q.grad is not None:
+            assert torch.allclose(p.grad, q.grad, atol=1e-6), name
 
 
 def test_the_plan_names_what_may_get_no_gradient():
