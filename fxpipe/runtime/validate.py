@@ -75,6 +75,14 @@ def _check_constant(name: str, value: Any, expected: Any) -> None:
             f"input '{name}' is a tensor of shape {tuple(value.shape)} but torch.export fixed it to the example's "
             f"{expected!r}: a Python number is a constant in an exported graph. Give a tensor at compile too "
             f"(torch.tensor({expected!r})) so each call's value is used, or use tracer='fx'")
+    if type(expected) is bool and isinstance(value, bool) and value != expected:
+        fix = (f"or compile another pipe with example_kwargs={{'{name}': {value!r}}}" if name != "use_cache" else
+               "since a key/value cache kept between calls cannot be pipelined: feed the whole sequence each call "
+               "(a generation loop included; docs/guide/using-it.md)")
+        raise PipelineInputError(
+            f"input '{name}' is {value!r} but torch.export fixed it to the example's {expected!r}: a flag chooses the "
+            f"model's code while it is traced, so a pipe runs the one its example chose. Call it with {name}="
+            f"{expected!r}, {fix}")
     if type(expected) in (bool, int, float) and isinstance(value, (bool, int, float)) and value != expected:
         raise PipelineInputError(
             f"input '{name}' is {value!r} but torch.export fixed it to the example's {expected!r}: a Python number "

@@ -563,3 +563,32 @@ def test_a_model_wrapped_for_data_parallel_is_refused_naming_model_module(tracer
     model = nn.DataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
     with pytest.raises(TypeError, match=r"wrapped in DataParallel.*model\.module.*data_parallel=N"):
         fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2, tracer=tracer)
+
+
+class _Flagged(nn.Module):
+    """A forward whose flag chooses its code path (a Hugging Face model's use_cache, return_dict)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use_cache=False, return_dict=True):
+        h = self.b(torch.relu(self.a(x)))
+        h = (h, h.sum()) if use_cache else h
+        return {"h": h} if return_dict else h
+
+
+def test_a_flag_the_export_fixed_names_the_value_to_call_with_not_a_tensor():
+    # the message advised torch.tensor(True) and tracer='fx', neither of which works for a flag
+    model, x = _Flagged(), torch.randn(4, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), example_kwargs={"use_cache": False, "return_dict": True},
+                          chunks=2,
+                          devices=["cpu"] * 2, tracer="export")
+    with pytest.raises(fxpipe.PipelineInputError, match=r"input 'use_cache' is True but torch.export fixed it to the "
+                                                        r"example's False: a flag .* Call it with use_cache=False, "
+                                                        r"since a key/value cache .* feed the whole sequence"):
+        pipe(x, use_cache=True)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"input 'return_dict' is False .* Call it with "
+                                                        r"return_dict=True, or compile another pipe with "
+                                                        r"example_kwargs=\{'return_dict': False\}"):
+        pipe(x, use_cache=False, return_dict=False)
