@@ -49,7 +49,8 @@ def make_plan(front: Assignment, options: CompileOptions, devices: Sequence[Any]
     styles of the modules and their collectives (recorded on the graph's nodes before the split, so
     the stages carry them).
     """
-    tp = plan_tensor_parallel(front.gm, options.tp, "auto" if options.tp_plan is None else options.tp_plan) if options.tp > 1 else None
+    tp_plan = "auto" if options.tp_plan is None else options.tp_plan  # an empty dict is refused by the options
+    tp = plan_tensor_parallel(front.gm, options.tp, tp_plan) if options.tp > 1 else None
     front.gm.meta["fxpipe.tp_plan"] = tp  # the build styles each rank's stages from it
     modules, stages, routes = split_stages(front.gm, options.n_stages)
     checkpoint = options.checkpoint if isinstance(options.checkpoint, str) else "per stage"
@@ -73,6 +74,7 @@ def _describe(gm: torch.fx.GraphModule, modules: Sequence[torch.fx.GraphModule],
     per_micro = max(micro, 1)
     profiled = any("fxpipe.time" in n.meta for n in gm.graph.nodes)
     ghostly = passes.maybe_without_grad(gm)
+    params = dict(gm.named_parameters(remove_duplicate=False))
     for j, (module, s) in enumerate(zip(modules, stages)):
         tensors = {id(t): t for _, t in named_tensors(module)}
         held = [nodes[v] for v in s.nodes]
@@ -90,7 +92,7 @@ def _describe(gm: torch.fx.GraphModule, modules: Sequence[torch.fx.GraphModule],
             s.memory, s.cost = saved_plan.stages[j].memory, saved_plan.stages[j].cost
         s.grad_inputs = [v for v in s.inputs if j > 0 and _carries_grad(nodes[v])]
         s.maybe_no_grad = [v for v in s.grad_inputs if v in ghostly]
-        s.maybe_unused = _maybe_unused(gm, held, ghostly)
+        s.maybe_unused = _maybe_unused(gm, held, ghostly, params)
     for r in routes:
         r.bytes = int(nodes[r.name].meta.get("fxpipe.bytes", 0) // per_micro)
     names, ops, targets = graph_signature(gm)
@@ -111,7 +113,8 @@ def example_rows(gm: torch.fx.GraphModule) -> int | None:
     return None
 
 
-def _maybe_unused(gm: torch.fx.GraphModule, held: Sequence[torch.fx.Node], ghostly: set[str]) -> list[str]:
+def _maybe_unused(gm: torch.fx.GraphModule, held: Sequence[torch.fx.Node], ghostly: set[str],
+                  params: dict[str, nn.Parameter]) -> list[str]:
     """Return the attributes and modules with trainable parameters that ``held`` reads and that may get no gradient."""
     read = {a for n in held for a in (n, *n.all_input_nodes) if a.op in ("get_attr", "call_module")}
     found = set()
@@ -119,18 +122,13 @@ def _maybe_unused(gm: torch.fx.GraphModule, held: Sequence[torch.fx.Node], ghost
         if a.name not in ghostly:
             continue
         target = str(a.target)
-        held_params = gm.get_submodule(target).parameters() if a.op == "call_module" else [_attr(gm, target)]
-        if any(isinstance(p, nn.Parameter) and p.requires_grad for p in held_params):
+        if a.op == "call_module":
+            held_params = list(gm.get_submodule(target).parameters())
+        else:
+            held_params = [params[target]] if target in params else []
+        if any(p.requires_grad for p in held_params):
             found.add(target)
     return sorted(found)
-
-
-def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
-    """Return the attribute ``target`` (a dotted path) of ``gm``, or None."""
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def _carries_grad(node: torch.fx.Node) -> bool:
