@@ -156,7 +156,9 @@ class FailureBoard:
         if self.death is None and self._has(self._parted()):
             self.death, self.parted = self.store.get(self._parted()).decode(), True
         if self.parted:
-            raise PeerFailure(f"rank {self.global_ranks[self.rank]}: {self.death}; from then on one rank's calls "
+            me = f"rank {self.global_ranks[self.rank]}"
+            what = str(self.death).replace(f"{me} gave up", "this rank gave up", 1)
+            raise PeerFailure(f"{me}: {what}; from then on one rank's calls "
                               "no longer pair with the others' (a rank's inputs would meet another's next target), so "
                               "this pipe refuses every call: restart the job and resume from the last complete "
                               "checkpoint (fxpipe.latest_checkpoint), with timeout= above the longest stall")

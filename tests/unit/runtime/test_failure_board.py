@@ -58,7 +58,7 @@ def test_a_rank_given_up_on_while_rejoining_is_refused_when_it_comes_back():
     waiting.post("rank 0: nothing arrived for 1 s")  # the step both ranks failed
     with pytest.raises(PeerFailure, match=r"rank\(s\) \[1\] did not come back within 1 s.*refuses every later call"):
         waiting.rejoin()  # rank 1 stalls past the timeout
-    with pytest.raises(PeerFailure, match=r"rank 0 gave up waiting for rank\(s\) \[1\].*restart the job"):
+    with pytest.raises(PeerFailure, match=r"rank 0: this rank gave up waiting for rank\(s\) \[1\].*restart the job"):
         waiting.rejoin()  # its next call: refused, not paired with rank 1's late one
     with pytest.raises(PeerFailure, match=r"rank 1: rank 0 gave up waiting .*no longer pair"):
         late.rejoin()  # rank 1 back at last: refused at once instead of running its step with rank 0's next
