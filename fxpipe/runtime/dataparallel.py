@@ -19,8 +19,10 @@ engines:
   are done (:meth:`GradSync.reduce`), flattened per dtype into one all-reduce. FSDP2 shards
   DTensors as torchtitan does (``fully_shard`` after ``parallelize_module``, over ``mesh["dp"]``).
 - replicate, a stage with parameters a loss may not reach (only outputs it can ignore depend on
-  them, :func:`fxpipe.passes.maybe_without_grad`): reduced after the step the same way, skipping
-  the gradients that are None on every replica, where DDP's reducer would wait for them.
+  them, :func:`fxpipe.passes.maybe_without_grad`): reduced after the step the same way, where
+  DDP's reducer would wait for their gradients. The replicas first agree which gradients exist:
+  one a replica's loss did not reach counts as zeros where another's did, and stays None only
+  where no replica's did.
 
 Either way a stage's last backward must see every weight gradient, so a schedule with
 ``W`` steps has that stage's other ``W`` run before it and computes its own weights in it
@@ -72,6 +74,12 @@ class GradSync:
 
                 assert layout.mesh is not None
                 before = dict(module.named_parameters(remove_duplicate=False))
+                scalar = [k for k, p in before.items() if p.dim() == 0]
+                if scalar:
+                    from fxpipe.errors import CompileError
+                    raise CompileError(f"data_parallel_shard=True shards every parameter on dim 0, and {scalar[0]!r} "
+                                       "is 0-dim (FSDP2 refuses it): make it a 1-element tensor in the model "
+                                       "(nn.Parameter(torch.full((1,), value))), or use data_parallel_shard=False")
                 self.wrapped[j] = fully_shard(module, mesh=layout.mesh["dp"], reshard_after_forward=False)
                 swapped = {id(before[k]): p for k, p in module.named_parameters(remove_duplicate=False)}
                 register_everywhere(share_with, swapped)
@@ -142,9 +150,18 @@ class GradSync:
 
     def reduce(self) -> None:
         """Average the gradients reduced after the step (tensor parallel, replicated; stages whose parameters the
-        loss may not reach, left None as eager leaves them): one all-reduce per dtype."""
+        loss may not reach, None where it reached them on no replica): one all-reduce per dtype."""
         import torch.distributed as dist
 
+        if not self.after:
+            return
+        # a replica whose loss did not reach a parameter has None where another has a gradient: zeros there,
+        # so every replica reduces the same tensors (None stays only where no replica has one)
+        present = torch.tensor([p.grad is not None for p in self.after], dtype=torch.int32, device=self.layout.device)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
+        for p, anywhere in zip(self.after, present.tolist()):
+            if anywhere and p.grad is None:
+                p.grad = torch.zeros_like(p)
         grads = [self.local(p.grad) for p in self.after if p.grad is not None]
         for dtype in dict.fromkeys(g.dtype for g in grads):
             same = [g for g in grads if g.dtype == dtype]

@@ -307,3 +307,13 @@ def test_parameters_only_an_ignored_output_reads_keep_no_gradient(world, schedul
         assert res["errors"] and max(res["errors"]) < 1e-5, (r, res)
         assert all(pipe_none and eager_none for _, pipe_none, eager_none in res["nones"]), (r, res["nones"])
     assert {n for res in results for n, _, _ in res["nones"]} == {"scale", "tail"}
+
+
+def test_replicas_whose_losses_reach_different_parameters_average_like_eager(tmp_path, launch):
+    # the after-step reduction flattened only each replica's own gradients: sizes differed (gloo aborted the
+    # process) or, equal in size, one replica's head gradient was added to another's other head, silently
+    results = launch("unreached_cases:disagreeing", 4, "1f1b", tmp_path)
+    for r, res in enumerate(results):
+        assert res["replicas"] == 2 and res["errors"] and max(res["errors"].values()) < 1e-5, (r, res)
+        assert all(pipe_none and eager_none for _, pipe_none, eager_none in res["nones"]), (r, res["nones"])
+    assert {n for res in results for n in res["errors"]} >= {"scale", "tail"}  # only replica 0's loss reads them

@@ -76,3 +76,28 @@ def ignored(rank, world, schedule):
         else:
             errors.append(max_relative_error(grad, held[name].grad))
     return {"errors": errors, "nones": nones}
+
+
+def disagreeing(rank, world, schedule):
+    """Two replicas whose losses read different outputs; return the errors against eager on the global batch."""
+    torch.manual_seed(0)
+    model = Sided()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule, split_points=SPLITS[2], data_parallel=2)
+    replicas, replica = fxpipe.data_shard(pipe)
+    rows = slice(replica * 4, replica * 4 + 4)
+    both = lambda out, target: main_only(out, target) + out["side"].pow(2).mean()  # noqa: E731
+    pipe.step(x[rows], target=y[rows], loss_fn=both if replica == 0 else main_only)
+    ((both(eager(x[:4]), y[:4]) + main_only(eager(x[4:]), y[4:])) / 2).backward()
+    held = dict(eager.named_parameters())
+    errors, nones = {}, []
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            continue
+        if p.grad is None or held[name].grad is None:
+            nones.append((name, p.grad is None, held[name].grad is None))
+        else:
+            errors[name] = max_relative_error(p.grad, held[name].grad)
+    return {"errors": errors, "nones": nones, "replicas": replicas}
