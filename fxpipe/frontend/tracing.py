@@ -22,6 +22,7 @@ from torch.autograd.function import FunctionCtx
 from fxpipe.errors import TraceError
 from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
+from fxpipe.frontend.autogradfns import refuse_functions, watching_functions
 from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
 from fxpipe.frontend.leftovers import no_proxies_left
 from fxpipe.frontend.markers import recording_markers
@@ -176,10 +177,12 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
         # pipe_split() calls become marker nodes; assignments to buffers, in-place copies; nodes
         # made with grad mode off (a forward's torch.no_grad() blocks) or inside autocast blocks are marked
         with recording_markers(fx_tracer), recording_assignments(fx_tracer), torch.enable_grad(), \
-                recording_autocast_blocks(), recording_python_random(drawn), no_proxies_left(model):
+                recording_autocast_blocks(), recording_python_random(drawn), no_proxies_left(model), \
+                watching_functions() as functions:
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         raise _explain(model, fx_tracer, exc) from exc
+    refuse_functions(type(model).__name__, functions, "fx")
     warn_python_random(type(model).__name__, drawn, "fx")
     _name_variadic_inputs(graph)
     gm = torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__)

@@ -1,0 +1,64 @@
+"""Refuse a custom ``torch.autograd.Function`` the tracers trace through, dropping its backward.
+
+torch.fx and torch.export both run a Function's ``forward`` on their proxies or fake tensors and
+record the operations it makes: the graph keeps the forward and loses the ``backward`` the user
+wrote (a straight-through estimator, a scaled or clipped gradient), so the pipeline's gradients
+would differ from eager's with no error. While a tracer runs, :func:`watching_functions` notes
+every Function applied; :func:`refuse_functions` names the first one the graph cannot keep.
+torch's own Functions trace faithfully, except the reentrant ``torch.utils.checkpoint``, whose
+exported graph leaves every gradient ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fxpipe.errors import TraceError
+
+__all__ = ["refuse_functions", "watching_functions"]
+
+
+@contextlib.contextmanager
+def watching_functions() -> Iterator[list[type]]:
+    """Yield the list of ``torch.autograd.Function`` classes applied while the block runs."""
+    seen: list[type] = []
+    saved = torch.autograd.Function.__dict__["apply"]
+    original = saved.__func__
+
+    def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(cls)
+        return original(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
+    try:
+        yield seen
+    finally:
+        torch.autograd.Function.apply = saved  # type: ignore[method-assign]
+
+
+def refuse_functions(model_name: str, seen: list[type], tracer: str) -> None:
+    """Raise a :class:`TraceError` for the first Function in ``seen`` whose backward ``tracer`` would lose."""
+    for cls in dict.fromkeys(seen):
+        module = getattr(cls, "__module__", "") or ""
+        if module.startswith("torch.utils.checkpoint") and tracer == "export":
+            raise TraceError(
+                f"{model_name} calls torch.utils.checkpoint with use_reentrant=True, which torch.export traces into "
+                "a graph whose outputs need no gradient: every .grad would stay None. Pass use_reentrant=False "
+                "(or turn the model's own gradient checkpointing off: fxpipe's checkpoint= recomputes stages), or "
+                "use tracer='fx'")
+        if module.startswith(("torch.", "fxpipe.")) or module == "torch":
+            continue
+        name = f"{module}.{cls.__qualname__}"
+        fix = ("wrap the .apply call in a module and pass leaf_modules=[ThatModule]: the module then runs whole, "
+               "with its backward" if tracer == "fx" else
+               "trace with tracer='fx', wrapping the .apply call in a module passed as leaf_modules=[ThatModule] "
+               "(it then runs whole, with its backward)")
+        raise TraceError(
+            f"{model_name} applies {name}, a torch.autograd.Function, and {tracer} traces through its forward: the "
+            f"graph would keep the forward and drop its own backward, so the gradients would differ from eager's "
+            f"silently. To keep it, {fix}; if its backward is only the gradient of its forward, call the forward's "
+            "operations directly instead")
