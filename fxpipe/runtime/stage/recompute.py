@@ -30,6 +30,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fxpipe.passes.mutates import aliases
 from fxpipe.runtime.stage.dependency import fork, get_phony, join
 from fxpipe.runtime.stage.owned import owned, unshare_grads
 
@@ -164,9 +165,15 @@ def _returns_held(gm: Any) -> bool:
     if gm not in _RETURNS_HELD:
         graph = getattr(gm, "graph", None)
         leaves = tree_flatten(graph.output_node().args[0])[0] if graph is not None else []
-        nodes = [a for leaf in leaves if isinstance(leaf, torch.fx.Node)
-                 for a in (leaf, *(leaf.all_input_nodes if getattr(leaf.target, "returns_an_argument", None) else ()))]
-        _RETURNS_HELD[gm] = graph is None or any(n.op == "get_attr" for n in nodes)
+        # what an output may be: itself, or what it aliases (an in-place op returns the tensor it wrote,
+        # a buffer's add_ the buffer; fxpipe's pick one of its arguments), followed to the end
+        todo, seen = [leaf for leaf in leaves if isinstance(leaf, torch.fx.Node)], set()
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo += aliases(n)
+        _RETURNS_HELD[gm] = graph is None or any(n.op == "get_attr" for n in seen)
     return _RETURNS_HELD[gm]
 
 

@@ -164,3 +164,31 @@ def test_a_tensor_the_model_holds_returned_as_is_trains_like_eager(checkpoint, c
     torch.testing.assert_close(loss, expected.detach())
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class _Counted(nn.Module):
+    """A step counter changed in place and read in the same forward (a scale that grows per call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return self.b(self.a(x) * self.steps)
+
+
+def test_a_buffer_written_in_place_and_sent_on_keeps_no_history_under_recomputation():
+    # under export the in-place add returns the buffer itself, which stage 0 sends on: returned from the
+    # recomputation's autograd function as is, the buffer took its grad_fn, and the backward recursed forever
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    losses = []
+    for schedule, checkpoint in (("gpipe", "except_last"), ("gpipe", "always"), ("1f1b", "never")):
+        torch.manual_seed(0)
+        model = _Counted()
+        pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=2, tracer="export",
+                              schedule=schedule, checkpoint=checkpoint)
+        losses.append(float(pipe.step(x, target=y, loss_fn=torch.nn.functional.mse_loss)))
+        assert model.steps.grad_fn is None and model.steps.item() == 2  # one count per micro-batch
+    assert losses[0] == losses[1] == losses[2]
