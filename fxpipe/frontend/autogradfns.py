@@ -2,16 +2,19 @@
 
 torch.fx and torch.export both run a Function's ``forward`` on their proxies or fake tensors and
 record the operations it makes: the graph keeps the forward and loses the ``backward`` the user
-wrote (a straight-through estimator, a scaled or clipped gradient), so the pipeline's gradients
-would differ from eager's with no error. While a tracer runs, :func:`watching_functions` notes
-every Function applied; :func:`refuse_functions` names the first one the graph cannot keep.
-torch's own Functions trace faithfully, except the reentrant ``torch.utils.checkpoint``, whose
-exported graph leaves every gradient ``None``.
+wrote. Where that backward is the forward's own gradient (a memory-efficient activation: Bloom's
+GeLU, MONAI's and timm's memory-efficient Swish) nothing changes but memory; where it is not (a
+straight-through estimator, a clipped or scaled gradient) the pipeline's gradients would differ
+from eager's. While a tracer runs, :func:`watching_functions` notes every Function applied;
+:func:`refuse_functions` warns of each, naming the fix that keeps its backward. torch's own
+Functions trace faithfully, except the reentrant ``torch.utils.checkpoint``, whose exported graph
+leaves every gradient ``None``: that one is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,7 +44,7 @@ def watching_functions() -> Iterator[list[type]]:
 
 
 def refuse_functions(model_name: str, seen: list[type], tracer: str) -> None:
-    """Raise a :class:`TraceError` for the first Function in ``seen`` whose backward ``tracer`` would lose."""
+    """Warn of each Function in ``seen`` whose backward ``tracer`` drops; refuse what leaves no gradient at all."""
     for cls in dict.fromkeys(seen):
         module = getattr(cls, "__module__", "") or ""
         if module.startswith("torch.utils.checkpoint") and tracer == "export":
@@ -57,8 +60,8 @@ def refuse_functions(model_name: str, seen: list[type], tracer: str) -> None:
                "with its backward" if tracer == "fx" else
                "trace with tracer='fx', wrapping the .apply call in a module passed as leaf_modules=[ThatModule] "
                "(it then runs whole, with its backward)")
-        raise TraceError(
+        warnings.warn(
             f"{model_name} applies {name}, a torch.autograd.Function, and {tracer} traces through its forward: the "
-            f"graph would keep the forward and drop its own backward, so the gradients would differ from eager's "
-            f"silently. To keep it, {fix}; if its backward is only the gradient of its forward, call the forward's "
-            "operations directly instead")
+            "graph keeps the forward and drops its own backward, so the pipeline differentiates the forward instead. "
+            "Where that backward is the forward's gradient (a memory-efficient activation) nothing changes but "
+            f"memory; where it is not (a straight-through estimator, a clipped gradient), {fix}", stacklevel=5)
