@@ -3,7 +3,7 @@
 torch.fx and torch.export both run a Function's ``forward`` on their proxies or fake tensors and
 record the operations it makes: the graph keeps the forward and loses the ``backward`` the user
 wrote. Where that backward is the forward's own gradient (a memory-efficient activation: Bloom's
-GeLU, MONAI's and timm's memory-efficient Swish) nothing changes but memory; where it is not (a
+GeLU, RecurrentGemma's bounded square root, timm's ``SwishMe``) nothing changes but memory; where it is not (a
 straight-through estimator, a clipped or scaled gradient) the pipeline's gradients would differ
 from eager's. While a tracer runs, :func:`watching_functions` notes every Function applied;
 :func:`refuse_functions` warns of each, naming the fix that keeps its backward. torch's own
