@@ -88,8 +88,10 @@ class DistTransport:
                 if q != s.on_rank:
                     bwd.setdefault(q, []).append(v)
             self.fwd_to[s.index], self.bwd_to[s.index] = fwd, bwd
-        # gradients that may not come (the loss may not reach them): a flag per message says which did
-        self.optional = {s.index: set(s.maybe_no_grad) for s in plan.stages}
+        # gradients that may not come (the loss may not reach them), per (sending stage, rank): their
+        # message ends with a byte per such value saying whether it came
+        self.flagged = {s.index: {q: [v for v in names if v in s.maybe_no_grad]
+                                  for q, names in self.bwd_to[s.index].items()} for s in plan.stages}
         # what the programs say: each peer's messages to this rank in its order, and what each acknowledges
         # (the same every step of the same programs: pass back ``self.routes`` to skip reading them again)
         self.routes = routes or self._read_routes(programs)
@@ -209,7 +211,7 @@ class DistTransport:
             build, tensors = empty_like_spec(specs[v], self.pool, floating_only=kind == "B")
             built.append(build)
             bufs += tensors
-        flagged = [v for v in names if v in self.optional[j]] if kind == "B" else []
+        flagged = self.flagged[j][self.rank] if kind == "B" else []
         if flagged:  # after the gradients: which of them came (the others are None, not zeros)
             bufs.append(torch.empty(len(flagged), dtype=torch.uint8, device=self.device))
         peer = self.rank_of[j]
@@ -274,7 +276,7 @@ class DistTransport:
         for q, names in self.bwd_to[j].items():
             for v in names:
                 sends += [(t, q, BACKWARD_TAG) for t in _grad_tensors(by_name.get(v), specs[v], self.device)]
-            flagged = [v for v in names if v in self.optional[j]]
+            flagged = self.flagged[j][q]
             if flagged:
                 came = [any(isinstance(t, torch.Tensor) for t in tree_flatten(by_name.get(v))[0]) for v in flagged]
                 sends.append((torch.tensor(came, dtype=torch.uint8, device=self.device), q, BACKWARD_TAG))

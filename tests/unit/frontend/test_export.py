@@ -280,8 +280,8 @@ def test_an_input_not_given_at_export_is_refused_naming_the_fix():
     x, mask = torch.randn(4, 8), torch.rand(4, 8)
     pipe = fxpipe.compile(_Keywords(), 2, example_inputs=(x,), example_kwargs={"mask": mask}, chunks=2,
                           tracer="export")
-    with pytest.raises(TypeError, match=r"unexpected keyword argument 'bias'.*takes those only: give every "
-                                        r"input the pipe will be called with an example at compile"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'bias'.*takes those only: bias= had no "
+                                        r"example at compile.*example_kwargs=\{'bias': ...\}"):
         pipe(x, mask=mask, bias=torch.randn(8))
 
 
