@@ -18,6 +18,7 @@ from typing import Any
 
 from fxpipe.errors import CompileError
 from fxpipe.torchcompile import SPLIT_BACKENDS, TorchCompile, torch_compile_config
+from fxpipe.unknownargs import BY_HAND
 
 __all__ = ["AUTO", "BALANCE_BY", "CHECKPOINT_MODES", "MULTI_STAGE_SCHEDULES", "POLICIES", "RUNTIMES", "SCHEDULES",
            "SINGLE_STAGE_SCHEDULES", "SPLIT_BACKENDS", "TRACERS", "CompileOptions", "TorchCompile", "check_checkpoint",
@@ -231,9 +232,7 @@ class CompileOptions:
         if self.balance_by not in BALANCE_BY:
             hint = ""
             if isinstance(self.balance_by, (list, tuple)):
-                hint = ("; to place the stages by hand, pass split_points= (the module or node names where "
-                        "stages begin), or, for an nn.Sequential, torchgpipe's layer counts through "
-                        "fxpipe.compat.torchgpipe.GPipe(module, balance=...)")
+                hint = f"; to place the stages by hand, pass {BY_HAND}"
             raise ValueError(f"balance_by={self.balance_by!r}; use one of {', '.join(map(repr, BALANCE_BY))}{hint}")
         names = self.unbatched
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):

@@ -7,27 +7,25 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+__all__ = ["BY_HAND", "ELSEWHERE", "refuse_unknown"]
+
+BY_HAND = ("split_points= (the module or node names where stages begin); for an nn.Sequential, torchgpipe's layer "
+           "counts through fxpipe.compat.torchgpipe.GPipe(module, balance=...)")
+_CHUNKS = "chunks= (the number of micro-batches)"
+_CHECKPOINT = "checkpoint= ('always', 'except_last', 'never', 'selective', 'auto' or one per stage)"
+_COMPILE = "torch_compile= (True, or a dict of torch.compile's arguments)"
+_EXAMPLE = "example_inputs= (a tuple of the forward's positional inputs)"
+
 # keywords other pipeline libraries (or habit) use, and what fxpipe calls them
 ELSEWHERE = {
-    "balance": "split_points= (the module or node names where stages begin) or balance_by= (what stages balance); "
-               "torchgpipe's layer counts work on an nn.Sequential through fxpipe.compat.torchgpipe.GPipe(module, "
-               "balance=...)",
-    "micro_batches": "chunks= (the number of micro-batches)",
-    "n_microbatches": "chunks= (the number of micro-batches)",
-    "num_microbatches": "chunks= (the number of micro-batches)",
-    "microbatches": "chunks= (the number of micro-batches)",
-    "num_stages": "n_stages (the second argument)",
-    "stages": "n_stages (the second argument)",
+    "balance": f"{BY_HAND}, or balance_by= (what stages balance)",
+    **dict.fromkeys(("micro_batches", "n_microbatches", "num_microbatches", "microbatches"), _CHUNKS),
+    **dict.fromkeys(("num_stages", "stages"), "n_stages (the second argument)"),
     "device": "devices= (one device per stage, e.g. [\"cuda:0\", \"cuda:1\"])",
-    "checkpoint_stop": "checkpoint= ('always', 'except_last', 'never', 'selective', 'auto' or one per stage)",
-    "activation_checkpointing": "checkpoint= ('always', 'except_last', 'never', 'selective', 'auto' or one per "
-                                "stage)",
-    "compiled": "torch_compile= (True, or a dict of torch.compile's arguments)",
-    "use_compile": "torch_compile= (True, or a dict of torch.compile's arguments)",
+    **dict.fromkeys(("checkpoint_stop", "activation_checkpointing"), _CHECKPOINT),
+    **dict.fromkeys(("compiled", "use_compile"), _COMPILE),
     "split_policy": "split_points= (the module or node names where stages begin) or balance_by=",
-    "example_args": "example_inputs= (a tuple of the forward's positional inputs)",
-    "example_input": "example_inputs= (a tuple of the forward's positional inputs)",
-    "sample_input": "example_inputs= (a tuple of the forward's positional inputs)",
+    **dict.fromkeys(("example_args", "example_input", "sample_input"), _EXAMPLE),
     "loss_fn": "pipe.step(..., target=, loss_fn=): the loss is given at each step, not at compile",
     "optimizer": "an optimizer built from pipe.parameters() after compile, stepped after pipe.step",
     "world_size": "data_parallel=, tensor_parallel= and n_stages / stages_per_rank (their product is the world)",

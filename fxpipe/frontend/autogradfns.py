@@ -6,7 +6,7 @@ wrote. Where that backward is the forward's own gradient (a memory-efficient act
 GeLU, RecurrentGemma's bounded square root, timm's ``SwishMe``) nothing changes but memory; where it is not (a
 straight-through estimator, a clipped or scaled gradient) the pipeline's gradients would differ
 from eager's. While a tracer runs, :func:`watching_functions` notes every Function applied;
-:func:`refuse_functions` warns of each, naming the fix that keeps its backward. torch's own
+:func:`check_functions` warns of each, naming the fix that keeps its backward. torch's own
 Functions trace faithfully, except the reentrant ``torch.utils.checkpoint``, whose exported graph
 leaves every gradient ``None``: that one is refused.
 """
@@ -22,7 +22,7 @@ import torch
 
 from fxpipe.errors import TraceError
 
-__all__ = ["refuse_functions", "watching_functions"]
+__all__ = ["check_functions", "watching_functions"]
 
 
 @contextlib.contextmanager
@@ -43,7 +43,7 @@ def watching_functions() -> Iterator[list[type]]:
         torch.autograd.Function.apply = saved  # type: ignore[method-assign]
 
 
-def refuse_functions(model_name: str, seen: list[type], tracer: str) -> None:
+def check_functions(model_name: str, seen: list[type], tracer: str) -> None:
     """Warn of each Function in ``seen`` whose backward ``tracer`` drops; refuse what leaves no gradient at all."""
     for cls in dict.fromkeys(seen):
         module = getattr(cls, "__module__", "") or ""

@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 
 from fxpipe.errors import TraceError
-from fxpipe.frontend.autogradfns import refuse_functions, watching_functions
+from fxpipe.frontend.autogradfns import check_functions, watching_functions
 from fxpipe.frontend.exportmeta import fake_inputs, fake_state, meta_refusal, refuse_stand_ins, target_device
 from fxpipe.frontend.leftovers import no_proxies_left
 from fxpipe.frontend.modes import in_other_mode, may_read_mode
@@ -196,7 +196,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     with fake_state(model, target) as faked, _keywords_by_name(model, signature, bound):
         with recording_python_random(drawn), watching_functions() as functions:
             gm = exported(faked)
-        refuse_functions(type(model).__name__, functions, "export")
+        check_functions(type(model).__name__, functions, "export")
         warn_python_random(type(model).__name__, drawn, "export")
         difference = _other_mode(model, gm, partial(exported, faked))
     _share_state(gm, model)

@@ -22,7 +22,7 @@ from torch.autograd.function import FunctionCtx
 from fxpipe.errors import TraceError
 from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
-from fxpipe.frontend.autogradfns import refuse_functions, watching_functions
+from fxpipe.frontend.autogradfns import check_functions, watching_functions
 from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
 from fxpipe.frontend.leftovers import no_proxies_left
 from fxpipe.frontend.markers import recording_markers
@@ -182,7 +182,7 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         raise _explain(model, fx_tracer, exc) from exc
-    refuse_functions(type(model).__name__, functions, "fx")
+    check_functions(type(model).__name__, functions, "fx")
     warn_python_random(type(model).__name__, drawn, "fx")
     _name_variadic_inputs(graph)
     gm = torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__)

@@ -66,7 +66,7 @@ class GradSync:
         for j, module in modules.items():
             if not any(p.requires_grad for p in module.parameters()):
                 continue  # nothing to reduce
-            if (layout.tp > 1 and not shard) or j in self.manual:
+            if self._after_step(j):
                 known = {id(p) for p in self.after}
                 self.after += [p for p in module.parameters() if p.requires_grad and id(p) not in known]
             elif shard:
@@ -109,7 +109,7 @@ class GradSync:
             now = _trainable(module)
             if now == self.trainable[j]:
                 continue
-            if (self.layout.tp > 1 and not self.shard) or j in self.manual:
+            if self._after_step(j):
                 known = {id(p) for p in self.after}
                 self.after += [p for p in module.parameters() if p.requires_grad and id(p) not in known]
             elif self.shard and j not in self.wrapped and any(now):
@@ -123,6 +123,10 @@ class GradSync:
                 if any(now):
                     self.wrapped[j] = self._ddp(module)
             self.trainable[j] = now
+
+    def _after_step(self, j: int) -> bool:
+        """Tell whether stage ``j``'s gradients are reduced after the step (:meth:`reduce`), not by DDP or FSDP2."""
+        return (self.layout.tp > 1 and not self.shard) or j in self.manual
 
     def before_backward(self, j: int, final: bool) -> None:
         """Arm or hold stage ``j``'s reduction for the coming backward (``final``: its last of the step)."""
