@@ -9,6 +9,7 @@ torch.fx and networkx, and nothing of fxpipe outside ``fxpipe.passes``.
 
 from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
 from fxpipe.passes.batchrows import batch_coupled_outputs, micro_specs, scalar_outputs, sequence_first_splits
+from fxpipe.passes.bufferreads import BufferReads, route_buffer_reads
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from fxpipe.passes.fingerprint import fingerprint, first_difference, rename_like, state_signature, structure
@@ -37,6 +38,7 @@ from fxpipe.passes.spec import differentiable
 from fxpipe.passes.split import SkipRoute, StagePlan, split
 
 __all__ = [
+                              "BufferReads",
                               "Conflict",
                               "GradSplit",
                               "MutationPlan",
@@ -79,6 +81,7 @@ __all__ = [
                               "profile",
                               "rename_like",
                               "retain",
+                              "route_buffer_reads",
                               "scalar_outputs",
                               "sequence_first_splits",
                               "split",

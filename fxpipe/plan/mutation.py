@@ -9,13 +9,14 @@ refused at compile time with :class:`~fxpipe.errors.MutationError`, before anyth
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch.fx
 
 from fxpipe import passes
-from fxpipe.errors import MutationError
+from fxpipe.errors import MutationError, user_stacklevel
 
-__all__ = ["conflict_message", "copy_mutated_inputs"]
+__all__ = ["conflict_message", "copy_mutated_inputs", "route_buffer_reads"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,21 @@ def copy_mutated_inputs(gm: torch.fx.GraphModule, modules: list) -> None:
         log.warning("the model changes its input(s) %s in place; fxpipe runs it on a copy, so "
                     "outputs and gradients equal eager but the caller's tensors are left "
                     "unchanged", found.mutated_model_inputs)
+
+
+def route_buffer_reads(gm: torch.fx.GraphModule) -> None:
+    """Send later stages the value of a buffer an earlier stage wrote; warn of buffer reads no route can fix."""
+    found = passes.route_buffer_reads(gm)
+    if found.routed:
+        log.info("buffers written in place and read by later stages are sent to them as values: %s", found.routed)
+    for buffer, writer, ws, reader, rs in found.unordered:
+        when = "after" if ws > rs else "before and after"
+        warnings.warn(
+            f"buffer '{buffer}' is written in place in stage {ws} (node '{writer}') and read in stage {rs} "
+            f"(node '{reader}'), {when} that read within one forward. A pipeline cannot give each micro-batch the value "
+            f"eager gives it there: stages run micro-batches in the schedule's order, and a stage on another rank reads "
+            f"its own copy of the buffer, which the writes of stage {ws} do not reach. Keep every read and write of "
+            f"'{buffer}' in one stage (split_points=), or pass the value in as an input.", stacklevel=user_stacklevel())
 
 
 def conflict_message(gm: torch.fx.GraphModule, c: passes.Conflict) -> str:

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe import passes
 from fxpipe.options import CompileOptions
 from fxpipe.plan.assign import Assignment
-from fxpipe.plan.mutation import copy_mutated_inputs
+from fxpipe.plan.mutation import copy_mutated_inputs, route_buffer_reads
 from fxpipe.plan.pipeline import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.plan.saved import front_end, graph_signature
 from fxpipe.plan.tensorparallel import plan_tensor_parallel
@@ -33,7 +33,12 @@ def named_tensors(module: nn.Module):
 
 def split_stages(gm: torch.fx.GraphModule, n_stages: int
                  ) -> tuple[list[torch.fx.GraphModule], list[StagePlan], list[SkipRoute]]:
-    """Split ``gm`` into ``n_stages`` stage modules, their plans and the skip routes; copy inputs stages change."""
+    """Split ``gm`` into ``n_stages`` stage modules, their plans and the skip routes; copy inputs stages change.
+
+    Buffers an earlier stage writes reach later stages' reads as values (:func:`route_buffer_reads`),
+    which adds nodes to ``gm``: a plan records the graph's signature before the split.
+    """
+    route_buffer_reads(gm)
     modules, stages, routes = passes.split(gm, n_stages)
     copy_mutated_inputs(gm, modules)
     return modules, stages, routes
@@ -52,10 +57,11 @@ def make_plan(front: Assignment, options: CompileOptions, devices: Sequence[Any]
     tp_plan = "auto" if options.tp_plan is None else options.tp_plan  # an empty dict is refused by the options
     tp = plan_tensor_parallel(front.gm, options.tp, tp_plan) if options.tp > 1 else None
     front.gm.meta["fxpipe.tp_plan"] = tp  # the build styles each rank's stages from it
+    signature = graph_signature(front.gm), [key for _, key in passes.structure(front.gm)]
     modules, stages, routes = split_stages(front.gm, options.n_stages)
     checkpoint = options.checkpoint if isinstance(options.checkpoint, str) else "per stage"
     plan = _describe(front.gm, modules, stages, routes, devices, front.micro, options.chunks, checkpoint,
-                     schedule, front.balance_by, front.cut, saved_plan)
+                     schedule, front.balance_by, front.cut, saved_plan, signature)
     policies = options.policies()
     plan.tensor_parallel = None if tp is None else tp.record(front.micro)
     plan.layout = {**options.layout(), "tracer": front_end(front.gm)}
@@ -68,7 +74,7 @@ def make_plan(front: Assignment, options: CompileOptions, devices: Sequence[Any]
 def _describe(gm: torch.fx.GraphModule, modules: Sequence[torch.fx.GraphModule], stages: Sequence[StagePlan],
               routes: Sequence[SkipRoute], devices: Sequence[Any], micro: int, chunks: int,
               checkpoint: str, schedule: str, balance_by: str, cut: Any,
-              saved_plan: PipelinePlan | None) -> PipelinePlan:
+              saved_plan: PipelinePlan | None, signature: tuple) -> PipelinePlan:
     """Fill in the split's stages and routes with devices and costs; return the :class:`PipelinePlan`."""
     nodes = {n.name: n for n in gm.graph.nodes}
     per_micro = max(micro, 1)
@@ -95,11 +101,11 @@ def _describe(gm: torch.fx.GraphModule, modules: Sequence[torch.fx.GraphModule],
         s.maybe_unused = _maybe_unused(gm, held, ghostly, params)
     for r in routes:
         r.bytes = int(nodes[r.name].meta.get("fxpipe.bytes", 0) // per_micro)
-    names, ops, targets = graph_signature(gm)
+    (names, ops, targets), keys = signature  # of the graph as traced, which a saved plan is matched against
     return PipelinePlan(stages=list(stages), skips=list(routes), chunks=chunks, checkpoint=checkpoint,
                         schedule=schedule, balance_by=balance_by, example_rows=example_rows(gm),
                         graph_nodes=names, graph_ops=ops, graph_targets=targets,
-                        graph_keys=[key for _, key in passes.structure(gm)])
+                        graph_keys=keys)
 
 
 def example_rows(gm: torch.fx.GraphModule) -> int | None:

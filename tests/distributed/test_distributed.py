@@ -317,3 +317,16 @@ def test_replicas_whose_losses_reach_different_parameters_average_like_eager(tmp
         assert res["replicas"] == 2 and res["errors"] and max(res["errors"].values()) < 1e-5, (r, res)
         assert all(pipe_none and eager_none for _, pipe_none, eager_none in res["nones"]), (r, res["nones"])
     assert {n for res in results for n in res["errors"]} >= {"scale", "tail"}  # only replica 0's loss reads them
+
+
+@pytest.mark.parametrize("world, schedule", [(2, "1f1b"), (2, "zbv"), (3, "gpipe")])
+def test_a_buffer_bumped_on_one_rank_reaches_a_later_rank_as_each_micro_batch_saw_it(world, schedule, tmp_path,
+                                                                                      launch):
+    # before: the last stage's rank read its own copy of the step counter, which nothing bumped (and in one
+    # process the live one, bumped by every micro-batch already): gradients 41% off, silently
+    results = launch("buffer_cases:counted", world, schedule, tmp_path)
+    for r, res in enumerate(results):
+        assert max(res["errors"], default=0.0) < 1e-5, (r, res)
+        assert all(e < 1e-6 for e in res["losses"]), (r, res)
+        assert [name for name, _, _ in res["skips"]] in ([], ["step_as_written"]), res["skips"]
+    assert sum(len(res["errors"]) for res in results) == 8 and any(res["losses"] for res in results)

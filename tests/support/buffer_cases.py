@@ -1,0 +1,74 @@
+"""What each test of buffers read by later stages runs: a step counter bumped in stage 0 and read at the end."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from fxpipe.testing import max_relative_error
+
+
+class Counted(nn.Module):
+    """Bump a step counter first, scale early by it, and scale the output by it again at the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("step", torch.zeros(()))
+
+    def forward(self, x):
+        self.step.add_(1)
+        h = torch.relu(self.a(x)) * (1 + 0.01 * self.step)
+        h = torch.relu(self.c(torch.relu(self.b(h))))
+        return self.d(h) * (1 + self.step)
+
+
+class ReadFirst(nn.Module):
+    """Read a counter in the first layer, bump it in the last: each micro-batch should see the previous one's bump."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        h = self.a(x) * (1 + self.seen)
+        out = self.b(torch.relu(h))
+        self.seen.add_(1)
+        return out
+
+
+def per_micro_batch(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int) -> float:
+    """Run eager on the micro-batches one after another (each updates the counter once); return the loss."""
+    total = 0.0
+    for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
+        loss = F.cross_entropy(model(xs), ys) / chunks
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def counted(rank, world, schedule):
+    """Train two steps of :class:`Counted`; return the loss and gradient errors against eager per micro-batch."""
+    v = 2 if schedule in ("interleaved", "zbv") else 1
+    torch.manual_seed(0)
+    model = Counted()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    pipe = fxpipe.compile(model, world * v, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule, stages_per_rank=v, checkpoint="always")
+    errors, losses = [], []
+    for _ in range(2):
+        loss = pipe.step(x, target=y, loss_fn=F.cross_entropy)
+        want = per_micro_batch(eager, x, y, 2)
+        if loss is not None:
+            losses.append(abs(float(loss) - want) / want)
+    held = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        if p.device.type != "meta" and p.grad is not None:
+            errors.append(max_relative_error(p.grad, held[name].grad))
+    return {"errors": errors, "losses": losses, "skips": [(r.name, r.src, r.dst) for r in pipe.plan.skips]}
