@@ -15,7 +15,7 @@ from torch import nn
 
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.contract import Runtime
-from fxpipe.runtime.drift import changes, describe, snapshot
+from fxpipe.runtime.drift import changes, describe, replaced, snapshot
 from fxpipe.runtime.microbatch import is_summed, summed
 from fxpipe.runtime.stage.reshare import reshare
 
@@ -60,7 +60,7 @@ class Pipe(nn.Module):
         self.__dict__["devices"] = list(devices)
         self.__dict__["owned"] = None if owned is None else frozenset(owned)
         self._runtime = runtime
-        self.__dict__["_snapshot"] = snapshot(model, gm)  # what a change after compile is told from
+        self.__dict__["_snapshot"] = snapshot(model, gm, runtime.runs())  # what a change after compile is told from
         self.__dict__["_told"] = []  # the changes last warned of
         # after a load (assign=True replaces tensors), even one through a module holding the pipe
         self.register_load_state_dict_post_hook(_after_load)
@@ -72,7 +72,13 @@ class Pipe(nn.Module):
                         "torch.save(pipe.state_dict(), path), and compile the model again to load them")
 
     def __deepcopy__(self, memo: dict) -> Pipe:
-        """Copy the pipe as deepcopy copies any module (pickling is refused, copying is not)."""
+        """Copy the pipe as deepcopy copies any module (pickling is refused, copying is not); refuse it across ranks."""
+        if self.owned is not None:
+            raise TypeError(
+                "a distributed pipe cannot be copied (copy.deepcopy(pipe), AveragedModel(pipe)): its stages exchange "
+                "values with the other ranks through process groups, which cannot be copied. Copy the model instead: "
+                "AveragedModel(model) or copy.deepcopy(model) on each rank holds that rank's stages' parameters (the "
+                "others' are on meta), and ema.update_parameters(model) follows the pipe's training")
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__dict__, memo))
@@ -195,7 +201,11 @@ class Pipe(nn.Module):
         Its modules (batch norm, dropout modules) follow at once, as the pipe shares them; the
         flag a merged graph reads (``self.training`` in the model's code) is the stages' own.
         """
-        found = changes(self.__dict__["_snapshot"])
+        snap = self.__dict__["_snapshot"]
+        if replaced(snap):  # a Parameter replaced on the model (load_state_dict(assign=True), setattr)
+            self._reshare()
+            snap.retake()
+        found = changes(snap)
         if found and found != self.__dict__["_told"]:
             self.__dict__["_told"] = found
             warnings.warn(describe(found), stacklevel=3)

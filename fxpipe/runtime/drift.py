@@ -10,17 +10,22 @@ modules it calls (parameters' values, a replaced ``Parameter``, ``train()``/``ev
                                        keeps its value of compile
 
 :func:`snapshot` records, at compile, each module's place in its parent and its plain
-attributes (bools, numbers, strings); :func:`changes` names what differs at a call.
+attributes (bools, numbers, strings); :func:`changes` names what differs at a call. It records
+the tensors the stages fetch themselves (``get_attr``: a parameter used directly, every weight
+under torch.export or zero bubble) too: :func:`replaced` tells one replaced on the model
+(``model.load_state_dict(sd, assign=True)``, ``model.gain = nn.Parameter(...)``), and the pipe
+then points its stages at the new tensors before the call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch.fx
 from torch import nn
 
-__all__ = ["Snapshot", "changes", "describe", "snapshot"]
+__all__ = ["Snapshot", "changes", "describe", "replaced", "snapshot"]
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -32,7 +37,7 @@ class _Missing:
 class Snapshot:
     """Each submodule's place in its parent and the plain attributes its traced code read, at compile."""
 
-    def __init__(self, model: nn.Module, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, runs: Sequence[torch.fx.GraphModule] = ()) -> None:
         called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
         # (the parent's registry, the key, the module, its name): a registry changes in place on setattr
         self.places: list[tuple[Any, str, nn.Module, str]] = []
@@ -47,6 +52,33 @@ class Snapshot:
                 self.places.append((parent._modules, key, child, full))
                 if full not in called:  # a module the graph calls reads its own attributes when run
                     self.values += [(child, k, v, full) for k, v in _plain(child)]
+        # (the module, the field, its tensor) of each tensor the graph fetches (get_attr): the stages hold them
+        # in attributes of their own, which a replaced Parameter (load_state_dict(assign=True)) leaves behind
+        self.fetched: list[tuple[nn.Module, str, Any]] = []
+        for target in sorted({str(n.target) for g in (gm, *runs) for n in g.graph.nodes if n.op == "get_attr"}):
+            prefix, _, field = target.rpartition(".")
+            try:
+                owner = model.get_submodule(prefix) if prefix else model
+            except AttributeError:
+                continue
+            tensor = _held(owner, field)
+            if tensor is not None:
+                self.fetched.append((owner, field, tensor))
+
+    def retake(self) -> None:
+        """Record the tensors the graph fetches as they are now (after the stages were pointed at them)."""
+        self.fetched = [(owner, field, _held(owner, field)) for owner, field, _ in self.fetched]
+
+
+def _held(owner: nn.Module, field: str) -> Any:
+    """Return ``owner``'s parameter or buffer ``field`` (None where it has neither)."""
+    param = owner._parameters.get(field)
+    return param if param is not None else owner._buffers.get(field)
+
+
+def replaced(snap: Snapshot) -> bool:
+    """Tell whether a tensor the graph fetches was replaced on the model by another object since the snapshot."""
+    return any(_held(owner, field) is not tensor for owner, field, tensor in snap.fetched)
 
 
 def _plain(module: nn.Module) -> list[tuple[str, Any]]:
@@ -54,9 +86,9 @@ def _plain(module: nn.Module) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in vars(module).items() if type(v) in _PLAIN and not k.startswith("_") and k != "training"]
 
 
-def snapshot(model: nn.Module, gm: torch.fx.GraphModule) -> Snapshot:
-    """Record each submodule's place and the plain attributes its traced code read, at compile."""
-    return Snapshot(model, gm)
+def snapshot(model: nn.Module, gm: torch.fx.GraphModule, runs: Sequence[torch.fx.GraphModule] = ()) -> Snapshot:
+    """Record each submodule's place, the plain attributes its traced code read and the tensors ``gm`` and ``runs`` fetch."""
+    return Snapshot(model, gm, runs)
 
 
 def _get(registry: Any, key: str) -> Any:

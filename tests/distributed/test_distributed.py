@@ -330,3 +330,10 @@ def test_a_buffer_bumped_on_one_rank_reaches_a_later_rank_as_each_micro_batch_sa
         assert all(e < 1e-6 for e in res["losses"]), (r, res)
         assert [name for name, _, _ in res["skips"]] in ([], ["step_as_written"]), res["skips"]
     assert sum(len(res["errors"]) for res in results) == 8 and any(res["losses"] for res in results)
+
+
+def test_a_distributed_pipe_is_not_copied_and_the_message_names_averaging_the_model(tmp_path, launch):
+    # copy.deepcopy(pipe) and AveragedModel(pipe) raised "cannot pickle 'ProcessGroup' object", naming no fix
+    for res in launch("copied", 2, "1f1b", tmp_path):
+        assert "a distributed pipe cannot be copied" in res["refused"] and "AveragedModel(model)" in res["refused"]
+        assert res["averaged"], res

@@ -543,6 +543,25 @@ def marked(rank, world, schedule):
 
 
 
+def copied(rank, world, schedule):
+    """Copy a distributed pipe (refused) and keep an average of the model's weights instead; return both."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule)
+    try:
+        copy.deepcopy(pipe)
+        refused = ""
+    except TypeError as exc:
+        refused = str(exc)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    pipe.step(x, target=y, loss_fn=F.mse_loss)
+    ema.update_parameters(model)
+    own = [(p, q) for p, q in zip(model.parameters(), ema.module.parameters()) if p.device.type != "meta"]
+    return {"refused": refused, "averaged": bool(own) and all(torch.equal(p, q) for p, q in own)}
+
+
 def on_gpus(case):
     """Run ``case`` letting fxpipe pick the backend (NCCL with CUDA); add what it picked."""
     def run(rank, world, schedule):
@@ -555,7 +574,7 @@ def on_gpus(case):
 
 CASES = {"values": values, "unet": unet, "tied": tied, "unet4": unet4, "tied4": tied4, "shape": shape,
          "raises": raises, "dies": dies, "graph_differs": graph_differs, "unbatched": unbatched, "meta": meta, "deferred": deferred, "resume_first": resume_first, "resume_second": resume_second,
-         "marked": marked, "sends_let_go": sends_let_go, "sends_unchanged": sends_unchanged,
+         "marked": marked, "copied": copied, "sends_let_go": sends_let_go, "sends_unchanged": sends_unchanged,
          "unet_nccl": on_gpus(unet), "tied_nccl": on_gpus(tied)}
 
 

@@ -121,6 +121,31 @@ def test_load_state_dict_with_assign_reaches_every_stage(schedule):
         assert p.grad is not None and torch.allclose(p.grad, new.get_parameter(name).grad, atol=1e-6), name
 
 
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("schedule", ["gpipe", "zb"])
+def test_a_parameter_replaced_on_the_model_is_followed(schedule, tracer):
+    # the model's own load_state_dict(assign=True), or a new Parameter set on it: the stages kept reading the
+    # old tensors they fetch (a parameter used directly; under zb every linear's weight), and the old got the
+    # gradient, silently; only pipe.load_state_dict pointed them at the new ones
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    model = _Direct()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, schedule=schedule,
+                          tracer=tracer)
+    new = _Direct()
+    with torch.no_grad():
+        new.gain.fill_(3.0), new.shift.fill_(1.0)
+    model.load_state_dict(new.state_dict(), assign=True)
+    model.a.weight = nn.Parameter(new.a.weight.detach() * 2)
+    new.a.weight = nn.Parameter(new.a.weight.detach() * 2)
+    loss = pipe.step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+    expected = torch.nn.functional.mse_loss(new(x), y)
+    expected.backward()
+    assert abs(loss - expected) < 1e-6
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.allclose(p.grad, new.get_parameter(name).grad, atol=1e-6), name
+
+
 def test_a_cast_after_compile_reaches_every_stage_and_a_move_is_refused():
     # pipe.double() left a buffer read in forward at float32 in its stage; bfloat16 then failed in a stage
     torch.manual_seed(0)
