@@ -8,7 +8,13 @@ torch.fx and networkx, and nothing of fxpipe outside ``fxpipe.passes``.
 """
 
 from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
-from fxpipe.passes.batchrows import batch_coupled_outputs, micro_specs, scalar_outputs, sequence_first_splits
+from fxpipe.passes.batchrows import (
+                              batch_coupled_outputs,
+                              listed_batches,
+                              micro_specs,
+                              scalar_outputs,
+                              sequence_first_splits,
+)
 from fxpipe.passes.bufferreads import BufferReads, route_buffer_reads
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
@@ -68,6 +74,7 @@ __all__ = [
                               "first_difference",
                               "group_costs",
                               "is_mutating",
+                              "listed_batches",
                               "maybe_without_grad",
                               "memory_factors",
                               "merge_modes",

@@ -26,7 +26,7 @@ from fxpipe.passes.modes import pick
 from fxpipe.passes.spec import TensorSpec
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
-__all__ = ["batch_coupled_outputs", "micro_specs", "scalar_outputs", "sequence_first_splits"]
+__all__ = ["batch_coupled_outputs", "listed_batches", "micro_specs", "scalar_outputs", "sequence_first_splits"]
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,32 @@ def sequence_first_splits(gm: torch.fx.GraphModule, batch: int, rows: int, part:
                 whole.shape[1] == split.shape[1]:
             found.append(f"'{node.target}' ({type(gm.get_submodule(str(node.target))).__name__}, batch_first=False) "
                          f"reads dim 0 of its input {tuple(whole.shape)} as the sequence")
+    return found
+
+
+_JOINS = {torch.stack, torch.cat, torch.concat, torch.concatenate, torch.vstack, torch.row_stack}
+
+
+def listed_batches(gm: torch.fx.GraphModule) -> list[str]:
+    """Return a description of each input that is a list of tensors the model stacks into its batch.
+
+    A detection model's ``images`` (a list of ``(3, H, W)`` tensors, ``torch.stack(images)`` in
+    the forward): the batch is the list, but micro-batches split every tensor in an input on its
+    own dim 0, so each image would be cut along its channels.
+    """
+    found = []
+    for node in gm.graph.nodes:
+        spec = node.meta.get("fxpipe.value")
+        if node.op != "placeholder" or not isinstance(spec, (list, tuple)) or len(spec) < 2 or \
+                not all(isinstance(t, TensorSpec) and t.shape for t in spec):
+            continue
+        for user in node.users:
+            dim = user.kwargs.get("dim", user.args[1] if len(user.args) > 1 else 0)
+            if user.op == "call_function" and user.target in _JOINS and user.args and user.args[0] is node and dim == 0:
+                found.append(f"input '{node.target}' is a {type(spec).__name__} of {len(spec)} tensors of shape "
+                             f"{tuple(spec[0].shape)} that node '{user.name}' ({user.target.__name__}) joins into "
+                             "the batch")
+                break
     return found
 
 

@@ -188,7 +188,16 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
                 refusal = meta_refusal(model, exc, target, faked)
                 if refusal is not None:
                     raise refusal from exc
-                program = _bounded(model, export, exc, rows, fixed)
+                try:
+                    program = _bounded(model, export, exc, rows, fixed)
+                except TraceError as refusal:
+                    listed = _listed_inputs(bound)
+                    if not listed:
+                        raise
+                    raise TraceError(f"{refusal} Note that input(s) {listed} are lists of tensors: fxpipe splits "
+                                     "every tensor of an input on its own dim 0 into micro-batches, not a list along "
+                                     "its length; if the list is the batch (images the forward stacks), pass it as "
+                                     "one stacked tensor instead", module=refusal.module) from exc
                 break
         return program.module()
 
@@ -336,6 +345,12 @@ def _suggested_batch(message: str) -> tuple[int, int] | int | None:
     if dim is batch or getattr(dim, "__name__", None) != "batch":
         return None  # no suggestion about the batch
     return _size(dim.min), _size(dim.max)
+
+
+def _listed_inputs(bound: inspect.BoundArguments) -> list[str]:
+    """Return the names of the inputs that are lists or tuples of two or more tensors."""
+    return [name for name, value in bound.arguments.items() if isinstance(value, (list, tuple)) and len(value) > 1
+            and all(isinstance(t, torch.Tensor) for t in value)]
 
 
 def _batch_range(program: torch.export.ExportedProgram) -> tuple[int, int | None]:

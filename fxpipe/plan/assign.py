@@ -122,6 +122,12 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
                           "argument of its own)", stacklevel=4)
         micro = len(micro_sizes(batch, chunks))
         annotate_graph(gm, args, kwargs)
+        listed = passes.listed_batches(gm) if micro > 1 else []
+        if listed:
+            raise ValueError(f"{'; '.join(listed)}. fxpipe splits every tensor of an input on its own dim 0 into "
+                             f"micro-batches, not a list along its length, so each of them would be cut apart "
+                             "(an image along its channels). Pass the batch as one tensor (stack the list before "
+                             "the model and let its forward take the stacked batch), or use chunks=1")
         if batch is not None and micro > 1:
             _note_coupled(gm, batch, micro_sizes(batch, chunks)[0], chunks, whole)
     else:

@@ -592,3 +592,45 @@ def test_a_flag_the_export_fixed_names_the_value_to_call_with_not_a_tensor():
                                                         r"return_dict=True, or compile another pipe with "
                                                         r"example_kwargs=\{'return_dict': False\}"):
         pipe(x, use_cache=False, return_dict=False)
+
+
+class _ImageList(nn.Module):
+    """Take a list of images (a detection model's input) and stack them into the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 2)
+
+    def forward(self, images):
+        return self.head(self.conv(torch.stack(images)).mean((2, 3)))
+
+
+class _Pair(nn.Module):
+    """Take a tuple of two batched tensors and join them along the features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, pair):
+        return self.b(self.a(torch.cat(pair, dim=1)))
+
+
+def test_a_list_of_images_stacked_into_the_batch_is_refused_naming_the_fix():
+    # before: each image was split on its own dim 0, its channels, and the first call failed inside the conv
+    images = [torch.rand(3, 8, 8) for _ in range(4)]
+    with pytest.raises(ValueError, match=r"input 'images' is a list of 4 tensors of shape \(3, 8, 8\) that node "
+                                         r"'stack' \(stack\) joins into the batch.*Pass the batch as one tensor"):
+        fxpipe.compile(_ImageList(), 2, example_inputs=(images,), chunks=2, devices=["cpu"] * 2)
+    with pytest.raises(fxpipe.TraceError, match=r"input\(s\) \['images'\] are lists of tensors"):
+        fxpipe.compile(_ImageList(), 2, example_inputs=(images,), chunks=2, devices=["cpu"] * 2, tracer="export")
+    model = _ImageList()
+    pipe = fxpipe.compile(model, 2, example_inputs=(images,), chunks=1, devices=["cpu"] * 2)
+    assert torch.allclose(pipe(images), model(images))
+
+
+def test_a_tuple_of_batched_tensors_joined_along_the_features_is_split_as_usual():
+    pair = (torch.randn(4, 4), torch.randn(4, 4))
+    model = _Pair()
+    pipe = fxpipe.compile(model, 2, example_inputs=(pair,), chunks=2, devices=["cpu"] * 2)
+    assert torch.allclose(pipe(pair), model(pair), atol=1e-6)
