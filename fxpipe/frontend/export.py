@@ -190,14 +190,14 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
                     raise refusal from exc
                 try:
                     program = _bounded(model, export, exc, rows, fixed)
-                except TraceError as refusal:
+                except TraceError as refused:
                     listed = _listed_inputs(bound)
                     if not listed:
                         raise
-                    raise TraceError(f"{refusal} Note that input(s) {listed} are lists of tensors: fxpipe splits "
+                    raise TraceError(f"{refused} Note that input(s) {listed} are lists of tensors: fxpipe splits "
                                      "every tensor of an input on its own dim 0 into micro-batches, not a list along "
                                      "its length; if the list is the batch (images the forward stacks), pass it as "
-                                     "one stacked tensor instead", module=refusal.module) from exc
+                                     "one stacked tensor instead", module=refused.module) from exc
                 break
         return program.module()
 
