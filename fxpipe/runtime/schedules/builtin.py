@@ -202,8 +202,9 @@ def resolve(schedule: Any, n: int, chunks: int, stages_per_rank: int = 1) -> Sch
                 raise ScheduleError(f"schedule='zbv' places two stages on each rank (rank r: stages r and "
                                     f"2 world - 1 - r); use stages_per_rank=2, not {v}")
             if chunks < world:
-                logger.warning("schedule=%r with chunks=%d on %d ranks: fewer micro-batches than ranks leaves "
-                               "every rank idle most of the step; chunks=%d or more fills the pipeline",
+                logger.warning("schedule=%r with chunks=%d on %d ranks (devices, in one process): fewer micro-batches "
+                               "than ranks leaves every rank idle most of the step; chunks=%d or more fills the "
+                               "pipeline",
                                schedule, chunks, world, world)
             return Schedule(schedule, None, PLACEMENTS[schedule](n, world))
         if v != 1:
