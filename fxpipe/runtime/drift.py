@@ -72,8 +72,11 @@ class Snapshot:
 
 def _held(owner: nn.Module, field: str) -> Any:
     """Return ``owner``'s parameter or buffer ``field`` (None where it has neither)."""
-    param = owner._parameters.get(field)
-    return param if param is not None else owner._buffers.get(field)
+    for registry in (owner._parameters, owner._buffers):  # a ScriptModule's registries have no get
+        tensor = _get(registry, field)
+        if tensor is not None and tensor is not _Missing:
+            return tensor
+    return None
 
 
 def replaced(snap: Snapshot) -> bool:
