@@ -1,31 +1,32 @@
-"""Send a buffer's value to the later stages that read it after an earlier stage wrote it.
+"""Give every read of a buffer written in place in the forward the value as written, per micro-batch.
 
 Reads:  ``node.meta["fxpipe.stage"]`` (from :func:`fxpipe.passes.partition`), the in-place ops
         of :mod:`fxpipe.passes.mutates` (and ``fxpipe.mutates`` where annotation wrote it).
-Writes: the graph: a ``clone`` of the buffer right after its last write in the writing stage,
-        read instead of the buffer by the later stage (meta copied from the value cloned, with
-        the writer's stage and no cost); returns a :class:`BufferReads`.
+Writes: the graph: a ``clone`` of the buffer right after its last write before a read, in the
+        writing stage, read instead of the buffer (meta copied from the value cloned, with the
+        writer's stage, no cost and ``fxpipe.as_written``); returns a :class:`BufferReads`.
 
-A buffer is state, not a per-micro-batch value: each stage reads it where it lives. A stage
-that reads a buffer an earlier stage changed in place (a step counter bumped at the start of
-the forward and read again at the end) reads it too late in a pipeline, after the earlier
-stage has run later micro-batches, and on another rank it reads its own copy, which nothing
-changes::
+A buffer is state, not a per-micro-batch value: each stage reads it where it lives. In a
+pipeline every stage runs several micro-batches' forwards before their backwards, so a read
+after a write sees later micro-batches' writes::
 
     eager, per micro-batch m:   stage i: step.add_(1)  ...  stage k: h * step     (step = m + 1)
     pipeline:                   stage i runs micro-batches 0, 1, ... before stage k runs 0
                                  -> stage k reads step = 2 for micro-batch 0  (another rank: 0)
     after this pass:            stage i: step.add_(1); s = step.clone() ──s──▶ stage k: h * s
 
-So the value each micro-batch saw is taken right after the last write of the earlier stage
-and routed like any other value. Reads this cannot fix are returned for the caller to warn
-of: a stage reading a buffer before a *later* stage writes it (each micro-batch should see
-the previous one's write), and a stage reading a buffer that it and an earlier stage both
-write.
+The same holds inside one stage: ``scale.mul_(1.1); h * scale`` saves the buffer for backward,
+which the next micro-batch's write changes (autograd's "modified by an inplace operation", or,
+recomputed, the value put back after the recomputation). So every read after a write takes the
+value right after the last write before it (a later stage's through a routed value). Reads this
+cannot fix are returned for the caller to warn of: a stage reading a buffer before a *later*
+stage writes it (each micro-batch should see the previous one's write), a stage reading a
+buffer that it and an earlier stage both write, and a buffer written by several stages.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -41,10 +42,15 @@ _NO_COST = {"fxpipe.flops": 0, "fxpipe.flops_bwd": 0, "fxpipe.saved_bytes": 0, "
 
 @dataclass
 class BufferReads:
-    """What :func:`route_buffer_reads` did: the clones it made, and (buffer, writer, its stage, reader, its stage) it could not fix."""
+    """What :func:`route_buffer_reads` did, and what it could not fix.
+
+    ``routed``: the clones it made. ``unordered``: (buffer, writer, its stage, reader, its stage)
+    of reads no clone makes eager's. ``spread``: (buffer, the stages writing it).
+    """
 
     routed: list[str] = field(default_factory=list)
     unordered: list[tuple[str, str, int, str, int]] = field(default_factory=list)
+    spread: list[tuple[str, list[int]]] = field(default_factory=list)
 
 
 def _state_of(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, str], dict[str, list[torch.fx.Node]]]:
@@ -55,9 +61,11 @@ def _state_of(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, str], dict[
         if node.op == "get_attr" and str(node.target) in buffers:
             owner[node] = str(node.target)
         else:
-            held = {owner[a] for a in aliases(node) if a in owner}
-            if len(held) == 1:
-                owner[node] = held.pop()
+            through = _through_body(node)
+            held = {owner[a] for a in ([through] if through is not None else aliases(node)) if a in owner}
+            if len(held) == 1 and not isinstance(node.meta.get("fxpipe.value"), (list, tuple, dict)) and \
+                    not isinstance(node.target, torch._ops.HigherOrderOperator):
+                owner[node] = held.pop()  # a tensor sharing its storage (not a tuple of a block's outputs)
     writers: dict[str, list[torch.fx.Node]] = {}
     for node, changed in known_mutations(gm).items():
         written = [a for v in written_args(node) for a in (v if isinstance(v, (list, tuple)) else [v])]
@@ -66,13 +74,52 @@ def _state_of(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, str], dict[
     return owner, writers
 
 
+def _through_body(node: torch.fx.Node) -> torch.fx.Node | None:
+    """Return the argument of a higher-order op whose storage ``getitem(op, k)`` shares, where its body says so.
+
+    torch.export wraps a ``torch.no_grad()`` block in ``wrap_with_set_grad_enabled(False, body,
+    *args)``; a buffer the block writes comes back as an output of the body aliasing one of its
+    placeholders (``copy_(b_mean, ...)``), read afterwards through ``getitem``.
+    """
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2 or \
+            not isinstance(node.args[0], torch.fx.Node) or not isinstance(node.args[1], int):
+        return None
+    op, k = node.args[0], node.args[1]
+    owner = op.graph.owning_module
+    if not isinstance(op.target, torch._ops.HigherOrderOperator) or owner is None:
+        return None
+    bodies = [(i, a) for i, a in enumerate(op.args) if isinstance(a, torch.fx.Node) and a.op == "get_attr"
+              and isinstance(getattr(owner, str(a.target), None), torch.fx.GraphModule)]
+    if len(bodies) != 1:
+        return None
+    at, attr = bodies[0]
+    body: torch.fx.GraphModule = getattr(owner, str(attr.target))
+    out = next(n for n in body.graph.nodes if n.op == "output").args[0]
+    value = out[k] if isinstance(out, (tuple, list)) and k < len(out) else None
+    while isinstance(value, torch.fx.Node) and value.op != "placeholder":
+        found = aliases(value)
+        value = found[0] if len(found) == 1 else None
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    if value not in placeholders:
+        return None
+    position = at + 1 + placeholders.index(value)
+    arg = op.args[position] if position < len(op.args) else None
+    return arg if isinstance(arg, torch.fx.Node) else None
+
+
+def _clones(node: torch.fx.Node) -> bool:
+    """Tell whether ``node`` is a clone (the model's own, as torch's spectral norm clones its vectors)."""
+    return node.op in ("call_function", "call_method") and \
+        str(getattr(node.target, "__name__", node.target)).split(".")[0] == "clone"
+
+
 def _find(gm: torch.fx.GraphModule, found: BufferReads) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, str] | None:
     """Return the first (reader, value read, last earlier-stage write, buffer) to route, noting reads that cannot be."""
     owner, writers = _state_of(gm)
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     stage = {n: n.meta["fxpipe.stage"] for n in gm.graph.nodes}
     for reader in gm.graph.nodes:
-        if reader.op in ("get_attr", "output"):
+        if reader.op in ("get_attr", "output") or reader.meta.get("fxpipe.as_written"):
             continue
         for value in reader.all_input_nodes:
             name = owner.get(value)
@@ -87,17 +134,24 @@ def _find(gm: torch.fx.GraphModule, found: BufferReads) -> tuple[torch.fx.Node, 
                 if note not in found.unordered:
                     found.unordered.append(note)
                 continue
-            if not earlier:
+            if not before:
                 continue
-            last = max(earlier, key=order.__getitem__)
+            last = max(before, key=order.__getitem__)
+            if stage[last] == stage[reader] and _clones(reader):
+                continue  # a copy taken in the writing stage is the value as written already
             if value.op == "get_attr" or stage[value] == stage[last]:
                 return reader, value, last, name
     return None
 
 
 def route_buffer_reads(gm: torch.fx.GraphModule) -> BufferReads:
-    """Make later stages read the value of a buffer an earlier stage wrote, as of that write; return what was done."""
+    """Make every read of a buffer after a write read the value as written (a clone); return what was done."""
     found = BufferReads()
+    _, writers = _state_of(gm)
+    for name, nodes in writers.items():
+        stages = sorted({n.meta["fxpipe.stage"] for n in nodes})
+        if len(stages) > 1:
+            found.spread.append((name, stages))
     made: dict[tuple[torch.fx.Node, torch.fx.Node], torch.fx.Node] = {}
     while (hit := _find(gm, found)) is not None:
         reader, value, last, name = hit
@@ -125,5 +179,5 @@ def _clone_after(gm: torch.fx.GraphModule, value: torch.fx.Node, last: torch.fx.
         clone = gm.graph.create_node("call_function", torch.ops.aten.clone.default, (source,),
                                      name=f"{buffer.replace('.', '_')}_as_written")
     clone.meta = {**{k: v for k, v in value.meta.items() if k != "nn_module_stack"}, **_NO_COST,
-                  "fxpipe.stage": last.meta["fxpipe.stage"]}
+                  "fxpipe.stage": last.meta["fxpipe.stage"], "fxpipe.as_written": True}
     return clone

@@ -46,8 +46,15 @@ def route_buffer_reads(gm: torch.fx.GraphModule) -> None:
             f"buffer '{buffer}' is written in place in stage {ws} (node '{writer}') and read in stage {rs} "
             f"(node '{reader}'), {when} that read within one forward. A pipeline cannot give each micro-batch the value "
             f"eager gives it there: stages run micro-batches in the schedule's order, and a stage on another rank reads "
-            f"its own copy of the buffer, which the writes of stage {ws} do not reach. Keep every read and write of "
-            f"'{buffer}' in one stage (split_points=), or pass the value in as an input.", stacklevel=user_stacklevel())
+            f"its own copy of the buffer, which the writes of stage {ws} do not reach. Write it before every read in "
+            f"the forward (each later read then gets the value as written), or pass the value in as an input.",
+            stacklevel=user_stacklevel())
+    for buffer, stages in found.spread:
+        warnings.warn(
+            f"buffer '{buffer}' is written in place by stages {stages} (a module called in several stages, such as "
+            f"a shared batch norm): each stage writes it for every micro-batch in the schedule's order, not in eager's, "
+            f"and across ranks each rank writes its own copy, so its value after a step is not eager's. Keep its "
+            f"writes in one stage (split_points=) for the value eager gives.", stacklevel=user_stacklevel())
 
 
 def conflict_message(gm: torch.fx.GraphModule, c: passes.Conflict) -> str:

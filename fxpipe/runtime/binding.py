@@ -27,6 +27,7 @@ class Binding:
         self.warned = False  # that a batch smaller than chunks runs fewer micro-batches (said once)
         self.targets_checked = False  # for ignored entries shared unequally by the micro-batches (once)
         self.summed_checked = False  # for 0-dim sums under a mean loss_fn, means under a summed one (once)
+        self.summed_pending: tuple[int, Any] | None = None  # (micro-batches, loss_fn) for the first loss's check
         self.coupled: list[str] = gm.meta.get("fxpipe.coupled", [])  # outputs that couple a batch's rows
         reduced = gm.meta.get("fxpipe.summed", {})  # 0-dim outputs that sum, and that average, over the rows
         self.summed: list[str] = reduced.get("sum", [])

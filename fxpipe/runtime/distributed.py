@@ -45,7 +45,7 @@ from fxpipe.runtime import gradnorm
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.contract import Place
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
-from fxpipe.runtime.ignored import check_targets_once
+from fxpipe.runtime.ignored import check_first_loss, check_targets_once
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import micro_losses
 from fxpipe.runtime.replicanorms import sync_norms
@@ -385,7 +385,8 @@ class DistributedRuntime:
                 self.summed = open_window(self.tied)
             def losses_for(batch: int | None, m: int) -> dict[int, Callable[[Any], torch.Tensor]]:
                 check_targets_once(self.binding, tgt, kwargs, batch, m, loss_fn)
-                return micro_losses(loss_fn, tgt, batch, m, self.device, self.binding.finish)
+                return micro_losses(loss_fn, tgt, batch, m, self.device, self.binding.finish,
+                                    partial(check_first_loss, self.binding))
             if self.layout.tp > 1 and self.partial is None:
                 sharded = self.grad_sync is not None and self.grad_sync.shard  # FSDP2: sums at the synced step
                 self.partial = PartialGrads([w.call.gm for w in self.workers.values()], self.layout.tp_group,

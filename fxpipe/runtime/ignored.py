@@ -16,11 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
+from fxpipe.errors import user_stacklevel
 from fxpipe.plan.batches import micro_sizes
 from fxpipe.runtime.microbatch import is_summed
 
-__all__ = ["IGNORE_INDEX", "check_targets_once", "warn_summed_outputs", "warn_uneven_ignored"]
+__all__ = ["IGNORE_INDEX", "check_first_loss", "check_targets_once", "warn_summed_outputs", "warn_uneven_ignored"]
 
 IGNORE_INDEX = -100  # torch's and transformers' ignore_index
 
@@ -56,29 +58,43 @@ def warn_summed_outputs(summed: list[str], means: list[str], m: int, loss_fn: Ca
     """Warn of 0-dim sums over the rows under a mean ``loss_fn``, and of means under a summed one."""
     if means and m > 1 and is_summed(loss_fn) and not summed:
         warnings.warn(
-            f"the model returns {', '.join(means)}: a mean over the rows. With loss_reduction='sum' pipe.step adds "
-            f"the micro-batches' losses as loss_fn returns them, so a loss_fn returning that mean gives {m}x eager's "
-            "loss and gradients (for even micro-batches). Leave loss_reduction at 'mean' for it; 'sum' is for a "
-            "loss_fn returning its micro-batch's share of the batch's loss (a sum divided by the whole batch's "
-            "count). A model that ignores num_items_in_batch= (T5, an encoder-decoder) returns such a mean "
-            "(said once per pipe)", stacklevel=4)
+            f"the model returns {', '.join(means)}: a mean over the rows, which loss_fn returns. With "
+            f"loss_reduction='sum' pipe.step adds the micro-batches' losses as loss_fn returns them, so a loss_fn "
+            f"returning that mean gives {m}x eager's loss and gradients (for even micro-batches). Leave "
+            "loss_reduction at 'mean' for it; 'sum' is for a loss_fn returning its micro-batch's share of the "
+            "batch's loss (a sum divided by the whole batch's count). A model that ignores num_items_in_batch= (T5, "
+            "an encoder-decoder) returns such a mean (said once per pipe)", stacklevel=user_stacklevel())
     if summed and m > 1 and not is_summed(loss_fn):
         warnings.warn(
-            f"the model returns {', '.join(summed)}: a sum over the rows. pipe.step weights each micro-batch's loss "
-            f"by its share of the rows (a mean's weighting), so a loss_fn returning that sum gives 1/{m} of eager's "
-            "loss and gradients (for even micro-batches). Pass loss_reduction='sum' to add the micro-batches' losses "
-            "(said once per pipe)", stacklevel=4)
+            f"the model returns {', '.join(summed)}: a sum over the rows, which loss_fn returns. pipe.step weights "
+            f"each micro-batch's loss by its share of the rows (a mean's weighting), so a loss_fn returning that sum "
+            f"gives 1/{m} of eager's loss and gradients (for even micro-batches). Pass loss_reduction='sum' to add "
+            "the micro-batches' losses (said once per pipe)", stacklevel=user_stacklevel())
 
 
 def check_targets_once(binding: Any, target: Any, kwargs: dict, batch: int | None, m: int, loss_fn: Callable) -> None:
     """Look at the step's target and ``labels=`` input until one step of a mean loss was looked at (per pipe).
 
-    The first step also warns of outputs that sum over the rows under a mean ``loss_fn``, and that
-    average over them under a summed one (:func:`warn_summed_outputs`).
+    The first step also arms :func:`check_first_loss`, which warns of outputs that sum over the
+    rows under a mean ``loss_fn``, and that average over them under a summed one, if ``loss_fn``
+    returns one of them (:func:`warn_summed_outputs`).
     """
     if not binding.summed_checked:
         binding.summed_checked = True
-        warn_summed_outputs(binding.summed, binding.means, m, loss_fn)
+        binding.summed_pending = (m, loss_fn)
     if not binding.targets_checked:
         binding.targets_checked = warn_uneven_ignored({"target": target, "labels": kwargs.get("labels")}, batch, m,
                                                       loss_fn)
+
+
+def check_first_loss(binding: Any, out: Any, loss: torch.Tensor) -> None:
+    """On the first micro-batch's loss of a pipe, warn if it is the model's own 0-dim sum or mean (once)."""
+    if binding.summed_pending is None:
+        return
+    m, loss_fn = binding.summed_pending
+    binding.summed_pending = None
+    returned = any(isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point() and
+                   (t is loss or (t.shape == loss.shape and bool(torch.equal(t.detach(), loss.detach()))))
+                   for t in tree_flatten(out)[0])
+    if returned:  # a loss computed from the logits (a sum over a count) is the user's own: nothing to say
+        warn_summed_outputs(binding.summed, binding.means, m, loss_fn)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NoReturn
 
 import torch
@@ -22,7 +23,7 @@ from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.codegen import compile_source, gpipe_source
 from fxpipe.runtime.contract import Place
-from fxpipe.runtime.ignored import check_targets_once
+from fxpipe.runtime.ignored import check_first_loss, check_targets_once
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import micro_losses
 from fxpipe.runtime.observe import timeline
@@ -148,7 +149,8 @@ class LocalRuntime:
                                "torch.inference_mode() (use pipe(x) to infer)")
         mbs, batch = self.binding.split(args, kwargs, self.plan.chunks, training, self.devices[0])
         check_targets_once(self.binding, target, kwargs, batch, len(mbs), loss_fn)
-        losses = micro_losses(loss_fn, target, batch, len(mbs), self.devices[-1], self.binding.finish)
+        losses = micro_losses(loss_fn, target, batch, len(mbs), self.devices[-1], self.binding.finish,
+                              partial(check_first_loss, self.binding))
         if self.plan.schedule == "gpipe":
             try:  # the loss and backward may raise too: commit only a step that finished
                 outputs = self.run(mbs, training)

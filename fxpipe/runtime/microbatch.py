@@ -136,13 +136,15 @@ def _rows_not_in_tensors(value: Any, batch: int, where: str = "") -> str | None:
 
 
 def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch: int | None,
-                 m: int, device: torch.device, finish: Callable[[Any], Any] = lambda out: out
+                 m: int, device: torch.device, finish: Callable[[Any], Any] = lambda out: out,
+                 looked_at: Callable[[Any, torch.Tensor], None] | None = None
                  ) -> dict[int, Callable[[Any], torch.Tensor]]:
     """Return, per micro-batch, a function from its output to its share of the batch loss.
 
     Micro-batch ``i`` of ``rows_i`` rows contributes ``loss_fn(out_i, target_i) * rows_i / B``,
     so for a mean-reduced loss the sum equals ``loss_fn`` on the whole batch; a ``loss_fn``
-    marked :func:`summed` contributes ``loss_fn(out_i, target_i)`` as it is.
+    marked :func:`summed` contributes ``loss_fn(out_i, target_i)`` as it is. ``looked_at`` is
+    called with each output ``loss_fn`` got and what it returned.
     """
     check_target_rows(target, batch, m)
     sizes = micro_sizes(batch, m) if batch is not None else [0] * m
@@ -167,7 +169,10 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
                              "stage's): pass target= there (passing it on every rank is fine), or give a loss_fn "
                              "that needs none (lambda out, _: out.loss)")
                 raise
-            return _scalar_loss(value, out) * weight
+            value = _scalar_loss(value, out)
+            if looked_at is not None:
+                looked_at(given, value)
+            return value * weight
 
         losses[i] = loss
     return losses

@@ -72,3 +72,44 @@ def counted(rank, world, schedule):
         if p.device.type != "meta" and p.grad is not None:
             errors.append(max_relative_error(p.grad, held[name].grad))
     return {"errors": errors, "losses": losses, "skips": [(r.name, r.src, r.dst) for r in pipe.plan.skips]}
+
+
+class Scaled(nn.Module):
+    """Grow a scale in place, then multiply by it in the same stage: backward needs the value as written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("scale", torch.ones(16))
+
+    def forward(self, x):
+        self.scale.mul_(1.1)
+        return self.b(torch.tanh(self.a(x)) * self.scale)
+
+
+class Normalized(nn.Module):
+    """Update a running mean and a count in one no_grad block (an observation normalizer); read the mean later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("mean", torch.zeros(16))
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.mean.copy_(0.5 * self.mean + 0.5 * x.mean(0))
+            self.count.add_(1)
+        return self.b(torch.tanh(self.a(x))) * (1 + self.mean[:4])
+
+
+class SharedNorm(nn.Module):
+    """Call one batch norm in the first and the last layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.c(self.bn(self.b(torch.relu(self.bn(self.a(x))))))

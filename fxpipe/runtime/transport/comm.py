@@ -139,8 +139,10 @@ class Comm:
             return ((f"this rank is calling pipe #{mine + 1} (pipes are numbered in the order each rank made them) "
                     f"but {where}: every rank must call its pipes in the same order, since a pipe's step or "
                     "call runs on all of its ranks at once"), [n for _, n in others])
-        return (("a peer is stuck, dead, or calling another pipe (every rank must call its pipes in the same "
-                "order); raise fxpipe.compile(..., timeout=) if a stage is this slow"), [])
+        return (("a peer did not make this call (every rank calls pipe.step and pipe(x) together, as many times, "
+                 "and its pipes in the same order: a call under `if rank == 0:` or a loop of other length on one "
+                 "rank leaves the others waiting), or it is stuck or dead; only if a stage is really this slow, "
+                 "raise fxpipe.compile(..., timeout=)"), [])
 
     # -- tensors -----------------------------------------------------------------------
     def exchange(self, sends: Sequence[tuple[torch.Tensor, int, int]],

@@ -113,7 +113,7 @@ def test_a_loss_summed_over_rows_is_warned_of_and_sums_with_loss_reduction_sum(t
     model = _SelfLoss(how)
     eager = copy.deepcopy(model)
     pipe = fxpipe.compile(model, 2, example_inputs=(x, y), chunks=3, tracer=tracer)
-    with pytest.warns(UserWarning, match=r"the model returns the output: a sum over the rows\..*1/3 of eager's.*"
+    with pytest.warns(UserWarning, match=r"the model returns the output: a sum over the rows, which loss_fn returns\..*1/3 of eager's.*"
                                          r"loss_reduction='sum'"):
         pipe.step(x, y, target=None, loss_fn=lambda out, _: out)
     pipe.zero_grad()
@@ -145,7 +145,7 @@ def test_a_mean_loss_added_under_loss_reduction_sum_is_warned_of(tracer):
     torch.manual_seed(0)
     x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
     pipe = fxpipe.compile(_SelfLoss("mean"), 2, example_inputs=(x, y), chunks=3, tracer=tracer)
-    with pytest.warns(UserWarning, match=r"a mean over the rows\. With loss_reduction='sum' .* gives 3x eager's"):
+    with pytest.warns(UserWarning, match=r"a mean over the rows, which loss_fn returns\. With loss_reduction='sum' .* gives 3x eager's"):
         pipe.step(x, y, target=None, loss_fn=lambda out, _: out, loss_reduction="sum")
     n = torch.tensor(6.0)
     model = _SharedLoss()
@@ -218,3 +218,34 @@ def test_a_coupled_output_is_still_refused_beside_an_independent_one():
         pipe = fxpipe.compile(Mixed(), 2, example_inputs=(x,), chunks=3)
     with pytest.raises(fxpipe.PipelineInputError, match=r"\[0\] \(node"):
         pipe(x)
+
+
+class _LogitsAndLoss(nn.Module):
+    """Return the logits and the model's own mean loss, as a Hugging Face model given labels does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        logits = self.b(torch.relu(self.a(x)))
+        return {"logits": logits, "loss": F.cross_entropy(logits, y)}
+
+
+def test_a_summed_loss_from_the_logits_beside_the_model_s_mean_loss_is_not_warned_of():
+    # the docs' recipe (T5 given labels, a loss from the logits over the batch's count, loss_reduction='sum')
+    # was warned of as a mean added up, though loss_fn never read the model's loss
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    model = _LogitsAndLoss()
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x, y), chunks=3)
+    n = y.numel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = pipe.step(x, y, target=y, loss_reduction="sum",
+                         loss_fn=lambda out, t: F.cross_entropy(out["logits"], t, reduction="sum") / n)
+    torch.testing.assert_close(loss, eager(x, y)["loss"].detach())
+    with pytest.warns(UserWarning, match=r"a mean over the rows, which loss_fn returns"):
+        fxpipe.compile(copy.deepcopy(eager), 2, example_inputs=(x, y), chunks=3).step(
+            x, y, target=y, loss_reduction="sum", loss_fn=lambda out, _: out["loss"])
