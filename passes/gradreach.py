@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch.fx
 from fxpipe.passes.annotate import TensorSpec
+from fxpipe.passes.mutates import unwrapped
 from fxpipe.passes.spec import differentiable
 from torch.utils._pytree import tree_flatten
 
@@ -38,12 +39,34 @@ def _carries(node: torch.fx.Node) -> bool:
     return any(isinstance(t, TensorSpec) and t.requires_grad and differentiable(t.dtype) for t in tree_flatten(spec)[0])
 
 
+def _made_of(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Return the nodes an output node is made of: itself, or what a container it builds holds.
+
+    A namedtuple built in the forward (torchvision's ``GoogLeNetOutputs(logits, aux)``) is one
+    node whose arguments are the outputs; so is a mode's choice between two (``pick(training,
+    Out(logits, aux), logits)``, where only training returns the auxiliary head).
+    """
+    call = unwrapped(node)
+    if call.op != "call_function":
+        return [node]
+    positions = getattr(call.target, "returns_an_argument", ())
+    if positions:
+        held = [call.args[k] for k in positions if k < len(call.args)]
+    elif isinstance(call.target, type):  # a container class: its fields are the outputs
+        held = list(call.args) + list(call.kwargs.values())
+    else:
+        return [node]
+    return [leaf for value in tree_flatten(held)[0] if isinstance(value, torch.fx.Node) for leaf in _made_of(value)]
+
+
 def maybe_without_grad(gm: torch.fx.GraphModule) -> set[str]:
     """Return the names of the nodes that do not reach every gradient-carrying output leaf."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     direct: dict[torch.fx.Node, set[int]] = {}
-    for k, leaf in enumerate(tree_flatten(output.args[0])[0]):
-        if isinstance(leaf, torch.fx.Node) and _carries(leaf):
+    leaves = [part for leaf in tree_flatten(output.args[0])[0] if isinstance(leaf, torch.fx.Node)
+              for part in _made_of(leaf)]
+    for k, leaf in enumerate(leaves):
+        if _carries(leaf):
             direct.setdefault(leaf, set()).add(k)
     every = set().union(*direct.values()) if direct else set()
     reach: dict[torch.fx.Node, set[int]] = {}

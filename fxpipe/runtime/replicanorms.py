@@ -16,29 +16,53 @@ FSDP2 leaves buffers alone), so after each training run of the pipeline:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fxpipe.runtime.stage.batchnorm import fold_staged
+from fxpipe.runtime.stage.keepstate import norm_statistics
 
 __all__ = ["norms_of", "sync_norms"]
 
 
-def norms_of(modules: Iterable[nn.Module]) -> list[_BatchNorm]:
-    """Return the batch norms tracking running statistics in ``modules`` and their submodules, once each."""
-    found: dict[int, _BatchNorm] = {}
+def norms_of(modules: Iterable[nn.Module]) -> list[Any]:
+    """Return the batch norms tracking running statistics in ``modules`` and their submodules, once each.
+
+    A norm the graph calls as a function on buffers (exported, or a subclass whose forward fx
+    traced through, timm's ``BatchNormAct2d``) has no module in a stage: it is returned as a
+    record of its buffers (``running_mean``, ``running_var``, ``num_batches_tracked``).
+    """
+    found: dict[int, Any] = {}
     for module in modules:
         for m in module.modules():
             if isinstance(m, _BatchNorm) and m.track_running_stats and m.running_mean is not None:
-                found.setdefault(id(m), m)
+                found.setdefault(id(m.running_mean), m)
+        if isinstance(module, torch.fx.GraphModule):
+            for record in _called_norms(module):
+                found.setdefault(id(record.running_mean), record)
     return list(found.values())
 
 
-def sync_norms(norms: Sequence[_BatchNorm], deferred: Sequence[_BatchNorm], group: Any,
+def _called_norms(gm: torch.fx.GraphModule) -> list[SimpleNamespace]:
+    """Return a record of the buffers of each batch norm ``gm`` calls as a function (by the buffers' module path)."""
+    buffers = dict(gm.named_buffers())
+    by_path: dict[str, dict[str, torch.Tensor]] = {}
+    for name in norm_statistics(gm):
+        path, _, field = name.rpartition(".")
+        if name in buffers:
+            by_path.setdefault(path, {})[field] = buffers[name]
+    return [SimpleNamespace(running_mean=held["running_mean"], running_var=held.get("running_var"),
+                            num_batches_tracked=held.get("num_batches_tracked"))
+            for held in by_path.values() if held.get("running_mean") is not None]
+
+
+def sync_norms(norms: Sequence[Any], deferred: Sequence[_BatchNorm], group: Any,
                wait: Callable[[list, str], None]) -> None:
     """Sum the deferred norms' sums over ``group`` (the replicas); broadcast the others' statistics from its first rank.
 
@@ -72,7 +96,7 @@ def _sum_deferred(deferred: list[_BatchNorm], group: Any, wait: Callable[[list, 
                         _fxpipe_sum_squares=part[c:2 * c].clone() if count else None, _fxpipe_count=count)
 
 
-def _broadcast(norms: list[_BatchNorm], group: Any, wait: Callable[[list, str], None]) -> None:
+def _broadcast(norms: list[Any], group: Any, wait: Callable[[list, str], None]) -> None:
     """Copy the first replica's running statistics to every replica: one broadcast per dtype."""
     buffers = [b for bn in norms for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
                if b is not None and not hasattr(b, "to_local")]

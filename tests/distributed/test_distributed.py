@@ -337,3 +337,30 @@ def test_a_distributed_pipe_is_not_copied_and_the_message_names_averaging_the_mo
     for res in launch("copied", 2, "1f1b", tmp_path):
         assert "a distributed pipe cannot be copied" in res["refused"] and "AveragedModel(model)" in res["refused"]
         assert res["averaged"], res
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_an_auxiliary_head_returned_in_training_only_and_ignored_trains_under_ddp(schedule, tmp_path, launch):
+    # GoogLeNet's namedtuple of (logits, aux) built under `if self.training:` was one output node to the gradient
+    # reach, so the aux head was wrapped by DDP: the first step's last-stage gradients were not averaged, and
+    # the second raised DDP's "Expected to mark a variable ready only once"
+    results = launch("unreached_cases:auxiliary", 4, schedule, tmp_path)
+    for r, res in enumerate(results):
+        assert max(res["errors"].values(), default=0.0) < 1e-5, (r, res)
+        assert res["unused"][1] == ["aux", "head"], res
+    assert {n for res in results for n in res["nones"]} == {"aux.weight", "aux.bias"}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b:fx", "1f1b:export"])
+def test_batch_norms_called_as_functions_keep_the_first_replica_s_statistics(schedule, tmp_path, launch):
+    # a batch norm subclass fx traced through (timm's BatchNormAct2d), or any exported one, leaves the stage no
+    # batch norm module: its statistics were not copied from the first replica, and the replicas drifted apart
+    results = launch("dist_cases:replica_norms", 4, schedule, tmp_path)
+    assert all(res["ok"] for res in results), [res.get("message") for res in results]
+    by_stage = {}
+    for res in results:
+        by_stage.setdefault(tuple(sorted(res["stats"])), []).append(res)
+    assert len(by_stage) == 2, by_stage.keys()
+    for names, pair in by_stage.items():
+        assert names and len(pair) == 2 and {r["replica"] for r in pair} == {0, 1}, names
+        assert pair[0]["stats"] == pair[1]["stats"], names

@@ -880,3 +880,27 @@ def clip_float64(rank, world, schedule):
     norm = fxpipe.clip_grad_norm_(pipe, 0.05)
     want = torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.05)
     return {"dtype": str(norm.dtype), "error": float((norm - want).abs() / want)}
+
+
+class _ActNorm(nn.BatchNorm2d):
+    """A batch norm subclass with its activation (timm's BatchNormAct2d): fx traces through its forward."""
+
+    def forward(self, x):
+        return torch.relu(F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                       self.training, self.momentum, self.eps))
+
+
+def replica_norms(rank, world, schedule):
+    """Train pp2 x dp2 a step without deferral; return each held norm buffer's values and this rank's replica."""
+    tracer = schedule.partition(":")[2] or "fx"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), _ActNorm(8), nn.Conv2d(8, 8, 3), _ActNorm(8),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    x, y = torch.randn(8, 3, 10, 10), torch.randint(0, 4, (8,))
+    pipe = fxpipe.compile(model, 2, example_inputs=(x[:4],), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule.partition(":")[0], data_parallel=2, split_points=["2"], tracer=tracer)
+    _, replica = fxpipe.data_shard(pipe)
+    rows = slice(replica * 4, replica * 4 + 4)
+    pipe.step(x[rows], target=y[rows], loss_fn=F.cross_entropy)
+    stats = {name: b.tolist() for name, b in model.named_buffers() if b.device.type != "meta" and "running" in name}
+    return {"replica": replica, "stats": stats}

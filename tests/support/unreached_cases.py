@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
@@ -39,6 +41,30 @@ class Headed(nn.Module):
         a = self.ha(h0)
         h2 = self.l2(self.l1(h0))
         return {"main": h2, "aux": a + h2}
+
+
+Outputs = collections.namedtuple("Outputs", ["logits", "aux"])  # torchvision's GoogLeNetOutputs
+
+
+class AuxInTraining(nn.Module):
+    """Return the logits and an auxiliary head in a namedtuple in training, the logits alone in eval (GoogLeNet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.head, self.aux = nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x))))))
+        aux = self.aux(h)
+        if self.training:
+            return Outputs(self.head(h), aux)
+        return self.head(h)
+
+
+def logits_only(out, target):
+    """Return a cross-entropy of the logits, ignoring the auxiliary head."""
+    return F.cross_entropy(out[0], target)
 
 
 def main_only(out, target):
@@ -101,3 +127,23 @@ def disagreeing(rank, world, schedule):
         else:
             errors[name] = max_relative_error(p.grad, held[name].grad)
     return {"errors": errors, "nones": nones, "replicas": replicas}
+
+
+def auxiliary(rank, world, schedule):
+    """Train pp2 x dp2 (DDP) two steps on the logits of :class:`AuxInTraining`; return the errors and Nones."""
+    torch.manual_seed(0)
+    model = AuxInTraining()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    pipe = fxpipe.compile(model, 2, example_inputs=(x[:4],), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule, split_points=["c"], data_parallel=2)
+    _, replica = fxpipe.data_shard(pipe)
+    rows = slice(replica * 4, replica * 4 + 4)
+    for _ in range(2):
+        pipe.step(x[rows], target=y[rows], loss_fn=logits_only)
+        logits_only(eager(x), y).backward()
+    held = dict(eager.named_parameters())
+    errors = {name: max_relative_error(p.grad, held[name].grad) for name, p in model.named_parameters()
+              if p.device.type != "meta" and p.grad is not None}
+    nones = [name for name, p in model.named_parameters() if p.device.type != "meta" and p.grad is None]
+    return {"errors": errors, "nones": nones, "unused": [s.maybe_unused for s in pipe.plan.stages]}

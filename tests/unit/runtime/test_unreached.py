@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from unreached_cases import SPLITS, Headed, Sided, main_only
+from unreached_cases import SPLITS, AuxInTraining, Headed, Sided, logits_only, main_only
 
 import fxpipe
 from fxpipe import passes
@@ -68,3 +68,20 @@ def test_a_model_with_one_output_names_nothing():
     gm = fxpipe.trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)))
     annotate_graph(gm, (x,), {})
     assert passes.maybe_without_grad(gm) == set()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_a_namedtuple_returned_in_training_only_names_its_auxiliary_head(schedule):
+    # the namedtuple chosen by the mode was one output node: nothing was named, so DDP wrapped the aux head
+    model = AuxInTraining()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=2, schedule=schedule,
+                          split_points=["c"])
+    assert pipe.plan.stages[1].maybe_unused == ["aux", "head"]
+    pipe.step(x, target=y, loss_fn=logits_only)
+    logits_only(eager(x), y).backward()
+    assert model.aux.weight.grad is None and model.aux.bias.grad is None
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        if q.grad is not None:
+            assert torch.allclose(p.grad, q.grad, atol=1e-6), name
