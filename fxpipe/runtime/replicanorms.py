@@ -53,7 +53,7 @@ def _called_norms(gm: torch.fx.GraphModule) -> list[SimpleNamespace]:
     """Return a record of the buffers of each batch norm ``gm`` calls as a function (by the buffers' module path)."""
     buffers = dict(gm.named_buffers())
     by_path: dict[str, dict[str, torch.Tensor]] = {}
-    for name in norm_statistics(gm):
+    for name in sorted(norm_statistics(gm)):  # one order on every replica: the broadcast is one flat tensor
         path, _, field = name.rpartition(".")
         if name in buffers:
             by_path.setdefault(path, {})[field] = buffers[name]

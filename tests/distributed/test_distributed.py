@@ -354,7 +354,8 @@ def test_an_auxiliary_head_returned_in_training_only_and_ignored_trains_under_dd
 @pytest.mark.parametrize("schedule", ["1f1b:fx", "1f1b:export"])
 def test_batch_norms_called_as_functions_keep_the_first_replica_s_statistics(schedule, tmp_path, launch):
     # a batch norm subclass fx traced through (timm's BatchNormAct2d), or any exported one, leaves the stage no
-    # batch norm module: its statistics were not copied from the first replica, and the replicas drifted apart
+    # batch norm module: its statistics were not copied from the first replica, and the replicas drifted apart;
+    # then copied in each process's string-hash order, into other norms' buffers (each rank has its own seed)
     results = launch("dist_cases:replica_norms", 4, schedule, tmp_path)
     assert all(res["ok"] for res in results), [res.get("message") for res in results]
     by_stage = {}

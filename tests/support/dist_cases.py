@@ -894,11 +894,12 @@ def replica_norms(rank, world, schedule):
     """Train pp2 x dp2 a step without deferral; return each held norm buffer's values and this rank's replica."""
     tracer = schedule.partition(":")[2] or "fx"
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), _ActNorm(8), nn.Conv2d(8, 8, 3), _ActNorm(8),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
-    x, y = torch.randn(8, 3, 10, 10), torch.randint(0, 4, (8,))
+    widths = [3, 4, 5, 6, 7, 8, 9]  # three norms of other sizes per stage: their order must not be the hash's
+    layers = [m for a, b in zip(widths, widths[1:]) for m in (nn.Conv2d(a, b, 3, padding=1), _ActNorm(b))]
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(9, 4))
+    x, y = torch.randn(8, 3, 6, 6), torch.randint(0, 4, (8,))
     pipe = fxpipe.compile(model, 2, example_inputs=(x[:4],), chunks=2, runtime="distributed", timeout=60,
-                          schedule=schedule.partition(":")[0], data_parallel=2, split_points=["2"], tracer=tracer)
+                          schedule=schedule.partition(":")[0], data_parallel=2, split_points=["6"], tracer=tracer)
     _, replica = fxpipe.data_shard(pipe)
     rows = slice(replica * 4, replica * 4 + 4)
     pipe.step(x[rows], target=y[rows], loss_fn=F.cross_entropy)
