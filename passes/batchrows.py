@@ -172,11 +172,13 @@ _JOINS = {torch.stack, torch.cat, torch.concat, torch.concatenate, torch.vstack,
 
 
 def listed_batches(gm: torch.fx.GraphModule) -> list[str]:
-    """Return a description of each input that is a list of tensors the model stacks into its batch.
+    """Return a description of each input that is a list of tensors the model may stack into its batch.
 
     A detection model's ``images`` (a list of ``(3, H, W)`` tensors, ``torch.stack(images)`` in
     the forward): the batch is the list, but micro-batches split every tensor in an input on its
-    own dim 0, so each image would be cut along its channels.
+    own dim 0, so each image would be cut along its channels. A list of tensors batched already
+    (feature maps, two views joined with ``torch.cat(views)``) is joined the same way: the caller
+    tells them apart by whether the graph runs on the split.
     """
     found = []
     for node in gm.graph.nodes:

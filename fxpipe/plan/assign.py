@@ -122,8 +122,10 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
                           "argument of its own)", stacklevel=4)
         micro = len(micro_sizes(batch, chunks))
         annotate_graph(gm, args, kwargs)
-        listed = passes.listed_batches(gm) if micro > 1 else []
-        if listed:
+        listed = passes.listed_batches(gm) if micro > 1 and batch is not None else []
+        if listed and passes.micro_specs(gm, batch, micro_sizes(batch, chunks)[0], whole) is None:
+            # a list stacked into the batch whose split does not run (each image cut along its channels); a list
+            # of tensors batched on dim 0 already (feature maps, views) splits and runs
             raise ValueError(f"{'; '.join(listed)}. fxpipe splits every tensor of an input on its own dim 0 into "
                              f"micro-batches, not a list along its length, so each of them would be cut apart "
                              "(an image along its channels). Pass the batch as one tensor (stack the list before "

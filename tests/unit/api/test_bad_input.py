@@ -634,3 +634,35 @@ def test_a_tuple_of_batched_tensors_joined_along_the_features_is_split_as_usual(
     model = _Pair()
     pipe = fxpipe.compile(model, 2, example_inputs=(pair,), chunks=2, devices=["cpu"] * 2)
     assert torch.allclose(pipe(pair), model(pair), atol=1e-6)
+
+
+class _Views(nn.Module):
+    """Encode two views of a batch at once (SimCLR): the views, batched already, joined on dim 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, views):
+        first, second = self.enc(torch.cat(views)).chunk(2)
+        return self.head(first * second)
+
+
+class _Fused(nn.Module):
+    """Fuse feature maps of one size, batched already, by a stack and a sum over the maps (BiFPN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(4, 4, 3, padding=1), nn.Linear(4, 2)
+
+    def forward(self, maps):
+        return self.head(self.conv(torch.stack(maps).sum(0)).mean((2, 3)))
+
+
+def test_lists_of_batched_tensors_joined_on_dim_0_are_not_taken_for_a_list_of_images():
+    # the refusal of a list of images first refused these too, though splitting each tensor on dim 0 is right
+    views = [torch.randn(8, 8), torch.randn(8, 8)]
+    maps = [torch.randn(8, 4, 6, 6) for _ in range(3)]
+    for model, value in ((_Views(), views), (_Fused(), maps)):
+        pipe = fxpipe.compile(copy.deepcopy(model), 2, example_inputs=(value,), chunks=4, devices=["cpu"] * 2)
+        assert torch.allclose(pipe(value), model(value), atol=1e-6), type(model).__name__
