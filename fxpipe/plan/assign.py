@@ -123,7 +123,7 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
         micro = len(micro_sizes(batch, chunks))
         annotate_graph(gm, args, kwargs)
         listed = passes.listed_batches(gm) if micro > 1 and batch is not None else []
-        if listed and passes.micro_specs(gm, batch, micro_sizes(batch, chunks)[0], whole) is None:
+        if listed and batch is not None and passes.micro_specs(gm, batch, micro_sizes(batch, chunks)[0], whole) is None:
             # a list stacked into the batch whose split does not run (each image cut along its channels); a list
             # of tensors batched on dim 0 already (feature maps, views) splits and runs
             raise ValueError(f"{'; '.join(listed)}. fxpipe splits every tensor of an input on its own dim 0 into "
