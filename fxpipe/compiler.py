@@ -170,10 +170,12 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
                 "under either")
         if released(model):
             raise CompileError(
-                f"this {type(model).__name__} was compiled with runtime='distributed' on this rank already, which left "
-                "only this rank's stages' tensors real (the others are on meta): compiling it again would initialise "
-                "those anew. Build the model again and pass weights= a checkpoint fxpipe.save wrote (or compile it "
-                "once, with the layout you want)")
+                f"this {type(model).__name__} (or a submodule of it, or a module holding it) was compiled with "
+                "runtime='distributed' on this rank already, which left only this rank's stages' tensors real (the "
+                "others are on meta): compiling it again would initialise those anew, and take tensors the first "
+                "pipe still runs. Across ranks a tensor belongs to one pipe: compile each model once, with the layout "
+                "you want, or build the model again (a copy for the second pipe) and pass weights= a checkpoint "
+                "fxpipe.save wrote")
         if plan is not None:  # what the plan records of the layout fills the arguments left at their defaults
             layout = adopt_layout(load_plan(plan), {"chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
                                                     "stages_per_rank": stages_per_rank, "data_parallel": data_parallel,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.fx
@@ -21,6 +22,7 @@ from fxpipe.materialize.fillplan import tensor_table
 __all__ = ["refuse_meta_constants", "release", "released"]
 
 _RELEASED: weakref.WeakSet = weakref.WeakSet()  # models a distributed compile swapped other ranks' tensors of
+_HELD: dict[int, weakref.ref] = {}  # id -> every tensor of those models, kept or swapped (by identity, not ==)
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +54,27 @@ def refuse_meta_constants(model: nn.Module, gm: torch.fx.GraphModule) -> None:
 
 
 def released(model: nn.Module) -> bool:
-    """Tell whether a distributed compile on this process made the other ranks' tensors of ``model`` meta."""
-    return model in _RELEASED
+    """Tell whether a distributed compile on this process made the other ranks' tensors of ``model`` meta.
+
+    Of ``model`` itself, or of a model sharing tensors with it (a submodule of a compiled model, a
+    module holding one: a GAN of a generator and a discriminator compiled apart).
+    """
+    if model in _RELEASED:
+        return True
+    return any((ref := _HELD.get(id(t))) is not None and ref() is t
+               for t in (*model.parameters(), *model.buffers()))
+
+
+def _hold(tensors: Sequence[torch.Tensor]) -> None:
+    """Remember ``tensors`` as belonging to a distributed pipe, until each is freed."""
+    for t in tensors:
+        key = id(t)
+        _HELD[key] = weakref.ref(t, partial(_forget, key))
+
+
+def _forget(key: int, _: weakref.ref) -> None:
+    """Drop a freed tensor from those held by distributed pipes."""
+    _HELD.pop(key, None)
 
 
 def release(model: nn.Module, keep: set[int], also: Sequence[nn.Module] = ()) -> int:
@@ -65,6 +86,7 @@ def release(model: nn.Module, keep: set[int], also: Sequence[nn.Module] = ()) ->
     real copy of another rank's tensor, or a save would write that stale copy beside the owner's.
     """
     _RELEASED.add(model)
+    _hold([info.tensor for info in tensor_table(model).values()])
     freed = 0
     replaced: dict[int, torch.Tensor] = {}
     for key, info in tensor_table(model).items():

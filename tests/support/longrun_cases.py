@@ -524,12 +524,16 @@ def compile_twice(rank, world, schedule):
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
     x = torch.randn(8, 8)
     fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20, schedule=schedule)
-    try:
-        fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
-                       schedule=schedule, split_points=["3"])
-        return {"again": "compiled"}
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return {"again": f"{type(exc).__name__}: {exc}"}
+    out = {}
+    # the model again; a submodule of it; a module holding it (each took tensors the first pipe runs, silently)
+    for name, again in (("again", model), ("part", model[1:]), ("whole", nn.Sequential(model, nn.Linear(8, 8)))):
+        try:
+            fxpipe.compile(again, 2, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
+                           schedule=schedule)
+            out[name] = "compiled"
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def autocast_on_one_rank(rank, world, schedule):
