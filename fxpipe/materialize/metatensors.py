@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 import torch.fx
@@ -21,8 +20,9 @@ from fxpipe.materialize.fillplan import tensor_table
 
 __all__ = ["refuse_meta_constants", "release", "released"]
 
-_RELEASED: weakref.WeakSet = weakref.WeakSet()  # models a distributed compile swapped other ranks' tensors of
-_HELD: dict[int, weakref.ref] = {}  # id -> every tensor of those models, kept or swapped (by identity, not ==)
+# every module of the models a distributed compile swapped other ranks' tensors of (weakly: a module is freed as
+# usual; no tensor gets a weak reference, which would forbid release's swap_tensors)
+_RELEASED: weakref.WeakSet = weakref.WeakSet()
 
 log = logging.getLogger(__name__)
 
@@ -56,25 +56,11 @@ def refuse_meta_constants(model: nn.Module, gm: torch.fx.GraphModule) -> None:
 def released(model: nn.Module) -> bool:
     """Tell whether a distributed compile on this process made the other ranks' tensors of ``model`` meta.
 
-    Of ``model`` itself, or of a model sharing tensors with it (a submodule of a compiled model, a
-    module holding one: a GAN of a generator and a discriminator compiled apart).
+    Of ``model`` itself, of a model holding it, or of one of its submodules (the encoder of a
+    compiled model; a GAN of a generator and a discriminator compiled apart): known alike on every
+    rank, whichever holds which tensors.
     """
-    if model in _RELEASED:
-        return True
-    return any((ref := _HELD.get(id(t))) is not None and ref() is t
-               for t in (*model.parameters(), *model.buffers()))
-
-
-def _hold(tensors: Sequence[torch.Tensor]) -> None:
-    """Remember ``tensors`` as belonging to a distributed pipe, until each is freed."""
-    for t in tensors:
-        key = id(t)
-        _HELD[key] = weakref.ref(t, partial(_forget, key))
-
-
-def _forget(key: int, _: weakref.ref) -> None:
-    """Drop a freed tensor from those held by distributed pipes."""
-    _HELD.pop(key, None)
+    return any(m in _RELEASED for m in model.modules())
 
 
 def release(model: nn.Module, keep: set[int], also: Sequence[nn.Module] = ()) -> int:
@@ -85,8 +71,7 @@ def release(model: nn.Module, keep: set[int], also: Sequence[nn.Module] = ()) ->
     ``model`` and ``also`` (the traced graph, the stages) that holds it: a rank must hold no
     real copy of another rank's tensor, or a save would write that stale copy beside the owner's.
     """
-    _RELEASED.add(model)
-    _hold([info.tensor for info in tensor_table(model).values()])
+    _RELEASED.update(model.modules())
     freed = 0
     replaced: dict[int, torch.Tensor] = {}
     for key, info in tensor_table(model).items():
