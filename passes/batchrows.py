@@ -171,14 +171,16 @@ def sequence_first_splits(gm: torch.fx.GraphModule, batch: int, rows: int, part:
 _JOINS = {torch.stack, torch.cat, torch.concat, torch.concatenate, torch.vstack, torch.row_stack}
 
 
-def listed_batches(gm: torch.fx.GraphModule) -> list[str]:
-    """Return a description of each input that is a list of tensors the model may stack into its batch.
+def listed_batches(gm: torch.fx.GraphModule) -> list[tuple[str, bool]]:
+    """Return a description of each input that is a list of tensors the model may join into its batch, and
+    whether it is a stack (a new dim 0 of one entry per tensor) rather than a concatenation.
 
     A detection model's ``images`` (a list of ``(3, H, W)`` tensors, ``torch.stack(images)`` in
-    the forward): the batch is the list, but micro-batches split every tensor in an input on its
-    own dim 0, so each image would be cut along its channels. A list of tensors batched already
-    (feature maps, two views joined with ``torch.cat(views)``) is joined the same way: the caller
-    tells them apart by whether the graph runs on the split.
+    the forward), per-sample sequences stacked: the batch is the list, but micro-batches split
+    every tensor in an input on its own dim 0, so each image would be cut along its channels and
+    each sequence along its tokens. Tensors batched on dim 0 already are rather concatenated
+    (two views joined with ``torch.cat(views)``), which the caller tells apart by whether the
+    graph runs on the split.
     """
     found = []
     for node in gm.graph.nodes:
@@ -189,9 +191,9 @@ def listed_batches(gm: torch.fx.GraphModule) -> list[str]:
         for user in node.users:
             dim = user.kwargs.get("dim", user.args[1] if len(user.args) > 1 else 0)
             if user.op == "call_function" and user.target in _JOINS and user.args and user.args[0] is node and dim == 0:
-                found.append(f"input '{node.target}' is a {type(spec).__name__} of {len(spec)} tensors of shape "
-                             f"{tuple(spec[0].shape)} that node '{user.name}' ({user.target.__name__}) joins into "
-                             "the batch")
+                text = (f"input '{node.target}' is a {type(spec).__name__} of {len(spec)} tensors of shape "
+                        f"{tuple(spec[0].shape)} that node '{user.name}' ({user.target.__name__}) joins into the batch")
+                found.append((text, user.target is torch.stack))
                 break
     return found
 

@@ -123,13 +123,16 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
         micro = len(micro_sizes(batch, chunks))
         annotate_graph(gm, args, kwargs)
         listed = passes.listed_batches(gm) if micro > 1 and batch is not None else []
-        if listed and batch is not None and passes.micro_specs(gm, batch, micro_sizes(batch, chunks)[0], whole) is None:
-            # a list stacked into the batch whose split does not run (each image cut along its channels); a list
-            # of tensors batched on dim 0 already (feature maps, views) splits and runs
-            raise ValueError(f"{'; '.join(listed)}. fxpipe splits every tensor of an input on its own dim 0 into "
-                             f"micro-batches, not a list along its length, so each of them would be cut apart "
-                             "(an image along its channels). Pass the batch as one tensor (stack the list before "
-                             "the model and let its forward take the stacked batch), or use chunks=1")
+        if listed and batch is not None and (any(stacked for _, stacked in listed) or passes.micro_specs(
+                gm, batch, micro_sizes(batch, chunks)[0], whole) is None):
+            # a list stacked into the batch (images, per-sample sequences), or joined so that its split does not
+            # run; tensors batched on dim 0 already and concatenated (two views) split and run
+            raise ValueError(f"{'; '.join(text for text, _ in listed)}. fxpipe splits every tensor of an input on "
+                             "its own dim 0 into micro-batches, not a list along its length, so each of them would "
+                             "be cut apart (an image along its channels, a sequence along its tokens). Pass the "
+                             "batch as one tensor (stack the list before the model and let its forward take the "
+                             "stacked batch), or use chunks=1; if each tensor is batched on dim 0 already (feature "
+                             "maps), stack them along another dim (torch.stack(maps, dim=-1))")
         if batch is not None and micro > 1:
             _note_coupled(gm, batch, micro_sizes(batch, chunks)[0], chunks, whole)
     else:

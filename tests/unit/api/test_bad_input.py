@@ -651,18 +651,43 @@ class _Views(nn.Module):
 class _Fused(nn.Module):
     """Fuse feature maps of one size, batched already, by a stack and a sum over the maps (BiFPN)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int) -> None:
         super().__init__()
+        self.dim = dim
         self.conv, self.head = nn.Conv2d(4, 4, 3, padding=1), nn.Linear(4, 2)
 
     def forward(self, maps):
-        return self.head(self.conv(torch.stack(maps).sum(0)).mean((2, 3)))
+        return self.head(self.conv(torch.stack(maps, dim=self.dim).sum(self.dim)).mean((2, 3)))
 
 
-def test_lists_of_batched_tensors_joined_on_dim_0_are_not_taken_for_a_list_of_images():
+class _Sequences(nn.Module):
+    """Stack per-sample sequences into the batch and attend over each: the list is the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.head = nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, seqs):
+        h = torch.stack(seqs)
+        return self.head(self.attn(h, h, h)[0]).transpose(0, 1)
+
+
+def test_lists_of_batched_tensors_concatenated_on_dim_0_or_stacked_on_another_are_split_as_usual():
     # the refusal of a list of images first refused these too, though splitting each tensor on dim 0 is right
     views = [torch.randn(8, 8), torch.randn(8, 8)]
     maps = [torch.randn(8, 4, 6, 6) for _ in range(3)]
-    for model, value in ((_Views(), views), (_Fused(), maps)):
+    for model, value in ((_Views(), views), (_Fused(-1), maps)):
         pipe = fxpipe.compile(copy.deepcopy(model), 2, example_inputs=(value,), chunks=4, devices=["cpu"] * 2)
         assert torch.allclose(pipe(value), model(value), atol=1e-6), type(model).__name__
+
+
+def test_a_list_stacked_on_dim_0_is_refused_even_where_its_split_runs():
+    # per-sample sequences stacked into the batch: the split cut every sequence's tokens in half and ran, 0.96
+    # off eager, silently (a check of whether the split runs let it through); maps stacked on dim 0 name dim=-1
+    seqs = [torch.randn(6, 8) for _ in range(8)]
+    with pytest.raises(ValueError, match=r"input 'seqs' is a list of 8 tensors of shape \(6, 8\) .* a sequence "
+                                         r"along its tokens"):
+        fxpipe.compile(_Sequences(), 2, example_inputs=(seqs,), chunks=2, devices=["cpu"] * 2)
+    maps = [torch.randn(8, 4, 6, 6) for _ in range(3)]
+    with pytest.raises(ValueError, match=r"stack them along another dim \(torch.stack\(maps, dim=-1\)\)"):
+        fxpipe.compile(_Fused(0), 2, example_inputs=(maps,), chunks=2, devices=["cpu"] * 2)
