@@ -25,6 +25,8 @@ from typing import Any
 import torch.fx
 from torch import nn
 
+from fxpipe.runtime.stage.reshare import held_tensor, tensor_place
+
 __all__ = ["Snapshot", "changes", "describe", "replaced", "snapshot"]
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -56,32 +58,19 @@ class Snapshot:
         # in attributes of their own, which a replaced Parameter (load_state_dict(assign=True)) leaves behind
         self.fetched: list[tuple[nn.Module, str, Any]] = []
         for target in sorted({str(n.target) for g in (gm, *runs) for n in g.graph.nodes if n.op == "get_attr"}):
-            prefix, _, field = target.rpartition(".")
-            try:
-                owner = model.get_submodule(prefix) if prefix else model
-            except AttributeError:
-                continue
-            tensor = _held(owner, field)
-            if tensor is not None:
-                self.fetched.append((owner, field, tensor))
+            place = tensor_place(model, target)
+            tensor = None if place is None else held_tensor(*place)
+            if place is not None and tensor is not None:
+                self.fetched.append((*place, tensor))
 
     def retake(self) -> None:
         """Record the tensors the graph fetches as they are now (after the stages were pointed at them)."""
-        self.fetched = [(owner, field, _held(owner, field)) for owner, field, _ in self.fetched]
-
-
-def _held(owner: nn.Module, field: str) -> Any:
-    """Return ``owner``'s parameter or buffer ``field`` (None where it has neither)."""
-    for registry in (owner._parameters, owner._buffers):  # a ScriptModule's registries have no get
-        tensor = _get(registry, field)
-        if tensor is not None and tensor is not _Missing:
-            return tensor
-    return None
+        self.fetched = [(owner, field, held_tensor(owner, field)) for owner, field, _ in self.fetched]
 
 
 def replaced(snap: Snapshot) -> bool:
     """Tell whether a tensor the graph fetches was replaced on the model by another object since the snapshot."""
-    return any(_held(owner, field) is not tensor for owner, field, tensor in snap.fetched)
+    return any(held_tensor(owner, field) is not tensor for owner, field, tensor in snap.fetched)
 
 
 def _plain(module: nn.Module) -> list[tuple[str, Any]]:

@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["reshare"]
+__all__ = ["held_tensor", "reshare", "tensor_place"]
 
 
 def reshare(model: nn.Module, modules: Iterable[torch.fx.GraphModule]) -> int:
@@ -50,10 +50,26 @@ def reshare(model: nn.Module, modules: Iterable[torch.fx.GraphModule]) -> int:
 
 def _tensor(model: nn.Module, name: str) -> torch.Tensor | None:
     """Return the model's parameter or buffer ``name`` (None: the model has no tensor of that name)."""
+    place = tensor_place(model, name)
+    return None if place is None else held_tensor(*place)
+
+
+def tensor_place(model: nn.Module, name: str) -> tuple[nn.Module, str] | None:
+    """Return the module holding the tensor ``name`` (a dotted path) and its field (None: no such module)."""
     prefix, _, field = name.rpartition(".")
     try:
-        owner = model.get_submodule(prefix) if prefix else model
+        return (model.get_submodule(prefix) if prefix else model), field
     except AttributeError:
         return None
-    param = owner._parameters.get(field)
-    return param if param is not None else owner._buffers.get(field)
+
+
+def held_tensor(owner: nn.Module, field: str) -> torch.Tensor | None:
+    """Return ``owner``'s parameter or buffer ``field`` (None where it has neither)."""
+    for registry in (owner._parameters, owner._buffers):
+        try:  # a ScriptModule's registries have no get
+            tensor = registry[field]
+        except KeyError:
+            continue
+        if tensor is not None:
+            return tensor
+    return None
