@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from fxpipe.errors import CompileError
+from fxpipe.errors import CompileError, user_stacklevel
 from fxpipe.frontend.compiledmodule import unwrap_compiled
 from fxpipe.materialize.metatensors import released
 from fxpipe.options import AUTO, CompileOptions
@@ -188,6 +189,13 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             stages_per_rank, data_parallel = layout["stages_per_rank"], layout["data_parallel"]
             data_parallel_shard, tensor_parallel = layout["data_parallel_shard"], layout["tensor_parallel"]
             tracer = layout["tracer"]
+        if getattr(model, "is_gradient_checkpointing", False) is True:  # Hugging Face's own recomputation
+            warnings.warn(
+                f"{type(model).__name__} has gradient checkpointing on (gradient_checkpointing_enable()), which the "
+                "trace runs through: its layers become plain calls that keep their activations, saving no memory. "
+                "fxpipe recomputes per stage instead, by checkpoint= ('except_last', the default, 'always' or "
+                "'selective'); call model.gradient_checkpointing_disable() before compiling to silence this",
+                stacklevel=user_stacklevel())
         options = CompileOptions(
             n_stages, example_inputs=example_inputs, example_kwargs=example_kwargs, devices=devices, chunks=chunks,
             checkpoint=checkpoint, balance_by=balance_by, split_points=split_points, max_memory=max_memory,

@@ -25,6 +25,7 @@ __all__ = [
     "PipelineInputError",
     "PlanMismatchError",
     "PropagationError",
+    "RecomputationError",
     "ScheduleError",
     "SearchSpaceError",
     "TensorParallelError",
@@ -82,6 +83,11 @@ class DeferredInitError(WeightsError):
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be loaded here (half-written, another model, another optimizer); says why."""
+
+
+class RecomputationError(ValueError):
+    """A backward that recomputation cannot serve (``torch.autograd.grad``, ``backward(inputs=)``,
+    ``create_graph=True``, a stage writing its own input in place); names the stage and the fix."""
 
 
 class CompileError(ValueError):

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from fxpipe.options import saving_pass
+from fxpipe.options import checkpoint_stop, saving_pass
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.codegen import compile_source, gpipe_source
@@ -31,6 +31,7 @@ from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
 from fxpipe.runtime.stage.copy import copy
 from fxpipe.runtime.stage.dependency import depend
+from fxpipe.runtime.stage.recompute import guarded
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.threads import DeviceThreads
 from fxpipe.runtime.stage.unfrozen import refuse_changed_linears, refuse_input_grads, refuse_unfrozen
@@ -140,6 +141,9 @@ class LocalRuntime:
         output = self.binding.gather(self.run(mbs, training), training)
         if training:
             commit_batch_norm(self.deferred)
+        recomputed = [j for j, p in enumerate(self.plan.policies()) if checkpoint_stop(p, len(mbs))]
+        if self.checkpointing and recomputed:  # what backward through them cannot give, refused (recompute)
+            guarded(output, recomputed[0])
         return self.binding.finish(output)
 
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:

@@ -30,12 +30,14 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fxpipe.errors import RecomputationError
 from fxpipe.passes.mutates import aliases
 from fxpipe.runtime.stage.dependency import fork, get_phony, join
 from fxpipe.runtime.stage.owned import owned, unshare_grads
 
 __all__ = [
     "checkpointed",
+    "guarded",
     "in_pass",
     "is_checkpointing",
     "is_recomputing",
@@ -101,8 +103,19 @@ class _Record:
 
     def replay(self, inputs: tuple) -> None:
         """Recompute the forward with grad and the saved RNG state; keep the result."""
+        _check_served(self.call.index)
         leaves = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
-        outputs = self.flatten(self.call.run(self.i, self.rebuild(leaves), "recompute", self.replay_point))
+        try:
+            outputs = self.flatten(self.call.run(self.i, self.rebuild(leaves), "recompute", self.replay_point))
+        except RuntimeError as exc:
+            if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc):
+                raise
+            raise RecomputationError(
+                f"stage {self.call.index} writes one of its inputs in place (an nn.ReLU(inplace=True) or x.add_(...) "
+                "as the first thing it does), which its recomputation in backward cannot replay: the inputs it "
+                "recomputes from are leaves that require grad. Make that op out of place (inplace=False), "
+                "compile with checkpoint='never', or cut the model with fxpipe.compile, which copies an input "
+                "a stage writes") from exc
         self.recomputed.append((outputs, leaves))
 
 
@@ -128,6 +141,7 @@ class Checkpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         record: _Record = ctx.record
+        _check_served(record.call.index)
         if not record.recomputed:  # the side branch was not reached: recompute here
             record.replay(ctx.saved_tensors)
         outputs, leaves = record.recomputed.pop()
@@ -140,6 +154,45 @@ class Checkpoint(torch.autograd.Function):
         # autograd holds these until the previous stage runs; a later Checkpoint's backward must
         # not change them through a parameter's .grad (stage.owned)
         return (None, None) + tuple(owned(x.grad) if x.requires_grad else None for x in leaves)
+
+
+def _check_served(stage: int) -> None:
+    """Refuse a backward a recomputed stage cannot serve: gradients of chosen tensors, or of gradients.
+
+    The recomputation backpropagates inside the backward (torchgpipe's, and
+    ``torch.utils.checkpoint``'s reentrant variant): it can only add into ``.grad``, so
+    ``torch.autograd.grad`` would miss the parameters' share of every recomputed micro-batch,
+    and ``create_graph=True`` would get no graph through them.
+    """
+    if torch.is_grad_enabled():  # the engine runs a backward with grad mode on under create_graph=True
+        what = "create_graph=True (a gradient of a gradient, a gradient penalty)"
+    elif not torch.autograd._is_checkpoint_valid():  # torch.autograd.grad, or backward(inputs=...)
+        what = "torch.autograd.grad or backward(inputs=...)"
+    else:
+        return
+    raise RecomputationError(
+        f"stage {stage} is checkpointed (recomputed in backward), which cannot serve {what}: the recomputation "
+        "backpropagates inside the backward and can only add its parameters' gradients into .grad, so the "
+        "result would silently leave out every recomputed micro-batch's share. Call loss.backward() with no "
+        "inputs= and read .grad, or compile with checkpoint='never' (every stage keeps its activations)")
+
+
+def guarded(output: Any, stage: int) -> None:
+    """Hook each tensor of ``output`` that requires grad with a check of the backward's kind.
+
+    ``torch.autograd.grad(loss, params)`` runs only the nodes on a path to ``params``, and a
+    checkpointed stage's parameters are on none (they are read inside its recomputation), so
+    its backward never runs to refuse: the result would just lack those micro-batches. This
+    hook, on ``pipe(x)``'s output, is on every path, and refuses for ``stage`` (the first
+    checkpointed one). A hook rather than a node: the output stays the tensor the stages made,
+    which the caller may still change in place.
+    """
+    def check(grad: torch.Tensor) -> None:
+        _check_served(stage)
+
+    for t in tree_flatten(output)[0]:
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            t.register_hook(check)
 
 
 _TRAINED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stage graph -> its parameters that train

@@ -57,3 +57,15 @@ def test_good_settings_give_each_stage_its_policy(checkpoint):
     assert pipe.plan.policies() == expected
     assert pipe.plan.checkpoint == (checkpoint if isinstance(checkpoint, str) else "per stage")
     pipe.step(torch.randn(4, 4), target=torch.randn(4, 4), loss_fn=nn.functional.mse_loss)
+
+
+def test_hugging_face_gradient_checkpointing_is_said_to_save_nothing():
+    # the trace runs through a model's own torch.utils.checkpoint calls (Hugging Face's
+    # gradient_checkpointing_enable()): the stages kept every activation with no word of it
+    class Checkpointed(nn.Sequential):
+        is_gradient_checkpointing = True
+
+    model = Checkpointed(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    with pytest.warns(UserWarning, match=r"Checkpointed has gradient checkpointing on .* saving no memory.*"
+                                         r"gradient_checkpointing_disable\(\)"):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 4),), devices=["cpu"] * 2)

@@ -192,3 +192,51 @@ def test_a_buffer_written_in_place_and_sent_on_keeps_no_history_under_recomputat
         losses.append(float(pipe.step(x, target=y, loss_fn=torch.nn.functional.mse_loss)))
         assert model.steps.grad_fn is None and model.steps.item() == 2  # one count per micro-batch
     assert losses[0] == losses[1] == losses[2]
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("ask", ["autograd.grad", "inputs=", "create_graph"])
+def test_a_backward_recomputation_cannot_serve_is_refused_not_short(ask):
+    # autograd.grad(loss, params) ran only the last micro-batch's nodes (a checkpointed stage's parameters are
+    # read inside its recomputation, on no path the engine follows): 0.93 off eager, silently
+    x = torch.randn(6, 8)
+    pipe = fxpipe.compile(_mlp(), 2, example_inputs=(x,), chunks=3, devices=["cpu"] * 2)
+    xi = x.clone().requires_grad_()
+    loss = pipe(xi).pow(2).sum()
+    with pytest.raises(fxpipe.RecomputationError, match="stage 0 is checkpointed .* checkpoint='never'"):
+        if ask == "autograd.grad":
+            torch.autograd.grad(loss, list(pipe.parameters()))
+        elif ask == "inputs=":
+            loss.backward(inputs=[next(pipe.parameters())])
+        else:
+            torch.autograd.grad(loss, xi, create_graph=True)
+
+
+def test_autograd_grad_and_gradients_of_gradients_match_eager_without_checkpointing():
+    x = torch.randn(6, 8)
+    eager = _mlp()
+    pipe = fxpipe.compile(copy.deepcopy(eager), 2, example_inputs=(x,), chunks=3, devices=["cpu"] * 2,
+                          checkpoint="never")
+    for model in (eager, pipe):
+        xi = x.clone().requires_grad_()
+        g, = torch.autograd.grad(model(xi).pow(2).sum(), xi, create_graph=True)
+        g.pow(2).sum().backward()  # a gradient penalty
+    for p, q in zip(pipe.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    pipe.eval()  # no recomputation in eval: an input's gradient (a saliency map) is served
+    xi = x.clone().requires_grad_()
+    assert torch.autograd.grad(pipe(xi).sum(), xi)[0].shape == x.shape
+
+
+def test_a_stage_writing_its_input_in_place_names_the_fix_under_recomputation():
+    from fxpipe.compat.torchgpipe import GPipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 4))
+    pipe = GPipe(model, [1, 2], devices=["cpu"] * 2, chunks=2)  # partition 1 starts with the in-place ReLU
+    with pytest.raises(fxpipe.RecomputationError, match="stage 1 writes one of its inputs in place .*inplace=False"):
+        pipe(torch.randn(4, 8)).sum().backward()
