@@ -58,6 +58,8 @@ class SpecProp(torch.fx.Interpreter):
         # the stand-in of a module tensor (a fake tensor), made when a node first reads it: a node
         # served from the memo makes none
         self.stand_in: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+        self.rows: tuple[int | None, int | None] = (None, None)  # the example's and these inputs' rows
+        self.imitated: set[str] = set()  # nodes whose value is their example's, resized (_like_example)
 
     def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """Fetch an attribute; a tensor through its stand-in."""
@@ -77,23 +79,34 @@ class SpecProp(torch.fx.Interpreter):
         else:
             try:
                 result = super().run_node(n)
-            except _DATA_DEPENDENT as exc:  # a leaf branching on a value: its example's value, resized
-                result = self._like_example(n)
+                if any(a.name in self.imitated for a in n.all_input_nodes):
+                    self.imitated.add(n.name)  # made of an imitation: its data is not there either
+            except Exception as exc:  # noqa: BLE001 - re-raised naming the node and its module
+                # a leaf branching on a value, or a node reading a value imitated so (its data is not
+                # there: a packed sequence's batch sizes): its example's value, resized
+                imitating = isinstance(exc, _DATA_DEPENDENT) or any(a.name in self.imitated for a in n.all_input_nodes)
+                result = self._like_example(n) if imitating else None
                 if result is None:
                     raise explain(self.gm, n, exc, "these inputs", advise=False) from None
-            except Exception as exc:  # noqa: BLE001 - re-raised naming the node and its module
-                raise explain(self.gm, n, exc, "these inputs", advise=False) from None
+                self.imitated.add(n.name)
             if key is not None:
                 self.cache[key] = result
         if self.memoize:
             self.keys[n] = value_key(result)
         if n.name in self.wanted:
             self.specs[n.name] = spec_of(result)
+        spec = n.meta.get("fxpipe.value")
+        if n.op == "placeholder" and self.rows == (None, None) and isinstance(result, torch.Tensor) and \
+                result.dim() > 0 and isinstance(spec, TensorSpec) and spec.shape:
+            self.rows = (int(spec.shape[0]), int(result.shape[0]))  # read before the input's value is let go
         return result
 
 
     def _like_example(self, n: torch.fx.Node) -> Any:
         """Return ``n``'s value from the example's (``node.meta``) when its inputs differ from the example's in dim 0 only.
+
+        A node with no tensor input (an LSTM reading a packed sequence) is resized by the
+        model inputs' rows.
 
         Fake tensors cannot follow a data-dependent op (a leaf module branching on a value),
         which compile annotated on real kernels; a rank holding one stage cannot run the others'
@@ -112,6 +125,8 @@ class SpecProp(torch.fx.Interpreter):
                 base, rows = int(spec.shape[0]), int(v.shape[0])
             elif int(spec.shape[0]) != int(v.shape[0]) and (int(spec.shape[0]), int(v.shape[0])) != (base, rows):
                 return None
+        if base is None:  # no tensor among its inputs (a packed sequence's tuple): the model inputs' rows
+            base, rows = self.rows
         if example is None or base is None or rows is None:
             return None
         grown: int = rows
@@ -175,6 +190,7 @@ class Propagator:
             level, quiet.level = quiet.level, logging.CRITICAL  # a failing node is raised, named, not logged too
             self.prop.specs = {}
             self.prop.keys, self.prop.cache = {}, {}
+            self.prop.rows, self.prop.imitated = (None, None), set()
             try:
                 with modules_untouched(self.prop.gm):  # a module caching a fake tensor would keep it
                     self.prop.run(*fake_inputs)

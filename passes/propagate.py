@@ -29,7 +29,7 @@ import torch.fx
 from fxpipe.passes.failure import explain
 from fxpipe.passes.mutates import VIEW_NAMES, may_mutate, op_name
 from fxpipe.passes.signature import node_key, value_key
-from fxpipe.passes.spec import TensorSpec, differentiable, spec_of, value_bytes
+from fxpipe.passes.spec import TensorSpec, differentiable, map_leaves, spec_of, value_bytes
 from torch import nn
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -248,8 +248,8 @@ def _with_grad_rule(spec: Any, node: torch.fx.Node, args: tuple, kwargs: dict,
                     gm: torch.fx.GraphModule) -> Any:
     """Mark floating outputs as needing a gradient when an operand does (for real-kernel runs)."""
     grad = _grad_operands(node, args, kwargs, gm) > 0
-    return tree_map(lambda s: TensorSpec(s.shape, s.dtype, grad and differentiable(s.dtype))
-                    if isinstance(s, TensorSpec) else s, spec)
+    return map_leaves(lambda s: TensorSpec(s.shape, s.dtype, grad and differentiable(s.dtype))
+                      if isinstance(s, TensorSpec) else s, spec)
 
 
 def call_with_stand_ins(gm: torch.fx.GraphModule, target: str, args: tuple, kwargs: dict,

@@ -5,14 +5,16 @@ Reads and writes no ``node.meta``.
 
 from __future__ import annotations
 
+from collections import namedtuple
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from fxpipe.passes.records import register_records
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_map
 
-__all__ = ["TensorSpec", "differentiable", "spec_of", "value_bytes"]
+__all__ = ["TensorSpec", "differentiable", "map_leaves", "spec_of", "unflatten", "value_bytes"]
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,59 @@ def _itemsize(dtype: torch.dtype) -> int:
 def spec_of(value: Any) -> Any:
     """Replace every tensor in ``value`` by its :class:`TensorSpec` (a dataclass's too: see :mod:`.records`)."""
     register_records(value)
-    return tree_map(
-        lambda v: TensorSpec(tuple(int(d) for d in v.shape), v.dtype, bool(v.requires_grad))
-        if isinstance(v, torch.Tensor)
-        else v,
-        value,
-    )
+    return map_leaves(_spec, value)
+
+
+def map_leaves(fn: Callable[[Any], Any], value: Any) -> Any:
+    """Map ``fn`` over the leaves of ``value`` (``tree_map``), also where a container's constructor reads its fields.
+
+    A named tuple such as ``PackedSequence`` checks its fields in ``__new__`` (its
+    ``batch_sizes.device``), which a spec does not have: such a tuple is built without it.
+    """
+    try:
+        return tree_map(fn, value)
+    except Exception:  # noqa: BLE001 - rebuilt by hand below; a failing fn fails there again
+        return _raw(fn, value)
+
+
+def unflatten(spec: TreeSpec, leaves: list[Any]) -> Any:
+    """Build ``spec``'s structure from ``leaves`` (``spec.unflatten``), a named tuple without its ``__new__`` if need be.
+
+    A value of another kind in a ``PackedSequence`` (its gradient: ``None`` for ``batch_sizes``)
+    fails its ``__new__``'s checks.
+    """
+    try:
+        return spec.unflatten(leaves)
+    except Exception:  # noqa: BLE001 - rebuilt by hand below
+        it = iter(leaves)
+        return _build(spec, it)
+
+
+def _build(spec: TreeSpec, it: Iterator[Any]) -> Any:
+    """Build one node of ``spec`` from the leaves left in ``it``."""
+    if spec.is_leaf():
+        return next(it)
+    children = [_build(spec.child(k), it) for k in range(spec.num_children)]
+    if spec.type is namedtuple:
+        return tuple.__new__(spec.context, children)
+    return SUPPORTED_NODES[spec.type].unflatten_fn(children, spec.context)
+
+
+def _spec(v: Any) -> Any:
+    """Return the spec of a tensor; any other value as it is."""
+    return TensorSpec(tuple(int(d) for d in v.shape), v.dtype, bool(v.requires_grad)) if isinstance(v, torch.Tensor) \
+        else v
+
+
+def _raw(fn: Callable[[Any], Any], value: Any) -> Any:
+    """Map ``fn`` over lists, tuples, dicts and named tuples, building a named tuple without its ``__new__``."""
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return tuple.__new__(type(value), [_raw(fn, v) for v in value])
+    if isinstance(value, (list, tuple)):
+        return type(value)(_raw(fn, v) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _raw(fn, v)) for k, v in value.items())
+    return fn(value)
 
 
 def value_bytes(spec: Any) -> int:

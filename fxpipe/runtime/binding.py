@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ class Binding:
         alike = {name for _, name in independent}
         self.scalars = {mode: [s for s in passes.scalar_outputs(gm, mode) if s not in alike] for mode in (True, False)}
         self.unbatched = frozenset(gm.meta.get("fxpipe.unbatched", ()))  # inputs every micro-batch gets whole
+        self.rows: Callable[[int, int], list[int]] | None = None  # (batch, chunks) -> sizes; None: even (scatter)
 
     def bind(self, args: tuple, kwargs: dict) -> list[Any]:
         """Return one value per placeholder for a call with ``args`` and ``kwargs``."""
@@ -49,10 +51,10 @@ class Binding:
         values = self.bind(args, kwargs)
         batch = batch_size(values, self.names, self.unbatched)
         check_inputs(self.gm, values, self.names, training, self.unbatched)
-        mbs = scatter(values, self.names, chunks, self.unbatched)
+        mbs = scatter(values, self.names, chunks, self.unbatched, self.rows)
         if batch is not None:
             check_micro_batches(self.gm, -(-batch // len(mbs)), batch, chunks, self.names, self.unbatched)
-        if batch is not None and len(mbs) < chunks and not self.warned:
+        if batch is not None and batch < chunks and not self.warned:
             self.warned = True
             warnings.warn(f"a batch of {batch} row(s) runs as {len(mbs)} micro-batch(es), fewer than chunks={chunks}: "
                           "a micro-batch holds at least one row (said once per pipe)", stacklevel=user_stacklevel())
@@ -78,7 +80,8 @@ class Binding:
                 f"the model returns a 0-dim tensor ({', '.join(self.scalars[training])}), which cannot be joined across "
                 f"{m} micro-batches: each computes it over its own rows. Return per-sample values (reduce after "
                 "the pipeline), or use chunks=1; a loss the model computes (Hugging Face's labels=) is what "
-                "pipe.step(..., loss_fn=lambda out, _: out.loss) trains on")
+                "pipe.step(..., loss_fn=lambda out, _: out.loss) trains on; a Hugging Face mixture of experts "
+                "returns its router's aux_loss only under output_router_logits=True (leave it False to infer)")
 
     def gather(self, outputs: list[Any], training: bool) -> Any:
         """Join the micro-batches' outputs on dim 0; refuse outputs that couple a batch's rows."""

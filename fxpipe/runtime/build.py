@@ -31,7 +31,7 @@ import torch.fx
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fxpipe.errors import CompileError, PeerFailure
+from fxpipe.errors import CompileError, PeerFailure, PipelineInputError
 from fxpipe.materialize.fill import fill
 from fxpipe.materialize.fillplan import tensor_table
 from fxpipe.materialize.metatensors import release
@@ -289,6 +289,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     """
     device, mine = layout.device, schedule.stages_of(layout.rank)
     held = [stages[j] for j in mine]
+    _refuse_packed_across_ranks(gm, plan)  # every rank alike, before any waits on another
     warn_shared_storage(stages, schedule.ranks)  # before the moves, which part what shared storage
     if layout.dp > 1:  # every rank asks it of every rank's stages, so all refuse alike
         for r in sorted(set(schedule.ranks)):
@@ -365,3 +366,35 @@ def _refuse_shared_on_one_rank(held: Sequence[torch.fx.GraphModule], mine: Seque
                                  "rank; with data_parallel > 1 each stage reduces its own gradients, so a tensor "
                                  "cannot be shared between two stages of a rank: untie it, or place those stages "
                                  "on different ranks (another schedule or split)")
+
+
+def _refuse_packed_across_ranks(gm: torch.fx.GraphModule, plan: PipelinePlan) -> None:
+    """Refuse a ``PackedSequence`` sent from one rank to another: its size follows the lengths' values.
+
+    A receiving rank sizes its buffers from the micro-batch's shapes, which give a packed
+    sequence's rows only for the example's lengths (in one process the value itself is handed on).
+    """
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for stage in plan.stages:
+        for later in plan.stages:
+            sent = [v for v in later.inputs if v in stage.outputs and later.on_rank != stage.on_rank]
+            for v in sent:
+                if _holds_packed(nodes[v].meta.get("fxpipe.value")):
+                    raise PipelineInputError(
+                        f"'{v}' is a PackedSequence sent from stage {stage.index} (rank {stage.on_rank}) to stage "
+                        f"{later.index} (rank {later.on_rank}); across ranks a receiver sizes its buffers from the "
+                        "micro-batch's shapes, and a packed sequence's size follows the values of its lengths. Keep "
+                        "packing and unpacking on one rank (split_points= at a padded value, after "
+                        "pad_packed_sequence), or run it in one process (devices=[...]), where values are handed on "
+                        "as they are")
+
+
+def _holds_packed(value: Any) -> bool:
+    """Tell whether a value's spec holds a ``PackedSequence``."""
+    if isinstance(value, torch.nn.utils.rnn.PackedSequence):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_packed(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_packed(v) for v in value.values())
+    return False

@@ -66,10 +66,12 @@ def warn_summed_outputs(summed: list[str], means: list[str], m: int, loss_fn: Ca
             "an encoder-decoder) returns such a mean (said once per pipe)", stacklevel=user_stacklevel())
     if summed and m > 1 and not is_summed(loss_fn):
         warnings.warn(
-            f"the model returns {', '.join(summed)}: a sum over the rows, which loss_fn returns. pipe.step weights "
-            f"each micro-batch's loss by its share of the rows (a mean's weighting), so a loss_fn returning that sum "
-            f"gives 1/{m} of eager's loss and gradients (for even micro-batches). Pass loss_reduction='sum' to add "
-            "the micro-batches' losses (said once per pipe)", stacklevel=user_stacklevel())
+            f"the model returns {', '.join(summed)}: a sum over the rows, which loss_fn's loss is or adds. pipe.step "
+            "weights each micro-batch's loss by its share of the rows (a mean's weighting), so that sum counts "
+            f"1/{m} of what it does in eager, in the loss and the gradients (for even micro-batches). Pass "
+            "loss_reduction='sum' to add the micro-batches' losses as loss_fn returns them (a loss_fn adding a mean "
+            "to that sum then scales the mean by its micro-batch's share of the batch's rows) (said once per pipe)",
+            stacklevel=user_stacklevel())
 
 
 def check_targets_once(binding: Any, target: Any, kwargs: dict, batch: int | None, m: int, loss_fn: Callable) -> None:
@@ -92,9 +94,46 @@ def check_first_loss(binding: Any, out: Any, loss: torch.Tensor) -> None:
     if binding.summed_pending is None:
         return
     m, loss_fn = binding.summed_pending
+    scalars = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dim() == 0 and
+               t.is_floating_point()]
+    returned = any(t is loss or (t.shape == loss.shape and bool(torch.equal(t.detach(), loss.detach())))
+                   for t in scalars)
+    if not returned and scalars and not torch.is_grad_enabled():
+        return  # a checkpointed forward keeps no graph to look into: look at its recomputation's
     binding.summed_pending = None
-    returned = any(isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point() and
-                   (t is loss or (t.shape == loss.shape and bool(torch.equal(t.detach(), loss.detach()))))
-                   for t in tree_flatten(out)[0])
-    if returned:  # a loss computed from the logits (a sum over a count) is the user's own: nothing to say
+    # a loss computed from the logits (a sum over a count) is the user's own: nothing to say; one made
+    # of the model's 0-dim output (a task loss plus the model's auxiliary sum) is weighted as that output
+    if returned or _made_of(loss, scalars):
         warn_summed_outputs(binding.summed, binding.means, m, loss_fn)
+
+
+def _made_of(loss: torch.Tensor, parts: list[torch.Tensor], limit: int = 100_000) -> bool:
+    """Tell whether ``loss``'s autograd graph reaches one of ``parts`` (looked at once per pipe, bounded).
+
+    By edge, (node, output number): a stage's outputs may all come out of one node (a
+    checkpointed stage's), of which the logits a loss reads are not the 0-dim output beside them;
+    a leaf (a stage's input returned as it came) by the edge to its gradient's accumulator.
+    """
+    goals: set[tuple[Any, int]] = {(t.grad_fn, t.output_nr) for t in parts if t.grad_fn is not None}
+    with torch.enable_grad():  # a leaf (a stage's input returned as is) is reached by its gradient's accumulator
+        for t in parts:
+            alias = t.view_as(t) if t.grad_fn is None and t.requires_grad else None
+            if alias is not None and alias.grad_fn is not None:
+                goals.add(alias.grad_fn.next_functions[0])
+    if not goals or loss.grad_fn is None:
+        return False
+    if (loss.grad_fn, loss.output_nr) in goals:
+        return True
+    todo: list[Any] = [loss.grad_fn]
+    seen: set[Any] = set()
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for edge in node.next_functions:
+            if edge in goals:
+                return True
+            if edge[0] is not None:
+                todo.append(edge[0])
+    return False

@@ -14,6 +14,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxpipe.errors import PipelineInputError
+from fxpipe.passes.spec import unflatten
 from fxpipe.plan.batches import batch_size, is_batched, micro_sizes
 from fxpipe.runtime.observe.blame import add_note
 
@@ -30,13 +31,20 @@ def to_device(value: Any, device: torch.device) -> Any:
                     if isinstance(t, torch.Tensor) and t.device != device else t, value)
 
 
-def scatter(values: Sequence[Any], names: Sequence[str], chunks: int, whole: Collection[str] = ()) -> list[list[Any]]:
-    """Split each value into micro-batches (those named in ``whole`` go whole to each); return one list per micro-batch."""
+def scatter(values: Sequence[Any], names: Sequence[str], chunks: int, whole: Collection[str] = (),
+            rows: Callable[[int, int], list[int]] | None = None) -> list[list[Any]]:
+    """Split each value into micro-batches (those named in ``whole`` go whole to each); return one list per micro-batch.
+
+    ``rows(batch, chunks)`` gives the micro-batches' sizes (torchgpipe's drop-in splits as
+    ``Tensor.chunk`` does); by default they differ by at most one row (:func:`micro_sizes`).
+    """
     batch = batch_size(values, names, whole)
-    m = len(micro_sizes(batch, chunks))
+    sizes = rows(batch, chunks) if rows is not None and batch is not None else None
+    m = len(sizes) if sizes is not None else len(micro_sizes(batch, chunks))
     kept = [None if name in whole else value for value, name in zip(values, names)]
     leaves, spec = tree_flatten(kept)
-    columns = [torch.tensor_split(leaf, m) if is_batched(leaf) else [leaf] * m for leaf in leaves]
+    columns = [(torch.split(leaf, sizes) if sizes is not None else torch.tensor_split(leaf, m)) if is_batched(leaf)
+               else [leaf] * m for leaf in leaves]
     mbs = [tree_unflatten([col[i] for col in columns], spec) for i in range(m)]
     for k, name in enumerate(names):
         if name in whole:
@@ -224,4 +232,4 @@ def sum_grads(parts: list[Any]) -> Any:
     for column in zip(*[f[0] for f in flat]):
         present = [x for x in column if x is not None]
         leaves.append(sum(present[1:], present[0]) if present else None)
-    return tree_unflatten(leaves, flat[0][1])
+    return unflatten(flat[0][1], leaves)

@@ -60,6 +60,43 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
             _check_static_dims(name, value, expected, first=0 if name in unbatched else 1)
         elif meta.get("fxpipe.tracer") == "export":
             _check_constant(name, value, expected)
+    _check_guards(gm, dict(zip(placeholders, values)), unbatched)
+
+
+def _check_guards(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], unbatched: Collection[str]) -> None:
+    """Run an exported graph's guards (``_guards_fn``) on stand-ins of the inputs' sizes; refuse those they fail.
+
+    torch.export guards what it assumed of the sizes beyond each input's range: a divisibility
+    (a patch size), a feature map not of size 1. Failing inside stage 0, they raised a bare
+    ``AssertionError``. The batch dim keeps the example's rows here (its bounds are
+    :func:`check_micro_batches`'); the stand-ins are on meta, so no kernel runs.
+    """
+    guards = getattr(gm, "_guards_fn", None)
+    call = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"), None)
+    if guards is None or call is None or not all(a in values for a in call.args if isinstance(a, torch.fx.Node)):
+        return
+
+    def stand_in(node: Any) -> Any:
+        value = values[node] if isinstance(node, torch.fx.Node) else node
+        expected = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor):
+            return value
+        shape = list(value.shape)
+        hint = getattr(getattr(expected.shape[0], "node", None), "hint", None) \
+            if isinstance(expected, torch.Tensor) and expected.dim() == len(shape) > 0 else None
+        if hint is not None and node.target not in unbatched:
+            shape[0] = int(hint)  # the example's rows: the batch's bounds are check_micro_batches'
+        return torch.empty(shape, dtype=value.dtype, device="meta")
+
+    try:
+        guards(*[stand_in(a) for a in call.args])
+    except AssertionError as exc:
+        sizes = ", ".join(f"'{n.target}' {tuple(v.shape)}" for n, v in values.items() if isinstance(v, torch.Tensor))
+        raise PipelineInputError(
+            f"the inputs' sizes ({sizes}) fail a check torch.export put in the graph: {exc}. torch.export "
+            "specialised the model's code to sizes like the example's (a size a layer divides by, a feature map "
+            "of size 1), so these cannot run through this graph. Use tracer='fx', whose graph is shape-generic "
+            "(several image sizes in one run), or export with an example of this size") from None
 
 
 def _check_constant(name: str, value: Any, expected: Any) -> None:
@@ -147,7 +184,9 @@ def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor,
             raise PipelineInputError(
                 f"input '{where}' has {actual.shape[k]} in dim {k}, but torch.export traced the model for "
                 f"sizes {bounds[0]} to {bounds[1] if bounds[1] is not None else 'any'} there (it specialises "
-                "sizes 0 and 1); export with an example of that size, or use tracer='fx'")
+                "sizes 0 and 1, of this input or of a value made from it: a feature map reaching size 1). Use "
+                "tracer='fx', whose graph is shape-generic (several image sizes in one run), or export with an "
+                "example of that size (which moves the range)")
     fixed = [(k, _fixed(d)) for k, d in enumerate(expected.shape) if _fixed(d) is not None]
     wrong = [(k, d) for k, d in fixed if actual.shape[k] != d]
     if wrong:

@@ -394,3 +394,33 @@ def assert_same(a: nn.Module, b: nn.Module) -> None:
     assert list(ta) == list(tb)
     for name in ta:
         assert torch.equal(ta[name], tb[name]), name
+
+
+class Pack(nn.Module):
+    """Pack padded rows by their lengths (a leaf: fx cannot trace the packing)."""
+
+    def forward(self, h, lengths):
+        return nn.utils.rnn.pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False)
+
+
+class Unpack(nn.Module):
+    """Pad a packed sequence back to five steps (a leaf)."""
+
+    def forward(self, p):
+        return nn.utils.rnn.pad_packed_sequence(p, batch_first=True, total_length=5)[0]
+
+
+class PackedLSTM(nn.Module):
+    """Two LSTMs over a packed sequence, between a projection and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.pack = nn.Linear(8, 16), Pack()
+        self.rnn1, self.rnn2 = nn.LSTM(16, 16, batch_first=True), nn.LSTM(16, 16, batch_first=True)
+        self.unpack, self.head = Unpack(), nn.Linear(16, 4)
+
+    def forward(self, x, lengths):
+        p, _ = self.rnn1(self.pack(self.inp(x), lengths))
+        p, _ = self.rnn2(p)
+        return self.head(self.unpack(p))
+

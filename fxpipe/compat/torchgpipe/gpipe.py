@@ -34,9 +34,13 @@ from fxpipe.compat.torchgpipe.skip.layout import inspect_skip_layout
 from fxpipe.compat.torchgpipe.skip.skippable import verify_skippables
 from fxpipe.pipe import Pipe
 
-__all__ = ["GPipe", "verify_module"]
+__all__ = ["BalanceError", "GPipe", "verify_module"]
 
 Device = torch.device | int | str
+
+
+class BalanceError(ValueError):
+    """A balance that does not partition the module (torchgpipe's error of the same name)."""
 
 
 def recommend_auto_balance(message: str) -> str:
@@ -67,15 +71,15 @@ def split_module(module: nn.Sequential, balance: Iterable[int],
                  devices: list[torch.device]) -> tuple[nn.ModuleList, list[int], list[torch.device]]:
     """Group the layers into partitions of ``balance`` sizes; keep one device per partition.
 
-    Raises ValueError for a wrong balance, IndexError for fewer devices than partitions.
+    Raises :class:`BalanceError` (a ValueError) for a wrong balance, IndexError for fewer devices than partitions.
     """
     balance = list(balance)
     if len(module) != sum(balance):
-        raise ValueError(recommend_auto_balance(
+        raise BalanceError(recommend_auto_balance(
             f"module and sum of balance have different length (module: {len(module)}, sum of "
             f"balance: {sum(balance)})"))
     if any(b <= 0 for b in balance):
-        raise ValueError(recommend_auto_balance(
+        raise BalanceError(recommend_auto_balance(
             f"all balance numbers must be positive integer (balance: {balance})"))
     if len(balance) > len(devices):
         raise IndexError(f"too few devices to hold given partitions (devices: {len(devices)}, "
@@ -139,6 +143,7 @@ class GPipe(nn.Module):
                                   chunks=chunks, checkpoint=checkpoint,
                                   deferred_batch_norm=deferred_batch_norm)
             pipe.training = self.training  # the layers keep their own modes until train()/eval()
+            pipe._runtime.binding.rows = chunk_rows  # torchgpipe's micro-batches: batch 6, chunks 4 -> 2, 2, 2
             self.__dict__["_pipe"] = pipe
         if deferred_batch_norm:
             self._register_state_dict_hook(_add_deferred_sums)
@@ -197,6 +202,16 @@ class GPipe(nn.Module):
         if self._pipe is None:
             return input  # an empty sequential module
         return self._pipe(input)
+
+
+def chunk_rows(batch: int, chunks: int) -> list[int]:
+    """Return the micro-batch sizes ``Tensor.chunk(chunks)`` gives a batch of ``batch`` rows, as torchgpipe splits.
+
+    Each holds ``ceil(batch / chunks)`` rows but the last, so there may be fewer than ``chunks``
+    (batch 6, chunks 4: 2, 2, 2), and the last may be smaller by more than one (10, 4: 3, 3, 3, 1).
+    """
+    size = -(-batch // chunks)
+    return [min(size, batch - start) for start in range(0, batch, size)]
 
 
 def _deferred_norms(gpipe: GPipe) -> Iterator[tuple[str, _BatchNorm]]:

@@ -127,6 +127,11 @@ def note_failure(exc: BaseException, gm: torch.fx.GraphModule, index: int, devic
         node = failing_node(gm, exc)
         at = f", node {describe_node(gm, node)}" if node is not None else ""
         add_note(exc, f"{_NOTE} {index} ({device}){at}, in {in_pass}")
+        if "Expected more than 1 value per channel when training" in str(exc):
+            add_note(exc, "fxpipe: a batch norm in training saw a micro-batch of one row: a batch splits into chunks "
+                          "micro-batches (6 rows at chunks=4: 2, 2, 1, 1), so the last, smaller batch of an epoch "
+                          "may leave one row. Give every micro-batch 2 rows or more: fewer chunks, or drop the uneven "
+                          "last batch (DataLoader(..., drop_last=True))")
 
 
 def add_note(exc: BaseException, note: str) -> None:

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from fxpipe.passes.spec import differentiable
+from fxpipe.passes.spec import differentiable, unflatten
 from fxpipe.runtime.stage.stream import AbstractStream, current_stream, record_stream, use_stream, wait_stream
 
 __all__ = ["Copy", "Wait", "copy", "transfer", "wait"]
@@ -88,7 +88,7 @@ def _replaced(leaves: list, spec: Any, idx: list[int], new: tuple) -> tuple:
     """Rebuild the structure with the leaves at ``idx`` replaced by ``new``."""
     for k, y in zip(idx, new):
         leaves[k] = y
-    return tree_unflatten(leaves, spec)
+    return unflatten(spec, leaves)
 
 
 def copy(values: tuple, src: AbstractStream, dst: AbstractStream, to: torch.device) -> tuple:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from fxpipe.passes.spec import differentiable
+from fxpipe.passes.spec import differentiable, unflatten
 
 __all__ = ["depend", "fork", "get_phony", "join"]
 
@@ -109,4 +109,4 @@ def depend(before: Any, after: Any) -> tuple[Any, Any]:
         return before, after
     b_leaves[kb], phony = fork(b_leaves[kb])
     a_leaves[ka] = join(a_leaves[ka], phony)
-    return tree_unflatten(b_leaves, b_spec), tree_unflatten(a_leaves, a_spec)
+    return unflatten(b_spec, b_leaves), unflatten(a_spec, a_leaves)

@@ -36,7 +36,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.passes.spec import unflatten
 
 __all__ = ["owned", "unshare_grads"]
 
@@ -68,7 +70,7 @@ def owned(grad: Any) -> Any:
     leaves, spec = tree_flatten(grad)
     if spec.is_leaf():  # None, a number, a string
         return grad
-    return tree_unflatten([_own(t) if isinstance(t, torch.Tensor) else t for t in leaves], spec)
+    return unflatten(spec, [_own(t) if isinstance(t, torch.Tensor) else t for t in leaves])
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.passes.spec import differentiable
+from fxpipe.passes.spec import differentiable, unflatten
 from fxpipe.runtime.stage import wgrad
 from fxpipe.runtime.stage.owned import owned
 from fxpipe.runtime.stage.stagecall import StageCall
@@ -228,7 +228,7 @@ def _leaf(value: Any, grad: bool) -> Any:
 def _detached(out: Any) -> Any:
     """Return the outputs with every tensor detached, for sending."""
     leaves, spec = tree_flatten(out)
-    return spec.unflatten([v.detach() if isinstance(v, torch.Tensor) else v for v in leaves])
+    return unflatten(spec, [v.detach() if isinstance(v, torch.Tensor) else v for v in leaves])
 
 
 def _grad_of(leaf: Any) -> Any:
@@ -238,7 +238,7 @@ def _grad_of(leaf: Any) -> Any:
     leaves, spec = tree_flatten(leaf)
     if spec.is_leaf():  # None, a number, a string: no gradient
         return None
-    return spec.unflatten([_grad_of(v) for v in leaves])
+    return unflatten(spec, [_grad_of(v) for v in leaves])
 
 
 def _pairs(result: Any, grads: Sequence[Any] | None) -> tuple[list[torch.Tensor], list[Any]]:

@@ -23,9 +23,10 @@ import sys
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from fxpipe.passes import TensorSpec, differentiable
+from fxpipe.passes.spec import unflatten
 
 __all__ = ["BufferPool", "empty_like_spec", "floating"]
 
@@ -97,4 +98,4 @@ def empty_like_spec(spec: Any, pool: BufferPool, floating_only: bool):
             filled.append(buf)
         else:
             filled.append(None if floating_only else leaf)
-    return (lambda: tree_unflatten(filled, tree)), bufs
+    return (lambda: unflatten(tree, filled)), bufs

@@ -13,6 +13,7 @@ blocks in a collective that a dead peer will not join.
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
 from collections.abc import Sequence
@@ -222,7 +223,7 @@ class Comm:
         One message of :data:`INLINE` bytes holds the length and, when it fits (a step's layout,
         a loss), the value; a longer value's rest follows in a second message.
         """
-        data = pickle.dumps(value)
+        data = _dumps(value)
         head = torch.zeros(INLINE, dtype=torch.uint8)
         head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
         first = min(len(data), INLINE - 8)
@@ -246,6 +247,32 @@ class Comm:
             self.exchange([], [(rest, src, OBJECT_TAG)], what)
             data += bytes(rest.cpu().tolist())
         return pickle.loads(data)  # no numpy needed
+
+
+class _Pickler(pickle.Pickler):
+    """Pickle a named tuple by its fields, to be rebuilt without its ``__new__``.
+
+    A layout's spec of a ``PackedSequence`` holds specs where its ``__new__`` checks tensors
+    (``batch_sizes.device``): unpickled through it, it would fail on the receiving rank.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        """Reduce a named tuple to :func:`_named_tuple` and its fields; anything else as pickle does."""
+        if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
+            return _named_tuple, (type(obj), tuple(obj))
+        return NotImplemented
+
+
+def _named_tuple(cls: type, fields: tuple) -> Any:
+    """Build a named tuple of ``cls`` from ``fields`` without calling its ``__new__``."""
+    return tuple.__new__(cls, fields)
+
+
+def _dumps(value: Any) -> bytes:
+    """Pickle ``value`` (named tuples by their fields: :class:`_Pickler`)."""
+    out = io.BytesIO()
+    _Pickler(out).dump(value)
+    return out.getvalue()
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
+from fxpipe.passes.spec import unflatten
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.microbatch import sum_grads, to_device
 from fxpipe.runtime.stage.copy import transfer
@@ -55,7 +56,7 @@ class LocalTransport:
                          current_stream(b.device))
         for k, y in zip(idx, moved):
             leaves[k] = y
-        return tree_unflatten(leaves, spec)
+        return unflatten(spec, leaves)
 
     def _arrived(self, value: Any, j: int, i: int) -> Any:
         """Make stage ``j``'s compute stream wait for the copies of micro-batch ``i`` it receives."""

@@ -14,6 +14,7 @@ from torch import nn
 from fxpipe import SkipRoute
 from fxpipe.compat.torchgpipe import GPipe, is_recomputing
 from fxpipe.compat.torchgpipe.batchnorm import DeferredBatchNorm
+from fxpipe.compat.torchgpipe.gpipe import BalanceError
 from fxpipe.compat.torchgpipe.skip import Namespace, pop, skippable, stash
 from fxpipe.testing import max_relative_error
 
@@ -124,6 +125,26 @@ def test_outputs_equal_torchgpipe():
             assert max_relative_error(p.grad, theirs_grads[name].grad) < 1e-5, name
 
 
+@pytest.mark.parametrize("batch, rows", [(6, [2, 2, 2]), (9, [3, 3, 3]), (10, [3, 3, 3, 1]), (3, [1, 1, 1]),
+                                         (8, [2, 2, 2, 2])])
+def test_micro_batches_are_torchgpipe_s_chunks(batch, rows):
+    # batch norm in training sees each micro-batch: split unlike torchgpipe, batch 6 at chunks=4 made micro-batches
+    # of [2, 2, 1, 1], and a one-row batch norm raised; batch 9 gave other outputs
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    seen = []
+    model[1].register_forward_pre_hook(lambda m, args: seen.append(len(args[0])))
+    eager = copy.deepcopy(model)
+    gpipe = GPipe(model, [2, 2], devices=["cpu"] * 2, chunks=4, checkpoint="never")
+    gpipe.train(min(rows) > 1)  # a one-row batch norm fails in training, in torchgpipe too
+    eager.train(min(rows) > 1)
+    x = torch.randn(batch, 4)
+    out = gpipe(x)
+    assert seen == rows
+    expected = torch.cat([eager(part) for part in x.chunk(4)])
+    assert max_relative_error(out, expected) < 1e-6
+
+
 def test_partitions_are_called_as_modules():
     calls = []
     gpipe = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], devices=["cpu"] * 2, chunks=2)
@@ -137,7 +158,7 @@ def test_partitions_are_called_as_modules():
 @pytest.mark.parametrize("args, kwargs, error, match", [
     ((nn.Linear(1, 1), [1]), {}, TypeError, "nn.Sequential"),
     ((nn.Sequential(nn.Linear(1, 1)),), {}, ValueError, "balance is required"),
-    ((nn.Sequential(nn.Linear(1, 1)), [2]), {}, ValueError, "sum of balance"),
+    ((nn.Sequential(nn.Linear(1, 1)), [2]), {}, BalanceError, "sum of balance"),
     ((nn.Sequential(nn.Linear(1, 1)), [1]), {"devices": ["cpu"], "checkpoint": "sometimes"}, ValueError,
      "checkpoint is not one of 'always', 'except_last', or 'never'"),
     ((nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)), [1, 1]), {"devices": ["cpu"]}, IndexError,

@@ -431,3 +431,27 @@ def test_an_input_passed_or_left_out_as_its_default_is_taken_as_eager_takes_it()
         pipe(x)  # a tensor at compile: not the default
     with pytest.raises(fxpipe.PipelineInputError, match=r"input 'mask' is None, but the plan was built for a tensor"):
         pipe(x, mask=None)
+
+
+class _Patches(nn.Module):
+    """Cut an image into 4x4 patches (a ViT's patch embedding): torch.export guards the sizes' divisibility."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = nn.Linear(3 * 16, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        p = x.reshape(b, c, h // 4, 4, w // 4, 4).permute(0, 2, 4, 1, 3, 5).flatten(3).flatten(1, 2)
+        return self.head(torch.relu(self.proj(p))).mean(1)
+
+
+def test_a_size_an_export_guard_refuses_is_a_pipeline_input_error_naming_fx():
+    # a guard of the exported graph (x.size()[2] % 4 == 0) failed inside stage 0 as a bare AssertionError, on one
+    # rank; it is now checked before the step, on stand-ins of the inputs' sizes
+    x = torch.randn(4, 3, 16, 16)
+    pipe = fxpipe.compile(_Patches(), 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=2, tracer="export")
+    assert pipe(torch.randn(4, 3, 24, 24)).shape == (4, 2)  # another size the guards admit
+    with pytest.raises(fxpipe.PipelineInputError, match=r"'x' \(4, 3, 18, 18\)\) fail a check torch.export put in "
+                                                        r"the graph: .*Use tracer='fx'"):
+        pipe(torch.randn(4, 3, 18, 18))

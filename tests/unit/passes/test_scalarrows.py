@@ -113,7 +113,7 @@ def test_a_loss_summed_over_rows_is_warned_of_and_sums_with_loss_reduction_sum(t
     model = _SelfLoss(how)
     eager = copy.deepcopy(model)
     pipe = fxpipe.compile(model, 2, example_inputs=(x, y), chunks=3, tracer=tracer)
-    with pytest.warns(UserWarning, match=r"the model returns the output: a sum over the rows, which loss_fn returns\..*1/3 of eager's.*"
+    with pytest.warns(UserWarning, match=r"the model returns the output: a sum over the rows, which loss_fn's loss is or adds\..*1/3 of .*"
                                          r"loss_reduction='sum'"):
         pipe.step(x, y, target=None, loss_fn=lambda out, _: out)
     pipe.zero_grad()
@@ -249,3 +249,33 @@ def test_a_summed_loss_from_the_logits_beside_the_model_s_mean_loss_is_not_warne
     with pytest.warns(UserWarning, match=r"a mean over the rows, which loss_fn returns"):
         fxpipe.compile(copy.deepcopy(eager), 2, example_inputs=(x, y), chunks=3).step(
             x, y, target=y, loss_reduction="sum", loss_fn=lambda out, _: out["loss"])
+
+
+class _AuxSum(nn.Module):
+    """Logits and an auxiliary penalty summed over the rows (an activation regulariser)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h), h.pow(2).sum() * 1e-3
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_summed_auxiliary_output_added_to_a_mean_loss_is_warned_of(checkpoint, schedule):
+    # loss_fn = task mean + the model's sum: the sum counted 1/chunks of eager's (36% off a gradient), silently,
+    # since the warning looked only for a loss_fn returning that output as it is; the sum is made on stage 0 and
+    # returned by stage 1 as it came (a leaf there), and a checkpointed forward keeps no graph to look into
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    pipe = fxpipe.compile(_AuxSum(), 2, example_inputs=(x,), chunks=3, checkpoint=checkpoint, schedule=schedule,
+                          split_points=["b"])
+    with pytest.warns(UserWarning, match=r"a sum over the rows, which loss_fn's loss is or adds\..*1/3 of"):
+        pipe.step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out[0], t) + out[1])
+    with warnings.catch_warnings():  # the logits alone: nothing of the sum reaches the loss
+        warnings.simplefilter("error")
+        fxpipe.compile(_AuxSum(), 2, example_inputs=(x,), chunks=3, checkpoint=checkpoint, schedule=schedule).step(
+            x, target=y, loss_fn=lambda out, t: F.cross_entropy(out[0], t))

@@ -347,3 +347,13 @@ def test_a_batch_norm_several_stages_call_is_warned_of_where_its_statistics_cann
         pipe = fxpipe.compile(_Twice(), 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=2, split_points=["c2"])
     with pytest.warns(UserWarning, match=r"on ranks \[0, 1\]: each rank keeps its own running statistics"):
         warn_spread(pipe.stages, True, [0, 1])  # across ranks: deferred or not
+
+
+def test_a_one_row_micro_batch_under_batch_norm_names_the_split_and_the_fix():
+    # a last batch of 6 rows at chunks=4 splits 2, 2, 1, 1: torch's "Expected more than 1 value per channel" named
+    # neither the micro-batches nor what to change
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(8, 4),), devices=["cpu"] * 2, chunks=4)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel") as info:
+        pipe(torch.randn(6, 4))
+    assert any("saw a micro-batch of one row" in note and "drop_last=True" in note for note in info.value.__notes__)
