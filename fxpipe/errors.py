@@ -39,10 +39,18 @@ class TraceError(TypeError):
 
     def __init__(self, message: str, *, module: str | None = None, filename: str | None = None,
                  lineno: int | None = None) -> None:
+        if "torch.distributions" in message or f"{os.sep}distributions{os.sep}" in (filename or ""):
+            message += _DISTRIBUTIONS
         super().__init__(message)
         self.module = module
         self.filename = filename
         self.lineno = lineno
+
+
+_DISTRIBUTIONS = (
+    "\nA torch.distributions object (Normal, Categorical, ...) is neither traced nor split into micro-batches: "
+    "a pipe's inputs and outputs are tensors and containers of them. Return the distribution's parameters "
+    "(loc, scale; logits) and build it in loss_fn: loss_fn=lambda out, y: -Normal(*out).log_prob(y).mean()")
 
 
 class PlanMismatchError(ValueError):

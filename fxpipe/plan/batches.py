@@ -50,7 +50,9 @@ def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[st
                 raise PipelineInputError(
                     f"batch sizes disagree: '{first[0]}' has {first[1]} rows on dim 0 but "
                     f"'{where}' has {leaf.shape[0]}; every tensor input is split into micro-batches "
-                    f"on dim 0, so give them the same batch size, or {fix}")
+                    f"on dim 0, so give them the same batch size, or {fix}. An input whose batch is on another "
+                    "dim (an RNN's initial state (h0, c0), of shape (layers, batch, hidden)) is not unbatched: pass "
+                    "it batch-first and move the dim inside the forward (h0.transpose(0, 1).contiguous())")
     if first is not None and first[1] == 0:
         raise PipelineInputError(f"'{first[0]}' has batch size 0; a pipeline needs at least one row")
     return None if first is None else first[1]

@@ -226,6 +226,10 @@ def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:
     Every stage needs one ``F`` and either one ``B`` or one ``I`` and one ``W`` per
     micro-batch, and nothing else; message actions are added by the runtime and refused.
     """
+    covered = 1 + max((a.mb for row in actions for a in row if a.kind not in COMM), default=-1)
+    if covered and covered != m:  # chunks= must be the schedule's count: said first, whichever way it is off
+        raise ScheduleError(f"the schedule runs {covered} micro-batches (0..{covered - 1}) but a step has {m}: "
+                            f"compile with chunks={covered}, or write the schedule for {m}")
     seen: dict[tuple[int, str, int], Action] = {}
     for r, row in enumerate(actions):
         for a in row:
@@ -245,6 +249,9 @@ def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:
             has = {k for k in COMPUTE if (j, k, i) in seen}
             if "F" not in has:
                 raise ScheduleError(f"stage {j} never runs the forward of micro-batch {i}: add {j}F{i}")
+            if has == {"F", "W"}:
+                raise ScheduleError(f"stage {j}, micro-batch {i}: {j}W{i} needs its other half {j}I{i} (the input "
+                                    f"gradient, before it), or give the whole backward as {j}B{i} instead of {j}W{i}")
             if not has & {"B", "I"}:
                 raise ScheduleError(f"stage {j} never runs the backward of micro-batch {i}: add {j}B{i} "
                                     f"(or {j}I{i} and {j}W{i})")

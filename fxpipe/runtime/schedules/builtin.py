@@ -202,8 +202,8 @@ def resolve(schedule: Any, n: int, chunks: int, stages_per_rank: int = 1) -> Sch
                 raise ScheduleError(f"schedule='zbv' places two stages on each rank (rank r: stages r and "
                                     f"2 world - 1 - r); use stages_per_rank=2, not {v}")
             if chunks < world:
-                logger.warning("schedule=%r with chunks=%d on %d ranks (devices, in one process): fewer micro-batches "
-                               "than ranks leaves every rank idle most of the step; chunks=%d or more fills the "
+                logger.warning("schedule=%r with chunks=%d on %d ranks (processes, or devices in one process): fewer "
+                               "micro-batches than ranks leaves every rank idle most of the step; chunks=%d or more fills the "
                                "pipeline",
                                schedule, chunks, world, world)
             return Schedule(schedule, None, PLACEMENTS[schedule](n, world))
@@ -224,5 +224,7 @@ def resolve(schedule: Any, n: int, chunks: int, stages_per_rank: int = 1) -> Sch
     if len(actions) != world or any(ranks.count(r) != v for r in range(len(actions))):
         raise ScheduleError(f"with stages_per_rank={v} a schedule for {n} stages has {world} lines, each "
                             f"holding the actions of {v} stage(s); this one has {len(actions)} lines holding "
-                            f"{[ranks.count(r) for r in range(len(actions))]} stages")
+                            f"{[ranks.count(r) for r in range(len(actions))]} stages"
+                            + (f": pass stages_per_rank={n // len(actions)}" if n % len(actions) == 0 and
+                               all(ranks.count(r) == n // len(actions) for r in range(len(actions))) else ""))
     return Schedule("custom", actions, ranks)

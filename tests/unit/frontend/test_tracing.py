@@ -1,7 +1,9 @@
 """fxpipe.trace: buffers stay buffers in the graph, so a pipeline follows them when they change."""
 
+import pytest
 import torch
 import torch.fx
+import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
@@ -81,3 +83,20 @@ def test_a_graph_module_without_meta_compiles():
     pipe = fxpipe.compile(gm, 2, example_inputs=(torch.randn(4, 4),), chunks=2, unbatched=[])
     x = torch.randn(4, 4)
     torch.testing.assert_close(pipe(x), model(x))
+
+
+@pytest.mark.parametrize("validate", [None, False])
+def test_a_distribution_returned_names_the_fix(validate):
+    # fx's own words ("symbolically traced variables cannot be used as inputs to control flow", "argument of
+    # type: Normal") named neither the distribution nor what to return instead
+    class Gaussian(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mu, self.sig = nn.Linear(8, 2), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return torch.distributions.Normal(self.mu(x), F.softplus(self.sig(x)) + 0.1, validate_args=validate)
+
+    with pytest.raises(fxpipe.TraceError, match=r"(?s)torch.distributions object .*Return the distribution's "
+                                                r"parameters .*build it in loss_fn"):
+        fxpipe.compile(Gaussian(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2)

@@ -37,6 +37,13 @@ def test_disagreeing_batch_sizes_name_the_path():
         batch_size([torch.randn(4, 2), {"k": (torch.randn(4), torch.randn(3))}], ["x", "extra"])
 
 
+def test_an_rnn_state_with_its_batch_on_dim_1_is_told_to_go_batch_first():
+    # the refusal offered unbatched=, which then failed inside the LSTM: h0 does have a batch, on dim 1
+    with pytest.raises(PipelineInputError, match=r"'h0' has 1;.*pass it batch-first and move the dim inside "
+                                                 r"the forward"):
+        batch_size([torch.randn(6, 5, 8), torch.randn(1, 6, 16)], ["x", "h0"])
+
+
 def test_batch_size_zero_is_refused():
     with pytest.raises(PipelineInputError, match="batch size 0"):
         batch_size([torch.randn(0, 3)], ["x"])

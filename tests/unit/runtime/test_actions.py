@@ -50,7 +50,8 @@ def test_lowering_adds_messages_around_compute():
     ("0F0 0B0 0W0\n1F0 1B0", "has both 0B0 (the full backward) and 0I0/0W0"),
     ("0F0 0I0\n1F0 1B0", "0I0 needs its other half 0W0"),
     ("0F0 0B0\n1F0 1B0\n2F0 2B0", "names stage 2, but the pipeline has 2 stages"),
-    ("0F0 0B0 0F1 0B1\n1F0 1B0 1F1 1B1", "names micro-batch 1, but a step has 1"),
+    ("0F0 0B0 0F1 0B1\n1F0 1B0 1F1 1B1", "runs 2 micro-batches (0..1) but a step has 1: compile with chunks=2"),
+    ("0F0 0W0\n1F0 1B0", "0W0 needs its other half 0I0 (the input gradient, before it), or give the whole backward as 0B0"),
     ("0F0 0SEND_F0 0B0\n1F0 1B0", "the runtime adds the sends and receives"),
 ])
 def test_bad_schedules_are_refused_naming_the_action(text, message):
@@ -108,7 +109,9 @@ def test_a_custom_schedule_from_a_file_and_from_lists(tmp_path):
 
 
 def test_a_custom_schedule_must_cover_chunks():
-    with pytest.raises(fxpipe.ScheduleError, match="stage 0 never runs the forward of micro-batch 3: add 0F3"):
+    # a schedule for 3 micro-batches at chunks=4 was told to add 0F3, and at chunks=2 to use chunks=3 "or more"
+    with pytest.raises(fxpipe.ScheduleError, match=r"runs 3 micro-batches \(0..2\) but a step has 4: compile with "
+                                                   r"chunks=3"):
         _step_equals_eager(CUSTOM, chunks=4)
     with pytest.raises(fxpipe.ScheduleError, match="use one of 'gpipe', '1f1b', 'zb', 'interleaved', 'zbv', or your own"):
         _step_equals_eager("looped-bfs")
