@@ -141,8 +141,7 @@ class Checkpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         record: _Record = ctx.record
-        _check_served(record.call.index)
-        if not record.recomputed:  # the side branch was not reached: recompute here
+        if not record.recomputed:  # the side branch was not reached: recompute here (replay checks the backward)
             record.replay(ctx.saved_tensors)
         outputs, leaves = record.recomputed.pop()
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
