@@ -28,6 +28,7 @@ from fxpipe.plan.stages import make_plan
 from fxpipe.runtime.build import build
 from fxpipe.runtime.target import where
 from fxpipe.runtime.transport.mesh import launched_world
+from fxpipe.runtime.transport.together import succeeded_together
 from fxpipe.simulate.fit import fit
 from fxpipe.simulate.measure import retain_anywhere
 from fxpipe.unknownargs import refuse_unknown
@@ -206,7 +207,14 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             unbatched=unbatched)
         target = where(model, options)  # the schedule, the devices, and across ranks this process's place
         saved = None if plan is None else load_plan(plan)
-        front = assign_stages(model, options, saved, target.devices, target.device)
+        try:
+            front = assign_stages(model, options, saved, target.devices, target.device)
+        except Exception as exc:
+            if options.distributed:  # the others hear of it instead of a closed connection
+                succeeded_together("tracing and annotating the model", exc)
+            raise
+        if options.distributed:
+            succeeded_together("tracing and annotating the model", None)
         chosen = None
         if options.checkpoint == AUTO:  # the policies, and maybe a boundary moved, for max_memory
             chosen = fit(front, options, target.devices, target.schedule, options.distributed, saved, not front.fixed)

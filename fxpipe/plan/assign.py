@@ -237,3 +237,4 @@ def annotate_graph(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
         log.warning("fake tensors cannot follow a data-dependent op (%s); annotating with real "
                     "kernels on copies of the buffers", type(exc).__name__)
         passes.annotate(gm, args, kwargs, real=True)
+        gm.meta["fxpipe.data_dependent"] = True  # sizes of later micro-batches are guessed (passes.infer)

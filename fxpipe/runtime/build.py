@@ -21,6 +21,7 @@ and after data parallel wrapped the stage module.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import torch
 import torch.fx
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import CompileError, PeerFailure, PipelineInputError
 from fxpipe.materialize.fill import fill
@@ -38,6 +40,8 @@ from fxpipe.materialize.metatensors import release
 from fxpipe.materialize.weights import open_weights
 from fxpipe.options import SPLIT_BACKENDS, CompileOptions, TorchCompile
 from fxpipe.passes.selective import selective_plan
+from fxpipe.passes.spec import TensorSpec, map_leaves
+from fxpipe.plan.batches import micro_sizes
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.dataparallel import GradSync, views_sent_only
@@ -62,6 +66,8 @@ from fxpipe.runtime.transport.comm import Comm
 from fxpipe.runtime.transport.procgroup import Layout, tied_groups
 
 __all__ = ["Built", "Materials", "build", "build_distributed", "build_local", "check_policies", "stage_call"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -289,7 +295,6 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     """
     device, mine = layout.device, schedule.stages_of(layout.rank)
     held = [stages[j] for j in mine]
-    _refuse_packed_across_ranks(gm, plan)  # every rank alike, before any waits on another
     warn_shared_storage(stages, schedule.ranks)  # before the moves, which part what shared storage
     if layout.dp > 1:  # every rank asks it of every rank's stages, so all refuse alike
         for r in sorted(set(schedule.ranks)):
@@ -319,6 +324,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     calls = [stage_call(j, stages[j], r, policies[j], [], device, j == n - 1, defer, compiled, save)
              for j, r in runnable.items()]
     engine = DistributedRuntime(plan, gm, layout, calls, link, Binding(gm), tied, schedule)
+    _refuse_sizes_from_values(engine, gm, plan)  # every rank alike, before any waits on another
     warn_spread(stages, deferred_batch_norm, [s.on_rank for s in plan.stages])
     if layout.dp > 1:  # after the tied tensors are equal: DDP, FSDP2 (or TP's own all-reduce) start from these
         engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()],
@@ -368,33 +374,42 @@ def _refuse_shared_on_one_rank(held: Sequence[torch.fx.GraphModule], mine: Seque
                                  "on different ranks (another schedule or split)")
 
 
-def _refuse_packed_across_ranks(gm: torch.fx.GraphModule, plan: PipelinePlan) -> None:
-    """Refuse a ``PackedSequence`` sent from one rank to another: its size follows the lengths' values.
+def _refuse_sizes_from_values(engine: DistributedRuntime, gm: torch.fx.GraphModule, plan: PipelinePlan) -> None:
+    """Refuse a value sent between ranks whose size follows the inputs' values (a mask's selection, a packed sequence).
 
-    A receiving rank sizes its buffers from the micro-batch's shapes, which give a packed
-    sequence's rows only for the example's lengths (in one process the value itself is handed on).
+    A receiving rank sizes its buffers from the micro-batch's shapes, propagated on fake
+    tensors; past a data-dependent op they are the example's, resized by the rows
+    (:mod:`fxpipe.passes.infer`), which guesses wrong for rows a mask picks: the receiver read
+    memory never written (a loss of inf, silently). Found by propagating the example's first
+    micro-batch as the first step would; only where compile met a data-dependent op.
     """
-    nodes = {n.name: n for n in gm.graph.nodes}
+    if not gm.meta.get("fxpipe.data_dependent"):
+        return
+    batch = next((leaf.shape[0] for spec in engine.example for leaf in tree_flatten(spec)[0]
+                  if isinstance(leaf, TensorSpec) and leaf.shape), None)
+    rows = micro_sizes(batch, plan.chunks)[0] if batch else None
+    if not rows or rows == batch:
+        return  # one micro-batch of the example's rows: nothing to resize, nothing to find
+
+    def shrink(leaf: Any) -> Any:
+        return TensorSpec((rows, *leaf.shape[1:]), leaf.dtype, leaf.requires_grad) \
+            if isinstance(leaf, TensorSpec) and leaf.shape and leaf.shape[0] == batch else leaf
+    layout = [spec if name in engine.binding.unbatched else map_leaves(shrink, spec)
+              for name, spec in zip(engine.binding.names, engine.example)]
+    try:
+        engine.propagate(layout)
+    except Exception as exc:  # noqa: BLE001 - the first step says why, on every rank
+        log.debug("propagating the example's first micro-batch failed: %s", exc)
+        return
+    unsized = engine.propagate.prop.unsized
     for stage in plan.stages:
         for later in plan.stages:
-            sent = [v for v in later.inputs if v in stage.outputs and later.on_rank != stage.on_rank]
-            for v in sent:
-                if _holds_packed(nodes[v].meta.get("fxpipe.value")):
+            for v in [v for v in later.inputs if v in stage.outputs and later.on_rank != stage.on_rank]:
+                if v in unsized:
                     raise PipelineInputError(
-                        f"'{v}' is a PackedSequence sent from stage {stage.index} (rank {stage.on_rank}) to stage "
-                        f"{later.index} (rank {later.on_rank}); across ranks a receiver sizes its buffers from the "
-                        "micro-batch's shapes, and a packed sequence's size follows the values of its lengths. Keep "
-                        "packing and unpacking on one rank (split_points= at a padded value, after "
-                        "pad_packed_sequence), or run it in one process (devices=[...]), where values are handed on "
-                        "as they are")
-
-
-def _holds_packed(value: Any) -> bool:
-    """Tell whether a value's spec holds a ``PackedSequence``."""
-    if isinstance(value, torch.nn.utils.rnn.PackedSequence):
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(_holds_packed(v) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_packed(v) for v in value.values())
-    return False
+                        f"'{v}' is sent from stage {stage.index} (rank {stage.on_rank}) to stage {later.index} "
+                        f"(rank {later.on_rank}), and its size follows the values of the inputs, not their shapes "
+                        "(rows a mask picks, nonzero's indices, a packed sequence): across ranks a receiver sizes "
+                        "its buffers from shapes alone. Cut where the values crossing have the batch's rows "
+                        "(split_points=), or run in one process (devices=[...]), where values are handed on as "
+                        "they are")

@@ -10,6 +10,7 @@ refused here with the input's name, rather than failing deep inside a stage. A g
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ from fxpipe.frontend.export import enabled_autocast
 from fxpipe.passes.annotate import TensorSpec, spec_of
 
 __all__ = ["check_inputs", "check_micro_batches", "check_signature", "describe_autocast"]
+
+log = logging.getLogger(__name__)
 
 
 def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequence[str],
@@ -90,13 +93,15 @@ def _check_guards(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], un
 
     try:
         guards(*[stand_in(a) for a in call.args])
-    except AssertionError as exc:
+    except AssertionError as exc:  # anything else (a guard reading a value: .item() on meta) is for the stage
         sizes = ", ".join(f"'{n.target}' {tuple(v.shape)}" for n, v in values.items() if isinstance(v, torch.Tensor))
         raise PipelineInputError(
             f"the inputs' sizes ({sizes}) fail a check torch.export put in the graph: {exc}. torch.export "
             "specialised the model's code to sizes like the example's (a size a layer divides by, a feature map "
             "of size 1), so these cannot run through this graph. Use tracer='fx', whose graph is shape-generic "
             "(several image sizes in one run), or export with an example of this size") from None
+    except Exception as exc:  # noqa: BLE001 - not a size the guards refuse: the later checks and the stage say
+        log.debug("the exported graph's guards could not run on stand-ins of the sizes: %s", exc)
 
 
 def _check_constant(name: str, value: Any, expected: Any) -> None:

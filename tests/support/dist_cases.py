@@ -922,7 +922,7 @@ def replica_norms(rank, world, schedule):
 
 
 def packed_sequences(rank, world, schedule):
-    """A cut after the unpacking trains as eager; a packed sequence sent between ranks is refused."""
+    """A cut after the unpacking trains as eager; a packed sequence, or rows a mask picks, sent between ranks are refused."""
     torch.manual_seed(0)
     x, lengths, y = torch.randn(6, 5, 8), torch.tensor([5, 2, 4, 3, 5, 1]), torch.randn(6, 5, 4)
     base = PackedLSTM()
@@ -941,4 +941,22 @@ def packed_sequences(rank, world, schedule):
         held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
         out[cut] = max(max_relative_error(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters())
                        if id(p) in held)
+    try:  # rows a mask picks, sent to the next rank
+        fxpipe.compile(Masked(), 2, example_inputs=(torch.randn(8, 8),), chunks=2, runtime="distributed", timeout=60,
+                       schedule=schedule, split_points=["b"])
+        out["masked"] = ["returned", ""]
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["masked"] = [type(exc).__name__, str(exc)]
     return out
+
+
+class Masked(nn.Module):
+    """The rows of the input a mask picks, summed on the next stage (their count follows the values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.d = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        picked = x[x[:, 0] > 0]
+        return self.d(self.a(x) + self.b(picked).sum(0, keepdim=True))

@@ -129,8 +129,8 @@ def note_failure(exc: BaseException, gm: torch.fx.GraphModule, index: int, devic
         add_note(exc, f"{_NOTE} {index} ({device}){at}, in {in_pass}")
         if "Expected more than 1 value per channel when training" in str(exc):
             add_note(exc, "fxpipe: a batch norm in training saw a micro-batch of one row: a batch splits into chunks "
-                          "micro-batches (6 rows at chunks=4: 2, 2, 1, 1), so the last, smaller batch of an epoch "
-                          "may leave one row. Give every micro-batch 2 rows or more: fewer chunks, or drop the uneven "
+                          "micro-batches (6 rows at chunks=4: 2, 2, 1, 1 under fxpipe.compile; 5 rows: 2, 2, 1 under "
+                          "the torchgpipe drop-in), so the last, smaller batch of an epoch may leave one row. Give every micro-batch 2 rows or more: fewer chunks, or drop the uneven "
                           "last batch (DataLoader(..., drop_last=True))")
 
 

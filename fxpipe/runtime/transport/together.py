@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from fxpipe.errors import PeerFailure
 
-__all__ = ["communication_failed", "first_line", "together"]
+__all__ = ["communication_failed", "first_line", "succeeded_together", "together"]
 
 _SIGNS = ("timed out", "timeout", "connection closed", "connection reset", "gloo", "nccl")
 
@@ -45,8 +45,31 @@ def together(call: str, rank: int, broke: Callable[[BaseException], None] | None
     except Exception as exc:
         if not communication_failed(exc):
             raise
+        after = ""
         if broke is not None:
             broke(exc)
+            after = (". The other ranks' call this one kept waiting (their next pipe.step) failed meanwhile: skip "
+                     "this rank's next pipe.step too (continue your loop past it), or this rank's steps pair with "
+                     "the others' next ones (one batch's inputs against the next one's target, silently)")
         raise PeerFailure(f"rank {rank}: {call} is called by every rank together, but the other ranks did not "
                           f"join it ({first_line(exc)}): call it on every rank, not under `if rank == 0:` (a rank that "
-                          "died or is still in another call gives this too)") from exc
+                          f"died or is still in another call gives this too){after}") from exc
+
+
+def succeeded_together(what: str, failed: BaseException | None) -> None:
+    """Tell every rank whether this one got through ``what``; raise on every rank if one did not.
+
+    A rank whose own trace of the model fails (a model cast to another dtype on that rank) raised
+    there, and the others met gloo's "Connection closed by peer" in their next collective,
+    naming neither the rank nor the cause. One ``all_gather_object`` of a line per rank instead:
+    the failing rank raises its own error, the others :class:`PeerFailure` quoting it.
+    """
+    told: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(told, None if failed is None else f"{type(failed).__name__}: {first_line(failed)}")
+    if failed is not None:
+        raise failed
+    bad = [(r, line) for r, line in enumerate(told) if line is not None]
+    if bad:
+        r, line = bad[0]
+        raise PeerFailure(f"rank {dist.get_rank()}: rank {r} failed {what} ({line}); every rank must build the "
+                          "same model from the same config, in the same dtype, with the same example inputs")
