@@ -60,7 +60,7 @@ class SpecProp(torch.fx.Interpreter):
         self.stand_in: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
         self.rows: tuple[int | None, int | None] = (None, None)  # the example's and these inputs' rows
         self.imitated: set[str] = set()  # nodes whose value is their example's, resized (_like_example)
-        self.unsized: set[str] = set()  # of those and what is made of them, the ones whose size is only a guess
+        self.skew = 0  # added to a guessed row count: 1 tells which values' sizes follow the guess (runtime.build)
 
     def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """Fetch an attribute; a tensor through its stand-in."""
@@ -82,8 +82,6 @@ class SpecProp(torch.fx.Interpreter):
                 result = super().run_node(n)
                 if any(a.name in self.imitated for a in n.all_input_nodes):
                     self.imitated.add(n.name)  # made of an imitation: its data is not there either
-                if any(a.name in self.unsized for a in n.all_input_nodes):
-                    self.unsized.add(n.name)  # made of a value of unknown size: so is its size
             except Exception as exc:  # noqa: BLE001 - re-raised naming the node and its module
                 # a leaf branching on a value, or a node reading a value imitated so (its data is not
                 # there: a packed sequence's batch sizes): its example's value, resized
@@ -137,9 +135,9 @@ class SpecProp(torch.fx.Interpreter):
         def make(s: Any) -> Any:
             if not isinstance(s, TensorSpec):
                 return s
-            if s.shape and s.shape[0] != base and rows != base:
-                self.unsized.add(n.name)  # rows that are not the batch's (a mask's selection): their count is a guess
-            shape = [grown if k == 0 and d == base else d for k, d in enumerate(s.shape)]
+            # rows that are not the batch's (a mask's selection) are the example's: a guess, which skew moves
+            shape = [grown if k == 0 and d == base else d + self.skew if k == 0 and rows != base else d
+                     for k, d in enumerate(s.shape)]
             return torch.empty(shape, dtype=s.dtype).requires_grad_(s.requires_grad)
         return tree_map(make, example, is_leaf=lambda v: isinstance(v, TensorSpec))
 
@@ -195,7 +193,7 @@ class Propagator:
             level, quiet.level = quiet.level, logging.CRITICAL  # a failing node is raised, named, not logged too
             self.prop.specs = {}
             self.prop.keys, self.prop.cache = {}, {}
-            self.prop.rows, self.prop.imitated, self.prop.unsized = (None, None), set(), set()
+            self.prop.rows, self.prop.imitated = (None, None), set()
             try:
                 with modules_untouched(self.prop.gm):  # a module caching a fake tensor would keep it
                     self.prop.run(*fake_inputs)

@@ -381,7 +381,9 @@ def _refuse_sizes_from_values(engine: DistributedRuntime, gm: torch.fx.GraphModu
     tensors; past a data-dependent op they are the example's, resized by the rows
     (:mod:`fxpipe.passes.infer`), which guesses wrong for rows a mask picks: the receiver read
     memory never written (a loss of inf, silently). Found by propagating the example's first
-    micro-batch as the first step would; only where compile met a data-dependent op.
+    micro-batch as the first step would, twice: the second time with every guessed row count
+    one more; a value whose size moves with them is refused. Only where compile met a
+    data-dependent op.
     """
     if not gm.meta.get("fxpipe.data_dependent"):
         return
@@ -396,16 +398,20 @@ def _refuse_sizes_from_values(engine: DistributedRuntime, gm: torch.fx.GraphModu
             if isinstance(leaf, TensorSpec) and leaf.shape and leaf.shape[0] == batch else leaf
     layout = [spec if name in engine.binding.unbatched else map_leaves(shrink, spec)
               for name, spec in zip(engine.binding.names, engine.example)]
+    prop = engine.propagate.prop
     try:
-        engine.propagate(layout)
+        guessed = engine.propagate(layout)
+        prop.skew = 1  # every guessed row count one more: what changes with it is sized by the values
+        moved = engine.propagate(layout)
     except Exception as exc:  # noqa: BLE001 - the first step says why, on every rank
         log.debug("propagating the example's first micro-batch failed: %s", exc)
         return
-    unsized = engine.propagate.prop.unsized
+    finally:
+        prop.skew = 0
     for stage in plan.stages:
         for later in plan.stages:
             for v in [v for v in later.inputs if v in stage.outputs and later.on_rank != stage.on_rank]:
-                if v in unsized:
+                if guessed.get(v) != moved.get(v):
                     raise PipelineInputError(
                         f"'{v}' is sent from stage {stage.index} (rank {stage.on_rank}) to stage {later.index} "
                         f"(rank {later.on_rank}), and its size follows the values of the inputs, not their shapes "

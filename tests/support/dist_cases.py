@@ -941,6 +941,15 @@ def packed_sequences(rank, world, schedule):
         held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
         out[cut] = max(max_relative_error(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters())
                        if id(p) in held)
+    base, ids, want = Scattered(), torch.randn(8, 8), torch.randn(8, 4)  # nonzero's rows put back in the batch's
+    eager = copy.deepcopy(base)
+    F.mse_loss(eager(ids), want).backward()
+    pipe = fxpipe.compile(base, 2, example_inputs=(ids,), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule, split_points=["b"])
+    pipe.step(ids, target=want, loss_fn=F.mse_loss)
+    held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
+    out["scattered"] = max(max_relative_error(p.grad, q.grad) for p, q in zip(base.parameters(), eager.parameters())
+                           if id(p) in held)
     try:  # rows a mask picks, sent to the next rank
         fxpipe.compile(Masked(), 2, example_inputs=(torch.randn(8, 8),), chunks=2, runtime="distributed", timeout=60,
                        schedule=schedule, split_points=["b"])
@@ -948,6 +957,20 @@ def packed_sequences(rank, world, schedule):
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out["masked"] = [type(exc).__name__, str(exc)]
     return out
+
+
+class Scattered(nn.Module):
+    """Rows nonzero picks, transformed and added back into the batch's rows (every value crossing has B rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.e, self.b, self.d = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        idx = torch.nonzero(h[:, 0] > 0).squeeze(1)
+        h = h + torch.zeros_like(h).index_add(0, idx, self.e(h[idx]))
+        return self.d(torch.relu(self.b(h)))
 
 
 class Masked(nn.Module):
