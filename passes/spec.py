@@ -103,7 +103,7 @@ def _raw(fn: Callable[[Any], Any], value: Any) -> Any:
         return type(value)(_raw(fn, v) for v in value)
     if isinstance(value, dict):
         return type(value)((k, _raw(fn, v)) for k, v in value.items())
-    return fn(value)
+    return tree_map(fn, value)  # a leaf, or a registered record (a dataclass): as tree_map maps it
 
 
 def value_bytes(spec: Any) -> int:

@@ -75,8 +75,10 @@ def _check_guards(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], un
     :func:`check_micro_batches`'); the stand-ins are on meta, so no kernel runs.
     """
     guards = getattr(gm, "_guards_fn", None)
+    if guards is None:  # an fx graph: nothing to scan for
+        return
     call = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"), None)
-    if guards is None or call is None or not all(a in values for a in call.args if isinstance(a, torch.fx.Node)):
+    if call is None or not all(a in values for a in call.args if isinstance(a, torch.fx.Node)):
         return
 
     def stand_in(node: Any) -> Any:
