@@ -408,14 +408,15 @@ def _refuse_sizes_from_values(engine: DistributedRuntime, gm: torch.fx.GraphModu
         return
     finally:
         prop.skew = 0
-    for stage in plan.stages:
-        for later in plan.stages:
-            for v in [v for v in later.inputs if v in stage.outputs and later.on_rank != stage.on_rank]:
-                if guessed.get(v) != moved.get(v):
-                    raise PipelineInputError(
-                        f"'{v}' is sent from stage {stage.index} (rank {stage.on_rank}) to stage {later.index} "
-                        f"(rank {later.on_rank}), and its size follows the values of the inputs, not their shapes "
-                        "(rows a mask picks, nonzero's indices, a packed sequence): across ranks a receiver sizes "
-                        "its buffers from shapes alone. Cut where the values crossing have the batch's rows "
-                        "(split_points=), or run in one process (devices=[...]), where values are handed on as "
-                        "they are")
+    made_by = plan.producer()
+    for later in plan.stages:
+        for v in later.inputs:
+            stage = plan.stages[made_by[v]] if v in made_by else None
+            if stage is not None and stage.on_rank != later.on_rank and guessed.get(v) != moved.get(v):
+                raise PipelineInputError(
+                    f"'{v}' is sent from stage {stage.index} (rank {stage.on_rank}) to stage {later.index} "
+                    f"(rank {later.on_rank}), and its size follows the values of the inputs, not their shapes "
+                    "(rows a mask picks, nonzero's indices, a packed sequence): across ranks a receiver sizes "
+                    "its buffers from shapes alone. Cut where the values crossing have the batch's rows "
+                    "(split_points=), or run in one process (devices=[...]), where values are handed on as "
+                    "they are")

@@ -141,8 +141,9 @@ class LocalRuntime:
         output = self.binding.gather(self.run(mbs, training), training)
         if training:
             commit_batch_norm(self.deferred)
-        recomputed = [j for j, p in enumerate(self.plan.policies()) if checkpoint_stop(p, len(mbs))]
-        if self.checkpointing and recomputed:  # what backward through them cannot give, refused (recompute)
+        recomputed = [j for j, p in enumerate(self.plan.policies()) if checkpoint_stop(p, len(mbs))] \
+            if self.checkpointing else []
+        if recomputed:  # what backward through them cannot give, refused (recompute)
             guarded(output, recomputed[0])
         return self.binding.finish(output)
 
