@@ -277,7 +277,11 @@ class CompileOptions:
             raise ValueError("data_parallel=, mesh= and data_parallel_shard= replicate the pipeline over processes; "
                              "use runtime='distributed' (launched with torchrun)")
         if not _count(self.data_parallel):
-            raise ValueError(f"data_parallel={self.data_parallel!r}; use an integer of at least 1 (the replicas)")
+            hint = (" (True is not a count: the replicas are world size / (n_stages / stages_per_rank) / "
+                    "tensor_parallel, e.g. data_parallel=2 for 2 stages on 4 ranks)"
+                    if isinstance(self.data_parallel, bool) else "")
+            raise ValueError(f"data_parallel={self.data_parallel!r}; use an integer of at least 1 (the replicas)"
+                             + hint)
         if self.distributed and not self.has_inputs:
             raise ValueError("runtime='distributed' needs example_inputs= (the same on every rank) to "
                              "size the buffers it receives into")

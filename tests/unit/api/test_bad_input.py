@@ -557,6 +557,14 @@ def test_devices_with_the_distributed_runtime_are_refused_naming_the_fix():
                        devices=["cuda:0", "cuda:1"])
 
 
+def test_data_parallel_true_is_refused_naming_the_count_to_pass():
+    # True read as a switch got "use an integer of at least 1", not what the count is
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"data_parallel=True; use an integer.*True is not a count.*data_parallel=2 "
+                                         r"for 2 stages on 4 ranks"):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 4),), runtime="distributed", data_parallel=True)
+
+
 @pytest.mark.parametrize("tracer", ["fx", "export"])
 def test_a_model_wrapped_for_data_parallel_is_refused_naming_model_module(tracer):
     # a DDP-wrapped model got a TraceError pointing into torch's DDP source, suggesting leaf_modules=
