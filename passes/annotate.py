@@ -39,9 +39,10 @@ import torch.fx._pytree as fx_pytree
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.propagate import Propagator, fetch
 from fxpipe.passes.spec import TensorSpec, spec_of, value_bytes
+from fxpipe.passes.structure import difference
 from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "same_constant", "spec_of",
            "value_bytes"]
@@ -118,18 +119,25 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
         elif variadic == "*":  # of forward's *args: the positional inputs left
             values.append(tuple(positional))
             positional = []
-        elif positional:
+        elif positional and not node.meta.get("fxpipe.keyword_only"):
             values.append(positional.pop(0))
         elif name in keywords:
             values.append(keywords.pop(name))
         elif node.args:
             values.append(node.args[0])
+        elif node.meta.get("fxpipe.keyword_only"):
+            raise TypeError(f"missing a value for the model's keyword-only input '{name}': pass it as the keyword "
+                            f"{name}=... (forward takes it by keyword only"
+                            + (f"; {len(positional)} input(s) were left over positionally)" if positional else ")"))
         else:
             raise TypeError(f"missing a value for the model input '{name}': pass it positionally "
                             f"or as the keyword {name}=...")
     if positional:
-        raise TypeError(f"the model takes {len(placeholders)} inputs but {len(placeholders) + len(positional)} "
-                        "were given positionally")
+        only = [n.target for n in placeholders if n.meta.get("fxpipe.keyword_only")]
+        raise TypeError(f"the model takes {len(placeholders) - len(only)} input(s) positionally but "
+                        f"{len(placeholders) - len(only) + len(positional)} were given"
+                        + (f"; {only} {'is' if len(only) == 1 else 'are'} keyword-only: pass "
+                           f"{', '.join(f'{n}=...' for n in only)}" if only else ""))
     fixed = {n.target[:-2]: n.args[0] for n in placeholders  # torch.fx's concrete_args: `flag_1 = value`
              if n.target.endswith("_1") and n.target[:-2] in keywords and n.args}
     for name in [k for k, v in fixed.items() if type(keywords[k]) is type(v) and keywords[k] == v]:
@@ -176,8 +184,37 @@ def same_constant(value: Any, default: Any) -> bool:
     return value is default or (type(value) is type(default) and value == default)
 
 
-def _bind_pytree(gm: torch.fx.GraphModule, in_spec, args: tuple, kwargs: dict) -> list:
-    """Flatten a call of a GraphModule whose codegen flattens inputs (``torch.export``)."""
+def input_difference(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str | None:
+    """Say where a call's inputs part from the structure an exported graph was traced for (``None``: they do not).
+
+    ``torch.export`` flattens each input by the example's structure: a list one longer had
+    its last item dropped, silently (:func:`difference` names it instead). A call that does
+    not bind is left to :func:`bind_placeholders`, which says why.
+    """
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None or info.in_spec is None:
+        return None
+    try:
+        (values, keywords), names = _bound_call(gm, info.in_spec, args, kwargs)
+    except TypeError:
+        return None
+    args_spec, kwargs_spec = _children(info.in_spec)
+    pairs = [*zip(names, values, args_spec.children()),
+             *((k, keywords[k], spec) for k, spec in zip(kwargs_spec.context, kwargs_spec.children()))]
+    for name, value, spec in pairs:
+        found = difference(tree_flatten(value)[1], spec, name)
+        if found is not None:
+            return found
+    return None
+
+
+def _children(in_spec: Any) -> tuple[Any, Any]:
+    """Return the specs of a call's positional and keyword inputs."""
+    return tuple(in_spec.children() if hasattr(in_spec, "children") else in_spec.children_specs)
+
+
+def _bound_call(gm: torch.fx.GraphModule, in_spec: Any, args: tuple, kwargs: dict) -> tuple[tuple[tuple, dict], list[str]]:
+    """Bind a call as the exported graph takes it: ``((args, kwargs), the positional inputs' names)``."""
     sig = inspect.signature(gm.forward)
     args, kwargs = _with_defaults(sig, gm, args, kwargs)
     try:
@@ -199,9 +236,14 @@ def _bind_pytree(gm: torch.fx.GraphModule, in_spec, args: tuple, kwargs: dict) -
         raise TypeError(f"the inputs do not match the traced graph's inputs {sig}: {exc}{hint}") from None
     bound.apply_defaults()
     names = list(sig.parameters)
-    args_spec, kwargs_spec = (in_spec.children() if hasattr(in_spec, "children")
-                              else in_spec.children_specs)
+    args_spec, kwargs_spec = _children(in_spec)
     n_args = args_spec.num_children
     kw_keys = kwargs_spec.context
     call = (tuple(bound.arguments[p] for p in names[:n_args]), {k: bound.arguments[k] for k in kw_keys})
+    return call, names[:n_args]
+
+
+def _bind_pytree(gm: torch.fx.GraphModule, in_spec: Any, args: tuple, kwargs: dict) -> list:
+    """Flatten a call of a GraphModule whose codegen flattens inputs (``torch.export``)."""
+    call, _ = _bound_call(gm, in_spec, args, kwargs)
     return list(fx_pytree.tree_flatten_spec(call, in_spec))

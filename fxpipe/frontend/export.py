@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 
 from fxpipe.errors import TraceError
@@ -60,7 +61,7 @@ from fxpipe.frontend.specialised import recording_specialisations, specialising_
 from fxpipe.frontend.userframe import user_frame
 from fxpipe.passes.annotate import same_constant
 from fxpipe.passes.modes import merge_modes
-from fxpipe.passes.records import register_record_type
+from fxpipe.passes.records import register_record_type, register_records
 
 __all__ = ["export_trace", "named_arguments"]
 
@@ -93,6 +94,22 @@ def _registered_record(exc: BaseException) -> bool:
 def _batched(x: Any) -> bool:
     """Tell whether ``x`` is a tensor split into micro-batches on dim 0."""
     return isinstance(x, torch.Tensor) and x.dim() > 0
+
+
+def _shapes_like(value: Any, leaf: Any) -> Any:
+    """Map ``leaf`` over ``value``'s leaves into the ``dynamic_shapes`` structure torch.export matches it with.
+
+    Python's containers (lists, tuples, named tuples, dicts) keep their type; another pytree
+    node (a registered dataclass, a model's output record) is given as the list of its
+    children, as torch.export asks (the dataclass itself is refused: ``Node type mismatch``).
+    """
+    kind = pytree._get_node_type(value)
+    if kind not in SUPPORTED_NODES:
+        return leaf(value)
+    node = SUPPORTED_NODES[kind]
+    children, context = node.flatten_fn(value)
+    mapped = [_shapes_like(c, leaf) for c in children]
+    return node.unflatten_fn(mapped, context) if kind in pytree.BUILTIN_TYPES else mapped
 
 
 def named_arguments(signature: inspect.Signature, bound: inspect.BoundArguments) -> list[tuple[str, Any]]:
@@ -129,6 +146,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     """
     needs = ("tracer='export' needs example_inputs= (or example_kwargs=) holding at least one tensor with a "
              "batch dimension: torch.export traces with them")
+    register_records((args, kwargs))  # a dataclass input's tensors are its fields, not one opaque leaf
     if not any(_batched(t) for t in tree_flatten((args, kwargs))[0]):
         raise ValueError(needs)
     scripted: list[str] = []  # the outermost scripted modules
@@ -171,7 +189,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
 
     def export(batch: Any) -> torch.export.ExportedProgram:
         named = inspect.signature(model.forward).bind(*args, **kwargs)  # **kwargs' entries by name while exported
-        dynamic = {name: tree_map(partial(dims, name, batch=batch), value) for name, value in named.arguments.items()}
+        dynamic = {name: _shapes_like(value, partial(dims, name, batch=batch)) for name, value in named.arguments.items()}
         with no_proxies_left(model):  # a cache the forward filled holds fake tensors
             return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
 

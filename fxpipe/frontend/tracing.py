@@ -185,6 +185,7 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
     check_functions(type(model).__name__, functions, "fx")
     warn_python_random(type(model).__name__, drawn, "fx")
     _name_variadic_inputs(graph)
+    _mark_keyword_only(model, graph)
     gm = torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__)
     register_graph_records(gm)  # a record the model builds is split, sent and joined field by field
     return gm
@@ -202,6 +203,21 @@ def _name_variadic_inputs(graph: torch.fx.Graph) -> None:
             target = str(node.target)
             node.meta["fxpipe.variadic"] = target[:len(target) - len(target.lstrip("*"))]
             node.target = target.lstrip("*")
+
+
+def _mark_keyword_only(model: nn.Module, graph: torch.fx.Graph) -> None:
+    """Mark the placeholders of forward's keyword-only inputs (``node.meta["fxpipe.keyword_only"]``).
+
+    A call binds them by keyword only, as eager does (:func:`fxpipe.passes.bind_placeholders`).
+    """
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature: bound by position, as before
+        return
+    for node in graph.nodes:
+        if node.op == "placeholder" and getattr(params.get(str(node.target)), "kind", None) is \
+                inspect.Parameter.KEYWORD_ONLY:
+            node.meta["fxpipe.keyword_only"] = True
 
 
 def _user_trace(model: nn.Module, tracer: Callable[[nn.Module], torch.fx.GraphModule]) -> torch.fx.GraphModule:

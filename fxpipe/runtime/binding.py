@@ -11,6 +11,7 @@ import torch.fx
 
 from fxpipe import passes
 from fxpipe.errors import PipelineInputError, user_stacklevel
+from fxpipe.passes.annotate import input_difference
 from fxpipe.runtime.microbatch import batch_size, gather, scatter, to_device
 from fxpipe.runtime.validate import check_inputs, check_micro_batches
 
@@ -43,6 +44,12 @@ class Binding:
 
     def bind(self, args: tuple, kwargs: dict) -> list[Any]:
         """Return one value per placeholder for a call with ``args`` and ``kwargs``."""
+        found = input_difference(self.gm, args, kwargs)
+        if found is not None:
+            raise PipelineInputError(
+                f"the inputs are not of the structure the model was exported for: {found}; torch.export flattened "
+                "the example's structure into the graph's inputs (a list of 3 tensors is 3 inputs), so pass inputs "
+                "of that structure, or compile a pipe with example inputs of each structure you run")
         return passes.bind_placeholders(self.gm, args, kwargs)
 
     def split(self, args: tuple, kwargs: dict, chunks: int, training: bool,

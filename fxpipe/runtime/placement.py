@@ -40,7 +40,8 @@ def resolve_devices(devices: Sequence[Any] | None, n_stages: int) -> list[torch.
     devices = list(devices)
     if len(devices) != n_stages:
         raise ValueError(f"devices has {len(devices)} entries but n_stages={n_stages}; give one "
-                         "device per stage")
+                         "device per stage (with several stages per rank, repeat a rank's device for each of its "
+                         "stages, or leave devices= out: a rank's stages then share one)")
     out = []
     for d in devices:
         try:

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import PipelineInputError
 from fxpipe.frontend.export import enabled_autocast
 from fxpipe.passes.annotate import TensorSpec, spec_of
+from fxpipe.passes.structure import difference, in_order_of
 
 __all__ = ["check_inputs", "check_micro_batches", "check_signature", "describe_autocast"]
 
@@ -215,13 +216,15 @@ def check_signature(names: list[str], spec: list[Any], example: list[Any], kinds
     micro-batch layout (:func:`specs_for`).
     """
     for name, got, want in zip(names, spec, example):
+        got = in_order_of(got, want)  # a dict's keys in another order: the graph reads them by key
         got_leaves, got_tree = tree_flatten(got)
         want_leaves, want_tree = tree_flatten(want)
-        if got_tree != want_tree:
+        found = difference(got_tree, want_tree, name)
+        if found is not None:
             raise PipelineInputError(
-                f"input '{name}' is {_describe(got)}, but the plan was built for {_describe(want)}; the "
-                "stages were traced for that structure, so pass the same kind of value (or compile with "
-                "example inputs of the kind you run)")
+                f"input '{name}' is not of the structure the plan was built for: {found}; the stages were traced "
+                "for the example's structure, so pass the same kind of value (or compile with example inputs of "
+                "the kind you run)")
         for g, w in zip(got_leaves, want_leaves):
             if (g is None) != (w is None) and isinstance(g if w is None else w, TensorSpec):
                 raise PipelineInputError(

@@ -201,6 +201,10 @@ def resolve(schedule: Any, n: int, chunks: int, stages_per_rank: int = 1) -> Sch
             if schedule == "zbv" and v != 2:
                 raise ScheduleError(f"schedule='zbv' places two stages on each rank (rank r: stages r and "
                                     f"2 world - 1 - r); use stages_per_rank=2, not {v}")
+            if schedule == "interleaved" and v == 1 and n > 1:
+                logger.warning("schedule='interleaved' with stages_per_rank=1 puts one stage on each rank and runs "
+                               "as 1F1B: pass stages_per_rank=2 (or more; n_stages = stages_per_rank x ranks) to "
+                               "interleave, which shrinks the bubble")
             if chunks < world:
                 logger.warning("schedule=%r with chunks=%d on %d ranks (processes, or devices in one process): fewer "
                                "micro-batches than ranks leaves every rank idle most of the step; chunks=%d or more fills the "

@@ -99,3 +99,25 @@ def test_leaf_modules_under_export_are_said_to_be_ignored():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with pytest.warns(UserWarning, match=r"leaf_modules=\['0'\] is ignored under tracer='export'"):
         fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 4),), tracer="export", leaf_modules=["0"])
+
+
+class _KeywordOnly(nn.Module):
+    """Take a scale by keyword only."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.o = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, *, scale):
+        return self.o(torch.tanh(self.a(x) * scale))
+
+
+def test_a_keyword_only_input_is_bound_by_keyword_only_as_eager_binds_it():
+    # pipe(x, scale) ran, where eager raises "takes 2 positional arguments but 3 were given"
+    model = _KeywordOnly()
+    x, scale = torch.randn(6, 8), torch.rand(6, 1)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), example_kwargs={"scale": scale}, chunks=3, devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x, scale=scale), model(x, scale=scale))
+        with pytest.raises(TypeError, match=r"keyword-only input 'scale': pass it as the keyword scale=\.\.\."):
+            pipe(x, scale)

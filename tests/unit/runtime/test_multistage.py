@@ -136,3 +136,12 @@ def test_a_batch_smaller_than_the_ranks_runs_and_equals_eager(schedule, caplog):
         fxpipe.compile(model, 4, example_inputs=(x,), chunks=1, schedule=schedule, stages_per_rank=2,
                        devices=["cpu"] * 4, split_points=UNET_SPLIT)
     assert "fewer micro-batches than ranks leaves every rank idle most of the step; chunks=2" in caplog.text
+
+
+def test_interleaved_with_one_stage_per_rank_is_said_to_run_as_1f1b(caplog):
+    # it ran as plain 1F1B with no word (zbv with stages_per_rank=1 is refused)
+    model, x, _, _ = _unet()
+    with caplog.at_level("WARNING"):
+        pipe = fxpipe.compile(model, 4, example_inputs=(x,), chunks=4, schedule="interleaved", devices=["cpu"] * 4)
+    assert "stages_per_rank=1 puts one stage on each rank and runs as 1F1B: pass stages_per_rank=2" in caplog.text
+    assert [s.on_rank for s in pipe.plan.stages] == [0, 1, 2, 3]
