@@ -380,3 +380,10 @@ def test_a_value_sized_by_the_inputs_values_is_kept_on_one_rank_and_refused_acro
         kind, message = res["rnn2"]
         assert kind == "PipelineInputError" and "is sent from stage 0 (rank 0) to stage 1 (rank 1), and its size " \
             "follows the values of the inputs" in message, message
+
+
+def test_inference_under_no_grad_through_a_nested_tensor_fast_path_equals_eager(tmp_path, launch):
+    # nn.TransformerEncoder with a padding mask under no_grad makes nested tensors, which the layout's propagation
+    # on fake tensors cannot: every rank refused the call ("NestedTensorImpl doesn't support sizes")
+    results = launch("dist_cases:nested_fast_path", 2, "1f1b", tmp_path)
+    assert results[0]["error"] is None and results[1]["error"] == 0.0, results

@@ -983,3 +983,31 @@ class Masked(nn.Module):
     def forward(self, x):
         picked = x[x[:, 0] > 0]
         return self.d(self.a(x) + self.b(picked).sum(0, keepdim=True))
+
+
+class PaddedEncoder(nn.Module):
+    """An embedding, PyTorch's TransformerEncoder over padded rows (its nested-tensor fast path), a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, 0.0, batch_first=True), 2)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids, pad):
+        return self.head(self.enc(self.emb(ids), src_key_padding_mask=pad))
+
+
+def nested_fast_path(rank, world, schedule):
+    """Infer under no_grad through an encoder whose fast path makes nested tensors; return the error to eager's."""
+    torch.manual_seed(0)
+    ids, pad = torch.randint(0, 50, (6, 7)), torch.zeros(6, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    model = PaddedEncoder()
+    eager = copy.deepcopy(model).eval()
+    pipe = fxpipe.compile(model, 2, example_inputs=(ids, pad), chunks=3, runtime="distributed", timeout=60,
+                          schedule=schedule)
+    pipe.eval()
+    with torch.no_grad():
+        out, want = pipe(ids, pad), eager(ids, pad)
+    return {"error": None if out is None else float((out - want).abs().max())}

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import PipelineInputError, PropagationError
 from fxpipe.frontend.export import enabled_autocast
 from fxpipe.passes.annotate import TensorSpec, spec_of
+from fxpipe.passes.spec import map_leaves
 from fxpipe.runtime.microbatch import check_target_rows
 from fxpipe.runtime.stage.stagecall import autocast_state
 from fxpipe.runtime.stage.unfrozen import refuse_input_grads
@@ -288,11 +289,24 @@ def _propagate(runtime: Any, specs: list[Any], training: bool) -> dict[str, Any]
 
 
 def _propagated(runtime: Any, layout: Any, training: bool) -> dict[str, Any]:
-    """Propagate one layout in the step's mode (a graph merged from both modes reads its module's flag)."""
+    """Propagate one layout in the step's mode (a graph merged from both modes reads its module's flag).
+
+    A propagation that fails with grad disabled is tried again with grad enabled, its specs then
+    marked as not requiring grad: a module's inference fast path (``nn.TransformerEncoder``'s
+    nested tensors, taken under ``torch.no_grad()``) cannot run on fake tensors, and the slow
+    path it stands for gives values of the same shapes.
+    """
     gm, mode = runtime.gm, runtime.gm.training
     gm.training = training
     try:
-        return runtime.propagate(list(layout))
+        try:
+            return runtime.propagate(list(layout))
+        except PropagationError:
+            if torch.is_grad_enabled():
+                raise
+            with torch.enable_grad():
+                specs = runtime.propagate(list(layout))
+            return map_leaves(lambda v: TensorSpec(v.shape, v.dtype) if isinstance(v, TensorSpec) else v, specs)
     finally:
         gm.training = mode
 
