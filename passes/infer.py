@@ -26,6 +26,7 @@ from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.passes.failure import explain
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.mutates import may_mutate
+from fxpipe.passes.nesting import levels_restored
 from fxpipe.passes.propagate import _DATA_DEPENDENT, call_with_stand_ins, fetch_stand_in
 from fxpipe.passes.signature import node_key, value_key
 from fxpipe.passes.untouched import modules_untouched
@@ -195,7 +196,7 @@ class Propagator:
             self.prop.keys, self.prop.cache = {}, {}
             self.prop.rows, self.prop.imitated = (None, None), set()
             try:
-                with modules_untouched(self.prop.gm):  # a module caching a fake tensor would keep it
+                with modules_untouched(self.prop.gm), levels_restored():  # nor a vmap its level
                     self.prop.run(*fake_inputs)
             finally:
                 quiet.setLevel(level)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx
 from fxpipe.passes.mutates import aliases, unwrapped, written_args
+from fxpipe.passes.nesting import nesting_regions
 from torch.utils._pytree import tree_map
 
 __all__ = [
@@ -138,7 +139,8 @@ def joined_positions(gm: torch.fx.GraphModule, order: list[torch.fx.Node]) -> se
     that its stage alone works on the private copy. A node marked ``fxpipe.detaches`` (the
     detach of a value leaving a ``torch.no_grad()`` block) stays with the node it detaches, so
     that value never crosses a boundary still carrying a gradient. An exported batch norm stays
-    with the ``add_`` of its ``num_batches_tracked``, so that deferring it finds its counter.
+    with the ``add_`` of its ``num_batches_tracked``, so that deferring it finds its counter. An
+    exported ``torch.vmap`` stays whole (:mod:`fxpipe.passes.nesting`).
     """
     pos = {n: i for i, n in enumerate(order)}
     joined: set[int] = set()
@@ -147,6 +149,8 @@ def joined_positions(gm: torch.fx.GraphModule, order: list[torch.fx.Node]) -> se
             made = [pos[a] for a in node.all_input_nodes if a in pos]
             if made:
                 joined.update(range(min(made) + 1, pos[node] + 1))
+    for start, end in nesting_regions(order):  # an exported torch.vmap: its level opens and closes in one stage
+        joined.update(range(start + 1, end + 1))
     for counter, norm in _counted_norms(order):  # an exported batch norm and the add_ of its counter
         joined.update(range(min(pos[counter], pos[norm]) + 1, max(pos[counter], pos[norm]) + 1))
     for node, group in _mutations(gm).items():

@@ -16,7 +16,9 @@ and keeps the order whose best cut costs least (:func:`fxpipe.passes.partition`)
 
 Reordering is only safe for pure code. A graph with an in-place op (``x.add_``, ``y[i] = v``,
 ``aten.fill_``: whatever :func:`fxpipe.passes.mutates.is_mutating` reports) is cut in its
-traced order only, since a reader of the changed value need not depend on the in-place node.
+traced order only, since a reader of the changed value need not depend on the in-place node;
+so is a graph with an exported ``torch.vmap``, whose ends no value ties to its body
+(:mod:`fxpipe.passes.nesting`).
 Random ops (dropout), impure nodes and calls of modules from outside ``torch.nn`` keep their
 relative order (chained by extra edges), so the same random numbers are drawn in the same
 sequence.
@@ -30,6 +32,7 @@ import networkx as nx
 import torch.fx
 from fxpipe.passes.cost import COMPUTE_OPS
 from fxpipe.passes.mutates import is_mutating
+from fxpipe.passes.nesting import is_nesting
 
 __all__ = ["candidate_orders", "draws_random", "is_topological"]
 
@@ -77,7 +80,7 @@ def _graph(gm: torch.fx.GraphModule, compute: Sequence[torch.fx.Node]) -> nx.DiG
 def candidate_orders(gm: torch.fx.GraphModule) -> list[list[torch.fx.Node]]:
     """Return the orders to try: the traced one first, then reorderings when the graph is pure."""
     compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
-    if len(compute) < 3 or any(is_mutating(n) for n in compute):
+    if len(compute) < 3 or any(is_mutating(n) or is_nesting(n) for n in compute):
         return [compute]
     g = _graph(gm, compute)
     traced = {node: i for i, node in enumerate(compute)}

@@ -23,6 +23,7 @@ from fxpipe.passes.cost import BALANCE_KINDS, COMPUTE_OPS, cut_widths, memory_fa
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.inplace import joined_positions
+from fxpipe.passes.nesting import nesting_regions
 from fxpipe.passes.order import candidate_orders
 
 __all__ = [
@@ -218,6 +219,12 @@ def partition_at(gm: torch.fx.GraphModule, split_points: Sequence[str], *, balan
                              f"before the previous split point {names[-1]!r} (node "
                              f"{compute[prev].name!r}, position {prev}); list split points in "
                              "the order the model runs them")
+        inside = next(((a, b) for a, b in nesting_regions(compute) if a < i <= b), None)
+        if inside is not None:
+            a, b = inside
+            raise ValueError(f"split point {point!r} (node {compute[i].name!r}) falls inside a torch.vmap, from node "
+                             f"{compute[a].name!r} to {compute[b].name!r}, which runs whole in one stage: name a point "
+                             f"before {compute[a].name!r} or after {compute[b].name!r}")
         starts.append(i)
         names.append(point)
     assign_stages(gm, starts)

@@ -28,6 +28,7 @@ import torch
 import torch.fx
 from fxpipe.passes.failure import explain
 from fxpipe.passes.mutates import VIEW_NAMES, may_mutate, op_name
+from fxpipe.passes.nesting import levels_restored
 from fxpipe.passes.signature import node_key, value_key
 from fxpipe.passes.spec import TensorSpec, differentiable, map_leaves, spec_of, value_bytes
 from torch import nn
@@ -174,7 +175,8 @@ class Propagator(torch.fx.Interpreter):
         self.keys, self.storages = {}, []
         devices = [t.device for t in _tensors(flat_inputs) if not t.is_meta]
         self.device = devices[0] if devices else self.device
-        self.run(*flat_inputs, enable_io_processing=False)
+        with levels_restored():  # a node failing inside an exported torch.vmap leaves no level open
+            self.run(*flat_inputs, enable_io_processing=False)
 
     def run_node(self, node: torch.fx.Node) -> Any:
         """Run one node (or reuse an equal earlier node's result); record it in ``node.meta``."""
@@ -214,13 +216,18 @@ class Propagator(torch.fx.Interpreter):
         node.meta["fxpipe.saved_bytes"] = result.saved
         node.meta["fxpipe.mutates"] = mutates
         if node.op != "get_attr":
-            self.storages += [(_storage(t), node) for t in _tensors(value)]
+            self.storages += [(_storage(t), node) for t in _tensors(value) if not _batched(t)]
         return value
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     """Return the tensors among the leaves of ``value``."""
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _batched(t: torch.Tensor) -> bool:
+    """Tell whether ``t`` is a value inside ``torch.vmap`` (it has no storage of its own)."""
+    return torch._C._functorch.is_batchedtensor(t)
 
 
 def _storage(t: torch.Tensor) -> StorageWeakRef:

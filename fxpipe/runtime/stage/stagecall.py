@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from fxpipe.passes.nesting import levels_restored
 from fxpipe.runtime.observe import timeline
 from fxpipe.runtime.observe.blame import keep_tracebacks, note_failure
 from fxpipe.runtime.stage.compiled import CompiledStage
@@ -134,7 +135,7 @@ class StageCall:
                 (self.saver.recording(i, inputs) if how in SAVING else nullcontext()) as record, self.around():
             probe = versions(self.gm) if how == "checkpoint" and not self._probed else None
             try:
-                with counting(self.index):  # a deferred batch norm's calls, told apart (stage.normcalls)
+                with counting(self.index), levels_restored():  # batch norms' calls told apart; no vmap left open
                     out = self.fn(*inputs)
                 if probe is not None:
                     self._found(bumped(self.gm, probe))
