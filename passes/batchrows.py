@@ -26,7 +26,8 @@ from fxpipe.passes.modes import pick
 from fxpipe.passes.spec import TensorSpec
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
-__all__ = ["batch_coupled_outputs", "listed_batches", "micro_specs", "scalar_outputs", "sequence_first_splits"]
+__all__ = ["batch_coupled_outputs", "listed_batches", "micro_specs", "scalar_outputs", "sequence_first_modules",
+           "sequence_first_splits"]
 
 log = logging.getLogger(__name__)
 
@@ -154,18 +155,52 @@ def sequence_first_splits(gm: torch.fx.GraphModule, batch: int, rows: int, part:
     if part is None or rows == batch:
         return []
     found = []
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+    modules = dict(gm.named_modules())
+    calls = [(str(n.target), n.args[0], type(modules[str(n.target)]).__name__) for n in gm.graph.nodes
+             if n.op == "call_module" and n.args and _batch_first(modules[str(n.target)]) is False]
+    for target, arg, kind in [*calls, *_module_inputs(gm)]:
+        if not isinstance(arg, torch.fx.Node):
             continue
-        first = _batch_first(gm.get_submodule(str(node.target)))
-        whole, split = node.args[0].meta.get("fxpipe.value"), part.get(node.args[0].name)
-        if first is not False or not isinstance(whole, TensorSpec) or not isinstance(split, TensorSpec):
+        whole, split = arg.meta.get("fxpipe.value"), part.get(arg.name)
+        if not isinstance(whole, TensorSpec) or not isinstance(split, TensorSpec):
             continue
         if len(whole.shape) == 3 and whole.shape[0] == batch and split.shape[0] == rows and \
                 whole.shape[1] == split.shape[1]:
-            found.append(f"'{node.target}' ({type(gm.get_submodule(str(node.target))).__name__}, batch_first=False) "
-                         f"reads dim 0 of its input {tuple(whole.shape)} as the sequence")
+            found.append(f"'{target}' ({kind}, batch_first=False) reads dim 0 of its input {tuple(whole.shape)} as "
+                         "the sequence")
     return found
+
+
+def _module_inputs(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Node, str]]:
+    """Return ``(module, its input, its type)`` for each outermost sequence-first module an exported graph inlined.
+
+    torch.export keeps no ``call_module`` nodes: a module's ops carry its path in
+    ``nn_module_stack``, and its input is the first value from outside it that its first op reads.
+    The sequence-first modules are those the front end recorded (``gm.meta["fxpipe.sequence_first"]``).
+    """
+    kinds = gm.meta.get("fxpipe.sequence_first", {})
+    seen: set[str] = set()
+    found = []
+    for node in gm.graph.nodes:
+        path = next((p for p in _paths(node) if p in kinds and p not in seen), None)
+        if path is None:
+            continue
+        seen.update(p for p in kinds if p == path or p.startswith(path + "."))  # its inner modules: not again
+        outside = [a for a in node.all_input_nodes if path not in _paths(a) and a.op != "get_attr"]
+        if outside:
+            found.append((path, outside[0], kinds[path]))
+    return found
+
+
+def _paths(node: torch.fx.Node) -> list[str]:
+    """Return the paths of the modules an exported node ran inside, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [entry[0] for entry in stack.values() if isinstance(entry, tuple) and entry]
+
+
+def sequence_first_modules(model: torch.nn.Module) -> dict[str, str]:
+    """Return ``{path: type name}`` of the model's modules that take sequence-first inputs (``batch_first=False``)."""
+    return {name: type(m).__name__ for name, m in model.named_modules() if name and _batch_first(m) is False}
 
 
 _JOINS = {torch.stack, torch.cat, torch.concat, torch.concatenate, torch.vstack, torch.row_stack}

@@ -60,6 +60,7 @@ from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
 from fxpipe.frontend.specialised import recording_specialisations, specialising_line
 from fxpipe.frontend.userframe import user_frame
 from fxpipe.passes.annotate import same_constant
+from fxpipe.passes.batchrows import sequence_first_modules
 from fxpipe.passes.modes import merge_modes
 from fxpipe.passes.records import register_record_type, register_records
 
@@ -233,6 +234,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
         gm.meta["fxpipe.training"] = model.training
         gm.meta["fxpipe.mode_branch"] = difference
     gm.meta["fxpipe.autocast"] = enabled_autocast()
+    gm.meta["fxpipe.sequence_first"] = sequence_first_modules(model)  # its modules are inlined: their flags kept
     gm.meta["fxpipe.defaults"] = constant_defaults(signature, bound)
     gm.meta["fxpipe.keywords"] = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
     gm.meta["fxpipe.positional"] = [name for name, p in signature.parameters.items() if p.kind in (
