@@ -120,9 +120,25 @@ def _check_stages(gm: torch.fx.GraphModule, n_stages: int) -> int:
     n = sum(1 for node in gm.graph.nodes if node.op in COMPUTE_OPS)
     if not 1 <= n_stages <= n:
         most = "1 stage" if n == 1 else f"between 1 and {n} stages"
+        modules = dict(gm.named_modules())
+        whole = [str(node.target) for node in gm.graph.nodes if node.op == "call_module"
+                 and any(True for _ in modules[str(node.target)].children())]
+        one = len(whole) == 1
+        kept = (f" ({'module' if one else 'modules'} {', '.join(repr(w) for w in whole[:3])} "
+                f"{'is called as one node' if one else 'are each called as one node'}: trace through "
+                f"{'it' if one else 'them'} for more places to cut; {_through(gm, whole[0])})"
+                if whole and n_stages > n else "")
         raise ValueError(f"n_stages={n_stages} but the model has {n} compute node{'s' if n != 1 else ''}; "
-                         f"use {most}, or pipeline a larger model")
+                         f"use {most}, or pipeline a larger model{kept}")
     return n
+
+
+def _through(gm: torch.fx.GraphModule, name: str) -> str:
+    """Say how to trace through a module the graph calls as one node."""
+    if gm.meta.get("fxpipe.tracer") == "export":
+        return "torch.export inlines every module it can"
+    return (f"the fx tracer keeps torch.nn's own modules and those in leaf_modules= whole: drop {name!r} from "
+            "leaf_modules=, or use tracer='export', which traces through torch.nn's modules")
 
 
 @gc_paused
@@ -269,6 +285,11 @@ def _locate(gm: torch.fx.GraphModule, compute: list[torch.fx.Node], first: dict[
         raise ValueError(f"split point {point!r} is a {next(n.op for n in gm.graph.nodes if n.name == point)} "
                          "node, which does no work; name a module or a compute node")
     modules = dict(gm.named_modules())
+    whole = next((str(n.target) for n in compute if n.op == "call_module" and point.startswith(f"{n.target}.")), None)
+    if whole is not None:
+        raise ValueError(f"split point {point!r} is inside module {whole!r} ({type(modules[whole]).__name__}), which "
+                         f"the traced graph calls as one node: split before or after {whole!r}, or trace through it "
+                         f"({_through(gm, whole)})")
     if point in modules:
         raise ValueError(f"split point {point!r} is a module that forward never calls; name a "
                          "module that runs")

@@ -251,3 +251,27 @@ def test_split_points_over_the_memory_cap_are_refused():
                                          r"over max_memory=2000"):
         fxpipe.compile(Net(), 2, example_inputs=(torch.randn(4, 8),), split_points=["head"],
                        max_memory=2000)
+
+
+class _Encoded(nn.Module):
+    """torch.nn's TransformerEncoder, which the fx tracer keeps as one node."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, 0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+
+    def forward(self, x):
+        return self.enc(x)
+
+
+def test_a_split_inside_or_more_stages_than_a_module_kept_whole_allows_name_it_and_the_way_through():
+    # "a module that forward never calls" for enc.layers.2 (it runs, inside enc); "pipeline a larger model"
+    x = torch.randn(4, 6, 16)
+    with pytest.raises(ValueError, match=r"split point 'enc.layers.2' is inside module 'enc' \(TransformerEncoder\), "
+                                         r"which the traced graph calls as one node: split before or after 'enc'.*"
+                                         r"tracer='export'"):
+        fxpipe.compile(_Encoded(), 2, example_inputs=(x,), split_points=["enc.layers.2"])
+    with pytest.raises(ValueError, match=r"n_stages=3 but the model has 1 compute node; .*module 'enc' is called as "
+                                         r"one node: trace through it.*tracer='export'"):
+        fxpipe.compile(_Encoded(), 3, example_inputs=(x,))
