@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from models import CNN, FACTORIES, TiedTransformer
 from torch import nn
 
@@ -455,3 +456,35 @@ def test_a_size_an_export_guard_refuses_is_a_pipeline_input_error_naming_fx():
     with pytest.raises(fxpipe.PipelineInputError, match=r"'x' \(4, 3, 18, 18\)\) fail a check torch.export put in "
                                                         r"the graph: .*Use tracer='fx'"):
         pipe(torch.randn(4, 3, 18, 18))
+
+
+class _Conditional(nn.Module):
+    """A branch on a parameter's value written with torch.cond (exported as a higher-order op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.cond(self.b.weight.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (self.a(x),))
+        return self.c(torch.relu(self.b(h)))
+
+
+def test_an_exported_torch_cond_runs_either_branch_equal_to_eager():
+    # the FLOP count's dispatch mode had no rule for the higher-order op: compile failed naming node 'cond'
+    torch.manual_seed(0)
+    model = _Conditional()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=3, tracer="export", devices=["cpu"] * 2)
+    for sign in (1.0, -1.0):  # the other branch after the weights change sign
+        with torch.no_grad():
+            for m in (model, eager):
+                m.b.weight.copy_(sign * m.b.weight.abs())
+        model.zero_grad(), eager.zero_grad()
+        loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
+        ref = F.mse_loss(eager(x), y)
+        ref.backward()
+        torch.testing.assert_close(loss, ref.detach())
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
