@@ -35,7 +35,7 @@ from fxpipe.passes.amp import run_under_autocast
 from fxpipe.passes.modes import merge_modes
 from fxpipe.passes.records import register_graph_records
 
-__all__ = ["trace"]
+__all__ = ["detector_note", "trace"]
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,13 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
 
         args = example_inputs if isinstance(example_inputs, tuple) else (
             () if example_inputs is None else (example_inputs,))
-        return export_trace(model, args, dict(example_kwargs or {}), device=device, unbatched=frozenset(unbatched))
+        try:
+            return export_trace(model, args, dict(example_kwargs or {}), device=device, unbatched=frozenset(unbatched))
+        except TraceError as exc:
+            if not _detector(model):
+                raise
+            raise TraceError(f"{exc}{_DETECTOR}", module=exc.module, filename=exc.filename,
+                             lineno=exc.lineno) from exc
     if callable(tracer):
         gm = _user_trace(model, tracer)
         _note_mode_branch(model, gm, lambda: _user_trace(model, tracer))
@@ -338,6 +344,22 @@ def _qualname(fn: Any) -> str:
     return f"{wrapper.co_name} in {os.path.basename(wrapper.co_filename)}" if wrapper else repr(fn)
 
 
+_DETECTOR = ("\nDetection models (torchvision's Faster R-CNN, RetinaNet, SSD) take lists of images of their own sizes "
+             "and select boxes by their values, which neither tracer can pipeline as a whole: pipeline the backbone "
+             "(pipe = fxpipe.compile(model.backbone, ...), then model.backbone = pipe) and run the heads after it.")
+
+
+def detector_note(model: nn.Module) -> str:
+    """Return the way to pipeline a detector (its backbone) where ``model`` looks like one, else ``""``."""
+    return _DETECTOR if _detector(model) else ""
+
+
+def _detector(model: nn.Module) -> bool:
+    """Tell whether ``model`` looks like a detector: a backbone module plus box heads."""
+    return isinstance(getattr(model, "backbone", None), nn.Module) and any(
+        isinstance(getattr(model, name, None), nn.Module) for name in ("rpn", "roi_heads", "head", "anchor_generator"))
+
+
 def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceError:
     """Build a TraceError that names the failing module, its source line and the fix."""
     module_path, module_type = "", type(model)
@@ -361,10 +383,8 @@ def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceErro
                "input to a constant (gm = fxpipe.trace(model, concrete_args={'<input>': value}), then "
                "fxpipe.compile(gm, ...)), or use tracer='export', which traces the code the model "
                "runs on example_inputs=.")
-        backbone = getattr(model, "backbone", None)
-        if isinstance(backbone, nn.Module):  # a detector: data-dependent heads on a backbone that traces
-            fix += (" Detection models (torchvision's Faster R-CNN) select boxes by their values as a whole; "
-                    "pipeline the backbone (fxpipe.compile(model.backbone, ...)) and run the rest after it.")
+        if _detector(model):  # data-dependent heads on a backbone that traces: neither tracer takes the whole
+            fix = _DETECTOR.strip()
         what = f"the top-level module ({type_name})"
     return TraceError(f"cannot trace {type(model).__name__}: {exc}\n"
                       f"Tracing failed in {what}:{where}\n{fix}{_hugging_face(model)}",

@@ -23,11 +23,11 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_flatten
 
 from fxpipe import passes
-from fxpipe.errors import TraceError
+from fxpipe.errors import PipelineInputError, TraceError
 from fxpipe.frontend.export import named_arguments
 from fxpipe.frontend.hooks import warn_lost_hooks
 from fxpipe.frontend.markers import resolve_split_points
-from fxpipe.frontend.tracing import trace
+from fxpipe.frontend.tracing import detector_note, trace
 from fxpipe.options import AUTO, CompileOptions, cut_mode
 from fxpipe.passes.failure import PropagationError
 from fxpipe.plan.batches import batch_size, is_batched, micro_sizes
@@ -183,7 +183,12 @@ def _check_example_batch(model: nn.Module, args: tuple, kwargs: dict, unbatched:
     except TypeError:
         return  # the front end names the mismatch
     named = named_arguments(signature, bound)
-    batch_size([v for _, v in named], [k for k, _ in named], set(unbatched))
+    try:
+        batch_size([v for _, v in named], [k for k, _ in named], set(unbatched))
+    except PipelineInputError as exc:
+        if not detector_note(model):
+            raise
+        raise PipelineInputError(f"{exc}{detector_note(model)}") from None
 
 
 def _mark_unbatched(gm: torch.fx.GraphModule, unbatched: Sequence[str]) -> frozenset[str]:
