@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -27,6 +28,8 @@ from fxpipe.materialize.weights import MANIFEST, refuse_partial
 
 __all__ = ["FORMAT", "VERSION", "allocate", "latest", "nest", "publish", "quiet", "read_keys", "read_manifest",
            "under"]
+
+log = logging.getLogger(__name__)
 
 FORMAT = "fxpipe.checkpoint"
 VERSION = 1
@@ -86,18 +89,26 @@ def latest(directory: str | os.PathLike) -> str | None:
     """Return the newest complete checkpoint directly under ``directory``, or None if there is none.
 
     Complete means published by :func:`fxpipe.save` on every rank (its manifest is there);
-    a save killed half way (``*.incomplete``) and a replaced one (``*.old``) are skipped.
+    a save killed half way (``*.incomplete``) and a replaced one (``*.old``) are skipped, but
+    for the ``*.old`` of a name that is missing: an overwrite stopped between its two renames
+    (``latest`` moved to ``latest.old``, the new one not yet moved to ``latest``) leaves the
+    previous checkpoint there, which is resumed from (logged).
     Newest is the one saved last (the manifest's time; its file's time for older ones).
     """
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         return None
     found: list[tuple[float, str]] = []
-    for name in os.listdir(directory):
+    names = set(os.listdir(directory))
+    for name in sorted(names):
         path = os.path.join(directory, name)
         manifest = os.path.join(path, MANIFEST)
-        if name.endswith((".incomplete", ".old")) or not os.path.isfile(manifest):
+        stranded = name.endswith(".old") and name[:-len(".old")] not in names
+        if (name.endswith((".incomplete", ".old")) and not stranded) or not os.path.isfile(manifest):
             continue
+        if stranded:
+            log.warning("%s: an overwrite of %r stopped before it was put in place; resuming from the previous "
+                        "checkpoint, kept in %r", directory, name[:-len(".old")], name)
         try:
             with open(manifest) as f:
                 info = json.load(f)

@@ -280,3 +280,21 @@ def test_a_checkpoint_missing_a_rank_s_file_and_an_extra_that_cannot_be_pickled_
         fxpipe.load(pipe, tmp_path / "ok")
     with pytest.raises(fxpipe.CheckpointError, match="written by other ranks"):
         fxpipe.load_state_dict(tmp_path / "ok")
+
+
+def test_an_overwrite_stopped_between_its_renames_resumes_from_the_previous_checkpoint(tmp_path, caplog):
+    # latest moved to latest.old, the new save not yet moved to latest: latest_checkpoint gave None, and the
+    # documented resume loop trained from step 0, silently
+    _, pipe, _ = dropnet_pipe(2)
+    ckpt = tmp_path / "ckpt"
+    fxpipe.save(pipe, ckpt / "latest", extra={"step": 100})
+    fxpipe.save(pipe, ckpt / "next", extra={"step": 200})
+    os.replace(ckpt / "latest", ckpt / "latest.old")  # where a kill between publish's two renames leaves them
+    os.replace(ckpt / "next", ckpt / "latest.incomplete")
+    with caplog.at_level("WARNING"):
+        found = fxpipe.latest_checkpoint(ckpt)
+    assert found == str(ckpt / "latest.old"), found
+    assert "an overwrite of 'latest' stopped before it was put in place" in caplog.text
+    assert fxpipe.load(pipe, found) == {"step": 100}
+    fxpipe.save(pipe, ckpt / "latest", extra={"step": 300})  # the next save puts latest back; .old is gone
+    assert fxpipe.latest_checkpoint(ckpt) == str(ckpt / "latest")
