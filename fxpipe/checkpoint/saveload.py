@@ -32,13 +32,14 @@ after a save at step 0) and drop the state silently when gradients are present.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,12 +60,12 @@ from fxpipe.checkpoint.trainstate import (
     set_rng_state,
     split_key,
 )
-from fxpipe.errors import CheckpointError
+from fxpipe.errors import CheckpointError, PeerFailure
 from fxpipe.materialize.fill import fill
 from fxpipe.materialize.fillplan import tensor_table
 from fxpipe.materialize.weights import MANIFEST, PARTIAL, open_weights
 from fxpipe.pipe import Pipe
-from fxpipe.runtime.transport.together import together
+from fxpipe.runtime.transport.together import communication_failed, first_line, together
 
 __all__ = ["load", "load_state_dict", "save"]
 
@@ -185,16 +186,33 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
         if where.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         raise
-    quiet(dcp.save, state, storage_writer=dcp.FileSystemWriter(partial), process_group=where.group,
-           no_dist=not where.distributed)
-    where.barrier()
-    if where.rank == 0:
-        aliases = {n: info.names[0] for info in table.values() if info.persistent for n in info.names[1:]}
-        publish(partial, path, {"format": FORMAT, "version": VERSION, "world": where.world,
-                                 "model": type(where.model).__name__, "aliases": aliases,
-                                 "optimizer": None if optimizer is None else type(optimizer).__name__})
-    where.barrier()
+    with _written_together(path, where):
+        quiet(dcp.save, state, storage_writer=dcp.FileSystemWriter(partial), process_group=where.group,
+               no_dist=not where.distributed)
+        where.barrier()
+        if where.rank == 0:
+            aliases = {n: info.names[0] for info in table.values() if info.persistent for n in info.names[1:]}
+            publish(partial, path, {"format": FORMAT, "version": VERSION, "world": where.world,
+                                     "model": type(where.model).__name__, "aliases": aliases,
+                                     "optimizer": None if optimizer is None else type(optimizer).__name__})
+        where.barrier()
     log.info("saved %s (rank %d of %d)", path, where.rank, where.world)
+
+
+@contextlib.contextmanager
+def _written_together(path: str, where: _Where) -> Iterator[None]:
+    """Turn a collective failing while the ranks write (a rank died saving) into a :class:`PeerFailure` saying what to do."""
+    try:
+        yield
+    except Exception as exc:
+        if not where.distributed or not communication_failed(exc):
+            raise
+        if where.broke is not None:
+            where.broke(exc)
+        raise PeerFailure(f"rank {where.rank}: fxpipe.save lost a peer while the ranks wrote {path!r} (a rank probably "
+                          f"died: {first_line(exc)}); nothing was published there, and fxpipe.latest_checkpoint "
+                          "skips what was written: restart the job and resume from the last complete checkpoint "
+                          "(fxpipe.latest_checkpoint(folder))") from exc
 
 
 def _refuse_foreign(path: str) -> None:

@@ -196,6 +196,16 @@ def test_a_dead_rank_stops_the_others_for_good_naming_it(tmp_path, launch):
         assert "resume from the last complete checkpoint (fxpipe.latest_checkpoint)" in message
 
 
+def test_a_rank_dying_in_save_is_named_and_its_half_written_save_skipped(tmp_path, launch):
+    # rank 0 got gloo's "Connection reset by peer ... GLHF!" from inside torch.distributed.checkpoint
+    results = launch("longrun_cases:dies_saving", 2, "1f1b", tmp_path, limit=60)
+    assert results[1] == {"exitcode": 3}
+    kind, message, _ = results[0]["saving"]
+    assert kind == "PeerFailure" and "fxpipe.save lost a peer while the ranks wrote" in message, message
+    assert "restart the job and resume from the last complete checkpoint" in message
+    assert results[0]["latest"] == "step-1"
+
+
 def test_a_hugging_face_llama_from_a_config_trains_through_all_of_it(tmp_path, launch):
     pytest.importorskip("transformers")
     results = launch("longrun_cases:hf_llama", 2, "1f1b", tmp_path)

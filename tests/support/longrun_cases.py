@@ -653,3 +653,25 @@ def sharded_per_rank(rank, world, schedule):
         expected = sum(float(token_loss(eager(a), b)) for a, b in firsts) / dp
     out["loss_error"] = abs(loss - expected) / abs(expected)
     return out
+
+
+def dies_saving(rank, world, schedule):
+    """Rank 1 dies in fxpipe.save after writing its share; rank 0 raises, and the half-written save is skipped."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    pipe = _compile(RopeLM(), world, schedule)
+    ids, target = tokens(1, 16)
+    pipe.step(ids, target=target, loss_fn=token_loss)
+    folder = os.path.join(os.environ["FXPIPE_TEST_DIR"], "ckpt")
+    fxpipe.save(pipe, os.path.join(folder, "step-1"))
+    if rank == 1:
+        write = dcp.FileSystemWriter.write_data
+
+        def dying(self, plan, planner):
+            write(self, plan, planner).wait()
+            os._exit(3)
+        dcp.FileSystemWriter.write_data = dying
+    out = {"saving": _attempt(lambda: fxpipe.save(pipe, os.path.join(folder, "step-2")))}
+    out["latest"] = os.path.basename(fxpipe.latest_checkpoint(folder))
+    return out
