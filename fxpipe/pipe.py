@@ -270,7 +270,9 @@ def _model_method(model: nn.Module, name: str) -> AttributeError:
         f"'Pipe' object has no attribute '{name}': {type(model).__name__}.{name} is a {kind} of the model's class, "
         "and the pipe runs the traced forward only (pipe(x), pipe.step). Call it on the model itself: in one process "
         "the pipe shares the model's parameters; across ranks each rank holds only its stages' (the others are on "
-        "meta). To generate, run the model unpipelined (the traced graph keeps no key/value cache); to save "
+        "meta). To generate, loop over pipe(ids) with the whole sequence each call (the traced graph keeps no "
+        "key/value cache; across ranks, broadcast each new token from pipe.plan.stages[-1].on_rank: "
+        "docs/guide/using-it.md, 'Generating with a pipe'), or in one process call model.generate itself; to save "
         "(save_pretrained), fxpipe.save(pipe, path), then fxpipe.load(model, path) into a model built whole")
 
 

@@ -102,7 +102,8 @@ def test_the_models_attributes_read_and_set_through_the_pipe():
         pipe.absent
     # the model's class's methods and properties: a bare AttributeError (pipe.generate, pipe.save_pretrained)
     with pytest.raises(AttributeError, match=r"Flags.generate is a method of the model's class, and the pipe runs "
-                                             r"the traced forward only .* To generate, run the model unpipelined"):
+                                             r"the traced forward only .* To generate, loop over pipe\(ids\) with "
+                                             r"the whole sequence"):
         pipe.generate(x)
     with pytest.raises(AttributeError, match="Flags.width is a property of the model's class"):
         pipe.width
