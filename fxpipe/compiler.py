@@ -21,6 +21,7 @@ from fxpipe.errors import CompileError, user_stacklevel
 from fxpipe.frontend.compiledmodule import unwrap_compiled
 from fxpipe.materialize.metatensors import released
 from fxpipe.options import AUTO, CompileOptions
+from fxpipe.passes.structure import as_containers
 from fxpipe.pipe import Pipe
 from fxpipe.plan.assign import assign_stages
 from fxpipe.plan.saved import PlanLike, adopt_layout, load_plan
@@ -44,7 +45,10 @@ def _normal(values: Any) -> Any:
     Under inference mode every value tracing makes would be an inference tensor, which has no
     version counter (read to find in-place ops) and cannot be saved for the backward the
     annotation records: :func:`compile` runs with it off, on such copies of the example inputs.
+    A mapping torch's pytree does not know (a tokenizer's ``BatchEncoding``) becomes a dict, as
+    the pipe's calls make it (:class:`~fxpipe.runtime.binding.Binding`).
     """
+    values = as_containers(values)  # a mapping pytree does not know (a tokenizer's BatchEncoding): a dict
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t, values)
 
 

@@ -39,7 +39,7 @@ import torch.fx._pytree as fx_pytree
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.propagate import Propagator, fetch
 from fxpipe.passes.spec import TensorSpec, spec_of, value_bytes
-from fxpipe.passes.structure import difference
+from fxpipe.passes.structure import as_containers, difference
 from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -188,8 +188,9 @@ def input_difference(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str
     """Say where a call's inputs part from the structure an exported graph was traced for (``None``: they do not).
 
     ``torch.export`` flattens each input by the example's structure: a list one longer had
-    its last item dropped, silently (:func:`difference` names it instead). A call that does
-    not bind is left to :func:`bind_placeholders`, which says why.
+    its last item dropped, silently (:func:`difference` names it instead). Containers it reads
+    alike stand in for each other (a list for a tuple, any mapping for a dict, keys it does not
+    read left out). A call that does not bind is left to :func:`bind_placeholders`, which says why.
     """
     info = getattr(gm.graph._codegen, "pytree_info", None)
     if info is None or info.in_spec is None:
@@ -201,8 +202,8 @@ def input_difference(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str
     args_spec, kwargs_spec = _children(info.in_spec)
     pairs = [*zip(names, values, args_spec.children()),
              *((k, keywords[k], spec) for k, spec in zip(kwargs_spec.context, kwargs_spec.children()))]
-    for name, value, spec in pairs:
-        found = difference(tree_flatten(value)[1], spec, name)
+    for name, value, spec in pairs:  # the graph reads only the example's keys: others are left, as eager may
+        found = difference(tree_flatten(as_containers(value))[1], spec, name, extra_keys=True)
         if found is not None:
             return found
     return None

@@ -123,6 +123,7 @@ def _check_stages(gm: torch.fx.GraphModule, n_stages: int) -> int:
         modules = dict(gm.named_modules())
         whole = [str(node.target) for node in gm.graph.nodes if node.op == "call_module"
                  and any(True for _ in modules[str(node.target)].children())]
+        whole.sort(key=lambda w: _kept_by_fx(modules[w]))  # a user's leaf first
         one = len(whole) == 1
         kept = (f" ({'module' if one else 'modules'} {', '.join(repr(w) for w in whole[:3])} "
                 f"{'is called as one node' if one else 'are each called as one node'}: trace through "
@@ -133,12 +134,20 @@ def _check_stages(gm: torch.fx.GraphModule, n_stages: int) -> int:
     return n
 
 
+def _kept_by_fx(module: torch.nn.Module) -> bool:
+    """Tell whether torch.fx keeps ``module`` whole by default (torch.nn's own, but ``Sequential``)."""
+    return type(module).__module__.startswith(("torch.nn", "torch.ao.nn")) and not isinstance(module, torch.nn.Sequential)
+
+
 def _through(gm: torch.fx.GraphModule, name: str) -> str:
-    """Say how to trace through a module the graph calls as one node."""
+    """Say how to trace through a module the graph calls as one node (a user's leaf, or one of torch.nn's)."""
     if gm.meta.get("fxpipe.tracer") == "export":
         return "torch.export inlines every module it can"
-    return (f"the fx tracer keeps torch.nn's own modules and those in leaf_modules= whole: drop {name!r} from "
-            "leaf_modules=, or use tracer='export', which traces through torch.nn's modules")
+    if _kept_by_fx(gm.get_submodule(name)):
+        return (f"the fx tracer keeps torch.nn's own modules such as {name!r} whole: use tracer='export', which "
+                "traces through them")
+    return (f"drop {name!r} (or its class) from leaf_modules=, or use tracer='export', which traces through every "
+            "module")
 
 
 @gc_paused

@@ -12,6 +12,7 @@ import torch.fx
 from fxpipe import passes
 from fxpipe.errors import PipelineInputError, user_stacklevel
 from fxpipe.passes.annotate import input_difference
+from fxpipe.passes.structure import as_containers
 from fxpipe.runtime.microbatch import batch_size, gather, scatter, to_device
 from fxpipe.runtime.validate import check_inputs, check_micro_batches
 
@@ -44,12 +45,14 @@ class Binding:
 
     def bind(self, args: tuple, kwargs: dict) -> list[Any]:
         """Return one value per placeholder for a call with ``args`` and ``kwargs``."""
+        args, kwargs = as_containers(args), as_containers(kwargs)  # a BatchEncoding: a dict, split by its entries
         found = input_difference(self.gm, args, kwargs)
         if found is not None:
             raise PipelineInputError(
-                f"the inputs are not of the structure the model was exported for: {found}; torch.export flattened "
-                "the example's structure into the graph's inputs (a list of 3 tensors is 3 inputs), so pass inputs "
-                "of that structure, or compile a pipe with example inputs of each structure you run")
+                f"the inputs are not of the structure the model was exported for: {found}; torch.export made each "
+                "tensor of the example's containers an input of its own (a list of 3 tensors is 3 inputs, a dict's "
+                "entries are read by key), so pass inputs of that structure, or compile a pipe with example inputs "
+                "of each structure you run")
         return passes.bind_placeholders(self.gm, args, kwargs)
 
     def split(self, args: tuple, kwargs: dict, chunks: int, training: bool,
