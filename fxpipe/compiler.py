@@ -52,6 +52,20 @@ def _normal(values: Any) -> Any:
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t, values)
 
 
+def _refuse_sync_batch_norm(model: nn.Module) -> None:
+    """Refuse SyncBatchNorm across ranks, which would wait on ranks that never run its stage."""
+    synced = [name for name, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if synced:
+        shown = ", ".join(repr(n) for n in synced[:3]) + (", ..." if len(synced) > 3 else "")
+        raise CompileError(
+            f"{type(model).__name__} holds {len(synced)} SyncBatchNorm module(s) ({shown}): across ranks SyncBatchNorm "
+            "all-reduces its statistics over every rank of its process group, and the ranks holding other stages "
+            "never join it (on CPU it refuses to run at all). Build the model with plain BatchNorm (without "
+            "nn.SyncBatchNorm.convert_sync_batchnorm): each micro-batch is normalized by its own statistics, as in "
+            "torchgpipe, and deferred_batch_norm=True tracks the running statistics over every micro-batch of every "
+            "replica")
+
+
 def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             example_kwargs: dict[str, Any] | None = None, devices: Sequence[Any] | None = None,
             chunks: int = 1, checkpoint: str | Sequence[str] = "except_last", balance_by: str = "auto",
@@ -209,6 +223,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             data_parallel_shard=data_parallel_shard, tensor_parallel=tensor_parallel, tp_plan=tp_plan, mesh=mesh,
             weights=weights, init=init, seed=seed, split_spec=split_spec, torch_compile=torch_compile, save=save,
             unbatched=unbatched)
+        if options.distributed:
+            _refuse_sync_batch_norm(model)
         target = where(model, options)  # the schedule, the devices, and across ranks this process's place
         saved = None if plan is None else load_plan(plan)
         try:

@@ -106,9 +106,6 @@ def latest(directory: str | os.PathLike) -> str | None:
         stranded = name.endswith(".old") and name[:-len(".old")] not in names
         if (name.endswith((".incomplete", ".old")) and not stranded) or not os.path.isfile(manifest):
             continue
-        if stranded:
-            log.warning("%s: an overwrite of %r stopped before it was put in place; resuming from the previous "
-                        "checkpoint, kept in %r", directory, name[:-len(".old")], name)
         try:
             with open(manifest) as f:
                 info = json.load(f)
@@ -116,7 +113,14 @@ def latest(directory: str | os.PathLike) -> str | None:
             continue  # unreadable: not a checkpoint to resume from
         if info.get("format") == FORMAT:
             found.append((float(info.get("saved_at") or os.path.getmtime(manifest)), path))
-    return max(found)[1] if found else None
+    if not found:
+        return None
+    chosen = max(found)[1]
+    if chosen.endswith(".old"):
+        log.warning("%s: an overwrite of %r stopped before it was put in place; resuming from the previous "
+                    "checkpoint, kept in %r", directory, os.path.basename(chosen)[:-len(".old")],
+                    os.path.basename(chosen))
+    return chosen
 
 
 def read_keys(path: str, wanted: dict[str, Any]) -> dict[str, Any]:

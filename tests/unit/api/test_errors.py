@@ -142,3 +142,13 @@ def test_failing_compile_leaves_model_unmoved_and_unmodified():
 def test_compile_rejects_non_modules():
     with pytest.raises(TypeError, match="expects an nn.Module"):
         fxpipe.compile(lambda x: x, 2)
+
+
+def test_sync_batch_norm_across_ranks_is_refused_naming_the_fix():
+    # on CPU it failed in tracing with a hint about dropped branches and tracer='export'; on GPUs it would wait on
+    # ranks that never run its stage
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                                                                  nn.Conv2d(4, 4, 3)))
+    with pytest.raises(fxpipe.CompileError, match=r"holds 1 SyncBatchNorm module\(s\) \('1'\).*Build the model with "
+                                                  r"plain BatchNorm.*deferred_batch_norm=True"):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 3, 8, 8),), runtime="distributed")

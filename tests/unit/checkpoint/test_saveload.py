@@ -296,5 +296,10 @@ def test_an_overwrite_stopped_between_its_renames_resumes_from_the_previous_chec
     assert found == str(ckpt / "latest.old"), found
     assert "an overwrite of 'latest' stopped before it was put in place" in caplog.text
     assert fxpipe.load(pipe, found) == {"step": 100}
+    fxpipe.save(pipe, ckpt / "other", extra={"step": 250})  # a newer one beside it is chosen, and nothing said
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert fxpipe.latest_checkpoint(ckpt) == str(ckpt / "other")
+    assert "stopped before it was put in place" not in caplog.text
     fxpipe.save(pipe, ckpt / "latest", extra={"step": 300})  # the next save puts latest back; .old is gone
     assert fxpipe.latest_checkpoint(ckpt) == str(ckpt / "latest")
