@@ -201,6 +201,8 @@ class LocalRuntime:
         """Run stage ``j`` on micro-batch ``i``'s inputs, checkpointed if asked, in its policy's pass, if training."""
         if not self.checkpointing:
             return self.calls[j].call(i, inputs)
+        if not self.calls[j].trains(inputs):  # nothing to differentiate (a frozen stage): nothing to keep or redo
+            return self.calls[j].call(i, inputs)
         return self.calls[j].call(i, inputs, "checkpoint" if checkpoint else self.passes[j])
 
     def clock(self, tasks: tuple) -> list[Any]:

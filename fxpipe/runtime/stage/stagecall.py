@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.utils._pytree import tree_flatten
 
 from fxpipe.passes.nesting import levels_restored
 from fxpipe.runtime.observe import timeline
@@ -91,6 +92,15 @@ class StageCall:
         self._probed = False  # the first checkpointed forward has shown which buffers its leaf modules write
         self._norms: set[str] | None = None  # batch norms' statistics: discarded by a recomputation, not replayed
         self._replayed: list[str] | None = None  # the buffers a replay point copies, once probed
+
+    def trains(self, inputs: Any) -> bool:
+        """Tell whether a forward on ``inputs`` has a backward: a parameter or an input tensor needs a gradient.
+
+        A stage that has none (a frozen encoder before trainable stages) is not checkpointed: its
+        recomputation would run for a backward that does nothing.
+        """
+        return any(p.requires_grad for p in self.gm.parameters()) or any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(inputs)[0])
 
     def copy_stream(self, i: int) -> AbstractStream:
         """Return this stage's copy stream for micro-batch ``i`` (None on CPU)."""

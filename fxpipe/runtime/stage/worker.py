@@ -92,6 +92,8 @@ class StageWorker:
                 return loss(out) if loss is not None else out
             if self.defer:
                 self._weights[i] = []  # fresh: nothing left from a step that failed
+            if not call.trains(leaves):  # a frozen stage with inputs needing no gradient: no backward to redo it for
+                checkpoint, saving = False, "forward"
             if checkpoint:
                 replay = call.replay_point()
                 out = call.run(i, leaves, "checkpoint")
