@@ -208,7 +208,9 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             stages_per_rank, data_parallel = layout["stages_per_rank"], layout["data_parallel"]
             data_parallel_shard, tensor_parallel = layout["data_parallel_shard"], layout["tensor_parallel"]
             tracer = layout["tracer"]
-        if getattr(model, "is_gradient_checkpointing", False) is True:  # Hugging Face's own recomputation
+        flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
+            "is_gradient_checkpointing"  # transformers 5 deprecates the second, warning at each read
+        if getattr(model, flag, False) is True:  # Hugging Face's own recomputation
             warnings.warn(
                 f"{type(model).__name__} has gradient checkpointing on (gradient_checkpointing_enable()), which the "
                 "trace runs through: its layers become plain calls that keep their activations, saving no memory. "

@@ -65,7 +65,15 @@ def test_hugging_face_gradient_checkpointing_is_said_to_save_nothing():
     class Checkpointed(nn.Sequential):
         is_gradient_checkpointing = True
 
-    model = Checkpointed(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
-    with pytest.warns(UserWarning, match=r"Checkpointed has gradient checkpointing on .* saving no memory.*"
-                                         r"gradient_checkpointing_disable\(\)"):
-        fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 4),), devices=["cpu"] * 2)
+    class Transformers5(nn.Sequential):  # the name transformers 5 reads, the old one deprecated (warning at a read)
+        is_activation_checkpointing = True
+
+        @property
+        def is_gradient_checkpointing(self):
+            raise AssertionError("read the deprecated flag")
+
+    for kind in (Checkpointed, Transformers5):
+        model = kind(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        with pytest.warns(UserWarning, match=rf"{kind.__name__} has gradient checkpointing on .* saving no memory.*"
+                                             r"gradient_checkpointing_disable\(\)"):
+            fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 4),), devices=["cpu"] * 2)
