@@ -84,3 +84,27 @@ def test_a_table_inside_a_dict_input_is_named_and_unbatching_every_input_is_warn
         fxpipe.compile(DictInput(), 2, example_inputs=(batch,), chunks=3, devices=["cpu"] * 2)
     with pytest.warns(UserWarning, match=r"unbatched=\['batch'\] leaves no input to split into micro-batches"):
         fxpipe.compile(DictInput(), 2, example_inputs=(batch,), chunks=3, devices=["cpu"] * 2, unbatched=["batch"])
+
+
+class _Looked(nn.Module):
+    """Rows of a table input picked by index inputs (a codebook)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, ids, table):
+        return self.b(torch.relu(self.a(table[ids])))
+
+
+def test_a_table_split_because_its_rows_equal_the_batch_s_is_noted_with_unbatched():
+    # its dim 0 equals the batch size, so it was split like the batch: a bare "index 7 is out of bounds"
+    ids, table = torch.arange(8) % 8, torch.randn(8, 4)
+    pipe = fxpipe.compile(_Looked(), 2, example_inputs=(ids, table), chunks=2, devices=["cpu"] * 2)
+    with pytest.raises(IndexError) as info:
+        pipe(ids, table)
+    assert any("compile with unbatched=['<that input>']" in n for n in info.value.__notes__), info.value.__notes__
+    model = _Looked()
+    pipe = fxpipe.compile(model, 2, example_inputs=(ids, table), chunks=2, devices=["cpu"] * 2, unbatched=["table"])
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(ids, table), model(ids, table))
