@@ -48,6 +48,15 @@ def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception, on: s
     where = f"node '{node.name}' ({what})" + (f" in module '{module}' ({_name(stack[-1][1])})" if stack else "")
     first = next((line for line in str(exc).splitlines() if line.strip()), "")
     message = f"{where} fails on {on}: {type(exc).__name__}: {first}"
+    inputs = [a.target for a in node.all_input_nodes if a.op == "placeholder"]
+    if advise and "NoneType" in str(exc) and inputs and getattr(gm, "meta", {}).get("fxpipe.tracer") != "export":
+        name = inputs[0]
+        message += (
+            f"\nInput '{name}' is None here, but torch.fx traced it as a value: a check such as `{name} is not None` "
+            f"holds for a traced value, so the code using it was kept. Pass {name}= a tensor (in the example too), "
+            f"fix it to None (gm = fxpipe.trace(model, concrete_args={{'{name}': None}}), then fxpipe.compile(gm, "
+            f"...)), or use tracer='export', which traces the code the model runs on its example.")
+        return PropagationError(message, node.name, module)
     if advise and getattr(gm, "meta", {}).get("fxpipe.tracer") != "export":
         owners = [kind for _, kind in stack if not _from_torch_nn(kind)]
         leaf = (f", or keep the module that holds the check whole with leaf_modules="

@@ -104,3 +104,30 @@ def test_a_distribution_returned_names_the_fix(validate):
     with pytest.raises(fxpipe.TraceError, match=r"(?s)torch.distributions object .*Return the distribution's "
                                                 r"parameters .*build it in loss_fn"):
         fxpipe.compile(Gaussian(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2)
+
+
+class _OptionalMask(nn.Module):
+    """An optional input checked with ``is not None`` (true for a traced value)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, mask=None):
+        h = self.a(x)
+        if mask is not None:
+            h = h * mask
+        return self.b(h)
+
+
+def test_an_optional_input_left_none_is_named_with_its_fixes():
+    # a PropagationError about 'FakeTensor' * 'NoneType' and dropped branches, naming no input
+    x = torch.randn(8, 4)
+    with pytest.raises(fxpipe.PropagationError, match=r"Input 'mask' is None here, but torch.fx traced it as a "
+                                                      r"value.*concrete_args=\{'mask': None\}"):
+        fxpipe.compile(_OptionalMask(), 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    model = _OptionalMask()
+    pipe = fxpipe.compile(fxpipe.trace(model, concrete_args={"mask": None}), 2, example_inputs=(x,), chunks=2,
+                          devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))
