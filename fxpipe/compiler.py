@@ -45,10 +45,7 @@ def _normal(values: Any) -> Any:
     Under inference mode every value tracing makes would be an inference tensor, which has no
     version counter (read to find in-place ops) and cannot be saved for the backward the
     annotation records: :func:`compile` runs with it off, on such copies of the example inputs.
-    A mapping torch's pytree does not know (a tokenizer's ``BatchEncoding``) becomes a dict, as
-    the pipe's calls make it (:class:`~fxpipe.runtime.binding.Binding`).
     """
-    values = as_containers(values)  # a mapping pytree does not know (a tokenizer's BatchEncoding): a dict
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t, values)
 
 
@@ -217,6 +214,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
                 "fxpipe recomputes per stage instead, by checkpoint= ('except_last', the default, 'always' or "
                 "'selective'); call model.gradient_checkpointing_disable() before compiling to silence this",
                 stacklevel=user_stacklevel())
+        if tracer == "export":  # its graph reads a mapping by key: a plain dict, as its calls get (Binding)
+            example_inputs, example_kwargs = as_containers((example_inputs, example_kwargs))
         options = CompileOptions(
             n_stages, example_inputs=example_inputs, example_kwargs=example_kwargs, devices=devices, chunks=chunks,
             checkpoint=checkpoint, balance_by=balance_by, split_points=split_points, max_memory=max_memory,

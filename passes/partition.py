@@ -143,6 +143,9 @@ def _through(gm: torch.fx.GraphModule, name: str) -> str:
     """Say how to trace through a module the graph calls as one node (a user's leaf, or one of torch.nn's)."""
     if gm.meta.get("fxpipe.tracer") == "export":
         return "torch.export inlines every module it can"
+    if type(gm.get_submodule(name)).__name__ == "OptimizedModule":  # torch.compile(submodule): kept whole
+        return (f"{name!r} was given to torch.compile, which fxpipe calls as one node: pass the plain module and "
+                "compile the stages with fxpipe.compile(..., torch_compile=True) instead")
     if _kept_by_fx(gm.get_submodule(name)):
         return (f"the fx tracer keeps torch.nn's own modules such as {name!r} whole: use tracer='export', which "
                 "traces through them")

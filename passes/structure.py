@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from torch.utils._pytree import SUPPORTED_NODES, TreeSpec
+from torch.utils._pytree import TreeSpec
 
 __all__ = ["as_containers", "difference", "in_order_of"]
 
@@ -47,7 +47,11 @@ def difference(got: TreeSpec, want: TreeSpec, path: str, extra_keys: bool = Fals
     ``extra_keys`` allows keys the plan's dict has not (a graph that only reads by key).
     """
     if got.is_leaf() or want.is_leaf():
-        return None if got.is_leaf() and want.is_leaf() else f"{path} is {_kind(got)}, the plan's is {_kind(want)}"
+        if got.is_leaf() and want.is_leaf():
+            return None
+        hint = (" (a mapping torch's pytree does not know, such as a tokenizer's BatchEncoding, is one value: pass "
+                "dict(...) of it)") if got.is_leaf() and _keys(want) is not None else ""
+        return f"{path} is {_kind(got)}, the plan's is {_kind(want)}{hint}"
     have, keys = _keys(got), _keys(want)
     if have is not None and keys is not None:
         missing, extra = [k for k in keys if k not in have], [k for k in have if k not in keys]
@@ -73,13 +77,17 @@ def difference(got: TreeSpec, want: TreeSpec, path: str, extra_keys: bool = Fals
 
 
 def as_containers(value: Any) -> Any:
-    """Return ``value`` with every mapping pytree does not know (a tokenizer's ``BatchEncoding``) as a dict."""
-    if isinstance(value, Mapping) and type(value) not in SUPPORTED_NODES:
+    """Return ``value`` with every mapping as a plain dict (an ``OrderedDict``, a tokenizer's ``BatchEncoding``).
+
+    For an exported graph, which reads a dict input by key: torch's flattening by the example's
+    spec reads only a plain dict by key, and refuses an ``OrderedDict`` of another order.
+    """
+    if isinstance(value, Mapping):
         return {k: as_containers(v) for k, v in value.items()}
     if type(value) in (list, tuple):
         return type(value)(as_containers(v) for v in value)
-    if type(value) is dict:
-        return {k: as_containers(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple: its fields, not its items
+        return type(value)(*(as_containers(v) for v in value))
     return value
 
 

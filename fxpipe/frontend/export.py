@@ -175,9 +175,19 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     if any(split(t) and t.shape[0] == 1 for t in tree_flatten((args, kwargs))[0]):
         args, kwargs = tree_map(lambda t: torch.cat([t, t]) if split(t) else t, (args, kwargs))
     rows = next(t.shape[0] for t in tree_flatten((args, kwargs))[0] if split(t))
-    # A view (``ids[:, :8]``) would be guarded on its base's sizes, which real inputs do not have.
-    args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t,
-                            (args, kwargs))
+    # A view (``ids[:, :8]``) would be guarded on its base's sizes, which real inputs do not have; a tensor given
+    # twice (example_kwargs={"input_ids": ids, "labels": ids}) would be exported as one input read in both places,
+    # so later calls' labels were never read (the input_ids stood in for them, silently): each gets its own copy.
+    seen: set[int] = set()
+
+    def own(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        again = id(t) in seen
+        seen.add(id(t))
+        return t.clone() if again or t._base is not None else t
+
+    args, kwargs = tree_map(own, (args, kwargs))
     bound = signature.bind(*args, **kwargs)
     target = target_device(args, kwargs, device)
     args, kwargs = fake_inputs(args, kwargs, target)
@@ -416,6 +426,13 @@ def _refusal(model: nn.Module, exc: BaseException, fix: str = "", where: str = "
     line = f"The model's code fixes the batch size to a constant{where}. " if where else ""
     frame = user_frame(exc) if type(exc).__module__ == "builtins" else None
     made = frame is not None and "concrete integers" in str(exc) and _FACTORY.search(frame.line or "")
+    if frame is not None and not fix and "'dict' object has no attribute" in str(exc):  # a mapping read by name
+        return TraceError(
+            f"torch.export could not trace {type(model).__name__}: its forward raised AttributeError: {first} at "
+            f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()}). Under tracer='export' fxpipe gives "
+            "a mapping input (a tokenizer's BatchEncoding, an OrderedDict) to the forward as a plain dict, which "
+            "the exported graph reads by key: read its entries by key (enc['input_ids']), or use tracer='fx', "
+            "which passes it as it is. The full torch.export error is chained below.")
     if frame is not None and not fix:  # the model's own code raised: say where, and that eager should run
         first = (f"its forward raised {type(exc).__name__}: {first} at {frame.filename}:{frame.lineno} "
                  f"({(frame.line or '').strip()})" + ("" if made else ". Check that the model runs eagerly on the "

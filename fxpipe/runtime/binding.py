@@ -45,7 +45,8 @@ class Binding:
 
     def bind(self, args: tuple, kwargs: dict) -> list[Any]:
         """Return one value per placeholder for a call with ``args`` and ``kwargs``."""
-        args, kwargs = as_containers(args), as_containers(kwargs)  # a BatchEncoding: a dict, split by its entries
+        if self.gm.meta.get("fxpipe.tracer") == "export":  # mappings as the plain dicts the example was made
+            args, kwargs = as_containers(args), as_containers(kwargs)
         found = input_difference(self.gm, args, kwargs)
         if found is not None:
             raise PipelineInputError(

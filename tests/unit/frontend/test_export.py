@@ -488,3 +488,29 @@ def test_an_exported_torch_cond_runs_either_branch_equal_to_eager():
         torch.testing.assert_close(loss, ref.detach())
         for p, q in zip(model.parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
+
+
+class _Labelled(nn.Module):
+    """A language model computing its per-token loss from labels= (often the input_ids tensor itself in examples)."""
+
+    def __init__(self):
+        super().__init__()
+        self.e, self.o = nn.Embedding(10, 8), nn.Linear(8, 10)
+
+    def forward(self, input_ids, labels):
+        logits = self.o(self.e(input_ids))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+
+
+def test_an_example_tensor_given_twice_is_two_inputs_of_the_exported_graph():
+    # example_kwargs={"input_ids": ids, "labels": ids} exported one input read in both places: later labels were
+    # never read (input_ids stood in for them, silently; a Hugging Face model's -100 labels then failed as ids)
+    torch.manual_seed(0)
+    model = _Labelled()
+    ids = torch.randint(0, 10, (6, 5))
+    labels = ids.clone()
+    labels[:, :2] = 3
+    pipe = fxpipe.compile(model, 2, example_kwargs={"input_ids": ids, "labels": ids}, chunks=3, tracer="export",
+                          devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(input_ids=ids, labels=labels), model(ids, labels))

@@ -1,5 +1,6 @@
 """Inputs of another structure than the example's: named where they part, or served where only the order moved."""
 
+import collections
 import copy
 import dataclasses
 
@@ -126,3 +127,43 @@ def test_a_dataclass_input_is_exported_with_a_dynamic_batch_and_equals_eager():
     other = _Batch(torch.randn(4, 8), torch.rand(4, 16))  # another batch size: the batch is dynamic
     with torch.no_grad():
         torch.testing.assert_close(pipe(other), eager(other))
+
+
+class _Pair(nn.Module):
+    """Read a pair of tensors by position."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.o = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, xs):
+        return self.o(torch.tanh(self.a(xs[0] + 2 * xs[1])))
+
+
+class _Encoding(collections.UserDict):
+    """A mapping torch's pytree does not know, as a tokenizer's BatchEncoding is."""
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_containers_read_alike_stand_in_for_each_other(tracer):
+    # the structure check refused a DataLoader's list for a tuple example, an OrderedDict or a BatchEncoding for a
+    # dict, and (export) a key the graph never reads; an OrderedDict example then failed in torch's flattening
+    torch.manual_seed(0)
+    x, z = torch.randn(6, 8), torch.randn(6, 4)
+    pair = _Pair()
+    pipe = fxpipe.compile(pair, 2, example_inputs=((x, x * 2),), chunks=3, tracer=tracer, devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe([x, z.repeat(1, 2)]), pair([x, z.repeat(1, 2)]))  # a collated list
+    keyed = _Keyed()
+    for example in ({"x": x, "y": z}, collections.OrderedDict(y=z, x=x)):
+        pipe = fxpipe.compile(keyed, 2, example_inputs=(example,), chunks=3, tracer=tracer, devices=["cpu"] * 2)
+        calls = [{"x": x, "y": z}, collections.OrderedDict(y=z, x=x), collections.OrderedDict(x=x, y=z)]
+        if tracer == "export":  # reads a mapping by key: any mapping, and keys it does not read, serve
+            calls += [_Encoding(x=x, y=z), {"x": x, "y": z, "unused": z}]
+        with torch.no_grad():
+            for call in calls:
+                torch.testing.assert_close(pipe(call), keyed(call))
+    if tracer == "fx":  # a mapping pytree does not know is one value there: named, with the fix
+        with pytest.raises(fxpipe.PipelineInputError, match=r"d is a single value, the plan's is a \w+ of 2 "
+                                                            r"item\(s\) \(a mapping .* pass dict\(\.\.\.\) of it\)"):
+            pipe(_Encoding(x=x, y=z))
