@@ -27,7 +27,7 @@ from fxpipe.passes.failure import explain
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.mutates import may_mutate
 from fxpipe.passes.nesting import levels_restored
-from fxpipe.passes.propagate import _DATA_DEPENDENT, call_with_stand_ins, fetch_stand_in
+from fxpipe.passes.propagate import _DATA_DEPENDENT, PlainArgs, call_with_stand_ins, fetch_stand_in
 from fxpipe.passes.signature import node_key, value_key
 from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 __all__ = ["Propagator", "SpecProp", "value_specs"]
 
 
-class SpecProp(torch.fx.Interpreter):
+class SpecProp(PlainArgs):
     """Run the nodes a GraphModule needs for ``wanted``; keep the spec of the values of ``wanted``.
 
     Nodes no wanted value depends on (the last stage's, when the wanted values cross stage

@@ -30,7 +30,7 @@ import torch
 import torch.fx
 from fxpipe.passes.annotate import bind_placeholders
 from fxpipe.passes.mutates import is_mutating
-from fxpipe.passes.propagate import fetch_stand_in
+from fxpipe.passes.propagate import PlainArgs, fetch_stand_in
 from fxpipe.passes.spec import TensorSpec, differentiable
 from fxpipe.passes.timing import median_seconds
 from torch import nn
@@ -150,7 +150,7 @@ def _backward_or_estimate(node, call, params, env, device, repeats, warmup, fwd:
         return fwd * ratio
 
 
-class Profiler(torch.fx.Interpreter):
+class Profiler(PlainArgs):
     """Run a GraphModule on real values, timing each node's forward and backward (ShapeProp-style).
 
     :meth:`run_node` runs every call node ``warmup + repeats`` times on ``device`` with its

@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import torch
 import torch.fx
+import torch.fx.immutable_collections
 from fxpipe.passes.failure import explain
 from fxpipe.passes.mutates import VIEW_NAMES, may_mutate, op_name
 from fxpipe.passes.nesting import levels_restored
@@ -40,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["Propagator", "call_with_stand_ins", "fetch", "fetch_stand_in"]
+__all__ = ["PlainArgs", "Propagator", "call_with_stand_ins", "fetch", "fetch_stand_in"]
 
 _METADATA_OPS = {
     torch.ops.aten.size.default,
@@ -111,7 +112,33 @@ class _Result:
     key: Any
 
 
-class Propagator(torch.fx.Interpreter):
+class PlainArgs(torch.fx.Interpreter):
+    """An Interpreter that calls targets with plain lists and dicts, as a graph's generated code does.
+
+    torch.fx keeps a node's arguments in ``immutable_list``/``immutable_dict``: a function the
+    model wrapped with ``torch.fx.wrap`` that writes into its list argument (torchvision's 3-D Swin
+    sets ``shift_size[i] = 0``) runs in the GraphModule but raised ``'immutable_list' object does
+    not support mutation`` here.
+    """
+
+    def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[tuple, dict]:
+        """Fetch a node's arguments from the environment, as plain containers."""
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return tuple(_plain(a) for a in args), {k: _plain(v) for k, v in kwargs.items()}
+
+
+def _plain(value: Any) -> Any:
+    """Return ``value`` with torch.fx's immutable lists and dicts as plain ones (their contents too)."""
+    if isinstance(value, torch.fx.immutable_collections.immutable_list):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.fx.immutable_collections.immutable_dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+class Propagator(PlainArgs):
     """Run a GraphModule node by node on fake (or real) tensors, recording ``node.meta``.
 
     ShapeProp-style: :meth:`run_node` runs each node (``call_module`` and ``get_attr`` on

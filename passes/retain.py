@@ -29,7 +29,7 @@ import torch
 import torch.fx
 from fxpipe.passes.annotate import TensorSpec, bind_placeholders
 from fxpipe.passes.gcpause import gc_paused
-from fxpipe.passes.propagate import _DATA_DEPENDENT, fetch_stand_in
+from fxpipe.passes.propagate import _DATA_DEPENDENT, PlainArgs, fetch_stand_in
 from fxpipe.passes.spec import differentiable
 from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -41,7 +41,7 @@ __all__ = ["retain"]
 log = logging.getLogger(__name__)
 
 
-class _Retainer(torch.fx.Interpreter):
+class _Retainer(PlainArgs):
     """Run a graph on fake tensors with grad; attribute every saved storage to the value holding it."""
 
     def __init__(self, gm: torch.fx.GraphModule, mode: FakeTensorMode) -> None:

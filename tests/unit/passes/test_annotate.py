@@ -124,3 +124,31 @@ def test_memo_keeps_apart_what_differs():
     gm = passes.annotate(fxpipe.trace(model, leaf_modules=[Repeat]), (torch.randn(2, 3),))
     shapes = [n.meta["fxpipe.value"].shape for n in gm.graph.nodes if n.op == "call_module"]
     assert shapes == [(2, 3), (2, 6)]
+
+
+@torch.fx.wrap
+def _zero_small(sizes, x):
+    """Write into a list argument (as torchvision's 3-D Swin does to its shift sizes), then use it."""
+    for i in range(len(sizes)):
+        if sizes[i] > x.shape[-1]:
+            sizes[i] = 0
+    return x * (1 + sum(sizes))
+
+
+class _WrappedWrite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(_zero_small([1, 9], self.a(x)))
+
+
+def test_a_wrapped_function_writing_into_its_list_argument_compiles_and_equals_eager():
+    # propagation handed it torch.fx's immutable_list: "'immutable_list' object does not support mutation",
+    # reported as a branch dropped by tracing
+    model = _WrappedWrite()
+    x = torch.randn(6, 4)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))
