@@ -1,4 +1,4 @@
-"""Checks the multi-process tests share."""
+"""Checks the tests share."""
 
 import torch
 
@@ -22,3 +22,13 @@ def assert_state_equal(model, opt, params, optim):
     for name, saved in optim.items():
         for key, value in saved.items():
             assert torch.equal(state[name][key], value), (name, key)
+
+
+def assert_step_equals_eager(pipe, model, eager, inputs, target, loss_fn):
+    """Assert one ``pipe.step`` on ``inputs`` gives eager's loss and every parameter's gradient (``eager`` a copy)."""
+    loss = pipe.step(inputs, target=target, loss_fn=loss_fn)
+    ref = loss_fn(eager(inputs), target)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from checks import assert_step_equals_eager
 from fxpipe.passes.nesting import is_nesting, levels_restored
 from torch import nn
 
@@ -39,12 +40,7 @@ def test_a_vmap_in_forward_runs_whole_in_one_stage_and_equals_eager(n_stages):
     ends = [[n.name for n in stage.graph.nodes if n.op == "call_function" and is_nesting(n)] for stage in pipe.stages]
     assert sorted(name for names in ends for name in names) == ["_vmap_decrement_nesting", "_vmap_increment_nesting"]
     assert sum(1 for names in ends if names) == 1, ends  # both ends in one stage
-    loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
-    ref = F.mse_loss(eager(x), y)
-    ref.backward()
-    torch.testing.assert_close(loss, ref.detach())
-    for p, q in zip(model.parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
+    assert_step_equals_eager(pipe, model, eager, x, y, F.mse_loss)
     assert torch._C._functorch.maybe_current_level() is None
 
 
