@@ -199,9 +199,7 @@ class LocalRuntime:
     # -- what the GPipe program calls ----------------------------------------------------
     def compute(self, j: int, i: int, inputs: tuple, checkpoint: bool) -> Any:
         """Run stage ``j`` on micro-batch ``i``'s inputs, checkpointed if asked, in its policy's pass, if training."""
-        if not self.checkpointing:
-            return self.calls[j].call(i, inputs)
-        if not self.calls[j].trains(inputs):  # nothing to differentiate (a frozen stage): nothing to keep or redo
+        if not self.checkpointing or not self.calls[j].trains(inputs):  # a frozen stage: nothing to keep or redo
             return self.calls[j].call(i, inputs)
         return self.calls[j].call(i, inputs, "checkpoint" if checkpoint else self.passes[j])
 
