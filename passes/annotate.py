@@ -88,11 +88,26 @@ def _propagate(gm: torch.fx.GraphModule, flat_inputs: list, real: bool, memoize:
     else:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
-            fake_inputs = tree_map(
-                lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, flat_inputs)
+            device = gm.meta.get("fxpipe.example_device", torch.device("cpu"))
+            fake_inputs = tree_map(lambda v: _fake_input(mode, v, device), flat_inputs)
             propagator = Propagator(gm, mode)
             propagator.propagate(fake_inputs, memoize=memoize)
         log.debug("annotated %d nodes, %d from the memo", len(gm.graph.nodes), propagator.hits)
+
+
+def _fake_input(mode: FakeTensorMode, v: Any, device: torch.device) -> Any:
+    """Return the fake of one example input; a meta one on ``device``, where the model's meta state is faked too.
+
+    An exported graph holds the device its trace ran on (``.to(device)`` checks, factory calls), which for
+    meta examples is the stages' device (:mod:`fxpipe.frontend.exportmeta`), never ``meta``.
+    """
+    if not isinstance(v, torch.Tensor):
+        return v
+    if not v.is_meta:
+        return mode.from_tensor(v)
+    with mode:
+        fake = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
+    return fake.requires_grad_(v.requires_grad)
 
 
 def annotate_params(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -240,6 +240,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     _share_state(gm, model)
     refuse_stand_ins(gm, model)
     gm.meta["fxpipe.tracer"] = "export"
+    gm.meta["fxpipe.example_device"] = target  # the device the trace ran on, held by the graph's device checks
     if difference is not None:  # the graph keeps this mode's: the other is refused
         gm.meta["fxpipe.training"] = model.training
         gm.meta["fxpipe.mode_branch"] = difference

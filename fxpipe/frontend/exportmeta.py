@@ -45,6 +45,8 @@ def target_device(args: tuple, kwargs: dict, device: Any = None) -> torch.device
     for t in tree_flatten((args, kwargs))[0]:
         if isinstance(t, torch.Tensor) and not t.is_meta:
             return t.device
+    if device is not None and torch.device(device).type == "cpu":
+        return torch.device("cpu")  # one CPU, however a rank's device names it ("cpu:0" meets "cpu" in the graph)
     if device is not None and torch.device(device).type != "meta":
         return torch.device(device)
     return torch.device("cpu")

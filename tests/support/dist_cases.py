@@ -302,13 +302,14 @@ class _Recording(WeightSource):
         self.inner.read(into)
 
 
-def _meta_step(rank, world, factory, reference, x, target, loss_fn, **kw):
+def _meta_step(rank, world, factory, reference, x, target, loss_fn, example=None, **kw):
     """Compile ``factory()`` built on meta; compare loss and this rank's gradients with ``reference``."""
     with torch.device("meta"):
         model = factory()
     expected = loss_fn(reference(x), target)
     expected.backward()
-    pipe = fxpipe.compile(model, world, example_inputs=(x,), runtime="distributed", timeout=60, **kw)
+    example = x if example is None else example
+    pipe = fxpipe.compile(model, world, example_inputs=(example,), runtime="distributed", timeout=60, **kw)
     held = {id(t) for t in (*pipe.stages[rank].parameters(), *pipe.stages[rank].buffers())}
     tensors = dict(model.state_dict(keep_vars=True))
     wrong = [n for n, t in tensors.items() if t.is_meta == (id(t) in held)]  # held real, the rest meta
@@ -868,14 +869,18 @@ CASES.update(dp_resume=dp_resume)
 
 
 def export_meta(rank, world, schedule):
-    """A rotary decoder built on meta, exported (its tensors as fakes on CPU), filled by FQN per rank."""
+    """A rotary decoder built on meta, exported (its tensors as fakes on CPU), filled by FQN per rank; examples real or meta."""
     from rotary import RotaryDecoder
 
-    torch.manual_seed(0)
-    reference = RotaryDecoder()  # the same weights on every rank
-    tokens, target = torch.randint(0, 32, (6, 8)), torch.randint(0, 32, (6, 8))
-    return _meta_step(rank, world, RotaryDecoder, reference, tokens, target, token_loss, chunks=3,
-                      schedule=schedule, tracer="export", weights=reference.state_dict())
+    results = {}
+    for examples in ("real", "meta"):  # the example inputs given on meta too: exported on CPU, then checked there
+        torch.manual_seed(0)
+        reference = RotaryDecoder()  # the same weights on every rank
+        tokens, target = torch.randint(0, 32, (6, 8)), torch.randint(0, 32, (6, 8))
+        results[examples] = _meta_step(rank, world, RotaryDecoder, reference, tokens, target, token_loss, chunks=3,
+                                       schedule=schedule, tracer="export", weights=reference.state_dict(),
+                                       example=tokens.to(examples if examples == "meta" else "cpu"))
+    return results
 
 
 CASES.update(export_meta=export_meta)

@@ -85,6 +85,7 @@ def test_meta_example_inputs_are_presented_on_the_stages_device():
     assert target_device((meta,), {}, "cuda:1") == torch.device("cuda:1")  # the stages' device
     assert target_device((meta,), {"y": cpu}, "cuda:1") == torch.device("cpu")  # the inputs' first
     assert target_device((meta,), {}, "meta") == torch.device("cpu")
+    assert target_device((meta,), {}, "cpu:0") == torch.device("cpu")  # a rank's CPU: the one the fakes use
 
 
 def test_a_giant_meta_model_exports_without_allocating_its_weights():
@@ -151,6 +152,30 @@ def test_hugging_face_llama_built_on_meta_exports_and_equals_eager():
                           tracer="export", weights=eager.state_dict(), init=_rope_init)
     _compare(pipe, model, eager, ids, torch.randint(0, 100, (4, 8)),
              lambda out, tgt: token_loss(out["logits"], tgt), lambda m, x: m(**x)["logits"])
+
+
+class CastingLoss(nn.Module):
+    """A language model computing its own loss after ``labels.to(logits.device)``, as Hugging Face's do."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.embed(ids)))
+        labels = labels.to(logits.device)  # exported as a check of the trace's device
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+
+
+def test_meta_example_inputs_pass_the_device_checks_the_exported_graph_holds():
+    eager = CastingLoss()
+    model = on_meta(CastingLoss)
+    ids, labels = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+    pipe = fxpipe.compile(model, 2, example_inputs=(ids.to("meta"), labels.to("meta")), tracer="export",
+                          devices=["cpu"] * 2, chunks=2, weights=eager.state_dict())
+    checks = [n for n in pipe._gm.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    assert checks and all(n.kwargs["device"] == torch.device("cpu") for n in checks)
+    assert torch.equal(pipe(ids, labels), eager(ids, labels))
 
 
 # -- what cannot work: refused, naming the cause and the fix ---------------------------------------
