@@ -22,7 +22,14 @@ import torch
 
 from fxpipe.errors import TraceError
 
-__all__ = ["check_functions", "watching_functions"]
+__all__ = ["applying", "check_functions", "watching_functions"]
+
+_DEPTH = [0]  # how many Function.apply calls the watched trace is inside
+
+
+def applying() -> bool:
+    """Tell whether the trace is inside a ``Function.apply`` :func:`watching_functions` saw (its forward runs with grad off)."""
+    return _DEPTH[0] > 0
 
 
 @contextlib.contextmanager
@@ -34,7 +41,11 @@ def watching_functions() -> Iterator[list[type]]:
 
     def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
         seen.append(cls)
-        return original(cls, *args, **kwargs)
+        _DEPTH[0] += 1
+        try:
+            return original(cls, *args, **kwargs)
+        finally:
+            _DEPTH[0] -= 1
 
     torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
     try:

@@ -22,7 +22,7 @@ from torch.autograd.function import FunctionCtx
 from fxpipe.errors import TraceError
 from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
-from fxpipe.frontend.autogradfns import check_functions, watching_functions
+from fxpipe.frontend.autogradfns import applying, check_functions, watching_functions
 from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
 from fxpipe.frontend.leftovers import no_proxies_left
 from fxpipe.frontend.markers import recording_markers
@@ -398,8 +398,11 @@ def _in_function_forward() -> bool:
 
     ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` (transformers' gradient
     checkpointing) runs its block so: eager differentiates it, by recomputing, so its values must
-    not be detached as a user's ``torch.no_grad()`` block's are.
+    not be detached as a user's ``torch.no_grad()`` block's are. A Function written with
+    ``setup_context`` has no ``ctx`` in its forward: the watched ``apply`` tells.
     """
+    if applying():
+        return True
     frame: Any = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == "forward" and isinstance(frame.f_locals.get("ctx"), FunctionCtx):

@@ -86,3 +86,44 @@ def test_a_reentrant_checkpoint_is_refused_under_export_and_runs_under_fx():
         pipe.step(x, target=y, loss_fn=F.mse_loss)
         F.mse_loss(eager(x), y).backward()
         torch.testing.assert_close(model.a.weight.grad, eager.a.weight.grad)
+
+
+class MulWeight(torch.autograd.Function):
+    """A Function in the ``setup_context`` style (no ``ctx`` in its forward), whose backward is its gradient."""
+
+    @staticmethod
+    def forward(x, w):
+        return x * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+class Weighted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.w, self.b = nn.Linear(16, 16), nn.Parameter(torch.randn(16)), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(torch.relu(MulWeight.apply(self.a(x), self.w)))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_setup_context_function_s_forward_keeps_its_gradient(tracer):
+    # before: under fx its forward (run with grad off, and no ctx to tell) was detached as a no_grad block's,
+    # so every parameter before it got no gradient, silently
+    torch.manual_seed(0)
+    model, x, y = Weighted(), torch.randn(8, 16), torch.randn(8, 16)
+    eager = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="MulWeight, a torch.autograd.Function"):
+        pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=2, tracer=tracer)
+    pipe.step(x, target=y, loss_fn=F.mse_loss)
+    F.mse_loss(eager(x), y).backward()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, p.grad, msg=name)
