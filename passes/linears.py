@@ -20,7 +20,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["HOOK_KINDS", "LINEARS", "defers_weight_grad", "hooked", "model_defers"]
+__all__ = ["HOOK_KINDS", "LINEARS", "defers_weight_grad", "hooked", "model_defers", "tensor_hooked"]
 
 LINEARS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
 
@@ -36,7 +36,12 @@ def _wants_grad(gm: torch.fx.GraphModule, value: object) -> bool:
             value = gm.get_parameter(str(value.target))
         except AttributeError:
             return False
-    return isinstance(value, torch.Tensor) and value.requires_grad
+    return isinstance(value, torch.Tensor) and value.requires_grad and not tensor_hooked(value)
+
+
+def tensor_hooked(p: torch.Tensor) -> bool:
+    """Tell whether a parameter has gradient hooks (``register_hook``, post-accumulate), which a ``W`` step skips."""
+    return bool(getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
 def defers_weight_grad(gm: torch.fx.GraphModule, node: torch.fx.Node, autocast: bool = False) -> bool:
@@ -45,8 +50,8 @@ def defers_weight_grad(gm: torch.fx.GraphModule, node: torch.fx.Node, autocast: 
         return False
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
-        return type(mod) is nn.Linear and not node.kwargs and mod.weight.requires_grad \
-            and (mod.bias is None or mod.bias.requires_grad) and not hooked(mod)
+        return type(mod) is nn.Linear and not node.kwargs and _wants_grad(gm, mod.weight) \
+            and (mod.bias is None or _wants_grad(gm, mod.bias)) and not hooked(mod)
     if node.op == "call_function" and node.target in LINEARS:
         args = list(node.args) + [None] * 3
         weight = node.kwargs.get("weight", args[1])

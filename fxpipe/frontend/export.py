@@ -58,6 +58,7 @@ from fxpipe.frontend.leftovers import no_proxies_left
 from fxpipe.frontend.modes import in_other_mode, may_read_mode
 from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
 from fxpipe.frontend.specialised import recording_specialisations, specialising_line
+from fxpipe.frontend.tensorhooks import warn_tensor_hooks, watching_tensor_hooks
 from fxpipe.frontend.userframe import user_frame
 from fxpipe.passes.annotate import same_constant
 from fxpipe.passes.batchrows import sequence_first_modules
@@ -232,9 +233,10 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
 
     drawn: list[str] = []
     with fake_state(model, target) as faked, _keywords_by_name(model, signature, bound):
-        with recording_python_random(drawn), watching_functions() as functions:
+        with recording_python_random(drawn), watching_functions() as functions, watching_tensor_hooks() as hooks:
             gm = exported(faked)
         check_functions(type(model).__name__, functions, "export")
+        warn_tensor_hooks(type(model).__name__, hooks)
         warn_python_random(type(model).__name__, drawn, "export")
         difference = _other_mode(model, gm, partial(exported, faked))
     _share_state(gm, model)

@@ -29,6 +29,7 @@ from fxpipe.frontend.markers import recording_markers
 from fxpipe.frontend.modes import in_other_mode, may_read_mode, quieted
 from fxpipe.frontend.nograd import detach_no_grad_blocks
 from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
+from fxpipe.frontend.tensorhooks import HookOnProxy, refuse_tensor_hook
 from fxpipe.frontend.userframe import user_frame
 from fxpipe.options import check_tracer
 from fxpipe.passes.amp import run_under_autocast
@@ -46,6 +47,10 @@ class _Proxy(torch.fx.Proxy):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+    def register_hook(self, hook: Any) -> None:
+        """Refuse a gradient hook registered in forward: no graph can hold it (see :mod:`.tensorhooks`)."""
+        raise HookOnProxy(hook)
 
 
 class _Tracer(torch.fx.Tracer):
@@ -371,6 +376,9 @@ def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceErro
         line = linecache.getline(frame.filename, frame.lineno or 0).strip()  # no line number: no line
         where = f'\n  File "{frame.filename}", line {frame.lineno}, in {frame.name}\n    {line}'
     type_name = getattr(module_type, "__name__", str(module_type))
+    if isinstance(exc, HookOnProxy):
+        return refuse_tensor_hook(type(model).__name__, where, module=module_path or None,
+                                  filename=frame.filename if frame else None, lineno=frame.lineno if frame else None)
     if module_path:
         fix = (f"Mark it as a leaf so it runs as one opaque call: "
                f"fxpipe.trace(model, leaf_modules=[{type_name}]) or leaf_modules=[{module_path!r}] "

@@ -132,6 +132,11 @@ def note_failure(exc: BaseException, gm: torch.fx.GraphModule, index: int, devic
                           "micro-batches (6 rows at chunks=4: 2, 2, 1, 1 under fxpipe.compile; 5 rows: 2, 2, 1 under "
                           "the torchgpipe drop-in), so the last, smaller batch of an epoch may leave one row. Give every micro-batch 2 rows or more: fewer chunks, or drop the uneven "
                           "last batch (DataLoader(..., drop_last=True))")
+        if "doesn't require gradient" in str(exc) and in_pass == "checkpointed forward":
+            add_note(exc, "fxpipe: a checkpointed stage's first forward runs without grad (its recomputation in "
+                          "backward runs with it), so a tensor there does not require a gradient: guard what needs "
+                          "one (`if torch.is_grad_enabled(): h.register_hook(...)`, which also keeps a hook on a "
+                          "stage's input from being registered twice), or compile with checkpoint='never'")
         if "out of bounds for dimension 0 with size" in str(exc):
             add_note(exc, "fxpipe: an index ran past dim 0 of a value: a tensor input the model indexes by values (a "
                           "lookup table, a codebook) is split into micro-batches like the batch when its dim 0 has as "

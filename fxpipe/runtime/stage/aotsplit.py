@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 from fxpipe.errors import CompileError
 from fxpipe.options import TorchCompile
 from fxpipe.passes.gradsplit import GradSplit, split_weight_grads
+from fxpipe.passes.linears import tensor_hooked
 
 __all__ = ["Deferral", "stage_backend"]
 
@@ -57,7 +58,7 @@ def stage_backend(stage: Deferral, split: bool) -> Callable[[torch.fx.GraphModul
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         stage.compiled_graph(gm)
         params = {k: x for k, x in enumerate(example_inputs) if isinstance(x, nn.Parameter) and x.requires_grad}
-        if split and params:
+        if split and params and not any(tensor_hooked(p) for p in params.values()):  # hooks see B's gradients
             return _handing_params(_split_backend(stage, params)(gm, example_inputs), params)
         return _plain(stage.config, gm, example_inputs)
     return backend

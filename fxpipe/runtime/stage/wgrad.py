@@ -15,7 +15,8 @@ Without an active store (``pipe(x)`` followed by ``loss.backward()``, or a forwa
 ``no_grad``) :func:`linear` is ``F.linear``. Weights that are not leaves (a parameter
 copied to another device per call), autocast and other layers (convolutions, norms,
 embeddings) keep their gradients in ``B``. A deferred gradient is added to ``.grad``
-directly, so hooks registered on those parameters do not see it.
+directly, where no hook could see it: a parameter with gradient hooks (``register_hook``,
+``register_post_accumulate_grad_hook``) keeps its gradient in ``B`` too, so its hooks run as in eager.
 
 A tensor-parallel linear (its weight a DTensor, ``parallelize_module``'s hooks around its call)
 keeps its module call, so the hooks still turn its input and output into DTensors and back;
@@ -34,7 +35,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from fxpipe.passes.linears import defers_weight_grad
+from fxpipe.passes.linears import defers_weight_grad, tensor_hooked
 from fxpipe.runtime.stage.owned import owned
 
 __all__ = ["active", "collecting", "defer_weight_grads", "linear", "run"]
@@ -166,8 +167,9 @@ def _kept(dy: torch.Tensor) -> torch.Tensor:
 
 
 def _deferrable(p: torch.Tensor) -> bool:
-    """Return whether ``p``'s gradient can be added to ``p.grad`` later: a leaf that wants one."""
-    return isinstance(p, torch.Tensor) and p.is_leaf and p.requires_grad and p.layout == torch.strided
+    """Return whether ``p``'s gradient can be added to ``p.grad`` later: a leaf that wants one, with no hooks to run."""
+    return isinstance(p, torch.Tensor) and p.is_leaf and p.requires_grad and p.layout == torch.strided \
+        and not tensor_hooked(p)
 
 
 class _Linear(torch.autograd.Function):

@@ -97,6 +97,39 @@ def test_a_weight_that_is_not_a_leaf_keeps_its_gradient_in_backward():
     assert store == [] and lin.weight.grad is not None and lin.bias.grad is not None
 
 
+def test_a_weight_with_gradient_hooks_keeps_its_gradient_in_backward_where_the_hooks_run():
+    lin, x, seen = nn.Linear(3, 2), torch.randn(4, 3, requires_grad=True), []
+    eager = copy.deepcopy(lin)
+    for m in (lin, eager):
+        m.weight.register_hook(lambda g: g * 0.5)
+    lin.bias.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    store: list = []
+    with wgrad.collecting(store):
+        out = wgrad.linear(x, lin.weight, lin.bias)
+    out.sum().backward()
+    F.linear(x, eager.weight, eager.bias).sum().backward()
+    assert store == [] and len(seen) == 1
+    assert torch.equal(lin.weight.grad, eager.weight.grad) and torch.equal(lin.bias.grad, eager.bias.grad)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_zero_bubble_runs_a_later_stage_s_parameter_hooks_as_eager_does(tracer):
+    # before: the deferred W added their gradients directly: a scaling hook never ran (2x eager's), silently
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8))
+    eager = copy.deepcopy(model)
+    for m in (model, eager):
+        for p in m.parameters():
+            p.register_hook(lambda g: g * 0.5)
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=4, schedule="zb", devices=["cpu"] * 2,
+                          tracer=tracer)
+    pipe.step(x, target=y, loss_fn=F.mse_loss)
+    F.mse_loss(eager(x), y).backward()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, p.grad, msg=name)
+
+
 def test_exported_stages_defer_too():
     import fxpipe
 
