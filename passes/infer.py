@@ -104,6 +104,12 @@ class SpecProp(PlainArgs):
         return result
 
 
+    def _resized(self, a: torch.fx.Node) -> bool:
+        """Tell whether node ``a``'s value here has other rows than its example's."""
+        v, spec = self.env.get(a), a.meta.get("fxpipe.value")
+        return isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(spec, TensorSpec) and len(spec.shape) > 0 \
+            and int(spec.shape[0]) != int(v.shape[0])
+
     def _like_example(self, n: torch.fx.Node) -> Any:
         """Return ``n``'s value from the example's (``node.meta``) when its inputs differ from the example's in dim 0 only.
 
@@ -117,7 +123,9 @@ class SpecProp(PlainArgs):
         """
         example = n.meta.get("fxpipe.value")
         base = rows = None
-        for a in n.all_input_nodes:
+        # the inputs whose rows changed first: one left at its example's size (imitated: an expert's tokens,
+        # sized by the data) says nothing of the rows, where a changed one does (the micro-batch's gates)
+        for a in sorted(n.all_input_nodes, key=lambda a: not self._resized(a)):
             v, spec = self.env.get(a), a.meta.get("fxpipe.value")
             if not isinstance(v, torch.Tensor) or v.dim() == 0:
                 continue

@@ -54,3 +54,33 @@ def test_checkpoint_auto_plans_a_model_with_a_data_dependent_leaf():
     assert all(n.meta["fxpipe.retains"].get("_0", 0) > 0 for n in pipe._gm.graph.nodes if n.name == "_0")
     loss = pipe.step(x, target=torch.zeros(8, 4), loss_fn=torch.nn.functional.mse_loss)
     assert torch.isfinite(loss)
+
+
+class SplitExperts(nn.Module):
+    """Experts dispatched by sizes read from the data (``.tolist()``, as transformers' JetMoE does)."""
+
+    def __init__(self, d: int = 16, experts: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.k, self.experts = k, experts
+        self.router = nn.Linear(d, experts, bias=False)
+        self.w = nn.Parameter(torch.randn(experts, d, d) * 0.1)
+
+    def forward(self, h):
+        top_w, top_i = self.router(h).topk(self.k, dim=1)
+        sizes = nn.functional.one_hot(top_i, self.experts).sum((0, 1)).tolist()
+        order = top_i.flatten().argsort()
+        rows = order // self.k
+        parts = [nn.functional.linear(part, self.w[e]) for e, part in enumerate(h[rows].split(sizes))]
+        y = torch.cat(parts) * top_w.softmax(1).flatten()[order].unsqueeze(1)
+        return torch.zeros_like(h).index_add(0, rows, y)
+
+
+def test_values_sized_by_the_data_take_the_rows_of_the_values_computed_beside_them():
+    # across ranks every step was refused: the experts' joined outputs, imitated at the example's size, met
+    # the micro-batch's gates in a product fake tensors could not broadcast
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), SplitExperts(), nn.Linear(16, 3))
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(8, 8),), tracer="export", devices=["cpu"] * 2)
+    out = [n.name for n in pipe._gm.graph.nodes if n.op == "call_function" and "index_add" in str(n.target)]
+    specs = value_specs(pipe._gm, [TensorSpec((4, 8), torch.float32)], out)
+    assert specs[out[0]].shape == (4, 16)
