@@ -36,6 +36,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 __all__ = ["Propagator", "SpecProp", "value_specs"]
 
 
+#: torch.export's checks of sizes and values (``torch._check``, a ``.tolist()``'s sum against the rows), which
+#: return nothing a later node reads.
+_CHECKS = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "_assert_scalar", "_assert_tensor_metadata", "sym_constrain_range", "sym_constrain_range_for_size")
+    if hasattr(torch.ops.aten, name))
+
+
 class SpecProp(PlainArgs):
     """Run the nodes a GraphModule needs for ``wanted``; keep the spec of the values of ``wanted``.
 
@@ -87,6 +94,8 @@ class SpecProp(PlainArgs):
                 # a leaf branching on a value, or a node reading a value imitated so (its data is not
                 # there: a packed sequence's batch sizes): its example's value, resized
                 imitating = isinstance(exc, _DATA_DEPENDENT) or any(a.name in self.imitated for a in n.all_input_nodes)
+                if imitating and n.target in _CHECKS:  # a check of sizes the data fixed: imitations cannot pass it
+                    return None
                 result = self._like_example(n) if imitating else None
                 if result is None:
                     raise explain(self.gm, n, exc, "these inputs", advise=False) from None

@@ -212,6 +212,14 @@ def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int, 
     gm.meta["fxpipe.coupled"] = coupled
     scalars = found.coupled
     gm.meta["fxpipe.summed"] = {"sum": found.summed, "mean": found.means}
+    unchecked = passes.scalar_outputs(gm) if rows != batch and part is None else []
+    if unchecked:  # the graph does not run for a micro-batch's rows on fake tensors: nothing could be told
+        warnings.warn(
+            f"the model returns 0-dim output(s) {unchecked}, which fxpipe could not check against a micro-batch's "
+            "rows (the graph does not run for them on fake tensors; see the debug log of fxpipe.passes.batchrows). "
+            f"Each of the {chunks} micro-batches computes them over its own rows: a mean over the rows (a per-token "
+            "loss) comes out as eager's, anything else (a load-balancing loss) differs. Use chunks=1 for the "
+            "model's own values", stacklevel=5)
     sequences = passes.sequence_first_splits(gm, batch, rows, part)
     if sequences:
         warnings.warn(

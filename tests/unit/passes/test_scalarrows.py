@@ -279,3 +279,21 @@ def test_a_summed_auxiliary_output_added_to_a_mean_loss_is_warned_of(checkpoint,
         warnings.simplefilter("error")
         fxpipe.compile(_AuxSum(), 2, example_inputs=(x,), chunks=3, checkpoint=checkpoint, schedule=schedule).step(
             x, target=y, loss_fn=lambda out, t: F.cross_entropy(out[0], t))
+
+
+class FixedRows(nn.Module):
+    """A 0-dim output made of a reshape fixed to the example's rows: no micro-batch's propagation can run it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h, h.reshape(8, 4).pow(2).mean(0).sum()
+
+
+def test_a_0_dim_output_that_cannot_be_checked_is_warned_of_as_unchecked():
+    # before: nothing said when the micro-batch's propagation failed, so a balance loss went unwarned
+    with pytest.warns(UserWarning, match=r"0-dim output\(s\) \['\[1\]'\], which fxpipe could not check"):
+        fxpipe.compile(FixedRows(), 2, example_inputs=(torch.randn(8, 4),), chunks=4, devices=["cpu"] * 2)
