@@ -32,6 +32,7 @@ from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
 from fxpipe.runtime.stage.copy import copy
 from fxpipe.runtime.stage.dependency import depend
 from fxpipe.runtime.stage.recompute import guarded
+from fxpipe.runtime.stage.rng import autocast_off
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.threads import DeviceThreads
 from fxpipe.runtime.stage.unfrozen import refuse_changed_linears, refuse_input_grads, refuse_unfrozen
@@ -160,7 +161,8 @@ class LocalRuntime:
             try:  # the loss and backward may raise too: commit only a step that finished
                 outputs = self.run(mbs, training)
                 total = sum((losses[i](out) for i, out in enumerate(outputs[1:], 1)), losses[0](outputs[0]))
-                total.backward()
+                with autocast_off():  # as eager's backward, outside the autocast around pipe.step
+                    total.backward()
             except BaseException:
                 discard_batch_norm(self.deferred)
                 raise

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["RngState", "autocast_as", "autocast_state", "restore_rng", "same_rng", "save_rng"]
+__all__ = ["RngState", "autocast_as", "autocast_off", "autocast_state", "restore_rng", "same_rng", "save_rng"]
 
 
 RngState = tuple[torch.Tensor | None, torch.Tensor | None]  # (the CPU's, the CUDA device's), None if not kept
@@ -71,3 +71,13 @@ def autocast_as(state: tuple[tuple[str, bool, torch.dtype], ...]) -> Iterator[No
             if enabled or torch.is_autocast_enabled(device_type):
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False))
         yield
+
+
+def autocast_off() -> contextlib.AbstractContextManager[None]:
+    """Return a context running a backward outside the caller's autocast, as eager's ``loss.backward()`` runs.
+
+    ``pipe.step`` runs forward and backward in one call, under the ``torch.autocast`` around it:
+    a backward under it would cast the backward of a block the forward kept in float32
+    (``torch.autocast(enabled=False)`` inside) to the low precision, where eager's does not.
+    """
+    return autocast_as(tuple((d, False, dtype) for d, _, dtype in autocast_state()))

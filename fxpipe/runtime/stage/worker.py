@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.passes.spec import differentiable, unflatten
 from fxpipe.runtime.stage import wgrad
 from fxpipe.runtime.stage.owned import owned
+from fxpipe.runtime.stage.rng import autocast_off
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.stream import on_device
 
@@ -126,7 +127,7 @@ class StageWorker:
                     result = loss(out) if loss is not None else out
         else:
             _, leaves, result = saved
-        with on_device(self.device), self.call.span("backward", i), self._deferring(i, kind):
+        with on_device(self.device), self.call.span("backward", i), self._deferring(i, kind), autocast_off():
             tensors, grad_tensors = _pairs(result, grads)
             if tensors:
                 torch.autograd.backward(tensors, grad_tensors)
@@ -150,7 +151,7 @@ class StageWorker:
 
     def weights(self, i: int) -> None:
         """Compute micro-batch ``i``'s deferred weight gradients (after its ``I``)."""
-        with on_device(self.device), self.call.span("weight", i):
+        with on_device(self.device), self.call.span("weight", i), autocast_off():
             wgrad.run(self._weights.pop(i, []))
 
     def _collecting(self, i: int) -> contextlib.AbstractContextManager:
@@ -204,7 +205,8 @@ class StageWorker:
         """Backpropagate the step's model-input gradients into the user's graph, in one backward."""
         pairs, self._released = self._released, []
         if pairs:
-            torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
+            with autocast_off():
+                torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
 
     def pending(self) -> int:
         """Return how many micro-batches hold activations awaiting backward."""

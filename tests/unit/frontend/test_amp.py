@@ -69,6 +69,24 @@ def test_the_blocks_run_as_eager_under_any_outer_autocast(schedule, outer):
         torch.testing.assert_close(p.grad, q.grad, msg=name, **({} if exact else {"rtol": 2e-2, "atol": 1e-3}))
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_the_backward_of_pipe_step_runs_outside_the_autocast_around_it_as_eager_s(schedule):
+    # before: the backward ran under the caller's autocast, so the float32 block's weight gradient was computed
+    # in bfloat16 (4e-3 off eager's, whose loss.backward() runs outside the autocast)
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(6, 8)
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=1, devices=["cpu"] * 2, schedule=schedule,
+                          checkpoint="never")
+    loss_fn = lambda o, _: o[0].float().pow(2).mean()  # noqa: E731
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pipe.step(x, target=None, loss_fn=loss_fn)
+        expected = loss_fn(eager(x), None)
+    expected.backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 def test_each_call_inside_a_block_is_wrapped_keeping_its_name_and_mutation():
     gm = fxpipe.trace(Net())
     wrapped = {n.name: n for n in gm.graph.nodes if type(n.target).__name__ == "UnderAutocast"}
