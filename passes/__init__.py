@@ -39,6 +39,7 @@ from fxpipe.passes.partition import (
 )
 from fxpipe.passes.profile import profile
 from fxpipe.passes.retain import retain
+from fxpipe.passes.rnnstate import state_inputs
 from fxpipe.passes.scalarrows import Outputs, classify_outputs, coupled_scalars
 from fxpipe.passes.spec import differentiable
 from fxpipe.passes.split import SkipRoute, StagePlan, split
@@ -94,6 +95,7 @@ __all__ = [
                               "split",
                               "split_weight_grads",
                               "stage_costs",
+                              "state_inputs",
                               "state_signature",
                               "static_mutations",
                               "structure",

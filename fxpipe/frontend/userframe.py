@@ -10,7 +10,7 @@ import torch
 __all__ = ["outside_torch", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # with the separator: torchvision's lines are the user's
-_FXPIPE_DIR = os.path.dirname(__file__) + os.sep
+_FXPIPE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep  # the package: a failure after the model's code ran
 
 
 def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
@@ -20,6 +20,9 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
 
 def outside_torch(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
     """Return the innermost of ``frames`` outside torch and fxpipe (and not generated code)."""
-    user = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _FXPIPE_DIR))
+    import fxpipe.passes  # installed from its own folder
+
+    passes = os.path.dirname(fxpipe.passes.__file__) + os.sep
+    user = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _FXPIPE_DIR, passes))
             and not f.filename.startswith("<")]
     return user[-1] if user else None

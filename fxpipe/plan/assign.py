@@ -133,6 +133,12 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
                              "batch as one tensor (stack the list before the model and let its forward take the "
                              "stacked batch), or use chunks=1; if each tensor is batched on dim 0 already (feature "
                              "maps), stack them along another dim (torch.stack(maps, dim=-1))")
+        states = passes.state_inputs(gm, whole) if batch is not None and micro > 1 else []
+        if states:
+            raise PipelineInputError(
+                f"input(s) {states} are an RNN's initial state, of shape (layers * directions, batch, hidden), which "
+                "fxpipe would split on dim 0 (the layers) into micro-batches; pass it batch-first and move the dim "
+                "inside the forward (h0.transpose(0, 1).contiguous() before the RNN), or use chunks=1")
         if batch is not None and micro > 1:
             _note_coupled(gm, batch, micro_sizes(batch, chunks)[0], chunks, whole)
     else:
