@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -139,13 +140,20 @@ class Pipe(nn.Module):
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load the model's state; on a distributed rank, the FQNs it holds (others are ignored)."""
+        """Load the model's state; on a distributed rank, the FQNs it holds (others are ignored), sharded as it holds them."""
         if self.owned is None:
             return super().load_state_dict(state_dict, strict, assign)
-        result = super().load_state_dict({k: v for k, v in state_dict.items() if k in self.owned},
-                                         strict=False, assign=assign)
+        held = self._model.state_dict(keep_vars=True)
+        mine = type(state_dict)() if isinstance(state_dict, OrderedDict) else OrderedDict()
+        for k, v in state_dict.items():
+            if k in self.owned:
+                mine[k] = _like_held(v, held.get(k))
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:  # module versions: a batch norm with none would add num_batches_tracked to others'
+            mine._metadata = metadata  # type: ignore[attr-defined]
+        result = super().load_state_dict(mine, strict=False, assign=assign)
         result.missing_keys[:] = [k for k in result.missing_keys if k in self.owned]
-        known = set(self._model.state_dict(keep_vars=True))  # every rank's FQNs (the others' on meta)
+        known = set(held)  # every rank's FQNs (the others' on meta)
         result.unexpected_keys[:] = [k for k in state_dict if k not in known]  # the same on every rank
         if strict and (result.missing_keys or result.unexpected_keys):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self._model).__name__} on this rank: "
@@ -312,3 +320,12 @@ def _refuse_lone_scaler(runtime: Runtime, scaler: Any) -> None:
             f"scaler= is a {type(scaler).__name__}, whose inf/NaN check each rank makes alone: a step skipped on one "
             "rank only would leave the ranks' weights and scales apart. Across ranks use scaler = "
             "fxpipe.grad_scaler(pipe), which agrees on every rank (FSDP's ShardedGradScaler)")
+
+
+def _like_held(value: Any, held: Any) -> Any:
+    """Return a full tensor of a state dict as the rank holds it: this rank's shard where data parallel shards it."""
+    if isinstance(value, torch.Tensor) and not hasattr(value, "placements") and hasattr(held, "placements"):
+        from torch.distributed.tensor import distribute_tensor  # sharded by FSDP2: each rank cuts its own
+
+        return distribute_tensor(value.to(held.device), held.device_mesh, held.placements, src_data_rank=None)
+    return value

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -798,7 +799,11 @@ def dp_batch_norm(rank, world, schedule):
     one.step(x, target=y, loss_fn=F.cross_entropy)
     expected = reference.state_dict()
     errors = {k: max_relative_error(torch.tensor(v), expected[k].to(torch.float64)) for k, v in stats.items()}
-    return {"stats": stats, "errors": errors}
+    with warnings.catch_warnings(record=True) as seen:  # torch's "copying ... to a meta parameter" for others' norms
+        warnings.simplefilter("always")
+        pipe.load_state_dict(expected)  # the whole model's: each rank takes what it holds (FSDP2: its shards)
+    loaded = {k: bool(torch.equal(_full(v.detach()), expected[k])) for k, v in pipe.state_dict().items()}
+    return {"stats": stats, "errors": errors, "loaded": loaded, "load_warnings": [str(w.message) for w in seen]}
 
 
 CASES.update(dp_train=dp_train, dp_adaln=dp_adaln, dp_accumulate=dp_accumulate, dp_refusals=dp_refusals, dp_batch_norm=dp_batch_norm,
