@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from fxpipe.plan.assign import assign_stages
 from fxpipe.plan.saved import PlanLike, adopt_layout, load_plan
 from fxpipe.plan.stages import make_plan
 from fxpipe.runtime.build import build
+from fxpipe.runtime.observe.blame import add_note
 from fxpipe.runtime.target import where
 from fxpipe.runtime.transport.mesh import launched_world
 from fxpipe.runtime.transport.together import succeeded_together
@@ -231,6 +233,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
         try:
             front = assign_stages(model, options, saved, target.devices, target.device)
         except Exception as exc:
+            _note_packed_inputs(exc, options.args)
             if options.distributed:  # the others hear of it instead of a closed connection
                 succeeded_together("tracing and annotating the model", exc)
             raise
@@ -281,3 +284,12 @@ def _refuse_plan_world(plan: PlanLike, layout: dict[str, Any], stages_per_rank: 
                      f"rank) but {world} are running: launch with --nproc-per-node {want}, or make a plan for {world} "
                      f"(fxpipe plan MODEL --gpus {world} --json plan.json); arguments at their defaults take the plan's "
                      "values, so data_parallel=1 cannot undo its replicas")
+
+
+def _note_packed_inputs(exc: BaseException, args: tuple) -> None:
+    """Add a note where a tensor was expected and an example input is a tuple: ``example_inputs=((x,),)``."""
+    packed = [k for k, a in enumerate(args) if isinstance(a, (tuple, list))]
+    if packed and re.search(r"must be Tensor, not (tuple|list)|'(tuple|list)' object has no attribute", str(exc)):
+        add_note(exc, f"fxpipe: example_inputs is the tuple of forward's positional arguments, and its item(s) "
+                      f"{packed} are {type(args[packed[0]]).__name__}s, given to forward as they are: for forward(x) "
+                      "pass example_inputs=(x,), not ((x,),)")

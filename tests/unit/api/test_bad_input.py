@@ -699,3 +699,12 @@ def test_a_list_stacked_on_dim_0_is_refused_even_where_its_split_runs():
     maps = [torch.randn(8, 4, 6, 6) for _ in range(3)]
     with pytest.raises(ValueError, match=r"stack them along another dim \(torch.stack\(maps, dim=-1\)\)"):
         fxpipe.compile(_Fused(0), 2, example_inputs=(maps,), chunks=2, devices=["cpu"] * 2)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_example_inputs_packed_in_one_tuple_too_many_get_a_note_naming_the_fix(tracer):
+    # before: fx blamed a dropped branch, export the batch size; neither named the extra tuple
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    with pytest.raises(Exception) as info:
+        fxpipe.compile(model, 2, example_inputs=((torch.randn(4, 8),),), devices=["cpu"] * 2, tracer=tracer)
+    assert any("pass example_inputs=(x,), not ((x,),)" in note for note in getattr(info.value, "__notes__", []))
