@@ -216,6 +216,13 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
                 "fxpipe recomputes per stage instead, by checkpoint= ('except_last', the default, 'always' or "
                 "'selective'); call model.gradient_checkpointing_disable() before compiling to silence this",
                 stacklevel=user_stacklevel())
+        elif any(getattr(m, "grad_checkpointing", False) is True for m in model.modules()):  # timm's own
+            warnings.warn(
+                f"{type(model).__name__} has gradient checkpointing on (timm's set_grad_checkpointing()), which the "
+                "trace runs through: its blocks become plain calls that keep their activations, saving no memory. "
+                "fxpipe recomputes per stage instead, by checkpoint= ('except_last', the default, 'always' or "
+                "'selective'); call model.set_grad_checkpointing(False) before compiling to silence this",
+                stacklevel=user_stacklevel())
         if tracer == "export":  # its graph reads a mapping by key: a plain dict, as its calls get (Binding)
             example_inputs, example_kwargs = as_containers((example_inputs, example_kwargs))
         options = CompileOptions(

@@ -77,3 +77,12 @@ def test_hugging_face_gradient_checkpointing_is_said_to_save_nothing():
         with pytest.warns(UserWarning, match=rf"{kind.__name__} has gradient checkpointing on .* saving no memory.*"
                                              r"gradient_checkpointing_disable\(\)"):
             fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 4),), devices=["cpu"] * 2)
+
+
+def test_timm_grad_checkpointing_is_said_to_save_nothing():
+    # timm's set_grad_checkpointing(True) sets grad_checkpointing on the model or its stages: traced through, silently
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4)))
+    model[2].grad_checkpointing = True
+    with pytest.warns(UserWarning, match=r"has gradient checkpointing on \(timm's set_grad_checkpointing\(\)\).*"
+                                         r"set_grad_checkpointing\(False\)"):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 4),), devices=["cpu"] * 2)
