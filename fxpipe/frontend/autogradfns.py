@@ -24,12 +24,16 @@ from fxpipe.errors import TraceError
 
 __all__ = ["applying", "check_functions", "watching_functions"]
 
-_DEPTH = [0]  # how many Function.apply calls the watched trace is inside
+_ENTERED: list[bool] = []  # per Function.apply the watched trace is inside: whether grad was on at the call
 
 
-def applying() -> bool:
-    """Tell whether the trace is inside a ``Function.apply`` :func:`watching_functions` saw (its forward runs with grad off)."""
-    return _DEPTH[0] > 0
+def applying() -> bool | None:
+    """Tell whether the trace is inside a ``Function.apply`` called with grad on (None: inside none watched).
+
+    Its forward runs with grad off, and autograd differentiates it; one called under the
+    user's ``torch.no_grad()`` is not differentiated, as the rest of that block.
+    """
+    return _ENTERED[0] if _ENTERED else None
 
 
 @contextlib.contextmanager
@@ -41,11 +45,11 @@ def watching_functions() -> Iterator[list[type]]:
 
     def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
         seen.append(cls)
-        _DEPTH[0] += 1
+        _ENTERED.append(torch.is_grad_enabled())
         try:
             return original(cls, *args, **kwargs)
         finally:
-            _DEPTH[0] -= 1
+            _ENTERED.pop()
 
     torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
     try:

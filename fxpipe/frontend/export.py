@@ -445,7 +445,8 @@ def _refusal(model: nn.Module, exc: BaseException, fix: str = "", where: str = "
         fix = ("a tensor made from a shape tuple with a symbolic batch size cannot be traced there (the model "
                "does not depend on the batch size): make it from a tensor of the batch instead (torch.randn_like(t), "
                "t.new_zeros(...)), or draw it outside the pipe and pass it in; otherwise ")
-    if not fix and any(isinstance(m, nn.RNNBase) for m in model.modules()):  # h0 of (layers, batch, hidden)
+    if not fix and "Constraints violated" in str(exc) and any(isinstance(m, nn.RNNBase) for m in model.modules()):
+        # an input's dim 0 the batch's, which an RNN reads as its layers: h0 of (layers, batch, hidden)
         fix = ("fxpipe splits dim 0 of every input into micro-batches: an input given to an RNN as its initial "
                "state (h0, c0), of shape (layers * directions, batch, hidden), must be passed batch-first, the dim "
                "moved inside the forward (h0.transpose(0, 1).contiguous()); otherwise ")

@@ -406,11 +406,13 @@ def _in_function_forward() -> bool:
 
     ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` (transformers' gradient
     checkpointing) runs its block so: eager differentiates it, by recomputing, so its values must
-    not be detached as a user's ``torch.no_grad()`` block's are. A Function written with
-    ``setup_context`` has no ``ctx`` in its forward: the watched ``apply`` tells.
+    not be detached as a user's ``torch.no_grad()`` block's are, unless the Function was called
+    in one. The watched ``apply`` tells (a Function written with ``setup_context`` has no ``ctx``
+    in its forward); the frames, where none is watched.
     """
-    if applying():
-        return True
+    inside = applying()
+    if inside is not None:
+        return inside
     frame: Any = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == "forward" and isinstance(frame.f_locals.get("ctx"), FunctionCtx):
