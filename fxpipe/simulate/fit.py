@@ -197,7 +197,7 @@ def _refusal(f: Fit, front: Assignment, options: CompileOptions, devices: Sequen
     more = _more_chunks(front, options, devices, schedule, distributed, model, batch)
     if more:
         hints.append(more)
-    more = _more_stages(front, options, model, batch, schedule)
+    more = _more_stages(front, options, model, batch, schedule, distributed)
     if more:
         hints.append(more)
     fitting = [h for h in hints if "(fits:" in h]
@@ -231,8 +231,8 @@ def _more_chunks(front: Assignment, options: CompileOptions, devices: Sequence[t
 
 
 def _more_stages(front: Assignment, options: CompileOptions, model: DeviceModel, batch: int,
-                 schedule: Schedule) -> str | None:
-    """Tell whether one more stage (a rank each, balanced by FLOPs) would fit."""
+                 schedule: Schedule, distributed: bool) -> str | None:
+    """Tell whether one more stage (a rank each, balanced by FLOPs) would fit; for a local pipe, across ranks."""
     n, m, gm = options.n_stages + 1, front.micro, front.gm
     if schedule.name not in PRODUCERS or n > len(passes.compute_nodes(gm)):
         return None
@@ -247,5 +247,7 @@ def _more_stages(front: Assignment, options: CompileOptions, model: DeviceModel,
     world = n * options.dp * options.tp
     needs = (f", {world} ranks at data_parallel={options.dp}"
              + (f", tensor_parallel={options.tp}" if options.tp > 1 else "") if options.dp * options.tp > 1 else "")
-    return (f"n_stages={n}, a rank each{needs} ({'fits' if fits else 'still over'}: largest predicted peak "
-            f"{human(peak, 'B')})")
+    # a local pipe's stages share its devices' memory: more of them fit only on ranks of their own
+    where = f"n_stages={n}, a rank each{needs}" if distributed else \
+        f"{n} stages on {n * options.dp * options.tp} ranks (runtime='distributed'{needs})"
+    return f"{where} ({'fits' if fits else 'still over'}: largest predicted peak {human(peak, 'B')})"

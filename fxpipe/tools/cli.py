@@ -43,10 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _warnings_as_lines(args.command):
             return args.run(args)
     except (UsageError, ModelSpecError, SearchSpaceError) as exc:
-        print(f"fxpipe {args.command}: error: {exc}{option_hint(str(exc))}", file=sys.stderr)
+        print(f"fxpipe {args.command}: error: {exc}{_hint(args.command, exc)}", file=sys.stderr)
         return 2
     except (Failure, FactoryError) as exc:
-        print(f"fxpipe {args.command}: error: {exc}{option_hint(str(exc))}", file=sys.stderr)
+        print(f"fxpipe {args.command}: error: {exc}{_hint(args.command, exc)}", file=sys.stderr)
         return 1
     except TraceError as exc:  # the model cannot be traced as asked: say which options fix it
         print(f"fxpipe {args.command}: error: TraceError: {exc}{trace_hint(exc)}", file=sys.stderr)
@@ -96,3 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     inspectcmd.register(commands)
     plancmd.register(commands)
     return parser
+
+
+def _hint(command: str, exc: Exception) -> str:
+    """Name the options of ``fxpipe inspect`` that set a library message's keywords (``fxpipe plan`` names its own)."""
+    return option_hint(str(exc)) if command == "inspect" else ""

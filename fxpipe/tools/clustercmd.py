@@ -115,7 +115,7 @@ def run_cluster(args: argparse.Namespace, device: Any, memory: float | None, dty
     print(f"first choice: {best.shape.name()}, {best.shape.schedule}, chunks={best.shape.chunks}, "
           f"checkpoint={best.setting!r}: {best.sim.step_time * 1e3:.1f} ms per step, {found.per_gpu(best):,.0f} {unit}")
     path = args.json or "plan.json"
-    print("  " + found.compile_call(best, path))
+    print("  " + found.compile_call(best, path) + ("" if args.json else f"   # after --json {path} saves it"))
     print("  " + found.launch_line())
     if args.json:
         found.plan(best).save(args.json)
