@@ -234,7 +234,16 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     drawn: list[str] = []
     with fake_state(model, target) as faked, _keywords_by_name(model, signature, bound):
         with recording_python_random(drawn), watching_functions() as functions, watching_tensor_hooks() as hooks:
-            gm = exported(faked)
+            try:
+                gm = exported(faked)
+            except TraceError as exc:
+                if drawn:  # random numbers sized by the batch (SpecAugment's NumPy masks) fail on a symbolic batch
+                    exc.args = (f"{exc.args[0]}\nThe forward drew Python or NumPy random numbers while traced, at "
+                                f"{', '.join(dict.fromkeys(drawn))}, which no graph keeps (every step would reuse "
+                                "them): draw them with torch, turn them off for training through the pipe (a "
+                                "Hugging Face audio model's mask_time_prob=0, mask_feature_prob=0), or apply them "
+                                "outside it"),
+                raise
         check_functions(type(model).__name__, functions, "export")
         warn_tensor_hooks(type(model).__name__, hooks)
         warn_python_random(type(model).__name__, drawn, "export")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 
 import torch
@@ -22,7 +23,9 @@ def outside_torch(frames: list[traceback.FrameSummary]) -> traceback.FrameSummar
     """Return the innermost of ``frames`` outside torch and fxpipe (and not generated code)."""
     import fxpipe.passes  # installed from its own folder
 
-    passes = os.path.dirname(fxpipe.passes.__file__) + os.sep
-    user = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _FXPIPE_DIR, passes))
-            and not f.filename.startswith("<")]
+    skipped = [_TORCH_DIR, _FXPIPE_DIR, os.path.dirname(fxpipe.passes.__file__) + os.sep]
+    numpy = sys.modules.get("numpy")  # its own lines are not the model's (a mask drawn with np.random)
+    if numpy is not None and getattr(numpy, "__file__", None):
+        skipped.append(os.path.dirname(numpy.__file__) + os.sep)
+    user = [f for f in frames if not f.filename.startswith(tuple(skipped)) and not f.filename.startswith("<")]
     return user[-1] if user else None

@@ -45,3 +45,24 @@ def test_torch_random_numbers_warn_nothing(caplog):
         fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2)
     assert not [r for r in caplog.records if r.name == "fxpipe.frontend.pyrandom"]
     assert random.random is not None and "noted" not in random.random.__name__  # put back after the trace
+
+
+class BatchMask(nn.Module):
+    """Mask rows drawn with NumPy at the batch's size (Wav2Vec2's SpecAugment does so in training)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        keep = np.random.rand(x.shape[0]) < 0.5
+        return self.a(x) * torch.as_tensor(keep, dtype=x.dtype).unsqueeze(1)
+
+
+def test_an_export_refusal_names_the_random_draws_and_the_model_s_line_not_numpy_s():
+    # before: the refusal named a line inside NumPy and suggested batch-size fixes only
+    with pytest.raises(fxpipe.TraceError) as info:
+        fxpipe.compile(BatchMask(), 2, example_inputs=(torch.randn(8, 4),), tracer="export", devices=["cpu"] * 2)
+    message = str(info.value)
+    assert "numpy.random.rand (" in message and "test_pyrandom.py" in message and "mask_time_prob=0" in message
+    assert "site-packages/numpy" not in message and "numpy/lib" not in message
