@@ -140,7 +140,7 @@ class Pipe(nn.Module):
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load the model's state; on a distributed rank, the FQNs it holds (others ignored), sharded as it holds them."""
+        """Load the model's state; on a distributed rank only the FQNs it holds, sharded as it holds them."""
         if self.owned is None:
             return super().load_state_dict(state_dict, strict, assign)
         held = self._model.state_dict(keep_vars=True)
