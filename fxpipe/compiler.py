@@ -71,7 +71,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             split_points: Sequence[str] | None = None, max_memory: float | None = None,
             schedule: str | Sequence[Any] = "gpipe", leaf_modules: Iterable[type | str] = (),
             tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
-            plan: PlanLike | None = None, runtime: str = "local", timeout: float = 300.0,
+            plan: PlanLike | None = None, runtime: str | None = None, timeout: float = 300.0,
             deferred_batch_norm: bool = False, stages_per_rank: int = 1, data_parallel: int = 1,
             data_parallel_shard: bool = False, tensor_parallel: int = 1, tp_plan: Any = None,
             mesh: Any = None, weights: Any = None,
@@ -127,8 +127,10 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     later ones see inputs normalized per micro-batch). Both front ends: fx's batch norm modules
     and an exported graph's ``aten.batch_norm`` calls.
 
-    ``runtime="distributed"`` runs the stages on ``torch.distributed`` ranks (launch the script
-    with ``torchrun --nproc-per-node n_stages // stages_per_rank``); it needs ``example_inputs``
+    ``runtime="local"`` (the default) runs every stage in this process (warned of when left out
+    under torchrun with several processes); ``runtime="distributed"`` runs the stages on
+    ``torch.distributed`` ranks (launch the script with ``torchrun --nproc-per-node
+    n_stages // stages_per_rank``); it needs ``example_inputs``
     to size its receive buffers, and ``timeout`` (seconds) bounds every wait for another rank.
     ``data_parallel=d`` (or ``mesh=``, a 2-D ``DeviceMesh`` with dims ``("dp", "pp")``) runs
     ``d`` replicas of the pipeline, each on its own share of the batch, averaging gradients
@@ -176,6 +178,15 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             raise TypeError(f"fxpipe.compile expects an nn.Module or a torch.fx.GraphModule, "
                             f"got {type(model).__name__}")
         model = unwrap_compiled(model, torch_compile not in (None, False))
+        if runtime is None:  # left out: one process, which under torchrun is rarely what was meant
+            runtime = "local"
+            world = launched_world()
+            if world is not None and world > 1 and plan is None:
+                warnings.warn(
+                    f"fxpipe.compile runs every stage in this process (runtime='local', the default), but {world} "
+                    "processes were launched (torchrun): each would run the whole pipeline on its own. Pass "
+                    "runtime='distributed' to give each rank its stages, or runtime='local' to keep one pipeline per "
+                    "process (and silence this)", stacklevel=user_stacklevel())
         if isinstance(model, Pipe):
             raise TypeError("fxpipe.compile got a Pipe, which is compiled already: compile the model it was "
                             "compiled from (in one process the pipe shares its parameters; across ranks build the "

@@ -173,9 +173,13 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
                 if missing is not None:  # the output lacks what loss_fn reads (a loss the model does not compute)
                     add_note(exc, missing)
                 elif target is None:  # the likely cause: the target was not given where the loss is computed
-                    add_note(exc, "fxpipe: pipe.step got target=None on the rank computing the loss (the last "
-                             "stage's): pass target= there (passing it on every rank is fine), or give a loss_fn "
-                             "that needs none (lambda out, _: out.loss)")
+                    told = ("pipe.step got target=None on the rank computing the loss (the last stage's): pass "
+                            "target= there (passing it on every rank is fine), or give a loss_fn that needs none "
+                            "(lambda out, _: out.loss)")
+                    if "NoneType" in str(exc):  # the loss read the missing target: say so in the error itself
+                        raise PipelineInputError(f"{told}; loss_fn failed on it: {type(exc).__name__}: {exc}") \
+                            from exc
+                    add_note(exc, f"fxpipe: {told}")
                 raise
             value = _scalar_loss(value, out)
             if looked_at is not None:

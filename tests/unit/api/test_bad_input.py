@@ -2,6 +2,7 @@
 
 import copy
 import logging
+import warnings
 
 import pytest
 import torch
@@ -708,3 +709,15 @@ def test_example_inputs_packed_in_one_tuple_too_many_get_a_note_naming_the_fix(t
     with pytest.raises(Exception) as info:
         fxpipe.compile(model, 2, example_inputs=((torch.randn(4, 8),),), devices=["cpu"] * 2, tracer=tracer)
     assert any("pass example_inputs=(x,), not ((x,),)" in note for note in getattr(info.value, "__notes__", []))
+
+
+def test_a_local_pipe_left_at_its_default_under_torchrun_is_warned_of(monkeypatch):
+    # before: each of the launched processes trained its own whole pipeline, silently
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(4, 4)
+    with pytest.warns(UserWarning, match=r"but 2 processes were launched \(torchrun\).*runtime='distributed'"):
+        fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said on purpose: no warning
+        fxpipe.compile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), 2, example_inputs=(x,), devices=["cpu"] * 2,
+                       runtime="local")
