@@ -224,10 +224,11 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
                     listed = _listed_inputs(bound)
                     if not listed:
                         raise
-                    raise TraceError(f"{refused} Note that input(s) {listed} are lists of tensors: fxpipe splits "
-                                     "every tensor of an input on its own dim 0 into micro-batches, not a list along "
-                                     "its length; if the list is the batch (images the forward stacks), pass it as "
-                                     "one stacked tensor instead", module=refused.module) from exc
+                    raise TraceError(f"input(s) {listed} of {type(model).__name__} are lists of tensors, the likely "
+                                     "cause: fxpipe splits every tensor of an input on its own dim 0 into "
+                                     "micro-batches, not a list along its length, so if the list is the batch (images "
+                                     "the forward stacks), pass it as one stacked tensor instead. What torch.export "
+                                     f"met: {refused}", module=refused.module) from exc
                 break
         return program.module()
 
