@@ -15,7 +15,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxpipe.errors import WeightsError
+from fxpipe.errors import CompileError, WeightsError
 from fxpipe.materialize.fillplan import tensor_table
 
 __all__ = ["refuse_meta_constants", "release", "released"]
@@ -24,7 +24,18 @@ __all__ = ["refuse_meta_constants", "release", "released"]
 # usual; no tensor gets a weak reference, which would forbid release's swap_tensors)
 _RELEASED: weakref.WeakSet = weakref.WeakSet()
 
+_GUARDED: weakref.WeakSet = weakref.WeakSet()  # the released models whose own call is refused (_refuse_call)
+
 log = logging.getLogger(__name__)
+
+
+def _refuse_call(model: nn.Module, args: object) -> None:
+    """Refuse calling a model a distributed compile released: the other ranks' tensors are meta on this one."""
+    raise CompileError(
+        f"{type(model).__name__} was compiled with runtime='distributed', which left only this rank's stages' "
+        "tensors real (the other stages' are on meta, holding no data), so the model itself cannot run here: call "
+        "the pipe (pipe(x), pipe.step), or save with fxpipe.save on every rank and read the whole model back with "
+        "fxpipe.load_state_dict(path) into a fresh one to run it unpipelined")
 
 
 def refuse_meta_constants(model: nn.Module, gm: torch.fx.GraphModule) -> None:
@@ -72,6 +83,9 @@ def release(model: nn.Module, keep: set[int], also: Sequence[nn.Module] = ()) ->
     real copy of another rank's tensor, or a save would write that stale copy beside the owner's.
     """
     _RELEASED.update(model.modules())
+    if model not in _GUARDED:
+        _GUARDED.add(model)
+        model.register_forward_pre_hook(_refuse_call)
     freed = 0
     replaced: dict[int, torch.Tensor] = {}
     for key, info in tensor_table(model).items():
