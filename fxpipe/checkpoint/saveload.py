@@ -320,8 +320,9 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     if manifest["world"] == where.world and mine:
         set_rng_state(where.rank, mine)
     else:
-        log.warning("checkpoint %s was saved by %d process(es), this is %d: random generators not restored",
-                    path, manifest["world"], where.world)
+        log.warning("checkpoint %s was saved by %d process(es), this is %d: random generators not restored, so "
+                    "dropout draws from this process's generators from here (seed them, torch.manual_seed, for a "
+                    "reproducible run); weights and optimizer state are loaded", path, manifest["world"], where.world)
     set_batch_norm_state(where.rank, where.deferred, where.model,
                          nest(read_keys(path, allocate(meta, under(meta, f"fxpipe.{where.rank}"))), "fxpipe"))
     if "extra" not in meta:
