@@ -148,9 +148,7 @@ class Pipe(nn.Module):
         for k, v in state_dict.items():
             if k in self.owned:
                 mine[k] = _like_held(v, held.get(k))
-        metadata = getattr(state_dict, "_metadata", None)
-        if metadata is not None:  # module versions: a batch norm with none would add num_batches_tracked to others'
-            mine._metadata = metadata  # type: ignore[attr-defined]
+        mine._metadata = self._versions(getattr(state_dict, "_metadata", None))  # type: ignore[attr-defined]
         result = super().load_state_dict(mine, strict=False, assign=assign)
         result.missing_keys[:] = [k for k in result.missing_keys if k in self.owned]
         known = set(held)  # every rank's FQNs (the others' on meta)
@@ -159,6 +157,22 @@ class Pipe(nn.Module):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self._model).__name__} on this rank: "
                                f"missing keys {result.missing_keys}, unexpected keys {result.unexpected_keys}")
         return result
+
+    def _versions(self, metadata: Any) -> Any:
+        """Return the state dict's module versions, the current one for each module another rank holds.
+
+        A batch norm of an older version (or of none given) adds a ``num_batches_tracked`` of 0 to
+        the state dict, which torch then copies onto this rank's meta copy of another rank's
+        module, warning of a no-op: such a module is read as current instead.
+        """
+        versions = OrderedDict(metadata or {})
+        owned = self.owned or set()
+        for name, module in self._model.named_modules():
+            prefix = f"{name}." if name else ""
+            local = [prefix + k for k, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))]
+            if local and not any(k in owned for k in local):
+                versions[name] = {**versions.get(name, {}), "version": getattr(type(module), "_version", 1)}
+        return versions
 
     def _apply(self, fn: Callable, recurse: bool = True) -> Pipe:
         """Cast (``double()``, ``to(dtype)``, ``to_empty``) in one process; refuse it on a distributed rank."""

@@ -7,6 +7,7 @@ and each micro-batch's loss is weighted by its share of the rows.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -176,10 +177,12 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
                     told = ("pipe.step got target=None on the rank computing the loss (the last stage's): pass "
                             "target= there (passing it on every rank is fine), or give a loss_fn that needs none "
                             "(lambda out, _: out.loss)")
-                    if "NoneType" in str(exc):  # the loss read the missing target: say so in the error itself
+                    if "NoneType" in str(exc) and not _holds_none(given):  # the target is the only None loss_fn got
                         raise PipelineInputError(f"{told}; loss_fn failed on it: {type(exc).__name__}: {exc}") \
                             from exc
-                    add_note(exc, f"fxpipe: {told}")
+                    also = ("; or the None is the model's own output's (a field it left unset: out.loss without "
+                            "labels=)" if _holds_none(given) else "")
+                    add_note(exc, f"fxpipe: {told}{also}")
                 raise
             value = _scalar_loss(value, out)
             if looked_at is not None:
@@ -237,3 +240,16 @@ def sum_grads(parts: list[Any]) -> Any:
         present = [x for x in column if x is not None]
         leaves.append(sum(present[1:], present[0]) if present else None)
     return unflatten(flat[0][1], leaves)
+
+
+def _holds_none(out: Any) -> bool:
+    """Tell whether a model output holds None somewhere (an unset field: ``out.loss`` without labels)."""
+    if out is None:
+        return True
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return any(_holds_none(getattr(out, f.name, None)) for f in dataclasses.fields(out))
+    if isinstance(out, dict):
+        return any(_holds_none(v) for v in out.values())
+    if isinstance(out, (list, tuple)):
+        return any(_holds_none(v) for v in out)
+    return False

@@ -807,6 +807,12 @@ def dp_batch_norm(rank, world, schedule):
     with warnings.catch_warnings(record=True) as seen:  # torch's "copying ... to a meta parameter" for others' norms
         warnings.simplefilter("always")
         pipe.load_state_dict(expected)  # the whole model's: each rank takes what it holds (FSDP2: its shards)
+        old = copy.copy(expected)  # as torch before 0.4.1 wrote it: batch norms of version 1, no num_batches_tracked
+        old._metadata = {k: {**v, "version": 1} for k, v in expected._metadata.items()}
+        for key in [k for k in old if k.endswith("num_batches_tracked")]:
+            del old[key]
+        pipe.load_state_dict(old, strict=False)
+        pipe.load_state_dict(expected)
     loaded = {k: bool(torch.equal(_full(v.detach()), expected[k])) for k, v in pipe.state_dict().items()}
     return {"stats": stats, "errors": errors, "loaded": loaded, "load_warnings": [str(w.message) for w in seen]}
 

@@ -250,3 +250,19 @@ def test_a_loss_fn_reading_a_loss_the_model_does_not_compute_is_named_not_blamed
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "the model's output has no 'loss' (it holds 'logits'), which loss_fn reads" in notes
     assert "pass labels= at compile" in notes and "target=None" not in notes
+
+
+def test_a_none_in_the_model_s_output_is_not_blamed_on_the_target():
+    # the target=None error named the target where loss_fn read a None field of the output (no labels= given)
+    class Partial(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return {"logits": self.b(self.a(x)), "aux": None}
+
+    pipe = fxpipe.compile(Partial(), 2, example_inputs=(torch.randn(4, 4),), chunks=2, devices=["cpu"] * 2)
+    with pytest.raises(AttributeError) as info:
+        pipe.step(torch.randn(4, 4), target=None, loss_fn=lambda out, _: out["logits"].mean() + out["aux"].mean())
+    assert any("the None is the model's own output's" in n for n in info.value.__notes__)
