@@ -6,7 +6,7 @@ import copy
 import logging
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -166,7 +166,7 @@ class Pipe(nn.Module):
         module, warning of a no-op: such a module is read as current instead.
         """
         versions = OrderedDict(metadata or {})
-        owned = self.owned or set()
+        owned: Collection[str] = self.owned or set()
         for name, module in self._model.named_modules():
             prefix = f"{name}." if name else ""
             local = [prefix + k for k, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))]

@@ -24,8 +24,8 @@ def outside_torch(frames: list[traceback.FrameSummary]) -> traceback.FrameSummar
     import fxpipe.passes  # installed from its own folder
 
     skipped = [_TORCH_DIR, _FXPIPE_DIR, os.path.dirname(fxpipe.passes.__file__) + os.sep]
-    numpy = sys.modules.get("numpy")  # its own lines are not the model's (a mask drawn with np.random)
-    if numpy is not None and getattr(numpy, "__file__", None):
-        skipped.append(os.path.dirname(numpy.__file__) + os.sep)
+    numpy_file = getattr(sys.modules.get("numpy"), "__file__", None)  # its lines are not the model's (np.random)
+    if numpy_file:
+        skipped.append(os.path.dirname(numpy_file) + os.sep)
     user = [f for f in frames if not f.filename.startswith(tuple(skipped)) and not f.filename.startswith("<")]
     return user[-1] if user else None
