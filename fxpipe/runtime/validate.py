@@ -119,7 +119,8 @@ def _check_constant(name: str, value: Any, expected: Any) -> None:
         raise PipelineInputError(
             f"input '{name}' is a tensor of shape {tuple(value.shape)} but torch.export fixed it to the example's "
             f"{expected!r}: a Python number is a constant in an exported graph. Give a tensor at compile too "
-            f"(torch.tensor({expected!r})) so each call's value is used, or use tracer='fx'")
+            f"(torch.tensor({expected!r})) so each call's value is used, or use tracer='fx' where it traces the model "
+            "(it does not trace transformers 5 or most diffusers models)")
     if type(expected) is bool and isinstance(value, bool) and value != expected:
         fix = (f"or compile another pipe with example_kwargs={{'{name}': {value!r}}}" if name != "use_cache" else
                "since a key/value cache kept between calls cannot be pipelined: feed the whole sequence each call "
@@ -132,7 +133,8 @@ def _check_constant(name: str, value: Any, expected: Any) -> None:
         raise PipelineInputError(
             f"input '{name}' is {value!r} but torch.export fixed it to the example's {expected!r}: a Python number "
             f"is a constant in an exported graph. Pass it as a tensor (torch.tensor({value!r}), at compile too) so "
-            "each call's value is used (a diffusion timestep), or use tracer='fx'")
+            "each call's value is used (a diffusion timestep), or use tracer='fx' where it traces the model (it does "
+            "not trace transformers 5 or most diffusers models)")
 
 
 def check_micro_batches(gm: torch.fx.GraphModule, rows: int, batch: int, chunks: int, names: Sequence[str],
