@@ -169,7 +169,8 @@ class Pipe(nn.Module):
         owned: Collection[str] = self.owned or set()
         for name, module in self._model.named_modules():
             prefix = f"{name}." if name else ""
-            local = [prefix + k for k, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))]
+            own = (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+            local = [prefix + k for k, _ in own]
             if local and not any(k in owned for k in local):
                 versions[name] = {**versions.get(name, {}), "version": getattr(type(module), "_version", 1)}
         return versions

@@ -177,11 +177,12 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
                     told = ("pipe.step got target=None on the rank computing the loss (the last stage's): pass "
                             "target= there (passing it on every rank is fine), or give a loss_fn that needs none "
                             "(lambda out, _: out.loss)")
-                    if "NoneType" in str(exc) and not _holds_none(given):  # the target is the only None loss_fn got
+                    unset = _holds_none(given)  # a None field of the output may be what loss_fn read instead
+                    if "NoneType" in str(exc) and not unset:  # the target is the only None loss_fn got
                         raise PipelineInputError(f"{told}; loss_fn failed on it: {type(exc).__name__}: {exc}") \
                             from exc
-                    also = ("; or the None is the model's own output's (a field it left unset: out.loss without "
-                            "labels=)" if _holds_none(given) else "")
+                    also = "; or the None is the model's own output's (a field it left unset: out.loss without " \
+                           "labels=)" if unset else ""
                     add_note(exc, f"fxpipe: {told}{also}")
                 raise
             value = _scalar_loss(value, out)
