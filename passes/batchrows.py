@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -74,7 +75,7 @@ def _scaled(value: Any, batch: int, rows: int) -> Any:
     """Return a placeholder's spec with ``rows`` rows where the example has ``batch``."""
     def scale(s: Any) -> Any:
         if isinstance(s, TensorSpec) and len(s.shape) > 0 and s.shape[0] == batch:
-            return TensorSpec((rows, *s.shape[1:]), s.dtype, s.requires_grad)
+            return replace(s, shape=(rows, *s.shape[1:]))
         return s
     return tree_map(scale, value, is_leaf=lambda v: isinstance(v, TensorSpec))
 

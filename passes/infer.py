@@ -201,7 +201,8 @@ class Propagator:
 
             def fake(v: Any) -> Any:
                 if isinstance(v, TensorSpec):
-                    return torch.empty(v.shape, dtype=v.dtype).requires_grad_(v.requires_grad)
+                    return torch.empty(v.shape, dtype=v.dtype, memory_format=v.memory_format
+                                       ).requires_grad_(v.requires_grad)
                 if isinstance(v, torch.Tensor):
                     return mode.from_tensor(v)
                 return v

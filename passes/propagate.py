@@ -21,7 +21,7 @@ kernels) raises :class:`fxpipe.passes.failure.PropagationError` naming the node 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -288,7 +288,7 @@ def _with_grad_rule(spec: Any, node: torch.fx.Node, args: tuple, kwargs: dict,
                     gm: torch.fx.GraphModule) -> Any:
     """Mark floating outputs as needing a gradient when an operand does (for real-kernel runs)."""
     grad = _grad_operands(node, args, kwargs, gm) > 0
-    return map_leaves(lambda s: TensorSpec(s.shape, s.dtype, grad and differentiable(s.dtype))
+    return map_leaves(lambda s: replace(s, requires_grad=grad and differentiable(s.dtype))
                       if isinstance(s, TensorSpec) else s, spec)
 
 

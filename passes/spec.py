@@ -19,11 +19,23 @@ __all__ = ["TensorSpec", "differentiable", "map_leaves", "spec_of", "unflatten",
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Describe one tensor by shape, dtype and whether it requires grad (a pytree leaf)."""
+    """Describe one tensor by shape, dtype, whether it requires grad and whether it is channels-last (a pytree leaf).
+
+    ``channels_last`` marks a 4-D or 5-D tensor laid out channels-last and not also contiguous
+    (a convolution's activation of a ``channels_last`` model): a value crossing ranks keeps it.
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool = False
+    channels_last: bool = False
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        """Return the memory format a tensor of this spec is laid out in."""
+        if not self.channels_last:
+            return torch.contiguous_format
+        return torch.channels_last if len(self.shape) == 4 else torch.channels_last_3d
 
     @property
     def nbytes(self) -> int:
@@ -91,8 +103,19 @@ def _build(spec: TreeSpec, it: Iterator[Any]) -> Any:
 
 def _spec(v: Any) -> Any:
     """Return the spec of a tensor; any other value as it is."""
-    return TensorSpec(tuple(int(d) for d in v.shape), v.dtype, bool(v.requires_grad)) if isinstance(v, torch.Tensor) \
-        else v
+    if not isinstance(v, torch.Tensor):
+        return v
+    return TensorSpec(tuple(int(d) for d in v.shape), v.dtype, bool(v.requires_grad), channels_last(v))
+
+
+def channels_last(t: torch.Tensor) -> bool:
+    """Tell whether a 4-D or 5-D tensor is laid out channels-last and not also contiguous."""
+    try:
+        if t.dim() not in (4, 5) or t.layout != torch.strided or t.is_nested or t.is_contiguous():
+            return False
+        return t.is_contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without strides
+        return False
 
 
 def _raw(fn: Callable[[Any], Any], value: Any) -> Any:

@@ -25,7 +25,7 @@ is refused on the first.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -171,7 +171,7 @@ def localize(spec: Any, layout: Any, t: int) -> Any:
     if isinstance(layout, int) and isinstance(spec, TensorSpec):
         shape = list(spec.shape)
         shape[layout] //= t
-        return TensorSpec(tuple(shape), spec.dtype, spec.requires_grad)
+        return replace(spec, shape=tuple(shape))
     return spec
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -394,7 +394,7 @@ def _refuse_sizes_from_values(engine: DistributedRuntime, gm: torch.fx.GraphModu
         return  # one micro-batch of the example's rows: nothing to resize, nothing to find
 
     def shrink(leaf: Any) -> Any:
-        return TensorSpec((rows, *leaf.shape[1:]), leaf.dtype, leaf.requires_grad) \
+        return replace(leaf, shape=(rows, *leaf.shape[1:])) \
             if isinstance(leaf, TensorSpec) and leaf.shape and leaf.shape[0] == batch else leaf
     layout = [spec if name in engine.binding.unbatched else map_leaves(shrink, spec)
               for name, spec in zip(engine.binding.names, engine.example)]

@@ -89,6 +89,18 @@ def test_values_of_every_kind_cross_ranks_under_every_schedule(tmp_path, launch)
                 assert case["out_error"] < 1e-5 and case["out_rest"], (label, case)
 
 
+def test_a_channels_last_activation_arrives_channels_last_on_the_next_rank(tmp_path, launch):
+    # the cut's value (and the skip h) is NHWC on rank 0; the receive buffers take the spec's layout
+    results = launch("channels_last", 2, "all", tmp_path)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        for schedule, case in res["cases"].items():
+            assert case["loss_error"] < 1e-5, (r, schedule, case)
+            assert max(case["grad_errors"].values()) < 1e-5, (r, schedule, case)
+            if r == 1:
+                assert case["seen"] and all(case["seen"]), (schedule, case)
+
+
 def test_a_new_size_runs_and_another_dtype_or_target_size_is_refused_on_every_rank(tmp_path, launch):
     results = launch("shape", 2, "gpipe", tmp_path)
     for res in results:

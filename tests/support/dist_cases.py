@@ -287,6 +287,45 @@ def values(rank, world, schedule):
     return {"cases": results}
 
 
+class _Layout(nn.Module):
+    """Record whether each input it sees is channels-last (a leaf module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.is_contiguous(memory_format=torch.channels_last))
+        return x
+
+
+class _ChannelsLast(nn.Module):
+    """A convolution stack, its activations channels-last, with a skip across the cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
+        self.probe = _Layout()
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.c(torch.relu(self.b(self.probe(h))) + h).mean((2, 3))
+
+
+def channels_last(rank, world, schedule):
+    """A channels-last activation crossing ranks arrives channels-last; its gradient goes back so."""
+    results = {}
+    for schedule in ("gpipe", "1f1b", "zb"):
+        torch.manual_seed(0)
+        model = _ChannelsLast().to(memory_format=torch.channels_last)
+        x = torch.randn(6, 3, 8, 8).to(memory_format=torch.channels_last)
+        res, pipe = _check_step(rank, world, model, x, torch.randn(6, 4), F.mse_loss, chunks=3,
+                                schedule=schedule, split_points=["probe"], leaf_modules=[_Layout])
+        results[schedule] = {"loss_error": res["loss_error"], "grad_errors": res["grad_errors"],
+                             "seen": model.probe.seen if rank == 1 else None}
+    return {"cases": results}
+
+
 class _Recording(WeightSource):
     """A weights source that records the keys it reads."""
 

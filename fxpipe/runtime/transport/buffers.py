@@ -1,6 +1,8 @@
 """Receive buffers that outlive their message: a rank reuses a buffer once nothing holds it.
 
-Every message a rank receives lands in buffers sized from the plan's specs. Allocating them
+Every message a rank receives lands in buffers sized from the plan's specs (a channels-last
+activation in a buffer of its channels-last order, seen through the view that gives it its
+shape back: see :func:`dense`). Allocating them
 anew per message costs a host allocation (and, for the sizes of activations, fresh pages to
 fault in) on the path between a receive and the compute that needs it. The pool keeps each
 buffer after its message, and hands it out again for a message of the same shape and dtype
@@ -28,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.passes import TensorSpec, differentiable
 from fxpipe.passes.spec import unflatten
 
-__all__ = ["BufferPool", "empty_like_spec", "floating"]
+__all__ = ["BufferPool", "dense", "empty_like_spec", "floating", "tensor_leaves"]
 
 
 def _use_counts(free: list[torch.Tensor], k: int) -> tuple[int, int, int]:
@@ -86,6 +88,38 @@ def floating(spec: Any) -> bool:
     return isinstance(spec, TensorSpec) and differentiable(spec.dtype)
 
 
+def tensor_leaves(spec: Any, floating_only: bool) -> list[TensorSpec]:
+    """Return the tensor specs of a value's spec that a message carries, in flattening order."""
+    return [leaf for leaf in tree_flatten(spec)[0]
+            if isinstance(leaf, TensorSpec) and (floating(leaf) or not floating_only)]
+
+
+def dense(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """Return ``t`` as the contiguous tensor a message carries for ``spec``.
+
+    A channels-last spec's tensor goes in its channels-last order, as the contiguous
+    channels-last permutation of it (NCHW -> NHWC, a view where ``t`` is channels-last)::
+
+        sender:   t (N,C,H,W) channels-last ─▶ permute(0,2,3,1) (N,H,W,C) contiguous ─▶ send
+        receiver: buffer (N,H,W,C) ─▶ permute(0,3,1,2) ─▶ (N,C,H,W) channels-last, no copy
+    """
+    if not spec.channels_last:
+        return t.contiguous()
+    return t.contiguous(memory_format=spec.memory_format).permute(0, *range(2, t.dim()), 1)
+
+
+def _dense_shape(spec: TensorSpec) -> tuple[int, ...]:
+    """Return the shape of the contiguous buffer that carries a tensor of ``spec``."""
+    shape = tuple(spec.shape)
+    return (shape[0], *shape[2:], shape[1]) if spec.channels_last else shape
+
+
+def _restore(spec: TensorSpec) -> tuple[int, ...]:
+    """Return the permutation from a channels-last spec's buffer back to the spec's shape."""
+    n = len(spec.shape)
+    return (0, n - 1, *range(1, n - 1))
+
+
 def empty_like_spec(spec: Any, pool: BufferPool, floating_only: bool):
     """Take receive buffers for a value's tensors from ``pool``; return (build value, buffers)."""
     leaves, tree = tree_flatten(spec)
@@ -93,9 +127,9 @@ def empty_like_spec(spec: Any, pool: BufferPool, floating_only: bool):
     filled: list[Any] = []  # the value's leaves: buffers, and the spec's other leaves
     for leaf in leaves:
         if isinstance(leaf, TensorSpec) and (floating(leaf) or not floating_only):
-            buf = pool.take(leaf.shape, leaf.dtype)
+            buf = pool.take(_dense_shape(leaf), leaf.dtype)
             bufs.append(buf)
-            filled.append(buf)
+            filled.append(buf.permute(*_restore(leaf)) if leaf.channels_last else buf)
         else:
             filled.append(None if floating_only else leaf)
     return (lambda: unflatten(tree, filled)), bufs

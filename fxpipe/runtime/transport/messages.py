@@ -43,11 +43,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.passes.spec import differentiable
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.microbatch import sum_grads
 from fxpipe.runtime.schedules.actions import Action
-from fxpipe.runtime.transport.buffers import BufferPool, empty_like_spec, floating
+from fxpipe.runtime.transport.buffers import BufferPool, dense, empty_like_spec, floating, tensor_leaves
 from fxpipe.runtime.transport.comm import Comm
 
 __all__ = ["DistTransport"]
@@ -248,8 +247,9 @@ class DistTransport:
             for c in self.consumers.get(v, ()):
                 if self.rank_of[c] == self.rank:
                     self.box[(c, "F", v, i)] = value
+        specs = self.specs(i) if self.fwd_to[j] else {}
         sends = [(t, q, FORWARD_TAG) for q, names in self.fwd_to[j].items()
-                 for v in names for t in _tensors(by_name[v], floating_only=False)]
+                 for v in names for t in _tensors(by_name[v], specs[v])]
         self._send((j, "F", i), sends, f"sending micro-batch {i}'s outputs of stage {j}")
 
     # -- backward --------------------------------------------------------------------------
@@ -283,11 +283,13 @@ class DistTransport:
         self._send((j, "B", i), sends, f"sending micro-batch {i}'s input gradients of stage {j}")
 
 
-def _tensors(value: Any, floating_only: bool) -> list[torch.Tensor]:
-    """Return the (contiguous) tensors of a value in flattening order."""
-    leaves, _ = tree_flatten(value)
-    return [t.contiguous() for t in leaves if isinstance(t, torch.Tensor)
-            and (differentiable(t.dtype) or not floating_only)]
+def _tensors(value: Any, spec: Any) -> list[torch.Tensor]:
+    """Return the tensors of a value in flattening order, each as its message carries it (see :func:`dense`)."""
+    tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    specs = tensor_leaves(spec, floating_only=False)
+    if len(specs) != len(tensors):  # the receiver's count differs: the message fails there, named
+        return [t.contiguous() for t in tensors]
+    return [dense(t, s) for t, s in zip(tensors, specs)]
 
 
 def _grad_tensors(grad: Any, spec: Any, device: torch.device) -> list[torch.Tensor]:
@@ -299,7 +301,7 @@ def _grad_tensors(grad: Any, spec: Any, device: torch.device) -> list[torch.Tens
     out = []
     for s, g in zip(spec_leaves, grad_leaves):
         if floating(s):
-            out.append(g.contiguous() if isinstance(g, torch.Tensor)
-                       else torch.zeros(s.shape, dtype=s.dtype, device=device))
+            out.append(dense(g if isinstance(g, torch.Tensor) else torch.zeros(s.shape, dtype=s.dtype, device=device),
+                             s))
     return out
 

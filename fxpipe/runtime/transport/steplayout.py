@@ -10,6 +10,7 @@ every rank of every pipeline with the same error, instead of a mismatched messag
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -306,7 +307,7 @@ def _propagated(runtime: Any, layout: Any, training: bool) -> dict[str, Any]:
                 raise
             with torch.enable_grad():
                 specs = runtime.propagate(list(layout))
-            return map_leaves(lambda v: TensorSpec(v.shape, v.dtype) if isinstance(v, TensorSpec) else v, specs)
+            return map_leaves(lambda v: replace(v, requires_grad=False) if isinstance(v, TensorSpec) else v, specs)
     finally:
         gm.training = mode
 
