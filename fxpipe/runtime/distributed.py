@@ -50,7 +50,7 @@ from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import micro_losses
 from fxpipe.runtime.replicanorms import sync_norms
 from fxpipe.runtime.schedules.builtin import Schedule
-from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
+from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm, pipe_running
 from fxpipe.runtime.stage.stagecall import StageCall
 from fxpipe.runtime.stage.unfrozen import refuse_changed_linears, refuse_unfrozen
 from fxpipe.runtime.stage.worker import StageWorker
@@ -349,7 +349,8 @@ class DistributedRuntime:
         self.comm.board.enter(self.layout.global_ranks[self.rank])
         self.ready()
         try:
-            return body()
+            with pipe_running():
+                return body()
         except BaseException as caught:
             exc = caught
             if getattr(exc, "fxpipe_on_every_rank", False):

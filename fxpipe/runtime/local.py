@@ -28,7 +28,7 @@ from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import micro_losses
 from fxpipe.runtime.observe import timeline
 from fxpipe.runtime.schedules.builtin import Schedule
-from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm
+from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm, pipe_running
 from fxpipe.runtime.stage.copy import copy
 from fxpipe.runtime.stage.dependency import depend
 from fxpipe.runtime.stage.recompute import guarded
@@ -137,6 +137,11 @@ class LocalRuntime:
 
     def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
         """Run the model's forward over micro-batches; return the model's output structure."""
+        with pipe_running():
+            return self._forward(args, kwargs, training)
+
+    def _forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
+        """Run :meth:`forward` (inside :func:`pipe_running`)."""
         mbs, _ = self.binding.split(args, kwargs, self.plan.chunks, training, self.devices[0])
         self.binding.check_joinable(len(mbs), training)
         output = self.binding.gather(self.run(mbs, training), training)
@@ -150,6 +155,11 @@ class LocalRuntime:
 
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
         """Run forward and backward of one mini-batch with a loss per micro-batch; return the loss."""
+        with pipe_running():
+            return self._step(args, kwargs, target, loss_fn, training)
+
+    def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
+        """Run :meth:`step` (inside :func:`pipe_running`)."""
         if not torch.is_grad_enabled():
             raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad() and "
                                "torch.inference_mode() (use pipe(x) to infer)")
@@ -163,6 +173,7 @@ class LocalRuntime:
                 total = sum((losses[i](out) for i, out in enumerate(outputs[1:], 1)), losses[0](outputs[0]))
                 with autocast_off():  # as eager's backward, outside the autocast around pipe.step
                     total.backward()
+                    losses.release()  # a target requiring grad: its graph's share (fxpipe.runtime.targetgrads)
             except BaseException:
                 discard_batch_norm(self.deferred)
                 raise

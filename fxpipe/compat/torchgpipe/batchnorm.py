@@ -47,6 +47,7 @@ class DeferredBatchNorm(_BatchNorm):
         self.register_buffer("sum", torch.zeros(num_features))
         self.register_buffer("sum_squares", torch.zeros(num_features))
         defer_batch_norm([self])
+        vars(self)["_fxpipe_always"] = True  # deferred wherever it runs, as torchgpipe's module is
         self.register_forward_hook(_count)
 
     def _check_input_dim(self, input: torch.Tensor) -> None:

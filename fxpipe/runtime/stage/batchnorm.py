@@ -21,7 +21,10 @@ graph, unconditionally; the compiled stage puts the staging tensors back as they
 recomputation (:func:`unstaged`), and the commit folds them into the sums.
 
 The modules keep their class, their identity and their state_dict keys: the deferred forward
-is an instance attribute, and the sums are plain attributes.
+is an instance attribute, and the sums are plain attributes. It defers only while a pipe runs
+(:func:`pipe_running`, around a step or ``pipe(x)``): the user's own call of the model, or of
+a copy of it, updates the running statistics as PyTorch's batch norm does, and adds nothing to
+the pipe's next update.
 """
 
 from __future__ import annotations
@@ -40,7 +43,26 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from fxpipe.runtime.stage.normcalls import Call, slot
 from fxpipe.runtime.stage.recompute import is_recomputing
 
-__all__ = ["accumulate", "commit_batch_norm", "defer_batch_norm", "discard_batch_norm", "fold_staged", "staging", "unstaged"]
+__all__ = ["accumulate", "commit_batch_norm", "defer_batch_norm", "discard_batch_norm", "fold_staged", "pipe_running",
+           "staging", "unstaged"]
+
+_PIPE_RUNNING = False  # a pipe's step or forward runs (its worker threads too): batch norms defer
+
+
+@contextmanager
+def pipe_running() -> Iterator[None]:
+    """Run the block as a pipe's step or forward, where deferred batch norms defer."""
+    global _PIPE_RUNNING
+    before, _PIPE_RUNNING = _PIPE_RUNNING, True
+    try:
+        yield
+    finally:
+        _PIPE_RUNNING = before
+
+
+def _outside(bn: _BatchNorm) -> bool:
+    """Tell whether ``bn`` runs outside any pipe (a call of the model itself): then it is PyTorch's."""
+    return not _PIPE_RUNNING and not vars(bn).get("_fxpipe_always", False)
 
 
 class _Sums(Protocol):
@@ -81,7 +103,7 @@ def _own_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     ones and ``num_batches_tracked`` stay as they were.
     """
     forward = type(self).forward
-    if not self.training:
+    if not self.training or _outside(self):
         return forward(self, x)
     if torch.compiler.is_compiling():
         raise TypeError(f"deferred_batch_norm=True cannot defer {type(self).__name__} inside a compiled stage: a "
@@ -134,6 +156,8 @@ def _reset(bn: _BatchNorm) -> None:
 
 def _deferred_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     """Normalize by the micro-batch's statistics; accumulate them instead of updating."""
+    if _outside(self):
+        return type(self).forward(self, x)
     self._check_input_dim(x)
     if not self.training:
         return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,

@@ -108,18 +108,39 @@ def test_a_run_on_fake_tensors_accumulates_nothing():
     # on fake tensors, in training mode: that run must not count, or fake sums poison the commit
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxpipe.runtime.stage.batchnorm import commit_batch_norm, defer_batch_norm
+    from fxpipe.runtime.stage.batchnorm import commit_batch_norm, defer_batch_norm, pipe_running
 
     model = Branches().train()
     eager = copy.deepcopy(model)
     x = torch.randn(10, 3, 8, 8) * 3 + 1
     deferred = defer_batch_norm(model.modules())
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        model(mode.from_tensor(x))
-    assert all(bn._fxpipe_count == 0 and bn._fxpipe_sum is None for bn in deferred)
-    model(x)
+    with pipe_running():
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            model(mode.from_tensor(x))
+        assert all(bn._fxpipe_count == 0 and bn._fxpipe_sum is None for bn in deferred)
+        model(x)
     commit_batch_norm(deferred)
     eager(x)
+    for k, v in _stats(eager).items():
+        torch.testing.assert_close(_stats(model)[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_call_of_the_model_outside_the_pipe_updates_as_pytorch_and_leaks_nothing_into_the_step(tracer):
+    # deferral patches the model's own batch norms (fx): outside a step they are PyTorch's again,
+    # so a probe of the model (or of a copy taken after compile) updates its statistics itself
+    model, x, probe = Branches().train(), torch.randn(10, 3, 8, 8) * 3 + 1, torch.randn(10, 3, 8, 8) * 5 + 3
+    target = torch.randn(10, 5)
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, deferred_batch_norm=True,
+                          tracer=tracer)
+    copied = copy.deepcopy(model)
+    for m in (model, copied, eager):
+        m(probe)
+    assert model.bns[0].num_batches_tracked == 1 and copied.bns[0].num_batches_tracked == 1
+    torch.testing.assert_close(_stats(copied), _stats(eager))
+    pipe.step(x, target=target, loss_fn=F.mse_loss)
+    eager(x)  # the step's statistics: eager's on the full batch, after the probe's
     for k, v in _stats(eager).items():
         torch.testing.assert_close(_stats(model)[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
