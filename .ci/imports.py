@@ -15,7 +15,7 @@ annotations only and not counted):
     4   fxpipe.runtime.schedules,             the runtime's data: action lists, and what a run
         fxpipe.runtime.observe                records (the simulator reads both)
     5   fxpipe.materialize | fxpipe.simulate  tensors filled where owned | a plan predicted
-    6.0 fxpipe.runtime.{microbatch, binding, validate, placement}   the runtime's basics
+    6.0 fxpipe.runtime.{microbatch, targetgrads, binding, validate, placement}   the runtime's basics
     6.1 fxpipe.runtime.stage                  one stage on one micro-batch
     6.2 fxpipe.runtime.transport              values between stages and ranks
     6.3 fxpipe.runtime                        target, build, local, distributed, interpreter, contract
@@ -45,7 +45,7 @@ LAYERS = [  # (rank, name, the packages and modules in it)
     (4, "runtime data", ["fxpipe.runtime.schedules", "fxpipe.runtime.observe"]),
     (5, "materialize", ["fxpipe.materialize"]),
     (5, "simulate", ["fxpipe.simulate"]),
-    (6.0, "runtime basics", ["fxpipe.runtime.microbatch", "fxpipe.runtime.binding", "fxpipe.runtime.validate",
+    (6.0, "runtime basics", ["fxpipe.runtime.microbatch", "fxpipe.runtime.targetgrads", "fxpipe.runtime.binding", "fxpipe.runtime.validate",
                              "fxpipe.runtime.placement"]),
     (6.1, "runtime.stage", ["fxpipe.runtime.stage"]),
     (6.2, "runtime.transport", ["fxpipe.runtime.transport"]),

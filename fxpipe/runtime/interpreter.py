@@ -26,6 +26,7 @@ import torch
 from fxpipe.options import checkpoint_stop, saving_pass
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.schedules.actions import COMPUTE, Action, clocks, format_schedule, in_flight, lower
+from fxpipe.runtime.stage.rng import autocast_off
 from fxpipe.runtime.stage.threads import DeviceThreads
 from fxpipe.runtime.stage.worker import StageWorker
 
@@ -145,6 +146,10 @@ class ActionInterpreter:
         self._held.clear()  # the first stage's input gradients: nobody receives them
         for worker in self.workers.values():  # but a model input requiring grad gets its own
             worker.release()
+        release = getattr(self.losses, "release", None)  # and a target requiring grad (fxpipe.runtime.targetgrads)
+        if release is not None and self.grad:
+            with autocast_off():
+                release()
 
     def run_actions(self, actions: Sequence[Action]) -> None:
         """Run actions one after another (an offloading stage first fetches its next backward's activations)."""

@@ -18,6 +18,7 @@ from fxpipe.errors import PipelineInputError
 from fxpipe.passes.spec import unflatten
 from fxpipe.plan.batches import batch_size, is_batched, micro_sizes
 from fxpipe.runtime.observe.blame import add_note
+from fxpipe.runtime.targetgrads import Losses, TargetGrads
 
 __all__ = ["batch_size", "check_target_rows", "gather", "is_summed", "micro_losses", "micro_sizes", "scatter",
            "sum_grads", "summed", "to_device"]
@@ -153,16 +154,19 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
     Micro-batch ``i`` of ``rows_i`` rows contributes ``loss_fn(out_i, target_i) * rows_i / B``,
     so for a mean-reduced loss the sum equals ``loss_fn`` on the whole batch; a ``loss_fn``
     marked :func:`summed` contributes ``loss_fn(out_i, target_i)`` as it is. ``looked_at`` is
-    called with each output ``loss_fn`` got and what it returned.
+    called with each output ``loss_fn`` got and what it returned. A target that requires grad is
+    read through detached leaves, its gradient given back by the result's ``release()``
+    (:mod:`fxpipe.runtime.targetgrads`).
     """
     check_target_rows(target, batch, m)
     sizes = micro_sizes(batch, m) if batch is not None else [0] * m
     targets = scatter([target], ["target"], m)
     if len(targets) == 1:  # no batched tensor in the target (None, a constant): every micro-batch gets it
         targets = targets * m
-    losses: dict[int, Callable[[Any], torch.Tensor]] = {}
+    target_grads = TargetGrads()  # a target that requires grad: its rows' gradients, given back after the step
+    losses: dict[int, Callable[[Any], torch.Tensor]] = Losses(target_grads)
     for i, (tgt, rows) in enumerate(zip(targets, sizes)):
-        tgt = to_device(tgt[0], device)
+        tgt = target_grads.detach(to_device(tgt[0], device))
         weight = rows / batch if batch and not is_summed(loss_fn) else 1.0
 
         def loss(out: Any, tgt: Any = tgt, weight: float = weight) -> torch.Tensor:
