@@ -19,6 +19,7 @@ from fxpipe.passes.bufferreads import BufferReads, route_buffer_reads
 from fxpipe.passes.cost import comm_weights, cut_widths, memory_factors, node_costs
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from fxpipe.passes.fingerprint import fingerprint, first_difference, rename_like, state_signature, structure
+from fxpipe.passes.flatids import flat_ids
 from fxpipe.passes.gradreach import maybe_without_grad
 from fxpipe.passes.gradsplit import GradSplit, split_weight_grads
 from fxpipe.passes.infer import Propagator, value_specs
@@ -73,6 +74,7 @@ __all__ = [
                               "differentiable",
                               "fingerprint",
                               "first_difference",
+                              "flat_ids",
                               "group_costs",
                               "is_mutating",
                               "listed_batches",

@@ -139,6 +139,15 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
                 f"input(s) {states} are an RNN's initial state, of shape (layers * directions, batch, hidden), which "
                 "fxpipe would split on dim 0 (the layers) into micro-batches; pass it batch-first and move the dim "
                 "inside the forward (h0.transpose(0, 1).contiguous() before the RNN), or use chunks=1")
+        bags = passes.flat_ids(gm, whole) if batch is not None and micro > 1 else []
+        if bags:
+            where, inputs = bags[0]
+            raise PipelineInputError(
+                f"'{where}' takes flat ids with offsets (a jagged batch: every sample's ids one after another) from "
+                f"input(s) {inputs}; fxpipe splits each input into micro-batches by rows on dim 0, which cannot cut "
+                "flat ids by sample (nor the offsets into them). Pass the ids as a 2-D tensor (batch, ids per "
+                "sample) padded with the bag's padding_idx (per_sample_weights the same shape), or flatten a 2-D "
+                "input inside the forward; or use chunks=1")
         if batch is not None and micro > 1:
             _note_coupled(gm, batch, micro_sizes(batch, chunks)[0], chunks, whole)
     else:

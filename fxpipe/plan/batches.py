@@ -16,12 +16,22 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from fxpipe.errors import PipelineInputError
 
-__all__ = ["batch_size", "is_batched", "micro_sizes"]
+__all__ = ["batch_size", "is_batched", "micro_sizes", "refuse_nested"]
 
 
 def is_batched(x: Any) -> bool:
     """Tell whether ``x`` is a tensor that is split on dim 0."""
     return isinstance(x, torch.Tensor) and x.dim() > 0
+
+
+def refuse_nested(value: Any, where: str) -> None:
+    """Refuse a nested (jagged) tensor anywhere in ``value``, naming where it is and what to pass instead."""
+    for path, leaf in tree_flatten_with_path(value)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.is_nested:
+            raise PipelineInputError(
+                f"{where}{keystr(path)} is a nested tensor (torch.nested), which fxpipe can neither trace nor split "
+                "into micro-batches by rows; pass it padded as a dense tensor with its lengths or a mask "
+                "(nt.to_padded_tensor(0), and each sample's length) and unpad inside the forward if needed")
 
 
 def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[str] = ()) -> int | None:
@@ -32,6 +42,7 @@ def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[st
     """
     first: tuple[str, int] | None = None
     for value, name in zip(values, names):
+        refuse_nested(value, f"input '{name}'")
         if name in whole:
             continue
         for path, leaf in tree_flatten_with_path(value)[0]:
@@ -47,12 +58,16 @@ def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[st
                     fix = (f"pass '{where}' to the forward as an argument of its own, named in "
                            f"fxpipe.compile(..., unbatched=[...]) to give it whole to every micro-batch (unbatched= "
                            f"names whole inputs, and naming '{name}' would leave all of it unsplit)")
+                flat = (" Flat ids with offsets or lengths (a jagged batch for nn.EmbeddingBag) have no row per "
+                        "sample and cannot be split either way: pass the ids as a 2-D tensor (batch, ids per sample) "
+                        "padded with the bag's padding_idx, or use chunks=1."
+                        if leaf.dim() == 1 and not leaf.is_floating_point() else "")
                 raise PipelineInputError(
                     f"batch sizes disagree: '{first[0]}' has {first[1]} rows on dim 0 but "
                     f"'{where}' has {leaf.shape[0]}; every tensor input is split into micro-batches "
                     f"on dim 0, so give them the same batch size, or {fix}. An input whose batch is on another "
                     "dim (an RNN's initial state (h0, c0), of shape (layers, batch, hidden)) is not unbatched: pass "
-                    "it batch-first and move the dim inside the forward (h0.transpose(0, 1).contiguous())")
+                    f"it batch-first and move the dim inside the forward (h0.transpose(0, 1).contiguous()).{flat}")
     if first is not None and first[1] == 0:
         raise PipelineInputError(f"'{first[0]}' has batch size 0; a pipeline needs at least one row")
     return None if first is None else first[1]

@@ -50,6 +50,7 @@ from fxpipe.runtime.local import LocalRuntime
 from fxpipe.runtime.placement import move_owned, named_tensors, ownership, stage_callable, warn_shared_storage
 from fxpipe.runtime.replicanorms import norms_of
 from fxpipe.runtime.schedules.builtin import Schedule
+from fxpipe.runtime.sparseembed import check_embeddings
 from fxpipe.runtime.stage.batchnorm import defer_batch_norm
 from fxpipe.runtime.stage.compiled import CompiledStage
 from fxpipe.runtime.stage.exportedbn import ExportedBatchNorm, defer_exported, defer_traced, share_counters
@@ -326,6 +327,9 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     engine = DistributedRuntime(plan, gm, layout, calls, link, Binding(gm), tied, schedule)
     _refuse_sizes_from_values(engine, gm, plan)  # every rank alike, before any waits on another
     warn_spread(stages, deferred_batch_norm, [s.on_rank for s in plan.stages])
+    if layout.dp > 1:  # every rank looks at every stage, so each refuses what one of them cannot reduce
+        for j, st in enumerate(stages):
+            check_embeddings(j, st, shard)
     if layout.dp > 1:  # after the tied tensors are equal: DDP, FSDP2 (or TP's own all-reduce) start from these
         engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()],
                                     after_step=[j for j in runnable if plan.stages[j].maybe_unused])

@@ -251,6 +251,10 @@ def test_data_parallel_refusals(tmp_path, launch):
         assert "pipe.step got no inputs on rank 2" in res["inputs"]
         assert "target=None on rank 3, which computes the loss" in res["target"]
         assert "is used by stages 0 and 3, which run on one rank" in res["tie"], (r, res)  # every rank, not 0 and 2
+        # sparse gradients FSDP2 / DDP over an exported graph cannot reduce (torch failed in the first step)
+        assert "sparse=True, whose sparse gradient FSDP2 cannot reduce-scatter" in res["sparse shard"], (r, res)
+        assert "tracer='fx'" in res["sparse export"] and "Cannot access storage" in res["sparse export"], (r, res)
+        assert any("replicas' weights drift apart" in w for w in res["max_norm"]), (r, res)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b:deferred", "zb:plain:shard", "zb:deferred:export", "1f1b:deferred:subclass"])

@@ -795,6 +795,20 @@ def dp_refusals(rank, world, schedule):
                        data_parallel=2, stages_per_rank=2, schedule="zbv", chunks=2, timeout=60)
     except ValueError as exc:
         out["tie"] = str(exc)
+    ids = torch.randint(0, 16, (4, 3))
+    for label, kw in [("sparse shard", dict(data_parallel_shard=True)), ("sparse export", dict(tracer="export"))]:
+        torch.manual_seed(0)
+        bag = nn.Sequential(nn.Embedding(16, 8, sparse=True), nn.Flatten(), nn.Linear(24, 8))
+        try:
+            fxpipe.compile(bag, 2, example_inputs=(ids,), runtime="distributed", data_parallel=2, timeout=60, **kw)
+        except fxpipe.CompileError as exc:  # on every rank, the ranks without the embedding too
+            out[label] = str(exc)
+    torch.manual_seed(0)
+    renormed = nn.Sequential(nn.Embedding(16, 8, max_norm=1.0), nn.Flatten(), nn.Linear(24, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxpipe.compile(renormed, 2, example_inputs=(ids,), runtime="distributed", data_parallel=2, timeout=60)
+    out["max_norm"] = [str(w.message) for w in caught if "max_norm" in str(w.message)]
     return out
 
 

@@ -67,3 +67,16 @@ def test_gather_refuses_non_tensors_that_depend_on_the_batch():
     with pytest.raises(ValueError, match=r"output leaf 1 is a int that differs between micro-batches "
                                          r"\(2 in the first, 1 in another\)"):
         gather([(torch.ones(2), 2), (torch.ones(1), 1)])
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_nested_tensor_input_is_refused_at_compile_and_at_the_step_naming_the_padded_fix(tracer):
+    # before: torch's "self.shape_env must not be None" at compile, "slice(): not supported for NestedTensor" at step
+    import fxpipe
+
+    nt = torch.nested.nested_tensor([torch.randint(1, 20, (n,)) for n in (3, 5, 2, 6)], layout=torch.jagged)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 4), torch.nn.Linear(4, 1))
+    with pytest.raises(PipelineInputError, match=r"example_inputs\[0\] is a nested tensor .*to_padded_tensor"):
+        fxpipe.compile(model, 2, example_inputs=(nt,), chunks=2, devices=["cpu"] * 2, tracer=tracer)
+    with pytest.raises(PipelineInputError, match=r"input 'x'\['ids'\] is a nested tensor"):
+        scatter([{"ids": nt}], ["x"], 2)
