@@ -57,6 +57,12 @@ def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception, on: s
             f"fix it to None (gm = fxpipe.trace(model, concrete_args={{'{name}': None}}), then fxpipe.compile(gm, "
             f"...)), or use tracer='export', which traces the code the model runs on its example.")
         return PropagationError(message, node.name, module)
+    if advise and type(exc).__module__.startswith("torch._dynamo"):  # torch.compile inside the node (flex_attention's)
+        message += (
+            "\nThe node runs torch.compile inside (flex_attention does, even called eagerly), which cannot run on the "
+            "fake tensors fxpipe measures the graph with. Use tracer='export' (which traces flex_attention itself; "
+            "build its block mask inside the forward), or compile without example_inputs= (balance_by='params').")
+        return PropagationError(message, node.name, module)
     if advise and getattr(gm, "meta", {}).get("fxpipe.tracer") != "export":
         owners = [kind for _, kind in stack if not _from_torch_nn(kind)]
         leaf = (f", or keep the module that holds the check whole with leaf_modules="

@@ -30,7 +30,7 @@ from fxpipe.frontend.markers import resolve_split_points
 from fxpipe.frontend.tracing import detector_note, trace
 from fxpipe.options import AUTO, CompileOptions, cut_mode
 from fxpipe.passes.failure import PropagationError
-from fxpipe.plan.batches import batch_size, is_batched, micro_sizes
+from fxpipe.plan.batches import batch_size, is_batched, micro_sizes, refuse_batched_masks
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.plan.saved import apply_plan
 
@@ -139,6 +139,7 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
                 f"input(s) {states} are an RNN's initial state, of shape (layers * directions, batch, hidden), which "
                 "fxpipe would split on dim 0 (the layers) into micro-batches; pass it batch-first and move the dim "
                 "inside the forward (h0.transpose(0, 1).contiguous() before the RNN), or use chunks=1")
+        refuse_batched_masks(values, names, whole, micro if batch is not None else 1)
         bags = passes.flat_ids(gm, whole) if batch is not None and micro > 1 else []
         if bags:
             where, inputs = bags[0]

@@ -16,7 +16,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from fxpipe.errors import PipelineInputError
 
-__all__ = ["batch_size", "is_batched", "micro_sizes", "refuse_nested"]
+__all__ = ["batch_size", "is_batched", "micro_sizes", "refuse_batched_masks", "refuse_nested"]
 
 
 def is_batched(x: Any) -> bool:
@@ -32,6 +32,26 @@ def refuse_nested(value: Any, where: str) -> None:
                 f"{where}{keystr(path)} is a nested tensor (torch.nested), which fxpipe can neither trace nor split "
                 "into micro-batches by rows; pass it padded as a dense tensor with its lengths or a mask "
                 "(nt.to_padded_tensor(0), and each sample's length) and unpad inside the forward if needed")
+
+
+def refuse_batched_masks(values: Sequence[Any], names: Sequence[str], whole: Collection[str], micro: int) -> None:
+    """Refuse a flex attention ``BlockMask`` input of several batch rows where the batch is split (``micro > 1``).
+
+    A mask is no tensor, so it would go whole to every micro-batch, each attending with the first
+    rows' masks; slicing it drops its ``mask_mod``, which flex attention reads for partial blocks.
+    """
+    if micro <= 1:
+        return
+    for value, name in zip(values, names):
+        for path, leaf in tree_flatten_with_path(value)[0]:
+            if type(leaf).__name__ == "BlockMask" and hasattr(leaf, "kv_num_blocks") \
+                    and leaf.kv_num_blocks.dim() == 3 and leaf.kv_num_blocks.shape[0] > 1:
+                raise PipelineInputError(
+                    f"input '{name}{keystr(path)}' is a flex attention BlockMask of {leaf.kv_num_blocks.shape[0]} "
+                    "batch rows, which fxpipe cannot split into micro-batches (it is no tensor; a slice of it loses "
+                    "its mask_mod), so every micro-batch would attend with the first rows' masks. Build the mask "
+                    "inside the forward from a tensor input (per-token document ids: create_block_mask over "
+                    "x.shape[0]), pass a mask of batch size None (one for every row), or use chunks=1")
 
 
 def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[str] = ()) -> int | None:

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxpipe.errors import PipelineInputError
 from fxpipe.passes.spec import unflatten
-from fxpipe.plan.batches import batch_size, is_batched, micro_sizes
+from fxpipe.plan.batches import batch_size, is_batched, micro_sizes, refuse_batched_masks
 from fxpipe.runtime.observe.blame import add_note
 from fxpipe.runtime.targetgrads import Losses, TargetGrads
 
@@ -43,6 +43,7 @@ def scatter(values: Sequence[Any], names: Sequence[str], chunks: int, whole: Col
     batch = batch_size(values, names, whole)
     sizes = rows(batch, chunks) if rows is not None and batch is not None else None
     m = len(sizes) if sizes is not None else len(micro_sizes(batch, chunks))
+    refuse_batched_masks(values, names, whole, m)
     kept = [None if name in whole else value for value, name in zip(values, names)]
     leaves, spec = tree_flatten(kept)
     columns = [(torch.split(leaf, sizes) if sizes is not None else torch.tensor_split(leaf, m)) if is_batched(leaf)

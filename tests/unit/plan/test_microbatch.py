@@ -80,3 +80,18 @@ def test_a_nested_tensor_input_is_refused_at_compile_and_at_the_step_naming_the_
         fxpipe.compile(model, 2, example_inputs=(nt,), chunks=2, devices=["cpu"] * 2, tracer=tracer)
     with pytest.raises(PipelineInputError, match=r"input 'x'\['ids'\] is a nested tensor"):
         scatter([{"ids": nt}], ["x"], 2)
+
+
+def test_a_block_mask_of_several_rows_is_refused_where_the_batch_is_split_and_one_of_none_goes_whole():
+    # before: every micro-batch attended with the first rows' document masks, silently (0.34 off eager)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = torch.tensor([[0] * 5 + [1] * 11, [0] * 16, [0] * 3 + [1] * 13, [0] * 16])
+    per_row = create_block_mask(lambda b, h, q, k: doc[b, q] == doc[b, k], 4, None, 16, 16, device="cpu")
+    with pytest.raises(PipelineInputError, match=r"input 'bm' is a flex attention BlockMask of 4 batch rows.*"
+                                                 r"inside the forward.*chunks=1"):
+        scatter([torch.randn(4, 16, 8), per_row], ["x", "bm"], 2)
+    assert len(scatter([torch.randn(4, 16, 8), per_row], ["x", "bm"], 1)) == 1
+    shared = create_block_mask(lambda b, h, q, k: q >= k, None, None, 16, 16, device="cpu")
+    mbs = scatter([torch.randn(4, 16, 8), shared], ["x", "bm"], 2)
+    assert mbs[0][1] is shared and mbs[1][1] is shared
