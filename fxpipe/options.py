@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fxpipe.errors import CompileError
+from fxpipe.errors import CompileError, TensorParallelError
 from fxpipe.torchcompile import SPLIT_BACKENDS, TorchCompile, torch_compile_config
 from fxpipe.unknownargs import BY_HAND
 
@@ -299,7 +299,7 @@ class CompileOptions:
             raise TypeError(f"tp_plan must be 'auto' or a dict of module FQN patterns to parallel styles "
                             f"(ColwiseParallel(), RowwiseParallel(), ...), got {type(plan).__name__}")
         if t > 1 and isinstance(plan, dict) and not plan:
-            raise ValueError(f"tp_plan={{}} splits nothing: with tensor_parallel={t} every rank of a stage would hold "
+            raise TensorParallelError(f"tp_plan={{}} splits nothing: with tensor_parallel={t} every rank of a stage would hold "
                              "and compute all of it (a model's _tp_plan is empty where the model has none); pass "
                              "tp_plan='auto' (the default) or a dict naming the modules to split")
         if t > 1 and not self.distributed:  # tp_plan= with one rank per stage is a no-op

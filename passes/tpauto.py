@@ -102,7 +102,8 @@ def auto_roles(gm: torch.fx.GraphModule, t: int) -> dict[str, str]:
 def _counted(messages: list[str]) -> list[str]:
     """Return one message per kind (names aside), counting the regions like it: one per layer of a deep model."""
     kinds: dict[str, list[str]] = {}
-    for message in messages:
+    regions = {re.sub(r"node '[^']*' ", "", m): m for m in reversed(messages)}  # one per region, its first node's
+    for message in reversed(list(regions.values())):
         kinds.setdefault(re.sub(r"'[^']*'|\d+", "_", message), []).append(message)
     return [same[0] if len(same) == 1 else f"{same[0]}; and {len(same) - 1} more region(s) like it"
             for same in kinds.values()]

@@ -320,6 +320,17 @@ def test_a_size_left_whole_outside_any_module_names_the_region():
 
 
 def test_an_empty_plan_is_refused_not_read_as_auto():
-    with pytest.raises(ValueError, match=r"tp_plan=\{\} splits nothing.*pass tp_plan='auto'"):
+    with pytest.raises(fxpipe.TensorParallelError, match=r"tp_plan=\{\} splits nothing.*pass tp_plan='auto'"):
         fxpipe.compile(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), 2, example_inputs=(torch.randn(4, 8),),
                        tensor_parallel=2, tp_plan={})
+
+
+def test_a_region_refused_at_each_of_its_nodes_is_counted_once():
+    # a 3-head Llama at tensor_parallel=2 said "and 11 more region(s)" for 4 layers: q, k and v's views each
+    from fxpipe.passes.tpauto import _counted
+
+    messages = [f"does not divide the heads that node '{v}' reshapes of 'layers.{i}.attn' (3)"
+                for i in range(4) for v in (f"view_{3 * i}", f"view_{3 * i + 1}", f"view_{3 * i + 2}")]
+    (told,) = _counted(messages)
+    assert told.startswith("does not divide the heads that node 'view_0' reshapes of 'layers.0.attn'"), told
+    assert told.endswith("; and 3 more region(s) like it"), told
