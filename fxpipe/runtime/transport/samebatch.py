@@ -106,7 +106,8 @@ def _verdict(runtime: Any, mine: tuple[list | None, list | None], header: dict) 
     me, first = runtime.layout.global_ranks[runtime.rank], runtime.layout.global_ranks[runtime.first]
     return (f"rank {me} was given another {what} than rank {first}, which splits the inputs: the ranks of one "
             f"pipeline train on one batch (the first stage's inputs with the last stage's target). {_FIX}, or pass "
-            f"None on the ranks that do not split the inputs")
+            + ("the target only on the rank computing the loss (the last stage's; None elsewhere)" if what == "target"
+               else "None on the ranks that do not split the inputs"))
 
 
 def _group_verdict(runtime: Any, mine: tuple[list | None, list | None]) -> str | None:
