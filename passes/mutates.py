@@ -233,6 +233,7 @@ def aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
         view = op_name(node.target) in VIEW_NAMES
     found = [first] if view and first is not None else []
     positions = getattr(node.target, "returns_an_argument", ())  # fxpipe's pick: the running mode's argument
+    positions += getattr(node.target, "shares_storage_of", ())  # fxpipe's detach of a no-grad block's value
     found += [node.args[k] for k in positions if k < len(node.args) and isinstance(node.args[k], torch.fx.Node)]
     for value in written_args(node):
         for n in value if isinstance(value, (list, tuple)) else [value]:

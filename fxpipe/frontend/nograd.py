@@ -36,6 +36,11 @@ def detached(value: Any) -> Any:
     return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
 
 
+# a detached tensor shares its argument's storage: an in-place op on it writes that argument (a buffer's
+# ``ema.mul_(0.9).add_(x)`` in a no-grad block, detached between the two ops), as passes.mutates.aliases reads it
+detached.shares_storage_of = (0,)  # type: ignore[attr-defined]
+
+
 def _marked(node: torch.fx.Node) -> bool:
     """Tell whether ``node`` was made inside a no-grad block (and computes: not a placeholder nor an attribute)."""
     return node.op in _CALLS and bool(node.meta.get("fxpipe.no_grad"))

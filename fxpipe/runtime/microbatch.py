@@ -227,9 +227,13 @@ def _scalar_loss(value: Any, out: Any) -> torch.Tensor:
                                      "the output with differentiable ops (log metrics from another function)")
         return value
     if not isinstance(value, torch.Tensor):
+        parts = list(value.values()) if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else []
+        several = len(parts) > 1 and all(isinstance(v, torch.Tensor) and v.requires_grad for v in parts)
         raise PipelineInputError(f"loss_fn returned a {type(value).__name__}; pipe.step needs the loss alone, "
                                  "one tensor holding the mean over the micro-batch's rows (return metrics "
-                                 "from another function)")
+                                 "from another function" + ("; several losses: return their (weighted) sum, "
+                                                            "as loss.backward() on it would train" if several else "")
+                                 + ")")
     raise PipelineInputError(f"loss_fn returned a tensor of shape {tuple(value.shape)}; pipe.step needs one "
                              "number per micro-batch, the mean over its rows (it weights each micro-batch by "
                              "its rows to give the batch's mean): reduce it with .mean() or "

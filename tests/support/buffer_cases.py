@@ -103,6 +103,21 @@ class Normalized(nn.Module):
         return self.b(torch.tanh(self.a(x))) * (1 + self.mean[:4])
 
 
+class Chained(nn.Module):
+    """Update an EMA with chained in-place ops in a no_grad block (a VQ codebook's); read it in a later layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("ema", torch.ones(16))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return self.b(h * self.ema)
+
+
 class SharedNorm(nn.Module):
     """Call one batch norm in the first and the last layers."""
 

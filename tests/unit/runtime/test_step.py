@@ -138,6 +138,10 @@ def test_step_refuses_a_per_sample_loss_naming_the_fix(schedule):
         pipe.step(x, target=torch.randn(4, 2, 8, 8), loss_fn=per_sample)
     with pytest.raises(fxpipe.PipelineInputError, match="loss_fn returned a tuple; pipe.step needs the loss alone"):
         pipe.step(x, target=torch.randn(4, 2, 8, 8), loss_fn=lambda out, t: (F.mse_loss(out, t), {"mse": 0.0}))
+    with pytest.raises(fxpipe.PipelineInputError, match=r"loss_fn returned a dict;.*several losses: return their "
+                                                        r"\(weighted\) sum"):
+        pipe.step(x, target=torch.randn(4, 2, 8, 8),
+                  loss_fn=lambda out, t: {"mse": F.mse_loss(out, t), "l1": F.l1_loss(out, t)})
 
 
 def test_a_loss_failing_without_a_target_is_noted_with_where_to_pass_it():
