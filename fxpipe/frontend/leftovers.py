@@ -7,6 +7,12 @@ A forward that caches a value in a plain attribute (timm's LeViT keeps its atten
 :func:`no_proxies_left` snapshots every module's attributes (containers by their contents)
 and puts back each that holds a tracing value after the block.
 
+A forward that flips a flag of its module (Glow's ActNorm: ``if not self.initialized:``, the
+parameters set from the batch, then ``self.initialized = True``) ran that branch while fx traced
+it: the graph holds the initialisation, which every step would run again on each micro-batch,
+and the flag said the module was set up though no batch had reached it. :func:`flags_kept`
+puts such a flag back and names it, for the caller to warn of.
+
 Reads and writes the modules' ``__dict__``, but their parameters, buffers and submodules.
 """
 
@@ -22,7 +28,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-__all__ = ["no_proxies_left"]
+__all__ = ["flags_kept", "no_proxies_left"]
 
 _OWN = frozenset({"_parameters", "_buffers", "_modules"})
 
@@ -68,3 +74,20 @@ def _holds_proxy(value: Any) -> bool:
 def _traced(value: Any) -> bool:
     """Tell whether ``value`` exists only while tracing: an fx proxy, a fake or functional tensor."""
     return isinstance(value, (torch.fx.Proxy, FakeTensor, FunctionalTensor))
+
+
+@contextmanager
+def flags_kept(model: nn.Module, changed: list[str]) -> Iterator[None]:
+    """Run the block; then put back every bool attribute of a module it flipped, naming each in ``changed``."""
+    names = {id(m): name for name, m in model.named_modules()}
+    before = {id(m): {k: v for k, v in vars(m).items() if type(v) is bool and k != "training"} for m in model.modules()}
+    try:
+        yield
+    finally:
+        for m in model.modules():
+            for k, was in before.get(id(m), {}).items():
+                now = vars(m).get(k, was)
+                if now is not was:
+                    m.__dict__[k] = was
+                    prefix = names.get(id(m), "")
+                    changed.append(f"'{prefix + '.' if prefix else ''}{k}' ({type(m).__name__}: {was} -> {now})")

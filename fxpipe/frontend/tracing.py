@@ -19,12 +19,12 @@ import torch.fx
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
-from fxpipe.errors import TraceError
+from fxpipe.errors import TraceError, user_stacklevel
 from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.autogradfns import applying, check_functions, watching_functions
 from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
-from fxpipe.frontend.leftovers import no_proxies_left
+from fxpipe.frontend.leftovers import flags_kept, no_proxies_left
 from fxpipe.frontend.markers import recording_markers
 from fxpipe.frontend.modes import in_other_mode, may_read_mode, quieted
 from fxpipe.frontend.nograd import detach_no_grad_blocks
@@ -184,15 +184,23 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
     """Trace ``model`` with fxpipe's fx tracer; return the GraphModule."""
     fx_tracer = _Tracer(leaf_types, leaf_names)
     drawn: list[str] = []
+    flipped: list[str] = []
     try:
         # pipe_split() calls become marker nodes; assignments to buffers, in-place copies; nodes
         # made with grad mode off (a forward's torch.no_grad() blocks) or inside autocast blocks are marked
         with recording_markers(fx_tracer), recording_assignments(fx_tracer), torch.enable_grad(), \
                 recording_autocast_blocks(), recording_python_random(drawn), no_proxies_left(model), \
-                watching_functions() as functions:
+                flags_kept(model, flipped), watching_functions() as functions:
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         raise _explain(model, fx_tracer, exc) from exc
+    if flipped:
+        warnings.warn(
+            f"tracing {type(model).__name__} ran a forward that flipped {', '.join(flipped)} (put back): fx keeps the "
+            "path of that one call, so if the branch it took initialises the module from the data (an ActNorm, a "
+            "codebook set from the first batch), every step runs it again on each micro-batch. Run one eager "
+            "forward on a real batch before fxpipe.compile (the module initialises itself, and the trace takes the "
+            "path of an initialised module)", stacklevel=user_stacklevel())
     check_functions(type(model).__name__, functions, "fx")
     warn_python_random(type(model).__name__, drawn, "fx")
     _name_variadic_inputs(graph)

@@ -1,6 +1,7 @@
 """A forward that caches a value in a plain attribute keeps no tracing value in it after compile."""
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -44,3 +45,35 @@ def test_a_cache_filled_while_tracing_is_put_back(tracer):
     pipe.eval()
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), expected)
+
+
+class _ActNorm(nn.Module):
+    """Glow's ActNorm: parameters set from the first batch it sees, then a flag."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.loc, self.logs = nn.Parameter(torch.zeros(1, c)), nn.Parameter(torch.zeros(1, c))
+        self.initialized = False
+
+    def forward(self, x):
+        if not self.initialized:
+            with torch.no_grad():
+                self.loc.data.copy_(-x.mean(0, keepdim=True))
+                self.logs.data.copy_(-torch.log(x.std(0, keepdim=True) + 1e-6))
+            self.initialized = True
+        return (x + self.loc) * torch.exp(self.logs)
+
+
+def test_a_flag_the_traced_forward_flips_is_put_back_and_warned_of_with_the_warm_up_fix():
+    # before: the flag said initialised though no batch had reached it, and the graph re-initialised the
+    # parameters from every micro-batch of every step (losses 0.32 / 0.25 against eager's 0.37 / 0.93), silently
+    model = nn.Sequential(_ActNorm(4), nn.Linear(4, 4))
+    x = torch.randn(8, 4) * 3 + 1
+    with pytest.warns(UserWarning, match=r"flipped '0.initialized' \(_ActNorm: False -> True\) \(put back\).*"
+                                         r"Run one eager forward on a real batch before fxpipe.compile"):
+        fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=2)
+    assert model[0].initialized is False
+    model(x)  # the warm-up: initialised, and traced as such
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fxpipe.trace(model)
