@@ -46,11 +46,11 @@ from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.dataparallel import GradSync, views_sent_only
 from fxpipe.runtime.distributed import DistributedRuntime
+from fxpipe.runtime.dpparams import check_embeddings, check_layouts
 from fxpipe.runtime.local import LocalRuntime
 from fxpipe.runtime.placement import move_owned, named_tensors, ownership, stage_callable, warn_shared_storage
 from fxpipe.runtime.replicanorms import norms_of
 from fxpipe.runtime.schedules.builtin import Schedule
-from fxpipe.runtime.sparseembed import check_embeddings
 from fxpipe.runtime.stage.batchnorm import defer_batch_norm
 from fxpipe.runtime.stage.compiled import CompiledStage
 from fxpipe.runtime.stage.exportedbn import ExportedBatchNorm, defer_exported, defer_traced, share_counters
@@ -330,6 +330,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     if layout.dp > 1:  # every rank looks at every stage, so each refuses what one of them cannot reduce
         for j, st in enumerate(stages):
             check_embeddings(j, st, shard)
+            check_layouts(j, st, shard)
     if layout.dp > 1:  # after the tied tensors are equal: DDP, FSDP2 (or TP's own all-reduce) start from these
         engine.grad_sync = GradSync(runnable, layout, shard, share_with=[model, gm, *stages, *runnable.values()],
                                     after_step=[j for j in runnable if plan.stages[j].maybe_unused])

@@ -255,6 +255,7 @@ def test_data_parallel_refusals(tmp_path, launch):
         assert "sparse=True, whose sparse gradient FSDP2 cannot reduce-scatter" in res["sparse shard"], (r, res)
         assert "tracer='fx'" in res["sparse export"] and "Cannot access storage" in res["sparse export"], (r, res)
         assert any("replicas' weights drift apart" in w for w in res["max_norm"]), (r, res)
+        assert "is not contiguous (channels_last), which FSDP2 cannot shard" in res["channels_last shard"], (r, res)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b:deferred", "zb:plain:shard", "zb:deferred:export", "1f1b:deferred:subclass"])

@@ -804,6 +804,13 @@ def dp_refusals(rank, world, schedule):
         except fxpipe.CompileError as exc:  # on every rank, the ranks without the embedding too
             out[label] = str(exc)
     torch.manual_seed(0)
+    convs = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3)).to(memory_format=torch.channels_last)
+    try:  # FSDP2 refused its weights on the ranks holding them, naming no fix
+        fxpipe.compile(convs, 2, example_inputs=(torch.randn(4, 3, 8, 8),), runtime="distributed", data_parallel=2,
+                       data_parallel_shard=True, timeout=60)
+    except fxpipe.CompileError as exc:
+        out["channels_last shard"] = str(exc)
+    torch.manual_seed(0)
     renormed = nn.Sequential(nn.Embedding(16, 8, max_norm=1.0), nn.Flatten(), nn.Linear(24, 8))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

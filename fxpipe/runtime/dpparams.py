@@ -1,4 +1,4 @@
-"""Embeddings that data parallel cannot reduce as they are: sparse gradients, rows renormalised in place.
+"""Parameters data parallel cannot reduce as they are: sparse gradients, rows renormalised in place, strides.
 
 - ``sparse=True`` gives a sparse gradient. FSDP2 cannot reduce-scatter it (``fsdp::chunk_cat``
   has no sparse kernel), and DDP cannot take the one an exported graph's ``aten.embedding``
@@ -7,6 +7,8 @@
 - ``max_norm=`` renormalises the rows a forward looks up, in place: each replica renormalises
   the rows of its own share of the batch, and data parallel averages only gradients, so the
   replicas' weights drift apart. Warned of.
+- A non-contiguous parameter (a ``channels_last`` model's convolution weight) FSDP2 cannot shard
+  ("FSDP does not support non-contiguous parameters yet"): refused naming the fix.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 
 from fxpipe.errors import CompileError
 
-__all__ = ["check_embeddings"]
+__all__ = ["check_embeddings", "check_layouts"]
 
 _SPARSE_ARG = {torch.ops.aten.embedding.default: 4, torch.ops.aten.embedding_bag.default: 5,
                torch.ops.aten.embedding_bag.padding_idx: 5, torch.ops.aten._embedding_bag.default: 5}
@@ -35,6 +37,20 @@ def _sparse_ops(module: nn.Module) -> list[str]:
         if k is not None and len(node.args) > k and node.args[k] is True:
             found.append(node.name)
     return found
+
+
+def check_layouts(j: int, module: nn.Module, shard: bool) -> None:
+    """Refuse stage ``j``'s non-contiguous parameters (a ``channels_last`` model's weights) where FSDP2 shards them."""
+    if not shard:
+        return
+    for name, p in module.named_parameters():
+        if p.requires_grad and not p.is_contiguous():
+            layout = " (channels_last)" if p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last) else ""
+            raise CompileError(
+                f"stage {j}'s parameter {name!r} is not contiguous{layout}, which FSDP2 cannot shard "
+                "(data_parallel_shard=True); keep the weights contiguous and make only the inputs channels_last "
+                "(x.to(memory_format=torch.channels_last): the convolutions' activations follow them), or use "
+                "data_parallel_shard=False (DDP takes channels_last weights)")
 
 
 def check_embeddings(j: int, module: nn.Module, shard: bool) -> None:
