@@ -124,7 +124,7 @@ def _find(gm: torch.fx.GraphModule, found: BufferReads) -> tuple[torch.fx.Node, 
         for value in reader.all_input_nodes:
             name = owner.get(value)
             if name is None or reader in writers.get(name, ()) or (
-                    owner.get(reader) == name and any(u in writers[name] for u in reader.users)):
+                    owner.get(reader) == name and any(u in writers.get(name, ()) for u in reader.users)):
                 continue  # not a read: a write, or an alias a write goes through (ema.mul_(a).add_(b), detached between)
             before = [w for w in writers.get(name, ()) if order[w] < order[reader]]
             earlier = [w for w in before if stage[w] < stage[reader]]

@@ -193,10 +193,12 @@ def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor,
         if bounds is not None and not (bounds[0] <= actual.shape[k] and (bounds[1] is None or actual.shape[k] <= bounds[1])):
             raise PipelineInputError(
                 f"input '{where}' has {actual.shape[k]} in dim {k}, but torch.export traced the model for "
-                f"sizes {bounds[0]} to {bounds[1] if bounds[1] is not None else 'any'} there (it specialises "
-                "sizes 0 and 1, of this input or of a value made from it: a feature map reaching size 1). Use "
-                "tracer='fx', whose graph is shape-generic (several image sizes in one run), or export with an "
-                "example of that size (which moves the range)")
+                f"sizes {bounds[0]} to {bounds[1] if bounds[1] is not None else 'any'} there: it specialises "
+                "sizes 0 and 1, of this input or of a value made from it (a feature map reaching size 1), and "
+                "keeps the branch the model's own code took on the size (a cache used as is up to the length it "
+                "holds, grown past it: only sizes up to it run). Use tracer='fx', whose graph is shape-generic "
+                "(several image sizes in one run; a module branching on the size kept whole with leaf_modules=), "
+                "or export with an example of that size (which moves the range)")
     fixed = [(k, _fixed(d)) for k, d in enumerate(expected.shape) if _fixed(d) is not None]
     wrong = [(k, d) for k, d in fixed if actual.shape[k] != d]
     if wrong:

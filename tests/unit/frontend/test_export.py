@@ -510,3 +510,28 @@ def test_an_example_tensor_given_twice_is_two_inputs_of_the_exported_graph():
                           devices=["cpu"] * 2)
     with torch.no_grad():
         torch.testing.assert_close(pipe(input_ids=ids, labels=labels), model(ids, labels))
+
+
+class _GrownTable(nn.Module):
+    """A position table grown in the forward when a sequence is longer than it holds."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("pe", torch.zeros(0, d))
+
+    def forward(self, x):
+        t, n = x.shape[1], self.pe.shape[0]
+        if t > n:
+            self.pe = torch.cat([self.pe, torch.arange(n, t).float()[:, None].expand(-1, self.pe.shape[1])])
+        return x + self.pe[:t]
+
+
+def test_a_length_past_the_branch_export_kept_names_the_branch_and_a_leaf_module():
+    # the message blamed only the specialisation of sizes 0 and 1 (a feature map reaching size 1)
+    model = nn.Sequential(nn.Embedding(50, 16), _GrownTable(16), nn.Linear(16, 50))
+    ids = torch.randint(0, 50, (4, 8))
+    model(ids)  # the table holds 8 rows: export keeps the branch of a table long enough
+    pipe = fxpipe.compile(model, 2, example_inputs=(ids,), devices=["cpu"] * 2, chunks=2, tracer="export")
+    with pytest.raises(fxpipe.PipelineInputError, match=r"has 12 in dim 1.*keeps the branch the model's own code "
+                                                        r"took on the size.*leaf_modules="):
+        pipe(torch.randint(0, 50, (4, 12)))
