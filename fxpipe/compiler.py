@@ -192,6 +192,14 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             raise TypeError("fxpipe.compile got a Pipe, which is compiled already: compile the model it was "
                             "compiled from (in one process the pipe shares its parameters; across ranks build the "
                             "model again and pass weights= a checkpoint fxpipe.save wrote)")
+        lazy = next((n for n, t in (*model.named_parameters(), *model.named_buffers())
+                     if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)), None)
+        if lazy is not None:
+            owner = model.get_submodule(lazy.rpartition(".")[0]) if "." in lazy else model
+            raise CompileError(
+                f"{type(model).__name__} has lazy modules not yet initialised ('{lazy}' of {type(owner).__name__}): "
+                "their shapes come from the first input they see. Run one forward on a batch before fxpipe.compile "
+                "(model(x), under torch.no_grad() if you like), or build the modules with their sizes")
         made = next((n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_inference()), None)
         if made is not None:
             raise CompileError(

@@ -95,12 +95,19 @@ _STATEFUL_OPS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", 
 
 
 def _stateful(node: torch.fx.Node) -> bool:
-    """Tell whether a node updates running statistics (a recomputation would update them twice)."""
+    """Tell whether a node updates running statistics (a recomputation would update them twice).
+
+    A module called whole that holds buffers may write them inside its forward, unseen by the
+    graph and, where a fused kernel writes them, by their version counters too (a QAT observer's
+    ``min_val`` and ``scale``): it is kept, not recomputed.
+    """
     call = unwrapped(node)  # a mode-guarded call too
     if call.op == "call_module":
         owner = node.graph.owning_module
         module = owner.get_submodule(str(call.target)) if owner is not None else None
-        return isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
+        if isinstance(module, nn.modules.batchnorm._NormBase):
+            return module.track_running_stats
+        return module is not None and next(module.buffers(), None) is not None
     if call.op != "call_function":
         return False
     if call.target in (F.batch_norm, F.instance_norm):

@@ -4,8 +4,9 @@ Reads:  the stage GraphModule: its batch norms that track running statistics (fx
         ``nn.BatchNorm*`` submodules; torch.export: the buffers ``aten.batch_norm`` reads,
         which it updates in place), the buffers its in-place ops write (``add_`` on
         ``num_batches_tracked``, a power iteration's ``copy_``), and, seen by their version
-        counters, the buffers a leaf module writes inside its own forward (a spectral norm's
-        ``_u`` and ``_v`` traced with fx).
+        counters or, where a kernel writes without bumping one, by their values, the buffers a
+        leaf module writes inside its own forward (a spectral norm's ``_u`` and ``_v`` traced
+        with fx; a QAT observer's ``min_val`` and ``scale``).
 Writes: nothing in the graph; :func:`replayed` swaps buffers' storage for the block and back.
 
 A whole-stage recomputation runs the stage's forward once more in training mode. Two things
@@ -35,7 +36,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from fxpipe.passes.mutates import op_name, unwrapped, written_args
 
-__all__ = ["bumped", "leaf_buffers", "norm_statistics", "replayed", "snapshot", "versions", "written_buffers"]
+__all__ = ["bumped", "changed", "leaf_buffers", "norm_statistics", "replayed", "snapshot", "versions", "written_buffers"]
 
 
 def norm_statistics(gm: torch.fx.GraphModule) -> set[str]:
@@ -109,6 +110,16 @@ def versions(gm: torch.fx.GraphModule) -> dict[str, int]:
 def bumped(gm: torch.fx.GraphModule, before: dict[str, int]) -> list[str]:
     """Return the buffers of ``gm`` written in place since ``before`` was taken."""
     return [n for n, v in versions(gm).items() if n in before and v != before[n]]
+
+
+def changed(gm: torch.fx.GraphModule, before: dict[str, torch.Tensor]) -> list[str]:
+    """Return the buffers of ``gm`` whose values differ from ``before`` (written without bumping a version counter).
+
+    A fused kernel may write a buffer behind autograd's back: torch's ``FusedMovingAvgObsFakeQuantize``
+    (every ``get_default_qat_qconfig`` model's observer) updates ``min_val``, ``scale``... at version 0.
+    """
+    buffers = dict(gm.named_buffers())
+    return [n for n, was in before.items() if n in buffers and not torch.equal(buffers[n], was)]
 
 
 def snapshot(gm: torch.fx.GraphModule, names: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ from fxpipe.runtime.stage.compiled import CompiledStage
 from fxpipe.runtime.stage.copy import wait
 from fxpipe.runtime.stage.keepstate import (
     bumped,
+    changed,
     leaf_buffers,
     norm_statistics,
     replayed,
@@ -143,12 +144,13 @@ class StageCall:
                 (timeline.span_at("recompute", replay.where) if replay is not None else nullcontext()), \
                 (replayed(self.gm, self.written(), replay.buffers) if replay is not None else nullcontext()), \
                 (self.saver.recording(i, inputs) if how in SAVING else nullcontext()) as record, self.around():
-            probe = versions(self.gm) if how == "checkpoint" and not self._probed else None
+            probe = (versions(self.gm), snapshot(self.gm, leaf_buffers(self.gm))) \
+                if how == "checkpoint" and not self._probed else None
             try:
                 with counting(self.index), levels_restored():  # batch norms' calls told apart; no vmap left open
                     out = self.fn(*inputs)
                 if probe is not None:
-                    self._found(bumped(self.gm, probe))
+                    self._found(bumped(self.gm, probe[0]) + changed(self.gm, probe[1]))
             except Exception as exc:
                 note_failure(exc, self.gm, self.index, self.device, _pass())
                 raise

@@ -50,6 +50,16 @@ def test_a_model_compiled_under_inference_mode_equals_eager(tracer):
     torch.testing.assert_close(pipe.step(x, target=x, loss_fn=F.mse_loss), F.mse_loss(eager(x), x))
 
 
+def test_lazy_modules_not_yet_initialised_are_refused_naming_the_warm_up_forward():
+    # torch's "Attempted to use an uninitialized parameter in <method 'is_inference'...>" came from fxpipe's compile
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.LazyLinear(4))
+    with pytest.raises(fxpipe.CompileError, match=r"lazy modules not yet initialised \('2.weight' of LazyLinear\).*"
+                                                  r"Run one forward on a batch before fxpipe.compile"):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 5),), devices=["cpu"] * 2)
+    model(torch.randn(4, 5))
+    fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 5),), devices=["cpu"] * 2)
+
+
 def test_a_model_built_under_inference_mode_is_refused_naming_the_fix():
     # the tensors of a model built under inference mode failed tracing with torch's "Inference tensors cannot be
     # saved for backward" from a graph pass (fx) or from torch.export
