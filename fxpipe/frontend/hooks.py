@@ -39,6 +39,8 @@ def warn_lost_hooks(model: nn.Module, gm: torch.fx.GraphModule) -> list[str]:
 
 
 def _captures(hook: object) -> bool:
-    """Tell whether a hook is transformers' own output capture (router logits, attentions), which the graph records."""
+    """Tell whether a hook's effect is in the graph: transformers' output capture (router logits, attentions), or
+    torch.ao.quantization's observer hooks (a call of the module's ``activation_post_process``, traced as such)."""
     fn = getattr(hook, "func", hook)  # a functools.partial's function
-    return str(getattr(fn, "__module__", "") or "").startswith("transformers.")
+    module = str(getattr(fn, "__module__", "") or "")
+    return module.startswith("transformers.") or module.startswith("torch.ao.quantization")

@@ -535,3 +535,22 @@ def test_a_length_past_the_branch_export_kept_names_the_branch_and_a_leaf_module
     with pytest.raises(fxpipe.PipelineInputError, match=r"has 12 in dim 1.*keeps the branch the model's own code "
                                                         r"took on the size.*leaf_modules="):
         pipe(torch.randint(0, 50, (4, 12)))
+
+
+def test_quantization_observer_hooks_are_in_the_graph_and_not_warned_of():
+    # prepare_qat's observer hooks call the module's activation_post_process, which the trace records: they
+    # ran per call and equal eager, yet were warned of as lost
+    from torch.ao.quantization import get_default_qat_qconfig, prepare_qat
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).train()
+    model.qconfig = get_default_qat_qconfig("fbgemm")
+    model = prepare_qat(model)
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=1, checkpoint="never")
+    assert not [w for w in seen if "hooks on modules" in str(w.message)], [str(w.message) for w in seen]
+    torch.testing.assert_close(pipe(x), eager(x))
+    for name, b in eager.named_buffers():
+        torch.testing.assert_close(dict(model.named_buffers())[name], b, msg=name)
