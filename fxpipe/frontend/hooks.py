@@ -43,4 +43,4 @@ def _captures(hook: object) -> bool:
     torch.ao.quantization's observer hooks (a call of the module's ``activation_post_process``, traced as such)."""
     fn = getattr(hook, "func", hook)  # a functools.partial's function
     module = str(getattr(fn, "__module__", "") or "")
-    return module.startswith("transformers.") or module.startswith("torch.ao.quantization")
+    return module.startswith(("transformers.", "torch.ao.quantization"))
