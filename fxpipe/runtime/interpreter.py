@@ -144,12 +144,14 @@ class ActionInterpreter:
                 for g in groups:
                     self.run_actions(g)
         self._held.clear()  # the first stage's input gradients: nobody receives them
-        for worker in self.workers.values():  # but a model input requiring grad gets its own
-            worker.release()
-        release = getattr(self.losses, "release", None)  # and a target requiring grad (fxpipe.runtime.targetgrads)
-        if release is not None and self.grad:
+        # but a model input requiring grad gets its own, and a target requiring grad (fxpipe.runtime.targetgrads):
+        # in one backward, as they may share the user's graph
+        pairs = [pair for worker in self.workers.values() for pair in worker.released()]
+        targets = getattr(self.losses, "released", None)
+        pairs += targets() if targets is not None and self.grad else []
+        if pairs:
             with autocast_off():
-                release()
+                torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
 
     def run_actions(self, actions: Sequence[Action]) -> None:
         """Run actions one after another (an offloading stage first fetches its next backward's activations)."""

@@ -165,15 +165,15 @@ class LocalRuntime:
                                "torch.inference_mode() (use pipe(x) to infer)")
         mbs, batch = self.binding.split(args, kwargs, self.plan.chunks, training, self.devices[0])
         check_targets_once(self.binding, target, kwargs, batch, len(mbs), loss_fn)
+        gpipe = self.plan.schedule == "gpipe"  # one autograd graph, one backward: the target's graph kept whole
         losses = micro_losses(loss_fn, target, batch, len(mbs), self.devices[-1], self.binding.finish,
-                              partial(check_first_loss, self.binding))
-        if self.plan.schedule == "gpipe":
+                              partial(check_first_loss, self.binding), detach_target=not gpipe)
+        if gpipe:
             try:  # the loss and backward may raise too: commit only a step that finished
                 outputs = self.run(mbs, training)
                 total = sum((losses[i](out) for i, out in enumerate(outputs[1:], 1)), losses[0](outputs[0]))
                 with autocast_off():  # as eager's backward, outside the autocast around pipe.step
                     total.backward()
-                    losses.release()  # a target requiring grad: its graph's share (fxpipe.runtime.targetgrads)
             except BaseException:
                 discard_batch_norm(self.deferred)
                 raise

@@ -148,7 +148,7 @@ def _rows_not_in_tensors(value: Any, batch: int, where: str = "") -> str | None:
 
 def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch: int | None,
                  m: int, device: torch.device, finish: Callable[[Any], Any] = lambda out: out,
-                 looked_at: Callable[[Any, torch.Tensor], None] | None = None
+                 looked_at: Callable[[Any, torch.Tensor], None] | None = None, detach_target: bool = True
                  ) -> dict[int, Callable[[Any], torch.Tensor]]:
     """Return, per micro-batch, a function from its output to its share of the batch loss.
 
@@ -156,8 +156,9 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
     so for a mean-reduced loss the sum equals ``loss_fn`` on the whole batch; a ``loss_fn``
     marked :func:`summed` contributes ``loss_fn(out_i, target_i)`` as it is. ``looked_at`` is
     called with each output ``loss_fn`` got and what it returned. A target that requires grad is
-    read through detached leaves, its gradient given back by the result's ``release()``
-    (:mod:`fxpipe.runtime.targetgrads`).
+    read through detached leaves, its gradient given back by the result's ``released()``
+    (:mod:`fxpipe.runtime.targetgrads`), unless ``detach_target`` is off (one backward of the
+    whole step: GPipe's program in one process).
     """
     check_target_rows(target, batch, m)
     sizes = micro_sizes(batch, m) if batch is not None else [0] * m
@@ -167,7 +168,8 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
     target_grads = TargetGrads()  # a target that requires grad: its rows' gradients, given back after the step
     losses: dict[int, Callable[[Any], torch.Tensor]] = Losses(target_grads)
     for i, (tgt, rows) in enumerate(zip(targets, sizes)):
-        tgt = target_grads.detach(to_device(tgt[0], device))
+        tgt = to_device(tgt[0], device)
+        tgt = target_grads.detach(tgt) if detach_target else tgt
         weight = rows / batch if batch and not is_summed(loss_fn) else 1.0
 
         def loss(out: Any, tgt: Any = tgt, weight: float = weight) -> torch.Tensor:

@@ -40,20 +40,23 @@ class TargetGrads:
             leaves.append(t)
         return spec.unflatten(leaves)
 
-    def release(self) -> None:
-        """Backpropagate the leaves' gradients into the target's graph, in one backward (the caller's autocast off)."""
+    def released(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Return (and forget) the target's rows with their gradients, for the step's one backward into the user's graph.
+
+        One backward with the model inputs' (:meth:`StageWorker.released`): an input and a target
+        may share a graph (``h = enc(x); pipe.step(h, target=head(h))``), which a first backward frees.
+        """
         pairs, self.pairs = [(t, leaf.grad) for t, leaf in self.pairs if leaf.grad is not None], []
-        if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        return pairs
 
 
 class Losses(dict):
-    """Each micro-batch's loss function, by index; :meth:`release` ends the step's backward."""
+    """Each micro-batch's loss function, by index; :meth:`released` gives the target's share of the last backward."""
 
     def __init__(self, target_grads: TargetGrads) -> None:
         super().__init__()
         self.target_grads = target_grads
 
-    def release(self) -> None:
-        """Give the target's graph its gradient (see :class:`TargetGrads`)."""
-        self.target_grads.release()
+    def released(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Return the target's rows with their gradients (see :meth:`TargetGrads.released`)."""
+        return self.target_grads.released()

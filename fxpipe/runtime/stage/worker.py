@@ -201,12 +201,10 @@ class StageWorker:
             self._outside[i] = pairs
         return leaves
 
-    def release(self) -> None:
-        """Backpropagate the step's model-input gradients into the user's graph, in one backward."""
+    def released(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Return (and forget) the step's model inputs requiring grad with their gradients, for one backward."""
         pairs, self._released = self._released, []
-        if pairs:
-            with autocast_off():
-                torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
+        return pairs
 
     def pending(self) -> int:
         """Return how many micro-batches hold activations awaiting backward."""

@@ -50,3 +50,24 @@ def test_a_target_requiring_grad_in_a_structure_and_a_second_step():
         pipe.step(x, target={"y": y, "s": scale.expand(6, 1), "w": torch.ones(6)}, loss_fn=loss_fn)
     torch.testing.assert_close(scale.grad, scale_e.grad)
     torch.testing.assert_close(model.weight.grad, eager.weight.grad)
+
+
+@pytest.mark.parametrize("schedule, stages_per_rank", [("gpipe", 1), ("1f1b", 1), ("zb", 1), ("zbv", 2)])
+def test_an_input_and_a_target_sharing_the_users_graph_backpropagate_in_one_backward(schedule, stages_per_rank):
+    # h = enc(x); pipe.step(h, target=head(h)): the target's backward came after the input's had freed the graph
+    # ("backward through the graph a second time"), under gpipe too since the target is read through leaves
+    torch.manual_seed(0)
+    enc, head = nn.Linear(6, 8), nn.Linear(8, 4)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    enc_e, head_e, model_e = copy.deepcopy(enc), copy.deepcopy(head), copy.deepcopy(model)
+    x = torch.randn(8, 6)
+    h_e = enc_e(x)
+    F.mse_loss(model_e(h_e), head_e(h_e)).backward()
+    n = 2 * stages_per_rank
+    h = enc(x)
+    pipe = fxpipe.compile(model, n, example_inputs=(h.detach().requires_grad_(),), chunks=4, schedule=schedule,
+                          devices=["cpu"] * n, stages_per_rank=stages_per_rank, split_points=["1", "2", "3"][: n - 1])
+    pipe.step(h, target=head(h), loss_fn=F.mse_loss)
+    for mine, theirs in [(enc, enc_e), (head, head_e), (model, model_e)]:
+        for (name, p), q in zip(mine.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
