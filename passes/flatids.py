@@ -82,6 +82,9 @@ def flat_ids(gm: torch.fx.GraphModule, unbatched: Collection[str] = ()) -> list[
         spec = ids.meta.get("fxpipe.value") if isinstance(ids, torch.fx.Node) else None
         if _input_leaf(ids) is None or not (isinstance(spec, TensorSpec) and len(spec.shape) == 1):
             continue
+        own = _input_leaf(ids)
+        if own not in unbatched and _inputs_of(offsets) <= {own}:
+            continue  # offsets from the split ids' own size (torch.arange(len(ids)): one id per sample)
         split = sorted((_inputs_of(ids) | _inputs_of(offsets)) - set(unbatched))
         if split:
             found.append((str(node.target) if node.op == "call_module" else node.name, split))

@@ -80,7 +80,8 @@ def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[st
                            f"names whole inputs, and naming '{name}' would leave all of it unsplit)")
                 flat = (" Flat ids with offsets or lengths (a jagged batch for nn.EmbeddingBag) have no row per "
                         "sample and cannot be split either way: pass the ids as a 2-D tensor (batch, ids per sample) "
-                        "padded with the bag's padding_idx, or use chunks=1."
+                        "padded with the bag's padding_idx, or use chunks=1 with the flat inputs named in "
+                        "unbatched=[...] (given whole)."
                         if leaf.dim() == 1 and not leaf.is_floating_point() else "")
                 raise PipelineInputError(
                     f"batch sizes disagree: '{first[0]}' has {first[1]} rows on dim 0 but "

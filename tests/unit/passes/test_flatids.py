@@ -65,7 +65,8 @@ def test_flat_ids_named_unbatched_are_refused_too_and_one_chunk_runs():
 
 def test_a_batch_that_disagrees_with_flat_ids_names_the_jagged_fix():
     dense, values, lengths = _jagged()
-    with pytest.raises(fxpipe.PipelineInputError, match=r"batch sizes disagree.*Flat ids with offsets"):
+    with pytest.raises(fxpipe.PipelineInputError, match=r"batch sizes disagree.*Flat ids with offsets.*chunks=1 with "
+                                                        r"the flat inputs named in unbatched="):
         fxpipe.compile(LengthsBag(), 2, example_inputs=(dense, torch.cat([values, values[:3]]), lengths), chunks=4,
                        devices=["cpu"] * 2)
 
@@ -76,6 +77,29 @@ def test_ids_flattened_inside_the_forward_are_split_by_sample_and_equal_eager():
     eager = copy.deepcopy(model)
     F.mse_loss(eager(ids), y).backward()
     pipe = fxpipe.compile(model, 2, example_inputs=(ids,), chunks=4, devices=["cpu"] * 2)
+    pipe.step(ids, target=y, loss_fn=F.mse_loss)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class OnePerSample(nn.Module):
+    """One id per sample, 1-D, the offsets from the ids' own length: split by sample already."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag, self.head = nn.EmbeddingBag(50, 16), nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.head(self.bag(ids, torch.arange(ids.shape[0], device=ids.device)))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_one_id_per_sample_with_offsets_from_its_own_length_is_not_refused(tracer):
+    torch.manual_seed(0)
+    model, ids, y = OnePerSample(), torch.randint(0, 50, (8,)), torch.randn(8, 4)
+    eager = copy.deepcopy(model)
+    F.mse_loss(eager(ids), y).backward()
+    pipe = fxpipe.compile(model, 2, example_inputs=(ids,), chunks=4, devices=["cpu"] * 2, tracer=tracer)
     pipe.step(ids, target=y, loss_fn=F.mse_loss)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
