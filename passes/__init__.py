@@ -22,6 +22,7 @@ from fxpipe.passes.fingerprint import fingerprint, first_difference, rename_like
 from fxpipe.passes.flatids import flat_ids
 from fxpipe.passes.gradreach import maybe_without_grad
 from fxpipe.passes.gradsplit import GradSplit, split_weight_grads
+from fxpipe.passes.groupkeys import group_keys
 from fxpipe.passes.infer import Propagator, value_specs
 from fxpipe.passes.inplace import Conflict, MutationPlan, copy_on_write, plan_mutations, static_mutations
 from fxpipe.passes.modes import merge_modes
@@ -76,6 +77,7 @@ __all__ = [
                               "first_difference",
                               "flat_ids",
                               "group_costs",
+                              "group_keys",
                               "is_mutating",
                               "listed_batches",
                               "maybe_without_grad",

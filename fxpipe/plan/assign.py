@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_flatten
 
 from fxpipe import passes
-from fxpipe.errors import PipelineInputError, TraceError
+from fxpipe.errors import PipelineInputError, TraceError, user_stacklevel
 from fxpipe.frontend.export import named_arguments
 from fxpipe.frontend.hooks import warn_lost_hooks
 from fxpipe.frontend.markers import resolve_split_points
@@ -101,7 +101,7 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
             gm.meta = {}
     else:
         if tracer == "export":
-            _check_example_batch(model, args, kwargs, options.unbatched)
+            _check_example_batch(model, args, kwargs, options.unbatched, chunks > 1)
         gm = trace(model, leaf_modules=options.leaf_modules, tracer=tracer, example_inputs=args,
                    example_kwargs=kwargs, device=devices[0] if devices else None, unbatched=options.unbatched)
         warn_lost_hooks(model, gm)
@@ -113,7 +113,7 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
     if has_inputs:
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         values = passes.bind_placeholders(gm, args, kwargs)
-        batch = batch_size(values, names, whole)
+        batch = batch_size(values, names, whole, agree=chunks > 1)
         if batch is None and chunks > 1 and any(is_batched(leaf) for value, name in zip(values, names)
                                                 if name in whole for leaf in tree_flatten(value)[0]):
             warnings.warn(f"unbatched={sorted(whole)} leaves no input to split into micro-batches: every step "
@@ -149,6 +149,25 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
                 "flat ids by sample (nor the offsets into them). Pass the ids as a 2-D tensor (batch, ids per "
                 "sample) padded with the bag's padding_idx (per_sample_weights the same shape), or flatten a 2-D "
                 "input inside the forward; or use chunks=1")
+        flat = [name for value, name in zip(values, names) if name in whole and isinstance(value, torch.Tensor)
+                and value.dim() == 1 and not (value.is_floating_point() or value.is_complex())
+                and value.dtype != torch.bool] if batch is not None and micro > 1 else []
+        if flat:
+            warnings.warn(
+                f"unbatched={flat} gives 1-D integer input(s) whole to each of the {micro} micro-batches: if they hold "
+                "offsets, lengths or indices into the batch's rows (cu_seqlens, a group per row), each micro-batch "
+                "reads them against rows it does not hold. Pad the batch to one row per sample with a mask, or use "
+                "chunks=1 (which needs no unbatched=)", stacklevel=user_stacklevel())
+        keys = passes.group_keys(gm) if batch is not None and micro > 1 else []
+        if keys:
+            told = ", ".join(f"'{name}' (node '{node}')" for name, node in keys)
+            warnings.warn(
+                f"integer input(s) {told} index the rows of a reduction that groups them (index_add_, scatter_*): "
+                "fxpipe cuts micro-batches by rows, so where a group's rows span the cut (a graph or point cloud of a "
+                "flat batch, with a per-row group vector or edge_index), each micro-batch reduces part of it, and an "
+                "index given whole (unbatched=) points at rows the micro-batch does not hold. Pad the batch to one row "
+                "per sample with a mask, or use chunks=1; fxpipe.testing.assert_pipeline_equivalent(model, inputs, "
+                f"chunks={chunks}) tells", stacklevel=user_stacklevel())
         if batch is not None and micro > 1:
             _note_coupled(gm, batch, micro_sizes(batch, chunks)[0], chunks, whole)
     else:
@@ -186,7 +205,7 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
     return Assignment(gm, cut, micro, balance_by, fixed=saved is not None or split_points is not None)
 
 
-def _check_example_batch(model: nn.Module, args: tuple, kwargs: dict, unbatched: Sequence[str]) -> None:
+def _check_example_batch(model: nn.Module, args: tuple, kwargs: dict, unbatched: Sequence[str], agree: bool) -> None:
     """Refuse example inputs whose batch sizes disagree (but ``unbatched=`` ones), before exporting."""
     signature = inspect.signature(model.forward)
     params = signature.parameters
@@ -200,7 +219,7 @@ def _check_example_batch(model: nn.Module, args: tuple, kwargs: dict, unbatched:
         return  # the front end names the mismatch
     named = named_arguments(signature, bound)
     try:
-        batch_size([v for _, v in named], [k for k, _ in named], set(unbatched))
+        batch_size([v for _, v in named], [k for k, _ in named], set(unbatched), agree=agree)
     except PipelineInputError as exc:
         if not detector_note(model):
             raise

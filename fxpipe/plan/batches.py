@@ -54,13 +54,16 @@ def refuse_batched_masks(values: Sequence[Any], names: Sequence[str], whole: Col
                     "x.shape[0]), pass a mask of batch size None (one for every row), or use chunks=1")
 
 
-def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[str] = ()) -> int | None:
+def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[str] = (),
+               agree: bool = True) -> int | None:
     """Return the common dim-0 size of the batched tensors in ``values``, or None if there are none.
 
     The values named in ``whole`` (``unbatched=``) are not split and do not count. Raises
-    :class:`PipelineInputError` naming the argument whose batch size disagrees.
+    :class:`PipelineInputError` naming the argument whose batch size disagrees; with ``agree``
+    off (one micro-batch: nothing is split) returns the first one's instead.
     """
     first: tuple[str, int] | None = None
+    first_leaf: tuple[str, Any] = ("", None)
     for value, name in zip(values, names):
         refuse_nested(value, f"input '{name}'")
         if name in whole:
@@ -70,19 +73,21 @@ def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[st
                 continue
             where = name + keystr(path)
             if first is None:
-                first = (where, leaf.shape[0])
-            elif leaf.shape[0] != first[1]:
+                first, first_leaf = (where, leaf.shape[0]), (where, leaf)
+            elif leaf.shape[0] != first[1] and agree:
                 fix = ("name an input that has no batch dimension in fxpipe.compile(..., unbatched=[...]) to give "
                        "it whole to every micro-batch")
                 if path:  # a leaf inside an input: unbatched= names whole inputs only
                     fix = (f"pass '{where}' to the forward as an argument of its own, named in "
                            f"fxpipe.compile(..., unbatched=[...]) to give it whole to every micro-batch (unbatched= "
                            f"names whole inputs, and naming '{name}' would leave all of it unsplit)")
-                flat = (" Flat ids with offsets or lengths (a jagged batch for nn.EmbeddingBag) have no row per "
-                        "sample and cannot be split either way: pass the ids as a 2-D tensor (batch, ids per sample) "
-                        "padded with the bag's padding_idx, or use chunks=1 with the flat inputs named in "
-                        "unbatched=[...] (given whole)."
-                        if leaf.dim() == 1 and not leaf.is_floating_point() else "")
+                index = next((w for w, t in ((where, leaf), first_leaf) if not t.is_floating_point()
+                              and not t.is_complex() and t.dtype != torch.bool and t.dim() <= 2), None)
+                flat = (f" If '{index}' holds offsets, lengths or indices into rows (cu_seqlens, edge_index, a "
+                        "group per row, flat ids for nn.EmbeddingBag), it can be neither split with the rows nor "
+                        "given whole (unbatched= gives every micro-batch indices into rows it does not hold): pad "
+                        "the batch to one row per sample, (batch, length, ...) with a mask or padding_idx, or use "
+                        "chunks=1, which splits nothing." if index is not None else "")
                 raise PipelineInputError(
                     f"batch sizes disagree: '{first[0]}' has {first[1]} rows on dim 0 but "
                     f"'{where}' has {leaf.shape[0]}; every tensor input is split into micro-batches "

@@ -60,7 +60,7 @@ class Binding:
               device: torch.device | None = None) -> tuple[list[list[Any]], int | None]:
         """Bind, check and split the inputs; return the micro-batches (on ``device``) and the batch size."""
         values = self.bind(args, kwargs)
-        batch = batch_size(values, self.names, self.unbatched)
+        batch = batch_size(values, self.names, self.unbatched, agree=chunks > 1)
         check_inputs(self.gm, values, self.names, training, self.unbatched)
         mbs = scatter(values, self.names, chunks, self.unbatched, self.rows)
         if batch is not None:

@@ -40,7 +40,7 @@ def scatter(values: Sequence[Any], names: Sequence[str], chunks: int, whole: Col
     ``rows(batch, chunks)`` gives the micro-batches' sizes (torchgpipe's drop-in splits as
     ``Tensor.chunk`` does); by default they differ by at most one row (:func:`micro_sizes`).
     """
-    batch = batch_size(values, names, whole)
+    batch = batch_size(values, names, whole, agree=chunks > 1)
     sizes = rows(batch, chunks) if rows is not None and batch is not None else None
     m = len(sizes) if sizes is not None else len(micro_sizes(batch, chunks))
     refuse_batched_masks(values, names, whole, m)
@@ -125,8 +125,8 @@ def check_target_rows(target: Any, batch: int | None, m: int) -> None:
             f"target{rows} holds {batch} numbers, one per row of the batch, outside a tensor: pipe.step splits "
             "tensors into micro-batches, and anything else goes whole to every micro-batch, where its rows would "
             "not match the micro-batch's. Make it a tensor (torch.as_tensor(...))")
-    target_batch = batch_size([target], ["target"])
-    if batch is not None and target_batch is not None and target_batch != batch:
+    target_batch = batch_size([target], ["target"], agree=m > 1)
+    if batch is not None and target_batch is not None and target_batch != batch and m > 1:  # one micro-batch: whole
         raise PipelineInputError(f"target has {target_batch} rows on dim 0 but the inputs have "
                                  f"{batch}; give the target the inputs' batch size")
 

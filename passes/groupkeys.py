@@ -1,0 +1,78 @@
+"""Find integer inputs that group the batch's rows for a reduction: a flat batch of groups.
+
+Reads:  the graph (``index_add``/``scatter*``/``index_reduce`` calls: fx's methods and functions,
+        torch.export's ATen ops) and the ``fxpipe.value`` of the placeholders their index is
+        made from.
+Writes: nothing; :func:`group_keys` names each integer input an index of such a reduction is
+        made from, with the node.
+
+A flat batch of graphs or point clouds holds every group's rows one after another, and a
+per-row vector says which group each row belongs to (PyG's ``batch``, ``edge_index``). Cut
+into micro-batches by rows, a group may straddle the cut, and each part is reduced alone::
+
+    pos (14, 3), batch = [0 0 0 0 1 1 1 | 1 2 2 2 3 3 3]     chunks=2 cuts cloud 1 in two
+    g = zeros(B, H).index_add_(0, batch, h)                   each half pools part of cloud 1
+
+Nothing in the shapes tells (the pooled value has B rows either way), so compile warns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+import torch.fx
+from fxpipe.passes.spec import TensorSpec
+
+__all__ = ["group_keys"]
+
+_METHODS = frozenset({"index_add", "index_add_", "scatter", "scatter_", "scatter_add", "scatter_add_",
+                      "scatter_reduce", "scatter_reduce_", "index_reduce", "index_reduce_"})
+_FUNCTIONS = frozenset({torch.index_add, torch.scatter, torch.scatter_add, torch.scatter_reduce, torch.index_reduce})
+
+
+def _index_arg(node: torch.fx.Node) -> object:
+    """Return the index argument of a grouping reduction (``self, dim, index, ...``), or None."""
+    if node.op == "call_method" and node.target in _METHODS:
+        return node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
+    if node.op == "call_function" and (node.target in _FUNCTIONS or (
+            isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name.split("::")[-1].rstrip("_")
+            in {"index_add", "scatter", "scatter_add", "scatter_reduce", "index_reduce"})):
+        return node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
+    return None
+
+
+def _integer(spec: object) -> bool:
+    """Tell whether a spec is an integer tensor's."""
+    return isinstance(spec, TensorSpec) and not (spec.dtype.is_floating_point or spec.dtype.is_complex
+                                                 or spec.dtype == torch.bool)
+
+
+def _integer_inputs(node: object) -> set[str]:
+    """Return the integer placeholders (of one or two dims) an integer node's value is taken from, through integer values.
+
+    Only integer values are followed (``batch[:, None].expand_as(x)``, ``edge_index[1]``): a
+    router's top-k indices come from float scores, and their model's token ids are no group key.
+    """
+    found: set[str] = set()
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or not _integer(n.meta.get("fxpipe.value")):
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and len(n.meta["fxpipe.value"].shape) in (1, 2):
+            found.add(str(n.target))
+        todo.extend(n.all_input_nodes)
+    return found
+
+
+def group_keys(gm: torch.fx.GraphModule, skip: Collection[str] = ()) -> list[tuple[str, str]]:
+    """Return (input, node) for each integer input an index of a grouping reduction is made from (not in ``skip``)."""
+    found: list[tuple[str, str]] = []
+    for node in gm.graph.nodes:
+        index = _index_arg(node)
+        for name in sorted(_integer_inputs(index) - set(skip)) if isinstance(index, torch.fx.Node) else ():
+            if name not in [f for f, _ in found]:
+                found.append((name, node.name))
+    return found
