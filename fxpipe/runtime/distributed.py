@@ -349,7 +349,7 @@ class DistributedRuntime:
         self.comm.board.enter(self.layout.global_ranks[self.rank])
         self.ready()
         try:
-            with pipe_running():
+            with pipe_running(self.deferred):
                 return body()
         except BaseException as caught:
             exc = caught

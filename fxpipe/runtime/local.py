@@ -137,7 +137,7 @@ class LocalRuntime:
 
     def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
         """Run the model's forward over micro-batches; return the model's output structure."""
-        with pipe_running():
+        with pipe_running(self.deferred):
             return self._forward(args, kwargs, training)
 
     def _forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
@@ -155,7 +155,7 @@ class LocalRuntime:
 
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
         """Run forward and backward of one mini-batch with a loss per micro-batch; return the loss."""
-        with pipe_running():
+        with pipe_running(self.deferred):
             return self._step(args, kwargs, target, loss_fn, training)
 
     def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:

@@ -21,10 +21,10 @@ graph, unconditionally; the compiled stage puts the staging tensors back as they
 recomputation (:func:`unstaged`), and the commit folds them into the sums.
 
 The modules keep their class, their identity and their state_dict keys: the deferred forward
-is an instance attribute, and the sums are plain attributes. It defers only while a pipe runs
+is an instance attribute, and the sums are plain attributes. It defers only while its pipe runs
 (:func:`pipe_running`, around a step or ``pipe(x)``): the user's own call of the model, or of
-a copy of it, updates the running statistics as PyTorch's batch norm does, and adds nothing to
-the pipe's next update.
+a copy of it, or of it inside another pipe's step, updates the running statistics as PyTorch's
+batch norm does, and adds nothing to the pipe's next update.
 """
 
 from __future__ import annotations
@@ -46,23 +46,27 @@ from fxpipe.runtime.stage.recompute import is_recomputing
 __all__ = ["accumulate", "commit_batch_norm", "defer_batch_norm", "discard_batch_norm", "fold_staged", "pipe_running",
            "staging", "unstaged"]
 
-_PIPE_RUNNING = False  # a pipe's step or forward runs (its worker threads too): batch norms defer
+_RUNNING: set[int] = set()  # the deferred batch norms whose pipe runs a step or forward (its worker threads too)
 
 
 @contextmanager
-def pipe_running() -> Iterator[None]:
-    """Run the block as a pipe's step or forward, where deferred batch norms defer."""
-    global _PIPE_RUNNING
-    before, _PIPE_RUNNING = _PIPE_RUNNING, True
+def pipe_running(deferred: Iterable[object]) -> Iterator[None]:
+    """Run the block as a step or forward of the pipe whose deferred batch norms are ``deferred``: they defer.
+
+    Only that pipe's: another model's deferred batch norm called inside it (a GAN's discriminator,
+    compiled with deferral, called eagerly in the generator's ``loss_fn``) stays PyTorch's.
+    """
+    mine = {id(bn) for bn in deferred} - _RUNNING
+    _RUNNING.update(mine)
     try:
         yield
     finally:
-        _PIPE_RUNNING = before
+        _RUNNING.difference_update(mine)
 
 
 def _outside(bn: _BatchNorm) -> bool:
-    """Tell whether ``bn`` runs outside any pipe (a call of the model itself): then it is PyTorch's."""
-    return not _PIPE_RUNNING and not vars(bn).get("_fxpipe_always", False)
+    """Tell whether ``bn`` runs outside its pipe (a call of the model itself): then it is PyTorch's."""
+    return id(bn) not in _RUNNING and not vars(bn).get("_fxpipe_always", False)
 
 
 class _Sums(Protocol):
@@ -156,7 +160,7 @@ def _reset(bn: _BatchNorm) -> None:
 
 def _deferred_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     """Normalize by the micro-batch's statistics; accumulate them instead of updating."""
-    if _outside(self):
+    if not torch.compiler.is_compiling() and _outside(self):  # a compiled stage runs only in its pipe
         return type(self).forward(self, x)
     self._check_input_dim(x)
     if not self.training:

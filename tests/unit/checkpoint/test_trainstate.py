@@ -43,7 +43,7 @@ def test_random_generators_come_back():
 def test_batch_norm_sums_in_flight_come_back():
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     deferred = defer_batch_norm(model.modules())
-    with pipe_running():  # as a pipe's step runs it
+    with pipe_running(deferred):  # as a pipe's step runs it
         model(torch.randn(6, 3))  # accumulated, not committed: a step cut short
     flat = batch_norm_state(1, deferred, model)
     assert sorted(flat) == ["1.bn.1.count", "1.bn.1.sum", "1.bn.1.sum_squares"]

@@ -114,7 +114,7 @@ def test_a_run_on_fake_tensors_accumulates_nothing():
     eager = copy.deepcopy(model)
     x = torch.randn(10, 3, 8, 8) * 3 + 1
     deferred = defer_batch_norm(model.modules())
-    with pipe_running():
+    with pipe_running(deferred):
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             model(mode.from_tensor(x))
         assert all(bn._fxpipe_count == 0 and bn._fxpipe_sum is None for bn in deferred)
@@ -378,3 +378,23 @@ def test_a_one_row_micro_batch_under_batch_norm_names_the_split_and_the_fix():
     with pytest.raises(ValueError, match="Expected more than 1 value per channel") as info:
         pipe(torch.randn(6, 4))
     assert any("saw a micro-batch of one row" in note and "drop_last=True" in note for note in info.value.__notes__)
+
+
+def test_a_deferred_batch_norm_called_inside_another_pipes_step_updates_as_pytorch():
+    # a GAN: D compiled with deferral, called eagerly in G's loss_fn. One process-wide flag deferred it there
+    # too, and its rows went into D's next update (num_batches_tracked 1 against eager's 3)
+    torch.manual_seed(0)
+    gen, disc = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 6)), nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8),
+                                                                              nn.Linear(8, 1))
+    gen_e, disc_e = copy.deepcopy(gen), copy.deepcopy(disc)
+    z, real = torch.randn(8, 4), torch.randn(8, 6)
+    d_pipe = fxpipe.compile(disc, 2, example_inputs=(real,), chunks=2, devices=["cpu"] * 2, deferred_batch_norm=True)
+    g_pipe = fxpipe.compile(gen, 2, example_inputs=(z,), chunks=2, devices=["cpu"] * 2)
+    g_pipe.step(z, target=None, loss_fn=lambda fake, _: disc(fake).mean())
+    for fake in gen_e(z).chunk(2):
+        disc_e(fake)
+    assert disc[1].num_batches_tracked.item() == disc_e[1].num_batches_tracked.item() == 2
+    torch.testing.assert_close(_stats(disc), _stats(disc_e))
+    d_pipe.step(real, target=torch.ones(8, 1), loss_fn=F.mse_loss)
+    disc_e(real)
+    torch.testing.assert_close(_stats(disc), _stats(disc_e), rtol=1e-5, atol=1e-6)
