@@ -46,13 +46,37 @@ def _marked(node: torch.fx.Node) -> bool:
     return node.op in _CALLS and bool(node.meta.get("fxpipe.no_grad"))
 
 
+def _write_through_detached(gm: torch.fx.GraphModule) -> int:
+    """Make each in-place method a no-grad block calls on a tensor from outside it write through a detached alias.
+
+    Eager writes a parameter in place inside ``torch.no_grad()`` (an ActNorm set from the data:
+    ``self.loc.copy_(...)``); with autograd on, as the block runs here, the write is refused ("a
+    leaf Variable that requires grad is being used in an in-place operation"). The alias shares
+    the tensor's storage and version counter, so the write lands where eager's does.
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        name = node.target if node.op == "call_method" else ""
+        if not (_marked(node) and isinstance(name, str) and name.endswith("_") and not name.startswith("__")):
+            continue
+        target = node.args[0] if node.args else None
+        if not isinstance(target, torch.fx.Node) or _marked(target):
+            continue  # a tensor the block made itself: detached after it anyway
+        with gm.graph.inserting_before(node):
+            alias = gm.graph.call_function(detached, (target,))
+        alias.meta["fxpipe.detaches"] = True
+        node.args = (alias, *node.args[1:])
+        count += 1
+    return count
+
+
 def detach_no_grad_blocks(gm: torch.fx.GraphModule) -> int:
     """Detach each value a no-grad block computes, for every node that reads it; return how many were.
 
     Every value, not only those read after the block: a stage boundary may fall inside the
     block, and a value crossing it must not carry a gradient back either.
     """
-    count = 0
+    count = _write_through_detached(gm)
     for node in list(gm.graph.nodes):
         if not _marked(node) or not node.users:
             continue

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
@@ -84,3 +85,37 @@ def test_a_model_checkpointing_a_block_itself_trains_every_parameter(reentrant):
     # parameter before the block's end got no gradient
     torch.manual_seed(0)
     assert_pipeline_equivalent(_Reentrant(reentrant), (torch.randn(8, 4),), n_stages=2, chunks=2, devices=["cpu"] * 2)
+
+
+class _DataInit(nn.Module):
+    """An ActNorm set from the first batch it sees, branchless: a parameter written in place under no_grad."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.loc = nn.Parameter(torch.zeros(1, c))
+        self.register_buffer("inited", torch.tensor(0.0))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.loc.copy_(torch.where(self.inited > 0, self.loc, -x.mean(0, keepdim=True)))
+            self.inited.fill_(1.0)
+        return x + self.loc
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_parameter_written_in_place_in_a_no_grad_block_is_written_as_eager_writes_it(checkpoint):
+    # before: "a leaf Variable that requires grad is being used in an in-place operation" at compile, explained as
+    # a dropped branch; the block runs with autograd on, and its write now goes through a detached alias
+    torch.manual_seed(0)
+    model = nn.Sequential(_DataInit(4), nn.Linear(4, 4))
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 4) * 3 + 1
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=2, checkpoint=checkpoint)
+    for _ in range(2):
+        pipe.step(x, target=x, loss_fn=F.mse_loss)
+        for xs in x.chunk(2):  # eager on the micro-batches: the first one sets loc
+            (F.mse_loss(eager(xs), xs) / 2).backward()
+    for name, t in eager.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], t, msg=name)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
