@@ -118,6 +118,22 @@ class Chained(nn.Module):
         return self.b(h * self.ema)
 
 
+class Centered(nn.Module):
+    """Read a center, then update it by EMA in a no_grad block (DINO's centering): in the stage that reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("center", torch.zeros(1, 4))
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x)))
+        out = h - self.center
+        with torch.no_grad():
+            self.center.mul_(0.5).add_(0.5 * h.mean(0, keepdim=True))
+        return out
+
+
 class SharedNorm(nn.Module):
     """Call one batch norm in the first and the last layers."""
 

@@ -34,7 +34,7 @@ import torch
 import torch.fx
 from torch.nn.modules.batchnorm import _NormBase
 
-from fxpipe.passes.mutates import op_name, unwrapped, written_args
+from fxpipe.passes.mutates import aliases, op_name, unwrapped, written_args
 
 __all__ = ["bumped", "changed", "leaf_buffers", "norm_statistics", "replayed", "snapshot", "versions", "written_buffers"]
 
@@ -76,6 +76,8 @@ def written_buffers(gm: torch.fx.GraphModule) -> list[str]:
     buffers = dict(gm.named_buffers())
     for node in gm.graph.nodes:
         for arg in written_args(node):
+            while isinstance(arg, torch.fx.Node) and arg.op != "get_attr" and len(aliases(arg)) == 1:
+                arg = aliases(arg)[0]  # a write through an alias (a no_grad block's detach of the buffer) writes it
             if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and arg.target in buffers:
                 names.append(str(arg.target))
     return list(dict.fromkeys(names))
