@@ -47,7 +47,9 @@ def route_buffer_reads(gm: torch.fx.GraphModule) -> None:
             f"(node '{reader}'), {when} that read within one forward. A pipeline cannot give each micro-batch the value "
             f"eager gives it there: stages run micro-batches in the schedule's order, and a stage on another rank reads "
             f"its own copy of the buffer, which the writes of stage {ws} do not reach. Write it before every read in "
-            f"the forward (each later read then gets the value as written), or pass the value in as an input.",
+            f"the forward (each later read then gets the value as written: old = buf.clone(); update buf; read old), "
+            f"keep the read and the write in one stage (split_points= that do not cut between nodes '{reader}' and "
+            f"'{writer}'), or pass the value in as an input.",
             stacklevel=user_stacklevel())
     for buffer, stages in found.spread:
         warnings.warn(
