@@ -193,7 +193,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
                             "compiled from (in one process the pipe shares its parameters; across ranks build the "
                             "model again and pass weights= a checkpoint fxpipe.save wrote)")
         lazy = next((n for n, t in (*model.named_parameters(), *model.named_buffers())
-                     if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)), None)
+                     if torch.nn.parameter.is_lazy(t)), None)
         if lazy is not None:
             owner = model.get_submodule(lazy.rpartition(".")[0]) if "." in lazy else model
             raise CompileError(
