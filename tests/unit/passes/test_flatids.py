@@ -65,8 +65,8 @@ def test_flat_ids_named_unbatched_are_refused_too_and_one_chunk_runs():
 
 def test_a_batch_that_disagrees_with_flat_ids_names_the_jagged_fix():
     dense, values, lengths = _jagged()
-    with pytest.raises(fxpipe.PipelineInputError, match=r"batch sizes disagree.*Flat ids with offsets.*chunks=1 with "
-                                                        r"the flat inputs named in unbatched="):
+    with pytest.raises(fxpipe.PipelineInputError, match=r"batch sizes disagree.*If 'values' holds offsets, lengths or "
+                                                        r"indices into rows.*chunks=1, which splits nothing"):
         fxpipe.compile(LengthsBag(), 2, example_inputs=(dense, torch.cat([values, values[:3]]), lengths), chunks=4,
                        devices=["cpu"] * 2)
 
