@@ -118,7 +118,8 @@ def known_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.
 def written_state(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """Return the ``get_attr`` nodes of buffers the graph writes in place, with every node that may share their storage."""
     root, found = _storage_groups(gm)
-    groups = {root(w) for written in found.values() for w in written if w.op == "get_attr"}
+    state = {root(n) for n in gm.graph.nodes if n.op == "get_attr"}  # a write through an alias writes the buffer too
+    groups = {root(w) for written in found.values() for w in written} & state
     return {n for n in gm.graph.nodes if root(n) in groups}
 
 

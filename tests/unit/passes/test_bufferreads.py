@@ -131,7 +131,7 @@ def test_a_batch_norm_written_by_two_exported_stages_is_warned_of():
 
 
 @pytest.mark.parametrize("schedule, checkpoint", [("1f1b", "except_last"), ("zb", "except_last"), ("1f1b", "always"),
-                                                  ("gpipe", "always")])
+                                                  ("gpipe", "always"), ("1f1b", "selective"), ("zb", "selective")])
 def test_a_center_read_then_updated_in_a_no_grad_block_is_replayed_in_recomputation(schedule, checkpoint):
     # the update writes through the no_grad block's detached alias of the buffer, which the recomputation's list
     # of written buffers missed: the recomputed forward read a later micro-batch's center (gradients 0.1-0.7 off)
