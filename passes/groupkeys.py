@@ -32,14 +32,20 @@ _FUNCTIONS = frozenset({torch.index_add, torch.scatter, torch.scatter_add, torch
 
 
 def _index_arg(node: torch.fx.Node) -> object:
-    """Return the index argument of a grouping reduction (``self, dim, index, ...``), or None."""
-    if node.op == "call_method" and node.target in _METHODS:
-        return node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
-    if node.op == "call_function" and (node.target in _FUNCTIONS or (
-            isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name.split("::")[-1].rstrip("_")
-            in {"index_add", "scatter", "scatter_add", "scatter_reduce", "index_reduce"})):
-        return node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
-    return None
+    """Return the index argument of a reduction grouping rows (``self, dim, index, ...`` along dim 0), or None.
+
+    Along another dim (a one-hot of labels, ``scatter_(1, labels[:, None], 1.0)``) each row keeps to itself.
+    """
+    grouping = (node.op == "call_method" and node.target in _METHODS) or (node.op == "call_function" and (
+        node.target in _FUNCTIONS or (isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name
+                                      .split("::")[-1].rstrip("_") in {"index_add", "scatter", "scatter_add",
+                                                                       "scatter_reduce", "index_reduce"})))
+    if not grouping:
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dim != 0:
+        return None
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
 
 
 def _integer(spec: object) -> bool:

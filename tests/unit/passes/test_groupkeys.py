@@ -98,3 +98,23 @@ def test_a_1_d_integer_input_given_whole_is_warned_of():
     with pytest.warns(UserWarning, match=r"unbatched=\['lengths'\] gives 1-D integer input\(s\) whole"):
         fxpipe.compile(Segments(), 2, example_inputs=(torch.randn(14, 8), torch.tensor([4, 3, 5, 2])), chunks=2,
                        devices=["cpu"] * 2, unbatched=["lengths"])
+
+
+class OneHot(nn.Module):
+    """Label smoothing's one-hot of integer labels: a scatter along dim 1, each row to itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        logits = self.a(x)
+        return logits * logits.new_zeros(logits.shape).scatter_(1, labels.unsqueeze(1), 1.0)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_scatter_along_another_dim_than_the_rows_is_no_group_key(tracer):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fxpipe.compile(OneHot(), 2, example_inputs=(torch.randn(8, 8), torch.randint(0, 5, (8,))), chunks=4,
+                       devices=["cpu"] * 2, tracer=tracer)
