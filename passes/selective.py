@@ -90,6 +90,8 @@ def expensive(node: torch.fx.Node) -> bool:
     return elements > 0 and flops >= INTENSITY * elements
 
 
+# torch functions writing their buffer arguments unseen by the graph (fx traces QAT's fake-quant modules to these)
+_UNSEEN_WRITES = {"fused_moving_avg_obs_fake_quant", "_fused_moving_avg_obs_fq_helper"}
 _STATEFUL_OPS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
                  "instance_norm", "cudnn_batch_norm", "miopen_batch_norm"}  # ATen ops writing running statistics
 
@@ -110,7 +112,7 @@ def _stateful(node: torch.fx.Node) -> bool:
         return module is not None and next(module.buffers(), None) is not None
     if call.op != "call_function":
         return False
-    if call.target in (F.batch_norm, F.instance_norm):
+    if call.target in (F.batch_norm, F.instance_norm) or op_name(call.target) in _UNSEEN_WRITES:
         return True
     if not isinstance(call.target, torch._ops.OpOverload) or op_name(call.target) not in _STATEFUL_OPS:
         return False

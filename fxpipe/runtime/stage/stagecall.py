@@ -42,7 +42,6 @@ from fxpipe.runtime.stage.copy import wait
 from fxpipe.runtime.stage.keepstate import (
     bumped,
     changed,
-    leaf_buffers,
     norm_statistics,
     replayed,
     snapshot,
@@ -123,8 +122,8 @@ class StageCall:
             return self._replayed
         if self._norms is None:
             self._norms = norm_statistics(self.gm)  # read by no training-mode output
-        # until a forward has shown what it writes: those a leaf module might write too
-        names = self.written() if self._probed else [*self.written(), *leaf_buffers(self.gm)]
+        # until a forward has shown what it writes: any buffer (a leaf's forward, a fused kernel may write it unseen)
+        names = self.written() if self._probed else [*self.written(), *(n for n, _ in self.gm.named_buffers())]
         names = [n for n in dict.fromkeys(names) if n not in self._norms]
         if self._probed:
             self._replayed = names
@@ -144,8 +143,8 @@ class StageCall:
                 (timeline.span_at("recompute", replay.where) if replay is not None else nullcontext()), \
                 (replayed(self.gm, self.written(), replay.buffers) if replay is not None else nullcontext()), \
                 (self.saver.recording(i, inputs) if how in SAVING else nullcontext()) as record, self.around():
-            probe = (versions(self.gm), snapshot(self.gm, leaf_buffers(self.gm))) \
-                if how == "checkpoint" and not self._probed else None
+            probe = (versions(self.gm), snapshot(self.gm, [n for n, _ in self.gm.named_buffers()])) \
+                if how == "checkpoint" and not self._probed else None  # every buffer: a fused kernel writes unseen
             try:
                 with counting(self.index), levels_restored():  # batch norms' calls told apart; no vmap left open
                     out = self.fn(*inputs)
