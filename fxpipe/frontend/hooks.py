@@ -39,8 +39,10 @@ def warn_lost_hooks(model: nn.Module, gm: torch.fx.GraphModule) -> list[str]:
 
 
 def _captures(hook: object) -> bool:
-    """Tell whether a hook's effect is in the graph: transformers' output capture (router logits, attentions), or
-    torch.ao.quantization's observer hooks (a call of the module's ``activation_post_process``, traced as such)."""
+    """Tell whether a hook's effect is in the graph: transformers' output capture (router logits, attentions),
+    torch.ao.quantization's observer hooks (a call of the module's ``activation_post_process``, traced as such),
+    or the old ``nn.utils.spectral_norm``/``weight_norm`` pre-hooks (the weight they compute, traced as such)."""
     fn = getattr(hook, "func", hook)  # a functools.partial's function
     module = str(getattr(fn, "__module__", "") or "")
-    return module.startswith(("transformers.", "torch.ao.quantization"))
+    return module.startswith(("transformers.", "torch.ao.quantization", "torch.nn.utils.spectral_norm",
+                              "torch.nn.utils.weight_norm"))

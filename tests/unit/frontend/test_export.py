@@ -554,3 +554,11 @@ def test_quantization_observer_hooks_are_in_the_graph_and_not_warned_of():
     torch.testing.assert_close(pipe(x), eager(x))
     for name, b in eager.named_buffers():
         torch.testing.assert_close(dict(model.named_buffers())[name], b, msg=name)
+
+
+def test_the_old_spectral_norm_pre_hook_is_in_the_graph_and_not_warned_of():
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 4))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(6, 8),), devices=["cpu"] * 2, tracer="export")
+    assert not [w for w in seen if "hooks on modules" in str(w.message)], [str(w.message) for w in seen]
