@@ -93,10 +93,12 @@ def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[st
                         "given whole (unbatched= gives every micro-batch indices into rows it does not hold): pad "
                         "the batch to one row per sample, (batch, length, ...) with a mask or padding_idx, or use "
                         "chunks=1, which splits nothing." if index is not None else "")
+                split = ("every tensor input is split into micro-batches on dim 0" if agree else
+                         "with one micro-batch nothing is split, but fxpipe takes dim 0 of every tensor input for "
+                         "the batch's rows")
                 raise PipelineInputError(
                     f"batch sizes disagree: '{first[0]}' has {first[1]} rows on dim 0 but "
-                    f"'{where}' has {leaf.shape[0]}; every tensor input is split into micro-batches "
-                    f"on dim 0, so give them the same batch size, or {fix}. An input whose batch is on another "
+                    f"'{where}' has {leaf.shape[0]}; {split}, so give them the same batch size, or {fix}. An input whose batch is on another "
                     "dim (an RNN's initial state (h0, c0), of shape (layers, batch, hidden)) is not unbatched: pass "
                     f"it batch-first and move the dim inside the forward (h0.transpose(0, 1).contiguous()).{flat}")
     if first is not None and first[1] == 0:
