@@ -17,7 +17,7 @@ batch's rows the sizes agree and nothing else tells::
 from __future__ import annotations
 
 import operator
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 import torch.fx
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from fxpipe.passes.spec import TensorSpec
 from torch import nn
 
-__all__ = ["flat_ids"]
+__all__ = ["flat_ids", "placeholders_behind"]
 
 _BAG_OPS = frozenset(getattr(packet, name) for packet in (torch.ops.aten.embedding_bag, torch.ops.aten._embedding_bag)
                      for name in packet.overloads())
@@ -44,20 +44,25 @@ def _ids_and_offsets(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[obj
     return None
 
 
-def _inputs_of(node: object) -> set[str]:
-    """Return the placeholders a node's value is computed from."""
-    if not isinstance(node, torch.fx.Node):
-        return set()
-    found, todo, seen = set(), [node], set()
+def placeholders_behind(node: object, through: Callable[[torch.fx.Node], bool] = lambda n: True
+                        ) -> set[torch.fx.Node]:
+    """Return the placeholders a node's value is computed from, following only the nodes ``through`` accepts."""
+    found: set[torch.fx.Node] = set()
+    todo, seen = [node], set()
     while todo:
         n = todo.pop()
-        if n in seen:
+        if not isinstance(n, torch.fx.Node) or n in seen or not through(n):
             continue
         seen.add(n)
         if n.op == "placeholder":
-            found.add(str(n.target))
+            found.add(n)
         todo.extend(n.all_input_nodes)
     return found
+
+
+def _inputs_of(node: object) -> set[str]:
+    """Return the names of the placeholders a node's value is computed from."""
+    return {str(p.target) for p in placeholders_behind(node)}
 
 
 def _input_leaf(node: object) -> str | None:

@@ -22,6 +22,7 @@ from collections.abc import Collection
 
 import torch
 import torch.fx
+from fxpipe.passes.flatids import placeholders_behind
 from fxpipe.passes.spec import TensorSpec
 
 __all__ = ["group_keys"]
@@ -60,17 +61,8 @@ def _integer_inputs(node: object) -> set[str]:
     Only integer values are followed (``batch[:, None].expand_as(x)``, ``edge_index[1]``): a
     router's top-k indices come from float scores, and their model's token ids are no group key.
     """
-    found: set[str] = set()
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if not isinstance(n, torch.fx.Node) or n in seen or not _integer(n.meta.get("fxpipe.value")):
-            continue
-        seen.add(n)
-        if n.op == "placeholder" and len(n.meta["fxpipe.value"].shape) in (1, 2):
-            found.add(str(n.target))
-        todo.extend(n.all_input_nodes)
-    return found
+    found = placeholders_behind(node, through=lambda n: _integer(n.meta.get("fxpipe.value")))
+    return {str(p.target) for p in found if len(p.meta["fxpipe.value"].shape) in (1, 2)}
 
 
 def group_keys(gm: torch.fx.GraphModule, skip: Collection[str] = ()) -> list[tuple[str, str]]:

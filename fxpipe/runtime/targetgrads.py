@@ -2,8 +2,8 @@
 
 Micro-batch losses run one backward each; a target's rows that still belong to the user's graph
 would free it at the first. Each micro-batch's loss reads a detached leaf of its rows instead,
-and after the step their gradients go back into the target's graph in one backward, as a model
-input's do (:meth:`fxpipe.runtime.stage.worker.StageWorker.release`)::
+and after the step their gradients go back into the target's graph in the one backward that
+gives the model inputs theirs (:meth:`fxpipe.runtime.stage.worker.StageWorker.released`)::
 
     teacher(x) ─▶ target ─┬─ rows of mb 0 ─▶ detach ─▶ leaf 0 ─▶ loss 0 ─▶ B ─▶ leaf 0 .grad ─┐
                           └─ rows of mb 1 ─▶ detach ─▶ leaf 1 ─▶ loss 1 ─▶ B ─▶ leaf 1 .grad ─┤

@@ -36,7 +36,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from fxpipe.passes.mutates import aliases, op_name, unwrapped, written_args
 
-__all__ = ["bumped", "changed", "leaf_buffers", "norm_statistics", "replayed", "snapshot", "versions", "written_buffers"]
+__all__ = ["bumped", "changed", "norm_statistics", "replayed", "snapshot", "versions", "written_buffers"]
 
 
 def norm_statistics(gm: torch.fx.GraphModule) -> set[str]:
@@ -81,27 +81,6 @@ def written_buffers(gm: torch.fx.GraphModule) -> list[str]:
             if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and arg.target in buffers:
                 names.append(str(arg.target))
     return list(dict.fromkeys(names))
-
-
-def leaf_buffers(gm: torch.fx.GraphModule) -> list[str]:
-    """Return the buffers of the modules ``gm`` calls whole (a leaf's forward may write them unseen by the graph)."""
-    names: list[str] = []
-    for node in gm.graph.nodes:
-        module = _module(gm, node)
-        if module is not None:
-            names += [f"{node.target}.{k}" for k, _ in module.named_buffers()]
-    return list(dict.fromkeys(names))
-
-
-def _module(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.nn.Module | None:
-    """Return the module a ``call_module`` node calls, or a ``get_attr`` reads (a guard's or wrapper's call)."""
-    if node.op not in ("call_module", "get_attr"):
-        return None
-    try:
-        module = gm.get_submodule(str(node.target))
-    except AttributeError:
-        return None
-    return None if isinstance(module, torch.fx.GraphModule) else module
 
 
 def versions(gm: torch.fx.GraphModule) -> dict[str, int]:

@@ -24,8 +24,9 @@ A model input that requires grad (an adversarial example, embeddings a trainable
 before the pipe) reaches the first stage attached to the user's graph. Backpropagating into
 that graph once per micro-batch would traverse its shared part again (an error, or gradients
 summed twice), so the stage runs on a detached leaf, keeps each micro-batch's gradient, and
-:meth:`StageWorker.release` sends them all into the user's graph in one backward at the end
-of the step, as eager's one backward does::
+:meth:`StageWorker.released` hands them to the step's one backward into the user's graph at
+its end (:class:`~fxpipe.runtime.interpreter.ActionInterpreter`, with a target's: they may share
+that graph), as eager's one backward does::
 
     x ─ split ─┬─ x_0 ··· leaf_0 ─▶ stage 0 ...      backward per micro-batch: leaf_i.grad
                └─ x_1 ··· leaf_1 ─▶ stage 0 ...      release: backward((x_0, x_1), (g_0, g_1))
