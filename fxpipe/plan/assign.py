@@ -30,7 +30,7 @@ from fxpipe.frontend.markers import resolve_split_points
 from fxpipe.frontend.tracing import detector_note, trace
 from fxpipe.options import AUTO, CompileOptions, cut_mode
 from fxpipe.passes.failure import PropagationError
-from fxpipe.plan.batches import batch_size, is_batched, micro_sizes, refuse_batched_masks
+from fxpipe.plan.batches import batch_size, index_like, is_batched, micro_sizes, refuse_batched_masks
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.plan.saved import apply_plan
 
@@ -150,8 +150,7 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
                 "sample) padded with the bag's padding_idx (per_sample_weights the same shape), or flatten a 2-D "
                 "input inside the forward; or use chunks=1")
         flat = [name for value, name in zip(values, names) if name in whole and isinstance(value, torch.Tensor)
-                and value.dim() == 1 and not (value.is_floating_point() or value.is_complex())
-                and value.dtype != torch.bool] if batch is not None and micro > 1 else []
+                and value.dim() == 1 and index_like(value)] if batch is not None and micro > 1 else []
         if flat:
             warnings.warn(
                 f"unbatched={flat} gives 1-D integer input(s) whole to each of the {micro} micro-batches: if they hold "

@@ -16,7 +16,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from fxpipe.errors import PipelineInputError
 
-__all__ = ["batch_size", "is_batched", "micro_sizes", "refuse_batched_masks", "refuse_nested"]
+__all__ = ["batch_size", "index_like", "is_batched", "micro_sizes", "refuse_batched_masks", "refuse_nested"]
 
 
 def is_batched(x: Any) -> bool:
@@ -54,7 +54,7 @@ def refuse_batched_masks(values: Sequence[Any], names: Sequence[str], whole: Col
                     "x.shape[0]), pass a mask of batch size None (one for every row), or use chunks=1")
 
 
-def _index_like(t: torch.Tensor) -> bool:
+def index_like(t: torch.Tensor) -> bool:
     """Tell whether a tensor may hold offsets, lengths or indices into rows: integer, of one or two dims."""
     return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool) and t.dim() <= 2
 
@@ -80,14 +80,14 @@ def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[st
             where = name + keystr(path)
             if first is None:
                 first, first_leaf = (where, leaf.shape[0]), (where, leaf)
-            elif leaf.shape[0] != first[1] and (agree or not (_index_like(leaf) or _index_like(first_leaf[1]))):
+            elif leaf.shape[0] != first[1] and (agree or not (index_like(leaf) or index_like(first_leaf[1]))):
                 fix = ("name an input that has no batch dimension in fxpipe.compile(..., unbatched=[...]) to give "
                        "it whole to every micro-batch")
                 if path:  # a leaf inside an input: unbatched= names whole inputs only
                     fix = (f"pass '{where}' to the forward as an argument of its own, named in "
                            f"fxpipe.compile(..., unbatched=[...]) to give it whole to every micro-batch (unbatched= "
                            f"names whole inputs, and naming '{name}' would leave all of it unsplit)")
-                index = next((w for w, t in ((where, leaf), first_leaf) if _index_like(t)), None)
+                index = next((w for w, t in ((where, leaf), first_leaf) if index_like(t)), None)
                 flat = (f" If '{index}' holds offsets, lengths or indices into rows (cu_seqlens, edge_index, a "
                         "group per row, flat ids for nn.EmbeddingBag), it can be neither split with the rows nor "
                         "given whole (unbatched= gives every micro-batch indices into rows it does not hold): pad "
