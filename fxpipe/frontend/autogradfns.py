@@ -40,14 +40,13 @@ def applying() -> bool | None:
 def watching_functions() -> Iterator[list[type]]:
     """Yield the list of ``torch.autograd.Function`` classes applied while the block runs."""
     seen: list[type] = []
-    saved = torch.autograd.Function.__dict__["apply"]
-    original = saved.__func__
+    saved = torch.autograd.Function.__dict__["apply"]  # a classmethod, or (torch >= 2.14) a C one
 
     def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
         seen.append(cls)
         _ENTERED.append(torch.is_grad_enabled())
         try:
-            return original(cls, *args, **kwargs)
+            return saved.__get__(None, cls)(*args, **kwargs)
         finally:
             _ENTERED.pop()
 
