@@ -4,6 +4,8 @@ A recomputation in backward draws the same random numbers as the forward it repe
 keeps its mask) and computes in the same precision: :func:`save_rng` and :func:`autocast_state`
 capture both before the forward, :func:`restore_rng` and :func:`autocast_as` put them back
 around the recomputation (and, for the RNG, restore the state from before it afterwards).
+Besides the default generators, a stage replays the model's own ``torch.Generator`` objects its
+graph draws from (``torch.bernoulli(p, generator=self.gen)``): :func:`stage_generators`.
 
 A stage on a GPU replays its GPU's generator and the CPU's, except in one process whose
 pipe also runs stages on the CPU (``replay_cpu=False``): there the GPU stage's forward and
@@ -18,31 +20,58 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
+import torch.fx
 
-__all__ = ["RngState", "autocast_as", "autocast_off", "autocast_state", "restore_rng", "same_rng", "save_rng"]
+__all__ = ["RngState", "autocast_as", "autocast_off", "autocast_state", "restore_rng", "same_rng", "save_rng",
+           "stage_generators"]
 
 
-RngState = tuple[torch.Tensor | None, torch.Tensor | None]  # (the CPU's, the CUDA device's), None if not kept
+# (the CPU's, the CUDA device's), None if not kept; then each own generator of the stage with its state
+RngState = tuple[torch.Tensor | None, torch.Tensor | None, tuple[tuple[torch.Generator, torch.Tensor], ...]]
 
 
-def save_rng(device: torch.device, replay_cpu: bool = True) -> RngState:
-    """Capture the RNG state of ``device`` if it is a CUDA device, and the CPU's unless ``replay_cpu`` is False."""
+def stage_generators(gm: torch.fx.GraphModule) -> tuple[torch.Generator, ...]:
+    """Return the ``torch.Generator`` objects ``gm``'s nodes draw from (attributes or constants in arguments)."""
+    found: dict[int, torch.Generator] = {}
+    for node in gm.graph.nodes:
+        values: list[Any] = []
+        if node.op == "get_attr":
+            values.append(_attribute(gm, str(node.target)))
+        torch.fx.node.map_aggregate((node.args, node.kwargs), values.append)
+        found.update((id(v), v) for v in values if isinstance(v, torch.Generator))
+    return tuple(found.values())
+
+
+def _attribute(gm: torch.nn.Module, target: str) -> Any:
+    """Return the attribute a ``get_attr`` target names (None where it is gone)."""
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def save_rng(device: torch.device, replay_cpu: bool = True,
+             generators: tuple[torch.Generator, ...] = ()) -> RngState:
+    """Capture the RNG state of ``device`` if it is a CUDA device, the CPU's unless ``replay_cpu`` is False, and ``generators``'."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return (torch.get_rng_state() if replay_cpu or cuda is None else None), cuda
+    own = tuple((g, g.get_state()) for g in generators)
+    return (torch.get_rng_state() if replay_cpu or cuda is None else None), cuda, own
 
 
 def same_rng(a: RngState, b: RngState) -> bool:
     """Tell whether two captured RNG states are equal (no random number was drawn between them)."""
     return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
-               for x, y in zip(a, b))
+               for x, y in zip(a[:2], b[:2])) and all(
+        torch.equal(x, y) for (_, x), (_, y) in zip(a[2], b[2]))
 
 
 @contextmanager
 def restore_rng(device: torch.device, state: RngState) -> Iterator[None]:
     """Run the block with a saved RNG state, then put back the state from before."""
-    cpu, cuda = state
+    cpu, cuda, own = state
     with contextlib.ExitStack() as stack:
         if cpu is not None:
             stack.enter_context(torch.random.fork_rng(devices=[]))
@@ -50,6 +79,9 @@ def restore_rng(device: torch.device, state: RngState) -> Iterator[None]:
         if cuda is not None:
             stack.callback(torch.cuda.set_rng_state, torch.cuda.get_rng_state(device), device)
             torch.cuda.set_rng_state(cuda, device)
+        for generator, saved in own:
+            stack.callback(generator.set_state, generator.get_state())
+            generator.set_state(saved)
         yield
 
 

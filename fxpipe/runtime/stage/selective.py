@@ -33,6 +33,7 @@ from torch.fx.node import map_arg
 from fxpipe.passes.mutates import aliases
 from fxpipe.passes.selective import SelectivePlan
 from fxpipe.runtime.stage.marks import COMPUTE, made, recording
+from fxpipe.runtime.stage.rng import stage_generators
 from fxpipe.runtime.stage.tape import Tape, unpack
 
 __all__ = ["Program", "foreign_wrap"]
@@ -48,6 +49,7 @@ class Program:
                  wrap: Callable[[Callable[[], None]], None] | None = None) -> None:
         self.gm, self.plan, self.device, self.index = gm, plan, device, index
         self.replay_cpu = True  # as StageCall.replay_cpu
+        self.generators = stage_generators(gm)  # as StageCall.generators
         self.wrap = wrap or (lambda fn: fn())  # a stage reading tensors of other devices: swap in copies
         self.nodes = [n for n in gm.graph.nodes if n.op in COMPUTE and n.target is not made]
         assert [n.name for n in self.nodes] == plan.names, "the plan was made for another graph"

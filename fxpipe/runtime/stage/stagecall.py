@@ -50,7 +50,7 @@ from fxpipe.runtime.stage.keepstate import (
 )
 from fxpipe.runtime.stage.normcalls import counting
 from fxpipe.runtime.stage.recompute import checkpointed, in_pass, is_checkpointing, is_recomputing
-from fxpipe.runtime.stage.rng import RngState, autocast_as, autocast_state, restore_rng, save_rng
+from fxpipe.runtime.stage.rng import RngState, autocast_as, autocast_state, restore_rng, save_rng, stage_generators
 from fxpipe.runtime.stage.stream import AbstractStream, current_stream, new_stream, on_device
 
 __all__ = ["Replay", "StageCall", "autocast_as", "autocast_state", "restore_rng", "save_rng"]
@@ -84,6 +84,7 @@ class StageCall:
         self.device = device
         self.last = last
         self.replay_cpu = True  # False for a GPU stage beside a CPU stage in one process (stage/rng.py)
+        self.generators = stage_generators(gm)  # the model's own generators the stage draws from, replayed too
         self._copy_streams: list[AbstractStream] = []
         # where the saved tensors of a "selective" or "offload" forward go (the stage's policy), or None
         self.saver: Any = None
@@ -114,7 +115,8 @@ class StageCall:
 
     def replay_point(self) -> Replay:
         """Capture what a later recomputation of the coming checkpointed forward needs."""
-        return Replay(save_rng(self.device, self.replay_cpu), timeline.where(), autocast_state(), snapshot(self.gm, self._to_copy()))
+        return Replay(save_rng(self.device, self.replay_cpu, self.generators), timeline.where(), autocast_state(),
+                      snapshot(self.gm, self._to_copy()))
 
     def _to_copy(self) -> list[str]:
         """Return the buffers a replay point copies (found once the first checkpointed forward has run)."""

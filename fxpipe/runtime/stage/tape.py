@@ -108,7 +108,7 @@ class Tape:
         self.env: dict[int, tuple[list, Any, list[bool]]] = {}  # kept values a recomputation reads
         self.pending: list[_Box] = []  # the running node's own saves, told apart once it is done
         self.boxes: dict[int, list[weakref.ref]] = {}  # node -> its boxes (its saves, or slices of its value)
-        self.rng = ({0: save_rng(program.device, program.replay_cpu)}  # per run, at its start
+        self.rng = ({0: save_rng(program.device, program.replay_cpu, program.generators)}  # per run, at its start
                     if self.plan.run[:1] == [0] else {})
         self.autocast = autocast_state()
         self.deferring = wgrad.active()
@@ -171,13 +171,13 @@ class Tape:
         self.current = k + 1
         r = self.starts[k]
         if r >= 0:
-            self.rng[r] = save_rng(self.program.device, self.program.replay_cpu)
+            self.rng[r] = save_rng(self.program.device, self.program.replay_cpu, self.program.generators)
 
     def finish(self) -> None:
         """End of the forward: decide which nodes recomputation runs; keep only the values it reads."""
         plan, program = self.plan, self.program
         self.owner.clear()
-        end = save_rng(program.device, program.replay_cpu)
+        end = save_rng(program.device, program.replay_cpu, program.generators)
         rerun = {k for k, refs in self.boxes.items() if any(r() is not None for r in refs)}
         drawn = {r for r in self.rng if not same_rng(self.rng[r], self.rng.get(r + 1, end))}
         needed: set[int] = set()

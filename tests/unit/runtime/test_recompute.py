@@ -45,6 +45,39 @@ def test_dropout_replayed_in_recomputation(mode):
     assert not torch.equal(out_other, out_ref)
 
 
+class OwnGeneratorNet(nn.Module):
+    """Draw an exploration mask from the model's own generator, not the default one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 32), nn.Linear(32, 2)
+        self.gen = torch.Generator().manual_seed(123)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h * torch.bernoulli(torch.full_like(h, 0.7), generator=self.gen))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("mode,schedule,chunks", [("always", "gpipe", 1), ("selective", "gpipe", 1),
+                                                   ("always", "1f1b", 3)])
+def test_a_models_own_generator_is_replayed_in_recomputation(tracer, mode, schedule, chunks):
+    """A recomputation draws what the forward drew from ``generator=self.gen`` (it drew anew: gradients 1.6 off)."""
+    x, y = torch.randn(6, 6), torch.randn(6, 2)
+    model = OwnGeneratorNet()
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=chunks, checkpoint=mode, schedule=schedule,
+                          devices=["cpu"] * 2, tracer=tracer)
+    model.gen.manual_seed(5)
+    ref.gen.manual_seed(5)
+    pipe.step(x, target=y, loss_fn=F.mse_loss)
+    for xs, ys in zip(x.tensor_split(chunks), y.tensor_split(chunks)):
+        (F.mse_loss(ref(xs), ys) / chunks).backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(model.gen.get_state(), ref.gen.get_state())  # it drew as often as eager
+
+
 class Spy(nn.Module):
     """Record (is_checkpointing, is_recomputing) on every call."""
 
