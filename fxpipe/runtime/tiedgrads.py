@@ -34,14 +34,26 @@ def open_window(tied: list[tuple[Any, list, bool]]) -> dict[int, torch.Tensor]:
     return before
 
 
+def _reached(group: Any, params: list) -> list:
+    """Return the trainable ``params`` some rank of the tie's ``group`` holds a gradient of (one small all-reduce).
+
+    A parameter no rank's backward reached (a critic-only step of a model whose actor is read on
+    two ranks) keeps ``.grad`` None on every rank, as eager's: zeros would move it under Adam.
+    """
+    trainable = [p for p in params if p.requires_grad]  # frozen on every rank alike (the same model): None
+    if not trainable:
+        return []
+    flags = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32, device=trainable[0].device)
+    dist.all_reduce(flags, group=group)
+    return [p for p, flag in zip(trainable, flags.tolist()) if flag]
+
+
 def sum_tied(tied: list[tuple[Any, list, bool]], before: dict[int, torch.Tensor], wait: Any) -> None:
     """Sum over each tie what each rank added to its tied gradients since ``before``; ``wait(works, what)``."""
     kept = []
     for group, params, _ in tied:
         works = []
-        for p in params:
-            if not p.requires_grad:  # frozen (on every rank, as the model is the same): None, as eager's
-                continue
+        for p in _reached(group, params):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             elif not gradnorm.local(p.grad).is_contiguous():  # a transposed product (a DTensor's shard)

@@ -295,6 +295,18 @@ def test_tied_gradients_accumulate_over_steps_like_eager(tmp_path, launch):
         assert res["frozen_tie_grads"] == [], (r, res["frozen_tie_grads"])  # frozen: None, as eager's
 
 
+def test_a_tie_no_loss_reaches_keeps_its_gradient_none_like_eager(tmp_path, launch):
+    results = launch("tie_cases:unreached", 2, "1f1b", tmp_path, limit=60)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert res["tied_here"] > 0, r
+        assert res["critic_eager_none"] == ["actor.bias", "actor.weight"], res
+        for name in ("actor.weight", "actor.bias"):
+            assert res["critic"][name] == "None", (r, res["critic"])  # zeros moved it under Adam
+            assert res["actor"][name] < 1e-5, (r, res["actor"])
+        assert all(e < 1e-5 for n, e in res["critic"].items() if not n.startswith("actor")), (r, res)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "zb"])
 def test_dataclass_records_cross_ranks_and_come_back_as_records(schedule, tmp_path, launch):
     # before: the first rank's gradients 3x too small (gpipe), and pipe(x) refused on the last rank only

@@ -64,4 +64,44 @@ def accumulate(rank, world, schedule):
     return out
 
 
-CASES = {"accumulate": accumulate}
+class ActorCritic(torch.nn.Module):
+    """SAC's shape: the actor read twice (once under no_grad for the target), the two calls on two ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.actor = torch.nn.Linear(4, 4)
+        self.q = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, o, a):
+        with torch.no_grad():
+            target_action = self.actor(o)
+        q = self.q(torch.cat([o, a], -1))[:, 0]
+        return q, target_action, self.actor(o + q[:, None])
+
+
+def unreached(rank, world, schedule):
+    """A step whose loss reaches no part of a tie leaves its gradient None on every rank, as eager (not zeros)."""
+    torch.manual_seed(0)
+    model = ActorCritic()
+    eager = copy.deepcopy(model)
+    x, a, y = torch.randn(6, 4), torch.randn(6, 4), torch.randn(6)
+    losses = {"critic": lambda out, y: torch.nn.functional.mse_loss(out[0], y),
+              "actor": lambda out, y: out[2].pow(2).mean()}
+    pipe = fxpipe.compile(model, world, example_inputs=(x, a), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule, split_points=["q.2"])
+    held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
+    tied = {id(p) for _, params, _ in pipe.runtime.tied for p in params}
+    own = dict(eager.named_parameters())
+    out: dict = {"tied_here": len(held & tied)}
+    for which in ("actor", "critic"):
+        pipe.step(x, a, target=y, loss_fn=losses[which])
+        losses[which](eager(x, a), y).backward()
+        out[which] = {n: ("None" if p.grad is None else max_relative_error(p.grad, own[n].grad))
+                      for n, p in model.named_parameters() if id(p) in held}
+        out[which + "_eager_none"] = sorted(n for n, p in own.items() if p.grad is None)
+        pipe.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+    return out
+
+
+CASES = {"accumulate": accumulate, "unreached": unreached}
