@@ -120,6 +120,29 @@ def _stateful(node: torch.fx.Node) -> bool:
     return op_name(call.target) != "batch_norm" or (isinstance(args[3], torch.fx.Node) and args[5] is not False)
 
 
+def _statistics(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Return the ``get_attr`` nodes of running statistics: a norm's buffers, or what a stateful node reads.
+
+    The norm updates them unseen by the graph; a node that reads them too (a weight scaled by
+    ``1 / sqrt(bn.running_var + eps)`` before the norm runs) would read a later micro-batch's
+    values when recomputed.
+    """
+    found = set()
+    buffers = {name for name, _ in gm.named_buffers()}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target not in buffers:
+            continue
+        owner, _, _ = str(node.target).rpartition(".")
+        try:
+            module = gm.get_submodule(owner)
+        except AttributeError:
+            module = None
+        if (isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats) or any(
+                _stateful(u) for u in node.users):
+            found.add(node)
+    return found
+
+
 @dataclass
 class SelectivePlan:
     """Per compute node of a stage (graph order): kept or recomputed, its segment and run, whether it crosses."""
@@ -174,7 +197,7 @@ def selective_plan(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node] | No
     index = {n: k for k, n in enumerate(nodes)}
     saved = [_judged(save, n) or _stateful(n) for n in nodes]
     mutations = known_mutations(gm) if mutations is None else mutations
-    state = written_state(gm)  # buffers written in place and their views
+    state = written_state(gm) | _statistics(gm)  # buffers written in place and their views; running statistics
     for k, n in enumerate(nodes):  # a reader of such a buffer would read a later value when recomputed
         saved[k] = saved[k] or any(a in state for a in n.all_input_nodes)
     for node, written in mutations.items():

@@ -138,7 +138,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     if tracer == "export":
         from fxpipe.frontend.export import export_trace
 
-        if list(leaf_modules):
+        if list(leaf_modules or ()):
             warnings.warn(f"leaf_modules={list(leaf_modules)!r} is ignored under tracer='export': torch.export traces "
                           "every module through to ATen ops. Use split_points= to choose where stages begin, or "
                           "tracer='fx' to keep modules whole", stacklevel=3)

@@ -19,9 +19,10 @@ then differ from eager unless the buffers the forward writes are handled::
 
 So :meth:`~fxpipe.runtime.stage.stagecall.StageCall.replay_point` copies the buffers whose
 values the forward reads (:func:`snapshot`), and the recomputation runs on those copies and
-puts the buffers back after it. A batch norm's running statistics are not copied: a
-training-mode output does not read them, so the recomputation only needs its updates
-discarded (a scratch copy). ``checkpoint="selective"`` keeps batch norms out of what it
+puts the buffers back after it. A batch norm's running statistics are not copied where only
+the norm reads them (a training-mode output does not), so the recomputation only needs its
+updates discarded (a scratch copy); where another node or a module around the norm reads
+them, they are copied (:func:`private_statistics`). ``checkpoint="selective"`` keeps batch norms out of what it
 recomputes; deferred batch norm skips recomputations itself.
 """
 
@@ -36,7 +37,8 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from fxpipe.passes.mutates import aliases, op_name, unwrapped, written_args
 
-__all__ = ["bumped", "changed", "norm_statistics", "replayed", "snapshot", "versions", "written_buffers"]
+__all__ = ["bumped", "changed", "norm_statistics", "private_statistics", "replayed", "snapshot", "versions",
+           "written_buffers"]
 
 
 def norm_statistics(gm: torch.fx.GraphModule) -> set[str]:
@@ -52,6 +54,36 @@ def norm_statistics(gm: torch.fx.GraphModule) -> set[str]:
             names |= {str(a.target) for a in through_picks(node.all_input_nodes)
                       if a.op == "get_attr" and a.target in buffers}
     return names | {n for n in buffers if n.rsplit(".", 1)[-1] == "num_batches_tracked"}
+
+
+def private_statistics(gm: torch.fx.GraphModule) -> set[str]:
+    """Return the norms' statistics of ``gm`` that nothing but their own norm reads (their update is only discarded).
+
+    A statistic another node reads (``w / sqrt(bn.running_var + eps)`` before the norm runs), or
+    that a module called whole around the norm may read (torch.ao's fused QAT ``ConvBn2d``
+    scales its weight by ``running_var``), is copied at the replay point like any buffer the
+    forward reads: the recomputation would read the value later micro-batches left.
+    """
+    names = norm_statistics(gm)
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    read: set[str] = set()
+    for name in names:
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        if any(owner.startswith(path + ".") for path in called):
+            read.add(name)  # inside a module called whole that is not the norm itself
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in names and any(not _norm_use(u) for u in node.users):
+            read.add(str(node.target))
+    return names - read
+
+
+def _norm_use(node: torch.fx.Node) -> bool:
+    """Tell whether ``node`` reads a statistic as a batch norm does: the norm itself, or a mode-merged choice it reads."""
+    call = unwrapped(node)
+    if call.op == "call_function" and "batch_norm" in op_name(call.target):
+        return True
+    positions = getattr(node.target, "returns_an_argument", None) if node.op == "call_function" else None
+    return positions is not None and all(_norm_use(u) for u in node.users)
 
 
 def through_picks(nodes: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:

@@ -42,7 +42,7 @@ from fxpipe.runtime.stage.copy import wait
 from fxpipe.runtime.stage.keepstate import (
     bumped,
     changed,
-    norm_statistics,
+    private_statistics,
     replayed,
     snapshot,
     versions,
@@ -123,7 +123,7 @@ class StageCall:
         if self._replayed is not None:
             return self._replayed
         if self._norms is None:
-            self._norms = norm_statistics(self.gm)  # read by no training-mode output
+            self._norms = private_statistics(self.gm)  # read by nothing but their norm's training-mode call
         # until a forward has shown what it writes: any buffer (a leaf's forward, a fused kernel may write it unseen)
         names = self.written() if self._probed else [*self.written(), *(n for n, _ in self.gm.named_buffers())]
         names = [n for n in dict.fromkeys(names) if n not in self._norms]
