@@ -33,6 +33,7 @@ from fxpipe.frontend.tensorhooks import HookOnProxy, refuse_tensor_hook
 from fxpipe.frontend.userframe import user_frame
 from fxpipe.options import check_tracer
 from fxpipe.passes.amp import run_under_autocast
+from fxpipe.passes.freshconstants import fresh_constants
 from fxpipe.passes.modes import merge_modes
 from fxpipe.passes.records import register_graph_records
 
@@ -173,6 +174,8 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     _note_mode_branch(model, gm, lambda: _fx_trace(model, leaf_types, leaf_names, concrete_args))
     if detach_no_grad_blocks(gm):
         log.info("%s: the values leaving its torch.no_grad() blocks are detached", name)
+    if fresh := fresh_constants(gm):
+        log.info("%s: the constants it writes in place are made anew on each call: %s", name, ", ".join(fresh))
     if run_under_autocast(gm):
         log.info("%s: the calls inside its own torch.autocast blocks run under them", name)
     log.debug("traced %s: %d nodes", name, len(gm.graph.nodes))

@@ -1,0 +1,64 @@
+"""Give each call a fresh copy of a traced tensor constant the graph writes in place, as eager makes it anew.
+
+torch.fx runs a call whose arguments are all constants (``torch.zeros(4, 16)``) while tracing
+and keeps its result as an attribute of the GraphModule (``_tensor_constant0``). Eager makes
+that tensor on every call; the graph reads the one attribute. Where the graph then writes it in
+place (``torch.zeros(4, 16).index_add_(0, batch, h)``, a per-group pooling), every call and
+every micro-batch would add into the sums of the calls before::
+
+    eager:  zeros ─▶ index_add_ ─▶ ...          (a new zeros per call)
+    graph:  _tensor_constant0 ─▶ index_add_      (one tensor, summed into across calls)
+    here:   _tensor_constant0 ─▶ clone ─▶ index_add_
+
+Reads:  the ``get_attr`` nodes of fx's tensor constants (``_tensor_constant<i>``), and the
+        in-place writes (:func:`fxpipe.passes.mutates.written_args`) through their aliases.
+Writes: a ``clone`` after each such constant, read by all its former users.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx
+from fxpipe.passes.mutates import aliases, written_args
+
+__all__ = ["fresh_constants"]
+
+
+def _constants(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, None]:
+    """Return the ``get_attr`` nodes of fx's tensor constants (``_tensor_constant<i>``, which GraphModule makes buffers)."""
+    return {node: None for node in gm.graph.nodes
+            if node.op == "get_attr" and re.fullmatch(r"_tensor_constant\d+", str(node.target))}
+
+
+def _roots(arg: torch.fx.Node) -> list[torch.fx.Node]:
+    """Return the nodes whose storage a write into ``arg`` changes (``arg`` and what it views, transitively)."""
+    seen, stack = [], [arg]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.append(node)
+            stack += aliases(node)
+    return seen
+
+
+def fresh_constants(gm: torch.fx.GraphModule) -> list[str]:
+    """Clone each tensor constant ``gm`` writes in place before its first use; return the constants' names."""
+    constants = _constants(gm)
+    if not constants:
+        return []
+    written: dict[torch.fx.Node, None] = {}
+    for node in gm.graph.nodes:
+        for arg in written_args(node):
+            for target in (arg if isinstance(arg, (list, tuple)) else [arg]):
+                if isinstance(target, torch.fx.Node):
+                    written.update((r, None) for r in _roots(target) if r in constants)
+    for node in written:
+        with gm.graph.inserting_after(node):
+            fresh = gm.graph.call_method("clone", (node,))
+        node.replace_all_uses_with(fresh, delete_user_cb=fresh.__ne__)
+        fresh.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace")})
+    if written:
+        gm.recompile()
+    return [str(n.target) for n in written]
