@@ -45,6 +45,7 @@ _IMETHODS = {"__setitem__", "__delitem__", "__iadd__", "__isub__", "__imul__", "
              "__ifloordiv__", "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__",
              "__ixor__", "__ilshift__", "__irshift__"}
 _NOT_DATA = {"requires_grad_", "retain_grad", "share_memory_", "record_stream"}
+_VIEW_ATTRIBUTES = {"data", "T", "mT", "H", "mH", "real", "imag"}  # attributes that are views of the tensor
 VIEW_NAMES = {"view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "swapdims",
               "permute", "t", "narrow", "select", "squeeze", "unsqueeze", "expand", "expand_as",
               "flatten", "unflatten", "split", "split_with_sizes", "tensor_split", "chunk", "unbind",
@@ -229,6 +230,8 @@ def aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
         view = any(r.alias_info is not None and not r.alias_info.is_write for s in schemas for r in s.returns)
     elif node.op == "call_module":
         view = _passes_through(node)
+    elif node.op == "call_function" and node.target is getattr:  # fx's x.data (x.T, x.mT, x.real...)
+        view = len(node.args) > 1 and node.args[1] in _VIEW_ATTRIBUTES
     else:
         view = op_name(node.target) in VIEW_NAMES
     found = [first] if view and first is not None else []

@@ -436,6 +436,12 @@ def _refusal(model: nn.Module, exc: BaseException, fix: str = "", where: str = "
             "torch.utils._pytree.register_pytree_node. The full torch.export error is chained below.")
     if not fix and ("data-dependent" in first or type(exc).__name__ == "GuardOnDataDependentSymNode"):
         return _value_branch(model, exc, first)
+    if not fix and "fake tensor in the exported program constant" in first:  # a write through .data, typically
+        return TraceError(
+            f"torch.export could not trace {type(model).__name__}: {first} This is what a write through a "
+            "tensor's .data makes (self.ema.data.mul_(0.9), older EMA and codebook code): write the tensor itself "
+            "inside torch.no_grad() (self.ema.mul_(0.9)), which is the same in eager, or use tracer='fx'. The full "
+            "torch.export error is chained below.")
     line = f"The model's code fixes the batch size to a constant{where}. " if where else ""
     frame = user_frame(exc) if type(exc).__module__ == "builtins" else None
     made = frame is not None and "concrete integers" in str(exc) and _FACTORY.search(frame.line or "")

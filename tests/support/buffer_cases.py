@@ -104,17 +104,21 @@ class Normalized(nn.Module):
 
 
 class Chained(nn.Module):
-    """Update an EMA with chained in-place ops in a no_grad block (a VQ codebook's); read it in a later layer."""
+    """Update an EMA with chained in-place ops in a no_grad block (a VQ codebook's); read it in a later layer.
 
-    def __init__(self) -> None:
+    ``via_data``: through ``self.ema.data`` (older MoCo and VQ-VAE code).
+    """
+
+    def __init__(self, via_data: bool = False) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
         self.register_buffer("ema", torch.ones(16))
+        self.via_data = via_data
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
         with torch.no_grad():
-            self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+            (self.ema.data if self.via_data else self.ema).mul_(0.9).add_(h.mean(0), alpha=0.1)
         return self.b(h * self.ema)
 
 
