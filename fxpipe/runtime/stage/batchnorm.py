@@ -87,11 +87,17 @@ def defer_batch_norm(modules: Iterable[nn.Module]) -> list[_BatchNorm]:
     """Make every batch norm among ``modules`` defer its running-statistics update; return them.
 
     A subclass with its own ``forward`` (timm's ``BatchNormAct2d``: batch norm, then its
-    activation) keeps it: :func:`_own_forward` runs it on scratch running statistics.
+    activation) keeps it: :func:`_own_forward` runs it on scratch running statistics. A norm an
+    earlier pipe of the same model deferred (a model compiled again) is deferred by this one too.
     """
     deferred = []
     for bn in modules:
-        if isinstance(bn, _BatchNorm) and bn.track_running_stats and "forward" not in bn.__dict__:
+        if not (isinstance(bn, _BatchNorm) and bn.track_running_stats):
+            continue
+        patched = getattr(bn.__dict__.get("forward"), "__func__", None)
+        if patched in (_own_forward, _deferred_forward):  # deferred by an earlier pipe of the same model
+            deferred.append(bn)
+        elif "forward" not in bn.__dict__:
             own = type(bn).forward is not _BatchNorm.forward
             bn.__dict__["forward"] = types.MethodType(_own_forward if own else _deferred_forward, bn)
             _reset(bn)
