@@ -8,6 +8,9 @@ modules it calls (parameters' values, a replaced ``Parameter``, ``train()``/``ev
                                        parameters get no gradient)
     a plain attribute the trace read   a flag or a scale (``self.use_relu``, ``self.scale``)
                                        keeps its value of compile
+    a submodule's own train()/eval()   where its traced code reads the mode (a dropout's flag,
+                                       an exported batch norm), the merged graph reads the
+                                       whole model's
 
 :func:`snapshot` records, at compile, each module's place in its parent and its plain
 attributes (bools, numbers, strings); :func:`changes` names what differs at a call. It records
@@ -54,6 +57,10 @@ class Snapshot:
                 self.places.append((parent._modules, key, child, full))
                 if full not in called:  # a module the graph calls reads its own attributes when run
                     self.values += [(child, k, v, full) for k, v in _plain(child)]
+        # (the module, its name, its mode against the model's) of each module whose code the merged graph runs by
+        # the whole model's mode: its own train()/eval() after compile is not followed
+        self.model = model
+        self.moded = [(module, path, module.training == model.training) for path, module in _moded(model, gm)]
         # (the module, the field, its tensor) of each tensor the graph fetches (get_attr): the stages hold them
         # in attributes of their own, which a replaced Parameter (load_state_dict(assign=True)) leaves behind
         self.fetched: list[tuple[nn.Module, str, Any]] = []
@@ -66,6 +73,25 @@ class Snapshot:
     def retake(self) -> None:
         """Record the tensors the graph fetches as they are now (after the stages were pointed at them)."""
         self.fetched = [(owner, field, held_tensor(owner, field)) for owner, field, _ in self.fetched]
+
+
+def _moded(model: nn.Module, gm: torch.fx.GraphModule) -> list[tuple[str, nn.Module]]:
+    """Return the submodules (name, module) owning a node of ``gm`` that reads the mode (``pick``, a dropout's flag)."""
+    found: dict[str, nn.Module] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target != "training":
+            continue
+        for user in node.users:
+            stack = user.meta.get("nn_module_stack") or next(
+                (a.meta.get("nn_module_stack") for a in user.all_input_nodes if a.meta.get("nn_module_stack")), None)
+            path = list(stack.values())[-1][0] if stack else ""
+            try:
+                module = model.get_submodule(path) if path else None
+            except AttributeError:
+                module = None
+            if module is not None:
+                found[path] = module
+    return sorted(found.items())
 
 
 def replaced(snap: Snapshot) -> bool:
@@ -93,20 +119,27 @@ def _get(registry: Any, key: str) -> Any:
 
 def changes(snap: Snapshot) -> list[str]:
     """Name each submodule replaced or removed, and each recorded attribute changed, since the snapshot."""
-    if all(_get(r, k) is m for r, k, m, _ in snap.places) and \
+    root = snap.model
+    modes = [
+        f"{name} was put in {'training' if m.training else 'eval'} mode on its own (the model is in "
+        f"{'training' if root.training else 'eval'} mode)" for m, name, same in snap.moded
+        if (m.training == root.training) != same]
+    if all(_get(r, k) is m for r, k, m, _ in snap.places) and not modes and \
             all((now := vars(m).get(k, _Missing)) is v or now == v for m, k, v, _ in snap.values):
         return []
     found = [f"{name} was {'removed' if _get(r, k) in (None, _Missing) else 'replaced'}"
              for r, k, m, name in snap.places if _get(r, k) is not m]
     found += [f"{name + '.' if name else ''}{k} was {v!r}, is {vars(m).get(k, '(deleted)')!r}"
               for m, k, v, name in snap.values if (now := vars(m).get(k, _Missing)) is not v and now != v]
-    return found
+    return found + modes
 
 
 def describe(found: list[str]) -> str:
     """Return the warning for the changes ``found``."""
     return (f"the model changed after fxpipe.compile: {'; '.join(found[:5])}{' ...' if len(found) > 5 else ''}. "
             "The pipe runs the graph traced at compile: a replaced submodule is not called (its parameters get no "
-            "gradient), and an attribute the traced code read keeps its value of compile. Compile the model again "
-            "after changing it (parameters' values, a replaced Parameter, train()/eval() and requires_grad are "
-            "followed)")
+            "gradient), an attribute the traced code read keeps its value of compile, and the traced code of a "
+            "submodule runs by the whole model's mode, not its own (a batch norm or dropout set apart with "
+            "model.part.eval() keeps the model's). Compile the model again after changing it, with the submodule's "
+            "mode set first (parameters' values, a replaced Parameter, the whole model's train()/eval() and "
+            "requires_grad are followed)")

@@ -108,3 +108,47 @@ def test_the_models_attributes_read_and_set_through_the_pipe():
     with pytest.raises(AttributeError, match="Flags.width is a property of the model's class"):
         pipe.width
     assert not hasattr(pipe, "generate")
+
+
+class _DropBlock(nn.Module):
+    """Read the block's own mode in its code, as timm and Hugging Face layers do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return nn.functional.dropout(self.lin(x), 0.5, training=self.training)
+
+
+class _Frozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.block, self.bn, self.b = nn.Linear(8, 8), _DropBlock(), nn.BatchNorm1d(8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(self.bn(self.block(self.a(x))))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_submodule_put_in_another_mode_on_its_own_is_warned_of(tracer):
+    # the merged graph reads the whole model's mode: a block's dropout kept on for MC dropout under pipe.eval() ran
+    # off, and an exported batch norm frozen with model.bn.eval() went on normalising by the batch, silently
+    model = _Frozen()
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2, tracer=tracer)
+    pipe.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(torch.randn(4, 8))  # the whole model's mode: followed, nothing to tell
+    model.block.train()
+    with pytest.warns(UserWarning, match=r"block was put in training mode on its own \(the model is in eval mode\)"):
+        pipe(torch.randn(4, 8))
+    pipe.train()
+    model.bn.eval()
+    if tracer == "export":  # an exported batch norm reads the mode in the graph; fx calls the module, which follows
+        with pytest.warns(UserWarning, match=r"bn was put in eval mode on its own"):
+            pipe(torch.randn(4, 8))
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            pipe(torch.randn(4, 8))
