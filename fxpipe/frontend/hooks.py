@@ -15,16 +15,26 @@ import warnings
 import torch.fx
 from torch import nn
 
+from fxpipe.errors import TraceError
 from fxpipe.passes.linears import HOOK_KINDS
 
 __all__ = ["warn_lost_hooks"]
 
 
-def warn_lost_hooks(model: nn.Module, gm: torch.fx.GraphModule) -> list[str]:
+def warn_lost_hooks(model: nn.Module, gm: torch.fx.GraphModule, tracer: str = "fx") -> list[str]:
     """Warn once naming each hooked module of ``model`` that ``gm`` traced through; return their descriptions."""
     leaves = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
     lost = []
     for name, module in model.named_modules():
+        hooks = [h for attr, _ in HOOK_KINDS for h in getattr(module, attr, {}).values()]
+        if any(_timm_feature_hook(h) for h in hooks):
+            if tracer == "fx":
+                raise TraceError(
+                    f"{type(model).__name__} collects its features with timm's forward hooks (features_only=True, "
+                    "feature_cls='hook'), which file each output under its input's device: torch.fx's proxy has "
+                    "none, so the traced model returns no features. Use tracer='export' (the features the hooks "
+                    "collect are in its graph), or timm's default feature extractor (leave out feature_cls='hook')")
+            continue  # exported: what the hooks collect and forward returns is in the graph
         kinds = [kind for attr, kind in HOOK_KINDS if any(not _captures(h) for h in getattr(module, attr, {}).values())]
         if kinds and not any(name == leaf or name.startswith(leaf + ".") for leaf in leaves):
             lost.append(f"{name or 'the model'} ({', '.join(kinds)})")
@@ -36,6 +46,13 @@ def warn_lost_hooks(model: nn.Module, gm: torch.fx.GraphModule) -> list[str]:
             "collects as a model output, hook a module the graph calls as a leaf (tracer='fx' with "
             "leaf_modules=), or hook tensors (p.register_hook).", stacklevel=4)
     return lost
+
+
+def _timm_feature_hook(hook: object) -> bool:
+    """Tell whether a hook is timm's feature collector (``FeatureHooks``, behind ``feature_cls='hook'``)."""
+    fn = getattr(hook, "func", hook)
+    return getattr(fn, "__name__", "") == "_collect_output_hook" and \
+        str(getattr(fn, "__module__", "") or "").startswith("timm.")
 
 
 def _captures(hook: object) -> bool:

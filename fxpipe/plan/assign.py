@@ -104,7 +104,7 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
             _check_example_batch(model, args, kwargs, options.unbatched, chunks > 1)
         gm = trace(model, leaf_modules=options.leaf_modules, tracer=tracer, example_inputs=args,
                    example_kwargs=kwargs, device=devices[0] if devices else None, unbatched=options.unbatched)
-        warn_lost_hooks(model, gm)
+        warn_lost_hooks(model, gm, tracer if isinstance(tracer, str) else "fx")
     whole = _mark_unbatched(gm, options.unbatched)
 
     # torch.distributed.pipelining's markers (pipe_split(), split_spec=) as split points

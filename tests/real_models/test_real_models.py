@@ -358,3 +358,32 @@ def test_exported_batch_norms_reading_statistics_through_a_mode_choice_are_kept_
             break
     for (name, got), (_, want) in zip(models["export"].named_buffers(), models["fx"].named_buffers()):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_timms_hook_based_feature_extractor_is_refused_under_fx_and_equal_under_export(tracer):
+    """timm's features_only with feature_cls='hook' files each feature under its input's device, which fx's proxy
+    lacks: the pipe returned an empty list, with only the generic lost-hooks warning. Exported, the features are
+    in the graph: equal to eager, and no hook is warned of."""
+    import warnings
+
+    import fxpipe
+
+    pytest.importorskip("timm")
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("resnet18", features_only=True, feature_cls="hook", out_indices=(1, 2, 3)).eval()
+    x = torch.randn(4, 3, 32, 32)
+    if tracer == "fx":
+        with pytest.raises(fxpipe.TraceError, match="tracer='export'"):
+            fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2)
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="hooks on modules")
+        pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, tracer="export")
+    with torch.no_grad():
+        got, want = pipe(x), model(x)
+    assert len(got) == len(want) == 3
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
