@@ -1,5 +1,7 @@
 """A node that fails on the example inputs is named with its module, and the likely cause given."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,9 +93,14 @@ class FlexAttention(nn.Module):
 def test_a_leaf_running_torch_compile_inside_names_export_not_a_dropped_branch():
     # flex_attention compiles itself even when called eagerly: not on fxpipe's fake tensors. The message
     # blamed a check on a traced Proxy or inputs that do not fit
+    # (torch 2.14 runs it on fake tensors: the pipe then equals eager)
     model = nn.Sequential(FlexAttention(), nn.Linear(16, 16)).eval().requires_grad_(False)  # no CPU backward
-    with torch.no_grad(), pytest.raises(fxpipe.PropagationError, match=r"runs torch.compile inside.*tracer='export'") \
-            as caught:
-        fxpipe.compile(model, 2, example_inputs=(torch.randn(2, 8, 16),), devices=["cpu"] * 2,
-                       leaf_modules=[FlexAttention])
-    assert "Proxy" not in str(caught.value)
+    x = torch.randn(2, 8, 16)
+    with torch.no_grad():
+        try:
+            pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, leaf_modules=[FlexAttention])
+        except fxpipe.PropagationError as exc:
+            assert re.search(r"runs torch.compile inside.*tracer='export'", str(exc), re.S), exc
+            assert "Proxy" not in str(exc)
+        else:
+            torch.testing.assert_close(pipe(x), model(x))
