@@ -95,7 +95,11 @@ class DistributedRuntime:
         self.example = [n.meta.get("fxpipe.value") for n in gm.graph.nodes if n.op == "placeholder"]
         self.crossing = sorted({v for s in plan.stages for v in s.outputs})
         self.layouts = LayoutCache()  # crossing values' specs per micro-batch layout (the latest 256)
-        self.propagate = passes.Propagator(gm, self.crossing)  # a new layout's crossing specs, on fake tensors
+        # a new layout's crossing specs, on fake tensors; the outputs too, so that the last stage's shapes are
+        # checked before the step (steplayout._propagated falls back to the crossing values alone)
+        self.outputs = [a.name for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes]
+        self.propagate = passes.Propagator(gm, [*self.crossing, *self.outputs])
+        self.propagate_crossing: Any = None  # made at the first fallback
         nodes = {n.name: n for n in gm.graph.nodes}  # tensor parallel: which crossing values are shards
         self.shards = {v: nodes[v].meta["fxpipe.tp"] for v in self.crossing if "fxpipe.tp" in nodes[v].meta}
         self._programs: dict[tuple[str, int], list[Program]] = {}

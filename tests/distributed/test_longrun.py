@@ -395,3 +395,15 @@ def test_ranks_of_one_pipeline_given_different_rows_are_refused_and_data_shard_s
         assert "another target than rank" in message or "refused this step" in message, (r, message)
         assert "another input 'ids'" in _refused(res, "forward_own_rows", r) or world == 4
         assert res["loss_error"] < 1e-5, res
+
+
+def test_a_shape_only_the_last_stage_cannot_take_is_refused_on_every_rank_before_the_call(tmp_path, launch):
+    # before: the last rank raised torch's error mid-call; under pipe(x) the first rank had returned None
+    results = launch("longrun_cases:too_long_for_the_last_stage", 2, "1f1b", tmp_path)
+    _ok(results)
+    for r, res in enumerate(results):
+        for when in ("call", "step"):
+            kind, message, _ = res[when]
+            assert kind == "PipelineInputError", (r, when, res[when])
+            assert "node 'add'" in message and "nothing ran" in message, (r, when, message)
+        assert res["after"][0] == "returned", (r, res["after"])

@@ -675,3 +675,34 @@ def dies_saving(rank, world, schedule):
     out = {"saving": _attempt(lambda: fxpipe.save(pipe, os.path.join(folder, "step-2")))}
     out["latest"] = os.path.basename(fxpipe.latest_checkpoint(folder))
     return out
+
+
+class _PositionsLast(nn.Module):
+    """Slice a position table in the last stage: a longer sequence than the table fails there only."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        self.pos = nn.Parameter(torch.randn(1, 12, 16))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.out(x + self.pos[:, :x.shape[1]])
+
+
+def too_long_for_the_last_stage(rank, world, schedule):
+    """A sequence the last stage cannot take is refused on every rank before the call, pipe(x) and step alike."""
+    torch.manual_seed(0)
+    model = _PositionsLast()
+    pipe = fxpipe.compile(model, world, example_inputs=(torch.randn(4, 8, 16),), chunks=2, runtime="distributed",
+                          timeout=60, schedule=schedule, split_points=["layers.2"])
+    out = {}
+    x, y = torch.randn(4, 20, 16), torch.randn(4, 20, 4)
+    with torch.no_grad():
+        out["call"] = _attempt(lambda: pipe(x if rank == 0 else None))
+    out["step"] = _attempt(lambda: pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss))
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 4)
+    out["after"] = _attempt(lambda: pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss))
+    return out

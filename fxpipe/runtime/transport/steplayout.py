@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import PipelineInputError, PropagationError
 from fxpipe.frontend.export import enabled_autocast
 from fxpipe.passes.annotate import TensorSpec, spec_of
+from fxpipe.passes.infer import Propagator
 from fxpipe.passes.spec import map_leaves
 from fxpipe.runtime.microbatch import check_target_rows
 from fxpipe.runtime.stage.stagecall import autocast_state
@@ -301,15 +302,34 @@ def _propagated(runtime: Any, layout: Any, training: bool) -> dict[str, Any]:
     gm.training = training
     try:
         try:
-            return runtime.propagate(list(layout))
+            specs = _checked(runtime, layout)
         except PropagationError:
             if torch.is_grad_enabled():
                 raise
             with torch.enable_grad():
-                specs = runtime.propagate(list(layout))
-            return map_leaves(lambda v: replace(v, requires_grad=False) if isinstance(v, TensorSpec) else v, specs)
+                specs = _checked(runtime, layout)
+            specs = map_leaves(lambda v: replace(v, requires_grad=False) if isinstance(v, TensorSpec) else v, specs)
+        return {name: spec for name, spec in specs.items() if name in runtime.crossing}
     finally:
         gm.training = mode
+
+
+# what fake tensors cannot run (a value-dependent size, an op without a fake rule): not the input's fault
+_FAKE_LIMITS = ("DataDependent", "DynamicOutputShape", "UnsupportedOperator", "UnsupportedFakeTensor")
+
+
+def _checked(runtime: Any, layout: Any) -> dict[str, Any]:
+    """Propagate the crossing values and the outputs (the last stage checked too); the crossing ones alone where
+    only fake tensors' limits stop the outputs' propagation."""
+    try:
+        return runtime.propagate(list(layout))
+    except PropagationError as exc:
+        causes = [type(c).__name__ for c in (exc.__cause__, exc.__context__) if c is not None]
+        if not runtime.outputs or not any(limit in name for name in causes for limit in _FAKE_LIMITS):
+            raise
+    if runtime.propagate_crossing is None:
+        runtime.propagate_crossing = Propagator(runtime.gm, runtime.crossing)
+    return runtime.propagate_crossing(list(layout))
 
 
 def _keys(specs: list[Any], training: bool) -> list[str]:
