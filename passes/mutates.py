@@ -167,9 +167,15 @@ def _body_writes(node: Any) -> list[Any]:
         return []
     body: torch.fx.GraphModule = _attr(owner, str(node.args[bodies[0]].target))
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    written = {w for n in body.graph.nodes for value in written_args(n)
-               for w in (value if isinstance(value, (list, tuple)) else [value])}
-    return [v for p, v in zip(placeholders, node.args[bodies[0] + 1:]) if p in written]
+    written = [w for n in body.graph.nodes for value in written_args(n)
+               for w in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(w, torch.fx.Node)]
+    seen: set[torch.fx.Node] = set()
+    while written:  # a write into a view (ema[:4] = ..., a slice's copy_) writes what it views
+        w = written.pop()
+        if w not in seen:
+            seen.add(w)
+            written += aliases(w)
+    return [v for p, v in zip(placeholders, node.args[bodies[0] + 1:]) if p in seen]
 
 
 def _attr(owner: Any, target: str) -> Any:

@@ -148,3 +148,18 @@ class SharedNorm(nn.Module):
 
     def forward(self, x):
         return self.c(self.bn(self.b(torch.relu(self.bn(self.a(x))))))
+
+
+class SliceSet(nn.Module):
+    """Update part of a buffer by slice assignment in a no_grad block, read it after (in the same stage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("ema", torch.ones(16))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            self.ema[:8] = self.ema[:8] * 0.5 + h.mean(0)[:8]
+        return self.c(torch.tanh(self.b(h)) * self.ema)
