@@ -117,9 +117,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             or (torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(x.device.type))):
         return F.linear(x, weight, bias)
     if x.requires_grad and type(weight) is torch.nn.Parameter and _no_saved_tensor_hooks():
-        y = F.linear(x, weight.detach(), None if bias is None else bias.detach())
-        y.register_hook(_Queue(store, x, weight, bias))
-        return y
+        # a 3-D input flattened here: F.linear's own output would be a view, and an in-place op on it
+        # (ReLU(inplace=True), Wav2Vec2's h[~mask] = 0) rebases its history past the hook, which then
+        # never fires (the weight's gradient stayed None). The view made here leaves the hook on its base.
+        flat = x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x
+        y = F.linear(flat, weight.detach(), None if bias is None else bias.detach())
+        y.register_hook(_Queue(store, flat, weight, bias))
+        return y.view(*x.shape[:-1], y.shape[-1]) if x.dim() > 2 else y
     if x.dim() > 2 and type(x) is torch.Tensor:
         # F.linear of a 3-D input returns a view; made inside the Function, autograd would refuse
         # an in-place op on it (Swinv2's ReLU(inplace=True) after a linear of a buffer): view outside
