@@ -150,7 +150,8 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
                 "sample) padded with the bag's padding_idx (per_sample_weights the same shape), or flatten a 2-D "
                 "input inside the forward; or use chunks=1")
         flat = [name for value, name in zip(values, names) if name in whole and isinstance(value, torch.Tensor)
-                and value.dim() == 1 and index_like(value)] if batch is not None and micro > 1 else []
+                and value.dim() == 1 and value.numel() > 1 and index_like(value)] if batch is not None and micro > 1 \
+            else []  # one value (a diffusion timestep of shape (1,)) broadcasts: no offsets nor indices
         if flat:
             warnings.warn(
                 f"unbatched={flat} gives 1-D integer input(s) whole to each of the {micro} micro-batches: if they hold "

@@ -100,6 +100,25 @@ def test_a_1_d_integer_input_given_whole_is_warned_of():
                        devices=["cpu"] * 2, unbatched=["lengths"])
 
 
+class Timestep(nn.Module):
+    """A diffusion model's timestep of shape (1,), broadcast over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, t):
+        return self.a(x) * t.float()
+
+
+def test_a_1_d_integer_input_of_one_value_given_whole_is_not_warned_of():
+    # one value broadcasts: it cannot be offsets or indices (diffusers' UNet2DModel with torch.tensor([10]))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="unbatched=")
+        fxpipe.compile(Timestep(), 2, example_inputs=(torch.randn(4, 8), torch.tensor([10])), chunks=2,
+                       devices=["cpu"] * 2, unbatched=["t"])
+
+
 class OneHot(nn.Module):
     """Label smoothing's one-hot of integer labels: a scatter along dim 1, each row to itself."""
 
