@@ -182,6 +182,16 @@ class Pipe(nn.Module):
                 "a distributed pipe cannot be cast or moved after compile: its plan (the dtypes and devices of the "
                 "values its ranks exchange, the parameters each rank holds) was built for the model as compiled. "
                 "Cast or move the model before fxpipe.compile (or build it in that dtype)")
+        gm = self.__dict__.get("_gm")
+        if gm is not None and gm.meta.get("fxpipe.tracer") == "export":
+            held = {t.dtype for t in (*self._model.parameters(), *self._model.buffers()) if t.is_floating_point()}
+            cast = next((c for d in held if isinstance(c := fn(torch.zeros((), dtype=d)), torch.Tensor)
+                         and c.dtype != d), None)  # a dtype the cast changes (a move keeps them)
+            if cast is not None:
+                raise TypeError(
+                    f"an exported pipe cannot be cast to {cast.dtype} after compile: torch.export recorded the "
+                    "dtypes of the model's inputs and values in its graph. Cast the model before fxpipe.compile "
+                    f"(model.to({cast.dtype}), example inputs to match), or use tracer='fx', whose pipe casts")
         super()._apply(fn, recurse)
         self._reshare()
         return self

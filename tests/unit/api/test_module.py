@@ -159,6 +159,20 @@ def test_a_cast_after_compile_reaches_every_stage_and_a_move_is_refused():
         pipe.to("meta")
 
 
+def test_an_exported_pipe_refuses_a_cast_naming_the_fix():
+    # the cast went through, then a bfloat16 input was refused and a float32 one failed inside a stage
+    model, x = _Direct(), torch.randn(8, 4)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, tracer="export")
+    with pytest.raises(TypeError, match=r"exported pipe cannot be cast to torch.bfloat16.*before fxpipe.compile"):
+        pipe.to(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"cannot be cast to torch.float64"):
+        pipe.double()
+    pipe.float()  # no dtype changes: a no-op, as before
+    assert next(model.parameters()).dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))
+
+
 class _ReadsMode(nn.Module):
     """Reads self.training in its own code (merged graph: the stage's flag) beside a batch norm module."""
 
