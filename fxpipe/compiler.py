@@ -199,7 +199,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             raise CompileError(
                 f"{type(model).__name__} has lazy modules not yet initialised ('{lazy}' of {type(owner).__name__}): "
                 "their shapes come from the first input they see. Run one forward on a batch before fxpipe.compile "
-                "(model(x), under torch.no_grad() if you like), or build the modules with their sizes")
+                "(model(x), under torch.no_grad() if you like), or build the modules with their sizes; a lazy "
+                "module that forward does not call stays uninitialised after it: delete it or give it its sizes")
         made = next((n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_inference()), None)
         if made is not None:
             raise CompileError(
