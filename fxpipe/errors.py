@@ -50,7 +50,23 @@ class TraceError(TypeError):
 _DISTRIBUTIONS = (
     "\nA torch.distributions object (Normal, Categorical, ...) is neither traced nor split into micro-batches: "
     "a pipe's inputs and outputs are tensors and containers of them. Return the distribution's parameters "
-    "(loc, scale; logits) and build it in loss_fn: loss_fn=lambda out, y: -Normal(*out).log_prob(y).mean()")
+    "(loc, scale; logits) and build it in loss_fn: loss_fn=lambda out, y: -Normal(*out).log_prob(y).mean(). "
+    "Where the model itself samples from it (an actor feeding its critics), build it with validate_args=False "
+    "under tracer='export' (its argument checks branch on values), or keep the sampling module whole under "
+    "tracer='fx' (leaf_modules=[ThatModule])")
+
+
+def with_distributions_hint(err: TraceError, cause: BaseException) -> TraceError:
+    """Return ``err`` with the torch.distributions hint added where ``cause`` was raised inside torch.distributions."""
+    frames = []
+    tb = cause.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    inside = any(f"{os.sep}distributions{os.sep}" in f for f in frames)
+    if inside and err.args and isinstance(err.args[0], str) and _DISTRIBUTIONS not in err.args[0]:
+        err.args = (err.args[0] + _DISTRIBUTIONS, *err.args[1:])
+    return err
 
 
 class PlanMismatchError(ValueError):

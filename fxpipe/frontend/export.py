@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 
-from fxpipe.errors import TraceError
+from fxpipe.errors import TraceError, with_distributions_hint
 from fxpipe.frontend.autogradfns import check_functions, watching_functions
 from fxpipe.frontend.exportmeta import fake_inputs, fake_state, meta_refusal, refuse_stand_ins, target_device
 from fxpipe.frontend.leftovers import no_proxies_left
@@ -424,6 +424,11 @@ _FACTORY = re.compile(r"\btorch\.(randn|rand|randint|empty|zeros|ones|full|norma
 
 def _refusal(model: nn.Module, exc: BaseException, fix: str = "", where: str = "") -> TraceError:
     """Explain that torch.export cannot keep the batch dim dynamic for ``model`` (or flatten what it returns)."""
+    return with_distributions_hint(_refused(model, exc, fix, where), exc)
+
+
+def _refused(model: nn.Module, exc: BaseException, fix: str, where: str) -> TraceError:
+    """Explain that torch.export cannot keep the batch dim dynamic for ``model`` (the text of :func:`_refusal`)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     unknown = _UNKNOWN_TYPE.search(first)
     if unknown is not None and not fix:

@@ -19,7 +19,7 @@ import torch.fx
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
-from fxpipe.errors import TraceError, user_stacklevel
+from fxpipe.errors import TraceError, user_stacklevel, with_distributions_hint
 from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.autogradfns import applying, check_functions, watching_functions
@@ -196,7 +196,7 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
                 flags_kept(model, flipped), watching_functions() as functions:
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
-        raise _explain(model, fx_tracer, exc) from exc
+        raise with_distributions_hint(_explain(model, fx_tracer, exc), exc) from exc
     if flipped:
         warnings.warn(
             f"tracing {type(model).__name__} ran a forward that flipped {', '.join(flipped)} (put back): fx keeps the "

@@ -106,6 +106,34 @@ def test_a_distribution_returned_names_the_fix(validate):
         fxpipe.compile(Gaussian(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2)
 
 
+class _SamplingPolicy(nn.Module):
+    """Sample an action inside forward (returning tensors only)."""
+
+    def __init__(self, validate):
+        super().__init__()
+        self.pi, self.validate = nn.Linear(6, 4), validate
+
+    def forward(self, x):
+        dist = torch.distributions.Categorical(logits=self.pi(x), validate_args=self.validate)
+        action = dist.sample()
+        return dist.log_prob(action), dist.entropy()
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_distribution_sampled_inside_forward_names_the_fixes(tracer):
+    # the failing frame was inside torch.distributions (its argument check on values), not the user's: the messages
+    # said to rewrite a branch or try the other tracer, naming neither the distribution nor validate_args=False
+    with pytest.raises(fxpipe.TraceError, match=r"(?s)torch.distributions object .*validate_args=False under "
+                                                r"tracer='export'.*leaf_modules="):
+        fxpipe.compile(_SamplingPolicy(None), 2, example_inputs=(torch.randn(8, 6),), devices=["cpu"] * 2,
+                       tracer=tracer)
+    if tracer == "export":  # the first fix named works
+        pipe = fxpipe.compile(_SamplingPolicy(False), 2, example_inputs=(torch.randn(8, 6),), devices=["cpu"] * 2,
+                              tracer=tracer, split_points=["pi"])
+        log_prob, entropy = pipe(torch.randn(8, 6))
+        assert log_prob.shape == entropy.shape == (8,)
+
+
 class _OptionalMask(nn.Module):
     """An optional input checked with ``is not None`` (true for a traced value)."""
 
