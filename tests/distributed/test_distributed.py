@@ -244,6 +244,8 @@ def test_data_parallel_refusals(tmp_path, launch):
         assert res["batch"].startswith("PipelineInputError"), res["batch"]
         assert "replica 1 has a batch of 3 rows but replica 0 has 4" in res["batch"] or \
             "replica 0 has a batch of 4 rows but replica 1 has 3" in res["batch"]
+        assert res["eval_batch"].startswith("PipelineInputError") and "pad the short batch" in res["eval_batch"] \
+            and "gradients" not in res["eval_batch"], res["eval_batch"]
         for label in ("inputs", "target"):  # replica 0 refused it too, instead of failing in gloo
             assert res[label].startswith("PipelineInputError"), (r, label, res[label])
             if r < 2:

@@ -101,10 +101,14 @@ def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.d
                 "the replicas run each step together: make the same call on every rank")
     for other, (size, _, _) in enumerate(gathered):
         if size != batch:
-            raise PipelineInputError(
-                f"replica {replica} has a batch of {batch} rows but replica {other} has {size}; every "
-                "replica averages its gradients with the others', so give each the same batch size (drop the uneven "
-                "last batch: DistributedSampler(..., drop_last=True) or DataLoader(..., drop_last=True); or pad it)")
+            why = ("every replica averages its gradients with the others', so give each the same batch size (drop "
+                   "the uneven last batch: DistributedSampler(..., drop_last=True) or DataLoader(..., drop_last=True); "
+                   "or pad it)" if stepping else
+                   "the replicas run each call together, micro-batch by micro-batch, so give each the same batch "
+                   "size: pad the short batch (an evaluation loses no rows that way: drop the padded rows from the "
+                   "outputs)")
+            raise PipelineInputError(f"replica {replica} has a batch of {batch} rows but replica {other} has {size}; "
+                                     + why)
 
 
 def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target: bool = False,
