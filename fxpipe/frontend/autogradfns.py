@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.errors import TraceError
+from fxpipe.errors import TraceError, user_stacklevel
 
 __all__ = ["applying", "check_functions", "watching_functions"]
 
@@ -78,4 +78,4 @@ def check_functions(model_name: str, seen: list[type], tracer: str) -> None:
             f"{model_name} applies {name}, a torch.autograd.Function, and {tracer} traces through its forward: the "
             "graph keeps the forward and drops its own backward, so the pipeline differentiates the forward instead. "
             "Where that backward is the forward's gradient (a memory-efficient activation) nothing changes but "
-            f"memory; where it is not (a straight-through estimator, a clipped gradient), {fix}", stacklevel=5)
+            f"memory; where it is not (a straight-through estimator, a clipped gradient), {fix}", stacklevel=user_stacklevel())

@@ -15,7 +15,7 @@ import warnings
 import torch.fx
 from torch import nn
 
-from fxpipe.errors import TraceError
+from fxpipe.errors import TraceError, user_stacklevel
 from fxpipe.passes.linears import HOOK_KINDS
 
 __all__ = ["warn_lost_hooks"]
@@ -44,7 +44,7 @@ def warn_lost_hooks(model: nn.Module, gm: torch.fx.GraphModule, tracer: str = "f
             "A forward hook ran once while tracing (what it returns is in the graph; its side effects, such as "
             "saving an activation, do not happen per call); a backward hook never runs. Return what a hook "
             "collects as a model output, hook a module the graph calls as a leaf (tracer='fx' with "
-            "leaf_modules=), or hook tensors (p.register_hook).", stacklevel=4)
+            "leaf_modules=), or hook tensors (p.register_hook).", stacklevel=user_stacklevel())
     return lost
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.errors import TraceError
+from fxpipe.errors import TraceError, user_stacklevel
 from fxpipe.frontend.userframe import outside_torch
 
 __all__ = ["HookOnProxy", "refuse_tensor_hook", "warn_tensor_hooks", "watching_tensor_hooks"]
@@ -62,7 +62,7 @@ def warn_tensor_hooks(model_name: str, places: list[str]) -> None:
         warnings.warn(
             f"{model_name} registers a gradient hook on a tensor in its forward ({', '.join(dict.fromkeys(places))}), "
             "which torch.export does not keep: the hook never runs when the pipe runs, so a hook that changes the "
-            f"gradient leaves the gradients different from eager's. To keep it, {_FIX}", stacklevel=5)
+            f"gradient leaves the gradients different from eager's. To keep it, {_FIX}", stacklevel=user_stacklevel())
 
 
 def refuse_tensor_hook(model_name: str, where: str, **context: Any) -> TraceError:

@@ -119,7 +119,7 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
             warnings.warn(f"unbatched={sorted(whole)} leaves no input to split into micro-batches: every step "
                           f"runs as one micro-batch, whatever chunks={chunks} says, so nothing is pipelined. Name "
                           "only the inputs without a batch dimension (a table inside a dict input: pass it as an "
-                          "argument of its own)", stacklevel=4)
+                          "argument of its own)", stacklevel=user_stacklevel())
         micro = len(micro_sizes(batch, chunks))
         annotate_graph(gm, args, kwargs)
         listed = passes.listed_batches(gm) if micro > 1 and batch is not None else []
@@ -254,14 +254,14 @@ def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int, 
             "rows (the graph does not run for them on fake tensors; see the debug log of fxpipe.passes.batchrows). "
             f"Each of the {chunks} micro-batches computes them over its own rows: a mean over the rows (a per-token "
             "loss) comes out as eager's, anything else (a load-balancing loss) differs. Use chunks=1 for the "
-            "model's own values", stacklevel=5)
+            "model's own values", stacklevel=user_stacklevel())
     sequences = passes.sequence_first_splits(gm, batch, rows, part)
     if sequences:
         warnings.warn(
             f"fxpipe splits every input on dim 0 into micro-batches, but {'; '.join(sequences)}: each micro-batch "
             "would hold a slice of the sequence for the whole batch, and attend or recur over that slice only, so "
             "outputs and gradients differ from eager's. Pass batch-first inputs (batch_first=True on the module, or "
-            "transpose inside the model before it), or use chunks=1", stacklevel=5)
+            "transpose inside the model before it), or use chunks=1", stacklevel=user_stacklevel())
     if coupled or scalars:
         warnings.warn(
             f"the model's output couples the rows of a batch: {'; '.join(coupled + scalars)}. Each of the {chunks} "
@@ -269,7 +269,7 @@ def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int, 
             "values (a contrastive loss then has the micro-batch's negatives, not the batch's; a load-balancing "
             "loss, its micro-batch's balance), so the loss and gradients differ from eager's on the whole batch"
             f"{', and pipe(x) refuses to join them' if coupled else ''}. Use chunks=1 for the model's own values",
-            stacklevel=5)
+            stacklevel=user_stacklevel())
 
 
 def annotate_graph(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:

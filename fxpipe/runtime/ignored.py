@@ -49,7 +49,7 @@ def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_
             "the entries that count gives each micro-batch's mean, which pipe.step weights by rows, so the step's "
             "loss and gradients differ from eager's. Pass loss_reduction='sum' with a loss_fn dividing a sum by "
             "the whole batch's count (docs/guide/using-it.md, 'What loss_fn receives'); ignore this if -100 is a "
-            "class your loss counts (said once per pipe)", stacklevel=4)
+            "class your loss counts (said once per pipe)", stacklevel=user_stacklevel())
         break
     return True
 
