@@ -100,7 +100,8 @@ class PipelinePlan:
         rows = []
         for s in self.stages:
             # first and last: what the stage computes, not the state or mode it reads (get_attr)
-            computed = [v for v in s.nodes if ops.get(v) not in ("get_attr", "placeholder")] or s.nodes
+            computed = [v for v in s.nodes if ops.get(v) not in ("get_attr", "placeholder")
+                        and not v.startswith(_BOOKKEEPING)] or s.nodes
             rows.append([s.index] + ([s.on_rank] if ranked else []) + [
                 s.device, len(s.nodes), _short(computed[0] if computed else ""),
                 _short(computed[-1] if computed else ""), human(s.flops), human(s.params, "B"),
@@ -133,9 +134,13 @@ class PipelinePlan:
         if self.tensor_parallel:
             lines += tp_lines(self.tensor_parallel)
         if self.skips:
+            sizes = [r for r in self.skips if r.name.startswith("sym_size") and not r.bytes]  # export's sizes
             lines.append("skip routes:")
             lines += [f"  {r.name}: stage {r.src} -> stage {r.dst} ({human(r.bytes, 'B')})"
-                      for r in self.skips]
+                      for r in self.skips if r not in sizes]
+            if sizes:
+                lines.append(f"  and {len(sizes)} symbolic size(s) of torch.export ({', '.join(r.name for r in sizes[:3])}"
+                             f"{' ...' if len(sizes) > 3 else ''})")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -188,6 +193,10 @@ class PipelinePlan:
 
 _METRIC_NAMES = {"flops": "FLOPs f+b", "time_ms": "measured ms", "params": "parameter bytes",
                  "memory": "memory", "cost": "cost"}
+
+
+# torch.export's bookkeeping nodes: the first and last columns name what a stage computes instead
+_BOOKKEEPING = ("_guards_fn", "_assert", "sym_size", "sym_constrain")
 
 
 def _short(name: str, width: int = 24) -> str:

@@ -35,6 +35,29 @@ def test_table_names_what_each_stage_computes_first_not_the_state_it_reads():
     assert all(ops[name] not in ("get_attr", "placeholder") for name in firsts), firsts  # not "training", "p_0_weight"
 
 
+class _Positions(torch.nn.Module):
+    """Read the sequence length twice in a later stage: torch.export routes its symbolic size there."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.pos = torch.nn.Parameter(torch.randn(1, 16, 8))
+
+    def forward(self, x):
+        h = self.b(torch.relu(self.a(x)))
+        return self.c(h + self.pos[:, :x.shape[1]])
+
+
+def test_the_exported_tables_name_no_bookkeeping_and_fold_symbolic_sizes():
+    # the first column read "_guards_fn" or "_assert_tensor_metada...", and every sym_size was a 0B skip route
+    pipe = fxpipe.compile(_Positions(), 3, example_inputs=(torch.randn(2, 6, 8),), devices=["cpu"] * 3,
+                          tracer="export")
+    text = str(pipe.plan)
+    firsts = [line.split()[3] for line in text.splitlines()[2:5]]
+    assert not any(f.startswith(("_guards", "_assert", "sym_size")) for f in firsts), firsts
+    assert "sym_size" not in text.split("skip routes:")[-1].split("symbolic size")[0], text
+
+
 def test_json_round_trip(tmp_path):
     plan = _plan()
     again = PipelinePlan.from_json(plan.to_json())
