@@ -54,6 +54,7 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 from fxpipe.errors import TraceError, with_distributions_hint
 from fxpipe.frontend.autogradfns import check_functions, watching_functions
 from fxpipe.frontend.exportmeta import fake_inputs, fake_state, meta_refusal, refuse_stand_ins, target_device
+from fxpipe.frontend.inferencemode import warn_inference_mode, watching_inference_mode
 from fxpipe.frontend.leftovers import no_proxies_left
 from fxpipe.frontend.modes import in_other_mode, may_read_mode
 from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
@@ -233,8 +234,10 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
         return program.module()
 
     drawn: list[str] = []
+    inference: list[str] = []
     with fake_state(model, target) as faked, _keywords_by_name(model, signature, bound):
-        with recording_python_random(drawn), watching_functions() as functions, watching_tensor_hooks() as hooks:
+        with recording_python_random(drawn), watching_functions() as functions, watching_tensor_hooks() as hooks, \
+                watching_inference_mode(inference):
             try:
                 gm = exported(faked)
             except TraceError as exc:
@@ -248,6 +251,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
         check_functions(type(model).__name__, functions, "export")
         warn_tensor_hooks(type(model).__name__, hooks)
         warn_python_random(type(model).__name__, drawn, "export")
+        warn_inference_mode(type(model).__name__, inference)
         difference = _other_mode(model, gm, partial(exported, faked))
     _share_state(gm, model)
     refuse_stand_ins(gm, model)

@@ -562,3 +562,25 @@ def test_the_old_spectral_norm_pre_hook_is_in_the_graph_and_not_warned_of():
         warnings.simplefilter("always")
         fxpipe.compile(model, 2, example_inputs=(torch.randn(6, 8),), devices=["cpu"] * 2, tracer="export")
     assert not [w for w in seen if "hooks on modules" in str(w.message)], [str(w.message) for w in seen]
+
+
+class _InferenceEma(nn.Module):
+    """Update an EMA buffer under torch.inference_mode() inside forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.register_buffer("ema", torch.ones(8))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        with torch.inference_mode():
+            self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return self.b(h * self.ema)
+
+
+def test_an_inference_mode_block_in_an_exported_forward_is_warned_of_naming_no_grad():
+    # torch.export drops the block: the update carried the step's gradient (0.015 off), silently
+    with pytest.warns(UserWarning, match=r"enters torch.inference_mode\(\) at .*test_export.py.*torch.no_grad\(\)"):
+        fxpipe.compile(_InferenceEma(), 2, example_inputs=(torch.randn(8, 8),), devices=["cpu"] * 2,
+                       tracer="export")
