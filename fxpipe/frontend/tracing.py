@@ -35,6 +35,7 @@ from fxpipe.options import check_tracer
 from fxpipe.passes.amp import run_under_autocast
 from fxpipe.passes.freshconstants import fresh_constants
 from fxpipe.passes.modes import merge_modes
+from fxpipe.passes.mutates import aliases, written_args
 from fxpipe.passes.records import register_graph_records
 
 __all__ = ["detector_note", "trace"]
@@ -197,20 +198,37 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         raise with_distributions_hint(_explain(model, fx_tracer, exc), exc) from exc
-    if flipped:
+    check_functions(type(model).__name__, functions, "fx")
+    warn_python_random(type(model).__name__, drawn, "fx")
+    _name_variadic_inputs(graph)
+    _mark_keyword_only(model, graph)
+    gm = torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__)
+    if flipped and _writes_state(gm):  # a flag guarding no write of the model's state (a warn-once guard): quiet
         warnings.warn(
             f"tracing {type(model).__name__} ran a forward that flipped {', '.join(flipped)} (put back): fx keeps the "
             "path of that one call, so if the branch it took initialises the module from the data (an ActNorm, a "
             "codebook set from the first batch), every step runs it again on each micro-batch. Run one eager "
             "forward on a real batch before fxpipe.compile (the module initialises itself, and the trace takes the "
             "path of an initialised module)", stacklevel=user_stacklevel())
-    check_functions(type(model).__name__, functions, "fx")
-    warn_python_random(type(model).__name__, drawn, "fx")
-    _name_variadic_inputs(graph)
-    _mark_keyword_only(model, graph)
-    gm = torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__)
     register_graph_records(gm)  # a record the model builds is split, sent and joined field by field
     return gm
+
+
+def _writes_state(gm: torch.fx.GraphModule) -> bool:
+    """Tell whether ``gm`` writes a parameter or buffer of the model in place (through any alias of it)."""
+    for node in gm.graph.nodes:
+        todo = [w for value in written_args(node) for w in (value if isinstance(value, (list, tuple)) else [value])
+                if isinstance(w, torch.fx.Node)]
+        seen: set[torch.fx.Node] = set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "get_attr" or (n.op == "call_module" and written_args(n)):
+                return True
+            todo += aliases(n)
+    return False
 
 
 def _name_variadic_inputs(graph: torch.fx.Graph) -> None:

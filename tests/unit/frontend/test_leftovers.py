@@ -77,3 +77,28 @@ def test_a_flag_the_traced_forward_flips_is_put_back_and_warned_of_with_the_warm
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         fxpipe.trace(model)
+
+
+class _WarnOnce(nn.Module):
+    """A one-time guard: warn on the first call only (nothing the graph computes depends on it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self._warned = False
+
+    def forward(self, x):
+        if not self._warned:
+            warnings.warn("first call")
+            self._warned = True
+        return self.lin(x)
+
+
+def test_a_flag_guarding_no_write_of_the_models_state_is_put_back_quietly():
+    # a warn-once guard was warned of as a data-dependent initialisation, naming a warm-up it does not need
+    model = nn.Sequential(_WarnOnce(), nn.Linear(4, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(8, 4),), devices=["cpu"] * 2)
+    assert not [w for w in caught if "flipped" in str(w.message)]
+    assert model[0]._warned is False  # put back: the trace was no call of the model
