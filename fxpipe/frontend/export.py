@@ -256,6 +256,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     _share_state(gm, model)
     refuse_stand_ins(gm, model)
     gm.meta["fxpipe.tracer"] = "export"
+    gm.meta["fxpipe.model_module"] = type(model).__module__  # what a refusal may suggest (no fx for transformers)
     gm.meta["fxpipe.example_device"] = target  # the device the trace ran on, held by the graph's device checks
     if difference is not None:  # the graph keeps this mode's: the other is refused
         gm.meta["fxpipe.training"] = model.training

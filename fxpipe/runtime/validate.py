@@ -61,10 +61,19 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
     for node, value, name in zip(placeholders, values, names):
         expected = node.meta.get("val")  # a fake tensor where torch.export or dynamo traced
         if isinstance(expected, FakeTensor) and isinstance(value, torch.Tensor):
-            _check_static_dims(name, value, expected, first=0 if name in unbatched else 1)
+            _check_static_dims(name, value, expected, first=0 if name in unbatched else 1, fx_traces=_fx_traces(meta))
         elif meta.get("fxpipe.tracer") == "export":
             _check_constant(name, value, expected)
     _check_guards(gm, dict(zip(placeholders, values)), unbatched)
+
+
+def _fx_traces(meta: dict) -> bool:
+    """Tell whether tracer='fx' is a way past an exported graph's fixed sizes (not for transformers 5 models)."""
+    return not str(meta.get("fxpipe.model_module", "")).startswith("transformers.")
+
+
+_NO_FX = ("tracer='fx' cannot trace transformers 5 models: pad the input to a size in the range (its attention "
+          "mask marking the padding), or export with an example of that size")
 
 
 def _check_guards(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], unbatched: Collection[str]) -> None:
@@ -183,7 +192,8 @@ def _range(d: Any) -> tuple[int, int | None] | None:
     return int(bounds.lower), upper
 
 
-def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor, first: int = 1) -> None:
+def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor, first: int = 1,
+                       fx_traces: bool = True) -> None:
     """Compare the dims an exported placeholder fixed from dim ``first`` on (1: not the batch's), and their ranges."""
     if actual.dim() != expected.dim():
         raise PipelineInputError(f"input '{where}' has {actual.dim()} dims but the exported graph "
@@ -196,9 +206,10 @@ def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor,
                 f"sizes {bounds[0]} to {bounds[1] if bounds[1] is not None else 'any'} there: it specialises "
                 "sizes 0 and 1, of this input or of a value made from it (a feature map reaching size 1), and "
                 "keeps the branch the model's own code took on the size (a cache used as is up to the length it "
-                "holds, grown past it: only sizes up to it run). Use tracer='fx', whose graph is shape-generic "
-                "(several image sizes in one run; a module branching on the size kept whole with leaf_modules=), "
-                "or export with an example of that size (which moves the range)")
+                "holds, grown past it: only sizes up to it run). " + (
+                    "Use tracer='fx', whose graph is shape-generic (several image sizes in one run; a module "
+                    "branching on the size kept whole with leaf_modules=), or export with an example of that size "
+                    "(which moves the range)" if fx_traces else _NO_FX))
     fixed = [(k, _fixed(d)) for k, d in enumerate(expected.shape) if _fixed(d) is not None]
     wrong = [(k, d) for k, d in fixed if actual.shape[k] != d]
     if wrong:
@@ -206,7 +217,8 @@ def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor,
         raise PipelineInputError(
             f"input '{where}' has shape {tuple(actual.shape)} but the exported graph is fixed to "
             f"{shape} (* = dynamic): torch.export fixed the dims the model's code ties to the example. "
-            f"Export with an example of this shape, or use tracer='fx', whose graph is shape-generic")
+            "Export with an example of this shape" + (", or use tracer='fx', whose graph is shape-generic"
+                                                      if fx_traces else f"; {_NO_FX}"))
     if actual.dtype != expected.dtype:
         raise PipelineInputError(f"input '{where}' has dtype {actual.dtype} but the exported graph "
                                  f"takes {expected.dtype} (torch.export fixed the example's dtype): cast it "

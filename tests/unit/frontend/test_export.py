@@ -537,6 +537,24 @@ def test_a_length_past_the_branch_export_kept_names_the_branch_and_a_leaf_module
         pipe(torch.randint(0, 50, (4, 12)))
 
 
+class _TransformersLike(nn.Sequential):
+    """A model of a package fx cannot trace (transformers 5): the refusal names padding, not tracer='fx'."""
+
+
+_TransformersLike.__module__ = "transformers.models.fake.modeling_fake"
+
+
+def test_a_size_out_of_range_of_a_transformers_model_names_padding_not_fx():
+    model = _TransformersLike(nn.Embedding(50, 16), _GrownTable(16), nn.Linear(16, 50))
+    ids = torch.randint(0, 50, (4, 8))
+    model(ids)
+    pipe = fxpipe.compile(model, 2, example_inputs=(ids,), devices=["cpu"] * 2, chunks=2, tracer="export")
+    with pytest.raises(fxpipe.PipelineInputError, match=r"has 12 in dim 1.*tracer='fx' cannot trace transformers 5 "
+                                                        r"models: pad the input") as caught:
+        pipe(torch.randint(0, 50, (4, 12)))
+    assert "whose graph is shape-generic" not in str(caught.value)
+
+
 def test_quantization_observer_hooks_are_in_the_graph_and_not_warned_of():
     # prepare_qat's observer hooks call the module's activation_post_process, which the trace records: they
     # ran per call and equal eager, yet were warned of as lost
