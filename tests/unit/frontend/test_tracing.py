@@ -125,7 +125,7 @@ def test_a_distribution_sampled_inside_forward_names_the_fixes(tracer):
     # said to rewrite a branch or try the other tracer, naming neither the distribution nor validate_args=False
     with pytest.raises(fxpipe.TraceError, match=r"(?s)torch.distributions object .*validate_args=False under "
                                                 r"tracer='export'.*leaf_modules="):
-        fxpipe.compile(_SamplingPolicy(None), 2, example_inputs=(torch.randn(8, 6),), devices=["cpu"] * 2,
+        fxpipe.compile(_SamplingPolicy(True), 2, example_inputs=(torch.randn(8, 6),), devices=["cpu"] * 2,
                        tracer=tracer)
     if tracer == "export":  # the first fix named works
         pipe = fxpipe.compile(_SamplingPolicy(False), 2, example_inputs=(torch.randn(8, 6),), devices=["cpu"] * 2,
