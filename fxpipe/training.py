@@ -32,17 +32,18 @@ def _runtime(pipe: Any, what: str, instead: str) -> Runtime:
 
 
 def clip_grad_norm_(pipe: Any, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """Clip the gradients of every stage by their total norm over the whole model; return the norm.
 
     The norm equals ``torch.nn.utils.clip_grad_norm_`` on the unpipelined model's
     parameters, and every rank gets it (and clips by it). Call it on every rank, after the
-    step's gradients are complete (outside ``pipe.no_sync()``).
+    step's gradients are complete (outside ``pipe.no_sync()``). ``foreach`` is torch's
+    (accepted so that a ported call runs; the result is the same either way).
     """
     runtime = _runtime(pipe, "clip_grad_norm_", "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)")
     params = [p for p in pipe.parameters() if p.grad is not None]
     if not runtime.place().distributed:  # one process holds everything
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     runtime.ready()  # after a failed step: every rank back on fresh connections
     norm_type = float(norm_type)
     with together("fxpipe.clip_grad_norm_", runtime.place().rank, runtime.broke):

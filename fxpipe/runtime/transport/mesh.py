@@ -134,9 +134,12 @@ def bound_waits(group: Any, timeout: float) -> None:
     NCCL): a replica whose peer failed would wait that long in its gradient reduction.
     """
     try:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
+        if hasattr(dist, "set_timeout"):  # torch >= 2.14 (where _set_pg_timeout warns it is deprecated)
+            dist.set_timeout(timedelta(seconds=timeout), group)
+        else:
+            from torch.distributed.distributed_c10d import _set_pg_timeout
 
-        _set_pg_timeout(timedelta(seconds=timeout), group)
+            _set_pg_timeout(timedelta(seconds=timeout), group)
     except Exception as exc:  # noqa: BLE001 - a torch without it: the mesh keeps torch's default timeout
         log.info("the device mesh's groups keep torch's default timeout: %s: %s", type(exc).__name__, exc)
 
