@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 from fxpipe.passes.inplace import known_mutations
-from fxpipe.passes.mutates import aliases, written_args
+from fxpipe.passes.mutates import aliases, op_name, unwrapped, written_args
 
 __all__ = ["BufferReads", "route_buffer_reads"]
 
@@ -113,9 +113,33 @@ def _clones(node: torch.fx.Node) -> bool:
         str(getattr(node.target, "__name__", node.target)).split(".")[0] == "clone"
 
 
+def _norm_writers(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
+    """Map each running statistic to the batch norms updating it (a module call, an exported op in training).
+
+    Their updates are not in-place ops of the graph; they count only where a stage reads the
+    statistic before a later stage's norm updates it (``w / sqrt(bn.running_var)``, a fused QAT ConvBn).
+    """
+    found: dict[str, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        call = unwrapped(node)
+        names: list[str] = []
+        if call.op == "call_module":
+            module = gm.get_submodule(str(call.target))
+            if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats:
+                names = [f"{call.target}.running_mean", f"{call.target}.running_var"]
+        elif call.op == "call_function" and "batch_norm" in op_name(call.target):
+            args = list(call.args) + [None] * 6
+            if args[5] is not False:
+                names = [str(a.target) for a in args[3:5] if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+        for name in names:
+            found.setdefault(name, []).append(node)
+    return found
+
+
 def _find(gm: torch.fx.GraphModule, found: BufferReads) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, str] | None:
     """Return the first (reader, value read, last earlier-stage write, buffer) to route, noting reads that cannot be."""
     owner, writers = _state_of(gm)
+    norms = _norm_writers(gm)
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     stage = {n: n.meta["fxpipe.stage"] for n in gm.graph.nodes}
     for reader in gm.graph.nodes:
@@ -123,6 +147,13 @@ def _find(gm: torch.fx.GraphModule, found: BufferReads) -> tuple[torch.fx.Node, 
             continue
         for value in reader.all_input_nodes:
             name = owner.get(value)
+            if name is not None and reader not in norms.get(name, ()) and any(
+                    stage[w] > stage[reader] for w in norms.get(name, ())):  # before a later stage's norm updates it
+                w = next(w for w in norms[name] if stage[w] > stage[reader])
+                note = (name, w.name, stage[w], reader.name, stage[reader])
+                if note not in found.unordered:
+                    found.unordered.append(note)
+                continue
             if name is None or reader in writers.get(name, ()) or (
                     owner.get(reader) == name and any(u in writers.get(name, ()) for u in reader.users)):
                 continue  # not a read: a write, or an alias a write goes through (ema.mul_(a).add_(b), detached between)

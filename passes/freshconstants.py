@@ -44,21 +44,29 @@ def _roots(arg: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def fresh_constants(gm: torch.fx.GraphModule) -> list[str]:
-    """Clone each tensor constant ``gm`` writes in place before its first use; return the constants' names."""
+    """Clone each tensor constant ``gm`` writes in place once per call, before its first read; return their names.
+
+    fx fetches the constant anew (another ``get_attr`` node) wherever the code reads it again
+    (``sums.index_add_(...)`` then ``self.b(sums)``): every fetch of a written constant reads the clone.
+    """
     constants = _constants(gm)
     if not constants:
         return []
-    written: dict[torch.fx.Node, None] = {}
+    written: dict[str, None] = {}
     for node in gm.graph.nodes:
         for arg in written_args(node):
             for target in (arg if isinstance(arg, (list, tuple)) else [arg]):
                 if isinstance(target, torch.fx.Node):
-                    written.update((r, None) for r in _roots(target) if r in constants)
-    for node in written:
-        with gm.graph.inserting_after(node):
-            fresh = gm.graph.call_method("clone", (node,))
-        node.replace_all_uses_with(fresh, delete_user_cb=fresh.__ne__)
-        fresh.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace")})
+                    written.update((str(r.target), None) for r in _roots(target) if r in constants)
+    for name in written:
+        fetches = [n for n in constants if str(n.target) == name]
+        with gm.graph.inserting_after(fetches[0]):
+            fresh = gm.graph.call_method("clone", (fetches[0],))
+        fresh.meta.update({k: v for k, v in fetches[0].meta.items() if k in ("val", "tensor_meta", "stack_trace")})
+        for fetch in fetches:
+            fetch.replace_all_uses_with(fresh, delete_user_cb=fresh.__ne__)
+        for fetch in fetches[1:]:
+            gm.graph.erase_node(fetch)
     if written:
         gm.recompile()
-    return [str(n.target) for n in written]
+    return list(written)

@@ -54,3 +54,32 @@ def test_calls_and_steps_do_not_sum_into_each_other():
         torch.testing.assert_close(loss, expected.detach())
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+class SumsByName(nn.Module):
+    """Write a fresh zeros tensor in one statement, read it by name in the next (fx fetches it twice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 5)
+
+    def forward(self, x, batch):
+        sums = torch.zeros(4, 16)
+        sums.index_add_(0, batch, torch.tanh(self.a(x)))
+        return self.b(sums)
+
+
+def test_every_fetch_of_a_written_constant_reads_the_one_clone():
+    # the first fix cloned the written fetch only: the read by name got the unwritten zeros (0.78 off, a's weight
+    # without a gradient)
+    torch.manual_seed(0)
+    model = SumsByName()
+    eager = copy.deepcopy(model)
+    x, batch, y = torch.randn(12, 16), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3]), torch.randn(4, 5)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x, batch), chunks=1, devices=["cpu"] * 2)
+    for _ in range(2):
+        torch.testing.assert_close(pipe(x, batch), eager(x, batch))
+    pipe.step(x, batch, target=y, loss_fn=F.mse_loss)
+    F.mse_loss(eager(x, batch), y).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
