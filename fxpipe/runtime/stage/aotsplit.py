@@ -184,7 +184,10 @@ def _split_backend(stage: Deferral, params: dict[int, nn.Parameter]) -> Callable
             kwargs = {**kwargs, "static_input_idxs": [], "cudagraphs": BoxedBool(False)}
         else:  # I's values at the layouts of the runtime's inputs (inductor keeps them for visible outputs)
             fake_tensor_prop(gm, examples)
-        return compile_fx_inner(gm, examples, **kwargs)
+        # not through inductor's graph cache: an entry of the whole backward (a batch norm's, with its size
+        # guards naming the forward's inputs) was matched against W's inputs on a later run: KeyError 'x'
+        with inductor_config.patch(fx_graph_cache=False):
+            return compile_fx_inner(gm, examples, **kwargs)
 
     def inner_compile(gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs: Any) -> Any:
         if not kwargs.get("is_backward"):

@@ -520,3 +520,22 @@ def test_stages_sharing_code_after_a_graph_break_all_stay_compiled(caplog):
             pipe(x)
     assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
     assert torch._dynamo.config.recompile_limit >= 64
+
+
+@pytest.mark.slow
+def test_inductor_zero_bubble_compiles_a_batch_norm_stage_again_from_a_filled_graph_cache(tmp_path, monkeypatch):
+    # a second compile (a restarted job, a second pipe) met inductor's cached entry of the whole backward, whose size
+    # guards name the forward's inputs, for W's graph: KeyError 'x', raised as a CompileError naming aot_eager
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x, y = torch.randn(10, 16), torch.randn(10, 8)
+    grads = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16),
+                              nn.GELU(), nn.Linear(16, 8))
+        pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=3, schedule="zb", checkpoint="never",
+                              devices=["cpu"] * 2, split_points=["3"], torch_compile=True)
+        pipe.step(x, target=y, loss_fn=F.mse_loss)  # uneven micro-batches (4, 3, 3): sizes W is compiled for
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
