@@ -21,7 +21,7 @@ import re
 
 import torch
 import torch.fx
-from fxpipe.passes.mutates import aliases, written_args
+from fxpipe.passes.mutates import alias_closure, written_args
 
 __all__ = ["fresh_constants"]
 
@@ -30,17 +30,6 @@ def _constants(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, None]:
     """Return the ``get_attr`` nodes of fx's tensor constants (``_tensor_constant<i>``, which GraphModule makes buffers)."""
     return {node: None for node in gm.graph.nodes
             if node.op == "get_attr" and re.fullmatch(r"_tensor_constant\d+", str(node.target))}
-
-
-def _roots(arg: torch.fx.Node) -> list[torch.fx.Node]:
-    """Return the nodes whose storage a write into ``arg`` changes (``arg`` and what it views, transitively)."""
-    seen, stack = [], [arg]
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.append(node)
-            stack += aliases(node)
-    return seen
 
 
 def fresh_constants(gm: torch.fx.GraphModule) -> list[str]:
@@ -57,7 +46,7 @@ def fresh_constants(gm: torch.fx.GraphModule) -> list[str]:
         for arg in written_args(node):
             for target in (arg if isinstance(arg, (list, tuple)) else [arg]):
                 if isinstance(target, torch.fx.Node):
-                    written.update((str(r.target), None) for r in _roots(target) if r in constants)
+                    written.update((str(r.target), None) for r in alias_closure([target]) if r in constants)
     for name in written:
         fetches = [n for n in constants if str(n.target) == name]
         with gm.graph.inserting_after(fetches[0]):

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import inspect
 import operator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.fx
 
-__all__ = ["VIEW_NAMES", "aliases", "is_mutating", "may_mutate", "op_name", "written_args"]
+__all__ = ["VIEW_NAMES", "alias_closure", "aliases", "is_mutating", "may_mutate", "op_name", "written_args"]
 
 _IOPS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
          operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
@@ -167,15 +168,10 @@ def _body_writes(node: Any) -> list[Any]:
         return []
     body: torch.fx.GraphModule = _attr(owner, str(node.args[bodies[0]].target))
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    written = [w for n in body.graph.nodes for value in written_args(n)
-               for w in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(w, torch.fx.Node)]
-    seen: set[torch.fx.Node] = set()
-    while written:  # a write into a view (ema[:4] = ..., a slice's copy_) writes what it views
-        w = written.pop()
-        if w not in seen:
-            seen.add(w)
-            written += aliases(w)
-    return [v for p, v in zip(placeholders, node.args[bodies[0] + 1:]) if p in seen]
+    written = alias_closure(w for n in body.graph.nodes for value in written_args(n)  # a write into a view
+                            for w in (value if isinstance(value, (list, tuple)) else [value])  # writes what it views
+                            if isinstance(w, torch.fx.Node))
+    return [v for p, v in zip(placeholders, node.args[bodies[0] + 1:]) if p in written]
 
 
 def _attr(owner: Any, target: str) -> Any:
@@ -223,6 +219,18 @@ def _passes_through(node: torch.fx.Node) -> bool:
         return isinstance(_module(node), _PASS_THROUGH)
     except (AssertionError, AttributeError):  # a graph without its module: nothing to judge by
         return False
+
+
+def alias_closure(nodes: Iterable[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Return ``nodes`` with every node whose storage they may share, following :func:`aliases` transitively."""
+    seen: set[torch.fx.Node] = set()
+    todo = list(nodes)
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo += aliases(node)
+    return seen
 
 
 def aliases(node: torch.fx.Node) -> list[torch.fx.Node]:

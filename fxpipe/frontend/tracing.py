@@ -35,7 +35,7 @@ from fxpipe.options import check_tracer
 from fxpipe.passes.amp import run_under_autocast
 from fxpipe.passes.freshconstants import fresh_constants
 from fxpipe.passes.modes import merge_modes
-from fxpipe.passes.mutates import aliases, written_args
+from fxpipe.passes.mutates import alias_closure, written_args
 from fxpipe.passes.records import register_graph_records
 
 __all__ = ["detector_note", "trace"]
@@ -216,19 +216,11 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
 
 def _writes_state(gm: torch.fx.GraphModule) -> bool:
     """Tell whether ``gm`` writes a parameter or buffer of the model in place (through any alias of it)."""
-    for node in gm.graph.nodes:
-        todo = [w for value in written_args(node) for w in (value if isinstance(value, (list, tuple)) else [value])
-                if isinstance(w, torch.fx.Node)]
-        seen: set[torch.fx.Node] = set()
-        while todo:
-            n = todo.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if n.op == "get_attr" or (n.op == "call_module" and written_args(n)):
-                return True
-            todo += aliases(n)
-    return False
+    return any(n.op == "get_attr" or (n.op == "call_module" and written_args(n))
+               for node in gm.graph.nodes
+               for n in alias_closure(w for value in written_args(node)
+                                      for w in (value if isinstance(value, (list, tuple)) else [value])
+                                      if isinstance(w, torch.fx.Node)))
 
 
 def _name_variadic_inputs(graph: torch.fx.Graph) -> None:
