@@ -18,6 +18,7 @@ GPU's thread changed the masks the CPU stage drew (seen on an H200 with
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,23 +35,19 @@ RngState = tuple[torch.Tensor | None, torch.Tensor | None, tuple[tuple[torch.Gen
 
 
 def stage_generators(gm: torch.fx.GraphModule) -> tuple[torch.Generator, ...]:
-    """Return the ``torch.Generator`` objects ``gm``'s nodes draw from (attributes or constants in arguments)."""
+    """Return the ``torch.Generator`` objects ``gm``'s nodes draw from (attributes, constants, leaf modules' own)."""
     found: dict[int, torch.Generator] = {}
     for node in gm.graph.nodes:
         values: list[Any] = []
         if node.op == "get_attr":
-            values.append(_attribute(gm, str(node.target)))
+            with contextlib.suppress(AttributeError):  # an attribute the stage does not hold
+                values.append(operator.attrgetter(str(node.target))(gm))
+        elif node.op == "call_module":  # a module called whole (a leaf) drawing from a generator it holds
+            with contextlib.suppress(AttributeError):
+                values += [v for m in gm.get_submodule(str(node.target)).modules() for v in vars(m).values()]
         torch.fx.node.map_aggregate((node.args, node.kwargs), values.append)
         found.update((id(v), v) for v in values if isinstance(v, torch.Generator))
     return tuple(found.values())
-
-
-def _attribute(gm: torch.nn.Module, target: str) -> Any:
-    """Return the attribute a ``get_attr`` target names (None where it is gone)."""
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 def save_rng(device: torch.device, replay_cpu: bool = True,

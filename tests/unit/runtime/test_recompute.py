@@ -58,16 +58,38 @@ class OwnGeneratorNet(nn.Module):
         return self.b(h * torch.bernoulli(torch.full_like(h, 0.7), generator=self.gen))
 
 
-@pytest.mark.parametrize("tracer", ["fx", "export"])
+class _Explore(nn.Module):
+    """A mask drawn from the module's own generator, kept whole as a leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(123)
+
+    def forward(self, h):
+        return h * torch.bernoulli(torch.full_like(h, 0.7), generator=self.gen)
+
+
+class LeafGeneratorNet(OwnGeneratorNet):
+    def __init__(self):
+        super().__init__()
+        self.explore = _Explore()
+        self.gen = self.explore.gen
+
+    def forward(self, x):
+        return self.b(self.explore(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export", "leaf"])
 @pytest.mark.parametrize("mode,schedule,chunks", [("always", "gpipe", 1), ("selective", "gpipe", 1),
                                                    ("always", "1f1b", 3)])
 def test_a_models_own_generator_is_replayed_in_recomputation(tracer, mode, schedule, chunks):
     """A recomputation draws what the forward drew from ``generator=self.gen`` (it drew anew: gradients 1.6 off)."""
     x, y = torch.randn(6, 6), torch.randn(6, 2)
-    model = OwnGeneratorNet()
+    model = LeafGeneratorNet() if tracer == "leaf" else OwnGeneratorNet()
     ref = copy.deepcopy(model)
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=chunks, checkpoint=mode, schedule=schedule,
-                          devices=["cpu"] * 2, tracer=tracer)
+                          devices=["cpu"] * 2, tracer="fx" if tracer == "leaf" else tracer,
+                          leaf_modules=[_Explore] if tracer == "leaf" else None)
     model.gen.manual_seed(5)
     ref.gen.manual_seed(5)
     pipe.step(x, target=y, loss_fn=F.mse_loss)
