@@ -127,8 +127,9 @@ class Checkpoint(torch.autograd.Function):
         ctx.record = record
         ctx.set_materialize_grads(False)  # an output the loss does not reach passes None, not zeros
         ctx.save_for_backward(*inputs)
-        record.replay_point = record.call.replay_point()
-        outputs = record.flatten(record.call.run(record.i, record.rebuild(inputs), "checkpoint"))
+        rebuilt = record.rebuild(inputs)
+        record.replay_point = record.call.replay_point(rebuilt)
+        outputs = record.flatten(record.call.run(record.i, rebuilt, "checkpoint"))
         # A tensor this call did not make (a parameter or buffer returned as is, a graph constant)
         # is one object shared by every call: autograd would set its grad_fn to this node, turning
         # a Parameter into a non-leaf and chaining every micro-batch's Checkpoint through it. Return

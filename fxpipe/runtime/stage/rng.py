@@ -5,7 +5,8 @@ keeps its mask) and computes in the same precision: :func:`save_rng` and :func:`
 capture both before the forward, :func:`restore_rng` and :func:`autocast_as` put them back
 around the recomputation (and, for the RNG, restore the state from before it afterwards).
 Besides the default generators, a stage replays the model's own ``torch.Generator`` objects its
-graph draws from (``torch.bernoulli(p, generator=self.gen)``): :func:`stage_generators`.
+graph draws from (``torch.bernoulli(p, generator=self.gen)``): :func:`stage_generators`, and
+those a call is given as inputs (``model(x, gen)``): :func:`with_inputs`.
 
 A stage on a GPU replays its GPU's generator and the CPU's, except in one process whose
 pipe also runs stages on the CPU (``replay_cpu=False``): there the GPU stage's forward and
@@ -27,7 +28,7 @@ import torch
 import torch.fx
 
 __all__ = ["RngState", "autocast_as", "autocast_off", "autocast_state", "restore_rng", "same_rng", "save_rng",
-           "stage_generators"]
+           "stage_generators", "with_inputs"]
 
 
 # (the CPU's, the CUDA device's), None if not kept; then each own generator of the stage with its state
@@ -48,6 +49,14 @@ def stage_generators(gm: torch.fx.GraphModule) -> tuple[torch.Generator, ...]:
         torch.fx.node.map_aggregate((node.args, node.kwargs), values.append)
         found.update((id(v), v) for v in values if isinstance(v, torch.Generator))
     return tuple(found.values())
+
+
+def with_inputs(generators: tuple[torch.Generator, ...], inputs: Any) -> tuple[torch.Generator, ...]:
+    """Return ``generators`` and the ``torch.Generator`` objects among a call's ``inputs`` (nested too)."""
+    given = [v for v in torch.utils._pytree.tree_leaves(inputs) if isinstance(v, torch.Generator)]
+    if not given:
+        return generators
+    return tuple({id(g): g for g in (*generators, *given)}.values())
 
 
 def save_rng(device: torch.device, replay_cpu: bool = True,

@@ -50,7 +50,15 @@ from fxpipe.runtime.stage.keepstate import (
 )
 from fxpipe.runtime.stage.normcalls import counting
 from fxpipe.runtime.stage.recompute import checkpointed, in_pass, is_checkpointing, is_recomputing
-from fxpipe.runtime.stage.rng import RngState, autocast_as, autocast_state, restore_rng, save_rng, stage_generators
+from fxpipe.runtime.stage.rng import (
+    RngState,
+    autocast_as,
+    autocast_state,
+    restore_rng,
+    save_rng,
+    stage_generators,
+    with_inputs,
+)
 from fxpipe.runtime.stage.stream import AbstractStream, current_stream, new_stream, on_device
 
 __all__ = ["Replay", "StageCall", "autocast_as", "autocast_state", "restore_rng", "save_rng"]
@@ -113,9 +121,10 @@ class StageCall:
         """Time the block as a ``kind`` event of this stage and micro-batch ``i`` on the timeline."""
         return timeline.span(kind, self.index, i, self.device)
 
-    def replay_point(self) -> Replay:
-        """Capture what a later recomputation of the coming checkpointed forward needs."""
-        return Replay(save_rng(self.device, self.replay_cpu, self.generators), timeline.where(), autocast_state(),
+    def replay_point(self, inputs: Any = ()) -> Replay:
+        """Capture what a later recomputation of the coming checkpointed forward on ``inputs`` needs."""
+        generators = with_inputs(self.generators, inputs)  # a generator given as an input is replayed too
+        return Replay(save_rng(self.device, self.replay_cpu, generators), timeline.where(), autocast_state(),
                       snapshot(self.gm, self._to_copy()))
 
     def _to_copy(self) -> list[str]:

@@ -30,7 +30,7 @@ from fxpipe.runtime.observe import timeline
 from fxpipe.runtime.observe.blame import note_failure
 from fxpipe.runtime.stage import wgrad
 from fxpipe.runtime.stage.recompute import in_pass
-from fxpipe.runtime.stage.rng import autocast_as, autocast_state, restore_rng, same_rng, save_rng
+from fxpipe.runtime.stage.rng import autocast_as, autocast_state, restore_rng, same_rng, save_rng, with_inputs
 from fxpipe.runtime.stage.stream import on_device
 
 if TYPE_CHECKING:
@@ -108,7 +108,8 @@ class Tape:
         self.env: dict[int, tuple[list, Any, list[bool]]] = {}  # kept values a recomputation reads
         self.pending: list[_Box] = []  # the running node's own saves, told apart once it is done
         self.boxes: dict[int, list[weakref.ref]] = {}  # node -> its boxes (its saves, or slices of its value)
-        self.rng = ({0: save_rng(program.device, program.replay_cpu, program.generators)}  # per run, at its start
+        self.generators = with_inputs(program.generators, inputs)  # the stage's own and those given as inputs
+        self.rng = ({0: save_rng(program.device, program.replay_cpu, self.generators)}  # per run, at its start
                     if self.plan.run[:1] == [0] else {})
         self.autocast = autocast_state()
         self.deferring = wgrad.active()
@@ -171,13 +172,13 @@ class Tape:
         self.current = k + 1
         r = self.starts[k]
         if r >= 0:
-            self.rng[r] = save_rng(self.program.device, self.program.replay_cpu, self.program.generators)
+            self.rng[r] = save_rng(self.program.device, self.program.replay_cpu, self.generators)
 
     def finish(self) -> None:
         """End of the forward: decide which nodes recomputation runs; keep only the values it reads."""
         plan, program = self.plan, self.program
         self.owner.clear()
-        end = save_rng(program.device, program.replay_cpu, program.generators)
+        end = save_rng(program.device, program.replay_cpu, self.generators)
         rerun = {k for k, refs in self.boxes.items() if any(r() is not None for r in refs)}
         drawn = {r for r in self.rng if not same_rng(self.rng[r], self.rng.get(r + 1, end))}
         needed: set[int] = set()

@@ -97,7 +97,7 @@ class StageWorker:
             if not call.trains(leaves):  # a frozen stage with inputs needing no gradient: no backward to redo it for
                 checkpoint, saving = False, "forward"
             if checkpoint:
-                replay = call.replay_point()
+                replay = call.replay_point(leaves)
                 out = call.run(i, leaves, "checkpoint")
                 with torch.no_grad():
                     result = loss(out) if loss is not None else out
