@@ -1,6 +1,6 @@
 """Find integer inputs that group the batch's rows for a reduction: a flat batch of groups.
 
-Reads:  the graph (``index_add``/``scatter*``/``index_reduce`` calls: fx's methods and functions,
+Reads:  the graph (``index_add``/``scatter*``/``index_reduce``/``index_put`` calls: fx's methods and functions,
         torch.export's ATen ops) and the ``fxpipe.value`` of the placeholders their index is
         made from.
 Writes: nothing; :func:`group_keys` names each integer input an index of such a reduction is
@@ -37,16 +37,32 @@ def _index_arg(node: torch.fx.Node) -> object:
 
     Along another dim (a one-hot of labels, ``scatter_(1, labels[:, None], 1.0)``) each row keeps to itself.
     """
+    if _puts(node):  # index_put_((batch,), h, accumulate=True): the first index picks rows
+        indices = node.args[1] if len(node.args) > 1 else node.kwargs.get("indices")
+        return indices[0] if isinstance(indices, (tuple, list)) and indices else None
     grouping = (node.op == "call_method" and node.target in _METHODS) or (node.op == "call_function" and (
-        node.target in _FUNCTIONS or (isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name
-                                      .split("::")[-1].rstrip("_") in {"index_add", "scatter", "scatter_add",
-                                                                       "scatter_reduce", "index_reduce"})))
+        node.target in _FUNCTIONS or _aten_name(node) in {"index_add", "scatter", "scatter_add", "scatter_reduce",
+                                                          "index_reduce"}))
     if not grouping:
         return None
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if dim != 0:
         return None
     return node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
+
+
+def _aten_name(node: torch.fx.Node) -> str | None:
+    """Return an ATen op's name without its in-place underscore (``index_put_`` -> ``index_put``), or None."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.name.split("::")[-1].rstrip("_")
+    return None
+
+
+def _puts(node: torch.fx.Node) -> bool:
+    """Tell whether ``node`` writes rows at an index (``index_put(_)``, ``torch.index_put``, ATen's)."""
+    return (node.op == "call_method" and node.target in ("index_put", "index_put_")) or (
+        node.op == "call_function" and (node.target in (torch.index_put, torch.index_put_)
+                                        or _aten_name(node) in ("index_put", "_index_put_impl")))
 
 
 def _integer(spec: object) -> bool:
