@@ -17,7 +17,8 @@ cannot tell (both are 0-dim), so the nodes are classed by what they do with the 
     S  a sum over rows: sum / a sum-reduced loss over R, then sums and constant scalings of S
     L  linear in the rows otherwise: M and S mixed, or scaled by a value of the model
     C  coupled: two reductions multiplied or divided, a non-linear function of one, a row
-       picked out (x[0]), a max over the batch
+       picked out (x[0]), a max over the batch; or rows compared with one another: a value
+       with two dims following the batch (in-batch negatives' scores ``q @ d.T``, ``(B, B)``)
     K  independent of the batch: parameters, constants, sizes
 
 A 0-dim output of class C is reported, and one of class S: ``pipe.step`` must add its
@@ -86,7 +87,8 @@ def classify_outputs(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched:
                if isinstance(spec := node.meta.get("fxpipe.value"), TensorSpec) and len(spec.shape) == 0]
     return Outputs(
         [f"{name} (node '{node.name}'): a 0-dim output that is not a mean over the rows (it combines values "
-         "reduced over the batch, as a load-balancing loss does)" for name, node, kind in scalars if kind == "C"],
+         "reduced over the batch, as a load-balancing loss does, or compares rows with one another, as an "
+         "in-batch-negatives loss over a (B, B) score matrix does)" for name, node, kind in scalars if kind == "C"],
         [name for name, _, kind in scalars if kind == "S"],
         [name for name, _, kind in scalars if kind == "M"],
         _independent(gm, kinds, leaves))
@@ -131,7 +133,7 @@ def _kind(node: torch.fx.Node, kinds: dict[torch.fx.Node, str], part: dict[str, 
     if not deps or name in _SIZED:
         return "K"
     if follows:  # rows, even where a reduction feeds back (batch norm, a router's counts): not this pass's
-        return "R"
+        return "C" if _compares_rows(node.meta.get("fxpipe.value"), part.get(node.name)) else "R"
     if "C" in classes:
         return "C"
     if "R" in classes:  # the batch reduced away
@@ -183,6 +185,13 @@ def _follows(whole: Any, part: Any) -> bool | None:
     if not a:
         return None
     return len(a) != len(b) or any(tuple(x.shape) != tuple(y.shape) for x, y in zip(a, b))
+
+
+def _compares_rows(whole: Any, part: Any) -> bool:
+    """Tell whether a tensor of the value has two dims that change for a micro-batch (``q @ d.T``: ``(B, B)``)."""
+    pairs = zip([t for t in tree_flatten(whole)[0] if isinstance(t, TensorSpec)],
+                [t for t in tree_flatten(part)[0] if isinstance(t, TensorSpec)])
+    return any(len(x.shape) == len(y.shape) and sum(a != b for a, b in zip(x.shape, y.shape)) > 1 for x, y in pairs)
 
 
 def _name(node: torch.fx.Node) -> str:
