@@ -297,6 +297,17 @@ def test_tied_gradients_accumulate_over_steps_like_eager(tmp_path, launch):
         assert res["frozen_tie_grads"] == [], (r, res["frozen_tie_grads"])  # frozen: None, as eager's
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_a_sparse_embedding_read_on_two_ranks_sums_its_sparse_gradient_like_eager(tmp_path, launch, schedule):
+    results = launch("tie_cases:sparse", 2, schedule, tmp_path, limit=60)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert res["tied_here"] > 0, r
+        assert res["sparse_grad_1"] and res["sparse_grad_2"], (r, res)  # SparseAdam takes it
+        for key in ("grads_1", "grads_2", "params"):
+            assert res[key] < 1e-5, (r, key, res[key])
+
+
 def test_a_tie_no_loss_reaches_keeps_its_gradient_none_like_eager(tmp_path, launch):
     results = launch("tie_cases:unreached", 2, "1f1b", tmp_path, limit=60)
     for r, res in enumerate(results):
