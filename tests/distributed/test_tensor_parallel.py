@@ -169,6 +169,9 @@ def test_inputs_or_target_on_the_wrong_rank_of_a_tensor_parallel_group_are_refus
         kind, message = res["own_rows"]
         assert kind == "PipelineInputError" and "rank 1 was given another input 'x' than rank 0, the first of its " \
             "tensor-parallel group (ranks 0, 1)" in message and "fxpipe.data_shard(pipe)" in message, (r, res)
+        kind, message = res["no_inputs"]  # it named every group's ranks as the ones without inputs
+        assert kind == "PipelineInputError" and "got no inputs on any rank of the tensor-parallel group of ranks " \
+            "0 and 1: pass the inputs on rank 0 or 1" in message, (r, res)
         kind, message = res["target_on_first_later"]  # it failed the step on the loss's ranks alone: every later
         assert kind == "PipelineInputError" and "target=None on ranks 2, 3" in message, (r, res)  # step refused
         kind, message = res["group_targets_differ"]

@@ -325,6 +325,7 @@ def misuse(rank, world, schedule):
     out = {}
     for label, a, b in [("target_on_first", x if p == 0 else None, y if p == 0 else None),
                         ("own_rows", x + rank, y + rank),  # DistributedSampler(ds) over every rank
+                        ("no_inputs", None, y if last else None),
                         ("group_targets_differ", x if p == 0 and k == 0 else None, y + k if last else None),
                         ("on_second", x if p == 0 and k == 1 else None, y if last and k == 1 else None),
                         ("target_on_first_later", x if p == 0 else None, y if p == 0 else None)]:

@@ -54,11 +54,15 @@ def _refuse_missing_inputs(runtime: Any, values: list[Any], stepping: bool) -> N
             isinstance(leaf, TensorSpec) for leaf in tree_flatten(runtime.example)[0]):
         last = (f"the target goes to {holders(runtime, runtime.last_rank, 'the last stage, which computes the loss')}"
                 if stepping else f"the output comes back on {holders(runtime, runtime.last_rank, 'the last stage')}")
-        if runtime.layout.tp > 1:  # no rank of the group had inputs: any of them may hold the group's
+        layout = runtime.layout
+        if layout.tp > 1:  # no rank of this group had inputs: any of them may hold the group's
+            rows = layout.pipelines()
+            mine = " and ".join(str(rows[layout.replica * layout.tp + k][runtime.first]) for k in range(layout.tp))
+            replica = f" (replica {layout.replica}'s first stage)" if len(rows) > layout.tp else ""
             raise PipelineInputError(
-                f"{'pipe.step' if stepping else 'pipe(...)'} got no inputs on "
-                f"{holders(runtime, runtime.first, 'the first stage')}: pass the inputs there (or on every rank); "
-                f"the other ranks may pass None ({last})")
+                f"{'pipe.step' if stepping else 'pipe(...)'} got no inputs on any rank of the tensor-parallel group "
+                f"of ranks {mine}{replica}: pass the inputs on {holders(runtime, runtime.first, 'the first stage')} "
+                f"(or on every rank); the other ranks may pass None ({last})")
         raise PipelineInputError(
             f"{'pipe.step' if stepping else 'pipe(...)'} got no inputs on rank {dist.get_rank()}, which splits them "
             f"into micro-batches: pass the inputs on {holders(runtime, runtime.first, 'the first stage')}; the other "
