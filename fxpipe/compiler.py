@@ -25,7 +25,7 @@ from fxpipe.options import AUTO, CompileOptions
 from fxpipe.passes.structure import as_containers
 from fxpipe.pipe import Pipe
 from fxpipe.plan.assign import assign_stages
-from fxpipe.plan.batches import refuse_nested
+from fxpipe.plan.batches import refuse_nested_or_sparse
 from fxpipe.plan.saved import PlanLike, adopt_layout, load_plan
 from fxpipe.plan.stages import make_plan
 from fxpipe.runtime.build import build
@@ -244,8 +244,8 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
                 "fxpipe recomputes per stage instead, by checkpoint= ('except_last', the default, 'always' or "
                 "'selective'); call model.set_grad_checkpointing(False) before compiling to silence this",
                 stacklevel=user_stacklevel())
-        refuse_nested(example_inputs, "example_inputs")
-        refuse_nested(example_kwargs, "example_kwargs")
+        refuse_nested_or_sparse(example_inputs, "example_inputs")
+        refuse_nested_or_sparse(example_kwargs, "example_kwargs")
         if tracer == "export":  # its graph reads a mapping by key: a plain dict, as its calls get (Binding)
             example_inputs, example_kwargs = as_containers((example_inputs, example_kwargs))
         options = CompileOptions(

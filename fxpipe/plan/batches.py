@@ -16,7 +16,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from fxpipe.errors import PipelineInputError
 
-__all__ = ["batch_size", "index_like", "is_batched", "micro_sizes", "refuse_batched_masks", "refuse_nested"]
+__all__ = ["batch_size", "index_like", "is_batched", "micro_sizes", "refuse_batched_masks", "refuse_nested_or_sparse"]
 
 
 def is_batched(x: Any) -> bool:
@@ -24,9 +24,17 @@ def is_batched(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() > 0
 
 
-def refuse_nested(value: Any, where: str) -> None:
-    """Refuse a nested (jagged) tensor anywhere in ``value``, naming where it is and what to pass instead."""
+def refuse_nested_or_sparse(value: Any, where: str) -> None:
+    """Refuse a nested (jagged) or sparse tensor anywhere in ``value``, naming where it is and what to pass instead."""
     for path, leaf in tree_flatten_with_path(value)[0]:
+        if isinstance(leaf, torch.Tensor) and not leaf.is_nested and leaf.layout != torch.strided:
+            raise PipelineInputError(
+                f"{where}{keystr(path)} is a sparse tensor ({leaf.layout}), which fxpipe can neither trace nor split "
+                "into micro-batches by rows (nor can torch.export or fake tensors follow sparse ops); pass what it "
+                "is made of as dense tensors (adj = adj.coalesce(): adj.indices().clone() and adj.values().clone(), "
+                "an edge_index and its weights, in unbatched= where every micro-batch needs them whole) and "
+                "aggregate with index_add_ (torch.zeros_like(h).index_add_(0, index[0], weight[:, None] * "
+                "h[index[1]]) for adj @ h), or pass it dense")
         if isinstance(leaf, torch.Tensor) and leaf.is_nested:
             raise PipelineInputError(
                 f"{where}{keystr(path)} is a nested tensor (torch.nested), which fxpipe can neither trace nor split "
@@ -71,7 +79,7 @@ def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[st
     first: tuple[str, int] | None = None
     first_leaf: tuple[str, Any] = ("", None)
     for value, name in zip(values, names):
-        refuse_nested(value, f"input '{name}'")
+        refuse_nested_or_sparse(value, f"input '{name}'")
         if name in whole:
             continue
         for path, leaf in tree_flatten_with_path(value)[0]:

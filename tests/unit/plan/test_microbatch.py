@@ -82,6 +82,20 @@ def test_a_nested_tensor_input_is_refused_at_compile_and_at_the_step_naming_the_
         scatter([{"ids": nt}], ["x"], 2)
 
 
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_sparse_tensor_input_is_refused_at_compile_naming_the_dense_fix(tracer):
+    # before: torch's "Cannot access storage of SparseTensorImpl" (fx), a batch-size refusal (export)
+    import fxpipe
+
+    adj = (torch.rand(6, 6) < 0.4).float().to_sparse()
+    model = torch.nn.Linear(6, 2)
+    with pytest.raises(PipelineInputError, match=r"example_inputs\[1\] is a sparse tensor \(torch.sparse_coo\).*"
+                                                 r"index_add_.*or pass it dense"):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(6, 6), adj), chunks=1, devices=["cpu"] * 2, tracer=tracer)
+    with pytest.raises(PipelineInputError, match=r"input 'adj' is a sparse tensor"):
+        scatter([adj], ["adj"], 2)
+
+
 def test_a_block_mask_of_several_rows_is_refused_where_the_batch_is_split_and_one_of_none_goes_whole():
     # before: every micro-batch attended with the first rows' document masks, silently (0.34 off eager)
     from torch.nn.attention.flex_attention import create_block_mask
