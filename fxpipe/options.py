@@ -235,7 +235,8 @@ class CompileOptions:
                 hint = f"; to place the stages by hand, pass {BY_HAND}"
             raise ValueError(f"balance_by={self.balance_by!r}; use one of {', '.join(map(repr, BALANCE_BY))}{hint}")
         names = self.unbatched
-        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        if isinstance(names, str) or not isinstance(names, (list, tuple, set, frozenset)) or \
+                not all(isinstance(n, str) for n in names):
             raise TypeError(f"unbatched= must be a list of the forward's input names given whole to every "
                             f"micro-batch, got {names!r}")
         points = self.split_points

@@ -424,6 +424,7 @@ def _size(bound: Any) -> int:
         return _UNBOUNDED
 
 
+_UNEQUAL_ROWS = re.compile(r"L\['(\w+)'\]\.size\(\)\[0\] = (\d+) is not equal to L\['(\w+)'\]\.size\(\)\[0\] = (\d+)")
 _FACTORY = re.compile(r"\btorch\.(randn|rand|randint|empty|zeros|ones|full|normal)\(")
 
 
@@ -476,6 +477,12 @@ def _refused(model: nn.Module, exc: BaseException, fix: str, where: str) -> Trac
         fix = ("fxpipe splits dim 0 of every input into micro-batches: an input given to an RNN as its initial "
                "state (h0, c0), of shape (layers * directions, batch, hidden), must be passed batch-first, the dim "
                "moved inside the forward (h0.transpose(0, 1).contiguous()); otherwise ")
+    unequal = _UNEQUAL_ROWS.search(str(exc))
+    if not fix and unequal is not None:  # an input of other rows than the batch: an edge_index [2, E], a table
+        name, rows, other, batch = unequal.groups()
+        fix = (f"input '{name}' has {rows} rows on dim 0 where '{other}' has {batch}, and fxpipe splits dim 0 of "
+               f"every input into micro-batches: an input that is not one row per sample (an edge_index [2, E], "
+               f"a lookup table) goes whole to every micro-batch when named in unbatched=['{name}']; otherwise ")
     fix = fix or ("fxpipe splits dim 0 of every input into micro-batches, so the model must not "
                   "depend on the batch size; otherwise ")
     if type(model).__module__.startswith("diffusers."):  # whose models fx rarely traces

@@ -64,6 +64,33 @@ def test_unbatched_names_must_be_inputs(tracer):
         fxpipe.compile(model, 2, example_inputs=(x, pos), chunks=2, tracer=tracer, unbatched=["pos", "position"])
     with pytest.raises(TypeError, match="unbatched= must be a list of the forward's input names"):
         fxpipe.compile(model, 2, example_inputs=(x, pos), unbatched="pos")
+    with pytest.raises(TypeError, match="unbatched= must be a list .*got None"):  # was 'NoneType' is not iterable
+        fxpipe.compile(model, 2, example_inputs=(x, pos), unbatched=None)
+
+
+class _Message(nn.Module):
+    """One round of message passing over an edge list ``[2, E]``, which is no per-row input."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x, edge_index):
+        h = self.a(x)
+        return self.b(torch.relu(torch.zeros_like(h).index_add_(0, edge_index[1], h[edge_index[0]]) + h))
+
+
+def test_an_export_of_an_input_with_other_rows_names_unbatched():
+    # before: "the model must not depend on the batch size ... use tracer='fx'", the fix left unnamed
+    x, edges = torch.randn(10, 8), torch.randint(0, 10, (2, 30))
+    with pytest.raises(fxpipe.TraceError, match=r"input 'edge_index' has 2 rows on dim 0 where 'x' has 10.*"
+                                                r"unbatched=\['edge_index'\]"):
+        fxpipe.compile(_Message(), 2, example_inputs=(x, edges), chunks=1, devices=["cpu"] * 2, tracer="export")
+    model = _Message()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x, edges), chunks=1, devices=["cpu"] * 2, tracer="export",
+                          unbatched=["edge_index"])
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x, edges), model(x, edges))
 
 
 class DictInput(torch.nn.Module):
