@@ -12,6 +12,7 @@ from fxpipe.passes.batchrows import (
                               batch_coupled_outputs,
                               listed_batches,
                               micro_specs,
+                              paired_inputs,
                               scalar_outputs,
                               sequence_first_splits,
 )
@@ -87,6 +88,7 @@ __all__ = [
                               "min_bottleneck_cut",
                               "node_cost",
                               "node_costs",
+                              "paired_inputs",
                               "partition",
                               "partition_at",
                               "plan_mutations",

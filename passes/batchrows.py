@@ -27,7 +27,7 @@ from fxpipe.passes.modes import pick
 from fxpipe.passes.spec import TensorSpec
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
-__all__ = ["batch_coupled_outputs", "listed_batches", "micro_specs", "scalar_outputs", "sequence_first_modules",
+__all__ = ["batch_coupled_outputs", "listed_batches", "micro_specs", "paired_inputs", "scalar_outputs", "sequence_first_modules",
            "sequence_first_splits"]
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,41 @@ def micro_specs(gm: torch.fx.GraphModule, batch: int, rows: int,
     except Exception as exc:  # noqa: BLE001 - nothing to compare: the runtime's own checks apply
         log.debug("the graph does not run for %d rows: %s: %s", rows, type(exc).__name__, exc)
         return None
+
+
+def paired_inputs(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = ()) -> list[str]:
+    """Describe each input whose other dims pair the batch's rows (an adjacency ``(N, N)``).
+
+    An input split on dim 0 with the batch's size on another dim is one where the graph, which
+    does not run for ``rows`` rows, runs once that dim is cut to ``rows`` too (on fake tensors).
+    """
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node.target in unbatched:
+            continue
+        for path, spec in tree_flatten_with_path(node.meta.get("fxpipe.value"))[0]:
+            if isinstance(spec, TensorSpec) and len(spec.shape) > 1 and spec.shape[0] == batch \
+                    and batch in spec.shape[1:] and _runs_paired(gm, batch, rows, unbatched, node):
+                found.append(f"'{node.target}{keystr(path)}' {tuple(spec.shape)}")
+    return found
+
+
+def _runs_paired(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str],
+                 paired: torch.fx.Node) -> bool:
+    """Tell whether the graph runs for ``rows`` rows with every dim of ``paired`` of the batch's size cut to them."""
+    def cut(s: Any) -> Any:
+        if isinstance(s, TensorSpec):
+            return replace(s, shape=tuple(rows if d == batch else d for d in s.shape))
+        return s
+
+    inputs = [n.meta.get("fxpipe.value") if n.target in unbatched else
+              tree_map(cut, n.meta.get("fxpipe.value"), is_leaf=lambda v: isinstance(v, TensorSpec)) if n is paired
+              else _scaled(n.meta.get("fxpipe.value"), batch, rows) for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        Propagator(gm, [n.name for n in gm.graph.nodes if n.op != "output"])(inputs)
+    except Exception:  # noqa: BLE001 - it does not: not this input
+        return False
+    return True
 
 
 def _is_int(value: Any) -> bool:

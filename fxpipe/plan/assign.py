@@ -255,6 +255,14 @@ def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int, 
             f"Each of the {chunks} micro-batches computes them over its own rows: a mean over the rows (a per-token "
             "loss) comes out as eager's, anything else (a load-balancing loss) differs. Use chunks=1 for the "
             "model's own values", stacklevel=user_stacklevel())
+    paired = passes.paired_inputs(gm, batch, rows, whole) if rows != batch and part is None else []
+    if paired:  # an adjacency split by rows: its columns still index the whole batch's
+        warnings.warn(
+            f"input(s) {', '.join(paired)} pair the batch's rows with one another (an adjacency, a pairwise mask: the "
+            f"batch's size, {batch}, on another dim than dim 0 too), and the model does not run on a micro-batch's "
+            f"{rows} rows (checked on fake tensors): fxpipe splits dim 0 of every input, and the other dims keep the "
+            "whole batch's columns. Use chunks=1 (or pass per-sample graphs, batched and padded)",
+            stacklevel=user_stacklevel())
     sequences = passes.sequence_first_splits(gm, batch, rows, part)
     if sequences:
         warnings.warn(

@@ -200,3 +200,28 @@ def test_sequence_first_modules_an_exported_graph_inlined_are_warned_of():
         pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=3, devices=["cpu"] * 2, tracer="export")
         with torch.no_grad():
             assert (pipe(x) - model(x)).abs().max() < 1e-5
+
+
+class _DenseGCN(nn.Module):
+    """Kipf's GCN on one graph: a dense adjacency ``(N, N)`` beside the nodes' features ``(N, F)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(12, 12), nn.Linear(12, 4)
+
+    def forward(self, x, adj):
+        return self.b(adj @ torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_an_adjacency_split_by_rows_is_warned_of_and_a_square_feature_input_is_not(tracer):
+    # before: compiled silently, then torch's "mat1 and mat2 shapes cannot be multiplied (6x12 and 6x12)" at the step
+    x, adj = torch.randn(12, 12), torch.rand(12, 12)
+    with pytest.warns(UserWarning, match=r"input\(s\) 'adj' \(12, 12\) pair the batch's rows with one another.*"
+                                         r"Use chunks=1"):
+        fxpipe.compile(_DenseGCN(), 2, example_inputs=(x, adj), chunks=2, devices=["cpu"] * 2, tracer=tracer)
+    with warnings.catch_warnings():  # x is (12, 12) too, but the model runs on its micro-batches' rows
+        warnings.simplefilter("error")
+        fxpipe.compile(_DenseGCN(), 2, example_inputs=(x, adj), chunks=1, devices=["cpu"] * 2, tracer=tracer)
+        fxpipe.compile(nn.Sequential(nn.Linear(12, 12), nn.Linear(12, 2)), 2, example_inputs=(x,), chunks=2,
+                       devices=["cpu"] * 2, tracer=tracer)
