@@ -154,7 +154,7 @@ class SpecProp(PlainArgs):
             if not isinstance(s, TensorSpec):
                 return s
             # rows that are not the batch's (a mask's selection) are the example's: a guess, which skew moves
-            shape = [grown if k == 0 and d == base else d + self.skew if k == 0 and rows != base else d
+            shape = [grown if k == 0 and d == base else d + self.skew if k == 0 else d
                      for k, d in enumerate(s.shape)]
             return torch.empty(shape, dtype=s.dtype).requires_grad_(s.requires_grad)
         return tree_map(make, example, is_leaf=lambda v: isinstance(v, TensorSpec))

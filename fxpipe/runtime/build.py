@@ -387,7 +387,8 @@ def _refuse_sizes_from_values(engine: DistributedRuntime, gm: torch.fx.GraphModu
     (:mod:`fxpipe.passes.infer`), which guesses wrong for rows a mask picks: the receiver read
     memory never written (a loss of inf, silently). Found by propagating the example's first
     micro-batch as the first step would, twice: the second time with every guessed row count
-    one more; a value whose size moves with them is refused. Only where compile met a
+    one more (with one micro-batch too: the sizes its values give move); a value whose size moves with them is
+    refused. Only where compile met a
     data-dependent op.
     """
     if not gm.meta.get("fxpipe.data_dependent"):
@@ -395,8 +396,8 @@ def _refuse_sizes_from_values(engine: DistributedRuntime, gm: torch.fx.GraphModu
     batch = next((leaf.shape[0] for spec in engine.example for leaf in tree_flatten(spec)[0]
                   if isinstance(leaf, TensorSpec) and leaf.shape), None)
     rows = micro_sizes(batch, plan.chunks)[0] if batch else None
-    if not rows or rows == batch:
-        return  # one micro-batch of the example's rows: nothing to resize, nothing to find
+    if not rows:
+        return  # no batch to size anything by
 
     def shrink(leaf: Any) -> Any:
         return replace(leaf, shape=(rows, *leaf.shape[1:])) \

@@ -1042,7 +1042,35 @@ def packed_sequences(rank, world, schedule):
         out["masked"] = ["returned", ""]
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out["masked"] = [type(exc).__name__, str(exc)]
+    base = Scattered()  # one micro-batch: nonzero's rows still put back, not refused
+    eager = copy.deepcopy(base)
+    F.mse_loss(eager(ids), want).backward()
+    pipe = fxpipe.compile(base, 2, example_inputs=(ids,), chunks=1, runtime="distributed", timeout=60,
+                          schedule=schedule, split_points=["b"])
+    pipe.step(ids, target=want, loss_fn=F.mse_loss)
+    held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
+    out["scattered_one"] = max(max_relative_error(p.grad, q.grad) for p, q in zip(base.parameters(),
+                                                                                eager.parameters()) if id(p) in held)
+    try:  # one row per graph, as many as batch.max() + 1 says, sent on with one micro-batch
+        fxpipe.compile(Pooled(), 2, example_inputs=(torch.randn(12, 8), torch.arange(12) // 3), chunks=1,
+                       runtime="distributed", timeout=60, schedule=schedule, split_points=["mid"])
+        out["pooled"] = ["returned", ""]
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["pooled"] = [type(exc).__name__, str(exc)]
     return out
+
+
+class Pooled(nn.Module):
+    """Nodes pooled per graph into ``batch.max() + 1`` rows (a count the values give), read on the next stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.mid, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(16, 2)
+
+    def forward(self, x, batch):
+        h = torch.relu(self.a(x))
+        g = h.new_zeros(batch.max() + 1, h.shape[1]).index_add_(0, batch, h)
+        return self.out(torch.cat([h, torch.relu(self.mid(g))[batch]], 1))
 
 
 class Scattered(nn.Module):
