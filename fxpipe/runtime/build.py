@@ -387,9 +387,8 @@ def _refuse_sizes_from_values(engine: DistributedRuntime, gm: torch.fx.GraphModu
     (:mod:`fxpipe.passes.infer`), which guesses wrong for rows a mask picks: the receiver read
     memory never written (a loss of inf, silently). Found by propagating the example's first
     micro-batch as the first step would, twice: the second time with every guessed row count
-    one more (with one micro-batch too: the sizes its values give move); a value whose size moves with them is
-    refused. Only where compile met a
-    data-dependent op.
+    one more (with one micro-batch too: the sizes its values give move); a value whose size
+    moves with them is refused. Only where compile met a data-dependent op.
     """
     if not gm.meta.get("fxpipe.data_dependent"):
         return
