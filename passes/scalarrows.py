@@ -15,7 +15,9 @@ cannot tell (both are 0-dim), so the nodes are classed by what they do with the 
     R  rows: its shape follows the batch (it changes for a micro-batch's rows)
     M  a mean over rows: mean / a mean-reduced loss over R, then sums and constant scalings of M
     S  a sum over rows: sum / a sum-reduced loss over R, then sums and constant scalings of S
-    L  linear in the rows otherwise: M and S mixed, or scaled by a value of the model
+    L  linear in the rows otherwise: M and S mixed, or scaled by a size of the batch's values
+       (scaled by a value every micro-batch has alike, a parameter or an input given whole such as
+       Hugging Face's ``num_items_in_batch``, M and S stay what they are)
     C  coupled: two reductions multiplied or divided, a non-linear function of one, a row
        picked out (x[0]), a max over the batch; or rows compared with one another: a value
        with two dims following the batch (in-batch negatives' scores ``q @ d.T``, ``(B, B)``)
@@ -145,9 +147,27 @@ def _kind(node: torch.fx.Node, kinds: dict[torch.fx.Node, str], part: dict[str, 
         return "C"
     if name in ("div", "truediv", "true_divide", "itruediv", "div_") and len(node.args) > 1 and node.args[1] in deps:
         return "C"
-    if len(classes) > 1 or (name in _SCALINGS and any(a not in deps for a in node.all_input_nodes)):
-        return "L"  # a mean and a sum added, or scaled by a value of the model (a size, a parameter)
-    return classes.pop()
+    if len(classes) > 1 or (name in _SCALINGS and not all(a in deps or _fixed(a, kinds) for a in node.all_input_nodes)):
+        return "L"  # a mean and a sum added, or scaled by a size of the batch's values
+    return classes.pop()  # scaled by a value every micro-batch has alike too (num_items_in_batch, a parameter)
+
+
+def _fixed(node: torch.fx.Node, kinds: dict[torch.fx.Node, str]) -> bool:
+    """Tell whether a value of class K is every micro-batch's alike: made of no value of the batch's rows.
+
+    A size of a row value (``x.shape[0]``, a token count) is K but changes per micro-batch; an
+    input given whole (HF's ``num_items_in_batch``), a parameter or a constant does not.
+    """
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if kinds.get(n, "K") != "K":
+            return False
+        todo.extend(n.all_input_nodes)
+    return True
 
 
 def _reduction(node: torch.fx.Node, name: str) -> str | None:

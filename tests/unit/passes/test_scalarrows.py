@@ -184,6 +184,17 @@ def test_a_mean_loss_added_under_loss_reduction_sum_is_warned_of(tracer):
 
 
 @pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_sum_divided_by_a_count_given_whole_is_warned_of_under_the_mean(tracer):
+    # HF's loss with num_items_in_batch= under the default loss_reduction: 1/chunks of eager's, silently (a sum
+    # scaled by an input was classed "linear otherwise" and not told)
+    torch.manual_seed(0)
+    x, y, n = torch.randn(6, 8), torch.randint(0, 3, (6,)), torch.tensor(6.0)
+    pipe = fxpipe.compile(_SharedLoss(), 2, example_inputs=(x, y, n), chunks=3, tracer=tracer)
+    with pytest.warns(UserWarning, match=r"a sum over the rows, which loss_fn's loss is or adds\..*1/3 of"):
+        pipe.step(x, y, n, target=None, loss_fn=lambda out, _: out)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
 @pytest.mark.parametrize("how", ["mean", "rows_mean", "by_size"])
 def test_a_loss_averaged_over_rows_is_not_warned_of(tracer, how):
     torch.manual_seed(0)
