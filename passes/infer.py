@@ -218,6 +218,7 @@ class Propagator:
                     self.prop.run(*fake_inputs)
             finally:
                 quiet.setLevel(level)
+                _bound_dispatch_cache()
         return self.prop.specs
 
     def _stand_in(self, v: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -233,6 +234,20 @@ class Propagator:
             made = self.mode.from_tensor(v)
         self.made[id(v)] = (v, made)
         return made
+
+
+_DISPATCH_CACHE_LIMIT = 8192  # entries of torch's fake-tensor dispatch cache (a few kB each)
+
+
+def _bound_dispatch_cache() -> None:
+    """Clear torch's fake-tensor dispatch cache once it holds more than a bound of entries.
+
+    The cache is torch's, one for every fake mode, keyed by shapes and never emptied: a job
+    meeting a new sequence length at every step grew the first stage's rank by ~240 kB a step
+    (a tiny decoder; more nodes, more), past fxpipe's own bounded cache of layouts.
+    """
+    if len(FakeTensorMode.cache) > _DISPATCH_CACHE_LIMIT:
+        FakeTensorMode.cache_clear()
 
 
 def value_specs(gm: torch.fx.GraphModule, inputs: list[Any], wanted: Iterable[str]) -> dict[str, Any]:

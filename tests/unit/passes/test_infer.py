@@ -105,3 +105,20 @@ def test_a_balance_loss_beside_experts_sized_by_the_data_is_still_warned_of():
     with pytest.warns(UserWarning, match=r"couples the rows of a batch: .*0-dim output that is not a mean"):
         fxpipe.compile(WithBalance(), 2, example_inputs=(torch.randn(8, 8),), tracer="export", chunks=4,
                        devices=["cpu"] * 2)
+
+
+def test_torch_s_fake_tensor_dispatch_cache_stays_bounded_over_new_layouts(monkeypatch):
+    # torch's cache is keyed by shapes and never emptied: a new length at every step grew the first rank's memory
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxpipe.passes import infer
+
+    monkeypatch.setattr(infer, "_DISPATCH_CACHE_LIMIT", 100, raising=False)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+    gm = torch.fx.symbolic_trace(model)
+    fxpipe.passes.annotate(gm, (torch.randn(2, 3, 16),), {})
+    prop = infer.Propagator(gm, [n.name for n in gm.graph.nodes if n.op != "output"])
+    FakeTensorMode.cache_clear()
+    for length in range(1, 31):
+        prop([TensorSpec((2, length, 16), torch.float32)])
+        assert len(FakeTensorMode.cache) <= 100, length
