@@ -11,6 +11,7 @@ refused here with the input's name, rather than failing deep inside a stage. A g
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -76,6 +77,9 @@ _NO_FX = ("tracer='fx' cannot trace transformers 5 models: pad the input to a si
           "mask marking the padding), or export with an example of that size")
 
 
+_PAIRED = re.compile(r"(\w+)\.size\(\)\[(\d+)\] == (\w+)\.size\(\)\[(\d+)\]")
+
+
 def _check_guards(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], unbatched: Collection[str]) -> None:
     """Run an exported graph's guards (``_guards_fn``) on stand-ins of the inputs' sizes; refuse those they fail.
 
@@ -107,11 +111,20 @@ def _check_guards(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], un
         guards(*[stand_in(a) for a in call.args])
     except AssertionError as exc:  # anything else (a guard reading a value: .item() on meta) is for the stage
         sizes = ", ".join(f"'{n.target}' {tuple(v.shape)}" for n, v in values.items() if isinstance(v, torch.Tensor))
+        paired = _PAIRED.search(str(exc))
+        if paired is not None and paired.group(1) != paired.group(3):  # two inputs' sizes that must agree
+            a, i, b, j = paired.groups()
+            raise PipelineInputError(
+                f"the inputs' sizes ({sizes}) fail a check torch.export put in the graph: {exc}. The graph needs "
+                f"'{a}' dim {i} to equal '{b}' dim {j}: pass inputs that agree with one another (a mask of the "
+                "inputs' length). If eager runs on them, the model's code branched on these sizes being equal for "
+                "the example, which torch.export kept: export with an example where they differ") from None
+        fix = ("Use tracer='fx', whose graph is shape-generic (several image sizes in one run), or export with an "
+               "example of this size" if _fx_traces(gm.meta) else _NO_FX[0].upper() + _NO_FX[1:])
         raise PipelineInputError(
             f"the inputs' sizes ({sizes}) fail a check torch.export put in the graph: {exc}. torch.export "
             "specialised the model's code to sizes like the example's (a size a layer divides by, a feature map "
-            "of size 1), so these cannot run through this graph. Use tracer='fx', whose graph is shape-generic "
-            "(several image sizes in one run), or export with an example of this size") from None
+            f"of size 1), so these cannot run through this graph. {fix}") from None
     except Exception as exc:  # noqa: BLE001 - not a size the guards refuse: the later checks and the stage say
         log.debug("the exported graph's guards could not run on stand-ins of the sizes: %s", exc)
 
