@@ -14,7 +14,7 @@ from fxpipe.errors import PipelineInputError, user_stacklevel
 from fxpipe.passes.annotate import input_difference
 from fxpipe.passes.structure import as_containers
 from fxpipe.runtime.microbatch import batch_size, gather, scatter, to_device
-from fxpipe.runtime.validate import check_inputs, check_micro_batches
+from fxpipe.runtime.validate import check_inputs, check_micro_batches, check_micro_guards
 
 __all__ = ["Binding"]
 
@@ -65,6 +65,7 @@ class Binding:
         mbs = scatter(values, self.names, chunks, self.unbatched, self.rows)
         if batch is not None:
             check_micro_batches(self.gm, -(-batch // len(mbs)), batch, chunks, self.names, self.unbatched)
+            check_micro_guards(self.gm, mbs, chunks)
         if batch is not None and batch < chunks and not self.warned:
             self.warned = True
             warnings.warn(f"a batch of {batch} row(s) runs as {len(mbs)} micro-batch(es), fewer than chunks={chunks}: "

@@ -25,7 +25,7 @@ from fxpipe.frontend.export import enabled_autocast
 from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.passes.structure import difference, in_order_of
 
-__all__ = ["check_inputs", "check_micro_batches", "check_signature", "describe_autocast"]
+__all__ = ["check_inputs", "check_micro_batches", "check_micro_guards", "check_signature", "describe_autocast"]
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +80,33 @@ _NO_FX = ("tracer='fx' cannot trace transformers 5 models: pad the input to a si
 _PAIRED = re.compile(r"(\w+)\.size\(\)\[(\d+)\] == (\w+)\.size\(\)\[(\d+)\]")
 
 
-def _check_guards(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], unbatched: Collection[str]) -> None:
+def check_micro_guards(gm: torch.fx.GraphModule, mbs: Sequence[Sequence[Any]], chunks: int) -> None:
+    """Run an exported graph's guards on each size of micro-batch; refuse one they fail, naming the fix.
+
+    :func:`check_inputs` runs them with the example's rows; a guard on the batch dim itself
+    (SigLIP's patch arithmetic refusing one row) failed inside stage 0 as a bare ``AssertionError``.
+    """
+    if getattr(gm, "_guards_fn", None) is None:
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sizes: dict[int, Sequence[Any]] = {}
+    for mb in mbs:
+        rows = next((v.shape[0] for v in mb if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        if rows is not None:
+            sizes.setdefault(int(rows), mb)
+    for rows, mb in sizes.items():
+        _check_guards(gm, dict(zip(placeholders, mb)), (), micro=(rows, chunks if len(mbs) > 1 else 0))
+
+
+def _check_guards(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], unbatched: Collection[str],
+                  micro: tuple[int, int] | None = None) -> None:
     """Run an exported graph's guards (``_guards_fn``) on stand-ins of the inputs' sizes; refuse those they fail.
 
     torch.export guards what it assumed of the sizes beyond each input's range: a divisibility
     (a patch size), a feature map not of size 1. Failing inside stage 0, they raised a bare
-    ``AssertionError``. The batch dim keeps the example's rows here (its bounds are
-    :func:`check_micro_batches`'); the stand-ins are on meta, so no kernel runs.
+    ``AssertionError``. The batch dim keeps the example's rows here unless ``micro`` gives a
+    micro-batch's ``(rows, chunks)`` (chunks 0: the batch is one; :func:`check_micro_guards`);
+    the stand-ins are on meta, so no kernel runs.
     """
     guards = getattr(gm, "_guards_fn", None)
     if guards is None:  # an fx graph: nothing to scan for
@@ -103,14 +123,25 @@ def _check_guards(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], un
         shape = list(value.shape)
         hint = getattr(getattr(expected.shape[0], "node", None), "hint", None) \
             if isinstance(expected, torch.Tensor) and expected.dim() == len(shape) > 0 else None
-        if hint is not None and node.target not in unbatched:
-            shape[0] = int(hint)  # the example's rows: the batch's bounds are check_micro_batches'
+        if hint is not None and node.target not in unbatched and micro is None:
+            shape[0] = int(hint)  # the example's rows: the micro-batches' are check_micro_guards'
         return torch.empty(shape, dtype=value.dtype, device="meta")
 
     try:
         guards(*[stand_in(a) for a in call.args])
     except AssertionError as exc:  # anything else (a guard reading a value: .item() on meta) is for the stage
         sizes = ", ".join(f"'{n.target}' {tuple(v.shape)}" for n, v in values.items() if isinstance(v, torch.Tensor))
+        if micro is not None and micro[1]:
+            raise PipelineInputError(
+                f"a micro-batch of {micro[0]} row(s) (chunks={micro[1]}; its sizes {sizes}) fails a check "
+                f"torch.export put in the graph: {exc}. The exported code admits some batch sizes only (the "
+                f"example's passed): use a chunks= whose micro-batches it admits (fewer chunks, larger "
+                "micro-batches), or export with an example of that many rows") from None
+        if micro is not None:  # the whole batch is one micro-batch
+            raise PipelineInputError(
+                f"a batch of {micro[0]} row(s) (its sizes {sizes}) fails a check torch.export put in the graph: "
+                f"{exc}. The exported code admits some batch sizes only (the example's passed): pass batches of "
+                "more rows, or export with an example of that many rows") from None
         paired = _PAIRED.search(str(exc))
         if paired is not None and paired.group(1) != paired.group(3):  # two inputs' sizes that must agree
             a, i, b, j = paired.groups()

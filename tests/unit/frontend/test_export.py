@@ -379,6 +379,29 @@ def test_an_input_given_at_compile_and_left_out_of_the_call_is_named_with_the_fi
         pipe(torch.randn(4, 8))
 
 
+class _OneRowRefused(nn.Module):
+    """Stands in for an exported graph's guards refusing a batch of one row (SigLIP's patch arithmetic does)."""
+
+    def forward(self, *inputs):
+        assert inputs[0].shape[0] != 1, "Guard failed: x.size()[0] != 1"
+
+
+def test_a_micro_batch_size_an_export_guard_refuses_is_a_pipeline_input_error_naming_chunks():
+    # the guards ran with the example's rows only: a micro-batch of 1 row failed inside stage 0 (SigLIP: a bare
+    # AssertionError from node '_guards_fn'); a batch of 1 the same
+    x = torch.randn(4, 3, 16, 16)
+    pipe = fxpipe.compile(_Patches(), 2, example_inputs=(x,), devices=["cpu"] * 2, chunks=4, tracer="export")
+    gm = pipe._runtime.binding.gm
+    assert any(n.target == "_guards_fn" for n in gm.graph.nodes)
+    gm._guards_fn = _OneRowRefused()
+    with pytest.raises(fxpipe.PipelineInputError, match=r"(?s)a micro-batch of 1 row\(s\) \(chunks=4; .*fails a check "
+                                                        r"torch.export put in the graph.*use a chunks="):
+        pipe(x)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"(?s)a batch of 1 row\(s\) .*pass batches of more rows"):
+        pipe(x[:1])
+    assert pipe(torch.randn(8, 3, 16, 16)).shape == (8, 2)  # micro-batches of 2 rows pass
+
+
 class _Masked(nn.Module):
     def __init__(self):
         super().__init__()
