@@ -101,6 +101,14 @@ def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[st
                         "given whole (unbatched= gives every micro-batch indices into rows it does not hold): pad "
                         "the batch to one row per sample, (batch, length, ...) with a mask or padding_idx, or use "
                         "chunks=1, which splits nothing." if index is not None else "")
+                (few, _), (many, more) = sorted([(first[1], first[0]), (leaf.shape[0], where)])
+                rows = leaf if more == where else first_leaf[1]
+                if few > 1 and many % few == 0 and not index_like(rows):  # several rows per sample
+                    k = many // few
+                    flat = (f" If '{more}' holds {k} rows per sample (several images of each sample), "
+                             "unbatched= is wrong for it too (every micro-batch would get every sample's rows): pass "
+                             f"it batch-first, ({few}, {k}, ...), and flatten it inside the forward "
+                             "(x.flatten(0, 1)).")
                 split = ("every tensor input is split into micro-batches on dim 0" if agree else
                          "with one micro-batch nothing is split, but fxpipe takes dim 0 of every tensor input for "
                          "the batch's rows")
