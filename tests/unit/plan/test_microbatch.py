@@ -113,8 +113,6 @@ def test_a_block_mask_of_several_rows_is_refused_where_the_batch_is_split_and_on
 
 def test_several_rows_per_sample_are_told_to_go_batch_first_not_unbatched():
     # the refusal offered unbatched=, which gave every micro-batch every sample's images: 11% off eager, silently
-    from fxpipe.plan.batches import batch_size
-
     ids, pixels = torch.randint(0, 9, (4, 6)), torch.randn(8, 3, 4, 4)
     with pytest.raises(PipelineInputError, match=r"If 'pixel_values' holds 2 rows per sample .*unbatched= is wrong "
                                                  r"for it too .*\(4, 2, \.\.\.\), and flatten it inside the forward"):
