@@ -482,7 +482,7 @@ def test_a_size_an_export_guard_refuses_is_a_pipeline_input_error_naming_fx():
         pipe(torch.randn(4, 3, 18, 18))
 
 
-class _Masked(nn.Module):
+class _PairMasked(nn.Module):
     """Scores masked by a (B, T, T) mask input, whose length must be the tokens'."""
 
     def __init__(self):
@@ -497,7 +497,7 @@ class _Masked(nn.Module):
 def test_two_inputs_an_export_guard_pairs_are_told_to_agree():
     # it said torch.export specialised the sizes and to use tracer='fx', where the inputs disagreed with each other
     x, mask = torch.randn(4, 6, 8), torch.zeros(4, 6, 6)
-    pipe = fxpipe.compile(_Masked(), 2, example_inputs=(x, mask), devices=["cpu"] * 2, chunks=2, tracer="export")
+    pipe = fxpipe.compile(_PairMasked(), 2, example_inputs=(x, mask), devices=["cpu"] * 2, chunks=2, tracer="export")
     assert pipe(torch.randn(4, 9, 8), torch.zeros(4, 9, 9)).shape == (4, 9, 2)
     with pytest.raises(fxpipe.PipelineInputError, match=r"The graph needs '\w+' dim \d to equal '\w+' dim \d: pass "
                                                         r"inputs that agree with one another"):
