@@ -326,6 +326,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
              for j, r in runnable.items()]
     engine = DistributedRuntime(plan, gm, layout, calls, link, Binding(gm), tied, schedule)
     _refuse_sizes_from_values(engine, gm, plan)  # every rank alike, before any waits on another
+    _refuse_remote_generators(gm, plan)
     warn_spread(stages, deferred_batch_norm, [s.on_rank for s in plan.stages])
     if layout.dp > 1:  # every rank looks at every stage, so each refuses what one of them cannot reduce
         for j, st in enumerate(stages):
@@ -377,6 +378,27 @@ def _refuse_shared_on_one_rank(held: Sequence[torch.fx.GraphModule], mine: Seque
                                  "rank; with data_parallel > 1 each stage reduces its own gradients, so a tensor "
                                  "cannot be shared between two stages of a rank: untie it, or place those stages "
                                  "on different ranks (another schedule or split)")
+
+
+def _refuse_remote_generators(gm: torch.fx.GraphModule, plan: PipelinePlan) -> None:
+    """Refuse a ``torch.Generator`` input read by a stage on another rank than the first stage's.
+
+    It would reach that rank as a copy of the first rank's generator, whose state never moves
+    there: every step drew the same numbers (and the caller's generator never advanced).
+    """
+    first = plan.stages[0].on_rank
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or not any(isinstance(v, torch.Generator) for v in tree_flatten(
+                node.meta.get("fxpipe.value"))[0]):
+            continue
+        far = [st for st in plan.stages if node.name in st.inputs and st.on_rank != first]
+        if far:
+            raise PipelineInputError(
+                f"input '{node.target}' is a torch.Generator, read by stage {far[0].index} on rank "
+                f"{far[0].on_rank}; a generator cannot be shared between ranks (that rank would draw from a copy "
+                "of the first rank's, the same numbers at every step). Hold it in the module that draws from it "
+                "(self.gen = torch.Generator().manual_seed(s) in __init__, seeded alike on every rank), or cut "
+                "the model so the stage reading it runs on the first stage's rank")
 
 
 def _refuse_sizes_from_values(engine: DistributedRuntime, gm: torch.fx.GraphModule, plan: PipelinePlan) -> None:

@@ -422,6 +422,10 @@ def test_a_value_sized_by_the_inputs_values_is_kept_on_one_rank_and_refused_acro
         assert "head" in res and res["head"] < 1e-5, res  # cut after the unpacking: specs resized by the rows
         assert res["scattered"] < 1e-5, res  # nonzero inside stage 0, its rows put back: not refused
         assert res["scattered_one"] < 1e-5, res  # and with one micro-batch
+        kind, message = res["generator_full_like"]  # drawn from a copy of rank 0's generator: the same numbers each step
+        assert kind == "PipelineInputError" and "input 'gen' is a torch.Generator, read by stage 1 on rank 1" \
+            in message and "self.gen = torch.Generator()" in message, message
+        assert res["generator_b"] < 1e-5, res  # read on the first stage's rank: replayed in recomputation
         kind, message = res["pooled"]  # one micro-batch: not checked, and a later step's graph count failed in gloo
         assert kind == "PipelineInputError" and "'index_add_' is sent from stage 0 (rank 0) to stage 1 (rank 1), " \
             "and its size follows the values of the inputs" in message, message

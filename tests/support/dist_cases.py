@@ -1057,7 +1057,38 @@ def packed_sequences(rank, world, schedule):
         out["pooled"] = ["returned", ""]
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out["pooled"] = [type(exc).__name__, str(exc)]
+    x, want, gen = torch.randn(6, 8), torch.randn(6, 4), torch.Generator()
+    for cut in ("full_like", "b"):  # a generator input read on the second rank (refused), on the first (replayed)
+        base = Drawn()
+        eager = copy.deepcopy(base)
+        try:
+            pipe = fxpipe.compile(base, 2, example_inputs=(x, gen), chunks=2, runtime="distributed", timeout=60,
+                                  schedule=schedule, split_points=[cut], checkpoint="always")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["generator_" + cut] = [type(exc).__name__, str(exc)]
+            continue
+        gen.manual_seed(3)
+        pipe.step(x, gen, target=want, loss_fn=F.mse_loss)
+        gen.manual_seed(3)
+        for xs, ys in zip(x.tensor_split(2), want.tensor_split(2)):
+            (F.mse_loss(eager(xs, gen), ys) / 2).backward()
+        held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
+        out["generator_" + cut] = max(max_relative_error(p.grad, q.grad) for p, q in zip(
+            base.parameters(), eager.parameters()) if id(p) in held)
     return out
+
+
+class Drawn(nn.Module):
+    """A mask drawn from a generator the caller passes in, between ``a`` and ``b``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x, gen):
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h * torch.bernoulli(torch.full_like(h, 0.6), generator=gen)))
+        return self.c(h)
 
 
 class Pooled(nn.Module):
