@@ -44,9 +44,13 @@ def _ids_and_offsets(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[obj
     return None
 
 
-def placeholders_behind(node: object, through: Callable[[torch.fx.Node], bool] = lambda n: True
+def placeholders_behind(node: object, through: Callable[[torch.fx.Node], bool] = lambda n: True,
+                        inputs: Callable[[torch.fx.Node], list[torch.fx.Node]] = lambda n: n.all_input_nodes
                         ) -> set[torch.fx.Node]:
-    """Return the placeholders a node's value is computed from, following only the nodes ``through`` accepts."""
+    """Return the placeholders a node's value is computed from, following only the nodes ``through`` accepts.
+
+    ``inputs`` says which of a node's inputs its value is made of (all of them unless told).
+    """
     found: set[torch.fx.Node] = set()
     todo, seen = [node], set()
     while todo:
@@ -56,7 +60,7 @@ def placeholders_behind(node: object, through: Callable[[torch.fx.Node], bool] =
         seen.add(n)
         if n.op == "placeholder":
             found.add(n)
-        todo.extend(n.all_input_nodes)
+        todo.extend(inputs(n))
     return found
 
 

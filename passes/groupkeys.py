@@ -37,9 +37,10 @@ def _index_arg(node: torch.fx.Node) -> object:
 
     Along another dim (a one-hot of labels, ``scatter_(1, labels[:, None], 1.0)``) each row keeps to itself.
     """
-    if _puts(node):  # index_put_((batch,), h, accumulate=True): the first index picks rows
+    if _puts(node):  # index_put_((batch,), h, accumulate=True): the first index picks rows (a plain write: no sum)
         indices = node.args[1] if len(node.args) > 1 else node.kwargs.get("indices")
-        return indices[0] if isinstance(indices, (tuple, list)) and indices else None
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        return indices[0] if accumulate is True and isinstance(indices, (tuple, list)) and indices else None
     grouping = (node.op == "call_method" and node.target in _METHODS) or (node.op == "call_function" and (
         node.target in _FUNCTIONS or _aten_name(node) in {"index_add", "scatter", "scatter_add", "scatter_reduce",
                                                           "index_reduce"}))
@@ -77,8 +78,23 @@ def _integer_inputs(node: object) -> set[str]:
     Only integer values are followed (``batch[:, None].expand_as(x)``, ``edge_index[1]``): a
     router's top-k indices come from float scores, and their model's token ids are no group key.
     """
-    found = placeholders_behind(node, through=lambda n: _integer(n.meta.get("fxpipe.value")))
+    found = placeholders_behind(node, through=lambda n: _integer(n.meta.get("fxpipe.value")), inputs=_made_of)
     return {str(p.target) for p in found if len(p.meta["fxpipe.value"].shape) in (1, 2)}
+
+
+_SHAPED = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_full",
+                     "new_empty", "size"})  # of an input's shape only, not its values
+_AS = frozenset({"expand_as", "view_as", "reshape_as", "type_as"})  # the first's values, the second's shape
+
+
+def _made_of(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Return the inputs whose values ``node``'s value is made of (not ``ids`` of ``arange(B)[:, None].expand_as(ids)``)."""
+    name = node.target if node.op == "call_method" else _aten_name(node) or getattr(node.target, "__name__", "")
+    if name in _SHAPED:
+        return []
+    if name in _AS:
+        return [node.args[0]] if isinstance(node.args[0], torch.fx.Node) else []
+    return node.all_input_nodes
 
 
 def group_keys(gm: torch.fx.GraphModule, skip: Collection[str] = ()) -> list[tuple[str, str]]:

@@ -155,3 +155,29 @@ def test_a_scatter_along_another_dim_than_the_rows_is_no_group_key(tracer):
         warnings.simplefilter("error", UserWarning)
         fxpipe.compile(OneHot(), 2, example_inputs=(torch.randn(8, 8), torch.randint(0, 5, (8,))), chunks=4,
                        devices=["cpu"] * 2, tracer=tracer)
+
+
+class _BagOfWords(nn.Module):
+    """Each row's own word counts: index_put over (its row, its ids); a plain write of each row's padding."""
+
+    def __init__(self, accumulate=True):
+        super().__init__()
+        self.head, self.accumulate = nn.Linear(20, 2), accumulate
+
+    def forward(self, x, ids):
+        rows = torch.arange(ids.shape[0])[:, None].expand_as(ids)
+        bag = torch.zeros_like(x).index_put((rows, ids), torch.ones(()), accumulate=self.accumulate)
+        return self.head(bag + x)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_an_index_put_keeping_each_row_to_itself_is_no_group_key(tracer, accumulate):
+    # warned of: the row index took in ids through expand_as(ids) (its shape only), and a plain write was a "sum"
+    x, ids = torch.randn(8, 20), torch.randint(0, 20, (8, 3))
+    model = _BagOfWords(accumulate)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe = fxpipe.compile(model, 2, example_inputs=(x, ids), chunks=2, devices=["cpu"] * 2, tracer=tracer)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x, ids), model(x, ids))
