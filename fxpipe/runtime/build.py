@@ -442,8 +442,10 @@ def _refuse_sizes_from_values(engine: DistributedRuntime, gm: torch.fx.GraphModu
             if stage is not None and stage.on_rank != later.on_rank and guessed.get(v) != moved.get(v):
                 raise PipelineInputError(
                     f"'{v}' is sent from stage {stage.index} (rank {stage.on_rank}) to stage {later.index} "
-                    f"(rank {later.on_rank}), and its size follows the values of the inputs, not their shapes "
-                    "(rows a mask picks, nonzero's indices, a packed sequence): across ranks a receiver sizes "
-                    "its buffers from shapes alone. Cut where the values crossing have the batch's rows "
+                    f"(rank {later.on_rank}), and fxpipe cannot tell its size from the inputs' shapes: it follows "
+                    "their values (rows a mask picks, nonzero's indices, a packed sequence), or comes out of a "
+                    "module fake tensors cannot follow (a leaf branching on a value, run on real kernels at "
+                    "compile); across ranks a receiver sizes its buffers from shapes alone. Cut where the values "
+                    "crossing have the batch's rows "
                     "(split_points=), or run in one process (devices=[...]), where values are handed on as "
                     "they are")
