@@ -161,6 +161,21 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
                          f"{'is a' if len(scripted) == 1 else 'are'} torch.jit.ScriptModule, which it cannot "
                          "export; use tracer='fx' (which calls a scripted module as one call), or build the model "
                          "without torch.jit.script", module=type(model).__name__)
+    packed: list[str] = []  # the outermost quantized modules
+    for name, m in model.named_modules():
+        if type(m).__module__.startswith("torch.ao.nn.quantized") and not any(
+                name.startswith(f"{o}.") for o in packed):
+            packed.append(name or "the model")
+    if packed:  # packed parameters torch.export cannot flatten, blamed on the batch
+        raise TraceError(f"torch.export cannot trace {type(model).__name__}: {', '.join(map(repr, packed[:3]))} "
+                         f"{'is a' if len(packed) == 1 else 'are'} quantized module(s) (torch.ao.quantization's "
+                         "convert or quantize_dynamic), whose packed parameters it cannot export; use tracer='fx', "
+                         "or quantize after training", module=type(model).__name__)
+    if any(isinstance(v, torch.Generator) for v in tree_flatten((args, kwargs))[0]):
+        raise TraceError(f"torch.export cannot trace {type(model).__name__} with a torch.Generator among its inputs; "
+                         "hold it in the module that draws from it (self.gen = torch.Generator() in __init__: "
+                         "exported and replayed in recomputation), or use tracer='fx', which takes it as an input",
+                         module=type(model).__name__)
     signature = inspect.signature(model.forward)
     try:
         bound = signature.bind(*args, **kwargs)

@@ -152,6 +152,11 @@ def _check_guards(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], un
                 "the example, which torch.export kept: export with an example where they differ") from None
         fix = ("Use tracer='fx', whose graph is shape-generic (several image sizes in one run), or export with an "
                "example of this size" if _fx_traces(gm.meta) else _NO_FX[0].upper() + _NO_FX[1:])
+        if paired is not None:  # two dims of one input the example had equal (a square image)
+            a, i, _, j = paired.groups()
+            fix = (f"The graph needs '{a}' dim {i} to equal its dim {j}, as the example's were: export with an "
+                   "example where they differ (the model's code may branch on their being equal, which fx cannot "
+                   "trace either)")
         raise PipelineInputError(
             f"the inputs' sizes ({sizes}) fail a check torch.export put in the graph: {exc}. torch.export "
             "specialised the model's code to sizes like the example's (a size a layer divides by, a feature map "

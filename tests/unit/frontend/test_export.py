@@ -647,3 +647,45 @@ def test_an_inference_mode_block_in_an_exported_forward_is_warned_of_naming_no_g
     with pytest.warns(UserWarning, match=r"enters torch.inference_mode\(\) at .*test_export.py.*torch.no_grad\(\)"):
         fxpipe.compile(_InferenceEma(), 2, example_inputs=(torch.randn(8, 8),), devices=["cpu"] * 2,
                        tracer="export")
+
+
+class _GivenGenerator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, gen):
+        h = self.a(x)
+        return h * torch.bernoulli(torch.full_like(h, 0.5), generator=gen)
+
+
+def test_a_generator_input_and_a_quantized_module_are_refused_naming_the_cause_not_the_batch():
+    # both were "could not trace ... with a dynamic batch dimension ... must not depend on the batch size"
+    x = torch.randn(4, 8)
+    with pytest.raises(fxpipe.TraceError, match=r"with a torch.Generator among its inputs; hold it in the module"):
+        fxpipe.compile(_GivenGenerator(), 2, example_inputs=(x, torch.Generator()), devices=["cpu"] * 2,
+                       tracer="export")
+    quantized = torch.ao.quantization.quantize_dynamic(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)),
+                                                       {nn.Linear}, dtype=torch.qint8)
+    with pytest.raises(fxpipe.TraceError, match=r"'0', '2' are quantized module\(s\) .*use tracer='fx'"):
+        fxpipe.compile(quantized, 2, example_inputs=(x,), devices=["cpu"] * 2, tracer="export")
+
+
+class _Square(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 2)
+
+    def forward(self, x):
+        if x.shape[2] == x.shape[3]:
+            x = x * 2
+        return self.a(x.flatten(2).mean(-1).repeat(1, 2))
+
+
+def test_a_guard_pairing_two_dims_of_one_input_says_to_export_unequal_not_fx():
+    # it offered tracer='fx', which cannot trace the branch either
+    pipe = fxpipe.compile(_Square(), 2, example_inputs=(torch.randn(4, 3, 8, 8),), devices=["cpu"] * 2,
+                          tracer="export")
+    with pytest.raises(fxpipe.PipelineInputError, match=r"The graph needs 'x' dim \d to equal its dim \d, as the "
+                                                        r"example's were: export with an example where they differ"):
+        pipe(torch.randn(4, 3, 8, 6))
