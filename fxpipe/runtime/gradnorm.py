@@ -38,12 +38,17 @@ def _sharded_over_tp(p: torch.Tensor) -> bool:
     return "tp" in names and p.placements[names.index("tp")].is_shard()  # type: ignore[attr-defined]
 
 
+def _values(grad: torch.Tensor) -> torch.Tensor:
+    """Return what a gradient's norm is taken over: a sparse one's values (its norm has no sparse kernel)."""
+    return grad.coalesce().values() if grad.is_sparse else grad
+
+
 def total_norm(runtime: Any, params: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
     """Return the norm of order ``norm_type`` of every stage's gradients, the same on every rank."""
     not_mine = {id(p) for _, tied, first in runtime.tied if not first for p in tied}  # counted on the tie's first
     layout = runtime.layout
     whole_elsewhere = layout.tp > 1 and layout.tp_index != 0  # tensors whole over tp count on its first rank
-    counted = [local(p.grad) for p in held(runtime, params) if id(p) not in not_mine and p.grad is not None
+    counted = [_values(local(p.grad)) for p in held(runtime, params) if id(p) not in not_mine and p.grad is not None
                and not (whole_elsewhere and not _sharded_over_tp(p))]
     device = runtime.device
     part = torch.nn.utils.get_total_norm(counted, norm_type) if counted else torch.zeros((), device=device)

@@ -304,7 +304,7 @@ def test_a_sparse_embedding_read_on_two_ranks_sums_its_sparse_gradient_like_eage
         assert res["ok"], f"rank {r}: {res.get('traceback')}"
         assert res["tied_here"] > 0, r
         assert res["sparse_grad_1"] and res["sparse_grad_2"], (r, res)  # SparseAdam takes it
-        for key in ("grads_1", "grads_2", "params"):
+        for key in ("grads_1", "grads_2", "params", "norm"):
             assert res[key] < 1e-5, (r, key, res[key])
 
 
