@@ -296,6 +296,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     """
     device, mine = layout.device, schedule.stages_of(layout.rank)
     held = [stages[j] for j in mine]
+    _refuse_quantized(model)  # every rank alike, before any waits on another
     warn_shared_storage(stages, schedule.ranks)  # before the moves, which part what shared storage
     if layout.dp > 1:  # every rank asks it of every rank's stages, so all refuse alike
         for r in sorted(set(schedule.ranks)):
@@ -378,6 +379,25 @@ def _refuse_shared_on_one_rank(held: Sequence[torch.fx.GraphModule], mine: Seque
                                  "rank; with data_parallel > 1 each stage reduces its own gradients, so a tensor "
                                  "cannot be shared between two stages of a rank: untie it, or place those stages "
                                  "on different ranks (another schedule or split)")
+
+
+def _refuse_quantized(model: nn.Module) -> None:
+    """Refuse quantized modules across ranks, where every step sizes the values crossing on fake tensors.
+
+    Quantized kernels have no fake (meta) implementation: the first call failed on the first
+    rank in torch's ``'aten::empty_strided' ... 'QuantizedMeta'``, or blamed the inputs.
+    """
+    found: list[str] = []  # the outermost quantized modules
+    for name, m in model.named_modules():
+        if type(m).__module__.startswith("torch.ao.nn.quantized") and not any(name.startswith(f"{o}.") for o in found):
+            found.append(name)
+    if found:
+        raise PipelineInputError(
+            f"{', '.join(repr(n or 'the model') for n in found[:3])} {'is a' if len(found) == 1 else 'are'} "
+            "quantized module(s) (torch.ao.quantization's convert or quantize_dynamic), which run in one process "
+            "only: across ranks fxpipe sizes the values crossing from fake tensors, which quantized kernels "
+            "cannot make. Run the quantized model with devices=[...] in one process (or unpipelined), or "
+            "pipeline the float model (quantization-aware training with fake quantization runs across ranks)")
 
 
 def _refuse_remote_generators(gm: torch.fx.GraphModule, plan: PipelinePlan) -> None:

@@ -422,6 +422,9 @@ def test_a_value_sized_by_the_inputs_values_is_kept_on_one_rank_and_refused_acro
         assert "head" in res and res["head"] < 1e-5, res  # cut after the unpacking: specs resized by the rows
         assert res["scattered"] < 1e-5, res  # nonzero inside stage 0, its rows put back: not refused
         assert res["scattered_one"] < 1e-5, res  # and with one micro-batch
+        kind, message = res["quantized"]
+        assert kind == "PipelineInputError" and "'0', '2' are quantized module(s)" in message \
+            and "run in one process only" in message, message
         kind, message = res["generator_full_like"]  # drawn from a copy of rank 0's generator: the same numbers each step
         assert kind == "PipelineInputError" and "input 'gen' is a torch.Generator, read by stage 1 on rank 1" \
             in message and "self.gen = torch.Generator()" in message, message

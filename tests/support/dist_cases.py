@@ -1057,6 +1057,13 @@ def packed_sequences(rank, world, schedule):
         out["pooled"] = ["returned", ""]
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out["pooled"] = [type(exc).__name__, str(exc)]
+    quantized = torch.ao.quantization.quantize_dynamic(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)),
+                                                       {nn.Linear}, dtype=torch.qint8)
+    try:  # no fake kernels to size the values crossing: torch's QuantizedMeta error at the first call
+        fxpipe.compile(quantized, 2, example_inputs=(torch.randn(6, 8),), runtime="distributed", timeout=60)
+        out["quantized"] = ["returned", ""]
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["quantized"] = [type(exc).__name__, str(exc)]
     x, want, gen = torch.randn(6, 8), torch.randn(6, 4), torch.Generator()
     for cut in ("full_like", "b"):  # a generator input read on the second rank (refused), on the first (replayed)
         base = Drawn()
