@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,8 +258,32 @@ def _some(names: list[str], shown: int = 10) -> str:
     return str(names[:shown])[:-1] + (f", ... {len(names) - shown} more]" if len(names) > shown else "]")
 
 
-def _check_model(table: dict, specs: dict, path: str) -> None:
-    """Refuse a checkpoint whose FQNs or shapes are not the model's; list every difference."""
+def _observer_sizes(table: dict, specs: dict, model: nn.Module) -> list[tuple[torch.Tensor, tuple]]:
+    """Return ``(tensor, saved shape)`` for each quantization observer's buffer saved at another shape.
+
+    A fresh observer's ``scale`` is ``(1,)`` until its first forward makes it per channel; torch's
+    ``load_state_dict`` resizes it to what is loaded, so a QAT run resumes into a fresh model.
+    """
+    from torch.ao.quantization.fake_quantize import FakeQuantizeBase
+    from torch.ao.quantization.observer import ObserverBase
+    found = []
+    for info in table.values():
+        hit = next((n for n in info.names if n in specs), None)
+        if hit is None or info.tensor.is_meta or specs[hit] == (tuple(info.tensor.shape), info.tensor.dtype) \
+                or specs[hit][1] != info.tensor.dtype:
+            continue
+        try:
+            owner = model.get_submodule(hit.rpartition(".")[0])
+        except AttributeError:
+            continue
+        if isinstance(owner, (FakeQuantizeBase, ObserverBase)):
+            found.append((info.tensor, specs[hit][0]))
+    return found
+
+
+def _check_model(table: dict, specs: dict, path: str,
+                 resized: Collection[int] = ()) -> None:
+    """Refuse a checkpoint whose FQNs or shapes are not the model's; list every difference (``resized``: ids let be)."""
     known = {n for info in table.values() for n in info.names}
     unexpected = sorted(k for k in specs if k not in known)
     missing, mismatched = [], []
@@ -268,7 +292,7 @@ def _check_model(table: dict, specs: dict, path: str) -> None:
         if hit is None:
             if info.persistent:
                 missing.append(info.names[0])
-        elif specs[hit] != (tuple(info.tensor.shape), info.tensor.dtype):
+        elif specs[hit] != (tuple(info.tensor.shape), info.tensor.dtype) and id(info.tensor) not in resized:
             (shape, dtype) = specs[hit]
             mismatched.append(f"'{hit}': {shape} {dtype} there, {tuple(info.tensor.shape)} {info.tensor.dtype} here")
     if missing or unexpected or mismatched:
@@ -294,7 +318,8 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     table = tensor_table(where.model)
     source = open_weights(path)
-    _check_model(table, source.specs(), path)
+    observers = _observer_sizes(table, source.specs(), where.model)
+    _check_model(table, source.specs(), path, {id(t) for t, _ in observers})
     if optimizer is not None:
         if not under(meta, "optim"):
             raise CheckpointError(f"checkpoint {path!r} holds no optimizer state; load it without optimizer=")
@@ -308,6 +333,9 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
         keys = [k for k in under(meta, "optim") if split_key(k[len("optim."):])[1] in params]
         optim = nest(read_keys(path, _like_params(allocate(meta, keys), params)), "optim")
         check_optimizer_groups(optimizer, where.model, optim)
+    with torch.no_grad():
+        for tensor, shape in observers:  # as torch's observers resize on load_state_dict
+            tensor.resize_(shape)
     held = {k: (torch.device("cpu") if info.tensor.is_meta else info.tensor.device)
             for k, info in table.items() if not (where.distributed and info.tensor.is_meta)}
     # across ranks what no checkpoint holds stays as it is (non-persistent buffers, the other ranks' meta

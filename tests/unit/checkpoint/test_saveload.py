@@ -303,3 +303,27 @@ def test_an_overwrite_stopped_between_its_renames_resumes_from_the_previous_chec
     assert "stopped before it was put in place" not in caplog.text
     fxpipe.save(pipe, ckpt / "latest", extra={"step": 300})  # the next save puts latest back; .old is gone
     assert fxpipe.latest_checkpoint(ckpt) == str(ckpt / "latest")
+
+
+def _qat_model():
+    """A fresh quantization-aware model: per-channel fake quantization, whose observers size their buffers when run."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).train()
+    model.qconfig = torch.ao.quantization.get_default_qat_qconfig("x86")
+    return torch.ao.quantization.prepare_qat(model)
+
+
+def test_a_quantization_aware_run_resumes_into_a_fresh_model(tmp_path):
+    # refused: "'0.weight_fake_quant.scale': (16,) there, (1,) here", where torch's load_state_dict resizes observers
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    trained = _qat_model()
+    pipe = fxpipe.compile(trained, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    pipe.step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+    fxpipe.save(pipe, tmp_path / "ckpt")
+    for fresh in (_qat_model(), fxpipe.compile(_qat_model(), 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)):
+        fxpipe.load(fresh, tmp_path / "ckpt")
+        want = trained.state_dict()
+        got = fresh.state_dict()
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert torch.equal(got[name], value), name
