@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 
 from fxpipe.errors import CompileError, user_stacklevel
 from fxpipe.frontend.compiledmodule import unwrap_compiled
+from fxpipe.frontend.quantized import quantized_modules
 from fxpipe.materialize.metatensors import released
 from fxpipe.options import AUTO, CompileOptions
 from fxpipe.passes.structure import as_containers
@@ -244,6 +245,13 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
                 "fxpipe recomputes per stage instead, by checkpoint= ('except_last', the default, 'always' or "
                 "'selective'); call model.set_grad_checkpointing(False) before compiling to silence this",
                 stacklevel=user_stacklevel())
+        dynamic = quantized_modules(model, dynamic=True)
+        if dynamic and not (isinstance(chunks, int) and chunks == 1):
+            warnings.warn(
+                f"{', '.join(map(repr, dynamic[:3]))} {'is a' if len(dynamic) == 1 else 'are'} dynamically quantized "
+                "module(s) (quantize_dynamic), which pick their inputs' quantization range per call: each "
+                "micro-batch quantizes by its own rows' range, so outputs differ from eager's on the whole batch "
+                "(as eager on the micro-batches). Use chunks=1 for eager's values", stacklevel=user_stacklevel())
         refuse_nested_or_sparse(example_inputs, "example_inputs")
         refuse_nested_or_sparse(example_kwargs, "example_kwargs")
         if tracer == "export":  # its graph reads a mapping by key: a plain dict, as its calls get (Binding)

@@ -58,6 +58,7 @@ from fxpipe.frontend.inferencemode import warn_inference_mode, watching_inferenc
 from fxpipe.frontend.leftovers import no_proxies_left
 from fxpipe.frontend.modes import in_other_mode, may_read_mode
 from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
+from fxpipe.frontend.quantized import quantized_modules
 from fxpipe.frontend.specialised import recording_specialisations, specialising_line
 from fxpipe.frontend.tensorhooks import warn_tensor_hooks, watching_tensor_hooks
 from fxpipe.frontend.userframe import user_frame
@@ -161,11 +162,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
                          f"{'is a' if len(scripted) == 1 else 'are'} torch.jit.ScriptModule, which it cannot "
                          "export; use tracer='fx' (which calls a scripted module as one call), or build the model "
                          "without torch.jit.script", module=type(model).__name__)
-    packed: list[str] = []  # the outermost quantized modules
-    for name, m in model.named_modules():
-        if type(m).__module__.startswith("torch.ao.nn.quantized") and not any(
-                name.startswith(f"{o}.") for o in packed):
-            packed.append(name or "the model")
+    packed = [name or "the model" for name in quantized_modules(model)]
     if packed:  # packed parameters torch.export cannot flatten, blamed on the batch
         raise TraceError(f"torch.export cannot trace {type(model).__name__}: {', '.join(map(repr, packed[:3]))} "
                          f"{'is a' if len(packed) == 1 else 'are'} quantized module(s) (torch.ao.quantization's "

@@ -34,6 +34,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import CompileError, PeerFailure, PipelineInputError
+from fxpipe.frontend.quantized import quantized_modules
 from fxpipe.materialize.fill import fill
 from fxpipe.materialize.fillplan import tensor_table
 from fxpipe.materialize.metatensors import release
@@ -387,10 +388,7 @@ def _refuse_quantized(model: nn.Module) -> None:
     Quantized kernels have no fake (meta) implementation: the first call failed on the first
     rank in torch's ``'aten::empty_strided' ... 'QuantizedMeta'``, or blamed the inputs.
     """
-    found: list[str] = []  # the outermost quantized modules
-    for name, m in model.named_modules():
-        if type(m).__module__.startswith("torch.ao.nn.quantized") and not any(name.startswith(f"{o}.") for o in found):
-            found.append(name)
+    found = quantized_modules(model)
     if found:
         raise PipelineInputError(
             f"{', '.join(repr(n or 'the model') for n in found[:3])} {'is a' if len(found) == 1 else 'are'} "
