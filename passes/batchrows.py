@@ -80,15 +80,20 @@ def _scaled(value: Any, batch: int, rows: int) -> Any:
     return tree_map(scale, value, is_leaf=lambda v: isinstance(v, TensorSpec))
 
 
-def micro_specs(gm: torch.fx.GraphModule, batch: int, rows: int,
-                unbatched: Collection[str] = ()) -> dict[str, Any] | None:
+def micro_specs(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),
+                paired: torch.fx.Node | None = None) -> dict[str, Any] | None:
     """Return every node's spec for a micro-batch of ``rows`` rows where the example has ``batch``.
 
-    The inputs named in ``unbatched`` keep their example's shapes. None when the graph cannot
+    The inputs named in ``unbatched`` keep their example's shapes; the ``paired`` input has every
+    dim of the batch's size cut to ``rows`` (:func:`paired_inputs`). None when the graph cannot
     run for ``rows`` rows on fake tensors (a model fixed to its example's batch).
     """
-    inputs = [n.meta.get("fxpipe.value") if n.target in unbatched else _scaled(n.meta.get("fxpipe.value"), batch, rows)
-              for n in gm.graph.nodes if n.op == "placeholder"]
+    def cut(s: Any) -> Any:  # every dim of the batch's size: the paired input's
+        return replace(s, shape=tuple(rows if d == batch else d for d in s.shape)) if isinstance(s, TensorSpec) else s
+
+    inputs = [n.meta.get("fxpipe.value") if n.target in unbatched else
+              tree_map(cut, n.meta.get("fxpipe.value"), is_leaf=lambda v: isinstance(v, TensorSpec))
+              if paired is not None and n.name == paired.name else _scaled(n.meta.get("fxpipe.value"), batch, rows) for n in gm.graph.nodes if n.op == "placeholder"]
     try:
         return Propagator(gm, [n.name for n in gm.graph.nodes if n.op != "output"])(inputs)
     except Exception as exc:  # noqa: BLE001 - nothing to compare: the runtime's own checks apply
@@ -100,7 +105,8 @@ def paired_inputs(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Co
     """Describe each input whose other dims pair the batch's rows (an adjacency ``(N, N)``).
 
     An input split on dim 0 with the batch's size on another dim is one where the graph, which
-    does not run for ``rows`` rows, runs once that dim is cut to ``rows`` too (on fake tensors).
+    does not run for ``rows`` rows, runs once that dim is cut to ``rows`` too (on fake tensors:
+    :func:`micro_specs` with it ``paired``).
     """
     found = []
     for node in gm.graph.nodes:
@@ -108,27 +114,9 @@ def paired_inputs(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Co
             continue
         for path, spec in tree_flatten_with_path(node.meta.get("fxpipe.value"))[0]:
             if isinstance(spec, TensorSpec) and len(spec.shape) > 1 and spec.shape[0] == batch \
-                    and batch in spec.shape[1:] and _runs_paired(gm, batch, rows, unbatched, node):
+                    and batch in spec.shape[1:] and micro_specs(gm, batch, rows, unbatched, node) is not None:
                 found.append(f"'{node.target}{keystr(path)}' {tuple(spec.shape)}")
     return found
-
-
-def _runs_paired(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str],
-                 paired: torch.fx.Node) -> bool:
-    """Tell whether the graph runs for ``rows`` rows with every dim of ``paired`` of the batch's size cut to them."""
-    def cut(s: Any) -> Any:
-        if isinstance(s, TensorSpec):
-            return replace(s, shape=tuple(rows if d == batch else d for d in s.shape))
-        return s
-
-    inputs = [n.meta.get("fxpipe.value") if n.target in unbatched else
-              tree_map(cut, n.meta.get("fxpipe.value"), is_leaf=lambda v: isinstance(v, TensorSpec)) if n is paired
-              else _scaled(n.meta.get("fxpipe.value"), batch, rows) for n in gm.graph.nodes if n.op == "placeholder"]
-    try:
-        Propagator(gm, [n.name for n in gm.graph.nodes if n.op != "output"])(inputs)
-    except Exception:  # noqa: BLE001 - it does not: not this input
-        return False
-    return True
 
 
 def _is_int(value: Any) -> bool:
