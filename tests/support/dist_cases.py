@@ -1007,8 +1007,28 @@ def replica_norms(rank, world, schedule):
     return {"replica": replica, "stats": stats}
 
 
+def _held_error(pipe, rank, model, eager):
+    """Return the largest relative error of the gradients of the parameters this rank's stages hold."""
+    held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
+    return max(max_relative_error(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters())
+               if id(p) in held)
+
+
+def _compile_refused(model, example, schedule, **kw):
+    """Compile across ranks; return ``[type, message]`` of its refusal, or ``["returned", ""]``."""
+    try:
+        fxpipe.compile(model, 2, example_inputs=example, runtime="distributed", timeout=60, schedule=schedule, **kw)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return [type(exc).__name__, str(exc)]
+    return ["returned", ""]
+
+
 def packed_sequences(rank, world, schedule):
-    """A cut after the unpacking trains as eager; a packed sequence, or rows a mask picks, sent between ranks are refused."""
+    """A cut after the unpacking trains as eager; values sized by the inputs' values sent between ranks are refused.
+
+    So are a packed sequence, rows a mask picks, rows pooled by a count the values give (with one
+    micro-batch too), quantized modules, and a generator input read on the second rank.
+    """
     torch.manual_seed(0)
     x, lengths, y = torch.randn(6, 5, 8), torch.tensor([5, 2, 4, 3, 5, 1]), torch.randn(6, 5, 4)
     base = PackedLSTM()
@@ -1024,46 +1044,24 @@ def packed_sequences(rank, world, schedule):
             out[cut] = [type(exc).__name__, str(exc)]
             continue
         pipe.step(x, lengths, target=y, loss_fn=F.mse_loss)
-        held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
-        out[cut] = max(max_relative_error(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters())
-                       if id(p) in held)
-    base, ids, want = Scattered(), torch.randn(8, 8), torch.randn(8, 4)  # nonzero's rows put back in the batch's
-    eager = copy.deepcopy(base)
-    F.mse_loss(eager(ids), want).backward()
-    pipe = fxpipe.compile(base, 2, example_inputs=(ids,), chunks=2, runtime="distributed", timeout=60,
-                          schedule=schedule, split_points=["b"])
-    pipe.step(ids, target=want, loss_fn=F.mse_loss)
-    held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
-    out["scattered"] = max(max_relative_error(p.grad, q.grad) for p, q in zip(base.parameters(), eager.parameters())
-                           if id(p) in held)
-    try:  # rows a mask picks, sent to the next rank
-        fxpipe.compile(Masked(), 2, example_inputs=(torch.randn(8, 8),), chunks=2, runtime="distributed", timeout=60,
-                       schedule=schedule, split_points=["b"])
-        out["masked"] = ["returned", ""]
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        out["masked"] = [type(exc).__name__, str(exc)]
-    base = Scattered()  # one micro-batch: nonzero's rows still put back, not refused
-    eager = copy.deepcopy(base)
-    F.mse_loss(eager(ids), want).backward()
-    pipe = fxpipe.compile(base, 2, example_inputs=(ids,), chunks=1, runtime="distributed", timeout=60,
-                          schedule=schedule, split_points=["b"])
-    pipe.step(ids, target=want, loss_fn=F.mse_loss)
-    held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
-    out["scattered_one"] = max(max_relative_error(p.grad, q.grad) for p, q in zip(base.parameters(),
-                                                                                eager.parameters()) if id(p) in held)
-    try:  # one row per graph, as many as batch.max() + 1 says, sent on with one micro-batch
-        fxpipe.compile(Pooled(), 2, example_inputs=(torch.randn(12, 8), torch.arange(12) // 3), chunks=1,
-                       runtime="distributed", timeout=60, schedule=schedule, split_points=["mid"])
-        out["pooled"] = ["returned", ""]
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        out["pooled"] = [type(exc).__name__, str(exc)]
+        out[cut] = _held_error(pipe, rank, model, eager)
+    ids, want = torch.randn(8, 8), torch.randn(8, 4)
+    for key, chunks in (("scattered", 2), ("scattered_one", 1)):  # nonzero's rows put back in the batch's
+        base = Scattered()
+        eager = copy.deepcopy(base)
+        F.mse_loss(eager(ids), want).backward()
+        pipe = fxpipe.compile(base, 2, example_inputs=(ids,), chunks=chunks, runtime="distributed", timeout=60,
+                              schedule=schedule, split_points=["b"])
+        pipe.step(ids, target=want, loss_fn=F.mse_loss)
+        out[key] = _held_error(pipe, rank, base, eager)
+    out["masked"] = _compile_refused(Masked(), (torch.randn(8, 8),), schedule, chunks=2, split_points=["b"])
+    # one row per graph, as many as batch.max() + 1 says, sent on with one micro-batch
+    out["pooled"] = _compile_refused(Pooled(), (torch.randn(12, 8), torch.arange(12) // 3), schedule, chunks=1,
+                                     split_points=["mid"])
     quantized = torch.ao.quantization.quantize_dynamic(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)),
                                                        {nn.Linear}, dtype=torch.qint8)
-    try:  # no fake kernels to size the values crossing: torch's QuantizedMeta error at the first call
-        fxpipe.compile(quantized, 2, example_inputs=(torch.randn(6, 8),), runtime="distributed", timeout=60)
-        out["quantized"] = ["returned", ""]
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        out["quantized"] = [type(exc).__name__, str(exc)]
+    # no fake kernels to size the values crossing: torch's QuantizedMeta error at the first call
+    out["quantized"] = _compile_refused(quantized, (torch.randn(6, 8),), schedule)
     x, want, gen = torch.randn(6, 8), torch.randn(6, 4), torch.Generator()
     for cut in ("full_like", "b"):  # a generator input read on the second rank (refused), on the first (replayed)
         base = Drawn()
@@ -1079,9 +1077,7 @@ def packed_sequences(rank, world, schedule):
         gen.manual_seed(3)
         for xs, ys in zip(x.tensor_split(2), want.tensor_split(2)):
             (F.mse_loss(eager(xs, gen), ys) / 2).backward()
-        held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
-        out["generator_" + cut] = max(max_relative_error(p.grad, q.grad) for p, q in zip(
-            base.parameters(), eager.parameters()) if id(p) in held)
+        out["generator_" + cut] = _held_error(pipe, rank, base, eager)
     return out
 
 
