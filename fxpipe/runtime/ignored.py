@@ -45,13 +45,22 @@ def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_
             continue
         warnings.warn(
             f"{name} marks entries {IGNORE_INDEX} (ignore_index) in unequal shares of the micro-batches "
-            f"({min(shares):.0%} to {max(shares):.0%} of each micro-batch's entries count): a loss_fn averaging over "
+            f"({_span(min(shares), max(shares))} of each micro-batch's entries count): a loss_fn averaging over "
             "the entries that count gives each micro-batch's mean, which pipe.step weights by rows, so the step's "
             "loss and gradients differ from eager's. Pass loss_reduction='sum' with a loss_fn dividing a sum by "
             "the whole batch's count (docs/guide/using-it.md, 'What loss_fn receives'); ignore this if -100 is a "
             "class your loss counts (said once per pipe)", stacklevel=user_stacklevel())
         break
     return True
+
+
+def _span(low: float, high: float) -> str:
+    """Write two shares as percents with the fewest decimals (up to 4) that tell them apart."""
+    for digits in range(5):
+        a, b = f"{low:.{digits}%}", f"{high:.{digits}%}"
+        if a != b:
+            break
+    return f"{a} to {b}"
 
 
 def warn_summed_outputs(summed: list[str], means: list[str], m: int, loss_fn: Callable) -> None:
