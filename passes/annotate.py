@@ -36,6 +36,7 @@ from typing import Any, cast
 import torch
 import torch.fx
 import torch.fx._pytree as fx_pytree
+from fxpipe.passes.fakemode import fake_mode
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.propagate import Propagator, fetch
 from fxpipe.passes.spec import TensorSpec, spec_of, value_bytes
@@ -86,7 +87,7 @@ def _propagate(gm: torch.fx.GraphModule, flat_inputs: list, real: bool, memoize:
         with torch.enable_grad():
             Propagator(gm, None).propagate(flat_inputs, memoize=False)
     else:
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        mode = fake_mode(gm)
         with mode:
             device = gm.meta.get("fxpipe.example_device", torch.device("cpu"))
             fake_inputs = tree_map(lambda v: _fake_input(mode, v, device), flat_inputs)

@@ -24,13 +24,13 @@ import torch
 import torch.fx
 from fxpipe.passes.annotate import TensorSpec, spec_of
 from fxpipe.passes.failure import explain
+from fxpipe.passes.fakemode import bound_dispatch_cache, fake_mode
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.mutates import may_mutate
 from fxpipe.passes.nesting import levels_restored
 from fxpipe.passes.propagate import _DATA_DEPENDENT, PlainArgs, call_with_stand_ins, fetch_stand_in
 from fxpipe.passes.signature import node_key, value_key
 from fxpipe.passes.untouched import modules_untouched
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["Propagator", "SpecProp", "value_specs"]
@@ -183,7 +183,7 @@ class Propagator:
 
     def __init__(self, gm: torch.fx.GraphModule, wanted: Iterable[str]) -> None:
         self.prop = SpecProp(gm, set(wanted))
-        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.mode = fake_mode(gm)
         self.made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the tensor, its stand-in)
 
     @gc_paused
@@ -218,7 +218,7 @@ class Propagator:
                     self.prop.run(*fake_inputs)
             finally:
                 quiet.setLevel(level)
-                _bound_dispatch_cache()
+                bound_dispatch_cache()
         return self.prop.specs
 
     def _stand_in(self, v: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -234,20 +234,6 @@ class Propagator:
             made = self.mode.from_tensor(v)
         self.made[id(v)] = (v, made)
         return made
-
-
-_DISPATCH_CACHE_LIMIT = 8192  # entries of torch's fake-tensor dispatch cache (a few kB each)
-
-
-def _bound_dispatch_cache() -> None:
-    """Clear torch's fake-tensor dispatch cache once it holds more than a bound of entries.
-
-    The cache is torch's, one for every fake mode, keyed by shapes and never emptied: a job
-    meeting a new sequence length at every step grew the first stage's rank by ~240 kB a step
-    (a tiny decoder; more nodes, more), past fxpipe's own bounded cache of layouts.
-    """
-    if len(FakeTensorMode.cache) > _DISPATCH_CACHE_LIMIT:
-        FakeTensorMode.cache_clear()
 
 
 def value_specs(gm: torch.fx.GraphModule, inputs: list[Any], wanted: Iterable[str]) -> dict[str, Any]:

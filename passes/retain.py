@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch
 import torch.fx
 from fxpipe.passes.annotate import TensorSpec, bind_placeholders
+from fxpipe.passes.fakemode import fake_mode
 from fxpipe.passes.gcpause import gc_paused
 from fxpipe.passes.propagate import _DATA_DEPENDENT, PlainArgs, fetch_stand_in
 from fxpipe.passes.spec import differentiable
@@ -134,7 +135,7 @@ def retain(gm: torch.fx.GraphModule, example_args: tuple | None = None,
         flat = [n.meta.get("fxpipe.value") for n in gm.graph.nodes if n.op == "placeholder"]
     else:
         flat = bind_placeholders(gm, example_args or (), example_kwargs or {})
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = fake_mode(gm)
     runner = _Retainer(gm, mode)
     fake = tree_map(lambda v: _fake_input(mode, v), flat, is_leaf=lambda v: isinstance(v, TensorSpec))
     with modules_untouched(gm), mode, torch.enable_grad(), \

@@ -111,9 +111,9 @@ def test_torch_s_fake_tensor_dispatch_cache_stays_bounded_over_new_layouts(monke
     # torch's cache is keyed by shapes and never emptied: a new length at every step grew the first rank's memory
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxpipe.passes import infer
+    from fxpipe.passes import fakemode, infer
 
-    monkeypatch.setattr(infer, "_DISPATCH_CACHE_LIMIT", 100, raising=False)
+    monkeypatch.setattr(fakemode, "_DISPATCH_CACHE_LIMIT", 100)
     model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
     gm = torch.fx.symbolic_trace(model)
     fxpipe.passes.annotate(gm, (torch.randn(2, 3, 16),), {})
