@@ -34,7 +34,7 @@ import torch.fx
 from fxpipe.passes.inplace import known_mutations
 from fxpipe.passes.mutates import aliases, op_name, unwrapped, written_args
 
-__all__ = ["BufferReads", "route_buffer_reads"]
+__all__ = ["BufferReads", "read_before_write", "route_buffer_reads"]
 
 _NO_COST = {"fxpipe.flops": 0, "fxpipe.flops_bwd": 0, "fxpipe.saved_bytes": 0, "fxpipe.param_bytes": 0,
             "fxpipe.mutates": []}
@@ -134,6 +134,30 @@ def _norm_writers(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
         for name in names:
             found.setdefault(name, []).append(node)
     return found
+
+
+def read_before_write(gm: torch.fx.GraphModule, order: list[torch.fx.Node]) -> set[int]:
+    """Return the positions of ``order`` no stage may begin at, so that a buffer read before a later write stays with it.
+
+    A stage reading a buffer that a later stage writes (``w / sqrt(bn.running_var)`` before the
+    norm updating it: an exported QAT ConvBn) reads it before the earlier micro-batches' writes
+    (:func:`route_buffer_reads` warns of it); in one stage each micro-batch reads it in eager's order.
+    """
+    owner, writers = _state_of(gm)
+    for name, nodes in _norm_writers(gm).items():
+        writers.setdefault(name, []).extend(n for n in nodes if n not in writers[name])
+    pos = {n: i for i, n in enumerate(order)}
+    joined: set[int] = set()
+    for name, written in writers.items():
+        ends = [pos[w] for w in written if w in pos]
+        for reader in order:
+            if reader in written or owner.get(reader) == name and any(u in written for u in reader.users):
+                continue  # a write, or an alias a write goes through
+            if any(owner.get(v) == name for v in reader.all_input_nodes):
+                later = [e for e in ends if e > pos[reader]]
+                if later:
+                    joined.update(range(pos[reader] + 1, max(later) + 1))
+    return joined
 
 
 def _find(gm: torch.fx.GraphModule, found: BufferReads) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, str] | None:

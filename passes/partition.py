@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch.fx
+from fxpipe.passes.bufferreads import read_before_write
 from fxpipe.passes.cost import BALANCE_KINDS, COMPUTE_OPS, cut_widths, memory_factors, node_costs, node_memory
 from fxpipe.passes.cut import NoFeasibleCut, group_costs, min_bottleneck_cut
 from fxpipe.passes.gcpause import gc_paused
@@ -163,9 +164,10 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, *, balance_by: str = "flo
     one number or one per boundary) times the bytes crossing its two cuts (:mod:`fxpipe.passes.cost`).
     The cut is exact for each candidate order (:mod:`fxpipe.passes.order`); the cheapest wins, ties
     going to the narrower cuts. No stage begins between an in-place op and the values it
-    changes (:func:`fxpipe.passes.inplace.joined_positions`). With ``max_memory`` every stage's memory estimate for
-    ``checkpoint`` and ``micro_batches`` stays within it, or a ``ValueError`` says how much
-    the least possible largest stage needs.
+    changes (:func:`fxpipe.passes.inplace.joined_positions`), nor, where places are left, between
+    a buffer's read and a later write of it (:func:`fxpipe.passes.bufferreads.read_before_write`).
+    With ``max_memory`` every stage's memory estimate for ``checkpoint`` and ``micro_batches``
+    stays within it, or a ``ValueError`` says how much the least possible largest stage needs.
     """
     if balance_by not in BALANCE_KINDS:
         raise ValueError(f"unknown balance_by={balance_by!r}; use one of {list(BALANCE_KINDS) + ['auto']}")
@@ -182,6 +184,9 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, *, balance_by: str = "flo
         joined = joined_positions(gm, order)
         if len(order) - len(joined) < n_stages:  # too few places: let the in-place analysis refuse
             joined = set()
+        kept = joined | read_before_write(gm, order)
+        if len(order) - len(kept) >= n_stages:  # else route_buffer_reads warns of the reads cut from their writes
+            joined = kept
         try:
             starts = min_bottleneck_cut(costs, widths, n_stages, beta=comm, rho=rho, m=mem, phi=f_in,
                                         cap=max_memory, joined=joined)

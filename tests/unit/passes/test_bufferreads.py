@@ -197,3 +197,21 @@ def test_statistics_read_before_a_later_stages_norm_updates_them_are_warned_of(t
         warnings.filterwarnings("error", message="buffer 'bn")
         fxpipe.compile(_ScaledByStatistics(), 2, example_inputs=(torch.randn(8, 3, 6, 6),), devices=["cpu"] * 2,
                        chunks=4, tracer=tracer, split_points=["head"])
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_the_automatic_cut_keeps_statistics_read_before_their_norm_with_it(tracer, checkpoint):
+    # the cheapest cut put the read in stage 0 and the norm in stage 1 (an exported QAT ConvBnReLU2d): warned, wrong
+    torch.manual_seed(0)
+    model, x, y = _ScaledByStatistics(), torch.randn(8, 3, 6, 6), torch.randint(0, 4, (8,))
+    eager = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="buffer 'bn")
+        pipe = fxpipe.compile(model, 3, example_inputs=(x,), devices=["cpu"] * 3, chunks=4, tracer=tracer,
+                              checkpoint=checkpoint)
+    loss = pipe.step(x, target=y, loss_fn=F.cross_entropy)
+    assert loss == pytest.approx(per_micro_batch(eager, x, y, 4), rel=1e-5)
+    torch.testing.assert_close(model.bn.running_var, eager.bn.running_var)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
