@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = None,
              checkpoint: str | Sequence[str] | None = None, device: str | DeviceModel | None = None,
              runtime: str | None = None, batch: int | None = None, optimizer: str = "none",
-             dtype: torch.dtype | None = None, placement: str | Sequence[int] | None = None,
+             dtype: torch.dtype | str | None = None, placement: str | Sequence[int] | None = None,
              ranks: int | None = None, measured: bool | dict[str, tuple[float, float]] | None = None,
              compiled: float | bool | dict[str, Any] | None = None, save: Any = None,
              tensor_parallel: int | None = None, data_parallel: int | None = None,
@@ -103,7 +103,13 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     and how they share the cores on the model's own passes (:mod:`fxpipe.simulate.sharing`).
     """
     check_factor(compiled)
+    dtype = _dtype(dtype)
     gm, plan = graph_and_plan(pipe_or_plan)
+    if gm is not None and not any("fxpipe.value" in n.meta for n in gm.graph.nodes if n.op == "placeholder"):
+        raise ValueError("this pipe was compiled without example_inputs=, so its graph holds no shapes or FLOPs to "
+                         "predict from: compile it with example_inputs= (a batch of the inputs) to simulate it")
+    if ranks is not None and (not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1):
+        raise ValueError(f"ranks={ranks!r}; use an integer of at least 1 (or leave it out for the pipe's)")
     save = save if save is not None else getattr(pipe_or_plan, "_save", None)
     n = plan.n_stages
     for name, value in (("chunks", chunks), ("batch", batch)):
@@ -321,3 +327,16 @@ def _links(costs: list[StageCost]) -> tuple[list[list[int]], list[list[int]]]:
             feeds[j].append(j - 1)
             reads[j - 1].append(j)
     return feeds, reads
+
+
+_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+
+
+def _dtype(value: Any) -> torch.dtype | None:
+    """Return ``value`` as a torch dtype: one, or a name as the CLI's ``--dtype`` takes (``"bf16"``)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[value.lower()]
+    raise ValueError(f"dtype={value!r}; use a torch dtype (torch.bfloat16) or one of {sorted(_DTYPE_NAMES)}")

@@ -179,6 +179,20 @@ def test_simulate_refuses_what_it_cannot_read():
     for bad in ({"chunks": 0}, {"chunks": -2}, {"batch": 0}, {"chunks": 2.5}):  # chunks=0 simulated chunks=4
         with pytest.raises(ValueError, match=f"{next(iter(bad))}=.*use an integer of at least 1"):
             fxpipe.simulate(pipe, device=UNIT, **bad)
+    with pytest.raises(ValueError, match="ranks=0; use an integer of at least 1"):
+        fxpipe.simulate(pipe, device=UNIT, ranks=0)
+    with pytest.raises(ValueError, match="dtype='bf17'; use a torch dtype"):
+        fxpipe.simulate(pipe, device=UNIT, dtype="bf17")
+    bare = fxpipe.compile(_mlp(), 2, chunks=2)  # a torch TypeError from inside the retain pass
+    with pytest.raises(ValueError, match="compiled without example_inputs=, so its graph holds no shapes"):
+        fxpipe.simulate(bare, batch=8)
+
+
+def test_a_dtype_is_taken_by_the_cli_s_names_too():
+    pipe = _pipe(_mlp(), torch.randn(8, 64), chunks=4)
+    named, typed = fxpipe.simulate(pipe, device="h100", dtype="bf16"), fxpipe.simulate(pipe, device="h100",
+                                                                                       dtype=torch.bfloat16)
+    assert named.step_time == typed.step_time < fxpipe.simulate(pipe, device="h100").step_time
 
 
 def test_measured_true_times_the_nodes_here():
