@@ -50,7 +50,11 @@ class Choice:
 
 @dataclass
 class ClusterSearch:
-    """The layouts that fit, fastest first, those rejected, and what the search skipped; makes plans of them."""
+    """The layouts that fit, fastest first, those rejected, and what the search skipped; makes plans of them.
+
+    ``rejected``: over the memory budget. ``refused``: layouts ``fxpipe.compile`` refuses (a tensor
+    shared by two stages on one rank under data parallel), whatever the memory.
+    """
 
     ranked: list[Choice]
     rejected: list[Choice]
@@ -66,6 +70,7 @@ class ClusterSearch:
     bounded: int = 0  # skipped: their compute alone is slower than the kept ones
     seconds: float = 0.0
     cuts: dict[int, PipelinePlan] = field(default_factory=dict)
+    refused: list[Choice] = field(default_factory=list)
 
     @property
     def best(self) -> Choice | None:

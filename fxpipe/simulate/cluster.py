@@ -245,7 +245,7 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
             ranks = PLACEMENTS[s.schedule](n, s.pp) if s.schedule in PLACEMENTS else list(range(n))
             tie = next(((a, b) for a, b in shared if ranks[a] == ranks[b]), None) if s.dp > 1 else None
             if tie is not None:  # fxpipe.compile refuses it: each stage reduces its own gradients over replicas
-                found.rejected.append(Choice(s, "", None, False, f"a tensor shared by stages {tie[0]} and {tie[1]}, "
+                found.refused.append(Choice(s, "", None, False, f"a tensor shared by stages {tie[0]} and {tie[1]}, "
                                              f"both on rank {ranks[tie[0]]}, under data parallel"))
                 continue
             state, r = _state(costs, ranks, s, optimizer)

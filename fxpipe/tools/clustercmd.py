@@ -91,7 +91,11 @@ def run_cluster(args: argparse.Namespace, device: Any, memory: float | None, dty
           f"global batch {found.batch}{f' x {tokens} tokens' if tokens > 1 else ''}, optimizer {args.optimizer}, "
           f"inter-node {human(device.inter_bandwidth * 8, 'b')}/s per GPU: {found.layouts} layouts, "
           f"{found.simulated} simulated, {found.bounded} pruned by the compute bound, {len(found.rejected)} over "
-          f"the memory budget ({found.seconds:.1f} s)")
+          f"the memory budget{_refused(found)} ({found.seconds:.1f} s)")
+    if not found.ranked and not found.rejected and found.refused:
+        raise Failure(f"no layout runs: each is one fxpipe.compile refuses ({found.refused[0].overflow}); search "
+                      "other --schedules or --stages, whose placement keeps those stages on ranks of their own, or "
+                      "--tp sizes that leave no replicas")
     if not found.ranked:
         closest = [c for c in found.rejected if c.sim is not None][:3] or found.rejected[:3]
         lines = "\n  ".join(f"{c.shape.name()}, {c.shape.schedule}, chunks={c.shape.chunks}: {c.overflow}"
@@ -129,3 +133,10 @@ def run_cluster(args: argparse.Namespace, device: Any, memory: float | None, dty
 def _policy(c: Any) -> str:
     """Name a layout's recomputation: a mode, or the policies per stage."""
     return c.checkpoint if c.checkpoint != "auto" else "auto: " + ",".join(c.policies)
+
+
+def _refused(found: Any) -> str:
+    """Say how many layouts were left out because fxpipe.compile refuses them, and why (the first's reason)."""
+    if not found.refused:
+        return ""
+    return f", {len(found.refused)} refused by fxpipe.compile ({found.refused[0].overflow})"

@@ -49,6 +49,12 @@ MODELS = textwrap.dedent('''
     def wrapped():
         torch.manual_seed(0)
         return Wrapped(), torch.randn(8, 64)
+
+
+    def tied():
+        model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 16))
+        model[-1].weight = model[0].weight
+        return model, torch.randint(0, 16, (16, 3))
 ''')
 
 
@@ -134,6 +140,17 @@ def test_the_cluster_search_names_what_overflows(models, capsys):
     assert status == 1
     assert "no layout fits in 400.0kB per device; the closest:" in err
     assert "parameters" in err and "> 400.0kB" in err
+
+
+def test_layouts_compile_refuses_are_not_counted_over_the_memory_budget(models, capsys):
+    # ZB-V on 2 ranks x 2 replicas puts the tied embedding and head on one rank: they read "8 over the memory budget"
+    # and "raise --memory", on 80 GB devices
+    status = cli.main(["plan", f"{models}:tied", "--gpus", "4", "--gpus-per-node", "4", "--device", "h100",
+                       "--global-batch", "16", "--schedules", "zbv", "--stages", "4", "--tp", "1"])
+    out, err = capsys.readouterr()
+    assert status == 1
+    assert "0 over the memory budget, 6 refused by fxpipe.compile (a tensor shared by stages 0 and 3" in out
+    assert "no layout runs: each is one fxpipe.compile refuses" in err and "raise --memory" not in err
 
 
 @pytest.mark.parametrize("args, message", [
