@@ -32,6 +32,7 @@ from fxpipe import compiler
 from fxpipe.compat.torchgpipe.lowering import check_tensors, lower
 from fxpipe.compat.torchgpipe.skip.layout import inspect_skip_layout
 from fxpipe.compat.torchgpipe.skip.skippable import verify_skippables
+from fxpipe.errors import PipelineInputError
 from fxpipe.pipe import Pipe
 
 __all__ = ["BalanceError", "GPipe", "verify_module"]
@@ -199,6 +200,13 @@ class GPipe(nn.Module):
         Raises TypeError for any other input.
         """
         check_tensors(input, "the input")
+        rows = [v.shape[0] for v in input if v.dim() > 0] if isinstance(input, tuple) else []
+        if len(set(rows)) > 1:
+            raise PipelineInputError(
+                f"batch sizes disagree: the input's tensors have {rows} rows on dim 0. GPipe splits each of them "
+                f"into micro-batches on dim 0 and gives a micro-batch the same rows of each (torchgpipe chunked "
+                f"each on its own, pairing rows of different samples), so give them the same batch size; a tensor "
+                f"every micro-batch needs whole belongs in the module (a buffer), not in the input")
         if self._pipe is None:
             return input  # an empty sequential module
         return self._pipe(input)

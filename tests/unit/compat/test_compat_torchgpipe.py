@@ -179,6 +179,14 @@ def test_non_tensor_between_partitions_is_refused():
         gpipe(torch.randn(2, 2))
 
 
+def test_input_tensors_of_other_batch_sizes_are_refused_naming_gpipe_s_fix():
+    # the refusal named fxpipe.compile(unbatched=), which GPipe does not take
+    gpipe = GPipe(nn.Sequential(nn.Identity()), [1], devices=["cpu"], chunks=2)
+    with pytest.raises(ValueError, match=r"the input's tensors have \[4, 3\] rows on dim 0.*same batch size") as got:
+        gpipe((torch.randn(4, 4), torch.randn(3, 4)))
+    assert "unbatched" not in str(got.value)
+
+
 def test_deferred_batch_norm_commits_once_per_chunks_calls():
     bn = nn.BatchNorm1d(3)
     deferred = DeferredBatchNorm.convert_deferred_batch_norm(nn.Sequential(copy.deepcopy(bn)), chunks=4)[0]
