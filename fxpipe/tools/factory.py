@@ -102,12 +102,19 @@ def make_model(spec: str, shapes: list[tuple[int, ...]] | None,
 
     factory = load_factory(spec)
     options = dict(options or {})
+    params: Any
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    required = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in options and
+                p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                           inspect.Parameter.KEYWORD_ONLY)]
+    if required:
+        raise ModelSpecError(f"MODEL {spec!r}: the factory needs {', '.join(repr(k) for k in required)}, which "
+                             "the command cannot give: name a function called with no arguments that returns the "
+                             "model, or (model, example_inputs) (def factory(): ...)")
     if options:
-        params: Any
-        try:
-            params = inspect.signature(factory).parameters
-        except (TypeError, ValueError):
-            params = {}
         missing = [k for k in options if k not in params and not any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())]
         if missing:

@@ -44,3 +44,14 @@ def test_user_errors_name_the_cause_and_the_line(tmp_path):
         dep = tmp_path / "needs_dep.py"
         dep.write_text("import not_installed_dep\n")
         load_factory(f"{dep}:factory")
+
+
+def test_a_factory_needing_arguments_is_refused_naming_them(tmp_path):
+    # it was a TypeError from the lambda calling it, reported at factory.py's line
+    path = tmp_path / "needs.py"
+    path.write_text("from torch import nn\ndef factory(width, *, depth=2):\n    return nn.Linear(width, width)\n"
+                    "def sized(seq):\n    return nn.Linear(seq, seq)\n")
+    with pytest.raises(ModelSpecError, match=r"the factory needs 'width', which the command cannot give"):
+        make_model(f"{path}:factory", None)
+    model, _, _ = make_model(f"{path}:sized", None, {"seq": 3})  # an option the command gives is not missing
+    assert model.in_features == 3
