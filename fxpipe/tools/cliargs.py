@@ -99,3 +99,13 @@ def option_hint(message: str) -> str:
     """Say which command-line options set the keywords a library message names (``max_memory=`` is ``--max-memory``)."""
     hints = list(dict.fromkeys(option for keyword, option in _OPTIONS.items() if keyword in message))
     return f"\nOn the command line: {', '.join(hints)}" if hints else ""
+
+
+def rows_text(batch: float, chunks: int) -> str:
+    """Write a micro-batch's rows: one number, or the least and most where the batch does not divide evenly."""
+    if batch != int(batch):
+        return f"{batch / chunks:g}"
+    from fxpipe.plan.batches import micro_sizes
+
+    sizes = micro_sizes(int(batch), chunks)
+    return f"{min(sizes)}" if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"

@@ -18,7 +18,7 @@ from typing import Any
 from tabulate import tabulate
 
 from fxpipe.plan.pipeline import human
-from fxpipe.tools.cliargs import Failure, UsageError, counts, leaf_modules, positive
+from fxpipe.tools.cliargs import Failure, UsageError, counts, leaf_modules, positive, rows_text
 
 __all__ = ["add_arguments", "bandwidth", "run_cluster"]
 
@@ -107,7 +107,7 @@ def run_cluster(args: argparse.Namespace, device: Any, memory: float | None, dty
         s, sim = c.shape, c.sim
         assert sim is not None
         rows.append([k + 1, s.dp, s.pp, s.tp, s.v, "fsdp" if s.shard else "ddp" if s.dp > 1 else "-", s.schedule,
-                     s.chunks, f"{found.batch / s.dp / s.chunks:g}", _policy(c), f"{sim.step_time * 1e3:.1f}",
+                     s.chunks, rows_text(found.batch / s.dp, s.chunks), _policy(c), f"{sim.step_time * 1e3:.1f}",
                      f"{found.per_gpu(c):,.0f}", f"{sim.bubble:.0%}", human(c.peak, "B")])
     print(tabulate(rows, headers=["#", "dp", "pp", "tp", "v", "replicas", "schedule", "chunks", "rows", "checkpoint",
                                   "step ms", unit, "bubble", "peak/rank"], tablefmt="simple"))

@@ -20,7 +20,17 @@ from typing import Any
 from tabulate import tabulate
 
 from fxpipe.plan.pipeline import human
-from fxpipe.tools.cliargs import Failure, UsageError, add_tracer, counts, leaf_modules, names, positive, shape
+from fxpipe.tools.cliargs import (
+    Failure,
+    UsageError,
+    add_tracer,
+    counts,
+    leaf_modules,
+    names,
+    positive,
+    rows_text,
+    shape,
+)
 from fxpipe.tools.clustercmd import add_arguments, run_cluster
 
 __all__ = ["register"]
@@ -133,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         smallest = min(found.rejected, key=lambda c: max(c.peaks))
         raise Failure(f"no configuration fits in {human(found.memory, 'B')} per device; the smallest needs "
                       f"{human(max(smallest.peaks), 'B')} ({_describe(smallest)}); raise --memory or add --ranks")
-    rows = [[k + 1, c.stages, c.chunks, f"{found.batch / c.chunks:g}", c.schedule, _policy(c),
+    rows = [[k + 1, c.stages, c.chunks, rows_text(found.batch, c.chunks), c.schedule, _policy(c),
              f"{c.sim.step_time * 1e3:.2f}", f"{c.sim.throughput:.1f}", f"{c.sim.bubble:.0%}",
              " ".join(human(p, "B") for p in c.peaks)] for k, c in enumerate(found.ranked[:args.top])]
     print(tabulate(rows, headers=["#", "stages", "chunks", "rows", "schedule", "checkpoint", "step ms",

@@ -204,3 +204,11 @@ def test_a_model_only_export_traces_is_planned_with_tracer_export_and_the_plan_r
     model, x = namespace["wrapped"]()
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, plan=str(out))
     torch.testing.assert_close(pipe(x), namespace["wrapped"]()[0](x))
+
+
+def test_uneven_micro_batches_read_as_their_rows(models, capsys):
+    # a global batch of 30 at chunks=4 read "rows 7.5"; the micro-batches hold 7 and 8
+    assert cli.main(["plan", f"{models}:mlp", "--ranks", "2", "--global-batch", "30", "--chunks", "4",
+                     "--schedules", "gpipe", "--checkpoint", "never"]) == 0
+    table = capsys.readouterr().out
+    assert " 7-8 " in table and "7.5" not in table
