@@ -89,6 +89,11 @@ class PeerFailure(RuntimeError):
     """Another rank of a distributed pipeline failed, died or fell silent past the timeout."""
 
 
+class ModelChangedError(ValueError):
+    """The model was changed after compile in a way the pipe cannot follow (a tie the traced graph reads as
+    one tensor, undone); names the tensors and the fix."""
+
+
 class MutationError(ValueError):
     """An in-place op changes a value that another stage reads afterwards; names the node and the fix."""
 

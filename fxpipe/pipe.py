@@ -14,9 +14,10 @@ import torch
 import torch.fx
 from torch import nn
 
+from fxpipe.errors import ModelChangedError
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.contract import Runtime
-from fxpipe.runtime.drift import changes, describe, replaced, snapshot
+from fxpipe.runtime.drift import changes, describe, replaced, snapshot, untied
 from fxpipe.runtime.microbatch import is_summed, summed
 from fxpipe.runtime.stage.reshare import reshare
 
@@ -61,7 +62,7 @@ class Pipe(nn.Module):
         self.__dict__["devices"] = list(devices)
         self.__dict__["owned"] = None if owned is None else frozenset(owned)
         self._runtime = runtime
-        self.__dict__["_snapshot"] = snapshot(model, gm, runtime.runs())  # what a change after compile is told from
+        self.__dict__["_snapshot"] = snapshot(model, gm, runtime.runs(), self.stages)  # what a change after compile is told from
         self.__dict__["_told"] = []  # the changes last warned of
         # after a load (assign=True replaces tensors), even one through a module holding the pipe
         self.register_load_state_dict_post_hook(_after_load)
@@ -235,6 +236,15 @@ class Pipe(nn.Module):
         flag a merged graph reads (``self.training`` in the model's code) is the stages' own.
         """
         snap = self.__dict__["_snapshot"]
+        if snap.ties:  # a tie the graph reads as one tensor, undone on the model
+            undone = untied(snap)
+            if undone:
+                name, of = undone[0]
+                raise ModelChangedError(
+                    f"{name} no longer shares its tensor with {of}, as it did at fxpipe.compile: the traced graph "
+                    f"reads {of} for both (torch.export keeps one name for tied tensors), so {name} would get no "
+                    f"gradient and {of} the uses of both. Compile the model again after undoing the tie, or keep it "
+                    f"(load a state dict with assign=False, which copies into the tied tensor)")
         if replaced(snap):  # a Parameter replaced on the model (load_state_dict(assign=True), setattr)
             self._reshare()
             snap.retake()

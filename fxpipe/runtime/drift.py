@@ -30,7 +30,7 @@ from torch import nn
 
 from fxpipe.runtime.stage.reshare import held_tensor, tensor_place
 
-__all__ = ["Snapshot", "changes", "describe", "replaced", "snapshot"]
+__all__ = ["Snapshot", "changes", "describe", "replaced", "snapshot", "untied"]
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -42,7 +42,8 @@ class _Missing:
 class Snapshot:
     """Each submodule's place in its parent and the plain attributes its traced code read, at compile."""
 
-    def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, runs: Sequence[torch.fx.GraphModule] = ()) -> None:
+    def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, runs: Sequence[torch.fx.GraphModule] = (),
+                 stages: Sequence[torch.fx.GraphModule] = ()) -> None:
         called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
         # (the parent's registry, the key, the module, its name): a registry changes in place on setattr
         self.places: list[tuple[Any, str, nn.Module, str]] = []
@@ -69,6 +70,9 @@ class Snapshot:
             tensor = None if place is None else held_tensor(*place)
             if place is not None and tensor is not None:
                 self.fetched.append((*place, tensor))
+        # (the module, the field, its name, the name the stages fetch) of each other place of a tensor they fetch
+        # (a tie) that only the fetch reads: a tie undone there leaves the stages reading one tensor for both
+        self.ties: list[tuple[nn.Module, str, str, str]] = _ties(model, [*stages, *runs] if stages else [gm, *runs])
 
     def retake(self) -> None:
         """Record the tensors the graph fetches as they are now (after the stages were pointed at them)."""
@@ -94,6 +98,36 @@ def _moded(model: nn.Module, gm: torch.fx.GraphModule) -> list[tuple[str, nn.Mod
     return sorted(found.items())
 
 
+def _ties(model: nn.Module, graphs: Sequence[torch.fx.GraphModule]) -> list[tuple[nn.Module, str, str, str]]:
+    """Return (module, field, name, fetched name) of each place sharing a tensor ``graphs`` fetch that they read no
+    other way (by that name, or through a module they call)."""
+    names = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "get_attr"}
+    called = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_module"}
+    targets: dict[int, str] = {}
+    for target in sorted(names):
+        place = tensor_place(model, target)
+        tensor = None if place is None else held_tensor(*place)
+        if tensor is not None:
+            targets.setdefault(id(tensor), target)
+    found = []
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        prefix, _, field = name.rpartition(".")
+        if id(t) not in targets or name in names or any(prefix == c or prefix.startswith(c + ".") for c in called):
+            continue
+        found.append((model.get_submodule(prefix) if prefix else model, field, name, targets[id(t)]))
+    return found
+
+
+def untied(snap: Snapshot) -> list[tuple[str, str]]:
+    """Return (name, fetched name) of each tie the graph reads as one tensor that was undone on the model."""
+    found = []
+    for owner, field, name, of in snap.ties:
+        place = tensor_place(snap.model, of)
+        if held_tensor(owner, field) is not (None if place is None else held_tensor(*place)):
+            found.append((name, of))
+    return found
+
+
 def replaced(snap: Snapshot) -> bool:
     """Tell whether a tensor the graph fetches was replaced on the model by another object since the snapshot."""
     return any(held_tensor(owner, field) is not tensor for owner, field, tensor in snap.fetched)
@@ -104,9 +138,11 @@ def _plain(module: nn.Module) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in vars(module).items() if type(v) in _PLAIN and not k.startswith("_") and k != "training"]
 
 
-def snapshot(model: nn.Module, gm: torch.fx.GraphModule, runs: Sequence[torch.fx.GraphModule] = ()) -> Snapshot:
-    """Record each submodule's place, the plain attributes its traced code read and the tensors ``gm`` and ``runs`` fetch."""
-    return Snapshot(model, gm, runs)
+def snapshot(model: nn.Module, gm: torch.fx.GraphModule, runs: Sequence[torch.fx.GraphModule] = (),
+             stages: Sequence[torch.fx.GraphModule] = ()) -> Snapshot:
+    """Record each submodule's place, the plain attributes its traced code read, the tensors ``gm`` and ``runs``
+    fetch, and the ties ``stages`` and ``runs`` read as one tensor."""
+    return Snapshot(model, gm, runs, stages)
 
 
 def _get(registry: Any, key: str) -> Any:
