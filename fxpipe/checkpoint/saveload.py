@@ -163,6 +163,13 @@ def save(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     error: Exception | None = None
     same = f"path {path!r}, extra=None"
     try:  # a refusal on one rank (its optimizer, extra=, the directory) is told to all
+        unfilled = [info.names[0] for info in table.values() if info.persistent and info.tensor.is_meta]
+        if unfilled and not where.distributed:  # across ranks the other ranks' tensors stay on meta
+            raise CheckpointError(
+                f"{len(unfilled)} tensor(s) of the model are on the meta device, never filled "
+                f"({', '.join(unfilled[:3])}{' ...' if len(unfilled) > 3 else ''}): the checkpoint would hold none "
+                "of their values. Fill them first (fxpipe.compile(..., weights=) or init=, fxpipe.materialize, "
+                "or model.to_empty(device=...) and your init), then save")
         if optimizer is not None:
             state["optim"] = optimizer_state(optimizer, where.model)
         in_flight = batch_norm_state(where.rank, where.deferred, where.model)

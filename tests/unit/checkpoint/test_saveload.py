@@ -8,6 +8,7 @@ import signal
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from dist_cases import DropNet, batch, dropnet_pipe
 from models import TiedTransformer
 
@@ -327,3 +328,13 @@ def test_a_quantization_aware_run_resumes_into_a_fresh_model(tmp_path):
         assert got.keys() == want.keys()
         for name, value in want.items():
             assert torch.equal(got[name], value), name
+
+
+def test_a_model_never_filled_on_meta_is_refused_naming_its_tensors(tmp_path):
+    # it wrote an empty checkpoint, marked complete, which only the resume refused ("N missing FQN(s)")
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(fxpipe.CheckpointError, match=r"4 tensor\(s\) of the model are on the meta device, never "
+                                                     r"filled \(0.weight, 0.bias, 2.weight ...\)"):
+        fxpipe.save(model, tmp_path / "ckpt")
+    assert fxpipe.latest_checkpoint(tmp_path) is None
