@@ -45,7 +45,7 @@ from fxpipe.runtime import gradnorm
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.contract import Place
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
-from fxpipe.runtime.ignored import check_first_loss, check_targets_once
+from fxpipe.runtime.ignored import check_first_loss, check_targets_once, warn_uneven_ignored
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import micro_losses
 from fxpipe.runtime.replicanorms import sync_norms
@@ -191,11 +191,12 @@ class DistributedRuntime:
 
     # -- running ----------------------------------------------------------------------------
     def _run(self, args: tuple, kwargs: dict, losses_for: Callable | None, training: bool, grad: bool,
-             target: Any = None, own_target: Any = None):
+             target: Any = None, own_target: Any = None, first_check: Callable | None = None):
         """Run one step's actions on this rank; return the runner.
 
         ``target`` is the loss's (under tensor parallelism the group's, taken from its first rank
         given one); ``own_target`` the one this rank was given, which the batch check compares.
+        ``first_check(batch, m)`` runs on the first rank where it is not the last (which runs ``losses_for``).
         """
         if self.rank == self.first:
             header, mbs = steplayout.publish(self, args, kwargs, training, has_target=target is not None,
@@ -250,6 +251,8 @@ class DistributedRuntime:
             self.grad_sync.sync = self.sync
         runner = ActionInterpreter(self.plan, self.workers, transport)
         losses = losses_for(header["batch"], m) if (self.last and losses_for) else {}
+        if first_check is not None and self.rank == self.first and not self.last:
+            first_check(header["batch"], m)
         runner.begin(m, losses, checkpointing=training, grad=grad)
         try:
             runner.run(programs[self.rank])
@@ -389,7 +392,8 @@ class DistributedRuntime:
             if self.summed is None:  # the first step since the last sum: what that sum made equal stays out
                 self.summed = open_window(self.tied)
             def losses_for(batch: int | None, m: int) -> dict[int, Callable[[Any], torch.Tensor]]:
-                check_targets_once(self.binding, tgt, kwargs, batch, m, loss_fn)
+                # labels= is an input: the first rank's (the last may have none), which looks at it
+                check_targets_once(self.binding, tgt, kwargs if self.rank == self.first else {}, batch, m, loss_fn)
                 return micro_losses(loss_fn, tgt, batch, m, self.device, self.binding.finish,
                                     partial(check_first_loss, self.binding))
             if self.layout.tp > 1 and self.partial is None:
@@ -398,7 +402,12 @@ class DistributedRuntime:
                                             window=sharded)
             if self.partial is not None:
                 self.partial.before()
-            runner = self._run(args, kwargs, losses_for, training, grad=True, target=tgt, own_target=target)
+            def labels_seen(batch: int | None, m: int) -> None:
+                if not self.binding.targets_checked:
+                    self.binding.targets_checked = warn_uneven_ignored({"labels": kwargs.get("labels")}, batch, m,
+                                                                       loss_fn)
+            runner = self._run(args, kwargs, losses_for, training, grad=True, target=tgt, own_target=target,
+                               first_check=labels_seen)
             if self.layout.tp > 1:
                 match_grads([p for w in self.workers.values() for p in w.call.gm.parameters()])
             if self.partial is not None:

@@ -152,6 +152,14 @@ def test_a_forward_whose_outputs_cannot_be_joined_is_refused_on_every_rank_in_th
         assert error < 1e-6 and seconds < 10, (r, res)
 
 
+def test_labels_given_to_the_first_rank_only_are_looked_at_there(tmp_path, launch):
+    # the rank computing the loss had no labels=, so no rank warned of the -100 shares (gradients 1.2 off, silently)
+    results = launch("longrun_cases:labels_on_the_first_rank", 2, "1f1b", tmp_path, limit=60)
+    _ok(results)
+    assert results[0]["warned"] and results[0]["warned"][0].startswith("labels marks entries -100"), results
+    assert not results[1]["warned"]  # said once, by the rank that has them
+
+
 def test_the_loss_comes_back_in_its_dtype_on_every_rank(tmp_path, launch):
     # the ranks that do not compute the loss got it as a float32 tensor of the float64 loss's value
     results = launch("longrun_cases:loss_dtype", 2, "1f1b", tmp_path, limit=60)

@@ -245,6 +245,34 @@ def unjoinable_forward(rank, world, schedule):
     return out
 
 
+class _Labelled(nn.Module):
+    """Return logits and a token loss skipping -100 over labels= given as an input, as a Hugging Face LM does."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.body, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16)
+
+    def forward(self, tokens, labels=None):
+        logits = self.head(torch.tanh(self.body(self.emb(tokens))))
+        return {"logits": logits, "loss": F.cross_entropy(logits.reshape(-1, 16), labels.reshape(-1))}
+
+
+def labels_on_the_first_rank(rank, world, schedule):
+    """labels= padded with -100 in unequal shares, given to the first rank only: warned of on that rank."""
+    import warnings
+
+    torch.manual_seed(0)
+    tokens, labels = torch.randint(0, 16, (4, 6)), torch.randint(0, 16, (4, 6))
+    labels[2:, 1:] = -100  # the second micro-batch counts 2 of its 12 entries, the first all 12
+    pipe = fxpipe.compile(_Labelled(), world, example_inputs=(tokens,), example_kwargs={"labels": labels}, chunks=2,
+                          runtime="distributed", timeout=30, schedule=schedule)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe.step(tokens if rank == 0 else None, labels=labels if rank == 0 else None, target=None,
+                  loss_fn=lambda out, _: out["loss"])
+    return {"warned": [str(w.message)[:80] for w in caught if "ignore_index" in str(w.message)]}
+
+
 def loss_dtype(rank, world, schedule):
     """A float64 model's loss: the same value and dtype on every rank."""
     torch.manual_seed(0)
