@@ -29,7 +29,8 @@ output of class K (a learned temperature, an input every micro-batch gets whole)
 micro-batch's alike: ``pipe(x)`` takes the first's. A value whose shape follows the batch is R even where
 a reduction feeds back into it (batch norm's statistics, a mixture of experts' token counts
 used to dispatch the rows): such coupling is batch norm's, documented on its own, and the
-rows a router dispatches stay each its own. Ops this pass does not know are C when they take
+rows a router dispatches stay each its own (unless a capacity drops some: which, depends on the
+micro-batch's rows, and is documented rather than found). Ops this pass does not know are C when they take
 an L or R input and keep their shape, so an unknown op warns rather than passes silently.
 """
 
@@ -64,6 +65,7 @@ class Outputs(NamedTuple):
     summed: list[str]  # the names of the 0-dim outputs of class S
     means: list[str]  # the names of the 0-dim outputs of class M
     independent: list[tuple[int, str]]  # (leaf position, name) of each tensor output of class K
+    coupled_names: list[str]  # the names of the 0-dim outputs of class C
 
 
 def classify_outputs(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),
@@ -74,7 +76,7 @@ def classify_outputs(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched:
     (computed here otherwise). Nothing is found when ``rows == batch``, and when the graph
     cannot run for ``rows`` rows on fake tensors.
     """
-    none = Outputs([], [], [], [])
+    none = Outputs([], [], [], [], [])
     leaves = _leaves(gm)
     if rows == batch or not leaves:
         return none
@@ -93,7 +95,8 @@ def classify_outputs(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched:
          "in-batch-negatives loss over a (B, B) score matrix does)" for name, node, kind in scalars if kind == "C"],
         [name for name, _, kind in scalars if kind == "S"],
         [name for name, _, kind in scalars if kind == "M"],
-        _independent(gm, kinds, leaves))
+        _independent(gm, kinds, leaves),
+        [name for name, _, kind in scalars if kind == "C"])
 
 
 def coupled_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: Collection[str] = (),

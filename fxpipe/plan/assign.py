@@ -246,7 +246,7 @@ def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int, 
     coupled = [c for c in passes.batch_coupled_outputs(gm, batch, rows, whole, part) if not c.startswith(alike)]
     gm.meta["fxpipe.coupled"] = coupled
     scalars = found.coupled
-    gm.meta["fxpipe.summed"] = {"sum": found.summed, "mean": found.means}
+    gm.meta["fxpipe.summed"] = {"sum": found.summed, "mean": found.means, "coupled": found.coupled_names}
     unchecked = passes.scalar_outputs(gm) if rows != batch and part is None else []
     if unchecked:  # the graph does not run for a micro-batch's rows on fake tensors: nothing could be told
         warnings.warn(

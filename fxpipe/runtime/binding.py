@@ -35,6 +35,7 @@ class Binding:
         reduced = gm.meta.get("fxpipe.summed", {})  # 0-dim outputs that sum, and that average, over the rows
         self.summed: list[str] = reduced.get("sum", [])
         self.means: list[str] = reduced.get("mean", [])
+        self.coupled_scalars: list[str] = reduced.get("coupled", [])  # 0-dim outputs neither sums nor means
         # 0-dim outputs per mode (known where compile had example inputs)
         independent = gm.meta.get("fxpipe.independent", [])  # outputs every micro-batch computes alike
         self.independent = frozenset(k for k, _ in independent)

@@ -63,8 +63,19 @@ def _span(low: float, high: float) -> str:
     return f"{a} to {b}"
 
 
-def warn_summed_outputs(summed: list[str], means: list[str], m: int, loss_fn: Callable) -> None:
-    """Warn of 0-dim sums over the rows under a mean ``loss_fn``, and of means under a summed one."""
+def warn_summed_outputs(summed: list[str], means: list[str], m: int, loss_fn: Callable,
+                        coupled: list[str] | None = None) -> None:
+    """Warn of 0-dim sums over the rows under a mean ``loss_fn``, and of means (or coupled values) under a summed one."""
+    if coupled and m > 1 and is_summed(loss_fn):
+        warnings.warn(
+            f"the model returns {', '.join(coupled)}: a 0-dim value that is not a sum over the rows (a mean or "
+            "load-balancing term in it: a mixture of experts' auxiliary loss added to its token loss), which loss_fn "
+            f"returns or adds. With loss_reduction='sum' pipe.step adds the micro-batches' losses as loss_fn returns "
+            f"them, so that term counts once per micro-batch, {m}x its scale in eager. Compute the loss in loss_fn "
+            "instead: the token loss from the logits (a sum divided by the whole batch's count) plus the auxiliary "
+            "term scaled by the micro-batch's share of the rows (aux * rows / batch), or use chunks=1 (said once per "
+            "pipe)", stacklevel=user_stacklevel())
+        return
     if means and m > 1 and is_summed(loss_fn) and not summed:
         warnings.warn(
             f"the model returns {', '.join(means)}: a mean over the rows, which loss_fn returns. With "
@@ -113,7 +124,7 @@ def check_first_loss(binding: Any, out: Any, loss: torch.Tensor) -> None:
     # a loss computed from the logits (a sum over a count) is the user's own: nothing to say; one made
     # of the model's 0-dim output (a task loss plus the model's auxiliary sum) is weighted as that output
     if returned or _made_of(loss, scalars):
-        warn_summed_outputs(binding.summed, binding.means, m, loss_fn)
+        warn_summed_outputs(binding.summed, binding.means, m, loss_fn, binding.coupled_scalars)
 
 
 def _made_of(loss: torch.Tensor, parts: list[torch.Tensor], limit: int = 100_000) -> bool:

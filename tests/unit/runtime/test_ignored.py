@@ -1,6 +1,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fxpipe.runtime.ignored import warn_uneven_ignored
 
@@ -22,3 +23,38 @@ def test_close_shares_are_told_apart_with_decimals():
 def test_distant_shares_keep_whole_percents():
     with pytest.warns(UserWarning, match=r"\(20% to 70% of each"):
         warn_uneven_ignored({"labels": _labels([200, 700])}, 2, 2, F.cross_entropy)
+
+
+class _Routed(nn.Module):
+    """Return a token loss summed over a count given whole, plus a load-balancing term when ``aux``."""
+
+    def __init__(self, aux: bool):
+        super().__init__()
+        self.body, self.router, self.aux = nn.Linear(8, 8), nn.Linear(8, 4), aux
+
+    def forward(self, x, labels, n):
+        h = self.body(x)
+        probs = self.router(h).softmax(-1)
+        loss = F.cross_entropy(h.reshape(-1, 8), labels.reshape(-1), reduction="sum") / n
+        if self.aux:  # each expert's share of the rows times its mean probability: a product of two means
+            loss = loss + 4 * (probs.mean((0, 1)) * (probs > 0.25).float().mean((0, 1))).sum()
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("aux", [True, False])
+def test_a_coupled_term_added_per_micro_batch_under_sum_is_warned_of(aux):
+    # a mixture of experts' aux loss in out.loss under the docs' -100 recipe counted chunks times, warned of vaguely
+    import warnings
+
+    import fxpipe
+
+    torch.manual_seed(0)
+    x, labels = torch.randn(8, 3, 8), torch.randint(0, 8, (8, 3))
+    n = torch.tensor(24.0)
+    pipe = fxpipe.compile(_Routed(aux), 2, example_inputs=(x, labels, n), unbatched=["n"], chunks=4,
+                          devices=["cpu"] * 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe.step(x, labels, n, target=None, loss_fn=lambda out, _: out["loss"], loss_reduction="sum")
+    told = [str(w.message) for w in caught if "counts once per micro-batch, 4x its scale in eager" in str(w.message)]
+    assert bool(told) == aux, [str(w.message)[:100] for w in caught]
