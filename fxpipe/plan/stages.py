@@ -125,9 +125,11 @@ def _maybe_unused(gm: torch.fx.GraphModule, held: Sequence[torch.fx.Node], ghost
     read = {a for n in held for a in (n, *n.all_input_nodes) if a.op in ("get_attr", "call_module")}
     found = set()
     for a in read:
-        if a.name not in ghostly:
-            continue
         target = str(a.target)
+        if a.op == "call_module" and _opaque(gm.get_submodule(target)):
+            pass  # a leaf of the user's: its code may skip parameters by the data (experts given no tokens)
+        elif a.name not in ghostly:
+            continue
         if a.op == "call_module":
             held_params = list(gm.get_submodule(target).parameters())
         else:
@@ -135,6 +137,11 @@ def _maybe_unused(gm: torch.fx.GraphModule, held: Sequence[torch.fx.Node], ghost
         if any(p.requires_grad for p in held_params):
             found.add(target)
     return sorted(found)
+
+
+def _opaque(module: nn.Module) -> bool:
+    """Tell whether ``module`` is a leaf whose code fx did not trace and torch does not define, holding submodules."""
+    return not type(module).__module__.startswith("torch.") and any(True for _ in module.children())
 
 
 def _carries_grad(node: torch.fx.Node) -> bool:

@@ -147,3 +147,45 @@ def auxiliary(rank, world, schedule):
               if p.device.type != "meta" and p.grad is not None}
     nones = [name for name, p in model.named_parameters() if p.device.type != "meta" and p.grad is None]
     return {"errors": errors, "nones": nones, "unused": [s.maybe_unused for s in pipe.plan.stages]}
+
+
+class SkippingExperts(nn.Module):
+    """Route each row to its top expert and skip experts given no rows (a leaf: fx cannot trace the skip)."""
+
+    def __init__(self, width: int = 8, experts: int = 6) -> None:
+        super().__init__()
+        self.gate = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
+
+    def forward(self, x):
+        p = self.gate(x).softmax(-1)
+        top, out = p.argmax(-1), torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx = torch.nonzero(top == e).squeeze(1)
+            if idx.numel() == 0:
+                continue
+            out = out.index_add(0, idx, expert(x[idx]) * p[idx, e:e + 1])
+        return x + out
+
+
+def skipped_experts(rank, world, schedule):
+    """pp2 x dp2 with an expert leaf whose experts each replica's data reaches differently; errors against eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), SkippingExperts(), nn.Tanh(), SkippingExperts(), nn.Linear(8, 2)).double()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x[:4],), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule, data_parallel=2, leaf_modules=[SkippingExperts], split_points=["2"])
+    replicas, replica = fxpipe.data_shard(pipe)
+    rows = slice(replica * 4, replica * 4 + 4)
+    errors = []
+    for _ in range(2):  # the second step failed inside DDP's reducer
+        for m in (model, eager):
+            m.zero_grad()
+        pipe.step(x[rows], target=y[rows], loss_fn=F.mse_loss)
+        F.mse_loss(eager(x), y).backward()
+        held = dict(eager.named_parameters())
+        errors.append(max(max_relative_error(p.grad if p.grad is not None else torch.zeros_like(p),
+                                             held[name].grad if held[name].grad is not None else torch.zeros_like(p))
+                          for name, p in model.named_parameters() if p.device.type != "meta"))
+    return {"errors": errors, "replicas": replicas}
