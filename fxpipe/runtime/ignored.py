@@ -30,15 +30,18 @@ IGNORE_INDEX = -100  # torch's and transformers' ignore_index
 def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_fn: Callable) -> bool:
     """Warn if an integer target in ``values`` counts unequal shares of its entries per micro-batch.
 
-    Return whether the targets were looked at (not for one micro-batch or a summed loss).
+    Return whether the targets were looked at (not for one micro-batch, a summed loss, or a
+    step given none: a refused one, which passed them on another rank, leaves them to the next).
     """
     if batch is None or m < 2 or is_summed(loss_fn):
         return False
     sizes = micro_sizes(batch, m)
+    seen = False
     for name, value in values.items():
         if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.dim() < 1 \
                 or value.shape[0] != batch or value.dtype == torch.bool:
             continue
+        seen = True
         counted = (value != IGNORE_INDEX).reshape(batch, -1).sum(1)
         shares = [float(part.sum()) / (part.numel() * value[0].numel()) for part in counted.split(sizes)]
         if max(shares) - min(shares) < 1e-9:  # every micro-batch's mean weighs as its rows: eager's mean
@@ -51,7 +54,7 @@ def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_
             "the whole batch's count (docs/guide/using-it.md, 'What loss_fn receives'); ignore this if -100 is a "
             "class your loss counts (said once per pipe)", stacklevel=user_stacklevel())
         break
-    return True
+    return seen
 
 
 def _span(low: float, high: float) -> str:

@@ -58,3 +58,10 @@ def test_a_coupled_term_added_per_micro_batch_under_sum_is_warned_of(aux):
         pipe.step(x, labels, n, target=None, loss_fn=lambda out, _: out["loss"], loss_reduction="sum")
     told = [str(w.message) for w in caught if "counts once per micro-batch, 4x its scale in eager" in str(w.message)]
     assert bool(told) == aux, [str(w.message)[:100] for w in caught]
+
+
+def test_a_step_given_no_targets_leaves_the_look_to_the_next():
+    # a step refused for labels on the wrong rank used up the "said once" look, and no later step warned
+    assert not warn_uneven_ignored({"target": None, "labels": None}, 2, 2, F.cross_entropy)
+    with pytest.warns(UserWarning, match="unequal shares"):
+        assert warn_uneven_ignored({"target": None, "labels": _labels([200, 700])}, 2, 2, F.cross_entropy)
