@@ -53,6 +53,7 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 
 from fxpipe.errors import TraceError, with_distributions_hint
 from fxpipe.frontend.autogradfns import check_functions, watching_functions
+from fxpipe.frontend.eagerfail import eager_failure
 from fxpipe.frontend.exportmeta import fake_inputs, fake_state, meta_refusal, refuse_stand_ins, target_device
 from fxpipe.frontend.inferencemode import warn_inference_mode, watching_inference_mode
 from fxpipe.frontend.leftovers import no_proxies_left
@@ -228,7 +229,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
             except Exception as exc:  # retried with a bound, or re-raised with the fix
                 if _registered_record(exc):
                     continue
-                refusal = meta_refusal(model, exc, target, faked)
+                refusal = meta_refusal(model, exc, target, faked) or eager_failure(model, args, kwargs, exc)
                 if refusal is not None:
                     raise refusal from exc
                 try:

@@ -694,3 +694,28 @@ def test_a_guard_pairing_two_dims_of_one_input_says_to_export_unequal_not_fx():
     with pytest.raises(fxpipe.PipelineInputError, match=r"The graph needs 'x' dim \d to equal its dim \d, as the "
                                                         r"example's were: export with an example where they differ"):
         pipe(torch.randn(4, 3, 8, 6))
+
+
+class _NeedsTwo(nn.Module):
+    """Refuse to run without its second input, as T5 does without labels= or decoder_input_ids=."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x, y=None):
+        h = self.norm(self.lin(x))
+        if y is None:
+            raise ValueError("You must specify y")
+        return h + y
+
+
+def test_a_model_failing_on_its_example_inputs_eagerly_too_is_told_so():
+    # the refusal read as a batch-size problem ("that line may depend on the batch size")
+    model = _NeedsTwo()
+    before = model.norm.running_mean.clone()
+    with pytest.raises(fxpipe.TraceError, match=r"_NeedsTwo raises ValueError: You must specify y at .* on the "
+                                                r"example inputs outside torch.export too") as got:
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(6, 4),), tracer="export", devices=["cpu"] * 2)
+    assert "batch size" not in str(got.value).split("whatever")[0]
+    assert torch.equal(model.norm.running_mean, before)  # the eager look leaves the statistics as they were

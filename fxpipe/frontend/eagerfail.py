@@ -1,0 +1,56 @@
+"""Tell a model that fails on its example inputs outside torch.export from one export cannot trace.
+
+torch.export runs the model's code on the example inputs; when that code raises (a
+``ValueError`` of the model's own: T5 given ``input_ids`` without ``labels=`` or
+``decoder_input_ids=``), the export refusal would read as a batch-size problem. One eager
+forward on the same inputs, under ``torch.no_grad()``, tells the two apart: the same error
+there is the inputs', named as such. It runs only once export has failed, with the buffers,
+the Python state of the model's own modules and the random state put back after it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.errors import TraceError
+from fxpipe.frontend.userframe import user_frame
+from fxpipe.passes.untouched import modules_untouched
+
+__all__ = ["eager_failure"]
+
+
+def eager_failure(model: nn.Module, args: tuple, kwargs: dict, exc: BaseException) -> TraceError | None:
+    """Return the refusal naming the inputs if ``model`` raises what export met on them eagerly too, else None."""
+    frame = user_frame(exc) if type(exc).__module__ == "builtins" else None
+    if frame is None or not _plain(model, args, kwargs):
+        return None
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.no_grad(), modules_untouched(model), torch.random.fork_rng(devices=[]):
+            model(*args, **kwargs)
+    except type(exc) as again:
+        if str(again).strip() != str(exc).strip():
+            return None
+    except Exception:  # noqa: BLE001 - another failure: nothing to tell from it
+        return None
+    else:
+        return None
+    finally:
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return TraceError(
+        f"{type(model).__name__} raises {type(exc).__name__}: {first} at {frame.filename}:{frame.lineno} "
+        f"({(frame.line or '').strip()}) on the example inputs outside torch.export too: the inputs do not fit the "
+        "model, whatever the batch size. Give example inputs the model runs on eagerly (an encoder-decoder needs "
+        "labels= or decoder_input_ids= beside input_ids).")
+
+
+def _plain(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Tell whether the model's tensors and the inputs all hold data (none on meta, none fake)."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    tensors += [*model.parameters(), *model.buffers()]
+    return not any(t.is_meta or type(t) is not torch.Tensor and not isinstance(t, nn.Parameter) for t in tensors)
