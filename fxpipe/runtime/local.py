@@ -144,7 +144,11 @@ class LocalRuntime:
         """Run :meth:`forward` (inside :func:`pipe_running`)."""
         mbs, _ = self.binding.split(args, kwargs, self.plan.chunks, training, self.devices[0])
         self.binding.check_joinable(len(mbs), training)
-        output = self.binding.gather(self.run(mbs, training), training)
+        try:
+            output = self.binding.gather(self.run(mbs, training), training)
+        except BaseException:  # the failed call's deferred statistics must not join the next call's
+            discard_batch_norm(self.deferred)
+            raise
         if training:
             commit_batch_norm(self.deferred)
         recomputed = [j for j, p in enumerate(self.plan.policies()) if checkpoint_stop(p, len(mbs))] \
