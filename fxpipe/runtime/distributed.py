@@ -282,11 +282,13 @@ class DistributedRuntime:
                                "run its steps before the script ends (not from an atexit handler)")
         if self.broken is None and self.unconfirmed:  # a peer may have failed the call this rank finished
             reason = self.comm.board.read("starting a call")
+            self.unconfirmed = reason is None  # unread: the call begins, and a late post is told by its number
             if reason is not None:
                 log.warning("rank %d: its last pipe(...) call failed on another rank (%s); rejoining",
                             self.layout.global_ranks[self.rank], reason["message"])
                 self._abandon(PeerFailure(reason["message"]))
-        self.unconfirmed = False
+        else:
+            self.unconfirmed = False
         if self.broken is None and self.comm.board.death is not None and self.comm.board.crossed:
             self.comm.board.rejoin()  # the ranks' calls crossed between pipes (posted here by another): refused
         if self.broken is None:
@@ -355,28 +357,61 @@ class DistributedRuntime:
         """Run ``body``; on any failure here, tell the other ranks and close the connections, then re-raise."""
         self.comm.board.enter(self.layout.global_ranks[self.rank])
         self.ready()
+        late, self.unconfirmed = self.unconfirmed, False  # the last call, a pipe(x) this rank finished early
+        self.comm.board.call += 1
+        rng = torch.random.get_rng_state() if late else None
         try:
             with pipe_running(self.deferred):
                 return body()
-        except BaseException as caught:
-            exc = caught
-            if getattr(exc, "fxpipe_on_every_rank", False):
-                raise  # every rank raised it itself, at the same point: nothing is in flight
-            me = self.layout.global_ranks[self.rank]
-            if self.layout.dp > 1 and communication_failed(exc):  # a collective over the replicas
-                reason = self.comm.board.read("reducing over the replicas")  # the replicas share the board's keys
-                cause = f"because {reason['message']}" if reason else "another replica's step failed, and its " \
-                    "ranks raise the cause"
-                exc = PeerFailure(f"rank {me}: a collective over the replicas failed ({first_line(exc)}) {cause}")
-            if not isinstance(exc, PeerFailure):
-                held = ", ".join(map(str, self.workers))
-                notes = "".join(f" ({n})" for n in getattr(exc, "__notes__", ()))
-                self.comm.fail(f"rank {me} (stage{'s' if len(self.workers) > 1 else ''} "
-                               f"{held}) raised {type(exc).__name__}: {exc}{notes}")
-            self._abandon(exc)
-            if exc is not caught:
-                raise exc from caught
-            raise
+        except PeerFailure as caught:
+            if not late or not self._failed_before(caught):
+                return self._failed(caught)
+        except BaseException as caught:  # noqa: BLE001 - re-raised by _failed
+            return self._failed(caught)
+        # a peer failed the last call, which this rank had finished, after this one began: this call was not the
+        # failed one, and the peer's next call is this one. Rejoin and run it again, from the same random state
+        log.warning("rank %d: its last pipe(...) call failed on another rank after this call began; rejoining and "
+                    "running this call again", self.layout.global_ranks[self.rank])
+        self.ready()
+        assert rng is not None
+        torch.random.set_rng_state(rng)
+        try:
+            with pipe_running(self.deferred):
+                return body()
+        except BaseException as caught:  # noqa: BLE001 - re-raised by _failed
+            return self._failed(caught)
+
+    def _failed_before(self, exc: PeerFailure) -> bool:
+        """Tell whether the failure ``exc`` reports was posted by a peer in this rank's previous call (abandoning it)."""
+        reason = self.comm.board.read("telling which call failed")
+        if reason is None or reason["fatal"] or reason.get("call") != self.comm.board.call - 1:
+            return False
+        self._abandon(exc)
+        return True
+
+    def _failed(self, caught: BaseException) -> NoReturn:
+        """Tell the other ranks of this rank's failure (unless a peer's), close the connections, re-raise.
+
+        Called from the ``except`` clause handling ``caught``.
+        """
+        exc = caught
+        if getattr(exc, "fxpipe_on_every_rank", False):
+            raise caught  # every rank raised it itself, at the same point: nothing is in flight
+        me = self.layout.global_ranks[self.rank]
+        if self.layout.dp > 1 and communication_failed(exc):  # a collective over the replicas
+            reason = self.comm.board.read("reducing over the replicas")  # the replicas share the board's keys
+            cause = f"because {reason['message']}" if reason else "another replica's step failed, and its " \
+                "ranks raise the cause"
+            exc = PeerFailure(f"rank {me}: a collective over the replicas failed ({first_line(exc)}) {cause}")
+        if not isinstance(exc, PeerFailure):
+            held = ", ".join(map(str, self.workers))
+            notes = "".join(f" ({n})" for n in getattr(exc, "__notes__", ()))
+            self.comm.fail(f"rank {me} (stage{'s' if len(self.workers) > 1 else ''} "
+                           f"{held}) raised {type(exc).__name__}: {exc}{notes}")
+        self._abandon(exc)
+        if exc is not caught:
+            raise exc from caught
+        raise caught
 
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
         """Run one training step; return the mini-batch loss on every rank."""

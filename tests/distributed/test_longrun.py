@@ -45,6 +45,17 @@ def test_layouts_dropped_from_a_bounded_cache_come_back_equal(tmp_path, launch):
             assert loss_error < 1e-5 and grad_error < 1e-5, res["errors"]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_an_inference_call_failing_after_the_first_rank_moved_on_leaves_the_steps_paired(schedule, tmp_path, launch):
+    # the first rank's pipe(x) returned, its next step met the failure and raised, and every later step paired its
+    # inputs with the last rank's previous target (parameters 3e-2 off after 3 steps, silently)
+    results = launch("longrun_cases:late_inference_failure", 2, schedule, tmp_path)
+    _ok(results)
+    assert results[1]["failed"][:2] == ["RuntimeError", "bomb in forward"], results[1]
+    for r, res in enumerate(results):
+        assert max(res["errors"]) < 1e-5, (r, res)
+
+
 @pytest.mark.parametrize("schedule,world", [("1f1b", 2), ("zb", 4)])
 def test_a_failed_step_leaves_the_pipe_usable(schedule, world, tmp_path, launch):
     results = launch("longrun_cases:recover", world, schedule, tmp_path)

@@ -119,6 +119,47 @@ def recover(rank, world, schedule):
     return out
 
 
+class _LateBomb(nn.Module):
+    """Raise on the last micro-batch of a call while armed, half a second in (after the first rank sent it)."""
+
+    armed = False
+
+    def forward(self, x):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if _LateBomb.armed and not isinstance(x, FakeTensor) and x.shape[0] < 2:
+            time.sleep(0.5)
+            raise RuntimeError("bomb in forward")
+        return x
+
+
+def late_inference_failure(rank, world, schedule):
+    """A pipe(x) failing on the last rank after the first rank finished its part and began a step; then steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), _LateBomb(), nn.Linear(8, 4))
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, world, example_inputs=(torch.randn(8, 8),), chunks=4, runtime="distributed",
+                          timeout=20, schedule=schedule, leaf_modules=[_LateBomb], split_points=["2"])
+    batches = [(torch.randn(8, 8, generator=torch.Generator().manual_seed(k)),
+                torch.randn(8, 4, generator=torch.Generator().manual_seed(100 + k))) for k in range(3)]
+    _LateBomb.armed = rank == world - 1
+    out = {"failed": _attempt(lambda: pipe(torch.randn(7, 8) if rank == 0 else None))}
+    _LateBomb.armed = False
+    errors = []
+    for x, y in batches:  # the first rank's first step was paired with the last rank's next: off by one
+        expected = F.mse_loss(eager(x), y)
+        expected.backward()
+        loss = pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss)
+        held = [p for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()]
+        grads = {id(p): q.grad for p, q in zip(model.parameters(), eager.parameters())}
+        errors.append(max([max_relative_error(loss, expected)] + [max_relative_error(p.grad, grads[id(p)])
+                                                                  for p in held]))
+        for p in (*model.parameters(), *eager.parameters()):
+            p.grad = None
+    out["errors"] = errors
+    return out
+
+
 def _rope_pipes(world, schedule):
     """Return a RopeLM, an eager copy, its pipe (one pipeline of 2 ranks; 2 replicas of 2 on 4) and the replicas."""
     torch.manual_seed(0)

@@ -54,6 +54,7 @@ class FailureBoard:
         self.size = size  # ranks in the pipeline
         self.timeout = timeout
         self.generation = 0
+        self.call = 0  # this rank's calls of the pipe so far (every rank makes the same calls): posted with a failure
         self.death: str | None = None  # a death this rank learned of: no step can run after it
         self.crossed = False  # that death is the ranks' calls crossed between pipes, not a lost rank
         self.parted = False  # that death is a rank given up on while rejoining: the calls no longer pair
@@ -124,14 +125,15 @@ class FailureBoard:
             if self.store.check([self._key("error")]):
                 self.read("posting a failure")  # the first reason is every rank's: remember it if a death
                 return
-            self.store.set(self._key("error"), json.dumps({"message": message, "fatal": fatal, "crossed": crossed}))
+            self.store.set(self._key("error"), json.dumps({"message": message, "fatal": fatal, "crossed": crossed,
+                                                        "call": self.call}))
         except Exception as exc:  # noqa: BLE001 - the store itself may be down; we are failing anyway
             log.debug("could not post this rank's failure to the store: %s", exc)
         if fatal and self.death is None:  # posted, or the store is gone: this rank's reason stands
             self.death, self.crossed = message, crossed
 
     def read(self, what: str) -> dict[str, Any] | None:
-        """Return the posted reason of this generation (``message``, ``fatal``), or None."""
+        """Return the posted reason of this generation (``message``, ``fatal``, the failing rank's ``call``), or None."""
         try:
             if not self.store.check([self._key("error")]):
                 return None
