@@ -22,8 +22,9 @@ __all__ = ["Binding"]
 class Binding:
     """Bind ``model(*args, **kwargs)`` to a GraphModule's placeholders and split it into micro-batches."""
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, fixed: bool = False) -> None:
         self.gm = gm
+        self.fixed = fixed  # a user's schedule: its micro-batch count is fixed, fewer are refused, not warned of
         self.names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         info = getattr(gm.graph._codegen, "pytree_info", None)
         self.flattens_outputs = info is not None and info.out_spec is not None
@@ -67,7 +68,7 @@ class Binding:
         if batch is not None:
             check_micro_batches(self.gm, -(-batch // len(mbs)), batch, chunks, self.names, self.unbatched)
             check_micro_guards(self.gm, mbs, chunks)
-        if batch is not None and batch < chunks and not self.warned:
+        if batch is not None and batch < chunks and not self.warned and not self.fixed:
             self.warned = True
             warnings.warn(f"a batch of {batch} row(s) runs as {len(mbs)} micro-batch(es), fewer than chunks={chunks}: "
                           "a micro-batch holds at least one row (said once per pipe)", stacklevel=user_stacklevel())

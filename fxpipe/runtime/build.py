@@ -275,7 +275,7 @@ def build_local(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan,
             call.replay_cpu = torch.device(call.device).type != "cuda"
             if isinstance(call.saver, Program):
                 call.saver.replay_cpu = call.replay_cpu
-    engine = LocalRuntime(plan, calls, Binding(gm), schedule)
+    engine = LocalRuntime(plan, calls, Binding(gm, fixed=schedule.custom is not None), schedule)
     warn_spread(stages, deferred_batch_norm)
     engine.unfrozen = watch_frozen(plan, gm, dict(enumerate(stages)))
     engine.routeless = watch_inputs(plan, gm)
@@ -326,7 +326,8 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     runnable = {j: _runnable(stages[j], j, defer, policies[j], compiled) for j in mine}
     calls = [stage_call(j, stages[j], r, policies[j], [], device, j == n - 1, defer, compiled, save)
              for j, r in runnable.items()]
-    engine = DistributedRuntime(plan, gm, layout, calls, link, Binding(gm), tied, schedule)
+    engine = DistributedRuntime(plan, gm, layout, calls, link, Binding(gm, fixed=schedule.custom is not None), tied,
+                                schedule)
     _refuse_sizes_from_values(engine, gm, plan)  # every rank alike, before any waits on another
     _refuse_remote_generators(gm, plan)
     warn_spread(stages, deferred_batch_norm, [s.on_rank for s in plan.stages])
