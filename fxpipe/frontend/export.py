@@ -466,8 +466,15 @@ def _refused(model: nn.Module, exc: BaseException, fix: str, where: str) -> Trac
             "tensor's .data makes (self.ema.data.mul_(0.9), older EMA and codebook code): write the tensor itself "
             "inside torch.no_grad() (self.ema.mul_(0.9)), which is the same in eager, or use tracer='fx'. The full "
             "torch.export error is chained below.")
-    line = f"The model's code fixes the batch size to a constant{where}. " if where else ""
     frame = user_frame(exc) if type(exc).__module__ == "builtins" else None
+    if not fix and "Couldn't swap" in first:  # Module.to() / .float() in the forward: it swaps the parameters
+        at = f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})" if frame is not None else ""
+        return TraceError(
+            f"torch.export could not trace {type(model).__name__}: its forward moves or casts a submodule{at} "
+            f"({first}), which swaps the submodule's parameters while torch.export holds them. Cast or move the "
+            "model once before fxpipe.compile and take the call out of the forward, or use tracer='fx' where the "
+            "model is not a transformers 5 model. The full torch.export error is chained below.")
+    line = f"The model's code fixes the batch size to a constant{where}. " if where else ""
     made = frame is not None and "concrete integers" in str(exc) and _FACTORY.search(frame.line or "")
     if frame is not None and not fix and "'dict' object has no attribute" in str(exc):  # a mapping read by name
         return TraceError(

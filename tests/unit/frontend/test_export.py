@@ -719,3 +719,22 @@ def test_a_model_failing_on_its_example_inputs_eagerly_too_is_told_so():
         fxpipe.compile(model, 2, example_inputs=(torch.randn(6, 4),), tracer="export", devices=["cpu"] * 2)
     assert "batch size" not in str(got.value).split("whatever")[0]
     assert torch.equal(model.norm.running_mean, before)  # the eager look leaves the statistics as they were
+
+
+class _CastsInForward(nn.Module):
+    """Cast a submodule inside the forward, as SwitchTransformers' router does (self.classifier.to(self.dtype))."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.b = self.b.to(torch.float32)
+        return self.b(self.a(x))
+
+
+def test_a_submodule_cast_in_the_forward_is_named_not_the_batch_size():
+    with pytest.raises(fxpipe.TraceError, match=r"its forward moves or casts a submodule at .*self.b.to\(torch.float32\)"
+                                                r".*Cast or move the model once before fxpipe.compile") as got:
+        fxpipe.compile(_CastsInForward(), 2, example_inputs=(torch.randn(4, 4),), tracer="export", devices=["cpu"] * 2)
+    assert "batch size" not in str(got.value)
