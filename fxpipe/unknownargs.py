@@ -29,6 +29,9 @@ ELSEWHERE = {
     "loss_fn": "pipe.step(..., target=, loss_fn=): the loss is given at each step, not at compile",
     "optimizer": "an optimizer built from pipe.parameters() after compile, stepped after pipe.step",
     "world_size": "data_parallel=, tensor_parallel= and n_stages / stages_per_rank (their product is the world)",
+    **dict.fromkeys(("expert_parallel", "ep", "ep_size", "moe_parallel"),
+                    "nothing: fxpipe has no expert parallelism; a mixture of experts' experts stay in their stage, "
+                    "tensor_parallel= shards their linears and data_parallel= replicates them"),
 }
 
 

@@ -101,7 +101,8 @@ def test_bad_checkpoint_and_balance():
 
 @pytest.mark.parametrize("keyword, meant", [("balance", r"split_points= .*GPipe\(module, balance"),
                                             ("n_microbatches", "chunks="), ("chunk", r"did you mean chunks=\?"),
-                                            ("chekpoint", "did you mean checkpoint="), ("foo", "no such argument")])
+                                            ("chekpoint", "did you mean checkpoint="), ("foo", "no such argument"),
+                                            ("expert_parallel", "fxpipe has no expert parallelism")])
 def test_a_keyword_from_elsewhere_names_the_argument_meant(keyword, meant):
     with pytest.raises(TypeError, match=rf"fxpipe.compile\(\) got unexpected keyword arguments: {keyword}= \(.*{meant}"):
         fxpipe.compile(MLP(), 2, **{keyword: 1})
