@@ -33,17 +33,19 @@ accumulation over several steps.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from fxpipe.runtime.placement import register_everywhere
 from fxpipe.runtime.schedules.finals import final_backwards
 
-__all__ = ["GradSync", "final_backwards", "views_sent_only"]
+__all__ = ["GradSync", "final_backwards", "keep_every_gradient", "views_sent_only"]
 
 
 class GradSync:
@@ -80,6 +82,8 @@ class GradSync:
                     raise CompileError(f"data_parallel_shard=True shards every parameter on dim 0, and {scalar[0]!r} "
                                        "is 0-dim (FSDP2 refuses it): make it a 1-element tensor in the model "
                                        "(nn.Parameter(torch.full((1,), value))), or use data_parallel_shard=False")
+                if j in after_step:  # a leaf of the user's may skip parameters by the data: give them zeros
+                    keep_every_gradient(module)
                 self.wrapped[j] = fully_shard(module, mesh=layout.mesh["dp"], reshard_after_forward=False)
                 swapped = {id(before[k]): p for k, p in module.named_parameters(remove_duplicate=False)}
                 register_everywhere(share_with, swapped)
@@ -178,6 +182,40 @@ class GradSync:
     def local(self, grad: torch.Tensor) -> torch.Tensor:
         """Return the part of a gradient this process holds (a shard's, under FSDP2)."""
         return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+_HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the leaves given zero shares
+
+
+def keep_every_gradient(stage: nn.Module) -> None:
+    """Make each leaf of the user's in ``stage`` give every trainable parameter a gradient, zeros where unused.
+
+    FSDP2 reduce-scatters the gradients a replica has: replicas whose data skipped different
+    parameters of a leaf (experts given no rows) flattened different sets, and the reduction
+    mixed them up (1.3x off) or gloo aborted. Adding ``0 * sum(parameters)`` to the leaf's
+    floating outputs gives every parameter its (zero) share, as a replica reaching it adds its own.
+    """
+    for module in stage.modules():
+        if type(module).__module__.startswith("torch.") or not any(True for _ in module.children()) or \
+                not any(p.requires_grad for p in module.parameters()):
+            continue
+        if module not in _HOOKED:  # a stage wrapped again (parameters frozen since) keeps its one hook
+            _HOOKED.add(module)
+            module.register_forward_hook(_with_zero_shares)
+
+
+def _with_zero_shares(module: nn.Module, args: Any, out: Any) -> Any:
+    """Add zero times the sum of ``module``'s trainable parameters to each floating output needing grad."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params or not torch.is_grad_enabled():
+        return out
+    zero = torch.stack([p.sum() for p in params]).sum() * 0
+
+    def add(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
+            return t + zero.to(t.dtype)
+        return t
+    return tree_map(add, out)
 
 
 def _trainable(module: nn.Module) -> tuple[bool, ...]:

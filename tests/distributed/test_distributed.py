@@ -369,8 +369,9 @@ def test_replicas_whose_data_skips_other_experts_of_a_leaf_average_like_eager(tm
     # DDP waited for the experts a replica's rows skipped: gradients 2.8x off at the first step, silently, and
     # torch's "mark a variable ready only once" at the second; a leaf of the user's is reduced after the step
     results = launch("unreached_cases:skipped_experts", 4, "1f1b", tmp_path)
+    results += launch("unreached_cases:skipped_experts_sharded", 4, "1f1b", tmp_path)  # FSDP2: 1.3x off, or aborted
     for r, res in enumerate(results):
-        assert res["replicas"] == 2 and max(res["errors"]) < 1e-10, (r, res)
+        assert res.get("replicas") == 2 and max(res["errors"]) < 1e-10, (r, res)
 
 
 @pytest.mark.parametrize("world, schedule", [(2, "1f1b"), (2, "zbv"), (3, "gpipe")])

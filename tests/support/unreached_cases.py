@@ -168,14 +168,15 @@ class SkippingExperts(nn.Module):
         return x + out
 
 
-def skipped_experts(rank, world, schedule):
+def skipped_experts(rank, world, schedule, shard=False):
     """pp2 x dp2 with an expert leaf whose experts each replica's data reaches differently; errors against eager."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), SkippingExperts(), nn.Tanh(), SkippingExperts(), nn.Linear(8, 2)).double()
     eager = copy.deepcopy(model)
     x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
     pipe = fxpipe.compile(model, 2, example_inputs=(x[:4],), chunks=2, runtime="distributed", timeout=60,
-                          schedule=schedule, data_parallel=2, leaf_modules=[SkippingExperts], split_points=["2"])
+                          schedule=schedule, data_parallel=2, leaf_modules=[SkippingExperts], split_points=["2"],
+                          data_parallel_shard=shard)
     replicas, replica = fxpipe.data_shard(pipe)
     rows = slice(replica * 4, replica * 4 + 4)
     errors = []
@@ -185,7 +186,18 @@ def skipped_experts(rank, world, schedule):
         pipe.step(x[rows], target=y[rows], loss_fn=F.mse_loss)
         F.mse_loss(eager(x), y).backward()
         held = dict(eager.named_parameters())
-        errors.append(max(max_relative_error(p.grad if p.grad is not None else torch.zeros_like(p),
-                                             held[name].grad if held[name].grad is not None else torch.zeros_like(p))
+        errors.append(max(max_relative_error(_grad(p), _grad(held[name]))
                           for name, p in model.named_parameters() if p.device.type != "meta"))
     return {"errors": errors, "replicas": replicas}
+
+
+def skipped_experts_sharded(rank, world, schedule):
+    """:func:`skipped_experts` under FSDP2, which reduce-scatters the gradients each replica has."""
+    return skipped_experts(rank, world, schedule, shard=True)
+
+
+def _grad(p):
+    """Return ``p``'s gradient whole (a DTensor's full tensor), zeros where it has none."""
+    if p.grad is None:
+        return torch.zeros(p.shape, dtype=p.dtype)
+    return p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
