@@ -359,7 +359,7 @@ class DistributedRuntime:
         self.ready()
         late, self.unconfirmed = self.unconfirmed, False  # the last call, a pipe(x) this rank finished early
         self.comm.board.call += 1
-        rng = torch.random.get_rng_state() if late else None
+        rng = _random_state() if late else None
         try:
             with pipe_running(self.deferred):
                 return body()
@@ -374,7 +374,7 @@ class DistributedRuntime:
                     "running this call again", self.layout.global_ranks[self.rank])
         self.ready()
         assert rng is not None
-        torch.random.set_rng_state(rng)
+        _set_random_state(rng)
         try:
             with pipe_running(self.deferred):
                 return body()
@@ -476,3 +476,15 @@ class DistributedRuntime:
                 return self.binding.finish(self.binding.gather([runner.outputs[i] for i in sorted(runner.outputs)], training))
             return None
         return self._guarded(body)
+
+
+def _random_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """Return this process's CPU random state and, where CUDA is in use, every device's."""
+    return torch.random.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+
+def _set_random_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    """Put back a state :func:`_random_state` returned."""
+    torch.random.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
