@@ -144,19 +144,18 @@ def read_before_write(gm: torch.fx.GraphModule, order: list[torch.fx.Node]) -> s
     (:func:`route_buffer_reads` warns of it); in one stage each micro-batch reads it in eager's order.
     """
     owner, writers = _state_of(gm)
+    written = {name: set(nodes) for name, nodes in writers.items()}
     for name, nodes in _norm_writers(gm).items():
-        writers.setdefault(name, []).extend(n for n in nodes if n not in writers[name])
+        written.setdefault(name, set()).update(nodes)
     pos = {n: i for i, n in enumerate(order)}
     joined: set[int] = set()
-    for name, written in writers.items():
-        ends = [pos[w] for w in written if w in pos]
-        for reader in order:
-            if reader in written or owner.get(reader) == name and any(u in written for u in reader.users):
+    for reader in order:
+        for name in {owner[v] for v in reader.all_input_nodes if v in owner} & written.keys():
+            if reader in written[name] or owner.get(reader) == name and any(u in written[name] for u in reader.users):
                 continue  # a write, or an alias a write goes through
-            if any(owner.get(v) == name for v in reader.all_input_nodes):
-                later = [e for e in ends if e > pos[reader]]
-                if later:
-                    joined.update(range(pos[reader] + 1, max(later) + 1))
+            later = [pos[w] for w in written[name] if pos.get(w, -1) > pos[reader]]
+            if later:
+                joined.update(range(pos[reader] + 1, max(later) + 1))
     return joined
 
 

@@ -22,7 +22,7 @@ from fxpipe.plan.pipeline import PipelinePlan, SkipRoute, StagePlan
 from fxpipe.plan.saved import front_end, graph_signature
 from fxpipe.plan.tensorparallel import plan_tensor_parallel
 
-__all__ = ["example_rows", "make_plan", "named_tensors", "split_stages"]
+__all__ = ["example_rows", "make_plan", "named_tensors", "split_stages", "user_leaf"]
 
 
 def named_tensors(module: nn.Module):
@@ -126,7 +126,7 @@ def _maybe_unused(gm: torch.fx.GraphModule, held: Sequence[torch.fx.Node], ghost
     found = set()
     for a in read:
         target = str(a.target)
-        if a.op == "call_module" and _opaque(gm.get_submodule(target)):
+        if a.op == "call_module" and user_leaf(gm.get_submodule(target)):
             pass  # a leaf of the user's: its code may skip parameters by the data (experts given no tokens)
         elif a.name not in ghostly:
             continue
@@ -139,8 +139,8 @@ def _maybe_unused(gm: torch.fx.GraphModule, held: Sequence[torch.fx.Node], ghost
     return sorted(found)
 
 
-def _opaque(module: nn.Module) -> bool:
-    """Tell whether ``module`` is a leaf whose code fx did not trace and torch does not define, holding submodules."""
+def user_leaf(module: nn.Module) -> bool:
+    """Tell whether ``module`` is a leaf whose code torch does not define, holding submodules (whose use may vary)."""
     return not type(module).__module__.startswith("torch.") and any(True for _ in module.children())
 
 

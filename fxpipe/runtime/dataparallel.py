@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from fxpipe.plan.stages import user_leaf
 from fxpipe.runtime.placement import register_everywhere
 from fxpipe.runtime.schedules.finals import final_backwards
 
@@ -196,8 +197,7 @@ def keep_every_gradient(stage: nn.Module) -> None:
     floating outputs gives every parameter its (zero) share, as a replica reaching it adds its own.
     """
     for module in stage.modules():
-        if type(module).__module__.startswith("torch.") or not any(True for _ in module.children()) or \
-                not any(p.requires_grad for p in module.parameters()):
+        if not user_leaf(module) or not any(p.requires_grad for p in module.parameters()):
             continue
         if module not in _HOOKED:  # a stage wrapped again (parameters frozen since) keeps its one hook
             _HOOKED.add(module)

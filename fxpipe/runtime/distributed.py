@@ -45,7 +45,7 @@ from fxpipe.runtime import gradnorm
 from fxpipe.runtime.binding import Binding
 from fxpipe.runtime.contract import Place
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
-from fxpipe.runtime.ignored import check_first_loss, check_targets_once, warn_uneven_ignored
+from fxpipe.runtime.ignored import check_first_loss, check_targets_once, look_at_targets
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.microbatch import micro_losses
 from fxpipe.runtime.replicanorms import sync_norms
@@ -438,9 +438,7 @@ class DistributedRuntime:
             if self.partial is not None:
                 self.partial.before()
             def labels_seen(batch: int | None, m: int) -> None:
-                if not self.binding.targets_checked:
-                    self.binding.targets_checked = warn_uneven_ignored({"labels": kwargs.get("labels")}, batch, m,
-                                                                       loss_fn)
+                look_at_targets(self.binding, {"labels": kwargs.get("labels")}, batch, m, loss_fn)
             runner = self._run(args, kwargs, losses_for, training, grad=True, target=tgt, own_target=target,
                                first_check=labels_seen)
             if self.layout.tp > 1:

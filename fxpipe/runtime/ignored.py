@@ -22,7 +22,8 @@ from fxpipe.errors import user_stacklevel
 from fxpipe.plan.batches import micro_sizes
 from fxpipe.runtime.microbatch import is_summed
 
-__all__ = ["IGNORE_INDEX", "check_first_loss", "check_targets_once", "warn_summed_outputs", "warn_uneven_ignored"]
+__all__ = ["IGNORE_INDEX", "check_first_loss", "check_targets_once", "look_at_targets", "warn_summed_outputs",
+           "warn_uneven_ignored"]
 
 IGNORE_INDEX = -100  # torch's and transformers' ignore_index
 
@@ -107,9 +108,13 @@ def check_targets_once(binding: Any, target: Any, kwargs: dict, batch: int | Non
     if not binding.summed_checked:
         binding.summed_checked = True
         binding.summed_pending = (m, loss_fn)
+    look_at_targets(binding, {"target": target, "labels": kwargs.get("labels")}, batch, m, loss_fn)
+
+
+def look_at_targets(binding: Any, values: dict[str, Any], batch: int | None, m: int, loss_fn: Callable) -> None:
+    """Warn of ``values`` marking -100 in unequal shares (:func:`warn_uneven_ignored`) until a step had some."""
     if not binding.targets_checked:
-        binding.targets_checked = warn_uneven_ignored({"target": target, "labels": kwargs.get("labels")}, batch, m,
-                                                      loss_fn)
+        binding.targets_checked = warn_uneven_ignored(values, batch, m, loss_fn)
 
 
 def check_first_loss(binding: Any, out: Any, loss: torch.Tensor) -> None:
