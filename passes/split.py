@@ -45,7 +45,9 @@ class StagePlan:
     ``time_ms`` the measured forward + backward milliseconds when profiled; ``cost`` what the
     partitioner balanced (its ``balance_by`` unit, communication included); ``checkpoint`` its
     recomputation policy and ``peak`` its predicted peak memory under it (parameters, gradients
-    and activations along the schedule, from :mod:`fxpipe.simulate`), when predicted.
+    and activations along the schedule, from :mod:`fxpipe.simulate`), when predicted. A ``frozen``
+    stage (no value in it needs a gradient on the example inputs) runs no backward: the runtime
+    never recomputes it, so it keeps nothing whatever its policy.
     """
 
     index: int
@@ -69,6 +71,7 @@ class StagePlan:
     # (they do not reach every output a loss could read: passes.maybe_without_grad)
     maybe_no_grad: list[str] = field(default_factory=list)
     maybe_unused: list[str] = field(default_factory=list)
+    frozen: bool = False  # nothing in it needs a gradient (a frozen encoder): never recomputed, keeps nothing
 
     @property
     def on_rank(self) -> int:

@@ -106,7 +106,8 @@ class PipelinePlan:
                 s.device, len(s.nodes), _short(computed[0] if computed else ""),
                 _short(computed[-1] if computed else ""), human(s.flops), human(s.params, "B"),
                 human(s.activation_bytes, "B"), human(s.saved_bytes, "B"),
-                human(s.checkpoint_bytes, "B"), human(s.memory, "B"), policies[s.index] or "-",
+                human(s.checkpoint_bytes, "B"), human(s.memory, "B"),
+                "frozen" if s.frozen else policies[s.index] or "-",
             ] + ([human(s.peak, "B") if s.peak else "-"] if predicted else []) + (
                 [f"{s.time_ms:.2f}" if s.time_ms is not None else "-"] if timed else []) + [
                 len(self.stashes(s.index)), len(self.pops(s.index)),
@@ -129,6 +130,8 @@ class PipelinePlan:
                          f"{self.efficiency(by='time_ms'):.1%}")
         lines.append("per micro-batch: act. out = sent on, kept = saved for backward, kept ckpt = "
                      f"kept when checkpointed; memory = the cut's estimated peak (checkpoint={self.checkpoint!r})"
+                     + ("; frozen = nothing needs a gradient: not recomputed, nothing kept"
+                        if any(s.frozen for s in self.stages) else "")
                      + ("; peak = predicted along the schedule under the stage's checkpoint policy (parameters, "
                         "gradients, activations)" if predicted else ""))
         if self.tensor_parallel:

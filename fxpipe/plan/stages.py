@@ -91,6 +91,9 @@ def _describe(gm: torch.fx.GraphModule, modules: Sequence[torch.fx.GraphModule],
         s.time_ms = float(sum(n.meta.get("fxpipe.time", 0.0) for n in held)) if profiled else None
         s.saved_bytes = int(sum(n.meta.get("fxpipe.saved_bytes", 0) for n in held) // per_micro)
         s.checkpoint_bytes = int(sum(nodes[v].meta.get("fxpipe.bytes", 0) for v in s.inputs) // per_micro)
+        s.frozen = _frozen(held)
+        if s.frozen:  # no backward: the runtime neither keeps nor recomputes anything of it
+            s.saved_bytes = s.checkpoint_bytes = 0
         if cut is not None:
             s.memory, s.cost = int(cut.memory[j]), float(cut.costs[j])
         else:
@@ -117,6 +120,15 @@ def example_rows(gm: torch.fx.GraphModule) -> int | None:
             if isinstance(leaf, passes.TensorSpec) and leaf.shape:
                 return int(leaf.shape[0])
     return None
+
+
+def _frozen(held: Sequence[torch.fx.Node]) -> bool:
+    """Tell whether no value ``held`` computes needs a gradient (False where a value is not annotated)."""
+    computed = [n for n in held if n.op in ("call_function", "call_method", "call_module")]
+    specs = [n.meta.get("fxpipe.value") for n in computed]
+    if not computed or any(spec is None for spec in specs):
+        return False
+    return not any(isinstance(t, passes.TensorSpec) and t.requires_grad for spec in specs for t in tree_flatten(spec)[0])
 
 
 def _maybe_unused(gm: torch.fx.GraphModule, held: Sequence[torch.fx.Node], ghostly: set[str],

@@ -73,6 +73,7 @@ class StageCost:
     stay: float = 0.0
     params: float = 0.0  # parameters and buffers
     grads: float = 0.0  # gradients of the trainable parameters
+    frozen: bool = False  # nothing needs a gradient: the runtime never recomputes it
     sends: dict[int, float] = field(default_factory=dict)  # consumer stage -> bytes of values
     grads_back: dict[int, float] = field(default_factory=dict)  # producer stage -> bytes of gradients
     # across ranks (set by the simulator): what messages hold per micro-batch
@@ -117,11 +118,12 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
     for s in plan.stages:
         mine = [nodes[v] for v in s.nodes if v in nodes]
         t = [times[n.name] for n in mine if n.name in times]
-        kept: dict[str, float] = {v: size.get(v, 0.0) for v in s.inputs + s.outputs}
+        # what a micro-batch's forward leaves for its backward (a frozen stage runs none: nothing)
+        kept: dict[str, float] = {} if s.frozen else {v: size.get(v, 0.0) for v in s.inputs + s.outputs}
         for v in placeholders:  # the caller's batch: there before the step, not the stage's to hold
             kept[v] = 0.0
         internal = 0.0
-        for n in mine:
+        for n in ([] if s.frozen else mine):
             for v, nbytes in (n.meta.get("fxpipe.retains") or {}).items():
                 if v in placeholders:
                     continue
@@ -175,7 +177,7 @@ def graph_costs(gm: torch.fx.GraphModule, plan: PipelinePlan, device: DeviceMode
             accumulate_i=max((w + (0.0 if v in later else fresh.get(v, 0.0)) for v, w in work.items()),
                              default=0.0) - transient,
             grads_w=sum(fresh.get(v, 0.0) for v in later),
-            params=params, grads=grads, sends=sends, grads_back=grads_back))
+            params=params, grads=grads, sends=sends, grads_back=grads_back, frozen=s.frozen))
     return costs
 
 
@@ -211,9 +213,9 @@ def plan_costs(plan: PipelinePlan, device: DeviceModel, chunks: int, batch_scale
     """Return coarse per-stage costs from a plan alone (a saved one: no graph to read).
 
     Forward takes a third of a stage's FLOPs (or measured ``time_ms``) and backward two thirds,
-    half of it weight gradients, every kernel at the device's plateau rate; a micro-batch holds
-    ``saved_bytes`` and sends ``activation_bytes`` on. ``batch_scale`` is the mini-batch over
-    the example batch the plan was made for.
+    half of it weight gradients (a frozen stage's are all forward), every kernel at the device's
+    plateau rate; a micro-batch holds ``saved_bytes`` and sends ``activation_bytes`` on.
+    ``batch_scale`` is the mini-batch over the example batch the plan was made for.
     """
     per_micro = batch_scale / chunks  # of the plan's whole-batch FLOPs and times
     nbytes = batch_scale * plan.chunks / chunks  # of the plan's per-micro-batch bytes
@@ -226,11 +228,12 @@ def plan_costs(plan: PipelinePlan, device: DeviceModel, chunks: int, batch_scale
         else:
             total = s.flops * per_micro / rate + (device.kernel_overhead + device.backward_overhead) * len(s.nodes)
         last = s.index == plan.n_stages - 1
+        back = 0.0 if s.frozen else 2 / 3  # a frozen stage's FLOPs are its forward's alone
         out.append(StageCost(
-            forward=total / 3, backward=2 * total / 3, weight=total / 3,
+            forward=total * (1 - back), backward=total * back, weight=total * back / 2,
             kept=float(s.saved_bytes) * nbytes, inputs=float(s.checkpoint_bytes) * nbytes,
-            wstore=float(s.saved_bytes) * nbytes / 2, params=float(s.params), grads=float(s.params),
-            sends={} if last else {s.index + 1: float(s.activation_bytes) * nbytes},
+            wstore=float(s.saved_bytes) * nbytes / 2, params=float(s.params), grads=0.0 if s.frozen else float(s.params),
+            sends={} if last else {s.index + 1: float(s.activation_bytes) * nbytes}, frozen=s.frozen,
             grads_back={producer[v]: float(s.checkpoint_bytes) * nbytes / max(len(s.grad_inputs), 1)
                         for v in s.grad_inputs if v in producer}))
     return out

@@ -123,3 +123,27 @@ def test_old_plans_without_cost_fields_still_load():
             del s[key]
     again = PipelinePlan.from_dict(data)
     assert again.stages[0].memory == 0 and again.stages[0].nodes == plan.stages[0].nodes
+
+
+def _frozen_front(checkpoint: str) -> fxpipe.Pipe:
+    """Compile a frozen two-layer encoder before a trainable head (PEFT's layout) in three stages."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU()) for _ in range(3)],
+                                torch.nn.Linear(32, 4))
+    model[:2].requires_grad_(False)
+    return fxpipe.compile(model, 3, example_inputs=(torch.randn(8, 32),), chunks=4, checkpoint=checkpoint,
+                          devices=["cpu"] * 3)
+
+
+def test_a_frozen_stage_is_shown_and_simulated_as_the_runtime_runs_it():
+    """A stage nothing in which needs a gradient keeps nothing and is not recomputed, whatever the mode."""
+    pipe = _frozen_front("always")
+    first, second = pipe.plan.stages[:2]
+    assert first.frozen and not second.frozen
+    assert first.saved_bytes == first.checkpoint_bytes == 0 and second.saved_bytes > 0
+    assert "frozen" in pipe.plan.table().splitlines()[2]
+    sim = fxpipe.simulate(pipe, device="h100")
+    assert sim.policies[:2] == ["never", "always"]
+    never = fxpipe.simulate(_frozen_front("never"), device="h100")
+    assert sim.stages[0].busy == never.stages[0].busy  # no forward again in its backward
+    assert sim.stages[0].memory.activations == never.stages[0].memory.activations
