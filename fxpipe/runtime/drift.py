@@ -6,15 +6,15 @@ modules it calls (parameters' values, a replaced ``Parameter``, ``train()``/``ev
 
     a submodule replaced or removed    the graph calls the module of compile (the new one's
                                        parameters get no gradient)
-    a plain attribute the trace read   a flag or a scale (``self.use_relu``, ``self.scale``)
-                                       keeps its value of compile
+    a plain attribute the trace read   a flag or a scale (``self.use_relu``, ``self.scale``,
+                                       PEFT's adapter switches) keeps its value of compile
     a submodule's own train()/eval()   where its traced code reads the mode (a dropout's flag,
                                        an exported batch norm), the merged graph reads the
                                        whole model's
 
 :func:`snapshot` records, at compile, each module's place in its parent and its plain
-attributes (bools, numbers, strings); :func:`changes` names what differs at a call. It records
-the tensors the stages fetch themselves (``get_attr``: a parameter used directly, every weight
+attributes (bools, numbers, strings, small containers of them); :func:`changes` names what
+differs at a call. It records the tensors the stages fetch themselves (``get_attr``: a parameter used directly, every weight
 under torch.export or zero bubble) too: :func:`replaced` tells one replaced on the model
 (``model.load_state_dict(sd, assign=True)``, ``model.gain = nn.Parameter(...)``), and the pipe
 then points its stages at the new tensors before the call.
@@ -22,6 +22,7 @@ then points its stages at the new tensors before the call.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,8 @@ from fxpipe.runtime.stage.reshare import held_tensor, tensor_place
 __all__ = ["Snapshot", "changes", "describe", "replaced", "snapshot", "untied"]
 
 _PLAIN = (bool, int, float, str, type(None))
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+_MODULE_OWN = frozenset(vars(nn.Module())) | {"training"}  # hooks' registries and the like: not the model's code
 
 
 class _Missing:
@@ -133,9 +136,24 @@ def replaced(snap: Snapshot) -> bool:
     return any(held_tensor(owner, field) is not tensor for owner, field, tensor in snap.fetched)
 
 
+def _is_plain(value: Any, depth: int = 0) -> bool:
+    """Tell whether ``value`` is a bool, number, string or None, or a small container of them (a scale per adapter)."""
+    if type(value) in _PLAIN:
+        return True
+    if depth > 2 or type(value) not in _CONTAINERS or len(value) > 64:
+        return False
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    return all(_is_plain(v, depth + 1) for v in items)
+
+
 def _plain(module: nn.Module) -> list[tuple[str, Any]]:
-    """Return the module's plain public attributes (bools, numbers, strings, None) but its mode."""
-    return [(k, v) for k, v in vars(module).items() if type(v) in _PLAIN and not k.startswith("_") and k != "training"]
+    """Return the module's plain attributes (:func:`_is_plain`; containers copied) but its mode and ``nn.Module``'s own.
+
+    Private ones count: PEFT's ``_disable_adapters`` and ``_active_adapter`` choose what its traced
+    code computes.
+    """
+    return [(k, copy.deepcopy(v) if type(v) in _CONTAINERS else v) for k, v in vars(module).items()
+            if k not in _MODULE_OWN and not k.startswith("__") and _is_plain(v)]
 
 
 def snapshot(model: nn.Module, gm: torch.fx.GraphModule, runs: Sequence[torch.fx.GraphModule] = (),

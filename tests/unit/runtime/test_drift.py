@@ -15,11 +15,14 @@ class Flags(nn.Module):
         self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 4)
         self.drop = nn.Dropout(0.0)
         self.scale, self.use_relu = 2.0, True
+        self._disabled, self.scaling = False, {"default": 1.0}  # PEFT's switch and its scale per adapter
 
     def forward(self, x):
         h = self.l1(x)
         if self.use_relu:
             h = torch.relu(h)
+        if not self._disabled:
+            h = h * self.scaling["default"]
         return self.l2(self.drop(h)) * self.scale
 
     def generate(self, x):
@@ -40,6 +43,9 @@ def _pipe(tracer="fx"):
     (lambda m: setattr(m, "scale", 5.0), "scale was 2.0, is 5.0"),
     (lambda m: setattr(m, "use_relu", False), "use_relu was True, is False"),
     (lambda m: setattr(m, "l2", nn.Linear(8, 4)), "l2 was replaced"),
+    # peft's disable_adapter() and a scale changed in place: the pipe kept the adapters, 0.05-0.4 off
+    (lambda m: setattr(m, "_disabled", True), "_disabled was False, is True"),
+    (lambda m: m.scaling.update(default=3.0), r"scaling was \{'default': 1.0\}, is \{'default': 3.0\}"),
 ])
 def test_a_change_the_pipe_does_not_follow_is_warned_of_once(change, named):
     # the pipe silently kept the model of compile: 0.6 to 1.35 off eager, and nothing said so
