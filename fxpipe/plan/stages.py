@@ -152,8 +152,11 @@ def _maybe_unused(gm: torch.fx.GraphModule, held: Sequence[torch.fx.Node], ghost
 
 
 def user_leaf(module: nn.Module) -> bool:
-    """Tell whether ``module`` is a leaf whose code torch does not define, holding submodules (whose use may vary)."""
-    return not type(module).__module__.startswith("torch.") and any(True for _ in module.children())
+    """Tell whether ``module`` is a leaf whose code torch does not define, holding parameters (whose use may vary).
+
+    Its own (``register_parameter`` per expert) count as its submodules' do: its code may skip either.
+    """
+    return not type(module).__module__.startswith("torch.") and any(True for _ in module.parameters())
 
 
 def _carries_grad(node: torch.fx.Node) -> bool:

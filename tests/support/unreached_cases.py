@@ -168,15 +168,39 @@ class SkippingExperts(nn.Module):
         return x + out
 
 
+class SkippingWeights(nn.Module):
+    """:class:`SkippingExperts` holding its experts' weights itself (``register_parameter``), not in submodules."""
+
+    def __init__(self, width: int = 8, experts: int = 6) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.randn(experts, width) * 0.5)
+        self.experts = experts
+        for e in range(experts):
+            self.register_parameter(f"w{e}", nn.Parameter(torch.randn(width, width) * 0.3))
+
+    def forward(self, x):
+        p = (x @ self.gate.T).softmax(-1)
+        top, out = p.argmax(-1), torch.zeros_like(x)
+        for e in range(self.experts):
+            idx = torch.nonzero(top == e).squeeze(1)
+            if idx.numel() == 0:
+                continue
+            out = out.index_add(0, idx, x[idx] @ getattr(self, f"w{e}") * p[idx, e:e + 1])
+        return x + out
+
+
 def skipped_experts(rank, world, schedule, shard=False):
-    """pp2 x dp2 with an expert leaf whose experts each replica's data reaches differently; errors against eager."""
+    """pp2 x dp2 with expert leaves whose experts each replica's data reaches differently; errors against eager.
+
+    The first stage's leaf holds its experts in submodules, the second's holds their weights itself.
+    """
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), SkippingExperts(), nn.Tanh(), SkippingExperts(), nn.Linear(8, 2)).double()
+    model = nn.Sequential(nn.Linear(4, 8), SkippingExperts(), nn.Tanh(), SkippingWeights(), nn.Linear(8, 2)).double()
     eager = copy.deepcopy(model)
     x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
     pipe = fxpipe.compile(model, 2, example_inputs=(x[:4],), chunks=2, runtime="distributed", timeout=60,
-                          schedule=schedule, data_parallel=2, leaf_modules=[SkippingExperts], split_points=["2"],
-                          data_parallel_shard=shard)
+                          schedule=schedule, data_parallel=2, leaf_modules=[SkippingExperts, SkippingWeights],
+                          split_points=["2"], data_parallel_shard=shard)
     replicas, replica = fxpipe.data_shard(pipe)
     rows = slice(replica * 4, replica * 4 + 4)
     errors = []
