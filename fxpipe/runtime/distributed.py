@@ -47,6 +47,7 @@ from fxpipe.runtime.contract import Place
 from fxpipe.runtime.dataparallel import GradSync, final_backwards
 from fxpipe.runtime.ignored import check_first_loss, check_targets_once, look_at_targets
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
+from fxpipe.runtime.latecalls import LateCalls
 from fxpipe.runtime.microbatch import micro_losses
 from fxpipe.runtime.replicanorms import sync_norms
 from fxpipe.runtime.schedules.builtin import Schedule
@@ -117,6 +118,7 @@ class DistributedRuntime:
         self.norms: list = []  # data parallel: the batch norms kept equal over the replicas
         self.broken: str | None = None  # why the last step failed, until every rank is back
         self.unconfirmed = False  # its last call was a pipe(...) this rank finished before the last stage did
+        self.late = LateCalls(len(layout.global_ranks))  # the pipe(x) calls this rank finished early
         self.target_checked = False  # that the loss's rank has the target when another rank has one
         self.batch_checked: set[bool] = set()  # the calls (step: True) whose ranks were found to share one batch
         self.released = False  # its process groups let go of at interpreter exit (transport.release)
@@ -272,8 +274,13 @@ class DistributedRuntime:
             commit_batch_norm(self.deferred)
         return runner
 
-    def ready(self) -> None:
-        """After a failed step, meet every rank again on fresh connections; raise if one is gone."""
+    def ready(self) -> int | None:
+        """After a failed step, meet every rank again on fresh connections; raise if one is gone.
+
+        Return the number of a call this rank finished early that a peer's failure, read now,
+        ended (the calls this rank finished after it are to run again), else None.
+        """
+        failed = None
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed's process group was destroyed (destroy_process_group()) before "
                                "this call of the pipe: destroy it after the pipe's last step")
@@ -284,15 +291,16 @@ class DistributedRuntime:
             reason = self.comm.board.read("starting a call")
             self.unconfirmed = reason is None  # unread: the call begins, and a late post is told by its number
             if reason is not None:
-                log.warning("rank %d: its last pipe(...) call failed on another rank (%s); rejoining",
-                            self.layout.global_ranks[self.rank], reason["message"])
+                log.warning("rank %d: its pipe(...) call %s failed on another rank (%s); rejoining",
+                            self.layout.global_ranks[self.rank], reason.get("call"), reason["message"])
                 self._abandon(PeerFailure(reason["message"]))
+                failed = int(reason["call"]) if self.late.knows(reason.get("call")) else None
         else:
             self.unconfirmed = False
         if self.broken is None and self.comm.board.death is not None and self.comm.board.crossed:
             self.comm.board.rejoin()  # the ranks' calls crossed between pipes (posted here by another): refused
         if self.broken is None:
-            return
+            return failed
         if self.layout.dp > 1 or self.layout.tp > 1:
             what = "the replicas' gradient reductions" if self.layout.dp > 1 else "the tensor-parallel collectives"
             raise PeerFailure(f"rank {self.layout.global_ranks[self.rank]}: an earlier step failed ({self.broken}); "
@@ -303,6 +311,7 @@ class DistributedRuntime:
         self.comm.reopen(reopen_pipeline(self.layout, self.comm.timeout))
         self.ties.reopen()
         self.broken = None
+        return failed
 
     def refuse(self, exc: BaseException) -> NoReturn:
         """Raise ``exc`` as a failed step: the other ranks, waiting in theirs, raise ``PeerFailure`` naming it.
@@ -354,40 +363,47 @@ class DistributedRuntime:
         discard_batch_norm(self.deferred)
 
     def _guarded(self, body: Callable[[], Any]) -> Any:
-        """Run ``body``; on any failure here, tell the other ranks and close the connections, then re-raise."""
-        self.comm.board.enter(self.layout.global_ranks[self.rank])
-        self.ready()
-        late, self.unconfirmed = self.unconfirmed, False  # the last call, a pipe(x) this rank finished early
-        self.comm.board.call += 1
-        rng = _random_state() if late else None
-        try:
-            with pipe_running(self.deferred):
-                return body()
-        except PeerFailure as caught:
-            if not late or not self._failed_before(caught):
-                return self._failed(caught)
-        except BaseException as caught:  # noqa: BLE001 - re-raised by _failed
-            return self._failed(caught)
-        # a peer failed the last call, which this rank had finished, after this one began: this call was not the
-        # failed one, and the peer's next call is this one. Rejoin and run it again, from the same random state
-        log.warning("rank %d: its last pipe(...) call failed on another rank after this call began; rejoining and "
-                    "running this call again", self.layout.global_ranks[self.rank])
-        self.ready()
-        assert rng is not None
-        _set_random_state(rng)
-        try:
-            with pipe_running(self.deferred):
-                return body()
-        except BaseException as caught:  # noqa: BLE001 - re-raised by _failed
-            return self._failed(caught)
+        """Run ``body``; on any failure here, tell the other ranks and close the connections, then re-raise.
 
-    def _failed_before(self, exc: PeerFailure) -> bool:
-        """Tell whether the failure ``exc`` reports was posted by a peer in this rank's previous call (abandoning it)."""
+        A failure a peer posts for a ``pipe(x)`` call this rank had finished early
+        (:mod:`fxpipe.runtime.latecalls`), read at the start or met in this call, makes this rank
+        rejoin, run the calls it finished after the failed one again, then this one.
+        """
+        self.comm.board.enter(self.layout.global_ranks[self.rank])
+        failed = self.ready()
+        self.comm.board.call += 1
+        number, rng = self.comm.board.call, _random_state()
+        for _ in range(len(self.late.calls) + 2):  # each pass forgets at least one remembered call
+            try:
+                with pipe_running(self.deferred):
+                    if failed is not None:
+                        for _, again, state in self.late.after(failed):  # the peers' next calls: results discarded
+                            _set_random_state(state)
+                            again()
+                        _set_random_state(rng)
+                    self.unconfirmed = False
+                    result = body()
+            except PeerFailure as caught:
+                failed = self._failed_before(caught)
+                if failed is None:
+                    return self._failed(caught)
+            except BaseException as caught:  # noqa: BLE001 - re-raised by _failed
+                return self._failed(caught)
+            else:
+                self.late.finished(number, body, rng, self.unconfirmed)
+                return result
+            log.warning("rank %d: its pipe(...) call %d failed on another rank after this rank had finished it; "
+                        "rejoining and running the calls since again", self.layout.global_ranks[self.rank], failed)
+            self.ready()
+        raise AssertionError("unreachable: every pass forgets a call")
+
+    def _failed_before(self, exc: PeerFailure) -> int | None:
+        """Return the number of the call a peer failed, where this rank had finished it early (abandoning this one)."""
         reason = self.comm.board.read("telling which call failed")
-        if reason is None or reason["fatal"] or reason.get("call") != self.comm.board.call - 1:
-            return False
+        if reason is None or reason["fatal"] or not self.late.knows(reason.get("call")):
+            return None
         self._abandon(exc)
-        return True
+        return int(reason["call"])
 
     def _failed(self, caught: BaseException) -> NoReturn:
         """Tell the other ranks of this rank's failure (unless a peer's), close the connections, re-raise.

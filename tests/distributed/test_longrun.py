@@ -56,6 +56,16 @@ def test_an_inference_call_failing_after_the_first_rank_moved_on_leaves_the_step
         assert max(res["errors"]) < 1e-5, (r, res)
 
 
+def test_a_middle_rank_two_calls_past_a_failed_inference_call_runs_the_later_one_again(tmp_path, launch):
+    # 4 ranks: rank 1 finished the good pipe(x) after the failing one before the failure reached it; its step then
+    # paired with the others' run of that pipe(x) again, and every later call said "rank 1 probably died"
+    results = launch("longrun_cases:late_failure_then_evaluation", 4, "gpipe", tmp_path)
+    _ok(results)
+    assert results[3]["failed"][:2] == ["RuntimeError", "bomb in forward"] and results[3]["evaluated"] < 1e-6
+    for r, res in enumerate(results):
+        assert max(res["errors"]) < 1e-5, (r, res)
+
+
 @pytest.mark.parametrize("schedule,world", [("1f1b", 2), ("zb", 4)])
 def test_a_failed_step_leaves_the_pipe_usable(schedule, world, tmp_path, launch):
     results = launch("longrun_cases:recover", world, schedule, tmp_path)

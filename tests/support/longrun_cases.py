@@ -133,18 +133,28 @@ class _LateBomb(nn.Module):
         return x
 
 
-def late_inference_failure(rank, world, schedule):
-    """A pipe(x) failing on the last rank after the first rank finished its part and began a step; then steps."""
+def late_inference_failure(rank, world, schedule, evaluate=False):
+    """A pipe(x) failing on the last rank after the first rank finished its part and began a step; then steps.
+
+    ``evaluate``: a good pipe(x) between the failing one and the steps (what an evaluation loop catching
+    the error does), which a middle rank of four finishes before the failure reaches it.
+    """
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), _LateBomb(), nn.Linear(8, 4))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), _LateBomb(), nn.Linear(8, 4))
     eager = copy.deepcopy(model)
+    splits = {2: ["4"], 4: ["2", "3", "4"]}[world]
     pipe = fxpipe.compile(model, world, example_inputs=(torch.randn(8, 8),), chunks=4, runtime="distributed",
-                          timeout=20, schedule=schedule, leaf_modules=[_LateBomb], split_points=["2"])
+                          timeout=20, schedule=schedule, leaf_modules=[_LateBomb], split_points=splits)
     batches = [(torch.randn(8, 8, generator=torch.Generator().manual_seed(k)),
                 torch.randn(8, 4, generator=torch.Generator().manual_seed(100 + k))) for k in range(3)]
     _LateBomb.armed = rank == world - 1
     out = {"failed": _attempt(lambda: pipe(torch.randn(7, 8) if rank == 0 else None))}
     _LateBomb.armed = False
+    if evaluate:
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(50))
+        with torch.no_grad():
+            got = pipe(x if rank == 0 else None)
+            out["evaluated"] = None if got is None else max_relative_error(got, eager(x))
     errors = []
     for x, y in batches:  # the first rank's first step was paired with the last rank's next: off by one
         expected = F.mse_loss(eager(x), y)
@@ -158,6 +168,11 @@ def late_inference_failure(rank, world, schedule):
             p.grad = None
     out["errors"] = errors
     return out
+
+
+def late_failure_then_evaluation(rank, world, schedule):
+    """:func:`late_inference_failure` with a good pipe(x) after the failing one."""
+    return late_inference_failure(rank, world, schedule, evaluate=True)
 
 
 def _rope_pipes(world, schedule):
