@@ -4,8 +4,9 @@ torch.export runs the model's code on the example inputs; when that code raises 
 ``ValueError`` of the model's own: T5 given ``input_ids`` without ``labels=`` or
 ``decoder_input_ids=``), the export refusal would read as a batch-size problem. One eager
 forward on the same inputs, under ``torch.no_grad()``, tells the two apart: the same error
-there is the inputs', named as such. It runs only once export has failed, with the buffers,
-the Python state of the model's own modules and the random state put back after it.
+there is the inputs', named as such. It runs only once export has failed, with the buffers (values
+and objects), the parameters' values, the Python state of the model's own modules and the
+random state put back after it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def eager_failure(model: nn.Module, args: tuple, kwargs: dict, exc: BaseExceptio
     frame = user_frame(exc) if type(exc).__module__ == "builtins" else None
     if frame is None or not _plain(model, args, kwargs):
         return None
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    state = _State(model)
     try:
         with torch.no_grad(), modules_untouched(model), torch.random.fork_rng(devices=[]):
             model(*args, **kwargs)
@@ -38,15 +39,45 @@ def eager_failure(model: nn.Module, args: tuple, kwargs: dict, exc: BaseExceptio
     else:
         return None
     finally:
-        with torch.no_grad():
-            for b, value in buffers:
-                b.copy_(value)
+        changed = state.put_back()
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    note = (f" (that forward changed {', '.join(changed[:3])} in place, too large to have been copied first: "
+            "load the weights again)") if changed else ""
     return TraceError(
         f"{type(model).__name__} raises {type(exc).__name__}: {first} at {frame.filename}:{frame.lineno} "
         f"({(frame.line or '').strip()}) on the example inputs outside torch.export too: the inputs do not fit the "
         "model, whatever the batch size. Give example inputs the model runs on eagerly (an encoder-decoder needs "
-        "labels= or decoder_input_ids= beside input_ids).")
+        f"labels= or decoder_input_ids= beside input_ids){note}.")
+
+
+class _State:
+    """Each module's buffers (the objects and their values) and its parameters' values, to put back."""
+
+    _COPY_LIMIT = 1 << 30  # parameters copied whole up to 1 GiB; above, changes in place are only told
+
+    def __init__(self, model: nn.Module) -> None:
+        self.registries = [(m._buffers, dict(m._buffers)) for m in model.modules()]
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        params = list(model.named_parameters())
+        small = sum(p.numel() * p.element_size() for _, p in params) <= self._COPY_LIMIT
+        self.params = [(name, p, p._version, p.detach().clone() if small else None) for name, p in params]
+
+    def put_back(self) -> list[str]:
+        """Put the buffers and parameters back; return the parameters changed in place that were not copied."""
+        lost = []
+        with torch.no_grad():
+            for registry, held in self.registries:  # a buffer reassigned (self.count = self.count + 1)
+                registry.clear()
+                registry.update(held)
+            for b, value in self.buffers:
+                b.copy_(value)
+            for name, p, version, value in self.params:  # a weight clamped in place under no_grad
+                if p._version != version:
+                    if value is None:
+                        lost.append(name)
+                    else:
+                        p.copy_(value)
+        return lost
 
 
 def _plain(model: nn.Module, args: tuple, kwargs: dict) -> bool:

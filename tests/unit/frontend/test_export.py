@@ -702,8 +702,12 @@ class _NeedsTwo(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin, self.norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
+        self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x, y=None):
+        self.calls = self.calls + 1  # the buffer reassigned, not changed in place
+        with torch.no_grad():
+            self.lin.weight.clamp_(-0.1, 0.1)  # a constrained layer: its weight changed in place
         h = self.norm(self.lin(x))
         if y is None:
             raise ValueError("You must specify y")
@@ -713,12 +717,15 @@ class _NeedsTwo(nn.Module):
 def test_a_model_failing_on_its_example_inputs_eagerly_too_is_told_so():
     # the refusal read as a batch-size problem ("that line may depend on the batch size")
     model = _NeedsTwo()
-    before = model.norm.running_mean.clone()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = model.calls
     with pytest.raises(fxpipe.TraceError, match=r"_NeedsTwo raises ValueError: You must specify y at .* on the "
                                                 r"example inputs outside torch.export too") as got:
         fxpipe.compile(model, 2, example_inputs=(torch.randn(6, 4),), tracer="export", devices=["cpu"] * 2)
     assert "batch size" not in str(got.value).split("whatever")[0]
-    assert torch.equal(model.norm.running_mean, before)  # the eager look leaves the statistics as they were
+    # the eager look leaves the statistics, a reassigned buffer (it stayed +1) and a weight clamped in place
+    # (0.25 off) as they were
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and model.calls is calls
 
 
 class _CastsInForward(nn.Module):
