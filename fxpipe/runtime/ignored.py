@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.errors import user_stacklevel
 from fxpipe.plan.batches import micro_sizes
@@ -117,8 +117,13 @@ def look_at_targets(binding: Any, values: dict[str, Any], batch: int | None, m: 
         binding.targets_checked = warn_uneven_ignored(values, batch, m, loss_fn)
 
 
-def check_first_loss(binding: Any, out: Any, loss: torch.Tensor) -> None:
-    """On the first micro-batch's loss of a pipe, warn if it is the model's own 0-dim sum or mean (once)."""
+def check_first_loss(binding: Any, out: Any, loss: torch.Tensor, share: float | None = None,
+                     again: Callable[[Any], torch.Tensor] | None = None) -> None:
+    """On the first micro-batch's loss of a pipe, warn if it is the model's own 0-dim sum or mean (once).
+
+    ``share`` is the micro-batch's share of the batch's rows and ``again`` its ``loss_fn``: a
+    coupled term ``loss_fn`` scales by that share (the warning's own recipe) is not warned of.
+    """
     if binding.summed_pending is None:
         return
     m, loss_fn = binding.summed_pending
@@ -132,7 +137,25 @@ def check_first_loss(binding: Any, out: Any, loss: torch.Tensor) -> None:
     # a loss computed from the logits (a sum over a count) is the user's own: nothing to say; one made
     # of the model's 0-dim output (a task loss plus the model's auxiliary sum) is weighted as that output
     if returned or _made_of(loss, scalars):
-        warn_summed_outputs(binding.summed, binding.means, m, loss_fn, binding.coupled_scalars)
+        coupled = binding.coupled_scalars
+        if coupled and not returned and share is not None and again is not None and \
+                _scaled_by(out, scalars, share, again):
+            coupled = None  # aux * rows / batch: each micro-batch's term is its share, as eager's whole is
+        warn_summed_outputs(binding.summed, binding.means, m, loss_fn, coupled)
+
+
+def _scaled_by(out: Any, parts: list[torch.Tensor], share: float, again: Callable[[Any], torch.Tensor]) -> bool:
+    """Tell whether ``again(out)`` takes each of ``parts`` it reads times ``share`` (run on detached stand-ins)."""
+    stand = {id(t): t.detach().requires_grad_() for t in parts}
+    given = tree_map(lambda v: stand.get(id(v), v.detach()) if isinstance(v, torch.Tensor) else v, out)
+    try:
+        with torch.enable_grad():
+            value = again(given)
+            grads = torch.autograd.grad(value, list(stand.values()), allow_unused=True)
+    except Exception:  # noqa: BLE001 - a loss_fn that cannot run so: say what the warning says
+        return False
+    weights = [float(g) for g in grads if g is not None]
+    return bool(weights) and all(abs(w - share) <= 1e-6 * share for w in weights)
 
 
 def _made_of(loss: torch.Tensor, parts: list[torch.Tensor], limit: int = 100_000) -> bool:

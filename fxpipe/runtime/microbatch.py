@@ -148,14 +148,16 @@ def _rows_not_in_tensors(value: Any, batch: int, where: str = "") -> str | None:
 
 def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch: int | None,
                  m: int, device: torch.device, finish: Callable[[Any], Any] = lambda out: out,
-                 looked_at: Callable[[Any, torch.Tensor], None] | None = None, detach_target: bool = True
+                 looked_at: Callable[..., None] | None = None,
+                 detach_target: bool = True
                  ) -> dict[int, Callable[[Any], torch.Tensor]]:
     """Return, per micro-batch, a function from its output to its share of the batch loss.
 
     Micro-batch ``i`` of ``rows_i`` rows contributes ``loss_fn(out_i, target_i) * rows_i / B``,
     so for a mean-reduced loss the sum equals ``loss_fn`` on the whole batch; a ``loss_fn``
     marked :func:`summed` contributes ``loss_fn(out_i, target_i)`` as it is. ``looked_at`` is
-    called with each output ``loss_fn`` got and what it returned. A target that requires grad is
+    called with each output ``loss_fn`` got, what it returned, the micro-batch's share of the
+    rows and ``loss_fn`` on its target. A target that requires grad is
     read through detached leaves, its gradient given back by the result's ``released()``
     (:mod:`fxpipe.runtime.targetgrads`), unless ``detach_target`` is off (one backward of the
     whole step: GPipe's program in one process).
@@ -172,7 +174,9 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
         tgt = target_grads.detach(tgt) if detach_target else tgt
         weight = rows / batch if batch and not is_summed(loss_fn) else 1.0
 
-        def loss(out: Any, tgt: Any = tgt, weight: float = weight) -> torch.Tensor:
+        share = rows / batch if batch else None  # of the batch's rows
+
+        def loss(out: Any, tgt: Any = tgt, weight: float = weight, share: float | None = share) -> torch.Tensor:
             given = finish(out)
             try:
                 value = loss_fn(given, tgt)
@@ -194,7 +198,7 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
                 raise
             value = _scalar_loss(value, out)
             if looked_at is not None:
-                looked_at(given, value)
+                looked_at(given, value, share, lambda again, tgt=tgt: loss_fn(again, tgt))
             return value * weight
 
         losses[i] = loss

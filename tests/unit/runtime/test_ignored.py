@@ -60,6 +60,42 @@ def test_a_coupled_term_added_per_micro_batch_under_sum_is_warned_of(aux):
     assert bool(told) == aux, [str(w.message)[:100] for w in caught]
 
 
+class _WithAux(nn.Module):
+    """Return logits and a load-balancing term (a product of two means over the rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.router = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.body(x)
+        probs = self.router(h).softmax(-1)
+        return h, 4 * (probs.mean(0) * (probs > 0.25).float().mean(0)).sum()
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("scaled", [True, False])
+def test_a_coupled_term_scaled_by_the_rows_share_as_the_warning_says_is_not_warned_of(scaled, checkpoint):
+    # the warning fired on its own recipe (aux * rows / batch), saying the term counted 4x
+    import warnings
+
+    import fxpipe
+
+    torch.manual_seed(0)
+    x, labels = torch.randn(8, 8), torch.randint(0, 8, (8,))
+
+    def loss_fn(out, y):
+        logits, aux = out
+        return F.cross_entropy(logits, y, reduction="sum") / 8 + aux * (y.shape[0] / 8 if scaled else 1)
+
+    pipe = fxpipe.compile(_WithAux(), 2, example_inputs=(x,), chunks=4, checkpoint=checkpoint, devices=["cpu"] * 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe.step(x, target=labels, loss_fn=loss_fn, loss_reduction="sum")
+    told = [str(w.message) for w in caught if "counts once per micro-batch" in str(w.message)]
+    assert bool(told) != scaled, [str(w.message)[:100] for w in caught]
+
+
 def test_a_step_given_no_targets_leaves_the_look_to_the_next():
     # a step refused for labels on the wrong rank used up the "said once" look, and no later step warned
     assert not warn_uneven_ignored({"target": None, "labels": None}, 2, 2, F.cross_entropy)
