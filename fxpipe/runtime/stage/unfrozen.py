@@ -10,7 +10,9 @@ gradient under every action schedule, silently::
     p.requires_grad_(True) on stage 0               -> p.grad stays None
 
 Such steps are refused instead, naming the parameter and the fixes. Only the parameters frozen
-at compile in such stages are watched: a model with none costs nothing per step.
+at compile that such a value is computed from are watched (a frozen base weight beside a
+trained adapter gets its gradient through the adapter's outputs): a model with none costs
+nothing per step.
 
 A model input is watched the same way (:func:`watch_inputs`): one that did not require grad at
 compile and that a later stage reads, directly (a skip from the input) or through values
@@ -41,7 +43,12 @@ __all__ = ["refuse_changed_linears", "refuse_input_grads", "refuse_unfrozen", "w
 
 def watch_frozen(plan: Any, gm: torch.fx.GraphModule, stages: Mapping[int, torch.nn.Module]
                  ) -> list[tuple[int, str, torch.nn.Parameter]]:
-    """Return ``(stage, name, parameter)`` for each frozen parameter of a stage sending a floating value without a gradient."""
+    """Return ``(stage, name, parameter)`` for each frozen parameter reaching a floating value its stage sends without
+    a gradient.
+
+    A frozen parameter reaching only values that carry a gradient back (a base weight beside a
+    trained adapter) gets its gradient through them once unfrozen, and is not watched.
+    """
     nodes = {n.name: n for n in gm.graph.nodes}
     consumers = plan.consumers()
     watched = []
@@ -49,8 +56,28 @@ def watch_frozen(plan: Any, gm: torch.fx.GraphModule, stages: Mapping[int, torch
         dead = [v for v in plan.stages[j].outputs for c in consumers.get(v, ())
                 if c != j and v not in plan.stages[c].grad_inputs and _floating(nodes.get(v))]
         if dead:
-            watched += [(j, name, p) for name, p in stage.named_parameters() if not p.requires_grad]
+            reaching = _params_reaching(gm, [nodes[v] for v in dead if v in nodes], set(plan.stages[j].nodes))
+            watched += [(j, name, p) for name, p in stage.named_parameters()
+                        if not p.requires_grad and name in reaching]
     return watched
+
+
+def _params_reaching(gm: torch.fx.GraphModule, ends: list[torch.fx.Node], mine: set[str]) -> set[str]:
+    """Return the names of the parameters read by the nodes (of ``mine``) that ``ends`` are computed from."""
+    found: set[str] = set()
+    seen: set[str] = set()
+    todo = list(ends)
+    while todo:
+        node = todo.pop()
+        if node.name in seen or node.name not in mine:
+            continue
+        seen.add(node.name)
+        todo += node.all_input_nodes
+        if node.op == "get_attr":
+            found.add(str(node.target))
+        elif node.op == "call_module":
+            found.update(f"{node.target}.{name}" for name, _ in gm.get_submodule(str(node.target)).named_parameters())
+    return found
 
 
 def refuse_unfrozen(watched: list[tuple[int, str, torch.nn.Parameter]]) -> None:

@@ -63,3 +63,41 @@ def test_gpipe_in_one_process_runs_the_unfrozen_stage_as_eager():
     pipe.step(x, target=y, loss_fn=F.mse_loss)
     F.mse_loss(eager(x), y).backward()
     assert max_relative_error(model[0].weight.grad, eager[0].weight.grad) < 1e-5
+
+
+class _Adapted(nn.Module):
+    """A frozen base weight beside a trained adapter, and a table sent on without a gradient (RoPE's cos)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base, self.adapter, self.table = nn.Linear(8, 8), nn.Linear(8, 8, bias=False), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.base(x) + self.adapter(x)
+        cos = torch.cos(self.table(torch.ones_like(x)))  # from the frozen table alone: no gradient back
+        return self.head(torch.tanh(h)) * cos[:, :4]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_a_frozen_weight_beside_a_trained_adapter_unfrozen_trains_and_one_feeding_the_table_is_refused(schedule):
+    # a stage sending any value without a gradient had every frozen parameter refused when unfrozen, the base
+    # weight beside a LoRA adapter too, whose gradient comes back through the adapter's outputs (exact with it)
+    torch.manual_seed(0)
+    model = _Adapted()
+    for p in [*model.base.parameters(), *model.table.parameters()]:
+        p.requires_grad_(False)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=4, schedule=schedule, devices=["cpu"] * 2,
+                          split_points=["head"])
+    eager = copy.deepcopy(model)
+    for m in (model, eager):
+        m.base.weight.requires_grad_(True)
+    loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(eager(x), y)
+    expected.backward()
+    assert max_relative_error(loss, expected) < 1e-6
+    assert max_relative_error(model.base.weight.grad, eager.base.weight.grad) < 1e-5
+    model.table.weight.requires_grad_(True)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"parameter 'table.weight' \(stage 0\) requires grad now"):
+        pipe.step(x, target=y, loss_fn=F.mse_loss)
