@@ -179,13 +179,24 @@ def changes(snap: Snapshot) -> list[str]:
         f"{'training' if root.training else 'eval'} mode)" for m, name, same in snap.moded
         if (m.training == root.training) != same]
     if all(_get(r, k) is m for r, k, m, _ in snap.places) and not modes and \
-            all((now := vars(m).get(k, _Missing)) is v or now == v for m, k, v, _ in snap.values):
+            all(_same(vars(m).get(k, _Missing), v) for m, k, v, _ in snap.values):
         return []
     found = [f"{name} was {'removed' if _get(r, k) in (None, _Missing) else 'replaced'}"
              for r, k, m, name in snap.places if _get(r, k) is not m]
     found += [f"{name + '.' if name else ''}{k} was {v!r}, is {vars(m).get(k, '(deleted)')!r}"
-              for m, k, v, name in snap.values if (now := vars(m).get(k, _Missing)) is not v and now != v]
+              for m, k, v, name in snap.values if not _same(vars(m).get(k, _Missing), v)]
     return found + modes
+
+
+def _same(now: Any, then: Any) -> bool:
+    """Tell whether an attribute holds what it held: equal, or one value and a list or tuple of it alone.
+
+    PEFT keeps its active adapter as ``['default']`` or ``'default'`` by the call that set it.
+    """
+    if now is then or now == then:
+        return True
+    one = [(a, b) for a, b in ((now, then), (then, now)) if type(a) in (list, tuple) and len(a) == 1]
+    return any(a[0] == b for a, b in one)
 
 
 def describe(found: list[str]) -> str:

@@ -16,6 +16,7 @@ class Flags(nn.Module):
         self.drop = nn.Dropout(0.0)
         self.scale, self.use_relu = 2.0, True
         self._disabled, self.scaling = False, {"default": 1.0}  # PEFT's switch and its scale per adapter
+        self.active = "default"
 
     def forward(self, x):
         h = self.l1(x)
@@ -67,6 +68,8 @@ def test_what_the_pipe_follows_is_not_warned_of():
         model.drop.p = 0.5  # a leaf module's own attribute: fx calls the module, which reads it
         model.l1.weight = nn.Parameter(torch.randn(8, 8))
         model.l2.requires_grad_(False)
+        model.scaling = {"default": 1.0}  # a container put back equal (not the same object)
+        model.active = ["default"]  # PEFT's active adapter, a list or the name alone by the call that set it
         with torch.no_grad():
             torch.testing.assert_close(pipe(x), model(x))
 
