@@ -64,19 +64,19 @@ class _State:
 
     def put_back(self) -> list[str]:
         """Put the buffers and parameters back; return the parameters changed in place that were not copied."""
-        lost = []
+        lost: list[str] = []
         with torch.no_grad():
             for registry, held in self.registries:  # a buffer reassigned (self.count = self.count + 1)
                 registry.clear()
                 registry.update(held)
             for b, value in self.buffers:
                 b.copy_(value)
-            for name, p, version, value in self.params:  # a weight clamped in place under no_grad
+            for name, p, version, copied in self.params:  # a weight clamped in place under no_grad
                 if p._version != version:
-                    if value is None:
+                    if copied is None:
                         lost.append(name)
                     else:
-                        p.copy_(value)
+                        p.copy_(copied)
         return lost
 
 
