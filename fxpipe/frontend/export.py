@@ -446,10 +446,23 @@ def _refusal(model: nn.Module, exc: BaseException, fix: str = "", where: str = "
     return with_distributions_hint(_refused(model, exc, fix, where), exc)
 
 
+def _prefix_tuned(model: nn.Module) -> bool:
+    """Tell whether ``model`` is a PEFT model with a prefix-tuning adapter (its prefixes go in as a cache)."""
+    configs = getattr(model, "peft_config", None)
+    return isinstance(configs, dict) and any(
+        str(getattr(c, "peft_type", "")).endswith("PREFIX_TUNING") for c in configs.values())
+
+
 def _refused(model: nn.Module, exc: BaseException, fix: str, where: str) -> TraceError:
     """Explain that torch.export cannot keep the batch dim dynamic for ``model`` (the text of :func:`_refusal`)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     unknown = _UNKNOWN_TYPE.search(first)
+    if unknown is not None and not fix and _prefix_tuned(model):
+        return TraceError(
+            f"torch.export could not trace {type(model).__name__}: PEFT's prefix tuning hands the model its prefixes "
+            f"as a key/value cache ({unknown.group(1)}) at every call, use_cache=False or not, and torch.export "
+            "cannot flatten it into tensors. Prefix tuning cannot be pipelined; prompt tuning (PromptTuningConfig) "
+            "or LoRA can. The full torch.export error is chained below.")
     if unknown is not None and not fix:
         cls, where = unknown.group(1), unknown.group(2)
         return TraceError(

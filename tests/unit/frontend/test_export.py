@@ -2,6 +2,7 @@
 
 import copy
 import importlib
+import types
 import warnings
 
 import pytest
@@ -745,3 +746,31 @@ def test_a_submodule_cast_in_the_forward_is_named_not_the_batch_size():
                                                 r".*Cast or move the model once before fxpipe.compile") as got:
         fxpipe.compile(_CastsInForward(), 2, example_inputs=(torch.randn(4, 4),), tracer="export", devices=["cpu"] * 2)
     assert "batch size" not in str(got.value)
+
+
+class _Cache:
+    """A cache class torch.export cannot flatten (transformers' DynamicCache)."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class _PrefixTuned(nn.Module):
+    """Return a cache beside the output whatever use_cache says, as PEFT's prefix tuning makes the model do."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.peft_config = {"default": types.SimpleNamespace(peft_type="PeftType.PREFIX_TUNING")}
+
+    def forward(self, x, use_cache=False):
+        h = self.a(x)
+        return h, _Cache(h)
+
+
+def test_prefix_tuning_is_named_not_use_cache():
+    # the refusal advised use_cache=False, which PEFT's prefix tuning does not heed (it hands its prefixes as a cache)
+    with pytest.raises(fxpipe.TraceError, match=r"PEFT's prefix tuning hands the model its prefixes as a key/value "
+                                                r"cache .*Prefix tuning cannot be pipelined") as got:
+        fxpipe.compile(_PrefixTuned(), 2, example_inputs=(torch.randn(4, 4),), tracer="export", devices=["cpu"] * 2)
+    assert "use_cache': False}" not in str(got.value)
