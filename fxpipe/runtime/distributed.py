@@ -119,6 +119,7 @@ class DistributedRuntime:
         self.broken: str | None = None  # why the last step failed, until every rank is back
         self.unconfirmed = False  # its last call was a pipe(...) this rank finished before the last stage did
         self.late = LateCalls(len(layout.global_ranks))  # the pipe(x) calls this rank finished early
+        self.rerun_after: int | None = None  # a failed one of them, read by ready(): the later ones run again
         self.target_checked = False  # that the loss's rank has the target when another rank has one
         self.batch_checked: set[bool] = set()  # the calls (step: True) whose ranks were found to share one batch
         self.released = False  # its process groups let go of at interpreter exit (transport.release)
@@ -274,13 +275,12 @@ class DistributedRuntime:
             commit_batch_norm(self.deferred)
         return runner
 
-    def ready(self) -> int | None:
+    def ready(self) -> None:
         """After a failed step, meet every rank again on fresh connections; raise if one is gone.
 
-        Return the number of a call this rank finished early that a peer's failure, read now,
-        ended (the calls this rank finished after it are to run again), else None.
+        A peer's failure read now of a call this rank finished early leaves its number in
+        ``rerun_after``: the calls this rank finished after it run again at its next call.
         """
-        failed = None
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed's process group was destroyed (destroy_process_group()) before "
                                "this call of the pipe: destroy it after the pipe's last step")
@@ -294,13 +294,14 @@ class DistributedRuntime:
                 log.warning("rank %d: its pipe(...) call %s failed on another rank (%s); rejoining",
                             self.layout.global_ranks[self.rank], reason.get("call"), reason["message"])
                 self._abandon(PeerFailure(reason["message"]))
-                failed = int(reason["call"]) if self.late.knows(reason.get("call")) else None
+                if self.late.knows(reason.get("call")):
+                    self.rerun_after = int(reason["call"])
         else:
             self.unconfirmed = False
         if self.broken is None and self.comm.board.death is not None and self.comm.board.crossed:
             self.comm.board.rejoin()  # the ranks' calls crossed between pipes (posted here by another): refused
         if self.broken is None:
-            return failed
+            return
         if self.layout.dp > 1 or self.layout.tp > 1:
             what = "the replicas' gradient reductions" if self.layout.dp > 1 else "the tensor-parallel collectives"
             raise PeerFailure(f"rank {self.layout.global_ranks[self.rank]}: an earlier step failed ({self.broken}); "
@@ -311,7 +312,6 @@ class DistributedRuntime:
         self.comm.reopen(reopen_pipeline(self.layout, self.comm.timeout))
         self.ties.reopen()
         self.broken = None
-        return failed
 
     def refuse(self, exc: BaseException) -> NoReturn:
         """Raise ``exc`` as a failed step: the other ranks, waiting in theirs, raise ``PeerFailure`` naming it.
@@ -370,7 +370,8 @@ class DistributedRuntime:
         rejoin, run the calls it finished after the failed one again, then this one.
         """
         self.comm.board.enter(self.layout.global_ranks[self.rank])
-        failed = self.ready()
+        self.ready()
+        failed, self.rerun_after = self.rerun_after, None  # read now, or by a save's or a sum's ready() since
         self.comm.board.call += 1
         number, rng = self.comm.board.call, _random_state()
         for _ in range(len(self.late.calls) + 2):  # each pass forgets at least one remembered call
