@@ -137,6 +137,10 @@ def note_failure(exc: BaseException, gm: torch.fx.GraphModule, index: int, devic
                           "backward runs with it), so a tensor there does not require a gradient: guard what needs "
                           "one (`if torch.is_grad_enabled(): h.register_hook(...)`, which also keeps a hook on a "
                           "stage's input from being registered twice), or compile with checkpoint='never'")
+        if "Proxy(" in str(exc):  # an assertion's message formatted while tracing (timm's _assert on the image size)
+            add_note(exc, "fxpipe: this message was formatted while the model was traced, so Proxy(...) stands for "
+                          "the value this call had: run the model eagerly on these inputs to see it; the model "
+                          "refuses them as it would eagerly (another image size than it was built for, say)")
         if "out of bounds for dimension 0 with size" in str(exc):
             add_note(exc, "fxpipe: an index ran past dim 0 of a value: a tensor input the model indexes by values (a "
                           "lookup table, a codebook) is split into micro-batches like the batch when its dim 0 has as "

@@ -491,6 +491,26 @@ def test_raise_in_recomputation_names_stage_node_and_pass():
            "in backward" in "\n".join(info.value.__notes__)
 
 
+class _SizedPatches(nn.Module):
+    """Assert the image size it was built for with an f-string, as timm's patch embedding does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 4, 4, stride=4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        torch._assert(x.shape[2] == 8, f"Input height ({x.shape[2]}) doesn't match model (8).")
+        return self.b(self.a(x).mean((2, 3)))
+
+
+def test_an_assertion_message_formatted_while_traced_is_explained():
+    # "Input height (Proxy(getitem_2)) doesn't match model (32)." left the user to guess the value
+    pipe = fxpipe.compile(_SizedPatches(), 2, example_inputs=(torch.randn(2, 3, 8, 8),), devices=["cpu"] * 2)
+    with pytest.raises(AssertionError, match=r"Proxy\(") as info:
+        pipe(torch.randn(2, 3, 12, 12))
+    assert "formatted while the model was traced, so Proxy(...) stands for the value" in "\n".join(info.value.__notes__)
+
+
 class CatAdd(nn.Module):
     def __init__(self):
         super().__init__()
