@@ -63,7 +63,7 @@ class Pipe(nn.Module):
         self.__dict__["owned"] = None if owned is None else frozenset(owned)
         self._runtime = runtime
         self.__dict__["_snapshot"] = snapshot(model, gm, runtime.runs(), self.stages)  # what a change after compile is told from
-        self.__dict__["_told"] = []  # the changes last warned of
+        self.__dict__["_told"] = set()  # the attributes and modules found changed at the last call
         # after a load (assign=True replaces tensors), even one through a module holding the pipe
         self.register_load_state_dict_post_hook(_after_load)
 
@@ -249,9 +249,10 @@ class Pipe(nn.Module):
             self._reshare()
             snap.retake()
         found = changes(snap)
-        if found and found != self.__dict__["_told"]:
-            self.__dict__["_told"] = found
+        what = {f.split(" was ")[0] for f in found}  # the attributes and modules changed, not their values
+        if not what <= self.__dict__["_told"]:  # told once per thing changed (a counter: once, not per step)
             warnings.warn(describe(found), stacklevel=3)
+        self.__dict__["_told"] = what  # one undone and changed again is told again
         mode = self._model.training
         if mode != self.training:
             self.training = mode

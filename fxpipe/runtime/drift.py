@@ -12,9 +12,13 @@ modules it calls (parameters' values, a replaced ``Parameter``, ``train()``/``ev
                                        an exported batch norm), the merged graph reads the
                                        whole model's
 
-:func:`snapshot` records, at compile, each module's place in its parent and its plain
-attributes (bools, numbers, strings, small containers of them); :func:`changes` names what
-differs at a call. It records the tensors the stages fetch themselves (``get_attr``: a parameter used directly, every weight
+:func:`snapshot` records, at compile, each module's place in its parent and, for each module
+whose code the graph was traced through (not one it calls whole, nor those beneath such a
+one), its plain attributes (bools, numbers, strings, small containers of them; private ones
+holding switches; its class's public defaults): which of them the code reads is not known, so
+a counter kept on the model is told once too. :func:`changes` names what differs at a call
+(a dict's added keys and a list of numbers grown at its end are not a difference). It records
+the tensors the stages fetch themselves (``get_attr``: a parameter used directly, every weight
 under torch.export or zero bubble) too: :func:`replaced` tells one replaced on the model
 (``model.load_state_dict(sd, assign=True)``, ``model.gain = nn.Parameter(...)``), and the pipe
 then points its stages at the new tensors before the call.
@@ -43,7 +47,7 @@ class _Missing:
 
 
 class Snapshot:
-    """Each submodule's place in its parent and the plain attributes its traced code read, at compile."""
+    """Each submodule's place in its parent and the plain attributes its traced code may read, at compile."""
 
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, runs: Sequence[torch.fx.GraphModule] = (),
                  stages: Sequence[torch.fx.GraphModule] = ()) -> None:
@@ -59,8 +63,8 @@ class Snapshot:
                     continue
                 full = f"{name}.{key}" if name else key
                 self.places.append((parent._modules, key, child, full))
-                if full not in called:  # a module the graph calls reads its own attributes when run
-                    self.values += [(child, k, v, full) for k, v in _plain(child)]
+                if not any(full == c or full.startswith(c + ".") for c in called):  # a module the graph calls
+                    self.values += [(child, k, v, full) for k, v in _plain(child)]  # runs its own code: followed
         # (the module, its name, its mode against the model's) of each module whose code the merged graph runs by
         # the whole model's mode: its own train()/eval() after compile is not followed
         self.model = model
@@ -146,19 +150,45 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
     return all(_is_plain(v, depth + 1) for v in items)
 
 
-def _plain(module: nn.Module) -> list[tuple[str, Any]]:
-    """Return the module's plain attributes (:func:`_is_plain`; containers copied) but its mode and ``nn.Module``'s own.
+def _watched(key: str, value: Any) -> bool:
+    """Tell whether attribute ``key`` holding ``value`` may steer traced code: plain, and a switch where private.
 
-    Private ones count: PEFT's ``_disable_adapters`` and ``_active_adapter`` choose what its traced
-    code computes.
+    A private attribute counts where it holds a bool, a string or a container (PEFT's
+    ``_disable_adapters`` and ``_active_adapter``); one holding None or a number is bookkeeping
+    (diffusers' ``_gradient_checkpointing_func``, set to a function and back).
     """
-    return [(k, copy.deepcopy(v) if type(v) in _CONTAINERS else v) for k, v in vars(module).items()
-            if k not in _MODULE_OWN and not k.startswith("__") and _is_plain(v)]
+    if key in _MODULE_OWN or key.startswith("__") or not _is_plain(value):
+        return False
+    return not key.startswith("_") or type(value) in (bool, str, *_CONTAINERS)
+
+
+def _plain(module: nn.Module) -> list[tuple[str, Any]]:
+    """Return the module's plain attributes (:func:`_watched`; containers copied), its class's public ones too.
+
+    A class's default (``gradient_checkpointing = False`` on the class) is what the traced code
+    read until the instance sets its own.
+    """
+    found = {k: v for k, v in vars(module).items() if _watched(k, v)}
+    for cls in type(module).__mro__:
+        if cls in (nn.Module, object):
+            break
+        for k in vars(cls):
+            if k not in found and k not in vars(module) and not k.startswith("_"):
+                v = getattr(type(module), k, _Missing)  # as the class resolves it (a subclass's own first)
+                if type(v) in _PLAIN:
+                    found[k] = v
+    return [(k, copy.deepcopy(v) if type(v) in _CONTAINERS else v) for k, v in found.items()]
+
+
+def _now(module: nn.Module, key: str) -> Any:
+    """Return what the traced code would read as ``module.key`` now: the instance's, else its class's."""
+    held = module.__dict__
+    return held[key] if key in held else getattr(type(module), key, _Missing)
 
 
 def snapshot(model: nn.Module, gm: torch.fx.GraphModule, runs: Sequence[torch.fx.GraphModule] = (),
              stages: Sequence[torch.fx.GraphModule] = ()) -> Snapshot:
-    """Record each submodule's place, the plain attributes its traced code read, the tensors ``gm`` and ``runs``
+    """Record each submodule's place, the plain attributes its traced code may read, the tensors ``gm`` and ``runs``
     fetch, and the ties ``stages`` and ``runs`` read as one tensor."""
     return Snapshot(model, gm, runs, stages)
 
@@ -179,24 +209,37 @@ def changes(snap: Snapshot) -> list[str]:
         f"{'training' if root.training else 'eval'} mode)" for m, name, same in snap.moded
         if (m.training == root.training) != same]
     if all(_get(r, k) is m for r, k, m, _ in snap.places) and not modes and \
-            all(_same(vars(m).get(k, _Missing), v) for m, k, v, _ in snap.values):
+            all(_same(_now(m, k), v) for m, k, v, _ in snap.values):
         return []
     found = [f"{name} was {'removed' if _get(r, k) in (None, _Missing) else 'replaced'}"
              for r, k, m, name in snap.places if _get(r, k) is not m]
-    found += [f"{name + '.' if name else ''}{k} was {v!r}, is {vars(m).get(k, '(deleted)')!r}"
-              for m, k, v, name in snap.values if not _same(vars(m).get(k, _Missing), v)]
+    found += [f"{name + '.' if name else ''}{k} was {_short(v)}, is {_short(_now(m, k))}"
+              for m, k, v, name in snap.values if not _same(_now(m, k), v)]
     return found + modes
 
 
 def _same(now: Any, then: Any) -> bool:
-    """Tell whether an attribute holds what it held: equal, or one value and a list or tuple of it alone.
+    """Tell whether an attribute holds what it held, as far as traced code can tell.
 
-    PEFT keeps its active adapter as ``['default']`` or ``'default'`` by the call that set it.
+    Equal; or one value and a list or tuple of it alone (PEFT keeps its active adapter as
+    ``['default']`` or ``'default'`` by the call that set it); or a dict holding the same values
+    under the keys it had (PEFT's ``scaling`` given a key for an added adapter); or a list of
+    numbers that grew after what it held (a history kept on the model).
     """
     if now is then or now == then:
         return True
+    if isinstance(now, dict) and isinstance(then, dict):
+        return all(k in now and _same(now[k], v) for k, v in then.items())
+    if isinstance(now, list) and isinstance(then, list) and len(now) > len(then) and now[:len(then)] == then:
+        return not any(isinstance(v, str) for v in now)  # names (merged adapters) steer the code: not bookkeeping
     one = [(a, b) for a, b in ((now, then), (then, now)) if type(a) in (list, tuple) and len(a) == 1]
     return any(a[0] == b for a, b in one)
+
+
+def _short(value: Any) -> str:
+    """Return ``repr(value)``, cut to 80 characters."""
+    text = "(deleted)" if value is _Missing else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def describe(found: list[str]) -> str:

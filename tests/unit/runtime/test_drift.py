@@ -212,3 +212,88 @@ def test_a_tie_replaced_whole_is_followed_under_export():
     model.emb.weight = model.head.weight = nn.Parameter(torch.zeros(20, 16))
     with torch.no_grad():
         assert torch.equal(pipe(x), torch.zeros(8, 5, 20))
+
+
+class _Scaled(nn.Module):
+    """Read a class-level default, keep bookkeeping the forward never reads, and call a leaf with a cache."""
+
+    scale = 1.0
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.global_step, self.history, self._checkpoint_func = 0, [], None
+        self.names = {"default": 1.0}
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x))) * self.scale
+
+
+def test_a_class_default_set_on_the_instance_is_warned_and_bookkeeping_is_not():
+    # scale = 3.0 set on the instance over the class's 1.0 went unwarned (1.43 off); a step counter warned at every
+    # step, a history list and a function set on a private None at all
+    model = _Scaled()
+    x = torch.randn(6, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.history.append(0.5)
+        model._checkpoint_func = print
+        model.names["second"] = 2.0  # a key for another adapter: the one traced reads the same
+        pipe(x)
+    with pytest.warns(UserWarning, match="global_step was 0, is 1"):
+        model.global_step += 1
+        pipe(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.global_step += 1
+        pipe(x)  # the same counter again: told once
+    with pytest.warns(UserWarning, match="scale was 1.0, is 3.0"):
+        model.scale = 3.0
+        pipe(x)
+
+
+def test_a_change_undone_and_made_again_is_warned_again():
+    # told once per change, even after the change was undone: made again, the pipe was 0.27 off eager, silently
+    model, x, pipe = _pipe()
+    for _ in range(2):
+        model.use_relu = False
+        with pytest.warns(UserWarning, match="use_relu was True, is False"):
+            pipe(x)
+        model.use_relu = True
+        pipe(x)
+
+
+class _Leafy(nn.Module):
+    """Call a leaf module whose child keeps a cache in eval mode, as timm's TinyViT attention does."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(_Cached(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+class _Cached(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cache, self.gain = {}, 1.0
+
+    def forward(self, x):
+        if not self.training:
+            self.cache["cpu"] = 1
+        return x * self.gain
+
+
+def test_the_children_of_a_module_the_graph_calls_are_not_watched():
+    # the leaf runs its own code, so its children's attributes are followed; the cache it fills in eval mode warned
+    model = _Leafy().eval()
+    x = torch.randn(6, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, leaf_modules=["block"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(x)
+        model.block[0].gain = 2.0
+        torch.testing.assert_close(pipe(x), model(x))
