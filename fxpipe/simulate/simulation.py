@@ -182,9 +182,6 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     if runtime == "local" and name == "gpipe":  # one process: autograd's backward, last micro-batch first
         actions = [[a for a in row if a.kind == "F"] + [a for a in reversed(row) if a.kind != "F"] for row in actions]
     policies = plan.policies() if checkpoint is None else checkpoint
-    if any(s.frozen for s in plan.stages):  # the runtime recomputes no frozen stage, whatever its policy
-        chosen = [policies] * n if isinstance(policies, str) else list(policies)
-        policies = ["never" if s.frozen else p for s, p in zip(plan.stages, chosen)]
     result = run(costs, actions, rank_of, device_of, model, name=name, checkpoint=policies,
                  runtime=runtime, batch=batch, optimizer=optimizer, layout=layout)
     if record is not None:
@@ -223,7 +220,8 @@ def run(costs: list[StageCost], actions: list[list[Action]], rank_of: list[int],
     policies = [checkpoint] * n if isinstance(checkpoint, str) else list(checkpoint)
     if len(policies) != n:
         raise ValueError(f"checkpoint= lists {len(policies)} modes for {n} stages; give one per stage")
-    stop = [0 if c.frozen else checkpoint_stop(p, m) for c, p in zip(costs, policies)]  # as the runtime runs
+    policies = ["never" if c.frozen else p for c, p in zip(costs, policies)]  # the runtime recomputes no frozen stage
+    stop = [checkpoint_stop(p, m) for p in policies]
     costs = [under(c, p) for c, p in zip(costs, policies)]
     grid = layout if layout is not None else Layout(pp=1 + max(rank_of))
     grid = dataclasses.replace(grid, pp=1 + max(rank_of))
