@@ -145,11 +145,16 @@ def check_first_loss(binding: Any, out: Any, loss: torch.Tensor, share: float | 
 
 
 def _scaled_by(out: Any, parts: list[torch.Tensor], share: float, again: Callable[[Any], torch.Tensor]) -> bool:
-    """Tell whether ``again(out)`` takes each of ``parts`` it reads times ``share`` (run on detached stand-ins)."""
-    stand = {id(t): t.detach().requires_grad_() for t in parts}
-    given = tree_map(lambda v: stand.get(id(v), v.detach()) if isinstance(v, torch.Tensor) else v, out)
+    """Tell whether ``again(out)`` takes each of ``parts`` it reads times ``share`` (run on copied stand-ins).
+
+    Copies, not views: a loss_fn changing the outputs in place (``logits.div_(2)``) changes its
+    own stand-ins; the random state is put back after (a loss_fn drawing noise).
+    """
+    stand = {id(t): t.detach().clone().requires_grad_() for t in parts}
+    given = tree_map(lambda v: stand.get(id(v), v.detach().clone()) if isinstance(v, torch.Tensor) else v, out)
+    devices = sorted({t.device.index or 0 for t in parts if t.device.type == "cuda"})
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
             value = again(given)
             grads = torch.autograd.grad(value, list(stand.values()), allow_unused=True)
     except Exception:  # noqa: BLE001 - a loss_fn that cannot run so: say what the warning says

@@ -101,3 +101,51 @@ def test_a_step_given_no_targets_leaves_the_look_to_the_next():
     assert not warn_uneven_ignored({"target": None, "labels": None}, 2, 2, F.cross_entropy)
     with pytest.warns(UserWarning, match="unequal shares"):
         assert warn_uneven_ignored({"target": None, "labels": _labels([200, 700])}, 2, 2, F.cross_entropy)
+
+
+class _WithAuxHead(_WithAux):
+    """Return a head's logits (which no later layer saves) and the load-balancing term."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h, aux = super().forward(x)
+        return self.head(h), aux
+
+
+def test_the_look_at_a_coupled_terms_scale_leaves_the_outputs_and_the_random_state_alone():
+    # loss_fn ran once more on views of the live outputs: an in-place temperature (logits.div_) broke backward
+    # inside torch; and its random draws moved the global random state
+    import copy
+    import warnings
+
+    import fxpipe
+
+    torch.manual_seed(0)
+    model, x = _WithAuxHead(), torch.randn(8, 8)
+    eager = copy.deepcopy(model)
+    draws = []
+
+    def loss_fn(out, y):
+        logits, aux = out
+        logits.div_(2.0)
+        draws.append(torch.rand(()))
+        return (logits ** 2).sum() / 8 + aux * logits.shape[0] / 8
+
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=4, devices=["cpu"] * 2)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = pipe.step(x, target=None, loss_fn=loss_fn, loss_reduction="sum")
+    after = torch.rand(())
+    torch.manual_seed(1)
+    expected = [torch.rand(()) for _ in range(4)]
+    assert torch.equal(torch.rand(()), after)  # the look drew nothing the user's loop sees
+    assert sorted({float(d) for d in draws}) == sorted(float(d) for d in expected)
+    expect = sum(loss_fn(eager(x[i:i + 2]), None) for i in range(0, 8, 2))
+    expect.backward()
+    torch.testing.assert_close(loss, expect.detach())
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
