@@ -4,8 +4,8 @@ torch.export runs the model's code on the example inputs; when that code raises 
 ``ValueError`` of the model's own: T5 given ``input_ids`` without ``labels=`` or
 ``decoder_input_ids=``), the export refusal would read as a batch-size problem. One eager
 forward on the same inputs, under ``torch.no_grad()``, tells the two apart: the same error
-there is the inputs', named as such. It runs only once export has failed, with the buffers (values
-and objects), the parameters' values, the Python state of the model's own modules and the
+there is the inputs', named as such. It runs only once export has failed, with the buffers and
+the parameters (values and objects), the Python state of the model's own modules and the
 random state put back after it.
 """
 
@@ -51,12 +51,12 @@ def eager_failure(model: nn.Module, args: tuple, kwargs: dict, exc: BaseExceptio
 
 
 class _State:
-    """Each module's buffers (the objects and their values) and its parameters' values, to put back."""
+    """Each module's buffers and parameters (the objects and their values), to put back."""
 
     _COPY_LIMIT = 1 << 30  # parameters copied whole up to 1 GiB; above, changes in place are only told
 
     def __init__(self, model: nn.Module) -> None:
-        self.registries = [(m._buffers, dict(m._buffers)) for m in model.modules()]
+        self.registries = [(r, dict(r)) for m in model.modules() for r in (m._buffers, m._parameters)]
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
         params = list(model.named_parameters())
         small = sum(p.numel() * p.element_size() for _, p in params) <= self._COPY_LIMIT
@@ -66,17 +66,17 @@ class _State:
         """Put the buffers and parameters back; return the parameters changed in place that were not copied."""
         lost: list[str] = []
         with torch.no_grad():
-            for registry, held in self.registries:  # a buffer reassigned (self.count = self.count + 1)
+            for registry, held in self.registries:  # a buffer or a parameter reassigned (self.count += 1)
                 registry.clear()
                 registry.update(held)
             for b, value in self.buffers:
                 b.copy_(value)
-            for name, p, version, copied in self.params:  # a weight clamped in place under no_grad
-                if p._version != version:
-                    if copied is None:
-                        lost.append(name)
-                    else:
+            for name, p, version, copied in self.params:  # a weight clamped in place (through .data too)
+                if copied is not None:
+                    if not torch.equal(p, copied):  # a write through .data leaves the version as it was
                         p.copy_(copied)
+                elif p._version != version:
+                    lost.append(name)
         return lost
 
 

@@ -709,6 +709,8 @@ class _NeedsTwo(nn.Module):
         self.calls = self.calls + 1  # the buffer reassigned, not changed in place
         with torch.no_grad():
             self.lin.weight.clamp_(-0.1, 0.1)  # a constrained layer: its weight changed in place
+        self.lin.bias.data.mul_(0.5)  # through .data: the version stays as it was
+        self.norm.weight = nn.Parameter(self.norm.weight * 2)  # a parameter reassigned
         h = self.norm(self.lin(x))
         if y is None:
             raise ValueError("You must specify y")
@@ -719,14 +721,15 @@ def test_a_model_failing_on_its_example_inputs_eagerly_too_is_told_so():
     # the refusal read as a batch-size problem ("that line may depend on the batch size")
     model = _NeedsTwo()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    calls = model.calls
+    calls, gain = model.calls, model.norm.weight
     with pytest.raises(fxpipe.TraceError, match=r"_NeedsTwo raises ValueError: You must specify y at .* on the "
                                                 r"example inputs outside torch.export too") as got:
         fxpipe.compile(model, 2, example_inputs=(torch.randn(6, 4),), tracer="export", devices=["cpu"] * 2)
     assert "batch size" not in str(got.value).split("whatever")[0]
     # the eager look leaves the statistics, a reassigned buffer (it stayed +1) and a weight clamped in place
-    # (0.25 off) as they were
+    # (0.25 off) as they were; a weight changed through .data and a parameter reassigned too
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and model.calls is calls
+    assert model.norm.weight is gain
 
 
 class _CastsInForward(nn.Module):
