@@ -249,7 +249,7 @@ class Pipe(nn.Module):
             self._reshare()
             snap.retake()
         found = changes(snap)
-        what = {f.split(" was ")[0] for f in found}  # the attributes and modules changed, not their values
+        what = {f.split(" was ")[0] if ", is " in f else f for f in found}  # an attribute's name, not its values
         if not what <= self.__dict__["_told"]:  # told once per thing changed (a counter: once, not per step)
             warnings.warn(describe(found), stacklevel=3)
         self.__dict__["_told"] = what  # one undone and changed again is told again

@@ -14,8 +14,8 @@ modules it calls (parameters' values, a replaced ``Parameter``, ``train()``/``ev
 
 :func:`snapshot` records, at compile, each module's place in its parent and, for each module
 whose code the graph was traced through (not one it calls whole, nor those beneath such a
-one), its plain attributes (bools, numbers, strings, small containers of them; private ones
-holding switches; its class's public defaults): which of them the code reads is not known, so
+one, nor an alias of such a one), its plain attributes (bools, numbers, strings, enums, None,
+containers of up to 64 of them; private ones too; its class's public defaults): which of them the code reads is not known, so
 a counter kept on the model is told once too. :func:`changes` names what differs at a call
 (a dict's added keys and a list of numbers grown at its end are not a difference). It records
 the tensors the stages fetch themselves (``get_attr``: a parameter used directly, every weight
@@ -27,6 +27,7 @@ then points its stages at the new tensors before the call.
 from __future__ import annotations
 
 import copy
+import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ class Snapshot:
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, runs: Sequence[torch.fx.GraphModule] = (),
                  stages: Sequence[torch.fx.GraphModule] = ()) -> None:
         called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+        under_called = {id(m) for c in called for m in _module(model, c).modules()}  # aliases too (a shared dropout)
         # (the parent's registry, the key, the module, its name): a registry changes in place on setattr
         self.places: list[tuple[Any, str, nn.Module, str]] = []
         # (the module, the attribute, its value, the module's name): the module, not its __dict__, which a
@@ -63,7 +65,7 @@ class Snapshot:
                     continue
                 full = f"{name}.{key}" if name else key
                 self.places.append((parent._modules, key, child, full))
-                if not any(full == c or full.startswith(c + ".") for c in called):  # a module the graph calls
+                if id(child) not in under_called:  # a module the graph calls
                     self.values += [(child, k, v, full) for k, v in _plain(child)]  # runs its own code: followed
         # (the module, its name, its mode against the model's) of each module whose code the merged graph runs by
         # the whole model's mode: its own train()/eval() after compile is not followed
@@ -84,6 +86,14 @@ class Snapshot:
     def retake(self) -> None:
         """Record the tensors the graph fetches as they are now (after the stages were pointed at them)."""
         self.fetched = [(owner, field, held_tensor(owner, field)) for owner, field, _ in self.fetched]
+
+
+def _module(model: nn.Module, target: str) -> nn.Module:
+    """Return the submodule ``target`` names, or an empty module where the model no longer has it."""
+    try:
+        return model.get_submodule(target)
+    except AttributeError:
+        return nn.Module()
 
 
 def _moded(model: nn.Module, gm: torch.fx.GraphModule) -> list[tuple[str, nn.Module]]:
@@ -142,7 +152,7 @@ def replaced(snap: Snapshot) -> bool:
 
 def _is_plain(value: Any, depth: int = 0) -> bool:
     """Tell whether ``value`` is a bool, number, string or None, or a small container of them (a scale per adapter)."""
-    if type(value) in _PLAIN:
+    if type(value) in _PLAIN or isinstance(value, enum.Enum):
         return True
     if depth > 2 or type(value) not in _CONTAINERS or len(value) > 64:
         return False
@@ -151,15 +161,12 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
 
 
 def _watched(key: str, value: Any) -> bool:
-    """Tell whether attribute ``key`` holding ``value`` may steer traced code: plain, and a switch where private.
+    """Tell whether attribute ``key`` holding ``value`` may steer traced code: plain, private ones too.
 
-    A private attribute counts where it holds a bool, a string or a container (PEFT's
-    ``_disable_adapters`` and ``_active_adapter``); one holding None or a number is bookkeeping
-    (diffusers' ``_gradient_checkpointing_func``, set to a function and back).
+    Private attributes hold switches (PEFT's ``_disable_adapters`` and ``_active_adapter``) and
+    scales as public ones do; nn.Module's own registries are not the model's code.
     """
-    if key in _MODULE_OWN or key.startswith("__") or not _is_plain(value):
-        return False
-    return not key.startswith("_") or type(value) in (bool, str, *_CONTAINERS)
+    return key not in _MODULE_OWN and not key.startswith("__") and _is_plain(value)
 
 
 def _plain(module: nn.Module) -> list[tuple[str, Any]]:
@@ -209,13 +216,22 @@ def changes(snap: Snapshot) -> list[str]:
         f"{'training' if root.training else 'eval'} mode)" for m, name, same in snap.moded
         if (m.training == root.training) != same]
     if all(_get(r, k) is m for r, k, m, _ in snap.places) and not modes and \
-            all(_same(_now(m, k), v) for m, k, v, _ in snap.values):
+            all(_kept(k, _now(m, k), v) for m, k, v, _ in snap.values):
         return []
     found = [f"{name} was {'removed' if _get(r, k) in (None, _Missing) else 'replaced'}"
              for r, k, m, name in snap.places if _get(r, k) is not m]
     found += [f"{name + '.' if name else ''}{k} was {_short(v)}, is {_short(_now(m, k))}"
-              for m, k, v, name in snap.values if not _same(_now(m, k), v)]
+              for m, k, v, name in snap.values if not _kept(k, _now(m, k), v)]
     return found + modes
+
+
+def _kept(key: str, now: Any, then: Any) -> bool:
+    """Tell whether attribute ``key`` holds what it held (:func:`_same`), a private None given a function counting so.
+
+    diffusers keeps ``_gradient_checkpointing_func`` None until checkpointing is turned on: the
+    pipe checkpoints by its own options.
+    """
+    return _same(now, then) or key.startswith("_") and then is None and not _is_plain(now) and now is not _Missing
 
 
 def _same(now: Any, then: Any) -> bool:

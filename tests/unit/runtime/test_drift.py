@@ -297,3 +297,55 @@ def test_the_children_of_a_module_the_graph_calls_are_not_watched():
         pipe(x)
         model.block[0].gain = 2.0
         torch.testing.assert_close(pipe(x), model(x))
+
+
+class _Private(nn.Module):
+    """Read a private temperature and an enum mode, and run one dropout in two places."""
+
+    class Mode(__import__("enum").Enum):
+        PLAIN = 1
+        DOUBLED = 2
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.drop = nn.Dropout(0.0)
+        self.again = self.drop  # the same dropout, a second name: the graph calls one of them
+        self._temp, self.mode = 1.0, self.Mode.PLAIN
+
+    def forward(self, x):
+        h = self.again(self.drop(self.l1(x))) / self._temp
+        return self.l2(h) * (2 if self.mode is self.Mode.DOUBLED else 1)
+
+
+@pytest.mark.parametrize("change", ["_temp", "mode"])
+def test_a_private_number_and_an_enum_are_watched(change):
+    # a private temperature (0.48 off) and an enum flag (0.51 off) changed after compile went unwarned
+    model, x = _Private(), torch.randn(6, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    setattr(model, change, 2.0 if change == "_temp" else _Private.Mode.DOUBLED)
+    with pytest.warns(UserWarning, match=rf"{change} was .*, is "):
+        pipe(x)
+
+
+def test_a_shared_dropout_the_graph_calls_is_followed_under_either_name():
+    # the dropout's second name was watched: its p changed in eval warned, though the pipe follows it
+    model, x = _Private(), torch.randn(6, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.again.p = 0.3
+        pipe(x)
+
+
+def test_a_submodule_replaced_after_its_mode_was_told_is_told_too():
+    # told once per name: the replacement shared the key of the mode warning before it ("block") and was never told
+    model, x, pipe = _pipe("export")
+    model.eval()
+    model.drop.train()
+    with pytest.warns(UserWarning, match="drop was put in training mode on its own"):
+        pipe(x)
+    model.drop = nn.Dropout(0.5)
+    with pytest.warns(UserWarning, match="drop was replaced"):
+        pipe(x)
