@@ -72,6 +72,11 @@ def assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePlan
         if hint is None:
             raise
         raise TraceError(f"{hint}\n{exc}", module=exc.module, filename=exc.filename, lineno=exc.lineno) from None
+    except TypeError as exc:  # a model of several inputs given the list or dict as its first: one missing
+        hint = _container_hint(options.example_inputs)
+        if hint is None or type(exc) is not TypeError:
+            raise
+        raise TypeError(f"{hint}\n{exc}") from None
 
 
 def _container_hint(given: Any) -> str | None:

@@ -558,6 +558,27 @@ def test_example_inputs_as_a_dict_says_to_pass_example_kwargs(tracer):
                        devices=["cpu"] * 2, tracer=tracer)
 
 
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x, y):
+        return self.b(torch.relu(self.a(x) + y))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("container", [list, dict])
+def test_several_inputs_given_as_a_list_or_a_dict_get_the_same_hint(tracer, container):
+    # a model of two inputs given [x, y] or {"x": x, "y": y} was told only "missing a value for the model input 'y'"
+    x = torch.randn(4, 8)
+    given = [x, x] if container is list else {"x": x, "y": x}
+    fix = "pass a tuple" if container is list else r"example_kwargs=\{'x': \.\.\., 'y': \.\.\.\}"
+    with pytest.raises(TypeError, match=rf"^example_inputs is a {container.__name__}, so the model got it as its one "
+                                        rf"input; .*{fix}.*\n.*'y'"):
+        fxpipe.compile(_TwoInputs(), 2, example_inputs=given, devices=["cpu"] * 2, tracer=tracer)
+
+
 def test_a_pipe_given_to_compile_and_a_loss_fn_that_is_no_function_are_refused_naming_the_fix():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     x = torch.randn(4, 4)
