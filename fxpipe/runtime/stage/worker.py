@@ -11,7 +11,8 @@ gradients of its inputs, to be sent back to the stages that made them::
 
 Every pass runs through the stage call (:class:`fxpipe.runtime.stage.stagecall.StageCall`): with
 checkpointing, the forward runs under ``no_grad`` and keeps only the inputs and the replay
-point; the backward first recomputes the forward with the same random numbers. A stage whose
+point; the backward first recomputes the forward with the same random numbers (on the last
+stage, its loss too: :mod:`fxpipe.runtime.stage.lossreplay`). A stage whose
 schedule has ``W`` steps (``defer=True``) queues its linears' weight gradients per
 micro-batch (:mod:`fxpipe.runtime.stage.wgrad`): ``I`` computes the input gradients only, ``W``
 the queued weight gradients, and ``B`` both at once. Where the program runs a micro-batch's ``W``
@@ -43,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.passes.spec import differentiable, unflatten
 from fxpipe.runtime.stage import wgrad
+from fxpipe.runtime.stage.lossreplay import first_loss, replaying
 from fxpipe.runtime.stage.owned import owned
 from fxpipe.runtime.stage.rng import autocast_off
 from fxpipe.runtime.stage.stagecall import StageCall
@@ -99,10 +101,12 @@ class StageWorker:
             if checkpoint:
                 replay = call.replay_point(leaves)
                 out = call.run(i, leaves, "checkpoint")
-                with torch.no_grad():
-                    result = loss(out) if loss is not None else out
-                self._saved[i] = ("recompute", leaves, replay, loss)
-                return result.detach() if loss is not None else out
+                if loss is None:
+                    self._saved[i] = ("recompute", leaves, replay, None)
+                    return out
+                result, again = first_loss(loss, out, self.device)
+                self._saved[i] = ("recompute", leaves, replay, (loss, again))
+                return result.detach()
             with self._collecting(i):
                 out = call.run(i, leaves, saving)
                 result = loss(out) if loss is not None else out
@@ -121,11 +125,15 @@ class StageWorker:
         if self.before_backward is not None:
             self.before_backward(i == self.final)
         if saved[0] == "recompute":
-            _, leaves, replay, loss = saved
+            _, leaves, replay, loss_and_replay = saved
             with self._collecting(i):
                 out = self.call.run(i, leaves, "recompute", replay)
-                with torch.enable_grad():
-                    result = loss(out) if loss is not None else out
+                if loss_and_replay is None:
+                    result = out
+                else:  # the loss as it ran in forward: its random numbers, its modules' buffers
+                    loss, again = loss_and_replay
+                    with torch.enable_grad(), replaying(again, self.device):
+                        result = loss(out)
         else:
             _, leaves, result = saved
         with on_device(self.device), self.call.span("backward", i), self._deferring(i, kind), autocast_off():
