@@ -57,12 +57,15 @@ def total_norm(runtime: Any, params: Sequence[torch.Tensor], norm_type: float) -
     wide = float(bool(counted) and part.dtype == torch.float64)
     if norm_type != float("inf"):
         part = part.double() ** norm_type
-    both = torch.stack([part.to(device=device, dtype=torch.float64), torch.tensor(wide, device=device,
-                                                                                   dtype=torch.float64)])
+    part = part.to(device=device, dtype=torch.float64)
+    # and a flag for a NaN: a max over ranks may drop one (gloo's kept the other rank's number, and
+    # error_if_nonfinite let a NaN gradient step)
+    both = torch.stack([part, torch.tensor(wide, device=device, dtype=torch.float64), part.isnan().double()])
     groups = [layout.pp_group] + ([layout.dp_group] if runtime.grad_sync is not None and runtime.grad_sync.shard
                                   else [])  # replicated gradients are equal on every replica: count one
     groups += [layout.tp_group] if layout.tp > 1 else []
-    for group in groups:  # the flag adds (inf: takes the max): above 0 where any rank's is float64
+    for group in groups:  # the flags add (inf: take the max): above 0 where any rank's is float64 (or NaN)
         dist.all_reduce(both, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM, group=group)
     norm = both[0] if norm_type == float("inf") else both[0] ** (1.0 / norm_type)
+    norm = torch.where(both[2] > 0, torch.full_like(norm, float("nan")), norm)
     return norm.to(torch.float64 if bool(both[1] > 0) else torch.float32)

@@ -344,6 +344,12 @@ def test_a_float64_model_s_gradient_norm_is_eager_s_in_float64_on_every_rank(tmp
         assert res["dtype"] == "torch.float64" and res["error"] < 1e-14, res
 
 
+def test_a_nan_gradient_on_one_rank_makes_the_inf_norm_nan_on_every_rank(tmp_path, launch):
+    # the ranks' max dropped the NaN (gloo kept the other rank's number): error_if_nonfinite let NaN gradients step
+    for res in launch("dist_cases:clip_nan", 2, "1f1b", tmp_path):
+        assert res["nan"] and res["refused"], res
+
+
 @pytest.mark.parametrize("world, schedule", [(3, "1f1b"), (3, "zb"), (2, "zbv"), (4, "1f1b:ddp")])
 def test_parameters_only_an_ignored_output_reads_keep_no_gradient(world, schedule, tmp_path, launch):
     # a parameter read early by an output the loss ignores got zeros through the skip (AdamW then decayed it),

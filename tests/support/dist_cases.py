@@ -982,6 +982,24 @@ def clip_float64(rank, world, schedule):
     return {"dtype": str(norm.dtype), "error": float((norm - want).abs() / want)}
 
 
+def clip_nan(rank, world, schedule):
+    """Put a NaN in one gradient on the last rank; return the inf-norm each rank gets and whether it refused."""
+    torch.manual_seed(0)
+    model, x, y, loss_fn = _mlp_pair()
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule)
+    pipe.step(x, target=y, loss_fn=loss_fn)
+    if rank == world - 1:
+        next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+    norm = fxpipe.clip_grad_norm_(pipe, 1.0, norm_type=float("inf"))
+    try:
+        fxpipe.clip_grad_norm_(pipe, 1.0, norm_type=float("inf"), error_if_nonfinite=True)
+        refused = False
+    except RuntimeError:
+        refused = True
+    return {"nan": bool(norm.isnan()), "refused": refused}
+
+
 class _ActNorm(nn.BatchNorm2d):
     """A batch norm subclass with its activation (timm's BatchNormAct2d): fx traces through its forward."""
 
