@@ -45,10 +45,28 @@ def stage_generators(gm: torch.fx.GraphModule) -> tuple[torch.Generator, ...]:
                 values.append(operator.attrgetter(str(node.target))(gm))
         elif node.op == "call_module":  # a module called whole (a leaf) drawing from a generator it holds
             with contextlib.suppress(AttributeError):
-                values += [v for m in gm.get_submodule(str(node.target)).modules() for v in vars(m).values()]
+                values += [g for m in gm.get_submodule(str(node.target)).modules() for v in vars(m).values()
+                           for g in _held(v)]
         torch.fx.node.map_aggregate((node.args, node.kwargs), values.append)
         found.update((id(v), v) for v in values if isinstance(v, torch.Generator))
     return tuple(found.values())
+
+
+def _held(value: Any, depth: int = 0) -> list[torch.Generator]:
+    """Return the generators ``value`` is or holds: in a list, tuple or dict, or a plain object's attributes, 2 deep."""
+    if isinstance(value, torch.Generator):
+        return [value]
+    if depth >= 2 or isinstance(value, (torch.Tensor, torch.nn.Module, str, bytes, type)):
+        return []
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)[:64]
+    elif isinstance(value, dict):
+        items = list(value.values())[:64]
+    elif type(value).__module__ != "builtins" and hasattr(value, "__dict__") and not callable(value):
+        items = list(vars(value).values())[:64]  # a sampler object of the user's holding its generator
+    else:
+        return []
+    return [g for v in items for g in _held(v, depth + 1)]
 
 
 def with_inputs(generators: tuple[torch.Generator, ...], inputs: Any) -> tuple[torch.Generator, ...]:
