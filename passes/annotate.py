@@ -51,15 +51,17 @@ __all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "sa
 log = logging.getLogger(__name__)
 
 
-def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, modules: dict) -> int:
-    """Return the bytes of parameters and buffers a node reads from the module."""
+def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, modules: dict, trainable: bool = False) -> int:
+    """Return the bytes of parameters and buffers a node reads from the module (``trainable``: of the parameters
+    requiring grad only, whose gradients are kept)."""
     if node.op == "call_module":
         mod = modules[node.target]
-        seen = {id(t): t for t in list(mod.parameters()) + list(mod.buffers())}
+        held = list(mod.parameters()) + ([] if trainable else list(mod.buffers()))
+        seen = {id(t): t for t in held if t.requires_grad or not trainable}
         return sum(t.numel() * t.element_size() for t in seen.values())
     if node.op == "get_attr":
         obj = fetch(gm, cast(str, node.target))  # a get_attr target is the attribute's path
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, torch.Tensor) and (obj.requires_grad or not trainable):
             return obj.numel() * obj.element_size()
     return 0
 
@@ -67,7 +69,7 @@ def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, modules: dict) -
 @gc_paused
 def annotate(gm: torch.fx.GraphModule, example_args: tuple, example_kwargs: dict | None = None,
              *, real: bool = False, memoize: bool = True) -> torch.fx.GraphModule:
-    """Record ``fxpipe.value/bytes/flops/flops_bwd/saved_bytes/param_bytes`` on every node; return ``gm``.
+    """Record ``fxpipe.value/bytes/flops/flops_bwd/saved_bytes/param_bytes/grad_bytes`` on every node; return ``gm``.
 
     ``example_args`` and ``example_kwargs`` bind to the graph's placeholders as they would
     in a call of ``gm``. With ``real=False`` (the default) everything runs on fake tensors;
@@ -116,6 +118,7 @@ def annotate_params(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     modules = dict(gm.named_modules())
     for node in gm.graph.nodes:
         node.meta["fxpipe.param_bytes"] = _param_bytes(gm, node, modules)
+        node.meta["fxpipe.grad_bytes"] = _param_bytes(gm, node, modules, trainable=True)
     return gm
 
 

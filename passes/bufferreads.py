@@ -36,7 +36,7 @@ from fxpipe.passes.mutates import aliases, op_name, unwrapped, written_args
 
 __all__ = ["BufferReads", "read_before_write", "route_buffer_reads"]
 
-_NO_COST = {"fxpipe.flops": 0, "fxpipe.flops_bwd": 0, "fxpipe.saved_bytes": 0, "fxpipe.param_bytes": 0,
+_NO_COST = {"fxpipe.flops": 0, "fxpipe.flops_bwd": 0, "fxpipe.saved_bytes": 0, "fxpipe.param_bytes": 0, "fxpipe.grad_bytes": 0,
             "fxpipe.mutates": []}
 
 

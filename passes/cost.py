@@ -96,18 +96,25 @@ def memory_factors(checkpoint: str, micro_batches: int) -> tuple[float, float]:
     raise ValueError(f"checkpoint={checkpoint!r}; use 'always', 'except_last' or 'never'")
 
 
-def _params_read(node: torch.fx.Node) -> float:
-    """Return the parameter bytes a compute node reads, through its module or ``get_attr`` inputs."""
-    total = node.meta.get("fxpipe.param_bytes", 0) or 0
+def _params_read(node: torch.fx.Node, key: str = "fxpipe.param_bytes") -> float:
+    """Return the parameter bytes a compute node reads, through its module or ``get_attr`` inputs.
+
+    ``key`` ``"fxpipe.grad_bytes"`` counts the trainable ones only (those given gradients).
+    """
+    total = node.meta.get(key, 0) or 0
     for a in node.all_input_nodes:
         if a.op == "get_attr":
-            total += a.meta.get("fxpipe.param_bytes", 0) or 0
+            total += a.meta.get(key, 0) or 0
     return float(total)
 
 
 def node_memory(node: torch.fx.Node, f_act: float) -> float:
-    """Return a compute node's share of its stage's memory: 2 x parameters + kept activations."""
-    return 2.0 * _params_read(node) + f_act * float(node.meta.get("fxpipe.saved_bytes", 0) or 0)
+    """Return a compute node's share of its stage's memory: parameters + their gradients + kept activations.
+
+    A frozen parameter has no gradient (a graph annotated before ``fxpipe.grad_bytes`` counts every one).
+    """
+    grads = _params_read(node, "fxpipe.grad_bytes") if "fxpipe.grad_bytes" in node.meta else _params_read(node)
+    return _params_read(node) + grads + f_act * float(node.meta.get("fxpipe.saved_bytes", 0) or 0)
 
 
 def node_costs(order: Sequence[torch.fx.Node], balance_by: str, f_act: float = 1.0) -> list[float]:

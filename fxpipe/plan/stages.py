@@ -124,7 +124,8 @@ def example_rows(gm: torch.fx.GraphModule) -> int | None:
 
 def _frozen(held: Sequence[torch.fx.Node]) -> bool:
     """Tell whether no value ``held`` computes needs a gradient (False where a value is not annotated)."""
-    computed = [n for n in held if n.op in ("call_function", "call_method", "call_module")]
+    computed = [n for n in held if n.op in ("call_function", "call_method", "call_module")
+                and (n.users or n.meta.get("fxpipe.value") is not None)]  # not export's _guards_fn, read by none
     specs = [n.meta.get("fxpipe.value") for n in computed]
     if not computed or any(spec is None for spec in specs):
         return False
