@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import difflib
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -53,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as Unix tools do
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141
     except Exception as exc:
         if args.traceback:
             raise
