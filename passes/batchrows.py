@@ -15,6 +15,7 @@ micro-batch it is another value than on the whole batch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Collection
 from dataclasses import replace
@@ -51,7 +52,28 @@ def _leaves(gm: torch.fx.GraphModule, training: bool | None = None) -> list[tupl
             log.debug("outputs named by position: %s", exc)
     if training is not None:
         flat = [(name, _of_mode(leaf, training)) for name, leaf in flat]
+    flat = [pair for name, leaf in flat for pair in _opened(name, leaf)]
     return [(name or "the output", leaf) for name, leaf in flat if isinstance(leaf, torch.fx.Node)]
+
+
+def _opened(name: str, leaf: Any, depth: int = 0) -> list[tuple[str, Any]]:
+    """Return the fields of a record torch.fx builds in the graph (a dataclass, NamedTuple or OrderedDict), named.
+
+    torch.fx returns such an output as one node calling the record's class on its fields: the
+    checks look at the fields, as they do at torch.export's flat outputs.
+    """
+    target = getattr(leaf, "target", None)
+    if depth > 8 or not isinstance(leaf, torch.fx.Node) or leaf.op != "call_function" or \
+            not isinstance(target, type) or not (dataclasses.is_dataclass(target) or issubclass(target, (tuple, dict))):
+        return [(name, leaf)]
+    if issubclass(target, dict) and len(leaf.args) == 1 and isinstance(leaf.args[0], (list, tuple)):
+        fields = [(f"[{k!r}]", v) for k, v in leaf.args[0]]  # OrderedDict([(key, value), ...])
+    else:
+        fields = [(f"[{k}]", v) for k, v in enumerate(leaf.args)] + [(f".{k}", v) for k, v in leaf.kwargs.items()]
+    found = []
+    for key, value in fields:
+        found += [(name + key + keystr(path), v) for path, v in tree_flatten_with_path(value)[0]]
+    return [pair for sub, v in found for pair in _opened(sub, v, depth + 1)]
 
 
 def _of_mode(value: Any, training: bool) -> Any:

@@ -2,8 +2,9 @@
 
 Reads:  a value, or a graph's ``call_function`` nodes whose target is a dataclass.
 Writes: torch's pytree registry: each dataclass type met that is not a pytree node yet is
-        registered as one (its ``init`` fields are its children), as ``torch.export`` asks users
-        to do (``register_dataclass``).
+        registered as one (its fields are its children, ``init=False`` ones too), as ``torch.export``
+        asks users to do (``register_dataclass``); rebuilt without calling ``__init__``, so a
+        ``__post_init__`` deriving a field runs once, as in eager.
 
 fxpipe splits, sends, checkpoints and joins values through torch's pytree. An unregistered
 dataclass is one opaque leaf to it: a model returning ``Out(logits=...)`` had its outputs
@@ -50,23 +51,34 @@ def register_record_type(cls: type) -> None:
     """Register one dataclass type, unless torch's pytree knows it already."""
     if cls in pytree.SUPPORTED_NODES:
         return
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    names = [f.name for f in dataclasses.fields(cls)]  # init=False ones too (set by __post_init__)
 
     def flatten(obj: Any) -> tuple[list[Any], Any]:
-        return [getattr(obj, n) for n in names], names
+        held = tuple(n for n in names if hasattr(obj, n))
+        return [getattr(obj, n) for n in held], held
 
     def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
-        return [(pytree.GetAttrKey(n), getattr(obj, n)) for n in names], names
+        held = tuple(n for n in names if hasattr(obj, n))
+        return [(pytree.GetAttrKey(n), getattr(obj, n)) for n in held], held
+
+    init = {f.name for f in dataclasses.fields(cls) if f.init}
 
     def unflatten(values: Any, context: Any) -> Any:
         fields = dict(zip(context, values))
-        try:
-            return cls(**fields)
-        except Exception:  # noqa: BLE001 - a __post_init__ checking its fields' types meets TensorSpecs
+        if not issubclass(cls, (dict, list, tuple)):
+            # not cls(**fields): __post_init__ would run again on fields it made (self.b = self.b * 2: twice)
             record: Any = object.__new__(cls)
             for name, value in fields.items():
                 object.__setattr__(record, name, value)  # a frozen dataclass's too
             return record
+        try:  # a container's own record (a ModelOutput, a dict too): built by its class, which fills the dict
+            record = cls(**{k: v for k, v in fields.items() if k in init})
+        except Exception:  # noqa: BLE001 - a __post_init__ checking its fields' types meets TensorSpecs
+            record = cls.__new__(cls)
+        for name, value in fields.items():
+            if name not in init or getattr(record, name, None) is not value:
+                object.__setattr__(record, name, value)
+        return record
 
     pytree.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
     log.info("registered dataclass %s.%s as a pytree node (fields %s)", cls.__module__, cls.__qualname__, names)

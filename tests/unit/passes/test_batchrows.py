@@ -1,5 +1,6 @@
 import copy
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -225,3 +226,32 @@ def test_an_adjacency_split_by_rows_is_warned_of_and_a_square_feature_input_is_n
         fxpipe.compile(_DenseGCN(), 2, example_inputs=(x, adj), chunks=1, devices=["cpu"] * 2, tracer=tracer)
         fxpipe.compile(nn.Sequential(nn.Linear(12, 12), nn.Linear(12, 2)), 2, example_inputs=(x,), chunks=2,
                        devices=["cpu"] * 2, tracer=tracer)
+
+
+class _SimRecord(NamedTuple):
+    emb: torch.Tensor
+    sim: torch.Tensor
+    rows: int
+
+
+class _RecordContrastive(nn.Module):
+    """Return a NamedTuple holding an (B, B) score matrix and the batch's row count, built in the traced code."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.enc(x)
+        return _SimRecord(h, h @ h.t(), x.shape[0])
+
+
+def test_an_output_record_built_in_fx_code_is_looked_into():
+    # torch.fx returns the record as one node calling its class: no field was checked, and pipe(x) returned the
+    # micro-batches' (2, 2) score blocks joined into (6, 2), and rows=2 for eager's 6, silently
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    with pytest.warns(UserWarning, match=r"couples the rows of a batch: \[1\]"):
+        pipe = fxpipe.compile(_RecordContrastive(), 2, example_inputs=(x,), chunks=3, devices=["cpu"] * 2)
+    with pytest.raises(fxpipe.PipelineInputError, match="cannot be joined"):
+        pipe(x)
