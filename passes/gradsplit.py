@@ -93,6 +93,10 @@ def split_weight_grads(backward: torch.fx.GraphModule, weight_outputs: Iterable[
     boundary = [n for n in graph.nodes if n not in in_w and n.op != "output"
                 and (n in w_results or any(u in in_w for u in n.users))]
     taken = [n for n in boundary if n.op == "placeholder"]
+    # and the backward's size arguments: a symbol of W's input shapes (8*s4) needs its source, which
+    # inductor's generated code binds from them (aot_eager ran without; inductor failed "expected [s4]")
+    taken += [n for n in graph.nodes if n.op == "placeholder" and n not in taken
+              and isinstance(n.meta.get("val"), torch.SymInt)]
     carried = [n for n in boundary if n.op != "placeholder"]
 
     i_graph = torch.fx.Graph()

@@ -33,3 +33,45 @@ def test_i_hands_w_the_elements_of_a_tuple_not_the_tuple():
     assert torch.equal(from_i[0], x + 1)
     (w,) = cut.weights(*from_i[1:])
     assert torch.equal(w, x * 2 * 3)
+
+
+class _Reshaping(torch.nn.Module):
+    """Flatten batch and time by the input's sizes around a linear, as GPT-2's attention projections do."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = torch.tanh(self.a(x))
+        h = self.b(h.reshape(b * t, d)).reshape(b, t, d)
+        return self.c(torch.tanh(h))
+
+
+def test_w_gets_the_size_arguments_its_input_shapes_are_made_of(monkeypatch):
+    # GPT-2 under zb with inductor: W's input of shape (8*s4, 32) had no source for s4, and inductor failed
+    # "expected [s4] to have been codegen-ed" (aot_eager generates no code and ran)
+    import fxpipe
+    import fxpipe.runtime.stage.aotsplit as aotsplit
+
+    missing = []
+
+    def watched(backward, weight_of):
+        cut = split_weight_grads(backward, weight_of)
+        vals = [n.meta.get("val") for n in cut.weights.graph.nodes if n.op == "placeholder"]
+        shapes = {s for v in vals if isinstance(v, torch.Tensor) for d in v.shape if isinstance(d, torch.SymInt)
+                  for s in d.node.expr.free_symbols}
+        bound = {s for v in vals if isinstance(v, torch.SymInt) for s in v.node.expr.free_symbols}
+        bound |= {d.node.expr for v in vals if isinstance(v, torch.Tensor) for d in v.shape
+                  if isinstance(d, torch.SymInt) and d.node.expr.is_symbol}
+        missing.append(shapes - bound)
+        return cut
+
+    monkeypatch.setattr(aotsplit, "split_weight_grads", watched)
+    torch.manual_seed(0)
+    x = torch.randn(8, 5, 8)
+    pipe = fxpipe.compile(_Reshaping(), 2, example_inputs=(x,), chunks=4, schedule="zb", tracer="export",
+                          devices=["cpu"] * 2, split_points=["b"], torch_compile={"backend": "aot_eager"})
+    pipe.step(x, target=None, loss_fn=lambda out, _: out.pow(2).mean())
+    assert missing and not any(missing), missing
