@@ -74,7 +74,7 @@ def register_record_type(cls: type) -> None:
         try:  # a container's own record (a ModelOutput, a dict too): built by its class, which fills the dict
             record = cls(**{k: v for k, v in fields.items() if k in init})
         except Exception:  # noqa: BLE001 - a __post_init__ checking its fields' types meets TensorSpecs
-            record = cls.__new__(cls)
+            record = cls.__new__(cls)  # type: ignore[type-var]
         for name, value in fields.items():
             if name not in init or getattr(record, name, None) is not value:
                 object.__setattr__(record, name, value)

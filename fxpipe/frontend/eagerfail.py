@@ -11,6 +11,8 @@ random state put back after it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -56,7 +58,8 @@ class _State:
     _COPY_LIMIT = 1 << 30  # parameters copied whole up to 1 GiB; above, changes in place are only told
 
     def __init__(self, model: nn.Module) -> None:
-        self.registries = [(r, dict(r)) for m in model.modules() for r in (m._buffers, m._parameters)]
+        self.registries: list[tuple[dict[str, Any], dict[str, Any]]] = [
+            (r, dict(r)) for m in model.modules() for r in (m._buffers, m._parameters)]
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
         params = list(model.named_parameters())
         small = sum(p.numel() * p.element_size() for _, p in params) <= self._COPY_LIMIT
