@@ -49,6 +49,19 @@ def names(text: str) -> list[str]:
     return names
 
 
+def device_names(text: str) -> list[str]:
+    """Parse a comma-separated list of torch device names (``cpu``, ``cuda``, ``cuda:1``)."""
+    import torch
+
+    found = names(text)
+    for name in found:
+        try:
+            torch.device(name)
+        except RuntimeError:
+            raise argparse.ArgumentTypeError(f"{name!r} is no torch device: use cpu, cuda or cuda:N") from None
+    return found
+
+
 def leaf_modules(model: Any, given: list[str] | None) -> list[Any]:
     """Read ``--leaf-modules``: a submodule's qualified name stays a name, a class name becomes the class.
 

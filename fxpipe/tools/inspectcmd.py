@@ -14,7 +14,17 @@ import os
 import sys
 from typing import Any
 
-from fxpipe.tools.cliargs import Failure, UsageError, add_tracer, leaf_modules, names, positive, shape, trace_hint
+from fxpipe.tools.cliargs import (
+    Failure,
+    UsageError,
+    add_tracer,
+    device_names,
+    leaf_modules,
+    names,
+    positive,
+    shape,
+    trace_hint,
+)
 from fxpipe.tools.factory import EXAMPLE, make_model
 
 __all__ = ["register", "run"]
@@ -43,7 +53,7 @@ def register(commands: Any) -> None:
                         "or a file of your own schedule (a line of actions per stage, e.g. '0F0 0B0')")
     p.add_argument("--stages-per-rank", type=positive, default=1, metavar="V",
                    help="stages on each rank (lane) of the schedule: 2 for interleaved or zbv (default 1)")
-    p.add_argument("--devices", type=names, metavar="D,...", help="one device per stage, or one for all")
+    p.add_argument("--devices", type=device_names, metavar="D,...", help="one device per stage, or one for all")
     p.add_argument("--leaf-modules", type=names, metavar="A,B",
                    help="submodules (qualified names) or module classes (class names) to keep as one call")
     add_tracer(p)

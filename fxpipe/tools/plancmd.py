@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     from fxpipe.tools.factory import make_model
 
     if (args.ranks is None) == (args.gpus is None):
-        raise UsageError("give --ranks N (one pipeline, a stage per rank) or --gpus N (a whole cluster's layout)")
+        raise UsageError("give --ranks N (one pipeline, a stage per rank) or --gpus N (a whole cluster's layout)"
+                         + (", not both" if args.ranks is not None else ""))
     args.schedules_given = args.schedules is not None
     if args.gpus is not None:
         from fxpipe.options import SCHEDULES

@@ -75,6 +75,19 @@ def _rows(stdout):
     return body
 
 
+def test_a_device_name_torch_does_not_know_exits_2_naming_the_valid_ones(capsys):
+    # torch's "Invalid device string" came out with exit 1, naming no valid device
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["inspect", "examples/unet.py:factory", "--stages", "2", "--devices", "gpu0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "'gpu0' is no torch device: use cpu, cuda or cuda:N" in err
+
+
+def test_plan_given_both_ranks_and_gpus_says_not_both(capsys):
+    assert cli.main(["plan", "examples/unet.py:factory", "--ranks", "2", "--gpus", "2"]) == 2
+    assert "or --gpus N (a whole cluster's layout), not both" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # about 2 s or more: left out of the fast loop
 @pytest.mark.parametrize("spec, stages, skips", [("examples/unet.py:factory", 4, True),
                                                  ("examples/transformer.py:factory", 3, False)])
