@@ -174,7 +174,7 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
         world = 1 + max(s.on_rank for s in plan.stages)  # several stages per rank: as compiled
         ranks = world if world < n else None
     name, actions, rank_of = eventsim.schedule_rows(schedule, n, m, placement, ranks)
-    if ranks is None and placement is None and name != "custom":
+    if ranks is None and placement is None and name != "custom" and runtime != "local":  # one process: no ranks
         _say_other_ranks(schedule, plan, 1 + max(rank_of))
     if layout is not None and layout.dp > 1:  # as the runtime runs it: each stage's last backward a full B
         actions = final_backwards(actions)[0]

@@ -250,6 +250,8 @@ def test_a_schedule_putting_the_stages_on_other_ranks_than_the_pipe_s_says_so():
         fxpipe.simulate(pipe, schedule="zb", device=UNIT)
         fxpipe.simulate(looped, schedule="zbv", device=UNIT)
         fxpipe.simulate(pipe, schedule="interleaved", ranks=1, device=UNIT)  # asked for
+        local = fxpipe.simulate(looped, schedule="1f1b")  # one process, as compiled: no ranks to differ
+    assert local.runtime == "local"
 
 
 def test_zbv_on_other_than_half_the_stages_names_the_ranks_to_give():
