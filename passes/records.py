@@ -53,12 +53,16 @@ def register_record_type(cls: type) -> None:
         return
     names = [f.name for f in dataclasses.fields(cls)]  # init=False ones too (set by __post_init__)
 
+    def present(obj: Any) -> tuple[str, ...]:
+        """Return the fields ``obj`` holds (an ``init=False`` one may be unset)."""
+        return tuple(n for n in names if hasattr(obj, n))
+
     def flatten(obj: Any) -> tuple[list[Any], Any]:
-        held = tuple(n for n in names if hasattr(obj, n))
+        held = present(obj)
         return [getattr(obj, n) for n in held], held
 
     def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
-        held = tuple(n for n in names if hasattr(obj, n))
+        held = present(obj)
         return [(pytree.GetAttrKey(n), getattr(obj, n)) for n in held], held
 
     init = {f.name for f in dataclasses.fields(cls) if f.init}

@@ -53,7 +53,8 @@ class Snapshot:
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, runs: Sequence[torch.fx.GraphModule] = (),
                  stages: Sequence[torch.fx.GraphModule] = ()) -> None:
         called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
-        under_called = {id(m) for c in called for m in _module(model, c).modules()}  # aliases too (a shared dropout)
+        whole = [m for m in (_module(model, c) for c in called) if m is not None]
+        under_called = {id(m) for w in whole for m in w.modules()}  # aliases too (a shared dropout)
         # (the parent's registry, the key, the module, its name): a registry changes in place on setattr
         self.places: list[tuple[Any, str, nn.Module, str]] = []
         # (the module, the attribute, its value, the module's name): the module, not its __dict__, which a
@@ -88,12 +89,12 @@ class Snapshot:
         self.fetched = [(owner, field, held_tensor(owner, field)) for owner, field, _ in self.fetched]
 
 
-def _module(model: nn.Module, target: str) -> nn.Module:
-    """Return the submodule ``target`` names, or an empty module where the model no longer has it."""
+def _module(model: nn.Module, target: str) -> nn.Module | None:
+    """Return the submodule ``target`` names, or None where the model has none by that name."""
     try:
         return model.get_submodule(target)
     except AttributeError:
-        return nn.Module()
+        return None
 
 
 def _moded(model: nn.Module, gm: torch.fx.GraphModule) -> list[tuple[str, nn.Module]]:
@@ -106,10 +107,7 @@ def _moded(model: nn.Module, gm: torch.fx.GraphModule) -> list[tuple[str, nn.Mod
             stack = user.meta.get("nn_module_stack") or next(
                 (a.meta.get("nn_module_stack") for a in user.all_input_nodes if a.meta.get("nn_module_stack")), None)
             path = list(stack.values())[-1][0] if stack else ""
-            try:
-                module = model.get_submodule(path) if path else None
-            except AttributeError:
-                module = None
+            module = _module(model, path) if path else None
             if module is not None:
                 found[path] = module
     return sorted(found.items())
