@@ -25,6 +25,7 @@ import torch
 import torch.fx
 from fxpipe.passes.infer import Propagator
 from fxpipe.passes.modes import pick
+from fxpipe.passes.records import built_record
 from fxpipe.passes.spec import TensorSpec
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
@@ -62,9 +63,9 @@ def _opened(name: str, leaf: Any, depth: int = 0) -> list[tuple[str, Any]]:
     torch.fx returns such an output as one node calling the record's class on its fields: the
     checks look at the fields, as they do at torch.export's flat outputs.
     """
-    target = getattr(leaf, "target", None)
+    target = built_record(getattr(leaf, "target", None))
     if depth > 8 or not isinstance(leaf, torch.fx.Node) or leaf.op != "call_function" or \
-            not isinstance(target, type) or not (dataclasses.is_dataclass(target) or issubclass(target, (tuple, dict))):
+            target is None or not (dataclasses.is_dataclass(target) or issubclass(target, (tuple, dict))):
         return [(name, leaf)]
     if issubclass(target, dict) and len(leaf.args) == 1 and isinstance(leaf.args[0], (list, tuple)):
         fields = [(f"[{k!r}]", v) for k, v in leaf.args[0]]  # OrderedDict([(key, value), ...])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch.fx
 from fxpipe.passes.annotate import TensorSpec
 from fxpipe.passes.mutates import unwrapped
+from fxpipe.passes.records import built_record
 from fxpipe.passes.spec import differentiable
 from torch.utils._pytree import tree_flatten
 
@@ -52,7 +53,7 @@ def _made_of(node: torch.fx.Node) -> list[torch.fx.Node]:
     positions = getattr(call.target, "returns_an_argument", ())
     if positions:
         held = [call.args[k] for k in positions if k < len(call.args)]
-    elif isinstance(call.target, type):  # a container class: its fields are the outputs
+    elif built_record(call.target) is not None:  # a container class (or a record's builder): its fields are the outputs
         held = list(call.args) + list(call.kwargs.values())
     else:
         return [node]

@@ -21,7 +21,7 @@ from typing import Any
 import torch.fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["register_graph_records", "register_record_type", "register_records"]
+__all__ = ["built_record", "extras", "record_builder", "register_graph_records", "register_record_type", "register_records"]
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,46 @@ def register_records(value: Any) -> None:
 def register_graph_records(gm: torch.fx.GraphModule) -> None:
     """Register the dataclass types a graph constructs (torch.fx records ``Out(logits=...)`` as a call)."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, type) and dataclasses.is_dataclass(node.target):
-            register_record_type(node.target)
+        cls = built_record(node.target) if node.op == "call_function" else None
+        if cls is not None and dataclasses.is_dataclass(cls):
+            register_record_type(cls)
+
+
+def built_record(target: Any) -> type | None:
+    """Return the record class a ``call_function`` target builds (the class, or its builder), else None."""
+    if isinstance(target, type):
+        return target
+    return getattr(target, "fxpipe_record", None)
+
+
+def extras(record: Any) -> tuple[str, ...]:
+    """Return the attributes a record holds that are not its fields (``self.probs = ...`` in ``__post_init__``)."""
+    fields = {f.name for f in dataclasses.fields(record)}
+    return tuple(k for k in getattr(record, "__dict__", {}) if k not in fields)
+
+
+_BUILDERS: dict[type, Any] = {}
+
+
+def record_builder(cls: type) -> Any:
+    """Return the graph target that builds a ``cls`` record from its fields without calling ``__init__``.
+
+    torch.fx records a dataclass the forward built as a call of its class on the fields' final
+    values: the call ran ``__post_init__`` again (a field it doubles came back 4x), refused
+    ``init=False`` fields and lost attributes ``__post_init__`` set beside them. The builder
+    sets all of them as they were.
+    """
+    if cls not in _BUILDERS:
+        def build(**fields: Any) -> Any:
+            record: Any = object.__new__(cls)
+            for name, value in fields.items():
+                object.__setattr__(record, name, value)  # a frozen dataclass's too
+            return record
+
+        build.__name__ = build.__qualname__ = f"build_{cls.__name__}"
+        build.fxpipe_record = cls  # type: ignore[attr-defined]
+        _BUILDERS[cls] = build
+    return _BUILDERS[cls]
 
 
 def register_record_type(cls: type) -> None:
@@ -52,10 +90,11 @@ def register_record_type(cls: type) -> None:
     if cls in pytree.SUPPORTED_NODES:
         return
     names = [f.name for f in dataclasses.fields(cls)]  # init=False ones too (set by __post_init__)
+    container = issubclass(cls, (dict, list, tuple))
 
     def present(obj: Any) -> tuple[str, ...]:
-        """Return the fields ``obj`` holds (an ``init=False`` one may be unset)."""
-        return tuple(n for n in names if hasattr(obj, n))
+        """Return the fields ``obj`` holds (an ``init=False`` one may be unset), then what else ``__post_init__`` set."""
+        return tuple(n for n in names if hasattr(obj, n)) + (() if container else extras(obj))
 
     def flatten(obj: Any) -> tuple[list[Any], Any]:
         held = present(obj)
@@ -69,7 +108,7 @@ def register_record_type(cls: type) -> None:
 
     def unflatten(values: Any, context: Any) -> Any:
         fields = dict(zip(context, values))
-        if not issubclass(cls, (dict, list, tuple)):
+        if not container:
             # not cls(**fields): __post_init__ would run again on fields it made (self.b = self.b * 2: twice)
             record: Any = object.__new__(cls)
             for name, value in fields.items():

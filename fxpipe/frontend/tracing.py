@@ -36,7 +36,7 @@ from fxpipe.passes.amp import run_under_autocast
 from fxpipe.passes.freshconstants import fresh_constants
 from fxpipe.passes.modes import merge_modes
 from fxpipe.passes.mutates import alias_closure, written_args
-from fxpipe.passes.records import register_graph_records
+from fxpipe.passes.records import extras, record_builder, register_graph_records
 
 __all__ = ["detector_note", "trace"]
 
@@ -85,14 +85,25 @@ class _Tracer(torch.fx.Tracer):
         return node
 
     def create_arg(self, a: Any) -> Any:
-        """Record a dataclass that is also a dict (a Hugging Face-style ``ModelOutput``) as its constructor's call.
+        """Record the dataclasses and ``OrderedDict``s the forward builds as calls that rebuild them.
 
-        torch.fx records a plain dataclass so, but takes one that is a dict for a dict, and the
-        model's ``out.logits`` would meet a plain dict. An ``OrderedDict`` is kept as one too.
+        A plain dataclass is rebuilt from its fields without ``__init__`` (torch.fx's own call of
+        the class ran ``__post_init__`` again); one that is also a dict (a Hugging Face-style
+        ``ModelOutput``) by its constructor, since torch.fx takes it for a plain dict and
+        ``out.logits`` would fail. An ``OrderedDict`` stays one too.
         """
         if isinstance(a, dict) and dataclasses.is_dataclass(a) and not isinstance(a, type):
             kwargs = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if f.init}
             return self.create_node("call_function", type(a), (), kwargs)
+        if dataclasses.is_dataclass(a) and not isinstance(a, type) and not isinstance(a, (dict, list, tuple)):
+            # torch.fx's own call of the class would run __post_init__ again on the fields it made
+            kwargs = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if hasattr(a, f.name)}
+            for name in extras(a):
+                try:
+                    kwargs[name] = self.create_arg(getattr(a, name))
+                except NotImplementedError:  # an object a graph cannot hold: the record comes back without it
+                    log.info("the %s record's attribute %r is not kept in the graph", type(a).__name__, name)
+            return self.create_node("call_function", record_builder(type(a)), (), kwargs)
         if type(a) is collections.OrderedDict:  # torchvision's segmentation models: fx would return a plain dict
             return self.create_node("call_function", collections.OrderedDict, (super().create_arg(dict(a)),), {})
         return super().create_arg(a)
