@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fxpipe.errors import user_stacklevel
 from fxpipe.plan.batches import micro_sizes
 from fxpipe.runtime.microbatch import is_summed
+from fxpipe.runtime.stage.lossreplay import kept
 
 __all__ = ["IGNORE_INDEX", "check_first_loss", "check_targets_once", "look_at_targets", "warn_summed_outputs",
            "warn_uneven_ignored"]
@@ -148,13 +149,14 @@ def _scaled_by(out: Any, parts: list[torch.Tensor], share: float, again: Callabl
     """Tell whether ``again(out)`` takes each of ``parts`` it reads times ``share`` (run on copied stand-ins).
 
     Copies, not views: a loss_fn changing the outputs in place (``logits.div_(2)``) changes its
-    own stand-ins; the random state is put back after (a loss_fn drawing noise).
+    own stand-ins; the random state, its own generators and its modules' buffers are put back
+    after (a loss_fn drawing noise, a discriminator's batch norm or spectral norm).
     """
     stand = {id(t): t.detach().clone().requires_grad_() for t in parts}
     given = tree_map(lambda v: stand.get(id(v), v.detach().clone()) if isinstance(v, torch.Tensor) else v, out)
     devices = sorted({t.device.index or 0 for t in parts if t.device.type == "cuda"})
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices), kept(again):
             value = again(given)
             grads = torch.autograd.grad(value, list(stand.values()), allow_unused=True)
     except Exception:  # noqa: BLE001 - a loss_fn that cannot run so: say what the warning says

@@ -11,53 +11,94 @@ call runs from the random state and the buffers of the first, and both are put b
     ...        other micro-batches                random, buffers move on: r2, b2
     backward   loss_fn(recomputed)     graph      from r0 and copies of b0; r2, b2 put back
 
-The buffers are those of every module called inside ``loss_fn`` (a global forward pre-hook
-copies each one's before it runs).
+The buffers are those of every module ``loss_fn`` refers to or calls (see :class:`LossState`),
+and the random state includes the generators these hold.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from fxpipe.runtime.stage.rng import RngState, restore_rng, save_rng
+from fxpipe.runtime.stage.rng import RngState, held, held_generators, restore_rng, save_rng
 
-__all__ = ["LossReplay", "first_loss", "replaying"]
+__all__ = ["LossReplay", "LossState", "first_loss", "kept", "replaying"]
+
+
+@dataclass
+class LossState:
+    """What a ``loss_fn`` call may change besides its value: its modules' buffers, its own generators.
+
+    The modules are those ``loss_fn`` refers to (a bound method's module, a closure's, with their
+    submodules: a submodule's ``.forward()`` called directly, ``F.batch_norm`` on a module's own
+    buffers) and those it calls (a global forward pre-hook finds them); the generators are those
+    it or these modules hold.
+    """
+
+    buffers: dict[tuple[int, str], tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    generators: dict[int, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
+    copies: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, module: nn.Module) -> None:
+        """Copy the buffers of ``module`` and its submodules, and save its generators' states (each once)."""
+        for m in module.modules():
+            for name, b in m._buffers.items():
+                if b is not None and not b.is_meta and (id(m), name) not in self.buffers:
+                    if id(b) not in self.copies:  # a buffer two modules share: one copy
+                        self.copies[id(b)] = b.detach().clone()
+                    self.buffers[(id(m), name)] = (m, name, b, self.copies[id(b)])
+            self.add_generators(held_generators(m))
+
+    def add_generators(self, generators: list[torch.Generator]) -> None:
+        """Save the states of ``generators`` not saved yet."""
+        for g in generators:
+            self.generators.setdefault(id(g), (g, g.get_state()))
+
+    def changed(self) -> tuple[list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]],
+                               list[tuple[torch.Generator, torch.Tensor]]]:
+        """Return the buffers (reassigned or written) and generators (drawn from) the call changed."""
+        buffers = [(m, name, b, copy) for m, name, b, copy in self.buffers.values()
+                   if m._buffers.get(name) is not b or not torch.equal(b, copy)]
+        generators = [(g, st) for g, st in self.generators.values() if not torch.equal(g.get_state(), st)]
+        return buffers, generators
+
+
+@contextmanager
+def watching(loss: Callable[..., Any]) -> Iterator[LossState]:
+    """Run the block with what ``loss`` refers to and calls recorded as it was before (a :class:`LossState`)."""
+    state = LossState()
+    for module in held(loss, nn.Module):
+        state.add(module)
+    state.add_generators(held_generators(loss))
+    handle = register_module_forward_pre_hook(lambda module, args: state.add(module))
+    try:
+        yield state
+    finally:
+        handle.remove()
 
 
 @dataclass
 class LossReplay:
-    """The random state a ``loss_fn`` call started from, and the buffers it found (each with a copy)."""
+    """The random state a ``loss_fn`` call started from, and the buffers it changed (each with a copy)."""
 
     rng: RngState
-    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    buffers: list[tuple[nn.Module, str, torch.Tensor]]
 
 
 def first_loss(loss: Callable[[Any], torch.Tensor], out: Any, device: torch.device) -> tuple[torch.Tensor,
                                                                                             LossReplay]:
     """Call ``loss(out)`` without a graph; return its value and what a replay of the call needs."""
-    rng = save_rng(device)
-    found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def copy_buffers(module: nn.Module, args: Any) -> None:
-        """Copy the buffers of a module ``loss_fn`` calls, the first time it calls it."""
-        for b in module._buffers.values():
-            if b is not None and id(b) not in found and not b.is_meta:
-                found[id(b)] = (b, b.detach().clone())
-
-    handle = register_module_forward_pre_hook(copy_buffers)
-    try:
-        with torch.no_grad():
-            value = loss(out)
-    finally:
-        handle.remove()
-    return value, LossReplay(rng, list(found.values()))
+    cpu, cuda, _ = save_rng(device)
+    with watching(loss) as state, torch.no_grad():
+        value = loss(out)
+    buffers, generators = state.changed()
+    return value, LossReplay((cpu, cuda, tuple(generators)), [(m, name, copy) for m, name, _, copy in buffers])
 
 
 @contextmanager
@@ -66,13 +107,27 @@ def replaying(replay: LossReplay, device: torch.device) -> Iterator[None]:
 
     Swapped, not copied: autograd may have saved a buffer for a backward still to come.
     """
-    current = [(b, b.data) for b, _ in replay.buffers]
+    current = [(m, name, m._buffers.get(name)) for m, name, _ in replay.buffers]
     with restore_rng(device, replay.rng):
-        with torch.no_grad():
-            for b, copied in replay.buffers:
-                b.data = copied
+        for m, name, copied in replay.buffers:
+            m._buffers[name] = copied
         try:
             yield
         finally:
-            for b, data in current:
-                b.data = data
+            for m, name, b in current:
+                m._buffers[name] = b
+
+
+@contextmanager
+def kept(loss: Callable[..., Any]) -> Iterator[None]:
+    """Run the block (a look at ``loss``) and put back the buffers and generators it changed.
+
+    A changed buffer is given back as its copy, not written over: autograd may have saved it.
+    """
+    with watching(loss) as state:
+        yield
+    buffers, generators = state.changed()
+    for m, name, _, copy in buffers:
+        m._buffers[name] = copy
+    for g, st in generators:
+        g.set_state(st)

@@ -19,7 +19,9 @@ GPU's thread changed the masks the CPU stage drew (seen on an H200 with
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["RngState", "autocast_as", "autocast_off", "autocast_state", "restore_rng", "same_rng", "save_rng",
+__all__ = ["RngState", "autocast_as", "autocast_off", "autocast_state", "held", "held_generators", "restore_rng", "same_rng", "save_rng",
            "stage_generators", "with_inputs"]
 
 
@@ -45,28 +47,73 @@ def stage_generators(gm: torch.fx.GraphModule) -> tuple[torch.Generator, ...]:
                 values.append(operator.attrgetter(str(node.target))(gm))
         elif node.op == "call_module":  # a module called whole (a leaf) drawing from a generator it holds
             with contextlib.suppress(AttributeError):
-                values += [g for m in gm.get_submodule(str(node.target)).modules() for v in vars(m).values()
-                           for g in _held(v)]
+                values += [g for m in gm.get_submodule(str(node.target)).modules() for g in held_generators(m)]
         torch.fx.node.map_aggregate((node.args, node.kwargs), values.append)
         found.update((id(v), v) for v in values if isinstance(v, torch.Generator))
     return tuple(found.values())
 
 
-def _held(value: Any, depth: int = 0) -> list[torch.Generator]:
-    """Return the generators ``value`` is or holds: in a list, tuple or dict, or a plain object's attributes, 2 deep."""
-    if isinstance(value, torch.Generator):
-        return [value]
-    if depth >= 2 or isinstance(value, (torch.Tensor, torch.nn.Module, str, bytes, type)):
-        return []
+def held_generators(value: Any) -> list[torch.Generator]:
+    """Return the ``torch.Generator`` objects ``value`` is or holds, up to 6 references deep.
+
+    Looked into: lists, tuples, sets and dicts; a user object's attributes and ``__slots__``
+    (a sampler, a callable one too); a function's closure, defaults and bound ``self``; a
+    ``functools.partial``'s function and arguments; a module's attributes (not its submodules,
+    parameters or buffers: the caller walks those).
+    """
+    return held(value, torch.Generator)
+
+
+def held(value: Any, kind: type) -> list[Any]:
+    """Return the objects of ``kind`` that ``value`` is or holds (see :func:`held_generators`)."""
+    found: dict[int, Any] = {}
+    _walk(value, kind, 0, found, set())
+    return list(found.values())
+
+
+def _walk(value: Any, kind: type, depth: int, found: dict[int, Any], seen: set[int]) -> None:
+    """Add the objects of ``kind`` that ``value`` holds to ``found``."""
+    if isinstance(value, kind):
+        found[id(value)] = value
+    if depth > 6 or id(value) in seen or len(seen) > 4096 or value is None or \
+            isinstance(value, (torch.Generator, torch.Tensor, str, bytes, type, int, float, complex, bool)):
+        return
+    seen.add(id(value))
+    for item in _references(value)[:64]:
+        _walk(item, kind, depth + 1, found, seen)
+
+
+def _references(value: Any) -> list[Any]:
+    """Return what ``value`` refers to that may hold a generator."""
     if isinstance(value, (list, tuple, set, frozenset)):
-        items = list(value)[:64]
-    elif isinstance(value, dict):
-        items = list(value.values())[:64]
-    elif type(value).__module__ != "builtins" and hasattr(value, "__dict__") and not callable(value):
-        items = list(vars(value).values())[:64]  # a sampler object of the user's holding its generator
-    else:
+        return list(value)
+    if isinstance(value, dict):
+        return list(value.values())
+    if isinstance(value, functools.partial):
+        return [value.func, *value.args, *value.keywords.values()]
+    if isinstance(value, types.MethodType):
+        return [value.__self__, value.__func__]
+    if isinstance(value, types.FunctionType):
+        cells = [c.cell_contents for c in value.__closure__ or () if _filled(c)]
+        return cells + list(value.__defaults__ or ()) + list((value.__kwdefaults__ or {}).values())
+    if isinstance(value, torch.nn.Module):
+        return [v for k, v in vars(value).items() if not k.startswith("_")]
+    if type(value).__module__ == "builtins" or isinstance(value, types.ModuleType):
         return []
-    return [g for v in items for g in _held(v, depth + 1)]
+    held = list(getattr(value, "__dict__", {}).values())
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        held += [getattr(value, n) for n in ([slots] if isinstance(slots, str) else slots) if hasattr(value, n)]
+    return held
+
+
+def _filled(cell: Any) -> bool:
+    """Tell whether a closure cell holds a value (a variable assigned later may not yet)."""
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def with_inputs(generators: tuple[torch.Generator, ...], inputs: Any) -> tuple[torch.Generator, ...]:
