@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fxpipe.runtime.stage.rng import held_generators
+
 __all__ = ["LOW_PRECISION", "exact_values", "to_float64", "within_eager_rounding"]
 
 logger = logging.getLogger(__name__)
@@ -48,9 +50,10 @@ def exact_values(model: nn.Module, inputs: tuple, kwargs: dict, loss: Callable[[
     model = model.double()
     try:
         with seeded():
-            before = _random_state()
+            generators = [g for m in model.modules() for g in held_generators(m)] + held_generators((inputs, kwargs))
+            before = _random_state(generators)
             out = model(*to_float64(inputs), **to_float64(kwargs))
-            drew = not all(torch.equal(a, b) for a, b in zip(before, _random_state()))
+            drew = not all(torch.equal(a, b) for a, b in zip(before, _random_state(generators)))
             value = loss(out)
             value.backward()
     except Exception as exc:  # noqa: BLE001 - an op without float64 kernels: no arbiter, the difference stands
@@ -66,9 +69,10 @@ def exact_values(model: nn.Module, inputs: tuple, kwargs: dict, loss: Callable[[
     return exact
 
 
-def _random_state() -> list[torch.Tensor]:
-    """Return the default generators' states (the CPU's, and the current CUDA device's once CUDA is in use)."""
-    return [torch.get_rng_state(), *([torch.cuda.get_rng_state()] if torch.cuda.is_initialized() else [])]
+def _random_state(generators: list[torch.Generator]) -> list[torch.Tensor]:
+    """Return the generators' states: the CPU's, the current CUDA device's once CUDA is in use, then ``generators``'."""
+    return [torch.get_rng_state(), *([torch.cuda.get_rng_state()] if torch.cuda.is_initialized() else []),
+            *(g.get_state() for g in generators)]
 
 
 def within_eager_rounding(actual: torch.Tensor, expected: torch.Tensor, exact: torch.Tensor | None,
