@@ -55,7 +55,10 @@ def total_norm(runtime: Any, params: Sequence[torch.Tensor], norm_type: float) -
     # reduced in float64 (a float64 model's norm was rounded to float32), with a flag beside it saying
     # whether any rank's gradients are float64: every rank then returns eager's dtype, the same everywhere
     wide = float(bool(counted) and part.dtype == torch.float64)
-    if norm_type != float("inf"):
+    inf = float("inf")
+    if norm_type == -inf:  # the least over ranks, taken as the most of the negated (a rank holding none: no part)
+        part = -part if counted else torch.full((), -inf, device=device)
+    elif norm_type not in (inf, 0):  # a 0-"norm" counts the nonzero entries: the counts add
         part = part.double() ** norm_type
     part = part.to(device=device, dtype=torch.float64)
     # and a flag for a NaN: a max over ranks may drop one (gloo's kept the other rank's number, and
@@ -64,8 +67,9 @@ def total_norm(runtime: Any, params: Sequence[torch.Tensor], norm_type: float) -
     groups = [layout.pp_group] + ([layout.dp_group] if runtime.grad_sync is not None and runtime.grad_sync.shard
                                   else [])  # replicated gradients are equal on every replica: count one
     groups += [layout.tp_group] if layout.tp > 1 else []
-    for group in groups:  # the flags add (inf: take the max): above 0 where any rank's is float64 (or NaN)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM, group=group)
-    norm = both[0] if norm_type == float("inf") else both[0] ** (1.0 / norm_type)
+    most = abs(norm_type) == inf
+    for group in groups:  # the flags add (+-inf: take the max): above 0 where any rank's is float64 (or NaN)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX if most else dist.ReduceOp.SUM, group=group)
+    norm = both[0] if norm_type in (inf, 0) else -both[0] if norm_type == -inf else both[0] ** (1.0 / norm_type)
     norm = torch.where(both[2] > 0, torch.full_like(norm, float("nan")), norm)
     return norm.to(torch.float64 if bool(both[1] > 0) else torch.float32)
