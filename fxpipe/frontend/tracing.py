@@ -30,6 +30,7 @@ from fxpipe.frontend.modes import in_other_mode, may_read_mode, quieted
 from fxpipe.frontend.nograd import detach_no_grad_blocks
 from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
 from fxpipe.frontend.tensorhooks import HookOnProxy, refuse_tensor_hook
+from fxpipe.frontend.tracewrites import refuse_writes_while_tracing, state_versions
 from fxpipe.frontend.userframe import user_frame
 from fxpipe.options import check_tracer
 from fxpipe.passes.amp import run_under_autocast
@@ -181,9 +182,11 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
                          f"{type(model).__name__}; use names from model.named_modules()")
     _refuse_wrapped_forward(model, concrete_args)
     _refuse_tensor_defaults(model, concrete_args)
+    versions = state_versions(model)
     gm = _fx_trace(model, leaf_types, leaf_names, concrete_args)
     name = model.__class__.__name__
     _note_mode_branch(model, gm, lambda: _fx_trace(model, leaf_types, leaf_names, concrete_args))
+    refuse_writes_while_tracing(model, versions)  # a loop over .parameters() ran once, on the real weights
     if detach_no_grad_blocks(gm):
         log.info("%s: the values leaving its torch.no_grad() blocks are detached", name)
     if fresh := fresh_constants(gm):

@@ -37,7 +37,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from fxpipe.passes.mutates import aliases, op_name, unwrapped, written_args
 
-__all__ = ["bumped", "changed", "norm_statistics", "private_statistics", "replayed", "snapshot", "versions",
+__all__ = ["bumped", "changed", "norm_statistics", "private_statistics", "replayed", "snapshot", "state", "versions",
            "written_buffers"]
 
 
@@ -102,10 +102,20 @@ def through_picks(nodes: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
     return found
 
 
+def state(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Return ``gm``'s buffers and parameters by name (a frozen parameter a forward updates is kept as a buffer is)."""
+    return {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+
+
 def written_buffers(gm: torch.fx.GraphModule) -> list[str]:
-    """Return the names of the buffers the graph of ``gm`` updates: running statistics and in-place writes."""
+    """Return the names of the buffers (and parameters) the graph of ``gm`` updates: running statistics, in-place writes.
+
+    A parameter written in place under ``torch.no_grad()`` (a momentum encoder's target network,
+    BYOL's and MoCo's ``pt.mul_(m).add_(po, alpha=1 - m)``) is one too: a recomputation applied
+    the update a second time.
+    """
     names = sorted(norm_statistics(gm))
-    buffers = dict(gm.named_buffers())
+    buffers = state(gm)
     for node in gm.graph.nodes:
         for arg in written_args(node):
             while isinstance(arg, torch.fx.Node) and arg.op != "get_attr" and len(aliases(arg)) == 1:
@@ -116,8 +126,8 @@ def written_buffers(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def versions(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Return the version counter of each real buffer of ``gm`` (bumped by every in-place write)."""
-    return {n: b._version for n, b in gm.named_buffers() if not b.is_meta}
+    """Return the version counter of each real buffer and parameter of ``gm`` (bumped by every in-place write)."""
+    return {n: b._version for n, b in state(gm).items() if not b.is_meta}
 
 
 def bumped(gm: torch.fx.GraphModule, before: dict[str, int]) -> list[str]:
@@ -136,8 +146,8 @@ def changed(gm: torch.fx.GraphModule, before: dict[str, torch.Tensor]) -> list[s
 
 
 def snapshot(gm: torch.fx.GraphModule, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Copy the buffers ``names`` of ``gm`` as they are now."""
-    buffers = dict(gm.named_buffers())
+    """Copy the buffers (or parameters) ``names`` of ``gm`` as they are now."""
+    buffers = state(gm)
     with torch.no_grad():
         return {n: buffers[n].detach().clone() for n in names if n in buffers and not buffers[n].is_meta}
 
@@ -145,7 +155,7 @@ def snapshot(gm: torch.fx.GraphModule, names: Sequence[str]) -> dict[str, torch.
 @contextmanager
 def replayed(gm: torch.fx.GraphModule, names: Sequence[str], before: dict[str, torch.Tensor]) -> Iterator[None]:
     """Run the block with the buffers ``names`` as copied in ``before`` (scratch copies where not); put them back after."""
-    buffers = dict(gm.named_buffers())
+    buffers = state(gm)
     tensors = {n: buffers[n] for n in names if n in buffers and not buffers[n].is_meta}
     if not tensors:
         yield

@@ -159,3 +159,26 @@ def test_an_optional_input_left_none_is_named_with_its_fixes():
                           devices=["cpu"] * 2)
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), model(x))
+
+
+class _LoopedMomentum(torch.nn.Module):
+    """Move a frozen target network toward the online one through a loop over .parameters() (BYOL, MoCo)."""
+
+    def __init__(self):
+        super().__init__()
+        self.online, self.target = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for pt, po in zip(self.target.parameters(), self.online.parameters()):
+                pt.mul_(0.9).add_(po, alpha=0.1)
+        return self.online(x) * self.target(x)
+
+
+def test_a_forward_writing_real_parameters_while_fx_traces_is_refused_naming_export():
+    # .parameters() gives the real tensors: the update ran once at compile and never in training (0.06 off), silently
+    import fxpipe
+    from fxpipe.errors import TraceError
+
+    with pytest.raises(TraceError, match=r"wrote target.weight, target.bias in place.*tracer='export'"):
+        fxpipe.compile(_LoopedMomentum(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2)
