@@ -26,6 +26,8 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_map
 
+from fxpipe.passes.mutates import aliases, written_args
+
 __all__ = ["detach_no_grad_blocks", "detached"]
 
 _CALLS = ("call_function", "call_method", "call_module")
@@ -47,25 +49,32 @@ def _marked(node: torch.fx.Node) -> bool:
 
 
 def _write_through_detached(gm: torch.fx.GraphModule) -> int:
-    """Make each in-place method a no-grad block calls on a tensor from outside it write through a detached alias.
+    """Make each in-place write a no-grad block makes to a tensor from outside it go through a detached alias.
 
     Eager writes a parameter in place inside ``torch.no_grad()`` (an ActNorm set from the data:
     ``self.loc.copy_(...)``); with autograd on, as the block runs here, the write is refused ("a
-    leaf Variable that requires grad is being used in an in-place operation"). The alias shares
-    the tensor's storage and version counter, so the write lands where eager's does.
+    leaf Variable that requires grad is being used in an in-place operation"), or recorded: a
+    masked gradient (``g[:, 0] = 0``, ``torch.clamp_(g, ...)``) then stopped the gradient eager
+    passes through. The alias shares the tensor's storage and version counter, so the write lands
+    where eager's does. Methods, functions and ``operator.setitem`` alike (what
+    :func:`~fxpipe.passes.mutates.written_args` finds written).
     """
     count = 0
     for node in list(gm.graph.nodes):
-        name = node.target if node.op == "call_method" else ""
-        if not (_marked(node) and isinstance(name, str) and name.endswith("_") and not name.startswith("__")):
+        if not _marked(node) or node.op not in ("call_method", "call_function") or not node.args:
             continue
-        target = node.args[0] if node.args else None
-        if not isinstance(target, torch.fx.Node) or _marked(target):
+        target = node.args[0]
+        if not isinstance(target, torch.fx.Node) or target not in written_args(node):
+            continue
+        writer = node
+        while _marked(target) and target.args and len(aliases(target)) == 1:
+            writer, target = target, aliases(target)[0]  # a view the block took of it: g.view(-1)[::3] = 0
+        if _marked(target) or not isinstance(target, torch.fx.Node):
             continue  # a tensor the block made itself: detached after it anyway
-        with gm.graph.inserting_before(node):
+        with gm.graph.inserting_before(writer):
             alias = gm.graph.call_function(detached, (target,))
         alias.meta["fxpipe.detaches"] = True
-        node.args = (alias, *node.args[1:])
+        writer.args = (alias, *writer.args[1:])
         count += 1
     return count
 

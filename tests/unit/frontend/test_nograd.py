@@ -119,3 +119,40 @@ def test_a_parameter_written_in_place_in_a_no_grad_block_is_written_as_eager_wri
         torch.testing.assert_close(model.state_dict()[name], t, msg=name)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class _Masked(nn.Module):
+    """Change an activation that carries a gradient in place inside ``torch.no_grad()`` (eager's gradient passes)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.a, self.head = how, nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        g = self.a(x)
+        with torch.no_grad():
+            if self.how == "setitem":
+                g[:, 0] = 0.0
+            elif self.how == "clamp_":
+                torch.clamp_(g, max=0.5)
+            elif self.how == "view":
+                g.view(-1)[::3] = 0.0
+            else:  # pruning a weight
+                self.head.weight[:, 0] = 0.0
+        return self.head(g)
+
+
+@pytest.mark.parametrize("how", ["setitem", "clamp_", "view", "weight"])
+def test_a_no_grad_write_by_a_function_or_through_a_view_leaves_the_gradient_as_eager(how):
+    # only methods ending in _ were written through a detached alias: operator.setitem and torch.clamp_ were
+    # recorded by autograd (masked gradients 47-79% off, silently), a weight's setitem refused at compile
+    torch.manual_seed(0)
+    model, x, y = _Masked(how), torch.randn(8, 16), torch.randint(0, 3, (8,))
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=1, devices=["cpu"] * 2)
+    loss = pipe.step(x, target=y, loss_fn=F.cross_entropy)
+    expect = F.cross_entropy(eager(x), y)
+    expect.backward()
+    torch.testing.assert_close(loss, expect.detach())
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
