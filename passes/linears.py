@@ -51,7 +51,8 @@ def defers_weight_grad(gm: torch.fx.GraphModule, node: torch.fx.Node, autocast: 
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
         return type(mod) is nn.Linear and not node.kwargs and _wants_grad(gm, mod.weight) \
-            and (mod.bias is None or _wants_grad(gm, mod.bias)) and not hooked(mod)
+            and (mod.bias is None or _wants_grad(gm, mod.bias)) and not hooked(mod) \
+            and "forward" not in vars(mod)  # a forward replaced on the instance: linear() would skip it
     if node.op == "call_function" and node.target in LINEARS:
         args = list(node.args) + [None] * 3
         weight = node.kwargs.get("weight", args[1])
