@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 from fxpipe.errors import user_stacklevel
 from fxpipe.plan.batches import micro_sizes
@@ -39,7 +39,9 @@ def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_
         return False
     sizes = micro_sizes(batch, m)
     seen = False
-    for name, value in values.items():
+    leaves = [(name + keystr(path), v) for name, value in values.items()
+              for path, v in tree_flatten_with_path(value)[0]]  # a target dict's or tuple's labels too
+    for name, value in leaves:
         if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.dim() < 1 \
                 or value.shape[0] != batch or value.dtype == torch.bool:
             continue

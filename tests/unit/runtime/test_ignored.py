@@ -198,3 +198,11 @@ def test_the_look_at_a_coupled_terms_scale_leaves_the_modules_loss_fn_calls_alon
         assert torch.equal(critic.g.get_state(), eager_critic.g.get_state())
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("wrap", [lambda t: {"labels": t, "value": torch.zeros(2)}, lambda t: (t,)])
+def test_labels_inside_a_target_dict_or_tuple_are_looked_at_too(wrap):
+    # only a target that is itself a tensor was looked at: a multi-task dict's -100 labels went unwarned
+    # (gradients 67% off eager, silently)
+    with pytest.warns(UserWarning, match=r"target\['labels'\]|target\[0\]"):
+        assert warn_uneven_ignored({"target": wrap(_labels([200, 700]))}, 2, 2, F.cross_entropy)
