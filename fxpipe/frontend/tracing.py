@@ -86,7 +86,7 @@ class _Tracer(torch.fx.Tracer):
         return node
 
     def create_arg(self, a: Any) -> Any:
-        """Record the dataclasses and ``OrderedDict``s the forward builds as calls that rebuild them.
+        """Record the dataclasses and ``OrderedDict``s the forward builds as calls that rebuild them; numpy scalars as Python's.
 
         A plain dataclass is rebuilt from its fields without ``__init__`` (torch.fx's own call of
         the class ran ``__post_init__`` again); one that is also a dict (a Hugging Face-style
@@ -96,6 +96,8 @@ class _Tracer(torch.fx.Tracer):
         if isinstance(a, dict) and dataclasses.is_dataclass(a) and not isinstance(a, type):
             kwargs = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if f.init}
             return self.create_node("call_function", type(a), (), kwargs)
+        if type(a).__module__ == "numpy" and hasattr(a, "item") and getattr(a, "ndim", None) == 0:
+            return a.item()  # a numpy scalar (np.sqrt(d)): fx wrote np.float64(4.0), which its code cannot name
         if dataclasses.is_dataclass(a) and not isinstance(a, type) and not isinstance(a, (dict, list, tuple)):
             # torch.fx's own call of the class would run __post_init__ again on the fields it made
             kwargs = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if hasattr(a, f.name)}

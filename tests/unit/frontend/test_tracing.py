@@ -182,3 +182,27 @@ def test_a_forward_writing_real_parameters_while_fx_traces_is_refused_naming_exp
 
     with pytest.raises(TraceError, match=r"wrote target.weight, target.bias in place.*tracer='export'"):
         fxpipe.compile(_LoopedMomentum(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2)
+
+
+def test_a_numpy_scalar_attribute_is_traced_as_a_python_number():
+    # fx wrote np.float64(4.0) into the stage code: compile passed, then pipe(x) raised NameError: name 'np'
+    np = pytest.importorskip("numpy")
+    import copy
+
+    import fxpipe
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 4)
+            self.scale, self.shift = np.sqrt(16.0), np.int64(2)
+
+        def forward(self, x):
+            return self.l2(torch.tanh(self.l1(x)) / self.scale + self.shift)
+
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(6, 8)
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), eager(x))
