@@ -229,9 +229,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             stages_per_rank, data_parallel = layout["stages_per_rank"], layout["data_parallel"]
             data_parallel_shard, tensor_parallel = layout["data_parallel_shard"], layout["tensor_parallel"]
             tracer = layout["tracer"]
-        flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
-            "is_gradient_checkpointing"  # transformers 5 deprecates the second, warning at each read
-        if getattr(model, flag, False) is True:  # Hugging Face's own recomputation
+        if _hf_checkpointing(model):  # Hugging Face's own recomputation
             warnings.warn(
                 f"{type(model).__name__} has gradient checkpointing on (gradient_checkpointing_enable()), which the "
                 "trace runs through: its layers become plain calls that keep their activations, saving no memory. "
@@ -331,3 +329,17 @@ def _note_packed_inputs(exc: BaseException, args: tuple) -> None:
         add_note(exc, f"fxpipe: example_inputs is the tuple of forward's positional arguments, and its item(s) "
                       f"{packed} are {type(args[packed[0]]).__name__}s, given to forward as they are: for forward(x) "
                       "pass example_inputs=(x,), not ((x,),)")
+
+
+def _hf_checkpointing(model: nn.Module) -> bool:
+    """Tell whether a Hugging Face model (or one inside ``model``: a PEFT wrapper's) has gradient checkpointing on.
+
+    Read from the class that defines the flag: transformers 5 deprecates ``is_gradient_checkpointing``
+    for ``is_activation_checkpointing`` and warns at each read of the old one, which a wrapper
+    forwarding attributes (PEFT's ``PeftModel``) would otherwise reach.
+    """
+    for m in model.modules():
+        for flag in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+            if hasattr(type(m), flag):
+                return getattr(m, flag, False) is True
+    return False

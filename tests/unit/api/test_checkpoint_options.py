@@ -72,8 +72,23 @@ def test_hugging_face_gradient_checkpointing_is_said_to_save_nothing():
         def is_gradient_checkpointing(self):
             raise AssertionError("read the deprecated flag")
 
-    for kind in (Checkpointed, Transformers5):
-        model = kind(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    class Wrapper(nn.Module):  # PEFT's PeftModel: forwards unknown attributes to the model inside
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.inner, name)
+
+        def forward(self, x):
+            return self.inner(x)
+
+    for kind in (Checkpointed, Transformers5, Wrapper):
+        layers = (nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        model = Wrapper(Transformers5(*layers)) if kind is Wrapper else kind(*layers)
         with pytest.warns(UserWarning, match=rf"{kind.__name__} has gradient checkpointing on .* saving no memory.*"
                                              r"gradient_checkpointing_disable\(\)"):
             fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 4),), devices=["cpu"] * 2)
