@@ -210,7 +210,9 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
         # made with grad mode off (a forward's torch.no_grad() blocks) or inside autocast blocks are marked
         with recording_markers(fx_tracer), recording_assignments(fx_tracer), torch.enable_grad(), \
                 recording_autocast_blocks(), recording_python_random(drawn), no_proxies_left(model), \
-                flags_kept(model, flipped), watching_functions() as functions:
+                flags_kept(model, flipped), watching_functions() as functions, warnings.catch_warnings():
+            # a reentrant torch.utils.checkpoint sees Proxies, none requiring grad: its warning is the trace's
+            warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True")
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         raise with_distributions_hint(_explain(model, fx_tracer, exc), exc) from exc
