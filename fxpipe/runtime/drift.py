@@ -14,8 +14,9 @@ modules it calls (parameters' values, a replaced ``Parameter``, ``train()``/``ev
 
 :func:`snapshot` records, at compile, each module's place in its parent and, for each module
 whose code the graph was traced through (not one it calls whole, nor those beneath such a
-one, nor an alias of such a one), its plain attributes (bools, numbers, strings, enums, None,
-containers of up to 64 of them; private ones too; its class's public defaults): which of them the code reads is not known, so
+one, nor an alias of such a one), its plain attributes (bools, numbers, numpy numbers, strings, enums, None,
+containers of up to 64 of them; private ones too; its class's public defaults; functions and
+public tensors by identity): which of them the code reads is not known, so
 a counter kept on the model is told once too. :func:`changes` names what differs at a call
 (a dict's added keys and a list of numbers grown at its end are not a difference). It records
 the tensors the stages fetch themselves (``get_attr``: a parameter used directly, every weight
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +43,8 @@ __all__ = ["Snapshot", "changes", "describe", "replaced", "snapshot", "untied"]
 
 _PLAIN = (bool, int, float, str, type(None))
 _CONTAINERS = (list, tuple, dict, set, frozenset)
-_MODULE_OWN = frozenset(vars(nn.Module())) | {"training"}  # hooks' registries and the like: not the model's code
+_MODULE_OWN = frozenset(vars(nn.Module())) | {"training", "forward"}  # hooks' registries and the like
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, functools.partial)
 
 
 class _Missing:
@@ -150,7 +154,7 @@ def replaced(snap: Snapshot) -> bool:
 
 def _is_plain(value: Any, depth: int = 0) -> bool:
     """Tell whether ``value`` is a bool, number, string or None, or a small container of them (a scale per adapter)."""
-    if type(value) in _PLAIN or isinstance(value, enum.Enum):
+    if type(value) in _PLAIN or isinstance(value, enum.Enum) or _numpy_scalar(value):
         return True
     if depth > 2 or type(value) not in _CONTAINERS or len(value) > 64:
         return False
@@ -158,13 +162,25 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
     return all(_is_plain(v, depth + 1) for v in items)
 
 
+def _numpy_scalar(value: Any) -> bool:
+    """Tell whether ``value`` is a numpy scalar (``np.sqrt(d)``, ``np.int64(3)``): a number to traced code."""
+    return type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
+
+
 def _watched(key: str, value: Any) -> bool:
     """Tell whether attribute ``key`` holding ``value`` may steer traced code: plain, private ones too.
 
     Private attributes hold switches (PEFT's ``_disable_adapters`` and ``_active_adapter``) and
-    scales as public ones do; nn.Module's own registries are not the model's code.
+    scales as public ones do; nn.Module's own registries are not the model's code. A function
+    (``self.act = F.tanh``) and a public tensor that is not a parameter or buffer
+    (``self.temperature = torch.tensor(2.0)``) the trace took as it was are watched by identity:
+    another one put in their place is not followed (a private tensor is a cache's own).
     """
-    return key not in _MODULE_OWN and not key.startswith("__") and _is_plain(value)
+    if key in _MODULE_OWN or key.startswith("__"):
+        return False
+    if isinstance(value, _FUNCTIONS) or (isinstance(value, torch.Tensor) and not key.startswith("_")):
+        return True
+    return _is_plain(value)
 
 
 def _plain(module: nn.Module) -> list[tuple[str, Any]]:
@@ -240,7 +256,11 @@ def _same(now: Any, then: Any) -> bool:
     under the keys it had (PEFT's ``scaling`` given a key for an added adapter); or a list of
     numbers that grew after what it held (a history kept on the model).
     """
-    if now is then or now == then:
+    if now is then:
+        return True
+    if isinstance(now, (torch.Tensor, *_FUNCTIONS)) or isinstance(then, (torch.Tensor, *_FUNCTIONS)):
+        return False  # by identity (a tensor's == is elementwise)
+    if now == then:
         return True
     if isinstance(now, dict) and isinstance(then, dict):
         return all(k in now and _same(now[k], v) for k, v in then.items())

@@ -312,18 +312,31 @@ class _Private(nn.Module):
         self.drop = nn.Dropout(0.0)
         self.again = self.drop  # the same dropout, a second name: the graph calls one of them
         self._temp, self.mode = 1.0, self.Mode.PLAIN
+        self.act, self.scale = torch.tanh, torch.tensor(1.0)
 
     def forward(self, x):
-        h = self.again(self.drop(self.l1(x))) / self._temp
+        h = self.act(self.again(self.drop(self.l1(x))) / self._temp) / self.scale
         return self.l2(h) * (2 if self.mode is self.Mode.DOUBLED else 1)
 
 
-@pytest.mark.parametrize("change", ["_temp", "mode"])
-def test_a_private_number_and_an_enum_are_watched(change):
-    # a private temperature (0.48 off) and an enum flag (0.51 off) changed after compile went unwarned
+_CHANGES = {"_temp": 2.0, "mode": _Private.Mode.DOUBLED, "act": torch.relu, "scale": torch.tensor(2.0)}
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("change", ["_temp", "mode", "act", "scale", "numpy"])
+def test_a_private_number_and_an_enum_are_watched(change, tracer):
+    # a private temperature (0.48 off) and an enum flag (0.51 off) changed after compile went unwarned; then a
+    # function (0.48), a tensor attribute replaced (0.20) and a numpy number (0.27)
     model, x = _Private(), torch.randn(6, 8)
-    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
-    setattr(model, change, 2.0 if change == "_temp" else _Private.Mode.DOUBLED)
+    if change == "numpy":  # a numpy number replaced by another
+        np = pytest.importorskip("numpy")
+        model._temp = np.float64(1.0)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, tracer=tracer)
+    if change == "numpy":
+        change = "_temp"
+        setattr(model, change, np.float64(2.0))
+    else:
+        setattr(model, change, _CHANGES[change])
     with pytest.warns(UserWarning, match=rf"{change} was .*, is "):
         pipe(x)
 
