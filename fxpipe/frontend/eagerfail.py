@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import TraceError
@@ -87,4 +88,5 @@ def _plain(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Tell whether the model's tensors and the inputs all hold data (none on meta, none fake)."""
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     tensors += [*model.parameters(), *model.buffers()]
-    return not any(t.is_meta or type(t) is not torch.Tensor and not isinstance(t, nn.Parameter) for t in tensors)
+    return not any(t.is_meta or is_fake(t) or type(t) is not torch.Tensor and not isinstance(t, nn.Parameter)
+                   for t in tensors)  # a Parameter built inside a trace is fake too

@@ -248,24 +248,29 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
 
     drawn: list[str] = []
     inference: list[str] = []
-    with fake_state(model, target) as faked, _keywords_by_name(model, signature, bound):
-        with recording_python_random(drawn), watching_functions() as functions, watching_tensor_hooks() as hooks, \
-                watching_inference_mode(inference):
-            try:
-                gm = exported(faked)
-            except TraceError as exc:
-                if drawn:  # random numbers sized by the batch (SpecAugment's NumPy masks) fail on a symbolic batch
-                    exc.args = (f"{exc.args[0]}\nThe forward drew Python or NumPy random numbers while traced, at "
-                                f"{', '.join(dict.fromkeys(drawn))}, which no graph keeps (every step would reuse "
-                                "them): draw them with torch, turn them off for training through the pipe (a "
-                                "Hugging Face audio model's mask_time_prob=0, mask_feature_prob=0), or apply them "
-                                "outside it"),
-                raise
-        check_functions(type(model).__name__, functions, "export")
-        warn_tensor_hooks(type(model).__name__, hooks)
-        warn_python_random(type(model).__name__, drawn, "export")
-        warn_inference_mode(type(model).__name__, inference)
-        difference = _other_mode(model, gm, partial(exported, faked))
+    try:
+        with fake_state(model, target) as faked, _keywords_by_name(model, signature, bound):
+            with recording_python_random(drawn), watching_functions() as functions, watching_tensor_hooks() as hooks, \
+                    watching_inference_mode(inference):
+                try:
+                    gm = exported(faked)
+                except TraceError as exc:
+                    if drawn:  # random numbers sized by the batch (SpecAugment's NumPy masks) fail on a symbolic batch
+                        exc.args = (f"{exc.args[0]}\nThe forward drew Python or NumPy random numbers while traced, at "
+                                    f"{', '.join(dict.fromkeys(drawn))}, which no graph keeps (every step would reuse "
+                                    "them): draw them with torch, turn them off for training through the pipe (a "
+                                    "Hugging Face audio model's mask_time_prob=0, mask_feature_prob=0), or apply them "
+                                    "outside it"),
+                    raise
+            check_functions(type(model).__name__, functions, "export")
+            warn_tensor_hooks(type(model).__name__, hooks)
+            warn_python_random(type(model).__name__, drawn, "export")
+            warn_inference_mode(type(model).__name__, inference)
+            difference = _other_mode(model, gm, partial(exported, faked))
+    except TraceError:
+        _refuse_built_while_tracing(model)  # the likelier cause, and the model is left holding them
+        raise
+    _refuse_built_while_tracing(model)
     _share_state(gm, model)
     refuse_stand_ins(gm, model)
     gm.meta["fxpipe.tracer"] = "export"
@@ -557,3 +562,17 @@ def _share_state(gm: torch.fx.GraphModule, model: nn.Module) -> None:
             if name in own and own[name] is not t:
                 prefix, _, leaf = name.rpartition(".")
                 getattr(gm.get_submodule(prefix), registry)[leaf] = own[name]
+
+
+def _refuse_built_while_tracing(model: nn.Module) -> None:
+    """Refuse a model whose forward built parameters or buffers while traced: they hold no data (fake tensors)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    built = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if is_fake(t)]
+    if built:
+        raise TraceError(
+            f"{type(model).__name__}'s forward built {', '.join(built[:4])}{' ...' if len(built) > 4 else ''} while "
+            "torch.export traced it (a submodule made on the first call, self.extra = nn.Linear(...), or a lazy "
+            "module's parameters): made inside the trace, they hold no data. Run one forward on a real batch "
+            "before fxpipe.compile, so the model builds them itself, then compile; build the model again first, "
+            "as this one now holds them without data")

@@ -777,3 +777,31 @@ def test_prefix_tuning_is_named_not_use_cache():
                                                 r"cache .*Prefix tuning cannot be pipelined") as got:
         fxpipe.compile(_PrefixTuned(), 2, example_inputs=(torch.randn(4, 4),), tracer="export", devices=["cpu"] * 2)
     assert "use_cache': False}" not in str(got.value)
+
+
+class _BuildsOnFirstCall(torch.nn.Module):
+    """Make a submodule on its first forward (a lazily built head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.extra = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), None
+
+    def forward(self, x):
+        if self.extra is None:
+            self.extra = torch.nn.Linear(8, 8)
+        if x.shape[1] != 8:
+            raise ValueError("x must have 8 features")
+        return self.l2(self.extra(self.l1(x)))
+
+
+@pytest.mark.parametrize("features", [8, 7])
+def test_a_submodule_built_inside_the_trace_is_refused_naming_an_eager_forward_first(features):
+    # compile passed and pipe.step raised torch's "Cannot access data pointer of Tensor (FakeTensor)"; with inputs
+    # the model refuses, the eager look raised torch's DataDependentOutputException (aten.equal) from fake weights
+    import fxpipe
+    from fxpipe.errors import TraceError
+
+    with pytest.raises(TraceError, match=r"built extra.weight, extra.bias while torch.export traced it.*"
+                                         r"Run one forward on a real batch before fxpipe.compile"):
+        fxpipe.compile(_BuildsOnFirstCall(), 2, example_inputs=(torch.randn(4, features),), tracer="export",
+                       devices=["cpu"] * 2)
