@@ -34,6 +34,7 @@ from fxpipe.runtime.transport.procgroup import (
     setup_distributed,
 )
 from fxpipe.runtime.transport.sameoptions import agree_on_options
+from fxpipe.runtime.transport.sameweights import warn_other_weights
 
 __all__ = ["Target", "where"]
 
@@ -104,6 +105,8 @@ def where(model: nn.Module, options: CompileOptions) -> Target:
         join_default_group(options.timeout, n // options.stages_per_rank * options.data_parallel
                            * options.tensor_parallel)
         agree_on_options(options)
+        if options.weights is None:  # weights= loads the same on every rank
+            warn_other_weights(model)
         layout = setup_distributed(n, options.timeout, options.stages_per_rank, options.data_parallel, options.mesh,
                                    options.tensor_parallel)
         link = Comm(layout.rank, options.timeout, layout.pp_group, layout.device, layout.global_ranks)

@@ -351,6 +351,14 @@ def test_every_order_of_gradient_norm_is_eager_s_across_ranks(tmp_path, launch):
         assert all(err < 1e-12 for err in res.values()), res
 
 
+def test_ranks_that_built_other_weights_are_warned_at_compile(tmp_path, launch):
+    # torch.manual_seed(base + rank) before building: each rank kept its own stages' weights from its own model,
+    # and the pipe ran a mix no rank built (loss 1.626 for rank 0's model's 1.655), silently
+    for res in launch("dist_cases:seeded_per_rank", 2, "1f1b", tmp_path):
+        assert res["per_rank"] and "Seed every rank alike before building the model" in res["per_rank"][0], res
+        assert not res["alike"], res
+
+
 def test_a_nan_gradient_on_one_rank_makes_the_inf_norm_nan_on_every_rank(tmp_path, launch):
     # the ranks' max dropped the NaN (gloo kept the other rank's number): error_if_nonfinite let NaN gradients step
     for res in launch("dist_cases:clip_nan", 2, "1f1b", tmp_path):

@@ -1000,6 +1000,22 @@ def clip_orders(rank, world, schedule):
     return errors
 
 
+def seeded_per_rank(rank, world, schedule):
+    """Build the model from a seed per rank, then from one seed; return the warnings compile gave each time."""
+    import warnings
+
+    told = []
+    for seed in (rank, 0):
+        torch.manual_seed(seed)
+        model, x, _, _ = _mlp_pair()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fxpipe.compile(model, world, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
+                           schedule=schedule)
+        told.append([str(w.message) for w in caught if "other weights" in str(w.message)])
+    return {"per_rank": told[0], "alike": told[1]}
+
+
 def clip_nan(rank, world, schedule):
     """Put a NaN in one gradient on the last rank; return the inf-norm each rank gets and whether it refused."""
     torch.manual_seed(0)

@@ -1,0 +1,54 @@
+"""Warn, at compile and on every rank, where the ranks built the model with different weights.
+
+Each rank keeps its own stages' weights from the model it built: ranks that built it from
+different random states (``torch.manual_seed(base + rank)`` before building, for data
+augmentation) run a mix of weights no rank built, silently. One ``all_gather_object`` of a
+fingerprint per tensor (the sum of 16 of its entries, spread over it) tells them apart; the
+tensors on meta are left out (built there, loaded later).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxpipe.errors import user_stacklevel
+
+__all__ = ["fingerprints", "warn_other_weights"]
+
+log = logging.getLogger(__name__)
+
+
+def fingerprints(model: nn.Module) -> dict[str, float]:
+    """Return a number per real floating parameter and buffer of ``model`` that differs where its values differ."""
+    found: dict[str, float] = {}
+    with torch.no_grad():
+        for name, t in (*model.named_parameters(), *model.named_buffers()):
+            if t.is_meta or not t.is_floating_point() or t.numel() == 0:
+                continue
+            flat = t.detach().reshape(-1)
+            found[name] = float(flat[:: max(1, flat.numel() // 16)][:16].double().sum())
+    return found
+
+
+def warn_other_weights(model: nn.Module) -> None:
+    """Compare this rank's weights' fingerprints with every other rank's; warn naming those that differ."""
+    mine = fingerprints(model)
+    told: list[dict[str, float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(told, mine)
+    differ = {rank: [k for k, v in (theirs or {}).items() if k in mine and v != mine[k]]
+              for rank, theirs in enumerate(told) if rank != dist.get_rank()}
+    differ = {rank: names for rank, names in differ.items() if names}
+    if not differ:
+        return
+    rank, names = next(iter(differ.items()))
+    warnings.warn(
+        f"rank {dist.get_rank()} built the model with other weights than rank {rank} ({', '.join(names[:3])}"
+        f"{' ...' if len(names) > 3 else ''} differ; ranks {sorted(differ)} in all): each rank keeps its own stages' "
+        "weights, so the pipe would run a mix no rank built. Seed every rank alike before building the model "
+        "(torch.manual_seed(0) on each; seed per rank after compile, for data or dropout), or load the weights after "
+        "compile (fxpipe.load, or weights=); ignore this if you do", stacklevel=user_stacklevel())
