@@ -221,6 +221,8 @@ class DistributedRuntime:
         if "digest" in header:  # the call's first: a sampler sharding over every rank is refused, not run
             samebatch.agree_on_batch(self, args, kwargs, own_target, header)
             self.batch_checked.add(stepping)
+        elif "glance" in header and self.rank != self.first:  # a loop out of step later (a shorter loader)
+            samebatch.check_glance(self, args, kwargs, own_target, header)
         if header.get("training", training) != training:  # its peers learn of it as of any failed step
             mode, first = ("training", "eval") if training else ("eval", "training")
             raise PipelineInputError(

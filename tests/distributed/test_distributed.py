@@ -359,6 +359,14 @@ def test_ranks_that_built_other_weights_are_warned_at_compile(tmp_path, launch):
         assert not res["alike"], res
 
 
+def test_a_rank_whose_loop_fell_out_of_step_is_refused_at_that_step(tmp_path, launch):
+    # the batches were compared at the first step only: a loader one batch shorter on one rank trained the first
+    # rank's inputs against another batch's target (loss 6% off), silently
+    res = launch("dist_cases:loop_out_of_step", 2, "1f1b", tmp_path)
+    assert res[1]["raised"].startswith("PipelineInputError: rank 1 was given other inputs than rank 0"), res
+    assert "out of step" in res[0]["raised"], res
+
+
 def test_a_nan_gradient_on_one_rank_makes_the_inf_norm_nan_on_every_rank(tmp_path, launch):
     # the ranks' max dropped the NaN (gloo kept the other rank's number): error_if_nonfinite let NaN gradients step
     for res in launch("dist_cases:clip_nan", 2, "1f1b", tmp_path):

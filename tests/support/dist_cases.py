@@ -1016,6 +1016,23 @@ def seeded_per_rank(rank, world, schedule):
     return {"per_rank": told[0], "alike": told[1]}
 
 
+def loop_out_of_step(rank, world, schedule):
+    """Give every rank the inputs and targets, the last rank one batch ahead at the second step; return what each raised."""
+    torch.manual_seed(0)
+    model, _, _, loss_fn = _mlp_pair()
+    batches = [(torch.randn(8, 8), torch.randn(8, 4)) for _ in range(3)]
+    pipe = fxpipe.compile(model, world, example_inputs=(batches[0][0],), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule)
+    pipe.step(*batches[0][:1], target=batches[0][1], loss_fn=loss_fn)
+    x, y = batches[2] if rank == world - 1 else batches[1]
+    try:
+        pipe.step(x, target=y, loss_fn=loss_fn)
+        raised = ""
+    except Exception as exc:  # noqa: BLE001 - what the rank was told
+        raised = f"{type(exc).__name__}: {exc}"
+    return {"raised": raised}
+
+
 def clip_nan(rank, world, schedule):
     """Put a NaN in one gradient on the last rank; return the inf-norm each rank gets and whether it refused."""
     torch.manual_seed(0)

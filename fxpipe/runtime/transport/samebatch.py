@@ -31,7 +31,7 @@ from fxpipe.errors import PipelineInputError
 from fxpipe.runtime.transport.comm import on_every_rank, tell_all
 from fxpipe.runtime.transport.tpinputs import inputs_given
 
-__all__ = ["agree_on_batch", "digest"]
+__all__ = ["agree_on_batch", "check_glance", "digest", "glance"]
 
 _PLAIN = (bool, int, float, str, type(None))
 _FIX = ("A DistributedSampler with its default num_replicas and rank gives every rank its own rows; shard over the "
@@ -55,6 +55,47 @@ def digest(value: Any) -> list[Any]:
     """Return a cheap fingerprint of a structure of values: one entry per leaf (``None`` where not compared)."""
     leaves, _ = tree_flatten(value)
     return [_leaf(v) for v in leaves]
+
+
+def glance(value: Any) -> list[Any]:
+    """Return a cheaper fingerprint than :func:`digest`, for every later step: shapes and each tensor's first entries."""
+    found: list[Any] = []
+    for v in tree_flatten(value)[0]:
+        if isinstance(v, torch.Tensor) and v.device.type != "meta" and v.layout == torch.strided \
+                and not v.is_quantized:
+            t = v.detach().reshape(-1)[:64]
+            t = torch.view_as_real(t) if t.is_complex() else t
+            found.append((tuple(v.shape), str(v.dtype), float(t.double().sum()) if t.numel() else 0.0))
+        else:
+            found.append(v if type(v) in _PLAIN else None)
+    return found
+
+
+def check_glance(runtime: Any, args: tuple, kwargs: dict, target: Any, header: dict) -> None:
+    """On a rank other than the first stage's, at a later step: refuse inputs or a target other than the first's.
+
+    The batches agreed at the first call; a loop out of step later (a loader one batch shorter on
+    one rank: its next epoch's inputs met the other rank's last target) is refused on this rank,
+    and its peers learn of it as of any failed step.
+    """
+    mine = (glance(runtime.binding.bind(args, kwargs)) if inputs_given(args, kwargs) else None,
+            None if target is None else glance(target))
+    theirs = header["glance"]
+    what = None
+    if mine[0] is not None and _differs(mine[0], theirs[0]) is not None:
+        what = "inputs"
+    elif mine[1] is not None and _differs(mine[1], theirs[1]) is not None:
+        what = "target"
+    if what is None:
+        return
+    me, first = runtime.layout.global_ranks[runtime.rank], runtime.layout.global_ranks[runtime.first]
+    raise PipelineInputError(
+        f"rank {me} was given other {what} than rank {first} (the first stage's) at this step, though they agreed "
+        "at the first: the ranks' training loops are out of step (a data loader of another length on one rank, a "
+        "rank that skipped a step or started an epoch early). Give every rank of a pipeline the same batches in "
+        "the same order (DistributedSampler(dataset, *fxpipe.data_shard(pipe)) with drop_last=True, and "
+        "sampler.set_epoch(epoch) on every rank), or pass the inputs only on the first stage's rank and the target "
+        "only on the last's (None elsewhere)")
 
 
 def _same(a: Any, b: Any) -> bool:
