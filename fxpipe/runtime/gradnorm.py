@@ -59,7 +59,7 @@ def total_norm(runtime: Any, params: Sequence[torch.Tensor], norm_type: float) -
     if norm_type == -inf:  # the least over ranks, taken as the most of the negated (a rank holding none: no part)
         part = -part if counted else torch.full((), -inf, device=device)
     elif norm_type not in (inf, 0):  # a 0-"norm" counts the nonzero entries: the counts add
-        part = part.double() ** norm_type
+        part = part.double() ** norm_type if counted else part.double()  # none held: adds 0 (0 ** -1 is inf)
     part = part.to(device=device, dtype=torch.float64)
     # and a flag for a NaN: a max over ranks may drop one (gloo's kept the other rank's number, and
     # error_if_nonfinite let a NaN gradient step)
