@@ -54,8 +54,13 @@ class BufferReads:
 
 
 def _state_of(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, str], dict[str, list[torch.fx.Node]]]:
-    """Map each node sharing a buffer's storage to the buffer's name; map each buffer to the nodes writing it."""
-    buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+    """Map each node sharing a buffer's storage to the buffer's name; map each buffer to the nodes writing it.
+
+    A parameter written in place counts as a buffer (a momentum encoder's frozen target, a weight
+    pruned under ``torch.no_grad()``): its later readers take the value as written too.
+    """
+    buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)} | \
+        {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     owner: dict[torch.fx.Node, str] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr" and str(node.target) in buffers:
