@@ -63,6 +63,15 @@ def _write_through_detached(gm: torch.fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if not _marked(node) or node.op not in ("call_method", "call_function") or not node.args:
             continue
+        if isinstance(node.kwargs.get("out"), torch.fx.Node):  # torch.clamp(g, max=0.2, out=g): autograd refuses
+            outside = [a for a in node.all_input_nodes if not _marked(a)]  # any input requiring grad: detach each
+            for a in outside:
+                with gm.graph.inserting_before(node):
+                    alias = gm.graph.call_function(detached, (a,))
+                alias.meta["fxpipe.detaches"] = True
+                node.replace_input_with(a, alias)
+            count += len(outside)
+            continue
         target = node.args[0]
         if not isinstance(target, torch.fx.Node) or target not in written_args(node):
             continue
