@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     if saved is not None and n_stages != saved.n_stages:
         raise UsageError(f"--plan {args.plan} has {saved.n_stages} stages but --stages {n_stages}; "
                          f"drop --stages (or give --stages {saved.n_stages}) to reuse the plan")
+    if args.devices and len(args.devices) not in (1, n_stages):
+        raise UsageError(f"--devices has {len(args.devices)} names but --stages {n_stages}: give one device per "
+                         "stage, or one for all")
     chunks = args.chunks or (saved.chunks if saved else 1)
     model, inputs, kwargs = make_model(args.model, args.input_shape)
     if args.timeline and inputs is None:

@@ -83,6 +83,13 @@ def test_a_device_name_torch_does_not_know_exits_2_naming_the_valid_ones(capsys)
     assert exit_.value.code == 2 and "'gpu0' is no torch device: use cpu, cuda or cuda:N" in err
 
 
+def test_a_device_count_that_fits_no_stage_count_exits_2(capsys):
+    # the library's refusal came out with exit 1, which the docs keep for what the model does
+    code = cli.main(["inspect", "examples/unet.py:factory", "--stages", "2", "--devices", "cpu,cpu,cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--devices has 3 names but --stages 2" in err
+
+
 def test_plan_given_both_ranks_and_gpus_says_not_both(capsys):
     assert cli.main(["plan", "examples/unet.py:factory", "--ranks", "2", "--gpus", "2"]) == 2
     assert "or --gpus N (a whole cluster's layout), not both" in capsys.readouterr().err
