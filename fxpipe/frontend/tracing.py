@@ -105,7 +105,11 @@ class _Tracer(torch.fx.Tracer):
                 try:
                     kwargs[name] = self.create_arg(getattr(a, name))
                 except NotImplementedError:  # an object a graph cannot hold: the record comes back without it
-                    log.info("the %s record's attribute %r is not kept in the graph", type(a).__name__, name)
+                    warnings.warn(
+                        f"the {type(a).__name__} record the forward returns has an attribute {name!r} (a "
+                        f"{type(getattr(a, name)).__name__}, not a field) that a traced graph cannot hold: the pipe's "
+                        "records come back without it. Make it a field of tensors, numbers or strings, or compute "
+                        "it from the record after the pipe", stacklevel=user_stacklevel())
             return self.create_node("call_function", record_builder(type(a)), (), kwargs)
         if type(a) is collections.OrderedDict:  # torchvision's segmentation models: fx would return a plain dict
             return self.create_node("call_function", collections.OrderedDict, (super().create_arg(dict(a)),), {})

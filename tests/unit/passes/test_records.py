@@ -180,3 +180,30 @@ def test_a_record_is_rebuilt_without_running_its_post_init_again_and_keeps_init_
 
     loss = pipe.step(x, target=y, loss_fn=loss_fn)
     torch.testing.assert_close(loss, loss_fn(ref(x), y).detach())
+
+
+class _Meta:
+    """A plain object a record carries beside its fields."""
+
+
+@dataclass
+class _WithObject:
+    logits: torch.Tensor
+
+    def __post_init__(self):
+        self.meta = _Meta()  # not a field, and nothing a graph holds
+
+
+class _ReturnsWithObject(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return _WithObject(self.l2(torch.tanh(self.l1(x))))
+
+
+def test_an_attribute_a_graph_cannot_hold_is_warned_of_as_dropped():
+    # it was dropped from the record with a log line only (the user's record came back without it)
+    with pytest.warns(UserWarning, match="attribute 'meta' .* come back without it"):
+        fxpipe.compile(_ReturnsWithObject(), 2, example_inputs=(torch.randn(6, 8),), devices=["cpu"] * 2)
