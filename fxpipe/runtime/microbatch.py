@@ -224,6 +224,12 @@ def _missing_field(exc: Exception, out: Any) -> str | None:
 
 def _scalar_loss(value: Any, out: Any) -> torch.Tensor:
     """Return ``value`` if it is one number as a tensor; refuse a per-sample loss, a non-tensor or a cut-off one."""
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        raise PipelineInputError(
+            "loss_fn returned a loss on meta: it read tensors on meta, such as the parameters of the stages other "
+            "ranks hold (an L2 term over model.parameters(): on this rank they are on meta). Regularize through the "
+            "optimizer (weight_decay=), or over the parameters this rank holds (p for p in model.parameters() if "
+            "not p.is_meta) outside loss_fn, or keep the term inside the model's forward")
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         if torch.is_grad_enabled() and not value.requires_grad and any(
                 isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0]):

@@ -270,3 +270,17 @@ def test_a_none_in_the_model_s_output_is_not_blamed_on_the_target():
     with pytest.raises(AttributeError) as info:
         pipe.step(torch.randn(4, 4), target=None, loss_fn=lambda out, _: out["logits"].mean() + out["aux"].mean())
     assert any("the None is the model's own output's" in n for n in info.value.__notes__)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_loss_reading_meta_tensors_is_refused_naming_the_regularizer(schedule):
+    # across ranks an L2 term over model.parameters() read the other ranks' stages on meta: backward raised torch's
+    # "Cannot copy out of meta tensor; no data!" (a meta tensor stands in for them here)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, schedule=schedule)
+    elsewhere = torch.nn.Parameter(torch.empty(3, device="meta"))
+    with pytest.raises(fxpipe.PipelineInputError, match="loss on meta.*weight_decay="):
+        pipe.step(x, target=y, loss_fn=lambda out, t: F.mse_loss(out, t) + 0.01 * elsewhere.pow(2).sum())
+    loss = pipe.step(x, target=y, loss_fn=F.mse_loss)  # the failed step leaves the next one as it should be
+    torch.testing.assert_close(loss, F.mse_loss(copy.deepcopy(model)(x), y).detach())
