@@ -182,6 +182,9 @@ def batch_coupled_outputs(gm: torch.fx.GraphModule, batch: int, rows: int,
             if moved and whole[0] == part[0] and len(moved) == 1 and whole[moved[0]] == batch:
                 why = (f"the batch is on dim {moved[0]}, and micro-batches are joined on dim 0: return it "
                        f"batch-first (.transpose(0, {moved[0]})) and transpose it back after the pipeline")
+                if any(k in name for k in ("mems", "past_key_values", "cache")):  # XLNet's mems in eval mode
+                    why += (" (a Hugging Face model's cache: turn it off instead, use_cache=False or XLNet's "
+                            "use_mems=False, in example_kwargs= and in every call)")
             else:
                 why = (f"dim {moved[0]} follows the batch too" if moved
                        else "dim 0 does not follow the batch")

@@ -75,6 +75,21 @@ def test_an_output_with_the_batch_on_dim_1_is_named_with_the_transpose():
     assert len(found) == 1 and "the batch is on dim 1" in found[0] and ".transpose(0, 1)" in found[0], found
 
 
+def test_a_cache_with_the_batch_on_dim_1_names_use_cache_false():
+    # XLNet's mems (sequence-first) in eval mode: the fix named was to edit the model, not to turn the cache off
+    class Mems(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            return {"logits": h, "mems": h.t()}
+
+    found = passes.batch_coupled_outputs(_annotated(Mems(), torch.randn(6, 8)), 6, 2)
+    assert len(found) == 1 and "use_mems=False" in found[0] and "use_cache=False" in found[0], found
+
+
 def test_outputs_that_follow_the_batch_row_by_row_are_not_named():
     gm = _annotated(PerRow(), torch.randn(6, 8))
     assert passes.batch_coupled_outputs(gm, 6, 2) == [] and passes.batch_coupled_outputs(gm, 6, 6) == []
