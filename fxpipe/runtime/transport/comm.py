@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,6 +126,10 @@ class Comm:
                 self.board.post(message)
             return PeerFailure(message)
         who = self.name(peer) if peer is not None else "a peer"
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # a peer that timed out closes its connections before it posts why
+            time.sleep(0.1)
+            self.check(what)
         message = (f"{self.name()}: communication failed while {what} ({who} probably died, "
                    f"posting no error): {exc}")
         self.board.post(f"{who} died ({self.name()} lost its connection while {what})", fatal=True)
