@@ -110,7 +110,7 @@ def _references(value: Any) -> list[Any]:
 def _filled(cell: Any) -> bool:
     """Tell whether a closure cell holds a value (a variable assigned later may not yet)."""
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:
         return False
     return True
