@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch.fx
 from torch.utils import _pytree as pytree
@@ -117,7 +117,7 @@ def register_record_type(cls: type) -> None:
         try:  # a container's own record (a ModelOutput, a dict too): built by its class, which fills the dict
             record = cls(**{k: v for k, v in fields.items() if k in init})
         except Exception:  # noqa: BLE001 - a __post_init__ checking its fields' types meets TensorSpecs
-            record = cls.__new__(cls)  # type: ignore[type-var]
+            record = cast(Any, cls).__new__(cls)
         for name, value in fields.items():
             if name not in init or getattr(record, name, None) is not value:
                 object.__setattr__(record, name, value)
