@@ -25,13 +25,16 @@ log = logging.getLogger(__name__)
 
 def fingerprints(model: nn.Module) -> dict[str, float]:
     """Return a number per real floating parameter and buffer of ``model`` that differs where its values differ."""
-    found: dict[str, float] = {}
+    sums: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     with torch.no_grad():
         for name, t in (*model.named_parameters(), *model.named_buffers()):
             if t.is_meta or not t.is_floating_point() or t.numel() == 0:
                 continue
             flat = t.detach().reshape(-1)
-            found[name] = float(flat[:: max(1, flat.numel() // 16)][:16].double().sum())
+            sums.setdefault(t.device, []).append((name, flat[:: max(1, flat.numel() // 16)][:16].double().sum()))
+    found: dict[str, float] = {}
+    for pairs in sums.values():  # one copy to the host per device, not one per tensor
+        found.update(zip([n for n, _ in pairs], torch.stack([v for _, v in pairs]).tolist()))
     return found
 
 
