@@ -62,9 +62,24 @@ class LossState:
 
     def changed(self) -> tuple[list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]],
                                list[tuple[torch.Generator, torch.Tensor]]]:
-        """Return the buffers (reassigned or written) and generators (drawn from) the call changed."""
-        buffers = [(m, name, b, copy) for m, name, b, copy in self.buffers.values()
-                   if m._buffers.get(name) is not b or not torch.equal(b, copy)]
+        """Return the buffers (reassigned or written) and generators (drawn from) the call changed.
+
+        Told by value (batch norm's kernel updates its statistics without bumping their version
+        counters), compared on each device at once: one wait for a GPU, not one per buffer.
+        """
+        entries = list(self.buffers.values())
+        kept = [m._buffers.get(name) is b for m, name, b, _ in entries]
+        by_device: dict[torch.device, list[int]] = {}
+        for k, (_, _, b, copy) in enumerate(entries):
+            if kept[k] and b.shape == copy.shape:  # resized in place: changed
+                by_device.setdefault(b.device, []).append(k)
+            else:
+                kept[k] = False
+        for positions in by_device.values():
+            same = torch.stack([(entries[k][2] == entries[k][3]).all() for k in positions]).tolist()
+            for k, equal in zip(positions, same):
+                kept[k] = bool(equal)
+        buffers = [entry for entry, unchanged in zip(entries, kept) if not unchanged]
         generators = [(g, st) for g, st in self.generators.values() if not torch.equal(g.get_state(), st)]
         return buffers, generators
 
