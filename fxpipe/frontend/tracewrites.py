@@ -14,17 +14,22 @@ moved the target network once at compile and never again in training.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from fxpipe.errors import TraceError
 
-__all__ = ["refuse_writes_while_tracing", "state_versions"]
+__all__ = ["named_state", "refuse_writes_while_tracing", "state_versions"]
+
+
+def named_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Return ``model``'s parameters and buffers by name."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
 def state_versions(model: nn.Module) -> dict[str, int]:
     """Return the version counter of each real parameter and buffer of ``model``, by name."""
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    return {name: t._version for name, t in tensors.items() if not t.is_meta}
+    return {name: t._version for name, t in named_state(model).items() if not t.is_meta}
 
 
 def refuse_writes_while_tracing(model: nn.Module, before: dict[str, int]) -> None:

@@ -35,6 +35,7 @@ import torch
 import torch.fx
 from torch.nn.modules.batchnorm import _NormBase
 
+from fxpipe.frontend.tracewrites import named_state, state_versions
 from fxpipe.passes.mutates import aliases, op_name, unwrapped, written_args
 
 __all__ = ["bumped", "changed", "norm_statistics", "private_statistics", "replayed", "snapshot", "state", "versions",
@@ -104,7 +105,7 @@ def through_picks(nodes: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
 
 def state(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     """Return ``gm``'s buffers and parameters by name (a frozen parameter a forward updates is kept as a buffer is)."""
-    return {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+    return named_state(gm)
 
 
 def written_buffers(gm: torch.fx.GraphModule) -> list[str]:
@@ -127,7 +128,7 @@ def written_buffers(gm: torch.fx.GraphModule) -> list[str]:
 
 def versions(gm: torch.fx.GraphModule) -> dict[str, int]:
     """Return the version counter of each real buffer and parameter of ``gm`` (bumped by every in-place write)."""
-    return {n: b._version for n, b in state(gm).items() if not b.is_meta}
+    return state_versions(gm)
 
 
 def bumped(gm: torch.fx.GraphModule, before: dict[str, int]) -> list[str]:
