@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 class _Proxy(torch.fx.Proxy):
     """A proxy that records index assignment (``y[:, :4] = 0``) as ``operator.setitem``."""
 
+    # numpy defers its binary operators to ours (``np.float64(0.5) * h`` calls ``h.__rmul__``)
+    # instead of reading ``__array_struct__`` off the proxy.
+    __array_ufunc__ = None
+
     def __setitem__(self, key: Any, value: Any) -> None:
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 

@@ -206,3 +206,28 @@ def test_a_numpy_scalar_attribute_is_traced_as_a_python_number():
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), eager(x))
+
+
+def test_a_numpy_scalar_on_the_left_of_a_tensor_op_is_traced():
+    # numpy read __array_struct__ off the proxy: "cannot trace: invalid __array_struct__"
+    np = pytest.importorskip("numpy")
+    import copy
+
+    import fxpipe
+
+    class LeftScaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 4)
+            self.scale = np.float64(0.5)
+
+        def forward(self, x):
+            h = self.scale * self.l1(x)
+            return self.l2(np.float32(3.0) - np.float32(2.0) / (h.abs() + 1))
+
+    torch.manual_seed(0)
+    model, x = LeftScaled(), torch.randn(6, 8)
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), eager(x))
