@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -140,15 +141,34 @@ def check_first_loss(binding: Any, out: Any, loss: torch.Tensor, share: float | 
     # a loss computed from the logits (a sum over a count) is the user's own: nothing to say; one made
     # of the model's 0-dim output (a task loss plus the model's auxiliary sum) is weighted as that output
     if returned or _made_of(loss, scalars):
-        coupled = binding.coupled_scalars
-        if coupled and not returned and share is not None and again is not None and \
+        coupled, means = binding.coupled_scalars, binding.means
+        if (coupled or means) and not returned and share is not None and again is not None and \
                 _scaled_by(out, scalars, share, again):
-            coupled = None  # aux * rows / batch: each micro-batch's term is its share, as eager's whole is
-        warn_summed_outputs(binding.summed, binding.means, m, loss_fn, coupled)
+            coupled, means = None, []  # c * aux * rows / batch: each micro-batch's term is its share, as eager's
+        warn_summed_outputs(binding.summed, means, m, loss_fn, coupled)
 
 
-def _scaled_by(out: Any, parts: list[torch.Tensor], share: float, again: Callable[[Any], torch.Tensor]) -> bool:
-    """Tell whether ``again(out)`` takes each of ``parts`` it reads times ``share`` (run on copied stand-ins).
+def _scaled_by(out: Any, parts: list[torch.Tensor], share: float, again: Callable[..., torch.Tensor]) -> bool:
+    """Tell whether ``again(out)`` takes each of ``parts`` it reads times ``share`` (or a constant times it).
+
+    A coefficient (``0.01 * aux * rows / batch``) is told by the weights following the rows: run
+    again on half of the rows (two, for one), each weight must change as the rows do.
+    """
+    whole = _weights(out, parts, again)
+    if not whole:
+        return False
+    if all(abs(w - share) <= 1e-6 * share for w in whole):
+        return True
+    rows = getattr(again, "keywords", {}).get("rows")  # microbatch.loss_again's: it can cut the rows
+    if not isinstance(rows, int) or rows < 1 or any(w == 0 for w in whole):
+        return False
+    keep = rows // 2 if rows > 1 else 2
+    half = _weights(out, parts, partial(again, keep=keep))
+    return len(half) == len(whole) and all(abs(h / w - keep / rows) <= 1e-6 for h, w in zip(half, whole))
+
+
+def _weights(out: Any, parts: list[torch.Tensor], again: Callable[[Any], torch.Tensor]) -> list[float]:
+    """Return the weight ``again(out)`` gives each of ``parts`` it reads (run on copied stand-ins; [] if it fails).
 
     Copies, not views: a loss_fn changing the outputs in place (``logits.div_(2)``) changes its
     own stand-ins; the random state, its own generators and its modules' buffers are put back
@@ -162,9 +182,8 @@ def _scaled_by(out: Any, parts: list[torch.Tensor], share: float, again: Callabl
             value = again(given)
             grads = torch.autograd.grad(value, list(stand.values()), allow_unused=True)
     except Exception:  # noqa: BLE001 - a loss_fn that cannot run so: say what the warning says
-        return False
-    weights = [float(g) for g in grads if g is not None]
-    return bool(weights) and all(abs(w - share) <= 1e-6 * share for w in weights)
+        return []
+    return [float(g) for g in grads if g is not None]
 
 
 def _made_of(loss: torch.Tensor, parts: list[torch.Tensor], limit: int = 100_000) -> bool:

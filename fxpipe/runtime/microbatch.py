@@ -8,6 +8,7 @@ and each micro-batch's loss is weighted by its share of the rows.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -176,7 +177,8 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
 
         share = rows / batch if batch else None  # of the batch's rows
 
-        def loss(out: Any, tgt: Any = tgt, weight: float = weight, share: float | None = share) -> torch.Tensor:
+        def loss(out: Any, tgt: Any = tgt, weight: float = weight, share: float | None = share,
+                 rows: int = rows) -> torch.Tensor:
             given = finish(out)
             try:
                 value = loss_fn(given, tgt)
@@ -198,11 +200,22 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
                 raise
             value = _scalar_loss(value, out)
             if looked_at is not None:
-                looked_at(given, value, share, lambda again, tgt=tgt: loss_fn(again, tgt))
+                looked_at(given, value, share, partial(loss_again, loss_fn, tgt, rows=rows))
             return value * weight
 
         losses[i] = loss
     return losses
+
+
+def loss_again(loss_fn: Callable, target: Any, out: Any, *, rows: int, keep: int | None = None) -> torch.Tensor:
+    """Run ``loss_fn`` again on a micro-batch's output and target, or on ``keep`` of their ``rows`` rows (cycled)."""
+    if keep is not None:
+        def cut(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor) or not v.dim() or v.shape[0] != rows:
+                return v
+            return v.index_select(0, torch.arange(keep, device=v.device) % rows)
+        out, target = tree_map(cut, out), tree_map(cut, target)
+    return loss_fn(out, target)
 
 
 def _missing_field(exc: Exception, out: Any) -> str | None:

@@ -75,18 +75,22 @@ class _WithAux(nn.Module):
 
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 @pytest.mark.parametrize("scaled", [True, False])
-def test_a_coupled_term_scaled_by_the_rows_share_as_the_warning_says_is_not_warned_of(scaled, checkpoint):
-    # the warning fired on its own recipe (aux * rows / batch), saying the term counted 4x
+@pytest.mark.parametrize("coefficient, batch", [(1.0, 8), (0.01, 8), (0.02, 7)])
+def test_a_coupled_term_scaled_by_the_rows_share_as_the_warning_says_is_not_warned_of(scaled, checkpoint,
+                                                                                      coefficient, batch):
+    # the warning fired on its own recipe (aux * rows / batch), saying the term counted 4x; and on it
+    # with a coefficient (0.01 * aux * rows / batch, a router's aux loss weight)
     import warnings
 
     import fxpipe
 
     torch.manual_seed(0)
-    x, labels = torch.randn(8, 8), torch.randint(0, 8, (8,))
+    x, labels = torch.randn(batch, 8), torch.randint(0, 8, (batch,))
 
     def loss_fn(out, y):
         logits, aux = out
-        return F.cross_entropy(logits, y, reduction="sum") / 8 + aux * (y.shape[0] / 8 if scaled else 1)
+        share = y.shape[0] / batch if scaled else 1
+        return F.cross_entropy(logits, y, reduction="sum") / batch + coefficient * aux * share
 
     pipe = fxpipe.compile(_WithAux(), 2, example_inputs=(x,), chunks=4, checkpoint=checkpoint, devices=["cpu"] * 2)
     with warnings.catch_warnings(record=True) as caught:
@@ -94,6 +98,36 @@ def test_a_coupled_term_scaled_by_the_rows_share_as_the_warning_says_is_not_warn
         pipe.step(x, target=labels, loss_fn=loss_fn, loss_reduction="sum")
     told = [str(w.message) for w in caught if "counts once per micro-batch" in str(w.message)]
     assert bool(told) != scaled, [str(w.message)[:100] for w in caught]
+
+
+class _MeanLoss(nn.Module):
+    """Return the mean cross-entropy over the rows (a model computing its own loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.body(x), y)
+
+
+@pytest.mark.parametrize("scale, told", [("share", False), ("half share", False), ("constant", True)])
+def test_a_mean_output_scaled_by_the_rows_share_under_sum_is_not_warned_of(scale, told):
+    # a mean loss_fn scales by its micro-batch's share (mean * rows / batch) was warned of as counting 4x
+    import warnings
+
+    import fxpipe
+
+    torch.manual_seed(0)
+    x, labels = torch.randn(8, 8), torch.randint(0, 8, (8,))
+    factor = {"share": lambda y: y.shape[0] / 8, "half share": lambda y: 0.5 * y.shape[0] / 8,
+              "constant": lambda y: 0.3}[scale]
+    pipe = fxpipe.compile(_MeanLoss(), 2, example_inputs=(x, labels), chunks=4, devices=["cpu"] * 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe.step(x, labels, target=labels, loss_fn=lambda out, y: out * factor(y), loss_reduction="sum")
+    warned = [str(w.message) for w in caught if "a mean over the rows, which loss_fn returns" in str(w.message)]
+    assert bool(warned) == told, [str(w.message)[:100] for w in caught]
 
 
 def test_a_step_given_no_targets_leaves_the_look_to_the_next():
