@@ -8,8 +8,8 @@ and each micro-batch's loss is weighted by its share of the rows.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from collections.abc import Callable, Collection, Sequence
+from functools import partial
 from typing import Any
 
 import torch
