@@ -91,7 +91,11 @@ def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[st
             elif leaf.shape[0] != first[1] and (agree or not (index_like(leaf) or index_like(first_leaf[1]))):
                 fix = ("name an input that has no batch dimension in fxpipe.compile(..., unbatched=[...]) to give "
                        "it whole to every micro-batch")
-                if path:  # a leaf inside an input: unbatched= names whole inputs only
+                if name == "target":  # the loss's own: nothing of it reaches the forward
+                    fix = ("if one of them is not per row (class weights, a constant of the loss), give it to "
+                           "loss_fn another way, not in target=: a closure or functools.partial (lambda out, y: "
+                           "F.cross_entropy(out, y, weight=w)); target= is split with the rows")
+                elif path:  # a leaf inside an input: unbatched= names whole inputs only
                     fix = (f"pass '{where}' to the forward as an argument of its own, named in "
                            f"fxpipe.compile(..., unbatched=[...]) to give it whole to every micro-batch (unbatched= "
                            f"names whole inputs, and naming '{name}' would leave all of it unsplit)")
@@ -112,11 +116,12 @@ def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[st
                 split = ("every tensor input is split into micro-batches on dim 0" if agree else
                          "with one micro-batch nothing is split, but fxpipe takes dim 0 of every tensor input for "
                          "the batch's rows")
+                other = (" An input whose batch is on another dim (an RNN's initial state (h0, c0), of shape "
+                         "(layers, batch, hidden)) is not unbatched: pass it batch-first and move the dim inside the "
+                         f"forward (h0.transpose(0, 1).contiguous()).{flat}" if name != "target" else "")
                 raise PipelineInputError(
                     f"batch sizes disagree: '{first[0]}' has {first[1]} rows on dim 0 but "
-                    f"'{where}' has {leaf.shape[0]}; {split}, so give them the same batch size, or {fix}. An input whose batch is on another "
-                    "dim (an RNN's initial state (h0, c0), of shape (layers, batch, hidden)) is not unbatched: pass "
-                    f"it batch-first and move the dim inside the forward (h0.transpose(0, 1).contiguous()).{flat}")
+                    f"'{where}' has {leaf.shape[0]}; {split}, so give them the same batch size, or {fix}.{other}")
     if first is not None and first[1] == 0:
         raise PipelineInputError(f"'{first[0]}' has batch size 0; a pipeline needs at least one row")
     return None if first is None else first[1]

@@ -8,12 +8,13 @@ and each micro-batch's loss is weighted by its share of the rows.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from fxpipe.errors import PipelineInputError
 from fxpipe.passes.spec import unflatten
@@ -184,8 +185,11 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
                 value = loss_fn(given, tgt)
             except Exception as exc:
                 missing = _missing_field(exc, given)
+                split = _split_in_target(exc, target, batch, rows)
                 if missing is not None:  # the output lacks what loss_fn reads (a loss the model does not compute)
                     add_note(exc, missing)
+                elif split is not None:  # class weights as long as the batch, split with the rows
+                    add_note(exc, split)
                 elif target is None:  # the likely cause: the target was not given where the loss is computed
                     told = ("pipe.step got target=None on the rank computing the loss (the last stage's): pass "
                             "target= there (passing it on every rank is fine), or give a loss_fn that needs none "
@@ -216,6 +220,20 @@ def loss_again(loss_fn: Callable, target: Any, out: Any, *, rows: int, keep: int
             return v.index_select(0, torch.arange(keep, device=v.device) % rows)
         out, target = tree_map(cut, out), tree_map(cut, target)
     return loss_fn(out, target)
+
+
+def _split_in_target(exc: Exception, target: Any, batch: int | None, rows: int) -> str | None:
+    """Say which of the target's tensors were split with the rows where ``loss_fn``'s error names the batch's size."""
+    if not batch or rows == batch or not re.search(rf"\b{batch}\b", str(exc)):
+        return None
+    split = [f"target{keystr(path)}" for path, v in tree_flatten_with_path(target)[0]
+             if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch]
+    if not split:
+        return None
+    return (f"fxpipe: pipe.step splits the target's tensors with the batch's {batch} rows ({', '.join(split)}: "
+            f"{rows} rows in this micro-batch); if one of them is not per row (class weights of {batch} classes, "
+            "a constant of the loss), give it to loss_fn another way, not in target=: a closure or "
+            "functools.partial (lambda out, y: F.cross_entropy(out, y, weight=w))")
 
 
 def _missing_field(exc: Exception, out: Any) -> str | None:

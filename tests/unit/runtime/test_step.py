@@ -88,6 +88,20 @@ def test_step_refuses_a_target_given_as_a_list_of_per_row_numbers():
     one.step(torch.randn(6, 8), target=labels, loss_fn=loss_fn)  # one micro-batch: the list is its target, as eager
 
 
+@pytest.mark.parametrize("classes", [8, 5])
+def test_class_weights_in_the_target_are_named_with_the_way_to_give_them(classes):
+    # weights as long as the batch were split with the rows (torch's "weight tensor should be defined for all 8
+    # classes"); of another length, the refusal's fix named unbatched=, which the forward's inputs take, not a loss's
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, classes))
+    x, y, w = torch.randn(8, 8), torch.randint(0, classes, (8,)), torch.rand(classes)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    told = r"not per row \(class weights.*give it to loss_fn another way, not in target=: a closure"
+    with pytest.raises((RuntimeError, fxpipe.PipelineInputError), match=told) as caught:
+        pipe.step(x, target=(y, w), loss_fn=lambda out, t: F.cross_entropy(out, t[0], weight=t[1]))
+    assert "unbatched=" not in str(caught.value) + "".join(getattr(caught.value, "__notes__", []))
+    pipe.step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out, t, weight=w))
+
+
 def test_step_with_an_unbatched_target_covers_every_micro_batch():
     model = UNet(depth=2, base=4).eval()
     x = torch.randn(6, 3, 8, 8)
