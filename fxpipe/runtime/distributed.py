@@ -122,6 +122,7 @@ class DistributedRuntime:
         self.rerun_after: int | None = None  # a failed one of them, read by ready(): the later ones run again
         self.target_checked = False  # that the loss's rank has the target when another rank has one
         self.batch_checked: set[bool] = set()  # the calls (step: True) whose ranks were found to share one batch
+        self.target_versions: list = []  # the last target given with its tensors' versions (samebatch.versions)
         self.released = False  # its process groups let go of at interpreter exit (transport.release)
         release.track(self)
 
@@ -223,6 +224,7 @@ class DistributedRuntime:
             self.batch_checked.add(stepping)
         elif "glance" in header and self.rank != self.first:  # a loop out of step later (a shorter loader)
             samebatch.check_glance(self, args, kwargs, own_target, header)
+        self.target_versions = samebatch.versions(own_target)  # written in place by loss_fn: not compared next
         if header.get("training", training) != training:  # its peers learn of it as of any failed step
             mode, first = ("training", "eval") if training else ("eval", "training")
             raise PipelineInputError(

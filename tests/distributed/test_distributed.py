@@ -369,6 +369,20 @@ def test_a_rank_whose_loop_fell_out_of_step_is_refused_at_that_step(tmp_path, la
     assert "out of step" in res[0]["raised"], res
 
 
+def test_one_batch_whose_target_loss_fn_masks_in_place_is_not_called_out_of_step(tmp_path, launch):
+    # the last rank's target, written by loss_fn, was compared with the first's at the next step: refused as "out of
+    # step"; and a rank given the loader's whole tuple (more inputs than the model takes) raised a bare TypeError
+    for res in launch("dist_cases:same_batch_target_masked", 2, "1f1b", tmp_path):
+        assert not res["raised"], res
+        assert len(res["errors"]) == 3 and max(res["errors"]) < 1e-12, res
+
+
+def test_a_nan_buffer_alike_on_every_rank_is_not_warned_as_other_weights(tmp_path, launch):
+    # NaN != NaN: a buffer every rank built as NaN was warned as "built the model with other weights"
+    for res in launch("dist_cases:nan_buffer_alike", 2, "1f1b", tmp_path):
+        assert not res["told"], res
+
+
 def test_a_nan_gradient_on_one_rank_makes_the_inf_norm_nan_on_every_rank(tmp_path, launch):
     # the ranks' max dropped the NaN (gloo kept the other rank's number): error_if_nonfinite let NaN gradients step
     for res in launch("dist_cases:clip_nan", 2, "1f1b", tmp_path):

@@ -1039,6 +1039,56 @@ def loop_out_of_step(rank, world, schedule):
     return {"raised": raised}
 
 
+def same_batch_target_masked(rank, world, schedule):
+    """Reuse one batch for 3 steps whose loss_fn masks its target in place, every rank given the loader's tuple.
+
+    Return the losses against eager's and what each rank raised (nothing: neither is out of step).
+    """
+    torch.manual_seed(0)
+    model, x, y, _ = _mlp_pair()
+    model = model.double()
+    x, y = x.double(), y.double()
+    eager = copy.deepcopy(model)
+
+    def loss_fn(out, t):
+        t[t > 1.5] = 0.0  # masking labels in place: the last rank's target changes, the first's does not
+        return torch.nn.functional.mse_loss(out, t)
+
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule)
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    mine, theirs = y.clone(), y.clone()
+    errors, raised = [], ""
+    try:
+        for _ in range(3):
+            args = (x,) if rank == 0 else (x, mine)  # the loader's whole tuple on the other ranks
+            loss = pipe.step(*args, target=mine, loss_fn=loss_fn)
+            opt.step()
+            opt.zero_grad()
+            want = loss_fn(eager(x), theirs)
+            want.backward()
+            eager_opt.step()
+            eager_opt.zero_grad()
+            errors.append(float((loss - want).abs()))
+    except Exception as exc:  # noqa: BLE001 - what the rank was told
+        raised = f"{type(exc).__name__}: {exc}"
+    return {"errors": errors, "raised": raised}
+
+
+def nan_buffer_alike(rank, world, schedule):
+    """Build a model holding a NaN buffer alike on every rank; return the weights warnings compile gave."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, x, _, _ = _mlp_pair()
+    model.register_buffer("unset", torch.full((4,), float("nan")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxpipe.compile(model, world, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
+                       schedule=schedule)
+    return {"told": [str(w.message) for w in caught if "other weights" in str(w.message)]}
+
+
 def clip_nan(rank, world, schedule):
     """Put a NaN in one gradient on the last rank; return the inf-norm each rank gets and whether it refused."""
     torch.manual_seed(0)

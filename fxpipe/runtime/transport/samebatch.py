@@ -21,6 +21,7 @@ group waits alone in a collective.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from fxpipe.errors import PipelineInputError
 from fxpipe.runtime.transport.comm import on_every_rank, tell_all
 from fxpipe.runtime.transport.tpinputs import inputs_given
 
-__all__ = ["agree_on_batch", "check_glance", "digest", "glance"]
+__all__ = ["agree_on_batch", "check_glance", "digest", "glance", "versions"]
 
 _PLAIN = (bool, int, float, str, type(None))
 _FIX = ("A DistributedSampler with its default num_replicas and rank gives every rank its own rows; shard over the "
@@ -78,8 +79,7 @@ def check_glance(runtime: Any, args: tuple, kwargs: dict, target: Any, header: d
     one rank: its next epoch's inputs met the other rank's last target) is refused on this rank,
     and its peers learn of it as of any failed step.
     """
-    mine = (glance(runtime.binding.bind(args, kwargs)) if inputs_given(args, kwargs) else None,
-            None if target is None else glance(target))
+    mine = (_bound_glance(runtime, args, kwargs), None if target is None or _written(runtime) else glance(target))
     theirs = header["glance"]
     what = None
     if mine[0] is not None and _differs(mine[0], theirs[0]) is not None:
@@ -96,6 +96,30 @@ def check_glance(runtime: Any, args: tuple, kwargs: dict, target: Any, header: d
         "the same order (DistributedSampler(dataset, *fxpipe.data_shard(pipe)) with drop_last=True, and "
         "sampler.set_epoch(epoch) on every rank), or pass the inputs only on the first stage's rank and the target "
         "only on the last's (None elsewhere)")
+
+
+def _bound_glance(runtime: Any, args: tuple, kwargs: dict) -> list[Any] | None:
+    """Return the glance of the inputs this rank was given as the model binds them (``None``: none, or not its)."""
+    if not inputs_given(args, kwargs):
+        return None
+    try:
+        return glance(runtime.binding.bind(args, kwargs))
+    except TypeError:
+        return None  # not the model's inputs (a loader's whole tuple): the first rank's are the ones that run
+
+
+def versions(target: Any) -> list[tuple[weakref.ref, int]]:
+    """Return each tensor of ``target`` with its version, to tell at the next step whether it was written since."""
+    return [(weakref.ref(t), t._version) for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]
+
+
+def _written(runtime: Any) -> bool:
+    """Tell whether the target this rank was given at the last step was written in place since.
+
+    A ``loss_fn`` masking its labels in place (``t[t == pad] = -100``) writes the last rank's
+    target, not the first's: the same batch given again then differs, and is not compared.
+    """
+    return any((t := ref()) is not None and t._version != version for ref, version in runtime.target_versions)
 
 
 def _same(a: Any, b: Any) -> bool:

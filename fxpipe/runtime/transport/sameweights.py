@@ -10,6 +10,7 @@ tensors on meta are left out (built there, loaded later).
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 
 import torch
@@ -43,7 +44,7 @@ def warn_other_weights(model: nn.Module) -> None:
     mine = fingerprints(model)
     told: list[dict[str, float] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(told, mine)
-    differ = {rank: [k for k, v in (theirs or {}).items() if k in mine and v != mine[k]]
+    differ = {rank: [k for k, v in (theirs or {}).items() if k in mine and not _same(v, mine[k])]
               for rank, theirs in enumerate(told) if rank != dist.get_rank()}
     differ = {rank: names for rank, names in differ.items() if names}
     if not differ:
@@ -55,3 +56,8 @@ def warn_other_weights(model: nn.Module) -> None:
         "weights, so the pipe would run a mix no rank built. Seed every rank alike before building the model "
         "(torch.manual_seed(0) on each; seed per rank after compile, for data or dropout), or load the weights after "
         "compile (fxpipe.load, or weights=); ignore this if you do", stacklevel=user_stacklevel())
+
+
+def _same(a: float, b: float) -> bool:
+    """Tell whether two fingerprints agree (a buffer holding NaN, as every rank built it, agrees with itself)."""
+    return a == b or (math.isnan(a) and math.isnan(b))
