@@ -50,7 +50,7 @@ from fxpipe.runtime.distributed import DistributedRuntime
 from fxpipe.runtime.dpparams import check_embeddings, check_layouts
 from fxpipe.runtime.local import LocalRuntime
 from fxpipe.runtime.placement import move_owned, named_tensors, ownership, stage_callable, warn_shared_storage
-from fxpipe.runtime.replicanorms import norms_of
+from fxpipe.runtime.replicanorms import norms_of, written_of
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import defer_batch_norm
 from fxpipe.runtime.stage.compiled import CompiledStage
@@ -346,7 +346,7 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     if deferred_batch_norm:
         engine.deferred = _modules_to_defer({j: stages[j] for j in mine}, exported, compiled) + exported
     if layout.dp > 1:
-        engine.norms = norms_of(held)
+        engine.norms, engine.written = norms_of(held), written_of(held)
     engine.unfrozen = watch_frozen(plan, gm, {j: stages[j] for j in mine})  # after FSDP2 swapped the parameters
     engine.routeless = watch_inputs(plan, gm)
     keep = {id(t) for st in held for _, t in named_tensors(st)} | unread  # after the move: moved buffers are new

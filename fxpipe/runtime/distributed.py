@@ -116,6 +116,7 @@ class DistributedRuntime:
         self.summed: dict[int, torch.Tensor] | None = None  # tied gradients already summed (fxpipe.runtime.tiedgrads)
         self.deferred: list = []  # batch norms whose running statistics wait for the mini-batch
         self.norms: list = []  # data parallel: the batch norms kept equal over the replicas
+        self.written: list = []  # data parallel: the other buffers the stages write, kept equal too
         self.broken: str | None = None  # why the last step failed, until every rank is back
         self.unconfirmed = False  # its last call was a pipe(...) this rank finished before the last stage did
         self.late = LateCalls(len(layout.global_ranks))  # the pipe(x) calls this rank finished early
@@ -275,7 +276,7 @@ class DistributedRuntime:
             self.grad_sync.reshard()
         if training:
             if self.layout.dp > 1:  # running statistics: the global batch's, or the first replica's
-                sync_norms(self.norms, self.deferred, self.layout.dp_group, self.comm.wait)
+                sync_norms(self.norms, self.deferred, self.layout.dp_group, self.comm.wait, self.written)
             commit_batch_norm(self.deferred)
         return runner
 

@@ -10,7 +10,9 @@ FSDP2 leaves buffers alone), so after each training run of the pipeline:
   summed over the replicas before the commit, so the running statistics are those of the
   global batch, equal to eager training on all the replicas' rows at once;
 - the other batch norms: their running statistics (and ``num_batches_tracked``) are broadcast
-  from the first replica, as DDP's ``broadcast_buffers=True`` does.
+  from the first replica, as DDP's ``broadcast_buffers=True`` does;
+- the other buffers a stage's graph writes (MoCo's queue of keys, DINO's centre, a step
+  counter): broadcast from the first replica too, as DDP does before each forward.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fxpipe.runtime.stage.batchnorm import fold_staged
-from fxpipe.runtime.stage.keepstate import norm_statistics
+from fxpipe.runtime.stage.keepstate import norm_statistics, written_buffers
 
-__all__ = ["norms_of", "sync_norms"]
+__all__ = ["norms_of", "sync_norms", "written_of"]
 
 
 def norms_of(modules: Iterable[nn.Module]) -> list[Any]:
@@ -49,6 +51,20 @@ def norms_of(modules: Iterable[nn.Module]) -> list[Any]:
     return list(found.values())
 
 
+def written_of(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
+    """Return the buffers the graphs in ``modules`` write in place, but the norms' statistics, once each."""
+    found: dict[int, torch.Tensor] = {}
+    for module in modules:
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        statistics, buffers = norm_statistics(module), dict(module.named_buffers())
+        for name in written_buffers(module):  # one order on every replica: they hold the same graphs
+            b = buffers.get(name)
+            if b is not None and name not in statistics and not b.is_meta and not hasattr(b, "to_local"):
+                found.setdefault(id(b), b)
+    return list(found.values())
+
+
 def _called_norms(gm: torch.fx.GraphModule) -> list[SimpleNamespace]:
     """Return a record of the buffers of each batch norm ``gm`` calls as a function (by the buffers' module path)."""
     buffers = dict(gm.named_buffers())
@@ -63,17 +79,22 @@ def _called_norms(gm: torch.fx.GraphModule) -> list[SimpleNamespace]:
 
 
 def sync_norms(norms: Sequence[Any], deferred: Sequence[_BatchNorm], group: Any,
-               wait: Callable[[list, str], None]) -> None:
+               wait: Callable[[list, str], None], written: Sequence[torch.Tensor] = ()) -> None:
     """Sum the deferred norms' sums over ``group`` (the replicas); broadcast the others' statistics from its first rank.
 
-    ``wait(works, what)`` waits for the collectives, bounded by the pipe's timeout.
+    The ``written`` buffers (:func:`written_of`) are broadcast with them. ``wait(works, what)``
+    waits for the collectives, bounded by the pipe's timeout.
     """
     mine = {id(bn.running_mean) for bn in deferred}  # a module, or the record of a call reading its buffers
     if deferred:
         _sum_deferred(list(deferred), group, wait)
     others = [bn for bn in norms if id(bn.running_mean) not in mine]
-    if others:
-        _broadcast(others, group, wait)
+    buffers = [b for bn in others for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+               if b is not None and not hasattr(b, "to_local")]
+    seen = {id(b) for b in buffers}
+    buffers += [b for b in written if id(b) not in seen]
+    if buffers:
+        _broadcast(buffers, group, wait)
 
 
 def _sum_deferred(deferred: list[_BatchNorm], group: Any, wait: Callable[[list, str], None]) -> None:
@@ -96,16 +117,14 @@ def _sum_deferred(deferred: list[_BatchNorm], group: Any, wait: Callable[[list, 
                         _fxpipe_sum_squares=part[c:2 * c].clone() if count else None, _fxpipe_count=count)
 
 
-def _broadcast(norms: list[Any], group: Any, wait: Callable[[list, str], None]) -> None:
-    """Copy the first replica's running statistics to every replica: one broadcast per dtype."""
-    buffers = [b for bn in norms for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
-               if b is not None and not hasattr(b, "to_local")]
+def _broadcast(buffers: list[torch.Tensor], group: Any, wait: Callable[[list, str], None]) -> None:
+    """Copy the first replica's running statistics and written buffers to every replica: one broadcast per dtype."""
     src = dist.get_global_rank(group, 0)
     for dtype in dict.fromkeys(b.dtype for b in buffers):
         same = [b for b in buffers if b.dtype == dtype]
         flat = torch.cat([b.reshape(-1) for b in same])
         wait([dist.broadcast(flat, src=src, group=group, async_op=True)],
-             "copying the first replica's batch norm statistics")
+             "copying the first replica's batch norm statistics and written buffers")
         with torch.no_grad():
             for b, part in zip(same, flat.split([b.numel() for b in same])):
                 b.copy_(part.view_as(b))

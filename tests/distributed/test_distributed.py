@@ -468,6 +468,21 @@ def test_batch_norms_called_as_functions_keep_the_first_replica_s_statistics(sch
         assert pair[0]["stats"] == pair[1]["stats"], names
 
 
+@pytest.mark.parametrize("schedule", ["1f1b:fx", "zb:export"])
+def test_buffers_a_forward_writes_keep_the_first_replica_s_values(schedule, tmp_path, launch):
+    # a MoCo queue of keys enqueued in the forward: each replica kept its own (checksums 13.0 and 11.0 after 3 steps),
+    # where DDP's broadcast_buffers=True copies the first replica's before every forward
+    results = launch("dist_cases:replica_written_buffers", 4, schedule, tmp_path)
+    assert all(res["ok"] for res in results), [res.get("message") for res in results]
+    by_stage = {}
+    for res in results:
+        by_stage.setdefault(tuple(sorted(res["held"])), []).append(res)
+    written = [pair for names, pair in by_stage.items() if "queue" in names]
+    assert written and all(len(pair) == 2 and {r["replica"] for r in pair} == {0, 1} for pair in written), by_stage
+    for pair in written:
+        assert pair[0]["held"] == pair[1]["held"] and any(v != 0 for v in pair[0]["held"]["queue"][0]), pair
+
+
 def test_a_value_sized_by_the_inputs_values_is_kept_on_one_rank_and_refused_across_ranks(tmp_path, launch):
     # across ranks a receiver sizes buffers from the shapes, and a packed sequence's size follows its lengths'
     # values: the specs resized for the micro-batch sent garbage batch sizes (an LSTM read 4.6e18 steps); rows a

@@ -1132,6 +1132,38 @@ def replica_norms(rank, world, schedule):
     return {"replica": replica, "stats": stats}
 
 
+class _Queued(nn.Module):
+    """Keep a queue of the last rows' features, enqueued in place in the forward (MoCo's keys), and a step counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 4)
+        self.register_buffer("queue", torch.zeros(16, 4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        z = self.head(self.body(x))
+        with torch.no_grad():
+            self.queue.copy_(torch.cat([z.detach(), self.queue])[:16])
+            self.steps.add_(1)
+        return z + self.queue.mean()
+
+
+def replica_written_buffers(rank, world, schedule):
+    """Train pp2 x dp2 two steps of a model writing buffers; return the written buffers' values and the replica."""
+    schedule, _, tracer = schedule.partition(":")
+    torch.manual_seed(0)
+    model, x, y = _Queued(), torch.randn(8, 8), torch.randn(8, 4)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x[:4],), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule, data_parallel=2, tracer=tracer or "fx")
+    _, replica = fxpipe.data_shard(pipe)
+    rows = slice(replica * 4, replica * 4 + 4)
+    for _ in range(2):
+        pipe.step(x[rows], target=y[rows], loss_fn=F.mse_loss)
+    held = {name: b.tolist() for name, b in model.named_buffers() if b.device.type != "meta"}
+    return {"replica": replica, "held": held}
+
+
 def _held_error(pipe, rank, model, eager):
     """Return the largest relative error of the gradients of the parameters this rank's stages hold."""
     held = {id(p) for j in pipe.plan.stages_of(rank) for p in pipe.stages[j].parameters()}
