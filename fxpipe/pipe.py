@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from fxpipe.errors import ModelChangedError
+from fxpipe.errors import ModelChangedError, PipelineInputError
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime.contract import Runtime
 from fxpipe.runtime.drift import changes, describe, replaced, snapshot, untied
@@ -224,6 +225,10 @@ class Pipe(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward over micro-batches; return the model's output structure."""
         self._follow_model()
+        try:
+            _refuse_meta(args, kwargs, None)
+        except ValueError as exc:
+            self._runtime.refuse(exc)  # across ranks the others are in their call, waiting for this rank
         return self._runtime.forward(args, kwargs, self.training)
 
     def _follow_model(self) -> None:
@@ -276,6 +281,7 @@ class Pipe(nn.Module):
         self._follow_model()
         try:
             _check_step_arguments(self._runtime, loss_fn, scaler, loss_reduction)
+            _refuse_meta(args, kwargs, target)
         except (TypeError, ValueError) as exc:
             self._runtime.refuse(exc)  # across ranks the others are in their step, waiting for this rank
         if loss_reduction == "sum":
@@ -345,6 +351,25 @@ def _check_step_arguments(runtime: Runtime, loss_fn: Any, scaler: Any, loss_redu
                          "loss, and the shares are added)")
     if scaler is not None and scaler.is_enabled():
         _refuse_lone_scaler(runtime, scaler)
+
+
+def _refuse_meta(args: tuple, kwargs: dict, target: Any) -> None:
+    """Refuse inputs or a target on the meta device (shapes without data): a call runs on real values."""
+    for where, value in (("input", (args, kwargs)), ("target", target)):
+        for path, leaf in tree_flatten_with_path(value)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.is_meta:
+                name = where if where == "target" else f"input {_argument(path)}"
+                raise PipelineInputError(
+                    f"{name}{keystr(path) if where == 'target' else ''} is on the meta device (a shape without "
+                    "data): a call runs on real values. Meta tensors are for example_inputs= at fxpipe.compile; "
+                    "give the batch itself here (moved with .to(device))")
+
+
+def _argument(path: tuple) -> str:
+    """Name the input at ``path`` in ``(args, kwargs)``: its position or its keyword, and where inside it."""
+    where, rest = path[0].idx, path[1:]
+    head = f"{path[1].key!r}" if where == 1 else f"{path[1].idx}"
+    return head + keystr(rest[1:])
 
 
 def _refuse_lone_scaler(runtime: Runtime, scaler: Any) -> None:

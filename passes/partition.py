@@ -119,6 +119,11 @@ def assign_by_name(gm: torch.fx.GraphModule, stage_of: Mapping[str, int], n_stag
 def _check_stages(gm: torch.fx.GraphModule, n_stages: int) -> int:
     """Return the number of compute nodes, refusing more stages than nodes."""
     n = sum(1 for node in gm.graph.nodes if node.op in COMPUTE_OPS)
+    if n == 0:
+        raise ValueError("the model's traced forward computes nothing from its inputs (its output is a constant or an "
+                         "input returned as it came): there is nothing to pipeline; check that forward uses its "
+                         "inputs, or that its work is not hidden from the tracer (tracer='export' traces the code "
+                         "that runs on example_inputs=)")
     if not 1 <= n_stages <= n:
         most = "1 stage" if n == 1 else f"between 1 and {n} stages"
         modules = dict(gm.named_modules())

@@ -275,3 +275,17 @@ def test_a_split_inside_or_more_stages_than_a_module_kept_whole_allows_name_it_a
     with pytest.raises(ValueError, match=r"n_stages=3 but the model has 1 compute node; .*module 'enc' is called as "
                                          r"one node: trace through it.*tracer='export'"):
         fxpipe.compile(_Encoded(), 3, example_inputs=(x,))
+
+
+def test_a_forward_computing_nothing_from_its_inputs_is_named_so():
+    # "n_stages=2 but the model has 0 compute nodes; use between 1 and 0 stages"
+    class Constant(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unused = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return 1.5
+
+    with pytest.raises(ValueError, match="computes nothing from its inputs .*check that forward uses its inputs"):
+        fxpipe.compile(Constant(), 2, example_inputs=(torch.randn(2, 4),))

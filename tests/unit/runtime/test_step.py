@@ -102,6 +102,21 @@ def test_class_weights_in_the_target_are_named_with_the_way_to_give_them(classes
     pipe.step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out, t, weight=w))
 
 
+def test_inputs_or_a_target_on_meta_are_refused_naming_example_inputs():
+    # torch's "Cannot copy out of meta tensor; no data!" and "Tensor.item() cannot be called on meta tensors"
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    told = "on the meta device .*example_inputs= at fxpipe.compile"
+    with pytest.raises(fxpipe.PipelineInputError, match="input 0 is " + told):
+        pipe.step(x.to("meta"), target=y, loss_fn=F.cross_entropy)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"target\[1\] is " + told):
+        pipe.step(x, target=(y, y.to("meta")), loss_fn=lambda out, t: F.cross_entropy(out, t[0]))
+    with pytest.raises(fxpipe.PipelineInputError, match="input 0 is " + told):
+        pipe(x.to("meta"))
+    pipe.step(x, target=y, loss_fn=F.cross_entropy)
+
+
 def test_step_with_an_unbatched_target_covers_every_micro_batch():
     model = UNet(depth=2, base=4).eval()
     x = torch.randn(6, 3, 8, 8)
