@@ -11,6 +11,8 @@ under ``loss_reduction="sum"`` grows by it. Checked once per pipe, on the first 
 
 from __future__ import annotations
 
+import inspect
+import re
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -39,6 +41,7 @@ def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_
     if batch is None or m < 2 or is_summed(loss_fn):
         return False
     sizes = micro_sizes(batch, m)
+    ignored = ignore_index_of(loss_fn)
     seen = False
     leaves = [(name + keystr(path), v) for name, value in values.items()
               for path, v in tree_flatten_with_path(value)[0]]  # a target dict's or tuple's labels too
@@ -47,19 +50,56 @@ def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_
                 or value.shape[0] != batch or value.dtype == torch.bool:
             continue
         seen = True
-        counted = (value != IGNORE_INDEX).reshape(batch, -1).sum(1)
+        counted = (value != ignored).reshape(batch, -1).sum(1)
         shares = [float(part.sum()) / (part.numel() * value[0].numel()) for part in counted.split(sizes)]
         if max(shares) - min(shares) < 1e-9:  # every micro-batch's mean weighs as its rows: eager's mean
             continue
+        empty = (" A micro-batch with no entry counted gives a mean over nothing, NaN: the step's loss is NaN "
+                 "where eager's is not." if min(shares) == 0 else "")
         warnings.warn(
-            f"{name} marks entries {IGNORE_INDEX} (ignore_index) in unequal shares of the micro-batches "
+            f"{name} marks entries {ignored} (ignore_index) in unequal shares of the micro-batches "
             f"({_span(min(shares), max(shares))} of each micro-batch's entries count): a loss_fn averaging over "
             "the entries that count gives each micro-batch's mean, which pipe.step weights by rows, so the step's "
-            "loss and gradients differ from eager's. Pass loss_reduction='sum' with a loss_fn dividing a sum by "
-            "the whole batch's count (docs/guide/using-it.md, 'What loss_fn receives'); ignore this if -100 is a "
-            "class your loss counts (said once per pipe)", stacklevel=user_stacklevel())
+            f"loss and gradients differ from eager's.{empty} Pass loss_reduction='sum' with a loss_fn dividing a "
+            "sum by the whole batch's count (docs/guide/using-it.md, 'What loss_fn receives'); ignore this if "
+            f"{ignored} is a class your loss counts (said once per pipe)", stacklevel=user_stacklevel())
         break
     return seen
+
+
+def ignore_index_of(loss_fn: Callable) -> int:
+    """Return the ``ignore_index`` ``loss_fn`` passes (a loss module's, a partial's, one written in its code), or -100.
+
+    Read from the source as written (``F.cross_entropy(o, t, ignore_index=0)`` in a lambda): one
+    value found is taken, none or several leave torch's default.
+    """
+    seen: list[Any] = [loss_fn]
+    for f in seen[:8]:  # the loss itself, what it wraps (summed, a scaler's), a closure's loss module
+        if isinstance(getattr(f, "ignore_index", None), int):
+            return int(f.ignore_index)
+        if isinstance(f, partial):
+            if isinstance(f.keywords.get("ignore_index"), int):
+                return int(f.keywords["ignore_index"])
+            seen.append(f.func)
+        seen += [c.cell_contents for c in getattr(f, "__closure__", None) or () if _filled(c)]
+    for f in seen[:8]:  # the user's own function's code, not a wrapper of fxpipe's
+        if not inspect.isfunction(f) or f.__module__.startswith("fxpipe."):
+            continue
+        try:
+            found = set(re.findall(r"ignore_index\s*=\s*(-?\d+)\b", inspect.getsource(f)))
+        except (OSError, TypeError):  # no source: a REPL's function
+            continue
+        return int(found.pop()) if len(found) == 1 else IGNORE_INDEX
+    return IGNORE_INDEX
+
+
+def _filled(cell: Any) -> bool:
+    """Tell whether a closure's cell holds a value (an empty one raises on reading)."""
+    try:
+        _ = cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def _span(low: float, high: float) -> str:

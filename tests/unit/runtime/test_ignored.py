@@ -25,6 +25,18 @@ def test_distant_shares_keep_whole_percents():
         warn_uneven_ignored({"labels": _labels([200, 700])}, 2, 2, F.cross_entropy)
 
 
+@pytest.mark.parametrize("loss_fn", [
+    nn.CrossEntropyLoss(ignore_index=2),
+    __import__("functools").partial(F.cross_entropy, ignore_index=2),
+    lambda out, t: F.cross_entropy(out, t, ignore_index=2),
+], ids=["module", "partial", "lambda"])
+def test_a_loss_fn_s_own_ignore_index_is_looked_for(loss_fn):
+    # ignore_index=2 in loss_fn: no warning, and the step's loss was NaN (a micro-batch of nothing counted)
+    labels = torch.tensor([2, 2, 2, 2, 0, 1, 3, 4])
+    with pytest.warns(UserWarning, match=r"marks entries 2 \(ignore_index\).*\(0% to 100%.*the step's loss is NaN"):
+        assert warn_uneven_ignored({"target": labels}, 8, 4, loss_fn)
+
+
 class _Routed(nn.Module):
     """Return a token loss summed over a count given whole, plus a load-balancing term when ``aux``."""
 
