@@ -48,7 +48,7 @@ from fxpipe.runtime.dataparallel import GradSync, final_backwards
 from fxpipe.runtime.ignored import check_first_loss, check_targets_once, look_at_targets
 from fxpipe.runtime.interpreter import ActionInterpreter, Program, program_for
 from fxpipe.runtime.latecalls import LateCalls
-from fxpipe.runtime.microbatch import micro_losses
+from fxpipe.runtime.microbatch import is_summed, micro_losses
 from fxpipe.runtime.replicanorms import sync_norms
 from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm, pipe_running
@@ -123,6 +123,7 @@ class DistributedRuntime:
         self.rerun_after: int | None = None  # a failed one of them, read by ready(): the later ones run again
         self.target_checked = False  # that the loss's rank has the target when another rank has one
         self.batch_checked: set[bool] = set()  # the calls (step: True) whose ranks were found to share one batch
+        self.reduction = "mean"  # the step's loss_reduction, which every rank of a pipeline must pass alike
         self.target_versions: list = []  # the last target given with its tensors' versions (samebatch.versions)
         self.released = False  # its process groups let go of at interpreter exit (transport.release)
         release.track(self)
@@ -218,6 +219,13 @@ class DistributedRuntime:
                 f"{self.layout.global_ranks[self.first]} (the first stage's) called {header['call']}: every rank "
                 "of a pipeline makes the same call, pipe.step(x, target=, loss_fn=) to train and pipe(x) to "
                 "infer (the other ranks may pass None as inputs)")
+        if losses_for is not None and header.get("reduction", self.reduction) != self.reduction:
+            raise PipelineInputError(
+                f"rank {self.layout.global_ranks[self.rank]} called pipe.step with loss_reduction="
+                f"{self.reduction!r} but rank {self.layout.global_ranks[self.first]} (the first stage's) with "
+                f"{header['reduction']!r}: only the rank computing the loss (the last stage's) weighs the micro-batches, "
+                "by its own, so another rank's would be ignored. Pass the same loss_reduction= (and loss_fn=) on "
+                "every rank")
         if losses_for is not None:
             steplayout.check_target(self, target, bool(header.get("target_on_first")), header.get("batch"))
         if "digest" in header:  # the call's first: a sampler sharding over every rank is refused, not run
@@ -446,6 +454,7 @@ class DistributedRuntime:
             if self.grad_sync is not None:  # parameters frozen since compile: DDP wrapped again
                 self.grad_sync.refresh()
             tgt = from_tp_holder(self, target, target is not None)[0] if self.last else target
+            self.reduction = "sum" if is_summed(loss_fn) else "mean"
             if self.summed is None:  # the first step since the last sum: what that sum made equal stays out
                 self.summed = open_window(self.tied)
             def losses_for(batch: int | None, m: int) -> dict[int, Callable[[Any], torch.Tensor]]:

@@ -377,6 +377,15 @@ def test_one_batch_whose_target_loss_fn_masks_in_place_is_not_called_out_of_step
         assert len(res["errors"]) == 3 and max(res["errors"]) < 1e-12, res
 
 
+def test_a_loss_reduction_other_than_the_first_rank_s_is_refused(tmp_path, launch):
+    # rank 0 passed 'sum' (as its summed loss_fn needs), the loss's rank 'mean': gradients 0.25x eager's, silently
+    res = launch("dist_cases:reductions_differ", 2, "1f1b", tmp_path)
+    assert res[1]["raised"].startswith("PipelineInputError: rank 1 called pipe.step with loss_reduction='mean' but "
+                                       "rank 0 (the first stage's) with 'sum'"), res
+    assert "loss_reduction='mean'" in res[0]["raised"], res
+    assert all(r["error"] < 1e-5 for r in res), res
+
+
 def test_a_nan_buffer_alike_on_every_rank_is_not_warned_as_other_weights(tmp_path, launch):
     # NaN != NaN: a buffer every rank built as NaN was warned as "built the model with other weights"
     for res in launch("dist_cases:nan_buffer_alike", 2, "1f1b", tmp_path):

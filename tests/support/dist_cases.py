@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 import os
 import time
 import warnings
@@ -1073,6 +1074,24 @@ def same_batch_target_masked(rank, world, schedule):
     except Exception as exc:  # noqa: BLE001 - what the rank was told
         raised = f"{type(exc).__name__}: {exc}"
     return {"errors": errors, "raised": raised}
+
+
+def reductions_differ(rank, world, schedule):
+    """Pass loss_reduction='sum' on the first rank only; return what each rank raised, then a plain step's loss."""
+    torch.manual_seed(0)
+    model, x, y, _ = _mlp_pair()
+    loss_fn = partial(F.mse_loss, reduction="sum")
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule)
+    try:
+        pipe.step(x, target=y, loss_fn=loss_fn, loss_reduction="sum" if rank == 0 else "mean")
+        raised = ""
+    except Exception as exc:  # noqa: BLE001 - what the rank was told
+        raised = f"{type(exc).__name__}: {exc}"
+    model.zero_grad()
+    loss = pipe.step(x, target=y, loss_fn=loss_fn, loss_reduction="sum")
+    return {"raised": raised, "error": float((loss - loss_fn(eager(x), y)).abs())}
 
 
 def nan_buffer_alike(rank, world, schedule):

@@ -170,6 +170,8 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         raise on_every_rank(exc) from None
     header = {"batch": batch, "specs": specs, "layouts": new, "target_on_first": has_target, "training": training,
               "call": call_name(stepping), "autocast": enabled_autocast()}
+    if stepping:
+        header["reduction"] = runtime.reduction
     if check_batch:
         header["digest"] = digest(values)
         header["target_digest"] = None if target is None else digest(target)
