@@ -21,6 +21,7 @@ from fxpipe.runtime.contract import Runtime
 from fxpipe.runtime.drift import changes, describe, replaced, snapshot, untied
 from fxpipe.runtime.microbatch import is_summed, summed
 from fxpipe.runtime.stage.reshare import reshare
+from fxpipe.runtime.stage.rng import held
 
 __all__ = ["Pipe"]
 
@@ -282,6 +283,7 @@ class Pipe(nn.Module):
         try:
             _check_step_arguments(self._runtime, loss_fn, scaler, loss_reduction)
             _refuse_meta(args, kwargs, target)
+            _refuse_nothing_to_train(self._model, args, kwargs, target, loss_fn)
         except (TypeError, ValueError) as exc:
             self._runtime.refuse(exc)  # across ranks the others are in their step, waiting for this rank
         if loss_reduction == "sum":
@@ -363,6 +365,23 @@ def _refuse_meta(args: tuple, kwargs: dict, target: Any) -> None:
                     f"{name}{keystr(path) if where == 'target' else ''} is on the meta device (a shape without "
                     "data): a call runs on real values. Meta tensors are for example_inputs= at fxpipe.compile; "
                     "give the batch itself here (moved with .to(device))")
+
+
+def _refuse_nothing_to_train(model: nn.Module, args: tuple, kwargs: dict, target: Any, loss_fn: Any) -> None:
+    """Refuse a step where no parameter (the model's, loss_fn's), and no input or target given, requires grad."""
+    if any(p.requires_grad for p in model.parameters()):  # on meta too: every rank sees the whole model's flags
+        return
+    if any(p.requires_grad for m in held(loss_fn, nn.Module) for p in m.parameters()) or \
+            any(t.requires_grad for t in held(loss_fn, torch.Tensor)):  # a learnt temperature in loss_fn
+        return
+    given = [t for t in tree_flatten_with_path((args, kwargs, target))[0] if isinstance(t[1], torch.Tensor)]
+    if not given or any(t.requires_grad for _, t in given):
+        return  # given none here (the first stage's rank, which has them, decides) or one to train
+    raise PipelineInputError(
+        "pipe.step trains, but no parameter of the model requires grad, and no input or target does: backward "
+        "would reach nothing (eager's loss.backward() raises 'element 0 of tensors does not require grad'). "
+        "Unfreeze what should train (requires_grad_(True)) before fxpipe.compile, or run the model without "
+        "training with pipe(x) under torch.no_grad()")
 
 
 def _argument(path: tuple) -> str:

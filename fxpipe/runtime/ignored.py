@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import inspect
 import re
+import types
 import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 from fxpipe.errors import user_stacklevel
 from fxpipe.plan.batches import micro_sizes
 from fxpipe.runtime.microbatch import is_summed
 from fxpipe.runtime.stage.lossreplay import kept
+from fxpipe.runtime.stage.rng import held
 
 __all__ = ["IGNORE_INDEX", "check_first_loss", "check_targets_once", "look_at_targets", "warn_summed_outputs",
            "warn_uneven_ignored"]
@@ -73,17 +76,14 @@ def ignore_index_of(loss_fn: Callable) -> int:
     Read from the source as written (``F.cross_entropy(o, t, ignore_index=0)`` in a lambda): one
     value found is taken, none or several leave torch's default.
     """
-    seen: list[Any] = [loss_fn]
-    for f in seen[:8]:  # the loss itself, what it wraps (summed, a scaler's), a closure's loss module
+    for f in [loss_fn, *held(loss_fn, nn.Module)]:  # what it refers to: a closure's loss module too
         if isinstance(getattr(f, "ignore_index", None), int):
             return int(f.ignore_index)
-        if isinstance(f, partial):
-            if isinstance(f.keywords.get("ignore_index"), int):
-                return int(f.keywords["ignore_index"])
-            seen.append(f.func)
-        seen += [c.cell_contents for c in getattr(f, "__closure__", None) or () if _filled(c)]
-    for f in seen[:8]:  # the user's own function's code, not a wrapper of fxpipe's
-        if not inspect.isfunction(f) or f.__module__.startswith("fxpipe."):
+    for f in held(loss_fn, partial):
+        if isinstance(f.keywords.get("ignore_index"), int):
+            return int(f.keywords["ignore_index"])
+    for f in held(loss_fn, types.FunctionType):  # the user's own code, not a wrapper of fxpipe's
+        if f.__module__.startswith("fxpipe."):
             continue
         try:
             found = set(re.findall(r"ignore_index\s*=\s*(-?\d+)\b", inspect.getsource(f)))
@@ -91,15 +91,6 @@ def ignore_index_of(loss_fn: Callable) -> int:
             continue
         return int(found.pop()) if len(found) == 1 else IGNORE_INDEX
     return IGNORE_INDEX
-
-
-def _filled(cell: Any) -> bool:
-    """Tell whether a closure's cell holds a value (an empty one raises on reading)."""
-    try:
-        _ = cell.cell_contents
-    except ValueError:
-        return False
-    return True
 
 
 def _span(low: float, high: float) -> str:

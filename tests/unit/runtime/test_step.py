@@ -117,6 +117,25 @@ def test_inputs_or_a_target_on_meta_are_refused_naming_example_inputs():
     pipe.step(x, target=y, loss_fn=F.cross_entropy)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_step_with_nothing_to_train_is_refused_and_a_loss_s_own_parameter_trains(schedule):
+    # a frozen model: torch's "element 0 of tensors does not require grad" under gpipe, and under 1f1b a loss
+    # returned with no gradient anywhere, silently
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).requires_grad_(False)
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, schedule=schedule)
+    with pytest.raises(fxpipe.PipelineInputError, match="no parameter of the model requires grad, and no input or "
+                                                        "target does.*requires_grad_\\(True\\)"):
+        pipe.step(x, target=y, loss_fn=F.cross_entropy)
+    temperature = nn.Parameter(torch.tensor(2.0))  # a frozen backbone under a learnt loss's own parameter
+    pipe.step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out * temperature, t))
+    assert temperature.grad is not None
+    probe = x.clone().requires_grad_()  # an input's gradient through the frozen model (adversarial examples)
+    pipe = fxpipe.compile(model, 2, example_inputs=(probe,), chunks=2, devices=["cpu"] * 2, schedule=schedule)
+    pipe.step(probe, target=y, loss_fn=F.cross_entropy)
+    assert probe.grad is not None
+
+
 def test_step_with_an_unbatched_target_covers_every_micro_batch():
     model = UNet(depth=2, base=4).eval()
     x = torch.randn(6, 3, 8, 8)
