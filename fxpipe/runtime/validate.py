@@ -57,6 +57,8 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     known = [(name, value, node.meta["fxpipe.value"]) for node, value, name in zip(placeholders, values, names)
              if "fxpipe.value" in node.meta]  # the example's, where compile had example inputs
+    for name, value, example in known:
+        _refuse_missing_batch_dim(name, value, example, name in unbatched)
     check_signature([k[0] for k in known], [spec_of(k[1]) for k in known], [k[2] for k in known],
                     kinds=False)  # in one process a pipe may be cast after compile
     for node, value, name in zip(placeholders, values, names):
@@ -66,6 +68,18 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
         elif meta.get("fxpipe.tracer") == "export":
             _check_constant(name, value, expected)
     _check_guards(gm, dict(zip(placeholders, values)), unbatched)
+
+
+def _refuse_missing_batch_dim(name: str, value: Any, example: Any, whole: bool) -> None:
+    """Refuse one sample given without its batch dim (``x[0]``: the example's shape but for dim 0)."""
+    if whole or not isinstance(value, torch.Tensor) or not isinstance(example, TensorSpec):
+        return
+    shape = tuple(example.shape)
+    if len(shape) == value.dim() + 1 and shape[1:] == tuple(value.shape) and len(shape) > 1:
+        raise PipelineInputError(
+            f"input {name!r} has shape {tuple(value.shape)}, the example's {shape} without its first dim: fxpipe "
+            f"splits dim 0 of each input into micro-batches, so one sample needs its batch dim "
+            f"({name}.unsqueeze(0); x[0:1] rather than x[0])")
 
 
 def _fx_traces(meta: dict) -> bool:

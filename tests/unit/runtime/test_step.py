@@ -136,6 +136,19 @@ def test_a_step_with_nothing_to_train_is_refused_and_a_loss_s_own_parameter_trai
     assert probe.grad is not None
 
 
+def test_one_sample_without_its_batch_dim_is_refused_naming_unsqueeze():
+    # x[0] of shape (16,): its 16 features were split as rows, and torch raised "mat1 and mat2 shapes cannot be
+    # multiplied (1x4 and 16x8)" from inside a stage
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 5))
+    x = torch.randn(8, 16)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=4, devices=["cpu"] * 2)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"input 'input' has shape \(16,\), the example's \(8, 16\) "
+                                                        r"without its first dim.*unsqueeze\(0\)"):
+        pipe(x[0])
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x[0:1]), model(x[0:1]))
+
+
 def test_step_with_an_unbatched_target_covers_every_micro_batch():
     model = UNet(depth=2, base=4).eval()
     x = torch.randn(6, 3, 8, 8)
