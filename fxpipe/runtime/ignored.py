@@ -44,7 +44,7 @@ def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_
     if batch is None or m < 2 or is_summed(loss_fn):
         return False
     sizes = micro_sizes(batch, m)
-    ignored = ignore_index_of(loss_fn)
+    ignored: int | None = None  # looked up at the first integer target: a float one has nothing to ignore
     seen = False
     leaves = [(name + keystr(path), v) for name, value in values.items()
               for path, v in tree_flatten_with_path(value)[0]]  # a target dict's or tuple's labels too
@@ -53,6 +53,7 @@ def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_
                 or value.shape[0] != batch or value.dtype == torch.bool:
             continue
         seen = True
+        ignored = ignore_index_of(loss_fn) if ignored is None else ignored
         counted = (value != ignored).reshape(batch, -1).sum(1)
         shares = [float(part.sum()) / (part.numel() * value[0].numel()) for part in counted.split(sizes)]
         if max(shares) - min(shares) < 1e-9:  # every micro-batch's mean weighs as its rows: eager's mean

@@ -148,6 +148,8 @@ def changed(gm: torch.fx.GraphModule, before: dict[str, torch.Tensor]) -> list[s
 
 def snapshot(gm: torch.fx.GraphModule, names: Sequence[str]) -> dict[str, torch.Tensor]:
     """Copy the buffers (or parameters) ``names`` of ``gm`` as they are now."""
+    if not names:
+        return {}  # most stages write none: no walk over the module tree per micro-batch
     buffers = state(gm)
     with torch.no_grad():
         return {n: buffers[n].detach().clone() for n in names if n in buffers and not buffers[n].is_meta}
@@ -156,7 +158,7 @@ def snapshot(gm: torch.fx.GraphModule, names: Sequence[str]) -> dict[str, torch.
 @contextmanager
 def replayed(gm: torch.fx.GraphModule, names: Sequence[str], before: dict[str, torch.Tensor]) -> Iterator[None]:
     """Run the block with the buffers ``names`` as copied in ``before`` (scratch copies where not); put them back after."""
-    buffers = state(gm)
+    buffers = state(gm) if names else {}
     tensors = {n: buffers[n] for n in names if n in buffers and not buffers[n].is_meta}
     if not tensors:
         yield

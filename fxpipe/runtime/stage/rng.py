@@ -59,7 +59,8 @@ def held_generators(value: Any) -> list[torch.Generator]:
     Looked into: lists, tuples, sets and dicts; a user object's attributes and ``__slots__``
     (a sampler, a callable one too); a function's closure, defaults and bound ``self``; a
     ``functools.partial``'s function and arguments; a module's attributes (not its submodules,
-    parameters or buffers: the caller walks those).
+    parameters or buffers: the caller walks those). Not fxpipe's own objects (a pipe a loss_fn's
+    trainer holds, the binding a micro-batch's loss closes over).
     """
     return held(value, torch.Generator)
 
@@ -73,6 +74,8 @@ def held(value: Any, kind: type) -> list[Any]:
 
 def _walk(value: Any, kind: type, depth: int, found: dict[int, Any], seen: set[int]) -> None:
     """Add the objects of ``kind`` that ``value`` holds to ``found``."""
+    if type(value).__module__.startswith("fxpipe."):
+        return  # fxpipe's own objects (a pipe, the binding a micro-batch's loss closes over): not the user's
     if isinstance(value, kind):
         found[id(value)] = value
     if depth > 6 or id(value) in seen or len(seen) > 4096 or value is None or \

@@ -89,3 +89,25 @@ def test_a_discriminator_in_loss_fn_runs_once_per_micro_batch_as_eager(kind, sch
             torch.testing.assert_close(a, b)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_the_loss_replay_watches_the_user_s_loss_fn_not_fxpipe_s_objects():
+    # a micro-batch's loss closes over the pipe's binding, whose graph module was walked: every buffer of the
+    # stages was copied and compared per checkpointed micro-batch (25% of a small model's step)
+    from functools import partial
+
+    from fxpipe.runtime.ignored import check_first_loss
+    from fxpipe.runtime.microbatch import micro_losses
+    from fxpipe.runtime.stage.lossreplay import watching
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, schedule="1f1b")
+    binding = pipe._runtime.binding
+    scorer = nn.BatchNorm1d(2)
+    losses = micro_losses(lambda out, t: F.mse_loss(scorer(out), t), torch.randn(4, 2), 4, 2, torch.device("cpu"),
+                          binding.finish, partial(check_first_loss, binding))
+    with watching(losses[0]) as state:
+        pass
+    watched = {id(b) for _, _, b, _ in state.buffers.values()}
+    assert watched == {id(b) for b in scorer.buffers()}, len(watched)
