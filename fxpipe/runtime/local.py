@@ -31,6 +31,7 @@ from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import commit_batch_norm, discard_batch_norm, pipe_running
 from fxpipe.runtime.stage.copy import copy
 from fxpipe.runtime.stage.dependency import depend
+from fxpipe.runtime.stage.keepstate import note_written_weights
 from fxpipe.runtime.stage.recompute import guarded
 from fxpipe.runtime.stage.rng import autocast_off
 from fxpipe.runtime.stage.stagecall import StageCall
@@ -178,8 +179,9 @@ class LocalRuntime:
                 total = sum((losses[i](out) for i, out in enumerate(outputs[1:], 1)), losses[0](outputs[0]))
                 with autocast_off():  # as eager's backward, outside the autocast around pipe.step
                     total.backward()
-            except BaseException:
+            except BaseException as exc:
                 discard_batch_norm(self.deferred)
+                note_written_weights(exc, [call.gm for call in self.calls])
                 raise
             if training:
                 commit_batch_norm(self.deferred)

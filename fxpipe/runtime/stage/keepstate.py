@@ -38,8 +38,8 @@ from torch.nn.modules.batchnorm import _NormBase
 from fxpipe.frontend.tracewrites import named_state, state_versions
 from fxpipe.passes.mutates import aliases, op_name, unwrapped, written_args
 
-__all__ = ["bumped", "changed", "norm_statistics", "private_statistics", "replayed", "snapshot", "state", "versions",
-           "written_buffers"]
+__all__ = ["bumped", "changed", "norm_statistics", "note_written_weights", "private_statistics", "replayed", "snapshot",
+           "state", "versions", "written_buffers"]
 
 
 def norm_statistics(gm: torch.fx.GraphModule) -> set[str]:
@@ -174,3 +174,22 @@ def replayed(gm: torch.fx.GraphModule, names: Sequence[str], before: dict[str, t
     finally:
         for n, t in tensors.items():
             t.data = current[n]
+
+
+def note_written_weights(exc: BaseException, gms: Sequence[torch.fx.GraphModule]) -> None:
+    """Note on autograd's in-place error the trainable parameters a stage's forward writes in place, with the fix.
+
+    Each micro-batch's forward writes them again before an earlier micro-batch's backward reads
+    what it saved (``self.head.weight[:, 0] = 0`` under ``torch.no_grad()``, pruning by hand).
+    """
+    if not isinstance(exc, RuntimeError) or "modified by an inplace operation" not in str(exc):
+        return
+    named = [(name, gm) for gm in gms for name in written_buffers(gm)]
+    weights = [name for name, gm in named if isinstance(state(gm).get(name), torch.nn.Parameter)
+               and state(gm)[name].requires_grad]
+    if weights:
+        exc.add_note(
+            f"fxpipe: the forward writes {', '.join(weights[:3])} in place, a parameter that trains: each micro-batch's "
+            "forward writes it again before an earlier micro-batch's backward reads the value it saved. Write it "
+            "outside the forward (after optimizer.step()), or compute the weight used as a new tensor each forward "
+            "(torch.nn.utils.prune or parametrize: weight * mask), or use chunks=1")

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.passes.spec import differentiable, unflatten
 from fxpipe.runtime.stage import wgrad
+from fxpipe.runtime.stage.keepstate import note_written_weights
 from fxpipe.runtime.stage.lossreplay import first_loss, replaying
 from fxpipe.runtime.stage.owned import owned
 from fxpipe.runtime.stage.rng import autocast_off
@@ -138,8 +139,12 @@ class StageWorker:
             _, leaves, result = saved
         with on_device(self.device), self.call.span("backward", i), self._deferring(i, kind), autocast_off():
             tensors, grad_tensors = _pairs(result, grads)
-            if tensors:
-                torch.autograd.backward(tensors, grad_tensors)
+            try:
+                if tensors:
+                    torch.autograd.backward(tensors, grad_tensors)
+            except RuntimeError as exc:
+                note_written_weights(exc, [self.call.gm])
+                raise
             if kind == "B" and self.defer:
                 wgrad.run(self._weights.pop(i, []))
         # the gradients wait (a send, the hand-over, the end of the step) while later backwards

@@ -265,3 +265,30 @@ def test_a_frozen_parameter_a_forward_updates_is_updated_once_under_recomputatio
             torch.testing.assert_close(a.grad, b.grad)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+class _PrunedInForward(nn.Module):
+    """Zero a column of a trained weight in place in the forward (pruning by hand)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        with torch.no_grad():
+            self.head.weight[:, 0] = 0
+        return self.head(h)
+
+
+def test_a_trained_weight_written_in_the_forward_is_named_on_autograd_s_in_place_error():
+    # torch's "modified by an inplace operation ... is at version 3; expected version 2" named nothing
+    import fxpipe
+
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    pipe = fxpipe.compile(_PrunedInForward(), 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2,
+                          schedule="gpipe", checkpoint="never")
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation") as caught:
+        pipe.step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+    assert any("the forward writes head.weight in place, a parameter that trains" in n and "chunks=1" in n
+               for n in getattr(caught.value, "__notes__", [])), caught.value
