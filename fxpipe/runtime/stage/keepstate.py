@@ -37,6 +37,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from fxpipe.frontend.tracewrites import named_state, state_versions
 from fxpipe.passes.mutates import aliases, op_name, unwrapped, written_args
+from fxpipe.runtime.observe.blame import add_note
 
 __all__ = ["bumped", "changed", "norm_statistics", "note_written_weights", "private_statistics", "replayed", "snapshot",
            "state", "versions", "written_buffers"]
@@ -188,8 +189,8 @@ def note_written_weights(exc: BaseException, gms: Sequence[torch.fx.GraphModule]
     weights = [name for name, gm in named if isinstance(state(gm).get(name), torch.nn.Parameter)
                and state(gm)[name].requires_grad]
     if weights:
-        exc.add_note(
-            f"fxpipe: the forward writes {', '.join(weights[:3])} in place, a parameter that trains: each micro-batch's "
+        add_note(
+            exc, f"fxpipe: the forward writes {', '.join(weights[:3])} in place, a parameter that trains: each micro-batch's "
             "forward writes it again before an earlier micro-batch's backward reads the value it saved. Write it "
             "outside the forward (after optimizer.step()), or compute the weight used as a new tensor each forward "
             "(torch.nn.utils.prune or parametrize: weight * mask), or use chunks=1")
