@@ -384,6 +384,10 @@ def test_a_loss_reduction_other_than_the_first_rank_s_is_refused(tmp_path, launc
                                        "rank 0 (the first stage's) with 'sum'"), res
     assert "loss_reduction='mean'" in res[0]["raised"], res
     assert all(r["error"] < 1e-5 for r in res), res
+    # replicas: each pipeline agreed with itself; replica 1's gradients were averaged in at 0.25x, silently
+    res = launch("dist_cases:reductions_differ", 4, "1f1b:dp", tmp_path)
+    assert all("but replica" in r["raised"] and "loss_reduction=" in r["raised"] for r in res), res
+    assert all(r["error"] < 1e-5 for r in res), res
 
 
 def test_a_nan_buffer_alike_on_every_rank_is_not_warned_as_other_weights(tmp_path, launch):

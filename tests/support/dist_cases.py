@@ -1077,15 +1077,18 @@ def same_batch_target_masked(rank, world, schedule):
 
 
 def reductions_differ(rank, world, schedule):
-    """Pass loss_reduction='sum' on the first rank only; return what each rank raised, then a plain step's loss."""
+    """Pass loss_reduction='sum' on the first rank (replica, with ':dp') only; return what each rank raised, then
+    a plain step's loss against eager's on the same batch."""
+    schedule, _, dp = schedule.partition(":")
     torch.manual_seed(0)
     model, x, y, _ = _mlp_pair()
     loss_fn = partial(F.mse_loss, reduction="sum")
     eager = copy.deepcopy(model)
-    pipe = fxpipe.compile(model, world, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
-                          schedule=schedule)
+    pipe = fxpipe.compile(model, world // 2 if dp else world, example_inputs=(x,), chunks=2, runtime="distributed",
+                          timeout=60, schedule=schedule, data_parallel=2 if dp else 1)
+    first = fxpipe.data_shard(pipe)[1] == 0 if dp else rank == 0
     try:
-        pipe.step(x, target=y, loss_fn=loss_fn, loss_reduction="sum" if rank == 0 else "mean")
+        pipe.step(x, target=y, loss_fn=loss_fn, loss_reduction="sum" if first else "mean")
         raised = ""
     except Exception as exc:  # noqa: BLE001 - what the rank was told
         raised = f"{type(exc).__name__}: {exc}"

@@ -75,7 +75,7 @@ def call_name(stepping: bool) -> str:
 
 
 def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.device,
-                    failure: str | None = None, stepping: bool = True) -> None:
+                    failure: str | None = None, stepping: bool = True, reduction: str = "mean") -> None:
     """Refuse a step whose replicas hold different batch sizes or calls, or that another replica refused, naming them.
 
     One all-reduce of five integers (the largest size, the negated smallest, whether a replica
@@ -85,25 +85,31 @@ def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.d
     gradient reductions.
     """
     size = -1 if batch is None else batch
-    bounds = torch.tensor([size, -size, int(failure is not None), int(stepping), -int(stepping)], dtype=torch.int64,
+    call = 0 if not stepping else 1 if reduction == "mean" else 2  # pipe(x), a mean step, a summed step
+    bounds = torch.tensor([size, -size, int(failure is not None), call, -call], dtype=torch.int64,
                           device=device)  # NCCL: on the GPU
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
     if int(bounds[0]) == -int(bounds[1]) and not int(bounds[2]) and int(bounds[3]) == -int(bounds[4]):
         return
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (batch, failure, stepping), group=group)
+    dist.all_gather_object(gathered, (batch, failure, stepping, reduction), group=group)
     if failure is not None:
         return  # this replica raises its own refusal
-    for other, (_, refused, _) in enumerate(gathered):
+    for other, (_, refused, _, _) in enumerate(gathered):
         if refused is not None:
             raise PipelineInputError(f"replica {other} refused this step ({refused}); the replicas run each step "
                                      f"together, so replica {replica} did not run it either")
-    for other, (_, _, called) in enumerate(gathered):
+    for other, (_, _, called, theirs) in enumerate(gathered):
         if called != stepping:
             raise PipelineInputError(
                 f"replica {replica} called {call_name(stepping)} but replica {other} called {call_name(called)}; "
                 "the replicas run each step together: make the same call on every rank")
-    for other, (size, _, _) in enumerate(gathered):
+        if stepping and theirs != reduction:
+            raise PipelineInputError(
+                f"replica {replica} called pipe.step with loss_reduction={reduction!r} but replica {other} with "
+                f"{theirs!r}: the replicas average their gradients, which would mix two weightings of the loss. "
+                "Pass the same loss_reduction= (and loss_fn=) on every rank")
+    for other, (size, _, _, _) in enumerate(gathered):
         if size != batch:
             why = ("every replica averages its gradients with the others', so give each the same batch size (drop "
                    "the uneven last batch: DistributedSampler(..., drop_last=True) or DataLoader(..., drop_last=True); "
@@ -157,12 +163,12 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         if not agreed:
             agreed = True
             _agree_on_batch(batch, runtime.layout.dp_group, runtime.layout.replica, runtime.device,
-                            stepping=stepping)
+                            stepping=stepping, reduction=runtime.reduction)
         new = _propagate(runtime, specs, training)
     except (TypeError, ValueError, PropagationError) as exc:
         if not agreed:
             _agree_on_batch(None, runtime.layout.dp_group, runtime.layout.replica, runtime.device, failure=str(exc),
-                            stepping=stepping)
+                            stepping=stepping, reduction=runtime.reduction)
         tell_all(runtime, {"error": (type(exc).__name__, str(exc))})
         runtime.comm.flush()  # deliver it before this rank's exception ends the process
         if isinstance(exc, PropagationError):
