@@ -55,6 +55,7 @@ from fxpipe.runtime.schedules.builtin import Schedule
 from fxpipe.runtime.stage.batchnorm import defer_batch_norm
 from fxpipe.runtime.stage.compiled import CompiledStage
 from fxpipe.runtime.stage.exportedbn import ExportedBatchNorm, defer_exported, defer_traced, share_counters
+from fxpipe.runtime.stage.keepstate import written_buffers
 from fxpipe.runtime.stage.marks import instrument
 from fxpipe.runtime.stage.normcalls import called_more_than_once, per_call, warn_spread
 from fxpipe.runtime.stage.offload import Offload
@@ -302,6 +303,8 @@ def build_distributed(model: nn.Module, gm: torch.fx.GraphModule, plan: Pipeline
     if layout.dp > 1:  # every rank asks it of every rank's stages, so all refuse alike
         for r in sorted(set(schedule.ranks)):
             _refuse_shared_on_one_rank([stages[j] for j in schedule.stages_of(r)], schedule.stages_of(r))
+        if shard:
+            _refuse_sharded_writes(stages)
     unread = _unread(model, stages) if layout.rank == 0 else set()
     tp = gm.meta.get("fxpipe.tp_plan") if layout.tp > 1 else None
     if materials is not None and materials.needed(model):
@@ -381,6 +384,23 @@ def _refuse_shared_on_one_rank(held: Sequence[torch.fx.GraphModule], mine: Seque
                                  "rank; with data_parallel > 1 each stage reduces its own gradients, so a tensor "
                                  "cannot be shared between two stages of a rank: untie it, or place those stages "
                                  "on different ranks (another schedule or split)")
+
+
+def _refuse_sharded_writes(stages: Sequence[torch.fx.GraphModule]) -> None:
+    """Refuse, under FSDP2, parameters a stage's forward writes in place (a centre kept as a frozen parameter).
+
+    FSDP2 shards the parameters and gathers them for each forward: the write went to the
+    gathered copy, and the recomputation in backward crashed the process (a segfault).
+    """
+    for j, st in enumerate(stages):
+        params = dict(st.named_parameters())
+        written = [n for n in written_buffers(st) if n in params]
+        if written and any(p.requires_grad for p in params.values()):  # a stage frozen whole is not sharded
+            raise CompileError(
+                f"stage {j}'s forward writes the parameter(s) {', '.join(written[:3])} in place, which "
+                "data_parallel_shard=True (FSDP2) shards and gathers for each forward, so the write would go to a "
+                "gathered copy. Keep such a tensor as a buffer (self.register_buffer(name, tensor)), which FSDP2 "
+                "leaves whole and the replicas copy from the first, or use data_parallel_shard=False")
 
 
 def _refuse_quantized(model: nn.Module) -> None:

@@ -12,7 +12,8 @@ FSDP2 leaves buffers alone), so after each training run of the pipeline:
 - the other batch norms: their running statistics (and ``num_batches_tracked``) are broadcast
   from the first replica, as DDP's ``broadcast_buffers=True`` does;
 - the other buffers a stage's graph writes (MoCo's queue of keys, DINO's centre, a step
-  counter): broadcast from the first replica too, as DDP does before each forward.
+  counter), and the parameters it writes in place (a centre kept as a frozen parameter):
+  broadcast from the first replica too, as DDP does with buffers before each forward.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fxpipe.runtime.stage.batchnorm import fold_staged
-from fxpipe.runtime.stage.keepstate import norm_statistics, written_buffers
+from fxpipe.runtime.stage.keepstate import norm_statistics, state, written_buffers
 
 __all__ = ["norms_of", "sync_norms", "written_of"]
 
@@ -52,12 +53,15 @@ def norms_of(modules: Iterable[nn.Module]) -> list[Any]:
 
 
 def written_of(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
-    """Return the buffers the graphs in ``modules`` write in place, but the norms' statistics, once each."""
+    """Return the buffers (and frozen parameters: a DINO centre) the graphs in ``modules`` write in place, once each.
+
+    Not the norms' statistics, which :func:`sync_norms` handles as such.
+    """
     found: dict[int, torch.Tensor] = {}
     for module in modules:
         if not isinstance(module, torch.fx.GraphModule):
             continue
-        statistics, buffers = norm_statistics(module), dict(module.named_buffers())
+        statistics, buffers = norm_statistics(module), state(module)
         for name in written_buffers(module):  # one order on every replica: they hold the same graphs
             b = buffers.get(name)
             if b is not None and name not in statistics and not b.is_meta and not hasattr(b, "to_local"):

@@ -494,6 +494,9 @@ def test_buffers_a_forward_writes_keep_the_first_replica_s_values(schedule, tmp_
     assert written and all(len(pair) == 2 and {r["replica"] for r in pair} == {0, 1} for pair in written), by_stage
     for pair in written:
         assert pair[0]["held"] == pair[1]["held"] and any(v != 0 for v in pair[0]["held"]["queue"][0]), pair
+        assert any(v != 0 for v in pair[0]["held"]["centre"]), pair  # a frozen parameter written: 0.063 apart
+    # FSDP2 gathers the parameters for each forward: the write went to a copy, and the recomputation segfaulted
+    assert all("writes the parameter(s) centre in place" in res["sharded"] for res in results), results
 
 
 def test_a_value_sized_by_the_inputs_values_is_kept_on_one_rank_and_refused_across_ranks(tmp_path, launch):

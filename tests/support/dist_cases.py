@@ -1162,13 +1162,15 @@ class _Queued(nn.Module):
         self.body, self.head = nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 4)
         self.register_buffer("queue", torch.zeros(16, 4))
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.centre = nn.Parameter(torch.zeros(4), requires_grad=False)  # DINO's centre kept as a parameter
 
     def forward(self, x):
         z = self.head(self.body(x))
         with torch.no_grad():
             self.queue.copy_(torch.cat([z.detach(), self.queue])[:16])
             self.steps.add_(1)
-        return z + self.queue.mean()
+            self.centre.mul_(0.5).add_(0.5 * z.mean(0))
+        return z + self.queue.mean() - self.centre
 
 
 def replica_written_buffers(rank, world, schedule):
@@ -1177,13 +1179,23 @@ def replica_written_buffers(rank, world, schedule):
     torch.manual_seed(0)
     model, x, y = _Queued(), torch.randn(8, 8), torch.randn(8, 4)
     pipe = fxpipe.compile(model, 2, example_inputs=(x[:4],), chunks=2, runtime="distributed", timeout=60,
-                          schedule=schedule, data_parallel=2, tracer=tracer or "fx")
+                          schedule=schedule, data_parallel=2, tracer=tracer or "fx", split_points=["head"])
     _, replica = fxpipe.data_shard(pipe)
     rows = slice(replica * 4, replica * 4 + 4)
     for _ in range(2):
         pipe.step(x[rows], target=y[rows], loss_fn=F.mse_loss)
-    held = {name: b.tolist() for name, b in model.named_buffers() if b.device.type != "meta"}
-    return {"replica": replica, "held": held}
+    held = {name: b.tolist() for name, b in [*model.named_buffers(), ("centre", model.centre)]
+            if b.device.type != "meta"}
+    try:  # refused where a sharded stage writes it; a stage frozen whole is not sharded, and runs
+        torch.manual_seed(0)
+        again = fxpipe.compile(_Queued(), 2, example_inputs=(x[:4],), chunks=2, runtime="distributed", timeout=60,
+                               schedule=schedule, data_parallel=2, data_parallel_shard=True, tracer=tracer or "fx",
+                               split_points=["head"])
+        again.step(x[rows], target=y[rows], loss_fn=F.mse_loss)
+        sharded = ""
+    except Exception as exc:  # noqa: BLE001 - the refusal each rank gave
+        sharded = f"{type(exc).__name__}: {exc}"
+    return {"replica": replica, "held": held, "sharded": sharded}
 
 
 def _held_error(pipe, rank, model, eager):
