@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from fxpipe.errors import ModelChangedError, PipelineInputError
 from fxpipe.plan.pipeline import PipelinePlan
@@ -368,20 +369,39 @@ def _refuse_meta(args: tuple, kwargs: dict, target: Any) -> None:
 
 
 def _refuse_nothing_to_train(model: nn.Module, args: tuple, kwargs: dict, target: Any, loss_fn: Any) -> None:
-    """Refuse a step where no parameter (the model's, loss_fn's), and no input or target given, requires grad."""
+    """Refuse a step where no parameter (the model's, loss_fn's), and no input or target given, requires grad.
+
+    Decided where the inputs were given (across ranks, the first stage's rank has them): a rank
+    given only the target cannot tell whether the inputs require grad.
+    """
     if any(p.requires_grad for p in model.parameters()):  # on meta too: every rank sees the whole model's flags
         return
-    if any(p.requires_grad for m in held(loss_fn, nn.Module) for p in m.parameters()) or \
-            any(t.requires_grad for t in held(loss_fn, torch.Tensor)):  # a learnt temperature in loss_fn
+    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    if not inputs or any(t.requires_grad for t in [*inputs, *tree_flatten(target)[0]] if isinstance(t, torch.Tensor)):
         return
-    given = [t for t in tree_flatten_with_path((args, kwargs, target))[0] if isinstance(t[1], torch.Tensor)]
-    if not given or any(t.requires_grad for _, t in given):
-        return  # given none here (the first stage's rank, which has them, decides) or one to train
+    if _loss_trains(loss_fn):  # a learnt temperature, or a head loss_fn reads by a global name
+        return
     raise PipelineInputError(
         "pipe.step trains, but no parameter of the model requires grad, and no input or target does: backward "
         "would reach nothing (eager's loss.backward() raises 'element 0 of tensors does not require grad'). "
         "Unfreeze what should train (requires_grad_(True)) before fxpipe.compile, or run the model without "
         "training with pipe(x) under torch.no_grad()")
+
+
+def _loss_trains(loss_fn: Any) -> bool:
+    """Tell whether ``loss_fn`` refers to a tensor requiring grad: held, or read by a global name in its code."""
+    functions = [f for f in held(loss_fn, types.FunctionType) if not f.__module__.startswith("fxpipe.")]
+    named = [f.__globals__[n] for f in functions for n in _names(f.__code__) if n in f.__globals__]
+    for value in [loss_fn, *named]:
+        if any(p.requires_grad for m in held(value, nn.Module) for p in m.parameters()) or \
+                any(t.requires_grad for t in held(value, torch.Tensor)):
+            return True
+    return False
+
+
+def _names(code: types.CodeType) -> list[str]:
+    """Return the global names ``code`` and the functions defined in it read."""
+    return [*code.co_names, *(n for c in code.co_consts if isinstance(c, types.CodeType) for n in _names(c))]
 
 
 def _argument(path: tuple) -> str:

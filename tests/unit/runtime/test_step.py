@@ -117,6 +117,13 @@ def test_inputs_or_a_target_on_meta_are_refused_naming_example_inputs():
     pipe.step(x, target=y, loss_fn=F.cross_entropy)
 
 
+_HEAD = nn.Linear(3, 3)  # a head loss_fn reads by its global name (a script's usual style)
+
+
+def _headed_loss(out, t):
+    return F.cross_entropy(_HEAD(out), t)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_step_with_nothing_to_train_is_refused_and_a_loss_s_own_parameter_trains(schedule):
     # a frozen model: torch's "element 0 of tensors does not require grad" under gpipe, and under 1f1b a loss
@@ -130,6 +137,9 @@ def test_a_step_with_nothing_to_train_is_refused_and_a_loss_s_own_parameter_trai
     temperature = nn.Parameter(torch.tensor(2.0))  # a frozen backbone under a learnt loss's own parameter
     pipe.step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out * temperature, t))
     assert temperature.grad is not None
+    _HEAD.zero_grad()
+    pipe.step(x, target=y, loss_fn=_headed_loss)  # was refused: the walk saw closures, not globals
+    assert _HEAD.weight.grad is not None
     probe = x.clone().requires_grad_()  # an input's gradient through the frozen model (adversarial examples)
     pipe = fxpipe.compile(model, 2, example_inputs=(probe,), chunks=2, devices=["cpu"] * 2, schedule=schedule)
     pipe.step(probe, target=y, loss_fn=F.cross_entropy)
