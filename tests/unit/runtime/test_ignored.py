@@ -25,11 +25,47 @@ def test_distant_shares_keep_whole_percents():
         warn_uneven_ignored({"labels": _labels([200, 700])}, 2, 2, F.cross_entropy)
 
 
+PAD = 2
+
+
+class _Trainer:
+    """Hold the padding label and compute the loss in a method (ignore_index=self.pad)."""
+
+    def __init__(self):
+        self.pad = 2
+
+    def loss(self, out, t):
+        return F.cross_entropy(out, t, ignore_index=self.pad)
+
+
+class _LossModule(nn.Module):
+    """A custom loss holding torch's as a submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.ce = nn.CrossEntropyLoss(ignore_index=2)
+
+    def forward(self, out, t):
+        return self.ce(out, t)
+
+
+_LOSSES = {"plain": lambda out, t: F.cross_entropy(out, t), "pad": lambda out, t: F.cross_entropy(out, t, ignore_index=2)}
+
+
+def _commented(out, t):
+    return F.cross_entropy(out, t)  # ignore_index=2 is not used here
+
+
 @pytest.mark.parametrize("loss_fn", [
     nn.CrossEntropyLoss(ignore_index=2),
     __import__("functools").partial(F.cross_entropy, ignore_index=2),
     lambda out, t: F.cross_entropy(out, t, ignore_index=2),
-], ids=["module", "partial", "lambda"])
+    lambda out, t: F.cross_entropy(out, t, ignore_index=PAD),
+    _Trainer().loss,
+    __import__("functools").partial(_Trainer().loss),
+    _LossModule(),
+    _LOSSES["pad"],
+], ids=["module", "partial", "lambda", "global", "method", "partial-method", "submodule", "dict-lambda"])
 def test_a_loss_fn_s_own_ignore_index_is_looked_for(loss_fn):
     # ignore_index=2 in loss_fn: no warning, and the step's loss was NaN (a micro-batch of nothing counted)
     labels = torch.tensor([2, 2, 2, 2, 0, 1, 3, 4])
@@ -140,6 +176,14 @@ def test_a_mean_output_scaled_by_the_rows_share_under_sum_is_not_warned_of(scale
         pipe.step(x, labels, target=labels, loss_fn=lambda out, y: out * factor(y), loss_reduction="sum")
     warned = [str(w.message) for w in caught if "a mean over the rows, which loss_fn returns" in str(w.message)]
     assert bool(warned) == told, [str(w.message)[:100] for w in caught]
+
+
+@pytest.mark.parametrize("loss_fn", [_commented, _LOSSES["plain"]], ids=["comment", "dict-lambda-beside"])
+def test_an_ignore_index_in_a_comment_or_a_neighbour_s_code_is_not_read(loss_fn, recwarn):
+    # "target marks entries 2 (ignore_index) in unequal shares" for a loss that ignores nothing, read off a
+    # comment, or off another lambda on the same line
+    assert warn_uneven_ignored({"target": torch.tensor([2, 2, 2, 2, 0, 1, 3, 4])}, 8, 4, loss_fn)
+    assert not [w for w in recwarn if "unequal shares" in str(w.message)]
 
 
 def test_a_step_given_no_targets_leaves_the_look_to_the_next():
