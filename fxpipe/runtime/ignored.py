@@ -82,8 +82,9 @@ def ignore_index_of(loss_fn: Callable) -> int:
         for sub in m.modules():
             if isinstance(getattr(sub, "ignore_index", None), int):
                 return int(sub.ignore_index)
-    if isinstance(getattr(loss_fn, "ignore_index", None), int):
-        return int(loss_fn.ignore_index)
+    own = getattr(loss_fn, "ignore_index", None)  # an object with its own field (not a module)
+    if isinstance(own, int):
+        return own
     for f in held(loss_fn, partial):
         if isinstance(f.keywords.get("ignore_index"), int):
             return int(f.keywords["ignore_index"])
