@@ -224,11 +224,11 @@ def loss_again(loss_fn: Callable, target: Any, out: Any, *, rows: int, keep: int
 
 def _split_in_target(exc: Exception, target: Any, batch: int | None, rows: int) -> str | None:
     """Say which of the target's tensors were split with the rows where ``loss_fn``'s error names the batch's size."""
-    if not batch or rows == batch or not re.search(rf"\b{batch}\b", str(exc)):
-        return None
+    if not batch or rows == batch or not re.search(rf"\b({batch}|{rows})\b", str(exc)):
+        return None  # the batch's size (classes as many as rows), or the micro-batch's (weights indexed by labels)
     split = [f"target{keystr(path)}" for path, v in tree_flatten_with_path(target)[0]
              if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch]
-    if not split:
+    if len(split) < 2:  # labels and weights: one tensor alone is the labels
         return None
     return (f"fxpipe: pipe.step splits the target's tensors with the batch's {batch} rows ({', '.join(split)}: "
             f"{rows} rows in this micro-batch); if one of them is not per row (class weights of {batch} classes, "

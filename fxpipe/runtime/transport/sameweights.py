@@ -32,7 +32,9 @@ def fingerprints(model: nn.Module) -> dict[str, float]:
             if t.is_meta or not t.is_floating_point() or t.numel() == 0:
                 continue
             flat = t.detach().reshape(-1)
-            sums.setdefault(t.device, []).append((name, flat[:: max(1, flat.numel() // 16)][:16].double().sum()))
+            sample = flat[:: max(1, flat.numel() // 16)][:16].double()  # NaN and inf as numbers: one NaN hid the rest
+            sums.setdefault(t.device, []).append((name, torch.nan_to_num(sample, nan=0.5, posinf=1e300,
+                                                                         neginf=-1e300).sum()))
     found: dict[str, float] = {}
     for pairs in sums.values():  # one copy to the host per device, not one per tensor
         found.update(zip([n for n, _ in pairs], torch.stack([v for _, v in pairs]).tolist()))

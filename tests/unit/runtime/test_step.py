@@ -99,6 +99,10 @@ def test_class_weights_in_the_target_are_named_with_the_way_to_give_them(classes
     with pytest.raises((RuntimeError, fxpipe.PipelineInputError), match=told) as caught:
         pipe.step(x, target=(y, w), loss_fn=lambda out, t: F.cross_entropy(out, t[0], weight=t[1]))
     assert "unbatched=" not in str(caught.value) + "".join(getattr(caught.value, "__notes__", []))
+    if classes == 8:  # per-row weights looked up by label (w[labels]): torch's IndexError names the micro-batch's rows
+        with pytest.raises(IndexError, match=told):
+            pipe.step(x, target=(torch.arange(8).roll(1), w), loss_fn=lambda out, t: (
+                F.cross_entropy(out, t[0], reduction="none") * t[1][t[0]]).mean())
     pipe.step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out, t, weight=w))
 
 
