@@ -286,10 +286,13 @@ def schedule_rows(schedule: Any, n: int, m: int, placement: Any, ranks: int | No
             raise ScheduleError(f"schedule='zbv' puts two stages on each rank: {n} stages run on ranks={n // 2}, "
                                 f"not ranks={world}" if n % 2 == 0 else
                                 f"schedule='zbv' puts two stages on each rank: give an even number of stages, not {n}")
-        return schedule, MULTI_PRODUCERS[schedule](n, m, world), PLACEMENTS[schedule](n, world)
+        own = PLACEMENTS[schedule](n, world)
+        _refuse_other_placement(schedule, placement, n, world, own)
+        return schedule, MULTI_PRODUCERS[schedule](n, m, world), own
     if isinstance(schedule, str) and schedule in PRODUCERS:
         produced = PRODUCERS[schedule](n, m)
         if any(a.stage != r for r, row in enumerate(produced) for a in row):  # rows per rank already
+            _refuse_other_placement(schedule, placement, n, ranks, _owners(produced, n))
             return schedule, produced, _owners(produced, n)
         rank_of = placement_map(placement, n, ranks)
         if max(rank_of) + 1 != n:
@@ -302,7 +305,18 @@ def schedule_rows(schedule: Any, n: int, m: int, placement: Any, ranks: int | No
     check_name(schedule)
     rows = load_schedule(schedule)
     check(rows, n, m)
+    _refuse_other_placement("your own", placement, n, len(rows), _owners(rows, n))
     return "custom", rows, _owners(rows, n)
+
+
+def _refuse_other_placement(schedule: str, placement: Any, n: int, world: int | None, own: list[int]) -> None:
+    """Refuse a ``placement=`` other than the one a schedule's action lists fix (it would be ignored)."""
+    if placement is None or placement_map(placement, n, world) == own:
+        return
+    raise ValueError(
+        f"placement={placement!r} differs from where schedule={schedule!r}'s action lists put the {n} stages "
+        f"(ranks {own}): lists that hold several stages per rank fix their placement. Leave placement= out, or "
+        "write your own action lists for the placement you want (placement= places one-stage-per-rank schedules)")
 
 
 def _owners(rows: list[list[Action]], n: int) -> list[int]:

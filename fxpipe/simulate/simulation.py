@@ -6,7 +6,7 @@
 
 The schedule is the same data the runtime runs (:mod:`fxpipe.runtime.schedules.builtin`, or your own
 action lists), so any schedule simulates, including ones with several stages per rank
-(``placement=``). ``runtime="local"`` is one process: actions run clock by clock and stages
+(placed as their action lists say). ``runtime="local"`` is one process: actions run clock by clock and stages
 on the same device take turns; ``"distributed"`` is a rank per device, each running on as
 soon as its inputs have arrived over the link.
 """

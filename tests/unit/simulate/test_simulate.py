@@ -1,6 +1,7 @@
 """fxpipe.simulate on compiled pipes and plans: step time, timeline, memory, device models."""
 
 import json
+import re
 import warnings
 
 import pytest
@@ -148,6 +149,18 @@ def test_placements_map_stages_to_ranks():
     assert placement_map("V", 8, 4) == [0, 1, 2, 3, 3, 2, 1, 0]
     with pytest.raises(ValueError, match="placement"):
         placement_map("zigzag", 4, 2)
+
+
+def test_a_placement_a_schedule_s_lists_fix_otherwise_is_refused_not_ignored():
+    # simulate(schedule="interleaved", placement="V") simulated the loop placement, silently
+    from fxpipe.simulate.eventsim import schedule_rows
+
+    assert schedule_rows("interleaved", 4, 4, "loop", 2)[2] == [0, 1, 0, 1]
+    assert schedule_rows("zbv", 4, 4, [0, 1, 1, 0], 2)[2] == [0, 1, 1, 0]
+    for schedule, placement in [("interleaved", "V"), ("zbv", "loop"), ("interleaved", [0, 0, 1, 1])]:
+        told = re.escape(f"placement={placement!r} differs from where schedule='{schedule}''s action lists put")
+        with pytest.raises(ValueError, match=told):
+            schedule_rows(schedule, 4, 4, placement, 2)
 
 
 def test_device_models():
