@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import statistics
 from dataclasses import dataclass, field
 
@@ -222,7 +223,11 @@ def parse_bytes(text: str | float) -> float:
     """Read a memory size: ``80GB``, ``80 GiB``, ``512MB``, or a number of bytes."""
     if isinstance(text, (int, float)):
         return float(text)
-    s = text.strip().lower().replace(" ", "")
+    written = text.strip().replace(" ", "")
+    if re.fullmatch(r"[0-9.]+[KMGT]i?b", written):  # 80Gb: gigabits, as --inter-node-bandwidth 400Gb/s reads it
+        raise ValueError(f"{text!r} reads as bits (a lowercase b, as in 400Gb/s); a memory size is in bytes: write "
+                         f"{written[:-1]}B")
+    s = written.lower()
     digits = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(digits):]
     try:

@@ -171,6 +171,8 @@ def test_device_models():
     with pytest.raises(ValueError, match="use one of"):
         device_model("tpu")
     assert parse_bytes("80GB") == 80e9 and parse_bytes("1GiB") == 2**30
+    with pytest.raises(ValueError, match="reads as bits .* write 80GB"):  # read as 80 GB beside 400Gb/s's bits
+        parse_bytes("80Gb")
     with pytest.raises(ValueError, match="memory size"):
         parse_bytes("lots")
     # --memory 80 was taken as 80 bytes ("no configuration fits in 80B per device")
