@@ -110,8 +110,8 @@ _OPTIONS = {"max_memory": "--max-memory", "n_stages=": "--stages", "chunks=": "-
 
 def option_hint(message: str) -> str:
     """Say which command-line options set the keywords a library message names (``max_memory=`` is ``--max-memory``)."""
-    hints = list(dict.fromkeys(option for keyword, option in _OPTIONS.items() if keyword in message))
-    return f"\nOn the command line: {', '.join(hints)}" if hints else ""
+    hints = [f"{keyword.rstrip('=')}= is {option}" for keyword, option in _OPTIONS.items() if keyword in message]
+    return f"\nOn the command line, {', '.join(hints)}" if hints else ""
 
 
 def rows_text(batch: float, chunks: int) -> str:
