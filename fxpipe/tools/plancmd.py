@@ -155,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         found.plan(best).save(args.json)
         print(f"plan saved to {args.json}: fxpipe.compile(model, {best.stages}, plan={args.json!r}, "
-              f"chunks={best.chunks}, schedule={best.schedule!r}, checkpoint={best.setting!r})")
+              f"chunks={best.chunks}, schedule={best.schedule!r}, checkpoint={best.setting!r}, "
+              f"runtime='distributed') under torchrun --nproc-per-node {best.stages} (as predicted; in one process "
+              f"give devices=[...] instead of runtime=)")
     if args.trace:
         best.sim.timeline().save(args.trace)
         print(f"simulated timeline saved to {args.trace} (open it in https://ui.perfetto.dev)")
