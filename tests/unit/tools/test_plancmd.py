@@ -1,6 +1,7 @@
 """The fxpipe plan command: the ranked table, the saved plan, errors and exit codes."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -211,4 +212,4 @@ def test_uneven_micro_batches_read_as_their_rows(models, capsys):
     assert cli.main(["plan", f"{models}:mlp", "--ranks", "2", "--global-batch", "30", "--chunks", "4",
                      "--schedules", "gpipe", "--checkpoint", "never"]) == 0
     table = capsys.readouterr().out
-    assert " 7-8 " in table and "7.5" not in table
+    assert " 7-8 " in table and not re.search(r"(?<![\d.])7\.5(?!\d)", table)  # a time may read 17.52
