@@ -128,6 +128,9 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     runtime = runtime or default_runtime(plan, model)
     if runtime not in ("local", "distributed"):
         raise ValueError(f"runtime={runtime!r}; use 'local' (one process) or 'distributed' (a rank per stage)")
+    for key, value in (("data_parallel", data_parallel), ("tensor_parallel", tensor_parallel)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{key}={value!r}; give a whole number of ranks, 1 or more")
     asked = [f"{k}={v!r}" for k, v in (("data_parallel", data_parallel), ("tensor_parallel", tensor_parallel))
              if v is not None and v != 1] + (["shard=True"] if shard else [])
     if runtime == "local" and asked:  # they were ignored, silently
@@ -136,6 +139,11 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     base = (example_rows(gm) if gm is not None else plan.example_rows) or batch or chunks
     batch = batch or base
     m = min(chunks, batch)
+    if isinstance(measured, dict) and gm is not None:  # a misspelt node's time would be dropped, silently
+        unknown = sorted(set(measured) - {n.name for n in gm.graph.nodes})
+        if unknown:
+            raise ValueError(f"measured= names {', '.join(map(repr, unknown[:4]))}, which no node of the graph is "
+                             "called; name the nodes as pipe.gm.graph lists them (fxpipe inspect --code shows them)")
     if measured is True:
         if gm is None:
             raise ValueError("measured=True times the model's nodes; pass the compiled Pipe, not a plan")
@@ -148,6 +156,9 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
             model = model.replace(slots=share) if share else model
     record, sharded = tp_record(gm, plan, tensor_parallel)
     layout = layout_of(plan, record, data_parallel, shard) if runtime == "distributed" else None
+    if shard and layout is not None and layout.dp < 2:
+        raise ValueError("shard=True shards the replicas' state (FSDP2), but there is one replica: give "
+                         "data_parallel=2 or more with it")
     if layout is not None and layout.tp > 1:
         model = layout.tp_link(model)  # the tp group's collectives: inside a node if it fits
     tp: list[TPCost] | None = None

@@ -201,6 +201,14 @@ def test_simulate_refuses_what_it_cannot_read():
     bare = fxpipe.compile(_mlp(), 2, chunks=2)  # a torch TypeError from inside the retain pass
     with pytest.raises(ValueError, match="compiled without example_inputs=, so its graph holds no shapes"):
         fxpipe.simulate(bare, batch=8)
+    # data_parallel=0 was answered "predicts ranks ... pass runtime='distributed'"; a misspelt measured= node was
+    # dropped, silently; shard=True over one replica was reported as sharded
+    with pytest.raises(ValueError, match="data_parallel=0; give a whole number of ranks"):
+        fxpipe.simulate(pipe, device=UNIT, data_parallel=0)
+    with pytest.raises(ValueError, match="measured= names 'no_such_node', which no node of the graph is called"):
+        fxpipe.simulate(pipe, device=UNIT, measured={"no_such_node": (1.0, 1.0)})
+    with pytest.raises(ValueError, match="shard=True shards the replicas' state .* one replica"):
+        fxpipe.simulate(pipe, device=UNIT, shard=True, runtime="distributed")
 
 
 def test_a_dtype_is_taken_by_the_cli_s_names_too():
