@@ -22,7 +22,7 @@ from fxpipe.runtime.contract import Runtime
 from fxpipe.runtime.drift import changes, describe, replaced, snapshot, untied
 from fxpipe.runtime.microbatch import is_summed, summed
 from fxpipe.runtime.stage.reshare import reshare
-from fxpipe.runtime.stage.rng import held
+from fxpipe.runtime.stage.rng import held, user_functions
 
 __all__ = ["Pipe"]
 
@@ -390,8 +390,7 @@ def _refuse_nothing_to_train(model: nn.Module, args: tuple, kwargs: dict, target
 
 def _loss_trains(loss_fn: Any) -> bool:
     """Tell whether ``loss_fn`` refers to a tensor requiring grad: held, or read by a global name in its code."""
-    functions = [f for f in held(loss_fn, types.FunctionType) if not f.__module__.startswith("fxpipe.")]
-    named = [f.__globals__[n] for f in functions for n in _names(f.__code__) if n in f.__globals__]
+    named = [f.__globals__[n] for f in user_functions(loss_fn) for n in _names(f.__code__) if n in f.__globals__]
     for value in [loss_fn, *named]:
         if any(p.requires_grad for m in held(value, nn.Module) for p in m.parameters()) or \
                 any(t.requires_grad for t in held(value, torch.Tensor)):

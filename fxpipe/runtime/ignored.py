@@ -11,30 +11,22 @@ under ``loss_reduction="sum"`` grows by it. Checked once per pipe, on the first 
 
 from __future__ import annotations
 
-import inspect
-import io
-import tokenize
-import types
 import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 from fxpipe.errors import user_stacklevel
 from fxpipe.plan.batches import micro_sizes
+from fxpipe.runtime.ignoreindex import IGNORE_INDEX, ignore_index_of
 from fxpipe.runtime.microbatch import is_summed
 from fxpipe.runtime.stage.lossreplay import kept
-from fxpipe.runtime.stage.rng import held
 
 __all__ = ["IGNORE_INDEX", "check_first_loss", "check_targets_once", "look_at_targets", "warn_summed_outputs",
            "warn_uneven_ignored"]
-
-IGNORE_INDEX = -100  # torch's and transformers' ignore_index
-
 
 def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_fn: Callable) -> bool:
     """Warn if an integer target in ``values`` counts unequal shares of its entries per micro-batch.
@@ -70,69 +62,6 @@ def warn_uneven_ignored(values: dict[str, Any], batch: int | None, m: int, loss_
             f"{ignored} is a class your loss counts (said once per pipe)", stacklevel=user_stacklevel())
         break
     return seen
-
-
-def ignore_index_of(loss_fn: Callable) -> int:
-    """Return the ``ignore_index`` ``loss_fn`` passes (a loss module's, a partial's, one written in its code), or -100.
-
-    Read from the code that passes ``ignore_index=`` as a keyword (a number, a global constant or
-    ``self.pad``; comments aside): one value found is taken, several leave torch's default.
-    """
-    for m in held(loss_fn, nn.Module):  # a loss module, or one holding it (a custom loss's submodule)
-        for sub in m.modules():
-            if isinstance(getattr(sub, "ignore_index", None), int):
-                return int(sub.ignore_index)
-    own = getattr(loss_fn, "ignore_index", None)  # an object with its own field (not a module)
-    if isinstance(own, int):
-        return own
-    for f in held(loss_fn, partial):
-        if isinstance(f.keywords.get("ignore_index"), int):
-            return int(f.keywords["ignore_index"])
-    owners = {id(m.__func__): m.__self__ for m in held(loss_fn, types.MethodType)}
-    for f in held(loss_fn, types.FunctionType):  # the user's own code, not a wrapper of fxpipe's
-        if not f.__module__.startswith("fxpipe.") and _passes_ignore_index(f.__code__):
-            found = _written_values(f, owners.get(id(f)))
-            if len(found) == 1:
-                return found.pop()
-    return IGNORE_INDEX
-
-
-def _passes_ignore_index(code: types.CodeType) -> bool:
-    """Tell whether ``code`` (or a function defined in it) calls with an ``ignore_index=`` keyword."""
-    return any(isinstance(c, tuple) and "ignore_index" in c or isinstance(c, types.CodeType) and _passes_ignore_index(c)
-               for c in code.co_consts)
-
-
-def _written_values(f: types.FunctionType, owner: Any) -> set[int]:
-    """Return the values ``f``'s source passes as ``ignore_index=``: numbers, global names, its ``self``'s fields."""
-    try:
-        source = inspect.getsource(f)
-    except (OSError, TypeError):  # no source: a REPL's function
-        return set()
-    tokens: list[tokenize.TokenInfo] = []
-    try:
-        tokens.extend(tokenize.generate_tokens(io.StringIO(source).readline))
-    except (tokenize.TokenError, IndentationError, SyntaxError):
-        pass  # a lambda's line cut mid-expression: the tokens read so far
-    words = [t.string for t in tokens if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE)]
-    me = f.__code__.co_varnames[0] if f.__code__.co_argcount and owner is not None else None
-    found: set[int] = set()
-    for k in range(len(words) - 2):
-        if words[k] != "ignore_index" or words[k + 1] != "=":
-            continue
-        value: Any = None
-        rest = words[k + 2:k + 5]
-        if rest[0] == "-" and len(rest) > 1 and rest[1].isdigit():
-            value = -int(rest[1])
-        elif rest[0].isdigit():
-            value = int(rest[0])
-        elif rest[0] == me and len(rest) > 2 and rest[1] == ".":  # self.pad, of a bound method's object
-            value = getattr(owner, rest[2], None)
-        elif rest[0].isidentifier():
-            value = f.__globals__.get(rest[0])
-        if isinstance(value, int) and not isinstance(value, bool):
-            found.add(value)
-    return found
 
 
 def _span(low: float, high: float) -> str:

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["RngState", "autocast_as", "autocast_off", "autocast_state", "held", "held_generators", "restore_rng", "same_rng", "save_rng",
-           "stage_generators", "with_inputs"]
+__all__ = ["RngState", "autocast_as", "autocast_off", "autocast_state", "held", "held_generators", "restore_rng", "same_rng",
+           "save_rng", "stage_generators", "user_functions", "with_inputs"]
 
 
 # (the CPU's, the CUDA device's), None if not kept; then each own generator of the stage with its state
@@ -70,6 +70,11 @@ def held(value: Any, kind: type) -> list[Any]:
     found: dict[int, Any] = {}
     _walk(value, kind, 0, found, set())
     return list(found.values())
+
+
+def user_functions(value: Any) -> list[types.FunctionType]:
+    """Return the functions ``value`` is or holds (see :func:`held_generators`) that are not fxpipe's own wrappers."""
+    return [f for f in held(value, types.FunctionType) if not f.__module__.startswith("fxpipe.")]
 
 
 def _walk(value: Any, kind: type, depth: int, found: dict[int, Any], seen: set[int]) -> None:
