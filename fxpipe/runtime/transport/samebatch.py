@@ -79,7 +79,8 @@ def check_glance(runtime: Any, args: tuple, kwargs: dict, target: Any, header: d
     one rank: its next epoch's inputs met the other rank's last target) is refused on this rank,
     and its peers learn of it as of any failed step.
     """
-    mine = (_bound_glance(runtime, args, kwargs), None if target is None or _written(runtime) else glance(target))
+    values = _bound(runtime, args, kwargs)
+    mine = (None if values is None else glance(values), None if target is None or _written(runtime) else glance(target))
     theirs = header["glance"]
     what = None
     if mine[0] is not None and _differs(mine[0], theirs[0]) is not None:
@@ -98,12 +99,12 @@ def check_glance(runtime: Any, args: tuple, kwargs: dict, target: Any, header: d
         "only on the last's (None elsewhere)")
 
 
-def _bound_glance(runtime: Any, args: tuple, kwargs: dict) -> list[Any] | None:
-    """Return the glance of the inputs this rank was given as the model binds them (``None``: none, or not its)."""
+def _bound(runtime: Any, args: tuple, kwargs: dict) -> list[Any] | None:
+    """Return the inputs this rank was given as the model binds them (``None``: none given, or not the model's)."""
     if not inputs_given(args, kwargs):
         return None
     try:
-        return glance(runtime.binding.bind(args, kwargs))
+        return runtime.binding.bind(args, kwargs)
     except TypeError:
         return None  # not the model's inputs (a loader's whole tuple): the first rank's are the ones that run
 
@@ -144,13 +145,8 @@ def _differs(mine: list[Any], theirs: list[Any] | None) -> int | None:
 
 def _given(runtime: Any, args: tuple, kwargs: dict, target: Any) -> tuple[list | None, list | None]:
     """Return the digests of the inputs and the target this rank was given (``None`` for what it was not)."""
-    values = None
-    if inputs_given(args, kwargs):
-        try:
-            values = digest(runtime.binding.bind(args, kwargs))
-        except TypeError:
-            pass  # not the model's inputs: the first rank's are the ones that run
-    return values, None if target is None else digest(target)
+    values = _bound(runtime, args, kwargs)
+    return None if values is None else digest(values), None if target is None else digest(target)
 
 
 def _what_differs(runtime: Any, mine: tuple[list | None, list | None],
