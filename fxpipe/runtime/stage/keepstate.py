@@ -185,9 +185,8 @@ def note_written_weights(exc: BaseException, gms: Sequence[torch.fx.GraphModule]
     """
     if not isinstance(exc, RuntimeError) or "modified by an inplace operation" not in str(exc):
         return
-    named = [(name, gm) for gm in gms for name in written_buffers(gm)]
-    weights = [name for name, gm in named if isinstance(state(gm).get(name), torch.nn.Parameter)
-               and state(gm)[name].requires_grad]
+    weights = [name for gm in gms for name in written_buffers(gm)
+               if (p := dict(gm.named_parameters()).get(name)) is not None and p.requires_grad]
     if weights:
         add_note(
             exc, f"fxpipe: the forward writes {', '.join(weights[:3])} in place, a parameter that trains: each micro-batch's "
