@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Failure", "UsageError", "add_tracer", "leaf_modules", "names", "option_hint", "positive", "shape",
+__all__ = ["Failure", "UsageError", "add_tracer", "count", "leaf_modules", "names", "option_hint", "positive", "shape",
            "trace_hint"]
 
 
@@ -27,6 +27,17 @@ def positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def count(text: str) -> int:
+    """Parse a whole number option that may be 0 (a number of warm-up steps)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (0 or more)")
     return value
 
 

@@ -18,6 +18,7 @@ from fxpipe.tools.cliargs import (
     Failure,
     UsageError,
     add_tracer,
+    count,
     device_names,
     leaf_modules,
     names,
@@ -63,7 +64,7 @@ def register(commands: Any) -> None:
     p.add_argument("--json", metavar="FILE", help="save the plan as JSON")
     p.add_argument("--dot", metavar="FILE", help="write the graph as Graphviz DOT (.svg/.png: render it)")
     p.add_argument("--timeline", metavar="FILE", help="run a training step and write its Chrome trace")
-    p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed steps before the --timeline step (default 1)")
+    p.add_argument("--warmup", type=count, default=1, metavar="N", help="untimed steps before the --timeline step (default 1)")
     p.add_argument("--torch-compile", nargs="?", const="inductor", metavar="BACKEND",
                    help="compile every stage with torch.compile (backend: inductor unless named, e.g. aot_eager); "
                         "the --timeline step then runs compiled, after the --warmup steps compiled it")

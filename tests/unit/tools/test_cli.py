@@ -83,6 +83,13 @@ def test_a_device_name_torch_does_not_know_exits_2_naming_the_valid_ones(capsys)
     assert exit_.value.code == 2 and "'gpu0' is no torch device: use cpu, cuda or cuda:N" in err
 
 
+def test_a_negative_warmup_exits_2(capsys):
+    # --warmup -1 was taken (exit 0)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["inspect", "examples/unet.py:factory", "--stages", "2", "--warmup", "-1"])
+    assert exit_.value.code == 2 and "'-1' is not a whole number (0 or more)" in capsys.readouterr().err
+
+
 def test_a_device_count_that_fits_no_stage_count_exits_2(capsys):
     # the library's refusal came out with exit 1, which the docs keep for what the model does
     code = cli.main(["inspect", "examples/unet.py:factory", "--stages", "2", "--devices", "cpu,cpu,cpu"])
