@@ -170,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_compiled(stats: dict[int, dict[str, Any]]) -> None:
     """Print what torch.compile did per stage: graphs, compiles, time, graph breaks, the I/W split."""
+    if not any(s["compiles"] for s in stats.values()):  # torch.compile compiles at a stage's first run
+        print("torch.compile: no stage ran, so none compiled yet (each compiles at its first call); add --timeline "
+              "to run a step and see what it compiled")
+        return
     for j, s in stats.items():
         split = ", backward split " + " + ".join(f"I {i} / W {w} nodes" for i, w in s["split"]) if s["split"] else ""
         print(f"torch.compile ({s['backend']}) stage {j}: {s['graphs']} graph(s), {s['compiles']} compile(s), "

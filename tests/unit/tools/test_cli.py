@@ -268,6 +268,13 @@ def test_timeline_of_compiled_stages(tmp_path, capsys):
     assert "backward split I " in out
 
 
+def test_compiled_stages_without_a_step_say_that_nothing_compiled_yet(capsys):
+    # "torch.compile (aot_eager) stage 0: 0 graph(s), 0 compile(s), 0.0 s" read as if compiling did nothing
+    assert cli.main(["inspect", "examples/unet.py:factory", "--stages", "2", "--torch-compile", "aot_eager"]) == 0
+    out = capsys.readouterr().out
+    assert "no stage ran, so none compiled yet" in out and "0 compile(s)" not in out
+
+
 def test_dot_file_and_picture(tmp_path, capsys, monkeypatch):
     spec = os.path.join(ROOT, "examples", "unet.py:factory")
     assert cli.main(["inspect", spec, "--stages", "2", "--dot", str(tmp_path / "g.dot")]) == 0
