@@ -465,6 +465,14 @@ def test_an_auxiliary_head_returned_in_training_only_and_ignored_trains_under_dd
     assert {n for res in results for n in res["nones"]} == {"aux.weight", "aux.bias"}
 
 
+def _by_held_names(results, key):
+    """Group the ranks' results by the names of the tensors they hold under ``key`` (one group per stage)."""
+    groups = {}
+    for res in results:
+        groups.setdefault(tuple(sorted(res[key])), []).append(res)
+    return groups
+
+
 @pytest.mark.parametrize("schedule", ["1f1b:fx", "1f1b:export"])
 def test_batch_norms_called_as_functions_keep_the_first_replica_s_statistics(schedule, tmp_path, launch):
     # a batch norm subclass fx traced through (timm's BatchNormAct2d), or any exported one, leaves the stage no
@@ -472,9 +480,7 @@ def test_batch_norms_called_as_functions_keep_the_first_replica_s_statistics(sch
     # then copied in each process's string-hash order, into other norms' buffers (each rank has its own seed)
     results = launch("dist_cases:replica_norms", 4, schedule, tmp_path)
     assert all(res["ok"] for res in results), [res.get("message") for res in results]
-    by_stage = {}
-    for res in results:
-        by_stage.setdefault(tuple(sorted(res["stats"])), []).append(res)
+    by_stage = _by_held_names(results, "stats")
     assert len(by_stage) == 2, by_stage.keys()
     for names, pair in by_stage.items():
         assert names and len(pair) == 2 and {r["replica"] for r in pair} == {0, 1}, names
@@ -487,9 +493,7 @@ def test_buffers_a_forward_writes_keep_the_first_replica_s_values(schedule, tmp_
     # where DDP's broadcast_buffers=True copies the first replica's before every forward
     results = launch("dist_cases:replica_written_buffers", 4, schedule, tmp_path)
     assert all(res["ok"] for res in results), [res.get("message") for res in results]
-    by_stage = {}
-    for res in results:
-        by_stage.setdefault(tuple(sorted(res["held"])), []).append(res)
+    by_stage = _by_held_names(results, "held")
     written = [pair for names, pair in by_stage.items() if "queue" in names]
     assert written and all(len(pair) == 2 and {r["replica"] for r in pair} == {0, 1} for pair in written), by_stage
     for pair in written:
