@@ -184,12 +184,23 @@ def test_a_forward_writing_real_parameters_while_fx_traces_is_refused_naming_exp
         fxpipe.compile(_LoopedMomentum(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2)
 
 
-def test_a_numpy_scalar_attribute_is_traced_as_a_python_number():
-    # fx wrote np.float64(4.0) into the stage code: compile passed, then pipe(x) raised NameError: name 'np'
-    np = pytest.importorskip("numpy")
+def _pipes_as_eager(model):
+    """Compile ``model`` on 2 stages and check ``pipe(x)`` equals a copy of it run eagerly."""
     import copy
 
     import fxpipe
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), eager(x))
+
+
+def test_a_numpy_scalar_attribute_is_traced_as_a_python_number():
+    # fx wrote np.float64(4.0) into the stage code: compile passed, then pipe(x) raised NameError: name 'np'
+    np = pytest.importorskip("numpy")
 
     class Scaled(nn.Module):
         def __init__(self):
@@ -200,20 +211,12 @@ def test_a_numpy_scalar_attribute_is_traced_as_a_python_number():
         def forward(self, x):
             return self.l2(torch.tanh(self.l1(x)) / self.scale + self.shift)
 
-    torch.manual_seed(0)
-    model, x = Scaled(), torch.randn(6, 8)
-    eager = copy.deepcopy(model)
-    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
-    with torch.no_grad():
-        torch.testing.assert_close(pipe(x), eager(x))
+    _pipes_as_eager(Scaled())
 
 
 def test_a_numpy_scalar_on_the_left_of_a_tensor_op_is_traced():
     # numpy read __array_struct__ off the proxy: "cannot trace: invalid __array_struct__"
     np = pytest.importorskip("numpy")
-    import copy
-
-    import fxpipe
 
     class LeftScaled(nn.Module):
         def __init__(self):
@@ -225,9 +228,4 @@ def test_a_numpy_scalar_on_the_left_of_a_tensor_op_is_traced():
             h = self.scale * self.l1(x)
             return self.l2(np.float32(3.0) - np.float32(2.0) / (h.abs() + 1))
 
-    torch.manual_seed(0)
-    model, x = LeftScaled(), torch.randn(6, 8)
-    eager = copy.deepcopy(model)
-    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
-    with torch.no_grad():
-        torch.testing.assert_close(pipe(x), eager(x))
+    _pipes_as_eager(LeftScaled())
