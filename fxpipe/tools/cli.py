@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 
 from fxpipe.errors import SearchSpaceError, TraceError
 from fxpipe.tools import inspectcmd, plancmd
-from fxpipe.tools.cliargs import Failure, UsageError, option_hint, trace_hint
+from fxpipe.tools.cliargs import Failure, UsageError, join_negative_values, option_hint, trace_hint
 from fxpipe.tools.factory import FactoryError, ModelSpecError
 
 __all__ = ["main"]
@@ -33,7 +33,7 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``fxpipe`` command line; return the exit status."""
     parser = _parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(join_negative_values(sys.argv[1:] if argv is None else argv))
     if extra:  # name the option meant, with the subcommand's usage (the top-level one lists no options)
         _refuse_unknown(parser, args.command, extra)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
-__all__ = ["Failure", "UsageError", "add_tracer", "count", "leaf_modules", "names", "option_hint", "positive", "shape",
+__all__ = ["Failure", "UsageError", "add_tracer", "count", "join_negative_values", "leaf_modules", "names", "option_hint", "positive", "shape",
            "trace_hint"]
 
 
@@ -17,6 +19,21 @@ class UsageError(Exception):
 
 class Failure(Exception):
     """A model that cannot be inspected as asked; exit status 1."""
+
+
+def join_negative_values(argv: Sequence[str]) -> list[str]:
+    """Write ``--opt -5GB`` as ``--opt=-5GB``, so the option's own check, not argparse's, refuses the value."""
+    joined: list[str] = []
+    for token in argv:  # argparse takes "-5GB" for an option and says only "expected one argument"
+        if (joined and _NEGATIVE.match(token) and joined[-1].startswith("--") and "=" not in joined[-1]
+                and joined[-1] != "--"):
+            joined[-1] = f"{joined[-1]}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
+_NEGATIVE = re.compile(r"^-\d")
 
 
 def positive(text: str) -> int:

@@ -90,6 +90,14 @@ def test_a_negative_warmup_exits_2(capsys):
     assert exit_.value.code == 2 and "'-1' is not a whole number (0 or more)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["inspect", "examples/unet.py:factory", "--stages", "2", "--max-memory"],
+                                     ["plan", "examples/unet.py:factory", "--ranks", "2", "--memory"]])
+def test_a_negative_size_is_refused_as_a_size(capsys, command):
+    # argparse took "-5GB" for an option and said only "expected one argument"
+    code = cli.main([*command, "-5GB"])
+    assert code == 2 and "'-5GB' is not a memory size" in capsys.readouterr().err
+
+
 def test_a_device_count_that_fits_no_stage_count_exits_2(capsys):
     # the library's refusal came out with exit 1, which the docs keep for what the model does
     code = cli.main(["inspect", "examples/unet.py:factory", "--stages", "2", "--devices", "cpu,cpu,cpu"])
