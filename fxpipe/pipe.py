@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from fxpipe.errors import ModelChangedError, PipelineInputError
 from fxpipe.plan.pipeline import PipelinePlan
@@ -22,7 +21,6 @@ from fxpipe.runtime.contract import Runtime
 from fxpipe.runtime.drift import changes, describe, replaced, snapshot, untied
 from fxpipe.runtime.microbatch import is_summed, summed
 from fxpipe.runtime.stage.reshare import reshare
-from fxpipe.runtime.stage.rng import held, user_functions
 
 __all__ = ["Pipe"]
 
@@ -284,7 +282,6 @@ class Pipe(nn.Module):
         try:
             _check_step_arguments(self._runtime, loss_fn, scaler, loss_reduction)
             _refuse_meta(args, kwargs, target)
-            _refuse_nothing_to_train(self._model, args, kwargs, target, loss_fn)
         except (TypeError, ValueError) as exc:
             self._runtime.refuse(exc)  # across ranks the others are in their step, waiting for this rank
         if loss_reduction == "sum":
@@ -366,41 +363,6 @@ def _refuse_meta(args: tuple, kwargs: dict, target: Any) -> None:
                     f"{name}{keystr(path) if where == 'target' else ''} is on the meta device (a shape without "
                     "data): a call runs on real values. Meta tensors are for example_inputs= at fxpipe.compile; "
                     "give the batch itself here (moved with .to(device))")
-
-
-def _refuse_nothing_to_train(model: nn.Module, args: tuple, kwargs: dict, target: Any, loss_fn: Any) -> None:
-    """Refuse a step where no parameter (the model's, loss_fn's), and no input or target given, requires grad.
-
-    Decided where the inputs were given (across ranks, the first stage's rank has them): a rank
-    given only the target cannot tell whether the inputs require grad.
-    """
-    if any(p.requires_grad for p in model.parameters()):  # on meta too: every rank sees the whole model's flags
-        return
-    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    if not inputs or any(t.requires_grad for t in [*inputs, *tree_flatten(target)[0]] if isinstance(t, torch.Tensor)):
-        return
-    if _loss_trains(loss_fn):  # a learnt temperature, or a head loss_fn reads by a global name
-        return
-    raise PipelineInputError(
-        "pipe.step trains, but no parameter of the model requires grad, and no input or target does: backward "
-        "would reach nothing (eager's loss.backward() raises 'element 0 of tensors does not require grad'). "
-        "Unfreeze what should train (requires_grad_(True)) before fxpipe.compile, or run the model without "
-        "training with pipe(x) under torch.no_grad()")
-
-
-def _loss_trains(loss_fn: Any) -> bool:
-    """Tell whether ``loss_fn`` refers to a tensor requiring grad: held, or read by a global name in its code."""
-    named = [f.__globals__[n] for f in user_functions(loss_fn) for n in _names(f.__code__) if n in f.__globals__]
-    for value in [loss_fn, *named]:
-        if any(p.requires_grad for m in held(value, nn.Module) for p in m.parameters()) or \
-                any(t.requires_grad for t in held(value, torch.Tensor)):
-            return True
-    return False
-
-
-def _names(code: types.CodeType) -> list[str]:
-    """Return the global names ``code`` and the functions defined in it read."""
-    return [*code.co_names, *(n for c in code.co_consts if isinstance(c, types.CodeType) for n in _names(c))]
 
 
 def _argument(path: tuple) -> str:

@@ -2,7 +2,8 @@
 
 torch's and transformers' losses skip -100 by default; a ``loss_fn`` may pass another (a loss
 module's field, a ``functools.partial``'s keyword, ``ignore_index=0`` written in its code, a
-global constant or ``self.pad``). :mod:`.ignored` counts the entries that count per
+global constant, a closure's variable or ``self.pad``, in a function, a loss module's
+``forward`` or a callable object's ``__call__``). :mod:`.ignored` counts the entries that count per
 micro-batch with it.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from fxpipe.runtime.stage.rng import held, user_functions
+from fxpipe.runtime.stage.rng import filled_cell, held, user_functions
 
 __all__ = ["IGNORE_INDEX", "ignore_index_of"]
 
@@ -41,13 +42,30 @@ def ignore_index_of(loss_fn: Callable) -> int:
     for f in held(loss_fn, partial):
         if isinstance(f.keywords.get("ignore_index"), int):
             return int(f.keywords["ignore_index"])
-    owners = {id(m.__func__): m.__self__ for m in held(loss_fn, types.MethodType)}
-    for f in user_functions(loss_fn):
+    for f, owner in _code_of(loss_fn):
         if _passes_ignore_index(f.__code__):
-            found = _written_values(f, owners.get(id(f)))
+            found = _written_values(f, owner)
             if len(found) == 1:
                 return found.pop()
     return IGNORE_INDEX
+
+
+def _code_of(loss_fn: Callable) -> list[tuple[types.FunctionType, Any]]:
+    """Return the user's functions ``loss_fn`` runs, each with the object its ``self`` is (or None).
+
+    Its functions and bound methods, and the ``forward`` of a loss module (or ``__call__`` of a
+    callable object) it is or holds: torch's own modules are read by their ``ignore_index`` field.
+    """
+    owners = {id(m.__func__): m.__self__ for m in held(loss_fn, types.MethodType)}
+    pairs = [(f, owners.get(id(f))) for f in user_functions(loss_fn)]
+    objects = [*held(loss_fn, nn.Module)]
+    if not isinstance(loss_fn, (types.FunctionType, types.MethodType, partial, nn.Module)):
+        objects.append(loss_fn)  # a callable object: its __call__
+    for obj in objects:
+        method = getattr(type(obj), "forward" if isinstance(obj, nn.Module) else "__call__", None)
+        if isinstance(method, types.FunctionType) and not method.__module__.startswith(("torch.", "fxpipe.")):
+            pairs.append((method, obj))
+    return pairs
 
 
 def _passes_ignore_index(code: types.CodeType) -> bool:
@@ -69,6 +87,7 @@ def _written_values(f: types.FunctionType, owner: Any) -> set[int]:
         pass  # a lambda's line cut mid-expression: the tokens read so far
     words = [t.string for t in tokens if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE)]
     me = f.__code__.co_varnames[0] if f.__code__.co_argcount and owner is not None else None
+    cells = {n: c.cell_contents for n, c in zip(f.__code__.co_freevars, f.__closure__ or ()) if filled_cell(c)}
     found: set[int] = set()
     for k in range(len(words) - 2):
         if words[k] != "ignore_index" or words[k + 1] != "=":
@@ -81,6 +100,10 @@ def _written_values(f: types.FunctionType, owner: Any) -> set[int]:
             value = int(rest[0])
         elif rest[0] == me and len(rest) > 2 and rest[1] == ".":  # self.pad, of a bound method's object
             value = getattr(owner, rest[2], None)
+        elif rest[0] in cells and len(rest) > 2 and rest[1] == ".":  # self.pad in a lambda a method returned
+            value = getattr(cells[rest[0]], rest[2], None)
+        elif rest[0] in cells:  # a variable of the function that made it (a closure)
+            value = cells[rest[0]]
         elif rest[0].isidentifier():
             value = f.__globals__.get(rest[0])
         if isinstance(value, int) and not isinstance(value, bool):

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["RngState", "autocast_as", "autocast_off", "autocast_state", "held", "held_generators", "restore_rng", "same_rng",
-           "save_rng", "stage_generators", "user_functions", "with_inputs"]
+__all__ = ["RngState", "autocast_as", "autocast_off", "autocast_state", "filled_cell", "held", "held_generators",
+           "restore_rng", "same_rng", "save_rng", "stage_generators", "user_functions", "with_inputs"]
 
 
 # (the CPU's, the CUDA device's), None if not kept; then each own generator of the stage with its state
@@ -102,7 +102,7 @@ def _references(value: Any) -> list[Any]:
     if isinstance(value, types.MethodType):
         return [value.__self__, value.__func__]
     if isinstance(value, types.FunctionType):
-        cells = [c.cell_contents for c in value.__closure__ or () if _filled(c)]
+        cells = [c.cell_contents for c in value.__closure__ or () if filled_cell(c)]
         return cells + list(value.__defaults__ or ()) + list((value.__kwdefaults__ or {}).values())
     if isinstance(value, torch.nn.Module):
         return [v for k, v in vars(value).items() if not k.startswith("_")]
@@ -115,7 +115,7 @@ def _references(value: Any) -> list[Any]:
     return held
 
 
-def _filled(cell: Any) -> bool:
+def filled_cell(cell: Any) -> bool:
     """Tell whether a closure cell holds a value (a variable assigned later may not yet)."""
     try:
         _ = cell.cell_contents

@@ -49,6 +49,33 @@ class _LossModule(nn.Module):
         return self.ce(out, t)
 
 
+class _PadLoss(nn.Module):
+    """A custom loss passing its own field in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.pad = 2
+
+    def forward(self, out, t):
+        return F.cross_entropy(out, t, ignore_index=self.pad)
+
+
+class _PadCall:
+    """A callable object passing its own field in __call__."""
+
+    pad = 2
+
+    def __call__(self, out, t):
+        return F.cross_entropy(out, t, ignore_index=self.pad)
+
+    def as_lambda(self):
+        return lambda out, t: F.cross_entropy(out, t, ignore_index=self.pad)
+
+
+def _closed_over(pad):
+    return lambda out, t: F.cross_entropy(out, t, ignore_index=pad)
+
+
 _LOSSES = {"plain": lambda out, t: F.cross_entropy(out, t), "pad": lambda out, t: F.cross_entropy(out, t, ignore_index=2)}
 
 
@@ -65,7 +92,12 @@ def _commented(out, t):
     __import__("functools").partial(_Trainer().loss),
     _LossModule(),
     _LOSSES["pad"],
-], ids=["module", "partial", "lambda", "global", "method", "partial-method", "submodule", "dict-lambda"])
+    _PadLoss(),
+    _PadCall(),
+    _closed_over(2),
+    _PadCall().as_lambda(),
+], ids=["module", "partial", "lambda", "global", "method", "partial-method", "submodule", "dict-lambda", "forward",
+        "call", "closure", "closure-self"])
 def test_a_loss_fn_s_own_ignore_index_is_looked_for(loss_fn):
     # ignore_index=2 in loss_fn: no warning, and the step's loss was NaN (a micro-batch of nothing counted)
     labels = torch.tensor([2, 2, 2, 2, 0, 1, 3, 4])

@@ -128,15 +128,24 @@ def _headed_loss(out, t):
     return F.cross_entropy(_HEAD(out), t)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def _through_a_helper(out, t):
+    return _headed_loss(out, t)  # the head two calls down
+
+
+class _HeadedLoss(nn.Module):
+    def forward(self, out, t):
+        return F.cross_entropy(_HEAD(out), t)  # a loss module's forward reading the global head
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
 def test_a_step_with_nothing_to_train_is_refused_and_a_loss_s_own_parameter_trains(schedule):
     # a frozen model: torch's "element 0 of tensors does not require grad" under gpipe, and under 1f1b a loss
     # returned with no gradient anywhere, silently
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).requires_grad_(False)
     x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, schedule=schedule)
-    with pytest.raises(fxpipe.PipelineInputError, match="no parameter of the model requires grad, and no input or "
-                                                        "target does.*requires_grad_\\(True\\)"):
+    with pytest.raises(fxpipe.PipelineInputError, match="its loss does not require grad: no parameter the model.s "
+                                                        "output or loss_fn depends on.*requires_grad_\\(True\\)"):
         pipe.step(x, target=y, loss_fn=F.cross_entropy)
     temperature = nn.Parameter(torch.tensor(2.0))  # a frozen backbone under a learnt loss's own parameter
     pipe.step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out * temperature, t))
@@ -144,6 +153,10 @@ def test_a_step_with_nothing_to_train_is_refused_and_a_loss_s_own_parameter_trai
     _HEAD.zero_grad()
     pipe.step(x, target=y, loss_fn=_headed_loss)  # was refused: the walk saw closures, not globals
     assert _HEAD.weight.grad is not None
+    for loss_fn in (_through_a_helper, _HeadedLoss()):  # were refused: the walk read one level of globals
+        _HEAD.zero_grad()
+        pipe.step(x, target=y, loss_fn=loss_fn)
+        assert _HEAD.weight.grad is not None
     probe = x.clone().requires_grad_()  # an input's gradient through the frozen model (adversarial examples)
     pipe = fxpipe.compile(model, 2, example_inputs=(probe,), chunks=2, devices=["cpu"] * 2, schedule=schedule)
     pipe.step(probe, target=y, loss_fn=F.cross_entropy)
