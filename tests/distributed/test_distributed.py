@@ -369,10 +369,12 @@ def test_a_rank_whose_loop_fell_out_of_step_is_refused_at_that_step(tmp_path, la
     assert "out of step" in res[0]["raised"], res
 
 
-def test_one_batch_whose_target_loss_fn_masks_in_place_is_not_called_out_of_step(tmp_path, launch):
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_one_batch_whose_target_loss_fn_masks_in_place_is_not_called_out_of_step(schedule, tmp_path, launch):
     # the last rank's target, written by loss_fn, was compared with the first's at the next step: refused as "out of
-    # step"; and a rank given the loader's whole tuple (more inputs than the model takes) raised a bare TypeError
-    for res in launch("dist_cases:same_batch_target_masked", 2, "1f1b", tmp_path):
+    # step" (under ZB-V the first rank's own, written, was sent to the others); and a rank given the loader's whole
+    # tuple (more inputs than the model takes) raised a bare TypeError
+    for res in launch("dist_cases:same_batch_target_masked", 2, schedule, tmp_path):
         assert not res["raised"], res
         assert len(res["errors"]) == 3 and max(res["errors"]) < 1e-12, res
 

@@ -1055,8 +1055,9 @@ def same_batch_target_masked(rank, world, schedule):
         t[t > 1.5] = 0.0  # masking labels in place: the last rank's target changes, the first's does not
         return torch.nn.functional.mse_loss(out, t)
 
-    pipe = fxpipe.compile(model, world, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
-                          schedule=schedule)
+    per_rank = 2 if schedule in ("zbv", "interleaved") else 1  # ZB-V: the first rank computes the loss
+    pipe = fxpipe.compile(model, world * per_rank, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule, stages_per_rank=per_rank)
     opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
     mine, theirs = y.clone(), y.clone()
     errors, raised = [], ""

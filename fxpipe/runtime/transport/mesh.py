@@ -206,8 +206,8 @@ def check_world(world: int | None, n_stages: int, stages_per_rank: int = 1, data
         return
     per = "one stage runs per rank" if stages_per_rank == 1 else f"{stages_per_rank} stages run per rank"
     if data_parallel == 1 and tensor_parallel == 1:
-        several = (f", stages_per_rank={n_stages // world} ({n_stages // world} stages on each rank: interleaved, "
-                   "zbv, or a schedule of your own whose lines hold several stages)"
+        several = (f", or keep n_stages={n_stages} with stages_per_rank={n_stages // world} ({n_stages // world} "
+                   "stages on each rank: interleaved, zbv, or a schedule of your own whose lines hold several stages)"
                    if stages_per_rank == 1 and n_stages % world == 0 and n_stages > world else "")
         raise ValueError(f"n_stages={n_stages} but {world} ranks are running; {per}, so launch with "
                          f"--nproc-per-node {want} (or compile with n_stages={world * stages_per_rank}{several})")

@@ -32,7 +32,7 @@ from fxpipe.errors import PipelineInputError
 from fxpipe.runtime.transport.comm import on_every_rank, tell_all
 from fxpipe.runtime.transport.tpinputs import inputs_given
 
-__all__ = ["agree_on_batch", "check_glance", "digest", "glance", "versions"]
+__all__ = ["agree_on_batch", "check_glance", "digest", "glance", "target_glance", "versions"]
 
 _PLAIN = (bool, int, float, str, type(None))
 _FIX = ("A DistributedSampler with its default num_replicas and rank gives every rank its own rows; shard over the "
@@ -80,7 +80,7 @@ def check_glance(runtime: Any, args: tuple, kwargs: dict, target: Any, header: d
     and its peers learn of it as of any failed step.
     """
     values = _bound(runtime, args, kwargs)
-    mine = (None if values is None else glance(values), None if target is None or _written(runtime) else glance(target))
+    mine = (None if values is None else glance(values), target_glance(runtime, target))
     theirs = header["glance"]
     what = None
     if mine[0] is not None and _differs(mine[0], theirs[0]) is not None:
@@ -112,6 +112,11 @@ def _bound(runtime: Any, args: tuple, kwargs: dict) -> list[Any] | None:
 def versions(target: Any) -> list[tuple[weakref.ref, int]]:
     """Return each tensor of ``target`` with its version, to tell at the next step whether it was written since."""
     return [(weakref.ref(t), t._version) for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]
+
+
+def target_glance(runtime: Any, target: Any) -> list[Any] | None:
+    """Return the glance of this rank's target, or None: none given, or written in place by loss_fn since."""
+    return None if target is None or _written(runtime) else glance(target)
 
 
 def _written(runtime: Any) -> bool:

@@ -26,7 +26,7 @@ from fxpipe.runtime.microbatch import check_target_rows
 from fxpipe.runtime.stage.stagecall import autocast_state
 from fxpipe.runtime.stage.unfrozen import refuse_input_grads
 from fxpipe.runtime.transport.comm import on_every_rank, tell_all
-from fxpipe.runtime.transport.samebatch import digest, glance
+from fxpipe.runtime.transport.samebatch import digest, glance, target_glance
 from fxpipe.runtime.transport.tpinputs import from_tp_holder, group_names, inputs_given
 from fxpipe.runtime.validate import check_signature
 
@@ -182,7 +182,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         header["digest"] = digest(values)
         header["target_digest"] = None if target is None else digest(target)
     elif runtime.world > 1 and runtime.layout.tp == 1:  # later steps: a glance, which ranks given values compare
-        header["glance"] = (glance(values), None if target is None else glance(target))
+        header["glance"] = (glance(values), target_glance(runtime, target))  # ZB-V: its loss may write it
     tell_all(runtime, header)
     return header, mbs
 
