@@ -226,7 +226,7 @@ class Pipe(nn.Module):
         """Run the model's forward over micro-batches; return the model's output structure."""
         self._follow_model()
         try:
-            _refuse_meta(args, kwargs, None)
+            _refuse_meta(self._runtime, args, kwargs, None)
         except ValueError as exc:
             self._runtime.refuse(exc)  # across ranks the others are in their call, waiting for this rank
         return self._runtime.forward(args, kwargs, self.training)
@@ -281,7 +281,7 @@ class Pipe(nn.Module):
         self._follow_model()
         try:
             _check_step_arguments(self._runtime, loss_fn, scaler, loss_reduction)
-            _refuse_meta(args, kwargs, target)
+            _refuse_meta(self._runtime, args, kwargs, target)
         except (TypeError, ValueError) as exc:
             self._runtime.refuse(exc)  # across ranks the others are in their step, waiting for this rank
         if loss_reduction == "sum":
@@ -353,9 +353,13 @@ def _check_step_arguments(runtime: Runtime, loss_fn: Any, scaler: Any, loss_redu
         _refuse_lone_scaler(runtime, scaler)
 
 
-def _refuse_meta(args: tuple, kwargs: dict, target: Any) -> None:
-    """Refuse inputs or a target on the meta device (shapes without data): a call runs on real values."""
-    for where, value in (("input", (args, kwargs)), ("target", target)):
+def _refuse_meta(runtime: Runtime, args: tuple, kwargs: dict, target: Any) -> None:
+    """Refuse inputs or a target on the meta device (shapes without data) where this rank reads them.
+
+    A rank that does not read them (the inputs past the first stage's rank) may pass placeholders.
+    """
+    inputs, loss = runtime.reads()
+    for where, value in (("input", (args, kwargs) if inputs else ((), {})), ("target", target if loss else None)):
         for path, leaf in tree_flatten_with_path(value)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.is_meta:
                 name = where if where == "target" else f"input {_argument(path)}"

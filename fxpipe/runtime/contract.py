@@ -6,6 +6,7 @@ finder) goes through these members and nothing else::
     Pipe ──▶ forward / step / code / sync            what users call
     Pipe ──▶ compile_stats                          torch.compile's record of this process's stages
     checkpoint ──▶ place / deferred / ready         who saves with whom, what is in flight
+    Pipe ──▶ reads                                  whether this rank's inputs and target are used
     training ──▶ grad_norm / held / grad_scaler / ready
     simulate ──▶ schedule;  tools.diverge ──▶ binding
 """
@@ -69,6 +70,10 @@ class Runtime(Protocol):
 
     def place(self) -> Place:
         """Return where this process sits among the pipe's processes."""
+        ...
+
+    def reads(self) -> tuple[bool, bool]:
+        """Return whether this process reads a call's inputs and its target (others may pass placeholders)."""
         ...
 
     def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:

@@ -143,6 +143,10 @@ class DistributedRuntime:
         group = self.comm.group if self.layout.dp == 1 and self.layout.tp == 1 else None
         return Place(dist.get_rank(), dist.get_world_size(), group, True)
 
+    def reads(self) -> tuple[bool, bool]:
+        """Return whether this rank splits the inputs (the first stage's) and computes the loss (the last's)."""
+        return self.rank == self.first, self.rank == self.last_rank
+
     def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
         """Return the whole model's gradient norm, the same on every rank (:mod:`fxpipe.runtime.gradnorm`)."""
         return gradnorm.total_norm(self, params, norm_type)

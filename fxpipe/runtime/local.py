@@ -85,6 +85,10 @@ class LocalRuntime:
         """Return one process, no group."""
         return Place()
 
+    def reads(self) -> tuple[bool, bool]:
+        """Return that this process reads both the inputs and the target."""
+        return True, True
+
     def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
         """Return the norm of the gradients of ``params`` (every stage is here)."""
         return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type)

@@ -379,6 +379,14 @@ def test_one_batch_whose_target_loss_fn_masks_in_place_is_not_called_out_of_step
         assert len(res["errors"]) == 3 and max(res["errors"]) < 1e-12, res
 
 
+def test_meta_placeholders_on_ranks_that_do_not_read_them_run(tmp_path, launch):
+    # inputs on meta past the first rank and a target on meta before the last were refused on every rank (the meta
+    # refusal looked at what each rank was given, not at what it reads); a meta target where the loss is computed is
+    first, last = launch("dist_cases:meta_placeholders", 2, "1f1b", tmp_path)
+    assert first["error"] < 1e-6 and last["error"] < 1e-6 and last["out"] < 1e-6, (first, last)
+    assert "target is on the meta device" in last["raised"] and "PeerFailure" in first["raised"], (first, last)
+
+
 def test_a_loss_reduction_other_than_the_first_rank_s_is_refused(tmp_path, launch):
     # rank 0 passed 'sum' (as its summed loss_fn needs), the loss's rank 'mean': gradients 0.25x eager's, silently
     res = launch("dist_cases:reductions_differ", 2, "1f1b", tmp_path)

@@ -1077,6 +1077,32 @@ def same_batch_target_masked(rank, world, schedule):
     return {"errors": errors, "raised": raised}
 
 
+def meta_placeholders(rank, world, schedule):
+    """Pass the inputs on meta on the ranks past the first, and the target on meta on the ranks before the last.
+
+    Return the step's loss and the call's output against eager's (those ranks read neither), and what a meta
+    target on the loss's rank raised.
+    """
+    torch.manual_seed(0)
+    model, x, y, loss_fn = _mlp_pair()
+    with torch.no_grad():
+        eager_out = copy.deepcopy(model)(x)
+    want = loss_fn(eager_out, y)
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule)
+    first, last = rank == 0, rank == world - 1
+    loss = pipe.step(x if first else x.to("meta"), target=y if last else y.to("meta"), loss_fn=loss_fn)
+    with torch.no_grad():
+        out = pipe(x if first else x.to("meta"))
+    raised = ""
+    try:
+        pipe.step(x if first else x.to("meta"), target=y.to("meta"), loss_fn=loss_fn)
+    except Exception as exc:  # noqa: BLE001 - what the rank was told
+        raised = f"{type(exc).__name__}: {exc}"
+    return {"error": float((loss.detach() - want).abs()), "raised": raised,
+            "out": None if out is None else float((out - eager_out).abs().max())}
+
+
 def reductions_differ(rank, world, schedule):
     """Pass loss_reduction='sum' on the first rank (replica, with ':dp') only; return what each rank raised, then
     a plain step's loss against eager's on the same batch."""
