@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import operator
 import re
 from typing import Any, cast
 
@@ -142,6 +143,8 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
             values.append(positional.pop(0))
         elif name in keywords:
             values.append(keywords.pop(name))
+        elif _specialized(node) is not _NOT_FIXED:  # concrete_args: the value the trace fixed, not the default
+            values.append(_specialized(node))
         elif node.args:
             values.append(node.args[0])
         elif node.meta.get("fxpipe.keyword_only"):
@@ -157,19 +160,41 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
                         f"{len(placeholders) - len(only) + len(positional)} were given"
                         + (f"; {only} {'is' if len(only) == 1 else 'are'} keyword-only: pass "
                            f"{', '.join(f'{n}=...' for n in only)}" if only else ""))
-    fixed = {n.target[:-2]: n.args[0] for n in placeholders  # torch.fx's concrete_args: `flag_1 = value`
-             if n.target.endswith("_1") and n.target[:-2] in keywords and n.args}
+    fixed = {n.target[:-2]: _specialized(n) for n in placeholders  # torch.fx's concrete_args: `flag_1 = value`
+             if n.target.endswith("_1") and n.target[:-2] in keywords and _specialized(n) is not _NOT_FIXED}
     for name in [k for k, v in fixed.items() if type(keywords[k]) is type(v) and keywords[k] == v]:
         del keywords[name], fixed[name]  # the value it was traced with: nothing to bind
     if keywords:
         if fixed:
             name, value = next(iter(fixed.items()))
-            raise TypeError(f"{name}= was fixed to {value!r} when the model was traced (concrete_args=), so the "
-                            f"pipe takes no {name}= input: leave it out for {value!r}, or trace again with "
-                            f"concrete_args={{{name!r}: ...}} for another value")
+            raise TypeError(f"{name}= was fixed to {value!r} when the model was traced (concrete_args=; under "
+                            "tracer='fx' fxpipe fixes a flag, a string or a None input to its example's value or "
+                            "its default where the model does not trace with it as an input), so the pipe takes no "
+                            f"{name}= input: leave it out for {value!r}, compile with tracer='export' (which takes "
+                            f"it as an input), or trace again with concrete_args={{{name!r}: ...}} for another value")
         raise TypeError(f"unexpected keyword input(s) {sorted(keywords)}; the model's inputs are "
                         f"{[n.target for n in placeholders]}")
     return values
+
+
+_NOT_FIXED = object()
+
+
+def _specialized(node: torch.fx.Node) -> Any:
+    """Return the value torch.fx's ``concrete_args`` fixed placeholder ``node`` to (its guard's), or ``_NOT_FIXED``.
+
+    torch.fx names such a placeholder ``flag_1``, gives it the signature's default, and guards
+    the value it fixed: ``_assert(flag_1 == False)``, or ``_assert_is_none(flag_1)``.
+    """
+    for user in node.users:
+        if user.op != "call_function":
+            continue
+        if user.target is operator.eq and user.args[0] is node and not isinstance(user.args[1], torch.fx.Node) \
+                and any(u.target is torch._assert for u in user.users):
+            return user.args[1]
+        if getattr(user.target, "__name__", "") == "_assert_is_none":
+            return None
+    return _NOT_FIXED
 
 
 def _with_defaults(sig: inspect.Signature, gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

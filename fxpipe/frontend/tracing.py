@@ -24,6 +24,7 @@ from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.autogradfns import applying, check_functions, watching_functions
 from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
+from fxpipe.frontend.constinputs import constant_inputs
 from fxpipe.frontend.leftovers import flags_kept, no_proxies_left
 from fxpipe.frontend.markers import recording_markers
 from fxpipe.frontend.modes import in_other_mode, may_read_mode, quieted
@@ -193,7 +194,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     _refuse_wrapped_forward(model, concrete_args)
     _refuse_tensor_defaults(model, concrete_args)
     versions = state_versions(model)
-    gm = _fx_trace(model, leaf_types, leaf_names, concrete_args)
+    gm, concrete_args = _fx_trace_fixing(model, leaf_types, leaf_names, concrete_args, example_inputs, example_kwargs)
     name = model.__class__.__name__
     _note_mode_branch(model, gm, lambda: _fx_trace(model, leaf_types, leaf_names, concrete_args))
     refuse_writes_while_tracing(model, versions)  # a loop over .parameters() ran once, on the real weights
@@ -205,6 +206,35 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
         log.info("%s: the calls inside its own torch.autocast blocks run under them", name)
     log.debug("traced %s: %d nodes", name, len(gm.graph.nodes))
     return gm
+
+
+def _fx_trace_fixing(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozenset[str],
+                     concrete_args: dict[str, Any] | None, example_inputs: Any,
+                     example_kwargs: dict[str, Any] | None) -> tuple[torch.fx.GraphModule, dict[str, Any] | None]:
+    """Trace with fx; where that fails, again with the constant inputs fixed (:mod:`.constinputs`)."""
+    try:
+        return _fx_trace(model, leaf_types, leaf_names, concrete_args), concrete_args
+    except TraceError as exc:
+        first = exc
+    fixed = constant_inputs(model, example_inputs, example_kwargs, concrete_args)
+    if not fixed:
+        raise first
+    fixed.update(concrete_args or {})
+    try:
+        gm = _fx_trace(model, leaf_types, leaf_names, fixed)
+    except TraceError as again:  # past the first failure, or not: say both, the later one first
+        if (again.filename, again.lineno) == (first.filename, first.lineno):
+            raise first from None
+        raise TraceError(f"{again}\n(Traced with {_listed(fixed)} fixed as constants, since with them as inputs "
+                         f"tracing failed earlier, at {first.filename}:{first.lineno}: {str(first).splitlines()[0]})",
+                         module=again.module, filename=again.filename, lineno=again.lineno) from None
+    log.info("%s traced with its inputs %s fixed as constants (concrete_args=)", type(model).__name__, _listed(fixed))
+    return gm, fixed
+
+
+def _listed(fixed: dict[str, Any]) -> str:
+    """Write fixed inputs as ``name=value`` pairs."""
+    return ", ".join(f"{k}={v!r}" for k, v in fixed.items())
 
 
 def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozenset[str],

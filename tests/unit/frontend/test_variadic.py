@@ -95,6 +95,47 @@ def test_an_input_fixed_by_concrete_args_is_named_when_given_another_value():
         pipe(x, return_dict=False)
 
 
+class _Flags(nn.Module):
+    """Branch on a flag and on an input left at its None default, as Hugging Face and diffusers models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.labels_head = None
+
+    def forward(self, x, labels=None, return_dict=True):
+        h = self.b(torch.relu(self.a(x)))
+        if labels is not None and self.labels_head is None:
+            raise ValueError("labels_head needs to be set to use labels")
+        return {"y": h} if return_dict else (h,)
+
+
+def test_a_flag_and_a_none_default_are_fixed_where_fx_cannot_trace_them_as_inputs():
+    # fx traced both as tensors: "symbolically traced variables cannot be used as inputs to control flow", and the
+    # model's own raise for labels (a Proxy is not None)
+    x = torch.randn(4, 4)
+    model = _Flags()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), example_kwargs={"return_dict": False}, chunks=2)
+    torch.testing.assert_close(pipe(x, return_dict=False)[0], model(x, return_dict=False)[0])
+    with pytest.raises(TypeError, match=r"return_dict= was fixed to False when the model was traced.*tracer='fx'"):
+        pipe(x, return_dict=True)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2)
+    torch.testing.assert_close(pipe(x)["y"], model(x)["y"])
+
+
+def test_concrete_args_other_than_the_default_bind_the_value_fixed():
+    # the placeholder's default (True) was bound, and the graph's guard failed: "return_dict has been specialized to
+    # have value False but got another value"; given False, the refusal said it was fixed to True
+    x = torch.randn(4, 4)
+    model = _Flags()
+    gm = fxpipe.trace(model, concrete_args={"labels": None, "return_dict": False})
+    pipe = fxpipe.compile(gm, 2, example_inputs=(x,), chunks=2)
+    torch.testing.assert_close(pipe(x)[0], model(x, return_dict=False)[0])
+    torch.testing.assert_close(pipe(x, return_dict=False)[0], model(x, return_dict=False)[0])
+    with pytest.raises(TypeError, match=r"return_dict= was fixed to False"):
+        pipe(x, return_dict=True)
+
+
 def test_leaf_modules_under_export_are_said_to_be_ignored():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with pytest.warns(UserWarning, match=r"leaf_modules=\['0'\] is ignored under tracer='export'"):
