@@ -139,10 +139,10 @@ class GradSync:
         if wrapped is None:
             return
         reduce = final and self.sync
-        if self.shard:
-            wrapped.set_requires_gradient_sync(reduce)
-            wrapped.set_is_last_backward(reduce)
-            wrapped.set_reshard_after_backward(reduce)
+        if self.shard:  # the step's last backward reshards under no_sync too: a call ends with the sharded
+            wrapped.set_requires_gradient_sync(reduce)  # parameters on the modules, as the model holds them (kept
+            wrapped.set_is_last_backward(reduce)  # gathered, a parameter the model's root holds read its shard)
+            wrapped.set_reshard_after_backward(final)
         elif reduce:
             wrapped.reducer.prepare_for_backward([])
 

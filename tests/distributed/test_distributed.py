@@ -297,6 +297,14 @@ def test_tied_gradients_accumulate_over_steps_like_eager(tmp_path, launch):
         assert res["frozen_tie_grads"] == [], (r, res["frozen_tie_grads"])  # frozen: None, as eager's
 
 
+def test_a_no_sync_step_under_fsdp2_with_a_tie_across_ranks_accumulates(tmp_path, launch):
+    # the no_sync step left FSDP2's gathered parameters on the stages, the model's root kept its shard, and the next
+    # step's forward mixed them: "aten.add.Tensor got mixed torch.Tensor and DTensor"
+    for r, res in enumerate(launch("tie_cases:accumulate_sharded", 4, "1f1b", tmp_path)):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert len(res["errors"]) == 2 and max(res["errors"]) < 1e-5, (r, res["errors"])
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
 def test_a_sparse_embedding_read_on_two_ranks_sums_its_sparse_gradient_like_eager(tmp_path, launch, schedule):
     results = launch("tie_cases:sparse", 2, schedule, tmp_path, limit=60)

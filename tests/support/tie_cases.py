@@ -153,3 +153,43 @@ def sparse(rank, world, schedule):
 
 
 CASES = {"accumulate": accumulate, "unreached": unreached, "sparse": sparse}
+
+
+class _RootPositions(torch.nn.Module):
+    """An embedding tied to the head, and positions held by the model itself (not a submodule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.pos = torch.nn.Parameter(torch.randn(8, 16) * 0.02)
+        self.mix = torch.nn.Linear(16, 16)
+
+    def forward(self, ids):
+        return torch.relu(self.mix(self.emb(ids) + self.pos)) @ self.emb.weight.t()
+
+
+def accumulate_sharded(rank, world, schedule):
+    """pp2 x dp2 under FSDP2, the embedding tied to the head across the pipeline ranks: a no_sync step, then a synced
+    one, then another; return each rank's largest gradient error against eager over the global batches."""
+    torch.manual_seed(0)
+    model = _RootPositions()
+    eager = copy.deepcopy(model)
+    batches = [(torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))) for _ in range(3)]
+    pipe = fxpipe.compile(model, 2, example_inputs=(batches[0][0][:4],), chunks=2, runtime="distributed",
+                          timeout=60, schedule=schedule, data_parallel=2, data_parallel_shard=True)
+    replica = fxpipe.data_shard(pipe)[1]
+    own = dict(eager.named_parameters(remove_duplicate=False))
+    errors = []
+    for i, (x, y) in enumerate(batches):
+        mine = slice(4 * replica, 4 * replica + 4)
+        if i == 0:
+            with pipe.no_sync():
+                pipe.step(x[mine], target=y[mine], loss_fn=token_loss)
+        else:
+            pipe.step(x[mine], target=y[mine], loss_fn=token_loss)
+        token_loss(eager(x), y).backward()
+        if i > 0:  # after a synced step the replicas' gradients are reduced
+            errors.append(max(max_relative_error(p.grad.full_tensor(), own[n].grad)
+                              for n, p in model.named_parameters(remove_duplicate=False)
+                              if p.grad is not None and hasattr(p.grad, "full_tensor")))
+    return {"errors": errors}
