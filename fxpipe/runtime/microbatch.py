@@ -179,7 +179,7 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
         share = rows / batch if batch else None  # of the batch's rows
 
         def loss(out: Any, tgt: Any = tgt, weight: float = weight, share: float | None = share,
-                 rows: int = rows) -> torch.Tensor:
+                 rows: int = rows, index: int = i) -> torch.Tensor:
             given = finish(out)
             try:
                 value = loss_fn(given, tgt)
@@ -201,6 +201,9 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
                     also = "; or the None is the model's own output's (a field it left unset: out.loss without " \
                            "labels=)" if unset else ""
                     add_note(exc, f"fxpipe: {told}{also}")
+                else:  # torch's message names neither the call nor the values: say which
+                    add_note(exc, f"fxpipe: raised in loss_fn on micro-batch {index} of {m} ({rows} rows), given "
+                                  f"the output {_brief(given)} and the target {_brief(tgt)}")
                 raise
             value = _scalar_loss(value, out)
             if looked_at is not None:
@@ -209,6 +212,17 @@ def micro_losses(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, batch
 
         losses[i] = loss
     return losses
+
+
+def _brief(value: Any) -> str:
+    """Describe a value for a note: each tensor's shape and dtype, in its structure (cut at 200 characters)."""
+    def one(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"tensor{tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
+        return type(v).__name__ if v is not None else "None"
+    leaves, spec = tree_flatten(value)
+    text = one(value) if spec.is_leaf() else f"{type(value).__name__} of {', '.join(map(one, leaves))}"
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def loss_again(loss_fn: Callable, target: Any, out: Any, *, rows: int, keep: int | None = None) -> torch.Tensor:

@@ -372,3 +372,14 @@ def test_a_loss_reading_meta_tensors_is_refused_naming_the_regularizer(schedule)
         pipe.step(x, target=y, loss_fn=lambda out, t: F.mse_loss(out, t) + 0.01 * elsewhere.pow(2).sum())
     loss = pipe.step(x, target=y, loss_fn=F.mse_loss)  # the failed step leaves the next one as it should be
     torch.testing.assert_close(loss, F.mse_loss(copy.deepcopy(model)(x), y).detach())
+
+
+def test_an_error_in_loss_fn_is_noted_with_the_micro_batch_and_what_it_got():
+    # torch's "expected scalar type Long but found Float" came alone: nothing said it came from loss_fn, nor on what
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, schedule="1f1b")
+    with pytest.raises(RuntimeError) as raised:
+        pipe.step(x, target=y.float(), loss_fn=F.cross_entropy)
+    assert "fxpipe: raised in loss_fn on micro-batch 0 of 2 (2 rows), given the output tensor(2, 3) float32 and the " \
+           "target tensor(2,) float32" in raised.value.__notes__
