@@ -103,6 +103,10 @@ class Pipe(nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Set a model attribute on the model (``pipe.scale = 5.0``), where the next call warns of it."""
+        if name in _COMPILE_OPTIONS and "_runtime" in self.__dict__:  # read nowhere: taken silently, it did nothing
+            raise TypeError(f"pipe.{name} cannot be set: {name}= is fixed by fxpipe.compile, which built the "
+                            f"stages and the schedule for it. Compile again with {name}={value!r} (the model keeps "
+                            "its weights; pass plan= to keep the split)")
         model = self.__dict__.get("_model")
         if model is not None and name in vars(model) and name not in self.__dict__ and not name.startswith("_") \
                 and not hasattr(type(self), name):
@@ -385,6 +389,10 @@ def _refuse_lone_scaler(runtime: Runtime, scaler: Any) -> None:
             f"scaler= is a {type(scaler).__name__}, whose inf/NaN check each rank makes alone: a step skipped on one "
             "rank only would leave the ranks' weights and scales apart. Across ranks use scaler = "
             "fxpipe.grad_scaler(pipe), which agrees on every rank (FSDP's ShardedGradScaler)")
+
+
+_COMPILE_OPTIONS = frozenset({"chunks", "schedule", "checkpoint", "n_stages", "stages_per_rank", "balance",
+                              "data_parallel", "data_parallel_shard", "tensor_parallel", "tracer", "devices"})
 
 
 def _like_held(value: Any, held: Any) -> Any:

@@ -383,3 +383,16 @@ def test_an_error_in_loss_fn_is_noted_with_the_micro_batch_and_what_it_got():
         pipe.step(x, target=y.float(), loss_fn=F.cross_entropy)
     assert "fxpipe: raised in loss_fn on micro-batch 0 of 2 (2 rows), given the output tensor(2, 3) float32 and the " \
            "target tensor(2,) float32" in raised.value.__notes__
+
+
+@pytest.mark.parametrize("name", ["chunks", "schedule", "checkpoint"])
+def test_setting_a_compile_option_on_the_pipe_names_compile(name):
+    # pipe.chunks = 4 was taken and ignored (the step still ran 2 micro-batches); pipe.schedule = "1f1b" raised
+    # "property 'schedule' of 'Pipe' object has no setter"
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),), chunks=2, devices=["cpu"] * 2)
+    with pytest.raises(TypeError, match=f"pipe.{name} cannot be set: {name}= is fixed by fxpipe.compile.*Compile "
+                                        f"again with {name}="):
+        setattr(pipe, name, 4)
+    pipe.note = "run 3"  # another attribute is still taken
+    assert pipe.note == "run 3"
