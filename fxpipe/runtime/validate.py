@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from fxpipe.errors import PipelineInputError
 from fxpipe.frontend.export import enabled_autocast
@@ -304,10 +304,11 @@ def check_signature(names: list[str], spec: list[Any], example: list[Any], kinds
                 f"input '{name}' is not of the structure the plan was built for: {found}; the stages were traced "
                 "for the example's structure, so pass the same kind of value (or compile with example inputs of "
                 "the kind you run)")
-        for g, w in zip(got_leaves, want_leaves):
+        paths = [keystr(p) for p, _ in tree_flatten_with_path(want)[0]]
+        for g, w, path in zip(got_leaves, want_leaves, paths):
             if (g is None) != (w is None) and isinstance(g if w is None else w, TensorSpec):
                 raise PipelineInputError(
-                    f"input '{name}' is {_describe(got)}, but the plan was built for {_describe(want)}: the stages "
+                    f"input '{name}{path}' is {_describe(g)}, but the plan was built for {_describe(w)}: the stages "
                     f"were traced {'with' if g is None else 'without'} it, so "
                     f"{'they would read a tensor that is not there' if g is None else 'it would be ignored'}. "
                     + ("Across ranks every input of the model (labels= too, where the model computes its own loss) "

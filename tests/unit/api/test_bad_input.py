@@ -763,3 +763,20 @@ def test_a_local_pipe_left_at_its_default_under_torchrun_is_warned_of(monkeypatc
         warnings.simplefilter("error")  # said on purpose: no warning
         fxpipe.compile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), 2, example_inputs=(x,), devices=["cpu"] * 2,
                        runtime="local")
+
+
+def test_none_inside_a_dict_input_is_named_by_its_key():
+    # "input 'd' is a dict of 2 item(s), but the plan was built for a dict of 2 item(s)"
+    class _Dict(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, d):
+            return self.b(torch.relu(self.a(d["x"]) + d["z"]))
+
+    x = torch.randn(8, 8)
+    pipe = fxpipe.compile(_Dict(), 2, example_inputs=({"x": x, "z": x},), chunks=2, devices=["cpu"] * 2)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"input 'd\['z'\]' is None, but the plan was built for a "
+                                                        "tensor of 2 dimension"):
+        pipe({"x": x, "z": None})
