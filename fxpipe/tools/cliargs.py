@@ -132,7 +132,7 @@ def trace_hint(exc: Exception) -> str:
 
 
 # the keyword a library message names, and the option of `fxpipe inspect` that sets it
-_OPTIONS = {"max_memory": "--max-memory", "n_stages=": "--stages", "chunks=": "--chunks",
+_OPTIONS = {"checkpoint=": "--checkpoint", "max_memory": "--max-memory", "n_stages=": "--stages", "chunks=": "--chunks",
             "split_points=": "--split-points", "stages_per_rank=": "--stages-per-rank"}
 
 

@@ -106,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--devices has {len(args.devices)} names but --stages {n_stages}: give one device per "
                          "stage, or one for all")
     chunks = args.chunks or (saved.chunks if saved else 1)
+    for option, path in (("--dot", args.dot), ("--timeline", args.timeline), ("--json", args.json)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not os.path.isdir(folder):  # found before tracing and running, not after
+            raise UsageError(f"{option} {path}: the folder {folder} does not exist; create it or write elsewhere")
     model, inputs, kwargs = make_model(args.model, args.input_shape)
     if args.timeline and inputs is None:
         raise UsageError("--timeline runs a training step and needs example inputs: return "

@@ -98,6 +98,14 @@ def test_a_negative_size_is_refused_as_a_size(capsys, command):
     assert code == 2 and "'-5GB' is not a memory size" in capsys.readouterr().err
 
 
+def test_an_output_file_in_a_missing_folder_exits_2_before_tracing(capsys, tmp_path):
+    # the model was traced and the table printed first; then FileNotFoundError named x.dot, not the x.svg given
+    missing = tmp_path / "nowhere" / "x.svg"
+    code = cli.main(["inspect", "examples/unet.py:factory", "--stages", "2", "--dot", str(missing)])
+    out, err = capsys.readouterr()
+    assert code == 2 and f"--dot {missing}: the folder {missing.parent} does not exist" in err and not out
+
+
 def test_a_device_count_that_fits_no_stage_count_exits_2(capsys):
     # the library's refusal came out with exit 1, which the docs keep for what the model does
     code = cli.main(["inspect", "examples/unet.py:factory", "--stages", "2", "--devices", "cpu,cpu,cpu"])
