@@ -64,9 +64,11 @@ def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception, on: s
             "build its block mask inside the forward), or compile without example_inputs= (balance_by='params').")
         return PropagationError(message, node.name, module)
     if advise and getattr(gm, "meta", {}).get("fxpipe.tracer") != "export":
-        owners = [kind for _, kind in stack if not _from_torch_nn(kind)]
+        owners = list(dict.fromkeys(_name(kind) for _, kind in reversed(stack) if not _from_torch_nn(kind)))
+        around = (f" (or, where the check is in a module around it, {' or '.join(f'[{o}]' for o in owners[1:])}: "
+                  "the branch dropped may be one that feeds this node)") if len(owners) > 1 else ""
         leaf = (f", or keep the module that holds the check whole with leaf_modules="
-                f"[{_name(owners[-1])}]") if owners else ""
+                f"[{owners[0]}]{around}") if owners else ""
         message += (
             "\nIf the model runs on these inputs eagerly, tracing changed its data flow: a check "
             "on a traced value (torch.jit.isinstance(x, torch.Tensor), isinstance(x, torch.Tensor), "

@@ -780,3 +780,43 @@ def test_none_inside_a_dict_input_is_named_by_its_key():
     with pytest.raises(fxpipe.PipelineInputError, match=r"input 'd\['z'\]' is None, but the plan was built for a "
                                                         "tensor of 2 dimension"):
         pipe({"x": x, "z": None})
+
+
+class _Mix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _Fuse(nn.Module):
+    """Concatenate a skip where it is a tensor: under fx a Proxy is not, so the concatenation is dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = _Mix()
+
+    def forward(self, x, skip=None):
+        if isinstance(skip, torch.Tensor):
+            x = torch.cat([x, skip], 1)
+        return self.mix(x)
+
+
+class _Fused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.fuse = nn.Linear(8, 8), _Fuse()
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.fuse(h, h)
+
+
+def test_a_dropped_branch_names_the_modules_around_the_failing_node_as_leaves():
+    # only the innermost module was named (leaf_modules=[_Mix]), which fails again: the check is in _Fuse, around it
+    with pytest.raises(fxpipe.PropagationError, match=r"leaf_modules=\[_Mix\] \(or, where the check is in a module "
+                                                      r"around it, \[_Fuse\]"):
+        fxpipe.compile(_Fused(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2)
+    fxpipe.compile(_Fused(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2, leaf_modules=[_Fuse])
