@@ -442,6 +442,15 @@ def _detector(model: nn.Module) -> bool:
         isinstance(getattr(model, name, None), nn.Module) for name in ("rpn", "roi_heads", "head", "anchor_generator"))
 
 
+def _variadic(model: nn.Module) -> bool:
+    """Tell whether ``model``'s forward takes ``*args`` or ``**kwargs``."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for p in params)
+
+
 def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceError:
     """Build a TraceError that names the failing module, its source line and the fix."""
     module_path, module_type = "", type(model)
@@ -470,6 +479,11 @@ def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceErro
                "runs on example_inputs=.")
         if _detector(model):  # data-dependent heads on a backbone that traces: neither tracer takes the whole
             fix = _DETECTOR.strip()
+        elif "cannot be iterated" in str(exc) and _variadic(model):  # `for r in rest`, `extra.items()`
+            fix = ("forward takes *args or **kwargs, which torch.fx traces as one value each: reading an entry "
+                   "(args[0], kwargs['w']) traces, a loop over them (or len, unpacking) does not. Use "
+                   "tracer='export', which traces the entries the example inputs give, or name the inputs in "
+                   "forward's signature.")
         what = f"the top-level module ({type_name})"
     return TraceError(f"cannot trace {type(model).__name__}: {exc}\n"
                       f"Tracing failed in {what}:{where}\n{fix}{_hugging_face(model)}",

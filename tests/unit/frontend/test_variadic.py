@@ -136,6 +136,29 @@ def test_concrete_args_other_than_the_default_bind_the_value_fixed():
         pipe(x, return_dict=True)
 
 
+class _Looped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, *rest):
+        h = self.a(x)
+        for r in rest:
+            h = h + r
+        return self.b(h)
+
+
+def test_a_loop_over_star_args_under_fx_names_export():
+    # the refusal said to move "the data-dependent part" into a leaf or to fix an input with concrete_args=
+    x = torch.randn(4, 4)
+    with pytest.raises(fxpipe.TraceError, match=r"forward takes \*args or \*\*kwargs.*a loop over them.*"
+                                                r"tracer='export'"):
+        fxpipe.compile(_Looped(), 2, example_inputs=(x, x, x), chunks=2)
+    model = _Looped()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x, x, x), chunks=2, tracer="export")
+    torch.testing.assert_close(pipe(x, x, x), model(x, x, x))
+
+
 def test_leaf_modules_under_export_are_said_to_be_ignored():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with pytest.warns(UserWarning, match=r"leaf_modules=\['0'\] is ignored under tracer='export'"):
