@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NoReturn
@@ -38,7 +39,7 @@ import torch.distributed as dist
 import torch.fx
 
 from fxpipe import passes
-from fxpipe.errors import PeerFailure, PipelineInputError, ScheduleError
+from fxpipe.errors import PeerFailure, PipelineInputError, ScheduleError, user_stacklevel
 from fxpipe.frontend.export import enabled_autocast
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime import gradnorm
@@ -124,6 +125,7 @@ class DistributedRuntime:
         self.target_checked = False  # that the loss's rank has the target when another rank has one
         self.batch_checked: set[bool] = set()  # the calls (step: True) whose ranks were found to share one batch
         self.reduction = "mean"  # the step's loss_reduction, which every rank of a pipeline must pass alike
+        self.told_forward_only = False  # pipe(x) in training mode with grad on was warned of
         self.target_versions: list = []  # the last target given with its tensors' versions (samebatch.versions)
         self.released = False  # its process groups let go of at interpreter exit (transport.release)
         release.track(self)
@@ -502,6 +504,14 @@ class DistributedRuntime:
 
     def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
         """Run inference over micro-batches; return the output on the last rank, None elsewhere."""
+        if training and torch.is_grad_enabled() and not self.told_forward_only:
+            self.told_forward_only = True  # once: an evaluation in training mode without no_grad is told too
+            warnings.warn(
+                "pipe(x) across ranks runs forwards only: its output (on the last stage's rank, None elsewhere) "
+                "carries no autograd graph, so loss.backward() on it raises 'element 0 of tensors does not require "
+                "grad'. Train with pipe.step(x, target=y, loss_fn=...); evaluate under torch.no_grad() or after "
+                "pipe.eval()", stacklevel=user_stacklevel())
+
         def body() -> Any:
             runner = self._run(args, kwargs, None, training, grad=False)
             self.unconfirmed = not self.last  # nothing told this rank that the later stages finished

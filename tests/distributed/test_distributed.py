@@ -395,6 +395,14 @@ def test_meta_placeholders_on_ranks_that_do_not_read_them_run(tmp_path, launch):
     assert "target is on the meta device" in last["raised"] and "PeerFailure" in first["raised"], (first, last)
 
 
+def test_pipe_call_in_training_with_grad_on_says_it_runs_forwards_only(tmp_path, launch):
+    # the last rank's loss.backward() on pipe(x)'s output raised torch's "element 0 of tensors does not require grad"
+    for res in launch("dist_cases:forward_to_train", 2, "1f1b", tmp_path):
+        first, second, no_grad = res["told"]
+        assert len(first) == 1 and "pipe(x) across ranks runs forwards only" in first[0] and "pipe.step" in first[0]
+        assert second == [] and no_grad == [], res
+
+
 def test_a_loss_reduction_other_than_the_first_rank_s_is_refused(tmp_path, launch):
     # rank 0 passed 'sum' (as its summed loss_fn needs), the loss's rank 'mean': gradients 0.25x eager's, silently
     res = launch("dist_cases:reductions_differ", 2, "1f1b", tmp_path)

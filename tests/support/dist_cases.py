@@ -1103,6 +1103,23 @@ def meta_placeholders(rank, world, schedule):
             "out": None if out is None else float((out - eager_out).abs().max())}
 
 
+def forward_to_train(rank, world, schedule):
+    """Call pipe(x) in training mode with grad on, twice, then under no_grad; return the warnings each call gave."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, x, _, _ = _mlp_pair()
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule)
+    told = []
+    for grad in (True, True, False):
+        with warnings.catch_warnings(record=True) as caught, torch.set_grad_enabled(grad):
+            warnings.simplefilter("always")
+            pipe(x)
+        told.append([str(w.message) for w in caught if "forwards only" in str(w.message)])
+    return {"told": told}
+
+
 def reductions_differ(rank, world, schedule):
     """Pass loss_reduction='sum' on the first rank (replica, with ':dp') only; return what each rank raised, then
     a plain step's loss against eager's on the same batch."""
