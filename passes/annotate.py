@@ -140,10 +140,20 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
             values.append(tuple(positional))
             positional = []
         elif positional and not node.meta.get("fxpipe.keyword_only"):
+            fixed_to = _specialized(node)
+            if fixed_to is not _NOT_FIXED and not same_constant(positional[0], fixed_to):
+                raise _fixed_refusal(name[:-2], fixed_to)
             values.append(positional.pop(0))
         elif name in keywords:
             values.append(keywords.pop(name))
         elif _specialized(node) is not _NOT_FIXED:  # concrete_args: the value the trace fixed, not the default
+            left = gm.meta.get("fxpipe.fixed_by_example", {}).get(name[:-2])  # (its value, forward's default)
+            if name[:-2] not in keywords and left is not None and not same_constant(left[1], left[0]):
+                raise TypeError(
+                    f"{name[:-2]}= was fixed to {left[0]!r} when the model was traced (the example's value: "
+                    f"tracer='fx' cannot trace it as an input), and this call leaves it at forward's default "
+                    f"{left[1]!r}, which the pipe does not run: pass {name[:-2]}={left[0]!r}, or compile with "
+                    "tracer='export' (which takes it as an input)")
             values.append(_specialized(node))
         elif node.args:
             values.append(node.args[0])
@@ -166,18 +176,22 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
         del keywords[name], fixed[name]  # the value it was traced with: nothing to bind
     if keywords:
         if fixed:
-            name, value = next(iter(fixed.items()))
-            raise TypeError(f"{name}= was fixed to {value!r} when the model was traced (concrete_args=; under "
-                            "tracer='fx' fxpipe fixes a flag, a string or a None input to its example's value or "
-                            "its default where the model does not trace with it as an input), so the pipe takes no "
-                            f"{name}= input: leave it out for {value!r}, compile with tracer='export' (which takes "
-                            f"it as an input), or trace again with concrete_args={{{name!r}: ...}} for another value")
+            raise _fixed_refusal(*next(iter(fixed.items())))
         raise TypeError(f"unexpected keyword input(s) {sorted(keywords)}; the model's inputs are "
                         f"{[n.target for n in placeholders]}")
     return values
 
 
 _NOT_FIXED = object()
+
+
+def _fixed_refusal(name: str, value: Any) -> TypeError:
+    """Refuse another value for an input the trace fixed to ``value``."""
+    return TypeError(f"{name}= was fixed to {value!r} when the model was traced (concrete_args=; under tracer='fx' "
+                     "fxpipe fixes a flag, a string or a None input to its example's value or its default where the "
+                     f"model does not trace with it as an input), so the pipe takes no other {name}=: pass "
+                     f"{value!r} or leave it out, compile with tracer='export' (which takes it as an input), or trace "
+                     f"again with concrete_args={{{name!r}: ...}} for another value")
 
 
 def _specialized(node: torch.fx.Node) -> Any:

@@ -229,6 +229,10 @@ def _fx_trace_fixing(model: nn.Module, leaf_types: tuple[type, ...], leaf_names:
                          f"tracing failed earlier, at {first.filename}:{first.lineno}: {str(first).splitlines()[0]})",
                          module=again.module, filename=again.filename, lineno=again.lineno) from None
     log.info("%s traced with its inputs %s fixed as constants (concrete_args=)", type(model).__name__, _listed(fixed))
+    params = inspect.signature(model.forward).parameters
+    gm.meta["fxpipe.fixed_by_example"] = {  # a call leaving one out gets forward's default in eager: refused
+        k: (v, params[k].default) for k, v in fixed.items() if k not in (concrete_args or {})
+        and params[k].default is not inspect.Parameter.empty}
     return gm, fixed
 
 

@@ -288,7 +288,9 @@ def _scalar_loss(value: Any, out: Any) -> torch.Tensor:
             raise PipelineInputError("loss_fn returned a loss that does not require grad although the model's "
                                      "output does: it was detached (.detach(), .item(), torch.no_grad() or a "
                                      "new tensor), so no gradient would reach the model; compute the loss from "
-                                     "the output with differentiable ops (log metrics from another function)")
+                                     "the output with differentiable ops (log metrics from another function; a "
+                                     "guard for a micro-batch with nothing to count returns out.sum() * 0, not "
+                                     "torch.zeros(()))")
         return value
     if not isinstance(value, torch.Tensor):
         parts = list(value.values()) if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else []

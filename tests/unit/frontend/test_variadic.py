@@ -123,6 +123,29 @@ def test_a_flag_and_a_none_default_are_fixed_where_fx_cannot_trace_them_as_input
     torch.testing.assert_close(pipe(x)["y"], model(x)["y"])
 
 
+class _Mode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x, mode="sum"):
+        h = self.a(x)
+        return h.sum(-1) if mode == "sum" else h.mean(-1)
+
+
+def test_an_input_fixed_to_its_example_s_value_is_refused_left_out_or_given_another_by_position():
+    # left out, the pipe ran the example's "mean" where eager runs the default "sum" (0.92 apart), silently; "sum"
+    # by position raised torch.fx's bare "mode has been specialized to have value mean"
+    x = torch.randn(4, 4)
+    model = _Mode()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x, "mean"), chunks=2)
+    torch.testing.assert_close(pipe(x, "mean"), model(x, "mean"))
+    with pytest.raises(TypeError, match=r"mode= was fixed to 'mean' .*leaves it at forward's default 'sum'"):
+        pipe(x)
+    with pytest.raises(TypeError, match=r"mode= was fixed to 'mean' .*takes no other mode="):
+        pipe(x, "sum")
+
+
 def test_concrete_args_other_than_the_default_bind_the_value_fixed():
     # the placeholder's default (True) was bound, and the graph's guard failed: "return_dict has been specialized to
     # have value False but got another value"; given False, the refusal said it was fixed to True
