@@ -804,7 +804,7 @@ class _Fuse(nn.Module):
         return self.mix(x)
 
 
-class _Fused(nn.Module):
+class _FusedSkip(nn.Module):
     def __init__(self):
         super().__init__()
         self.a, self.fuse = nn.Linear(8, 8), _Fuse()
@@ -818,5 +818,5 @@ def test_a_dropped_branch_names_the_modules_around_the_failing_node_as_leaves():
     # only the innermost module was named (leaf_modules=[_Mix]), which fails again: the check is in _Fuse, around it
     with pytest.raises(fxpipe.PropagationError, match=r"leaf_modules=\[_Mix\] \(or, where the check is in a module "
                                                       r"around it, \[_Fuse\]"):
-        fxpipe.compile(_Fused(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2)
-    fxpipe.compile(_Fused(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2, leaf_modules=[_Fuse])
+        fxpipe.compile(_FusedSkip(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2)
+    fxpipe.compile(_FusedSkip(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2, leaf_modules=[_Fuse])
