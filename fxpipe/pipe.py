@@ -103,7 +103,8 @@ class Pipe(nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Set a model attribute on the model (``pipe.scale = 5.0``), where the next call warns of it."""
-        if name in _COMPILE_OPTIONS and "_runtime" in self.__dict__:  # read nowhere: taken silently, it did nothing
+        model = self.__dict__.get("_model")
+        if name in _COMPILE_OPTIONS and "_runtime" in self.__dict__ and (model is None or name not in vars(model)):
             raise TypeError(f"pipe.{name} cannot be set: {name}= is fixed by fxpipe.compile, which built the "
                             f"stages and the schedule for it. Compile again with {name}={value!r} (the model keeps "
                             "its weights; pass plan= to keep the split)")

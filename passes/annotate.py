@@ -46,8 +46,8 @@ from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "same_constant", "spec_of",
-           "value_bytes"]
+__all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "drop_guards", "same_constant",
+           "spec_of", "value_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
         elif positional and not node.meta.get("fxpipe.keyword_only"):
             fixed_to = _specialized(node)
             if fixed_to is not _NOT_FIXED and not same_constant(positional[0], fixed_to):
-                raise _fixed_refusal(name[:-2], fixed_to)
+                raise _fixed_refusal(gm, name[:-2], fixed_to)
             values.append(positional.pop(0))
         elif name in keywords:
             values.append(keywords.pop(name))
@@ -176,7 +176,7 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
         del keywords[name], fixed[name]  # the value it was traced with: nothing to bind
     if keywords:
         if fixed:
-            raise _fixed_refusal(*next(iter(fixed.items())))
+            raise _fixed_refusal(gm, *next(iter(fixed.items())))
         raise TypeError(f"unexpected keyword input(s) {sorted(keywords)}; the model's inputs are "
                         f"{[n.target for n in placeholders]}")
     return values
@@ -185,21 +185,27 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
 _NOT_FIXED = object()
 
 
-def _fixed_refusal(name: str, value: Any) -> TypeError:
+def _fixed_refusal(gm: torch.fx.GraphModule, name: str, value: Any) -> TypeError:
     """Refuse another value for an input the trace fixed to ``value``."""
+    left = gm.meta.get("fxpipe.fixed_by_example", {}).get(name)  # (its value, forward's default): left out, refused
+    how = f"pass {value!r}" if left is not None and not same_constant(left[1], left[0]) else \
+        f"pass {value!r} or leave it out"
     return TypeError(f"{name}= was fixed to {value!r} when the model was traced (concrete_args=; under tracer='fx' "
                      "fxpipe fixes a flag, a string or a None input to its example's value or its default where the "
-                     f"model does not trace with it as an input), so the pipe takes no other {name}=: pass "
-                     f"{value!r} or leave it out, compile with tracer='export' (which takes it as an input), or trace "
-                     f"again with concrete_args={{{name!r}: ...}} for another value")
+                     f"model does not trace with it as an input), so the pipe takes no other {name}=: {how}, "
+                     "compile with tracer='export' (which takes it as an input), or trace again with "
+                     f"concrete_args={{{name!r}: ...}} for another value")
 
 
 def _specialized(node: torch.fx.Node) -> Any:
     """Return the value torch.fx's ``concrete_args`` fixed placeholder ``node`` to (its guard's), or ``_NOT_FIXED``.
 
     torch.fx names such a placeholder ``flag_1``, gives it the signature's default, and guards
-    the value it fixed: ``_assert(flag_1 == False)``, or ``_assert_is_none(flag_1)``.
+    the value it fixed: ``_assert(flag_1 == False)``, or ``_assert_is_none(flag_1)``;
+    :func:`drop_guards` moves that value into ``node.meta["fxpipe.fixed"]``.
     """
+    if "fxpipe.fixed" in node.meta:
+        return node.meta["fxpipe.fixed"]
     for user in node.users:
         if user.op != "call_function":
             continue
@@ -209,6 +215,28 @@ def _specialized(node: torch.fx.Node) -> Any:
         if getattr(user.target, "__name__", "") == "_assert_is_none":
             return None
     return _NOT_FIXED
+
+
+def drop_guards(graph: torch.fx.Graph) -> None:
+    """Keep each ``concrete_args`` value in its placeholder's ``node.meta["fxpipe.fixed"]``; erase its guard nodes.
+
+    A call's value is checked where it is bound (:func:`bind_placeholders`); the guards, read by
+    nothing, would land in whichever stage the balancer leaves them (the last, across ranks).
+    """
+    for node in [n for n in graph.nodes if n.op == "placeholder"]:
+        value = _specialized(node)
+        if value is _NOT_FIXED:
+            continue
+        node.meta["fxpipe.fixed"] = value
+        for user in list(node.users):
+            if user.op != "call_function":
+                continue
+            if user.target is operator.eq and all(u.target is torch._assert for u in user.users):
+                for guard in list(user.users):
+                    graph.erase_node(guard)
+                graph.erase_node(user)
+            elif getattr(user.target, "__name__", "") == "_assert_is_none":
+                graph.erase_node(user)
 
 
 def _with_defaults(sig: inspect.Signature, gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -35,6 +35,7 @@ from fxpipe.frontend.tracewrites import refuse_writes_while_tracing, state_versi
 from fxpipe.frontend.userframe import user_frame
 from fxpipe.options import check_tracer
 from fxpipe.passes.amp import run_under_autocast
+from fxpipe.passes.annotate import drop_guards
 from fxpipe.passes.freshconstants import fresh_constants
 from fxpipe.passes.modes import merge_modes
 from fxpipe.passes.mutates import alias_closure, written_args
@@ -261,6 +262,7 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
     check_functions(type(model).__name__, functions, "fx")
     warn_python_random(type(model).__name__, drawn, "fx")
     _name_variadic_inputs(graph)
+    drop_guards(graph)  # concrete_args' guards: the binding checks the values
     _mark_keyword_only(model, graph)
     gm = torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__)
     if flipped and _writes_state(gm):  # a flag guarding no write of the model's state (a warn-once guard): quiet

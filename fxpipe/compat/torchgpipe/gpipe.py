@@ -194,6 +194,14 @@ class GPipe(nn.Module):
             self._pipe.train(mode)
         return self
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Refuse changing what the pipe was compiled for (``chunks``, ``checkpoint``, ``balance``, ``devices``)."""
+        if name in ("chunks", "checkpoint", "balance", "devices") and "_pipe" in self.__dict__:
+            raise TypeError(f"GPipe.{name} is fixed when the GPipe is built (its pipe was compiled for "
+                            f"{name}={getattr(self, name)!r}; setting it would be ignored): build a new "
+                            f"GPipe(module, balance, {name}={value!r}, ...)")
+        super().__setattr__(name, value)
+
     def forward(self, input: Any) -> Any:
         """Run a mini-batch (a tensor or a tuple of tensors) through the pipeline; return the output.
 

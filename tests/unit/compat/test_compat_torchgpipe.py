@@ -229,3 +229,11 @@ def test_gpipe_with_deferred_batch_norm_has_torchgpipe_s_state_dict_keys():
     assert set(theirs.state_dict()) == set(state)
     theirs.load_state_dict(state)
     fresh.load_state_dict(theirs.state_dict())
+
+
+def test_changing_chunks_after_building_is_refused():
+    # g.chunks = 4 was taken and ignored: the forward still ran 2 micro-batches
+    g = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), balance=[1, 1], devices=["cpu", "cpu"], chunks=2)
+    with pytest.raises(TypeError, match=r"GPipe.chunks is fixed when the GPipe is built .*chunks=2.*chunks=4"):
+        g.chunks = 4
+    assert g.chunks == 2

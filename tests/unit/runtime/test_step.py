@@ -396,3 +396,9 @@ def test_setting_a_compile_option_on_the_pipe_names_compile(name):
         setattr(pipe, name, 4)
     pipe.note = "run 3"  # another attribute is still taken
     assert pipe.note == "run 3"
+    model.chunks = 1  # a model attribute of that name goes to the model, as before
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),), chunks=2, devices=["cpu"] * 2)
+    with pytest.warns(UserWarning):
+        pipe.chunks = 3
+        pipe(torch.randn(4, 8))
+    assert model.chunks == 3
