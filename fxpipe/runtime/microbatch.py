@@ -220,8 +220,9 @@ def _brief(value: Any) -> str:
         if isinstance(v, torch.Tensor):
             return f"tensor{tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
         return type(v).__name__ if v is not None else "None"
-    leaves, spec = tree_flatten(value)
-    text = one(value) if spec.is_leaf() else f"{type(value).__name__} of {', '.join(map(one, leaves))}"
+    leaves = tree_flatten_with_path(value)[0]
+    text = one(value) if not leaves or leaves[0][0] == () else \
+        f"{type(value).__name__} of {', '.join(f'{keystr(k)}: {one(v)}' for k, v in leaves)}"
     return text if len(text) <= 200 else text[:197] + "..."
 
 
