@@ -108,7 +108,6 @@ class Pipe(nn.Module):
             raise TypeError(f"pipe.{name} cannot be set: {name}= is fixed by fxpipe.compile, which built the "
                             f"stages and the schedule for it. Compile again with {name}={value!r} (the model keeps "
                             "its weights; pass plan= to keep the split)")
-        model = self.__dict__.get("_model")
         if model is not None and name in vars(model) and name not in self.__dict__ and not name.startswith("_") \
                 and not hasattr(type(self), name):
             setattr(model, name, value)
