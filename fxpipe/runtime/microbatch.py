@@ -277,15 +277,16 @@ def _scalar_loss(value: Any, out: Any) -> torch.Tensor:
             "optimizer (weight_decay=), or over the parameters this rank holds (p for p in model.parameters() if "
             "not p.is_meta) outside loss_fn, or keep the term inside the model's forward")
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        trains = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0])
-        if torch.is_grad_enabled() and not value.requires_grad and not trains:  # a model frozen whole
+        detached = torch.is_grad_enabled() and not value.requires_grad
+        trains = detached and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0])
+        if detached and not trains:  # a model frozen whole
             raise PipelineInputError(
                 "pipe.step trains, but its loss does not require grad: no parameter the model's output or loss_fn "
                 "depends on requires grad, and no input does, so backward would reach nothing (eager's "
                 "loss.backward() raises 'element 0 of tensors does not require grad'). Unfreeze what should train "
                 "(requires_grad_(True)) before fxpipe.compile, or run the model without training with pipe(x) "
                 "under torch.no_grad()")
-        if torch.is_grad_enabled() and not value.requires_grad and trains:
+        if trains:
             raise PipelineInputError("loss_fn returned a loss that does not require grad although the model's "
                                      "output does: it was detached (.detach(), .item(), torch.no_grad() or a "
                                      "new tensor), so no gradient would reach the model; compute the loss from "

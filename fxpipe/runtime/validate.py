@@ -304,9 +304,9 @@ def check_signature(names: list[str], spec: list[Any], example: list[Any], kinds
                 f"input '{name}' is not of the structure the plan was built for: {found}; the stages were traced "
                 "for the example's structure, so pass the same kind of value (or compile with example inputs of "
                 "the kind you run)")
-        paths = [keystr(p) for p, _ in tree_flatten_with_path(want)[0]]
-        for g, w, path in zip(got_leaves, want_leaves, paths):
+        for k, (g, w) in enumerate(zip(got_leaves, want_leaves)):
             if (g is None) != (w is None) and isinstance(g if w is None else w, TensorSpec):
+                path = keystr(tree_flatten_with_path(want)[0][k][0])  # where in the input (d['z'])
                 raise PipelineInputError(
                     f"input '{name}{path}' is {_describe(g)}, but the plan was built for {_describe(w)}: the stages "
                     f"were traced {'with' if g is None else 'without'} it, so "

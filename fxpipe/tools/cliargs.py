@@ -9,7 +9,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Failure", "UsageError", "add_tracer", "count", "join_negative_values", "leaf_modules", "names", "option_hint", "positive", "shape",
+__all__ = ["Failure", "UsageError", "add_tracer", "count", "join_negative_values", "leaf_modules", "names",
+           "option_hint", "positive", "shape",
            "trace_hint"]
 
 
