@@ -461,7 +461,8 @@ class DistributedRuntime:
                 self.grad_sync.refresh()
             tgt = from_tp_holder(self, target, target is not None)[0] if self.last else target
             self.reduction = "sum" if is_summed(loss_fn) else "mean"
-            if self.summed is None:  # the first step since the last sum: what that sum made equal stays out
+            opened = self.summed is None
+            if opened:  # the first step since the last sum: what that sum made equal stays out
                 self.summed = open_window(self.tied)
             def losses_for(batch: int | None, m: int) -> dict[int, Callable[[Any], torch.Tensor]]:
                 # labels= is an input: the first rank's (the last may have none), which looks at it
@@ -472,12 +473,23 @@ class DistributedRuntime:
                 sharded = self.grad_sync is not None and self.grad_sync.shard  # FSDP2: sums at the synced step
                 self.partial = PartialGrads([w.call.gm for w in self.workers.values()], self.layout.tp_group,
                                             window=sharded)
+            based = self.partial is not None and self.partial.based()
             if self.partial is not None:
                 self.partial.before()
             def labels_seen(batch: int | None, m: int) -> None:
                 look_at_targets(self.binding, {"labels": kwargs.get("labels")}, batch, m, loss_fn)
-            runner = self._run(args, kwargs, losses_for, training, grad=True, target=tgt, own_target=target,
-                               first_check=labels_seen)
+            try:
+                runner = self._run(args, kwargs, losses_for, training, grad=True, target=tgt, own_target=target,
+                                   first_check=labels_seen)
+            except BaseException as exc:
+                # refused on every rank before anything ran: the tie's window and the tp base this call
+                # opened hold the gradients before the user's zero_grad, so the next step opens its own
+                if getattr(exc, "fxpipe_on_every_rank", False):
+                    if opened:
+                        self.summed = None
+                    if self.partial is not None and not based:
+                        self.partial.discard()
+                raise
             if self.layout.tp > 1:
                 match_grads([p for w in self.workers.values() for p in w.call.gm.parameters()])
             if self.partial is not None:

@@ -55,6 +55,10 @@ class PartialGrads:
             return  # inside a no_sync window: its first step's gradients are the base
         self._before = [(p, None if p.grad is None else _local(p.grad).clone()) for p in self.params()]
 
+    def based(self) -> bool:
+        """Tell whether a base is held (inside a no_sync window, or a step under way)."""
+        return self._before is not None
+
     def discard(self) -> None:
         """Forget the base of a failed step."""
         self._before = None

@@ -292,7 +292,8 @@ def test_tied_gradients_accumulate_over_steps_like_eager(tmp_path, launch):
     for r, res in enumerate(results):
         assert res["ok"], f"rank {r}: {res.get('traceback')}"
         assert res["tied_here"] > 0, r
-        for when in ("two_steps", "no_sync_then_synced", "after_zero_grad", "frozen_tie_others"):
+        assert res["refused"], r
+        for when in ("two_steps", "no_sync_then_synced", "after_zero_grad", "after_refused", "frozen_tie_others"):
             assert res[when] < 1e-5, (r, when, res[when])
         assert res["frozen_tie_grads"] == [], (r, res["frozen_tie_grads"])  # frozen: None, as eager's
 

@@ -51,6 +51,16 @@ def accumulate(rank, world, schedule):
     eager.zero_grad()
     both(0)
     out["after_zero_grad"] = errors()
+    # a step refused on every rank before anything ran, after a synced one: the window it opened held that
+    # step's summed gradient, and the next step after zero_grad took it off and added it back
+    try:
+        pipe.step(batches[1][0].unsqueeze(-1), target=batches[1][1], loss_fn=token_loss)
+    except fxpipe.PipelineInputError:
+        out["refused"] = True
+    pipe.zero_grad(set_to_none=True)
+    eager.zero_grad(set_to_none=True)
+    both(2)
+    out["after_refused"] = errors()
     # the tie frozen: no gradient on any rank, as eager (a zero one let AdamW's weight decay move it)
     for m in (model, eager):
         m.zero_grad(set_to_none=True)
