@@ -104,12 +104,15 @@ class Pipe(nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         """Set a model attribute on the model (``pipe.scale = 5.0``), where the next call warns of it."""
         model = self.__dict__.get("_model")
-        if name in _COMPILE_OPTIONS and "_runtime" in self.__dict__ and (model is None or name not in vars(model)):
+        modelled = model is not None and name in vars(model)
+        owned = name in self.__dict__ or hasattr(type(self), name)  # pipe.schedule, pipe.devices: the pipe's own
+        if name in _COMPILE_OPTIONS and "_runtime" in self.__dict__ and (not modelled or owned):
+            aside = (f" The model's own attribute {name!r} is set on the model itself: "
+                     f"model.{name} = {value!r}." if modelled else "")
             raise TypeError(f"pipe.{name} cannot be set: {name}= is fixed by fxpipe.compile, which built the "
                             f"stages and the schedule for it. Compile again with {name}={value!r} (the model keeps "
-                            "its weights; pass plan= to keep the split)")
-        if model is not None and name in vars(model) and name not in self.__dict__ and not name.startswith("_") \
-                and not hasattr(type(self), name):
+                            f"its weights; pass plan= to keep the split).{aside}")
+        if modelled and not owned and not name.startswith("_"):
             setattr(model, name, value)
         else:
             super().__setattr__(name, value)

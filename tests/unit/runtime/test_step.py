@@ -402,3 +402,17 @@ def test_setting_a_compile_option_on_the_pipe_names_compile(name):
         pipe.chunks = 3
         pipe(torch.randn(4, 8))
     assert model.chunks == 3
+
+
+@pytest.mark.parametrize("name", ["schedule", "devices"])
+def test_a_model_attribute_named_like_an_option_the_pipe_holds_is_refused_naming_the_model(name):
+    # a diffusion model's noise `schedule`: "property 'schedule' of 'Pipe' object has no setter"; a model's `devices`
+    # replaced the pipe's own list of stage devices, which pipe.to() then read ("the stages run on ['cuda:0']")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    setattr(model, name, ["cpu"])
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),), chunks=2, devices=["cpu"] * 2)
+    with pytest.raises(TypeError, match=f"The model's own attribute '{name}' is set on the model itself: "
+                                        rf"model.{name} = \['cuda:0'\]"):
+        setattr(pipe, name, ["cuda:0"])
+    assert getattr(model, name) == ["cpu"] and pipe.devices == [torch.device("cpu")] * 2
+    pipe.to("cpu")
