@@ -131,6 +131,7 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
         return _bind_pytree(gm, info.in_spec, args, kwargs)
     values: list = []
     positional, keywords = list(args), dict(kwargs)  # what is left to bind
+    left_out: TypeError | None = None  # a fixed input left at another default: refused after too many positionals
     for node in placeholders:
         name, variadic = node.target, node.meta.get("fxpipe.variadic")
         if variadic == "**":  # the one input of forward's **kwargs: the keywords left
@@ -149,7 +150,7 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
         elif _specialized(node) is not _NOT_FIXED:  # concrete_args: the value the trace fixed, not the default
             left = gm.meta.get("fxpipe.fixed_by_example", {}).get(name[:-2])  # (its value, forward's default)
             if name[:-2] not in keywords and left is not None and not same_constant(left[1], left[0]):
-                raise TypeError(
+                left_out = left_out or TypeError(
                     f"{name[:-2]}= was fixed to {left[0]!r} when the model was traced (the example's value: "
                     f"tracer='fx' cannot trace it as an input), and this call leaves it at forward's default "
                     f"{left[1]!r}, which the pipe does not run: pass {name[:-2]}={left[0]!r}, or compile with "
@@ -165,11 +166,14 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
             raise TypeError(f"missing a value for the model input '{name}': pass it positionally "
                             f"or as the keyword {name}=...")
     if positional:
-        only = [n.target for n in placeholders if n.meta.get("fxpipe.keyword_only")]
+        only = [n.target[:-2] if _specialized(n) is not _NOT_FIXED else n.target  # a fixed `flag_1`: flag=
+                for n in placeholders if n.meta.get("fxpipe.keyword_only")]
         raise TypeError(f"the model takes {len(placeholders) - len(only)} input(s) positionally but "
                         f"{len(placeholders) - len(only) + len(positional)} were given"
                         + (f"; {only} {'is' if len(only) == 1 else 'are'} keyword-only: pass "
                            f"{', '.join(f'{n}=...' for n in only)}" if only else ""))
+    if left_out is not None:
+        raise left_out
     fixed = {n.target[:-2]: _specialized(n) for n in placeholders  # torch.fx's concrete_args: `flag_1 = value`
              if n.target.endswith("_1") and n.target[:-2] in keywords and _specialized(n) is not _NOT_FIXED}
     for name in [k for k, v in fixed.items() if type(keywords[k]) is type(v) and keywords[k] == v]:

@@ -309,8 +309,10 @@ def _mark_keyword_only(model: nn.Module, graph: torch.fx.Graph) -> None:
     except (TypeError, ValueError):  # a forward without a signature: bound by position, as before
         return
     for node in graph.nodes:
-        if node.op == "placeholder" and getattr(params.get(str(node.target)), "kind", None) is \
-                inspect.Parameter.KEYWORD_ONLY:
+        name = str(node.target)
+        if name not in params and name.endswith("_1"):  # torch.fx's placeholder of a fixed input: `flag_1`
+            name = name[:-2]
+        if node.op == "placeholder" and getattr(params.get(name), "kind", None) is inspect.Parameter.KEYWORD_ONLY:
             node.meta["fxpipe.keyword_only"] = True
 
 

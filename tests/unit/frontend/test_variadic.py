@@ -208,3 +208,27 @@ def test_a_keyword_only_input_is_bound_by_keyword_only_as_eager_binds_it():
         torch.testing.assert_close(pipe(x, scale=scale), model(x, scale=scale))
         with pytest.raises(TypeError, match=r"keyword-only input 'scale': pass it as the keyword scale=\.\.\."):
             pipe(x, scale)
+
+
+class _KeywordFlag(nn.Module):
+    """Take a keyword-only flag that fx fixes (the plain trace fails on it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, *, return_dict=True):
+        h = self.b(torch.relu(self.a(x)))
+        return {"y": h} if return_dict else (h,)
+
+
+def test_a_keyword_only_flag_fx_fixed_is_still_keyword_only():
+    # torch.fx names the fixed placeholder return_dict_1, which was not marked keyword-only: pipe(x, False) ran where
+    # eager raises "takes 2 positional arguments but 3 were given", and pipe(x, True) was refused as fixed
+    model, x = _KeywordFlag(), torch.randn(4, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), example_kwargs={"return_dict": False}, chunks=2)
+    torch.testing.assert_close(pipe(x, return_dict=False)[0], model(x, return_dict=False)[0])
+    for flag in (False, True):
+        with pytest.raises(TypeError, match=r"1 input\(s\) positionally but 2 were given; \['return_dict'\] is "
+                                            r"keyword-only: pass return_dict=\.\.\."):
+            pipe(x, flag)
