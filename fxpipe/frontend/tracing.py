@@ -22,6 +22,7 @@ from torch.autograd.function import FunctionCtx
 from fxpipe.errors import TraceError, user_stacklevel, with_distributions_hint
 from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
+from fxpipe.frontend.astensor import tracing_as_tensor
 from fxpipe.frontend.autogradfns import applying, check_functions, watching_functions
 from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
 from fxpipe.frontend.constinputs import constant_inputs
@@ -253,7 +254,8 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
         # made with grad mode off (a forward's torch.no_grad() blocks) or inside autocast blocks are marked
         with recording_markers(fx_tracer), recording_assignments(fx_tracer), torch.enable_grad(), \
                 recording_autocast_blocks(), recording_python_random(drawn), no_proxies_left(model), \
-                flags_kept(model, flipped), watching_functions() as functions, warnings.catch_warnings():
+                flags_kept(model, flipped), watching_functions() as functions, tracing_as_tensor(), \
+                warnings.catch_warnings():
             # a reentrant torch.utils.checkpoint sees Proxies, none requiring grad: its warning is the trace's
             warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True")
             graph = fx_tracer.trace(model, concrete_args=concrete_args)
