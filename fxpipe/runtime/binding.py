@@ -14,7 +14,8 @@ from fxpipe.errors import PipelineInputError, user_stacklevel
 from fxpipe.passes.annotate import input_difference
 from fxpipe.passes.structure import as_containers
 from fxpipe.runtime.microbatch import batch_size, gather, scatter, to_device
-from fxpipe.runtime.validate import check_inputs, check_micro_batches, check_micro_guards
+from fxpipe.runtime.observe.blame import add_note
+from fxpipe.runtime.validate import check_inputs, check_micro_batches, check_micro_guards, unlike_example
 
 __all__ = ["Binding"]
 
@@ -29,6 +30,8 @@ class Binding:
         info = getattr(gm.graph._codegen, "pytree_info", None)
         self.flattens_outputs = info is not None and info.out_spec is not None
         self.warned = False  # that a batch smaller than chunks runs fewer micro-batches (said once)
+        self.example = [n.meta.get("fxpipe.value") for n in gm.graph.nodes if n.op == "placeholder"]
+        self.unlike: str | None = None  # this call's input of another ndim or dtype than the example's (one process)
         self.targets_checked = False  # for ignored entries shared unequally by the micro-batches (once)
         self.summed_checked = False  # for 0-dim sums under a mean loss_fn, means under a summed one (once)
         self.summed_pending: tuple[int, Any] | None = None  # (micro-batches, loss_fn) for the first loss's check
@@ -64,6 +67,7 @@ class Binding:
         values = self.bind(args, kwargs)
         batch = batch_size(values, self.names, self.unbatched, agree=chunks > 1)
         check_inputs(self.gm, values, self.names, training, self.unbatched)
+        self.unlike = unlike_example(self.names, values, self.example)
         mbs = scatter(values, self.names, chunks, self.unbatched, self.rows)
         if batch is not None:
             check_micro_batches(self.gm, -(-batch // len(mbs)), batch, chunks, self.names, self.unbatched)
@@ -75,6 +79,13 @@ class Binding:
         if device is not None:
             mbs = [[to_device(v, device) for v in mb] for mb in mbs]
         return mbs, batch
+
+    def note_unlike(self, exc: BaseException) -> None:
+        """Note on a failed call's exception an input of another ndim or dtype than the example's (runs in one process)."""
+        unlike, self.unlike = self.unlike, None
+        if unlike is not None and not isinstance(exc, PipelineInputError):
+            add_note(exc, f"fxpipe: {unlike}: pass inputs of the example's kind, or compile with example inputs "
+                          "of this kind")
 
     def check_joinable(self, m: int, training: bool) -> None:
         """Refuse, before anything runs, a forward of ``m`` micro-batches whose outputs cannot be joined.

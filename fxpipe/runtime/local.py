@@ -143,7 +143,11 @@ class LocalRuntime:
     def forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
         """Run the model's forward over micro-batches; return the model's output structure."""
         with pipe_running(self.deferred):
-            return self._forward(args, kwargs, training)
+            try:
+                return self._forward(args, kwargs, training)
+            except BaseException as exc:
+                self.binding.note_unlike(exc)
+                raise
 
     def _forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
         """Run :meth:`forward` (inside :func:`pipe_running`)."""
@@ -165,7 +169,11 @@ class LocalRuntime:
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
         """Run forward and backward of one mini-batch with a loss per micro-batch; return the loss."""
         with pipe_running(self.deferred):
-            return self._step(args, kwargs, target, loss_fn, training)
+            try:
+                return self._step(args, kwargs, target, loss_fn, training)
+            except BaseException as exc:
+                self.binding.note_unlike(exc)
+                raise
 
     def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
         """Run :meth:`step` (inside :func:`pipe_running`)."""

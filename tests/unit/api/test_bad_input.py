@@ -8,6 +8,7 @@ import pytest
 import torch
 from models import CNN, MLP, TiedTransformer
 from torch import nn
+from torch.nn import functional as F
 
 import fxpipe
 from fxpipe import passes
@@ -820,3 +821,32 @@ def test_a_dropped_branch_names_the_modules_around_the_failing_node_as_leaves():
                                                       r"around it, \[_Fuse\]"):
         fxpipe.compile(_FusedSkip(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2)
     fxpipe.compile(_FusedSkip(), 2, example_inputs=(torch.randn(4, 8),), devices=["cpu"] * 2, leaf_modules=[_Fuse])
+
+
+class _Heads(nn.Module):
+    """Split the channels into heads by the input's three dims (a model that cannot take a fourth)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        return self.b(torch.relu(self.a(x)).reshape(b, t, 2, c // 2).flatten(2))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_an_input_of_another_ndim_failing_in_one_process_is_noted_against_the_example(schedule):
+    # across ranks it is refused by name before the call; in one process torch's "mat1 and mat2 shapes cannot be
+    # multiplied" came with the failing node alone, nothing naming the input the example had with one dim fewer
+    model, x = _Heads(), torch.randn(4, 5, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, schedule=schedule)
+    with pytest.raises(RuntimeError) as raised:
+        pipe.step(x.unsqueeze(-1), target=x, loss_fn=F.mse_loss)
+    assert "fxpipe: input 'x' has shape (4, 5, 8, 1) and dtype torch.float32, where the example it was traced with " \
+           "had 3 dimension(s) (4, 5, 8) and dtype torch.float32: pass inputs of the example's kind, or compile with " \
+           "example inputs of this kind" in raised.value.__notes__
+    with pytest.raises(RuntimeError) as raised:
+        pipe(x.unsqueeze(-1))
+    assert any("input 'x' has shape (4, 5, 8, 1)" in n for n in raised.value.__notes__)
+    torch.testing.assert_close(pipe(x), model(x))  # and no note on the next failure of another kind
