@@ -350,8 +350,9 @@ def _check_step_arguments(runtime: Runtime, loss_fn: Any, scaler: Any, loss_redu
     """Refuse ``pipe.step``'s own arguments: a ``loss_fn`` that is no function, another reduction, a lone scaler."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be a function (output, target) -> loss, got {type(loss_fn).__name__}: "
-                        "pass e.g. loss_fn=torch.nn.functional.cross_entropy (on every rank, also those without "
-                        "the loss's stage)")
+                        "pass e.g. loss_fn=torch.nn.functional.cross_entropy, or for a model that computes its own "
+                        "loss (Hugging Face's labels=) loss_fn=lambda out, _: out.loss (on every rank, also those "
+                        "without the loss's stage)")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r} is not 'mean' (loss_fn returns each micro-batch's "
                          "mean over its rows) or 'sum' (loss_fn returns each micro-batch's share of the batch's "

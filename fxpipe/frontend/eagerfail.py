@@ -46,11 +46,14 @@ def eager_failure(model: nn.Module, args: tuple, kwargs: dict, exc: BaseExceptio
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     note = (f" (that forward changed {', '.join(changed[:3])} in place, too large to have been copied first: "
             "load the weights again)") if changed else ""
+    decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True and not (
+        {"labels", "decoder_input_ids", "decoder_inputs_embeds"} & kwargs.keys())
     return TraceError(
         f"{type(model).__name__} raises {type(exc).__name__}: {first} at {frame.filename}:{frame.lineno} "
         f"({(frame.line or '').strip()}) on the example inputs outside torch.export too: the inputs do not fit the "
-        "model, whatever the batch size. Give example inputs the model runs on eagerly (an encoder-decoder needs "
-        f"labels= or decoder_input_ids= beside input_ids){note}.")
+        "model, whatever the batch size. Give example inputs the model runs on eagerly"
+        + (" (an encoder-decoder needs labels= or decoder_input_ids= beside input_ids)" if decoder else "")
+        + f"{note}.")
 
 
 class _State:

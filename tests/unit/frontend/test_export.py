@@ -726,10 +726,14 @@ def test_a_model_failing_on_its_example_inputs_eagerly_too_is_told_so():
                                                 r"example inputs outside torch.export too") as got:
         fxpipe.compile(model, 2, example_inputs=(torch.randn(6, 4),), tracer="export", devices=["cpu"] * 2)
     assert "batch size" not in str(got.value).split("whatever")[0]
+    assert "an encoder-decoder needs" not in str(got.value)  # said of a model whose config says it is one, only
     # the eager look leaves the statistics, a reassigned buffer (it stayed +1) and a weight clamped in place
     # (0.25 off) as they were; a weight changed through .data and a parameter reassigned too
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and model.calls is calls
     assert model.norm.weight is gain
+    model.config = types.SimpleNamespace(is_encoder_decoder=True)  # Hugging Face's: T5 without labels=
+    with pytest.raises(fxpipe.TraceError, match=r"eagerly \(an encoder-decoder needs labels= or decoder_input_ids= "):
+        fxpipe.compile(model, 2, example_inputs=(torch.randn(6, 4),), tracer="export", devices=["cpu"] * 2)
 
 
 class _CastsInForward(nn.Module):
