@@ -423,6 +423,8 @@ def test_ranks_of_one_pipeline_given_different_rows_are_refused_and_data_shard_s
         message = _refused(res, "target_alone_differs", r)
         assert "another target than rank" in message or "refused this step" in message, (r, message)
         assert "another input 'ids'" in _refused(res, "forward_own_rows", r) or world == 4
+        # the rows' count is named: the refusal did not say the batch sizes differed
+        assert "another input 'ids' (shape (6, 16), not (8, 16)) than rank" in _refused(res, "fewer_rows", r), res
         assert res["loss_error"] < 1e-5, res
 
 

@@ -724,7 +724,9 @@ def sharded_per_rank(rank, world, schedule):
              ("target_alone_differs", lambda: pipe.step(ids if me == 0 else None,
                                                         target=target if me == 0 else tokens(3, 16)[1],
                                                         loss_fn=token_loss)),
-             ("forward_own_rows", lambda: pipe(own[0]))]
+             ("forward_own_rows", lambda: pipe(own[0])),
+             ("fewer_rows", lambda: pipe.step(ids if me == 0 else ids[:6], target=target if me == 0 else target[:6],
+                                              loss_fn=token_loss))]
     for label, call in calls:
         out[label] = _attempt(call)
     sampler = DistributedSampler(data, *fxpipe.data_shard(pipe), shuffle=False)

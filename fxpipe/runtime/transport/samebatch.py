@@ -160,8 +160,17 @@ def _what_differs(runtime: Any, mine: tuple[list | None, list | None],
     at = None if mine[0] is None else _differs(mine[0], theirs[0])
     if at is not None:
         names = runtime.binding.names
-        return "inputs" if at < 0 or at >= len(names) else f"input {names[at]!r}"
-    return None if mine[1] is None or _differs(mine[1], theirs[1]) is None else "target"
+        return "inputs" if at < 0 or at >= len(names) else f"input {names[at]!r}{_shapes(mine[0], theirs[0], at)}"
+    at = None if mine[1] is None else _differs(mine[1], theirs[1])
+    return None if at is None else f"target{_shapes(mine[1], theirs[1], at)}"
+
+
+def _shapes(mine: list[Any], theirs: list[Any] | None, at: int) -> str:
+    """Say the two shapes where leaf ``at`` differs in shape (another batch size), else nothing."""
+    a, b = mine[at] if at >= 0 else None, theirs[at] if theirs is not None and at >= 0 else None
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[0] != b[0]:
+        return f" (shape {a[0]}, not {b[0]})"
+    return ""
 
 
 def _verdict(runtime: Any, mine: tuple[list | None, list | None], header: dict) -> str | None:
@@ -172,7 +181,8 @@ def _verdict(runtime: Any, mine: tuple[list | None, list | None], header: dict) 
     me, first = runtime.layout.global_ranks[runtime.rank], runtime.layout.global_ranks[runtime.first]
     return (f"rank {me} was given another {what} than rank {first}, which splits the inputs: the ranks of one "
             f"pipeline train on one batch (the first stage's inputs with the last stage's target). {_FIX}, or pass "
-            + ("the target only on the rank computing the loss (the last stage's; None elsewhere)" if what == "target"
+            + ("the target only on the rank computing the loss (the last stage's; None elsewhere)"
+               if what.startswith("target")
                else "None on the ranks that do not split the inputs"))
 
 
@@ -187,7 +197,7 @@ def _group_verdict(runtime: Any, mine: tuple[list | None, list | None]) -> str |
         what = _what_differs(runtime, given, reference)
         if what is not None:
             ranks = [dist.get_global_rank(layout.tp_group, j) for j in range(layout.tp)]
-            holder = ranks[holders[what == "target"]]
+            holder = ranks[holders[what.startswith("target")]]
             return (f"rank {ranks[i]} was given another {what} than rank {holder}, the first of its tensor-parallel "
                     f"group (ranks {', '.join(map(str, ranks))}) given one, whose values the group computes on: the "
                     f"ranks of one pipeline, its tensor-parallel groups included, train on one batch. {_FIX}, or pass "
