@@ -193,7 +193,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     if unknown:
         raise ValueError(f"leaf_modules names {unknown} that are not submodules of "
                          f"{type(model).__name__}; use names from model.named_modules()")
-    _refuse_wrapped_forward(model, concrete_args)
+    _refuse_wrapped_forward(model)
     _refuse_tensor_defaults(model, concrete_args)
     versions = state_versions(model)
     gm, concrete_args = _fx_trace_fixing(model, leaf_types, leaf_names, concrete_args, example_inputs, example_kwargs)
@@ -363,7 +363,7 @@ def _hugging_face(model: nn.Module) -> str:
             "tracer='export' with example_inputs= (or example_kwargs=) holding the model's inputs.")
 
 
-def _refuse_wrapped_forward(model: nn.Module, concrete_args: dict[str, Any] | None) -> None:
+def _refuse_wrapped_forward(model: nn.Module) -> None:
     """Refuse a forward that a decorator wraps in ``(*args, **kwargs)``: torch.fx cannot see its arguments.
 
     torch.fx reads the arguments off the code of ``forward`` itself: it gets the wrapper's
@@ -374,7 +374,7 @@ def _refuse_wrapped_forward(model: nn.Module, concrete_args: dict[str, Any] | No
     inner = inspect.unwrap(forward)
     varargs = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
     code, inner_code = getattr(forward, "__code__", None), getattr(inner, "__code__", None)
-    if inner is forward or code is None or inner_code is None or concrete_args:
+    if inner is forward or code is None or inner_code is None:
         return
     if code.co_flags & varargs and not inner_code.co_flags & inspect.CO_VARARGS:
         name = type(model).__name__

@@ -49,6 +49,9 @@ def test_a_decorated_forward_is_refused_naming_export_and_export_equals_eager():
     msg = str(info.value)
     assert "wrapped by a decorator taking (*args, **kwargs)" in msg and "tracer='export'" in msg
     assert "Wrapped.forward (input_ids, attention_mask)" in msg and "Hugging Face" not in msg
+    # given concrete_args=, torch.fx's "co_varnames is too small" came instead, with a hint to pass concrete_args
+    with pytest.raises(fxpipe.TraceError, match=r"wrapped by a decorator taking \(\*args, \*\*kwargs\)"):
+        fxpipe.trace(Wrapped(), concrete_args={"attention_mask": None})
     assert_pipeline_equivalent(Wrapped(), (torch.randn(4, 4),), n_stages=2, chunks=2, devices=["cpu"] * 2,
                                tracer="export")
 
