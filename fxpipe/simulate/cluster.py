@@ -212,8 +212,8 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
         space = list(shapes(gpus, gpus_per_node, batch, min(blocks, max_stages), tps=sorted(tps),
                             schedules=schedules, stages=stages, chunk_counts=chunks))
         if not space:
-            asked = "".join(f" with {what} in {list(given)}" for what, given in (("stages", stages), ("chunks", chunks))
-                            if given)
+            asked = "".join(f" with {what} in {list(given)}" for what, given in (("stages", stages), ("chunks", chunks),
+                                                                                   ("schedules", schedules)) if given)
             tried = [b for d in range(1, 129) for b in (batch + d, batch - d) if b >= 1]  # the nearest, larger first
             near = next((b for b in tried
                          if next(iter(shapes(gpus, gpus_per_node, b, min(blocks, max_stages), tps=sorted(tps),
@@ -221,7 +221,8 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
                         None)
             raise SearchSpaceError(f"no layout of {gpus} GPUs{asked} takes a global batch of {batch} rows on a model "
                                    f"of {blocks} cuttable blocks: a stage count is pp x stages per rank (pp divides "
-                                   "the GPUs), and chunks divide each replica's rows and are at least pp"
+                                   "the GPUs), chunks divide each replica's rows and are at least pp, and a single "
+                                   "stage runs only 1f1b (gradient accumulation)"
                                    + (f"; a global batch of {near} rows has layouts" if near else ""))
     modes = sorted((c for c in checkpoints if c != AUTO), key=lambda c: POLICIES.index(c) if c in POLICIES else 0)
     found = ClusterSearch([], [], gm, model_, gpus, gpus_per_node, batch, budget, tokens, layouts=len(space))

@@ -81,7 +81,7 @@ def shapes(gpus: int, gpus_per_node: int, batch: int, blocks: int, *, tps: Seque
                 if pp == 1:  # one stage: 1F1B is gradient accumulation, one micro-batch's activations at a time
                     names = ("1f1b",)
                 for schedule in names:
-                    if schedules is not None and schedule not in schedules and pp > 1:
+                    if schedules is not None and schedule not in schedules:  # one stage runs 1F1B: kept with it
                         continue
                     least = pp if v > 1 else 1
                     if stages is not None and pp * v not in stages:

@@ -55,6 +55,7 @@ def test_a_tie_on_one_rank_under_data_parallel_is_rejected_as_compile_would():
     assert reasons and all("a tensor shared by stages 0 and 3, both on rank 0, under data parallel" in r
                            for r in reasons)
     assert [c for c in found.ranked if c.shape.dp == 1 and c.shape.v > 1]  # without replicas it is fine
+    assert {c.shape.schedule for c in found.ranked + found.rejected} == {"zbv"}  # pp1 (1F1B) was listed too
 
 
 def test_a_tensor_parallel_size_the_model_cannot_take_is_refused_naming_the_sizes_that_fit():
@@ -71,6 +72,9 @@ def test_the_stages_and_chunks_asked_for_bound_the_search():
     assert found.ranked and all(c.shape.n_stages == 4 and c.shape.chunks == 8 for c in found.ranked + found.rejected)
     with pytest.raises(ValueError, match=r"no layout of 4 GPUs with stages in \[3\] takes a global batch of 32 rows"):
         cluster_search(_mlp(), (x,), gpus=4, gpus_per_node=4, device="h100", batch=32, stages=[3])
+    with pytest.raises(ValueError, match=r"no layout of 1 GPUs with schedules in \['zbv'\] .* a single stage runs "
+                                         r"only 1f1b"):  # one GPU's one stage was listed under --schedules zbv
+        cluster_search(_mlp(), (x,), gpus=1, gpus_per_node=1, device="h100", batch=32, schedules=["zbv"])
 
 
 def test_a_global_batch_no_layout_can_split_is_refused_as_such_not_as_memory():
