@@ -64,6 +64,7 @@ class Binding:
     def split(self, args: tuple, kwargs: dict, chunks: int, training: bool,
               device: torch.device | None = None) -> tuple[list[list[Any]], int | None]:
         """Bind, check and split the inputs; return the micro-batches (on ``device``) and the batch size."""
+        self.unlike = None
         values = self.bind(args, kwargs)
         batch = batch_size(values, self.names, self.unbatched, agree=chunks > 1)
         check_inputs(self.gm, values, self.names, training, self.unbatched)
@@ -83,7 +84,8 @@ class Binding:
     def note_unlike(self, exc: BaseException) -> None:
         """Note on a failed call's exception an input of another ndim or dtype than the example's (runs in one process)."""
         unlike, self.unlike = self.unlike, None
-        if unlike is not None and not isinstance(exc, PipelineInputError):
+        inside = any(str(n).startswith("fxpipe: raised in stage") for n in getattr(exc, "__notes__", ()))
+        if unlike is not None and inside and not isinstance(exc, PipelineInputError):  # a stage's node raised
             add_note(exc, f"fxpipe: {unlike}: pass inputs of the example's kind, or compile with example inputs "
                           "of this kind")
 

@@ -328,10 +328,10 @@ def check_signature(names: list[str], spec: list[Any], example: list[Any], kinds
 def unlike_example(names: Sequence[str], values: Sequence[Any], example: Sequence[Any]) -> str | None:
     """Name the first tensor input whose number of dimensions or dtype differs from the example's; None if none."""
     for name, got, want in zip(names, values, example):
-        for g, w in zip(tree_flatten(in_order_of(got, want))[0], tree_flatten(want)[0]):
+        for g, (path, w) in zip(tree_flatten(in_order_of(got, want))[0], tree_flatten_with_path(want)[0]):
             if isinstance(g, torch.Tensor) and isinstance(w, TensorSpec) and (
                     g.dtype != w.dtype or g.dim() != len(w.shape)):
-                return (f"input '{name}' has shape {tuple(g.shape)} and dtype {g.dtype}, where the example it was "
+                return (f"input '{name}{keystr(path)}' has shape {tuple(g.shape)} and dtype {g.dtype}, where the example it was "
                         f"traced with had {len(w.shape)} dimension(s) ({', '.join(map(str, w.shape))}) and dtype "
                         f"{w.dtype}")
     return None

@@ -851,4 +851,24 @@ def test_an_input_of_another_ndim_failing_in_one_process_is_noted_against_the_ex
     with pytest.raises(RuntimeError) as raised:
         pipe(x.unsqueeze(-1))
     assert any("input 'x' has shape (4, 5, 8, 1)" in n for n in raised.value.__notes__)
-    torch.testing.assert_close(pipe(x), model(x))  # and no note on the next failure of another kind
+    torch.testing.assert_close(pipe(x), model(x))
+    with pytest.raises(TypeError) as raised:  # a later call's own failure, outside the stages: no note of it
+        pipe(x.unsqueeze(-1), bogus=1)
+    assert not getattr(raised.value, "__notes__", None)
+
+
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, batch):
+        return self.b(torch.relu(self.a(batch["x"]) * batch["m"]))
+
+
+def test_the_note_of_another_ndim_names_the_entry_of_a_container_input():
+    model, x = _Pair(), {"x": torch.randn(4, 8), "m": torch.rand(4, 1)}
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    with pytest.raises(RuntimeError) as raised:
+        pipe({"x": x["x"], "m": torch.rand(4, 1, 3)})
+    assert any(n.startswith("fxpipe: input 'batch['m']' has shape (4, 1, 3)") for n in raised.value.__notes__)

@@ -416,3 +416,18 @@ def test_a_model_attribute_named_like_an_option_the_pipe_holds_is_refused_naming
         setattr(pipe, name, ["cuda:0"])
     assert getattr(model, name) == ["cpu"] and pipe.devices == [torch.device("cpu")] * 2
     pipe.to("cpu")
+
+
+def test_a_model_attribute_named_like_the_pipe_s_own_is_refused_and_pipe_training_follows_the_model():
+    # pipe.plan = ... replaced the pipe's plan silently (fxpipe.simulate then refused the pipe); pipe.training = False
+    # was undone at the next call, which took the model's flag
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    model.plan = "cosine"
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 8),), chunks=2, devices=["cpu"] * 2)
+    plan = pipe.plan
+    with pytest.raises(TypeError, match=r"pipe.plan is the pipe's own, .*set it on the model itself "
+                                        r"\(model.plan = 'linear'\)"):
+        pipe.plan = "linear"
+    assert pipe.plan is plan and model.plan == "cosine"
+    pipe.training = False
+    assert model.training is False and pipe.training is False

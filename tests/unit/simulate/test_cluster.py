@@ -83,6 +83,7 @@ def test_a_global_batch_no_layout_can_split_is_refused_as_such_not_as_memory():
 
     # then it said "stages in any and chunks in any" and no batch that would do
     with pytest.raises(SearchSpaceError, match="takes a global batch of 6 rows.*chunks divide each replica's rows "
-                                               "and are at least pp; a global batch of 8 rows has layouts"):
+                                               "and are at least pp, and a single stage runs only 1f1b \\(gradient "
+                                               "accumulation\\); a global batch of 8 rows has layouts"):
         cluster_search(nn.Sequential(*[nn.Conv2d(4, 4, 3, padding=1) for _ in range(6)]),  # no TP plan
                        (torch.randn(8, 4, 8, 8),), gpus=4, gpus_per_node=4, device="h100", batch=6)
