@@ -232,3 +232,13 @@ def test_a_file_that_is_not_a_plan_is_named(tmp_path):
     path.write_text("import torch\n")
     with pytest.raises(ValueError, match=r"model.py' is not a plan \(not JSON: Expecting value"):
         fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2, plan=str(path))
+
+
+def test_a_plan_given_another_n_stages_under_torchrun_names_the_stage_count(monkeypatch):
+    # a plan of 8 stages (4 ranks x 2) compiled with n_stages=4 was refused as laying the model out on 2 processes
+    # ("launch with --nproc-per-node 2"), which was false: the plan is for 4
+    plan = fxpipe.compile(MLP(), 4, devices=["cpu"] * 4).plan
+    plan.layout = {"stages_per_rank": 2, "data_parallel": 1, "tensor_parallel": 1}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(fxpipe.PlanMismatchError, match=r"the saved plan has 4 stages but n_stages=2; pass n_stages=4 "):
+        fxpipe.compile(MLP(), 2, runtime="distributed", plan=plan)
