@@ -1,12 +1,15 @@
-"""Trace ``torch.as_tensor`` of a traced value as a call, where torch.fx fails on it.
+"""Trace ``torch.as_tensor``, ``torch.asarray`` and ``torch.tensor`` of traced values as calls, where torch.fx fails.
 
 ``torch.as_tensor(x)`` of a tensor returns it (cast or moved where ``dtype=``/``device=`` say);
-models wrap values in it defensively (MONAI's HighResNet: ``torch.as_tensor(self.blocks(x))``).
-torch.fx's Proxy does not reach ``__torch_function__`` there: ``as_tensor`` reads the Proxy's
-``__cuda_array_interface__`` and fails with "``__cuda_array_interface__`` must be a dict", a
-message that names neither the call nor a fix, and no leaf can hold it in the top-level forward.
-While fxpipe traces, :func:`tracing_as_tensor` records such a call as a ``call_function`` node
-(its data a Proxy); any other call runs torch's own.
+models wrap values in it defensively (MONAI's HighResNet: ``torch.as_tensor(self.blocks(x))``),
+or build a tensor of a size (``torch.tensor(h.shape[0])``). torch.fx's Proxy does not reach
+``__torch_function__`` there: the call reads the Proxy's ``__cuda_array_interface__`` and fails
+with "``__cuda_array_interface__`` must be a dict", a message that names neither the call nor a
+fix, and no leaf can hold it in the top-level forward. While fxpipe traces,
+:func:`tracing_tensor_makers` records a call whose arguments hold a Proxy as a ``call_function``
+node, called as ``torch.as_tensor`` and, through the tracer's ``autowrap_functions=``
+(:data:`TENSOR_MAKERS`), by a name imported from torch (``from torch import as_tensor``); any
+other call runs torch's own.
 
 Reads and writes no ``node.meta``.
 """
@@ -19,23 +22,36 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.node import map_aggregate
 
-__all__ = ["tracing_as_tensor"]
+__all__ = ["TENSOR_MAKERS", "tracing_tensor_makers"]
+
+TENSOR_MAKERS = (torch.as_tensor, torch.asarray, torch.tensor)
+
+
+def _proxy_in(args: tuple, kwargs: dict) -> torch.fx.Proxy | None:
+    """Return a Proxy found anywhere in ``args`` and ``kwargs`` (inside lists too); None if none."""
+    found: list[torch.fx.Proxy] = []
+    map_aggregate((args, kwargs), lambda a: found.append(a) if isinstance(a, torch.fx.Proxy) else None)
+    return found[0] if found else None
 
 
 @contextlib.contextmanager
-def tracing_as_tensor() -> Iterator[None]:
-    """Record ``torch.as_tensor(proxy, ...)`` as a node while inside; leave other calls to torch."""
-    original = torch.as_tensor
+def tracing_tensor_makers() -> Iterator[None]:
+    """Record ``torch.as_tensor(proxy, ...)`` (``asarray``, ``tensor``) as a node while inside; leave others to torch."""
+    def recording(original: Any) -> Any:
+        def made(*args: Any, **kwargs: Any) -> Any:
+            """Record the call on a Proxy; run torch's otherwise."""
+            proxy = _proxy_in(args, kwargs)
+            if proxy is not None:
+                return proxy.tracer.create_proxy("call_function", original, args, kwargs)
+            return original(*args, **kwargs)
+        return made
 
-    def as_tensor(data: Any, *args: Any, **kwargs: Any) -> Any:
-        """Record the call on a Proxy; run torch's otherwise."""
-        if isinstance(data, torch.fx.Proxy):
-            return data.tracer.create_proxy("call_function", original, (data, *args), kwargs)
-        return original(data, *args, **kwargs)
-
-    torch.as_tensor = as_tensor
+    for fn in TENSOR_MAKERS:
+        setattr(torch, fn.__name__, recording(fn))
     try:
         yield
     finally:
-        torch.as_tensor = original
+        for fn in TENSOR_MAKERS:
+            setattr(torch, fn.__name__, fn)

@@ -22,7 +22,7 @@ from torch.autograd.function import FunctionCtx
 from fxpipe.errors import TraceError, user_stacklevel, with_distributions_hint
 from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
-from fxpipe.frontend.astensor import tracing_as_tensor
+from fxpipe.frontend.astensor import TENSOR_MAKERS, tracing_tensor_makers
 from fxpipe.frontend.autogradfns import applying, check_functions, watching_functions
 from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
 from fxpipe.frontend.constinputs import constant_inputs
@@ -67,7 +67,7 @@ class _Tracer(torch.fx.Tracer):
     """A symbolic tracer that also treats the user's ``leaf_modules`` as opaque calls."""
 
     def __init__(self, leaf_types: tuple[type, ...], leaf_names: frozenset[str]) -> None:
-        super().__init__()
+        super().__init__(autowrap_functions=TENSOR_MAKERS)  # `from torch import as_tensor` (fxpipe.frontend.astensor)
         # buffers as get_attr nodes even where code runs on them alone (``self.scale * 2``):
         # otherwise the trace computes such code once and freezes the result into the graph,
         # which goes stale when the buffer changes (load_state_dict, an update in forward)
@@ -254,7 +254,7 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
         # made with grad mode off (a forward's torch.no_grad() blocks) or inside autocast blocks are marked
         with recording_markers(fx_tracer), recording_assignments(fx_tracer), torch.enable_grad(), \
                 recording_autocast_blocks(), recording_python_random(drawn), no_proxies_left(model), \
-                flags_kept(model, flipped), watching_functions() as functions, tracing_as_tensor(), \
+                flags_kept(model, flipped), watching_functions() as functions, tracing_tensor_makers(), \
                 warnings.catch_warnings():
             # a reentrant torch.utils.checkpoint sees Proxies, none requiring grad: its warning is the trace's
             warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True")

@@ -1,24 +1,24 @@
-"""torch.as_tensor of a traced value under fx: recorded as a call (MONAI's HighResNet wraps its output in it)."""
+"""torch.as_tensor, asarray and tensor of traced values under fx: recorded as calls (MONAI's HighResNet wraps its output)."""
 
 import copy
 
 import torch
-from torch import nn
+from torch import as_tensor, nn
 from torch.nn import functional as F
 
 import fxpipe
 
 
 class _Wrapped(nn.Module):
-    """Wrap a block's output, and the whole forward's, in torch.as_tensor (as MONAI's HighResNet does)."""
+    """Wrap a block's output, and the whole forward's, in torch.as_tensor (as MONAI's HighResNet does); divide by a size."""
 
     def __init__(self):
         super().__init__()
         self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
 
     def forward(self, x):
-        h = x + torch.as_tensor(self.a(x))
-        return torch.as_tensor(self.b(torch.relu(h)), dtype=torch.float64)
+        h = x + torch.as_tensor(self.a(x)) + torch.asarray(x) / torch.tensor(x.shape[1])
+        return as_tensor(self.b(torch.relu(h)), dtype=torch.float64)  # imported by name from torch
 
 
 def test_as_tensor_of_a_traced_value_traces_and_trains_as_eager():
