@@ -218,12 +218,12 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
                 "you want, or build the model again (a copy for the second pipe) and pass weights= a checkpoint "
                 "fxpipe.save wrote")
         if plan is not None:  # what the plan records of the layout fills the arguments left at their defaults
-            saved = load_plan(plan)
-            if saved.n_stages != n_stages:  # before the world it lays out, counted from n_stages, is refused
-                raise PlanMismatchError(f"the saved plan has {saved.n_stages} stages but n_stages={n_stages}; pass "
-                                        f"n_stages={saved.n_stages} (every stage, over all ranks), or make a new plan "
-                                        "for this n_stages")
-            layout = adopt_layout(saved, {"chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
+            recorded = load_plan(plan)
+            if recorded.n_stages != n_stages:  # before the world it lays out, counted from n_stages, is refused
+                raise PlanMismatchError(f"the saved plan has {recorded.n_stages} stages but n_stages={n_stages}; pass "
+                                        f"n_stages={recorded.n_stages} (every stage, over all ranks), or make a new "
+                                        "plan for this n_stages")
+            layout = adopt_layout(recorded, {"chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
                                                     "stages_per_rank": stages_per_rank, "data_parallel": data_parallel,
                                                     "data_parallel_shard": data_parallel_shard,
                                                     "tensor_parallel": tensor_parallel, "tracer": tracer},

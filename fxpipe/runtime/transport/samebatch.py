@@ -165,9 +165,10 @@ def _what_differs(runtime: Any, mine: tuple[list | None, list | None],
     return None if at is None else f"target{_shapes(mine[1], theirs[1], at)}"
 
 
-def _shapes(mine: list[Any], theirs: list[Any] | None, at: int) -> str:
+def _shapes(mine: list[Any] | None, theirs: list[Any] | None, at: int) -> str:
     """Say the two shapes where leaf ``at`` differs in shape (another batch size), else nothing."""
-    a, b = mine[at] if at >= 0 else None, theirs[at] if theirs is not None and at >= 0 else None
+    a = mine[at] if mine is not None and at >= 0 else None
+    b = theirs[at] if theirs is not None and at >= 0 else None
     if isinstance(a, tuple) and isinstance(b, tuple) and a[0] != b[0]:
         return f" (shape {a[0]}, not {b[0]})"
     return ""
