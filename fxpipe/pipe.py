@@ -113,7 +113,9 @@ class Pipe(nn.Module):
                             f"stages and the schedule for it. Compile again with {name}={value!r} (the model keeps "
                             f"its weights; pass plan= to keep the split).{aside}")
         if name == "training" and model is not None and "_runtime" in self.__dict__:
-            model.training = value  # followed from the model at the next call, as model.training = value is
+            model.training = value  # as model.training = value: the model's flag and the stages' (which the
+            for stage in self.stages:  # merged graph reads as self.training), not the modules inside
+                stage.training = value
         elif modelled and owned and not name.startswith("_") and "_runtime" in self.__dict__:
             raise TypeError(f"pipe.{name} is the pipe's own, not the model's attribute {name!r}, which the pipe "
                             f"does not set: set it on the model itself (model.{name} = {value!r})")

@@ -24,16 +24,21 @@ import torch
 import torch.fx
 from torch.fx.node import map_aggregate
 
-__all__ = ["TENSOR_MAKERS", "tracing_tensor_makers"]
+__all__ = ["TENSOR_MAKERS", "tracing_tensor_makers", "unmark_wrapped"]
 
 TENSOR_MAKERS = (torch.as_tensor, torch.asarray, torch.tensor)
 
 
 def _proxy_in(args: tuple, kwargs: dict) -> torch.fx.Proxy | None:
-    """Return a Proxy found anywhere in ``args`` and ``kwargs`` (inside lists too); None if none."""
+    """Return a Proxy given as an argument itself (``device=x.device`` too); None if none, or one inside a list.
+
+    A list of traced tensors (``torch.tensor([h.mean(), h.std()])``) is left to torch: its values
+    are read as the call is made, which no recorded call of data-less tensors can do.
+    """
     found: list[torch.fx.Proxy] = []
     map_aggregate((args, kwargs), lambda a: found.append(a) if isinstance(a, torch.fx.Proxy) else None)
-    return found[0] if found else None
+    direct = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.fx.Proxy)]
+    return direct[0] if direct and len(direct) == len(found) else None
 
 
 @contextlib.contextmanager
@@ -55,3 +60,14 @@ def tracing_tensor_makers() -> Iterator[None]:
     finally:
         for fn in TENSOR_MAKERS:
             setattr(torch, fn.__name__, fn)
+
+
+def unmark_wrapped(graph: torch.fx.Graph) -> None:
+    """Drop torch.fx's ``is_wrapped`` mark from the calls ``autowrap_functions=`` recorded of :data:`TENSOR_MAKERS`.
+
+    Marked, the generated code registers ``wrap("torch.as_tensor")`` in its module, a dotted
+    name every later trace of any model then fails to look up (``KeyError: 'torch.as_tensor'``).
+    """
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in TENSOR_MAKERS:
+            node.meta.pop("is_wrapped", None)

@@ -22,7 +22,7 @@ from torch.autograd.function import FunctionCtx
 from fxpipe.errors import TraceError, user_stacklevel, with_distributions_hint
 from fxpipe.frontend.amp import autocast_blocks, recording_autocast_blocks
 from fxpipe.frontend.assign import recording_assignments
-from fxpipe.frontend.astensor import TENSOR_MAKERS, tracing_tensor_makers
+from fxpipe.frontend.astensor import TENSOR_MAKERS, tracing_tensor_makers, unmark_wrapped
 from fxpipe.frontend.autogradfns import applying, check_functions, watching_functions
 from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
 from fxpipe.frontend.constinputs import constant_inputs
@@ -264,6 +264,7 @@ def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozen
     check_functions(type(model).__name__, functions, "fx")
     warn_python_random(type(model).__name__, drawn, "fx")
     _name_variadic_inputs(graph)
+    unmark_wrapped(graph)
     drop_guards(graph)  # concrete_args' guards: the binding checks the values
     _mark_keyword_only(model, graph)
     gm = torch.fx.GraphModule(fx_tracer.root, graph, model.__class__.__name__)
@@ -475,6 +476,15 @@ def _explain(model: nn.Module, tracer: _Tracer, exc: BaseException) -> TraceErro
     if isinstance(exc, HookOnProxy):
         return refuse_tensor_hook(type(model).__name__, where, module=module_path or None,
                                   filename=frame.filename if frame else None, lineno=frame.lineno if frame else None)
+    if "__cuda_array_interface__" in str(exc):  # torch.as_tensor(proxy) by a name fxpipe did not record
+        fix = ("A traced value reached torch.as_tensor, torch.asarray or torch.tensor by a name imported from "
+               "torch into a helper's module (fxpipe records them called as torch.as_tensor(...), or imported into "
+               "the module of a forward): call it as torch.as_tensor(...) there, mark the module calling it as a "
+               "leaf (leaf_modules=), or use tracer='export'.")
+        what = f"module '{module_path}' ({type_name})" if module_path else f"the top-level module ({type_name})"
+        return TraceError(f"cannot trace {type(model).__name__}: {exc}\nTracing failed in {what}:{where}\n{fix}",
+                          module=module_path or None, filename=frame.filename if frame else None,
+                          lineno=frame.lineno if frame else None)
     if module_path:
         fix = (f"Mark it as a leaf so it runs as one opaque call: "
                f"fxpipe.trace(model, leaf_modules=[{type_name}]) or leaf_modules=[{module_path!r}] "

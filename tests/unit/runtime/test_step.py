@@ -430,4 +430,4 @@ def test_a_model_attribute_named_like_the_pipe_s_own_is_refused_and_pipe_trainin
         pipe.plan = "linear"
     assert pipe.plan is plan and model.plan == "cosine"
     pipe.training = False
-    assert model.training is False and pipe.training is False
+    assert model.training is False and pipe.training is False and not any(s.training for s in pipe.stages)
