@@ -11,7 +11,7 @@ node, called as ``torch.as_tensor`` and, through the tracer's ``autowrap_functio
 (:data:`TENSOR_MAKERS`), by a name imported from torch (``from torch import as_tensor``); any
 other call runs torch's own.
 
-Reads and writes no ``node.meta``.
+Writes: drops torch.fx's ``node.meta["is_wrapped"]`` from those calls (:func:`unmark_wrapped`).
 """
 
 from __future__ import annotations
