@@ -857,7 +857,7 @@ def test_an_input_of_another_ndim_failing_in_one_process_is_noted_against_the_ex
     assert not getattr(raised.value, "__notes__", None)
 
 
-class _Pair(nn.Module):
+class _DictPair(nn.Module):
     def __init__(self):
         super().__init__()
         self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
@@ -867,7 +867,7 @@ class _Pair(nn.Module):
 
 
 def test_the_note_of_another_ndim_names_the_entry_of_a_container_input():
-    model, x = _Pair(), {"x": torch.randn(4, 8), "m": torch.rand(4, 1)}
+    model, x = _DictPair(), {"x": torch.randn(4, 8), "m": torch.rand(4, 1)}
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
     with pytest.raises(RuntimeError) as raised:
         pipe({"x": x["x"], "m": torch.rand(4, 1, 3)})
