@@ -31,7 +31,6 @@ class Binding:
         self.flattens_outputs = info is not None and info.out_spec is not None
         self.warned = False  # that a batch smaller than chunks runs fewer micro-batches (said once)
         self.example = [n.meta.get("fxpipe.value") for n in gm.graph.nodes if n.op == "placeholder"]
-        self.unlike: str | None = None  # this call's input of another ndim or dtype than the example's (one process)
         self.targets_checked = False  # for ignored entries shared unequally by the micro-batches (once)
         self.summed_checked = False  # for 0-dim sums under a mean loss_fn, means under a summed one (once)
         self.summed_pending: tuple[int, Any] | None = None  # (micro-batches, loss_fn) for the first loss's check
@@ -64,11 +63,9 @@ class Binding:
     def split(self, args: tuple, kwargs: dict, chunks: int, training: bool,
               device: torch.device | None = None) -> tuple[list[list[Any]], int | None]:
         """Bind, check and split the inputs; return the micro-batches (on ``device``) and the batch size."""
-        self.unlike = None
         values = self.bind(args, kwargs)
         batch = batch_size(values, self.names, self.unbatched, agree=chunks > 1)
         check_inputs(self.gm, values, self.names, training, self.unbatched)
-        self.unlike = unlike_example(self.names, values, self.example)
         mbs = scatter(values, self.names, chunks, self.unbatched, self.rows)
         if batch is not None:
             check_micro_batches(self.gm, -(-batch // len(mbs)), batch, chunks, self.names, self.unbatched)
@@ -81,11 +78,13 @@ class Binding:
             mbs = [[to_device(v, device) for v in mb] for mb in mbs]
         return mbs, batch
 
-    def note_unlike(self, exc: BaseException) -> None:
-        """Note on a failed call's exception an input of another ndim or dtype than the example's (runs in one process)."""
-        unlike, self.unlike = self.unlike, None
+    def note_unlike(self, exc: BaseException, args: tuple, kwargs: dict) -> None:
+        """Note on a call's exception raised inside a stage an input of another ndim or dtype than the example's."""
         inside = any(str(n).startswith("fxpipe: raised in stage") for n in getattr(exc, "__notes__", ()))
-        if unlike is not None and inside and not isinstance(exc, PipelineInputError):  # a stage's node raised
+        if not inside or isinstance(exc, PipelineInputError):  # only then bound again, to look at the inputs
+            return
+        unlike = unlike_example(self.names, self.bind(args, kwargs), self.example)
+        if unlike is not None:
             add_note(exc, f"fxpipe: {unlike}: pass inputs of the example's kind, or compile with example inputs "
                           "of this kind")
 

@@ -146,7 +146,7 @@ class LocalRuntime:
             try:
                 return self._forward(args, kwargs, training)
             except BaseException as exc:
-                self.binding.note_unlike(exc)
+                self.binding.note_unlike(exc, args, kwargs)
                 raise
 
     def _forward(self, args: tuple, kwargs: dict, training: bool) -> Any:
@@ -172,7 +172,7 @@ class LocalRuntime:
             try:
                 return self._step(args, kwargs, target, loss_fn, training)
             except BaseException as exc:
-                self.binding.note_unlike(exc)
+                self.binding.note_unlike(exc, args, kwargs)
                 raise
 
     def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
