@@ -331,9 +331,9 @@ def unlike_example(names: Sequence[str], values: Sequence[Any], example: Sequenc
         for g, (path, w) in zip(tree_flatten(in_order_of(got, want))[0], tree_flatten_with_path(want)[0]):
             if isinstance(g, torch.Tensor) and isinstance(w, TensorSpec) and (
                     g.dtype != w.dtype or g.dim() != len(w.shape)):
-                return (f"input '{name}{keystr(path)}' has shape {tuple(g.shape)} and dtype {g.dtype}, where the example it was "
-                        f"traced with had {len(w.shape)} dimension(s) ({', '.join(map(str, w.shape))}) and dtype "
-                        f"{w.dtype}")
+                return (f"input '{name}{keystr(path)}' has shape {tuple(g.shape)} and dtype {g.dtype}, where the "
+                        f"example it was traced with had {len(w.shape)} dimension(s) "
+                        f"({', '.join(map(str, w.shape))}) and dtype {w.dtype}")
     return None
 
 
