@@ -28,7 +28,6 @@ rank of equal tp index in the next stage, with receive buffers of the shards' sh
 from __future__ import annotations
 
 import logging
-import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -60,7 +59,7 @@ from fxpipe.runtime.tensorparallel import local_specs, match_grads
 from fxpipe.runtime.tiedgrads import open_window, sum_tied
 from fxpipe.runtime.tppartial import PartialGrads
 from fxpipe.runtime.transport import release, samebatch, steplayout
-from fxpipe.runtime.transport.comm import Comm, on_every_rank
+from fxpipe.runtime.transport.comm import Comm, forget_frames, on_every_rank
 from fxpipe.runtime.transport.layoutcache import LayoutCache
 from fxpipe.runtime.transport.messages import DistTransport
 from fxpipe.runtime.transport.procgroup import Layout, Ties, reopen_pipeline
@@ -370,7 +369,7 @@ class DistributedRuntime:
     def _abandon(self, exc: BaseException) -> None:
         """Close this rank's connections and drop the failed step's state (see the module's picture)."""
         self.broken = f"{type(exc).__name__}: {exc}".split("\n")[0][:500]
-        traceback.clear_frames(exc.__traceback__)  # the frames hold the step's pending messages
+        forget_frames(exc)  # the frames (the chained exceptions' too) hold the step's pending messages
         self.layout.pp_group = None  # the group's connections close once nothing holds it
         self.comm.close()
         self.ties.close()

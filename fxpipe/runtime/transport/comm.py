@@ -17,6 +17,7 @@ import io
 import logging
 import pickle
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from fxpipe.errors import PeerFailure
 from fxpipe.runtime.transport.failure import FailureBoard
 
-__all__ = ["Comm", "on_every_rank", "tell_all"]
+__all__ = ["Comm", "forget_frames", "on_every_rank", "tell_all"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,15 @@ def on_every_rank(exc: BaseException) -> BaseException:
     """
     vars(exc)["fxpipe_on_every_rank"] = True
     return exc
+
+
+def forget_frames(exc: BaseException | None) -> None:
+    """Clear the locals of the frames ``exc`` and the exceptions chained to it hold (the step's messages, the group)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def tell_all(runtime: Any, value: Any) -> None:
@@ -189,18 +199,29 @@ class Comm:
                               f"(while {what}); call pipe.step or pipe(x) again on every rank to go on")
         if not sends and not recvs:
             return []
+        # Plain loops, and the refusal raised outside the except clause: a comprehension's frame
+        # in the failed send's traceback held the group through its closure (and that traceback
+        # stayed the refusal's __context__), so close() left the connections open and a peer
+        # waiting on this rank waited for the timeout (ZB-V, gloo: a send to a peer that failed).
+        failed = None
         try:
             if self._coalesces():
                 at = self.global_ranks.__getitem__ if self.global_ranks is not None else int
-                ops = [dist.P2POp(dist.isend, t, at(peer), self.group, tag) for t, peer, tag in sends]
-                ops += [dist.P2POp(dist.irecv, t, at(peer), self.group, tag) for t, peer, tag in recvs]
+                ops = []
+                for kind, pairs in ((dist.isend, sends), (dist.irecv, recvs)):
+                    for t, peer, tag in pairs:
+                        ops.append(dist.P2POp(kind, t, at(peer), self.group, tag))
                 return dist.batch_isend_irecv(ops)
-            send, recv, rank_of = self.group.send, self.group.recv, self._group_rank
-            works = [send([_wire(t)], rank_of(peer), tag) for t, peer, tag in sends]
-            return works + [recv([_wire(t)], rank_of(peer), tag) for t, peer, tag in recvs]
+            works = []
+            for t, peer, tag in sends:
+                works.append(self.group.send([_wire(t)], self._group_rank(peer), tag))
+            for t, peer, tag in recvs:
+                works.append(self.group.recv([_wire(t)], self._group_rank(peer), tag))
+            return works
         except Exception as exc:  # noqa: BLE001 - a send to a closed connection fails at once
-            peers = {peer for _, peer, _ in (*sends, *recvs)}  # one peer: that is the one who died
-            raise self._explain(exc, what, peers.pop() if len(peers) == 1 else None) from None
+            failed = exc
+        peers = {peer for _, peer, _ in (*sends, *recvs)}  # one peer: that is the one who died
+        raise self._explain(failed, what, peers.pop() if len(peers) == 1 else None)
 
     def _coalesces(self) -> bool:
         """Tell whether the group's backend for this rank's device batches point-to-point operations (NCCL)."""
