@@ -91,7 +91,7 @@ def parse(text: str) -> ActionLists:
             if match is None:
                 raise ScheduleError(f"line {lineno}: {token!r} is not an action; write "
                                     f"<stage><kind><micro-batch> with kind one of "
-                                    f"{', '.join(COMPUTE + COMM)}, e.g. '0F3'")
+                                    f"{', '.join(COMPUTE)}, e.g. '0F3' (the runtime adds the sends and receives)")
             stage, kind, mb = match.groups()
             row.append(Action(int(stage), kind, int(mb)))
         out.append(row)
@@ -226,8 +226,9 @@ def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:
     Every stage needs one ``F`` and either one ``B`` or one ``I`` and one ``W`` per
     micro-batch, and nothing else; message actions are added by the runtime and refused.
     """
-    covered = 1 + max((a.mb for row in actions for a in row if a.kind not in COMM), default=-1)
-    if covered and covered != m:  # chunks= must be the schedule's count: said first, whichever way it is off
+    numbers = {a.mb for row in actions for a in row if a.kind not in COMM}
+    covered = 1 + max(numbers, default=-1)
+    if covered and covered != m and len(numbers) == covered:  # chunks= must be the schedule's count: said first
         raise ScheduleError(f"the schedule runs {covered} micro-batches (0..{covered - 1}) but a step has {m}: "
                             f"compile with chunks={covered}, or write the schedule for {m}")
     seen: dict[tuple[int, str, int], Action] = {}
@@ -238,6 +239,9 @@ def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:
                                     "runtime adds the sends and receives")
             if not 0 <= a.stage < n:
                 raise ScheduleError(f"{a} names stage {a.stage}, but the pipeline has {n} stages (0..{n - 1})")
+            if not 0 <= a.mb < m and len(numbers) == m:  # as many as a step has, one out of range: a typo
+                raise ScheduleError(f"{a} names micro-batch {a.mb}, but a step has {m} (0..{m - 1}) and the schedule "
+                                    f"runs {m} of them: renumber them 0..{m - 1}")
             if not 0 <= a.mb < m:
                 raise ScheduleError(f"{a} names micro-batch {a.mb}, but a step has {m} (0..{m - 1}); "
                                     f"compile with chunks={a.mb + 1} or more, or renumber")

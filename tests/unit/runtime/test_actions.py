@@ -62,8 +62,18 @@ def test_bad_schedules_are_refused_naming_the_action(text, message):
 
 
 def test_text_that_is_not_an_action_is_refused_naming_the_token():
-    with pytest.raises(fxpipe.ScheduleError, match="line 2: '0X0' is not an action"):
+    # the kinds listed were F, B, I, W and the sends and receives, which check() then refused
+    with pytest.raises(fxpipe.ScheduleError, match=r"line 2: '0X0' is not an action; write <stage><kind><micro-batch> "
+                                                   r"with kind one of F, B, I, W, e.g. '0F3' \(the runtime adds"):
         parse("0F0\n0X0")
+
+
+def test_a_micro_batch_number_mistyped_is_named_not_chunks():
+    # 0F5 for 0F2 at chunks=3 said "compile with chunks=6", which then refused the missing micro-batches 2..4
+    text = "0F0 0F1 0F5 0B0 0B1 0B5\n1F0 1B0 1F1 1B1 1F5 1B5"
+    with pytest.raises(fxpipe.ScheduleError, match=r"^0F5 names micro-batch 5, but a step has 3 \(0..2\) and the "
+                                                   r"schedule runs 3 of them: renumber them 0..2$"):
+        check(parse(text), 2, 3)
 
 
 def test_clocks_of_a_deadlock_free_custom_schedule():
