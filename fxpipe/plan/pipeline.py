@@ -158,14 +158,15 @@ class PipelinePlan:
         return json.dumps(self.to_dict(), **({"indent": 1} | kwargs))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PipelinePlan:
-        """Rebuild a plan from :meth:`to_dict` output."""
+    def from_dict(cls, data: dict[str, Any], source: str = "the plan") -> PipelinePlan:
+        """Rebuild a plan from :meth:`to_dict` output (``source`` names it in a refusal)."""
         data = dict(data)
         fmt = data.pop("format", None)
         if fmt != "fxpipe.plan.pipeline/1":
             raise ValueError(f"not an fxpipe plan (format={fmt!r}); save plans with plan.save(path)")
         data["stages"] = [StagePlan(**s) for s in data["stages"]]
         data["skips"] = [SkipRoute(**r) for r in data["skips"]]
+        _check_counts(data, source)
         return cls(**data)
 
     @classmethod
@@ -191,7 +192,22 @@ class PipelinePlan:
         if not isinstance(data, dict):  # the file's content is wrong, not an argument's type
             raise ValueError(f"{path!r} is not a plan (JSON of a {type(data).__name__}); pass a file "  # noqa: TRY004
                              "plan.save(path) or fxpipe plan --json FILE wrote")
-        return cls.from_dict(data)
+        return cls.from_dict(data, source=repr(path))
+
+
+_COUNTS = ("chunks", "stages_per_rank", "data_parallel", "tensor_parallel")  # what a plan records as counts
+
+
+def _check_counts(data: dict[str, Any], source: str) -> None:
+    """Refuse a plan whose recorded counts (chunks, stages per rank, replicas) are not positive integers."""
+    recorded = {"chunks": data.get("chunks", 1), **{k: v for k, v in (data.get("layout") or {}).items()
+                                                    if k in _COUNTS}}
+    for key, value in recorded.items():
+        if type(value) is not int or value < 1:
+            where = "chunks" if key == "chunks" else f"layout.{key}"
+            raise ValueError(f"{source} records {where}={value!r}, where a positive integer belongs: correct the "
+                             "value in the file, or write the plan again with plan.save(path) or fxpipe plan --json "
+                             "FILE")
 
 
 _METRIC_NAMES = {"flops": "FLOPs f+b", "time_ms": "measured ms", "params": "parameter bytes",

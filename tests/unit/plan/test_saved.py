@@ -234,6 +234,21 @@ def test_a_file_that_is_not_a_plan_is_named(tmp_path):
         fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2, plan=str(path))
 
 
+@pytest.mark.parametrize("key, value", [("chunks", 0), ("stages_per_rank", 0), ("data_parallel", "2")])
+def test_a_plan_file_edited_to_a_count_not_positive_names_the_file(tmp_path, key, value):
+    # "chunks": 0 written into the file was refused as chunks=0, as if passed to compile
+    path = tmp_path / "plan.json"
+    fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2).plan.save(str(path))
+    data = json.loads(path.read_text())
+    where = data if key == "chunks" else data["layout"]
+    where[key] = value
+    path.write_text(json.dumps(data))
+    shown = key if key == "chunks" else f"layout.{key}"
+    with pytest.raises(ValueError, match=re.escape(f"'{path}' records {shown}={value!r}, where a positive integer "
+                                                   "belongs: correct the value in the file, or write the plan again")):
+        fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2, plan=str(path))
+
+
 def test_a_plan_given_another_n_stages_under_torchrun_names_the_stage_count(monkeypatch):
     # a plan of 8 stages (4 ranks x 2) compiled with n_stages=4 was refused as laying the model out on 2 processes
     # ("launch with --nproc-per-node 2"), which was false: the plan is for 4
