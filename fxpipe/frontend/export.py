@@ -546,11 +546,15 @@ def _value_branch(model: nn.Module, exc: BaseException, first: str) -> TraceErro
     fx = ("; a transformers 5 model cannot use tracer='fx': pipeline a submodule without the branch, or give "
           "inputs or a config for which the model does not take it" if type(model).__module__.startswith("transformers.")
           else ", or use the fx front end (tracer='fx') with the module holding the branch in leaf_modules=")
+    labels = (" The branch reads labels=: a model checking its labels in forward (Wav2Vec2ForCTC's "
+              "`labels.max() >= vocab_size`) traces without them; leave labels= out and compute the loss from the "
+              "output in loss_fn=, with the labels as target=." if frame and re.search(r"\blabels\b", frame.line or "")
+              else "")
     return TraceError(
         f"torch.export could not trace {type(model).__name__}: its forward branches on a tensor's value{where} "
         f"({first}). torch.export records one path and cannot keep a branch on values (an `if x.any():` or "
         f"`.item()`), with any batch size. Rewrite the branch without Python control flow (torch.where, "
-        f"torch.cond){fx}. The full torch.export error is chained below.")
+        f"torch.cond){fx}.{labels} The full torch.export error is chained below.")
 
 
 def _share_state(gm: torch.fx.GraphModule, model: nn.Module) -> None:

@@ -128,6 +128,34 @@ def test_a_branch_on_a_value_is_refused_as_such_naming_the_line_not_the_batch_si
     assert "leaf_modules=" in str(info.value) and info.value.__cause__ is not None
 
 
+class _LabelChecked(nn.Module):
+    """Check the labels' range in forward and compute the loss, as Wav2Vec2ForCTC does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 5)
+
+    def forward(self, x, labels=None):
+        logits = self.b(self.a(x))
+        if labels is not None and labels.max() >= 5:
+            raise ValueError("label values must be < vocab_size")
+        return logits if labels is None else F.cross_entropy(logits, labels)
+
+
+def test_a_branch_on_the_labels_names_leaving_them_to_loss_fn():
+    # the refusal said "give inputs for which the model does not take it", which few read as: leave labels= out
+    x, y = torch.randn(4, 8), torch.randint(0, 5, (4,))
+    with pytest.raises(fxpipe.TraceError, match=r"The branch reads labels=: .* leave labels= out and compute the loss "
+                                                r"from the output in loss_fn=, with the labels as target="):
+        fxpipe.compile(_LabelChecked(), 2, example_inputs=(x, y), tracer="export")
+    model = _LabelChecked()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), tracer="export", chunks=2)  # what the message says
+    assert torch.allclose(pipe.step(x, target=y, loss_fn=F.cross_entropy), model(x, y), atol=1e-6)
+    with pytest.raises(fxpipe.TraceError) as info:
+        fxpipe.compile(ValueBranch(), 2, example_inputs=(torch.randn(4, 8), torch.ones(4, 8)), tracer="export")
+    assert "labels" not in str(info.value)
+
+
 class Cache:
     """An object holding tensors that torch's pytree does not know, as transformers' caches are."""
 
