@@ -14,7 +14,7 @@ from fxpipe.errors import PipelineInputError, user_stacklevel
 from fxpipe.passes.annotate import input_difference
 from fxpipe.passes.structure import as_containers
 from fxpipe.runtime.microbatch import batch_size, gather, scatter, to_device
-from fxpipe.runtime.observe.blame import add_note
+from fxpipe.runtime.observe.blame import add_note, raised_in_stage
 from fxpipe.runtime.validate import check_inputs, check_micro_batches, check_micro_guards, unlike_example
 
 __all__ = ["Binding"]
@@ -80,8 +80,7 @@ class Binding:
 
     def note_unlike(self, exc: BaseException, args: tuple, kwargs: dict) -> None:
         """Note on a call's exception raised inside a stage an input of another ndim or dtype than the example's."""
-        inside = any(str(n).startswith("fxpipe: raised in stage") for n in getattr(exc, "__notes__", ()))
-        if not inside or isinstance(exc, PipelineInputError):  # only then bound again, to look at the inputs
+        if not raised_in_stage(exc) or isinstance(exc, PipelineInputError):  # only then bound again, to look at the inputs
             return
         unlike = unlike_example(self.names, self.bind(args, kwargs), self.example)
         if unlike is not None:

@@ -316,8 +316,7 @@ def check_signature(names: list[str], spec: list[Any], example: list[Any], kinds
                        "loss's rank. " if g is None else "")
                     + "Compile with example inputs of the kind you run (a model called both ways needs a pipe "
                     "for each)")
-            if kinds and isinstance(w, TensorSpec) and isinstance(g, TensorSpec) and (
-                    g.dtype != w.dtype or len(g.shape) != len(w.shape)):
+            if kinds and isinstance(g, TensorSpec) and _other_kind(g, w):
                 raise PipelineInputError(
                     f"input '{name}' has shape {tuple(g.shape)} and dtype {g.dtype}, but the plan was "
                     f"built for {len(w.shape)} dimension(s) ({', '.join(map(str, w.shape))} in the example) "
@@ -325,12 +324,16 @@ def check_signature(names: list[str], spec: list[Any], example: list[Any], kinds
                     "and the dtype may not: cast the input, or compile with example inputs of that kind")
 
 
+def _other_kind(got: TensorSpec | torch.Tensor, want: Any) -> bool:
+    """Tell whether a tensor (or its spec) has another dtype or number of dimensions than the example's spec."""
+    return isinstance(want, TensorSpec) and (got.dtype != want.dtype or len(got.shape) != len(want.shape))
+
+
 def unlike_example(names: Sequence[str], values: Sequence[Any], example: Sequence[Any]) -> str | None:
     """Name the first tensor input whose number of dimensions or dtype differs from the example's; None if none."""
     for name, got, want in zip(names, values, example):
         for g, (path, w) in zip(tree_flatten(in_order_of(got, want))[0], tree_flatten_with_path(want)[0]):
-            if isinstance(g, torch.Tensor) and isinstance(w, TensorSpec) and (
-                    g.dtype != w.dtype or g.dim() != len(w.shape)):
+            if isinstance(g, torch.Tensor) and _other_kind(g, w):
                 return (f"input '{name}{keystr(path)}' has shape {tuple(g.shape)} and dtype {g.dtype}, where the "
                         f"example it was traced with had {len(w.shape)} dimension(s) "
                         f"({', '.join(map(str, w.shape))}) and dtype {w.dtype}")

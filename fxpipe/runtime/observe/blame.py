@@ -119,11 +119,15 @@ def describe_node(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
     return f"'{node.name}' ({what}{where})"
 
 
+def raised_in_stage(exc: BaseException) -> bool:
+    """Tell whether :func:`note_failure` has noted ``exc`` as raised inside a stage."""
+    return any(str(n).startswith(_NOTE) for n in getattr(exc, "__notes__", ()))
+
+
 def note_failure(exc: BaseException, gm: torch.fx.GraphModule, index: int, device: torch.device,
                  in_pass: str = "forward") -> None:
     """Add a note to ``exc`` naming stage ``index``, its device, the failing node and the pass it was in (once)."""
-    notes = getattr(exc, "__notes__", [])
-    if not any(str(n).startswith(_NOTE) for n in notes):
+    if not raised_in_stage(exc):
         node = failing_node(gm, exc)
         at = f", node {describe_node(gm, node)}" if node is not None else ""
         add_note(exc, f"{_NOTE} {index} ({device}){at}, in {in_pass}")
