@@ -24,6 +24,8 @@ from fxpipe.runtime.stage.reshare import reshare
 
 __all__ = ["Pipe"]
 
+_REQUIRED: Any = object()  # pipe.step's target= or loss_fn= left out: refused naming what it takes
+
 log = logging.getLogger(__name__)
 
 
@@ -278,7 +280,7 @@ class Pipe(nn.Module):
             for stage in self.stages:
                 stage.training = mode
 
-    def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+    def step(self, *args: Any, target: Any = _REQUIRED, loss_fn: Callable[[Any, Any], torch.Tensor] = _REQUIRED,
              scaler: Any = None, loss_reduction: str = "mean", **kwargs: Any) -> torch.Tensor:
         """Run forward and backward of one mini-batch with a loss per micro-batch; return the loss.
 
@@ -294,7 +296,7 @@ class Pipe(nn.Module):
         """
         self._follow_model()
         try:
-            _check_step_arguments(self._runtime, loss_fn, scaler, loss_reduction)
+            _check_step_arguments(self._runtime, target, loss_fn, scaler, loss_reduction)
             _refuse_meta(self._runtime, args, kwargs, target)
         except (TypeError, ValueError) as exc:
             self._runtime.refuse(exc)  # across ranks the others are in their step, waiting for this rank
@@ -353,8 +355,16 @@ def _after_load(pipe: Pipe, incompatible: Any) -> None:
                                     if not any(k == f or k.endswith("." + f) for f in others)]
 
 
-def _check_step_arguments(runtime: Runtime, loss_fn: Any, scaler: Any, loss_reduction: str) -> None:
-    """Refuse ``pipe.step``'s own arguments: a ``loss_fn`` that is no function, another reduction, a lone scaler."""
+def _check_step_arguments(runtime: Runtime, target: Any, loss_fn: Any, scaler: Any, loss_reduction: str) -> None:
+    """Refuse ``pipe.step``'s own arguments: one left out, a ``loss_fn`` that is no function, a lone scaler."""
+    if target is _REQUIRED:
+        raise TypeError("pipe.step() needs target=: the batch's target (read on the loss's rank, "
+                        "pipe.plan.stages[-1].on_rank; passing it on every rank is fine), or target=None for a model "
+                        "that computes its own loss (its labels among the inputs, loss_fn=lambda out, _: out.loss)")
+    if loss_fn is _REQUIRED:
+        raise TypeError("pipe.step() needs loss_fn=: a function (output, target) -> loss, e.g. "
+                        "loss_fn=torch.nn.functional.cross_entropy, or loss_fn=lambda out, _: out.loss for a model "
+                        "that computes its own loss")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be a function (output, target) -> loss, got {type(loss_fn).__name__}: "
                         "pass e.g. loss_fn=torch.nn.functional.cross_entropy, or for a model that computes its own "

@@ -38,9 +38,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import io
 import logging
 import re
 import sys
+import tokenize
 from collections.abc import Collection, Iterator
 from functools import partial
 from typing import Any
@@ -548,13 +550,29 @@ def _value_branch(model: nn.Module, exc: BaseException, first: str) -> TraceErro
           else ", or use the fx front end (tracer='fx') with the module holding the branch in leaf_modules=")
     labels = (" The branch reads labels=: a model checking its labels in forward (Wav2Vec2ForCTC's "
               "`labels.max() >= vocab_size`) traces without them; leave labels= out and compute the loss from the "
-              "output in loss_fn=, with the labels as target=." if frame and re.search(r"\blabels\b", frame.line or "")
+              "output in loss_fn=, with the labels as target=." if frame and _reads_labels(model, frame.line or "")
               else "")
     return TraceError(
         f"torch.export could not trace {type(model).__name__}: its forward branches on a tensor's value{where} "
         f"({first}). torch.export records one path and cannot keep a branch on values (an `if x.any():` or "
         f"`.item()`), with any batch size. Rewrite the branch without Python control flow (torch.where, "
         f"torch.cond){fx}.{labels} The full torch.export error is chained below.")
+
+
+def _reads_labels(model: nn.Module, line: str) -> bool:
+    """Tell whether a source line reads the forward's ``labels`` input (as code: not a comment's or string's word)."""
+    try:
+        if "labels" not in inspect.signature(model.forward).parameters:
+            return False
+    except (TypeError, ValueError):
+        return False
+    names = []
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(line.strip()).readline):
+            names.append(token.string if token.type == tokenize.NAME else "")
+    except (tokenize.TokenError, SyntaxError):  # a line cut off mid-statement: the names before it count
+        pass
+    return "labels" in names
 
 
 def _share_state(gm: torch.fx.GraphModule, model: nn.Module) -> None:

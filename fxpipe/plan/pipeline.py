@@ -200,8 +200,12 @@ _COUNTS = ("chunks", "stages_per_rank", "data_parallel", "tensor_parallel")  # w
 
 def _check_counts(data: dict[str, Any], source: str) -> None:
     """Refuse a plan whose recorded counts (chunks, stages per rank, replicas) are not positive integers."""
-    recorded = {"chunks": data.get("chunks", 1), **{k: v for k, v in (data.get("layout") or {}).items()
-                                                    if k in _COUNTS}}
+    layout = data.get("layout")
+    if layout is not None and not isinstance(layout, dict):
+        raise ValueError(f"{source} records layout={layout!r}, where an object of the layout's counts (or null) "
+                         "belongs: correct the value in the file, or write the plan again with plan.save(path) or "
+                         "fxpipe plan --json FILE")
+    recorded = {"chunks": data.get("chunks", 1), **{k: v for k, v in (layout or {}).items() if k in _COUNTS}}
     for key, value in recorded.items():
         if type(value) is not int or value < 1:
             where = "chunks" if key == "chunks" else f"layout.{key}"

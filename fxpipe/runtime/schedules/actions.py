@@ -226,9 +226,14 @@ def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:
     Every stage needs one ``F`` and either one ``B`` or one ``I`` and one ``W`` per
     micro-batch, and nothing else; message actions are added by the runtime and refused.
     """
-    numbers = {a.mb for row in actions for a in row if a.kind not in COMM}
-    covered = 1 + max(numbers, default=-1)
-    if covered and covered != m and len(numbers) == covered:  # chunks= must be the schedule's count: said first
+    runs: dict[int, set[int]] = {}  # the micro-batches each stage's actions name
+    for row in actions:
+        for a in row:
+            if a.kind not in COMM:
+                runs.setdefault(a.stage, set()).add(a.mb)
+    covered = 1 + max((max(s) for s in runs.values()), default=-1)
+    every = all(s == set(range(covered)) for s in runs.values())  # no gap, no stage short: chunks= is off
+    if covered and covered != m and every:  # chunks= must be the schedule's count: said first
         raise ScheduleError(f"the schedule runs {covered} micro-batches (0..{covered - 1}) but a step has {m}: "
                             f"compile with chunks={covered}, or write the schedule for {m}")
     seen: dict[tuple[int, str, int], Action] = {}
@@ -239,12 +244,9 @@ def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:
                                     "runtime adds the sends and receives")
             if not 0 <= a.stage < n:
                 raise ScheduleError(f"{a} names stage {a.stage}, but the pipeline has {n} stages (0..{n - 1})")
-            if not 0 <= a.mb < m and len(numbers) == m:  # as many as a step has, one out of range: a typo
-                raise ScheduleError(f"{a} names micro-batch {a.mb}, but a step has {m} (0..{m - 1}) and the schedule "
-                                    f"runs {m} of them: renumber them 0..{m - 1}")
-            if not 0 <= a.mb < m:
-                raise ScheduleError(f"{a} names micro-batch {a.mb}, but a step has {m} (0..{m - 1}); "
-                                    f"compile with chunks={a.mb + 1} or more, or renumber")
+            if not 0 <= a.mb < m:  # a gap or a stage short of it, so no chunks= fits: a number mistyped
+                raise ScheduleError(f"{a} names micro-batch {a.mb}, but a step has {m} (0..{m - 1}) and the "
+                                    f"stages do not all run micro-batches 0..{covered - 1}: number them 0..{m - 1}")
             if (a.stage, a.kind, a.mb) in seen:
                 raise ScheduleError(f"{a} appears twice; each step runs once")
             seen[(a.stage, a.kind, a.mb)] = a

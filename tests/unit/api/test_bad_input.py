@@ -592,6 +592,20 @@ def test_a_pipe_given_to_compile_and_a_loss_fn_that_is_no_function_are_refused_n
         pipe.step(x, target=x, loss_fn="mse")
 
 
+def test_a_step_without_target_or_loss_fn_names_what_each_takes():
+    # Python's "missing 1 required keyword-only argument: 'target'" left a model computing its own loss guessing
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    x = torch.randn(4, 4)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
+    with pytest.raises(TypeError, match=r"pipe.step\(\) needs target=: the batch's target .* or target=None for a "
+                                        r"model that computes its own loss"):
+        pipe.step(x, loss_fn=lambda out, _: out.sum())
+    with pytest.raises(TypeError, match=r"pipe.step\(\) needs loss_fn=: a function \(output, target\) -> loss"):
+        pipe.step(x, target=x)
+    loss = pipe.step(x, target=None, loss_fn=lambda out, _: out.pow(2).mean())  # target=None, as the message says
+    torch.testing.assert_close(loss, model(x).pow(2).mean())
+
+
 def test_devices_with_the_distributed_runtime_are_refused_naming_the_fix():
     # they were ignored: cuda:0 and cuda:1 on a machine without GPUs ran on the CPU, silently
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))

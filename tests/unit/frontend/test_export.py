@@ -156,6 +156,43 @@ def test_a_branch_on_the_labels_names_leaving_them_to_loss_fn():
     assert "labels" not in str(info.value)
 
 
+class _PseudoLabels(nn.Module):
+    """Branch on labels made inside forward, with no labels= input."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        labels = h.argmax(-1)
+        if (labels == 0).all():
+            h = h * 2
+        return h
+
+
+class _CommentedBranch(nn.Module):
+    """Take labels=, but branch on another value where only a comment says 'labels'."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, labels=None):
+        h = self.a(x)
+        if h.sum() > 0:  # before the labels are known
+            h = h * 2
+        return h
+
+
+@pytest.mark.parametrize("model", [_PseudoLabels, _CommentedBranch])
+def test_a_branch_not_on_the_labels_input_names_no_labels(model):
+    # the word "labels" anywhere on the line (a local, a comment) gave the hint to leave labels= out
+    with pytest.raises(fxpipe.TraceError, match="branches on a tensor's value") as info:
+        fxpipe.compile(model(), 2, example_inputs=(torch.randn(4, 8),), tracer="export")
+    assert "labels=" not in str(info.value)
+
+
 class Cache:
     """An object holding tensors that torch's pytree does not know, as transformers' caches are."""
 

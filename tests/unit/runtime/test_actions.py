@@ -68,12 +68,17 @@ def test_text_that_is_not_an_action_is_refused_naming_the_token():
         parse("0F0\n0X0")
 
 
-def test_a_micro_batch_number_mistyped_is_named_not_chunks():
+@pytest.mark.parametrize("text, m, first", [
+    ("0F0 0F1 0F5 0B0 0B1 0B5\n1F0 1B0 1F1 1B1 1F5 1B5", 3, "0F5"),  # 5 for 2 on both stages
+    ("0F0 0F1 0F2 0B0 0B1 0B2\n1F0 1B0 1F1 1B1 1F3 1B3", 3, "1F3"),  # 3 for 2 on one stage
+    ("0F0 0F1 0F2 0F5 0B0 0B1 0B2 0B5\n1F0 1B0 1F1 1B1 1F2 1B2 1F5 1B5", 3, "0F5"),  # one too many, with a gap
+])
+def test_a_micro_batch_number_mistyped_is_named_not_chunks(text, m, first):
     # 0F5 for 0F2 at chunks=3 said "compile with chunks=6", which then refused the missing micro-batches 2..4
-    text = "0F0 0F1 0F5 0B0 0B1 0B5\n1F0 1B0 1F1 1B1 1F5 1B5"
-    with pytest.raises(fxpipe.ScheduleError, match=r"^0F5 names micro-batch 5, but a step has 3 \(0..2\) and the "
-                                                   r"schedule runs 3 of them: renumber them 0..2$"):
-        check(parse(text), 2, 3)
+    with pytest.raises(fxpipe.ScheduleError, match=rf"^{first} names micro-batch \d, but a step has {m} \(0..{m - 1}\) "
+                                                   rf"and the stages do not all run micro-batches 0..\d: number them "
+                                                   rf"0..{m - 1}$"):
+        check(parse(text), 2, m)
 
 
 def test_clocks_of_a_deadlock_free_custom_schedule():
