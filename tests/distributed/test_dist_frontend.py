@@ -4,7 +4,7 @@
 
 def test_a_rotary_decoder_on_meta_exported_on_two_ranks_equals_eager(tmp_path, launch):
 
-    results = launch("export_meta", 2, "1f1b", tmp_path, limit=60)
+    results = launch("export_meta", 2, "1f1b", tmp_path, limit=150)
     for r, ranked in enumerate(results):
         assert ranked["ok"], f"rank {r}: {ranked.get('traceback')}"
         for examples in ("real", "meta"):  # example inputs on CPU, or on meta as the model
