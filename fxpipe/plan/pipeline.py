@@ -205,10 +205,10 @@ def _check_counts(data: dict[str, Any], source: str) -> None:
         raise ValueError(f"{source} records layout={layout!r}, where an object of the layout's counts (or null) "
                          "belongs: correct the value in the file, or write the plan again with plan.save(path) or "
                          "fxpipe plan --json FILE")
-    recorded = {"chunks": data.get("chunks", 1), **{k: v for k, v in (layout or {}).items() if k in _COUNTS}}
-    for key, value in recorded.items():
+    recorded = {"chunks": data.get("chunks", 1), **{f"layout.{k}": v for k, v in (layout or {}).items()
+                                                    if k in _COUNTS}}
+    for where, value in recorded.items():
         if type(value) is not int or value < 1:
-            where = "chunks" if key == "chunks" else f"layout.{key}"
             raise ValueError(f"{source} records {where}={value!r}, where a positive integer belongs: correct the "
                              "value in the file, or write the plan again with plan.save(path) or fxpipe plan --json "
                              "FILE")

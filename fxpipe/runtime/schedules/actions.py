@@ -232,7 +232,7 @@ def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:
             if a.kind not in COMM:
                 runs.setdefault(a.stage, set()).add(a.mb)
     covered = 1 + max((max(s) for s in runs.values()), default=-1)
-    every = all(s == set(range(covered)) for s in runs.values())  # no gap, no stage short: chunks= is off
+    every = all(runs.get(j) == set(range(covered)) for j in range(n))  # no gap, no stage short: chunks= is off
     if covered and covered != m and every:  # chunks= must be the schedule's count: said first
         raise ScheduleError(f"the schedule runs {covered} micro-batches (0..{covered - 1}) but a step has {m}: "
                             f"compile with chunks={covered}, or write the schedule for {m}")
@@ -246,7 +246,8 @@ def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:
                 raise ScheduleError(f"{a} names stage {a.stage}, but the pipeline has {n} stages (0..{n - 1})")
             if not 0 <= a.mb < m:  # a gap or a stage short of it, so no chunks= fits: a number mistyped
                 raise ScheduleError(f"{a} names micro-batch {a.mb}, but a step has {m} (0..{m - 1}) and the "
-                                    f"stages do not all run micro-batches 0..{covered - 1}: number them 0..{m - 1}")
+                                    f"stages do not all run micro-batches 0..{covered - 1}: number them 0..{m - 1}, "
+                                    f"or drop the actions of micro-batches past {m - 1}")
             if (a.stage, a.kind, a.mb) in seen:
                 raise ScheduleError(f"{a} appears twice; each step runs once")
             seen[(a.stage, a.kind, a.mb)] = a

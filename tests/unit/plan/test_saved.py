@@ -235,16 +235,16 @@ def test_a_file_that_is_not_a_plan_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("key, value", [("chunks", 0), ("stages_per_rank", 0), ("data_parallel", "2"),
-                                        ("layout", "distributed")])
+                                        ("layout", "distributed"), ("layout.chunks", 2.0)])
 def test_a_plan_file_edited_to_a_count_not_positive_names_the_file(tmp_path, key, value):
     # "chunks": 0 written into the file was refused as chunks=0, as if passed to compile
     path = tmp_path / "plan.json"
     fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2).plan.save(str(path))
     data = json.loads(path.read_text())
     where = data if key in ("chunks", "layout") else data["layout"]
-    where[key] = value
+    where[key.removeprefix("layout.")] = value
     path.write_text(json.dumps(data))
-    shown = key if key in ("chunks", "layout") else f"layout.{key}"
+    shown = key if key in ("chunks", "layout") or key.startswith("layout.") else f"layout.{key}"
     with pytest.raises(ValueError, match=re.escape(f"'{path}' records {shown}={value!r}, where ") + ".* belongs: "
                        "correct the value in the file, or write the plan again"):
         fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2, plan=str(path))

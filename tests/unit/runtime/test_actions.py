@@ -77,8 +77,16 @@ def test_a_micro_batch_number_mistyped_is_named_not_chunks(text, m, first):
     # 0F5 for 0F2 at chunks=3 said "compile with chunks=6", which then refused the missing micro-batches 2..4
     with pytest.raises(fxpipe.ScheduleError, match=rf"^{first} names micro-batch \d, but a step has {m} \(0..{m - 1}\) "
                                                    rf"and the stages do not all run micro-batches 0..\d: number them "
-                                                   rf"0..{m - 1}$"):
+                                                   rf"0..{m - 1}, or drop the actions of micro-batches past "
+                                                   rf"{m - 1}$"):
         check(parse(text), 2, m)
+
+
+def test_a_schedule_leaving_a_stage_out_is_not_told_a_chunks():
+    # a stage without actions counted as running every micro-batch: "compile with chunks=2", then "add 1F0"
+    with pytest.raises(fxpipe.ScheduleError, match=r"^stage \d never runs the forward of micro-batch \d: add") as info:
+        check(parse("0F0 0F1 0B0 0B1"), 2, 3)
+    assert "chunks=" not in str(info.value)
 
 
 def test_clocks_of_a_deadlock_free_custom_schedule():
