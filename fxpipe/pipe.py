@@ -357,14 +357,16 @@ def _after_load(pipe: Pipe, incompatible: Any) -> None:
 
 def _check_step_arguments(runtime: Runtime, target: Any, loss_fn: Any, scaler: Any, loss_reduction: str) -> None:
     """Refuse ``pipe.step``'s own arguments: one left out, a ``loss_fn`` that is no function, a lone scaler."""
+    needs = []
     if target is _REQUIRED:
-        raise TypeError("pipe.step() needs target=: the batch's target (read on the loss's rank, "
-                        "pipe.plan.stages[-1].on_rank; passing it on every rank is fine), or target=None for a model "
-                        "that computes its own loss (its labels among the inputs, loss_fn=lambda out, _: out.loss)")
+        needs.append("target=: the batch's target (read on the loss's rank, pipe.plan.stages[-1].on_rank; passing it "
+                     "on every rank is fine), or target=None for a model that computes its own loss (its labels "
+                     "among the inputs, loss_fn=lambda out, _: out.loss)")
     if loss_fn is _REQUIRED:
-        raise TypeError("pipe.step() needs loss_fn=: a function (output, target) -> loss, e.g. "
-                        "loss_fn=torch.nn.functional.cross_entropy, or loss_fn=lambda out, _: out.loss for a model "
-                        "that computes its own loss")
+        needs.append("loss_fn=: a function (output, target) -> loss, e.g. loss_fn=torch.nn.functional.cross_entropy, "
+                     "or loss_fn=lambda out, _: out.loss for a model that computes its own loss")
+    if needs:
+        raise TypeError(f"pipe.step() needs {'; and '.join(needs)}")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be a function (output, target) -> loss, got {type(loss_fn).__name__}: "
                         "pass e.g. loss_fn=torch.nn.functional.cross_entropy, or for a model that computes its own "

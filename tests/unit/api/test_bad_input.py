@@ -602,6 +602,8 @@ def test_a_step_without_target_or_loss_fn_names_what_each_takes():
         pipe.step(x, loss_fn=lambda out, _: out.sum())
     with pytest.raises(TypeError, match=r"pipe.step\(\) needs loss_fn=: a function \(output, target\) -> loss"):
         pipe.step(x, target=x)
+    with pytest.raises(TypeError, match=r"pipe.step\(\) needs target=: .*; and loss_fn=: a function"):
+        pipe.step(x)  # both named at once
     loss = pipe.step(x, target=None, loss_fn=lambda out, _: out.pow(2).mean())  # target=None, as the message says
     torch.testing.assert_close(loss, model(x).pow(2).mean())
 
