@@ -295,6 +295,8 @@ class Pipe(nn.Module):
         global batch's (the replicas' mean).
         """
         self._follow_model()
+        if target is _REQUIRED and not self._runtime.reads()[1]:
+            target = None  # a rank without the loss's stage reads no target
         try:
             _check_step_arguments(self._runtime, target, loss_fn, scaler, loss_reduction)
             _refuse_meta(self._runtime, args, kwargs, target)
@@ -359,9 +361,9 @@ def _check_step_arguments(runtime: Runtime, target: Any, loss_fn: Any, scaler: A
     """Refuse ``pipe.step``'s own arguments: one left out, a ``loss_fn`` that is no function, a lone scaler."""
     needs = []
     if target is _REQUIRED:
-        needs.append("target=: the batch's target (read on the loss's rank, pipe.plan.stages[-1].on_rank; passing it "
-                     "on every rank is fine), or target=None for a model that computes its own loss (its labels "
-                     "among the inputs, loss_fn=lambda out, _: out.loss)")
+        needs.append("target=: the batch's target, or target=None for a model that computes its own loss (its "
+                     "labels among the inputs, loss_fn=lambda out, _: out.loss); across ranks only the loss's rank, "
+                     "pipe.plan.stages[-1].on_rank, reads it")
     if loss_fn is _REQUIRED:
         needs.append("loss_fn=: a function (output, target) -> loss, e.g. loss_fn=torch.nn.functional.cross_entropy, "
                      "or loss_fn=lambda out, _: out.loss for a model that computes its own loss")

@@ -228,8 +228,8 @@ def target_on_loss_rank_only(rank, world, schedule):
     for label, y in cases:
         out[label] = _attempt(lambda: pipe.step(ids if me == 0 else None, loss_fn=token_loss,
                                                 target=y if me == last else None))  # noqa: B023 - called at once
-    out["after"] = float(pipe.step(ids if me == 0 else None, target=target if me == last else None,
-                                   loss_fn=token_loss) or 0.0)
+    given = {"target": target} if me == last else {}  # target= left out where no loss is computed, as docs say
+    out["after"] = float(pipe.step(ids if me == 0 else None, loss_fn=token_loss, **given) or 0.0)
     return out
 
 

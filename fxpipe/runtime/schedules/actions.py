@@ -119,6 +119,8 @@ def load_schedule(value: str | os.PathLike | Sequence) -> ActionLists:
         with open(path) as f:
             return parse(f.read())
     if isinstance(value, str):
+        if not value.strip():
+            return parse(value)  # refused as empty, naming what a schedule holds
         if "\n" in value or len(value.split()) > 1 and not os.path.isfile(value) \
                 or is_token(value.split()[0] if value.split() else ""):
             return parse(value)  # text: a bad token is named by the parser
@@ -226,6 +228,10 @@ def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:
     Every stage needs one ``F`` and either one ``B`` or one ``I`` and one ``W`` per
     micro-batch, and nothing else; message actions are added by the runtime and refused.
     """
+    for row in actions:  # a stage the pipeline lacks first: whatever else is off follows from it
+        for a in row:
+            if not 0 <= a.stage < n:
+                raise ScheduleError(f"{a} names stage {a.stage}, but the pipeline has {n} stages (0..{n - 1})")
     runs: dict[int, set[int]] = {}  # the micro-batches each stage's actions name
     for row in actions:
         for a in row:
@@ -242,12 +248,11 @@ def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:
             if a.kind in COMM:
                 raise ScheduleError(f"{a}: give only compute actions ({', '.join(COMPUTE)}); the "
                                     "runtime adds the sends and receives")
-            if not 0 <= a.stage < n:
-                raise ScheduleError(f"{a} names stage {a.stage}, but the pipeline has {n} stages (0..{n - 1})")
             if not 0 <= a.mb < m:  # a gap or a stage short of it, so no chunks= fits: a number mistyped
                 raise ScheduleError(f"{a} names micro-batch {a.mb}, but a step has {m} (0..{m - 1}) and the "
-                                    f"stages do not all run micro-batches 0..{covered - 1}: number them 0..{m - 1}, "
-                                    f"or drop the actions of micro-batches past {m - 1}")
+                                    f"stages do not all run micro-batches 0..{covered - 1}: "
+                                    + (f"number them 0..{m - 1}, or drop" if m > 1 else "drop")
+                                    + f" the actions of micro-batches past {m - 1}")
             if (a.stage, a.kind, a.mb) in seen:
                 raise ScheduleError(f"{a} appears twice; each step runs once")
             seen[(a.stage, a.kind, a.mb)] = a

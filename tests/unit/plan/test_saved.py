@@ -2,6 +2,7 @@
 
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -248,6 +249,22 @@ def test_a_plan_file_edited_to_a_count_not_positive_names_the_file(tmp_path, key
     with pytest.raises(ValueError, match=re.escape(f"'{path}' records {shown}={value!r}, where ") + ".* belongs: "
                        "correct the value in the file, or write the plan again"):
         fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2, plan=str(path))
+
+
+def test_a_plan_of_your_own_schedule_warns_that_it_runs_gpipe_without_it(tmp_path):
+    # the plan records "custom", not the actions: compile(plan=) ran gpipe, silently
+    schedule = "0F0 0F1 0I0 0I1 0W0 0W1\n1F0 1B0 1F1 1B1"
+    x = torch.randn(4, 16)
+    path = tmp_path / "plan.json"
+    fxpipe.compile(MLP(), 2, example_inputs=(x,), chunks=2, schedule=schedule, devices=["cpu"] * 2).plan.save(path)
+    with pytest.warns(UserWarning, match=r"the plan was compiled with your own schedule, whose actions a plan does not "
+                                         r"record: this pipe runs 'gpipe'; pass your schedule's text as schedule="):
+        assert fxpipe.compile(MLP(), 2, example_inputs=(x,), devices=["cpu"] * 2, plan=str(path)).plan.schedule \
+            == "gpipe"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # given again: no warning, the schedule runs
+        pipe = fxpipe.compile(MLP(), 2, example_inputs=(x,), devices=["cpu"] * 2, plan=str(path), schedule=schedule)
+    assert pipe.plan.schedule == "custom"
 
 
 def test_a_plan_given_another_n_stages_under_torchrun_names_the_stage_count(monkeypatch):

@@ -82,6 +82,26 @@ def test_a_micro_batch_number_mistyped_is_named_not_chunks(text, m, first):
         check(parse(text), 2, m)
 
 
+def test_a_stage_the_pipeline_lacks_is_named_before_the_micro_batches():
+    # a row for stage 2 of 2 was first told "compile with chunks=2", then that stage 2 does not exist
+    with pytest.raises(fxpipe.ScheduleError, match=r"^2F0 names stage 2, but the pipeline has 2 stages"):
+        check(parse("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n2F0 2B0 2F1 2B1"), 2, 1)
+
+
+def test_at_one_micro_batch_a_mistyped_number_is_told_to_drop_it_only():
+    # "number them 0..0" of two forwards would only repeat them
+    with pytest.raises(fxpipe.ScheduleError, match=r"stages do not all run micro-batches 0..1: drop the actions of "
+                                                   r"micro-batches past 0$"):
+        check(parse("0F0 0F1 0B0 0B1"), 2, 1)
+
+
+@pytest.mark.parametrize("text", ["", "   "])
+def test_an_empty_schedule_text_is_refused_as_empty(text):
+    # "schedule='' is neither a known schedule nor a readable file of actions (No such file or directory)"
+    with pytest.raises(fxpipe.ScheduleError, match="the schedule is empty; give one line of actions per rank"):
+        load_schedule(text)
+
+
 def test_a_schedule_leaving_a_stage_out_is_not_told_a_chunks():
     # a stage without actions counted as running every micro-batch: "compile with chunks=2", then "add 1F0"
     with pytest.raises(fxpipe.ScheduleError, match=r"^stage \d never runs the forward of micro-batch \d: add") as info:
