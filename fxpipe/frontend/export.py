@@ -566,13 +566,13 @@ def _reads_labels(model: nn.Module, line: str) -> bool:
             return False
     except (TypeError, ValueError):
         return False
-    names = []
     try:
         for token in tokenize.generate_tokens(io.StringIO(line.strip()).readline):
-            names.append(token.string if token.type == tokenize.NAME else "")
-    except (tokenize.TokenError, SyntaxError):  # a line cut off mid-statement: the names before it count
+            if token.type == tokenize.NAME and token.string == "labels":
+                return True
+    except (tokenize.TokenError, SyntaxError):  # a line cut off mid-statement: the names before it counted
         pass
-    return "labels" in names
+    return False
 
 
 def _share_state(gm: torch.fx.GraphModule, model: nn.Module) -> None:

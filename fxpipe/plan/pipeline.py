@@ -203,8 +203,8 @@ def _check_counts(data: dict[str, Any], source: str) -> None:
     layout = data.get("layout")
     if layout is not None and not isinstance(layout, dict):
         raise ValueError(f"{source} records layout={layout!r}, where an object (runtime, stages_per_rank, "
-                         "data_parallel, ...) or null belongs: correct the value in the file, or write the plan again with plan.save(path) or "
-                         "fxpipe plan --json FILE")
+                         "data_parallel, ...) or null belongs: correct the value in the file, or write the plan again "
+                         "with plan.save(path) or fxpipe plan --json FILE")
     recorded = {"chunks": data.get("chunks", 1), **{f"layout.{k}": v for k, v in (layout or {}).items()
                                                     if k in _COUNTS}}
     for where, value in recorded.items():

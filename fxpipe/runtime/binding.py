@@ -80,7 +80,7 @@ class Binding:
 
     def note_unlike(self, exc: BaseException, args: tuple, kwargs: dict) -> None:
         """Note on a call's exception raised inside a stage an input of another ndim or dtype than the example's."""
-        if not raised_in_stage(exc) or isinstance(exc, PipelineInputError):  # only then bound again, to look at the inputs
+        if not raised_in_stage(exc) or isinstance(exc, PipelineInputError):  # only then are the inputs bound again
             return
         unlike = unlike_example(self.names, self.bind(args, kwargs), self.example)
         if unlike is not None:

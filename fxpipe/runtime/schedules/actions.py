@@ -228,13 +228,11 @@ def check(actions: Sequence[Sequence[Action]], n: int, m: int) -> None:
     Every stage needs one ``F`` and either one ``B`` or one ``I`` and one ``W`` per
     micro-batch, and nothing else; message actions are added by the runtime and refused.
     """
-    for row in actions:  # a stage the pipeline lacks first: whatever else is off follows from it
-        for a in row:
-            if not 0 <= a.stage < n:
-                raise ScheduleError(f"{a} names stage {a.stage}, but the pipeline has {n} stages (0..{n - 1})")
     runs: dict[int, set[int]] = {}  # the micro-batches each stage's actions name
     for row in actions:
         for a in row:
+            if not 0 <= a.stage < n:  # a stage the pipeline lacks first: whatever else is off follows from it
+                raise ScheduleError(f"{a} names stage {a.stage}, but the pipeline has {n} stages (0..{n - 1})")
             if a.kind not in COMM:
                 runs.setdefault(a.stage, set()).add(a.mb)
     covered = 1 + max((max(s) for s in runs.values()), default=-1)
