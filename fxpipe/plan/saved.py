@@ -59,7 +59,7 @@ def adopt_layout(plan: PipelinePlan, given: dict[str, Any], distributed: bool, m
         recorded["schedule"] = plan.schedule
     elif given.get("schedule", "gpipe") == "gpipe":
         warnings.warn("the plan was compiled with your own schedule, whose actions a plan does not record: this pipe "
-                      "runs 'gpipe'; pass your schedule's text as schedule= to run it", stacklevel=3)
+                      "runs 'gpipe', schedule='s default; pass your schedule's text as schedule= to run it", stacklevel=3)
     out = dict(given)
     dropped = [f"{k}={recorded[k]!r}" for k in _REPLICAS if k in recorded and recorded[k] != LAYOUT_DEFAULTS[k]]
     if dropped and not distributed:

@@ -258,7 +258,8 @@ def test_a_plan_of_your_own_schedule_warns_that_it_runs_gpipe_without_it(tmp_pat
     path = tmp_path / "plan.json"
     fxpipe.compile(MLP(), 2, example_inputs=(x,), chunks=2, schedule=schedule, devices=["cpu"] * 2).plan.save(path)
     with pytest.warns(UserWarning, match=r"the plan was compiled with your own schedule, whose actions a plan does not "
-                                         r"record: this pipe runs 'gpipe'; pass your schedule's text as schedule="):
+                                         r"record: this pipe runs 'gpipe', schedule='s default; pass your schedule's "
+                                         r"text as schedule="):
         assert fxpipe.compile(MLP(), 2, example_inputs=(x,), devices=["cpu"] * 2, plan=str(path)).plan.schedule \
             == "gpipe"
     with warnings.catch_warnings():
