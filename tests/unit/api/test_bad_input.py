@@ -597,8 +597,8 @@ def test_a_step_without_target_or_loss_fn_names_what_each_takes():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     x = torch.randn(4, 4)
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
-    with pytest.raises(TypeError, match=r"pipe.step\(\) needs target=: the batch's target .* or target=None for a "
-                                        r"model that computes its own loss"):
+    with pytest.raises(TypeError, match=r"pipe.step\(\) needs target=: the batch's target, or target=None for a model "
+                                        r"that computes its own loss .*; across ranks only the loss's rank"):
         pipe.step(x, loss_fn=lambda out, _: out.sum())
     with pytest.raises(TypeError, match=r"pipe.step\(\) needs loss_fn=: a function \(output, target\) -> loss"):
         pipe.step(x, target=x)
