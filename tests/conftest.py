@@ -35,6 +35,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).startswith(folder):
             item.add_marker(pytest.mark.distributed)
+            # under pytest-xdist the multi-rank tests run one at a time on one worker (their
+            # ranks fill the cores), beside the one-process tests on the other
+            item.add_marker(pytest.mark.xdist_group("ranks"))
     if "real_models" not in (config.option.markexpr or ""):
         left_out = [item for item in items if "real_models" in item.keywords]
         if left_out:
