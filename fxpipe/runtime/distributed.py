@@ -124,6 +124,7 @@ class DistributedRuntime:
         self.target_checked = False  # that the loss's rank has the target when another rank has one
         self.batch_checked: set[bool] = set()  # the calls (step: True) whose ranks were found to share one batch
         self.reduction = "mean"  # the step's loss_reduction, which every rank of a pipeline must pass alike
+        self.refusal: BaseException | None = None  # this rank's refusal of pipe.step's arguments, told in the step
         self.told_forward_only = False  # pipe(x) in training mode with grad on was warned of
         self.target_versions: list = []  # the last target given with its tensors' versions (samebatch.versions)
         self.released = False  # its process groups let go of at interpreter exit (transport.release)
@@ -332,15 +333,38 @@ class DistributedRuntime:
         self.broken = None
 
     def refuse(self, exc: BaseException) -> NoReturn:
-        """Raise ``exc`` as a failed step: the other ranks, waiting in theirs, raise ``PeerFailure`` naming it.
+        """Raise ``exc``, a refusal of ``pipe.step``'s own arguments, on every rank of every replica.
 
-        Raised before the step (``pipe.step(..., loss_fn=None)`` on one rank), the others would
-        pair their step with this rank's next call: its inputs against their target.
+        The first stage's rank and the loss's rank tell it through the step's own first messages
+        (the layout, and the loss rank's word on its target), so every rank raises it before
+        anything runs, and the replicas too (their first ranks agree on each step): nothing is
+        abandoned, and under data parallel the pipe steps on. Another rank's refusal, which no
+        message carries before the step runs, fails the step as any failure does: the others,
+        waiting in theirs, raise ``PeerFailure`` naming it (under data or tensor parallel that
+        ends the pipe). Raised before the step instead, the others would pair their step with
+        this rank's next call: its inputs against their target.
         """
         def body() -> NoReturn:
-            raise exc
-        self._guarded(body)
-        raise exc  # not reached: _guarded re-raises
+            if self.layout.tp > 1:  # the group's ranks take inputs and target from any of them: not told
+                raise exc
+            self.refusal = exc
+            try:
+                if self.rank == self.first:
+                    steplayout.publish(self, (), {}, True, refusal=exc)
+                steplayout.tell_target_given(self, True, None)
+                header = steplayout.receive(self)  # the first rank's refusal, or the loss rank's it told, raises
+                if self.rank == self.last_rank:  # the pipe's first step: the loss rank's check of the target tells it
+                    steplayout.check_target(self, None, bool(header.get("target_on_first")), header.get("batch"))
+            finally:
+                self.refusal = None
+            raise exc  # a middle rank's refusal, which no message carries: a failed step
+        try:
+            self._guarded(body)
+        except BaseException as raised:
+            if getattr(raised, "fxpipe_on_every_rank", False) and raised is not exc:
+                raise on_every_rank(exc) from None  # this rank's own error, which the others raised for it
+            raise
+        raise AssertionError("unreachable: _guarded re-raises")
 
     def broke(self, exc: BaseException) -> None:
         """Close this rank's connections after a collective failed outside a step, so its next call rejoins.

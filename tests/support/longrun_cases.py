@@ -254,6 +254,48 @@ def replica_peer_stuck(rank, world, schedule):
     return out
 
 
+def argument_refusals(rank, world, schedule):
+    """pipe.step's own arguments refused: target= left out on the loss rank (the first step, a later one, one
+    replica's alone), loss_fn= left out everywhere; each refused on every rank, then a step equal to eager.
+
+    4 ranks: two replicas of 2 ranks, whose run a refusal once ended (the replicas' reductions cannot be realigned).
+    """
+    torch.manual_seed(0)
+    model = RopeLM()
+    eager = copy.deepcopy(model)
+    dp = 2 if world == 4 else 1
+    per = 2 if schedule in ("interleaved", "zbv") else 1
+    pipe = fxpipe.compile(model, world // dp * per, example_inputs=(tokens(0, 16)[0],), chunks=2, timeout=20,
+                          runtime="distributed", schedule=schedule, stages_per_rank=per, data_parallel=dp)
+    me, replica = rank % (world // dp), rank // (world // dp)
+    last = pipe.plan.stages[-1].on_rank
+    ids, target = tokens(1, 16)
+
+    def step(with_target=True, with_loss_fn=True):
+        given = {"target": target} if with_target else {}
+        if with_loss_fn:
+            given["loss_fn"] = token_loss
+        return pipe.step(ids if me == 0 else None, **given)
+
+    out = {"first": _attempt(lambda: step(with_target=me != last)),
+           "good": float(step())}
+    out["later"] = _attempt(lambda: step(with_target=me != last))
+    if dp == 2:
+        out["one_replica"] = _attempt(lambda: step(with_target=not (me == last and replica == 1)))
+    out["no_loss_fn"] = _attempt(lambda: step(with_loss_fn=False))
+    for p in (*model.parameters(), *eager.parameters()):
+        p.grad = None
+    expected = token_loss(eager(ids), target)
+    expected.backward()
+    out["after"] = float(step())
+    out["loss_error"] = max_relative_error(torch.tensor(out["after"]), expected.detach())
+    held = {id(p) for j in pipe.plan.stages_of(me) for p in pipe.stages[j].parameters()}
+    grads = dict(eager.named_parameters(remove_duplicate=False))
+    out["grad_error"] = max(max_relative_error(p.grad, grads[n].grad)
+                            for n, p in model.named_parameters(remove_duplicate=False) if id(p) in held)
+    return out
+
+
 def misuse_zbv(rank, world, schedule):
     """ZB-V, whose loss is on rank 0: the target on the highest rank only; inputs missing for pipe(x); then a step."""
     torch.manual_seed(0)

@@ -122,7 +122,8 @@ def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.d
 
 
 def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target: bool = False,
-            stepping: bool = True, target: Any = None, check_batch: bool = False) -> tuple[dict, list[list[Any]]]:
+            stepping: bool = True, target: Any = None, check_batch: bool = False,
+            refusal: BaseException | None = None) -> tuple[dict, list[list[Any]]]:
     """On the first stage's rank: check and split the inputs, send the layout; return it and the micro-batches.
 
     A ``target`` given here is checked against the inputs' batch size, so that a wrong one is
@@ -132,7 +133,8 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
     value crossing a stage boundary (propagated here on fake tensors), so that the other ranks
     size their receive buffers for a new sequence length without propagating it themselves.
     With ``check_batch`` it carries digests of the inputs and the target, which the other ranks
-    compare with theirs (:mod:`~fxpipe.runtime.transport.samebatch`).
+    compare with theirs (:mod:`~fxpipe.runtime.transport.samebatch`). A ``refusal`` of this rank's
+    ``pipe.step`` arguments, or one the loss's rank sent, is refused here the same way.
     """
     (args, kwargs), has_target = from_tp_holder(runtime, (args, kwargs), inputs_given(args, kwargs), has_target)
     loss_has = True  # after the first step, the loss's rank says (tell_target_given)
@@ -140,6 +142,11 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         loss_has = runtime.comm.recv_object(runtime.last_rank, "waiting for the loss rank to say whether it has a target")
     agreed = runtime.layout.dp == 1  # the replicas' first ranks meet once per step, refusing or not
     try:
+        if refusal is not None:
+            raise refusal
+        if isinstance(loss_has, tuple):  # the loss's rank refused its pipe.step arguments
+            kind, message = loss_has
+            raise (TypeError if kind == "TypeError" else PipelineInputError)(message)
         if not args and not kwargs:  # a model taking keywords only gets nothing to bind on this rank
             _refuse_missing_inputs(runtime, [None], stepping)
         try:
@@ -208,8 +215,14 @@ def tell_target_given(runtime: Any, stepping: bool, target: Any) -> None:
     previous call. The first stage's rank finishes a step last, so its wait costs nothing.
     """
     if stepping and runtime.target_checked and runtime.rank == runtime.last_rank != runtime.first:
-        runtime.comm.send_object(target is not None, runtime.first)
+        runtime.comm.send_object(target is not None if runtime.refusal is None else _refused(runtime), runtime.first)
         runtime.comm.flush()
+
+
+def _refused(runtime: Any) -> tuple[str, str]:
+    """Return this rank's refusal of its ``pipe.step`` arguments as the other ranks raise it (kind, message)."""
+    exc = runtime.refusal
+    return type(exc).__name__, f"rank {runtime.layout.global_ranks[runtime.rank]} (the loss's): {exc}"
 
 
 def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = None) -> None:
@@ -235,7 +248,7 @@ def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = 
     has = on_first  # whether this replica's loss rank has a target (told where only it knows)
     if runtime.first != loss_rank and on_first:
         if runtime.last:
-            verdict = None if target is not None else missing
+            verdict = _refused(runtime)[1] if runtime.refusal is not None else None if target is not None else missing
             tell_all(runtime, verdict)
             runtime.comm.flush()
         else:
@@ -257,6 +270,8 @@ def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = 
     elif runtime.first != loss_rank:  # only the loss's rank may hold the target: it checks it before anything runs
         if runtime.last:
             verdict, has = _loss_rank_verdict(runtime, target, batch)
+            if runtime.refusal is not None:
+                verdict = _refused(runtime)[1]
             tell_all(runtime, (verdict, has))
             runtime.comm.flush()
         else:
