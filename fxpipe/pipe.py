@@ -298,9 +298,12 @@ class Pipe(nn.Module):
         if target is _REQUIRED and not self._runtime.reads()[1]:
             target = None  # a rank without the loss's stage reads no target
         try:
+            if not torch.is_grad_enabled():
+                raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad() and "
+                                   "torch.inference_mode() (use pipe(x) to infer)")
             _check_step_arguments(self._runtime, target, loss_fn, scaler, loss_reduction)
             _refuse_meta(self._runtime, args, kwargs, target)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:
             self._runtime.refuse(exc)  # across ranks the others are in their step, waiting for this rank
         if loss_reduction == "sum":
             loss_fn = summed(loss_fn)

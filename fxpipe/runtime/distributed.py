@@ -475,9 +475,6 @@ class DistributedRuntime:
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
         """Run one training step; return the mini-batch loss on every rank."""
         def body() -> torch.Tensor:
-            if not torch.is_grad_enabled():
-                raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad() and "
-                                   "torch.inference_mode() (use pipe(x) to infer)")
             refuse_unfrozen(self.unfrozen)
             refuse_changed_linears(self.replacing)
             if self.grad_sync is not None:  # parameters frozen since compile: DDP wrapped again

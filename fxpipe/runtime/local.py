@@ -177,9 +177,6 @@ class LocalRuntime:
 
     def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
         """Run :meth:`step` (inside :func:`pipe_running`)."""
-        if not torch.is_grad_enabled():
-            raise RuntimeError("pipe.step runs backward and needs autograd; call it outside torch.no_grad() and "
-                               "torch.inference_mode() (use pipe(x) to infer)")
         mbs, batch = self.binding.split(args, kwargs, self.plan.chunks, training, self.devices[0])
         check_targets_once(self.binding, target, kwargs, batch, len(mbs), loss_fn)
         gpipe = self.plan.schedule == "gpipe"  # one autograd graph, one backward: the target's graph kept whole

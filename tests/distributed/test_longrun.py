@@ -107,7 +107,8 @@ def test_zbv_target_only_on_the_highest_rank_is_refused_on_every_rank(tmp_path, 
 @pytest.mark.parametrize("schedule,world", [("1f1b", 4), ("zbv", 2), ("interleaved", 2)])
 def test_step_arguments_left_out_are_refused_on_every_rank_and_the_pipe_steps_on(schedule, world, tmp_path, launch):
     # target= or loss_fn= left out was raised on the rank before its step and told as a failed step: every
-    # rank reconnected, and under data parallel (4 ranks) the pipe refused every later step ("restart the job")
+    # rank reconnected, and under data parallel (4 ranks) the pipe refused every later step ("restart the job");
+    # so did a step under torch.no_grad(), refused inside the step
     results = launch("longrun_cases:argument_refusals", world, schedule, tmp_path, limit=90)
     _ok(results)
     last = 0 if schedule == "zbv" else 1
@@ -125,6 +126,8 @@ def test_step_arguments_left_out_are_refused_on_every_rank_and_the_pipe_steps_on
                     "target=None" in message, (r, label, res[label])
         kind, message, _ = res["no_loss_fn"]
         assert kind == "TypeError" and "pipe.step() needs loss_fn=" in message, (r, res["no_loss_fn"])
+        kind, message, _ = res["no_grad"]
+        assert kind == "RuntimeError" and "pipe.step runs backward and needs autograd" in message, (r, res["no_grad"])
         assert res["loss_error"] < 1e-5 and res["grad_error"] < 1e-5, (r, res)
     assert len({round(res["good"], 6) for res in results}) == 1
 

@@ -256,7 +256,8 @@ def replica_peer_stuck(rank, world, schedule):
 
 def argument_refusals(rank, world, schedule):
     """pipe.step's own arguments refused: target= left out on the loss rank (the first step, a later one, one
-    replica's alone), loss_fn= left out everywhere; each refused on every rank, then a step equal to eager.
+    replica's alone), loss_fn= left out everywhere, a step under no_grad; each refused on every rank, then a
+    step equal to eager.
 
     4 ranks: two replicas of 2 ranks, whose run a refusal once ended (the replicas' reductions cannot be realigned).
     """
@@ -283,6 +284,8 @@ def argument_refusals(rank, world, schedule):
     if dp == 2:
         out["one_replica"] = _attempt(lambda: step(with_target=not (me == last and replica == 1)))
     out["no_loss_fn"] = _attempt(lambda: step(with_loss_fn=False))
+    with torch.no_grad():  # a validation loss by pipe.step: refused on every rank itself
+        out["no_grad"] = _attempt(step)
     for p in (*model.parameters(), *eager.parameters()):
         p.grad = None
     expected = token_loss(eager(ids), target)

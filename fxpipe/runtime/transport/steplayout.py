@@ -172,7 +172,9 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
             _agree_on_batch(batch, runtime.layout.dp_group, runtime.layout.replica, runtime.device,
                             stepping=stepping, reduction=runtime.reduction)
         new = _propagate(runtime, specs, training)
-    except (TypeError, ValueError, PropagationError) as exc:
+    except Exception as exc:
+        if not isinstance(exc, (TypeError, ValueError, PropagationError)) and exc is not refusal:
+            raise  # a failure, not a refusal: told as a failed step
         if not agreed:
             _agree_on_batch(None, runtime.layout.dp_group, runtime.layout.replica, runtime.device, failure=str(exc),
                             stepping=stepping, reduction=runtime.reduction)

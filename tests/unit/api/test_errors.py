@@ -153,3 +153,11 @@ def test_sync_batch_norm_across_ranks_is_refused_naming_the_fix():
     with pytest.raises(fxpipe.CompileError, match=r"holds 1 SyncBatchNorm module\(s\) \('1'\).*Build the model with "
                                                   r"plain BatchNorm.*deferred_batch_norm=True"):
         fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 3, 8, 8),), runtime="distributed")
+
+
+def test_a_step_under_no_grad_is_refused_naming_pipe_x():
+    model = MLP()
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 16),), chunks=2)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"pipe.step runs backward and needs autograd; call it "
+                                                             r"outside torch.no_grad\(\).*use pipe\(x\) to infer"):
+        pipe.step(torch.randn(4, 16), target=torch.randn(4, 16), loss_fn=torch.nn.functional.mse_loss)
