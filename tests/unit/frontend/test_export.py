@@ -237,6 +237,31 @@ class BranchOnBatch(nn.Module):
         return self.b(h)
 
 
+class HalvesAdded(nn.Module):
+    """Stack two inputs and add the halves back, as torchvision's RAFT does with its two images."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        first, second = self.a(torch.cat([x, y], 0)).chunk(2, 0)
+        return self.b(first + second)
+
+
+def test_an_export_constrained_without_bound_is_told_so_and_its_guard_refuses_the_size(caplog):
+    # the warning said "bounded to [1, 9223372036854775806]", "more rows fail": no bound, and it named none
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    model = HalvesAdded()
+    with caplog.at_level("WARNING", logger="fxpipe.frontend.export"):
+        pipe = fxpipe.compile(model, 2, example_inputs=(x, y), chunks=2, tracer="export")
+    assert "exported with it automatic: the graph's guards check each micro-batch's size" in caplog.text
+    assert "bounded to" not in caplog.text
+    torch.testing.assert_close(pipe(x, y), model(x, y))
+    with pytest.raises(fxpipe.PipelineInputError, match=r"a batch of 1 row\(s\).*fails a check torch.export put"):
+        pipe(x[:1], y[:1])
+
+
 def test_export_retries_with_the_batch_bound_torch_suggests(caplog):
     with caplog.at_level("WARNING", logger="fxpipe.frontend.export"):
         pipe = assert_pipeline_equivalent(BranchOnBatch(), (torch.randn(8, 8),), n_stages=2, chunks=2,
