@@ -137,6 +137,13 @@ _OPTIONS = {"checkpoint=": "--checkpoint", "max_memory": "--max-memory", "n_stag
             "split_points=": "--split-points", "stages_per_rank=": "--stages-per-rank"}
 
 
+def does_not_run(exc: RuntimeError) -> Failure:
+    """Return the failure of a model that does not run on its example inputs (the shape pass ran it on fakes)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()
+             and not line.startswith(("Original traceback", "None", "Use tlparse"))]
+    return Failure("the model does not run on the example inputs: " + "\n".join(lines))
+
+
 def option_hint(message: str) -> str:
     """Say which command-line options set the keywords a library message names (``max_memory=`` is ``--max-memory``)."""
     hints = [f"{keyword.rstrip('=')}= is {option}" for keyword, option in _OPTIONS.items() if keyword in message]

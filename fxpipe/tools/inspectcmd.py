@@ -20,6 +20,7 @@ from fxpipe.tools.cliargs import (
     add_tracer,
     count,
     device_names,
+    does_not_run,
     leaf_modules,
     names,
     positive,
@@ -143,9 +144,7 @@ def run(args: argparse.Namespace) -> int:
     except (PlanMismatchError, ValueError, TypeError) as exc:
         raise Failure(str(exc)) from None
     except RuntimeError as exc:  # the shape pass ran the model on (fake) example inputs
-        lines = [l for l in str(exc).splitlines() if l.strip()
-                 and not l.startswith(("Original traceback", "None", "Use tlparse"))]
-        raise Failure("the model does not run on the example inputs: " + "\n".join(lines)) from None
+        raise does_not_run(exc) from None
     plan = pipe.plan
     if inputs is not None and not any(s.peak for s in plan.stages):
         _predict_peaks(pipe)

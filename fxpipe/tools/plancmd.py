@@ -25,6 +25,7 @@ from fxpipe.tools.cliargs import (
     UsageError,
     add_tracer,
     counts,
+    does_not_run,
     leaf_modules,
     names,
     positive,
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     """Search the configurations, print the best, save what was asked; return the exit status."""
     import torch
 
+    from fxpipe.errors import PropagationError
     from fxpipe.options import SINGLE_STAGE_SCHEDULES as SCHEDULE_NAMES
     from fxpipe.simulate.devices import device_model, parse_bytes
     from fxpipe.simulate.planner import CHECKPOINTS, search
@@ -131,10 +133,13 @@ def run(args: argparse.Namespace) -> int:
     if inputs is None:
         raise UsageError("planning needs example inputs: return (model, example_inputs) from the factory "
                          "or pass --input-shape")
-    found = search(model, inputs, ranks=args.ranks, device=device, memory=memory, batch=args.global_batch,
-                   kwargs=kwargs or None, stages=args.stages, chunks=args.chunks, schedules=args.schedules,
-                   checkpoints=args.checkpoint, optimizer=args.optimizer, dtype=dtype, measure=args.measure,
-                   leaf_modules=leaf_modules(model, args.leaf_modules), tracer=args.tracer)
+    try:
+        found = search(model, inputs, ranks=args.ranks, device=device, memory=memory, batch=args.global_batch,
+                       kwargs=kwargs or None, stages=args.stages, chunks=args.chunks, schedules=args.schedules,
+                       checkpoints=args.checkpoint, optimizer=args.optimizer, dtype=dtype, measure=args.measure,
+                       leaf_modules=leaf_modules(model, args.leaf_modules), tracer=args.tracer)
+    except PropagationError as exc:  # the shape pass ran the model on (fake) example inputs
+        raise does_not_run(exc) from None
     total = len(found.ranked) + len(found.rejected)
     print(f"{type(model).__name__} ({args.model}) on {args.ranks} x {device.name}"
           f"{' (nominal)' if device.nominal else ' (calibrated here)'}, {human(found.memory, 'B')} per device, "
@@ -154,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     print(best.sim.table())
     if args.json:
         found.plan(best).save(args.json)
-        print(f"plan saved to {args.json}: fxpipe.compile(model, {best.stages}, plan={args.json!r}, "
+        print(f"plan saved to {args.json}: fxpipe.compile(model, {best.stages}, example_inputs=(x,), plan={args.json!r}, "
               f"chunks={best.chunks}, schedule={best.schedule!r}, checkpoint={best.setting!r}, "
               f"runtime='distributed') under torchrun --nproc-per-node {best.stages} (as predicted; in one process "
               f"give devices=[...] instead of runtime=)")

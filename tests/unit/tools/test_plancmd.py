@@ -79,10 +79,19 @@ def test_plan_prints_the_ranking_and_saves_the_first_choice(models, tmp_path, ca
     top = next(k for k, line in enumerate(lines) if line.split()[:3] == ["#", "stages", "chunks"])
     assert [line.split()[0] for line in lines[top + 2:top + 7]] == ["1", "2", "3", "4", "5"]
     assert "first choice:" in text and "plan saved to" in text
+    assert re.search(r"fxpipe\.compile\(model, \d+, example_inputs=\(x,\), plan=", text), text  # runs as printed
     assert out.exists() and trace.exists()
     # the saved plan is a plan `fxpipe inspect --plan` reuses
     assert cli.main(["inspect", f"{models}:mlp", "--plan", str(out)]) == 0
     assert "plan from" in capsys.readouterr().out
+
+
+def test_inputs_the_model_does_not_take_fail_in_one_paragraph(models, capsys):
+    # it was "error: PropagationError: ..." with torch's "Original traceback: None" and "--traceback" advice
+    status = cli.main(["plan", f"{models}:mlp", "--ranks", "2", "--device", "h100", "--input-shape", "8,16"])
+    err = capsys.readouterr().err
+    assert status == 1 and err.startswith("fxpipe plan: error: the model does not run on the example inputs: node "), err
+    assert "Original traceback" not in err and "--traceback" not in err
 
 
 def test_a_budget_nothing_fits_fails_naming_the_smallest(models, capsys):
