@@ -244,7 +244,7 @@ class Pipe(nn.Module):
         try:
             _refuse_meta(self._runtime, args, kwargs, None)
         except ValueError as exc:
-            self._runtime.refuse(exc)  # across ranks the others are in their call, waiting for this rank
+            self._runtime.refuse(exc, stepping=False)  # across ranks the others are in their call, waiting
         return self._runtime.forward(args, kwargs, self.training)
 
     def _follow_model(self) -> None:
@@ -303,6 +303,7 @@ class Pipe(nn.Module):
                                    "torch.inference_mode() (use pipe(x) to infer)")
             _check_step_arguments(self._runtime, target, loss_fn, scaler, loss_reduction)
             _refuse_meta(self._runtime, args, kwargs, target)
+            self._runtime.check_stages()  # a parameter unfrozen since compile, a linear hooked since
         except (TypeError, ValueError, RuntimeError) as exc:
             self._runtime.refuse(exc)  # across ranks the others are in their step, waiting for this rank
         if loss_reduction == "sum":

@@ -379,16 +379,16 @@ def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int, fixed: li
     except Exception as again:
         raise _refusal(model, again) from again
     _admit(model, exc, lo, hi, rows)
-    if hi >= _UNBOUNDED:  # no upper bound: the constraint is elsewhere (a size it must not take)
-        log.warning("torch.export refused a batch dimension free of constraints for %s (the model's code "
-                    "constrains the batch size); exported with it automatic: the graph's guards check each "
-                    "micro-batch's size at the step, and refuse a size they do not admit, naming it",
-                    type(model).__name__)
-    else:
+    if hi is not None and hi < _UNBOUNDED:
         log.warning("torch.export refused an unbounded batch dimension for %s (the model branches on the "
                     "batch size); exported with the batch bounded to [1, %d] as torch suggests: "
                     "micro-batches of more rows fail torch's guard in the first stage",
                     type(model).__name__, hi)
+    else:  # no upper bound: the constraint is elsewhere (a size it must not take)
+        log.warning("torch.export refused a batch dimension free of constraints for %s (the model's code "
+                    "constrains the batch size); exported with it automatic: the graph's guards check each "
+                    "micro-batch's size at the step, and refuse a size they do not admit, naming it",
+                    type(model).__name__)
     return program
 
 

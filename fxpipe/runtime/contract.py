@@ -60,8 +60,15 @@ class Runtime(Protocol):
         """Make the runtime ready for a collective after a failed step (every rank meets again)."""
         ...
 
-    def refuse(self, exc: BaseException) -> NoReturn:
-        """Raise ``exc``, a refusal of a call's own arguments, telling the other ranks first (they are in the call)."""
+    def refuse(self, exc: BaseException, stepping: bool = True) -> NoReturn:
+        """Raise ``exc``, a refusal of a call's own arguments, telling the other ranks first (they are in the call).
+
+        ``stepping``: the call is ``pipe.step`` (else ``pipe(x)``).
+        """
+        ...
+
+    def check_stages(self) -> None:
+        """Refuse a step whose stages changed since compile in a way its schedule cannot run (before it runs)."""
         ...
 
     def broke(self, exc: BaseException) -> None:

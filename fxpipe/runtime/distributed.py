@@ -332,8 +332,8 @@ class DistributedRuntime:
         self.ties.reopen()
         self.broken = None
 
-    def refuse(self, exc: BaseException) -> NoReturn:
-        """Raise ``exc``, a refusal of ``pipe.step``'s own arguments, on every rank of every replica.
+    def refuse(self, exc: BaseException, stepping: bool = True) -> NoReturn:
+        """Raise ``exc``, a refusal of ``pipe.step``'s (``stepping``) or ``pipe(x)``'s own arguments, on every rank.
 
         The first stage's rank and the loss's rank tell it through the step's own first messages
         (the layout, and the loss rank's word on its target), so every rank raises it before
@@ -350,10 +350,10 @@ class DistributedRuntime:
             self.refusal = exc
             try:
                 if self.rank == self.first:
-                    steplayout.publish(self, (), {}, True, refusal=exc)
-                steplayout.tell_target_given(self, True, None)
+                    steplayout.publish(self, (), {}, True, stepping=stepping, refusal=exc)
+                steplayout.tell_target_given(self, stepping, None)
                 header = steplayout.receive(self)  # the first rank's refusal, or the loss rank's it told, raises
-                if self.rank == self.last_rank:  # the pipe's first step: the loss rank's check of the target tells it
+                if stepping and self.rank == self.last_rank:  # the first step: the loss rank's check of the target
                     steplayout.check_target(self, None, bool(header.get("target_on_first")), header.get("batch"))
             finally:
                 self.refusal = None
@@ -365,6 +365,11 @@ class DistributedRuntime:
                 raise on_every_rank(exc) from None  # this rank's own error, which the others raised for it
             raise
         raise AssertionError("unreachable: _guarded re-raises")
+
+    def check_stages(self) -> None:
+        """Refuse a step whose stages on this rank changed since compile in a way the action lists cannot run."""
+        refuse_unfrozen(self.unfrozen)
+        refuse_changed_linears(self.replacing)
 
     def broke(self, exc: BaseException) -> None:
         """Close this rank's connections after a collective failed outside a step, so its next call rejoins.
@@ -393,6 +398,7 @@ class DistributedRuntime:
     def _abandon(self, exc: BaseException) -> None:
         """Close this rank's connections and drop the failed step's state (see the module's picture)."""
         self.broken = f"{type(exc).__name__}: {exc}".split("\n")[0][:500]
+        self.target_checked = False  # a rank may have read the loss rank's verdict that another never got
         forget_frames(exc)  # the frames (the chained exceptions' too) hold the step's pending messages
         self.layout.pp_group = None  # the group's connections close once nothing holds it
         self.comm.close()
@@ -457,11 +463,11 @@ class DistributedRuntime:
         if getattr(exc, "fxpipe_on_every_rank", False):
             raise caught  # every rank raised it itself, at the same point: nothing is in flight
         me = self.layout.global_ranks[self.rank]
-        if self.layout.dp > 1 and communication_failed(exc):  # a collective over the replicas
-            reason = self.comm.board.read("reducing over the replicas")  # the replicas share the board's keys
-            cause = f"because {reason['message']}" if reason else "another replica's step failed, and its " \
-                "ranks raise the cause"
-            exc = PeerFailure(f"rank {me}: a collective over the replicas failed ({first_line(exc)}) {cause}")
+        if (self.layout.dp > 1 or self.layout.tp > 1) and communication_failed(exc):  # over replicas or a tp group
+            what = "the replicas" if self.layout.dp > 1 else "the stage's tensor-parallel group"
+            reason = self.comm.board.read(f"in a collective over {what}")  # they share the board's keys
+            cause = f"because {reason['message']}" if reason else "another rank's step failed, and it raises the cause"
+            exc = PeerFailure(f"rank {me}: a collective over {what} failed ({first_line(exc)}) {cause}")
         if not isinstance(exc, PeerFailure):
             held = ", ".join(map(str, self.workers))
             notes = "".join(f" ({n})" for n in getattr(exc, "__notes__", ()))
@@ -475,8 +481,6 @@ class DistributedRuntime:
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
         """Run one training step; return the mini-batch loss on every rank."""
         def body() -> torch.Tensor:
-            refuse_unfrozen(self.unfrozen)
-            refuse_changed_linears(self.replacing)
             if self.grad_sync is not None:  # parameters frozen since compile: DDP wrapped again
                 self.grad_sync.refresh()
             tgt = from_tp_holder(self, target, target is not None)[0] if self.last else target

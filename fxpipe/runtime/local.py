@@ -74,9 +74,15 @@ class LocalRuntime:
     def ready(self) -> None:
         """Nothing to rejoin in one process."""
 
-    def refuse(self, exc: BaseException) -> NoReturn:
+    def refuse(self, exc: BaseException, stepping: bool = True) -> NoReturn:
         """Raise ``exc``: no other rank waits."""
         raise exc
+
+    def check_stages(self) -> None:
+        """Refuse a step whose stages changed since compile in a way the action lists cannot run (not GPipe's)."""
+        if self.plan.schedule != "gpipe":  # GPipe's one autograd graph sends every gradient back
+            refuse_unfrozen(self.unfrozen)  # the action lists send a gradient back only where one was at compile
+            refuse_changed_linears(self.replacing)
 
     def broke(self, exc: BaseException) -> None:
         """Nothing to close in one process."""
@@ -195,8 +201,6 @@ class LocalRuntime:
             if training:
                 commit_batch_norm(self.deferred)
             return total.detach()
-        refuse_unfrozen(self.unfrozen)  # the action lists send a gradient back only where one was at compile
-        refuse_changed_linears(self.replacing)
         if mbs:
             refuse_input_grads(self.routeless, mbs[0])
         transport = LocalTransport(self.plan, self.calls)

@@ -126,10 +126,34 @@ def test_step_arguments_left_out_are_refused_on_every_rank_and_the_pipe_steps_on
                     "target=None" in message, (r, label, res[label])
         kind, message, _ = res["no_loss_fn"]
         assert kind == "TypeError" and "pipe.step() needs loss_fn=" in message, (r, res["no_loss_fn"])
+        if world == 4:
+            kind, message, _ = res["string"]
+            assert kind == "PipelineInputError" and "replica 1's inputs hold no tensor with a batch dim" in message
         kind, message, _ = res["no_grad"]
         assert kind == "RuntimeError" and "pipe.step runs backward and needs autograd" in message, (r, res["no_grad"])
         assert res["loss_error"] < 1e-5 and res["grad_error"] < 1e-5, (r, res)
     assert len({round(res["good"], 6) for res in results}) == 1
+
+
+def test_a_middle_rank_refusing_at_the_first_step_fails_it_and_the_next_steps_equal_eager(tmp_path, launch):
+    results = launch("longrun_cases:middle_refusal_first", 3, "1f1b", tmp_path, limit=90)
+    _ok(results)
+    for r, res in enumerate(results):
+        kind, message, seconds = res["failed"]
+        assert kind == ("TypeError" if r == 1 else "PeerFailure") and seconds < 5, (r, res["failed"])
+        assert "pipe.step() needs loss_fn=" in message
+        assert max(max(e) for e in res["after"]) < 1e-5, (r, res["after"])
+
+
+def test_a_parameter_unfrozen_after_compile_is_refused_and_data_parallel_steps_on(tmp_path, launch):
+    # refused inside the step, it was a failed step: under data parallel every later call refused ("restart")
+    results = launch("longrun_cases:unfrozen_under_dp", 4, "1f1b", tmp_path, limit=90)
+    _ok(results)
+    for r, res in enumerate(results):
+        kind, message, seconds = res["unfrozen"]
+        assert kind == "PipelineInputError" and seconds < 5, (r, res["unfrozen"])
+        assert "parameter '0.0.weight' (stage 0) requires grad now but did not when the pipe was compiled" in message
+        assert res["after"] < 1e-5 and res["grads"] < 1e-5, (r, res)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -284,6 +284,9 @@ def argument_refusals(rank, world, schedule):
     if dp == 2:
         out["one_replica"] = _attempt(lambda: step(with_target=not (me == last and replica == 1)))
     out["no_loss_fn"] = _attempt(lambda: step(with_loss_fn=False))
+    if dp == 2:  # a str where replica 1 takes its tensor: it was "a batch of None rows ... drop_last=True"
+        out["string"] = _attempt(lambda: pipe.step(("a str" if replica == 1 else ids) if me == 0 else None,
+                                                   target=target, loss_fn=token_loss))
     with torch.no_grad():  # a validation loss by pipe.step: refused on every rank itself
         out["no_grad"] = _attempt(step)
     for p in (*model.parameters(), *eager.parameters()):
@@ -296,6 +299,51 @@ def argument_refusals(rank, world, schedule):
     grads = dict(eager.named_parameters(remove_duplicate=False))
     out["grad_error"] = max(max_relative_error(p.grad, grads[n].grad)
                             for n, p in model.named_parameters(remove_duplicate=False) if id(p) in held)
+    return out
+
+
+def middle_refusal_first(rank, world, schedule):
+    """3 ranks: the middle rank leaves out loss_fn= at the pipe's first step (a failed step); then steps equal to
+    eager (the first rank had read the loss rank's check of the target, the loss rank had not sent it all: the
+    next steps waited for timeout=)."""
+    torch.manual_seed(0)
+    model = RopeLM()
+    eager = copy.deepcopy(model)
+    pipe = _compile(model, world, schedule)
+    ids, target = tokens(1, 16)
+    out = {"failed": _attempt(lambda: pipe.step(ids if rank == 0 else None, target=target,
+                                                **({} if rank == 1 else {"loss_fn": token_loss})))}
+    for p in model.parameters():
+        p.grad = None
+    out["after"] = [_compare(pipe, model, eager, rank, *tokens(step, 16)) for step in (2, 3)]
+    return out
+
+
+def unfrozen_under_dp(rank, world, schedule):
+    """pp2 x dp2 with the first stage frozen at compile: a parameter unfrozen, the step is refused on every rank;
+    frozen again, the next step equals eager's (the refusal once ended the pipe: 'restart the job')."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    model[:3].requires_grad_(False)  # stage 0 (the frozen blocks cost less: it holds three)
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
+                          schedule=schedule, data_parallel=2)
+    me = rank % 2
+    out = {"first": float(pipe.step(x if me == 0 else None, target=y, loss_fn=F.mse_loss))}
+    model[0][0].weight.requires_grad_(True)
+    out["unfrozen"] = _attempt(lambda: pipe.step(x if me == 0 else None, target=y, loss_fn=F.mse_loss))
+    model[0][0].weight.requires_grad_(False)
+    for p in (*model.parameters(), *eager.parameters()):
+        p.grad = None
+    expected = F.mse_loss(eager(x), y)
+    expected.backward()
+    out["after"] = max_relative_error(pipe.step(x if me == 0 else None, target=y, loss_fn=F.mse_loss),
+                                      expected.detach())
+    held = {id(p) for j in pipe.plan.stages_of(me) for p in pipe.stages[j].parameters() if p.requires_grad}
+    grads = dict(eager.named_parameters())
+    out["grads"] = max([max_relative_error(p.grad, grads[n].grad) for n, p in model.named_parameters()
+                        if id(p) in held], default=0.0)  # rank 0's stage is frozen whole
     return out
 
 

@@ -110,6 +110,12 @@ def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.d
                 f"{theirs!r}: the replicas average their gradients, which would mix two weightings of the loss. "
                 "Pass the same loss_reduction= (and loss_fn=) on every rank")
     for other, (size, _, _, _) in enumerate(gathered):
+        if size != batch and None in (size, batch):
+            odd, other_size = (replica, size) if batch is None else (other, batch)
+            raise PipelineInputError(
+                f"replica {odd}'s inputs hold no tensor with a batch dim (a str, a number or None where the model "
+                f"takes a tensor?) but the other replicas' have {other_size} rows: pass the same kinds of inputs on "
+                "the first stage's rank of every replica")
         if size != batch:
             why = ("every replica averages its gradients with the others', so give each the same batch size (drop "
                    "the uneven last batch: DistributedSampler(..., drop_last=True) or DataLoader(..., drop_last=True); "
@@ -178,7 +184,8 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         if not agreed:
             _agree_on_batch(None, runtime.layout.dp_group, runtime.layout.replica, runtime.device, failure=str(exc),
                             stepping=stepping, reduction=runtime.reduction)
-        tell_all(runtime, {"error": (type(exc).__name__, str(exc))})
+        told = f"rank {dist.get_rank()} (the first stage's): {exc}" if exc is refusal else str(exc)
+        tell_all(runtime, {"error": (type(exc).__name__, told)})
         runtime.comm.flush()  # deliver it before this rank's exception ends the process
         if isinstance(exc, PropagationError):
             exc = PipelineInputError(f"the inputs cannot run through the model: {exc} (found on fake tensors before the step: nothing ran)")
