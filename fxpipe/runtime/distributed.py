@@ -39,7 +39,6 @@ import torch.fx
 
 from fxpipe import passes
 from fxpipe.errors import PeerFailure, PipelineInputError, ScheduleError, user_stacklevel
-from fxpipe.frontend.export import enabled_autocast
 from fxpipe.plan.pipeline import PipelinePlan
 from fxpipe.runtime import gradnorm
 from fxpipe.runtime.binding import Binding
@@ -58,14 +57,13 @@ from fxpipe.runtime.stage.worker import StageWorker
 from fxpipe.runtime.tensorparallel import local_specs, match_grads
 from fxpipe.runtime.tiedgrads import open_window, sum_tied
 from fxpipe.runtime.tppartial import PartialGrads
-from fxpipe.runtime.transport import release, samebatch, steplayout
+from fxpipe.runtime.transport import callstate, release, samebatch, steplayout
 from fxpipe.runtime.transport.comm import Comm, forget_frames, on_every_rank
 from fxpipe.runtime.transport.layoutcache import LayoutCache
 from fxpipe.runtime.transport.messages import DistTransport
 from fxpipe.runtime.transport.procgroup import Layout, Ties, reopen_pipeline
 from fxpipe.runtime.transport.together import communication_failed, first_line
 from fxpipe.runtime.transport.tpinputs import from_tp_holder
-from fxpipe.runtime.validate import describe_autocast
 
 __all__ = ["DistributedRuntime"]
 
@@ -215,7 +213,7 @@ class DistributedRuntime:
                                              stepping=losses_for is not None, target=target,
                                              check_batch=self._checks_batch(losses_for is not None))
         else:
-            steplayout.tell_target_given(self, losses_for is not None, target)
+            steplayout.tell_target_given(self, losses_for is not None, target, training)
             header, mbs = steplayout.receive(self), []
         m = len(header["specs"])
         stepping = losses_for is not None
@@ -225,13 +223,8 @@ class DistributedRuntime:
                 f"{self.layout.global_ranks[self.first]} (the first stage's) called {header['call']}: every rank "
                 "of a pipeline makes the same call, pipe.step(x, target=, loss_fn=) to train and pipe(x) to "
                 "infer (the other ranks may pass None as inputs)")
-        if losses_for is not None and header.get("reduction", self.reduction) != self.reduction:
-            raise PipelineInputError(
-                f"rank {self.layout.global_ranks[self.rank]} called pipe.step with loss_reduction="
-                f"{self.reduction!r} but rank {self.layout.global_ranks[self.first]} (the first stage's) with "
-                f"{header['reduction']!r}: only the rank computing the loss (the last stage's) weighs the micro-batches, "
-                "by its own, so another rank's would be ignored. Pass the same loss_reduction= (and loss_fn=) on "
-                "every rank")
+        if self.rank != self.first:
+            self._refuse_other_state(header, training, stepping)
         if losses_for is not None:
             steplayout.check_target(self, target, bool(header.get("target_on_first")), header.get("batch"))
         if "digest" in header:  # the call's first: a sampler sharding over every rank is refused, not run
@@ -240,20 +233,6 @@ class DistributedRuntime:
         elif "glance" in header and self.rank != self.first:  # a loop out of step later (a shorter loader)
             samebatch.check_glance(self, args, kwargs, own_target, header)
         self.target_versions = samebatch.versions(own_target)  # written in place by loss_fn: not compared next
-        if header.get("training", training) != training:  # its peers learn of it as of any failed step
-            mode, first = ("training", "eval") if training else ("eval", "training")
-            raise PipelineInputError(
-                f"rank {self.layout.global_ranks[self.rank]}'s pipe is in {mode} mode but rank "
-                f"{self.layout.global_ranks[self.first]}'s (the first stage's) is in {first} mode: call "
-                "pipe.train() or pipe.eval() on every rank, as every rank calls pipe.step and pipe(x)")
-
-        if tuple(header.get("autocast", ())) != enabled_autocast():  # its buffers would have another dtype
-            raise PipelineInputError(
-                f"rank {self.layout.global_ranks[self.rank]} runs {describe_autocast(enabled_autocast())} but rank "
-                f"{self.layout.global_ranks[self.first]} (the first stage's) runs "
-                f"{describe_autocast(tuple(header['autocast']))}: the ranks exchange values in the autocast dtype, "
-                "so enter the same torch.autocast on every rank")
-
         kind = "train" if grad else "forward"
         try:
             programs = self._programs_for(kind, m)
@@ -365,6 +344,29 @@ class DistributedRuntime:
                 raise on_every_rank(exc) from None  # this rank's own error, which the others raised for it
             raise
         raise AssertionError("unreachable: _guarded re-raises")
+
+    def _refuse_other_state(self, header: dict, training: bool, stepping: bool) -> None:
+        """Refuse a call whose mode, autocast or loss reduction differ from the first rank's (its ``header``).
+
+        The loss's rank refuses its first step's on every rank, as its check of the target
+        (later steps: the first rank compared its word); another rank's fails the step.
+        """
+        g = self.layout.global_ranks
+        theirs = (header.get("training", training), tuple(header.get("autocast", ())), header.get("reduction", ""))
+        wrong = callstate.mismatch(g[self.rank], callstate.state(training, self.reduction if stepping else ""),
+                                   g[self.first], theirs)
+        if wrong is None:
+            return
+        exc = PipelineInputError(wrong)
+        if stepping and self.rank == self.last_rank and not self.target_checked and self.layout.tp == 1:
+            self.refusal = exc
+            try:
+                steplayout.check_target(self, None, bool(header.get("target_on_first")), header.get("batch"))
+            except PipelineInputError:
+                raise on_every_rank(exc) from None
+            finally:
+                self.refusal = None
+        raise exc
 
     def check_stages(self) -> None:
         """Refuse a step whose stages on this rank changed since compile in a way the action lists cannot run."""

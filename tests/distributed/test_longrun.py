@@ -135,6 +135,18 @@ def test_step_arguments_left_out_are_refused_on_every_rank_and_the_pipe_steps_on
     assert len({round(res["good"], 6) for res in results}) == 1
 
 
+def test_a_loss_rank_in_another_mode_autocast_or_reduction_is_refused_on_every_rank_and_steps_on(tmp_path, launch):
+    results = launch("longrun_cases:state_mismatch", 4, "1f1b", tmp_path, limit=90)
+    _ok(results)
+    for r, res in enumerate(results):
+        for label, told in [("eval", "rank 1's pipe is in eval mode but rank 0's (the first stage's) is in training"),
+                            ("autocast", "rank 3 runs under torch.autocast('cpu', dtype=torch.bfloat16) but rank 2"),
+                            ("reduction", "rank 3 called pipe.step with loss_reduction='sum' but rank 2")]:
+            message = _refused(res, label, r)
+            assert told in message, (r, label, message)
+        assert max(res["after"]) < 1e-5, (r, res["after"])
+
+
 def test_a_middle_rank_refusing_at_the_first_step_fails_it_and_the_next_steps_equal_eager(tmp_path, launch):
     results = launch("longrun_cases:middle_refusal_first", 3, "1f1b", tmp_path, limit=90)
     _ok(results)

@@ -302,6 +302,35 @@ def argument_refusals(rank, world, schedule):
     return out
 
 
+def state_mismatch(rank, world, schedule):
+    """pp2 x dp2: replica 0's loss rank in eval mode at the pipe's first step; a good step; replica 1's loss rank
+    under autocast, then with loss_reduction='sum' alone; each refused on every rank (it was a failed step,
+    which under data parallel ended the pipe), then a step equal to eager."""
+    torch.manual_seed(0)
+    model = RopeLM()
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(tokens(0, 16)[0],), chunks=2, timeout=20,
+                          runtime="distributed", schedule=schedule, data_parallel=2)
+    me = rank % 2
+    ids, target = tokens(1, 16)
+
+    def step(**kw):
+        return pipe.step(ids if me == 0 else None, target=target, loss_fn=token_loss, **kw)
+
+    if rank == 1:
+        pipe.eval()
+    out = {"eval": _attempt(step)}
+    pipe.train()
+    step()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=rank == 3):
+        out["autocast"] = _attempt(step)
+    out["reduction"] = _attempt(lambda: step(loss_reduction="sum" if rank == 3 else "mean"))
+    for p in (*model.parameters(), *eager.parameters()):
+        p.grad = None
+    out["after"] = _compare(pipe, model, eager, me, ids, target)
+    return out
+
+
 def middle_refusal_first(rank, world, schedule):
     """3 ranks: the middle rank leaves out loss_fn= at the pipe's first step (a failed step); then steps equal to
     eager (the first rank had read the loss rank's check of the target, the loss rank had not sent it all: the

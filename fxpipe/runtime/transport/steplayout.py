@@ -25,6 +25,7 @@ from fxpipe.passes.spec import map_leaves
 from fxpipe.runtime.microbatch import check_target_rows
 from fxpipe.runtime.stage.stagecall import autocast_state
 from fxpipe.runtime.stage.unfrozen import refuse_input_grads
+from fxpipe.runtime.transport import callstate
 from fxpipe.runtime.transport.comm import on_every_rank, tell_all
 from fxpipe.runtime.transport.samebatch import digest, glance, target_glance
 from fxpipe.runtime.transport.tpinputs import from_tp_holder, group_names, inputs_given
@@ -150,9 +151,16 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
     try:
         if refusal is not None:
             raise refusal
-        if isinstance(loss_has, tuple):  # the loss's rank refused its pipe.step arguments
-            kind, message = loss_has
+        if isinstance(loss_has, dict):  # the loss's rank refused its pipe.step arguments
+            kind, message = loss_has["refused"]
             raise (TypeError if kind == "TypeError" else PipelineInputError)(message)
+        if isinstance(loss_has, tuple):  # its word on the target, and the state it steps under
+            loss_has, theirs = loss_has
+            g = runtime.layout.global_ranks
+            wrong = callstate.mismatch(g[runtime.last_rank], theirs, g[runtime.rank],
+                                       callstate.state(training, runtime.reduction))
+            if wrong is not None:
+                raise PipelineInputError(wrong)
         if not args and not kwargs:  # a model taking keywords only gets nothing to bind on this rank
             _refuse_missing_inputs(runtime, [None], stepping)
         try:
@@ -217,21 +225,24 @@ def _missing_target(runtime: Any) -> str:
             f"{_target_fix(runtime)}")
 
 
-def tell_target_given(runtime: Any, stepping: bool, target: Any) -> None:
-    """On the loss's rank, after the first step: tell the first rank whether this step has a target (see above).
+def tell_target_given(runtime: Any, stepping: bool, target: Any, training: bool = True) -> None:
+    """On the loss's rank, after the first step: tell the first rank whether this step has a target (see above),
+    and the state it steps under (:mod:`~fxpipe.runtime.transport.callstate`), or its refusal of its arguments.
 
     Steps only: the first rank of ``pipe(x)`` runs on without waiting for the last rank's
     previous call. The first stage's rank finishes a step last, so its wait costs nothing.
     """
     if stepping and runtime.target_checked and runtime.rank == runtime.last_rank != runtime.first:
-        runtime.comm.send_object(target is not None if runtime.refusal is None else _refused(runtime), runtime.first)
+        word = ({"refused": _refused(runtime)} if runtime.refusal is not None else
+                (target is not None, callstate.state(training, runtime.reduction)))
+        runtime.comm.send_object(word, runtime.first)
         runtime.comm.flush()
 
 
 def _refused(runtime: Any) -> tuple[str, str]:
     """Return this rank's refusal of its ``pipe.step`` arguments as the other ranks raise it (kind, message)."""
-    exc = runtime.refusal
-    return type(exc).__name__, f"rank {runtime.layout.global_ranks[runtime.rank]} (the loss's): {exc}"
+    exc, me = runtime.refusal, runtime.layout.global_ranks[runtime.rank]
+    return type(exc).__name__, str(exc) if str(exc).startswith(f"rank {me}") else f"rank {me} (the loss's): {exc}"
 
 
 def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = None) -> None:
