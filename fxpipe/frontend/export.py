@@ -40,6 +40,7 @@ import dataclasses
 import inspect
 import io
 import logging
+import os
 import re
 import sys
 import tokenize
@@ -553,6 +554,9 @@ def _value_branch(model: nn.Module, exc: BaseException, first: str) -> TraceErro
     where = f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})" if frame else ""
     fx = ("; a transformers 5 model cannot use tracer='fx': pipeline a submodule without the branch, or give "
           "inputs or a config for which the model does not take it" if type(model).__module__.startswith("transformers.")
+          else f", or move it into a submodule of its own and use the fx front end (tracer='fx') with that submodule in "
+          f"leaf_modules= (the branch is in {type(model).__name__}.forward itself, which cannot be a leaf)"
+          if frame and _in_forward(model, frame)
           else ", or use the fx front end (tracer='fx') with the module holding the branch in leaf_modules=")
     labels = (" The branch reads labels=: a model checking its labels in forward (Wav2Vec2ForCTC's "
               "`labels.max() >= vocab_size`) traces without them; leave labels= out and compute the loss from the "
@@ -563,6 +567,17 @@ def _value_branch(model: nn.Module, exc: BaseException, first: str) -> TraceErro
         f"({first}). torch.export records one path and cannot keep a branch on values (an `if x.any():` or "
         f"`.item()`), with any batch size. Rewrite the branch without Python control flow (torch.where, "
         f"torch.cond){fx}.{labels} The full torch.export error is chained below.")
+
+
+def _in_forward(model: nn.Module, frame: Any) -> bool:
+    """Tell whether ``frame`` (a traceback's summary) is in the model's own ``forward``, not a submodule's."""
+    try:
+        lines, start = inspect.getsourcelines(type(model).forward)
+        source = inspect.getsourcefile(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    return (source is not None and os.path.realpath(source) == os.path.realpath(frame.filename)
+            and start <= (frame.lineno or 0) < start + len(lines))
 
 
 def _reads_labels(model: nn.Module, line: str) -> bool:

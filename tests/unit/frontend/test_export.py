@@ -126,6 +126,25 @@ def test_a_branch_on_a_value_is_refused_as_such_naming_the_line_not_the_batch_si
         fxpipe.compile(ValueBranch(), 2, example_inputs=(torch.randn(4, 8), torch.ones(4, 8)), tracer="export")
     assert "batch size" not in str(info.value).split(".")[0] and "torch.cond" in str(info.value)
     assert "leaf_modules=" in str(info.value) and info.value.__cause__ is not None
+    # in the model's own forward, which cannot be a leaf: fx's advice sent the user back to export
+    assert "move it into a submodule of its own and use the fx front end (tracer='fx') with that submodule in " \
+           "leaf_modules= (the branch is in ValueBranch.forward itself" in str(info.value)
+
+
+class _HoldsValueBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = ValueBranch()
+
+    def forward(self, x, mask):
+        return self.inner(x, mask) + 1
+
+
+def test_a_branch_on_a_value_in_a_submodule_names_that_module_as_the_leaf():
+    with pytest.raises(fxpipe.TraceError, match="branches on a tensor's value") as info:
+        fxpipe.compile(_HoldsValueBranch(), 2, example_inputs=(torch.randn(4, 8), torch.ones(4, 8)), tracer="export")
+    assert "with the module holding the branch in leaf_modules=" in str(info.value)
+    assert "itself" not in str(info.value)
 
 
 class _LabelChecked(nn.Module):
