@@ -153,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{type(model).__name__} ({args.model}): {len(plan.graph_nodes)} graph nodes, "
           f"{human(params)} parameters, {plan.n_stages} stages, chunks={plan.chunks}{batch}, "
           f"balance_by={plan.balance_by}" + (f", plan from {args.plan}" if saved else ""))
+    rows = _batch(inputs) if inputs is not None else None
+    if rows is not None and rows < plan.chunks:  # a step splits into at most one micro-batch per row
+        print(f"note: the example batch of {rows} rows runs as {rows} micro-batches of one row, fewer than "
+              f"chunks={plan.chunks}; the efficiency below is for batches of at least {plan.chunks} rows")
     print(plan.table())
     if args.tp and args.tp > 1:
         _print_tp(pipe, args.tp)

@@ -217,6 +217,16 @@ def test_input_shape_makes_inputs_and_code_prints_the_executor(models, capsys):
     assert "def gpipe_2x3(rt, mb):" in out and "# clock 3" in out
 
 
+def test_chunks_past_the_example_batch_are_noted_above_the_efficiency(models, capsys):
+    # the table said "estimated efficiency at chunks=16" for an example of 8 rows, which runs 8 micro-batches
+    assert cli.main(["inspect", f"{models}:only_model", "--stages", "2", "--chunks", "16",
+                     "--input-shape", "8,4"]) == 0
+    out = capsys.readouterr().out
+    assert "note: the example batch of 8 rows runs as 8 micro-batches of one row, fewer than chunks=16" in out
+    assert cli.main(["inspect", f"{models}:only_model", "--stages", "2", "--chunks", "4", "--input-shape", "8,4"]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_plan_saved_and_reused_and_a_changed_model_refused(models, tmp_path, capsys):
     path = str(tmp_path / "plan.json")
     assert cli.main(["inspect", f"{models}:only_model", "--stages", "3", "--split-points", "_2,_4",
