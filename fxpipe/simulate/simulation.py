@@ -115,7 +115,7 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     for name, value in (("chunks", chunks), ("batch", batch)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name}={value!r}; use an integer of at least 1 (or leave it out for the plan's)")
-    chunks = chunks or plan.chunks
+    given, chunks = chunks, chunks or plan.chunks
     name_ = device if device is not None else default_device(plan)
     if isinstance(name_, str) and name_.lower() == "cpu":  # across ranks: rank 0's calibration, on every rank
         from fxpipe.simulate.measure import agreed
@@ -139,6 +139,10 @@ def simulate(pipe_or_plan: Any, *, schedule: Any = None, chunks: int | None = No
     base = (example_rows(gm) if gm is not None else plan.example_rows) or batch or chunks
     batch = batch or base
     m = min(chunks, batch)
+    if given is not None and given > batch:  # the step would run as many micro-batches: told as pipe.step tells it
+        warnings.warn(f"chunks={given} is more than the batch's {batch} rows: simulating {m} micro-batches of one "
+                      f"row, as a step of that batch runs; pass batch= (at least {given} rows) to simulate "
+                      f"chunks={given}", stacklevel=2)
     if isinstance(measured, dict) and gm is not None:  # a misspelt node's time would be dropped, silently
         unknown = sorted(set(measured) - {n.name for n in gm.graph.nodes})
         if unknown:

@@ -70,6 +70,15 @@ def _refuse_missing_inputs(runtime: Any, values: list[Any], stepping: bool) -> N
             f"ranks may pass None ({last})")
 
 
+Verdict = str | tuple[str, str] | None  # the loss rank's check of the target: a refusal, with its kind, or none
+_KINDS: dict[str, type[Exception]] = {"TypeError": TypeError, "RuntimeError": RuntimeError}
+
+
+def rebuilt(kind: str, message: str) -> Exception:
+    """Return the error another rank raised, as this rank raises it: the same kind where it is a refusal's own."""
+    return _KINDS.get(kind, PipelineInputError)(message)
+
+
 def call_name(stepping: bool) -> str:
     """Name the call a rank made: ``pipe.step`` or ``pipe(...)``."""
     return "pipe.step" if stepping else "pipe(...)"
@@ -153,7 +162,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
             raise refusal
         if isinstance(loss_has, dict):  # the loss's rank refused its pipe.step arguments
             kind, message = loss_has["refused"]
-            raise (TypeError if kind == "TypeError" else PipelineInputError)(message)
+            raise rebuilt(kind, message)
         if isinstance(loss_has, tuple):  # its word on the target, and the state it steps under
             loss_has, theirs = loss_has
             g = runtime.layout.global_ranks
@@ -264,11 +273,11 @@ def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = 
         return
     loss_rank, ranks, fix = runtime.last_rank, group_names(runtime), _target_fix(runtime)
     missing = _missing_target(runtime)
-    verdict: str | None = None
+    verdict: Verdict = None
     has = on_first  # whether this replica's loss rank has a target (told where only it knows)
     if runtime.first != loss_rank and on_first:
         if runtime.last:
-            verdict = _refused(runtime)[1] if runtime.refusal is not None else None if target is not None else missing
+            verdict = _refused(runtime) if runtime.refusal is not None else None if target is not None else missing
             tell_all(runtime, verdict)
             runtime.comm.flush()
         else:
@@ -291,19 +300,19 @@ def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = 
         if runtime.last:
             verdict, has = _loss_rank_verdict(runtime, target, batch)
             if runtime.refusal is not None:
-                verdict = _refused(runtime)[1]
+                verdict = _refused(runtime)
             tell_all(runtime, (verdict, has))
             runtime.comm.flush()
         else:
             verdict, has = runtime.comm.recv_object(loss_rank, "waiting for the loss rank's check of the target")
     if runtime.layout.dp > 1:  # a replica refusing alone would leave the others waiting in their reductions
         verdict = _replicas_verdict(runtime, verdict, has, fix)
-    if verdict is not None:
-        raise on_every_rank(PipelineInputError(verdict))
+    if verdict is not None:  # a refusal of the loss rank's arguments keeps its kind on every rank
+        raise on_every_rank(PipelineInputError(verdict) if isinstance(verdict, str) else rebuilt(*verdict))
     runtime.target_checked = True
 
 
-def _loss_rank_verdict(runtime: Any, target: Any, batch: int | None) -> tuple[str | None, bool]:
+def _loss_rank_verdict(runtime: Any, target: Any, batch: int | None) -> tuple[Verdict, bool]:
     """On the loss's rank: refuse a target whose rows are not the inputs'; say whether it has one."""
     try:
         check_target_rows(target, batch, min(runtime.plan.chunks, batch or 1))  # the micro-batches: at most a row each
@@ -317,7 +326,7 @@ def _loss_rank_verdict(runtime: Any, target: Any, batch: int | None) -> tuple[st
     return verdict, has
 
 
-def _replicas_verdict(runtime: Any, verdict: str | None, has: bool, fix: str) -> str | None:
+def _replicas_verdict(runtime: Any, verdict: Verdict, has: bool, fix: str) -> Verdict:
     """Compare every replica's verdict and whether its loss's rank has a target; return this rank's verdict."""
     seen: list[Any] = [None] * dist.get_world_size(runtime.layout.dp_group)
     dist.all_gather_object(seen, (verdict, has), group=runtime.layout.dp_group)
@@ -329,7 +338,8 @@ def _replicas_verdict(runtime: Any, verdict: str | None, has: bool, fix: str) ->
                 f"{runtime.layout.replica}'s loss, but a target on replica {', '.join(map(str, given))}'s: {fix}")
     other = next(((r, v) for r, (v, had) in enumerate(seen) if v is not None or (given and not had)), None)
     if other is not None:
-        return (f"replica {other[0]} refused this step ({other[1] or 'its loss rank has no target'}); the "
+        told = other[1][1] if isinstance(other[1], tuple) else other[1]
+        return (f"replica {other[0]} refused this step ({told or 'its loss rank has no target'}); the "
                 f"replicas run each step together, so replica {runtime.layout.replica} did not run it either")
     return None
 
@@ -399,7 +409,7 @@ def receive(runtime: Any) -> dict:
         kind, message = header["error"]
         if kind == "PropagationError":
             message = f"the inputs cannot run through the model: {message} (found on fake tensors before the step: nothing ran)"
-        raise on_every_rank((TypeError if kind == "TypeError" else PipelineInputError)(message))
+        raise on_every_rank(rebuilt(kind, message))
     runtime.layouts.update(header["layouts"])
     return header
 

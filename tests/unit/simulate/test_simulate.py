@@ -347,3 +347,14 @@ def test_a_tensor_parallel_plan_of_the_pipe_counts_the_bytes_the_automatic_one_d
     for a, b in zip(auto.tp, own.tp):
         assert b.forward_bytes == pytest.approx(a.forward_bytes, rel=0.01) and a.forward_bytes > 0
         assert b.backward_bytes == pytest.approx(a.backward_bytes, rel=0.01)
+
+
+def test_chunks_past_the_batch_rows_are_told_and_batch_simulates_them():
+    # chunks=16 on an example of 8 rows simulated 8 micro-batches, and said "chunks=8" only in its summary
+    pipe = _pipe(_mlp(), torch.randn(8, 64), chunks=2)
+    with pytest.warns(UserWarning, match=r"chunks=16 is more than the batch's 8 rows: simulating 8 micro-batches "
+                                         r"of one row.*pass batch= \(at least 16 rows\)"):
+        assert fxpipe.simulate(pipe, device=UNIT, chunks=16).chunks == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fxpipe.simulate(pipe, device=UNIT, chunks=16, batch=32).chunks == 16
