@@ -122,7 +122,6 @@ class DistributedRuntime:
         self.target_checked = False  # that the loss's rank has the target when another rank has one
         self.batch_checked: set[bool] = set()  # the calls (step: True) whose ranks were found to share one batch
         self.reduction = "mean"  # the step's loss_reduction, which every rank of a pipeline must pass alike
-        self.refusal: BaseException | None = None  # this rank's refusal of pipe.step's arguments, told in the step
         self.told_forward_only = False  # pipe(x) in training mode with grad on was warned of
         self.target_versions: list = []  # the last target given with its tensors' versions (samebatch.versions)
         self.released = False  # its process groups let go of at interpreter exit (transport.release)
@@ -326,16 +325,12 @@ class DistributedRuntime:
         def body() -> NoReturn:
             if self.layout.tp > 1:  # the group's ranks take inputs and target from any of them: not told
                 raise exc
-            self.refusal = exc
-            try:
-                if self.rank == self.first:
-                    steplayout.publish(self, (), {}, True, stepping=stepping, refusal=exc)
-                steplayout.tell_target_given(self, stepping, None)
-                header = steplayout.receive(self)  # the first rank's refusal, or the loss rank's it told, raises
-                if stepping and self.rank == self.last_rank:  # the first step: the loss rank's check of the target
-                    steplayout.check_target(self, None, bool(header.get("target_on_first")), header.get("batch"))
-            finally:
-                self.refusal = None
+            if self.rank == self.first:
+                steplayout.publish(self, (), {}, True, stepping=stepping, refusal=exc)
+            steplayout.tell_target_given(self, stepping, None, refusal=exc)
+            header = steplayout.receive(self)  # the first rank's refusal, or the loss rank's it told, raises
+            if stepping and self.rank == self.last_rank:  # the first step: the loss rank's check of the target
+                steplayout.check_target(self, None, bool(header.get("target_on_first")), header.get("batch"), exc)
             raise exc  # a middle rank's refusal, which no message carries: a failed step
         try:
             self._guarded(body)
@@ -359,13 +354,10 @@ class DistributedRuntime:
             return
         exc = PipelineInputError(wrong)
         if stepping and self.rank == self.last_rank and not self.target_checked and self.layout.tp == 1:
-            self.refusal = exc
             try:
-                steplayout.check_target(self, None, bool(header.get("target_on_first")), header.get("batch"))
+                steplayout.check_target(self, None, bool(header.get("target_on_first")), header.get("batch"), exc)
             except PipelineInputError:
                 raise on_every_rank(exc) from None
-            finally:
-                self.refusal = None
         raise exc
 
     def check_stages(self) -> None:

@@ -234,7 +234,8 @@ def _missing_target(runtime: Any) -> str:
             f"{_target_fix(runtime)}")
 
 
-def tell_target_given(runtime: Any, stepping: bool, target: Any, training: bool = True) -> None:
+def tell_target_given(runtime: Any, stepping: bool, target: Any, training: bool = True,
+                      refusal: BaseException | None = None) -> None:
     """On the loss's rank, after the first step: tell the first rank whether this step has a target (see above),
     and the state it steps under (:mod:`~fxpipe.runtime.transport.callstate`), or its refusal of its arguments.
 
@@ -242,19 +243,20 @@ def tell_target_given(runtime: Any, stepping: bool, target: Any, training: bool 
     previous call. The first stage's rank finishes a step last, so its wait costs nothing.
     """
     if stepping and runtime.target_checked and runtime.rank == runtime.last_rank != runtime.first:
-        word = ({"refused": _refused(runtime)} if runtime.refusal is not None else
+        word = ({"refused": _refused(runtime, refusal)} if refusal is not None else
                 (target is not None, callstate.state(training, runtime.reduction)))
         runtime.comm.send_object(word, runtime.first)
         runtime.comm.flush()
 
 
-def _refused(runtime: Any) -> tuple[str, str]:
-    """Return this rank's refusal of its ``pipe.step`` arguments as the other ranks raise it (kind, message)."""
-    exc, me = runtime.refusal, runtime.layout.global_ranks[runtime.rank]
+def _refused(runtime: Any, exc: BaseException) -> tuple[str, str]:
+    """Return this rank's refusal ``exc`` of its ``pipe.step`` arguments as the other ranks raise it (kind, message)."""
+    me = runtime.layout.global_ranks[runtime.rank]
     return type(exc).__name__, str(exc) if str(exc).startswith(f"rank {me}") else f"rank {me} (the loss's): {exc}"
 
 
-def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = None) -> None:
+def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = None,
+                 refusal: BaseException | None = None) -> None:
     """Refuse on every rank a step whose loss's rank has no target while another rank was given one.
 
     Asked of every rank on a pipe's first step, before anything is computed. When the first rank
@@ -277,7 +279,7 @@ def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = 
     has = on_first  # whether this replica's loss rank has a target (told where only it knows)
     if runtime.first != loss_rank and on_first:
         if runtime.last:
-            verdict = _refused(runtime) if runtime.refusal is not None else None if target is not None else missing
+            verdict = _refused(runtime, refusal) if refusal is not None else None if target is not None else missing
             tell_all(runtime, verdict)
             runtime.comm.flush()
         else:
@@ -299,8 +301,8 @@ def check_target(runtime: Any, target: Any, on_first: bool, batch: int | None = 
     elif runtime.first != loss_rank:  # only the loss's rank may hold the target: it checks it before anything runs
         if runtime.last:
             verdict, has = _loss_rank_verdict(runtime, target, batch)
-            if runtime.refusal is not None:
-                verdict = _refused(runtime)
+            if refusal is not None:  # the loss rank's refusal of its arguments, told as its verdict
+                verdict = _refused(runtime, refusal)
             tell_all(runtime, (verdict, has))
             runtime.comm.flush()
         else:
