@@ -94,7 +94,7 @@ class CompiledStage:
                     torch.compiler.config.patch(dynamic_sources=sources):  # type: ignore[attr-defined]
                 out = self._fn(*inputs)
         except torch._dynamo.exc.TorchDynamoException as exc:
-            raise self._failure(exc) from exc
+            raise self._failure(exc, inputs) from exc
         if self.graphs > before:
             self._compiled(time.perf_counter() - start)
         return out
@@ -155,8 +155,8 @@ class CompiledStage:
             log.debug("stage %d: torch.compile compiled again (%d graphs in all, %.1f s)", self.index,
                       self.graphs, seconds)
 
-    def _failure(self, exc: BaseException) -> CompileError:
-        """Return a CompileError naming the stage and the node torch.compile could not compile."""
+    def _failure(self, exc: BaseException, inputs: tuple) -> CompileError:
+        """Return a CompileError naming the stage, the node torch.compile could not compile and a 1-row micro-batch."""
         stack = getattr(exc, "real_stack", None) or []
         node = node_in_stack(self.gm, stack) if stack else None
         at = f" at node {describe_node(self.gm, node)}" if node is not None else ""
@@ -167,7 +167,18 @@ class CompiledStage:
                if self.config.fullgraph else
                "try backend='aot_eager' to tell the graph from the backend, or torch_compile=False")
         return CompileError(f"stage {self.index}: torch.compile ({self.config.name}) cannot compile the stage{at}: "
-                            f"{first}; {fix}")
+                            f"{first}; {fix}{_one_row(inputs)}")
+
+
+def _one_row(inputs: tuple) -> str:
+    """Say that the micro-batch has one row, where it has: torch.compile compiles size 1 apart."""
+    rows = {t.shape[0] for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if rows != {1}:
+        return ""
+    return (". This micro-batch has one row, and torch.compile compiles a size of 1 as a graph of its own (it "
+            "specializes sizes 0 and 1), which some models' code does not survive (plain torch.compile(model) fails "
+            "alike on a 1-row batch): give every micro-batch 2 rows or more (a batch of at least 2 * chunks rows, "
+            "or drop an uneven last batch with DataLoader(..., drop_last=True))")
 
 
 def _room_for_stages(stages: int) -> None:

@@ -273,6 +273,20 @@ def test_a_backend_that_fails_is_named_with_the_stage():
         pipe(torch.randn(4, 16))
 
 
+def test_a_compile_failing_on_a_one_row_micro_batch_names_it():
+    def no_single_rows(gm, example_inputs):
+        if any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == 1 for t in example_inputs):
+            raise RuntimeError("Expected X.is_contiguous(memory_format)")
+        return gm
+
+    pipe = fxpipe.compile(Stack(), 2, example_inputs=(torch.randn(4, 16),), devices=["cpu"] * 2, chunks=2,
+                          torch_compile={"backend": no_single_rows})
+    pipe(torch.randn(4, 16))  # 2-row micro-batches compile
+    with pytest.raises(fxpipe.CompileError, match=r"stage 0: .*Expected X.is_contiguous.*This micro-batch has one "
+                                                  r"row.*give every micro-batch 2 rows or more"):
+        pipe(torch.randn(3, 16))  # 2 rows, then 1
+
+
 class _Untraceable(nn.Module):
     def forward(self, x):
         if x.sum() > 0:  # torch.fx cannot trace this: compile would fail tracing
