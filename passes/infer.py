@@ -224,12 +224,16 @@ class Propagator:
     def _stand_in(self, v: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Return the fake stand-in of a module tensor (one per tensor: tied names share it)."""
         known = self.made.get(id(v))
-        if known is not None and known[0] is v and not (v.is_meta and known[1].device != device):
+        if known is not None and known[0] is v and known[1].dtype == v.dtype and \
+                not (v.is_meta and known[1].device != device):  # model.double() changes a tensor's dtype in place
             return known[1]
         if hasattr(v, "to_local") and hasattr(v, "placements"):  # sharded by data parallel: whole
             made = torch.empty(v.shape, dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
         elif v.is_meta:
             made = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device).requires_grad_(v.requires_grad)
+        elif known is not None and known[0] is v:  # its dtype changed in place: from_tensor would return the old fake
+            made = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device
+                                       ).requires_grad_(v.requires_grad)
         else:
             made = self.mode.from_tensor(v)
         self.made[id(v)] = (v, made)

@@ -253,6 +253,19 @@ def test_the_loss_comes_back_in_its_dtype_on_every_rank(tmp_path, launch):
     assert results[0]["value"] == results[1]["value"] == pytest.approx(results[0]["expected"], rel=1e-12)
 
 
+@pytest.mark.parametrize("schedule,world", [("1f1b", 2), ("zb", 3)])
+def test_a_model_cast_after_compile_steps_in_its_new_dtype_and_back(schedule, world, tmp_path, launch):
+    # the crossing values' specs were cached per input layout only, and the propagation's fake
+    # weights kept their first dtype: after model.double() the receiving ranks sized float32 buffers
+    # (or, once a float64 layout was cached, float64 ones after model.float()) and every later step failed
+    results = launch("longrun_cases:model_cast", world, schedule, tmp_path)
+    _ok(results)
+    for res in results:
+        assert res["failed"][0] in ("RuntimeError", "PeerFailure"), res["failed"]
+        for loss_error, grad_error in res["errors"]:
+            assert loss_error < 1e-5 and grad_error < 1e-5, res["errors"]
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_a_rope_model_on_meta_saves_loads_across_ranks_and_resumes_exactly(schedule, tmp_path, launch):
     results = launch("longrun_cases:rope_resume", 2, schedule, tmp_path)

@@ -463,6 +463,26 @@ def loss_dtype(rank, world, schedule):
     return {"dtype": str(loss.dtype), "value": loss.item(), "expected": F.mse_loss(eager(x), y).item()}
 
 
+def model_cast(rank, world, schedule):
+    """A token model cast after compile: float64 steps, a step the cast fails, then float32 again, each equal eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 64))
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, world, example_inputs=(tokens(0, 6)[0],), chunks=2, runtime="distributed",
+                          timeout=20, schedule=schedule)
+    errors, ids, target = [], *tokens(1, 6)
+    for dtype in (torch.float64, torch.float32):
+        model.to(dtype), eager.to(dtype)
+        errors.append(_compare(pipe, model, eager, rank, ids, target))
+    model.double()
+    model[3].float()  # a float64 activation into a float32 linear: the step fails on the rank holding it
+    failed = _attempt(lambda: pipe.step(ids if rank == 0 else None, target=target, loss_fn=token_loss))
+    model.float()
+    errors.append(_compare(pipe, model, eager, rank, ids, target))
+    return {"errors": errors, "failed": failed[:2]}
+
+
 def rope_resume(rank, world, schedule):
     """A RoPE decoder on meta with weights= and init=: train, save, load into a fresh pipe, go on."""
     out_dir = os.environ["FXPIPE_TEST_DIR"]

@@ -9,6 +9,7 @@ every rank of every pipeline with the same error, instead of a mismatched messag
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -349,7 +350,7 @@ def _replicas_verdict(runtime: Any, verdict: Verdict, has: bool, fix: str) -> Ve
 def _propagate(runtime: Any, specs: list[Any], training: bool) -> dict[str, Any]:
     """Propagate the crossing values' specs of every micro-batch layout not seen yet; return the new ones."""
     new: dict[str, Any] = {}
-    for key, layout in zip(_keys(specs, training), specs):
+    for key, layout in zip(_keys(runtime, specs, training), specs):
         if key not in runtime.layouts:
             runtime.layouts[key] = new[key] = _propagated(runtime, layout, training)
     return new
@@ -397,10 +398,20 @@ def _checked(runtime: Any, layout: Any) -> dict[str, Any]:
     return runtime.propagate_crossing(list(layout))
 
 
-def _keys(specs: list[Any], training: bool) -> list[str]:
-    """Return the cache key of each micro-batch layout (its specs, the autocast state and the mode)."""
-    state = autocast_state()
+def _keys(runtime: Any, specs: list[Any], training: bool) -> list[str]:
+    """Return the cache key of each micro-batch layout (its specs, the autocast state, the mode, the weights' dtypes)."""
+    state = (autocast_state(), _weight_dtypes(runtime.gm))
     return [repr((layout, state, training)) for layout in specs]
+
+
+def _weight_dtypes(gm: torch.nn.Module) -> str:
+    """Return a short digest of the dtypes of ``gm``'s parameters and buffers, in order.
+
+    A model cast after compile (``model.double()`` on every rank) makes other crossing values:
+    specs propagated before it would size receive buffers of the old dtype.
+    """
+    names = ",".join(str(t.dtype) for t in (*gm.parameters(), *gm.buffers()))
+    return f"{zlib.crc32(names.encode()):08x}"
 
 
 def receive(runtime: Any) -> dict:
@@ -419,7 +430,7 @@ def receive(runtime: Any) -> dict:
 def specs_for(runtime: Any, header: dict) -> Callable[[int], dict[str, Any]]:
     """Return micro-batch index -> spec of every crossing value (propagated by the first rank, once per layout)."""
     training = header.get("training", True)
-    keys = _keys(header["specs"], training)
+    keys = _keys(runtime, header["specs"], training)
 
     def specs(i: int) -> dict[str, Any]:
         if keys[i] not in runtime.layouts:  # the first rank ran under another autocast state
