@@ -95,7 +95,7 @@ def classify_outputs(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched:
          "in-batch-negatives loss over a (B, B) score matrix does)" for name, node, kind in scalars if kind == "C"],
         [name for name, _, kind in scalars if kind == "S"],
         [name for name, _, kind in scalars if kind == "M"],
-        _independent(gm, kinds, leaves),
+        _independent(gm, kinds, leaves, part),
         [name for name, _, kind in scalars if kind == "C"])
 
 
@@ -106,8 +106,12 @@ def coupled_scalars(gm: torch.fx.GraphModule, batch: int, rows: int, unbatched: 
 
 
 def _independent(gm: torch.fx.GraphModule, kinds: dict[torch.fx.Node, str],
-                 leaves: list[tuple[str, torch.fx.Node]]) -> list[tuple[int, str]]:
+                 leaves: list[tuple[str, torch.fx.Node]], part: dict[str, Any]) -> list[tuple[int, str]]:
     """Return ``(position, name)`` of each tensor output the batch does not change (class K above).
+
+    An output made of sizes alone but shaped by the batch (position ids expanded to it, a mask of
+    ones: ``x.new_ones(x.shape[0], t)``) is K for the reductions above, yet each micro-batch has
+    its own rows of it: it is not returned.
 
     The position is the output's leaf in ``tree_flatten`` of the graph's output, which is where
     it lies among the micro-batch's output leaves while every output node holds one value. Where
@@ -120,7 +124,7 @@ def _independent(gm: torch.fx.GraphModule, kinds: dict[torch.fx.Node, str],
     by_node = {id(node): name for name, node in leaves}
     return [(k, by_node.get(id(leaf), f"output {k}")) for k, leaf in enumerate(flat)
             if isinstance(leaf, torch.fx.Node) and isinstance(leaf.meta.get("fxpipe.value"), TensorSpec)
-            and kinds.get(leaf) == "K"]
+            and kinds.get(leaf) == "K" and not _follows(leaf.meta["fxpipe.value"], part.get(leaf.name))]
 
 
 def _kind(node: torch.fx.Node, kinds: dict[torch.fx.Node, str], part: dict[str, Any]) -> str:

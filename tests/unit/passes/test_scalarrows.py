@@ -240,6 +240,27 @@ def test_an_unbatched_input_returned_whole_comes_back_once():
     assert out[1].shape == (5, 2) and torch.equal(out[1], table)
 
 
+def test_outputs_made_of_sizes_but_shaped_by_the_batch_come_back_with_every_row():
+    # position ids expanded to the batch and a mask of ones were taken as independent of the batch
+    # (made of sizes alone), so pipe(x) returned the first micro-batch's 2 rows of 6, silently
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            pos = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+            return self.b(self.a(x)), pos, x.new_ones(x.shape[0], x.shape[1]), self.b.weight.sum()
+
+    x, model = torch.randn(6, 4, 8), Positions()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=3, devices=["cpu"] * 2, split_points=["b"])
+    with torch.no_grad():
+        got, expected = pipe(x), model(x)
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b)
+
+
 def test_a_coupled_output_is_still_refused_beside_an_independent_one():
     class Mixed(nn.Module):
         def __init__(self):
