@@ -77,11 +77,11 @@ def test_a_custom_schedule_from_text_runs_across_ranks(tmp_path, launch):
 def test_values_of_every_kind_cross_ranks_under_every_schedule(tmp_path, launch):
     # None, numbers, strings, nested dicts and tuples, integer and no-grad tensors, and
     # nn.MultiheadAttention's (out, None), a complex tensor carrying a gradient, cut right
-    # after them: pipe(x) and pipe.step
+    # after them: pipe(x) and pipe.step; a lazy conjugate (z.conj()) failed its send
     results = launch("values", 2, "all", tmp_path)
     for r, res in enumerate(results):
         assert res["ok"], f"rank {r}: {res.get('traceback')}"
-        assert len(res["cases"]) == 18
+        assert len(res["cases"]) == 21
         for label, case in res["cases"].items():
             assert case["loss_error"] < 1e-5, (r, label, case)
             assert not case["grad_errors"] or max(case["grad_errors"].values()) < 1e-5, (r, label, case)

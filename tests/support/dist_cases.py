@@ -268,7 +268,8 @@ def values(rank, world, schedule):
             ("carrier export", Carrier, (7, 8), "export", ["b"]),
             ("attention fx", AttnBlock, (4, 5, 8), "fx", ["getitem"]),
             ("attention export", AttnBlock, (4, 5, 8), "export", ["out"]),
-            ("complex fx", Spectral, (6, 8), "fx", ["getattr_1"])]:
+            ("complex fx", Spectral, (6, 8), "fx", ["getattr_1"]),
+            ("complex conj fx", lambda: Spectral(conj=True), (6, 8), "fx", ["getattr_1"])]:
         for schedule in ("gpipe", "1f1b", "zb"):
             torch.manual_seed(0)
             model, x = make().eval(), torch.randn(shape)

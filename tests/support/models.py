@@ -183,12 +183,14 @@ class Carrier(nn.Module):
 class Spectral(nn.Module):
     """A complex tensor (``fft_fft``) crosses a cut right after it and carries a gradient back to ``a``."""
 
-    def __init__(self, d: int = 8) -> None:
+    def __init__(self, d: int = 8, conj: bool = False) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+        self.conj = conj  # a lazy conjugate crosses (its conj bit set, no copy made)
 
     def forward(self, x):
         z = torch.fft.fft(torch.tanh(self.a(x)))
+        z = z.conj() if self.conj else z
         return self.b(z.real * z.imag + z.abs())
 
 

@@ -102,7 +102,10 @@ def dense(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 
         sender:   t (N,C,H,W) channels-last ─▶ permute(0,2,3,1) (N,H,W,C) contiguous ─▶ send
         receiver: buffer (N,H,W,C) ─▶ permute(0,3,1,2) ─▶ (N,C,H,W) channels-last, no copy
+
+    A complex tensor's lazy conjugate (``.conj()``) is resolved: it goes as its real view.
     """
+    t = t.resolve_conj().resolve_neg()
     if not spec.channels_last:
         return t.contiguous()
     return t.contiguous(memory_format=spec.memory_format).permute(0, *range(2, t.dim()), 1)

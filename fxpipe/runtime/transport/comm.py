@@ -204,6 +204,9 @@ class Comm:
         # stayed the refusal's __context__), so close() left the connections open and a peer
         # waiting on this rank waited for the timeout (ZB-V, gloo: a send to a peer that failed).
         failed = None
+        wires = []  # made before any send: a tensor that cannot go is this rank's error, not a peer's death
+        for t, _, _ in (*sends, *recvs):
+            wires.append(_wire(t))
         try:
             if self._coalesces():
                 at = self.global_ranks.__getitem__ if self.global_ranks is not None else int
@@ -213,10 +216,10 @@ class Comm:
                         ops.append(dist.P2POp(kind, t, at(peer), self.group, tag))
                 return dist.batch_isend_irecv(ops)
             works = []
-            for t, peer, tag in sends:
-                works.append(self.group.send([_wire(t)], self._group_rank(peer), tag))
-            for t, peer, tag in recvs:
-                works.append(self.group.recv([_wire(t)], self._group_rank(peer), tag))
+            for (_, peer, tag), wire in zip(sends, wires):
+                works.append(self.group.send([wire], self._group_rank(peer), tag))
+            for (_, peer, tag), wire in zip(recvs, wires[len(sends):]):
+                works.append(self.group.recv([wire], self._group_rank(peer), tag))
             return works
         except Exception as exc:  # noqa: BLE001 - a send to a closed connection fails at once
             failed = exc

@@ -288,7 +288,7 @@ def _tensors(value: Any, spec: Any) -> list[torch.Tensor]:
     tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
     specs = tensor_leaves(spec, floating_only=False)
     if len(specs) != len(tensors):  # the receiver's count differs: the message fails there, named
-        return [t.contiguous() for t in tensors]
+        return [t.resolve_conj().resolve_neg().contiguous() for t in tensors]
     return [dense(t, s) for t, s in zip(tensors, specs)]
 
 

@@ -45,7 +45,7 @@ def _leaf(value: Any) -> Any:
         if value.device.type == "meta" or value.layout != torch.strided or value.is_quantized:
             return None  # not compared: no values, or no plain sum
         t = value.detach()
-        t = torch.view_as_real(t) if t.is_complex() else t
+        t = torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
         rows = t.reshape(t.shape[0], t[:1].numel()) if t.dim() else t.reshape(1, 1)
         weights = torch.arange(1, rows.shape[0] + 1, dtype=torch.float64, device=t.device)
         return (tuple(value.shape), str(value.dtype), float((rows.double().sum(1) * weights).sum()))
@@ -65,7 +65,7 @@ def glance(value: Any) -> list[Any]:
         if isinstance(v, torch.Tensor) and v.device.type != "meta" and v.layout == torch.strided \
                 and not v.is_quantized:
             t = v.detach().reshape(-1)[:64]
-            t = torch.view_as_real(t) if t.is_complex() else t
+            t = torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
             found.append((tuple(v.shape), str(v.dtype), float(t.double().sum()) if t.numel() else 0.0))
         else:
             found.append(v if type(v) in _PLAIN else None)
