@@ -42,7 +42,7 @@ from fxpipe.passes.modes import merge_modes
 from fxpipe.passes.mutates import alias_closure, written_args
 from fxpipe.passes.records import extras, record_builder, register_graph_records
 
-__all__ = ["detector_note", "trace"]
+__all__ = ["detector_note", "refuse_parallel_wrapper", "trace"]
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.trace expects an nn.Module, got {type(model).__name__}")
     model = unwrap_compiled(model)
-    _refuse_parallel_wrapper(model)
+    refuse_parallel_wrapper(model)
     check_tracer(tracer)
     if tracer == "export":
         from fxpipe.frontend.export import export_trace
@@ -387,8 +387,8 @@ def _refuse_wrapped_forward(model: nn.Module) -> None:
             f"wrapped.{_hugging_face(model)}")
 
 
-def _refuse_parallel_wrapper(model: nn.Module) -> None:
-    """Refuse a model already wrapped in DDP, FSDP (1) or DataParallel, naming ``.module`` and ``data_parallel=``."""
+def refuse_parallel_wrapper(model: nn.Module) -> None:
+    """Refuse a model already wrapped in DDP, FSDP (1 or 2) or DataParallel, or tensor-parallelized, naming the fix."""
     wrappers: list[type] = [nn.DataParallel]
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -401,6 +401,34 @@ def _refuse_parallel_wrapper(model: nn.Module) -> None:
                         "forward syncs and scatters across ranks): pass the wrapped model, model.module, and let "
                         "fxpipe add data parallel around each stage with data_parallel=N (data_parallel_shard=True "
                         "for FSDP2)")
+    sharded = _fully_sharded(model)
+    if sharded is not None:
+        raise TypeError(f"fully_shard (FSDP2) was applied to the model ({sharded}), so its parameters are sharded "
+                        "DTensors that fxpipe cannot split into stages: compile the model as built, before "
+                        "fully_shard, and let fxpipe shard each stage over its replicas with data_parallel=N, "
+                        "data_parallel_shard=True")
+    distributed = next((name for name, p in model.named_parameters() if _is_dtensor(p)), None)
+    if distributed is not None:
+        raise TypeError(f"the model's parameter {distributed!r} is a DTensor (parallelize_module or distribute_tensor "
+                        "was applied), which fxpipe cannot split into stages: compile the model as built and let "
+                        "fxpipe shard each stage with tensor_parallel=N (see docs/guide/tensor-parallel.md)")
+
+
+def _fully_sharded(model: nn.Module) -> str | None:
+    """Return the name of the first module fully_shard (FSDP2) was applied to ('the model' for the root), or None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return None
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            return f"module {name!r}" if name else "the model itself"
+    return None
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Tell whether ``t`` is a DTensor (a parameter sharded by tensor parallel or FSDP2)."""
+    return hasattr(t, "placements") and hasattr(t, "to_local")
 
 
 def _refuse_tensor_defaults(model: nn.Module, concrete_args: dict[str, Any] | None) -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from fxpipe.frontend.tracing import refuse_parallel_wrapper
 from fxpipe.materialize.fillplan import tensor_table
 from fxpipe.materialize.metatensors import refuse_meta_constants
 from fxpipe.materialize.weights import check_weights
@@ -60,6 +61,7 @@ class Target:
 def _checked(model: nn.Module, options: CompileOptions) -> tuple[Schedule, Any]:
     """Refuse options no layer could use; return the resolved schedule and the checked weights."""
     options.check()
+    refuse_parallel_wrapper(model)  # before the ranks compare their weights (a DTensor has no plain values)
     if options.balance_by == "time" and any(info.tensor.is_meta for info in tensor_table(model).values()):
         raise ValueError("balance_by='time' measures the model's kernels, which a model on meta cannot "
                          "run; use balance_by='flops'")

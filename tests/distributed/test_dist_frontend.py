@@ -25,3 +25,19 @@ def test_an_exported_model_keeps_only_its_stage_per_rank_and_saves_the_trained_w
         assert res["wrong"] == [], r  # held tensors real, every other on meta
         assert res["stale"] == [], r  # the checkpoint holds the owner's trained values
     assert set(results[0]["mine"]).isdisjoint(results[1]["mine"])
+
+
+def test_a_model_sharded_before_compile_is_refused_naming_the_fix(tmp_path, launch):
+    # fully_shard's DTensors reached the ranks' weight comparison: ".tolist() is not supported for
+    # tensor subclasses" (one process: a PropagationError suggesting tracer='export')
+    results = launch("prewrapped", 2, "1f1b", tmp_path, limit=60)
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        refused = res["refused"]
+        for label in ("fsdp2 root", "fsdp2 inner"):
+            assert refused[label][0] == "TypeError", refused[label]
+            assert "fully_shard (FSDP2) was applied" in refused[label][1]
+            assert "data_parallel_shard=True" in refused[label][1]
+        assert "module '0'" in refused["fsdp2 inner"][1]
+        assert refused["tensor parallel"][0] == "TypeError", refused["tensor parallel"]
+        assert "'0.weight' is a DTensor" in refused["tensor parallel"][1] and "tensor_parallel=N" in refused["tensor parallel"][1]

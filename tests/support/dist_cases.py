@@ -1395,3 +1395,25 @@ def nested_fast_path(rank, world, schedule):
     with torch.no_grad():
         out, want = pipe(ids, pad), eager(ids, pad)
     return {"error": None if out is None else float((out - want).abs().max())}
+
+
+def prewrapped(rank, world, schedule):
+    """A model given to compile after fully_shard (FSDP2) or parallelize_module: refused on every rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world,))
+    refused = {}
+    for label, wrap in (("fsdp2 root", fully_shard), ("fsdp2 inner", lambda m: fully_shard(m[0], mesh=mesh)),
+                        ("tensor parallel", lambda m: parallelize_module(m, mesh, {"0": ColwiseParallel()}))):
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        wrap(model)
+        try:
+            fxpipe.compile(model, world, example_inputs=(torch.randn(4, 8),), runtime="distributed", timeout=30)
+            refused[label] = ["returned", ""]
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            refused[label] = [type(exc).__name__, str(exc)]
+    return {"refused": refused}
