@@ -159,6 +159,8 @@ class Pipe(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load the model's state; on a distributed rank only the FQNs it holds, sharded as it holds them."""
+        if strict:
+            _refuse_wrapper_prefix(state_dict, self._model.state_dict(keep_vars=True))
         if self.owned is None:
             return super().load_state_dict(state_dict, strict, assign)
         held = self._model.state_dict(keep_vars=True)
@@ -373,6 +375,9 @@ def _check_step_arguments(runtime: Runtime, target: Any, loss_fn: Any, scaler: A
                      "or loss_fn=lambda out, _: out.loss for a model that computes its own loss")
     if needs:
         raise TypeError(f"pipe.step() needs {'; and '.join(needs)}")
+    if isinstance(loss_fn, type) and issubclass(loss_fn, nn.Module):
+        raise TypeError(f"loss_fn= is the class {loss_fn.__name__}, not a loss: pass an instance, "
+                        f"loss_fn={loss_fn.__name__}() (or the function, e.g. torch.nn.functional.cross_entropy)")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be a function (output, target) -> loss, got {type(loss_fn).__name__}: "
                         "pass e.g. loss_fn=torch.nn.functional.cross_entropy, or for a model that computes its own "
@@ -422,6 +427,16 @@ def _refuse_lone_scaler(runtime: Runtime, scaler: Any) -> None:
 
 _COMPILE_OPTIONS = frozenset({"chunks", "schedule", "checkpoint", "n_stages", "stages_per_rank", "balance",
                               "data_parallel", "data_parallel_shard", "tensor_parallel", "tracer", "devices"})
+
+
+def _refuse_wrapper_prefix(state_dict: Mapping[str, Any], held: Mapping[str, Any]) -> None:
+    """Refuse a state dict whose keys carry a wrapper's prefix (DDP's ``module.``, torch.compile's ``_orig_mod.``)."""
+    for prefix, wrapper in (("module.", "DistributedDataParallel or DataParallel"), ("_orig_mod.", "torch.compile")):
+        wrapped = [k for k in state_dict if k.startswith(prefix) and k not in held and k[len(prefix):] in held]
+        if wrapped:
+            raise RuntimeError(f"the state dict's keys start with {prefix!r} ({wrapped[0]!r}: saved from a model "
+                               f"wrapped in {wrapper}), where the pipe's are the model's own ({wrapped[0][len(prefix):]!r}): "
+                               f"strip the prefix, {{k.removeprefix({prefix!r}): v for k, v in state_dict.items()}}")
 
 
 def _like_held(value: Any, held: Any) -> Any:

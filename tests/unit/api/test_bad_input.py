@@ -590,6 +590,10 @@ def test_a_pipe_given_to_compile_and_a_loss_fn_that_is_no_function_are_refused_n
                                         r"model that computes its own loss \(Hugging Face's labels=\) "
                                         r"loss_fn=lambda out, _: out.loss"):
         pipe.step(x, target=x, loss_fn="mse")
+    with pytest.raises(TypeError, match=r"loss_fn= is the class MSELoss, not a loss: pass an instance, "
+                                        r"loss_fn=MSELoss\(\)"):  # it failed in torch: "Boolean value of Tensor ..."
+        pipe.step(x, target=x, loss_fn=nn.MSELoss)
+    pipe.step(x, target=x, loss_fn=nn.MSELoss())
 
 
 def test_a_step_without_target_or_loss_fn_names_what_each_takes():

@@ -36,6 +36,20 @@ def test_load_state_dict_reaches_every_stage():
     torch.testing.assert_close(pipe(x), other(x))
 
 
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod."])
+def test_a_state_dict_saved_from_a_wrapper_is_refused_naming_the_prefix(prefix):
+    # torch's bare "Missing key(s) ... Unexpected key(s)" said nothing of DDP's or torch.compile's prefix
+    model, other = CNN().eval(), CNN().eval()
+    pipe = _pipe(model)
+    wrapped = {prefix + k: v for k, v in other.state_dict().items()}
+    with pytest.raises(RuntimeError, match=rf"keys start with '{prefix}'.*strip the prefix, "
+                                           rf"\{{k.removeprefix\('{prefix}'\)"):
+        pipe.load_state_dict(wrapped)
+    pipe.load_state_dict({k.removeprefix(prefix): v for k, v in wrapped.items()})
+    x = torch.randn(4, 3, 8, 8)
+    torch.testing.assert_close(pipe(x), other(x))
+
+
 def test_gradients_land_in_model_parameters():
     model = CNN().eval()
     pipe = _pipe(model)
