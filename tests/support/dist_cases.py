@@ -769,6 +769,28 @@ def dp_accumulate(rank, world, schedule):
     return out
 
 
+def dp_written_then_steps(rank, world, schedule):
+    """Parameters written in place after compile (a custom init), then SGD steps: each step's gradients equal eager's.
+
+    Under FSDP2 the first checkpointed forward took the unsharded parameters registered after it
+    for writes of the sharded ones before it; the recomputation then put the sharded copies back
+    into the unsharded parameters and the second step failed ("data is not allocated yet").
+    """
+    pipe, model, eager, x, y, xs, ys, loss_fn, step, held = _dp_setup(rank, world, _mlp_pair, schedule, chunks=2,
+                                                                       split_points=["2"])
+    with torch.no_grad():
+        for p, q in zip(pipe.parameters(), eager.parameters()):
+            p.mul_(0.5), q.mul_(0.5)
+    ours, theirs = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    errors = []
+    for _ in range(3):
+        step(xs, ys)
+        loss_fn(eager(x), y).backward()
+        errors.append(max(_grad_errors(held, eager).values()))
+        ours.step(), theirs.step(), ours.zero_grad(), theirs.zero_grad()
+    return {"errors": errors}
+
+
 def dp_refusals(rank, world, schedule):
     """A layout the world cannot hold; a tie on one rank; replicas with different batch sizes, one replica
     without its inputs, one without its target (each refused on every rank)."""

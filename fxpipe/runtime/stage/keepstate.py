@@ -35,7 +35,7 @@ import torch
 import torch.fx
 from torch.nn.modules.batchnorm import _NormBase
 
-from fxpipe.frontend.tracewrites import named_state, state_versions
+from fxpipe.frontend.tracewrites import named_state
 from fxpipe.passes.mutates import aliases, op_name, unwrapped, written_args
 from fxpipe.runtime.observe.blame import add_note
 
@@ -127,14 +127,21 @@ def written_buffers(gm: torch.fx.GraphModule) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def versions(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Return the version counter of each real buffer and parameter of ``gm`` (bumped by every in-place write)."""
-    return state_versions(gm)
+def versions(gm: torch.fx.GraphModule) -> dict[str, tuple[int, int]]:
+    """Return the identity and version counter of each real buffer and parameter of ``gm`` (bumped by in-place writes).
+
+    The identity tells a write from a swap: FSDP2 registers the sharded parameters before a
+    forward and the unsharded ones after it (``reshard_after_forward=False``), whose counters
+    are another tensor's. Taken as a write, every parameter was copied per micro-batch and put
+    back by the recomputation, the sharded copy into the unsharded parameter ("its data is not
+    allocated yet").
+    """
+    return {n: (id(t), t._version) for n, t in state(gm).items() if not t.is_meta}
 
 
-def bumped(gm: torch.fx.GraphModule, before: dict[str, int]) -> list[str]:
-    """Return the buffers of ``gm`` written in place since ``before`` was taken."""
-    return [n for n, v in versions(gm).items() if n in before and v != before[n]]
+def bumped(gm: torch.fx.GraphModule, before: dict[str, tuple[int, int]]) -> list[str]:
+    """Return the buffers of ``gm`` written in place since ``before`` was taken (the same tensor, another version)."""
+    return [n for n, (who, v) in versions(gm).items() if n in before and before[n][0] == who and before[n][1] != v]
 
 
 def changed(gm: torch.fx.GraphModule, before: dict[str, torch.Tensor]) -> list[str]:
