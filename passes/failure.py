@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.fx
 
-__all__ = ["PropagationError", "explain"]
+__all__ = ["PropagationError", "explain", "refuse_not_dense"]
 
 
 class PropagationError(RuntimeError):
@@ -35,9 +35,23 @@ class PropagationError(RuntimeError):
         self.module = module
 
 
-def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception, on: str = "the example inputs",
-            advise: bool = True) -> PropagationError:
-    """Name the node that raised ``exc`` on inputs ``on``, its module, and (``advise``) the likely cause."""
+_NOT_DENSE = ("fxpipe can neither measure it on fake tensors, send it between stages nor split it into "
+              "micro-batches by rows: make it dense where it is made (sparse: .to_dense(), or its indices and "
+              "values as dense tensors aggregated with index_add_; nested: nt.to_padded_tensor(0) with each "
+              "sample's length or a mask)")
+
+
+def refuse_not_dense(gm: torch.fx.GraphModule, node: torch.fx.Node, value: Any) -> None:
+    """Raise a PropagationError naming ``node`` if its value holds a sparse or nested tensor."""
+    for t in value if isinstance(value, list) else [value]:
+        if isinstance(t, torch.Tensor) and (t.is_nested or t.layout != torch.strided):
+            where, module, _ = _where(gm, node)
+            kind = "a nested tensor (torch.nested)" if t.is_nested else f"a sparse tensor ({t.layout})"
+            raise PropagationError(f"{where} makes {kind}: {_NOT_DENSE}", node.name, module)
+
+
+def _where(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[str, str | None, list]:
+    """Return how messages name ``node`` (with its module), the module's path, and the node's module stack."""
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target)
     what = f"{node.op} {target}"
     if node.op == "call_module":
@@ -45,9 +59,19 @@ def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception, on: s
     stack = [(path, kind) for path, kind in (node.meta.get("nn_module_stack") or {}).values()
              if path and not (node.op == "call_module" and path == node.target)]
     module = stack[-1][0] if stack else None
-    where = f"node '{node.name}' ({what})" + (f" in module '{module}' ({_name(stack[-1][1])})" if stack else "")
+    return f"node '{node.name}' ({what})" + (f" in module '{module}' ({_name(stack[-1][1])})" if stack else ""), \
+        module, stack
+
+
+def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception, on: str = "the example inputs",
+            advise: bool = True) -> PropagationError:
+    """Name the node that raised ``exc`` on inputs ``on``, its module, and (``advise``) the likely cause."""
+    where, module, stack = _where(gm, node)
     first = next((line for line in str(exc).splitlines() if line.strip()), "")
     message = f"{where} fails on {on}: {type(exc).__name__}: {first}"
+    if "shape_env must not be None" in str(exc):  # a jagged nested tensor made on fake tensors
+        return PropagationError(f"{message}\nThis is how a nested (jagged) tensor made in the node fails: "
+                                f"{_NOT_DENSE}", node.name, module)
     inputs = [a.target for a in node.all_input_nodes if a.op == "placeholder"]
     if advise and "NoneType" in str(exc) and inputs and getattr(gm, "meta", {}).get("fxpipe.tracer") != "export":
         name = inputs[0]

@@ -27,7 +27,7 @@ from typing import Any, cast
 import torch
 import torch.fx
 import torch.fx.immutable_collections
-from fxpipe.passes.failure import explain
+from fxpipe.passes.failure import explain, refuse_not_dense
 from fxpipe.passes.mutates import VIEW_NAMES, may_mutate, op_name
 from fxpipe.passes.nesting import levels_restored
 from fxpipe.passes.signature import node_key, value_key
@@ -231,6 +231,7 @@ class Propagator(PlainArgs):
                     raise
                 except Exception as exc:
                     raise explain(self.gm, node, exc) from exc
+                refuse_not_dense(self.gm, node, _tensors(result.value))
                 changed = [_storage(t) for t, v in versions if t._version != v]
                 mutates = _aliases(self.storages, changed, node) if changed else []
                 if key is not None and not changed:

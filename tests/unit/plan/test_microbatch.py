@@ -96,6 +96,46 @@ def test_a_sparse_tensor_input_is_refused_at_compile_naming_the_dense_fix(tracer
         scatter([adj], ["adj"], 2)
 
 
+class _MakesSparse(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) + h.detach().relu().to_sparse().to_dense()
+
+
+class _Jagged(torch.nn.Module):
+    def forward(self, h):
+        return torch.nested.as_nested_tensor(list(h.unbind(0)), layout=torch.jagged)
+
+
+class _MakesNested(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.mk, self.b = torch.nn.Linear(8, 8), _Jagged(), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) + self.mk(h).to_padded_tensor(0.0)
+
+
+def test_a_sparse_or_nested_tensor_made_inside_the_forward_is_refused_naming_the_node_and_the_dense_fix():
+    # before: torch's "Cannot access storage of SparseTensorImpl"; for a nested tensor a PropagationError
+    # blaming tracing and advising tracer='export', which refuses it too
+    import fxpipe
+    from fxpipe.errors import PropagationError
+
+    kw = dict(chunks=3, split_points=["b"], devices=["cpu"] * 2)
+    with pytest.raises(PropagationError, match=r"node 'to_sparse' .* makes a sparse tensor \(torch.sparse_coo\): .*"
+                                               r"\.to_dense\(\)"):
+        fxpipe.compile(_MakesSparse(), 2, example_inputs=(torch.randn(6, 8),), **kw)
+    with pytest.raises(PropagationError, match=r"(?s)node 'mk' .*nested \(jagged\) tensor made in the node.*"
+                                               r"to_padded_tensor"):
+        fxpipe.compile(_MakesNested(), 2, example_inputs=(torch.randn(6, 4, 8),), leaf_modules=[_Jagged], **kw)
+
+
 def test_a_block_mask_of_several_rows_is_refused_where_the_batch_is_split_and_one_of_none_goes_whole():
     # before: every micro-batch attended with the first rows' document masks, silently (0.34 off eager)
     from torch.nn.attention.flex_attention import create_block_mask
