@@ -100,7 +100,7 @@ class GradSync:
         return DistributedDataParallel(module, device_ids=device_ids, process_group=self.layout.dp_group)
 
     def refresh(self) -> None:
-        """Follow parameters frozen or unfrozen since the stages were wrapped, before a step.
+        """Follow parameters frozen, unfrozen or cast since the stages were wrapped, before a step.
 
         DDP's reducer waits for the gradients of the parameters that required grad when it was
         built: one frozen since never comes, so the others were left unaveraged and the next step
@@ -117,15 +117,15 @@ class GradSync:
             if self._after_step(j):
                 known = {id(p) for p in self.after}
                 self.after += [p for p in module.parameters() if p.requires_grad and id(p) not in known]
-            elif self.shard and j not in self.wrapped and any(now):
+            elif self.shard and j not in self.wrapped and _any_trainable(now):
                 raise PipelineInputError(
                     f"stage {j} had no parameter requiring grad when the pipe was compiled, so FSDP2 did not shard "
                     "it and its gradients would not be reduced over the replicas; unfreezing it is refused. Compile "
                     "with the parameters requiring grad (leave them out of the optimizer until they train), or "
                     "build a new pipe after unfreezing (fxpipe.save, fxpipe.compile, fxpipe.load)")
-            elif not self.shard:
+            elif not self.shard:  # frozen, unfrozen or cast (model.double()): a new reducer
                 self.wrapped.pop(j, None)  # its reducer goes with it
-                if any(now):
+                if _any_trainable(now):
                     self.wrapped[j] = self._ddp(module)
             self.trainable[j] = now
 
@@ -218,9 +218,14 @@ def _with_zero_shares(module: nn.Module, args: Any, out: Any) -> Any:
     return tree_map(add, out)
 
 
-def _trainable(module: nn.Module) -> tuple[bool, ...]:
-    """Return which of ``module``'s parameters require grad."""
-    return tuple(p.requires_grad for p in module.parameters())
+def _trainable(module: nn.Module) -> tuple[tuple[bool, torch.dtype], ...]:
+    """Return whether each of ``module``'s parameters requires grad, and its dtype (DDP's buckets are of one dtype)."""
+    return tuple((p.requires_grad, p.dtype) for p in module.parameters())
+
+
+def _any_trainable(trainable: tuple[tuple[bool, torch.dtype], ...]) -> bool:
+    """Tell whether :func:`_trainable`'s answer has a parameter requiring grad."""
+    return any(needs for needs, _ in trainable)
 
 
 @contextmanager

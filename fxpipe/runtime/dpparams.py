@@ -8,7 +8,8 @@
   the rows of its own share of the batch, and data parallel averages only gradients, so the
   replicas' weights drift apart. Warned of.
 - A non-contiguous parameter (a ``channels_last`` model's convolution weight) FSDP2 cannot shard
-  ("FSDP does not support non-contiguous parameters yet"): refused naming the fix.
+  ("FSDP does not support non-contiguous parameters yet"): refused naming the fix. So are a
+  stage's parameters of several dtypes (FSDP2 shards a module in one).
 """
 
 from __future__ import annotations
@@ -40,9 +41,20 @@ def _sparse_ops(module: nn.Module) -> list[str]:
 
 
 def check_layouts(j: int, module: nn.Module, shard: bool) -> None:
-    """Refuse stage ``j``'s non-contiguous parameters (a ``channels_last`` model's weights) where FSDP2 shards them."""
+    """Refuse stage ``j``'s non-contiguous parameters (a ``channels_last`` model's weights), or of several dtypes,
+    where FSDP2 shards them."""
     if not shard:
         return
+    first: dict[torch.dtype, str] = {}
+    for name, p in module.named_parameters():
+        first.setdefault(p.dtype, name)
+    if len(first) > 1:
+        held = ", ".join(f"{dtype} ({name!r})" for dtype, name in first.items())
+        raise CompileError(f"stage {j} holds parameters of several dtypes, {held}, and FSDP2 shards a module's "
+                           "parameters in one dtype (data_parallel_shard=True; it failed at the first step: 'FSDP "
+                           "expects uniform original parameter dtype'); cast the model to one dtype (torch.autocast "
+                           "for lower-precision math), put a split point between them (split_points=), or use "
+                           "data_parallel_shard=False (DDP)")
     for name, p in module.named_parameters():
         if p.requires_grad and not p.is_contiguous():
             layout = " (channels_last)" if p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last) else ""
