@@ -64,6 +64,7 @@ class GradSync:
         self.layout = layout
         self.modules = dict(modules)
         self.trainable = {j: _trainable(m) for j, m in modules.items()}  # what each wrapper was built for
+        self.stepped = False  # a backward ran: FSDP2 has gathered the parameters (in their dtype then)
         # stages with parameters the loss may not reach: DDP's reducer would wait for their gradients
         self.manual = {j for j in after_step if not shard}
         for j, module in modules.items():
@@ -117,6 +118,12 @@ class GradSync:
             if self._after_step(j):
                 known = {id(p) for p in self.after}
                 self.after += [p for p in module.parameters() if p.requires_grad and id(p) not in known]
+            elif self.shard and j in self.wrapped and self.stepped and _dtypes(now) != _dtypes(self.trainable[j]):
+                raise PipelineInputError(
+                    f"stage {j}'s parameters changed dtype since its first step ({_dtypes(self.trainable[j])[0]} -> "
+                    f"{_dtypes(now)[0]}: a model cast after compile), after FSDP2 (data_parallel_shard=True) had "
+                    "gathered them in the old one; cast the model before fxpipe.compile (with example inputs of "
+                    "that dtype), keep its dtype and use torch.autocast, or use data_parallel_shard=False (DDP)")
             elif self.shard and j not in self.wrapped and _any_trainable(now):
                 raise PipelineInputError(
                     f"stage {j} had no parameter requiring grad when the pipe was compiled, so FSDP2 did not shard "
@@ -139,6 +146,7 @@ class GradSync:
         if wrapped is None:
             return
         reduce = final and self.sync
+        self.stepped = True
         if self.shard:  # the step's last backward reshards under no_sync too: a call ends with the sharded
             wrapped.set_requires_gradient_sync(reduce)  # parameters on the modules, as the model holds them (kept
             wrapped.set_is_last_backward(reduce)  # gathered, a parameter the model's root holds read its shard)
@@ -221,6 +229,11 @@ def _with_zero_shares(module: nn.Module, args: Any, out: Any) -> Any:
 def _trainable(module: nn.Module) -> tuple[tuple[bool, torch.dtype], ...]:
     """Return whether each of ``module``'s parameters requires grad, and its dtype (DDP's buckets are of one dtype)."""
     return tuple((p.requires_grad, p.dtype) for p in module.parameters())
+
+
+def _dtypes(trainable: tuple[tuple[bool, torch.dtype], ...]) -> list[torch.dtype]:
+    """Return the dtypes in :func:`_trainable`'s answer, each once, in order."""
+    return list(dict.fromkeys(dtype for _, dtype in trainable))
 
 
 def _any_trainable(trainable: tuple[tuple[bool, torch.dtype], ...]) -> bool:

@@ -321,7 +321,10 @@ def check_signature(names: list[str], spec: list[Any], example: list[Any], kinds
                     f"input '{name}' has shape {tuple(g.shape)} and dtype {g.dtype}, but the plan was "
                     f"built for {len(w.shape)} dimension(s) ({', '.join(map(str, w.shape))} in the example) "
                     f"and dtype {w.dtype}; sizes may change from step to step, the number of dimensions "
-                    "and the dtype may not: cast the input, or compile with example inputs of that kind")
+                    "and the dtype may not: cast the input, or compile with example inputs of that kind"
+                    + (" (a model cast after compile, model.to(dtype), keeps its inputs' dtype across ranks: cast "
+                       "the model before fxpipe.compile and give example inputs of its dtype, or keep its dtype "
+                       "and use torch.autocast)" if g.dtype.is_floating_point and w.dtype.is_floating_point else ""))
 
 
 def _other_kind(got: TensorSpec | torch.Tensor, want: Any) -> bool:

@@ -277,6 +277,14 @@ def test_data_parallel_reduces_the_gradients_of_a_model_cast_after_compile(tmp_p
         assert max(res["grad_errors"].values()) < 1e-5, (r, res["grad_errors"])
 
 
+def test_fsdp2_refuses_a_model_cast_after_its_first_step_naming_the_fix(tmp_path, launch):
+    # FSDP2 kept the float32 parameters it gathered: "mat1 and mat2 must have the same dtype" inside a stage
+    for r, res in enumerate(launch("dp_cast", 4, "1f1b:shard", tmp_path, limit=120)):
+        assert res["ok"], f"rank {r}: {res.get('traceback')}"
+        assert res["refused"] is not None and "a model cast after compile" in res["refused"] \
+            and "cast the model before fxpipe.compile" in res["refused"], (r, res["refused"])
+
+
 @pytest.mark.parametrize("schedule", ["1f1b:deferred", "zb:plain:shard", "zb:deferred:export", "1f1b:deferred:subclass"])
 def test_data_parallel_keeps_batch_norm_statistics_equal_over_replicas(schedule, tmp_path, launch):
     # DDP broadcasts buffers in its forward, which the pipeline never calls, and FSDP2 leaves them alone:

@@ -811,6 +811,14 @@ def dp_cast(rank, world, schedule):
 
     pipe, model, eager, x, y, xs, ys, loss_fn, step, held = _dp_setup(rank, world, make, schedule, chunks=2,
                                                                        split_points=["3"])
+    if schedule.endswith(":shard"):  # FSDP2 gathered the float32 parameters at the first step: a cast is refused
+        step(xs, ys)
+        model.double()
+        try:
+            step(xs, ys)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return {"refused": f"{type(exc).__name__}: {exc}"}
+        return {"refused": None}
     model.double(), eager.double()
     step(xs, ys)
     loss_fn(eager(x), y).backward()

@@ -159,8 +159,9 @@ def snapshot(gm: torch.fx.GraphModule, names: Sequence[str]) -> dict[str, torch.
     if not names:
         return {}  # most stages write none: no walk over the module tree per micro-batch
     buffers = state(gm)
-    with torch.no_grad():
-        return {n: buffers[n].detach().clone() for n in names if n in buffers and not buffers[n].is_meta}
+    with torch.no_grad():  # a sparse buffer (a graph's adjacency) is not written in place: no copy, no compare
+        return {n: buffers[n].detach().clone() for n in names
+                if n in buffers and not buffers[n].is_meta and buffers[n].layout == torch.strided}
 
 
 @contextmanager

@@ -892,3 +892,20 @@ def test_the_note_of_another_ndim_names_the_entry_of_a_container_input():
     with pytest.raises(RuntimeError) as raised:
         pipe({"x": x["x"], "m": torch.rand(4, 1, 3)})
     assert any(n.startswith("fxpipe: input 'batch['m']' has shape (4, 1, 3)") for n in raised.value.__notes__)
+
+
+def test_a_float_input_of_another_dtype_across_ranks_names_a_cast_model():
+    # across ranks the plan keeps its inputs' dtype: "cast the input" alone sent a user who had cast
+    # the model (model.to(torch.bfloat16)) back to float32 inputs, which the bf16 weights refuse
+    from fxpipe.passes.annotate import TensorSpec
+    from fxpipe.runtime.validate import check_signature
+
+    want = TensorSpec(shape=(4, 8), dtype=torch.float32, requires_grad=False)
+    got = TensorSpec(shape=(4, 8), dtype=torch.bfloat16, requires_grad=False)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"dtype may not: cast the input.*a model cast after compile.*"
+                                                        r"cast the model before fxpipe.compile"):
+        check_signature(["x"], [got], [want])
+    ids = TensorSpec(shape=(4, 8), dtype=torch.int32, requires_grad=False)
+    with pytest.raises(fxpipe.PipelineInputError) as refused:
+        check_signature(["x"], [ids], [TensorSpec(shape=(4, 8), dtype=torch.int64, requires_grad=False)])
+    assert "model cast" not in str(refused.value)
