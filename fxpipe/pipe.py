@@ -159,11 +159,11 @@ class Pipe(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load the model's state; on a distributed rank only the FQNs it holds, sharded as it holds them."""
+        held = self._model.state_dict(keep_vars=True)
         if strict:
-            _refuse_wrapper_prefix(state_dict, self._model.state_dict(keep_vars=True))
+            _refuse_wrapper_prefix(state_dict, held)
         if self.owned is None:
             return super().load_state_dict(state_dict, strict, assign)
-        held = self._model.state_dict(keep_vars=True)
         mine = type(state_dict)() if isinstance(state_dict, OrderedDict) else OrderedDict()
         for k, v in state_dict.items():
             if k in self.owned:

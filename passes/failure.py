@@ -41,10 +41,10 @@ _NOT_DENSE = ("fxpipe can neither measure it on fake tensors, send it between st
               "sample's length or a mask)")
 
 
-def refuse_not_dense(gm: torch.fx.GraphModule, node: torch.fx.Node, value: Any) -> None:
-    """Raise a PropagationError naming ``node`` if its value holds a sparse or nested tensor."""
-    for t in value if isinstance(value, list) else [value]:
-        if isinstance(t, torch.Tensor) and (t.is_nested or t.layout != torch.strided):
+def refuse_not_dense(gm: torch.fx.GraphModule, node: torch.fx.Node, tensors: list[torch.Tensor]) -> None:
+    """Raise a PropagationError naming ``node`` if one of the ``tensors`` of its value is sparse or nested."""
+    for t in tensors:
+        if t.is_nested or t.layout != torch.strided:
             where, module, _ = _where(gm, node)
             kind = "a nested tensor (torch.nested)" if t.is_nested else f"a sparse tensor ({t.layout})"
             raise PropagationError(f"{where} makes {kind}: {_NOT_DENSE}", node.name, module)
