@@ -552,8 +552,10 @@ def _value_branch(model: nn.Module, exc: BaseException, first: str) -> TraceErro
     """Explain that the model branches on a tensor's value, which no export keeps (batch size aside)."""
     frame = user_frame(exc)
     where = f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})" if frame else ""
+    in_transformers = type(model).__module__.startswith("transformers.") or (
+        frame is not None and f"{os.sep}transformers{os.sep}" in frame.filename)  # a wrapper's transformers model
     fx = ("; a transformers 5 model cannot use tracer='fx': pipeline a submodule without the branch, or give "
-          "inputs or a config for which the model does not take it" if type(model).__module__.startswith("transformers.")
+          "inputs or a config for which the model does not take it" if in_transformers
           else f", or move it into a submodule of its own and use the fx front end (tracer='fx') with that submodule in "
           f"leaf_modules= (the branch is in {type(model).__name__}.forward itself, which cannot be a leaf)"
           if frame and _in_forward(model, frame)

@@ -12,6 +12,8 @@ __all__ = ["outside_torch", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # with the separator: torchvision's lines are the user's
 _FXPIPE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep  # the package: a failure after the model's code ran
+# a library's helpers many models call (transformers' torch_compilable_check): the line is their caller's
+_HELPERS = (f"{os.sep}transformers{os.sep}utils{os.sep}",)
 
 
 def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
@@ -20,7 +22,7 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
 
 
 def outside_torch(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
-    """Return the innermost of ``frames`` outside torch and fxpipe (and not generated code)."""
+    """Return the innermost of ``frames`` outside torch and fxpipe (and not generated code), helpers' callers first."""
     import fxpipe.passes  # installed from its own folder
 
     skipped = [_TORCH_DIR, _FXPIPE_DIR, os.path.dirname(fxpipe.passes.__file__) + os.sep]
@@ -28,4 +30,5 @@ def outside_torch(frames: list[traceback.FrameSummary]) -> traceback.FrameSummar
     if numpy_file:
         skipped.append(os.path.dirname(numpy_file) + os.sep)
     user = [f for f in frames if not f.filename.startswith(tuple(skipped)) and not f.filename.startswith("<")]
-    return user[-1] if user else None
+    callers = [f for f in user if not any(h in f.filename for h in _HELPERS)]
+    return (callers or user)[-1] if user else None

@@ -471,6 +471,46 @@ def test_a_transformers_model_fixing_the_batch_is_not_sent_to_fx():
     assert "use the fx front end" not in str(info.value)
 
 
+_VISION = """
+import torch
+from torch import nn
+
+
+class Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, grid):
+        frames = int(grid.sum())  # a value branch, as Qwen2.5-VL's vision_utils reads its grid
+        return self.fc(x) * frames
+"""
+
+
+def test_a_branch_inside_a_wrapped_transformers_model_is_not_sent_to_fx(tmp_path):
+    # a user's wrapper around a transformers model was told to list the module in leaf_modules= under fx
+    path = tmp_path / "transformers" / "models" / "tower.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(_VISION)
+    spec = importlib.util.spec_from_file_location("tower_in_transformers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tower, self.head = module.Tower(), nn.Linear(8, 8)
+
+        def forward(self, x, grid):
+            return self.head(self.tower(x, grid))
+
+    with pytest.raises(fxpipe.TraceError, match=r"branches on a tensor's value at .*tower\.py:\d+ \(frames = int"
+                                                r".*a transformers 5 model cannot use tracer='fx'") as info:
+        fxpipe.compile(Wrapper(), 2, example_inputs=(torch.randn(4, 8), torch.ones(3, dtype=torch.long)),
+                       tracer="export")
+    assert "use the fx front end" not in str(info.value)
+
+
 class _Flagged(nn.Module):
     def __init__(self):
         super().__init__()
