@@ -163,3 +163,40 @@ class SliceSet(nn.Module):
         with torch.no_grad():
             self.ema[:8] = self.ema[:8] * 0.5 + h.mean(0)[:8]
         return self.c(torch.tanh(self.b(h)) * self.ema)
+
+
+class Graph(nn.Module):
+    """A graph convolution over a sparse adjacency buffer, beside a dense scale written in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.mid, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        edges = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 0]])
+        self.register_buffer("adj", torch.sparse_coo_tensor(edges, torch.rand(4), (16, 16)).coalesce())
+        self.register_buffer("scale", torch.ones(16))
+
+    def forward(self, x):
+        self.scale.mul_(1.1)
+        h = torch.sparse.mm(self.adj, torch.tanh(self.a(x)).t()).t()
+        return self.head(torch.tanh(self.mid(h)) * self.scale)
+
+
+def sparse_buffer(rank, world, schedule):
+    """Train two steps of :class:`Graph` on two ranks (compile fingerprinted the sparse buffer with reshape)."""
+    torch.manual_seed(0)
+    model = Graph()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, runtime="distributed", timeout=60,
+                          schedule=schedule, split_points=["mid"], checkpoint="always")
+    losses = []
+    for _ in range(2):
+        model.zero_grad()
+        eager.zero_grad()
+        loss = pipe.step(x, target=y, loss_fn=F.cross_entropy)
+        want = per_micro_batch(eager, x, y, 2)
+        losses.append(abs(float(loss) - want) / want)
+    held = dict(eager.named_parameters())
+    errors = [max_relative_error(p.grad, held[n].grad) for n, p in model.named_parameters()
+              if p.device.type != "meta"]
+    return {"errors": errors, "losses": losses}

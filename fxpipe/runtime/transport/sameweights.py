@@ -31,6 +31,8 @@ def fingerprints(model: nn.Module) -> dict[str, float]:
         for name, t in (*model.named_parameters(), *model.named_buffers()):
             if t.is_meta or not t.is_floating_point() or t.numel() == 0:
                 continue
+            if t.layout != torch.strided:  # a sparse buffer (a graph's adjacency): the values it stores
+                t = t._values() if t.layout == torch.sparse_coo else t.values()
             flat = t.detach().reshape(-1)
             sample = flat[:: max(1, flat.numel() // 16)][:16].double()  # NaN and inf as numbers: one NaN hid the rest
             sums.setdefault(t.device, []).append((name, torch.nan_to_num(sample, nan=0.5, posinf=1e300,
