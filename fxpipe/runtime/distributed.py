@@ -120,6 +120,7 @@ class DistributedRuntime:
         self.late = LateCalls(len(layout.global_ranks))  # the pipe(x) calls this rank finished early
         self.rerun_after: int | None = None  # a failed one of them, read by ready(): the later ones run again
         self.target_checked = False  # that the loss's rank has the target when another rank has one
+        self.call_word_due = False  # the first rank in pipe(x): the loss rank's word on it is still to be read
         self.batch_checked: set[bool] = set()  # the calls (step: True) whose ranks were found to share one batch
         self.reduction = "mean"  # the step's loss_reduction, which every rank of a pipeline must pass alike
         self.told_forward_only = False  # pipe(x) in training mode with grad on was warned of
@@ -217,16 +218,14 @@ class DistributedRuntime:
         m = len(header["specs"])
         stepping = losses_for is not None
         if header.get("call", steplayout.call_name(stepping)) != steplayout.call_name(stepping):
-            raise PipelineInputError(
-                f"rank {self.layout.global_ranks[self.rank]} called {steplayout.call_name(stepping)} but rank "
-                f"{self.layout.global_ranks[self.first]} (the first stage's) called {header['call']}: every rank "
-                "of a pipeline makes the same call, pipe.step(x, target=, loss_fn=) to train and pipe(x) to "
-                "infer (the other ranks may pass None as inputs)")
+            raise PipelineInputError(steplayout.other_call(self, self.rank, stepping, not stepping))
         if self.rank != self.first:
             self._refuse_other_state(header, training, stepping)
         if losses_for is not None:
             steplayout.check_target(self, target, bool(header.get("target_on_first")), header.get("batch"))
         if "digest" in header:  # the call's first: a sampler sharding over every rank is refused, not run
+            if self.rank == self.first:
+                steplayout.take_call_word(self)  # before the loss rank's check of the batch
             samebatch.agree_on_batch(self, args, kwargs, own_target, header)
             self.batch_checked.add(stepping)
         elif "glance" in header and self.rank != self.first:  # a loop out of step later (a shorter loader)
@@ -262,6 +261,8 @@ class DistributedRuntime:
             if self.grad_sync is not None:
                 self.grad_sync.reshard()
             raise
+        if self.rank == self.first:  # pipe(x): before waiting for this rank's sends (see there)
+            steplayout.take_call_word(self)
         transport.finish()
         self.comm.flush()
         if self.grad_sync is not None and not grad:  # no backward resharded FSDP2's parameters
@@ -376,7 +377,12 @@ class DistributedRuntime:
             self._abandon(exc)
 
     def release(self) -> None:
-        """Drop every reference this rank holds to a process group, so they are freed before Python is not."""
+        """Drop every reference this rank holds to a process group, so they are freed before Python is not.
+
+        Called as the interpreter exits: it first posts how many calls this rank made, which a
+        peer still in a call reads to name a skipped call rather than a death.
+        """
+        self.comm.board.end()
         self.released = True
         self._transports.clear()
         self.comm.pending = []
@@ -393,6 +399,7 @@ class DistributedRuntime:
         """Close this rank's connections and drop the failed step's state (see the module's picture)."""
         self.broken = f"{type(exc).__name__}: {exc}".split("\n")[0][:500]
         self.target_checked = False  # a rank may have read the loss rank's verdict that another never got
+        self.call_word_due = False  # its connections are new
         forget_frames(exc)  # the frames (the chained exceptions' too) hold the step's pending messages
         self.layout.pp_group = None  # the group's connections close once nothing holds it
         self.comm.close()

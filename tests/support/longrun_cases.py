@@ -708,18 +708,18 @@ def calls_differ(rank, world, schedule):
                           schedule=schedule, data_parallel=dp)
     # the mistake: pipe(x) on one rank (a whole replica under data parallel), pipe.step on the others
     out["calls"] = _attempt(lambda: pipe(x) if rank == 0 else pipe.step(x, target=y, loss_fn=F.mse_loss))
-    if dp == 1:  # every rank steps again, together
+    start = time.monotonic()  # every rank steps again, together
+    loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
+    out["again"] = [max_relative_error(loss, F.mse_loss(eager(x), y)), time.monotonic() - start]
+    # the same mistake after a step (the loss's rank then tells the first rank of its target at each step),
+    # by the first or the last rank of the first replica
+    for label, infers in [("calls_later", 0), ("last_calls_later", world // dp - 1)]:
+        out[label] = _attempt(lambda: pipe(x) if rank == infers else  # noqa: B023 - called at once
+                              pipe.step(x, target=y, loss_fn=F.mse_loss))
+        pipe.zero_grad()
         start = time.monotonic()
         loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
-        out["again"] = [max_relative_error(loss, F.mse_loss(eager(x), y)), time.monotonic() - start]
-        # the same mistake after a step (the loss's rank then tells the first rank of its target at each step)
-        for label, infers in [("calls_later", 0)]:
-            out[label] = _attempt(lambda: pipe(x) if rank == infers else  # noqa: B023 - called at once
-                                  pipe.step(x, target=y, loss_fn=F.mse_loss))
-            pipe.zero_grad()
-            start = time.monotonic()
-            loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
-            out[f"{label}_again"] = [max_relative_error(loss, F.mse_loss(eager(x), y)), time.monotonic() - start]
+        out[f"{label}_again"] = [max_relative_error(loss, F.mse_loss(eager(x), y)), time.monotonic() - start]
     return out
 
 
@@ -933,4 +933,23 @@ def too_long_for_the_last_stage(rank, world, schedule):
     out["step"] = _attempt(lambda: pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss))
     x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 4)
     out["after"] = _attempt(lambda: pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss))
+    return out
+
+
+def skipped_call(rank, world, schedule):
+    """The loss's rank skips the first of three steps, and its script ends: the first rank's third call names it."""
+    from fxpipe.runtime.transport.release import release_all
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, runtime="distributed", timeout=30,
+                          schedule=schedule)
+    out = {"calls": []}
+    for k in range(3):
+        if k == 0 and rank == world - 1:
+            continue  # the mistake: a `continue` on one rank
+        out["calls"].append(_attempt(lambda: pipe.step(x if rank == 0 else None, target=y, loss_fn=F.mse_loss)))
+    if rank == world - 1:
+        release_all()  # what the interpreter's exit runs (a spawned test rank exits without it)
     return out

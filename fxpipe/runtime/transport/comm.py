@@ -140,6 +140,10 @@ class Comm:
         while time.monotonic() < deadline:  # a peer that timed out closes its connections before it posts why
             time.sleep(0.1)
             self.check(what)
+            ended = self.board.ended_before()  # or its script ended, having skipped a call (posted at exit)
+            if ended is not None:
+                self.board.post(ended, fatal=True)
+                self.check(what)  # the first reason posted is every rank's
         message = (f"{self.name()}: communication failed while {what} ({who} probably died, "
                    f"posting no error): {exc}")
         self.board.post(f"{who} died ({self.name()} lost its connection while {what})", fatal=True)

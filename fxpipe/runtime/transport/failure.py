@@ -7,6 +7,7 @@ round, a pipe or an earlier failure is read in another::
     fxpipe/<restart round>/<pipe>/<generation>/error        why the step failed (first writer wins)
     fxpipe/<restart round>/<pipe>/<generation>/back/<rank>  this rank is ready again
     fxpipe/<restart round>/<pipe>/parted                    a rank gave up rejoining: no call may run
+    fxpipe/<restart round>/<pipe>/ended/<rank>              its script ended after this many calls
     fxpipe/<restart round>/where/<global rank>            the pipe this process called last
 
 
@@ -192,6 +193,38 @@ class FailureBoard:
         self.generation += 1
         log.info("pipeline rank %d rejoined its pipeline after a failed step (generation %d)",
                  self.rank, self.generation)
+
+    def end(self) -> None:
+        """Post, as this rank's script ends, how many calls of the pipe it made (best effort).
+
+        A peer whose connection to this rank then closes in a later call tells a skipped call
+        (:meth:`ended_before`) from a death.
+        """
+        try:
+            self.store.set(f"{self.prefix}/ended/{self.rank}", str(self.call))
+        except Exception as exc:  # noqa: BLE001 - the store's host may have exited first
+            log.debug("could not post this rank's end to the store: %s", exc)
+
+    def ended_before(self) -> str | None:
+        """Say which peers' scripts ended before making the call this rank is in, and after how many calls; or None."""
+        short = []
+        for r in range(self.size):
+            key = f"{self.prefix}/ended/{r}"
+            if r != self.rank and self._has(key):
+                try:
+                    made = int(self.store.get(key).decode())
+                except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
+                    return None
+                if made < self.call:
+                    short.append(f"rank {self.global_ranks[r]} after {made}")
+        if not short:
+            return None
+        return (f"the script of {', '.join(short)} call(s) of this pipe ended while rank "
+                f"{self.global_ranks[self.rank]} is in its call {self.call}: every rank makes the same calls "
+                "(pipe.step and pipe(x) together, as many times); a call skipped on one rank (under `if rank == "
+                "...:`, a `continue`, a shorter loader) paired each of its later calls with the others' next one, "
+                "so the steps since ran one step's inputs against another's target: fix the loop, and resume from "
+                "a checkpoint saved before the skip")
 
     def _parted(self) -> str:
         """Return the store key a rank that gave up rejoining writes (one per pipe, every generation's)."""

@@ -32,7 +32,10 @@ from fxpipe.runtime.transport.samebatch import digest, glance, target_glance
 from fxpipe.runtime.transport.tpinputs import from_tp_holder, group_names, inputs_given
 from fxpipe.runtime.validate import check_signature
 
-__all__ = ["call_name", "check_signature", "holders", "publish", "receive", "specs_for", "tell_all"]
+__all__ = ["call_name", "check_signature", "holders", "publish", "receive", "specs_for", "take_call_word",
+           "tell_all"]
+
+CALL_WORD = "pipe(x)"  # the loss rank's word on a pipe(x) call (a step's says whether it has a target)
 
 
 def holders(runtime: Any, pipeline_rank: int, what: str) -> str:
@@ -83,6 +86,14 @@ def rebuilt(kind: str, message: str) -> Exception:
 def call_name(stepping: bool) -> str:
     """Name the call a rank made: ``pipe.step`` or ``pipe(...)``."""
     return "pipe.step" if stepping else "pipe(...)"
+
+
+def other_call(runtime: Any, rank: int, stepping: bool, first_stepping: bool) -> str:
+    """Refuse pipeline rank ``rank``'s call (``stepping`` or not) that is not the first stage's rank's."""
+    g = runtime.layout.global_ranks
+    return (f"rank {g[rank]} called {call_name(stepping)} but rank {g[runtime.first]} (the first stage's) called "
+            f"{call_name(first_stepping)}: every rank of a pipeline makes the same call, pipe.step(x, target=, "
+            "loss_fn=) to train and pipe(x) to infer (the other ranks may pass None as inputs)")
 
 
 def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.device,
@@ -154,6 +165,7 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
     ``pipe.step`` arguments, or one the loss's rank sent, is refused here the same way.
     """
     (args, kwargs), has_target = from_tp_holder(runtime, (args, kwargs), inputs_given(args, kwargs), has_target)
+    runtime.call_word_due = not stepping and runtime.target_checked and runtime.last_rank != runtime.rank
     loss_has = True  # after the first step, the loss's rank says (tell_target_given)
     if stepping and runtime.target_checked and runtime.last_rank != runtime.rank:
         loss_has = runtime.comm.recv_object(runtime.last_rank, "waiting for the loss rank to say whether it has a target")
@@ -161,6 +173,8 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
     try:
         if refusal is not None:
             raise refusal
+        if loss_has == CALL_WORD:  # the loss's rank called pipe(x)
+            raise PipelineInputError(other_call(runtime, runtime.last_rank, stepping=False, first_stepping=True))
         if isinstance(loss_has, dict):  # the loss's rank refused its pipe.step arguments
             kind, message = loss_has["refused"]
             raise rebuilt(kind, message)
@@ -204,6 +218,8 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
                             stepping=stepping, reduction=runtime.reduction)
         told = f"rank {dist.get_rank()} (the first stage's): {exc}" if exc is refusal else str(exc)
         tell_all(runtime, {"error": (type(exc).__name__, told)})
+        if not stepping:  # the loss rank's word, sent before it reads this: a step's waits for it to be read
+            take_call_word(runtime, check=False)
         runtime.comm.flush()  # deliver it before this rank's exception ends the process
         if isinstance(exc, PropagationError):
             exc = PipelineInputError(f"the inputs cannot run through the model: {exc} (found on fake tensors before the step: nothing ran)")
@@ -240,14 +256,32 @@ def tell_target_given(runtime: Any, stepping: bool, target: Any, training: bool 
     """On the loss's rank, after the first step: tell the first rank whether this step has a target (see above),
     and the state it steps under (:mod:`~fxpipe.runtime.transport.callstate`), or its refusal of its arguments.
 
-    Steps only: the first rank of ``pipe(x)`` runs on without waiting for the last rank's
-    previous call. The first stage's rank finishes a step last, so its wait costs nothing.
+    In ``pipe(x)`` the word only says so (:data:`CALL_WORD`): a first rank that steps then refuses
+    the mixed calls on every rank at once, where it waited ``timeout=`` for a word that never came.
+    The first rank of ``pipe(x)`` reads it at the end of its call (:func:`take_call_word`), so it
+    runs on without waiting for the last rank's previous call. The first stage's rank finishes a
+    step last, so its wait for a step's word costs nothing.
     """
-    if stepping and runtime.target_checked and runtime.rank == runtime.last_rank != runtime.first:
-        word = ({"refused": _refused(runtime, refusal)} if refusal is not None else
+    if runtime.target_checked and runtime.rank == runtime.last_rank != runtime.first:
+        word = (CALL_WORD if not stepping else {"refused": _refused(runtime, refusal)} if refusal is not None else
                 (target is not None, callstate.state(training, runtime.reduction)))
         runtime.comm.send_object(word, runtime.first)
-        runtime.comm.flush()
+        if stepping:  # pipe(x)'s leaves with the call's last sends: the first rank reads it last
+            runtime.comm.flush()
+
+
+def take_call_word(runtime: Any, check: bool = True) -> None:
+    """On the first stage's rank in ``pipe(x)``: read the loss rank's word on the call, once; refuse a step's.
+
+    Read once this rank's sends are posted and before it waits for them (a loss rank that
+    steps instead waits for its word to be read before it reads them), or before the first
+    other message the call receives from the loss's rank (the first call's batch check).
+    """
+    if runtime.call_word_due:
+        runtime.call_word_due = False
+        word = runtime.comm.recv_object(runtime.last_rank, "waiting for the loss rank's word on this pipe(x)")
+        if check and word != CALL_WORD:  # it stepped (and refused the call itself, unless this rank's sends were buffered)
+            raise PipelineInputError(other_call(runtime, runtime.last_rank, stepping=True, first_stepping=False))
 
 
 def _refused(runtime: Any, exc: BaseException) -> tuple[str, str]:
