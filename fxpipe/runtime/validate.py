@@ -92,6 +92,7 @@ _NO_FX = ("tracer='fx' cannot trace transformers 5 models: pad the input to a si
 
 
 _PAIRED = re.compile(r"(\w+)\.size\(\)\[(\d+)\] == (\w+)\.size\(\)\[(\d+)\]")
+_DIM_READ = re.compile(r"(\w+)\.size\(\)\[(\d+)\]")
 
 
 def check_micro_guards(gm: torch.fx.GraphModule, mbs: Sequence[Sequence[Any]], chunks: int) -> None:
@@ -150,7 +151,7 @@ def _check_guards(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], un
                 f"a micro-batch of {micro[0]} row(s) (chunks={micro[1]}; its sizes {sizes}) fails a check "
                 f"torch.export put in the graph: {exc}. The exported code admits some batch sizes only (the "
                 f"example's passed): use a chunks= whose micro-batches it admits (fewer chunks, larger "
-                "micro-batches), or export with an example of that many rows") from None
+                f"micro-batches), or export with an example of that many rows{_by_chance(exc, values, micro[0])}") from None
         if micro is not None:  # the whole batch is one micro-batch
             raise PipelineInputError(
                 f"a batch of {micro[0]} row(s) (its sizes {sizes}) fails a check torch.export put in the graph: "
@@ -177,6 +178,24 @@ def _check_guards(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], un
             f"of size 1), so these cannot run through this graph. {fix}") from None
     except Exception as exc:  # noqa: BLE001 - not a size the guards refuse: the later checks and the stage say
         log.debug("the exported graph's guards could not run on stand-ins of the sizes: %s", exc)
+
+
+def _by_chance(exc: BaseException, values: dict[torch.fx.Node, Any], rows: int) -> str:
+    """Name the split inputs (``rows`` in dim 0) whose dim 0 a failed guard reads beside other inputs' later dims.
+
+    Such an input likely has no batch dim, and was split because its dim 0 had the batch's size
+    in the example (FLUX's ``img_ids`` of 2 image tokens beside a batch of 2).
+    """
+    reads = _DIM_READ.findall(str(exc))
+    split = {str(n.target) for n, v in values.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and
+             v.shape[0] == rows}
+    firsts = sorted({name for name, dim in reads if dim == "0" and name in split})
+    if not firsts or all(dim == "0" for _, dim in reads):
+        return ""
+    names = ", ".join(repr(n) for n in firsts)
+    return (f". If {names} ha{'s' if len(firsts) == 1 else 've'} no batch dim (the check reads its dim 0 beside other inputs' later dims), its "
+            f"dim 0 had the batch's size in the example by chance and fxpipe split it: pass "
+            f"fxpipe.compile(..., unbatched=[{names}]), or an example whose sizes differ from its batch size")
 
 
 def _check_constant(name: str, value: Any, expected: Any) -> None:

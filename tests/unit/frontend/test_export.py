@@ -958,3 +958,33 @@ def test_a_submodule_built_inside_the_trace_is_refused_naming_an_eager_forward_f
                                          r"Run one forward on a real batch before fxpipe.compile"):
         fxpipe.compile(_BuildsOnFirstCall(), 2, example_inputs=(torch.randn(4, features),), tracer="export",
                        devices=["cpu"] * 2)
+
+
+class _Ids(nn.Module):
+    """Positions without a batch dim beside the batch (FLUX's img_ids): cat with the text ids, added per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, img_ids, txt_ids):
+        ids = torch.cat([txt_ids, img_ids], 0)
+        h = torch.cat([x.new_zeros(x.shape[0], txt_ids.shape[0], 8), x], 1)
+        return self.b(torch.tanh(self.a(h) + ids.sum(-1)[None, :, None])).mean(1)
+
+
+def test_an_input_split_because_its_rows_equal_the_batch_by_chance_is_named_with_unbatched():
+    # 2 image tokens beside a batch of 2: img_ids was split; the refusal advised fewer chunks only
+    x, img, txt, y = torch.randn(2, 2, 8), torch.randn(2, 3), torch.randn(3, 3), torch.randn(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the batch's size on x's dim 1 too: told at compile
+        pipe = fxpipe.compile(_Ids(), 2, example_inputs=(x, img, txt), chunks=2, devices=["cpu"] * 2,
+                              tracer="export", unbatched=["txt_ids"])
+    with pytest.raises(fxpipe.PipelineInputError, match=r"If 'img_ids' has no batch dim .* pass "
+                                                        r"fxpipe\.compile\(\.\.\., unbatched=\['img_ids'\]\)"):
+        pipe.step(x, img, txt, target=y, loss_fn=F.mse_loss)
+    model = _Ids()
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x, img, txt), chunks=2, devices=["cpu"] * 2, tracer="export",
+                          unbatched=["txt_ids", "img_ids"])
+    torch.testing.assert_close(pipe.step(x, img, txt, target=y, loss_fn=F.mse_loss), F.mse_loss(eager(x, img, txt), y))
