@@ -151,7 +151,8 @@ def _check_guards(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], un
                 f"a micro-batch of {micro[0]} row(s) (chunks={micro[1]}; its sizes {sizes}) fails a check "
                 f"torch.export put in the graph: {exc}. The exported code admits some batch sizes only (the "
                 f"example's passed): use a chunks= whose micro-batches it admits (fewer chunks, larger "
-                f"micro-batches), or export with an example of that many rows{_by_chance(exc, values, micro[0])}") from None
+                f"micro-batches), or export with an example of that many rows"
+                f"{_by_chance(exc, values, micro[0])}") from None
         if micro is not None:  # the whole batch is one micro-batch
             raise PipelineInputError(
                 f"a batch of {micro[0]} row(s) (its sizes {sizes}) fails a check torch.export put in the graph: "
@@ -193,9 +194,9 @@ def _by_chance(exc: BaseException, values: dict[torch.fx.Node, Any], rows: int) 
     if not firsts or all(dim == "0" for _, dim in reads):
         return ""
     names = ", ".join(repr(n) for n in firsts)
-    return (f". If {names} ha{'s' if len(firsts) == 1 else 've'} no batch dim (the check reads its dim 0 beside other inputs' later dims), its "
-            f"dim 0 had the batch's size in the example by chance and fxpipe split it: pass "
-            f"fxpipe.compile(..., unbatched=[{names}]), or an example whose sizes differ from its batch size")
+    return (f". If {names} ha{'s' if len(firsts) == 1 else 've'} no batch dim (the check reads its dim 0 beside "
+            "other inputs' later dims), its dim 0 had the batch's size in the example by chance and fxpipe split "
+            f"it: pass fxpipe.compile(..., unbatched=[{names}]), or an example whose sizes differ from its batch size")
 
 
 def _check_constant(name: str, value: Any, expected: Any) -> None:

@@ -258,15 +258,15 @@ def tell_target_given(runtime: Any, stepping: bool, target: Any, training: bool 
 
     In ``pipe(x)`` the word only says so (:data:`CALL_WORD`): a first rank that steps then refuses
     the mixed calls on every rank at once, where it waited ``timeout=`` for a word that never came.
-    The first rank of ``pipe(x)`` reads it at the end of its call (:func:`take_call_word`), so it
-    runs on without waiting for the last rank's previous call. The first stage's rank finishes a
-    step last, so its wait for a step's word costs nothing.
+    The first rank of ``pipe(x)`` reads it once its own sends are posted (:func:`take_call_word`),
+    so it runs its forwards without waiting for the last rank's previous call. The first stage's
+    rank finishes a step last, so its wait for a step's word costs nothing.
     """
     if runtime.target_checked and runtime.rank == runtime.last_rank != runtime.first:
         word = (CALL_WORD if not stepping else {"refused": _refused(runtime, refusal)} if refusal is not None else
                 (target is not None, callstate.state(training, runtime.reduction)))
         runtime.comm.send_object(word, runtime.first)
-        if stepping:  # pipe(x)'s leaves with the call's last sends: the first rank reads it last
+        if stepping:  # pipe(x)'s leaves with the call's last sends: the first rank reads it after its forwards
             runtime.comm.flush()
 
 
