@@ -536,11 +536,12 @@ def _refused(model: nn.Module, exc: BaseException, fix: str, where: str) -> Trac
         other = ("pipeline a submodule without that line (an autoencoder's encoder and decoder, with the sampling "
                  "between them in your code); tracer='fx' cannot trace most diffusers models")
     elif type(model).__module__.startswith("transformers."):  # whose models fx cannot trace
+        lossy = ("; the line computes a loss over the whole batch's rows (CLIP's contrastive loss, "
+                 "return_loss=True): leave the loss out of the model and compute it from the logits in loss_fn "
+                 "(with chunks=1 it sees the whole batch)") if "loss" in where.lower() else ""
         other = ("pipeline a submodule without that code (a vision-language model's language model, fed "
-                 "inputs_embeds), or rewrite the line so it does not depend on the batch size; where the line "
-                 "computes a loss over the whole batch's rows (CLIP's contrastive loss, return_loss=True), "
-                 "leave the loss out of the model and compute it from the logits in loss_fn (with chunks=1 "
-                 "it sees the whole batch); tracer='fx' cannot trace transformers 5 models")
+                 f"inputs_embeds), or rewrite the line so it does not depend on the batch size{lossy}; tracer='fx' "
+                 "cannot trace transformers 5 models")
     else:
         other = "use the fx front end (tracer='fx'), whose graph is shape-generic"
     return TraceError(

@@ -57,7 +57,7 @@ from fxpipe.runtime.stage.worker import StageWorker
 from fxpipe.runtime.tensorparallel import local_specs, match_grads
 from fxpipe.runtime.tiedgrads import open_window, sum_tied
 from fxpipe.runtime.tppartial import PartialGrads
-from fxpipe.runtime.transport import callstate, release, samebatch, steplayout
+from fxpipe.runtime.transport import callstate, release, samebatch, samecall, steplayout
 from fxpipe.runtime.transport.comm import Comm, forget_frames, on_every_rank
 from fxpipe.runtime.transport.layoutcache import LayoutCache
 from fxpipe.runtime.transport.messages import DistTransport
@@ -319,13 +319,15 @@ class DistributedRuntime:
         anything runs, and the replicas too (their first ranks agree on each step): nothing is
         abandoned, and under data parallel the pipe steps on. Another rank's refusal, which no
         message carries before the step runs, fails the step as any failure does: the others,
-        waiting in theirs, raise ``PeerFailure`` naming it (under data or tensor parallel that
-        ends the pipe). Raised before the step instead, the others would pair their step with
-        this rank's next call: its inputs against their target.
+        waiting in theirs, raise ``PeerFailure`` naming it (under data parallel that ends the
+        pipe). Raised before the step instead, the others would pair their step with this rank's
+        next call: its inputs against their target. Under tensor parallelism every rank's call
+        begins with an agreement (:mod:`~fxpipe.runtime.transport.samecall`), which carries any
+        rank's refusal to every rank.
         """
         def body() -> NoReturn:
-            if self.layout.tp > 1:  # the group's ranks take inputs and target from any of them: not told
-                raise exc
+            if self.layout.tp > 1:  # the groups' ranks take inputs and target from any of theirs: told to every rank
+                samecall.agree_on_call(self, stepping, True, refusal=exc)
             if self.rank == self.first:
                 steplayout.publish(self, (), {}, True, stepping=stepping, refusal=exc)
             steplayout.tell_target_given(self, stepping, None, refusal=exc)
@@ -388,7 +390,7 @@ class DistributedRuntime:
         self.comm.pending = []
         self.comm.group = None
         self.ties.mine = [(None, params, first) for _, params, first in self.ties.mine]
-        self.layout.pp_group = self.layout.dp_group = self.layout.tp_group = None
+        self.layout.pp_group = self.layout.dp_group = self.layout.tp_group = self.layout.call_group = None
         self.layout.mesh = self.layout.tp_mesh = None  # a DeviceMesh holds its groups too
         self.partial = None  # holds the tensor-parallel group
         if self.grad_sync is not None:
@@ -467,7 +469,11 @@ class DistributedRuntime:
         if (self.layout.dp > 1 or self.layout.tp > 1) and communication_failed(exc):  # over replicas or a tp group
             what = "the replicas" if self.layout.dp > 1 else "the stage's tensor-parallel group"
             reason = self.comm.board.read(f"in a collective over {what}")  # they share the board's keys
-            cause = f"because {reason['message']}" if reason else "another rank's step failed, and it raises the cause"
+            ended = None if reason else self.comm.board.ended_before()  # a script ended early (posted at its exit)
+            if ended is not None:
+                self.comm.board.post(ended, fatal=True)
+            cause = (f"because {reason['message']}" if reason else f"because {ended}" if ended else
+                     "another rank's step failed, and it raises the cause")
             exc = PeerFailure(f"rank {me}: a collective over {what} failed ({first_line(exc)}) {cause}")
         if not isinstance(exc, PeerFailure):
             held = ", ".join(map(str, self.workers))
@@ -482,10 +488,11 @@ class DistributedRuntime:
     def step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, training: bool) -> torch.Tensor:
         """Run one training step; return the mini-batch loss on every rank."""
         def body() -> torch.Tensor:
+            self.reduction = "sum" if is_summed(loss_fn) else "mean"
+            samecall.agree_on_call(self, True, training)  # tensor parallel: every rank's call alike, or refused
             if self.grad_sync is not None:  # parameters frozen since compile: DDP wrapped again
                 self.grad_sync.refresh()
             tgt = from_tp_holder(self, target, target is not None)[0] if self.last else target
-            self.reduction = "sum" if is_summed(loss_fn) else "mean"
             opened = self.summed is None
             if opened:  # the first step since the last sum: what that sum made equal stays out
                 self.summed = open_window(self.tied)
@@ -550,6 +557,7 @@ class DistributedRuntime:
                 "pipe.eval()", stacklevel=user_stacklevel())
 
         def body() -> Any:
+            samecall.agree_on_call(self, False, training)
             runner = self._run(args, kwargs, None, training, grad=False)
             self.unconfirmed = not self.last  # nothing told this rank that the later stages finished
             if self.last:

@@ -181,3 +181,47 @@ def test_inputs_or_target_on_the_wrong_rank_of_a_tensor_parallel_group_are_refus
         kind, loss = res["on_second"]
         assert kind == "returned" and abs(loss - res["expected"]) <= 1e-5 * abs(res["expected"]), (r, res)
         assert max(res["after"]) < 1e-5, (r, res)
+
+
+def test_a_call_one_rank_makes_differently_is_refused_on_every_rank_and_the_pipe_steps_on(tmp_path, launch):
+    # pipe(x) on one rank while the others stepped was refused by that rank's pipeline only: the other tp index's
+    # ranks waited out timeout= in the stage's collectives, and the pipe had to restart (so did a mode, autocast or
+    # loss_reduction differing on one rank, and one rank's refusal of its own arguments)
+    results = launch("tp_cases:calls_differ", 4, "1f1b", tmp_path, limit=150)
+    _ok(results)
+    for r, res in enumerate(results):
+        for odd in range(4):
+            kind, message, seconds = res[f"infers_{odd}"]
+            assert kind == "PipelineInputError" and seconds < 10, (r, odd, res)
+            assert message.startswith(f"rank {odd} called pipe(...) but rank {1 if odd == 0 else 0} called "
+                                      "pipe.step: every rank makes the same call"), message
+        kind, message, seconds = res["mistake_0"]
+        assert kind == "PipelineInputError" and seconds < 10 and message.startswith("rank 0 called pipe(...)"), res
+        kind, message, seconds = res["mistake_1"]  # rank 1's own refusal of a step under no_grad, on every rank
+        assert kind == "RuntimeError" and seconds < 10 and "pipe.step runs backward and needs autograd" in message
+        assert message.startswith("rank 1: ") or r == 1, message
+        kind, message, seconds = res["mistake_2"]
+        assert kind == "PipelineInputError" and seconds < 10, res
+        assert message.startswith("rank 2 runs under torch.autocast('cpu', dtype=torch.bfloat16) but rank 0 runs "
+                                  "without autocast: the ranks exchange values in the autocast dtype"), message
+        kind, message, seconds = res["mistake_3"]
+        assert kind == "PipelineInputError" and seconds < 10, res
+        assert message.startswith("rank 3's pipe is in eval mode but rank 0's is in training mode"), message
+        kind, message, seconds = res["summed_3"]
+        assert kind == "PipelineInputError" and seconds < 10, res
+        assert message.startswith("rank 3 called pipe.step with loss_reduction='sum' but rank 0 with 'mean'"), message
+        assert max(res["after"]) < 1e-5, (r, res)
+
+
+def test_a_script_ended_early_is_named_by_its_global_rank_and_error(tmp_path, launch):
+    # its end was posted under its pipeline rank, which the other pipeline read as its own: rank 2 was named
+    # "rank 3" (alive), and its crash outside the pipe's calls was told as a skipped call
+    results = launch("tp_cases:ended_early", 4, "1f1b", tmp_path, limit=120)
+    _ok(results)
+    for r in (0, 1, 3):
+        calls = results[r]["calls"]
+        assert [c[0] for c in calls[:2]] == ["returned", "returned"], (r, calls)
+        kind, message, seconds = calls[2]
+        assert kind == "PeerFailure" and seconds < 15, (r, calls)
+        assert "the script of rank 2 after 2 call(s) of this pipe ended while rank" in message, message
+        assert "(rank 2 on RuntimeError: crash on rank 2;" in message and "a call skipped" not in message, message

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -339,4 +340,72 @@ def misuse(rank, world, schedule):
     expected.backward()
     out["expected"] = expected.item()
     out["after"] = [max_relative_error(loss, expected), max(_errors(held, eager).values())]
+    return out
+
+
+def calls_differ(rank, world, schedule):
+    """pp2 x tp2, after a first step: each rank in turn calling pipe(x) while the others step, one rank in eval
+    mode, under autocast, with another loss_reduction, or refusing its own arguments (a step under no_grad), each
+    followed by a step of every rank; every call times how long its refusal took."""
+    pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "mlp", schedule)
+    out = {"first": step().item()}
+
+    def mistake(odd):
+        if rank != odd:
+            return step()
+        if odd == 0:
+            return pipe(x)
+        if odd == 1:
+            with torch.no_grad():
+                return step()
+        if odd == 2:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return step()
+        pipe.eval()
+        try:
+            return step()
+        finally:
+            pipe.train()
+
+    for label, call in [*((f"infers_{odd}", lambda odd=odd: pipe(x) if rank == odd else step()) for odd in range(4)),
+                        *((f"mistake_{odd}", lambda odd=odd: mistake(odd)) for odd in range(4)),
+                        ("summed_3", lambda: pipe.step(x if rank == 0 else None, target=y if rank == 2 else None,
+                                                       loss_fn=loss_fn, loss_reduction="sum" if rank == 3 else "mean"))]:
+        start = time.monotonic()
+        try:
+            call()
+            out[label] = ["returned", "", time.monotonic() - start]
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[label] = [type(exc).__name__, str(exc), time.monotonic() - start]
+    for _ in range(2):  # the pipe steps on: two more steps, against eager's three
+        pipe.zero_grad()
+        loss = step()
+    for _ in range(3):
+        eager.zero_grad()
+        expected = loss_fn(eager(x), y)
+        expected.backward()
+    out["after"] = [max_relative_error(loss, expected), max(_errors(held, eager).values())]
+    return out
+
+
+def ended_early(rank, world, schedule):
+    """pp2 x tp2: rank 2's script ends after two of three steps, on an error outside the pipe's calls; the others'
+    third step names it."""
+    import sys
+
+    from fxpipe.runtime.transport.release import release_all
+
+    pipe, model, eager, x, y, loss_fn, step, held = _setup(rank, world, "mlp", schedule)
+    out = {"calls": []}
+    for k in range(3):
+        if k == 2 and rank == 2:
+            sys.last_value = RuntimeError("crash on rank 2")  # what the interpreter sets as it prints the traceback
+            release_all()  # what its exit runs (a spawned test rank exits without it)
+            break
+        start = time.monotonic()
+        try:
+            step()
+            out["calls"].append(["returned", "", time.monotonic() - start])
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["calls"].append([type(exc).__name__, str(exc), time.monotonic() - start])
     return out

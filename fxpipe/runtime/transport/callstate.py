@@ -25,20 +25,20 @@ def state(training: bool, reduction: str) -> State:
     return training, tuple(enabled_autocast()), reduction
 
 
-def mismatch(me: int, mine: State, first: int, theirs: State) -> str | None:
-    """Say how rank ``me``'s state differs from rank ``first``'s (the first stage's), naming the fix; None if alike."""
+def mismatch(me: int, mine: State, first: int, theirs: State, role: str = " (the first stage's)") -> str | None:
+    """Say how rank ``me``'s state differs from rank ``first``'s (``role``), naming the fix; None if alike."""
     (training, autocast, reduction), (their_training, their_autocast, their_reduction) = mine, theirs
     if reduction and their_reduction and reduction != their_reduction:
-        return (f"rank {me} called pipe.step with loss_reduction={reduction!r} but rank {first} (the first stage's) "
+        return (f"rank {me} called pipe.step with loss_reduction={reduction!r} but rank {first}{role} "
                 f"with {their_reduction!r}: only the rank computing the loss (the last stage's) weighs the "
                 "micro-batches, by its own, so another rank's would be ignored. Pass the same loss_reduction= (and "
                 "loss_fn=) on every rank")
     if training != their_training:
         mode, other = ("training", "eval") if training else ("eval", "training")
-        return (f"rank {me}'s pipe is in {mode} mode but rank {first}'s (the first stage's) is in {other} mode: "
+        return (f"rank {me}'s pipe is in {mode} mode but rank {first}'s{role} is in {other} mode: "
                 "call pipe.train() or pipe.eval() on every rank, as every rank calls pipe.step and pipe(x)")
     if tuple(autocast) != tuple(their_autocast):
-        return (f"rank {me} runs {describe_autocast(tuple(autocast))} but rank {first} (the first stage's) runs "
+        return (f"rank {me} runs {describe_autocast(tuple(autocast))} but rank {first}{role} runs "
                 f"{describe_autocast(tuple(their_autocast))}: the ranks exchange values in the autocast dtype, so "
                 "enter the same torch.autocast on every rank")
     return None

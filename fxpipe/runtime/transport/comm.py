@@ -73,7 +73,7 @@ class Comm:
         self.device = device  # where messages live: CPU for gloo, the rank's GPU for NCCL
         self.store = dist.distributed_c10d._get_default_store()
         self.board = FailureBoard(self.store, rank, size or len(self.global_ranks or ()) or 1, timeout,
-                                  self.global_ranks)
+                                  self.global_ranks, dist.get_world_size() if dist.is_initialized() else None)
         self.pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive until sent)
         self._coalescing: bool | None = None  # whether the group's backend batches sends and receives
         self._ranks: dict[int, int] = {}  # pipeline rank -> rank in the group

@@ -7,7 +7,7 @@ round, a pipe or an earlier failure is read in another::
     fxpipe/<restart round>/<pipe>/<generation>/error        why the step failed (first writer wins)
     fxpipe/<restart round>/<pipe>/<generation>/back/<rank>  this rank is ready again
     fxpipe/<restart round>/<pipe>/parted                    a rank gave up rejoining: no call may run
-    fxpipe/<restart round>/<pipe>/ended/<rank>              its script ended after this many calls
+    fxpipe/<restart round>/<pipe>/ended/<global rank>       its script ended after this many calls (and on what)
     fxpipe/<restart round>/where/<global rank>            the pipe this process called last
 
 
@@ -28,6 +28,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
@@ -48,11 +49,12 @@ class FailureBoard:
     """The store keys through which the ranks of one pipeline report failures and rejoin."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: float,
-                 global_ranks: Sequence[int] | None = None) -> None:
+                 global_ranks: Sequence[int] | None = None, world: int | None = None) -> None:
         self.store = store
         self.rank = rank  # pipeline rank
         self.global_ranks = list(global_ranks) if global_ranks else list(range(size))  # how errors name ranks
         self.size = size  # ranks in the pipeline
+        self.world = world or max(self.global_ranks) + 1  # ranks of the pipe: every pipeline's (replicas, tp)
         self.timeout = timeout
         self.generation = 0
         self.call = 0  # this rank's calls of the pipe so far (every rank makes the same calls): posted with a failure
@@ -195,36 +197,44 @@ class FailureBoard:
                  self.rank, self.generation)
 
     def end(self) -> None:
-        """Post, as this rank's script ends, how many calls of the pipe it made (best effort).
+        """Post, as this rank's script ends, how many calls of the pipe it made, and the error it ends on (best effort).
 
-        A peer whose connection to this rank then closes in a later call tells a skipped call
-        (:meth:`ended_before`) from a death.
+        A peer whose connection to this rank then closes in a later call tells a skipped call or
+        an error outside the pipe's calls (:meth:`ended_before`) from a death. The keys are by
+        global rank: the pipelines of a pipe (replicas, tensor-parallel indices) share them.
         """
         try:
-            self.store.set(f"{self.prefix}/ended/{self.rank}", str(self.call))
+            self.store.set(f"{self.prefix}/ended/{self.global_ranks[self.rank]}",
+                           json.dumps({"calls": self.call, "error": _unhandled()}))
         except Exception as exc:  # noqa: BLE001 - the store's host may have exited first
             log.debug("could not post this rank's end to the store: %s", exc)
 
     def ended_before(self) -> str | None:
-        """Say which peers' scripts ended before making the call this rank is in, and after how many calls; or None."""
-        short = []
-        for r in range(self.size):
-            key = f"{self.prefix}/ended/{r}"
-            if r != self.rank and self._has(key):
+        """Say which peers' scripts ended before making the call this rank is in, after how many calls and on what
+        error; or None."""
+        me, short, errors = self.global_ranks[self.rank], [], []
+        for g in range(self.world):
+            key = f"{self.prefix}/ended/{g}"
+            if g != me and self._has(key):
                 try:
-                    made = int(self.store.get(key).decode())
+                    ended = json.loads(self.store.get(key).decode())
                 except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
                     return None
-                if made < self.call:
-                    short.append(f"rank {self.global_ranks[r]} after {made}")
+                if ended["calls"] < self.call:
+                    short.append(f"rank {g} after {ended['calls']}")
+                    if ended["error"]:
+                        errors.append(f"rank {g} on {ended['error']}")
         if not short:
             return None
-        return (f"the script of {', '.join(short)} call(s) of this pipe ended while rank "
-                f"{self.global_ranks[self.rank]} is in its call {self.call}: every rank makes the same calls "
-                "(pipe.step and pipe(x) together, as many times); a call skipped on one rank (under `if rank == "
-                "...:`, a `continue`, a shorter loader) paired each of its later calls with the others' next one, "
-                "so the steps since ran one step's inputs against another's target: fix the loop, and resume from "
-                "a checkpoint saved before the skip")
+        head = f"the script of {', '.join(short)} call(s) of this pipe ended while rank {me} is in its call {self.call}"
+        if errors:
+            return (f"{head}: it ended on an error raised outside the pipe's calls ({'; '.join(errors)}; its "
+                    "traceback is in that rank's log). Fix it, restart the job and resume from the last complete "
+                    "checkpoint (fxpipe.latest_checkpoint)")
+        return (f"{head}: every rank makes the same calls (pipe.step and pipe(x) together, as many times); a call "
+                "skipped on one rank (under `if rank == ...:`, a `continue`, a shorter loader) paired each of its "
+                "later calls with the others' next one, so the steps since ran one step's inputs against another's "
+                "target: fix the loop, and resume from a checkpoint saved before the skip")
 
     def _parted(self) -> str:
         """Return the store key a rank that gave up rejoining writes (one per pipe, every generation's)."""
@@ -246,3 +256,11 @@ class FailureBoard:
             return bool(self.store.check([key]))
         except Exception:  # noqa: BLE001
             return False
+
+
+def _unhandled() -> str | None:
+    """Name the exception ending the interpreter (``sys.last_value``, set as its traceback is printed), or None."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if exc is None:
+        return None
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]

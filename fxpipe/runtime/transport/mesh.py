@@ -54,6 +54,7 @@ class Layout:
     tp_index: int = 0
     tp_group: Any = None
     tp_mesh: DeviceMesh | None = None
+    call_group: Any = None  # every rank, with tensor parallelism: each call's agreement (samecall)
 
     def pipelines(self) -> list[list[int]]:
         """Return every pipeline's global ranks (replica-major, then tp index), the same on every rank."""
@@ -107,6 +108,7 @@ def setup_distributed(n_stages: int, timeout: float, stages_per_rank: int = 1, d
         layout.tp_group = mesh.get_group("tp")
         if made:
             bound_waits(layout.tp_group, timeout)
+        layout.call_group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout), backend=backend)
     return layout
 
 

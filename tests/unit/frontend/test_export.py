@@ -469,6 +469,27 @@ def test_a_transformers_model_fixing_the_batch_is_not_sent_to_fx():
                                                 r"transformers 5 models") as info:
         fxpipe.compile(cls(), 2, example_inputs=(torch.randn(4, 8),), tracer="export")
     assert "use the fx front end" not in str(info.value)
+    assert "contrastive loss" not in str(info.value)  # advice for a loss line (CLIP's), not RT-DETR's len(...)
+
+
+class _WholeBatchLoss(nn.Module):
+    """Computes a loss over the batch's rows, as CLIP's contrastive loss: export fixes the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        logits = self.fc(x) @ x.T
+        loss = nn.functional.cross_entropy(logits, torch.arange(len(logits)))  # fixes the batch size
+        return logits.sum(1) + loss
+
+
+def test_a_transformers_model_fixing_the_batch_in_a_loss_is_told_to_compute_it_in_loss_fn():
+    cls = type("ClipLike", (_WholeBatchLoss,), {"__module__": "transformers.models.clip.modeling_clip"})
+    with pytest.raises(fxpipe.TraceError, match=r"the line computes a loss over the whole batch's rows .* compute "
+                                                r"it from the logits in loss_fn"):
+        fxpipe.compile(cls(), 2, example_inputs=(torch.randn(4, 8),), tracer="export")
 
 
 _VISION = """

@@ -82,3 +82,24 @@ def _boards(store, size, *ranks):
     for b in boards[1:]:
         b.prefix = boards[0].prefix
     return boards
+
+
+def test_a_script_ended_early_is_named_by_its_global_rank_and_the_error_it_ended_on(monkeypatch):
+    # the pipelines of a pipe (tensor-parallel indices, replicas) share the keys: they were by pipeline rank, so
+    # rank 2 (pipeline rank 1 of pipeline [0, 2]) ending was named "rank 3" by pipeline [1, 3]; and a script
+    # ending on an error outside the pipe's calls was told as a skipped call
+    store = dist.HashStore()
+    ended = FailureBoard(store, rank=1, size=2, timeout=1, global_ranks=[0, 2], world=4)
+    other = FailureBoard(store, rank=0, size=2, timeout=1, global_ranks=[1, 3], world=4)
+    other.prefix = ended.prefix
+    ended.call, other.call = 2, 3
+    monkeypatch.setattr("sys.last_value", RuntimeError("crash on rank 2"), raising=False)
+    ended.end()
+    told = other.ended_before()
+    assert told.startswith("the script of rank 2 after 2 call(s) of this pipe ended while rank 1 is in its call 3: "
+                           "it ended on an error raised outside the pipe's calls (rank 2 on RuntimeError: crash on "
+                           "rank 2;"), told
+    assert "restart the job and resume from the last complete checkpoint" in told
+    monkeypatch.delattr("sys.last_value")
+    ended.end()  # a script ending normally, one call short: a skipped call
+    assert "a call skipped on one rank" in other.ended_before()
