@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -259,4 +260,25 @@ class TPGradScaler(ShardedGradScaler):
         """Unscale the optimizer's gradients (shards and whole), agreeing on inf/NaN with every rank."""
         with implicit_replication():
             super().unscale_(optimizer)
+
+    def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
+        """Unscale the whole gradients and the DTensor shards in calls of their own; return the inf/NaN flags.
+
+        One foreach call over both kinds is dispatched by DTensor, which reads the placements of
+        the list's first gradient: a whole one first (an untied head, a norm) raised
+        ``'Tensor' object has no attribute 'placements'``.
+        """
+        kinds: tuple[list[Any], list[Any]] = ([], [])
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                kinds[isinstance(param.grad, DTensor)].append(param)
+        found: dict[torch.device, torch.Tensor] = {}
+        for params in kinds:
+            if params or not found:  # no gradient at all: the flags are made on the scale's device
+                only: Any = SimpleNamespace(param_groups=[{"params": params}])  # all the parent reads of it
+                part = super()._unscale_grads_(only, inv_scale, found_inf, allow_fp16)
+                for device, flag in part.items():
+                    found[device] = torch.maximum(found[device], flag) if device in found else flag
+        return found
 

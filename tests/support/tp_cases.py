@@ -278,7 +278,9 @@ def mixed(rank, world, schedule):
            "bf16_vs_fp32": max_relative_error(got, loss_fn(eager(x), y).detach())}
     model.zero_grad(set_to_none=True)
     sc = fxpipe.grad_scaler(pipe, init_scale=1024.0)
-    opt = torch.optim.SGD([q for _, q in held], lr=0.1)
+    # whole parameters first (an optimizer over pipe.parameters() meets an untied norm or head first): one foreach
+    # call unscaling both kinds read the first gradient's DTensor placements ("'Tensor' object has no attribute")
+    opt = torch.optim.SGD(sorted((q for _, q in held), key=lambda q: hasattr(q, "placements")), lr=0.1)
     _, p, k, _ = _place(rank, world, 2, 2)
     last = pipe.plan.stages[-1].on_rank == p
     with torch.autocast("cpu", dtype=torch.float16):
