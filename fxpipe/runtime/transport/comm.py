@@ -74,7 +74,7 @@ class Comm:
         self.store = dist.distributed_c10d._get_default_store()
         self.board = FailureBoard(self.store, rank, size or len(self.global_ranks or ()) or 1, timeout,
                                   self.global_ranks, dist.get_world_size() if dist.is_initialized() else None)
-        self.pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive until sent)
+        self.pending: list[tuple[Any, Any, int]] = []  # (work, tensor kept alive until sent, peer)
         self._coalescing: bool | None = None  # whether the group's backend batches sends and receives
         self._ranks: dict[int, int] = {}  # pipeline rank -> rank in the group
 
@@ -178,7 +178,7 @@ class Comm:
         The sends are held until :meth:`flush`.
         """
         works = self._batch(sends, recvs, what)
-        self.pending += list(zip(works[: len(sends)], [t for t, _, _ in sends]))
+        self.pending += [(w, t, peer) for w, (t, peer, _) in zip(works[: len(sends)], sends)]
         return works[len(sends):]
 
     def send(self, sends: Sequence[tuple[torch.Tensor, int, int]], what: str) -> list[Any]:
@@ -247,7 +247,8 @@ class Comm:
     def flush(self, what: str = "finishing sends") -> None:
         """Wait until every posted send has left."""
         pending, self.pending = self.pending, []
-        self.wait([w for w, _ in pending], what)
+        for work, _, peer in pending:  # one by one: a failed send names its peer
+            self.wait([work], what, peer)
 
     # -- small Python values, point to point ---------------------------------------------
     def send_object(self, value: Any, dst: int) -> None:

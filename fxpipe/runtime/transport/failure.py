@@ -125,11 +125,10 @@ class FailureBoard:
         """
         fatal = fatal or crossed
         try:
-            if self.store.check([self._key("error")]):
+            posted = json.dumps({"message": message, "fatal": fatal, "crossed": crossed, "call": self.call})
+            if self.store.compare_set(self._key("error"), "", posted).decode() != posted:  # set only if unset
                 self.read("posting a failure")  # the first reason is every rank's: remember it if a death
                 return
-            self.store.set(self._key("error"), json.dumps({"message": message, "fatal": fatal, "crossed": crossed,
-                                                        "call": self.call}))
         except Exception as exc:  # noqa: BLE001 - the store itself may be down; we are failing anyway
             log.debug("could not post this rank's failure to the store: %s", exc)
         if fatal and self.death is None:  # posted, or the store is gone: this rank's reason stands
@@ -231,10 +230,11 @@ class FailureBoard:
             return (f"{head}: it ended on an error raised outside the pipe's calls ({'; '.join(errors)}; its "
                     "traceback is in that rank's log). Fix it, restart the job and resume from the last complete "
                     "checkpoint (fxpipe.latest_checkpoint)")
-        return (f"{head}: every rank makes the same calls (pipe.step and pipe(x) together, as many times); a call "
-                "skipped on one rank (under `if rank == ...:`, a `continue`, a shorter loader) paired each of its "
-                "later calls with the others' next one, so the steps since ran one step's inputs against another's "
-                "target: fix the loop, and resume from a checkpoint saved before the skip")
+        return (f"{head}: its script stopped early (sys.exit, an error caught there and not raised again), or "
+                "skipped a call: every rank makes the same calls (pipe.step and pipe(x) together, as many times), and "
+                "a call skipped on one rank (under `if rank == ...:`, a `continue`, a shorter loader) paired each of "
+                "its later calls with the others' next one, so the steps since ran one step's inputs against "
+                "another's target: fix the loop, and resume from a checkpoint saved before the skip")
 
     def _parted(self) -> str:
         """Return the store key a rank that gave up rejoining writes (one per pipe, every generation's)."""

@@ -170,13 +170,13 @@ class DistTransport:
         """Wait for (at once: they have arrived) and drop the sends peer ``q`` got before sending ``received``."""
         for key in self.acks.get(received, ()):
             works = self.sent.pop((key, q), [])
-            self.comm.wait(works, f"finishing the send of {key} to rank {q}", q)
+            self.comm.wait(works, f"finishing the send of {key} to {self.comm.name(q)}", q)
 
     def finish(self) -> None:
         """Wait until every message this rank sent has left."""
         sent, self.sent = self.sent, {}
         for (key, q), works in sent.items():
-            self.comm.wait(works, f"finishing the send of {key} to rank {q}", q)
+            self.comm.wait(works, f"finishing the send of {key} to {self.comm.name(q)}", q)
 
     def abandon(self) -> None:
         """Drop every pending send and receive (a failed step: the runtime closes the connections)."""

@@ -451,7 +451,7 @@ def _weight_dtypes(gm: torch.nn.Module) -> str:
 def receive(runtime: Any) -> dict:
     """On the other ranks: receive the layout (or the first rank's refusal, raised here too)."""
     first = runtime.first
-    header = runtime.comm.recv_object(first, f"waiting for rank {first}'s inputs")
+    header = runtime.comm.recv_object(first, f"waiting for {runtime.comm.name(first)}'s inputs")
     if header.get("error"):
         kind, message = header["error"]
         if kind == "PropagationError":
