@@ -21,9 +21,10 @@ output head) is column-wise with its logits gathered, so that both hold the same
 from __future__ import annotations
 
 import logging
+import math
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch.fx
 from fxpipe.passes.tplayout import Conflict, Rule, propagate, site_input
@@ -54,12 +55,20 @@ def role_rules(sites: Mapping[str, Site], roles: Mapping[str, str]) -> dict[str,
     return {name: ROLES[role] for fqn, role in roles.items() for name in sites[fqn].nodes}
 
 
-def indivisible(what: str, fqn: str | None, size: int, t: int, container: bool = False) -> TensorParallelError:
-    """Return the refusal of a dimension of ``size`` that ``t`` ranks do not divide (``container``: not a linear)."""
-    fits = ", ".join(map(str, divisors(size)))
+def indivisible(what: str, fqn: str | None, size: int, t: int, container: bool = False,
+                others: Sequence[int] = ()) -> TensorParallelError:
+    """Return the refusal of a dimension of ``size`` that ``t`` ranks do not divide (``container``: not a linear).
+
+    ``others``: the sizes of the module's other dims ``t`` does not divide (grouped-query
+    attention's key/value heads beside its query heads), which the sizes offered divide too.
+    """
+    more = sorted(set(others) - {size})
+    fits = ", ".join(map(str, divisors(math.gcd(size, *more))))
+    also = f" nor its other heads ({', '.join(map(str, more))}: grouped key/value heads?)" if more else ""
     leave = f"the linears in '{fqn}'" if container else f"'{fqn}'"
-    return TensorParallelError(f"tensor_parallel={t} does not divide {what} of '{fqn}' ({size}); use a "
-                               f"tensor_parallel that divides it ({fits}), or leave {leave} out of the plan")
+    return TensorParallelError(f"tensor_parallel={t} does not divide {what} of '{fqn}' ({size}){also}; use a "
+                               f"tensor_parallel that divides {'them all' if more else 'it'} ({fits}), or leave "
+                               f"{leave} out of the plan")
 
 
 def auto_roles(gm: torch.fx.GraphModule, t: int) -> dict[str, str]:
@@ -149,13 +158,25 @@ def _grow(gm: torch.fx.GraphModule, sites: Mapping[str, Site], of_node: Mapping[
                 if c.kind == "indivisible" and c.size:
                     what = (f"the heads (or another sharded dim) that node '{c.node}' reshapes" if c.module else
                             f"the sharded dim that node '{c.node}' reshapes outside any module, in the region")
-                    exc = indivisible(what, c.module or min(region), c.size, t, container=bool(c.module))
+                    exc = indivisible(what, c.module or min(region), c.size, t, container=bool(c.module),
+                                      others=_module_sizes(gm, sites, c.module, t) if c.module else ())
                     exc.region = list(region)  # type: ignore[attr-defined]
                     raise exc
             return _Unclosed(region, conflicts[0].message) if len(region) > 1 else \
                 _Alone(f"'{start.fqn}' stays whole ({conflicts[0].message})")
         region.update(grown)
     return {}
+
+
+def _module_sizes(gm: torch.fx.GraphModule, sites: Mapping[str, Site], module: str, t: int) -> list[int]:
+    """Return the sizes ``t`` does not divide that the module's linears, all split column-wise, would reshape.
+
+    Grouped-query attention reshapes its key/value heads apart from its query heads: the sizes
+    a refusal offers must divide both.
+    """
+    linears = {fqn: "colwise" for fqn, site in sites.items() if site.kind == "linear" and fqn.startswith(module + ".")}
+    _, conflicts = propagate(gm, role_rules(sites, linears), t)
+    return [c.size for c in conflicts if c.kind == "indivisible" and c.size and c.module == module]
 
 
 def _grown(gm: torch.fx.GraphModule, sites: Mapping[str, Site], of_node: Mapping[str, Site],

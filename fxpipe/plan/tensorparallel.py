@@ -20,7 +20,7 @@ import fnmatch
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +91,7 @@ def plan_tensor_parallel(gm: torch.fx.GraphModule, t: int, tp_plan: Any, record:
     _check_ties(gm, sites, styles)
     layouts, conflicts = propagate(gm, rules, t, record=record)
     if conflicts:
-        raise _refusal(conflicts[0], tp_plan == "auto", t)
+        raise _refusal(conflicts[0], tp_plan == "auto", t, conflicts)
     _check_crossing(gm, layouts)
     plan = TensorParallelPlan(t, styles, sites, rules, auto=tp_plan == "auto",
                               layouts={n: v for n, v in layouts.items() if isinstance(v, int)})
@@ -217,13 +217,14 @@ def _fetch(gm: torch.fx.GraphModule, target: str) -> Any:
     return obj
 
 
-def _refusal(c: Conflict, auto: bool, t: int) -> TensorParallelError:
-    """Turn the first conflict of a plan into its refusal."""
+def _refusal(c: Conflict, auto: bool, t: int, conflicts: Sequence[Conflict] = ()) -> TensorParallelError:
+    """Turn the first conflict of a plan into its refusal (the others of its module bound the sizes offered)."""
     where = f"node '{c.node}'" + (f" in module '{c.module}'" if c.module else "")
     if c.kind == "indivisible" and c.size:
         from fxpipe.passes.tpauto import indivisible
+        others = [x.size for x in conflicts if x.kind == "indivisible" and x.size and x.module == c.module]
         return indivisible(f"the heads (or another sharded dim) that node '{c.node}' reshapes", c.module, c.size, t,
-                           container=c.module is not None)
+                           container=c.module is not None, others=others)
     fix = ("; leave the linears that make this shard out of the plan (that region then runs whole), or pass "
            "tp_plan='auto', which leaves such a region whole" if c.kind == "mixed" and not auto else "")
     if fix and "att" in (c.module or "").lower():

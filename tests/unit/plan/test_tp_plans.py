@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -334,3 +335,29 @@ def test_a_region_refused_at_each_of_its_nodes_is_counted_once():
     (told,) = _counted(messages)
     assert told.startswith("does not divide the heads that node 'view_0' reshapes of 'layers.0.attn'"), told
     assert told.endswith("; and 3 more region(s) like it"), told
+
+
+class _GroupedQueryAttention(nn.Module):
+    """Four query heads over two key/value heads of 8 (grouped-query attention, as Llama's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.k, self.v = nn.Linear(32, 16), nn.Linear(32, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 4, 8).transpose(1, 2)
+        k = self.k(x).view(b, s, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1)
+        v = self.v(x).view(b, s, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1)
+        att = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+        return self.o((att @ v).transpose(1, 2).reshape(b, s, 32))
+
+
+def test_the_sizes_offered_for_grouped_query_attention_divide_the_key_value_heads_too():
+    # it offered (1, 2, 4) from the query heads alone: tensor_parallel=4 then left every attention whole
+    model = nn.Sequential(OrderedDict(attn=_GroupedQueryAttention(), out=nn.Linear(32, 32)))
+    with pytest.raises(TensorParallelError, match=r"tensor_parallel=3 does not divide the heads .* of 'attn' \(4\) "
+                                                  r"nor its other heads \(2: grouped key/value heads\?\); use a "
+                                                  r"tensor_parallel that divides them all \(1, 2\)"):
+        plan_tensor_parallel(_graph(model, torch.randn(2, 8, 32)), 3, "auto")
