@@ -20,6 +20,7 @@ tensors left whole are broadcast from it, so the ranks of a group agree as DDP's
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -258,7 +259,9 @@ class TPGradScaler(ShardedGradScaler):
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the optimizer's gradients (shards and whole), agreeing on inf/NaN with every rank."""
-        with implicit_replication():
+        with implicit_replication(), warnings.catch_warnings():
+            # the scale and flag are one-element tensors, replicated here by design: not the user's to hear of
+            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
             super().unscale_(optimizer)
 
     def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -289,7 +290,10 @@ def mixed(rank, world, schedule):
         q = held[-1][1]
         (q.grad.to_local() if hasattr(q.grad, "to_local") else q.grad).view(-1)[0] = float("inf")
     before = [q.detach().clone() for _, q in held]
-    sc.step(opt)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        sc.step(opt)
+    out["warned"] = [str(w.message) for w in seen if "numel=1" in str(w.message)]  # the scale, replicated by design
     sc.update()
     out.update(skipped=all(torch.equal(_full(a), _full(q.detach())) for a, (_, q) in zip(before, held)),
                scale=sc.get_scale(), fp16_loss=float(loss))
