@@ -469,9 +469,7 @@ class DistributedRuntime:
         if (self.layout.dp > 1 or self.layout.tp > 1) and communication_failed(exc):  # over replicas or a tp group
             what = "the replicas" if self.layout.dp > 1 else "the stage's tensor-parallel group"
             reason = self.comm.board.read(f"in a collective over {what}")  # they share the board's keys
-            ended = None if reason else self.comm.board.ended_before()  # a script ended early (posted at its exit)
-            if ended is not None:
-                self.comm.board.post(ended, fatal=True)
+            ended = None if reason else self.comm.board.post_ended()  # a script ended early (posted at its exit)
             cause = (f"because {reason['message']}" if reason else f"because {ended}" if ended else
                      "another rank's step failed, and it raises the cause")
             exc = PeerFailure(f"rank {me}: a collective over {what} failed ({first_line(exc)}) {cause}")

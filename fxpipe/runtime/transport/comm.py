@@ -140,9 +140,7 @@ class Comm:
         while time.monotonic() < deadline:  # a peer that timed out closes its connections before it posts why
             time.sleep(0.1)
             self.check(what)
-            ended = self.board.ended_before()  # or its script ended, having skipped a call (posted at exit)
-            if ended is not None:
-                self.board.post(ended, fatal=True)
+            if self.board.post_ended() is not None:  # or its script ended early (posted at its exit)
                 self.check(what)  # the first reason posted is every rank's
         message = (f"{self.name()}: communication failed while {what} ({who} probably died, "
                    f"posting no error): {exc}")

@@ -236,6 +236,14 @@ class FailureBoard:
                 "its later calls with the others' next one, so the steps since ran one step's inputs against "
                 "another's target: fix the loop, and resume from a checkpoint saved before the skip")
 
+    def post_ended(self) -> str | None:
+        """Post, as every rank's fatal reason, that a peer's script ended before this call (:meth:`ended_before`);
+        return what was posted, or None."""
+        ended = self.ended_before()
+        if ended is not None:
+            self.post(ended, fatal=True)
+        return ended
+
     def _parted(self) -> str:
         """Return the store key a rank that gave up rejoining writes (one per pipe, every generation's)."""
         return f"{self.prefix}/parted"
