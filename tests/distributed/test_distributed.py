@@ -598,3 +598,22 @@ def test_inference_under_no_grad_through_a_nested_tensor_fast_path_equals_eager(
     # on fake tensors cannot: every rank refused the call ("NestedTensorImpl doesn't support sizes")
     results = launch("dist_cases:nested_fast_path", 2, "1f1b", tmp_path)
     assert results[0]["error"] is None and results[1]["error"] == 0.0, results
+
+
+def test_a_port_taken_before_rank_0_binds_it_is_retried_on_a_new_one(tmp_path, monkeypatch):
+    # the launcher's own robustness: another test's connection can take the store's port between
+    # choosing it and rank 0 binding it (EADDRINUSE); the case then runs again on another port
+    import socket
+
+    import launch as launcher
+
+    taken = socket.socket()  # bound, not listening: as an outgoing connection holds its port
+    taken.bind(("127.0.0.1", 0))
+    ports = iter([taken.getsockname()[1]])
+    fresh = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda: next(ports, None) or fresh())
+    try:
+        results = launcher.launch("tied", 2, "1f1b", tmp_path)
+    finally:
+        taken.close()
+    _assert_equal_to_eager(results)

@@ -11,6 +11,7 @@ import importlib
 import json
 import multiprocessing as mp
 import os
+import random
 import socket
 import time
 import traceback
@@ -20,11 +21,34 @@ import torch
 __all__ = ["free_port", "launch", "run", "start_and_join"]
 
 
+def _ephemeral() -> tuple[int, int]:
+    """Return the kernel's range of ports for outgoing connections (Linux's default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """Return a TCP port free on this machine now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Return a TCP port free on this machine now, below the range of outgoing connections' ports.
+
+    Port 0's answer is an ephemeral port: any connection made meanwhile (gloo's pairs and store
+    clients of ranks that other test workers run) can take it before rank 0's store binds it,
+    and the case fails with EADDRINUSE. A random port below that range is taken only by a listener.
+    """
+    low, _ = _ephemeral()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(15000, low) if low > 16000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free TCP port found for the test's ranks")
 
 
 def _case(name: str):
@@ -70,13 +94,24 @@ def _outlive(outdir: str, world: int, limit: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def start_and_join(procs: list, limit: float) -> list[int]:
-    """Start ``procs``, wait for them at most ``limit`` seconds in all; kill those still running and return their ranks."""
+def start_and_join(procs: list, limit: float, give_up=None) -> list[int]:
+    """Start ``procs``, wait for them at most ``limit`` seconds in all; kill those still running and return their ranks.
+
+    ``give_up()``, polled while they run, ends the wait early when it says true (nothing is stuck then).
+    """
     start = time.monotonic()
     for p in procs:
         p.start()
     for p in procs:
-        p.join(max(1.0, limit - (time.monotonic() - start)))
+        if give_up is None:
+            p.join(max(1.0, limit - (time.monotonic() - start)))
+        while give_up is not None and p.is_alive() and time.monotonic() - start < limit:
+            p.join(0.1)
+            if give_up():
+                for q in procs:
+                    q.kill()
+                    q.join()
+                return []
     stuck = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
@@ -96,16 +131,34 @@ def context() -> mp.context.BaseContext:
     return ctx
 
 
+def _port_taken(results: list[dict]) -> bool:
+    """Say whether a rank failed because the store's port was taken before it bound it."""
+    return any("EADDRINUSE" in r.get("message", "") for r in results)
+
+
+def _rank_0_port_taken(tmp_path) -> bool:
+    """Say whether rank 0 has reported that its store's port was taken (the others would wait for it in vain)."""
+    try:
+        return _port_taken([json.loads((tmp_path / "rank0.json").read_text())])
+    except (OSError, ValueError):
+        return False
+
+
 def launch(case: str, world: int, schedule: str, tmp_path, limit: float = 120.0) -> list[dict]:
-    """Run ``case`` on ``world`` fresh ranks; return each rank's result."""
+    """Run ``case`` on ``world`` fresh ranks; return each rank's result (on a new port if another process took it)."""
     ctx = context()
-    port = free_port()
-    procs = [ctx.Process(target=run, args=(r, world, port, case, schedule, str(tmp_path), dict(os.environ)))
-             for r in range(world)]
-    hung = start_and_join(procs, limit)
-    assert not hung, f"ranks {hung} still running after {limit} s"
-    results = []
-    for r in range(world):
-        path = tmp_path / f"rank{r}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {"exitcode": procs[r].exitcode})
+    for attempt in range(3):
+        for stale in tmp_path.glob("rank*.json"):
+            stale.unlink()
+        port = free_port()
+        procs = [ctx.Process(target=run, args=(r, world, port, case, schedule, str(tmp_path), dict(os.environ)))
+                 for r in range(world)]
+        hung = start_and_join(procs, limit, give_up=lambda: _rank_0_port_taken(tmp_path))
+        assert not hung, f"ranks {hung} still running after {limit} s"
+        results = []
+        for r in range(world):
+            path = tmp_path / f"rank{r}.json"
+            results.append(json.loads(path.read_text()) if path.exists() else {"exitcode": procs[r].exitcode})
+        if not _port_taken(results) or attempt == 2:
+            return results
     return results
