@@ -214,10 +214,39 @@ def _print_tp(pipe: Any, t: int) -> None:
         tp = plan_tensor_parallel(pipe._gm, t, "auto", record=False)
     except TensorParallelError as exc:
         raise Failure(str(exc)) from None
-    print("\n".join(tp_lines(tp.record(pipe.plan.chunks))))
+    print("\n".join(tp_lines(tp.record(pipe.plan.chunks)) + _per_rank_lines(pipe, tp)))
     note = little_split(pipe._gm, tp)
     if note is not None:
         print(f"  note: {note}")
+
+
+def _per_rank_lines(pipe: Any, tp: Any) -> list[str]:
+    """Return each stage's parameters and FLOPs per rank under ``tp`` beside the whole stage's (the table's)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from fxpipe.plan.pipeline import human
+    from fxpipe.plan.stages import named_tensors
+    from fxpipe.plan.tpstyles import weight_placement
+
+    t, cut = tp.size, 1 - 1 / tp.size
+    split: set[int] = set()  # the tensors each rank holds 1/t of (a row-wise layer's bias stays whole)
+    split_nodes: set[str] = set()
+    for fqn, style in tp.styles.items():
+        site = tp.sites[fqn]
+        if weight_placement(style, site) in ("S0", "S1"):
+            split.add(id(site.weight))
+            split_nodes.update(site.nodes)
+            if site.bias is not None and isinstance(style, ColwiseParallel):
+                split.add(id(site.bias))
+    flops = {n.name: n.meta.get("fxpipe.flops", 0) + n.meta.get("fxpipe.flops_bwd", 0) for n in pipe._gm.graph.nodes}
+    lines = [f"  per rank (each of the {t} holds 1/{t} of every split layer; the stage table above is whole):"]
+    for s, module in zip(pipe.plan.stages, pipe.stages):
+        tensors = {id(x): x for _, x in named_tensors(module)}
+        params = s.params - cut * sum(x.numel() * x.element_size() for i, x in tensors.items() if i in split)
+        computed = s.flops - cut * sum(flops.get(v, 0) for v in s.nodes if v in split_nodes)
+        lines.append(f"    stage {s.index}: params {human(int(params), 'B')} of {human(s.params, 'B')}"
+                     + (f", FLOPs f+b {human(int(computed))} of {human(s.flops)}" if s.flops else ""))
+    return lines
 
 
 def _batch(inputs: tuple) -> int | None:

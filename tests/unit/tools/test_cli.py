@@ -356,6 +356,10 @@ def test_inspect_tp_prints_the_automatic_plan_and_its_collectives(tmp_path, caps
     assert "blocks.0.attn.o: RowwiseParallel()   [all_reduce in forward" in out
     assert "embed: RowwiseParallel(input_layouts=Replicate())" in out and "whole on every rank: pos" in out
     assert "per micro-batch, forward: 6 collective(s)" in out
+    # the stage table is the whole stage's; each rank holds half of every split layer (the position embedding whole)
+    assert "per rank (each of the 2 holds 1/2 of every split layer" in out
+    assert "stage 0: params 25.9kB of 48.8kB, FLOPs f+b 1.0M of 1.9M" in out
+    assert "stage 1: params 19.4kB of 38.0kB, FLOPs f+b 1.0M of 1.9M" in out
     assert cli.main(["inspect", f"{path}:decoder", "--stages", "2", "--tp", "3"]) == 1
     assert "tensor_parallel=3 does not divide" in capsys.readouterr().err
 
