@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from fxpipe.errors import PeerFailure
 from fxpipe.runtime.transport.failure import FailureBoard
+from fxpipe.runtime.transport.together import first_line
 
 __all__ = ["Comm", "forget_frames", "on_every_rank", "tell_all"]
 
@@ -143,7 +144,7 @@ class Comm:
             if self.board.post_ended() is not None:  # or its script ended early (posted at its exit)
                 self.check(what)  # the first reason posted is every rank's
         message = (f"{self.name()}: communication failed while {what} ({who} probably died, "
-                   f"posting no error): {exc}")
+                   f"posting no error): {first_line(exc)}")
         self.board.post(f"{who} died ({self.name()} lost its connection while {what})", fatal=True)
         return PeerFailure(message)
 

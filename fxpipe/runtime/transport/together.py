@@ -7,6 +7,7 @@ collective until the process group's timeout, and gloo or NCCL then raise their 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -17,6 +18,10 @@ from fxpipe.errors import PeerFailure
 __all__ = ["communication_failed", "first_line", "succeeded_together", "together"]
 
 _SIGNS = ("timed out", "timeout", "connection closed", "connection reset", "gloo", "nccl")
+# gloo's prefix (its source file and line) and its closing advice on a closed connection, which
+# blames a crash where a rank may only have skipped the call or ended its script
+_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+_ADVICE = re.compile(r"\s*This is typically caused by a remote worker crashing\..*$")
 
 
 def communication_failed(exc: BaseException) -> bool:
@@ -31,7 +36,10 @@ def communication_failed(exc: BaseException) -> bool:
 def first_line(exc: BaseException) -> str:
     """Return the first line of an exception's message (its type's name if it has none), cut to 300 characters."""
     text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    line = _ADVICE.sub("", _SOURCE.sub("", text.splitlines()[0]))
+    return (line or text.splitlines()[0])[:300]
 
 
 @contextmanager

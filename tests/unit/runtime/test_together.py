@@ -25,6 +25,21 @@ def test_a_failed_collective_is_counted_by_the_runtime_as_a_failed_step():
     assert len(told) == 1 and "Connection closed" in str(told[0])
 
 
+def test_gloos_source_line_and_crash_advice_are_left_out_of_the_message():
+    # "[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:35997. This is typically
+    # caused by a remote worker crashing. Check the logs ... GLHF!" blamed a crash where the peer had only
+    # skipped the call (fxpipe.save under `if rank == 0:`)
+    gloo = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+            "[127.0.0.1]:35997. This is typically caused by a remote worker crashing. Check the logs of the remote "
+            "worker before reporting an error. GLHF! \U0001f3d6\ufe0f")
+    with pytest.raises(PeerFailure) as info:
+        with together("fxpipe.save", 0):
+            raise RuntimeError(gloo)
+    message = str(info.value)
+    assert "did not join it (Connection closed by peer [127.0.0.1]:35997.): call it on every rank" in message
+    assert "pair.cc" not in message and "crashing" not in message and "GLHF" not in message
+
+
 @pytest.mark.parametrize("exc", [ValueError("a refusal"), RuntimeError("a user's bug"), PeerFailure("rank 1 died")])
 def test_other_failures_pass_through_as_they_are(exc):
     told = []
