@@ -337,11 +337,11 @@ def check_signature(names: list[str], spec: list[Any], example: list[Any], kinds
                     + "Compile with example inputs of the kind you run (a model called both ways needs a pipe "
                     "for each)")
             if kinds and isinstance(g, TensorSpec) and _other_kind(g, w):
+                got_kind, want_kind = _kinds(g, w)
                 raise PipelineInputError(
-                    f"input '{name}' has shape {tuple(g.shape)} and dtype {g.dtype}, but the plan was "
-                    f"built for {len(w.shape)} dimension(s) ({', '.join(map(str, w.shape))} in the example) "
-                    f"and dtype {w.dtype}; sizes may change from step to step, the number of dimensions "
-                    "and the dtype may not: cast the input, or compile with example inputs of that kind"
+                    f"input '{name}' has {got_kind}, but the plan was built for {want_kind}; sizes may change "
+                    "from step to step, the number of dimensions and the dtype may not: cast the input, or "
+                    "compile with example inputs of that kind"
                     + (" (a model cast after compile, model.to(dtype), keeps its inputs' dtype across ranks: cast "
                        "the model before fxpipe.compile and give example inputs of its dtype, or keep its dtype "
                        "and use torch.autocast)" if g.dtype.is_floating_point and w.dtype.is_floating_point else ""))
@@ -357,10 +357,18 @@ def unlike_example(names: Sequence[str], values: Sequence[Any], example: Sequenc
     for name, got, want in zip(names, values, example):
         for g, (path, w) in zip(tree_flatten(in_order_of(got, want))[0], tree_flatten_with_path(want)[0]):
             if isinstance(g, torch.Tensor) and _other_kind(g, w):
-                return (f"input '{name}{keystr(path)}' has shape {tuple(g.shape)} and dtype {g.dtype}, where the "
-                        f"example it was traced with had {len(w.shape)} dimension(s) "
-                        f"({', '.join(map(str, w.shape))}) and dtype {w.dtype}")
+                got_kind, want_kind = _kinds(g, w)
+                return f"input '{name}{keystr(path)}' has {got_kind}, where the example it was traced with had {want_kind}"
     return None
+
+
+def _kinds(got: TensorSpec | torch.Tensor, want: TensorSpec) -> tuple[str, str]:
+    """Describe what differs between a tensor input and the example's: its number of dimensions, its dtype, or both."""
+    dims, dtype = len(got.shape) != len(want.shape), got.dtype != want.dtype
+    got_kind = " and ".join(([f"shape {tuple(got.shape)}"] if dims else []) + ([f"dtype {got.dtype}"] if dtype else []))
+    want_kind = " and ".join(([f"{len(want.shape)} dimension(s) ({', '.join(map(str, want.shape))})"]
+                              if dims else []) + ([f"dtype {want.dtype}"] if dtype else []))
+    return got_kind, want_kind
 
 
 def _describe(value: Any) -> str:

@@ -204,6 +204,9 @@ def test_a_bad_target_on_the_loss_rank_alone_is_refused_on_every_rank_and_the_pi
     for r, res in enumerate(results):
         message = _refused(res, "short_target", r)
         assert "target has 3 rows on dim 0 but the inputs have 8" in message, (r, message)
+        if world == 2:  # the two sizes were given on two ranks: both are named
+            assert ("the inputs have 8 (the target given on rank 1, the loss's; the inputs on rank 0, the first "
+                    "stage's); give the target the inputs' batch size") in message, (r, message)
         if world == 4:
             message = _refused(res, "missing_on_one_replica", r)
             assert ("target=None on rank 3, which computes replica 1's loss, but a target on replica 0's"

@@ -356,6 +356,11 @@ def _loss_rank_verdict(runtime: Any, target: Any, batch: int | None) -> tuple[Ve
         verdict = None
     except ValueError as exc:
         verdict = str(exc)
+        if verdict.startswith("target has"):  # the two sizes come from two ranks: name them
+            me = dist.get_rank()
+            row = next(r for r in runtime.layout.pipelines() if me in r)
+            verdict = verdict.replace("; give the target", f" (the target given on rank {me}, the loss's; the inputs "
+                                      f"on rank {row[runtime.first]}, the first stage's); give the target", 1)
     _, has = from_tp_holder(runtime, None, False, target is not None)  # tensor parallel: any rank of the stage's
     _, bad = from_tp_holder(runtime, None, False, verdict is not None)
     if bad and verdict is None:
