@@ -80,7 +80,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             init: Callable[[nn.Module], Any] | None = None, seed: int = 0,
             split_spec: dict[str, Any] | None = None, torch_compile: bool | dict[str, Any] = False,
             save: Callable[[torch.fx.Node], bool] | None = None, unbatched: Sequence[str] = (),
-            **unknown: Any) -> Pipe:
+            export_dims: str = "auto", **unknown: Any) -> Pipe:
     """Split ``model`` into ``n_stages`` pipeline stages and return a :class:`Pipe` running them.
 
     ``model`` is an ``nn.Module`` (traced with :func:`fxpipe.trace`) or an already traced
@@ -114,6 +114,9 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     is checked for completeness and deadlock before anything runs (:class:`ScheduleError`). ``tracer`` is
     ``"fx"`` (symbolic tracing), ``"export"`` (``torch.export`` on the example inputs, dim 0
     dynamic, the other dims as free as the model allows) or a callable returning another tracer's GraphModule; see :func:`fxpipe.trace`.
+    ``export_dims="batch"`` keeps only dim 0 dynamic under export, the other dims the example's:
+    a shorter export where torch.export's reasoning over symbolic image or sequence sizes is slow
+    (a Swin backbone's padding and windows), at the cost of refusing other sizes.
 
     ``plan`` (a :class:`PipelinePlan` or the path of one saved with ``plan.save``) reuses a
     saved stage assignment instead of partitioning; it raises :class:`PlanMismatchError`
@@ -266,7 +269,7 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             deferred_batch_norm=deferred_batch_norm, stages_per_rank=stages_per_rank, data_parallel=data_parallel,
             data_parallel_shard=data_parallel_shard, tensor_parallel=tensor_parallel, tp_plan=tp_plan, mesh=mesh,
             weights=weights, init=init, seed=seed, split_spec=split_spec, torch_compile=torch_compile, save=save,
-            unbatched=unbatched)
+            unbatched=unbatched, export_dims=export_dims)
         if options.distributed:
             _refuse_sync_batch_norm(model)
         target = where(model, options)  # the schedule, the devices, and across ranks this process's place

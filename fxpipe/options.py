@@ -22,7 +22,7 @@ from fxpipe.unknownargs import BY_HAND
 
 __all__ = ["AUTO", "BALANCE_BY", "CHECKPOINT_MODES", "MULTI_STAGE_SCHEDULES", "POLICIES", "RUNTIMES", "SCHEDULES",
            "SINGLE_STAGE_SCHEDULES", "SPLIT_BACKENDS", "TRACERS", "CompileOptions", "TorchCompile", "check_checkpoint",
-           "check_init", "check_tracer", "checkpoint_stop", "cut_mode", "saving_pass", "torch_compile_config",
+           "check_export_dims", "check_init", "check_tracer", "checkpoint_stop", "cut_mode", "saving_pass", "torch_compile_config",
            "valid_timeout"]
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b", "zb")  # one stage per rank
@@ -110,6 +110,19 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+EXPORT_DIMS = ("auto", "batch")
+
+
+def check_export_dims(export_dims: Any, tracer: Any) -> None:
+    """Reject an ``export_dims=`` that is not a known choice, or is given to another tracer than export."""
+    if export_dims not in EXPORT_DIMS:
+        raise ValueError(f"export_dims={export_dims!r}; use 'auto' (dim 0 dynamic, the other dims as free as the "
+                         "model allows) or 'batch' (dim 0 dynamic, the other dims the example's)")
+    if export_dims != "auto" and tracer != "export":
+        raise ValueError(f"export_dims={export_dims!r} sets which dims torch.export keeps dynamic, but tracer="
+                         f"{tracer!r}: pass tracer='export' with it, or leave export_dims out")
+
+
 def check_tracer(tracer: Any) -> None:
     """Reject a ``tracer=`` that is neither a known front end nor a callable."""
     if not (tracer in TRACERS or (callable(tracer) and not isinstance(tracer, str))):
@@ -158,6 +171,7 @@ class CompileOptions:
     torch_compile: Any = False  # check() makes it a TorchCompile, or None
     save: Callable[[Any], bool] | None = None
     unbatched: Sequence[str] = ()
+    export_dims: str = "auto"
 
     @property
     def compiled(self) -> TorchCompile | None:
@@ -248,6 +262,7 @@ class CompileOptions:
             if not self.max_memory > 0:
                 raise ValueError(f"max_memory={self.max_memory!r}; use a positive number of bytes per device")
         check_tracer(self.tracer)
+        check_export_dims(self.export_dims, self.tracer)
         check_init(self.init, self.seed)
         self.torch_compile = torch_compile_config(self.torch_compile)
         config = self.compiled

@@ -63,6 +63,7 @@ from fxpipe.frontend.leftovers import no_proxies_left
 from fxpipe.frontend.modes import in_other_mode, may_read_mode
 from fxpipe.frontend.pyrandom import recording_python_random, warn_python_random
 from fxpipe.frontend.quantized import quantized_modules
+from fxpipe.frontend.slowexport import telling_if_slow
 from fxpipe.frontend.specialised import recording_specialisations, specialising_line
 from fxpipe.frontend.tensorhooks import warn_tensor_hooks, watching_tensor_hooks
 from fxpipe.frontend.userframe import user_frame
@@ -145,10 +146,11 @@ def constant_defaults(signature: inspect.Signature, bound: inspect.BoundArgument
 
 
 def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None,
-                 unbatched: Collection[str] = ()) -> torch.fx.GraphModule:
+                 unbatched: Collection[str] = (), export_dims: str = "auto") -> torch.fx.GraphModule:
     """Export ``model`` with a dynamic batch dim; return the flat GraphModule over its own state.
 
-    The inputs named in ``unbatched`` have no batch dim (every dim ``Dim.AUTO``). Meta tensors
+    The other dims are ``Dim.AUTO`` (``export_dims="auto"``) or the example's (``"batch"``); the
+    inputs named in ``unbatched`` have no batch dim (every dim ``Dim.AUTO``, or static). Meta tensors
     of the model (and meta example inputs) are exported as fake tensors on the example inputs'
     device, else on ``device`` (the stages'), else on CPU; see :mod:`fxpipe.frontend.exportmeta`.
     """
@@ -212,15 +214,20 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
 
     def dims(name: str, t: Any, *, batch: Any) -> Any:
         """Return the dynamic dims of one input tensor: the batch's and ``Dim.AUTO`` (all AUTO if unbatched)."""
+        free = export_dims == "auto"
         if name in unbatched and isinstance(t, torch.Tensor):
-            return {d: torch.export.Dim.AUTO for d in range(t.dim())}
-        return {0: batch, **{d: torch.export.Dim.AUTO for d in range(1, t.dim())}} if _batched(t) else None
+            return {d: torch.export.Dim.AUTO for d in range(t.dim())} if free else None
+        if not _batched(t):
+            return None
+        return {0: batch, **{d: torch.export.Dim.AUTO for d in range(1, t.dim()) if free}}
 
     def export(batch: Any) -> torch.export.ExportedProgram:
         named = inspect.signature(model.forward).bind(*args, **kwargs)  # **kwargs' entries by name while exported
         dynamic = {name: _shapes_like(value, partial(dims, name, batch=batch)) for name, value in named.arguments.items()}
         with no_proxies_left(model):  # a cache the forward filled holds fake tensors
             return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
+
+    told: set[str] = set()  # the bounds warned of: the other mode's export meets the same
 
     def exported(faked: Any) -> torch.fx.GraphModule:
         for _ in range(_RECORDS):  # each dataclass the model takes or returns unregistered costs one more try
@@ -236,7 +243,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
                 if refusal is not None:
                     raise refusal from exc
                 try:
-                    program = _bounded(model, export, exc, rows, fixed)
+                    program = _bounded(model, export, exc, rows, fixed, told)
                 except TraceError as refused:
                     listed = _listed_inputs(bound)
                     if not listed:
@@ -252,7 +259,8 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     drawn: list[str] = []
     inference: list[str] = []
     try:
-        with fake_state(model, target) as faked, _keywords_by_name(model, signature, bound):
+        with fake_state(model, target) as faked, _keywords_by_name(model, signature, bound), \
+                telling_if_slow(type(model).__name__, export_dims):
             with recording_python_random(drawn), watching_functions() as functions, watching_tensor_hooks() as hooks, \
                     watching_inference_mode(inference):
                 try:
@@ -277,6 +285,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     _share_state(gm, model)
     refuse_stand_ins(gm, model)
     gm.meta["fxpipe.tracer"] = "export"
+    gm.meta["fxpipe.export_dims"] = export_dims  # "batch": the other dims are the example's, by request
     gm.meta["fxpipe.model_module"] = type(model).__module__  # what a refusal may suggest (no fx for transformers)
     gm.meta["fxpipe.example_device"] = target  # the device the trace ran on, held by the graph's device checks
     if difference is not None:  # the graph keeps this mode's: the other is refused
@@ -354,11 +363,12 @@ def enabled_autocast() -> tuple[tuple[str, torch.dtype], ...]:
     return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
-def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int, fixed: list[Any]
+def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int, fixed: list[Any], told: set[str]
              ) -> torch.export.ExportedProgram:
     """Export again with the batch bound torch suggests (or ``Dim.AUTO``) if it admits 1 to ``rows`` rows.
 
-    ``fixed`` holds the sizes the first export fixed to constants, with the model's lines.
+    ``fixed`` holds the sizes the first export fixed to constants, with the model's lines;
+    ``told`` the warnings given already (once per compile, not once per mode exported).
     """
     if "Constraints violated" not in str(exc):
         raise _refusal(model, exc) from exc
@@ -381,15 +391,16 @@ def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int, fixed: li
         raise _refusal(model, again) from again
     _admit(model, exc, lo, hi, rows)
     if hi is not None and hi < _UNBOUNDED:
-        log.warning("torch.export refused an unbounded batch dimension for %s (the model branches on the "
-                    "batch size); exported with the batch bounded to [1, %d] as torch suggests: "
-                    "micro-batches of more rows fail torch's guard in the first stage",
-                    type(model).__name__, hi)
+        said = (f"torch.export refused an unbounded batch dimension for {type(model).__name__} (the model branches "
+                f"on the batch size); exported with the batch bounded to [1, {hi}] as torch suggests: micro-batches "
+                "of more rows fail torch's guard in the first stage")
     else:  # no upper bound: the constraint is elsewhere (a size it must not take)
-        log.warning("torch.export refused a batch dimension free of constraints for %s (the model's code "
-                    "constrains the batch size); exported with it automatic: the graph's guards check each "
-                    "micro-batch's size at the step, and refuse a size they do not admit, naming it",
-                    type(model).__name__)
+        said = (f"torch.export refused a batch dimension free of constraints for {type(model).__name__} (the model's "
+                "code constrains the batch size); exported with it automatic: the graph's guards check each "
+                "micro-batch's size at the step, and refuse a size they do not admit, naming it")
+    if said not in told:
+        told.add(said)
+        log.warning("%s", said)
     return program
 
 

@@ -133,7 +133,7 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
           concrete_args: dict[str, Any] | None = None,
           tracer: str | Callable[[nn.Module], torch.fx.GraphModule] = "fx",
           example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None,
-          device: Any = None, unbatched: Iterable[str] = ()) -> torch.fx.GraphModule:
+          device: Any = None, unbatched: Iterable[str] = (), export_dims: str = "auto") -> torch.fx.GraphModule:
     """Trace ``model`` into the GraphModule whose node names a plan uses.
 
     ``tracer="fx"`` (the default) traces symbolically: ``leaf_modules`` lists module classes
@@ -141,7 +141,8 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     example because their forward has data-dependent control flow, and ``concrete_args``
     fixes inputs to constants, as in :func:`torch.fx.symbolic_trace`. ``tracer="export"``
     uses ``torch.export`` on ``example_inputs``/``example_kwargs`` with dim 0 dynamic (but for
-    the inputs named in ``unbatched``; see
+    the inputs named in ``unbatched``; its other dims free, or the example's with
+    ``export_dims="batch"``; see
     :mod:`fxpipe.frontend.export`); a model built on meta is exported with its tensors as fake
     tensors on the example inputs' device (``device`` where they are on meta too, else CPU),
     so code branching on ``x.device.type`` sees a real device type. A callable
@@ -173,7 +174,8 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
         args = example_inputs if isinstance(example_inputs, tuple) else (
             () if example_inputs is None else (example_inputs,))
         try:
-            return export_trace(model, args, dict(example_kwargs or {}), device=device, unbatched=frozenset(unbatched))
+            return export_trace(model, args, dict(example_kwargs or {}), device=device, unbatched=frozenset(unbatched),
+                                export_dims=export_dims)
         except TraceError as exc:
             if not _detector(model):
                 raise

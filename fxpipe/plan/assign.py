@@ -108,7 +108,8 @@ def _assign_stages(model: nn.Module, options: CompileOptions, saved: PipelinePla
         if tracer == "export":
             _check_example_batch(model, args, kwargs, options.unbatched, chunks > 1)
         gm = trace(model, leaf_modules=options.leaf_modules, tracer=tracer, example_inputs=args,
-                   example_kwargs=kwargs, device=devices[0] if devices else None, unbatched=options.unbatched)
+                   example_kwargs=kwargs, device=devices[0] if devices else None, unbatched=options.unbatched,
+                   export_dims=options.export_dims)
         warn_lost_hooks(model, gm, tracer if isinstance(tracer, str) else "fx")
     whole = _mark_unbatched(gm, options.unbatched)
 

@@ -64,7 +64,8 @@ def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
     for node, value, name in zip(placeholders, values, names):
         expected = node.meta.get("val")  # a fake tensor where torch.export or dynamo traced
         if isinstance(expected, FakeTensor) and isinstance(value, torch.Tensor):
-            _check_static_dims(name, value, expected, first=0 if name in unbatched else 1, fx_traces=_fx_traces(meta))
+            _check_static_dims(name, value, expected, first=0 if name in unbatched else 1, fx_traces=_fx_traces(meta),
+                               static=meta.get("fxpipe.export_dims") == "batch")
         elif meta.get("fxpipe.tracer") == "export":
             _check_constant(name, value, expected)
     _check_guards(gm, dict(zip(placeholders, values)), unbatched)
@@ -276,7 +277,7 @@ def _range(d: Any) -> tuple[int, int | None] | None:
 
 
 def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor, first: int = 1,
-                       fx_traces: bool = True) -> None:
+                       fx_traces: bool = True, static: bool = False) -> None:
     """Compare the dims an exported placeholder fixed from dim ``first`` on (1: not the batch's), and their ranges."""
     if actual.dim() != expected.dim():
         raise PipelineInputError(f"input '{where}' has {actual.dim()} dims but the exported graph "
@@ -297,6 +298,11 @@ def _check_static_dims(where: str, actual: torch.Tensor, expected: torch.Tensor,
     wrong = [(k, d) for k, d in fixed if actual.shape[k] != d]
     if wrong:
         shape = tuple("*" if _fixed(d) is None else _fixed(d) for d in expected.shape)
+        if static:  # export_dims="batch" fixed them, not the model's code
+            raise PipelineInputError(
+                f"input '{where}' has shape {tuple(actual.shape)} but the exported graph is fixed to {shape} (* = "
+                "dynamic): export_dims='batch' keeps every dim but the batch the example's. Export with an example "
+                "of this shape, or with export_dims='auto' (dims as free as the model allows; a longer export)")
         raise PipelineInputError(
             f"input '{where}' has shape {tuple(actual.shape)} but the exported graph is fixed to "
             f"{shape} (* = dynamic): torch.export fixed the dims the model's code ties to the example. "

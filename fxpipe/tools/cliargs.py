@@ -9,9 +9,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Failure", "UsageError", "add_tracer", "count", "join_negative_values", "leaf_modules", "names",
-           "option_hint", "positive", "shape",
-           "trace_hint"]
+__all__ = ["Failure", "UsageError", "add_export_dims", "add_tracer", "count", "join_negative_values", "leaf_modules",
+           "names", "option_hint", "positive", "shape", "trace_hint"]
 
 
 class UsageError(Exception):
@@ -121,6 +120,14 @@ def add_tracer(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tracer", choices=["fx", "export"], default="fx",
                    help="front end: fx (torch.fx, the default) or export (torch.export on the example inputs; "
                         "Hugging Face transformers 5 models need it); a saved plan records it")
+
+
+def add_export_dims(p: argparse.ArgumentParser) -> None:
+    """Add ``--export-dims``: which dims torch.export keeps dynamic (fxpipe.compile's ``export_dims=``)."""
+    p.add_argument("--export-dims", choices=["auto", "batch"], default="auto",
+                   help="with --tracer export: auto (dim 0 dynamic, the other dims as free as the model allows; the "
+                        "default) or batch (the other dims the example's: a shorter export where torch.export's "
+                        "reasoning over symbolic sizes is slow)")
 
 
 def trace_hint(exc: Exception) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 from fxpipe.tools.cliargs import (
     Failure,
     UsageError,
+    add_export_dims,
     add_tracer,
     count,
     device_names,
@@ -59,6 +60,7 @@ def register(commands: Any) -> None:
     p.add_argument("--leaf-modules", type=names, metavar="A,B",
                    help="submodules (qualified names) or module classes (class names) to keep as one call")
     add_tracer(p)
+    add_export_dims(p)
     p.add_argument("--input-shape", type=shape, action="append", metavar="8,3,224,224",
                    help="a random float input of this shape (repeat for several inputs)")
     p.add_argument("--plan", metavar="FILE", help="reuse a stage assignment saved with --json")
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # an option value no model could use is the command line's mistake: exit 2, before tracing
         CompileOptions(n_stages, chunks=chunks, checkpoint=args.checkpoint, balance_by=args.balance_by,
                        max_memory=max_memory, schedule=args.schedule, stages_per_rank=args.stages_per_rank,
-                       torch_compile=compiled).check()
+                       torch_compile=compiled, tracer=args.tracer, export_dims=args.export_dims).check()
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
     try:
@@ -134,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
                               devices=devices, chunks=chunks, checkpoint=args.checkpoint,
                               balance_by=args.balance_by, split_points=args.split_points,
                               leaf_modules=leaf_modules(model, args.leaf_modules), tracer=args.tracer, plan=saved,
+                              export_dims=args.export_dims,
                               schedule=args.schedule,
                               stages_per_rank=args.stages_per_rank, max_memory=max_memory,
                               torch_compile=compiled)

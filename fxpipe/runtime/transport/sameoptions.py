@@ -19,7 +19,7 @@ __all__ = ["agree_on_options", "summary"]
 
 _COMPARED = ("n_stages", "schedule", "chunks", "checkpoint", "stages_per_rank", "data_parallel",
              "data_parallel_shard", "tensor_parallel", "deferred_batch_norm", "balance_by", "split_points",
-             "max_memory", "tracer", "torch_compile", "unbatched")
+             "max_memory", "tracer", "torch_compile", "unbatched", "export_dims")
 
 
 def _describe(value: Any) -> str:

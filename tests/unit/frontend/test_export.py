@@ -295,6 +295,24 @@ def test_export_retries_with_the_batch_bound_torch_suggests(caplog):
         pipe.step(torch.randn(130, 8), target=None, loss_fn=lambda out, _: out.sum())
 
 
+class _DroppedBranch(BranchOnBatch):
+    """BranchOnBatch with a dropout: exported in both modes, each meeting the batch's bound."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(super().forward(x))
+
+
+def test_the_batch_bound_is_warned_of_once_though_both_modes_are_exported(caplog):
+    # a diffusers UNet2DConditionModel (Upsample2D's branch, dropout) logged the same warning twice per compile
+    with caplog.at_level("WARNING", logger="fxpipe.frontend.export"):
+        fxpipe.compile(_DroppedBranch(), 2, example_inputs=(torch.randn(8, 8),), chunks=2, tracer="export")
+    assert caplog.text.count("exported with the batch bounded to [1, 63]") == 1, caplog.text
+
+
 def test_export_retries_with_dim_auto_when_the_suggestion_is_unreadable(monkeypatch, caplog):
     monkeypatch.setattr(importlib.import_module("fxpipe.frontend.export"), "_suggested_batch", lambda message: None)
     with caplog.at_level("WARNING", logger="fxpipe.frontend.export"):
@@ -1009,3 +1027,56 @@ def test_an_input_split_because_its_rows_equal_the_batch_by_chance_is_named_with
     pipe = fxpipe.compile(model, 2, example_inputs=(x, img, txt), chunks=2, devices=["cpu"] * 2, tracer="export",
                           unbatched=["txt_ids", "img_ids"])
     torch.testing.assert_close(pipe.step(x, img, txt, target=y, loss_fn=F.mse_loss), F.mse_loss(eager(x, img, txt), y))
+
+
+class _Pooled(nn.Module):
+    """A CNN whose head pools any image size: its exported graph is shape-generic under export_dims='auto'."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.conv2, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv2(torch.relu(self.conv(x)))).mean((2, 3)))
+
+
+def test_export_dims_batch_keeps_only_the_batch_dynamic_and_names_itself_for_another_size():
+    # every non-batch dim Dim.AUTO made torch.export reason over symbolic image sizes: minutes for a Swin
+    # backbone's padding and windows (Mask2Former did not finish in 300 s; 21 s with the batch alone dynamic)
+    model, x = _Pooled(), torch.randn(4, 3, 8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, tracer="export",
+                          export_dims="batch")
+    shapes = [tuple(n.meta["val"].shape) for n in pipe._gm.graph.nodes if n.op == "placeholder" and "val" in n.meta]
+    assert any(len(s) == 4 and not isinstance(s[0], int) and all(type(d) is int for d in s[1:]) for s in shapes), \
+        shapes  # dim 0 symbolic only
+    assert_step_equals_eager(pipe, model, copy.deepcopy(model), torch.randn(6, 3, 8, 8), torch.randn(6, 4), F.mse_loss)
+    with pytest.raises(fxpipe.PipelineInputError, match=r"fixed to \('\*', 3, 8, 8\) \(\* = dynamic\): "
+                                                        r"export_dims='batch' keeps every dim but the batch the "
+                                                        r"example's.*or with export_dims='auto'"):
+        pipe(torch.randn(4, 3, 12, 12))
+    free = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, tracer="export")
+    z = torch.randn(4, 3, 12, 12)
+    torch.testing.assert_close(free(z), model(z))  # the default's graph takes another image size
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tracer": "export", "export_dims": "all"}, r"export_dims='all'; use 'auto' .* or 'batch'"),
+    ({"export_dims": "batch"}, r"export_dims='batch' sets which dims torch.export keeps dynamic, but tracer='fx': "
+                               r"pass tracer='export' with it"),
+])
+def test_export_dims_refuses_an_unknown_value_or_another_tracer(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fxpipe.compile(_Pooled(), 2, example_inputs=(torch.randn(4, 3, 8, 8),), devices=["cpu"] * 2, **kwargs)
+
+
+def test_an_export_taking_long_names_export_dims_batch(monkeypatch, caplog):
+    # a tiny Mask2Former sat in torch.export's symbolic-shape reasoning for over 300 s with nothing printed
+    monkeypatch.setattr(importlib.import_module("fxpipe.frontend.slowexport"), "SLOW_S", 0.0)
+    with caplog.at_level("WARNING", logger="fxpipe.frontend.slowexport"):
+        fxpipe.compile(_Pooled(), 2, example_inputs=(torch.randn(4, 3, 8, 8),), tracer="export")
+    assert "torch.export has been tracing _Pooled for 0 s" in caplog.text
+    assert "compile with export_dims='batch'" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fxpipe.frontend.slowexport"):  # asked for already: nothing to say
+        fxpipe.compile(_Pooled(), 2, example_inputs=(torch.randn(4, 3, 8, 8),), tracer="export", export_dims="batch")
+    assert caplog.text == ""

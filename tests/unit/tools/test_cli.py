@@ -381,3 +381,13 @@ def test_warnings_print_as_one_line_naming_the_command(models, capsys):
                      "--tracer", "export", "--leaf-modules", "0"]) == 0
     err = capsys.readouterr().err
     assert "fxpipe inspect: warning: leaf_modules" in err and "UserWarning" not in err, err
+
+
+def test_inspect_export_dims_batch_exports_the_other_dims_fixed_and_needs_the_export_tracer(models, capsys):
+    assert cli.main(["inspect", f"{models}:only_model", "--stages", "2", "--input-shape", "4,4",
+                     "--tracer", "export", "--export-dims", "batch"]) == 0
+    assert "2 stages" in capsys.readouterr().out
+    # a usage mistake: exit 2 before anything is traced
+    assert cli.main(["inspect", f"{models}:only_model", "--stages", "2", "--input-shape", "4,4",
+                     "--export-dims", "batch"]) == 2
+    assert "export_dims='batch' sets which dims torch.export keeps dynamic, but tracer='fx'" in capsys.readouterr().err
