@@ -229,14 +229,15 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
             layout = adopt_layout(recorded, {"chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
                                                     "stages_per_rank": stages_per_rank, "data_parallel": data_parallel,
                                                     "data_parallel_shard": data_parallel_shard,
-                                                    "tensor_parallel": tensor_parallel, "tracer": tracer},
+                                                    "tensor_parallel": tensor_parallel, "tracer": tracer,
+                                                    "export_dims": export_dims},
                                   runtime == "distributed", mesh)
             if runtime == "distributed" and mesh is None:
                 _refuse_plan_world(plan, layout, stages_per_rank, data_parallel, tensor_parallel, n_stages)
             chunks, schedule, checkpoint = layout["chunks"], layout["schedule"], layout["checkpoint"]
             stages_per_rank, data_parallel = layout["stages_per_rank"], layout["data_parallel"]
             data_parallel_shard, tensor_parallel = layout["data_parallel_shard"], layout["tensor_parallel"]
-            tracer = layout["tracer"]
+            tracer, export_dims = layout["tracer"], layout["export_dims"]
         if _hf_checkpointing(model):  # Hugging Face's own recomputation
             warnings.warn(
                 f"{type(model).__name__} has gradient checkpointing on (gradient_checkpointing_enable()), which the "

@@ -425,7 +425,7 @@ def _refuse_lone_scaler(runtime: Runtime, scaler: Any) -> None:
             "fxpipe.grad_scaler(pipe), which agrees on every rank (FSDP's ShardedGradScaler)")
 
 
-_COMPILE_OPTIONS = frozenset({"chunks", "schedule", "checkpoint", "n_stages", "stages_per_rank", "balance",
+_COMPILE_OPTIONS = frozenset({"chunks", "schedule", "checkpoint", "n_stages", "stages_per_rank", "balance", "export_dims",
                               "data_parallel", "data_parallel_shard", "tensor_parallel", "tracer", "devices"})
 
 

@@ -25,7 +25,7 @@ from fxpipe import passes
 from fxpipe.errors import PlanMismatchError
 from fxpipe.plan.pipeline import PipelinePlan
 
-__all__ = ["LAYOUT_DEFAULTS", "PlanLike", "adopt_layout", "apply_plan", "differences", "front_end", "graph_signature",
+__all__ = ["LAYOUT_DEFAULTS", "PlanLike", "adopt_layout", "apply_plan", "differences", "front_end", "front_end_layout", "graph_signature",
            "load_plan"]
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ _SHOWN = 6  # differences listed per kind before "and N more"
 # fxpipe.compile's defaults for what a plan's layout records; an argument left at its default takes the plan's
 LAYOUT_DEFAULTS: dict[str, Any] = {"chunks": 1, "schedule": "gpipe", "checkpoint": "except_last", "stages_per_rank": 1,
                                    "data_parallel": 1, "data_parallel_shard": False, "tensor_parallel": 1,
-                                   "tracer": "fx"}
+                                   "tracer": "fx", "export_dims": "auto"}
 _REPLICAS = ("data_parallel", "data_parallel_shard", "tensor_parallel")  # only across ranks, without mesh=
 
 
@@ -77,6 +77,12 @@ def adopt_layout(plan: PipelinePlan, given: dict[str, Any], distributed: bool, m
 def front_end(gm: torch.fx.GraphModule) -> str:
     """Name the front end whose node names ``gm`` has, as a plan records it: ``"export"`` or ``"fx"``."""
     return "export" if gm.meta.get("fxpipe.tracer") == "export" else "fx"
+
+
+def front_end_layout(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Return what a plan records of the front end: the tracer, and ``export_dims`` where not the default."""
+    static = gm.meta.get("fxpipe.export_dims") == "batch"  # its graph's node names differ from "auto"'s
+    return {"tracer": front_end(gm), **({"export_dims": "batch"} if static else {})}
 
 
 def load_plan(plan: PlanLike) -> PipelinePlan:

@@ -19,7 +19,7 @@ from fxpipe.options import CompileOptions
 from fxpipe.plan.assign import Assignment
 from fxpipe.plan.mutation import copy_mutated_inputs, route_buffer_reads
 from fxpipe.plan.pipeline import PipelinePlan, SkipRoute, StagePlan
-from fxpipe.plan.saved import front_end, graph_signature
+from fxpipe.plan.saved import front_end_layout, graph_signature
 from fxpipe.plan.tensorparallel import plan_tensor_parallel
 
 __all__ = ["example_rows", "make_plan", "named_tensors", "split_stages", "user_leaf"]
@@ -64,7 +64,7 @@ def make_plan(front: Assignment, options: CompileOptions, devices: Sequence[Any]
                      schedule, front.balance_by, front.cut, saved_plan, signature)
     policies = options.policies()
     plan.tensor_parallel = None if tp is None else tp.record(front.micro)
-    plan.layout = {**options.layout(), "tracer": front_end(front.gm)}
+    plan.layout = {**options.layout(), **front_end_layout(front.gm)}
     for s in plan.stages:
         s.rank = ranks[s.index]
         s.checkpoint = policies[s.index] if policies is not None else ""  # "auto": chosen after the plan

@@ -12,7 +12,7 @@ import torch.fx
 
 from fxpipe.options import AUTO
 from fxpipe.plan.pipeline import PipelinePlan
-from fxpipe.plan.saved import front_end
+from fxpipe.plan.saved import front_end_layout
 from fxpipe.runtime.schedules.builtin import PLACEMENTS
 from fxpipe.simulate.devices import DeviceModel
 from fxpipe.simulate.layouts import Shape
@@ -90,7 +90,7 @@ class ClusterSearch:
         for st, policy, r in zip(plan.stages, c.policies, ranks):
             st.checkpoint, st.rank = policy, r
         plan.layout = {"runtime": "distributed", "data_parallel": s.dp, "data_parallel_shard": s.shard,
-                       "tensor_parallel": s.tp, "stages_per_rank": s.v, "tracer": front_end(self.gm)}
+                       "tensor_parallel": s.tp, "stages_per_rank": s.v, **front_end_layout(self.gm)}
         return plan
 
     def compile_call(self, c: Choice, path: str = "plan.json") -> str:

@@ -171,7 +171,8 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
                    tensor_parallel: Sequence[int] | None = None, keep: int = 10, tokens: int = 1,
                    leaf_modules: Sequence[Any] = (), only: Sequence[Shape] | None = None,
                    max_stages: int = 128, exact_sizes: int = 2, tracer: Any = "fx",
-                   stages: Sequence[int] | None = None, chunks: Sequence[int] | None = None) -> ClusterSearch:
+                   stages: Sequence[int] | None = None, chunks: Sequence[int] | None = None,
+                   export_dims: str = "auto") -> ClusterSearch:
     """Simulate the layouts of ``model`` on ``gpus`` devices (``gpus_per_node`` to a node); return them ranked.
 
     ``memory`` is each device's budget (default: the device model's); ``batch`` the global rows
@@ -187,7 +188,7 @@ def cluster_search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, gpus
     model_ = device_model(device)
     model_ = model_.replace(gpus_per_node=gpus_per_node)
     gm = model if isinstance(model, torch.fx.GraphModule) and "fxpipe.retains" in next(
-        iter(model.graph.nodes)).meta else prepare(model, args, kwargs, leaf_modules, tracer)
+        iter(model.graph.nodes)).meta else prepare(model, args, kwargs, leaf_modules, tracer, export_dims)
     base = example_rows(gm) or 1
     batch = batch or base
     budget = memory if memory is not None else model_.memory

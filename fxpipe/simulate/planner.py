@@ -120,9 +120,10 @@ def _cut(gm: torch.fx.GraphModule, n: int, device: DeviceModel, micro: int = 1, 
 
 
 def prepare(model: nn.Module, args: tuple, kwargs: dict | None = None,
-            leaf_modules: Sequence[Any] = (), tracer: Any = "fx") -> torch.fx.GraphModule:
+            leaf_modules: Sequence[Any] = (), tracer: Any = "fx", export_dims: str = "auto") -> torch.fx.GraphModule:
     """Trace ``model`` (with ``tracer``, as fxpipe.compile's) and annotate its graph with FLOPs, bytes and what backward keeps."""
-    gm = trace(model, leaf_modules=leaf_modules, tracer=tracer, example_inputs=args, example_kwargs=kwargs or {})
+    gm = trace(model, leaf_modules=leaf_modules, tracer=tracer, example_inputs=args, example_kwargs=kwargs or {},
+               export_dims=export_dims)
     annotate_graph(gm, args, kwargs or {})
     return retain(gm)
 
@@ -132,7 +133,7 @@ def search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, ranks: int,
            kwargs: dict | None = None, stages: Sequence[int] | None = None, chunks: Sequence[int] | None = None,
            schedules: Sequence[str] = SINGLE_STAGE_SCHEDULES, checkpoints: Sequence[str] = CHECKPOINTS,
            optimizer: str = "adam", dtype: torch.dtype | None = None, measure: bool = False,
-           leaf_modules: Sequence[Any] = (), tracer: Any = "fx") -> Search:
+           leaf_modules: Sequence[Any] = (), tracer: Any = "fx", export_dims: str = "auto") -> Search:
     """Simulate every configuration of ``model`` on ``ranks`` devices; return them ranked.
 
     ``memory`` is the budget per device in bytes (default: the device model's memory);
@@ -142,7 +143,7 @@ def search(model: nn.Module | torch.fx.GraphModule, args: tuple, *, ranks: int,
     """
     model_ = device_model(device)
     gm = model if isinstance(model, torch.fx.GraphModule) and "fxpipe.retains" in next(
-        iter(model.graph.nodes)).meta else prepare(model, args, kwargs, leaf_modules, tracer)
+        iter(model.graph.nodes)).meta else prepare(model, args, kwargs, leaf_modules, tracer, export_dims)
     base = example_rows(gm) or 1
     batch = batch or base
     budget = memory if memory is not None else model_.memory

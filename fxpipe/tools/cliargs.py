@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Failure", "UsageError", "add_export_dims", "add_tracer", "count", "join_negative_values", "leaf_modules",
+__all__ = ["Failure", "UsageError", "add_export_dims", "add_tracer", "check_export_dims_args", "count", "join_negative_values", "leaf_modules",
            "names", "option_hint", "positive", "shape", "trace_hint"]
 
 
@@ -128,6 +128,13 @@ def add_export_dims(p: argparse.ArgumentParser) -> None:
                    help="with --tracer export: auto (dim 0 dynamic, the other dims as free as the model allows; the "
                         "default) or batch (the other dims the example's: a shorter export where torch.export's "
                         "reasoning over symbolic sizes is slow)")
+
+
+def check_export_dims_args(args: argparse.Namespace) -> None:
+    """Refuse ``--export-dims`` other than auto without ``--tracer export`` (a usage mistake, exit 2)."""
+    if args.export_dims != "auto" and args.tracer != "export":
+        raise UsageError(f"--export-dims {args.export_dims} sets which dims torch.export keeps dynamic, but the tracer "
+                         f"is {args.tracer}: pass --tracer export with it, or leave --export-dims out")
 
 
 def trace_hint(exc: Exception) -> str:

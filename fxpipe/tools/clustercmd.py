@@ -83,6 +83,7 @@ def run_cluster(args: argparse.Namespace, device: Any, memory: float | None, dty
                            optimizer=args.optimizer, schedules=schedules, checkpoints=args.checkpoint,
                            tensor_parallel=args.tp, keep=max(args.top, 10), tokens=tokens,
                            leaf_modules=leaf_modules(model, args.leaf_modules), tracer=args.tracer, stages=args.stages,
+                           export_dims=args.export_dims,
                            chunks=args.chunks)
     unit = "tokens/s/GPU" if tokens > 1 else "samples/s/GPU"
     nodes = -(-args.gpus // args.gpus_per_node)

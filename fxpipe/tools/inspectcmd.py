@@ -19,6 +19,7 @@ from fxpipe.tools.cliargs import (
     UsageError,
     add_export_dims,
     add_tracer,
+    check_export_dims_args,
     count,
     device_names,
     does_not_run,
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder is not None and not os.path.isdir(folder):  # found before tracing and running, not after
             raise UsageError(f"{option} {path}: the folder {folder} does not exist; create it or write elsewhere")
+    check_export_dims_args(args)  # before the model's module is imported and built
     model, inputs, kwargs = make_model(args.model, args.input_shape)
     if args.timeline and inputs is None:
         raise UsageError("--timeline runs a training step and needs example inputs: return "

@@ -23,7 +23,9 @@ from fxpipe.plan.pipeline import human
 from fxpipe.tools.cliargs import (
     Failure,
     UsageError,
+    add_export_dims,
     add_tracer,
+    check_export_dims_args,
     counts,
     does_not_run,
     leaf_modules,
@@ -77,6 +79,7 @@ def register(commands: Any) -> None:
     p.add_argument("--input-shape", type=shape, action="append", metavar="8,3,224,224",
                    help="a random float input of this shape (repeat for several inputs)")
     add_tracer(p)
+    add_export_dims(p)
     p.add_argument("--traceback", action="store_true", help="show Python tracebacks of unexpected errors")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the planner does")
     add_arguments(p)
@@ -112,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
                                  f"not search (each stage gets its own rank); use some of {','.join(SCHEDULE_NAMES)}, "
                                  f"or --gpus N to search the cluster's layout, stages per rank included")
             raise UsageError(f"--schedules: {s!r} is not a schedule; use some of {','.join(SCHEDULE_NAMES)}")
+    check_export_dims_args(args)
     for c in args.checkpoint:
         if c not in CHECKPOINTS:
             raise UsageError(f"--checkpoint: {c!r} is not a mode; use some of {','.join(CHECKPOINTS)}")
@@ -137,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
         found = search(model, inputs, ranks=args.ranks, device=device, memory=memory, batch=args.global_batch,
                        kwargs=kwargs or None, stages=args.stages, chunks=args.chunks, schedules=args.schedules,
                        checkpoints=args.checkpoint, optimizer=args.optimizer, dtype=dtype, measure=args.measure,
-                       leaf_modules=leaf_modules(model, args.leaf_modules), tracer=args.tracer)
+                       leaf_modules=leaf_modules(model, args.leaf_modules), tracer=args.tracer,
+                       export_dims=args.export_dims)
     except PropagationError as exc:  # the shape pass ran the model on (fake) example inputs
         raise does_not_run(exc) from None
     total = len(found.ranked) + len(found.rejected)

@@ -1080,3 +1080,18 @@ def test_an_export_taking_long_names_export_dims_batch(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="fxpipe.frontend.slowexport"):  # asked for already: nothing to say
         fxpipe.compile(_Pooled(), 2, example_inputs=(torch.randn(4, 3, 8, 8),), tracer="export", export_dims="batch")
     assert caplog.text == ""
+
+
+def test_a_plan_saved_under_export_dims_batch_records_it_and_is_reused_with_it(tmp_path):
+    # the plan recorded the tracer only: reused without export_dims=, the graph's node names (its symbolic sizes)
+    # differed and it was refused as a model that "no longer matches the saved plan", naming neither option
+    model, x = _Pooled(), torch.randn(4, 3, 8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, tracer="export",
+                          export_dims="batch")
+    assert pipe.plan.layout["export_dims"] == "batch" and pipe.plan.layout["tracer"] == "export"
+    pipe.plan.save(str(tmp_path / "plan.json"))
+    again = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, plan=str(tmp_path / "plan.json"))
+    assert again._gm.meta["fxpipe.export_dims"] == "batch" and again.plan.chunks == 2
+    assert [s.nodes for s in again.plan.stages] == [s.nodes for s in pipe.plan.stages]
+    free = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, tracer="export")
+    assert "export_dims" not in free.plan.layout  # the default is not recorded: older plans read the same

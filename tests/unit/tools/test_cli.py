@@ -390,4 +390,5 @@ def test_inspect_export_dims_batch_exports_the_other_dims_fixed_and_needs_the_ex
     # a usage mistake: exit 2 before anything is traced
     assert cli.main(["inspect", f"{models}:only_model", "--stages", "2", "--input-shape", "4,4",
                      "--export-dims", "batch"]) == 2
-    assert "export_dims='batch' sets which dims torch.export keeps dynamic, but tracer='fx'" in capsys.readouterr().err
+    assert "--export-dims batch sets which dims torch.export keeps dynamic, but the tracer is fx: pass --tracer " \
+           "export with it" in capsys.readouterr().err

@@ -223,3 +223,20 @@ def test_uneven_micro_batches_read_as_their_rows(models, capsys):
     table = capsys.readouterr().out
     rows = re.findall(r"^\s+\d+\s+\d+\s+\d+\s+(\S+)\s+gpipe", table, re.M)  # the ranking's rows column (a time
     assert rows and set(rows) == {"7-8"}, table                                # elsewhere may read 7.5 ms)
+
+
+def test_plan_takes_export_dims_and_its_plan_records_it(tmp_path, capsys):
+    # fxpipe plan had no --export-dims: a model whose export is slow with its other dims automatic could not be planned
+    import fxpipe
+
+    path = tmp_path / "pooled.py"
+    path.write_text("import torch\nfrom torch import nn\n"
+                    "def factory():\n"
+                    "    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), (torch.randn(4, 8),)\n")
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", f"{path}:factory", "--ranks", "2", "--tracer", "export", "--export-dims", "batch",
+                     "--json", str(out)]) == 0
+    assert fxpipe.PipelinePlan.load(str(out)).layout["export_dims"] == "batch"
+    capsys.readouterr()
+    assert cli.main(["plan", f"{path}:factory", "--ranks", "2", "--export-dims", "batch"]) == 2
+    assert "--export-dims batch sets which dims torch.export keeps dynamic" in capsys.readouterr().err
