@@ -228,13 +228,14 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
             return torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic)
 
     told: set[str] = set()  # the bounds warned of: the other mode's export meets the same
+    used: list[Any] = []  # the batch dim a bounded export took: the other mode's export starts from it
 
     def exported(faked: Any) -> torch.fx.GraphModule:
         for _ in range(_RECORDS):  # each dataclass the model takes or returns unregistered costs one more try
             fixed: list[Any] = []  # the sizes the model's code fixed to a constant, with its line
             try:
                 with recording_specialisations(fixed):
-                    program = export(torch.export.Dim("batch", min=1))
+                    program = export(used[0] if used else torch.export.Dim("batch", min=1))
                 break
             except Exception as exc:  # retried with a bound, or re-raised with the fix
                 if _registered_record(exc):
@@ -243,7 +244,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
                 if refusal is not None:
                     raise refusal from exc
                 try:
-                    program = _bounded(model, export, exc, rows, fixed, told)
+                    program = _bounded(model, export, exc, rows, fixed, told, used)
                 except TraceError as refused:
                     listed = _listed_inputs(bound)
                     if not listed:
@@ -363,12 +364,13 @@ def enabled_autocast() -> tuple[tuple[str, torch.dtype], ...]:
     return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
-def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int, fixed: list[Any], told: set[str]
-             ) -> torch.export.ExportedProgram:
+def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int, fixed: list[Any], told: set[str],
+             used: list[Any]) -> torch.export.ExportedProgram:
     """Export again with the batch bound torch suggests (or ``Dim.AUTO``) if it admits 1 to ``rows`` rows.
 
     ``fixed`` holds the sizes the first export fixed to constants, with the model's lines;
-    ``told`` the warnings given already (once per compile, not once per mode exported).
+    ``told`` the warnings given already (once per compile, not once per mode exported); the batch
+    dim exported with is appended to ``used``.
     """
     if "Constraints violated" not in str(exc):
         raise _refusal(model, exc) from exc
@@ -381,15 +383,18 @@ def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int, fixed: li
         if suggested is not None:
             lo, hi = suggested
             _admit(model, exc, lo, hi, rows)
-            program = export(torch.export.Dim("batch", min=1, max=hi))
+            dim = torch.export.Dim("batch", min=1, max=hi)
+            program = export(dim)
         else:
-            program = export(torch.export.Dim.AUTO)
+            dim = torch.export.Dim.AUTO
+            program = export(dim)
             lo, hi = _batch_range(program)
     except TraceError:
         raise
     except Exception as again:
         raise _refusal(model, again) from again
     _admit(model, exc, lo, hi, rows)
+    used[:] = [dim]
     if hi is not None and hi < _UNBOUNDED:
         said = (f"torch.export refused an unbounded batch dimension for {type(model).__name__} (the model branches "
                 f"on the batch size); exported with the batch bounded to [1, {hi}] as torch suggests: micro-batches "

@@ -306,11 +306,19 @@ class _DroppedBranch(BranchOnBatch):
         return self.drop(super().forward(x))
 
 
-def test_the_batch_bound_is_warned_of_once_though_both_modes_are_exported(caplog):
-    # a diffusers UNet2DConditionModel (Upsample2D's branch, dropout) logged the same warning twice per compile
+def test_the_batch_bound_is_warned_of_once_though_both_modes_are_exported(caplog, monkeypatch):
+    # a diffusers UNet2DConditionModel (Upsample2D's branch, dropout) logged the same warning twice per compile,
+    # and exported 4 times: the other mode's export began again from an unbounded batch (about 17 s each)
+    calls = []
+    export = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: calls.append(1) or export(*a, **k))
+    model = _DroppedBranch()
     with caplog.at_level("WARNING", logger="fxpipe.frontend.export"):
-        fxpipe.compile(_DroppedBranch(), 2, example_inputs=(torch.randn(8, 8),), chunks=2, tracer="export")
+        pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(8, 8),), chunks=2, tracer="export")
     assert caplog.text.count("exported with the batch bounded to [1, 63]") == 1, caplog.text
+    assert len(calls) == 3, calls  # unbounded (refused), bounded; the other mode bounded at once
+    x = torch.randn(8, 8)
+    torch.testing.assert_close(pipe.eval()(x), model.eval()(x))  # the other mode's graph, merged
 
 
 def test_export_retries_with_dim_auto_when_the_suggestion_is_unreadable(monkeypatch, caplog):
