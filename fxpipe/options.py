@@ -22,8 +22,8 @@ from fxpipe.unknownargs import BY_HAND
 
 __all__ = ["AUTO", "BALANCE_BY", "CHECKPOINT_MODES", "MULTI_STAGE_SCHEDULES", "POLICIES", "RUNTIMES", "SCHEDULES",
            "SINGLE_STAGE_SCHEDULES", "SPLIT_BACKENDS", "TRACERS", "CompileOptions", "TorchCompile", "check_checkpoint",
-           "check_export_dims", "check_init", "check_tracer", "checkpoint_stop", "cut_mode", "saving_pass", "torch_compile_config",
-           "valid_timeout"]
+           "check_export_dims", "check_init", "check_tracer", "checkpoint_stop", "cut_mode", "saving_pass",
+           "torch_compile_config", "valid_timeout"]
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b", "zb")  # one stage per rank
 MULTI_STAGE_SCHEDULES = ("interleaved", "zbv")  # several stages per rank

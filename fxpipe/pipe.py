@@ -425,8 +425,9 @@ def _refuse_lone_scaler(runtime: Runtime, scaler: Any) -> None:
             "fxpipe.grad_scaler(pipe), which agrees on every rank (FSDP's ShardedGradScaler)")
 
 
-_COMPILE_OPTIONS = frozenset({"chunks", "schedule", "checkpoint", "n_stages", "stages_per_rank", "balance", "export_dims",
-                              "data_parallel", "data_parallel_shard", "tensor_parallel", "tracer", "devices"})
+_COMPILE_OPTIONS = frozenset({"chunks", "schedule", "checkpoint", "n_stages", "stages_per_rank", "balance",
+                              "data_parallel", "data_parallel_shard", "tensor_parallel", "tracer", "export_dims",
+                              "devices"})
 
 
 def _refuse_wrapper_prefix(state_dict: Mapping[str, Any], held: Mapping[str, Any]) -> None:

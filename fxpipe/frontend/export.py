@@ -213,7 +213,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict, device: Any = None
     args, kwargs = fake_inputs(args, kwargs, target)
 
     def dims(name: str, t: Any, *, batch: Any) -> Any:
-        """Return the dynamic dims of one input tensor: the batch's and ``Dim.AUTO`` (all AUTO if unbatched)."""
+        """Return the dynamic dims of one input tensor: the batch's, and ``Dim.AUTO`` for the rest under "auto"."""
         free = export_dims == "auto"
         if name in unbatched and isinstance(t, torch.Tensor):
             return {d: torch.export.Dim.AUTO for d in range(t.dim())} if free else None
@@ -369,8 +369,8 @@ def _bounded(model: nn.Module, export: Any, exc: Exception, rows: int, fixed: li
     """Export again with the batch bound torch suggests (or ``Dim.AUTO``) if it admits 1 to ``rows`` rows.
 
     ``fixed`` holds the sizes the first export fixed to constants, with the model's lines;
-    ``told`` the warnings given already (once per compile, not once per mode exported); the batch
-    dim exported with is appended to ``used``.
+    ``told`` the warnings given already (once per compile, not once per mode exported); ``used``
+    is set to the batch dim exported with.
     """
     if "Constraints violated" not in str(exc):
         raise _refusal(model, exc) from exc

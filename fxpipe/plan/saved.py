@@ -25,8 +25,8 @@ from fxpipe import passes
 from fxpipe.errors import PlanMismatchError
 from fxpipe.plan.pipeline import PipelinePlan
 
-__all__ = ["LAYOUT_DEFAULTS", "PlanLike", "adopt_layout", "apply_plan", "differences", "front_end", "front_end_layout", "graph_signature",
-           "load_plan"]
+__all__ = ["LAYOUT_DEFAULTS", "PlanLike", "adopt_layout", "apply_plan", "differences", "front_end", "front_end_layout",
+           "graph_signature", "load_plan"]
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Failure", "UsageError", "add_export_dims", "add_tracer", "check_export_dims_args", "count", "join_negative_values", "leaf_modules",
-           "names", "option_hint", "positive", "shape", "trace_hint"]
+__all__ = ["Failure", "UsageError", "add_export_dims", "add_tracer", "check_export_dims_args", "count",
+           "join_negative_values", "leaf_modules", "names", "option_hint", "positive", "shape", "trace_hint"]
 
 
 class UsageError(Exception):
