@@ -7,7 +7,14 @@ docstring says which ``node.meta`` keys it reads and writes. The passes import t
 torch.fx and networkx, and nothing of fxpipe outside ``fxpipe.passes``.
 """
 
-from fxpipe.passes.annotate import TensorSpec, annotate, annotate_params, bind_placeholders, value_bytes
+from fxpipe.passes.annotate import (
+                              TensorSpec,
+                              annotate,
+                              annotate_params,
+                              bind_placeholders,
+                              input_placeholders,
+                              value_bytes,
+)
 from fxpipe.passes.batchrows import (
                               batch_coupled_outputs,
                               listed_batches,
@@ -79,6 +86,7 @@ __all__ = [
                               "flat_ids",
                               "group_costs",
                               "group_keys",
+                              "input_placeholders",
                               "is_mutating",
                               "listed_batches",
                               "maybe_without_grad",

@@ -46,8 +46,8 @@ from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "drop_guards", "same_constant",
-           "spec_of", "value_bytes"]
+__all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "drop_guards", "input_placeholders",
+           "same_constant", "spec_of", "value_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +299,8 @@ def input_difference(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str
     return None
 
 
-def _children(in_spec: Any) -> tuple[Any, Any]:
-    """Return the specs of a call's positional and keyword inputs."""
+def _children(in_spec: Any) -> tuple[Any, ...]:
+    """Return a tree spec's child specs (of a call: its positional and keyword inputs')."""
     return tuple(in_spec.children() if hasattr(in_spec, "children") else in_spec.children_specs)
 
 
@@ -338,3 +338,25 @@ def _bind_pytree(gm: torch.fx.GraphModule, in_spec: Any, args: tuple, kwargs: di
     """Flatten a call of a GraphModule whose codegen flattens inputs (``torch.export``)."""
     call, _ = _bound_call(gm, in_spec, args, kwargs)
     return list(fx_pytree.tree_flatten_spec(call, in_spec))
+
+
+def input_placeholders(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
+    """Return the placeholders each forward input flattens to (``rope=(cos, sin)``: ``rope_0``, ``rope_1``).
+
+    Reads the exported graph's input spec; a graph without one (torch.fx) has one placeholder
+    per input, named as the input, and gets ``{}``.
+    """
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None or info.in_spec is None:
+        return {}
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    args_spec, kwargs_spec = _children(info.in_spec)
+    specs = list(zip(list(info.orig_args)[:args_spec.num_children], _children(args_spec)))
+    specs += list(zip(kwargs_spec.context, _children(kwargs_spec)))
+    if sum(spec.num_leaves for _, spec in specs) != len(names):
+        return {}
+    found, at = {}, 0
+    for name, spec in specs:
+        found[name] = names[at:at + spec.num_leaves]
+        at += spec.num_leaves
+    return found

@@ -498,8 +498,9 @@ def _refused(model: nn.Module, exc: BaseException, fix: str, where: str) -> Trac
         return TraceError(
             f"torch.export could not trace {type(model).__name__}: its {where} holds a {cls}, which torch.export "
             f"cannot flatten into tensors. Make the model take and return tensors only: a Hugging Face model "
-            f"returns its key/value cache unless asked not to, so pass example_kwargs={{'use_cache': False}} (or "
-            f"build it from a config with use_cache=False, for encoder-decoders too); or register {cls} with "
+            f"returns its key/value cache unless asked not to, so pass example_kwargs={{'use_cache': False}} and the same "
+            f"use_cache=False to pipe.step and pipe(...) (a config's use_cache=False does not reach every "
+            f"encoder-decoder's decoder); or register {cls} with "
             "torch.utils._pytree.register_pytree_node. The full torch.export error is chained below.")
     if not fix and ("data-dependent" in first or type(exc).__name__ == "GuardOnDataDependentSymNode"):
         return _value_branch(model, exc, first)

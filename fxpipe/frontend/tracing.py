@@ -189,12 +189,16 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     bad = [m for m in leaf_modules if not (isinstance(m, str) or (isinstance(m, type) and issubclass(m, nn.Module)))]
     if bad:
         raise TypeError(f"leaf_modules must hold nn.Module classes or qualified module names, got {bad!r}")
-    leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
-    leaf_names = frozenset(m for m in leaf_modules if isinstance(m, str))
-    unknown = sorted(leaf_names - {name for name, _ in model.named_modules()})
+    qualified = {name for name, _ in model.named_modules()}
+    classes = {type(m).__name__: type(m) for _, m in model.named_modules()}  # 'Downsample2D' is the class
+    by_class = {m for m in leaf_modules if isinstance(m, str) and m not in qualified and m in classes}
+    leaf_types = tuple(m for m in leaf_modules if isinstance(m, type)) + tuple(classes[m] for m in sorted(by_class))
+    leaf_names = frozenset(m for m in leaf_modules if isinstance(m, str)) - by_class
+    unknown = sorted(leaf_names - qualified)
     if unknown:
         raise ValueError(f"leaf_modules names {unknown} that are not submodules of "
-                         f"{type(model).__name__}; use names from model.named_modules()")
+                         f"{type(model).__name__}, nor the class name of one; use names from model.named_modules() "
+                         "or the classes of its submodules")
     _refuse_wrapped_forward(model)
     _refuse_tensor_defaults(model, concrete_args)
     versions = state_versions(model)

@@ -233,14 +233,20 @@ def _check_example_batch(model: nn.Module, args: tuple, kwargs: dict, unbatched:
 
 
 def _mark_unbatched(gm: torch.fx.GraphModule, unbatched: Sequence[str]) -> frozenset[str]:
-    """Record the inputs every micro-batch gets whole in ``gm.meta``; refuse a name the graph has no input for."""
+    """Record the placeholders every micro-batch gets whole in ``gm.meta``; refuse a name the graph has no input for.
+
+    A name is a forward input's: torch.export flattens a tuple or dict input into one
+    placeholder per tensor (``rope=(cos, sin)``: ``rope_0``, ``rope_1``), each given whole.
+    """
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    unknown = [n for n in unbatched if n not in names]
+    flattened = passes.input_placeholders(gm)
+    unknown = [n for n in unbatched if n not in names and n not in flattened]
     if unknown:
         raise ValueError(f"unbatched={list(unbatched)!r} names {unknown}, which the traced model has no input for; "
-                         f"its inputs are {names}")
-    gm.meta["fxpipe.unbatched"] = sorted(unbatched)
-    return frozenset(unbatched)
+                         f"its inputs are {list(flattened) or names}")
+    whole = sorted({p for n in unbatched for p in (flattened.get(n) or [n])})
+    gm.meta["fxpipe.unbatched"] = whole
+    return frozenset(whole)
 
 
 def _note_coupled(gm: torch.fx.GraphModule, batch: int, rows: int, chunks: int, whole: frozenset[str]) -> None:

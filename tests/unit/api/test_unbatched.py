@@ -68,6 +68,41 @@ def test_unbatched_names_must_be_inputs(tracer):
         fxpipe.compile(model, 2, example_inputs=(x, pos), unbatched=None)
 
 
+class Rotary(nn.Module):
+    """Take rotary tables as a tuple and a dict (HunyuanDiT's ``image_rotary_emb=(cos, sin)``), none with a batch dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, rope, extra):
+        cos, sin = rope
+        h = torch.tanh(self.a(x) * cos + sin)
+        return self.b(h + extra["shift"])
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_tuple_or_dict_input_named_unbatched_goes_whole_to_every_micro_batch(tracer):
+    # torch.export flattens rope into rope_0 and rope_1: unbatched=["rope"] was refused as no input of the graph,
+    # and the graph's names as none of the forward's, so no spelling worked
+    torch.manual_seed(0)
+    model, x = Rotary(), torch.randn(6, 5, 8)
+    rope, extra = (torch.randn(5, 8), torch.randn(5, 8)), {"shift": torch.randn(5, 8)}
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x, rope, extra), chunks=3, tracer=tracer, devices=["cpu"] * 2,
+                          unbatched=["rope", "extra"])
+    target = torch.randn(6, 5, 8)
+    loss = pipe.step(x, rope, extra, target=target, loss_fn=F.mse_loss)
+    expected = F.mse_loss(eager(x, rope, extra), target)
+    expected.backward()
+    assert max_relative_error(loss, expected) < 1e-5
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
+    with pytest.raises(ValueError, match=r"names \['rot'\].*inputs are \['x', 'rope', 'extra'\]"):
+        fxpipe.compile(Rotary(), 2, example_inputs=(x, rope, extra), chunks=3, tracer=tracer, unbatched=["rot"])
+
+
 class _Message(nn.Module):
     """One round of message passing over an edge list ``[2, E]``, which is no per-row input."""
 

@@ -238,6 +238,7 @@ def test_an_output_export_cannot_flatten_is_refused_naming_the_type_and_use_cach
     msg = str(info.value)
     assert "its output holds a test_export.Cache" in msg and "example_kwargs={'use_cache': False}" in msg, msg
     assert "batch size" not in msg and info.value.__cause__ is not None
+    assert "use_cache=False to pipe.step" in msg and "does not reach every encoder-decoder's decoder" in msg, msg
     assert_pipeline_equivalent(ReturnsCache(), (x,), example_kwargs={"use_cache": False}, n_stages=2, chunks=2,
                                devices=["cpu"] * 2, tracer="export", schedules=["1f1b"])
 

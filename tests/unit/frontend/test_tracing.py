@@ -229,3 +229,27 @@ def test_a_numpy_scalar_on_the_left_of_a_tensor_op_is_traced():
             return self.l2(np.float32(3.0) - np.float32(2.0) / (h.abs() + 1))
 
     _pipes_as_eager(LeftScaled())
+
+
+class _Branchy(nn.Module):
+    """Branch on a value, which torch.fx cannot trace: a leaf module's job."""
+
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x
+
+
+class _Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.gate, self.b = nn.Linear(4, 4), _Branchy(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.gate(self.a(x)))
+
+
+def test_a_leaf_module_named_by_its_class_name_is_kept_whole():
+    # the fx refusal names the class (leaf_modules=[_Branchy]); its name as a string was refused as no submodule
+    gm = fxpipe.trace(_Holder(), leaf_modules=["_Branchy"])
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["a", "gate", "b"]
+    with pytest.raises(ValueError, match=r"names \['Branchy'\] that are not submodules of _Holder, nor the class"):
+        fxpipe.trace(_Holder(), leaf_modules=["Branchy"])
