@@ -19,6 +19,7 @@ So the error names the failing node and the module it came from, and suggests
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch.fx
@@ -64,8 +65,11 @@ def _where(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[str, str | No
 
 
 def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception, on: str = "the example inputs",
-            advise: bool = True) -> PropagationError:
-    """Name the node that raised ``exc`` on inputs ``on``, its module, and (``advise``) the likely cause."""
+            advise: bool = True, nones: Sequence[str] = ()) -> PropagationError:
+    """Name the node that raised ``exc`` on inputs ``on``, its module, and (``advise``) the likely cause.
+
+    ``nones``: the node's inputs that are placeholders holding None (named first in the advice).
+    """
     where, module, stack = _where(gm, node)
     first = next((line for line in str(exc).splitlines() if line.strip()), "")
     message = f"{where} fails on {on}: {type(exc).__name__}: {first}"
@@ -74,7 +78,7 @@ def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception, on: s
                                 f"{_NOT_DENSE}", node.name, module)
     inputs = [a.target for a in node.all_input_nodes if a.op == "placeholder"]
     if advise and "NoneType" in str(exc) and inputs and getattr(gm, "meta", {}).get("fxpipe.tracer") != "export":
-        name = inputs[0]
+        name = nones[0] if nones else inputs[0]
         message += (
             f"\nInput '{name}' is None here, but torch.fx traced it as a value: a check such as `{name} is not None` "
             f"holds for a traced value, so the code using it was kept. Pass {name}= a tensor (in the example too), "

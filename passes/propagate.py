@@ -230,7 +230,9 @@ class Propagator(PlainArgs):
                 except _DATA_DEPENDENT:
                     raise
                 except Exception as exc:
-                    raise explain(self.gm, node, exc) from exc
+                    nones = [str(a.target) for a in node.all_input_nodes if a.op == "placeholder" and a in self.env
+                             and self.env[a] is None]
+                    raise explain(self.gm, node, exc, nones=nones) from exc
                 refuse_not_dense(self.gm, node, _tensors(result.value))
                 changed = [_storage(t) for t, v in versions if t._version != v]
                 mutates = _aliases(self.storages, changed, node) if changed else []

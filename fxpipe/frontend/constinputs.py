@@ -4,18 +4,22 @@ torch.fx traces every input of ``forward`` as a tensor, so a flag (``if not retu
 an input left at its ``None`` default (``if class_labels is not None:``) breaks the trace or
 takes the branch eager does not. Hugging Face's tracer fixes the inputs not given; fxpipe does
 so only where the plain trace failed, for plain constants: a flag, a string or ``None`` given in
-the example inputs, or left at such a default. The pipe then takes no other value for them
+the example inputs, or left at such a default; and, where the trace passed, for a ``None`` input
+the graph never reads (:func:`unread_nones`: a check ``if extra is not None:`` held while
+traced and kept a branch eager does not take). The pipe then takes no other value for them
 (:func:`fxpipe.passes.bind_placeholders` says so).
 """
 
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import Any
 
+import torch.fx
 from torch import nn
 
-__all__ = ["constant_inputs"]
+__all__ = ["constant_inputs", "unread_none_entries", "unread_nones"]
 
 _PARAMETER = inspect.Parameter
 
@@ -49,3 +53,62 @@ def constant_inputs(model: nn.Module, example_inputs: Any, example_kwargs: dict[
 def _constant(value: Any) -> bool:
     """Tell whether ``value`` is a constant a trace may fix: ``None``, a flag or a string."""
     return value is None or type(value) in (bool, str)
+
+
+def unread_nones(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Any,
+                 example_kwargs: dict[str, Any] | None, concrete_args: dict[str, Any] | None) -> dict[str, None]:
+    """Return forward's inputs that are ``None`` (given so, or left at that default) and that ``gm`` never reads.
+
+    Traced as a value, such an input passes ``is not None`` checks: the graph keeps the code
+    under them, which eager skips for ``None``; the graph reading nothing of it tells that
+    apart from an input the code uses (which fails propagation, naming it).
+    """
+    unread = {n.target for n in gm.graph.nodes if n.op == "placeholder" and not n.users}
+    return {name: None for name, value in constant_inputs(model, example_inputs, example_kwargs, concrete_args).items()
+            if value is None and name in unread}
+
+
+def unread_none_entries(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Any,
+                        example_kwargs: dict[str, Any] | None) -> list[str]:
+    """Return the entries of container inputs (``batch["extra"]``) that are ``None`` in the example and read by nothing.
+
+    The graph takes such an entry out of its input and uses it nowhere: a check ``is not None``
+    on it held while traced (its branch kept, which eager skips), or it is read and dropped.
+    """
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*_as_args(example_inputs), **(example_kwargs or {}))
+    except (TypeError, ValueError):
+        return []
+    found = []
+    for node in gm.graph.nodes:
+        value = bound.arguments.get(node.target) if node.op == "placeholder" else None
+        if not isinstance(value, (dict, list, tuple)):
+            continue
+        for user in node.users:
+            key = _constant_key(user)
+            if key is _NO_KEY or user.users:
+                continue
+            try:
+                entry = value[key]
+            except (KeyError, IndexError, TypeError):
+                continue
+            if entry is None:
+                found.append(f"{node.target}[{key!r}]")
+    return found
+
+
+_NO_KEY = object()
+
+
+def _constant_key(node: torch.fx.Node) -> Any:
+    """Return the constant key ``node`` reads its input at (``x[k]``, ``x.get(k)``), or ``_NO_KEY``."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], (str, int)):
+        return node.args[1]
+    if node.op == "call_method" and node.target == "get" and len(node.args) > 1 and isinstance(node.args[1], str):
+        return node.args[1]
+    return _NO_KEY
+
+
+def _as_args(example_inputs: Any) -> tuple:
+    """Return the example inputs as a tuple of positional inputs."""
+    return example_inputs if isinstance(example_inputs, tuple) else (() if example_inputs is None else (example_inputs,))

@@ -25,7 +25,7 @@ from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.astensor import TENSOR_MAKERS, tracing_tensor_makers, unmark_wrapped
 from fxpipe.frontend.autogradfns import applying, check_functions, watching_functions
 from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
-from fxpipe.frontend.constinputs import constant_inputs
+from fxpipe.frontend.constinputs import constant_inputs, unread_none_entries, unread_nones
 from fxpipe.frontend.leftovers import flags_kept, no_proxies_left
 from fxpipe.frontend.markers import recording_markers
 from fxpipe.frontend.modes import in_other_mode, may_read_mode, quieted
@@ -204,6 +204,13 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     versions = state_versions(model)
     gm, concrete_args = _fx_trace_fixing(model, leaf_types, leaf_names, concrete_args, example_inputs, example_kwargs)
     name = model.__class__.__name__
+    if entries := unread_none_entries(model, gm, example_inputs, example_kwargs):
+        warnings.warn(f"{', '.join(entries)} of {name}'s inputs is None in the example, and torch.fx traced it as a "
+                      "value that nothing in the graph reads: if forward checks it (`if batch['extra'] is not None:`), "
+                      "the check held while traced and the pipe runs the code under it for every call, where eager "
+                      "skips it. Use tracer='export', which traces the code the model runs on its example, or pass "
+                      "it as an input of its own (fxpipe fixes an unread None input to None)",
+                      stacklevel=user_stacklevel())
     _note_mode_branch(model, gm, lambda: _fx_trace(model, leaf_types, leaf_names, concrete_args))
     refuse_writes_while_tracing(model, versions)  # a loop over .parameters() ran once, on the real weights
     if detach_no_grad_blocks(gm):
@@ -219,11 +226,26 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
 def _fx_trace_fixing(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozenset[str],
                      concrete_args: dict[str, Any] | None, example_inputs: Any,
                      example_kwargs: dict[str, Any] | None) -> tuple[torch.fx.GraphModule, dict[str, Any] | None]:
-    """Trace with fx; where that fails, again with the constant inputs fixed (:mod:`.constinputs`)."""
+    """Trace with fx; where that fails, again with the constant inputs fixed (:mod:`.constinputs`).
+
+    A trace that passed is traced again with its unread ``None`` inputs fixed (:func:`unread_nones`).
+    """
     try:
-        return _fx_trace(model, leaf_types, leaf_names, concrete_args), concrete_args
+        gm = _fx_trace(model, leaf_types, leaf_names, concrete_args)
     except TraceError as exc:
         first = exc
+    else:
+        nones = unread_nones(model, gm, example_inputs, example_kwargs, concrete_args)
+        if not nones:
+            return gm, concrete_args
+        try:
+            again = _fx_trace(model, leaf_types, leaf_names, {**(concrete_args or {}), **nones})
+        except TraceError as exc:  # the code under `is None` does not trace: the graph as it was
+            log.debug("could not trace %s with %s fixed to None: %s", type(model).__name__, sorted(nones), exc)
+            return gm, concrete_args
+        log.info("%s traced with its None inputs %s fixed (nothing reads them: a check `is not None` on them held "
+                 "for a traced value)", type(model).__name__, sorted(nones))
+        return again, {**(concrete_args or {}), **nones}
     fixed = constant_inputs(model, example_inputs, example_kwargs, concrete_args)
     if not fixed:
         raise first

@@ -24,6 +24,7 @@ from fxpipe.plan.batches import micro_sizes
 from fxpipe.runtime.ignoreindex import IGNORE_INDEX, ignore_index_of
 from fxpipe.runtime.microbatch import is_summed
 from fxpipe.runtime.stage.lossreplay import kept
+from fxpipe.runtime.summedloss import warn_summed_loss_fn
 
 __all__ = ["IGNORE_INDEX", "check_first_loss", "check_targets_once", "look_at_targets", "warn_summed_outputs",
            "warn_uneven_ignored"]
@@ -140,6 +141,8 @@ def check_first_loss(binding: Any, out: Any, loss: torch.Tensor, share: float | 
     if not returned and scalars and not torch.is_grad_enabled():
         return  # a checkpointed forward keeps no graph to look into: look at its recomputation's
     binding.summed_pending = None
+    if not is_summed(loss_fn):
+        warn_summed_loss_fn(loss_fn, out, again, m)
     # a loss computed from the logits (a sum over a count) is the user's own: nothing to say; one made
     # of the model's 0-dim output (a task loss plus the model's auxiliary sum) is weighted as that output
     if returned or _made_of(loss, scalars):

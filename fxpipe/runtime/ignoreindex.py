@@ -21,7 +21,7 @@ from torch import nn
 
 from fxpipe.runtime.stage.rng import filled_cell, held, user_functions
 
-__all__ = ["IGNORE_INDEX", "ignore_index_of"]
+__all__ = ["IGNORE_INDEX", "code_of", "ignore_index_of", "passes_keyword"]
 
 IGNORE_INDEX = -100  # torch's and transformers' ignore_index
 
@@ -42,7 +42,7 @@ def ignore_index_of(loss_fn: Callable) -> int:
     for f in held(loss_fn, partial):
         if isinstance(f.keywords.get("ignore_index"), int):
             return int(f.keywords["ignore_index"])
-    for f, owner in _code_of(loss_fn):
+    for f, owner in code_of(loss_fn):
         if _passes_ignore_index(f.__code__):
             found = _written_values(f, owner)
             if len(found) == 1:
@@ -50,7 +50,7 @@ def ignore_index_of(loss_fn: Callable) -> int:
     return IGNORE_INDEX
 
 
-def _code_of(loss_fn: Callable) -> list[tuple[types.FunctionType, Any]]:
+def code_of(loss_fn: Callable) -> list[tuple[types.FunctionType, Any]]:
     """Return the user's functions ``loss_fn`` runs, each with the object its ``self`` is (or None).
 
     Its functions and bound methods, and the ``forward`` of a loss module (or ``__call__`` of a
@@ -70,7 +70,12 @@ def _code_of(loss_fn: Callable) -> list[tuple[types.FunctionType, Any]]:
 
 def _passes_ignore_index(code: types.CodeType) -> bool:
     """Tell whether ``code`` (or a function defined in it) calls with an ``ignore_index=`` keyword."""
-    return any(isinstance(c, tuple) and "ignore_index" in c or isinstance(c, types.CodeType) and _passes_ignore_index(c)
+    return passes_keyword(code, "ignore_index")
+
+
+def passes_keyword(code: types.CodeType, name: str) -> bool:
+    """Tell whether ``code`` (or a function defined in it) calls with the keyword ``name``."""
+    return any(isinstance(c, tuple) and name in c or isinstance(c, types.CodeType) and passes_keyword(c, name)
                for c in code.co_consts)
 
 

@@ -276,6 +276,12 @@ def _scalar_loss(value: Any, out: Any) -> torch.Tensor:
             "ranks hold (an L2 term over model.parameters(): on this rank they are on meta). Regularize through the "
             "optimizer (weight_decay=), or over the parameters this rank holds (p for p in model.parameters() if "
             "not p.is_meta) outside loss_fn, or keep the term inside the model's forward")
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and torch.is_grad_enabled() and \
+            not (value.is_floating_point() or value.is_complex()):
+        raise PipelineInputError(
+            f"loss_fn returned a tensor of {str(value.dtype).removeprefix('torch.')}, which has no gradient (a count or "
+            "comparison, (out > y).sum(), is not differentiable): return a floating-point loss computed from the "
+            "output with differentiable ops (log counts and accuracies from another function)")
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         detached = torch.is_grad_enabled() and not value.requires_grad
         trains = detached and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0])

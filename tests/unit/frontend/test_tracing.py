@@ -253,3 +253,68 @@ def test_a_leaf_module_named_by_its_class_name_is_kept_whole():
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["a", "gate", "b"]
     with pytest.raises(ValueError, match=r"names \['Branchy'\] that are not submodules of _Holder, nor the class"):
         fxpipe.trace(_Holder(), leaf_modules=["Branchy"])
+
+
+class _Shifted(nn.Module):
+    """Shift when ``extra`` is given, reading nothing of it (the check alone): fx keeps the shift for a traced value."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x, extra=None):
+        if extra is not None:
+            x = x + 100.0
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword", "left-out"])
+def test_a_none_input_nothing_reads_is_fixed_to_none_and_equals_eager(how):
+    # the `is not None` branch was traced as taken: pipe(x) 11.9 off eager's, nothing said
+    torch.manual_seed(0)
+    model, x = _Shifted(), torch.randn(6, 8)
+    examples = {"positional": {"example_inputs": (x, None)}, "left-out": {"example_inputs": (x,)},
+                "keyword": {"example_inputs": (x,), "example_kwargs": {"extra": None}}}[how]
+    pipe = fxpipe.compile(model, 2, chunks=2, devices=["cpu"] * 2, **examples)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))
+        torch.testing.assert_close(pipe(x, None), model(x))
+        with pytest.raises(TypeError, match=r"extra= was fixed to None when the model was traced.*tracer='export'"):
+            pipe(x, torch.ones(1))
+
+
+class _Used(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, extra):
+        return self.a(x + extra)
+
+
+def test_a_none_input_the_code_uses_is_named_not_the_tensor_beside_it():
+    # the advice named 'x' (the add's first input) and concrete_args={'x': None}
+    with pytest.raises(fxpipe.PropagationError, match=r"Input 'extra' is None here.*concrete_args=\{'extra': None\}"):
+        fxpipe.compile(_Used(), 2, example_inputs=(torch.randn(6, 8), None), devices=["cpu"] * 2)
+
+
+class _Batch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, batch):
+        x = batch["x"]
+        if batch["extra"] is not None:
+            x = x + 100.0
+        return self.a(x)
+
+
+def test_a_none_entry_of_a_dict_input_nothing_reads_is_warned_of_naming_export():
+    batch = {"x": torch.randn(6, 8), "extra": None}
+    with pytest.warns(UserWarning, match=r"batch\['extra'\] of _Batch's inputs is None in the example.*tracer='export'"):
+        fxpipe.compile(_Batch(), 2, example_inputs=(batch,), devices=["cpu"] * 2)
+    model = _Batch()
+    pipe = fxpipe.compile(model, 2, example_inputs=(batch,), devices=["cpu"] * 2, tracer="export")
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(batch), model(batch))

@@ -253,6 +253,9 @@ def test_step_refuses_a_detached_loss_rather_than_leave_every_gradient_none(sche
     with pytest.raises(fxpipe.PipelineInputError, match="does not require grad although the model's output does"):
         pipe.step(x, target=y, loss_fn=lambda out, t: F.mse_loss(out, t).detach())
     assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(fxpipe.PipelineInputError, match=r"loss_fn returned a tensor of int64, which has no gradient"):
+        pipe.step(x, target=y, loss_fn=lambda out, t: (out > t).sum())  # was told it was detached
+    assert all(p.grad is None for p in model.parameters())
     loss = pipe.step(x, target=y, loss_fn=F.mse_loss)  # a failed step leaves the next one as it should be
     expected = F.mse_loss(copy.deepcopy(model)(x), y)
     torch.testing.assert_close(loss, expected.detach())
