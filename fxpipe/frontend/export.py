@@ -582,6 +582,15 @@ def _value_branch(model: nn.Module, exc: BaseException, first: str) -> TraceErro
               "`labels.max() >= vocab_size`) traces without them; leave labels= out and compute the loss from the "
               "output in loss_fn=, with the labels as target=." if frame and _reads_labels(model, frame.line or "")
               else "")
+    line = (frame.line or "").strip() if frame else ""
+    if line and not re.match(r"(if|elif|while|assert)\b", line) and " if " not in line and ".item()" not in line \
+            and "int(" not in line and "bool(" not in line:  # a size computed as a tensor (Longformer's torch.div)
+        return TraceError(
+            f"torch.export could not trace {type(model).__name__}: its forward uses a tensor's value as a size or "
+            f"index{where} ({first}). torch.export records one path with symbolic sizes and cannot take a size read "
+            "from a tensor's value, such as one computed with tensor ops on sizes (torch.div(x.size(1), w)). Compute "
+            f"it from sizes with Python integers (x.size(1) // w){fx}.{labels} The full torch.export error is chained "
+            "below.")
     return TraceError(
         f"torch.export could not trace {type(model).__name__}: its forward branches on a tensor's value{where} "
         f"({first}). torch.export records one path and cannot keep a branch on values (an `if x.any():` or "

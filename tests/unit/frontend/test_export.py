@@ -1104,3 +1104,26 @@ def test_a_plan_saved_under_export_dims_batch_records_it_and_is_reused_with_it(t
     assert [s.nodes for s in again.plan.stages] == [s.nodes for s in pipe.plan.stages]
     free = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, tracer="export")
     assert "export_dims" not in free.plan.layout  # the default is not recorded: older plans read the same
+
+
+_UNBACKED = {}
+exec(compile("class Unbacked:\n    def __index__(self):\n        raise RuntimeError('Could not guard on data-dependent "
+             "expression 4*u1 < 16')\n", "<torch-internal>", "exec"), _UNBACKED)
+
+
+def test_a_size_read_from_a_tensor_s_value_is_named_as_a_size_not_a_branch():
+    # Longformer's `hidden_states.view(...)` of a size made with torch.div was told to be rewritten with torch.where
+    from fxpipe.frontend.export import _value_branch
+
+    try:
+        torch.zeros(4).view(range(_UNBACKED["Unbacked"]()))
+    except RuntimeError as exc:
+        size = _value_branch(nn.Linear(2, 2), exc, str(exc))
+    assert "uses a tensor's value as a size or index at" in str(size) and "x.size(1) // w" in str(size), str(size)
+    assert "torch.where" not in str(size)
+    try:
+        if _UNBACKED["Unbacked"]().__index__():
+            pass
+    except RuntimeError as exc:
+        branch = _value_branch(nn.Linear(2, 2), exc, str(exc))
+    assert "branches on a tensor's value" in str(branch) and "torch.where" in str(branch), str(branch)
