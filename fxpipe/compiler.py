@@ -67,7 +67,7 @@ def _refuse_sync_batch_norm(model: nn.Module) -> None:
             "replica")
 
 
-def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
+def compile(model: nn.Module, n_stages: int | None = None, *, example_inputs: Any = None,
             example_kwargs: dict[str, Any] | None = None, devices: Sequence[Any] | None = None,
             chunks: int = 1, checkpoint: str | Sequence[str] = "except_last", balance_by: str = "auto",
             split_points: Sequence[str] | None = None, max_memory: float | None = None,
@@ -176,7 +176,10 @@ def compile(model: nn.Module, n_stages: int, *, example_inputs: Any = None,
     ``balance=``, ``torch.distributed.pipelining``'s ``n_microbatches=``, a typo) raises a ``TypeError``
     naming the argument meant.
     """
-    refuse_unknown(compile, unknown)
+    refuse_unknown(compile, unknown)  # num_stages=2 is named before n_stages is missed
+    if n_stages is None:
+        raise TypeError("fxpipe.compile() is missing n_stages, the number of pipeline stages: its second argument, "
+                        "fxpipe.compile(model, 4, example_inputs=...)")
     with torch.inference_mode(False):  # an evaluation script: tracing needs version counters, autograd
         example_inputs, example_kwargs = _normal((example_inputs, example_kwargs))
         if not isinstance(model, nn.Module):

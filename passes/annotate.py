@@ -194,11 +194,13 @@ def _fixed_refusal(gm: torch.fx.GraphModule, name: str, value: Any) -> TypeError
     left = gm.meta.get("fxpipe.fixed_by_example", {}).get(name)  # (its value, forward's default): left out, refused
     how = f"pass {value!r}" if left is not None and not same_constant(left[1], left[0]) else \
         f"pass {value!r} or leave it out"
+    other = (f"compile with an example tensor for it (example_inputs= or example_kwargs={{{name!r}: ...}}) if the pipe "
+             "is to take one" if value is None else f"trace again with concrete_args={{{name!r}: ...}} for another value")
     return TypeError(f"{name}= was fixed to {value!r} when the model was traced (concrete_args=; under tracer='fx' "
                      "fxpipe fixes a flag, a string or a None input to its example's value or its default where the "
-                     f"model does not trace with it as an input), so the pipe takes no other {name}=: {how}, "
-                     "compile with tracer='export' (which takes it as an input), or trace again with "
-                     f"concrete_args={{{name!r}: ...}} for another value")
+                     "model does not trace with it as an input, and a None input nothing in the graph reads), so the "
+                     f"pipe takes no other {name}=: {how}, compile with tracer='export' (which takes it as an input), "
+                     f"or {other}")
 
 
 def _specialized(node: torch.fx.Node) -> Any:

@@ -240,9 +240,13 @@ def _fx_trace_fixing(model: nn.Module, leaf_types: tuple[type, ...], leaf_names:
             return gm, concrete_args
         try:
             again = _fx_trace(model, leaf_types, leaf_names, {**(concrete_args or {}), **nones})
-        except TraceError as exc:  # the code under `is None` does not trace: the graph as it was
-            log.debug("could not trace %s with %s fixed to None: %s", type(model).__name__, sorted(nones), exc)
-            return gm, concrete_args
+        except TraceError as exc:  # the code eager runs for None does not trace; the first graph runs other code
+            listed = ", ".join(f"{n}=None" for n in sorted(nones))
+            raise TraceError(f"{exc}\n(Traced with {listed} fixed, the value in the example: torch.fx traced it as a "
+                             "value that nothing in the graph reads, so a check `is not None` on it held while traced "
+                             "and kept code eager skips. Use tracer='export', which traces the code the model runs on "
+                             "its example, or give it an example tensor if the pipe will take one)",
+                             module=exc.module, filename=exc.filename, lineno=exc.lineno) from None
         log.info("%s traced with its None inputs %s fixed (nothing reads them: a check `is not None` on them held "
                  "for a traced value)", type(model).__name__, sorted(nones))
         return again, {**(concrete_args or {}), **nones}

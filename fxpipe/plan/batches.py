@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from fxpipe.errors import PipelineInputError
 
@@ -95,6 +95,10 @@ def batch_size(values: Sequence[Any], names: Sequence[str], whole: Collection[st
                     fix = ("if one of them is not per row (class weights, a constant of the loss), give it to "
                            "loss_fn another way, not in target=: a closure or functools.partial (lambda out, y: "
                            "F.cross_entropy(out, y, weight=w)); target= is split with the rows")
+                elif path and not any(is_batched(t) and t.shape[0] == first[1]
+                                      for t in tree_flatten(value)[0]):  # none of the input's tensors is per row
+                    fix = (f"name '{name}' in fxpipe.compile(..., unbatched=['{name}']) to give all of it whole to every "
+                           f"micro-batch (none of its tensors has the batch's {first[1]} rows)")
                 elif path:  # a leaf inside an input: unbatched= names whole inputs only
                     fix = (f"pass '{where}' to the forward as an argument of its own, named in "
                            f"fxpipe.compile(..., unbatched=[...]) to give it whole to every micro-batch (unbatched= "

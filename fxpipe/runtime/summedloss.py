@@ -54,7 +54,13 @@ def asks_for_sum(loss_fn: Callable) -> bool:
     if getattr(loss_fn, "reduction", None) == "sum" or any(
             f.keywords.get("reduction") == "sum" for f in held(loss_fn, partial)):
         return True
-    return any(passes_keyword(f.__code__, "reduction") and _holds(f.__code__, "sum") for f, _ in code_of(loss_fn))
+    for f, _ in code_of(loss_fn):
+        if passes_keyword(f.__code__, "reduction") and _holds(f.__code__, "sum"):
+            return True
+        named = [f.__globals__.get(n) for n in f.__code__.co_names]  # a criterion made at module level
+        if any(isinstance(g, nn.Module) and getattr(g, "reduction", None) == "sum" for g in named):
+            return True
+    return False
 
 
 def _holds(code: types.CodeType, constant: str) -> bool:
@@ -66,17 +72,20 @@ def sums_rows(out: Any, again: Callable[..., torch.Tensor]) -> bool:
     """Tell whether ``again(out)`` weighs the first row's output the same over all its rows and over half of them.
 
     ``again`` takes ``keep=`` (:func:`fxpipe.runtime.microbatch.loss_again`); its ``rows`` keyword
-    is the micro-batch's. False where it cannot tell: one row, no output with rows that the loss
-    reads, a loss coupling the rows, or a ``loss_fn`` that fails on half of them.
+    is the micro-batch's (one row is taken twice instead of halved). False where it cannot tell:
+    no output with rows that the loss reads, a loss coupling the rows, or a ``loss_fn`` that
+    fails on half of them.
     """
     rows = getattr(again, "keywords", {}).get("rows")
-    if not isinstance(rows, int) or rows < 2:
+    if not isinstance(rows, int) or rows < 1:
         return False
     whole = _first_row_grad(out, again, rows)
-    half = _first_row_grad(out, partial(again, keep=rows // 2), rows)
+    # half of the rows; one row is taken twice instead (loss_again cycles them): a sum's weight then doubles
+    half = _first_row_grad(out, partial(again, keep=rows // 2 if rows > 1 else 2), rows)
     if whole is None or half is None or whole == 0:
         return False
-    return abs(half / whole - 1.0) <= 1e-3  # a mean's ratio is rows / (rows // 2) >= 2
+    summed = 1.0 if rows > 1 else 2.0  # a mean's ratio is rows / (rows // 2) >= 2, or 1 for one row taken twice
+    return abs(half / whole - summed) <= 1e-3 * summed
 
 
 def _first_row_grad(out: Any, again: Callable[..., torch.Tensor], rows: int) -> float | None:

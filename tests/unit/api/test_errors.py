@@ -108,6 +108,14 @@ def test_a_keyword_from_elsewhere_names_the_argument_meant(keyword, meant):
         fxpipe.compile(MLP(), 2, **{keyword: 1})
 
 
+def test_num_stages_in_place_of_n_stages_is_named_and_a_missing_n_stages_said_so():
+    # Python's bare "compile() missing 1 required positional argument: 'n_stages'" came first
+    with pytest.raises(TypeError, match=r"num_stages= \(use n_stages \(the second argument\)\)"):
+        fxpipe.compile(MLP(), num_stages=2, example_inputs=(torch.randn(4, 16),))
+    with pytest.raises(TypeError, match=r"fxpipe.compile\(\) is missing n_stages, the number of pipeline stages"):
+        fxpipe.compile(MLP(), example_inputs=(torch.randn(4, 16),))
+
+
 def test_a_schedule_file_that_is_missing_is_named(tmp_path):
     with pytest.raises(fxpipe.ScheduleError, match="looks like the path of a schedule file, and no such file exists"):
         fxpipe.compile(MLP(), 2, example_inputs=(torch.randn(4, 16),), schedule=str(tmp_path / "mine.txt"))

@@ -99,6 +99,10 @@ def test_a_tuple_or_dict_input_named_unbatched_goes_whole_to_every_micro_batch(t
     grads = dict(eager.named_parameters())
     for name, p in model.named_parameters():
         assert max_relative_error(p.grad, grads[name].grad) < 1e-5, name
+    with pytest.raises(fxpipe.PipelineInputError, match=r"name 'rope' in fxpipe.compile\(..., unbatched=\['rope'\]\) "
+                                                        r"to give all of it whole"):  # was: pass rope[0] on its own
+        fxpipe.compile(Rotary(), 2, example_inputs=(x, rope, extra), chunks=3, tracer=tracer, unbatched=["extra"])(
+            x, rope, extra)
     with pytest.raises(ValueError, match=r"names \['rot'\].*inputs are \['x', 'rope', 'extra'\]"):
         fxpipe.compile(Rotary(), 2, example_inputs=(x, rope, extra), chunks=3, tracer=tracer, unbatched=["rot"])
 

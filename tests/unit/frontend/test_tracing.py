@@ -279,8 +279,29 @@ def test_a_none_input_nothing_reads_is_fixed_to_none_and_equals_eager(how):
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), model(x))
         torch.testing.assert_close(pipe(x, None), model(x))
-        with pytest.raises(TypeError, match=r"extra= was fixed to None when the model was traced.*tracer='export'"):
+        with pytest.raises(TypeError, match=r"extra= was fixed to None when the model was traced.*tracer='export'.*"
+                                            r"example tensor for it"):
             pipe(x, torch.ones(1))
+
+
+class _UntracedWhenNone(nn.Module):
+    """Run code fx cannot trace when ``extra`` is None (eager's path), none of it otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, extra=None):
+        h = self.a(x)
+        if extra is None:
+            h = h[: int(h.shape[0])]
+        return h
+
+
+def test_a_none_input_whose_eager_path_does_not_trace_is_refused_not_traced_the_other_way():
+    # the first trace (the `is not None` path) was kept with a debug log: pipe(x) 0.87 off eager, nothing said
+    with pytest.raises(fxpipe.TraceError, match=r"Traced with extra=None fixed.*tracer='export'"):
+        fxpipe.compile(_UntracedWhenNone(), 2, example_inputs=(torch.randn(6, 8),), devices=["cpu"] * 2)
 
 
 class _Used(nn.Module):

@@ -23,13 +23,22 @@ def _summed(out, y):
     return F.cross_entropy(out, y, reduction="sum")
 
 
+_CRITERION = nn.CrossEntropyLoss(reduction="sum")  # made at module level, read by the loss_fn's code
+
+
+def _by_criterion(out, y):
+    return _CRITERION(out, y)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
 @pytest.mark.parametrize("loss_fn", [_summed, nn.CrossEntropyLoss(reduction="sum"),
-                                     lambda out, y: F.cross_entropy(out, y, reduction="sum") / 8],
-                         ids=["function", "module", "over-a-constant"])
-def test_a_summed_loss_fn_is_warned_of_naming_loss_reduction_sum(schedule, loss_fn):
+                                     lambda out, y: F.cross_entropy(out, y, reduction="sum") / 8, _by_criterion],
+                         ids=["function", "module", "over-a-constant", "global-criterion"])
+@pytest.mark.parametrize("rows", [8, 4], ids=["two-rows-each", "one-row-each"])
+def test_a_summed_loss_fn_is_warned_of_naming_loss_reduction_sum(schedule, loss_fn, rows):
     # the step's loss came out 1/4 of eager's at chunks=4, silently
     model, x, y = _mlp()
+    x, y = x[:rows], y[:rows]
     eager = copy.deepcopy(model)
     pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=4, devices=["cpu"] * 2, schedule=schedule)
     with pytest.warns(UserWarning, match=r"loss_fn sums over the rows .* about 1/4 of eager's.*"
@@ -63,5 +72,6 @@ def test_the_look_tells_a_sum_from_a_mean_and_a_loss_coupling_the_rows():
     assert sums_rows(out, partial(loss_again, _summed, y, rows=6))
     assert not sums_rows(out, partial(loss_again, F.cross_entropy, y, rows=6))
     assert not sums_rows(out, partial(loss_again, contrastive, y, rows=6))
-    assert not sums_rows(out[:1], partial(loss_again, _summed, y[:1], rows=1))  # one row: nothing to tell
+    assert sums_rows(out[:1], partial(loss_again, _summed, y[:1], rows=1))  # one row, taken twice: a sum doubles
+    assert not sums_rows(out[:1], partial(loss_again, F.cross_entropy, y[:1], rows=1))
     assert not sums_rows({"loss": torch.tensor(1.0)}, partial(loss_again, lambda o, _: o["loss"], None, rows=6))
