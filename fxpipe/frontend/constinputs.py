@@ -31,8 +31,7 @@ def constant_inputs(model: nn.Module, example_inputs: Any, example_kwargs: dict[
         sig = inspect.signature(model.forward)
     except (TypeError, ValueError):  # a builtin's forward: nothing to read
         return {}
-    args = example_inputs if isinstance(example_inputs, tuple) else (
-        () if example_inputs is None else (example_inputs,))
+    args = _as_args(example_inputs)
     params = [p for p in sig.parameters.values() if p.kind not in (_PARAMETER.VAR_POSITIONAL, _PARAMETER.VAR_KEYWORD)]
     positional = [p for p in params if p.kind in (_PARAMETER.POSITIONAL_ONLY, _PARAMETER.POSITIONAL_OR_KEYWORD)]
     if len(args) > len(positional):  # forward's *args takes some: leave the trace as it was

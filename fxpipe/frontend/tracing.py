@@ -205,8 +205,8 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[type | str] = (),
     gm, concrete_args = _fx_trace_fixing(model, leaf_types, leaf_names, concrete_args, example_inputs, example_kwargs)
     name = model.__class__.__name__
     if entries := unread_none_entries(model, gm, example_inputs, example_kwargs):
-        warnings.warn(f"{', '.join(entries)} of {name}'s inputs is None in the example, and torch.fx traced it as a "
-                      "value that nothing in the graph reads: if forward checks it (`if batch['extra'] is not None:`), "
+        warnings.warn(f"{', '.join(entries)} of {name}'s inputs {'is' if len(entries) == 1 else 'are'} None in the "
+                      "example, and torch.fx traced it as a value that nothing in the graph reads: if forward checks it (`if batch['extra'] is not None:`), "
                       "the check held while traced and the pipe runs the code under it for every call, where eager "
                       "skips it. Use tracer='export', which traces the code the model runs on its example, or pass "
                       "it as an input of its own (fxpipe fixes an unread None input to None)",

@@ -43,7 +43,7 @@ def ignore_index_of(loss_fn: Callable) -> int:
         if isinstance(f.keywords.get("ignore_index"), int):
             return int(f.keywords["ignore_index"])
     for f, owner in code_of(loss_fn):
-        if _passes_ignore_index(f.__code__):
+        if passes_keyword(f.__code__, "ignore_index"):
             found = _written_values(f, owner)
             if len(found) == 1:
                 return found.pop()
@@ -66,11 +66,6 @@ def code_of(loss_fn: Callable) -> list[tuple[types.FunctionType, Any]]:
         if isinstance(method, types.FunctionType) and not method.__module__.startswith(("torch.", "fxpipe.")):
             pairs.append((method, obj))
     return pairs
-
-
-def _passes_ignore_index(code: types.CodeType) -> bool:
-    """Tell whether ``code`` (or a function defined in it) calls with an ``ignore_index=`` keyword."""
-    return passes_keyword(code, "ignore_index")
 
 
 def passes_keyword(code: types.CodeType, name: str) -> bool:
