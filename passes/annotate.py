@@ -198,7 +198,7 @@ def _fixed_refusal(gm: torch.fx.GraphModule, name: str, value: Any) -> TypeError
              "is to take one" if value is None else f"trace again with concrete_args={{{name!r}: ...}} for another value")
     return TypeError(f"{name}= was fixed to {value!r} when the model was traced (concrete_args=; under tracer='fx' "
                      "fxpipe fixes a flag, a string or a None input to its example's value or its default where the "
-                     "model does not trace with it as an input, and a None input nothing in the graph reads), so the "
+                     "model does not trace with it as an input, and a None input wherever it traces so), so the "
                      f"pipe takes no other {name}=: {how}, compile with tracer='export' (which takes it as an input), "
                      f"or {other}")
 

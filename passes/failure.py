@@ -64,6 +64,16 @@ def _where(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[str, str | No
         module, stack
 
 
+def _fixed_nones(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[str]:
+    """Return the inputs the trace fixed to ``None`` (``concrete_args``) if ``node`` takes a literal ``None``."""
+    leaves: list[Any] = []
+    torch.fx.node.map_aggregate((node.args, node.kwargs), leaves.append)
+    if not any(a is None for a in leaves):
+        return []
+    return [str(p.target).rsplit("_", 1)[0] for p in gm.graph.nodes
+            if p.op == "placeholder" and "fxpipe.fixed" in p.meta and p.meta["fxpipe.fixed"] is None]
+
+
 def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception, on: str = "the example inputs",
             advise: bool = True, nones: Sequence[str] = ()) -> PropagationError:
     """Name the node that raised ``exc`` on inputs ``on``, its module, and (``advise``) the likely cause.
@@ -77,6 +87,13 @@ def explain(gm: torch.fx.GraphModule, node: torch.fx.Node, exc: Exception, on: s
         return PropagationError(f"{message}\nThis is how a nested (jagged) tensor made in the node fails: "
                                 f"{_NOT_DENSE}", node.name, module)
     inputs = [a.target for a in node.all_input_nodes if a.op == "placeholder"]
+    fixed = _fixed_nones(gm, node) if advise and "NoneType" in str(exc) and not nones else []
+    if fixed:  # traced with the input fixed to None (eager's path), and still used as a value
+        message += (f"\nInput '{fixed[0]}' is None here (fixed to None, its example's value, so the graph runs the "
+                    f"code eager runs for None), and this node uses it as a value: eager fails the same way. Pass "
+                    f"{fixed[0]}= a tensor (in the example too), or guard the code using it with "
+                    f"`if {fixed[0]} is not None:`.")
+        return PropagationError(message, node.name, module)
     if advise and "NoneType" in str(exc) and inputs and getattr(gm, "meta", {}).get("fxpipe.tracer") != "export":
         name = nones[0] if nones else inputs[0]
         message += (

@@ -4,10 +4,11 @@ torch.fx traces every input of ``forward`` as a tensor, so a flag (``if not retu
 an input left at its ``None`` default (``if class_labels is not None:``) breaks the trace or
 takes the branch eager does not. Hugging Face's tracer fixes the inputs not given; fxpipe does
 so only where the plain trace failed, for plain constants: a flag, a string or ``None`` given in
-the example inputs, or left at such a default; and, where the trace passed, for a ``None`` input
-the graph never reads (:func:`unread_nones`: a check ``if extra is not None:`` held while
-traced and kept a branch eager does not take). The pipe then takes no other value for them
-(:func:`fxpipe.passes.bind_placeholders` says so).
+the example inputs, or left at such a default; and, where the trace passed, for every ``None``
+input: one the graph never reads (:func:`unread_nones`: a check ``if extra is not None:`` held
+while traced and kept a branch eager does not take), and one it reads (:func:`read_nones`: also
+passed to an op that takes ``None``, ``attn_mask=mask``, beside such a check). The pipe then
+takes no other value for them (:func:`fxpipe.passes.bind_placeholders` says so).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch.fx
 from torch import nn
 
-__all__ = ["constant_inputs", "unread_none_entries", "unread_nones"]
+__all__ = ["constant_inputs", "read_nones", "unread_none_entries", "unread_nones"]
 
 _PARAMETER = inspect.Parameter
 
@@ -65,6 +66,14 @@ def unread_nones(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Any
     unread = {n.target for n in gm.graph.nodes if n.op == "placeholder" and not n.users}
     return {name: None for name, value in constant_inputs(model, example_inputs, example_kwargs, concrete_args).items()
             if value is None and name in unread}
+
+
+def read_nones(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Any,
+               example_kwargs: dict[str, Any] | None, concrete_args: dict[str, Any] | None) -> dict[str, None]:
+    """Return forward's inputs that are ``None`` (given so, or left at that default) and that ``gm`` reads."""
+    read = {n.target for n in gm.graph.nodes if n.op == "placeholder" and n.users}
+    return {name: None for name, value in constant_inputs(model, example_inputs, example_kwargs, concrete_args).items()
+            if value is None and name in read}
 
 
 def unread_none_entries(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Any,

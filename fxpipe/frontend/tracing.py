@@ -25,7 +25,7 @@ from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.astensor import TENSOR_MAKERS, tracing_tensor_makers, unmark_wrapped
 from fxpipe.frontend.autogradfns import applying, check_functions, watching_functions
 from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
-from fxpipe.frontend.constinputs import constant_inputs, unread_none_entries, unread_nones
+from fxpipe.frontend.constinputs import constant_inputs, read_nones, unread_none_entries, unread_nones
 from fxpipe.frontend.leftovers import flags_kept, no_proxies_left
 from fxpipe.frontend.markers import recording_markers
 from fxpipe.frontend.modes import in_other_mode, may_read_mode, quieted
@@ -228,7 +228,8 @@ def _fx_trace_fixing(model: nn.Module, leaf_types: tuple[type, ...], leaf_names:
                      example_kwargs: dict[str, Any] | None) -> tuple[torch.fx.GraphModule, dict[str, Any] | None]:
     """Trace with fx; where that fails, again with the constant inputs fixed (:mod:`.constinputs`).
 
-    A trace that passed is traced again with its unread ``None`` inputs fixed (:func:`unread_nones`).
+    A trace that passed is traced again with its unread ``None`` inputs fixed (:func:`unread_nones`),
+    with those it reads fixed too where that traces (:func:`read_nones`).
     """
     try:
         gm = _fx_trace(model, leaf_types, leaf_names, concrete_args)
@@ -236,6 +237,15 @@ def _fx_trace_fixing(model: nn.Module, leaf_types: tuple[type, ...], leaf_names:
         first = exc
     else:
         nones = unread_nones(model, gm, example_inputs, example_kwargs, concrete_args)
+        if read := read_nones(model, gm, example_inputs, example_kwargs, concrete_args):
+            try:  # a check `is not None` beside `attn_mask=mask` kept code eager skips: trace eager's path
+                gm = _fx_trace(model, leaf_types, leaf_names, {**(concrete_args or {}), **nones, **read})
+            except TraceError:  # eager's None path does not trace: propagation names the input if gm fails on None
+                log.debug("%s: tracing with %s fixed to None failed; kept as inputs", type(model).__name__, sorted(read))
+            else:
+                log.info("%s traced with its None inputs %s fixed (the pipe takes None for them, as its example did)",
+                         type(model).__name__, sorted({**nones, **read}))
+                return gm, {**(concrete_args or {}), **nones, **read}
         if not nones:
             return gm, concrete_args
         try:

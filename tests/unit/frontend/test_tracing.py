@@ -139,7 +139,7 @@ class _OptionalMask(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
 
     def forward(self, x, mask=None):
         h = self.a(x)
@@ -148,17 +148,38 @@ class _OptionalMask(nn.Module):
         return self.b(h)
 
 
-def test_an_optional_input_left_none_is_named_with_its_fixes():
-    # a PropagationError about 'FakeTensor' * 'NoneType' and dropped branches, naming no input
-    x = torch.randn(8, 4)
-    with pytest.raises(fxpipe.PropagationError, match=r"Input 'mask' is None here, but torch.fx traced it as a "
-                                                      r"value.*concrete_args=\{'mask': None\}"):
-        fxpipe.compile(_OptionalMask(), 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
-    model = _OptionalMask()
-    pipe = fxpipe.compile(fxpipe.trace(model, concrete_args={"mask": None}), 2, example_inputs=(x,), chunks=2,
-                          devices=["cpu"] * 2)
+class _CheckedAndPassed(nn.Module):
+    """Check ``mask is not None`` and pass it to an op that takes ``None`` (SDPA's ``attn_mask``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, mask=None):
+        h = self.a(x)
+        if mask is not None:
+            h = h * 2
+        q = h.view(h.shape[0], 1, 4, 2)
+        return self.b(F.scaled_dot_product_attention(q, q, q, attn_mask=mask).reshape(h.shape[0], 8))
+
+
+@pytest.mark.parametrize("model_type", [_OptionalMask, _CheckedAndPassed])
+def test_a_none_input_the_graph_reads_is_fixed_to_none_and_equals_eager(model_type):
+    # _OptionalMask was refused (PropagationError: 'FakeTensor' * 'NoneType'); _CheckedAndPassed kept the
+    # checked branch (h * 2), which eager skips for None: pipe(x) off eager's, nothing said
+    model = model_type()
+    x = torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2)
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), model(x))
+        torch.testing.assert_close(pipe(x, None), model(x))
+    with pytest.raises(TypeError, match=r"mask= was fixed to None when the model was traced.*tracer='export'.*"
+                                        r"example tensor"):
+        pipe(x, torch.ones(8, 8))
+    traced = fxpipe.compile(fxpipe.trace(model, concrete_args={"mask": None}), 2, example_inputs=(x,), chunks=2,
+                            devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), model(x))
 
 
 class _LoopedMomentum(torch.nn.Module):
@@ -315,7 +336,8 @@ class _Used(nn.Module):
 
 def test_a_none_input_the_code_uses_is_named_not_the_tensor_beside_it():
     # the advice named 'x' (the add's first input) and concrete_args={'x': None}
-    with pytest.raises(fxpipe.PropagationError, match=r"Input 'extra' is None here.*concrete_args=\{'extra': None\}"):
+    with pytest.raises(fxpipe.PropagationError, match=r"Input 'extra' is None here \(fixed to None.*eager fails the "
+                                                      r"same way. Pass extra= a tensor"):
         fxpipe.compile(_Used(), 2, example_inputs=(torch.randn(6, 8), None), devices=["cpu"] * 2)
 
 
