@@ -49,6 +49,9 @@ _WALK = POINTWISE | {"view", "reshape", "_unsafe_view", "transpose", "permute", 
 class TensorParallelError(ValueError):
     """A tensor-parallel plan or layout that cannot work; names the module, the cause and the fix."""
 
+    cause: str | None = None  # a size tensor_parallel does not divide: what does not divide
+    use: str | None = None  # and the sizes that would
+
 
 def role_rules(sites: Mapping[str, Site], roles: Mapping[str, str]) -> dict[str, Rule]:
     """Return the propagation rule of every node of every site given a role."""
@@ -66,9 +69,11 @@ def indivisible(what: str, fqn: str | None, size: int, t: int, container: bool =
     fits = ", ".join(map(str, divisors(math.gcd(size, *more))))
     also = f" nor its other heads ({', '.join(map(str, more))}: grouped key/value heads?)" if more else ""
     leave = f"the linears in '{fqn}'" if container else f"'{fqn}'"
-    return TensorParallelError(f"tensor_parallel={t} does not divide {what} of '{fqn}' ({size}){also}; use a "
-                               f"tensor_parallel that divides {'them all' if more else 'it'} ({fits}), or leave "
-                               f"{leave} out of the plan")
+    cause = f"tensor_parallel={t} does not divide {what} of '{fqn}' ({size}){also}"
+    use = f"use a tensor_parallel that divides {'them all' if more else 'it'} ({fits})"
+    exc = TensorParallelError(f"{cause}; {use}, or leave {leave} out of the plan")
+    exc.cause, exc.use = cause, use
+    return exc
 
 
 def auto_roles(gm: torch.fx.GraphModule, t: int) -> dict[str, str]:
@@ -96,7 +101,7 @@ def auto_roles(gm: torch.fx.GraphModule, t: int) -> dict[str, str]:
             else:
                 roles.update(grown)
     if refused and not roles:
-        raise refused[0]
+        raise _none_split(refused)
     for message in _counted([str(exc).split("; use ")[0] for exc in refused] + unclosed):
         warnings.warn(f"tp_plan='auto' leaves a region whole: {message}; the regions it divides are split "
                       "(write tp_plan= yourself to choose otherwise)", stacklevel=2)
@@ -106,6 +111,16 @@ def auto_roles(gm: torch.fx.GraphModule, t: int) -> dict[str, str]:
     _, left = propagate(gm, role_rules(sites, roles), t)
     assert not left, f"the automatic plan left conflicts: {left[:3]}"
     return roles
+
+
+def _none_split(refused: list[TensorParallelError]) -> TensorParallelError:
+    """Refuse an automatic plan that splits no region: the first refusal, the others counted, the fixes it has."""
+    first = refused[0]
+    if first.cause is None:
+        return first
+    more = f" (and {len(refused) - 1} more region(s) it does not divide)" if len(refused) > 1 else ""
+    return TensorParallelError(f"{first.cause}{more}; tp_plan='auto' then splits no region of the model: "
+                               f"{first.use}, or write tp_plan= yourself naming the regions to split")
 
 
 def _counted(messages: list[str]) -> list[str]:

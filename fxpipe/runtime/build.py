@@ -123,13 +123,22 @@ def build(model: nn.Module, gm: torch.fx.GraphModule, plan: PipelinePlan, stages
     layout = target.layout
     assert target.link is not None
     for s in plan.stages:
-        s.device = f"rank {s.on_rank} ({layout.device.type})"  # the same on every rank
+        s.device = f"{_ranks_of(layout, s.on_rank)} ({layout.device.type})"  # the same on every rank
     devices = [layout.device if r == layout.rank else torch.device("meta") for r in target.schedule.ranks]
     engine, keep = build_distributed(model, gm, plan, stages, layout, target.link, options.timeout, target.schedule,
                                      options.deferred_batch_norm, shard=options.data_parallel_shard, materials=materials,
                                      compiled=options.compiled, save=options.save)
     owned = {n for key, info in tensor_table(model).items() if key in keep for n in info.names}
     return Built(engine, devices, owned)
+
+
+def _ranks_of(layout: Any, on_rank: int) -> str:
+    """Name the global ranks that run pipeline rank ``on_rank`` (its tensor-parallel group, every replica's)."""
+    ranks = sorted(row[on_rank] for row in layout.pipelines())
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks))}" if len(ranks) <= 4 else \
+        f"pipeline rank {on_rank} ({len(ranks)} ranks)"
 
 
 def _unread(model: nn.Module, stages: Sequence[torch.fx.GraphModule]) -> set[int]:

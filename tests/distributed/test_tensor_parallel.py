@@ -164,6 +164,9 @@ def test_inputs_or_target_on_the_wrong_rank_of_a_tensor_parallel_group_are_refus
     for r, res in enumerate(results):
         kind, message = res["target_on_first"]
         assert kind == "PipelineInputError" and "target=None on ranks 2, 3, which compute the loss" in message, (r, res)
+        # "got a target on ranks 0, 1" where one of them had it
+        assert "got a target on the first stage's tensor-parallel group (ranks 0, 1)" in message, (r, res)
+        assert res["devices"] == ["ranks 0, 1 (cpu)", "ranks 2, 3 (cpu)"], res  # stage 1 on "rank 1 (cpu)"
         assert "pass the target on rank 2 or 3 (the last stage: any rank of its tensor-parallel group" in message
         # every rank given its own rows: each group took its first rank's, so rank 1's and rank 3's rows were lost
         # and rank 2's target trained against rank 0's inputs, silently

@@ -346,6 +346,7 @@ def misuse(rank, world, schedule):
     expected.backward()
     out["expected"] = expected.item()
     out["after"] = [max_relative_error(loss, expected), max(_errors(held, eager).values())]
+    out["devices"] = [s.device for s in pipe.plan.stages]
     return out
 
 

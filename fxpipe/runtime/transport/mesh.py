@@ -218,10 +218,17 @@ def check_world(world: int | None, n_stages: int, stages_per_rank: int = 1, data
                  f"launch a multiple of {pp} processes")
         raise ValueError(f"world {world} cannot hold {pp} pipeline ranks x {data_parallel} replicas ({per}); "
                          f"launch {want} processes, or {other}")
-    other = (f"pass data_parallel={world // (pp * tensor_parallel)}" if world % (pp * tensor_parallel) == 0 else
-             f"launch a multiple of {pp * tensor_parallel} processes")
+    fits = [t for t in range(1, world // pp + 1) if world % (pp * t) == 0]
+    if world % (pp * tensor_parallel) == 0:
+        other = f"pass data_parallel={world // (pp * tensor_parallel)}"
+    elif fits:  # tensor_parallel=3 on 4 ranks: the sizes that do fit
+        other = (f"pass a tensor_parallel that {world} ranks hold with {pp} pipeline ranks ("
+                 f"{', '.join(map(str, fits))}; data_parallel= the ranks left over)")
+    else:
+        other = f"compile with n_stages that {world} ranks hold"
     raise ValueError(f"world {world} cannot hold {pp} pipeline ranks x {data_parallel} replicas x "
-                     f"{tensor_parallel} tensor-parallel ranks ({per}); launch {want} processes, or {other}")
+                     f"{tensor_parallel} tensor-parallel ranks ({per}); launch {want} processes (or a multiple of "
+                     f"{pp * tensor_parallel} with data_parallel=), or {other}")
 
 
 def check_launched_world(n_stages: int, stages_per_rank: Any, data_parallel: Any, mesh: Any,

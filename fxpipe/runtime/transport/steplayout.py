@@ -246,7 +246,8 @@ def _target_fix(runtime: Any) -> str:
 def _missing_target(runtime: Any) -> str:
     """Refuse a target given on the first stage's rank(s) that the loss's rank(s) lack."""
     ranks, one = group_names(runtime), runtime.layout.tp == 1
-    return (f"pipe.step got a target on {ranks[runtime.first]}, which split{'s' if one else ''} the inputs, but "
+    given = ranks[runtime.first] if one else f"the first stage's tensor-parallel group ({ranks[runtime.first]})"
+    return (f"pipe.step got a target on {given}, which split{'s' if one else ''} the inputs, but "
             f"target=None on {ranks[runtime.last_rank]}, which compute{'s' if one else ''} the loss: "
             f"{_target_fix(runtime)}")
 

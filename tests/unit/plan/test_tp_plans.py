@@ -135,10 +135,15 @@ def test_a_sharded_model_output_is_refused():
 
 
 def test_a_dimension_t_does_not_divide_is_refused_with_the_sizes_that_fit():
+    # under 'auto' the fix offered was "leave the linears in 'blocks.0' out of the plan", of a plan the user did
+    # not write, naming the first block of eight alike
     with pytest.raises(TensorParallelError, match=r"tensor_parallel=3 does not divide the heads .* of "
-                                                  r"'blocks\.0\.attn' \(4\); use a tensor_parallel that divides "
-                                                  r"it \(1, 2, 4\)"):
+                                                  r"'blocks\.0\.attn' \(4\) \(and 7 more region\(s\) it does not "
+                                                  r"divide\); tp_plan='auto' then splits no region of the model: use a "
+                                                  r"tensor_parallel that divides it \(1, 2, 4\), or write tp_plan= "
+                                                  r"yourself") as refused:
         plan_tensor_parallel(_decoder(), 3, "auto")
+    assert "out of the plan" not in str(refused.value)
     with pytest.raises(TensorParallelError, match=r"does not divide the output features of 'blocks\.0\.attn\.q' "
                                                   r"\(32\).*\(1, 2, 4, 8, 16, 32\)"):
         plan_tensor_parallel(_decoder(), 3, {"blocks.*.attn.q": ColwiseParallel()})
@@ -172,6 +177,12 @@ def test_a_world_that_cannot_hold_the_layout_is_refused(monkeypatch):
                                          "ranks .*launch 4 processes"):
         fxpipe.compile(tm.ResidualMLP(), 2, example_inputs=(torch.randn(4, 16),), runtime="distributed",
                        tensor_parallel=2)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # it said "launch 6 processes, or launch a multiple of 6 processes"
+    with pytest.raises(ValueError, match=r"world 4 cannot hold 2 pipeline ranks x 1 replicas x 3 tensor-parallel "
+                                         r"ranks .*; launch 6 processes \(or a multiple of 6 with data_parallel=\), or "
+                                         r"pass a tensor_parallel that 4 ranks hold with 2 pipeline ranks \(1, 2; "):
+        fxpipe.compile(tm.ResidualMLP(), 2, example_inputs=(torch.randn(4, 16),), runtime="distributed",
+                       tensor_parallel=3)
 
 
 @pytest.mark.parametrize("before, after, dim, want", [
@@ -358,6 +369,6 @@ def test_the_sizes_offered_for_grouped_query_attention_divide_the_key_value_head
     # it offered (1, 2, 4) from the query heads alone: tensor_parallel=4 then left every attention whole
     model = nn.Sequential(OrderedDict(attn=_GroupedQueryAttention(), out=nn.Linear(32, 32)))
     with pytest.raises(TensorParallelError, match=r"tensor_parallel=3 does not divide the heads .* of 'attn' \(4\) "
-                                                  r"nor its other heads \(2: grouped key/value heads\?\); use a "
+                                                  r"nor its other heads \(2: grouped key/value heads\?\).*; .*use a "
                                                   r"tensor_parallel that divides them all \(1, 2\)"):
         plan_tensor_parallel(_graph(model, torch.randn(2, 8, 32)), 3, "auto")
