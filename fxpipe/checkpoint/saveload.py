@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.fx
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -64,6 +65,7 @@ from fxpipe.errors import CheckpointError, PeerFailure
 from fxpipe.materialize.fill import fill
 from fxpipe.materialize.fillplan import tensor_table
 from fxpipe.materialize.weights import MANIFEST, PARTIAL, open_weights
+from fxpipe.passes.order import draws_random
 from fxpipe.pipe import Pipe
 from fxpipe.runtime.transport.together import communication_failed, first_line, together
 
@@ -82,6 +84,7 @@ class _Where:
     distributed: bool = False
     deferred: tuple = ()
     broke: Any = None  # the runtime's: a failed collective counts as a failed step there
+    draws: bool = True  # whether the model draws random numbers (dropout): else its generators need no word
 
     def barrier(self) -> None:
         """Wait for every rank (nothing in one process)."""
@@ -123,7 +126,14 @@ def _where(target: nn.Module) -> _Where:
     runtime.ready()  # after a failed step: every rank back on fresh connections
     place = runtime.place()
     return _Where(target._model, place.rank, place.world, place.group, place.distributed, tuple(runtime.deferred),
-                  runtime.broke)
+                  runtime.broke, _draws(target._model, target.__dict__.get("_gm")))
+
+
+def _draws(model: nn.Module, gm: torch.fx.GraphModule | None) -> bool:
+    """Tell whether ``model`` may draw random numbers: a dropout module, or a graph node drawing them."""
+    if any("dropout" in type(m).__name__.lower() for m in model.modules()):
+        return True
+    return gm is None or any(draws_random(gm, n) for n in gm.graph.nodes)
 
 
 def _bytes(value: Any) -> torch.Tensor:
@@ -354,7 +364,7 @@ def load(pipe: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimi
     mine = nest(read_keys(path, allocate(meta, under(meta, f"rng.{where.rank}"))), "rng")
     if manifest["world"] == where.world and mine:
         set_rng_state(where.rank, mine)
-    else:
+    elif where.draws:
         log.warning("checkpoint %s was saved by %d process(es), this is %d: random generators not restored, so "
                     "dropout draws from this process's generators from here (seed them, torch.manual_seed, for a "
                     "reproducible run); weights and optimizer state are loaded", path, manifest["world"], where.world)

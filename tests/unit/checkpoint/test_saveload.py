@@ -338,3 +338,19 @@ def test_a_model_never_filled_on_meta_is_refused_naming_its_tensors(tmp_path):
                                                      r"filled \(0.weight, 0.bias, 2.weight ...\)"):
         fxpipe.save(model, tmp_path / "ckpt")
     assert fxpipe.latest_checkpoint(tmp_path) is None
+
+
+@pytest.mark.parametrize("dropout", [True, False])
+def test_a_checkpoint_of_another_world_warns_of_random_generators_only_for_a_model_that_draws(tmp_path, caplog,
+                                                                                            dropout):
+    # a model with no dropout was told its dropout would draw from this process's generators, on every rank
+    torch.manual_seed(0)
+    model = DropNet() if dropout else nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    example = batch(0)[0] if dropout else torch.randn(4, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(example,), chunks=2)
+    fxpipe.save(pipe, tmp_path / "ckpt")
+    manifest = tmp_path / "ckpt" / "fxpipe.json"
+    manifest.write_text(manifest.read_text().replace('"world": 1', '"world": 2'))  # as if saved by 2 ranks
+    with caplog.at_level("WARNING", logger="fxpipe"):
+        fxpipe.load(pipe, tmp_path / "ckpt")
+    assert ("random generators not restored" in caplog.text) == dropout, caplog.text
