@@ -74,7 +74,8 @@ def test_balance_by_time_feeds_skips_to_the_layers_that_pop_them():
     # the median of the rounds in 0.3 s: one round alone moved the cut on a busy machine ([3, 1, 1])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert balance_by_time(2, model, torch.randn(8, 4), timeout=0.3, device="cpu") in ([2, 3], [3, 2])
-    assert balance_by_time(3, model, torch.randn(8, 4), timeout=0.3, device="cpu") == [2, 1, 2]
+    # three helpers and the suite on 2 cores gave [3, 1, 1] at 0.3 s: the median of the rounds in 1 s
+    assert balance_by_time(3, model, torch.randn(8, 4), timeout=1.0, device="cpu") == [2, 1, 2]
     assert not model.training
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
