@@ -149,7 +149,11 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
             values.append(keywords.pop(name))
         elif _specialized(node) is not _NOT_FIXED:  # concrete_args: the value the trace fixed, not the default
             left = gm.meta.get("fxpipe.fixed_by_example", {}).get(name[:-2])  # (its value, forward's default)
-            if name[:-2] not in keywords and left is not None and not same_constant(left[1], left[0]):
+            if name[:-2] not in keywords and left is not None and left[1] is inspect.Parameter.empty:
+                left_out = left_out or TypeError(
+                    f"missing a value for the model input '{name[:-2]}' (forward has no default for it): pass "
+                    f"{name[:-2]}={left[0]!r}, as the example did")
+            elif name[:-2] not in keywords and left is not None and not same_constant(left[1], left[0]):
                 left_out = left_out or TypeError(
                     f"{name[:-2]}= was fixed to {left[0]!r} when the model was traced (the example's value: "
                     f"tracer='fx' cannot trace it as an input), and this call leaves it at forward's default "

@@ -237,29 +237,23 @@ def _fx_trace_fixing(model: nn.Module, leaf_types: tuple[type, ...], leaf_names:
         first = exc
     else:
         nones = unread_nones(model, gm, example_inputs, example_kwargs, concrete_args)
-        if read := read_nones(model, gm, example_inputs, example_kwargs, concrete_args):
-            try:  # a check `is not None` beside `attn_mask=mask` kept code eager skips: trace eager's path
-                gm = _fx_trace(model, leaf_types, leaf_names, {**(concrete_args or {}), **nones, **read})
-            except TraceError:  # eager's None path does not trace: propagation names the input if gm fails on None
-                log.debug("%s: tracing with %s fixed to None failed; kept as inputs", type(model).__name__, sorted(read))
-            else:
-                log.info("%s traced with its None inputs %s fixed (the pipe takes None for them, as its example did)",
-                         type(model).__name__, sorted({**nones, **read}))
-                return gm, {**(concrete_args or {}), **nones, **read}
+        given = example_inputs not in (None, ()) or bool(example_kwargs)  # without examples a default may be a tensor
+        nones.update(read_nones(model, gm, example_inputs, example_kwargs, concrete_args) if given else {})
         if not nones:
             return gm, concrete_args
-        try:
-            again = _fx_trace(model, leaf_types, leaf_names, {**(concrete_args or {}), **nones})
+        try:  # a check `is not None` held for the traced value and kept code eager skips: trace eager's path
+            gm = _fx_trace(model, leaf_types, leaf_names, {**(concrete_args or {}), **nones})
         except TraceError as exc:  # the code eager runs for None does not trace; the first graph runs other code
             listed = ", ".join(f"{n}=None" for n in sorted(nones))
-            raise TraceError(f"{exc}\n(Traced with {listed} fixed, the value in the example: torch.fx traced it as a "
-                             "value that nothing in the graph reads, so a check `is not None` on it held while traced "
-                             "and kept code eager skips. Use tracer='export', which traces the code the model runs on "
-                             "its example, or give it an example tensor if the pipe will take one)",
+            raise TraceError(f"{exc}\n(Traced with {listed} fixed, the value in the example, as eager runs it: torch.fx "
+                             "traces an input as a value, for which a check `is not None` holds, so the first trace "
+                             "kept code eager skips for None. Use tracer='export', which traces the code the model "
+                             "runs on its example, or give it an example tensor if the pipe will take one)",
                              module=exc.module, filename=exc.filename, lineno=exc.lineno) from None
-        log.info("%s traced with its None inputs %s fixed (nothing reads them: a check `is not None` on them held "
-                 "for a traced value)", type(model).__name__, sorted(nones))
-        return again, {**(concrete_args or {}), **nones}
+        log.info("%s traced with its None inputs %s fixed (a check `is not None` holds for a traced value)",
+                 type(model).__name__, sorted(nones))
+        gm.meta["fxpipe.fixed_by_example"] = _fixed_by_example(model, nones)
+        return gm, {**(concrete_args or {}), **nones}
     fixed = constant_inputs(model, example_inputs, example_kwargs, concrete_args)
     if not fixed:
         raise first
@@ -273,11 +267,18 @@ def _fx_trace_fixing(model: nn.Module, leaf_types: tuple[type, ...], leaf_names:
                          f"tracing failed earlier, at {first.filename}:{first.lineno}: {str(first).splitlines()[0]})",
                          module=again.module, filename=again.filename, lineno=again.lineno) from None
     log.info("%s traced with its inputs %s fixed as constants (concrete_args=)", type(model).__name__, _listed(fixed))
-    params = inspect.signature(model.forward).parameters
-    gm.meta["fxpipe.fixed_by_example"] = {  # a call leaving one out gets forward's default in eager: refused
-        k: (v, params[k].default) for k, v in fixed.items() if k not in (concrete_args or {})
-        and params[k].default is not inspect.Parameter.empty}
+    gm.meta["fxpipe.fixed_by_example"] = _fixed_by_example(
+        model, {k: v for k, v in fixed.items() if k not in (concrete_args or {})})
     return gm, fixed
+
+
+def _fixed_by_example(model: nn.Module, fixed: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Return ``{input: (value fixed, forward's default)}``: a call leaving one out gets the default in eager, refused.
+
+    An input without a default has ``inspect.Parameter.empty`` there: leaving it out is refused as missing.
+    """
+    params = inspect.signature(model.forward).parameters
+    return {k: (v, params[k].default) for k, v in fixed.items() if k in params}
 
 
 def _listed(fixed: dict[str, Any]) -> str:

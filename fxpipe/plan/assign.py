@@ -239,6 +239,9 @@ def _mark_unbatched(gm: torch.fx.GraphModule, unbatched: Sequence[str]) -> froze
     placeholder per tensor (``rope=(cos, sin)``: ``rope_0``, ``rope_1``), each given whole.
     """
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    constants = {str(n.target).rsplit("_", 1)[0] for n in gm.graph.nodes if n.op == "placeholder"
+                 and "fxpipe.fixed" in n.meta}  # fixed by the trace (a None example input): no rows to keep whole
+    unbatched = [n for n in unbatched if n in names or n not in constants]
     flattened = passes.input_placeholders(gm)
     unknown = [n for n in unbatched if n not in names and n not in flattened]
     if unknown:

@@ -178,8 +178,13 @@ def apply_plan(gm: torch.fx.GraphModule, plan: PipelinePlan, n_stages: int) -> N
         log.info("the model traced its nodes in another order than the saved plan's graph; it takes the plan's names")
         diffs = differences(plan, gm)
     if diffs:
+        fixed = [f"{str(n.target)[:-2]} (to {n.meta['fxpipe.fixed']!r})" for n in gm.graph.nodes
+                 if n.op == "placeholder" and "fxpipe.fixed" in n.meta and str(n.target)[:-2] in plan.graph_nodes]
+        why = (f"\nThe plan's graph takes as inputs what this trace fixed to its example's value: "
+               f"{', '.join(fixed)} (tracer='fx' fixes a None, flag or string example input); compile with example "
+               "inputs like the plan's." if fixed else "")
         raise PlanMismatchError("the model's graph no longer matches the saved plan:\n  "
-                                + "\n  ".join(diffs) + f"\nTo pipeline the model as it is now, {fix}.")
+                                + "\n  ".join(diffs) + why + f"\nTo pipeline the model as it is now, {fix}.")
     stage_of: dict[str, int] = {}
     for stage in plan.stages:
         for name in stage.nodes:

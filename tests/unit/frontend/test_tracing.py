@@ -182,6 +182,83 @@ def test_a_none_input_the_graph_reads_is_fixed_to_none_and_equals_eager(model_ty
         torch.testing.assert_close(traced(x), model(x))
 
 
+class _Scaled(nn.Module):
+    """An optional input whose default is not None."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, scale=2.0):
+        h = self.a(x)
+        if scale is not None:
+            h = h * scale
+        return self.b(h)
+
+
+class _Required(_OptionalMask):
+    def forward(self, x, mask):
+        return super().forward(x, mask)
+
+
+def test_a_call_leaving_out_an_input_fixed_to_none_gets_what_eager_gets():
+    # example (x, None) for scale=2.0: pipe(x) ran the None path where eager multiplies by 2.0 (0.84 off), silently
+    x = torch.randn(8, 8)
+    model = _Scaled()
+    pipe = fxpipe.compile(model, 2, example_inputs=(x, None), chunks=2, devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x, None), model(x, None))
+    with pytest.raises(TypeError, match=r"scale= was fixed to None .*leaves it at forward's default 2.0.*pass "
+                                        r"scale=None"):
+        pipe(x)
+    required = _Required()
+    pipe = fxpipe.compile(required, 2, example_inputs=(x, None), chunks=2, devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x, None), required(x, None))
+    with pytest.raises(TypeError, match=r"missing a value for the model input 'mask' \(forward has no default"):
+        pipe(x)  # eager: missing 1 required positional argument
+
+
+class _UntracedNonePath(nn.Module):
+    """Run code fx cannot trace when ``mask`` is None, then pass ``mask`` to an op that takes None."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, mask=None):
+        h = self.a(x)
+        if mask is None:
+            h = h * (float(x.abs().sum() > 0) + 1.0)
+        q = h.view(h.shape[0], 1, 4, 2)
+        return self.b(F.scaled_dot_product_attention(q, q, q, attn_mask=mask).reshape(h.shape))
+
+
+def test_a_none_input_the_graph_reads_whose_eager_path_does_not_trace_is_refused():
+    # the tensor path's graph was kept and ran on None: pipe(x) 0.53 off eager, silently
+    with pytest.raises(fxpipe.TraceError, match=r"Traced with mask=None fixed.*tracer='export'.*example tensor"):
+        fxpipe.compile(_UntracedNonePath(), 2, example_inputs=(torch.randn(6, 8),), devices=["cpu"] * 2)
+
+
+def test_without_examples_a_none_default_the_graph_reads_still_takes_a_tensor():
+    # fixing every None default the graph reads refused a later tensor where no example said None: compile
+    # without example_inputs=, and fxpipe.trace(model, concrete_args=...) of another input
+    model, x, mask = _OptionalMask(), torch.randn(8, 8), torch.rand(8, 8)
+    pipe = fxpipe.compile(model, 2, chunks=2, devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x, mask=mask), model(x, mask=mask))
+    gm = fxpipe.trace(_CheckedAndPassed(), concrete_args={})
+    assert "mask" in [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def test_unbatched_may_name_an_input_fixed_to_none():
+    # "unbatched=['mask'] names ['mask'], which the traced model has no input for; its inputs are ['x', 'mask_1']"
+    model, x = _CheckedAndPassed(), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, devices=["cpu"] * 2, unbatched=["mask"])
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))
+
+
 class _LoopedMomentum(torch.nn.Module):
     """Move a frozen target network toward the online one through a loop over .parameters() (BYOL, MoCo)."""
 

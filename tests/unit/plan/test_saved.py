@@ -276,3 +276,24 @@ def test_a_plan_given_another_n_stages_under_torchrun_names_the_stage_count(monk
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(fxpipe.PlanMismatchError, match=r"the saved plan has 4 stages but n_stages=2; pass n_stages=4 "):
         fxpipe.compile(MLP(), 2, runtime="distributed", plan=plan)
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, mask=None):
+        h = self.a(x)
+        if mask is not None:
+            h = h * mask
+        return self.b(h)
+
+
+def test_a_plan_made_with_a_tensor_for_an_input_fx_fixes_to_none_names_the_input():
+    # it said only "renamed (1): mask -> mask_1"
+    model, x = _Masked(), torch.randn(4, 8)
+    plan = fxpipe.compile(model, 2, example_inputs=(x, torch.rand(4, 8)), devices=["cpu"] * 2).plan
+    with pytest.raises(fxpipe.PlanMismatchError, match=r"takes as inputs what this trace fixed to its example's "
+                                                       r"value: mask \(to None\).*example inputs like the plan's"):
+        fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, plan=plan)
