@@ -84,9 +84,14 @@ class When:
 
 
 def _shape(a: Any) -> Any:
-    """Key an argument by its structure: nodes and literals by kind, not value (those may differ by mode)."""
+    """Key an argument by its structure: nodes and literals by kind, not value (those may differ by mode).
+
+    A parameter or buffer read (``get_attr``) is keyed by its name: the batch norms of two
+    alike blocks are not paired across the modes (ShuffleNet's, whose training graph has more
+    nodes, paired one block's with the next's, each mode reading the other's weights).
+    """
     if isinstance(a, torch.fx.Node):
-        return "node"
+        return ("attr", str(a.target)) if a.op == "get_attr" else "node"
     if isinstance(a, (list, tuple)):
         return (type(a).__name__, tuple(_shape(v) for v in a))
     if isinstance(a, dict):

@@ -520,6 +520,8 @@ def _refused(model: nn.Module, exc: BaseException, fix: str, where: str) -> Trac
             "model is not a transformers 5 model. The full torch.export error is chained below.")
     line = f"The model's code fixes the batch size to a constant{where}. " if where else ""
     made = frame is not None and "concrete integers" in str(exc) and _FACTORY.search(frame.line or "")
+    if frame is not None and not fix and re.search(r"\b(np|numpy)\.", frame.line or ""):  # host code on sizes
+        return _numpy_line(model, exc, frame, first)
     if frame is not None and not fix and "'dict' object has no attribute" in str(exc):  # a mapping read by name
         return TraceError(
             f"torch.export could not trace {type(model).__name__}: its forward raised AttributeError: {first} at "
@@ -564,6 +566,19 @@ def _refused(model: nn.Module, exc: BaseException, fix: str, where: str) -> Trac
     return TraceError(
         f"torch.export could not trace {type(model).__name__} with a dynamic batch dimension: "
         f"{first}\n{line}{fix}{other}. The full torch.export error is chained below.")
+
+
+def _numpy_line(model: nn.Module, exc: BaseException, frame: Any, first: str) -> TraceError:
+    """Explain that the model's forward runs NumPy on traced values, which torch.export cannot trace."""
+    spec = (" (Wav2Vec2-style SpecAugment draws its masks with NumPy in training mode: set the config's "
+            "mask_time_prob=0 and mask_feature_prob=0, or apply_spec_augment=False, and mask the inputs in your own "
+            "code before the pipe)" if "mask" in frame.name.lower() else "")
+    return TraceError(
+        f"torch.export could not trace {type(model).__name__}: its forward runs NumPy at {frame.filename}:"
+        f"{frame.lineno} ({(frame.line or '').strip()}; {type(exc).__name__}: {first}). Eager runs NumPy on real "
+        "numbers; torch.export traces with symbolic sizes, which NumPy cannot take. Compute that part outside the "
+        f"pipe and pass its result in as an input, or write it with torch ops{spec}. The full torch.export error "
+        "is chained below.")
 
 
 def _value_branch(model: nn.Module, exc: BaseException, first: str) -> TraceError:

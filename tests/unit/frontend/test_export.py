@@ -5,6 +5,7 @@ import importlib
 import types
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1127,3 +1128,26 @@ def test_a_size_read_from_a_tensor_s_value_is_named_as_a_size_not_a_branch():
     except RuntimeError as exc:
         branch = _value_branch(nn.Linear(2, 2), exc, str(exc))
     assert "branches on a tensor's value" in str(branch) and "torch.where" in str(branch), str(branch)
+
+
+class _NumpyMask(nn.Module):
+    """Draw a mask with NumPy from the batch size, as Wav2Vec2's SpecAugment does in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def _compute_mask(self, x):
+        mask = np.zeros((1, 8), dtype=bool)
+        np.put_along_axis(mask, np.array([[x.shape[0] - 1]]), True, -1)
+        return torch.from_numpy(mask)
+
+    def forward(self, x):
+        return self.b(self.a(x) * self._compute_mask(x))
+
+
+def test_numpy_in_the_forward_is_named_as_such_not_as_the_batch_size():
+    # "could not trace ... with a dynamic batch dimension ... that line may depend on the batch size"
+    with pytest.raises(fxpipe.TraceError, match=r"its forward runs NumPy at .*np.put_along_axis.*Compute that part "
+                                                r"outside the pipe and pass its result in.*SpecAugment"):
+        fxpipe.compile(_NumpyMask(), 2, example_inputs=(torch.randn(6, 8),), chunks=2, tracer="export")

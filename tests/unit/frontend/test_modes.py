@@ -309,3 +309,50 @@ def test_an_output_0_dim_in_one_mode_only_is_refused_in_that_mode_only(tracer):
     pipe.train()
     with pytest.raises(fxpipe.PipelineInputError, match=r"returns a 0-dim tensor \(\[1\]\)"):
         pipe(x)
+
+
+def _shuffle(x):
+    b, c, h, w = x.size()
+    return torch.transpose(x.view(b, 2, c // 2, h, w), 1, 2).contiguous().view(b, -1, h, w)
+
+
+class _ShuffleUnit(nn.Module):
+    """A ShuffleNet v2 unit: two branches that downsample, or half the channels through one branch."""
+
+    def __init__(self, c, stride):
+        super().__init__()
+        self.stride, half = stride, c // 2
+
+        def depthwise(n):
+            return [nn.Conv2d(n, n, 3, stride, 1, groups=n, bias=False), nn.BatchNorm2d(n)]
+
+        self.branch1 = nn.Sequential(*depthwise(c), nn.Conv2d(c, half, 1, bias=False), nn.BatchNorm2d(half),
+                                     nn.ReLU()) if stride > 1 else nn.Sequential()
+        inner = c if stride > 1 else half
+        self.branch2 = nn.Sequential(nn.Conv2d(inner, half, 1, bias=False), nn.BatchNorm2d(half), nn.ReLU(),
+                                     *depthwise(half), nn.Conv2d(half, half, 1, bias=False), nn.BatchNorm2d(half),
+                                     nn.ReLU())
+
+    def forward(self, x):
+        if self.stride == 1:
+            a, b = x.chunk(2, dim=1)
+            return _shuffle(torch.cat((a, self.branch2(b)), dim=1))
+        return _shuffle(torch.cat((self.branch1(x), self.branch2(x)), dim=1))
+
+
+def test_the_modes_pair_each_batch_norm_with_its_own_in_the_other_mode():
+    # exported, a ShuffleNet's training graph (more nodes: the counters' add_) was paired with its eval graph one
+    # unit off: 71 merged nodes read one unit's weights in training and the next's in eval, so a stage held the
+    # weights and statistics of another stage's units too (across ranks a second copy, never updated)
+    torch.manual_seed(0)
+    units = [_ShuffleUnit(16, 2 if i % 4 == 0 else 1) for i in range(8)]
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1), *units, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(16, 4)).train()
+    pipe = fxpipe.compile(model, 2, example_inputs=(torch.randn(4, 3, 16, 16),), chunks=2, devices=["cpu"] * 2,
+                          tracer="export")
+    picked = [[a.target for a in n.args[1:] if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+              for n in pipe._gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "pick"]
+    assert not [p for p in picked if len(p) == 2 and p[0] != p[1]], picked[:3]
+    read = [{n.target for n in stage.graph.nodes if n.op == "get_attr" and n.target != "training"}
+            for stage in pipe.stages]
+    assert not read[0] & read[1], sorted(read[0] & read[1])[:4]
