@@ -242,7 +242,8 @@ def _fx_trace_fixing(model: nn.Module, leaf_types: tuple[type, ...], leaf_names:
         if not nones:
             return gm, concrete_args
         try:  # a check `is not None` held for the traced value and kept code eager skips: trace eager's path
-            gm = _fx_trace(model, leaf_types, leaf_names, {**(concrete_args or {}), **nones})
+            gm, nones = _none_trace(model, leaf_types, leaf_names, concrete_args, nones,
+                                    constant_inputs(model, example_inputs, example_kwargs, concrete_args))
         except TraceError as exc:  # the code eager runs for None does not trace; the first graph runs other code
             listed = ", ".join(f"{n}=None" for n in sorted(nones))
             raise TraceError(f"{exc}\n(Traced with {listed} fixed, the value in the example, as eager runs it: torch.fx "
@@ -250,8 +251,8 @@ def _fx_trace_fixing(model: nn.Module, leaf_types: tuple[type, ...], leaf_names:
                              "kept code eager skips for None. Use tracer='export', which traces the code the model "
                              "runs on its example, or give it an example tensor if the pipe will take one)",
                              module=exc.module, filename=exc.filename, lineno=exc.lineno) from None
-        log.info("%s traced with its None inputs %s fixed (a check `is not None` holds for a traced value)",
-                 type(model).__name__, sorted(nones))
+        log.info("%s traced with its inputs %s fixed (a check `is not None` holds for a traced value)",
+                 type(model).__name__, _listed(nones))
         gm.meta["fxpipe.fixed_by_example"] = _fixed_by_example(model, nones)
         return gm, {**(concrete_args or {}), **nones}
     fixed = constant_inputs(model, example_inputs, example_kwargs, concrete_args)
@@ -279,6 +280,28 @@ def _fixed_by_example(model: nn.Module, fixed: dict[str, Any]) -> dict[str, tupl
     """
     params = inspect.signature(model.forward).parameters
     return {k: (v, params[k].default) for k, v in fixed.items() if k in params}
+
+
+def _none_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozenset[str],
+                concrete_args: dict[str, Any] | None, nones: dict[str, None],
+                constants: dict[str, Any]) -> tuple[torch.fx.GraphModule, dict[str, Any]]:
+    """Trace with ``nones`` fixed; where that fails, with every constant input fixed (``constants``: flags too).
+
+    ``if mask is not None or is_causal:`` (timm's ViT) reads the flag only once ``mask`` is
+    ``None``: traced as a value there, it fails, as a constant it traces. Returns the graph and
+    what it fixed; raises the first failure where both fail.
+    """
+    try:
+        return _fx_trace(model, leaf_types, leaf_names, {**(concrete_args or {}), **nones}), dict(nones)
+    except TraceError as exc:
+        if not set(constants) - set(nones):
+            raise
+        first = exc
+    try:
+        return _fx_trace(model, leaf_types, leaf_names, {**(concrete_args or {}), **nones, **constants}), \
+            {**nones, **constants}
+    except TraceError:
+        raise first from None
 
 
 def _listed(fixed: dict[str, Any]) -> str:

@@ -259,6 +259,35 @@ def test_unbatched_may_name_an_input_fixed_to_none():
         torch.testing.assert_close(pipe(x), model(x))
 
 
+class _MaskOrCausal(nn.Module):
+    """Check ``attn_mask is not None or is_causal`` (timm's ViT): the flag is read only once the mask is None."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        h = self.a(x)
+        q = h.view(h.shape[0], 1, 4, 2)
+        if attn_mask is not None or is_causal:
+            h = h + F.scaled_dot_product_attention(q, q, q, attn_mask=attn_mask, is_causal=is_causal).reshape(h.shape)
+        else:
+            h = h * 2
+        return self.b(h)
+
+
+@pytest.mark.parametrize("example_kwargs", [{}, {"is_causal": False}])
+def test_a_flag_read_only_once_a_none_input_is_fixed_is_fixed_with_it(example_kwargs):
+    # the retrace with attn_mask=None met `or is_causal` traced as a value and was refused naming export (timm's ViT)
+    model, x = _MaskOrCausal(), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), example_kwargs=example_kwargs, chunks=2,
+                          devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))
+    with pytest.raises(TypeError, match=r"is_causal= was fixed to False"):
+        pipe(x, is_causal=True)
+
+
 class _LoopedMomentum(torch.nn.Module):
     """Move a frozen target network toward the online one through a loop over .parameters() (BYOL, MoCo)."""
 
