@@ -46,8 +46,8 @@ from fxpipe.passes.untouched import modules_untouched
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["TensorSpec", "annotate", "annotate_params", "bind_placeholders", "drop_guards", "input_placeholders",
-           "same_constant", "spec_of", "value_bytes"]
+__all__ = ["FixedInputError", "TensorSpec", "annotate", "annotate_params", "bind_placeholders", "drop_guards",
+           "input_placeholders", "same_constant", "spec_of", "value_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +150,11 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
         elif _specialized(node) is not _NOT_FIXED:  # concrete_args: the value the trace fixed, not the default
             left = gm.meta.get("fxpipe.fixed_by_example", {}).get(name[:-2])  # (its value, forward's default)
             if name[:-2] not in keywords and left is not None and left[1] is inspect.Parameter.empty:
-                left_out = left_out or TypeError(
+                left_out = left_out or FixedInputError(
                     f"missing a value for the model input '{name[:-2]}' (forward has no default for it): pass "
                     f"{name[:-2]}={left[0]!r}, as the example did")
             elif name[:-2] not in keywords and left is not None and not same_constant(left[1], left[0]):
-                left_out = left_out or TypeError(
+                left_out = left_out or FixedInputError(
                     f"{name[:-2]}= was fixed to {left[0]!r} when the model was traced (the example's value: "
                     f"tracer='fx' cannot trace it as an input), and this call leaves it at forward's default "
                     f"{left[1]!r}, which the pipe does not run: pass {name[:-2]}={left[0]!r}, or compile with "
@@ -193,14 +193,19 @@ def bind_placeholders(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> li
 _NOT_FIXED = object()
 
 
-def _fixed_refusal(gm: torch.fx.GraphModule, name: str, value: Any) -> TypeError:
+class FixedInputError(TypeError):
+    """A call giving another value for an input the trace fixed (``concrete_args``), or leaving it at another default."""
+
+
+def _fixed_refusal(gm: torch.fx.GraphModule, name: str, value: Any) -> FixedInputError:
     """Refuse another value for an input the trace fixed to ``value``."""
     left = gm.meta.get("fxpipe.fixed_by_example", {}).get(name)  # (its value, forward's default): left out, refused
     how = f"pass {value!r}" if left is not None and not same_constant(left[1], left[0]) else \
         f"pass {value!r} or leave it out"
     other = (f"compile with an example tensor for it (example_inputs= or example_kwargs={{{name!r}: ...}}) if the pipe "
              "is to take one" if value is None else f"trace again with concrete_args={{{name!r}: ...}} for another value")
-    return TypeError(f"{name}= was fixed to {value!r} when the model was traced (concrete_args=; under tracer='fx' "
+    return FixedInputError(f"{name}= was fixed to {value!r} when the model was traced (concrete_args=; under "
+                           "tracer='fx' "
                      "fxpipe fixes a flag, a string or a None input to its example's value or its default where the "
                      "model does not trace with it as an input, and a None input wherever it traces so), so the "
                      f"pipe takes no other {name}=: {how}, compile with tracer='export' (which takes it as an input), "

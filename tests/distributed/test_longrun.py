@@ -511,6 +511,19 @@ def test_ranks_of_one_pipeline_given_different_rows_are_refused_and_data_shard_s
         assert res["loss_error"] < 1e-5, res
 
 
+def test_a_value_for_an_input_the_trace_fixed_given_on_another_rank_is_refused(tmp_path, launch):
+    # mask= (fixed to None) or scale=2.0 (fixed to None) given on rank 1 only was ignored on every schedule, silently
+    results = launch("longrun_cases:fixed_input_on_one_rank", 2, "1f1b", tmp_path, limit=90)
+    _ok(results)
+    for r, res in enumerate(results):
+        assert "rank 1 was given inputs the pipe refuses: mask= was fixed to None" in _refused(res, "first", r), res
+        assert "rank 1 was given inputs the pipe refuses: scale= was fixed to None" in \
+            _refused(res, "scale_first", r), res
+        kind, message, _ = res["later"]
+        assert kind != "returned" and "mask= was fixed to None" in message, (r, res["later"])
+        assert res["loss_error"] < 1e-5, res
+
+
 def test_a_shape_only_the_last_stage_cannot_take_is_refused_on_every_rank_before_the_call(tmp_path, launch):
     # before: the last rank raised torch's error mid-call; under pipe(x) the first rank had returned None
     results = launch("longrun_cases:too_long_for_the_last_stage", 2, "1f1b", tmp_path)

@@ -953,3 +953,42 @@ def skipped_call(rank, world, schedule):
     if rank == world - 1:
         release_all()  # what the interpreter's exit runs (a spawned test rank exits without it)
     return out
+
+
+class _Masked(nn.Module):
+    """An optional mask (None in the example: traced fixed to None) and a scale whose default is not None."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, mask=None, scale=2.0):
+        h = torch.relu(self.a(x))
+        if mask is not None:
+            h = h * mask
+        if scale is not None:
+            h = h * scale
+        return self.b(h)
+
+
+def fixed_input_on_one_rank(rank, world, schedule):
+    """A value for an input the trace fixed, given on rank 1 only: refused on every rank at the first step, on
+    rank 1 (its peer failing the step) at a later one; then a step with None everywhere equals eager."""
+    torch.manual_seed(0)
+    model = _Masked()
+    eager = copy.deepcopy(model)
+    x, y, mask = torch.randn(8, 16), torch.randn(8, 16), torch.rand(8, 16)
+    pipe = fxpipe.compile(model, world, example_inputs=(x,), example_kwargs={"scale": None}, chunks=2,
+                          schedule=schedule, runtime="distributed", timeout=60)
+    out = {"first": _attempt(lambda: pipe.step(x, mask if rank == 1 else None, scale=None, target=y,
+                                               loss_fn=F.mse_loss)),
+           "scale_first": _attempt(lambda: pipe.step(x, scale=None if rank == 0 else 2.0, target=y,
+                                                     loss_fn=F.mse_loss))}
+    pipe.step(x, scale=None, target=y, loss_fn=F.mse_loss)
+    out["later"] = _attempt(lambda: pipe.step(x, mask if rank == 1 else None, scale=None, target=y,
+                                              loss_fn=F.mse_loss))
+    pipe.zero_grad()
+    loss = pipe.step(x, scale=None, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(eager(x, scale=None), y)
+    out["loss_error"] = max_relative_error(loss, expected)
+    return out

@@ -11,7 +11,8 @@ verdict (under data parallel the replicas do too, so none waits for another in a
                           ◀── each rank's verdict ──┘
                           the first refusal ──────────────────▶ every rank raises it
 
-Ranks that pass ``None`` compare nothing. Under tensor parallelism a group takes its values
+Ranks that pass ``None`` compare nothing; a rank given another value for an input the trace
+fixed (``mask=`` a tensor where the example's ``None`` was fixed) is refused on every rank too. Under tensor parallelism a group takes its values
 from its first rank given them (:mod:`tpinputs`): its ranks first compare what each was given
 with that rank's (one ``all_gather`` in the group), each tensor-parallel index then runs the
 above over its own ranks, and the groups agree on the first refusal, so that no rank of a
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import PipelineInputError
+from fxpipe.passes.annotate import FixedInputError
 from fxpipe.runtime.transport.comm import on_every_rank, tell_all
 from fxpipe.runtime.transport.tpinputs import inputs_given
 
@@ -105,6 +107,8 @@ def _bound(runtime: Any, args: tuple, kwargs: dict) -> list[Any] | None:
         return None
     try:
         return runtime.binding.bind(args, kwargs)
+    except FixedInputError:
+        raise  # another value for an input the trace fixed: ignored on this rank, silently, if let pass
     except TypeError:
         return None  # not the model's inputs (a loader's whole tuple): the first rank's are the ones that run
 
@@ -218,7 +222,12 @@ def agree_on_batch(runtime: Any, args: tuple, kwargs: dict, target: Any, header:
     if "digest" not in header:  # published only where it is checked (one pipeline rank per stage group)
         return
     layout = runtime.layout
-    mine = _given(runtime, args, kwargs, target)
+    try:
+        mine = _given(runtime, args, kwargs, target)
+        refused = None
+    except FixedInputError as exc:  # told to every rank as this rank's verdict
+        mine, refused = (None, None if target is None else digest(target)), \
+            f"rank {layout.global_ranks[runtime.rank]} was given inputs the pipe refuses: {exc}"
     group = _group_verdict(runtime, mine) if layout.tp > 1 else None  # the same on every rank of the group
     if runtime.rank == runtime.first:
         found = [group] + [runtime.comm.recv_object(r, "waiting for the other ranks' check of the batch")
@@ -227,7 +236,7 @@ def agree_on_batch(runtime: Any, args: tuple, kwargs: dict, target: Any, header:
         tell_all(runtime, verdict)
         runtime.comm.flush()
     else:
-        runtime.comm.send_object(group or _verdict(runtime, mine, header), runtime.first)
+        runtime.comm.send_object(group or refused or _verdict(runtime, mine, header), runtime.first)
         runtime.comm.flush()
         verdict = runtime.comm.recv_object(runtime.first, "waiting for the first rank's check of the batch")
     if layout.tp > 1:  # each index's ranks agreed; a stage's group spans the indices
