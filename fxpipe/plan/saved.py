@@ -180,9 +180,15 @@ def apply_plan(gm: torch.fx.GraphModule, plan: PipelinePlan, n_stages: int) -> N
     if diffs:
         fixed = [f"{str(n.target)[:-2]} (to {n.meta['fxpipe.fixed']!r})" for n in gm.graph.nodes
                  if n.op == "placeholder" and "fxpipe.fixed" in n.meta and str(n.target)[:-2] in plan.graph_nodes]
+        ops = dict(zip(plan.graph_nodes, plan.graph_ops))
+        taken = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder" and "fxpipe.fixed" not in n.meta
+                 and ops.get(f"{n.target}_1") == "placeholder" and str(n.target) not in ops]
         why = (f"\nThe plan's graph takes as inputs what this trace fixed to its example's value: "
                f"{', '.join(fixed)} (tracer='fx' fixes a None, flag or string example input); compile with example "
-               "inputs like the plan's." if fixed else "")
+               "inputs like the plan's." if fixed else
+               f"\nThe plan's graph fixed {', '.join(taken)} to its example's value (tracer='fx' fixes a None, flag or "
+               "string example input), which this trace takes as input(s); compile with example inputs like the "
+               "plan's." if taken else "")
         raise PlanMismatchError("the model's graph no longer matches the saved plan:\n  "
                                 + "\n  ".join(diffs) + why + f"\nTo pipeline the model as it is now, {fix}.")
     stage_of: dict[str, int] = {}

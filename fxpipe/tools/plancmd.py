@@ -164,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     print(best.sim.table())
     if args.json:
         found.plan(best).save(args.json)
-        print(f"plan saved to {args.json}: fxpipe.compile(model, {best.stages}, example_inputs=(x,), plan={args.json!r}, "
+        print(f"plan saved to {args.json}: fxpipe.compile(model, {best.stages}, {_examples(inputs, kwargs)}, "
+              f"plan={args.json!r}, "
               f"chunks={best.chunks}, schedule={best.schedule!r}, checkpoint={best.setting!r}, "
               f"runtime='distributed') under torchrun --nproc-per-node {best.stages} (as predicted; in one process "
               f"give devices=[...] instead of runtime=)")
@@ -172,6 +173,15 @@ def run(args: argparse.Namespace) -> int:
         best.sim.timeline().save(args.trace)
         print(f"simulated timeline saved to {args.trace} (open it in https://ui.perfetto.dev)")
     return 0
+
+
+def _examples(inputs: Any, kwargs: dict | None) -> str:
+    """Write the example arguments of the compile call that reproduces the plan (a trace fixes the constants)."""
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    written = "(x,)" if len(args) == 1 else f"({', '.join(f'x{i}' for i in range(len(args)))})"
+    named = ", ".join(f"{k!r}: {v!r}" if v is None or type(v) in (bool, int, float, str) else f"{k!r}: ..."
+                      for k, v in (kwargs or {}).items())
+    return f"example_inputs={written}" + (f", example_kwargs={{{named}}}" if named else "")
 
 
 def _policy(c: Any) -> str:

@@ -297,3 +297,7 @@ def test_a_plan_made_with_a_tensor_for_an_input_fx_fixes_to_none_names_the_input
     with pytest.raises(fxpipe.PlanMismatchError, match=r"takes as inputs what this trace fixed to its example's "
                                                        r"value: mask \(to None\).*example inputs like the plan's"):
         fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2, plan=plan)
+    plan = fxpipe.compile(model, 2, example_inputs=(x,), devices=["cpu"] * 2).plan  # and the other way round
+    with pytest.raises(fxpipe.PlanMismatchError, match=r"The plan's graph fixed mask to its example's value.*which "
+                                                       r"this trace takes as input"):
+        fxpipe.compile(model, 2, example_inputs=(x, torch.rand(4, 8)), devices=["cpu"] * 2, plan=plan)

@@ -56,6 +56,22 @@ MODELS = textwrap.dedent('''
         model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 16))
         model[-1].weight = model[0].weight
         return model, torch.randint(0, 16, (16, 3))
+
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(64, 64) for _ in range(4)])
+
+        def forward(self, x, scale=2.0):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x * scale if scale is not None else x
+
+
+    def scaled():
+        torch.manual_seed(0)
+        return Scaled(), (torch.randn(8, 64),), {"scale": None}
 ''')
 
 
@@ -84,6 +100,15 @@ def test_plan_prints_the_ranking_and_saves_the_first_choice(models, tmp_path, ca
     # the saved plan is a plan `fxpipe inspect --plan` reuses
     assert cli.main(["inspect", f"{models}:mlp", "--plan", str(out)]) == 0
     assert "plan from" in capsys.readouterr().out
+
+
+def test_the_printed_compile_call_gives_the_example_keywords(models, tmp_path, capsys):
+    # it wrote example_inputs=(x,) only: followed with the plan, scale= was left at 2.0 where the plan fixed None
+    # (PlanMismatchError: renamed (1): scale_1 -> scale)
+    out = tmp_path / "best.json"
+    assert cli.main(["plan", f"{models}:scaled", "--ranks", "2", "--chunks", "2", "--schedules", "1f1b",
+                     "--json", str(out)]) == 0
+    assert "example_inputs=(x,), example_kwargs={'scale': None}, plan=" in capsys.readouterr().out
 
 
 def test_inputs_the_model_does_not_take_fail_in_one_paragraph(models, capsys):
