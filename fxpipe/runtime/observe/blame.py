@@ -141,6 +141,12 @@ def note_failure(exc: BaseException, gm: torch.fx.GraphModule, index: int, devic
                           "backward runs with it), so a tensor there does not require a gradient: guard what needs "
                           "one (`if torch.is_grad_enabled(): h.register_hook(...)`, which also keeps a hook on a "
                           "stage's input from being registered twice), or compile with checkpoint='never'")
+        nones = [a.target for a in (node.all_input_nodes if node is not None else ()) if a.op == "placeholder"]
+        if "NoneType" in str(exc) and nones:  # an input None here, traced as a value (compiled without examples)
+            add_note(exc, f"fxpipe: if '{nones[0]}' was None in this call: torch.fx traced it as a value, for which "
+                          "a check `is not None` holds, so the code using it runs. Compile with example inputs "
+                          f"giving {nones[0]}=None (the trace then fixes it to None and runs eager's code), pass a "
+                          "tensor, or use tracer='export'")
         if "Proxy(" in str(exc):  # an assertion's message formatted while tracing (timm's _assert on the image size)
             add_note(exc, "fxpipe: this message was formatted while the model was traced, so Proxy(...) stands for "
                           "the value this call had: run the model eagerly on these inputs to see it; the model "

@@ -909,3 +909,27 @@ def test_a_float_input_of_another_dtype_across_ranks_names_a_cast_model():
     with pytest.raises(fxpipe.PipelineInputError) as refused:
         check_signature(["x"], [ids], [TensorSpec(shape=(4, 8), dtype=torch.int64, requires_grad=False)])
     assert "model cast" not in str(refused.value)
+
+
+class _MaskedWhenGiven(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, mask=None):
+        h = torch.relu(self.a(x))
+        if mask is not None:
+            h = h * mask
+        return self.c(torch.relu(self.b(h)))
+
+
+def test_a_none_input_traced_as_a_value_without_examples_is_named_with_its_fixes():
+    # compiled without example inputs, pipe(x) raised "unsupported operand type(s) for *: 'Tensor' and 'NoneType'"
+    # from inside stage 1, naming the node only
+    model, x = _MaskedWhenGiven(), torch.randn(4, 8)
+    pipe = fxpipe.compile(model, 2, chunks=2, devices=["cpu"] * 2)
+    torch.testing.assert_close(pipe(x, torch.ones(4, 8)), model(x, torch.ones(4, 8)))
+    with pytest.raises(TypeError) as info:
+        pipe(x)
+    assert "fxpipe: if 'mask' was None in this call: torch.fx traced it as a value" in "\n".join(info.value.__notes__)
+    assert "example inputs giving mask=None" in "\n".join(info.value.__notes__)
