@@ -7,8 +7,10 @@ so only where the plain trace failed, for plain constants: a flag, a string or `
 the example inputs, or left at such a default; and, where the trace passed, for every ``None``
 input: one the graph never reads (:func:`unread_nones`: a check ``if extra is not None:`` held
 while traced and kept a branch eager does not take), and one it reads (:func:`read_nones`: also
-passed to an op that takes ``None``, ``attn_mask=mask``, beside such a check). The pipe then
-takes no other value for them (:func:`fxpipe.passes.bind_placeholders` says so).
+passed to an op that takes ``None``, ``attn_mask=mask``, beside such a check), that one only
+where example inputs are given; where that retrace fails, again with the flags and strings fixed
+too (``if mask is not None or is_causal:`` reads the flag only once ``mask`` is ``None``). The
+pipe then takes no other value for them (:func:`fxpipe.passes.bind_placeholders` says so).
 """
 
 from __future__ import annotations
