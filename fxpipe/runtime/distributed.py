@@ -230,6 +230,8 @@ class DistributedRuntime:
             self.batch_checked.add(stepping)
         elif "glance" in header and self.rank != self.first:  # a loop out of step later (a shorter loader)
             samebatch.check_glance(self, args, kwargs, own_target, header)
+        elif self.rank != self.first:  # under tp, no glance: still refuse a value for an input the trace fixed
+            samebatch.check_fixed(self, args, kwargs)
         self.target_versions = samebatch.versions(own_target)  # written in place by loss_fn: not compared next
         kind = "train" if grad else "forward"
         try:
@@ -399,7 +401,8 @@ class DistributedRuntime:
 
     def _abandon(self, exc: BaseException) -> None:
         """Close this rank's connections and drop the failed step's state (see the module's picture)."""
-        self.broken = f"{type(exc).__name__}: {exc}".split("\n")[0][:500]
+        line = f"{type(exc).__name__}: {exc}".split("\n")[0]
+        self.broken = line if len(line) <= 500 else line[:500].rsplit(" ", 1)[0] + " ..."  # told again: cut at a word
         self.target_checked = False  # a rank may have read the loss rank's verdict that another never got
         self.call_word_due = False  # its connections are new
         forget_frames(exc)  # the frames (the chained exceptions' too) hold the step's pending messages

@@ -156,6 +156,15 @@ def test_autocast_and_loss_scaling(tmp_path, launch):
     assert len({res["fp16_loss"] for res in results}) == 1
 
 
+def test_a_value_for_an_input_the_trace_fixed_given_later_on_one_rank_is_refused_on_every_rank(tmp_path, launch):
+    # at a later call (no glance under tensor parallelism) rank 3's mask= was ignored, silently
+    results = launch("tp_cases:fixed_later", 4, "1f1b", tmp_path, limit=120)
+    _ok(results)
+    for r, res in enumerate(results):
+        kind, message = res["later"]
+        assert kind != "returned" and "mask= was fixed to None" in message, (r, res)
+
+
 def test_inputs_or_target_on_the_wrong_rank_of_a_tensor_parallel_group_are_refused_on_every_rank(tmp_path, launch):
     # the target on the first stage's ranks only was checked by one pipeline row of the group and not the other:
     # the two ranks of the last stage's group then parted ways in their collectives (gloo's raw error)

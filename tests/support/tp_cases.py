@@ -416,3 +416,34 @@ def ended_early(rank, world, schedule):
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out["calls"].append([type(exc).__name__, str(exc), time.monotonic() - start])
     return out
+
+
+class _MaskedMLP(nn.Module):
+    """Two linear pairs tensor parallel splits, and an optional mask (None in the example: fixed to None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up1, self.down1 = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.up2, self.down2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x, mask=None):
+        h = self.down1(torch.relu(self.up1(x)))
+        if mask is not None:
+            h = h * mask
+        return self.down2(torch.relu(self.up2(h)))
+
+
+def fixed_later(rank, world, schedule):
+    """pp2 x tp2: a value for the input the trace fixed, given on rank 3 only at a later call (no glance there):
+    refused on every rank (its peers failing the step), where it was ignored, silently."""
+    torch.manual_seed(0)
+    model = _MaskedMLP()
+    x, y, mask = torch.randn(8, 16), torch.randn(8, 16), torch.rand(8, 16)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), chunks=2, schedule=schedule, runtime="distributed",
+                          tensor_parallel=2, split_points=["up2"], timeout=60)
+    pipe.step(x, target=y, loss_fn=F.mse_loss)
+    try:
+        loss = pipe.step(x, mask if rank == 3 else None, target=y, loss_fn=F.mse_loss)
+        return {"later": ["returned", str(float(loss))]}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"later": [type(exc).__name__, str(exc)]}

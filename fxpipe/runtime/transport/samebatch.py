@@ -34,7 +34,7 @@ from fxpipe.passes.annotate import FixedInputError
 from fxpipe.runtime.transport.comm import on_every_rank, tell_all
 from fxpipe.runtime.transport.tpinputs import inputs_given
 
-__all__ = ["agree_on_batch", "check_glance", "digest", "glance", "target_glance", "versions"]
+__all__ = ["agree_on_batch", "check_fixed", "check_glance", "digest", "glance", "target_glance", "versions"]
 
 _PLAIN = (bool, int, float, str, type(None))
 _FIX = ("A DistributedSampler with its default num_replicas and rank gives every rank its own rows; shard over the "
@@ -99,6 +99,11 @@ def check_glance(runtime: Any, args: tuple, kwargs: dict, target: Any, header: d
         "the same order (DistributedSampler(dataset, *fxpipe.data_shard(pipe)) with drop_last=True, and "
         "sampler.set_epoch(epoch) on every rank), or pass the inputs only on the first stage's rank and the target "
         "only on the last's (None elsewhere)")
+
+
+def check_fixed(runtime: Any, args: tuple, kwargs: dict) -> None:
+    """On a rank other than the first stage's, at a later step: refuse a value for an input the trace fixed."""
+    _bound(runtime, args, kwargs)
 
 
 def _bound(runtime: Any, args: tuple, kwargs: dict) -> list[Any] | None:
