@@ -51,6 +51,7 @@ class TensorParallelError(ValueError):
 
     cause: str | None = None  # a size tensor_parallel does not divide: what does not divide
     use: str | None = None  # and the sizes that would
+    sizes: tuple[int, ...] = ()  # the sizes a tensor_parallel must divide
 
 
 def role_rules(sites: Mapping[str, Site], roles: Mapping[str, str]) -> dict[str, Rule]:
@@ -72,7 +73,7 @@ def indivisible(what: str, fqn: str | None, size: int, t: int, container: bool =
     cause = f"tensor_parallel={t} does not divide {what} of '{fqn}' ({size}){also}"
     use = f"use a tensor_parallel that divides {'them all' if more else 'it'} ({fits})"
     exc = TensorParallelError(f"{cause}; {use}, or leave {leave} out of the plan")
-    exc.cause, exc.use = cause, use
+    exc.cause, exc.use, exc.sizes = cause, use, (size, *more)
     return exc
 
 
@@ -119,8 +120,11 @@ def _none_split(refused: list[TensorParallelError]) -> TensorParallelError:
     if first.cause is None:
         return first
     more = f" (and {len(refused) - 1} more region(s) it does not divide)" if len(refused) > 1 else ""
+    fits = divisors(math.gcd(*(n for exc in refused for n in exc.sizes))) if all(e.sizes for e in refused) else []
+    use = first.use if not fits else "use tensor_parallel=1 (no larger size divides them all)" if fits == [1] else \
+        f"use a tensor_parallel that divides them all ({', '.join(map(str, fits))})"
     return TensorParallelError(f"{first.cause}{more}; tp_plan='auto' then splits no region of the model: "
-                               f"{first.use}, or write tp_plan= yourself naming the regions to split")
+                               f"{use}, or write tp_plan= yourself naming the regions to split")
 
 
 def _counted(messages: list[str]) -> list[str]:

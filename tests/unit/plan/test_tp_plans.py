@@ -140,10 +140,15 @@ def test_a_dimension_t_does_not_divide_is_refused_with_the_sizes_that_fit():
     with pytest.raises(TensorParallelError, match=r"tensor_parallel=3 does not divide the heads .* of "
                                                   r"'blocks\.0\.attn' \(4\) \(and 7 more region\(s\) it does not "
                                                   r"divide\); tp_plan='auto' then splits no region of the model: use a "
-                                                  r"tensor_parallel that divides it \(1, 2, 4\), or write tp_plan= "
-                                                  r"yourself") as refused:
+                                                  r"tensor_parallel that divides them all \(1, 2, 4\), or write "
+                                                  r"tp_plan= yourself") as refused:
         plan_tensor_parallel(_decoder(), 3, "auto")
     assert "out of the plan" not in str(refused.value)
+    # widths 75 and 35: it offered (1, 3, 5, 15, 25), the first region's sizes, which 35 takes none of but 5
+    mixed = nn.Sequential(nn.Linear(16, 75), nn.ReLU(), nn.Linear(75, 16), nn.Linear(16, 35), nn.ReLU(),
+                          nn.Linear(35, 16))
+    with pytest.raises(TensorParallelError, match=r"use a tensor_parallel that divides them all \(1, 5\)"):
+        plan_tensor_parallel(_graph(mixed, torch.randn(4, 16)), 2, "auto")
     with pytest.raises(TensorParallelError, match=r"does not divide the output features of 'blocks\.0\.attn\.q' "
                                                   r"\(32\).*\(1, 2, 4, 8, 16, 32\)"):
         plan_tensor_parallel(_decoder(), 3, {"blocks.*.attn.q": ColwiseParallel()})
