@@ -522,6 +522,13 @@ def _refused(model: nn.Module, exc: BaseException, fix: str, where: str) -> Trac
     made = frame is not None and "concrete integers" in str(exc) and _FACTORY.search(frame.line or "")
     if frame is not None and not fix and re.search(r"\b(np|numpy)\.", frame.line or ""):  # host code on sizes
         return _numpy_line(model, exc, frame, first)
+    if frame is not None and not fix and "unhashable type" in str(exc) and "SymInt" in str(exc):  # set(sizes)
+        return TraceError(
+            f"torch.export could not trace {type(model).__name__}: its forward puts sizes or values read from "
+            f"tensors in a set or a dict's keys at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()}; "
+            f"{first}). torch.export traces them as symbols, which cannot be hashed (eager holds numbers). Rewrite "
+            "the line without hashing them (compare with min() and max(), say), or compute it outside the pipe and "
+            "pass its result in as an input. The full torch.export error is chained below.")
     if frame is not None and not fix and "'dict' object has no attribute" in str(exc):  # a mapping read by name
         return TraceError(
             f"torch.export could not trace {type(model).__name__}: its forward raised AttributeError: {first} at "

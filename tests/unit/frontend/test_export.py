@@ -1151,3 +1151,23 @@ def test_numpy_in_the_forward_is_named_as_such_not_as_the_batch_size():
     with pytest.raises(fxpipe.TraceError, match=r"its forward runs NumPy at .*np.put_along_axis.*Compute that part "
                                                 r"outside the pipe and pass its result in.*SpecAugment"):
         fxpipe.compile(_NumpyMask(), 2, example_inputs=(torch.randn(6, 8),), chunks=2, tracer="export")
+
+
+class _SetOfSizes(nn.Module):
+    """Put sizes in a set, as Lumina2's `len(set(seq_lengths)) > 1` does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        lengths = [x.shape[0] + 1, x.shape[0] * 2]
+        h = self.a(x)
+        return self.b(h * 2 if len(set(lengths)) > 1 else h)
+
+
+def test_sizes_in_a_set_are_named_as_such_not_as_the_batch_size():
+    # "unhashable type: non-nested SymInt ... that line may depend on the batch size"
+    with pytest.raises(fxpipe.TraceError, match=r"puts sizes or values read from tensors in a set or a dict's keys "
+                                                r"at .*len\(set\(lengths\)\).*without hashing them"):
+        fxpipe.compile(_SetOfSizes(), 2, example_inputs=(torch.randn(6, 8),), chunks=2, tracer="export")
