@@ -12,11 +12,13 @@ verdict (under data parallel the replicas do too, so none waits for another in a
                           the first refusal ──────────────────▶ every rank raises it
 
 Ranks that pass ``None`` compare nothing; a rank given another value for an input the trace
-fixed (``mask=`` a tensor where the example's ``None`` was fixed) is refused on every rank too. Under tensor parallelism a group takes its values
-from its first rank given them (:mod:`tpinputs`): its ranks first compare what each was given
-with that rank's (one ``all_gather`` in the group), each tensor-parallel index then runs the
-above over its own ranks, and the groups agree on the first refusal, so that no rank of a
-group waits alone in a collective.
+fixed (``mask=`` a tensor where the example's ``None`` was fixed) is refused on every rank too.
+Under tensor parallelism a group takes its values from its first rank given them
+(:mod:`tpinputs`): its ranks first compare what each was given with that rank's (one
+``all_gather`` in the group), each tensor-parallel index then runs the above over its own
+ranks, and the groups agree on the first refusal, so that no rank of a group waits alone in a
+collective. At later calls (no glance under tensor parallelism) each rank given inputs still
+binds them, refusing a value for an input the trace fixed (:func:`check_fixed`).
 """
 
 from __future__ import annotations
