@@ -5,8 +5,8 @@ an input left at its ``None`` default (``if class_labels is not None:``) breaks 
 takes the branch eager does not. Hugging Face's tracer fixes the inputs not given; fxpipe does
 so only where the plain trace failed, for plain constants: a flag, a string or ``None`` given in
 the example inputs, or left at such a default; and, where the trace passed, for every ``None``
-input: one the graph never reads (:func:`unread_nones`: a check ``if extra is not None:`` held
-while traced and kept a branch eager does not take), and one it reads (:func:`read_nones`: also
+input (:func:`none_inputs`): one the graph never reads (a check ``if extra is not None:`` held
+while traced and kept a branch eager does not take), and one it reads (also
 passed to an op that takes ``None``, ``attn_mask=mask``, beside such a check), that one only
 where example inputs are given; where that retrace fails, again with the flags and strings fixed
 too (``if mask is not None or is_causal:`` reads the flag only once ``mask`` is ``None``). The
@@ -22,7 +22,7 @@ from typing import Any
 import torch.fx
 from torch import nn
 
-__all__ = ["constant_inputs", "read_nones", "unread_none_entries", "unread_nones"]
+__all__ = ["constant_inputs", "none_inputs", "unread_none_entries"]
 
 _PARAMETER = inspect.Parameter
 
@@ -57,25 +57,18 @@ def _constant(value: Any) -> bool:
     return value is None or type(value) in (bool, str)
 
 
-def unread_nones(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Any,
-                 example_kwargs: dict[str, Any] | None, concrete_args: dict[str, Any] | None) -> dict[str, None]:
-    """Return forward's inputs that are ``None`` (given so, or left at that default) and that ``gm`` never reads.
+def none_inputs(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Any, example_kwargs: dict[str, Any] | None,
+                concrete_args: dict[str, Any] | None, read_too: bool) -> dict[str, None]:
+    """Return forward's ``None`` inputs (given so, or left at that default) that ``gm`` never reads (``read_too``: all).
 
     Traced as a value, such an input passes ``is not None`` checks: the graph keeps the code
-    under them, which eager skips for ``None``; the graph reading nothing of it tells that
-    apart from an input the code uses (which fails propagation, naming it).
+    under them, which eager skips for ``None``. One the graph never reads tells that by itself;
+    one it reads may be passed to an op that takes ``None`` beside such a check (``attn_mask=``),
+    fixed only where the examples said ``None`` (without examples, a default may be a tensor).
     """
-    unread = {n.target for n in gm.graph.nodes if n.op == "placeholder" and not n.users}
+    placeholders = {n.target: bool(n.users) for n in gm.graph.nodes if n.op == "placeholder"}
     return {name: None for name, value in constant_inputs(model, example_inputs, example_kwargs, concrete_args).items()
-            if value is None and name in unread}
-
-
-def read_nones(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Any,
-               example_kwargs: dict[str, Any] | None, concrete_args: dict[str, Any] | None) -> dict[str, None]:
-    """Return forward's inputs that are ``None`` (given so, or left at that default) and that ``gm`` reads."""
-    read = {n.target for n in gm.graph.nodes if n.op == "placeholder" and n.users}
-    return {name: None for name, value in constant_inputs(model, example_inputs, example_kwargs, concrete_args).items()
-            if value is None and name in read}
+            if value is None and name in placeholders and (read_too or not placeholders[name])}
 
 
 def unread_none_entries(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Any,

@@ -25,7 +25,7 @@ from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.astensor import TENSOR_MAKERS, tracing_tensor_makers, unmark_wrapped
 from fxpipe.frontend.autogradfns import applying, check_functions, watching_functions
 from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
-from fxpipe.frontend.constinputs import constant_inputs, read_nones, unread_none_entries, unread_nones
+from fxpipe.frontend.constinputs import constant_inputs, none_inputs, unread_none_entries
 from fxpipe.frontend.leftovers import flags_kept, no_proxies_left
 from fxpipe.frontend.markers import recording_markers
 from fxpipe.frontend.modes import in_other_mode, may_read_mode, quieted
@@ -228,17 +228,16 @@ def _fx_trace_fixing(model: nn.Module, leaf_types: tuple[type, ...], leaf_names:
                      example_kwargs: dict[str, Any] | None) -> tuple[torch.fx.GraphModule, dict[str, Any] | None]:
     """Trace with fx; where that fails, again with the constant inputs fixed (:mod:`.constinputs`).
 
-    A trace that passed is traced again with its unread ``None`` inputs fixed (:func:`unread_nones`),
-    with those it reads fixed too where that traces (:func:`read_nones`).
+    A trace that passed is traced again with its ``None`` inputs fixed (:func:`none_inputs`), where
+    that fails with the flags fixed too (:func:`_none_trace`).
     """
     try:
         gm = _fx_trace(model, leaf_types, leaf_names, concrete_args)
     except TraceError as exc:
         first = exc
     else:
-        nones = unread_nones(model, gm, example_inputs, example_kwargs, concrete_args)
         given = example_inputs not in (None, ()) or bool(example_kwargs)  # without examples a default may be a tensor
-        nones.update(read_nones(model, gm, example_inputs, example_kwargs, concrete_args) if given else {})
+        nones = none_inputs(model, gm, example_inputs, example_kwargs, concrete_args, read_too=given)
         if not nones:
             return gm, concrete_args
         try:  # a check `is not None` held for the traced value and kept code eager skips: trace eager's path
