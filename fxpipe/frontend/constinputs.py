@@ -22,7 +22,9 @@ from typing import Any
 import torch.fx
 from torch import nn
 
-__all__ = ["constant_inputs", "none_inputs", "unread_none_entries"]
+from fxpipe.errors import TraceError
+
+__all__ = ["constant_inputs", "none_inputs", "refuse_name_clash", "unread_none_entries"]
 
 _PARAMETER = inspect.Parameter
 
@@ -69,6 +71,25 @@ def none_inputs(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Any,
     placeholders = {n.target: bool(n.users) for n in gm.graph.nodes if n.op == "placeholder"}
     return {name: None for name, value in constant_inputs(model, example_inputs, example_kwargs, concrete_args).items()
             if value is None and name in placeholders and (read_too or not placeholders[name])}
+
+
+def refuse_name_clash(model: nn.Module, fixed: dict[str, Any] | None) -> None:
+    """Raise ``TraceError`` where a fixed input ``mask`` has a namesake input ``mask_1``.
+
+    torch.fx names the placeholder of a fixed input ``mask`` ``mask_1``; a forward that has an
+    input of that name too gets two arguments named alike, a ``SyntaxError`` in fx's code.
+    """
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    for name, value in (fixed or {}).items():
+        if f"{name}_1" in params:
+            raise TraceError(
+                f"{type(model).__name__}.forward has inputs '{name}' and '{name}_1', and '{name}' is fixed to "
+                f"{value!r} for tracing (the example's value, as eager runs it): torch.fx names the placeholder of a "
+                f"fixed '{name}' '{name}_1' too and cannot build the graph. Rename the input '{name}_1', pass "
+                f"'{name}' a value of its own in the example if the pipe will take one, or use tracer='export'")
 
 
 def unread_none_entries(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Any,

@@ -25,7 +25,7 @@ from fxpipe.frontend.assign import recording_assignments
 from fxpipe.frontend.astensor import TENSOR_MAKERS, tracing_tensor_makers, unmark_wrapped
 from fxpipe.frontend.autogradfns import applying, check_functions, watching_functions
 from fxpipe.frontend.compiledmodule import is_compiled_module, unwrap_compiled
-from fxpipe.frontend.constinputs import constant_inputs, none_inputs, unread_none_entries
+from fxpipe.frontend.constinputs import constant_inputs, none_inputs, refuse_name_clash, unread_none_entries
 from fxpipe.frontend.leftovers import flags_kept, no_proxies_left
 from fxpipe.frontend.markers import recording_markers
 from fxpipe.frontend.modes import in_other_mode, may_read_mode, quieted
@@ -240,6 +240,7 @@ def _fx_trace_fixing(model: nn.Module, leaf_types: tuple[type, ...], leaf_names:
         nones = none_inputs(model, gm, example_inputs, example_kwargs, concrete_args, read_too=given)
         if not nones:
             return gm, concrete_args
+        refuse_name_clash(model, nones)  # before _none_trace, which would tell it as eager's path not tracing
         try:  # a check `is not None` held for the traced value and kept code eager skips: trace eager's path
             gm, nones = _none_trace(model, leaf_types, leaf_names, concrete_args, nones,
                                     constant_inputs(model, example_inputs, example_kwargs, concrete_args))
@@ -311,6 +312,7 @@ def _listed(fixed: dict[str, Any]) -> str:
 def _fx_trace(model: nn.Module, leaf_types: tuple[type, ...], leaf_names: frozenset[str],
               concrete_args: dict[str, Any] | None) -> torch.fx.GraphModule:
     """Trace ``model`` with fxpipe's fx tracer; return the GraphModule."""
+    refuse_name_clash(model, concrete_args)
     fx_tracer = _Tracer(leaf_types, leaf_names)
     drawn: list[str] = []
     flipped: list[str] = []

@@ -182,6 +182,24 @@ def test_a_none_input_the_graph_reads_is_fixed_to_none_and_equals_eager(model_ty
         torch.testing.assert_close(traced(x), model(x))
 
 
+class _Namesakes(_OptionalMask):
+    def forward(self, x, mask=None, mask_1=None):
+        h = super().forward(x, mask)
+        return h if mask_1 is None else h + mask_1
+
+
+def test_an_input_named_like_the_placeholder_of_a_fixed_one_is_refused_naming_the_fix():
+    # torch.fx names a fixed `mask`'s placeholder `mask_1`, as the other input: a raw SyntaxError was raised
+    model, x = _Namesakes(), torch.randn(8, 8)
+    with pytest.raises(fxpipe.TraceError, match=r"inputs 'mask' and 'mask_1'.*Rename the input 'mask_1'.*"
+                                                r"tracer='export'"):
+        fxpipe.compile(model, 2, example_inputs=(x,), example_kwargs={"mask_1": x}, chunks=2, devices=["cpu"] * 2)
+    pipe = fxpipe.compile(model, 2, example_inputs=(x,), example_kwargs={"mask_1": x}, chunks=2,
+                          devices=["cpu"] * 2, tracer="export")
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x, mask_1=x), model(x, mask_1=x))
+
+
 class _Scaled(nn.Module):
     """An optional input whose default is not None."""
 
