@@ -467,6 +467,22 @@ def test_a_target_missing_on_one_replica_is_named_on_every_rank_of_every_replica
                 if r in (2, 3) else "replica 1 refused this step") in message, (r, message)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_target_lost_on_one_replica_at_a_later_step_is_refused_on_every_rank_and_the_run_goes_on(
+        schedule, tmp_path, launch):
+    # only the first step compared the replicas' targets: replica 0's loss_fn failed alone, the other replica
+    # waited in its gradient reduction, and the failed step ended the run
+    results = launch("longrun_cases:target_lost_on_one_replica_later", 4, schedule, tmp_path, limit=90)
+    _ok(results)
+    for r, res in enumerate(results):
+        assert res["first"][0] == "returned" and res["after"][0] == "returned", (r, res)
+        kind, message, seconds = res["lost"]
+        assert kind == "PipelineInputError" and seconds < 10, (r, res)
+        assert ("which computes replica 0's loss, but a target on replica 1's" if r in (0, 1) else
+                "replica 0 refused this step (its loss rank has no target") in message, (r, message)
+        assert abs(res["loss"] - res["expected"]) < 1e-5, (r, res)
+
+
 def test_a_leaf_branching_on_a_value_trains_across_ranks(tmp_path, launch):
     # every step was refused: a new micro-batch's layout was propagated on fake tensors, which cannot follow it
     results = launch("longrun_cases:data_dependent_leaf", 2, "1f1b", tmp_path)

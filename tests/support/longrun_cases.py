@@ -821,6 +821,24 @@ def target_on_one_replica(rank, world, schedule):
                                                  loss_fn=F.mse_loss))}
 
 
+def target_lost_on_one_replica_later(rank, world, schedule):
+    """Two replicas; a good step, one with the target on replica 1 only, then a good step (loss against eager)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    expected = float(F.mse_loss(model(x), y))
+    per = 2 if schedule == "zbv" else 1
+    pipe = fxpipe.compile(model, 2 * per, example_inputs=(x,), chunks=2, runtime="distributed", timeout=20,
+                          schedule=schedule, data_parallel=2, stages_per_rank=per)
+    replica = rank // 2
+    out = {}
+    for name, given in (("first", True), ("lost", replica == 1), ("after", True)):
+        target = y[4 * replica:][:4] if given else None
+        out[name] = _attempt(lambda t=target: out.update(loss=float(pipe.step(x[4 * replica:][:4], target=t,
+                                                                              loss_fn=F.mse_loss))))
+    return {**out, "expected": expected}
+
+
 class _Gate(nn.Module):
     """A leaf module branching on a value (the documented fix for fx's refusal): fake tensors cannot follow it."""
 

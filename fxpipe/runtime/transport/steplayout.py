@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -97,31 +98,44 @@ def other_call(runtime: Any, rank: int, stepping: bool, first_stepping: bool) ->
 
 
 def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.device,
-                    failure: str | None = None, stepping: bool = True, reduction: str = "mean") -> None:
+                    failure: str | None = None, stepping: bool = True, reduction: str = "mean",
+                    loss_target: bool | None = None, lacking: Callable[[list[int]], str] | None = None) -> None:
     """Refuse a step whose replicas hold different batch sizes or calls, or that another replica refused, naming them.
 
-    One all-reduce of five integers (the largest size, the negated smallest, whether a replica
-    refused its inputs, the largest and negated smallest call kind) per step; only when they
-    say so are the sizes and refusals gathered. A replica that refused its inputs (``failure``)
-    takes part too, so the others refuse the step with it instead of waiting for it in their
-    gradient reductions.
+    One all-reduce of seven integers (the largest size, the negated smallest, whether a replica
+    refused its inputs, the largest and negated smallest call kind, whether a replica's loss rank
+    has a target and whether one has none) per step; only when they say so are the sizes and
+    refusals gathered. A replica that refused its inputs (``failure``) takes part too, so the
+    others refuse the step with it instead of waiting for it in their gradient reductions.
+    ``loss_target`` is whether this replica's loss rank has a target (``None``: not told, the
+    first step, which :func:`check_target` compares); ``lacking(replicas)`` says this one has none
+    where those have one.
     """
     size = -1 if batch is None else batch
     call = 0 if not stepping else 1 if reduction == "mean" else 2  # pipe(x), a mean step, a summed step
-    bounds = torch.tensor([size, -size, int(failure is not None), call, -call], dtype=torch.int64,
-                          device=device)  # NCCL: on the GPU
+    bounds = torch.tensor([size, -size, int(failure is not None), call, -call, int(loss_target is True),
+                           int(loss_target is False)], dtype=torch.int64, device=device)  # NCCL: on the GPU
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-    if int(bounds[0]) == -int(bounds[1]) and not int(bounds[2]) and int(bounds[3]) == -int(bounds[4]):
+    if int(bounds[0]) == -int(bounds[1]) and not int(bounds[2]) and int(bounds[3]) == -int(bounds[4]) and \
+            not (int(bounds[5]) and int(bounds[6])):
         return
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (batch, failure, stepping, reduction), group=group)
+    dist.all_gather_object(gathered, (batch, failure, stepping, reduction, loss_target), group=group)
     if failure is not None:
         return  # this replica raises its own refusal
-    for other, (_, refused, _, _) in enumerate(gathered):
+    for other, (_, refused, *_) in enumerate(gathered):
         if refused is not None:
             raise PipelineInputError(f"replica {other} refused this step ({refused}); the replicas run each step "
                                      f"together, so replica {replica} did not run it either")
-    for other, (_, _, called, theirs) in enumerate(gathered):
+    given = [other for other, told in enumerate(gathered) if told[4] is True]
+    lacks = [other for other, told in enumerate(gathered) if told[4] is False]
+    if given and lacks:  # a replica's loss rank without the target the others have: its loss_fn would fail alone
+        if loss_target is False and lacking is not None:
+            raise PipelineInputError(lacking(given))
+        raise PipelineInputError(f"replica {lacks[0]} refused this step (its loss rank has no target, replica "
+                                 f"{', '.join(map(str, given))}'s has); the replicas run each step together, so "
+                                 f"replica {replica} did not run it either")
+    for other, (_, _, called, theirs, _) in enumerate(gathered):
         if called != stepping:
             raise PipelineInputError(
                 f"replica {replica} called {call_name(stepping)} but replica {other} called {call_name(called)}; "
@@ -131,7 +145,7 @@ def _agree_on_batch(batch: int | None, group: Any, replica: int, device: torch.d
                 f"replica {replica} called pipe.step with loss_reduction={reduction!r} but replica {other} with "
                 f"{theirs!r}: the replicas average their gradients, which would mix two weightings of the loss. "
                 "Pass the same loss_reduction= (and loss_fn=) on every rank")
-    for other, (size, _, _, _) in enumerate(gathered):
+    for other, (size, *_) in enumerate(gathered):
         if size != batch and None in (size, batch):
             odd, other_size = (replica, size) if batch is None else (other, batch)
             raise PipelineInputError(
@@ -207,8 +221,11 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         specs = [spec_of(mb) for mb in mbs]
         if not agreed:
             agreed = True
+            told = stepping and runtime.target_checked  # later steps: this replica's loss rank told its word
             _agree_on_batch(batch, runtime.layout.dp_group, runtime.layout.replica, runtime.device,
-                            stepping=stepping, reduction=runtime.reduction)
+                            stepping=stepping, reduction=runtime.reduction,
+                            loss_target=(has_target if runtime.last_rank == runtime.rank else bool(loss_has))
+                            if told else None, lacking=partial(_lacking, runtime))
         new = _propagate(runtime, specs, training)
     except Exception as exc:
         if not isinstance(exc, (TypeError, ValueError, PropagationError)) and exc is not refusal:
@@ -235,6 +252,13 @@ def publish(runtime: Any, args: tuple, kwargs: dict, training: bool, has_target:
         header["glance"] = (glance(values), target_glance(runtime, target))  # ZB-V: its loss may write it
     tell_all(runtime, header)
     return header, mbs
+
+
+def _lacking(runtime: Any, given: list[int]) -> str:
+    """Refuse this replica's step whose loss rank has no target where replicas ``given`` have one."""
+    return (f"pipe.step got target=None on {group_names(runtime)[runtime.last_rank]}, which computes replica "
+            f"{runtime.layout.replica}'s loss, but a target on replica {', '.join(map(str, given))}'s: "
+            f"{_target_fix(runtime)}")
 
 
 def _target_fix(runtime: Any) -> str:
