@@ -602,8 +602,8 @@ def _value_branch(model: nn.Module, exc: BaseException, first: str) -> TraceErro
           else ", or use the fx front end (tracer='fx') with the module holding the branch in leaf_modules=")
     labels = (" The branch reads labels=: a model checking its labels in forward (Wav2Vec2ForCTC's "
               "`labels.max() >= vocab_size`) traces without them; leave labels= out and compute the loss from the "
-              "output in loss_fn=, with the labels as target=." if frame and _reads_labels(model, frame.line or "")
-              else "")
+              "output in loss_fn=, with the labels as target=." if frame and _reads_labels(
+                  model, frame.line or "", made_from=_in_forward(model, frame)) else "")
     line = (frame.line or "").strip() if frame else ""
     if line and not re.match(r"(if|elif|while|assert)\b", line) and " if " not in line and ".item()" not in line \
             and "int(" not in line and "bool(" not in line:  # a size computed as a tensor (Longformer's torch.div)
@@ -631,8 +631,12 @@ def _in_forward(model: nn.Module, frame: Any) -> bool:
             and start <= (frame.lineno or 0) < start + len(lines))
 
 
-def _reads_labels(model: nn.Module, line: str) -> bool:
-    """Tell whether a source line reads the forward's ``labels`` input (as code: not a comment's or string's word)."""
+def _reads_labels(model: nn.Module, line: str, made_from: bool = False) -> bool:
+    """Tell whether a source line reads the forward's ``labels`` input (as code: not a comment's or string's word).
+
+    ``made_from``: the line is in the model's own forward, where a name holding ``label``
+    (DeBERTa's ``label_index``, made from ``labels`` in its loss code) counts too.
+    """
     try:
         if "labels" not in inspect.signature(model.forward).parameters:
             return False
@@ -640,7 +644,7 @@ def _reads_labels(model: nn.Module, line: str) -> bool:
         return False
     try:
         for token in tokenize.generate_tokens(io.StringIO(line.strip()).readline):
-            if token.type == tokenize.NAME and token.string == "labels":
+            if token.type == tokenize.NAME and (token.string == "labels" or made_from and "label" in token.string):
                 return True
     except (tokenize.TokenError, SyntaxError):  # a line cut off mid-statement: the names before it counted
         pass

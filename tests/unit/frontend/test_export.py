@@ -176,6 +176,27 @@ def test_a_branch_on_the_labels_names_leaving_them_to_loss_fn():
     assert "labels" not in str(info.value)
 
 
+class _LabelIndexed(_LabelChecked):
+    """Branch, in the model's own loss code, on a value made from the labels (DeBERTa-v2's ``label_index``)."""
+
+    def forward(self, x, labels=None):
+        logits = self.b(self.a(x))
+        if labels is None:
+            return logits
+        label_index = (labels >= 0).nonzero()
+        if label_index.size(0) > 0:
+            return F.cross_entropy(logits[label_index[:, 0]], labels[label_index[:, 0]])
+        return logits.sum() * 0
+
+
+def test_a_branch_on_a_value_made_from_the_labels_in_forward_names_leaving_them_to_loss_fn():
+    # the line reads label_index, not labels: no hint, though leaving labels= out is the fix
+    x, y = torch.randn(4, 8), torch.randint(0, 5, (4,))
+    with pytest.raises(fxpipe.TraceError, match=r"label_index.size\(0\) > 0.*The branch reads labels=: .* leave "
+                                                r"labels= out"):
+        fxpipe.compile(_LabelIndexed(), 2, example_inputs=(x, y), tracer="export")
+
+
 class _PseudoLabels(nn.Module):
     """Branch on labels made inside forward, with no labels= input."""
 
