@@ -308,6 +308,32 @@ def test_multi_query_attention_left_whole_is_warned_of():
     assert _styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
 
 
+class _PositionBiased(nn.Module):
+    """Attention over 4 heads with a bias of every head made outside it (T5's cross-attention position bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+        self.bias = nn.Parameter(torch.randn(1, 4, 6, 6))  # (1, heads, s, s)
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, 4, 8).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+        x = x + self.o(y.transpose(1, 2).reshape(b, s, 32))
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def test_attention_left_whole_for_a_bias_of_every_head_names_the_bias_not_the_head_count():
+    # the warning blamed a head count tensor_parallel does not divide (multi-query attention) for T5's 4 heads at 2
+    with pytest.warns(UserWarning, match=r"leaves a region whole: .*the whole of '.*'\); the value it names is whole "
+                                         r"over every head \(a position bias") as seen:
+        plan = plan_tensor_parallel(_graph(_PositionBiased(), torch.randn(2, 6, 32)), 2, "auto")
+    assert not any("multi-query" in str(w.message) for w in seen)
+    assert _styles(plan) == {"up": "ColwiseParallel()", "down": "RowwiseParallel()"}
+
+
 def test_multi_query_attention_in_a_written_plan_names_the_heads():
     # the refusal named only the node where a shard met a whole value (rotary's mul in Llama)
     plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
