@@ -31,7 +31,8 @@ __all__ = ["NodeTime", "node_times"]
 
 _GEMM_FUNCTIONS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product_attention",
                    "bilinear"}
-_CONV_FUNCTIONS = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
+_CONV_FUNCTIONS = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                   "convolution"}
 
 
 @dataclass
@@ -44,7 +45,12 @@ class NodeTime:
 
 
 def _name(target: Any) -> str:
-    """Return a call target's short name (``conv2d``, ``matmul``, ``linear``)."""
+    """Return a call target's short name (``conv2d``, ``matmul``, ``linear``).
+
+    An exported graph calls ATen overloads, named ``conv2d.default``: their packet's name counts.
+    """
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
     return getattr(target, "__name__", str(target)).split(".")[-1].lstrip("_")
 
 
