@@ -62,7 +62,8 @@ def _shape(node: Any) -> tuple[int, ...] | None:
 
 def _kernel(gm: torch.fx.GraphModule, node: torch.fx.Node, scale: float) -> tuple[str, float | None]:
     """Return the node's kind of kernel (``gemm``, ``conv``, ``other``) and its smallest GEMM dimension
-    (for a convolution: input channels x kernel size, which its efficiency follows on CPUs)."""
+    (for a convolution: input channels x kernel size, which its efficiency follows on CPUs, or its output
+    positions where fewer)."""
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
         if isinstance(mod, nn.Linear):
@@ -70,7 +71,7 @@ def _kernel(gm: torch.fx.GraphModule, node: torch.fx.Node, scale: float) -> tupl
             rows = (_numel(out) / mod.out_features * scale) if out else None
             return "gemm", min(d for d in (rows, mod.in_features, mod.out_features) if d is not None)
         if isinstance(mod, nn.modules.conv._ConvNd):
-            return "conv", float(mod.in_channels // mod.groups * _numel(tuple(mod.kernel_size)))
+            return "conv", _conv_dim(node, mod.in_channels // mod.groups * _numel(tuple(mod.kernel_size)), scale)
         heavy = (node.meta.get("fxpipe.flops", 0) or 0) > 16 * _numel(_shape(node) or (1,))
         return ("gemm", None) if heavy else ("other", None)
     if node.op not in ("call_function", "call_method"):
@@ -79,7 +80,7 @@ def _kernel(gm: torch.fx.GraphModule, node: torch.fx.Node, scale: float) -> tupl
     args = [a for a in node.args if isinstance(a, torch.fx.Node)]
     if name in _CONV_FUNCTIONS and len(args) > 1 and _shape(args[1]):
         w = _shape(args[1]) or ()
-        return "conv", float(_numel(w[1:]))  # input channels (per group) x kernel size
+        return "conv", _conv_dim(node, _numel(w[1:]), scale)  # input channels (per group) x kernel size
     if name in _GEMM_FUNCTIONS or (name == "matmul" or node.target is operator.matmul):
         shapes = [s for s in (_shape(a) for a in args[:2]) if s]
         if name == "linear" and len(shapes) == 2:
@@ -92,6 +93,15 @@ def _kernel(gm: torch.fx.GraphModule, node: torch.fx.Node, scale: float) -> tupl
             return "gemm", min(m, shapes[0][-1], shapes[1][-1])
         return "gemm", None
     return "other", None
+
+
+def _conv_dim(node: torch.fx.Node, depth: float, scale: float) -> float:
+    """Return a convolution's smallest GEMM dimension: ``depth`` (input channels x kernel size), or its output
+    positions (rows x pixels of a micro-batch) where fewer (ResNet's last 2x2 maps of one row: 4)."""
+    out = _shape(node)
+    if not out or len(out) < 3 or not out[1]:
+        return float(depth)
+    return float(min(depth, _numel(out) / out[1] * scale))
 
 
 def _numel(shape: Sequence[int] | None) -> float:
