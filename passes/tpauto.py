@@ -150,8 +150,8 @@ class _Unclosed:
     def __init__(self, region: Mapping[str, str], message: str) -> None:
         self.region = list(region)
         names = ", ".join(f"'{fqn}'" for fqn in sorted(region))
-        why = ("the value it names is whole over every head (a position bias made outside the region, as T5's "
-               "relative attention bias, or a mask per head), which attention over a shard of the heads cannot take"
+        why = ("the value it names is whole over every head (a position bias made outside the region, as each "
+               "T5 attention adds, or a mask per head), which attention over a shard of the heads cannot take"
                if message.startswith("attention reads a shard of the heads and the whole of") else
                "a head count tensor_parallel does not divide (multi-query attention's one key/value head) shards "
                "inside a head, which attention cannot take")
